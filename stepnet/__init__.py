@@ -1,0 +1,28 @@
+"""stepnet: recurrent step-nets over nested variable-length (LoD) sequences.
+
+Write what happens in one time step; stepnet runs it over every step of every
+sequence of a batch. See DESIGN.md and README.md.
+"""
+
+from . import errors, ops
+from .backends import backends, default_backend, set_default_backend
+from .dsl import MemoryHandle, RNNOp, create_rnn_op
+from .errors import (
+    BackendError,
+    Error,
+    LoDError,
+    ShapeError,
+    StepNetError,
+    UnsupportedError,
+    YAMLError,
+)
+from .lod import LoDTensor
+from .tracing import Parameter, Value
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "errors", "ops", "backends", "default_backend", "set_default_backend", "MemoryHandle",
+    "RNNOp", "create_rnn_op", "BackendError", "Error", "LoDError", "ShapeError",
+    "StepNetError", "UnsupportedError", "YAMLError", "LoDTensor", "Parameter", "Value",
+]

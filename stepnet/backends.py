@@ -1,0 +1,123 @@
+"""Backends: where a step-net runs. Each backend is one module that turns a
+program into a callable ``run(args, consts) -> outputs``; this module binds
+inputs, calls it, and shapes the results (the same for every backend).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from .errors import BackendError
+from .lod import LoDTensor
+
+# name -> module implementing ``compile_program(program) -> run(args, consts)``
+_BACKEND_MODULES = {
+    "interpreter": "stepnet.interpreter",
+}
+_default = "interpreter"
+
+
+def backends() -> list:
+    """The backends available on this machine."""
+    out = []
+    for name in _BACKEND_MODULES:
+        try:
+            _module(name)
+        except BackendError:
+            continue
+        out.append(name)
+    return out
+
+
+def set_default_backend(name) -> None:
+    """Make ``name`` the backend used when a call passes no ``backend=``."""
+    global _default
+    _module(name)
+    _default = name
+
+
+def default_backend() -> str:
+    return _default
+
+
+def _module(name):
+    if name not in _BACKEND_MODULES:
+        raise BackendError(
+            f"unknown backend {name!r}; known: {', '.join(sorted(_BACKEND_MODULES))}"
+        )
+    try:
+        module = importlib.import_module(_BACKEND_MODULES[name])
+    except ImportError as exc:
+        raise BackendError(f"backend {name!r} is not available here: {exc}") from exc
+    available = getattr(module, "available", None)
+    if available is not None and not available():
+        raise BackendError(f"backend {name!r} is not available on this machine")
+    return module
+
+
+class CompiledStepNet:
+    """A step-net bound to one backend: ``f(**inputs, output_all_steps=True)``.
+
+    ``source`` holds the generated code for code-generating backends.
+    """
+
+    def __init__(self, rnn, backend):
+        self.rnn = rnn
+        self.backend = backend
+        self._module = _module(backend)
+        self._runs = {}
+
+    def _runner(self, all_steps):
+        if all_steps not in self._runs:
+            self._runs[all_steps] = self._module.compile_program(self.rnn.program(all_steps))
+        return self._runs[all_steps]
+
+    @property
+    def source(self) -> str:
+        return getattr(self._runner(True), "source", "")
+
+    def __call__(self, output_all_steps=True, scopes=None, **inputs):
+        rnn = self.rnn
+        all_steps = bool(output_all_steps)
+        args = rnn.bind(**inputs)
+        run = self._runner(all_steps)
+        if scopes is not None:
+            outputs = run(args, rnn.const_values(), scopes=scopes)
+        else:
+            outputs = run(args, rnn.const_values())
+        if any(
+            b.kind == "sequence" and np.dtype(inputs.get(n, b.value).dtype) == np.float16
+            for n, b in rnn.bindings.items()
+        ):
+            outputs = [o.astype(np.float16) for o in outputs]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def get_backend(name=None):
+    return _Runner(name or _default)
+
+
+class _Runner:
+    def __init__(self, name):
+        self.name = name
+        _module(name)
+
+    def compile_rnn_op(self, rnn):
+        key = self.name
+        if key not in rnn._compiled:
+            rnn._compiled[key] = CompiledStepNet(rnn, self.name)
+        return rnn._compiled[key]
+
+    def run_rnn_op(self, rnn, bindings, output_all_steps, keep_scopes=False):
+        compiled = self.compile_rnn_op(rnn)
+        if keep_scopes:
+            scopes = {}
+            result = compiled(output_all_steps, scopes=scopes, **bindings)
+            rnn.step_scopes = scopes[rnn.name]
+            return result
+        return compiled(output_all_steps, **bindings)
+
+
+__all__ = ["backends", "set_default_backend", "default_backend", "CompiledStepNet"]

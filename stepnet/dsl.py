@@ -1,0 +1,631 @@
+"""The step-net front end, in PaddlePaddle's RNN-operator style.
+
+>>> import numpy as np, stepnet as sn
+>>> X = sn.LoDTensor.from_lengths(np.ones((5, 3), np.float32), [[2, 3]])
+>>> W = sn.Parameter(np.full((3, 4), 0.1, np.float32), name="W")
+>>> U = sn.Parameter(np.eye(4, dtype=np.float32), name="U")
+>>> rnn = sn.create_rnn_op(output_num=1)
+>>> with rnn.stepnet():
+...     x = rnn.add_input(X, name="x")
+...     h = rnn.add_memory(shape=[4], name="h")
+...     h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
+...     rnn.add_outputs(h)
+>>> rnn().data.shape, rnn(output_all_steps=False).shape
+((5, 4), (2, 4))
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import ir
+from .errors import ShapeError, StepNetError
+from .ir import Literal, Var
+from .lod import LoDTensor
+from .tracing import (
+    Frame,
+    Parameter,
+    ProgramState,
+    Value,
+    _operand_var,
+    compute_dtype,
+    current_frame,
+    pop_frame,
+    push_frame,
+)
+
+
+class MemoryHandle(Value):
+    """A memory of a step-net: ``pre_state()`` is its value at t-1; after
+    ``update(v)`` the handle itself stands for the value at t."""
+
+    def __init__(self, name, pre, frame):
+        super().__init__(None, frame)
+        self.memory_name = name
+        self.pre = pre
+        self.post = None
+
+    @property
+    def var(self):
+        if self.post is None:
+            raise StepNetError(
+                f"memory {self.memory_name!r} is used before its update; "
+                f"use {self.memory_name}.pre_state() for the previous step's value"
+            )
+        return self.post
+
+    def __repr__(self):
+        return f"<memory {self.memory_name} {self.pre.type_str()}>"
+
+    def pre_state(self):
+        """The memory's value at the previous step (its initial value at the first)."""
+        return Value(self.pre, self.frame)
+
+    def update(self, value):
+        """Set the memory's value at this step; call it once per step-net."""
+        frame = self.frame
+        if frame.closed or current_frame() is not frame:
+            raise StepNetError(
+                f"memory {self.memory_name!r} must be updated inside its own stepnet() block"
+            )
+        if self.post is not None:
+            raise StepNetError(f"memory {self.memory_name!r} is updated twice")
+        if not isinstance(value, Value):
+            raise StepNetError(
+                f"memory {self.memory_name!r} must be updated with a step value, "
+                f"got {type(value).__name__}"
+            )
+        var = _operand_var(value, frame)
+        if var.shape != self.pre.shape or var.lod_depth:
+            raise ShapeError(
+                f"memory {self.memory_name!r}: update has shape {var.type_str()} but the memory "
+                f"is {self.pre.type_str()}; a memory keeps its shape across steps"
+            )
+        if np.dtype(var.dtype) != np.dtype(self.pre.dtype):
+            raise ShapeError(
+                f"memory {self.memory_name!r}: update has dtype {np.dtype(var.dtype)} but the "
+                f"memory is {np.dtype(self.pre.dtype)}"
+            )
+        self.post = var
+
+
+class _Binding:
+    """A top-level input of the program and its current value."""
+
+    def __init__(self, kind, var, value, memory_shape=None, per_sequence=False):
+        self.kind = kind  # "sequence" | "static" | "init"
+        self.var = var
+        self.value = value
+        self.memory_shape = memory_shape
+        self.per_sequence = per_sequence
+
+
+def create_rnn_op(output_num=None, reverse=False, name=None):
+    """A new step-net; define its step in ``with rnn.stepnet():``."""
+    return RNNOp(output_num=output_num, reverse=reverse, name=name)
+
+
+class RNNOp:
+    """A recurrent operator whose body is one time step (see module docstring).
+
+    Declared inside another step-net's block, it is a nested RNN: its inputs
+    are the enclosing step's ragged values, and calling it inside that block
+    returns symbolic values of the enclosing step.
+    """
+
+    def __init__(self, output_num=None, reverse=False, name=None):
+        self.output_num = output_num
+        self.reverse = bool(reverse)
+        self.name = name
+        self.frame = None
+        self.block = None
+        self.parent = None
+        self.bindings = {}  # name -> _Binding (top level only)
+        self.output_memory = ()
+        self._programs = {}
+        self.step_scopes = None
+        self._compiled = {}
+
+    # -- definition ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def stepnet(self):
+        """Open the step block: everything traced inside is one time step."""
+        if self.frame is not None:
+            raise StepNetError("this step-net's stepnet() block is already defined")
+        parent = current_frame()
+        state = parent.state if parent is not None else ProgramState()
+        self.parent = parent
+        self.name = state.fresh(self.name or "rnn")
+        frame = Frame(self, parent, state)
+        self.frame = frame
+        push_frame(frame)
+        try:
+            yield self
+        finally:
+            pop_frame(frame)
+            frame.closed = True
+        self._finish()
+
+    def _own_frame(self, what):
+        frame = current_frame()
+        if self.frame is None or frame is not self.frame or frame.closed:
+            raise StepNetError(f"{what} must be called inside `with rnn.stepnet():` of its step-net")
+        return frame
+
+    def _binding_name(self, name, default):
+        state = self.frame.state
+        if name is None:
+            return state.fresh(default)
+        if not isinstance(name, str) or not name.isidentifier():
+            raise StepNetError(f"name {name!r} must be a Python identifier")
+        if name in self.bindings or name in state.names:
+            raise StepNetError(f"name {name!r} is used twice in this step-net")
+        state.names.add(name)
+        return name
+
+    @property
+    def _top(self):
+        return self.parent is None
+
+    def _default_dtype(self):
+        for v in self.frame.step_inputs:
+            return v[0].dtype
+        return np.dtype(np.float32)
+
+    def _num_sequences(self):
+        for b in self.bindings.values():
+            if b.kind == "sequence":
+                return b.value.num_sequences
+        return None
+
+    def add_input(self, X, name=None):
+        """Step over the coarsest level of ``X``; returns this step's element.
+
+        ``X`` is a LoDTensor (at the top level) or a ragged value of the
+        enclosing step (nested). Each step gives ``[batch, ...]`` for a
+        one-level X, and a ragged value one level shallower otherwise.
+        """
+        frame = self._own_frame("add_input")
+        name = self._binding_name(name, "x")
+        if self._top:
+            if not isinstance(X, LoDTensor):
+                raise StepNetError(
+                    f"add_input({name}): expects a LoDTensor, got {type(X).__name__}; "
+                    "build one with sn.LoDTensor.from_lengths(data, [lengths])"
+                )
+            if X.num_levels == 0:
+                raise StepNetError(f"add_input({name}): the LoDTensor has no LoD level to step over")
+            dtype = compute_dtype(X.dtype, f"add_input({name})")
+            outer = Var(name, dtype, (None,) + tuple(X.shape[1:]), X.num_levels)
+            for other in self.bindings.values():
+                if other.kind == "sequence" and not _same_offsets(other.value, X, 1):
+                    raise StepNetError(
+                        f"step inputs {other.var.name} and {name} have different LoD at level 0; "
+                        "every step input of one step-net must have the same sequence lengths"
+                    )
+            self.bindings[name] = _Binding("sequence", outer, X)
+        else:
+            if not isinstance(X, Value) or X.frame is not self.parent:
+                raise StepNetError(
+                    f"add_input({name}) of a nested step-net takes a ragged value of the "
+                    "enclosing step (e.g. the enclosing add_input of a multi-level LoDTensor)"
+                )
+            outer = X.var
+            if outer.lod_depth < 1:
+                raise StepNetError(
+                    f"add_input({name}): {outer.name} is one row per sequence, not a sequence; "
+                    "a nested step-net steps over a ragged (multi-level LoD) value"
+                )
+        step = frame.define(
+            Var(frame.state.fresh(f"{name}_t"), outer.dtype, outer.shape, outer.lod_depth - 1)
+        )
+        frame.step_inputs.append((step, outer))
+        return Value(step, frame)
+
+    def add_static_input(self, value, name=None):
+        """A per-sequence constant: ``[num_seq, ...]`` array or a LoDTensor with
+        one sequence per sequence of the step inputs (caller's order)."""
+        frame = self._own_frame("add_static_input")
+        name = self._binding_name(name, "static")
+        if self._top:
+            if isinstance(value, LoDTensor):
+                dtype = compute_dtype(value.dtype, f"add_static_input({name})")
+                outer = Var(name, dtype, (None,) + tuple(value.shape[1:]), value.num_levels)
+            else:
+                value = np.asarray(value)
+                if value.ndim < 1:
+                    raise ShapeError(
+                        f"add_static_input({name}): needs one row per sequence, got a scalar"
+                    )
+                dtype = compute_dtype(value.dtype, f"add_static_input({name})")
+                outer = Var(name, dtype, (None,) + tuple(value.shape[1:]))
+            self.bindings[name] = _Binding("static", outer, value)
+        else:
+            if not isinstance(value, Value):
+                raise StepNetError(
+                    f"add_static_input({name}) of a nested step-net takes a value of the "
+                    "enclosing step; read arrays and Parameters directly instead"
+                )
+            outer = _operand_var(value, self.parent)
+        step = frame.define(
+            Var(frame.state.fresh(f"{name}_s"), outer.dtype, outer.shape, outer.lod_depth)
+        )
+        frame.static_inputs.append((step, outer))
+        return Value(step, frame)
+
+    def add_memory(self, init=None, shape=None, name=None, dtype=None):
+        """A recurrent state; see DESIGN.md §2 for the forms of ``init``.
+
+        With ``shape`` omitted, an array ``init`` of two or more dimensions whose
+        first dimension is the number of sequences is per-sequence; any other
+        array is one value for every sequence. Pass ``shape`` to disambiguate.
+        """
+        frame = self._own_frame("add_memory")
+        name = self._binding_name(name, "h")
+        if shape is not None:
+            shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else ()
+        per_sequence = False
+        init_operand = None
+        if isinstance(init, Value):
+            if self._top:
+                raise StepNetError(f"add_memory({name}): a step value cannot start a top-level memory")
+            outer = _operand_var(init, self.parent)
+            if outer.lod_depth or not outer.batched:
+                raise ShapeError(f"add_memory({name}): init {outer.type_str()} is not one row per sequence")
+            if shape is not None and outer.shape[1:] != shape:
+                raise ShapeError(f"add_memory({name}): init {outer.type_str()} does not have shape {list(shape)}")
+            shape = outer.shape[1:]
+            mem_dtype = np.dtype(outer.dtype)
+            init_operand = outer
+        else:
+            if init is None:
+                if shape is None:
+                    raise StepNetError(f"add_memory({name}): give init= or shape=")
+                init_arr = np.zeros((), dtype or self._default_dtype())
+            elif isinstance(init, Parameter):
+                init_arr = init.value
+            else:
+                init_arr = np.asarray(init)
+            mem_dtype = compute_dtype(dtype or init_arr.dtype, f"add_memory({name})")
+            if init is not None and np.asarray(init).dtype.kind in "iub" and dtype is None:
+                mem_dtype = self._default_dtype()
+            num_seq = self._num_sequences()
+            if shape is None:
+                if init_arr.ndim == 0:
+                    raise StepNetError(f"add_memory({name}): a scalar init needs shape=")
+                per_sequence = (
+                    self._top and init_arr.ndim >= 2 and num_seq is not None
+                    and init_arr.shape[0] == num_seq
+                )
+                shape = init_arr.shape[1:] if per_sequence else init_arr.shape
+            else:
+                per_sequence = (
+                    self._top and init_arr.ndim == len(shape) + 1
+                    and init_arr.shape[1:] == shape and init_arr.shape != shape
+                )
+                if not per_sequence and not _broadcasts(init_arr.shape, shape):
+                    raise ShapeError(
+                        f"add_memory({name}): init of shape {list(init_arr.shape)} fits neither "
+                        f"[num_sequences, {', '.join(map(str, shape))}] nor {list(shape)}"
+                    )
+            if self._top:
+                outer = Var(name, mem_dtype, (None,) + tuple(shape))
+                self.bindings[name] = _Binding(
+                    "init", outer, init_arr, tuple(shape), per_sequence
+                )
+                init_operand = outer
+            elif init_arr.ndim == 0:
+                init_operand = Literal(float(init_arr))
+            else:
+                init_operand = frame.state.const(
+                    np.broadcast_to(init_arr.astype(mem_dtype), shape).copy()
+                )
+        pre = frame.define(
+            Var(frame.state.fresh(f"{name}_prev"), mem_dtype, (None,) + tuple(shape))
+        )
+        handle = MemoryHandle(name, pre, frame)
+        frame.memories.append((handle, init_operand))
+        return handle
+
+    def add_outputs(self, *values):
+        """Declare the step's outputs (each step's values are gathered)."""
+        frame = self._own_frame("add_outputs")
+        if len(values) == 1 and isinstance(values[0], (list, tuple)):
+            values = tuple(values[0])
+        for v in values:
+            if not isinstance(v, Value):
+                raise StepNetError(f"add_outputs takes step values, got {type(v).__name__}")
+            if isinstance(v, MemoryHandle) and v.frame is frame:
+                frame.outputs.append(v)  # resolved at the end of the block
+            else:
+                var = _operand_var(v, frame)
+                if not var.batched:
+                    raise StepNetError(f"output {var.name} is a constant, not a step value")
+                frame.outputs.append(var)
+
+    def _finish(self):
+        frame = self.frame
+        for handle, _ in frame.memories:
+            if handle.post is None:
+                raise StepNetError(f"memory {handle.memory_name!r} is never updated in its step")
+        outputs = []
+        for out in frame.outputs:
+            if isinstance(out, MemoryHandle):
+                out = out.post
+            outputs.append(out)
+        if not outputs:
+            raise StepNetError(f"step-net {self.name} has no outputs: call add_outputs(...)")
+        if self.output_num is not None and len(outputs) != self.output_num:
+            raise StepNetError(
+                f"step-net {self.name}: output_num={self.output_num} but add_outputs "
+                f"declared {len(outputs)} outputs"
+            )
+        if not frame.step_inputs:
+            raise StepNetError(f"step-net {self.name} has no step input: call add_input(...)")
+        memories = tuple(ir.Memory(h.memory_name, h.pre, h.post) for h, _ in frame.memories)
+        self.block = ir.Block(
+            step_inputs=tuple(v for v, _ in frame.step_inputs),
+            static_inputs=tuple(v for v, _ in frame.static_inputs),
+            memories=memories,
+            eqns=tuple(frame.eqns),
+            outputs=tuple(outputs),
+        )
+        # For empty sequences: a memory's output is its initial value, others zeros.
+        mem_index = {}
+        for i, m in enumerate(memories):
+            mem_index.setdefault(id(m.post), i)
+            mem_index.setdefault(id(m.pre), i)
+        self.output_memory = tuple(mem_index.get(id(o), -1) for o in outputs)
+        if self._top:
+            self.program(True)  # checks the IR now, at definition time
+            _check_lod_agreement(self.program(True), self._top_values())
+
+    def _eqn_operands(self):
+        frame = self.frame
+        seqs = tuple(o for _, o in frame.step_inputs)
+        statics = tuple(o for _, o in frame.static_inputs)
+        inits = tuple(o for _, o in frame.memories)
+        return seqs, statics, inits
+
+    def _make_eqn(self, all_steps, fresh):
+        seqs, statics, inits = self._eqn_operands()
+        outs = []
+        for v in self.block.outputs:
+            depth = v.lod_depth + 1 if all_steps else v.lod_depth
+            outs.append(Var(fresh(v.name), v.dtype, v.shape, depth))
+        attrs = dict(
+            name=self.name,
+            body=self.block,
+            reverse=self.reverse,
+            all_steps=tuple(all_steps for _ in outs),
+            output_memory=self.output_memory,
+            num_sequence_inputs=len(seqs),
+            num_static_inputs=len(statics),
+        )
+        return ir.Eqn("rnn", seqs + statics + inits, tuple(outs), attrs)
+
+    def program(self, all_steps=True) -> ir.Program:
+        """The top-level program (IR) of this step-net."""
+        if self.block is None:
+            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        if not self._top:
+            raise StepNetError(f"{self.name} is a nested step-net; call it inside its enclosing block")
+        key = bool(all_steps)
+        if key not in self._programs:
+            state = self.frame.state
+            suffix = "" if key else "_last"
+            eqn = self._make_eqn(key, lambda n: f"{n}_all" if key else f"{n}{suffix}")
+            consts = tuple(var for var, _ in state.consts.values())
+            inputs = tuple(b.var for b in self.bindings.values())
+            program = ir.Program(inputs, consts, eqn)
+            ir.check(program)
+            self._programs[key] = program
+        return self._programs[key]
+
+    def const_values(self) -> dict:
+        """The current arrays of the program's constants, keyed by var name."""
+        out = {}
+        for var, source in self.frame.state.consts.values():
+            arr = source.value if isinstance(source, Parameter) else np.asarray(source)
+            out[var.name] = arr.astype(var.dtype, copy=False)
+        return out
+
+    def parameters(self) -> list:
+        """The Parameters this step-net reads (found by data dependence)."""
+        return [s for _, s in self.frame.state.consts.values() if isinstance(s, Parameter)]
+
+    def ir(self) -> str:
+        """The IR as text, one line per op (like a jaxpr)."""
+        if self._top:
+            return ir.format_program(self.program(True))
+        return "\n".join(ir.format_block(self.block))
+
+    def __str__(self):
+        return self.ir()
+
+    # -- running -------------------------------------------------------------
+
+    def _top_values(self):
+        return {name: b.value for name, b in self.bindings.items()}
+
+    def bind(self, **bindings) -> list:
+        """Validate new arrays for the named inputs; returns the program's
+        arguments in order (each LoD input as a LoDTensor, each static input and
+        initial memory as an array with one row per sequence)."""
+        unknown = set(bindings) - set(self.bindings)
+        if unknown:
+            raise StepNetError(
+                f"unknown input name(s) {sorted(unknown)}; this step-net takes "
+                f"{sorted(self.bindings)}"
+            )
+        values = {n: bindings.get(n, b.value) for n, b in self.bindings.items()}
+        num_seq = None
+        first = None
+        for name, b in self.bindings.items():
+            if b.kind != "sequence":
+                continue
+            X = values[name]
+            if not isinstance(X, LoDTensor):
+                raise ShapeError(f"input {name}: expects a LoDTensor, got {type(X).__name__}")
+            if X.num_levels != b.var.lod_depth or tuple(X.shape[1:]) != b.var.shape[1:]:
+                raise ShapeError(
+                    f"input {name}: rebound with {X.num_levels} LoD level(s) and feature shape "
+                    f"{list(X.shape[1:])}; it was defined with {b.var.lod_depth} and "
+                    f"{list(b.var.shape[1:])}"
+                )
+            if compute_dtype(X.dtype, f"input {name}") != b.var.dtype:
+                raise ShapeError(f"input {name}: rebound with dtype {X.dtype}, defined as {b.var.dtype}")
+            if first is None:
+                first, num_seq = name, X.num_sequences
+            elif not _same_offsets(values[first], X, 1):
+                raise StepNetError(
+                    f"step inputs {first} and {name} have different LoD at level 0; "
+                    "every step input of one step-net must have the same sequence lengths"
+                )
+        args = []
+        for name, b in self.bindings.items():
+            v = values[name]
+            if b.kind == "sequence":
+                args.append(v.astype(b.var.dtype) if v.dtype != b.var.dtype else v)
+            elif b.kind == "static":
+                args.append(_bind_static(name, b, v, num_seq))
+            else:
+                args.append(_bind_init(name, b, v, num_seq, rebound=name in bindings,
+                                       sequence_input=first))
+        return args
+
+    def __call__(self, output_all_steps=True, backend=None, keep_scopes=False, **bindings):
+        if self.block is None:
+            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        if not self._top:
+            return self._call_nested(output_all_steps, bindings)
+        from .backends import get_backend
+
+        if keep_scopes and backend not in (None, "interpreter"):
+            raise StepNetError("keep_scopes=True needs backend='interpreter'")
+        runner = get_backend("interpreter" if keep_scopes else backend)
+        return runner.run_rnn_op(self, bindings, output_all_steps, keep_scopes=keep_scopes)
+
+    def compile(self, backend=None):
+        """A callable ``f(**inputs, output_all_steps=True)`` for one backend."""
+        from .backends import get_backend
+
+        runner = get_backend(backend)
+        return runner.compile_rnn_op(self)
+
+    def _call_nested(self, output_all_steps, bindings):
+        if bindings:
+            raise StepNetError("a nested step-net takes no arrays when called inside its block")
+        outer = current_frame()
+        if outer is None or outer is not self.parent or outer.closed:
+            raise StepNetError(
+                f"nested step-net {self.name} must be called inside the block it was defined in"
+            )
+        eqn = self._make_eqn(bool(output_all_steps), outer.state.fresh)
+        for v in eqn.outputs:
+            outer.define(v)
+        outer.eqns.append(eqn)
+        values = [Value(v, outer) for v in eqn.outputs]
+        return values[0] if len(values) == 1 else tuple(values)
+
+
+# ----------------------------------------------------------------------------
+# binding helpers
+
+
+def _broadcasts(shape, target) -> bool:
+    try:
+        return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _same_offsets(a: LoDTensor, b: LoDTensor, depth: int) -> bool:
+    return all(
+        np.array_equal(x, y) for x, y in zip(a.levels[:depth], b.levels[:depth])
+    ) and min(a.num_levels, b.num_levels) >= depth
+
+
+def _bind_static(name, b, v, num_seq):
+    if b.var.lod_depth:
+        if not isinstance(v, LoDTensor) or v.num_levels != b.var.lod_depth:
+            raise ShapeError(f"static input {name}: expects a LoDTensor with {b.var.lod_depth} level(s)")
+        rows = v.num_sequences
+    else:
+        v = np.asarray(v)
+        if v.ndim < 1:
+            raise ShapeError(f"static input {name}: needs one row per sequence, got a scalar")
+        rows = v.shape[0]
+    if tuple(v.shape[1:]) != b.var.shape[1:]:
+        raise ShapeError(
+            f"static input {name}: feature shape {list(v.shape[1:])}, defined as {list(b.var.shape[1:])}"
+        )
+    if rows != num_seq:
+        raise ShapeError(
+            f"static input {name}: has {rows} rows but the step inputs have {num_seq} sequences"
+        )
+    compute_dtype(v.dtype, f"static input {name}")
+    return v.astype(b.var.dtype) if v.dtype != b.var.dtype else v
+
+
+def _bind_init(name, b, v, num_seq, rebound, sequence_input):
+    v = v.value if isinstance(v, Parameter) else np.asarray(v)
+    shape = b.memory_shape
+    if v.shape == (num_seq,) + shape and (b.per_sequence or rebound or v.shape != shape):
+        full = v
+    elif _broadcasts(v.shape, shape) and not (b.per_sequence and not rebound):
+        full = np.broadcast_to(v, (num_seq,) + shape)
+    elif b.per_sequence and not rebound:
+        raise ShapeError(
+            f"memory {name}: its initial value has {v.shape[0]} rows (one per sequence) but "
+            f"{sequence_input} now has {num_seq} sequences; rebind {name} too"
+        )
+    else:
+        raise ShapeError(
+            f"memory {name}: init of shape {list(v.shape)} fits neither "
+            f"[{num_seq}, {', '.join(map(str, shape))}] nor {list(shape)}"
+        )
+    if v.dtype.kind not in "iubf":
+        raise ShapeError(f"memory {name}: init dtype {v.dtype} is not numeric")
+    return np.ascontiguousarray(full, dtype=b.var.dtype)
+
+
+def _check_lod_agreement(program: ir.Program, values: dict) -> None:
+    """Nested step inputs of one step-net must have equal LoD: check it on the
+    offsets alone, before anything runs."""
+    levels_of = {}
+    for var in program.inputs:
+        value = values.get(var.name)
+        if var.lod_depth and isinstance(value, LoDTensor):
+            levels_of[id(var)] = value.levels
+
+    def visit(eqn):
+        seqs, _, _ = ir.rnn_parts(eqn)
+        body = eqn.attrs["body"]
+        known = [(v, levels_of[id(v)]) for v in seqs if id(v) in levels_of]
+        for (v, lv), (w, lw) in zip(known, known[1:]):
+            if not np.array_equal(lv[0], lw[0]):
+                raise StepNetError(
+                    f"step inputs {v.name} and {w.name} of {eqn.attrs['name']} have different "
+                    "LoD; every step input of one step-net must have the same sequence lengths"
+                )
+        for step, outer in zip(body.step_inputs, seqs):
+            if id(outer) in levels_of and step.lod_depth:
+                levels_of[id(step)] = levels_of[id(outer)][1:]
+        for inner in body.eqns:
+            if inner.op == "rnn":
+                visit(inner)
+                inner_seqs, _, _ = ir.rnn_parts(inner)
+                src = next((levels_of[id(v)] for v in inner_seqs if id(v) in levels_of), None)
+                for out, all_steps, res in zip(
+                    inner.outputs, inner.attrs["all_steps"], inner.attrs["body"].outputs
+                ):
+                    if src is not None and all_steps and id(res) in levels_of:
+                        levels_of[id(out)] = (src[0],) + tuple(levels_of[id(res)])
+                    elif src is not None and all_steps and not res.lod_depth:
+                        levels_of[id(out)] = (src[0],)
+
+    visit(program.eqn)

@@ -1,0 +1,33 @@
+"""The exceptions stepnet raises.
+
+Every error is a ``ValueError`` subclass, so code that already catches
+``ValueError`` keeps working; catch ``stepnet.errors.Error`` for all of them.
+"""
+
+
+class Error(ValueError):
+    """Base class of every stepnet error."""
+
+
+class LoDError(Error):
+    """A LoD (level-of-detail offsets) is malformed or does not fit its data."""
+
+
+class StepNetError(Error):
+    """A step-net definition is wrong (raised while it is being defined)."""
+
+
+class ShapeError(StepNetError):
+    """Shapes or dtypes do not fit together (an op's operands, a rebinding)."""
+
+
+class YAMLError(Error):
+    """A YAML network file is malformed; the message names file, line and key."""
+
+
+class BackendError(Error):
+    """A backend is unknown or not available on this machine."""
+
+
+class UnsupportedError(Error):
+    """A feature, op or attribute that stepnet does not support."""

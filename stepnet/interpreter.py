@@ -1,0 +1,185 @@
+"""The reference executor: plain NumPy, one step-scope per time step.
+
+This is the specification every other backend is tested against. Sequences
+are sorted by length (longest first, stable), so the active batch at step t is
+a prefix that shrinks as sequences end (Paddle's DynamicRNN); results go back
+to the caller's order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ir
+from .errors import StepNetError
+from .lod import LoDTensor
+from .ops import registry
+
+
+def eval_eqn(eqn, env, consts, scopes=None):
+    """Run one equation; ``env`` and ``consts`` map id(Var) to arrays (or
+    LoDTensors)."""
+    args = [
+        (env[id(v)] if id(v) in env else consts[id(v)]) if isinstance(v, ir.Var) else v.value
+        for v in eqn.inputs
+    ]
+    if eqn.op == "rnn":
+        results = run_rnn(eqn, args, consts, scopes)
+    else:
+        results = [registry.get(eqn.op).numpy(*args, **eqn.attrs)]
+    for var, value in zip(eqn.outputs, results):
+        env[id(var)] = value
+
+
+def _take_rows(value, rows):
+    """Rows (or top-level sequences) ``rows`` of a per-sequence value."""
+    if isinstance(value, LoDTensor):
+        return value.select(rows)
+    return value[rows]
+
+
+def _empty_piece(var, num):
+    """A ragged value of ``num`` sequences, all empty, shaped like ``var``."""
+    levels = [[0] * (num + 1)] + [[0]] * (var.lod_depth - 1)
+    return LoDTensor(np.zeros((0,) + var.shape[1:], var.dtype), levels)
+
+
+def _prepend_level(value: LoDTensor, counts) -> LoDTensor:
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return LoDTensor(value.data, [offsets] + [lv for lv in value.levels])
+
+
+def run_rnn(eqn, args, consts, scopes=None):
+    """Run an ``rnn`` equation over its sequences (the reference loop).
+
+    ``args`` holds, per operand: a LoDTensor for each sequence input (one top
+    sequence per sequence of this rnn), an array or LoDTensor with one row per
+    sequence for each static input, and for each memory init an array with one
+    row per sequence, a broadcastable array, or a scalar. Returns one value per
+    output: a LoDTensor of all steps, or one row per sequence for last steps.
+    """
+    body = eqn.attrs["body"]
+    reverse = eqn.attrs["reverse"]
+    seq_args, static_args, init_args = ir.rnn_parts(ir.Eqn("", tuple(args), (), eqn.attrs))
+    seq_vars, _, _ = ir.rnn_parts(eqn)
+
+    lengths = np.diff(seq_args[0].levels[0])
+    for var, X in zip(seq_vars[1:], seq_args[1:]):
+        if not np.array_equal(np.diff(X.levels[0]), lengths):
+            raise StepNetError(
+                f"step inputs {seq_vars[0].name} and {var.name} of {eqn.attrs['name']} have "
+                "different LoD; every step input of one step-net must have the same lengths"
+            )
+    num_seq = len(lengths)
+    order = np.argsort(-lengths, kind="stable")  # sorted position -> caller's sequence
+    sorted_lengths = lengths[order]
+    starts = seq_args[0].levels[0][:-1][order]
+    num_steps = int(sorted_lengths[0]) if num_seq else 0
+
+    statics = [_take_rows(s, order) for s in static_args]
+    state = []
+    for mem, init in zip(body.memories, init_args):
+        full = np.broadcast_to(np.asarray(init, mem.pre.dtype), (num_seq,) + mem.pre.shape[1:])
+        state.append(np.array(full[order]))
+
+    # Last-step outputs start as the memory's initial value (empty sequences
+    # keep it) or zeros.
+    all_steps = eqn.attrs["all_steps"]
+    last = []
+    for out, mem_index in zip(body.outputs, eqn.attrs["output_memory"]):
+        if out.lod_depth:
+            last.append([None] * num_seq)
+        elif mem_index >= 0:
+            last.append(state[mem_index].copy())
+        else:
+            last.append(np.zeros((num_seq,) + out.shape[1:], out.dtype))
+    total_rows = int(lengths.sum())
+    dense_all = [
+        np.zeros((total_rows,) + out.shape[1:], out.dtype) if not out.lod_depth else None
+        for out in body.outputs
+    ]
+    ragged_all = [{} for _ in body.outputs]  # (sequence, position) -> piece
+
+    for step in range(num_steps):
+        active = int(np.count_nonzero(sorted_lengths > step))
+        rows = order[:active]
+        pos = (sorted_lengths[:active] - 1 - step) if reverse else np.full(active, step)
+        entries = starts[:active] + pos  # level-0 entry of each active sequence
+        env = {}
+        for var, X in zip(body.step_inputs, seq_args):
+            if X.num_levels == 1:
+                env[id(var)] = X.data[entries]
+            else:
+                env[id(var)] = LoDTensor(X.data, list(X.levels[1:])).select(entries)
+        for var, s in zip(body.static_inputs, statics):
+            env[id(var)] = _take_rows(s, np.arange(active))
+        for mem, s in zip(body.memories, state):
+            env[id(mem.pre)] = s[:active]
+        inner_scopes = {} if scopes is not None else None
+        for inner in body.eqns:
+            eval_eqn(inner, env, consts, inner_scopes)
+        for i, mem in enumerate(body.memories):
+            state[i] = state[i].copy()
+            state[i][:active] = env[id(mem.post)]
+        for i, out in enumerate(body.outputs):
+            value = env[id(out)]
+            if out.lod_depth:
+                for b in range(active):
+                    piece = value.select([b])
+                    ragged_all[i][(int(rows[b]), int(pos[b]))] = piece
+                    last[i][rows[b]] = piece
+            else:
+                dense_all[i][entries] = value
+                last[i][rows] = value
+        if scopes is not None:
+            scope = {v.name: env[id(v)] for v in _block_vars(body)}
+            scope["__rows__"] = rows.copy()
+            scope["__positions__"] = pos.copy()
+            scope.update(inner_scopes)
+            scopes.setdefault(eqn.attrs["name"], []).append(scope)
+
+    results = []
+    for i, out in enumerate(body.outputs):
+        if not out.lod_depth:
+            if all_steps[i]:
+                results.append(LoDTensor(dense_all[i], [seq_args[0].levels[0]]))
+            else:
+                results.append(last[i])
+            continue
+        if all_steps[i]:
+            pieces = [
+                ragged_all[i][(s, p)] for s in range(num_seq) for p in range(int(lengths[s]))
+            ]
+            inner = LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0)
+            results.append(_prepend_level(inner, lengths))
+        else:
+            pieces = [p if p is not None else _empty_piece(out, 1) for p in last[i]]
+            results.append(LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0))
+    return results
+
+
+def _block_vars(block):
+    yield from block.step_inputs
+    yield from block.static_inputs
+    for mem in block.memories:
+        yield mem.pre
+    for eqn in block.eqns:
+        yield from eqn.outputs
+
+
+def run_program(program: ir.Program, args, consts: dict, scopes=None):
+    """Run a top-level program on bound arguments (in ``program.inputs`` order);
+    ``consts`` maps constant names to arrays."""
+    env = {id(v): a for v, a in zip(program.inputs, args)}
+    const_env = {id(v): consts[v.name] for v in program.consts}
+    eval_eqn(program.eqn, env, const_env, scopes)
+    return [env[id(v)] for v in program.eqn.outputs]
+
+
+def compile_program(program: ir.Program):
+    """The interpreter "compiles" a program into a call of :func:`run_program`."""
+
+    def run(args, consts, scopes=None):
+        return run_program(program, args, consts, scopes)
+
+    return run

@@ -1,0 +1,273 @@
+"""The step-net IR: a few frozen dataclasses that print like a jaxpr.
+
+A step-net is one ``rnn`` equation holding a sub-graph (a :class:`Block`), the
+way ``lax.scan`` holds a jaxpr. Its meaning, for one sequence, is this loop::
+
+    state = [init for each memory]
+    for t in (range(T) if not reverse else reversed(range(T))):
+        step_scope = {step inputs: x[t], statics, memory pre values: state}
+        run the block's equations in step_scope
+        state = [step_scope[memory.post] for each memory]
+        all_steps_out[t] = step_scope[output]        # for all-steps outputs
+    last_out = step_scope[output] at the last step processed
+
+and the batch is every sequence of the level stepped over, each with its own T.
+
+Values (:class:`Var`) carry a full shape in which a leading ``None`` is the batch
+axis: one row per active sequence of the enclosing block (``f32[B,64]``). A
+value with ``lod_depth = k > 0`` is ragged: each batch row owns a k-level nested
+sequence of rows (a LoDTensor whose top level is the batch). Constants
+(parameters, captured arrays) have no batch axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import StepNetError
+
+
+@dataclass(frozen=True, eq=False)
+class Var:
+    """One value of the graph. Identity is the object itself."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple  # full shape; shape[0] is None for per-sequence (batched) values
+    lod_depth: int = 0  # > 0: ragged rows, a `lod_depth`-level LoD under each batch row
+
+    @property
+    def batched(self) -> bool:
+        return len(self.shape) > 0 and self.shape[0] is None
+
+    @property
+    def row_shape(self) -> tuple:
+        """The shape of one row: the full shape without the batch axis."""
+        return self.shape[1:] if self.batched else self.shape
+
+    def type_str(self) -> str:
+        dims = ",".join("B" if d is None else str(d) for d in self.shape)
+        lod = f"lod{self.lod_depth}" if self.lod_depth else ""
+        return f"{_dtype_short(self.dtype)}{lod}[{dims}]"
+
+    def __repr__(self):
+        return f"{self.name}:{self.type_str()}"
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A Python scalar operand; weakly typed (NEP 50): it never promotes."""
+
+    value: float
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+@dataclass(frozen=True, eq=False)
+class Eqn:
+    """``outputs = op(inputs, **attrs)``."""
+
+    op: str
+    inputs: tuple  # of Var | Literal
+    outputs: tuple  # of Var
+    attrs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Memory:
+    """A recurrent state: ``pre`` is its value at t-1, ``post`` at t."""
+
+    name: str
+    pre: Var
+    post: Var
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """The body of one time step."""
+
+    step_inputs: tuple  # of Var: this step's element of each sequence input
+    static_inputs: tuple  # of Var: per-sequence constants
+    memories: tuple  # of Memory
+    eqns: tuple  # of Eqn
+    outputs: tuple  # of Var
+
+
+def rnn_parts(eqn: Eqn):
+    """Split an ``rnn`` equation's inputs into (sequences, statics, memory inits)."""
+    n_seq, n_static = eqn.attrs["num_sequence_inputs"], eqn.attrs["num_static_inputs"]
+    return (
+        eqn.inputs[:n_seq],
+        eqn.inputs[n_seq:n_seq + n_static],
+        eqn.inputs[n_seq + n_static:],
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """A top-level step-net: named inputs, constants and one ``rnn`` equation.
+
+    ``inputs`` are the arrays bound by name at call time (sequence inputs,
+    static inputs, per-sequence initial memories); ``consts`` are parameters
+    and captured arrays; ``const_values`` is filled by the front end.
+    """
+
+    inputs: tuple  # of Var
+    consts: tuple  # of Var
+    eqn: Eqn
+
+
+# ----------------------------------------------------------------------------
+# printing
+
+
+def _dtype_short(dtype) -> str:
+    dtype = np.dtype(dtype)
+    return {"f": "f", "i": "i", "u": "u", "b": "bool"}.get(dtype.kind, dtype.kind) + (
+        "" if dtype.kind == "b" else str(dtype.itemsize * 8)
+    )
+
+
+def _fmt_attr(value) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_fmt_attr(v) for v in value) + (",)" if len(value) == 1 else ")")
+    return repr(value)
+
+
+def format_eqn(eqn: Eqn, indent: int = 0) -> list:
+    pad = "  " * indent
+    outs = " ".join(repr(v) for v in eqn.outputs)
+    ins = " ".join(v.name if isinstance(v, Var) else repr(v) for v in eqn.inputs)
+    if eqn.op != "rnn":
+        attrs = "".join(
+            f" {k}={_fmt_attr(v)}" for k, v in sorted(eqn.attrs.items())
+        )
+        attrs = f"[{attrs.strip()}]" if attrs else ""
+        return [f"{pad}{outs} = {eqn.op}{attrs} {ins}"]
+    seqs, statics, inits = rnn_parts(eqn)
+    a = eqn.attrs
+    head = (
+        f"{pad}{outs} = rnn[name={a['name']} reverse={a['reverse']} "
+        f"all_steps={_fmt_attr(a['all_steps'])}] "
+        f"sequences=({' '.join(_name(v) for v in seqs)}) "
+        f"statics=({' '.join(_name(v) for v in statics)}) "
+        f"inits=({' '.join(_name(v) for v in inits)}) {{"
+    )
+    return [head] + format_block(a["body"], indent + 1) + [f"{pad}}}"]
+
+
+def _name(v) -> str:
+    return v.name if isinstance(v, Var) else repr(v)
+
+
+def format_block(block: Block, indent: int = 0) -> list:
+    pad = "  " * indent
+    lines = []
+    if block.step_inputs:
+        lines.append(f"{pad}step inputs: " + " ".join(repr(v) for v in block.step_inputs))
+    if block.static_inputs:
+        lines.append(f"{pad}static inputs: " + " ".join(repr(v) for v in block.static_inputs))
+    for mem in block.memories:
+        lines.append(f"{pad}memory {mem.name}: pre {mem.pre!r} -> post {mem.post.name}")
+    for eqn in block.eqns:
+        lines.extend(format_eqn(eqn, indent))
+    lines.append(f"{pad}outputs: " + " ".join(v.name for v in block.outputs))
+    return lines
+
+
+def format_program(program: Program) -> str:
+    lines = ["{ lambda " + " ".join(repr(v) for v in program.consts) + " ; "
+             + " ".join(repr(v) for v in program.inputs) + " ."]
+    lines.extend(format_eqn(program.eqn, 1))
+    lines.append("  in (" + " ".join(v.name for v in program.eqn.outputs) + ") }")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# walking and checking
+
+
+def iter_eqns(block: Block):
+    """Every equation of a block and of the blocks nested in it, depth first."""
+    for eqn in block.eqns:
+        yield eqn
+        if eqn.op == "rnn":
+            yield from iter_eqns(eqn.attrs["body"])
+
+
+def memory_dependent(block: Block) -> set:
+    """The vars of ``block`` whose value depends on a memory's previous state.
+
+    Everything else can be computed for all time steps at once (hoisted).
+    """
+    dependent = {id(m.pre) for m in block.memories}
+    result = set()
+    for eqn in block.eqns:
+        if any(isinstance(v, Var) and id(v) in dependent for v in eqn.inputs):
+            for out in eqn.outputs:
+                dependent.add(id(out))
+                result.add(out)
+    return result
+
+
+def check(program: Program) -> None:
+    """Validate the IR's invariants; raises StepNetError naming what is wrong.
+
+    Every var is defined once before it is used, within its block or as a
+    constant; memories' post values are defined in their block; an rnn's
+    operands fit its body.
+    """
+    from .ops import registry  # the op table is the source of the shape rules
+
+    consts = {id(v) for v in program.consts}
+    seen = set()
+    for v in program.inputs + program.consts:
+        if id(v) in seen:
+            raise StepNetError(f"IR check: {v.name} is declared twice")
+        seen.add(id(v))
+
+    def check_eqn(eqn, defined):
+        for v in eqn.inputs:
+            if isinstance(v, Var) and id(v) not in defined and id(v) not in consts:
+                raise StepNetError(f"IR check: {v.name} is used by {eqn.op} before it is defined")
+        if eqn.op == "rnn":
+            seqs, statics, inits = rnn_parts(eqn)
+            body = eqn.attrs["body"]
+            if len(seqs) != len(body.step_inputs) or len(statics) != len(body.static_inputs):
+                raise StepNetError(f"IR check: rnn {eqn.attrs['name']} operands do not fit its body")
+            if len(inits) != len(body.memories) or len(eqn.outputs) != len(body.outputs):
+                raise StepNetError(f"IR check: rnn {eqn.attrs['name']} memories/outputs mismatch")
+            check_block(body)
+        else:
+            op = registry.get(eqn.op)
+            avals = op.infer([v for v in eqn.inputs], eqn.attrs)
+            for out, aval in zip(eqn.outputs, avals):
+                if (out.shape, np.dtype(out.dtype)) != (aval.shape, np.dtype(aval.dtype)):
+                    raise StepNetError(
+                        f"IR check: {eqn.op} produces {aval.type_str()} but {out!r} is declared"
+                    )
+        for out in eqn.outputs:
+            if id(out) in defined:
+                raise StepNetError(f"IR check: {out.name} is defined twice")
+            defined.add(id(out))
+
+    def check_block(block):
+        defined = {id(v) for v in block.step_inputs + block.static_inputs}
+        defined |= {id(m.pre) for m in block.memories}
+        for eqn in block.eqns:
+            check_eqn(eqn, defined)
+        for mem in block.memories:
+            if id(mem.post) not in defined and id(mem.post) not in consts:
+                raise StepNetError(f"IR check: memory {mem.name} has no update in its block")
+            if mem.post.shape != mem.pre.shape or mem.post.dtype != mem.pre.dtype:
+                raise StepNetError(f"IR check: memory {mem.name} changes type across a step")
+        for out in block.outputs:
+            if id(out) not in defined and id(out) not in consts:
+                raise StepNetError(f"IR check: output {out.name} is not defined in its block")
+
+    check_eqn(program.eqn, {id(v) for v in program.inputs})

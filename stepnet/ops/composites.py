@@ -1,0 +1,88 @@
+"""Composite ops: built from primitives, so they get every backend's code
+generation and gradients for free. The ONNX activations follow the ONNX
+RNN/GRU/LSTM operator specs, alpha and beta included.
+"""
+
+from __future__ import annotations
+
+from .api import (
+    abs,
+    add,
+    clip,
+    exp,
+    greater,
+    greater_equal,
+    mul,
+    shape_of,
+    slice,
+    sub,
+    sum,
+    tanh,
+    where,
+)
+
+
+def mean(x, axis=-1, keepdims=False):
+    """Mean over ``axis``: ``sum(x, axis) * (1 / n)``."""
+    n = shape_of(x)[axis]
+    return mul(sum(x, axis, keepdims), 1.0 / n)
+
+
+def split(x, sections, axis=-1):
+    """Split ``x`` along ``axis`` into ``sections`` equal parts, or at the
+    sizes listed in ``sections`` (a list). Returns a list of slices."""
+    size = shape_of(x)[axis]
+    if isinstance(sections, int):
+        if sections <= 0 or size % sections:
+            from ..errors import ShapeError
+
+            raise ShapeError(f"split: axis of size {size} does not split into {sections} parts")
+        sizes = [size // sections] * sections
+    else:
+        sizes = list(sections)
+    parts, start = [], 0
+    for n in sizes:
+        parts.append(slice(x, start, start + n, axis))
+        start += n
+    if start != size:
+        from ..errors import ShapeError
+
+        raise ShapeError(f"split: sizes {sizes} do not add up to the axis size {size}")
+    return parts
+
+
+def affine(x, alpha=1.0, beta=0.0):
+    """ONNX Affine: ``alpha * x + beta``."""
+    return add(mul(x, alpha), beta)
+
+
+def leaky_relu(x, alpha=0.01):
+    """ONNX LeakyRelu: ``x if x >= 0 else alpha * x``."""
+    return where(greater_equal(x, 0.0), x, mul(x, alpha))
+
+
+def thresholded_relu(x, alpha=1.0):
+    """ONNX ThresholdedRelu: ``x if x > alpha else 0``."""
+    return where(greater(x, alpha), x, 0.0)
+
+
+def scaled_tanh(x, alpha=1.0, beta=1.0):
+    """ONNX ScaledTanh: ``alpha * tanh(beta * x)``."""
+    return mul(tanh(mul(x, beta)), alpha)
+
+
+def hard_sigmoid(x, alpha=0.2, beta=0.5):
+    """ONNX HardSigmoid: ``clip(alpha * x + beta, 0, 1)``."""
+    return clip(add(mul(x, alpha), beta), 0.0, 1.0)
+
+
+def elu(x, alpha=1.0):
+    """ONNX Elu: ``x if x >= 0 else alpha * (exp(x) - 1)``."""
+    return where(greater_equal(x, 0.0), x, mul(sub(exp(clip(x, None, 0.0)), 1.0), alpha))
+
+
+def softsign(x):
+    """ONNX Softsign: ``x / (1 + |x|)``."""
+    from .api import div
+
+    return div(x, add(abs(x), 1.0))
