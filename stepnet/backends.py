@@ -15,6 +15,7 @@ from .lod import LoDTensor
 # name -> module implementing ``compile_program(program) -> run(args, consts)``
 _BACKEND_MODULES = {
     "interpreter": "stepnet.interpreter",
+    "numba": "stepnet.jit.numba_cpu",
 }
 _default = "interpreter"
 

@@ -290,7 +290,11 @@ class RNNOp:
             else:
                 init_arr = np.asarray(init)
             mem_dtype = compute_dtype(dtype or init_arr.dtype, f"add_memory({name})")
-            if init is not None and np.asarray(init).dtype.kind in "iub" and dtype is None:
+            # Python scalars are weak (NEP 50): `init=0.5` takes the step's dtype.
+            weak = isinstance(init, (int, float)) and not isinstance(init, np.generic)
+            if dtype is None and init is not None and (
+                weak or np.asarray(init).dtype.kind in "iub"
+            ):
                 mem_dtype = self._default_dtype()
             num_seq = self._num_sequences()
             if shape is None:
@@ -485,6 +489,9 @@ class RNNOp:
                     f"step inputs {first} and {name} have different LoD at level 0; "
                     "every step input of one step-net must have the same sequence lengths"
                 )
+        if bindings:
+            # nested step inputs must agree too, before any backend runs
+            _check_lod_agreement(self.program(True), values)
         args = []
         for name, b in self.bindings.items():
             v = values[name]

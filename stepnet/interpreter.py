@@ -77,9 +77,10 @@ def run_rnn(eqn, args, consts, scopes=None):
     num_steps = int(sorted_lengths[0]) if num_seq else 0
 
     statics = [_take_rows(s, order) for s in static_args]
-    state = []
+    inits, state = [], []  # in the caller's order, and in sorted order
     for mem, init in zip(body.memories, init_args):
         full = np.broadcast_to(np.asarray(init, mem.pre.dtype), (num_seq,) + mem.pre.shape[1:])
+        inits.append(full)
         state.append(np.array(full[order]))
 
     # Last-step outputs start as the memory's initial value (empty sequences
@@ -90,7 +91,7 @@ def run_rnn(eqn, args, consts, scopes=None):
         if out.lod_depth:
             last.append([None] * num_seq)
         elif mem_index >= 0:
-            last.append(state[mem_index].copy())
+            last.append(np.array(inits[mem_index]))  # indexed by caller's rows below
         else:
             last.append(np.zeros((num_seq,) + out.shape[1:], out.dtype))
     total_rows = int(lengths.sum())

@@ -1,0 +1,901 @@
+"""The Numba backend: a whole step-net, time loop included, as native code.
+
+The generated module has one ``rnn_<n>`` function per ``rnn`` equation and a
+``program`` function that runs the hoisted work and calls the top rnn. Its
+layout:
+
+- **Spaces.** Step values live in a *space*: the entries of one LoD level
+  (space 1: the elements of the top-level sequences; space 2: their
+  sub-elements; ...). A value that depends only on step inputs and constants
+  is computed once for its whole space before any time loop runs (hoisted):
+  ``x @ W`` is one GEMM over every token, at every nesting depth. Matmuls that
+  share their left operand are merged into one GEMM with concatenated weights.
+- **Time loop.** Sequences are sorted by length, so the active batch at step t
+  is the prefix ``[0, nb)``; per-step values live in buffers with one row per
+  sequence, allocated once per call. ``entries[b]`` is the space index of
+  active row b's current element. The per-step recurrent matmuls go to BLAS
+  (``np.dot``); runs of elementwise ops are fused into one loop, with float32
+  tanh/sigmoid as vectorizable rational approximations (numba_runtime).
+- **Nesting.** A nested rnn is a function called once per outer step with its
+  sequences (the active outer rows' sub-sequences) given by start and length.
+
+``compile_program(program)`` returns a callable with ``.source``; kernels are
+cached in memory and on disk (``STEPNET_CACHE_DIR``) by a hash of the source,
+which encodes the graph and its dtypes but no sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .. import ir
+from ..errors import UnsupportedError
+from ..lod import LoDTensor
+
+# ----------------------------------------------------------------------------
+# code generation
+
+_SCALAR_OPS = {
+    "add": "({0} + {1})",
+    "sub": "({0} - {1})",
+    "mul": "({0} * {1})",
+    "div": "({0} / {1})",
+    "maximum": "max({0}, {1})",
+    "minimum": "min({0}, {1})",
+    "neg": "(-{0})",
+    "abs": "abs({0})",
+    "exp": "np.exp({0})",
+    "log": "np.log({0})",
+    "relu": "relu({0})",
+    "greater": "({0} > {1})",
+    "greater_equal": "({0} >= {1})",
+    "less": "({0} < {1})",
+    "less_equal": "({0} <= {1})",
+    "equal": "({0} == {1})",
+    "where": "({1} if {0} else {2})",
+}
+_PRECISION_OPS = {"tanh": "tanh", "sigmoid": "sigmoid", "softplus": "softplus"}
+
+
+class _Info:
+    """Where the generated code finds a var.
+
+    kind: "const" (whole array, no batch axis), "literal", "global" (an array
+    over a whole space, row = entry index), "local" (a buffer with one row per
+    active sequence), "scalar" (a register inside a fused loop), "ragged" (a
+    nested sequence: ``levels`` map entries down to ``data``, a global).
+    """
+
+    def __init__(self, kind, ident=None, var=None, offset=0, width=None, size=None,
+                 hoistable=False, levels=(), data=None, literal=None):
+        self.kind = kind
+        self.ident = ident
+        self.var = var
+        self.offset = offset  # column offset into a merged matmul result
+        self.width = width  # full last-axis width of the array behind ident
+        self.size = size  # rows of a global (code expression)
+        self.hoistable = hoistable
+        self.levels = tuple(levels)
+        self.data = data
+        self.literal = literal
+
+
+class _Gen:
+    def __init__(self, program: ir.Program):
+        self.program = program
+        self.info = {}
+        self.counter = 0
+        self.module_consts = []  # lines defining typed scalar constants
+        self.literals = {}
+        self.gargs = []  # names passed to every rnn function
+        self.functions = []
+        self.prologue = []  # lines in program(): hoisted work and allocations
+        self.hoisted = set()
+        self.extra_returns = []  # data arrays behind ragged last-step outputs  # ids of rnn equations whose hoistable work is emitted
+
+    def fresh(self, base):
+        self.counter += 1
+        return f"{base}{self.counter}"
+
+    def literal(self, value, dtype):
+        dtype = np.dtype(dtype)
+        key = (repr(value), dtype.str)
+        if key not in self.literals:
+            name = f"K{len(self.literals)}"
+            if dtype.kind == "b":
+                self.module_consts.append(f"{name} = {bool(value)!r}")
+            else:
+                self.module_consts.append(f"{name} = np.{dtype.name}({float(value)!r})")
+            self.literals[key] = name
+        return self.literals[key]
+
+    # -- entry point ---------------------------------------------------------
+
+    def generate(self) -> str:
+        prog = self.program
+        params = []
+        for v in prog.consts:
+            ident = self.fresh("c")
+            self.info[id(v)] = _Info("const", ident, v)
+            params.append(ident)
+            self.gargs.append(ident)
+        eqn = prog.eqn
+        seqs, statics, inits = ir.rnn_parts(eqn)
+        self.top_inputs = []
+        for v in prog.inputs:
+            if v.lod_depth:
+                data = self.fresh("x")
+                levels = [self.fresh("L") for _ in range(v.lod_depth)]
+                params += [data] + levels
+                self.gargs += levels
+                size = f"{data}.shape[0]"
+                dinfo = _Info("global", data, v, size=size, hoistable=True,
+                              width=_width(v))
+                self.gargs.append(data)
+                if any(s is v for s in statics):
+                    raise UnsupportedError(
+                        f"static input {v.name} is a LoDTensor; the numba backend takes "
+                        "dense static inputs only (use backend='interpreter')"
+                    )
+                self.info[id(v)] = _Info("ragged", None, v, levels=levels, data=dinfo)
+                self.top_inputs.append(("sequence", v, data, levels))
+            else:
+                ident = self.fresh("a")
+                params.append(ident)
+                self.info[id(v)] = _Info("local", ident, v, width=_width(v))
+                self.top_inputs.append(("dense", v, ident, None))
+        self.program_params = params
+
+        self.hoist_block(eqn)
+        top_levels = self.info[id(seqs[0])].levels
+        call, outs = self.emit_rnn_call(eqn, f"{top_levels[0]}[:-1]",
+                                        f"({top_levels[0]}[1:] - {top_levels[0]}[:-1])",
+                                        "num_seq", mode="program")
+        self.top_outputs = outs
+        body = ["num_seq = " + f"{top_levels[0]}.shape[0] - 1"] + self.prologue + call
+        ret = ", ".join([o[1] for o in outs] + self.extra_returns)
+        body.append(f"return ({ret},)")
+        src = [
+            "# generated by stepnet: do not edit",
+            "import numpy as np",
+            "from numba import njit",
+            "from stepnet.jit.numba_runtime import (",
+            "    relu, sigmoid32, sigmoid64, softplus32, softplus64, tanh32, tanh64,",
+            ")",
+            "",
+        ]
+        src += self.module_consts + [""]
+        gsig = ", ".join(self.gargs)
+        for fn in self.functions:
+            src += [line.replace("GARGS", gsig) for line in fn] + [""]
+        src.append(_DECORATOR)
+        src.append(f"def program({', '.join(params)}):")
+        src += ["    " + line.replace("GARGS", gsig) for line in body]
+        return "\n".join(src) + "\n"
+
+    # -- hoisting: work that depends on no memory runs once per space --------
+
+    def hoist_block(self, eqn):
+        """Classify the body of ``eqn`` and emit its hoistable ops into the prologue."""
+        body = eqn.attrs["body"]
+        if id(body) in self.hoisted:
+            return
+        self.hoisted.add(id(body))
+        seqs, _, _ = ir.rnn_parts(eqn)
+        for step_var, outer in zip(body.step_inputs, seqs):
+            oi = self.info[id(outer)]
+            if oi.kind != "ragged":
+                raise UnsupportedError(f"step input {outer.name} is not a sequence")
+            if step_var.lod_depth:
+                self.info[id(step_var)] = _Info("ragged", None, step_var,
+                                                levels=oi.levels[1:], data=oi.data)
+            else:
+                d = oi.data
+                self.info[id(step_var)] = _Info("global", d.ident, step_var, offset=d.offset,
+                                                width=d.width, size=d.size,
+                                                hoistable=d.hoistable)
+        merged = self.merge_matmuls(body, hoisting=True)
+        for e in body.eqns:
+            if e.op == "rnn":
+                continue
+            kinds = [self.info[id(v)] for v in e.inputs if isinstance(v, ir.Var)
+                     and id(v) in self.info]
+            known = len(kinds) == sum(isinstance(v, ir.Var) for v in e.inputs)
+            if not known:
+                continue
+            if all(k.kind == "const" for k in kinds):
+                self.emit_op(e, "const", self.prologue)
+            elif all(k.kind == "const" or (k.kind == "global" and k.hoistable) for k in kinds):
+                if id(e) in merged:
+                    self.emit_merged(merged[id(e)], "hoist", self.prologue)
+                elif id(e.outputs[0]) not in self.info:
+                    self.emit_op(e, "hoist", self.prologue)
+        for e in body.eqns:
+            if e.op == "rnn":
+                # its sequence inputs are known now if they come from step inputs
+                inner_seqs, _, _ = ir.rnn_parts(e)
+                if all(id(v) in self.info for v in inner_seqs):
+                    self.hoist_block(e)
+
+    def merge_matmuls(self, body, hoisting):
+        """Group ``a @ W1``, ``a @ W2``, ... (same a, constant W) -> {id(eqn): group}."""
+        groups = {}
+        for e in body.eqns:
+            if e.op != "matmul":
+                continue
+            a, w = e.inputs
+            if not (isinstance(a, ir.Var) and isinstance(w, ir.Var)):
+                continue
+            wi = self.info.get(id(w))
+            if wi is None or wi.kind != "const" or len(w.shape) != 2 or len(a.shape) != 2:
+                continue
+            ai = self.info.get(id(a))
+            if hoisting and (ai is None or ai.kind != "global" or not ai.hoistable):
+                continue
+            if not hoisting and ai is not None and ai.kind == "global" and ai.hoistable:
+                continue
+            groups.setdefault((id(a), np.dtype(e.outputs[0].dtype).str), []).append(e)
+        out = {}
+        for group in groups.values():
+            if len(group) > 1:
+                for e in group:
+                    out[id(e)] = group
+        return out
+
+    # -- emitting ops ----------------------------------------------------------
+
+    def new_array(self, var, mode, lines, size=None):
+        """Allocate the array that holds ``var`` (mode: const, hoist or step)."""
+        ident = self.fresh("v")
+        dt = f"np.{np.dtype(var.dtype).name}"
+        if mode == "const":
+            lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
+            self.gargs.append(ident)
+            info = _Info("const", ident, var)
+        elif mode == "hoist":
+            lines.append(f"{ident} = np.empty(({size},) + {tuple(var.shape[1:])!r}, {dt})")
+            self.gargs.append(ident)
+            info = _Info("global", ident, var, width=_width(var), size=size, hoistable=True)
+        else:
+            self.step_allocs.append(
+                f"{ident} = np.empty((num_seq,) + {tuple(var.shape[1:])!r}, {dt})"
+            )
+            info = _Info("local", ident, var, width=_width(var))
+        self.info[id(var)] = info
+        return info
+
+    def space_size(self, e):
+        for v in e.inputs:
+            if isinstance(v, ir.Var) and self.info[id(v)].kind == "global":
+                return self.info[id(v)].size
+        raise AssertionError("hoisted op without a global operand")
+
+    def emit_merged(self, group, mode, lines):
+        a = group[0].inputs[0]
+        ai = self.info[id(a)]
+        ws = [self.info[id(e.inputs[1])].ident for e in group]
+        wcat = self.fresh("w")
+        self.prologue.append(f"{wcat} = np.ascontiguousarray(np.concatenate(({', '.join(ws)},), axis=1))")
+        self.gargs.append(wcat)
+        total = sum(e.outputs[0].shape[-1] for e in group)
+        out_var = ir.Var("merged", group[0].outputs[0].dtype, (None, total))
+        if mode == "hoist":
+            info = self.new_array(out_var, "hoist", lines, size=ai.size)
+            lines.append(f"np.dot({self.contiguous(ai, mode, lines)}, {wcat}, {info.ident})")
+        else:
+            info = self.new_array(out_var, "step", lines)
+            lines.append(
+                f"np.dot({self.contiguous(ai, mode, lines)}, {wcat}, {info.ident}[:nb])"
+            )
+        offset = 0
+        for e in group:
+            out = e.outputs[0]
+            self.info[id(out)] = _Info(info.kind, info.ident, out, offset=offset, width=total,
+                                       size=info.size, hoistable=info.hoistable)
+            offset += out.shape[-1]
+
+    def contiguous(self, info, mode, lines):
+        """An expression for a C-contiguous [rows, K] array holding a 2-D var."""
+        full = info.offset == 0 and info.width == _width(info.var)
+        if mode == "hoist" and info.kind == "global" and full:
+            return info.ident
+        if mode == "step" and info.kind == "local" and full:
+            return f"{info.ident}[:nb]"
+        tmp = self.new_array(ir.Var("tmp", info.var.dtype, info.var.shape), mode, lines,
+                             size=info.size)
+        self.emit_copy(info, tmp, mode, lines)
+        return f"{tmp.ident}[:nb]" if mode == "step" else tmp.ident
+
+    def emit_copy(self, src, dst, mode, lines):
+        shape = dst.var.shape
+        loops, idx = self.loop_nest(shape, mode, dst.size)
+        body = f"{self.ref(dst, idx, mode, shape)} = {self.ref(src, idx, mode, shape)}"
+        lines += _nest(loops, [body])
+
+    def loop_nest(self, shape, mode, size=None):
+        loops, idx = [], []
+        for d, n in enumerate(shape):
+            if n is None:
+                var = "b" if mode == "step" else "r"
+                bound = "nb" if mode == "step" else size
+            else:
+                var, bound = f"i{d}", str(n)
+            loops.append(f"for {var} in range({bound}):")
+            idx.append(var)
+        return loops, idx
+
+    def ref(self, info, idx, mode, loop_shape):
+        """Code reading element ``idx`` (loop indices over ``loop_shape``) of a var,
+        with NumPy broadcasting."""
+        if info.kind == "literal":
+            return info.ident
+        if info.kind == "scalar":
+            return info.ident
+        shape = info.var.shape
+        lead = len(loop_shape) - len(shape)
+        parts = []
+        for d, n in enumerate(shape):
+            i = idx[lead + d]
+            if n is None:
+                if info.kind == "global":
+                    i = "entries[b]" if mode == "step" else "r"
+                else:
+                    i = "b"
+            elif n == 1 and loop_shape[lead + d] != 1:
+                i = "0"
+            if d == len(shape) - 1 and info.offset:
+                i = f"{info.offset} + {i}"
+            parts.append(i)
+        if not parts:
+            return f"{info.ident}[()]" if info.kind == "const" else info.ident
+        return f"{info.ident}[{', '.join(parts)}]"
+
+    def operand(self, v, dtype):
+        if isinstance(v, ir.Literal):
+            return _Info("literal", self.literal(v.value, dtype))
+        return self.info[id(v)]
+
+    def emit_op(self, e, mode, lines):
+        """One non-rnn op as its own loop nest (or a BLAS call)."""
+        out = e.outputs[0]
+        size = self.space_size(e) if mode == "hoist" else None
+        if e.op == "matmul" and self.emit_dot(e, mode, lines):
+            return
+        info = self.new_array(out, mode, lines, size=size)
+        opdt = _operand_dtype(e)
+        ins = [self.operand(v, opdt) for v in e.inputs]
+        shape = out.shape
+        loops, idx = self.loop_nest(shape, mode, size)
+        dst = self.ref(info, idx, mode, shape)
+        if e.op in _SCALAR_OPS or e.op in _PRECISION_OPS or e.op == "clip":
+            expr = self.scalar_expr(e, [self.ref(i, idx, mode, shape) for i in ins])
+            lines += _nest(loops, [f"{dst} = {expr}"])
+        elif e.op == "sum":
+            axis = e.attrs["axis"]
+            n = e.inputs[0].shape[axis]
+            keep = e.attrs.get("keepdims", False)
+            in_idx = list(idx)
+            if keep:
+                in_idx[axis] = "k"
+            else:
+                in_idx.insert(axis, "k")
+            acc = self.literal(0.0, out.dtype)
+            src = self.ref(ins[0], in_idx, mode, e.inputs[0].shape)
+            lines += _nest(loops, [f"acc = {acc}", f"for k in range({n}):",
+                                   f"    acc += {src}", f"{dst} = acc"])
+        elif e.op == "slice":
+            axis, start = e.attrs["axis"], e.attrs["start"]
+            in_idx = list(idx)
+            in_idx[axis] = f"{start} + {idx[axis]}"
+            lines += _nest(loops, [f"{dst} = {self.ref(ins[0], in_idx, mode, shape)}"])
+        elif e.op == "concat":
+            axis = e.attrs["axis"]
+            offset = 0
+            for v, vi in zip(e.inputs, ins):
+                vloops, vidx = self.loop_nest(v.shape, mode, size)
+                didx = list(vidx)
+                didx[axis] = f"{offset} + {vidx[axis]}"
+                lines += _nest(vloops, [
+                    f"{self.ref(info, didx, mode, shape)} = {self.ref(vi, vidx, mode, v.shape)}"
+                ])
+                offset += v.shape[axis]
+        elif e.op == "matmul":
+            self.emit_loop_matmul(e, ins, info, loops, idx, mode, lines)
+        else:
+            raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
+
+    def emit_dot(self, e, mode, lines):
+        """``a @ W`` with a 2-D step value and a 2-D constant: one BLAS call."""
+        a, w = e.inputs
+        if not (isinstance(a, ir.Var) and isinstance(w, ir.Var)):
+            return False
+        ai, wi = self.info[id(a)], self.info[id(w)]
+        if wi.kind != "const" or len(w.shape) != 2 or len(a.shape) != 2 or not a.batched:
+            return False
+        if np.dtype(a.dtype) != np.dtype(w.dtype):
+            return False
+        size = ai.size
+        left = self.contiguous(ai, mode, lines)
+        info = self.new_array(e.outputs[0], mode, lines, size=size)
+        dst = info.ident if mode == "hoist" else f"{info.ident}[:nb]"
+        lines.append(f"np.dot({left}, {wi.ident}, {dst})")
+        return True
+
+    def emit_loop_matmul(self, e, ins, info, loops, idx, mode, lines):
+        a, b = e.inputs
+        shape = e.outputs[0].shape
+        ma = a.shape if len(a.shape) > 1 else (1,) + a.shape
+        r = len(shape)
+        out_idx = list(idx)
+        # indices of the stacked/row dims of the promoted result
+        full_idx = out_idx if len(a.shape) > 1 else out_idx[:r - 1] + ["0"] + out_idx[r - 1:]
+        if len(b.shape) == 1:
+            full_idx = full_idx + ["0"]
+        stack = full_idx[:-2]
+        a_idx = stack[len(stack) - (len(ma) - 2):] if len(ma) > 2 else []
+        a_idx = a_idx + ([full_idx[-2]] if len(a.shape) > 1 else []) + ["k"]
+        b_idx = stack[len(stack) - (len(b.shape) - 2):] if len(b.shape) > 2 else []
+        b_idx = b_idx + ["k"] + ([full_idx[-1]] if len(b.shape) > 1 else [])
+        k = ma[-1]
+        acc = self.literal(0.0, e.outputs[0].dtype)
+        ra = self.ref(ins[0], a_idx, mode, a.shape)
+        rb = self.ref(ins[1], b_idx, mode, b.shape)
+        dst = self.ref(info, out_idx, mode, shape)
+        lines += _nest(loops, [f"acc = {acc}", f"for k in range({k}):",
+                               f"    acc += {ra} * {rb}", f"{dst} = acc"])
+
+    def scalar_expr(self, e, args):
+        if e.op in _PRECISION_OPS:
+            bits = "32" if np.dtype(e.outputs[0].dtype) == np.float32 else "64"
+            return f"{_PRECISION_OPS[e.op]}{bits}({args[0]})"
+        if e.op == "clip":
+            x = args[0]
+            dt = e.outputs[0].dtype
+            if e.attrs.get("lo") is not None:
+                x = f"max({x}, {self.literal(e.attrs['lo'], dt)})"
+            if e.attrs.get("hi") is not None:
+                x = f"min({x}, {self.literal(e.attrs['hi'], dt)})"
+            return x
+        return _SCALAR_OPS[e.op].format(*args)
+
+    # -- the time loop -----------------------------------------------------------
+
+    def emit_rnn_call(self, eqn, start_expr, len_expr, count_expr, mode):
+        """Emit the function for ``eqn`` and the lines that call it.
+
+        Returns (lines, outputs) where outputs lists (kind, ident) per rnn output.
+        """
+        seqs, statics, inits = ir.rnn_parts(eqn)
+        body = eqn.attrs["body"]
+        for out, res, all_steps in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"]):
+            if all_steps and not res.lod_depth:
+                level = self.seq_levels(eqn)[0]
+                ident = self.fresh("o")
+                dt = f"np.{np.dtype(out.dtype).name}"
+                self.prologue.append(
+                    f"{ident} = np.empty(({level}[-1],) + {tuple(res.shape[1:])!r}, {dt})"
+                )
+                self.gargs.append(ident)
+                data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]")
+                self.info[id(out)] = _Info("ragged", None, out, levels=(level,), data=data)
+        fname, result_infos = self.emit_rnn_function(eqn)
+        lines, args, outs = [], [start_expr, len_expr], []
+        for v in list(inits) + list(statics):
+            if isinstance(v, ir.Literal):
+                continue
+            vi = self.info[id(v)]
+            if vi.kind == "const":
+                continue
+            args.append(self.batched_arg(vi, mode, lines))
+        for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
+                                           result_infos):
+            dt = f"np.{np.dtype(out.dtype).name}"
+            if all_steps:
+                if res.lod_depth:
+                    oi = _Info("ragged", None, out, levels=(self.seq_levels(eqn)[0],) + ri.levels,
+                               data=ri.data)
+                    self.info[id(out)] = oi
+                    outs.append(("ragged_all", oi.data.ident, oi.levels))
+                else:
+                    oi = self.info[id(out)]
+                    outs.append(("dense_all", oi.data.ident, oi.levels))
+            else:
+                if res.lod_depth:
+                    if mode != "program":
+                        raise UnsupportedError(
+                            "numba backend: a nested step-net's last step of a ragged output "
+                            "is not supported (use backend='interpreter')"
+                        )
+                    ident = self.fresh("e")
+                    lines.append(f"{ident} = np.empty(num_seq, np.int64)")
+                    args.append(ident)
+                    outs.append(("ragged_last", ident, ri.levels, ri.data.ident))
+                    self.extra_returns.append(ri.data.ident)
+                else:
+                    if mode == "program":
+                        ident = self.fresh("last")
+                        lines.append(
+                            f"{ident} = np.empty((num_seq,) + {tuple(res.shape[1:])!r}, {dt})"
+                        )
+                        args.append(ident)
+                        outs.append(("last", ident))
+                    else:
+                        info = self.new_array(out, "step", lines)
+                        args.append(f"{info.ident}[:nb]")
+                        outs.append(("last", info.ident))
+        lines.append(f"{fname}({', '.join(args)}, {', '.join(self.gargs_marker())})")
+        return lines, outs
+
+    def gargs_marker(self):
+        return ["GARGS"]
+
+    def seq_levels(self, eqn):
+        seqs, _, _ = ir.rnn_parts(eqn)
+        return self.info[id(seqs[0])].levels
+
+    def batched_arg(self, vi, mode, lines):
+        """An expression for an [n, ...] array of a batched operand, in batch order."""
+        if mode == "program":
+            return vi.ident
+        if vi.kind == "local" and vi.offset == 0 and vi.width == _width(vi.var):
+            return f"{vi.ident}[:nb]"
+        tmp = self.new_array(ir.Var("tmp", vi.var.dtype, vi.var.shape), "step", lines)
+        self.emit_copy(vi, tmp, "step", lines)
+        return f"{tmp.ident}[:nb]"
+
+    def emit_rnn_function(self, eqn):
+        body = eqn.attrs["body"]
+        seqs, statics, inits = ir.rnn_parts(eqn)
+        fname = self.fresh("rnn_")
+        # The same body may be called twice (all steps and last step): where its
+        # per-step values live is local to each function.
+        saved_info = dict(self.info)
+        saved_allocs = getattr(self, "step_allocs", None)
+        self.step_allocs = []
+        params = ["seq_start", "seq_len"]
+        setup = [
+            "num_seq = seq_len.shape[0]",
+            "order = np.argsort(-seq_len, kind='mergesort')",
+            "slen = seq_len[order]",
+            "sstart = seq_start[order]",
+            "num_steps = slen[0] if num_seq > 0 else 0",
+            "entries = np.empty(num_seq, np.int64)",
+        ]
+        # initial memories (sorted), statics (sorted)
+        for mem, init in zip(body.memories, inits):
+            ident = self.fresh("m")
+            dt = f"np.{np.dtype(mem.pre.dtype).name}"
+            setup.append(f"{ident} = np.empty((num_seq,) + {tuple(mem.pre.shape[1:])!r}, {dt})")
+            src = self.init_source(init, mem.pre, params)
+            setup += _nest(["for b in range(num_seq):"], [f"{ident}[b] = {src}"])
+            self.info[id(mem.pre)] = _Info("local", ident, mem.pre, width=_width(mem.pre))
+        for sv, outer in zip(body.static_inputs, statics):
+            oi = self.info[id(outer)]
+            if oi.kind == "const":
+                self.info[id(sv)] = oi
+                continue
+            if outer.lod_depth or sv.lod_depth:
+                raise UnsupportedError(
+                    f"numba backend: ragged static input {outer.name} is not supported "
+                    "(use backend='interpreter')"
+                )
+            p = self.fresh("s_in")
+            params.append(p)
+            ident = self.fresh("s")
+            dt = f"np.{np.dtype(sv.dtype).name}"
+            setup.append(f"{ident} = np.empty((num_seq,) + {tuple(sv.shape[1:])!r}, {dt})")
+            setup += _nest(["for b in range(num_seq):"], [f"{ident}[b] = {p}[order[b]]"])
+            self.info[id(sv)] = _Info("local", ident, sv, width=_width(sv))
+        # last-step outputs: params filled here
+        last_params = []
+        for res, all_steps, mem_index in zip(body.outputs, eqn.attrs["all_steps"],
+                                             eqn.attrs["output_memory"]):
+            if all_steps:
+                last_params.append(None)
+                continue
+            p = self.fresh("out_last")
+            params.append(p)
+            last_params.append(p)
+            if res.lod_depth:
+                setup += _nest(["for b in range(num_seq):"], [f"{p}[b] = -1"])
+            elif mem_index >= 0:
+                m = self.info[id(body.memories[mem_index].pre)].ident
+                setup += _nest(["for b in range(num_seq):"], [f"{p}[order[b]] = {m}[b]"])
+            else:
+                setup += _nest(["for b in range(num_seq):"], [f"{p}[b] = 0"])
+
+        # the step
+        step = ["while nb > 0 and slen[nb - 1] <= step:", "    nb -= 1"]
+        pos = "slen[b] - 1 - step" if eqn.attrs["reverse"] else "step"
+        step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + {pos}"])
+        self.emit_step(body, step)
+        # memories: copy the new values in (snapshot first where a post is a pre)
+        pres = {id(m.pre) for m in body.memories}
+        snaps = {}
+        for mem in body.memories:
+            if id(mem.post) in pres and id(mem.post) not in snaps:
+                tmp = self.new_array(ir.Var("snap", mem.post.dtype, mem.post.shape), "step", step)
+                self.emit_copy(self.info[id(mem.post)], tmp, "step", step)
+                snaps[id(mem.post)] = tmp
+        for mem in body.memories:
+            src = snaps.get(id(mem.post), self.info[id(mem.post)])
+            self.emit_copy(src, self.info[id(mem.pre)], "step", step)
+        # outputs
+        for res, out, p in zip(body.outputs, eqn.outputs, last_params):
+            ri = self.info[id(res)]
+            if p is None:
+                if res.lod_depth:
+                    continue  # written in place by the nested rnn
+                oi = self.info[id(out)].data
+                loops, idx = self.loop_nest(res.shape, "step")
+                step += _nest(loops, [
+                    f"{self.ref(oi, idx, 'step', res.shape)} = {self.ref(ri, idx, 'step', res.shape)}"
+                ])
+            elif res.lod_depth:
+                step += _nest(["for b in range(nb):", "if slen[b] == step + 1:"],
+                              [f"{p}[order[b]] = entries[b]"])
+            else:
+                loops, idx = self.loop_nest(res.shape, "step")
+                dst = self.ref(_Info("local", p, res), idx, "step", res.shape)
+                dst = dst.replace(f"{p}[b", f"{p}[order[b]", 1)
+                step += _nest(
+                    ["for b in range(nb):", "if slen[b] == step + 1:"],
+                    _nest(loops[1:], [f"{dst} = {self.ref(ri, idx, 'step', res.shape)}"]),
+                )
+        fn = [_DECORATOR, f"def {fname}({', '.join(params)}, GARGS):"]
+        fn += ["    " + line for line in setup + self.step_allocs]
+        fn += ["    nb = num_seq", "    for step in range(num_steps):"]
+        fn += ["        " + line for line in step]
+        fn += ["    return 0"]
+        self.functions.append(fn)
+        self.step_allocs = saved_allocs
+        result_infos = [self.info.get(id(res)) for res in body.outputs]
+        self.info = saved_info
+        return fname, result_infos
+
+    def init_source(self, init, pre, params):
+        """The expression for row b's initial value of a memory."""
+        if isinstance(init, ir.Literal):
+            return self.literal(init.value, pre.dtype)
+        ii = self.info[id(init)]
+        if ii.kind == "const":
+            return f"np.broadcast_to({ii.ident}, {tuple(pre.shape[1:])!r})" if init.shape != pre.shape[1:] else ii.ident
+        p = self.fresh("init")
+        params.append(p)
+        return f"{p}[order[b]]"
+
+    def emit_step(self, body, lines):
+        """The per-step ops of a block: BLAS calls, fused elementwise loops, nested rnns."""
+        step_eqns = [e for e in body.eqns if e.op == "rnn" or id(e.outputs[0]) not in self.info]
+        merged = self.merge_matmuls(_Body(step_eqns), hoisting=False)
+        needed = self.materialized(body, step_eqns)
+        group = []
+
+        def flush():
+            if group:
+                self.emit_fused(group, needed, lines)
+                group.clear()
+
+        for e in step_eqns:
+            if id(e.outputs[0]) in self.info:  # computed by a merged matmul
+                continue
+            if e.op == "rnn":
+                flush()
+                self.emit_nested(e, lines)
+            elif e.op in _SCALAR_OPS or e.op in _PRECISION_OPS or e.op == "clip":
+                if group and group[0].outputs[0].shape != e.outputs[0].shape:
+                    flush()
+                group.append(e)
+            else:
+                flush()
+                if id(e) in merged:
+                    self.emit_merged(merged[id(e)], "step", lines)
+                else:
+                    self.emit_op(e, "step", lines)
+        flush()
+
+    def materialized(self, body, step_eqns):
+        """Vars of fused ops that other ops, memories or outputs read."""
+        users = {}
+        for i, e in enumerate(step_eqns):
+            for v in e.inputs:
+                if isinstance(v, ir.Var):
+                    users.setdefault(id(v), set()).add(i)
+        needed = {id(m.post) for m in body.memories} | {id(v) for v in body.outputs}
+        for i, e in enumerate(step_eqns):
+            fusable = e.op in _SCALAR_OPS or e.op in _PRECISION_OPS or e.op == "clip"
+            if not fusable:
+                for v in e.inputs:
+                    if isinstance(v, ir.Var):
+                        needed.add(id(v))
+        self._users = users
+        return needed
+
+    def emit_fused(self, group, needed, lines):
+        shape = group[0].outputs[0].shape
+        loops, idx = self.loop_nest(shape, "step")
+        inner = []
+        scalars = []
+        for e in group:
+            opdt = _operand_dtype(e)
+            args = []
+            for v in e.inputs:
+                vi = self.operand(v, opdt)
+                args.append(self.ref(vi, idx, "step", shape))
+            out = e.outputs[0]
+            name = self.fresh("t")
+            inner.append(f"{name} = {self.scalar_expr(e, args)}")
+            scalars.append((out, name))
+            self.info[id(out)] = _Info("scalar", name, out)
+        # materialize what is read outside the group
+        for out, name in scalars:
+            if id(out) in needed or self.used_outside(out, group):
+                info = self.new_array(out, "step", lines)
+                inner.append(f"{self.ref(info, idx, 'step', shape)} = {name}")
+        lines += _nest(loops, inner)
+
+    def used_outside(self, var, group):
+        ids = {id(e) for e in group}
+        for e in self._all_eqns:
+            if id(e) in ids:
+                continue
+            if any(v is var for v in e.inputs):
+                return True
+        return False
+
+    def emit_nested(self, e, lines):
+        seqs, _, _ = ir.rnn_parts(e)
+        si = self.info[id(seqs[0])]
+        level = si.levels[0]
+        starts = self.fresh("st")
+        lens = self.fresh("ln")
+        self.step_allocs.append(f"{starts} = np.empty(num_seq, np.int64)")
+        self.step_allocs.append(f"{lens} = np.empty(num_seq, np.int64)")
+        lines += _nest(["for b in range(nb):"], [
+            f"{starts}[b] = {level}[entries[b]]",
+            f"{lens}[b] = {level}[entries[b] + 1] - {level}[entries[b]]",
+        ])
+        self.hoist_block(e)
+        call, outs = self.emit_rnn_call(e, f"{starts}[:nb]", f"{lens}[:nb]", "nb", mode="step")
+        lines += call
+
+
+class _Body:
+    def __init__(self, eqns):
+        self.eqns = eqns
+
+
+def _width(var):
+    return var.shape[-1] if len(var.shape) > 0 and var.shape[-1] is not None else None
+
+
+def _operand_dtype(e):
+    """The dtype literals of ``e`` take: its float operands' (comparisons, where)."""
+    for v in e.inputs:
+        if isinstance(v, ir.Var) and np.dtype(v.dtype).kind == "f":
+            return v.dtype
+    return e.outputs[0].dtype
+
+
+def _nest(loops, body):
+    lines = []
+    for depth, loop in enumerate(loops):
+        lines.append("    " * depth + loop)
+    pad = "    " * len(loops)
+    return lines + [pad + line for line in body]
+
+
+_DECORATOR = "@njit(cache=True, error_model='numpy', nogil=True)"
+
+
+# ----------------------------------------------------------------------------
+# compiling and running
+
+
+def cache_dir() -> Path:
+    path = os.environ.get("STEPNET_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "stepnet"
+    )
+    return Path(path)
+
+
+_MODULES = {}
+
+
+def generate_source(program: ir.Program) -> str:
+    gen = _Gen(program)
+    gen._all_eqns = list(ir.iter_eqns(program.eqn.attrs["body"]))
+    src = gen.generate()
+    return src, gen
+
+
+def _load(source: str):
+    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    if key in _MODULES:
+        return _MODULES[key]
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"stepnet_kernel_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    name = f"stepnet_kernel_{key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _MODULES[key] = module
+    return module
+
+
+class NumbaProgram:
+    """A program compiled by the Numba backend: ``run(args, consts)``."""
+
+    def __init__(self, program: ir.Program):
+        self.program = program
+        self.source, gen = generate_source(program)
+        self.top_inputs = gen.top_inputs
+        self.top_outputs = gen.top_outputs
+        if os.environ.get("STEPNET_DEBUG"):
+            print(self.source, file=sys.stderr)
+        self.module = _load(self.source)
+
+    def __call__(self, args, consts):
+        call_args = []
+        primary = None
+        for (kind, var, _, _), value in zip(self.top_inputs, args):
+            if kind == "sequence":
+                primary = primary or value
+                call_args.append(np.ascontiguousarray(value.data))
+                call_args += [np.ascontiguousarray(lv) for lv in value.levels]
+            else:
+                call_args.append(np.ascontiguousarray(value))
+        const_args = [np.ascontiguousarray(consts[v.name]) for v in self.program.consts]
+        results = self.module.program(*const_args, *call_args)
+        extra = list(results[len(self.top_outputs):])
+        outputs = []
+        for spec, arr in zip(self.top_outputs, results):
+            kind = spec[0]
+            if kind in ("dense_all", "ragged_all"):
+                outputs.append(LoDTensor(arr, [self._level(name, args) for name in spec[2]]))
+            elif kind == "last":
+                outputs.append(arr)
+            else:
+                outputs.append(self._ragged_last(arr, spec, args, extra.pop(0)))
+        return outputs
+
+    def _level(self, name, args):
+        for (kind, _, _, levels), value in zip(self.top_inputs, args):
+            if kind == "sequence" and name in levels:
+                return value.levels[levels.index(name)]
+        raise AssertionError(name)
+
+    def _ragged_last(self, entries, spec, args, data):
+        """Each sequence's last element of a ragged output, as a LoDTensor."""
+        levels = [self._level(n, args) for n in spec[2]]
+        nested = LoDTensor(data, levels)
+        empty = LoDTensor(np.zeros((0,) + data.shape[1:], data.dtype),
+                          [[0, 0]] + [[0]] * (len(levels) - 1))
+        pieces = [nested.select([int(e)]) if e >= 0 else empty for e in entries]
+        if not pieces:
+            return LoDTensor(empty.data, [[0]] + [[0]] * (len(levels) - 1))
+        return LoDTensor.concat(pieces)
+
+
+def compile_program(program: ir.Program):
+    return NumbaProgram(program)
+
+
+def available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
