@@ -30,7 +30,7 @@ _ZERO32 = _F(0.0)
 _ONE32 = _F(1.0)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def tanh32(x):
     c = x if x < _CLAMP else _CLAMP
     c = c if c > -_CLAMP else -_CLAMP
@@ -49,31 +49,62 @@ def tanh32(x):
     return x if (x < _TINY and x > -_TINY) else r
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def sigmoid32(x):
     return _HALF32 + _HALF32 * tanh32(_HALF32 * x)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def tanh64(x):
     return np.tanh(x)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def sigmoid64(x):
     return 0.5 + 0.5 * np.tanh(0.5 * x)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def softplus64(x):
     return np.log1p(np.exp(-abs(x))) + max(x, 0.0)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def softplus32(x):
     return np.log1p(np.exp(-abs(x))) + (x if x > _ZERO32 else _ZERO32)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def relu(x):
     return x if x > 0 else x - x
+
+
+@njit(cache=True)
+def sort_by_length(seq_start, seq_len):
+    """(order, sorted lengths, sorted starts): sequences longest first, ties in
+    the caller's order (a stable counting sort; O(n + longest))."""
+    n = seq_len.shape[0]
+    longest = 0
+    for i in range(n):
+        if seq_len[i] > longest:
+            longest = seq_len[i]
+    # first[l]: where the sequences of length l start in the sorted order
+    first = np.zeros(longest + 2, np.int64)
+    for i in range(n):
+        first[seq_len[i]] += 1
+    position = 0
+    for length in range(longest, -1, -1):
+        count = first[length]
+        first[length] = position
+        position += count
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        length = seq_len[i]
+        order[first[length]] = i
+        first[length] += 1
+    slen = np.empty(n, np.int64)
+    sstart = np.empty(n, np.int64)
+    for b in range(n):
+        slen[b] = seq_len[order[b]]
+        sstart[b] = seq_start[order[b]]
+    return order, slen, sstart
