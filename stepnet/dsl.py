@@ -315,6 +315,11 @@ class RNNOp:
                         f"add_memory({name}): init of shape {list(init_arr.shape)} fits neither "
                         f"[num_sequences, {', '.join(map(str, shape))}] nor {list(shape)}"
                     )
+                if per_sequence and num_seq is not None and init_arr.shape[0] != num_seq:
+                    raise ShapeError(
+                        f"add_memory({name}): init has {init_arr.shape[0]} rows (one per "
+                        f"sequence) but the step inputs have {num_seq} sequences"
+                    )
             if self._top:
                 outer = Var(name, mem_dtype, (None,) + tuple(shape))
                 self.bindings[name] = _Binding(
