@@ -22,7 +22,22 @@ from .tracing import Parameter, Value
 __version__ = "0.1.0"
 
 __all__ = [
-    "errors", "ops", "backends", "default_backend", "set_default_backend", "MemoryHandle",
-    "RNNOp", "create_rnn_op", "BackendError", "Error", "LoDError", "ShapeError",
-    "StepNetError", "UnsupportedError", "YAMLError", "LoDTensor", "Parameter", "Value",
+    "BackendError",
+    "Error",
+    "LoDError",
+    "LoDTensor",
+    "MemoryHandle",
+    "Parameter",
+    "RNNOp",
+    "ShapeError",
+    "StepNetError",
+    "UnsupportedError",
+    "Value",
+    "YAMLError",
+    "backends",
+    "create_rnn_op",
+    "default_backend",
+    "errors",
+    "ops",
+    "set_default_backend",
 ]

@@ -10,7 +10,6 @@ import importlib
 import numpy as np
 
 from .errors import BackendError
-from .lod import LoDTensor
 
 # name -> module implementing ``compile_program(program) -> run(args, consts)``
 _BACKEND_MODULES = {
@@ -121,4 +120,4 @@ class _Runner:
         return compiled(output_all_steps, **bindings)
 
 
-__all__ = ["backends", "set_default_backend", "default_backend", "CompiledStepNet"]
+__all__ = ["CompiledStepNet", "backends", "default_backend", "set_default_backend"]

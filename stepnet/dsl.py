@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 
@@ -405,15 +406,15 @@ class RNNOp:
         for v in self.block.outputs:
             depth = v.lod_depth + 1 if all_steps else v.lod_depth
             outs.append(Var(fresh(v.name), v.dtype, v.shape, depth))
-        attrs = dict(
-            name=self.name,
-            body=self.block,
-            reverse=self.reverse,
-            all_steps=tuple(all_steps for _ in outs),
-            output_memory=self.output_memory,
-            num_sequence_inputs=len(seqs),
-            num_static_inputs=len(statics),
-        )
+        attrs = {
+            "name": self.name,
+            "body": self.block,
+            "reverse": self.reverse,
+            "all_steps": tuple(all_steps for _ in outs),
+            "output_memory": self.output_memory,
+            "num_sequence_inputs": len(seqs),
+            "num_static_inputs": len(statics),
+        }
         return ir.Eqn("rnn", seqs + statics + inits, tuple(outs), attrs)
 
     def program(self, all_steps=True) -> ir.Program:
@@ -618,7 +619,7 @@ def _check_lod_agreement(program: ir.Program, values: dict) -> None:
         seqs, _, _ = ir.rnn_parts(eqn)
         body = eqn.attrs["body"]
         known = [(v, levels_of[id(v)]) for v in seqs if id(v) in levels_of]
-        for (v, lv), (w, lw) in zip(known, known[1:]):
+        for (v, lv), (w, lw) in itertools.pairwise(known):
             if not np.array_equal(lv[0], lw[0]):
                 raise StepNetError(
                     f"step inputs {v.name} and {w.name} of {eqn.attrs['name']} have different "

@@ -128,7 +128,7 @@ class _Gen:
             params.append(ident)
             self.gargs.append(ident)
         eqn = prog.eqn
-        seqs, statics, inits = ir.rnn_parts(eqn)
+        seqs, statics, _ = ir.rnn_parts(eqn)
         self.top_inputs = []
         for v in prog.inputs:
             if v.lod_depth:
@@ -349,6 +349,8 @@ class _Gen:
         lines += _nest(loops, [body])
 
     def loop_nest(self, shape, mode, size=None):
+        """Loops over ``shape``; in a step, ``e`` is row b's entry (loaded once
+        per row, so LLVM vectorizes the inner loop)."""
         loops, idx = [], []
         for d, n in enumerate(shape):
             if n is None:
@@ -357,6 +359,8 @@ class _Gen:
             else:
                 var, bound = f"i{d}", str(n)
             loops.append(f"for {var} in range({bound}):")
+            if n is None and mode == "step":
+                loops.append("e = entries[b]")
             idx.append(var)
         return loops, idx
 
@@ -374,7 +378,7 @@ class _Gen:
             i = idx[lead + d]
             if n is None:
                 if info.kind == "global":
-                    i = "entries[b]" if mode == "step" else "r"
+                    i = "e" if mode == "step" else "r"
                 else:
                     i = "b"
             elif n == 1 and loop_shape[lead + d] != 1:
@@ -512,7 +516,7 @@ class _Gen:
 
         Returns (lines, outputs) where outputs lists (kind, ident) per rnn output.
         """
-        seqs, statics, inits = ir.rnn_parts(eqn)
+        _, statics, inits = ir.rnn_parts(eqn)
         body = eqn.attrs["body"]
         for out, res, all_steps in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"]):
             if all_steps and not res.lod_depth:
@@ -592,7 +596,7 @@ class _Gen:
 
     def emit_rnn_function(self, eqn):
         body = eqn.attrs["body"]
-        seqs, statics, inits = ir.rnn_parts(eqn)
+        _, statics, inits = ir.rnn_parts(eqn)
         fname = self.fresh("rnn_")
         # The same body may be called twice (all steps and last step): where its
         # per-step values live is local to each function.
@@ -802,7 +806,7 @@ class _Gen:
             f"{lens}[b] = {level}[entries[b] + 1] - {level}[entries[b]]",
         ])
         self.hoist_block(e)
-        call, outs = self.emit_rnn_call(e, f"{starts}[:nb]", f"{lens}[:nb]", "nb", mode="step")
+        call, _ = self.emit_rnn_call(e, f"{starts}[:nb]", f"{lens}[:nb]", "nb", mode="step")
         lines += call
 
 
@@ -851,12 +855,15 @@ def _row_assign(dst, dst_row, src, src_row, row_shape, src_shape=None):
     return _nest(loops, [f"{dst_ref} = {src_ref}"])
 
 
-def _nest(loops, body):
-    lines = []
-    for depth, loop in enumerate(loops):
-        lines.append("    " * depth + loop)
-    pad = "    " * len(loops)
-    return lines + [pad + line for line in body]
+def _nest(head, body):
+    """Nest ``body`` under ``head``: head lines ending in ':' open a block, the
+    others are statements at the depth reached so far."""
+    lines, depth = [], 0
+    for line in head:
+        lines.append("    " * depth + line)
+        if line.endswith(":"):
+            depth += 1
+    return lines + ["    " * depth + line for line in body]
 
 
 _DECORATOR = "@njit(cache=True, error_model='numpy', nogil=True)"

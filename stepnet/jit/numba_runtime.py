@@ -32,8 +32,8 @@ _ONE32 = _F(1.0)
 
 @njit(cache=True)
 def tanh32(x):
-    c = x if x < _CLAMP else _CLAMP
-    c = c if c > -_CLAMP else -_CLAMP
+    c = min(_CLAMP, x)
+    c = max(-_CLAMP, c)
     x2 = c * c
     p = x2 * _A13 + _A11
     p = x2 * p + _A9
@@ -71,7 +71,7 @@ def softplus64(x):
 
 @njit(cache=True)
 def softplus32(x):
-    return np.log1p(np.exp(-abs(x))) + (x if x > _ZERO32 else _ZERO32)
+    return np.log1p(np.exp(-abs(x))) + (max(_ZERO32, x))
 
 
 @njit(cache=True)
@@ -86,8 +86,7 @@ def sort_by_length(seq_start, seq_len):
     n = seq_len.shape[0]
     longest = 0
     for i in range(n):
-        if seq_len[i] > longest:
-            longest = seq_len[i]
+        longest = max(longest, seq_len[i])
     # first[l]: where the sequences of length l start in the sorted order
     first = np.zeros(longest + 2, np.int64)
     for i in range(n):

@@ -48,7 +48,7 @@ def neg(x):
     return bind("neg", [x])
 
 
-def abs(x):  # noqa: A001 - the op's name
+def abs(x):
     return bind("abs", [x])
 
 
@@ -112,7 +112,7 @@ def matmul(a, b):
     return bind("matmul", [a, b])
 
 
-def sum(x, axis=-1, keepdims=False):  # noqa: A001 - the op's name
+def sum(x, axis=-1, keepdims=False):
     return bind("sum", [x], axis=int(axis), keepdims=bool(keepdims))
 
 
@@ -120,7 +120,7 @@ def concat(values, axis=-1):
     return bind("concat", list(values), axis=int(axis))
 
 
-def slice(x, start, stop, axis=-1):  # noqa: A001 - the op's name
+def slice(x, start, stop, axis=-1):
     size = shape_of(x)[axis]
     start, stop, _ = builtins.slice(start, stop).indices(size)
     return bind("slice", [x], axis=int(axis), start=start, stop=builtins.max(start, stop))

@@ -7,8 +7,8 @@ rule. Backends and autodiff look ops up here; nothing else special-cases an op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

@@ -1,0 +1,766 @@
+"""The peers: one builder per (peer, workload).
+
+A builder takes a :class:`workloads.Workload` and returns a zero-argument
+callable that runs the forward on inputs built beforehand and returns
+``(outputs, final_state)``: all steps' outputs in the peer's own layout, and
+the final hidden state per sequence (W6: ``(paragraph_vectors,
+chapter_last_states)``). ``final_state_numpy`` turns the latter into one
+float array for the accuracy check (outside any timing).
+
+Families (each runs in its own process, see run.py): ``stepnet``, ``torch``,
+``onnxruntime``, ``jax``, ``numpy``. ``PEERS[family][workload]`` lists
+``(label, builder)``; a workload a family has no peer for maps to a string
+saying why (shown as "n/a").
+
+Frameworks are imported inside the builders, so that the worker controls the
+import order (torch first in the torch worker) and a missing one fails only its
+own items.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PEERS: dict = {}
+
+FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy")
+
+
+def peer(family, keys, label):
+    """Register ``fn`` as ``family``'s peer for the workloads ``keys``."""
+
+    def register(fn):
+        for key in keys:
+            PEERS.setdefault(family, {}).setdefault(key, []).append((label, fn))
+        return fn
+
+    return register
+
+
+def not_applicable(family, keys, reason):
+    for key in keys:
+        PEERS.setdefault(family, {})[key] = reason
+
+
+def final_state_numpy(h) -> np.ndarray:
+    """A peer's final state as a float64 array (a tuple is stacked by rows)."""
+    if isinstance(h, (tuple, list)):
+        return np.concatenate([final_state_numpy(v) for v in h], axis=0)
+    if hasattr(h, "detach"):  # torch
+        h = h.detach().cpu().numpy()
+    return np.asarray(h, dtype=np.float64)
+
+
+def _gate_slices(H, n):
+    return [slice(k * H, (k + 1) * H) for k in range(n)]
+
+
+# ============================================================================
+# stepnet: the cells in the DSL, compiled with the Numba backend
+
+
+def _sn_param(sn, array, name):
+    return sn.Parameter(np.ascontiguousarray(array, dtype=np.float32), name=name)
+
+
+def _sn_gru_params(sn, w, prefix):
+    """PyTorch GRU weights as DSL Parameters: ``x @ W`` with ``W = w_ih[gate].T``.
+
+    The r and z biases are pre-summed (``b_i + b_h``); the candidate keeps its
+    recurrent bias inside ``r * (h @ U_n + b_hn)`` (linear_before_reset).
+    """
+    H = w["w_hh"].shape[1]
+    r, z, n = _gate_slices(H, 3)
+    p = {}
+    for gate, sl in (("r", r), ("z", z), ("n", n)):
+        p["W" + gate] = _sn_param(sn, w["w_ih"][sl].T, f"{prefix}W{gate}")
+        p["U" + gate] = _sn_param(sn, w["w_hh"][sl].T, f"{prefix}U{gate}")
+    p["br"] = _sn_param(sn, w["b_ih"][r] + w["b_hh"][r], f"{prefix}br")
+    p["bz"] = _sn_param(sn, w["b_ih"][z] + w["b_hh"][z], f"{prefix}bz")
+    p["bn"] = _sn_param(sn, w["b_ih"][n], f"{prefix}bin")
+    p["bhn"] = _sn_param(sn, w["b_hh"][n], f"{prefix}bhn")
+    return p
+
+
+def _sn_gru_cell(sn, x, h, p):
+    """One PyTorch GRU step in the DSL (linear_before_reset)."""
+    r = sn.ops.sigmoid(x @ p["Wr"] + h @ p["Ur"] + p["br"])
+    z = sn.ops.sigmoid(x @ p["Wz"] + h @ p["Uz"] + p["bz"])
+    n = sn.ops.tanh(x @ p["Wn"] + p["bn"] + r * (h @ p["Un"] + p["bhn"]))
+    return (1 - z) * n + z * h
+
+
+def _sn_last_rows(lod_level):
+    """Row index of each sequence's last step in an all-steps output."""
+    off = np.asarray(lod_level, np.int64)
+    if np.any(off[1:] == off[:-1]):
+        raise ValueError("empty sequences have no last row")
+    return off[1:] - 1
+
+
+@peer("stepnet", ["W1", "W3", "W4"], "stepnet GRU cell in the DSL (numba)")
+def stepnet_gru(wl):
+    import stepnet as sn
+
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    p = _sn_gru_params(sn, wl.weights, "")
+    rnn = sn.create_rnn_op(output_num=1)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[wl.dims["H"]], name="h")
+        h.update(_sn_gru_cell(sn, x, h.pre_state(), p))
+        rnn.add_outputs(h)
+    f = rnn.compile("numba")
+    last = _sn_last_rows(X.lod[-1])
+
+    def run():
+        out = f()
+        return out, out.data[last]
+
+    return run
+
+
+@peer("stepnet", ["W2"], "stepnet LSTM cell in the DSL (numba)")
+def stepnet_lstm(wl):
+    import stepnet as sn
+
+    w, H = wl.weights, wl.dims["H"]
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    gates = dict(zip("ifgo", _gate_slices(H, 4)))
+    W = {g: _sn_param(sn, w["w_ih"][s].T, f"W{g}") for g, s in gates.items()}
+    U = {g: _sn_param(sn, w["w_hh"][s].T, f"U{g}") for g, s in gates.items()}
+    b = {g: _sn_param(sn, w["b_ih"][s] + w["b_hh"][s], f"b{g}") for g, s in gates.items()}
+    rnn = sn.create_rnn_op(output_num=1)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[H], name="h")
+        c = rnn.add_memory(shape=[H], name="c")
+        hp = h.pre_state()
+        i = sn.ops.sigmoid(x @ W["i"] + hp @ U["i"] + b["i"])
+        f_ = sn.ops.sigmoid(x @ W["f"] + hp @ U["f"] + b["f"])
+        g = sn.ops.tanh(x @ W["g"] + hp @ U["g"] + b["g"])
+        o = sn.ops.sigmoid(x @ W["o"] + hp @ U["o"] + b["o"])
+        c.update(f_ * c.pre_state() + i * g)
+        h.update(o * sn.ops.tanh(c))
+        rnn.add_outputs(h)
+    f = rnn.compile("numba")
+    last = _sn_last_rows(X.lod[-1])
+
+    def run():
+        out = f()
+        return out, out.data[last]
+
+    return run
+
+
+@peer("stepnet", ["W5"], "stepnet custom cell in the DSL (numba)")
+def stepnet_custom(wl):
+    import stepnet as sn
+
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    p = {k: _sn_param(sn, v, k) for k, v in wl.weights.items()}
+    rnn = sn.create_rnn_op(output_num=1)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[wl.dims["H"]], name="h")
+        hp = h.pre_state()
+        z = sn.ops.sigmoid(x @ p["Wz"] + hp @ p["Uz"] + p["bz"])
+        r = sn.ops.sigmoid(x @ p["Wr"] + hp @ p["Ur"] + p["br"])
+        cand = p["s"] * sn.ops.tanh(x @ p["Wx"] + (r * hp) @ p["Wh"] + p["b"])
+        h.update((1 - z) * hp + z * cand + 0.1 * (x @ p["P"]))
+        rnn.add_outputs(h)
+    f = rnn.compile("numba")
+    last = _sn_last_rows(X.lod[-1])
+
+    def run():
+        out = f()
+        return out, out.data[last]
+
+    return run
+
+
+@peer("stepnet", ["W6"], "stepnet nested step-net (numba)")
+def stepnet_nested(wl):
+    import stepnet as sn
+
+    H = wl.dims["H"]
+    chapters = sn.LoDTensor.from_lengths(
+        wl.words, [wl.paragraphs_per_chapter.tolist(), wl.words_per_paragraph.tolist()]
+    )
+    pw = _sn_gru_params(sn, wl.weights["word"], "word_")
+    pp = _sn_gru_params(sn, wl.weights["para"], "para_")
+    outer = sn.create_rnn_op(output_num=2)
+    with outer.stepnet():
+        paragraph = outer.add_input(chapters, name="chapters")
+        ch = outer.add_memory(shape=[H], name="chapter")
+        inner = sn.create_rnn_op(output_num=1)
+        with inner.stepnet():
+            word = inner.add_input(paragraph, name="words")
+            h = inner.add_memory(shape=[H], name="h")  # h0 = 0 for every paragraph
+            h.update(_sn_gru_cell(sn, word, h.pre_state(), pw))
+            inner.add_outputs(h)
+        pvec = inner(output_all_steps=False)  # [active chapters, H]: the paragraph vector
+        ch.update(_sn_gru_cell(sn, pvec, ch.pre_state(), pp))
+        outer.add_outputs(ch, pvec)
+    f = outer.compile("numba")
+    last = _sn_last_rows(chapters.lod[0])
+
+    def run():
+        chapter_states, pvecs = f()
+        return (chapter_states, pvecs), (pvecs.data, chapter_states.data[last])
+
+    return run
+
+
+# ============================================================================
+# torch
+
+
+def _torch_gru_module(torch, w, batch_first=False):
+    H, I = w["w_hh"].shape[1], w["w_ih"].shape[1]
+    m = torch.nn.GRU(I, H, batch_first=batch_first)
+    with torch.no_grad():
+        for name in ("w_ih", "w_hh", "b_ih", "b_hh"):
+            pname = {"w_ih": "weight_ih_l0", "w_hh": "weight_hh_l0",
+                     "b_ih": "bias_ih_l0", "b_hh": "bias_hh_l0"}[name]
+            getattr(m, pname).copy_(torch.from_numpy(w[name]))
+    m.eval()
+    m.requires_grad_(False)
+    return m
+
+
+@peer("torch", ["W1", "W3"], "torch nn.GRU")
+def torch_gru(wl):
+    import torch
+
+    m = _torch_gru_module(torch, wl.weights)
+    x = torch.from_numpy(wl.x_time_major())
+
+    def run():
+        with torch.inference_mode():
+            y, h = m(x)
+        return y, h[0]
+
+    return run
+
+
+@peer("torch", ["W2"], "torch nn.LSTM")
+def torch_lstm(wl):
+    import torch
+
+    w = wl.weights
+    m = torch.nn.LSTM(wl.dims["I"], wl.dims["H"])
+    with torch.no_grad():
+        m.weight_ih_l0.copy_(torch.from_numpy(w["w_ih"]))
+        m.weight_hh_l0.copy_(torch.from_numpy(w["w_hh"]))
+        m.bias_ih_l0.copy_(torch.from_numpy(w["b_ih"]))
+        m.bias_hh_l0.copy_(torch.from_numpy(w["b_hh"]))
+    m.eval()
+    m.requires_grad_(False)
+    x = torch.from_numpy(wl.x_time_major())
+
+    def run():
+        with torch.inference_mode():
+            y, (h, _c) = m(x)
+        return y, h[0]
+
+    return run
+
+
+@peer("torch", ["W4"], "torch nn.GRU (PackedSequence, packed beforehand)")
+def torch_gru_packed(wl):
+    import torch
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    m = _torch_gru_module(torch, wl.weights)
+    packed = pack_padded_sequence(torch.from_numpy(wl.x_time_major()),
+                                  torch.from_numpy(wl.lengths), enforce_sorted=False)
+
+    def run():
+        with torch.inference_mode():
+            y, h = m(packed)
+        return y, h[0]
+
+    return run
+
+
+@peer("torch", ["W6"], "torch nn.GRU x2 (PackedSequence: words, then paragraphs)")
+def torch_nested(wl):
+    import torch
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    H = wl.dims["H"]
+    word_gru = _torch_gru_module(torch, wl.weights["word"], batch_first=True)
+    para_gru = _torch_gru_module(torch, wl.weights["para"], batch_first=True)
+    words = pack_padded_sequence(torch.from_numpy(wl.words_padded()),
+                                 torch.from_numpy(wl.words_per_paragraph),
+                                 batch_first=True, enforce_sorted=False)
+    index = torch.from_numpy(wl.chapter_gather_index())
+    chapter_lengths = torch.from_numpy(wl.paragraphs_per_chapter)
+    zero_row = torch.zeros(1, H)
+
+    def run():
+        with torch.inference_mode():
+            _, hp = word_gru(words)
+            pvec = hp[0]  # [P, H], the caller's paragraph order
+            padded = torch.cat([pvec, zero_row])[index]  # [C, max_paragraphs, H]
+            packed = pack_padded_sequence(padded, chapter_lengths, batch_first=True,
+                                          enforce_sorted=False)
+            y, hc = para_gru(packed)
+        return (pvec, y), (pvec, hc[0])
+
+    return run
+
+
+def _custom_torch_weights(torch, w):
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in w.items()}
+    H = w["Uz"].shape[0]
+    # hoisted input projection: x @ [Wz | Wr | Wx | P] + [bz | br | b | 0]
+    wx = torch.cat([t["Wz"], t["Wr"], t["Wx"], t["P"]], dim=1)
+    bx = torch.cat([t["bz"], t["br"], t["b"], torch.zeros(H)])
+    u = torch.cat([t["Uz"], t["Ur"]], dim=1)  # h @ [Uz | Ur], one matmul
+    return wx, bx, u, t["Wh"], t["s"]
+
+
+def _custom_loop(xp, u, wh, s, h):
+    """The W5 recurrence over a hoisted projection ``xp [T, B, 4H]``."""
+    import torch
+
+    H = h.shape[1]
+    ys = []
+    for t in range(xp.shape[0]):
+        xt = xp[t]
+        hu = h @ u
+        z = torch.sigmoid(xt[:, :H] + hu[:, :H])
+        r = torch.sigmoid(xt[:, H : 2 * H] + hu[:, H:])
+        cand = s * torch.tanh(xt[:, 2 * H : 3 * H] + (r * h) @ wh)
+        h = (1 - z) * h + z * cand + 0.1 * xt[:, 3 * H :]
+        ys.append(h)
+    return torch.stack(ys), h
+
+
+@peer("torch", ["W5"], "torch eager Python loop (hoisted x-proj)")
+def torch_custom_eager(wl):
+    import torch
+
+    T, B, H = wl.dims["T"], wl.dims["B"], wl.dims["H"]
+    wx, bx, u, wh, s = _custom_torch_weights(torch, wl.weights)
+    x = torch.from_numpy(wl.x_time_major())
+
+    def run():
+        with torch.inference_mode():
+            xp = torch.addmm(bx, x.reshape(T * B, -1), wx).view(T, B, 4 * H)
+            y, h = _custom_loop(xp, u, wh, s, torch.zeros(B, H))
+        return y, h
+
+    return run
+
+
+_SCRIPTED = None
+
+
+def _scripted_custom(torch):
+    global _SCRIPTED
+    if _SCRIPTED is None:
+
+        def custom_forward(x, wx, bx, u, wh, s):
+            # type: (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) -> Tuple[Tensor, Tensor]
+            T, B = x.shape[0], x.shape[1]
+            H = u.shape[0]
+            xp = torch.addmm(bx, x.reshape(T * B, -1), wx).view(T, B, 4 * H)
+            h = torch.zeros(B, H)
+            ys = []
+            for t in range(T):
+                xt = xp[t]
+                hu = h @ u
+                z = torch.sigmoid(xt[:, :H] + hu[:, :H])
+                r = torch.sigmoid(xt[:, H : 2 * H] + hu[:, H:])
+                cand = s * torch.tanh(xt[:, 2 * H : 3 * H] + (r * h) @ wh)
+                h = (1 - z) * h + z * cand + 0.1 * xt[:, 3 * H :]
+                ys.append(h)
+            return torch.stack(ys), h
+
+        _SCRIPTED = torch.jit.script(custom_forward)
+    return _SCRIPTED
+
+
+@peer("torch", ["W5"], "torch.jit.script (whole loop)")
+def torch_custom_script(wl):
+    import torch
+
+    fn = _scripted_custom(torch)
+    wx, bx, u, wh, s = _custom_torch_weights(torch, wl.weights)
+    x = torch.from_numpy(wl.x_time_major())
+
+    def run():
+        with torch.inference_mode():
+            y, h = fn(x, wx, bx, u, wh, s)
+        return y, h
+
+    return run
+
+
+# ============================================================================
+# onnxruntime: a single GRU / LSTM node
+
+# PyTorch gate blocks in ONNX's order: GRU r,z,n -> z,r,h; LSTM i,f,g,o -> i,o,f,c
+_ONNX_GRU_ORDER = (1, 0, 2)
+_ONNX_LSTM_ORDER = (0, 3, 1, 2)
+
+
+def _reorder(a, order, H):
+    return np.concatenate([a[k * H : (k + 1) * H] for k in order], axis=0)
+
+
+def _ort_session(op, w, I, H, with_lengths):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    order = _ONNX_GRU_ORDER if op == "GRU" else _ONNX_LSTM_ORDER
+    W = _reorder(w["w_ih"], order, H)[None]
+    R = _reorder(w["w_hh"], order, H)[None]
+    Bias = np.concatenate([_reorder(w["b_ih"], order, H), _reorder(w["b_hh"], order, H)])[None]
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.float32), n)
+             for a, n in ((W, "W"), (R, "R"), (Bias, "B"))]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "N", I])]
+    node_inputs = ["X", "W", "R", "B"]
+    if with_lengths:
+        inputs.append(helper.make_tensor_value_info("L", TensorProto.INT32, ["N"]))
+        node_inputs.append("L")
+    attrs = {"hidden_size": H}
+    if op == "GRU":
+        attrs["linear_before_reset"] = 1
+    node = helper.make_node(op, node_inputs, ["Y", "Y_h"], **attrs)
+    outputs = [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["T", 1, "N", H]),
+               helper.make_tensor_value_info("Y_h", TensorProto.FLOAT, [1, "N", H])]
+    graph = helper.make_graph([node], f"single_{op.lower()}", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@peer("onnxruntime", ["W1", "W3"], "onnxruntime GRU node")
+def ort_gru(wl):
+    sess = _ort_session("GRU", wl.weights, wl.dims["I"], wl.dims["H"], False)
+    feeds = {"X": wl.x_time_major()}
+
+    def run():
+        y, h = sess.run(None, feeds)
+        return y, h[0]
+
+    return run
+
+
+@peer("onnxruntime", ["W2"], "onnxruntime LSTM node")
+def ort_lstm(wl):
+    sess = _ort_session("LSTM", wl.weights, wl.dims["I"], wl.dims["H"], False)
+    feeds = {"X": wl.x_time_major()}
+
+    def run():
+        y, h = sess.run(None, feeds)
+        return y, h[0]
+
+    return run
+
+
+@peer("onnxruntime", ["W4"], "onnxruntime GRU node (sequence_lens)")
+def ort_gru_varlen(wl):
+    sess = _ort_session("GRU", wl.weights, wl.dims["I"], wl.dims["H"], True)
+    feeds = {"X": wl.x_time_major(), "L": wl.lengths.astype(np.int32)}
+
+    def run():
+        y, h = sess.run(None, feeds)
+        return y, h[0]
+
+    return run
+
+
+not_applicable("onnxruntime", ["W5"], "no single ONNX op for a custom cell")
+not_applicable("onnxruntime", ["W6"], "no single ONNX op for a nested RNN")
+
+
+# ============================================================================
+# jax: jit(lax.scan), the cell per step
+
+
+def _jax_gru_params(jnp, w):
+    return {k: jnp.asarray(v) for k, v in
+            (("wih", w["w_ih"].T), ("whh", w["w_hh"].T), ("bih", w["b_ih"]), ("bhh", w["b_hh"]))}
+
+
+def _jax_gru_cell(jax, p, h, x):
+    H = h.shape[-1]
+    gx = x @ p["wih"] + p["bih"]
+    gh = h @ p["whh"] + p["bhh"]
+    r = jax.nn.sigmoid(gx[:, :H] + gh[:, :H])
+    z = jax.nn.sigmoid(gx[:, H : 2 * H] + gh[:, H : 2 * H])
+    n = jax.numpy.tanh(gx[:, 2 * H :] + r * gh[:, 2 * H :])
+    return (1 - z) * n + z * h
+
+
+def _jax_gru_scan(jax, p, x, lengths=None):
+    """GRU over time-major ``x [T, B, I]``; masked past ``lengths`` when given."""
+    jnp = jax.numpy
+    T, B = x.shape[0], x.shape[1]
+    H = p["whh"].shape[0]
+    h0 = jnp.zeros((B, H), x.dtype)
+    if lengths is None:
+        def step(h, xt):
+            h = _jax_gru_cell(jax, p, h, xt)
+            return h, h
+        return jax.lax.scan(step, h0, x)[::-1]
+
+    def masked(h, inp):
+        xt, t = inp
+        hn = _jax_gru_cell(jax, p, h, xt)
+        m = (t < lengths)[:, None]
+        return jnp.where(m, hn, h), jnp.where(m, hn, 0)
+
+    hT, ys = jax.lax.scan(masked, h0, (x, jnp.arange(T)))
+    return ys, hT
+
+
+def _jax_ready(jax, fn, *args):
+    def run():
+        return jax.block_until_ready(fn(*args))
+    return run
+
+
+@peer("jax", ["W1", "W3"], "jax jit(lax.scan) (cell per step)")
+def jax_gru(wl):
+    import jax
+
+    p = _jax_gru_params(jax.numpy, wl.weights)
+    fn = jax.jit(lambda p, x: _jax_gru_scan(jax, p, x))
+    return _jax_ready(jax, fn, p, jax.numpy.asarray(wl.x_time_major()))
+
+
+@peer("jax", ["W4"], "jax jit(lax.scan) (cell per step, masked)")
+def jax_gru_varlen(wl):
+    import jax
+
+    jnp = jax.numpy
+    p = _jax_gru_params(jnp, wl.weights)
+    fn = jax.jit(lambda p, x, L: _jax_gru_scan(jax, p, x, L))
+    return _jax_ready(jax, fn, p, jnp.asarray(wl.x_time_major()),
+                      jnp.asarray(wl.lengths.astype(np.int32)))
+
+
+@peer("jax", ["W2"], "jax jit(lax.scan) (cell per step)")
+def jax_lstm(wl):
+    import jax
+
+    jnp = jax.numpy
+    w, H = wl.weights, wl.dims["H"]
+    p = {"wih": jnp.asarray(w["w_ih"].T), "whh": jnp.asarray(w["w_hh"].T),
+         "b": jnp.asarray(w["b_ih"] + w["b_hh"])}
+
+    def forward(p, x):
+        B = x.shape[1]
+
+        def step(carry, xt):
+            h, c = carry
+            g = xt @ p["wih"] + h @ p["whh"] + p["b"]
+            i = jax.nn.sigmoid(g[:, :H])
+            f = jax.nn.sigmoid(g[:, H : 2 * H])
+            gg = jnp.tanh(g[:, 2 * H : 3 * H])
+            o = jax.nn.sigmoid(g[:, 3 * H :])
+            c = f * c + i * gg
+            h = o * jnp.tanh(c)
+            return (h, c), h
+
+        z = jnp.zeros((B, H), x.dtype)
+        (h, _c), ys = jax.lax.scan(step, (z, z), x)
+        return ys, h
+
+    return _jax_ready(jax, jax.jit(forward), p, jnp.asarray(wl.x_time_major()))
+
+
+@peer("jax", ["W5"], "jax jit(lax.scan) (cell per step)")
+def jax_custom(wl):
+    import jax
+
+    jnp = jax.numpy
+    w, H = wl.weights, wl.dims["H"]
+    p = {"wx": jnp.asarray(np.concatenate([w["Wz"], w["Wr"], w["Wx"], w["P"]], axis=1)),
+         "bx": jnp.asarray(np.concatenate([w["bz"], w["br"], w["b"], np.zeros(H, np.float32)])),
+         "u": jnp.asarray(np.concatenate([w["Uz"], w["Ur"]], axis=1)),
+         "wh": jnp.asarray(w["Wh"]), "s": jnp.asarray(w["s"])}
+
+    def forward(p, x):
+        B = x.shape[1]
+
+        def step(h, xt):
+            g = xt @ p["wx"] + p["bx"]
+            hu = h @ p["u"]
+            z = jax.nn.sigmoid(g[:, :H] + hu[:, :H])
+            r = jax.nn.sigmoid(g[:, H : 2 * H] + hu[:, H:])
+            cand = p["s"] * jnp.tanh(g[:, 2 * H : 3 * H] + (r * h) @ p["wh"])
+            h = (1 - z) * h + z * cand + 0.1 * g[:, 3 * H :]
+            return h, h
+
+        h, ys = jax.lax.scan(step, jnp.zeros((B, H), x.dtype), x)
+        return ys, h
+
+    return _jax_ready(jax, jax.jit(forward), p, jnp.asarray(wl.x_time_major()))
+
+
+@peer("jax", ["W6"], "jax jit(lax.scan) x2 (masked: words, then paragraphs)")
+def jax_nested(wl):
+    import jax
+
+    jnp = jax.numpy
+    pw = _jax_gru_params(jnp, wl.weights["word"])
+    pp = _jax_gru_params(jnp, wl.weights["para"])
+    H = wl.dims["H"]
+
+    def forward(pw, pp, words, wlen, index, clen):
+        _, pvec = _jax_gru_scan(jax, pw, words, wlen)  # [P, H]
+        padded = jnp.concatenate([pvec, jnp.zeros((1, H), pvec.dtype)])[index]  # [C, Tp, H]
+        ys, hc = _jax_gru_scan(jax, pp, padded.transpose(1, 0, 2), clen)
+        return (pvec, ys), (pvec, hc)
+
+    args = (pw, pp, jnp.asarray(wl.words_padded().transpose(1, 0, 2)),
+            jnp.asarray(wl.words_per_paragraph.astype(np.int32)),
+            jnp.asarray(wl.chapter_gather_index().astype(np.int32)),
+            jnp.asarray(wl.paragraphs_per_chapter.astype(np.int32)))
+    return _jax_ready(jax, jax.jit(forward), *args)
+
+
+# ============================================================================
+# numpy: a Python loop over time, input projection hoisted
+
+
+def _np_sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+class _NumpyGRU:
+    """GRU over padded time-major ``[T, B, I]`` with lengths: the sequences
+    are sorted by length once, so step t runs on the active prefix only."""
+
+    def __init__(self, w):
+        self.wih = np.ascontiguousarray(w["w_ih"].T)
+        self.whh = np.ascontiguousarray(w["w_hh"].T)
+        self.bih, self.bhh = w["b_ih"], w["b_hh"]
+        self.H = self.whh.shape[0]
+
+    def __call__(self, x, lengths, order=None):
+        """``order``: the permutation sorting ``lengths`` descending (or None)."""
+        T, B, _ = x.shape
+        H = self.H
+        if order is not None:
+            x, lengths = x[:, order], lengths[order]
+        gx = (x.reshape(T * B, -1) @ self.wih + self.bih).reshape(T, B, 3 * H)
+        h = np.zeros((B, H), np.float32)
+        ys = np.zeros((T, B, H), np.float32)
+        nb = B
+        for t in range(int(lengths[0]) if B else 0):
+            while nb > 0 and lengths[nb - 1] <= t:
+                nb -= 1
+            hb = h[:nb]
+            gh = hb @ self.whh + self.bhh
+            g = gx[t, :nb]
+            r = _np_sigmoid(g[:, :H] + gh[:, :H])
+            z = _np_sigmoid(g[:, H : 2 * H] + gh[:, H : 2 * H])
+            n = np.tanh(g[:, 2 * H :] + r * gh[:, 2 * H :])
+            h[:nb] = (1 - z) * n + z * hb
+            ys[t, :nb] = h[:nb]
+        if order is not None:
+            inv = np.argsort(order)
+            return ys[:, inv], h[inv]
+        return ys, h
+
+
+def _sort_order(lengths):
+    lengths = np.asarray(lengths)
+    if np.all(lengths == lengths[0]):
+        return None
+    return np.argsort(-lengths, kind="stable")
+
+
+@peer("numpy", ["W1", "W3", "W4"], "numpy loop (hoisted x-proj)")
+def numpy_gru(wl):
+    gru = _NumpyGRU(wl.weights)
+    x, lengths = wl.x_time_major(), wl.lengths
+    order = _sort_order(lengths)
+
+    def run():
+        return gru(x, lengths, order)
+
+    return run
+
+
+@peer("numpy", ["W2"], "numpy loop (hoisted x-proj)")
+def numpy_lstm(wl):
+    w, H = wl.weights, wl.dims["H"]
+    wih, whh = np.ascontiguousarray(w["w_ih"].T), np.ascontiguousarray(w["w_hh"].T)
+    b = w["b_ih"] + w["b_hh"]
+    x = wl.x_time_major()
+    T, B, _ = x.shape
+
+    def run():
+        gx = (x.reshape(T * B, -1) @ wih + b).reshape(T, B, 4 * H)
+        h = np.zeros((B, H), np.float32)
+        c = np.zeros((B, H), np.float32)
+        ys = np.empty((T, B, H), np.float32)
+        for t in range(T):
+            g = gx[t] + h @ whh
+            i, f = _np_sigmoid(g[:, :H]), _np_sigmoid(g[:, H : 2 * H])
+            gg, o = np.tanh(g[:, 2 * H : 3 * H]), _np_sigmoid(g[:, 3 * H :])
+            c = f * c + i * gg
+            h = o * np.tanh(c)
+            ys[t] = h
+        return ys, h
+
+    return run
+
+
+@peer("numpy", ["W5"], "numpy loop (hoisted x-proj)")
+def numpy_custom(wl):
+    w, H = wl.weights, wl.dims["H"]
+    wx = np.concatenate([w["Wz"], w["Wr"], w["Wx"], w["P"]], axis=1)
+    bx = np.concatenate([w["bz"], w["br"], w["b"], np.zeros(H, np.float32)])
+    u = np.concatenate([w["Uz"], w["Ur"]], axis=1)
+    wh, s = w["Wh"], w["s"]
+    x = wl.x_time_major()
+    T, B, _ = x.shape
+
+    def run():
+        xp = (x.reshape(T * B, -1) @ wx + bx).reshape(T, B, 4 * H)
+        h = np.zeros((B, H), np.float32)
+        ys = np.empty((T, B, H), np.float32)
+        for t in range(T):
+            xt = xp[t]
+            hu = h @ u
+            z = _np_sigmoid(xt[:, :H] + hu[:, :H])
+            r = _np_sigmoid(xt[:, H : 2 * H] + hu[:, H:])
+            cand = s * np.tanh(xt[:, 2 * H : 3 * H] + (r * h) @ wh)
+            h = (1 - z) * h + z * cand + 0.1 * xt[:, 3 * H :]
+            ys[t] = h
+        return ys, h
+
+    return run
+
+
+@peer("numpy", ["W6"], "numpy loops x2 (words, then paragraphs)")
+def numpy_nested(wl):
+    word_gru, para_gru = _NumpyGRU(wl.weights["word"]), _NumpyGRU(wl.weights["para"])
+    H = wl.dims["H"]
+    words = np.ascontiguousarray(wl.words_padded().transpose(1, 0, 2))
+    wlen, clen = wl.words_per_paragraph, wl.paragraphs_per_chapter
+    word_order, para_order = _sort_order(wlen), _sort_order(clen)
+    index_t = np.ascontiguousarray(wl.chapter_gather_index().T)  # [Tp, C]
+
+    def run():
+        _, pvec = word_gru(words, wlen, word_order)
+        padded = np.concatenate([pvec, np.zeros((1, H), np.float32)])[index_t]
+        ys, hc = para_gru(padded, clen, para_order)
+        return (pvec, ys), (pvec, hc)
+
+    return run

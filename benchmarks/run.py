@@ -1,0 +1,589 @@
+"""Benchmark orchestrator: stepnet against torch, onnxruntime, jax and numpy.
+
+    python benchmarks/run.py                      # full run, every workload and peer
+    python benchmarks/run.py --quick              # tiny sizes, 1 round: a smoke test
+    python benchmarks/run.py --workloads W1,W3 --peers stepnet,torch --rounds 7
+    python benchmarks/run.py --markdown results.md
+    python benchmarks/run.py --check              # one call per item: accuracy only
+
+Each peer family runs in its own subprocess (``run.py --worker FAMILY``), one
+after another, so thread pools never mix; the children get
+OMP/MKL/OPENBLAS/NUMBA_NUM_THREADS = ``--threads`` (2). A worker builds every
+item, calls it once (``setup s`` = build + first call, JIT compile included;
+stepnet's kernel cache is a fresh empty directory unless ``--stepnet-cache``
+says otherwise), warms it up, then times ``--rounds`` rounds (items shuffled per
+round, one untimed call before each block) of blocks of >= 2 calls and >= 0.2 s;
+median and min are over every timed call. The final hidden states go to .npy
+files and are compared here with a float64 NumPy reference (workloads.py).
+
+Printed: one markdown table, the measured sgemm ceiling, stepnet's share of
+it, the compile time of stepnet's W1 kernel in a fresh process with a cold and
+then a warm STEPNET_CACHE_DIR, and the failures (a peer that is missing or
+fails shows as n/a; the run goes on).
+
+Nothing at module level imports numpy or a framework: the torch worker must
+import torch before anything that starts a thread pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy")
+ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
+WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6")
+TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
+SGEMM_SHAPE = (6400, 128, 768)
+
+
+# ============================================================================
+# workers (run in child processes)
+
+
+def _setup_paths():
+    for p in (str(HERE), str(ROOT)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: the exception and where it came from."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    msg = " ".join(str(exc).split())
+    if len(msg) > 300:
+        msg = msg[:300] + "..."
+    return f"{type(exc).__name__}: {msg}{where}"
+
+
+def _timing_params(args):
+    if getattr(args, "check", False):
+        return {"rounds": 0, "min_block_s": 0.0, "min_calls": 0, "warmup_s": 0.0,
+                "warmup_calls": 0}
+    if args.quick:
+        return {"rounds": args.rounds or 1, "min_block_s": 0.02, "min_calls": 2,
+                "warmup_s": 0.0, "warmup_calls": 1}
+    return {"rounds": args.rounds or 7, "min_block_s": 0.2, "min_calls": 2, "warmup_s": 0.2,
+            "warmup_calls": 2}
+
+
+def _write_json(path, obj):
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _family_notes(family, threads):
+    notes = {}
+    try:
+        if family == "torch":
+            import torch
+
+            notes["torch"] = f"{torch.__version__}, {torch.get_num_threads()} threads"
+        elif family == "onnxruntime":
+            import onnx
+            import onnxruntime
+
+            notes["onnxruntime"] = f"{onnxruntime.__version__} (onnx {onnx.__version__}), " \
+                f"intra_op {threads}, inter_op 1"
+        elif family == "jax":
+            import jax
+
+            notes["jax"] = f"{jax.__version__}, devices {jax.devices()}"
+        elif family == "stepnet":
+            import numba
+
+            import stepnet
+
+            notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}"
+        elif family == "numpy":
+            import numpy
+
+            notes["numpy"] = numpy.__version__
+    except Exception as exc:  # noqa: BLE001 - notes are best effort
+        notes[family] = f"(version unknown: {_reason(exc)})"
+    return notes
+
+
+def worker_main(args):
+    """Build, first-call, warm up and time every item of one family."""
+    family = args.worker
+    out_dir = Path(args.outdir)
+    result = {"family": family, "items": [], "notes": {}, "error": None}
+    out_file = out_dir / f"{family}.json"
+    if family == "torch":
+        try:  # before numpy or anything else that may start a thread pool
+            import torch
+
+            torch.set_num_threads(args.threads)
+        except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
+            result["error"] = f"torch not importable: {_reason(exc)}"
+    _setup_paths()
+    import numpy as np
+    import peers
+    import workloads
+
+    tp = _timing_params(args)
+    items = []  # (record, callable)
+    for key in args.workloads.split(","):
+        entry = peers.PEERS.get(family, {}).get(key)
+        if entry is None:
+            continue
+        if isinstance(entry, str):
+            result["items"].append({"workload": key, "family": family, "label": family,
+                                    "status": "na", "reason": entry})
+            continue
+        try:
+            wl = workloads.make(key, args.quick)
+        except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
+            result["items"].append({"workload": key, "family": family, "label": family,
+                                    "status": "failed", "reason": f"workload: {_reason(exc)}"})
+            continue
+        for i, (label, builder) in enumerate(entry):
+            rec = {"workload": key, "family": family, "label": label, "status": "failed"}
+            result["items"].append(rec)
+            _write_json(out_file, result)  # a crash below still leaves a trace
+            if result["error"]:
+                rec["reason"] = result["error"]
+                continue
+            try:
+                t0 = time.perf_counter()
+                fn = builder(wl)
+                out = fn()
+                rec["setup_s"] = time.perf_counter() - t0
+                h = peers.final_state_numpy(out[1])
+                h_file = out_dir / f"{family}_{key}_{i}.npy"
+                np.save(h_file, h)
+                rec["h_file"] = str(h_file)
+                t_end = time.perf_counter() + tp["warmup_s"]
+                calls = 0
+                while calls < tp["warmup_calls"] or time.perf_counter() < t_end:
+                    fn()
+                    calls += 1
+                rec["status"] = "ok"
+                rec["times"] = []
+                items.append((rec, fn))
+            except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
+                rec["reason"] = _reason(exc)
+    result["notes"] = _family_notes(family, args.threads)
+    _write_json(out_file, result)
+
+    for r in range(tp["rounds"]):
+        order = list(range(len(items)))
+        random.Random(r).shuffle(order)
+        for j in order:
+            rec, fn = items[j]
+            if rec["status"] != "ok":
+                continue
+            try:
+                fn()  # untimed: caches back in after the previous item
+                times = []
+                start = time.perf_counter()
+                while len(times) < tp["min_calls"] or time.perf_counter() - start < tp["min_block_s"]:
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
+                rec["times"].extend(times)
+            except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
+                rec["status"] = "failed"
+                rec["reason"] = f"during timing: {_reason(exc)}"
+        _write_json(out_file, result)
+    for rec, _ in items:
+        if rec["status"] == "ok":
+            ts = sorted(rec.pop("times"))
+            rec["n"] = len(ts)
+            rec["median_s"] = float(np.median(ts)) if ts else None  # None: --check
+            rec["min_s"] = ts[0] if ts else None
+    _write_json(out_file, result)
+
+
+def sgemm_main(args):
+    """The sgemm ceiling: numpy (6400x128)@(128x768) float32, median of 20."""
+    import numpy as np
+
+    M, K, N = SGEMM_SHAPE
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    c = np.empty((M, N), np.float32)
+    for _ in range(5):
+        np.matmul(a, b, out=c)
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        np.matmul(a, b, out=c)
+        times.append(time.perf_counter() - t)
+    med = float(np.median(times))
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
+    except (TypeError, KeyError, AttributeError):  # older numpy: no mode="dicts"
+        blas = "unknown BLAS"
+    _write_json(Path(args.outdir) / "sgemm.json",
+                {"median_s": med, "min_s": min(times), "gflops": 2.0 * M * N * K / med / 1e9,
+                 "blas": blas, "numpy": np.__version__})
+
+
+def probe_main(args):
+    """stepnet's first call of W1 in this fresh process (see compile_section)."""
+    _setup_paths()
+    import workloads
+
+    wl = workloads.make("W1", args.quick)
+    t0 = time.perf_counter()
+    import peers
+
+    import stepnet  # noqa: F401 - timed: the import is part of a user's first call
+
+    t1 = time.perf_counter()
+    fn = peers.stepnet_gru(wl)
+    t2 = time.perf_counter()
+    fn()
+    t3 = time.perf_counter()
+    fn()
+    t4 = time.perf_counter()
+    cache = Path(os.environ["STEPNET_CACHE_DIR"])
+    files = sorted(p.name for p in cache.rglob("*") if p.is_file())
+    _write_json(Path(args.outdir) / f"probe_{args.probe}.json",
+                {"import_s": t1 - t0, "build_s": t2 - t1, "first_call_s": t3 - t2,
+                 "total_s": t3 - t0, "second_call_s": t4 - t3, "cache_files": len(files)})
+
+
+# ============================================================================
+# orchestrator
+
+
+def child_env(threads, extra=None):
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                "NUMBA_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS"):
+        env[var] = str(threads)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    return env
+
+
+def run_child(argv, env, timeout, log):
+    """Run ``run.py argv`` in a child; returns (ok, seconds, message)."""
+    cmd = [sys.executable, str(Path(__file__).resolve())] + argv
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, check=False, env=env, cwd=str(ROOT), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, time.perf_counter() - t, f"timed out after {timeout} s"
+    secs = time.perf_counter() - t
+    if log is not None:
+        log.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    if proc.returncode != 0:
+        tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
+        return False, secs, f"exit status {proc.returncode}: {tail}"
+    return True, secs, ""
+
+
+def _fmt_ms(s):
+    if s is None:
+        return "n/a"
+    ms = s * 1e3
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}"
+
+
+def _fmt_s(s):
+    return f"{s:.3f}" if s < 1 else f"{s:.2f}"
+
+
+def _cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def compile_section(args, tmp, log):
+    """stepnet W1's first call in a fresh process, cold then warm cache."""
+    cache = Path(tempfile.mkdtemp(prefix="stepnet_cache_", dir=tmp))
+    sizes = ("quick sizes: the generated kernel is specialized on the hidden size, so this "
+             "compiles the quick-size kernel" if args.quick else "full sizes")
+    lines = [(f"stepnet W1 ({sizes}), first call in a fresh process with STEPNET_CACHE_DIR = "
+              "a new empty temp dir (cold), then in another fresh process with the same dir "
+              "(warm):"),
+             "",
+             ("| cache | import stepnet s | build s | first call s | import+build+first call s "
+              "| second call ms | process wall s |"),
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    failures = []
+    for probe in ("cold", "warm"):
+        argv = ["--worker", "compile-probe", "--probe", probe, "--outdir", str(tmp)]
+        if args.quick:
+            argv.append("--quick")
+        ok, secs, msg = run_child(argv, child_env(args.threads, {"STEPNET_CACHE_DIR": str(cache)}),
+                                  args.timeout, log)
+        f = Path(tmp) / f"probe_{probe}.json"
+        if not ok or not f.exists():
+            lines.append(f"| {probe} | n/a | n/a | n/a | n/a | n/a | {secs:.1f} |")
+            failures.append(f"compile probe ({probe} cache): {msg or 'no result'}")
+            continue
+        p = json.loads(f.read_text())
+        lines.append(f"| {probe} ({p['cache_files']} files in the cache dir after) | "
+                     f"{p['import_s']:.2f} | {p['build_s']:.3f} | {p['first_call_s']:.2f} | "
+                     f"{p['total_s']:.2f} | {p['second_call_s'] * 1e3:.2f} | {secs:.1f} |")
+    return lines, failures
+
+
+def orchestrate(args):
+    keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
+    bad = [k for k in keys if k not in WORKLOAD_KEYS]
+    if bad:
+        sys.exit(f"unknown workload(s) {bad}; known: {', '.join(WORKLOAD_KEYS)}")
+    keys = sorted(set(keys), key=WORKLOAD_KEYS.index)
+    fams = []
+    for p in args.peers.split(","):
+        p = ALIASES.get(p.strip().lower(), p.strip().lower())
+        if p not in FAMILIES:
+            sys.exit(f"unknown peer {p!r}; known: {', '.join(FAMILIES)}")
+        if p not in fams:
+            fams.append(p)
+    fams.sort(key=FAMILIES.index)
+
+    tmp = Path(tempfile.mkdtemp(prefix="stepnet_bench_"))
+    with open(tmp / "children.log", "w") as log:  # every child's stdout and stderr
+        report = _run_all(args, keys, fams, tmp, log)
+    print(report)
+    if args.markdown:
+        Path(args.markdown).write_text(report + "\n")
+    if args.keep:
+        print(f"\n(worker files kept in {tmp})", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_all(args, keys, fams, tmp, log):
+    """Run the workers, the sgemm probe and the compile probes; returns the report."""
+    t_run = time.perf_counter()
+    failures, results, worker_secs = [], [], {}
+    for fam in fams:
+        extra = {}
+        if fam == "stepnet":
+            cache = args.stepnet_cache
+            if cache == "fresh":
+                cache = tempfile.mkdtemp(prefix="stepnet_cache_", dir=tmp)
+            if cache != "default":
+                extra["STEPNET_CACHE_DIR"] = str(cache)
+        argv = ["--worker", fam, "--workloads", ",".join(keys), "--outdir", str(tmp),
+                "--threads", str(args.threads)]
+        if args.quick:
+            argv.append("--quick")
+        if args.rounds:
+            argv += ["--rounds", str(args.rounds)]
+        if args.check:
+            argv.append("--check")
+        print(f"[bench] worker {fam} ...", file=sys.stderr, flush=True)
+        ok, secs, msg = run_child(argv, child_env(args.threads, extra), args.timeout, log)
+        worker_secs[fam] = secs
+        f = tmp / f"{fam}.json"
+        data = json.loads(f.read_text()) if f.exists() else {"items": [], "notes": {}}
+        for rec in data["items"]:
+            if not ok and rec["status"] == "ok" and "median_s" not in rec:
+                rec["status"], rec["reason"] = "failed", f"worker died: {msg}"
+            elif not ok and rec["status"] == "failed" and "reason" not in rec:
+                rec["reason"] = f"worker died: {msg}"
+        if not ok and not data["items"]:
+            failures.append(f"{fam}: worker failed before any item: {msg}")
+        results.append(data)
+
+    print("[bench] sgemm ceiling ...", file=sys.stderr, flush=True)
+    sgemm = None
+    ok, _, msg = run_child(["--worker", "sgemm", "--outdir", str(tmp)],
+                           child_env(args.threads), args.timeout, log)
+    if ok and (tmp / "sgemm.json").exists():
+        sgemm = json.loads((tmp / "sgemm.json").read_text())
+    else:
+        failures.append(f"sgemm ceiling: {msg}")
+
+    compile_lines = []
+    if "stepnet" in fams and not args.no_compile:
+        print("[bench] stepnet compile probes ...", file=sys.stderr, flush=True)
+        compile_lines, fails = compile_section(args, tmp, log)
+        failures += fails
+
+    print("[bench] float64 references ...", file=sys.stderr, flush=True)
+    return build_report(args, keys, fams, results, sgemm, compile_lines, failures,
+                        worker_secs, time.perf_counter() - t_run)
+
+
+def build_report(args, keys, fams, results, sgemm, compile_lines, failures, worker_secs,
+                 run_secs):
+    _setup_paths()
+    import numpy as np
+    import workloads
+
+    wls = {k: workloads.make(k, args.quick) for k in keys}
+    refs = {}
+    for k in keys:
+        try:
+            refs[k] = workloads.reference(wls[k])
+        except Exception as exc:  # noqa: BLE001 - reported, never a crash
+            failures.append(f"{k} float64 reference: {_reason(exc)}")
+
+    recs = [r for data in results for r in data["items"]]
+    for rec in recs:
+        if rec["status"] == "failed":
+            failures.append(f"{rec['workload']} {rec['label']}: {rec.get('reason', '?')}")
+        rec["dh"] = None
+        if rec.get("h_file") and rec["workload"] in refs:
+            h = np.load(rec["h_file"])
+            ref = refs[rec["workload"]]
+            if h.shape != ref.shape:
+                failures.append(f"{rec['workload']} {rec['label']}: final state shape "
+                                f"{h.shape}, reference {ref.shape}")
+            else:
+                rec["dh"] = float(np.max(np.abs(h - ref))) if h.size else 0.0
+
+    out = []
+    mode = "quick (tiny sizes; timings meaningless)" if args.quick else "full sizes"
+    if args.check:
+        mode += ", --check (one call per item: accuracy only, no timing)"
+    out.append(f"## stepnet benchmark: {mode}")
+    out.append("")
+    out.append(f"Machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} "
+               f"{platform.machine()}; python {platform.python_version()}; every peer limited "
+               f"to {args.threads} threads, each family in its own process. "
+               f"Rounds: {_timing_params(args)['rounds']}, blocks of >= 2 calls and >= "
+               f"{_timing_params(args)['min_block_s']} s; median/min over every timed call.")
+    notes = {k: v for data in results for k, v in data.get("notes", {}).items()}
+    if notes:
+        out.append("Versions: " + "; ".join(f"{k} {v}" for k, v in notes.items()) + ".")
+    out.append("")
+    out.append("| workload | peer | median ms | min ms | n | GFLOP/s | ratio | max\\|dh\\| | setup s |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    disagreements = []
+    stepnet_gflops = {}
+    for k in keys:
+        wl = wls[k]
+        fl = workloads.flops(wl)
+        rows = [r for r in recs if r["workload"] == k]
+        rows.sort(key=lambda r: FAMILIES.index(r["family"]))
+        base = next((r.get("median_s") for r in rows
+                     if r["family"] == "stepnet" and r["status"] == "ok"), None)
+        for r in rows:
+            name = f"{k} {wl.name}"
+            if r["status"] == "na":
+                out.append(f"| {name} | {r['family']}: n/a ({r['reason']}) | n/a | n/a | n/a "
+                           "| n/a | n/a | n/a | n/a |")
+                continue
+            if r["status"] == "ok" and r.get("median_s") is None:  # --check: no timing
+                dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
+                if r["dh"] is not None and r["dh"] > TOLERANCE:
+                    disagreements.append(f"{k} {r['label']}: max|dh| {r['dh']:.2e} vs float64")
+                out.append(f"| {name} | {r['label']} | - | - | 0 | - | - | {dh} | "
+                           f"{r['setup_s']:.2f} |")
+                continue
+            if r["status"] != "ok" or r.get("median_s") is None:
+                setup = f"{r['setup_s']:.2f}" if r.get("setup_s") is not None else "n/a"
+                out.append(f"| {name} | {r['label']}: n/a (failed, see Failures) | n/a | n/a "
+                           f"| n/a | n/a | n/a | n/a | {setup} |")
+                continue
+            med, mn = r["median_s"], r["min_s"]
+            gfl = fl / med / 1e9
+            if r["family"] == "stepnet":
+                stepnet_gflops[k] = gfl
+            ratio = f"{med / base:.2f}" if base else "n/a"
+            dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
+            if r["dh"] is not None and r["dh"] > TOLERANCE:
+                disagreements.append(f"{k} {r['label']}: max|dh| {r['dh']:.2e} vs float64")
+            out.append(f"| {name} | {r['label']} | {_fmt_ms(med)} | {_fmt_ms(mn)} | {r['n']} | "
+                       f"{gfl:.1f} | {ratio} | {dh} | {_fmt_s(r['setup_s'])} |")
+        if not rows:
+            out.append(f"| {k} {wl.name} | (no peer selected) | | | | | | | |")
+    out.append("")
+    out.append("ratio = peer median / stepnet median (> 1: stepnet is faster). GFLOP/s = sum of "
+               "2*M*N*K of every matmul (valid tokens only) / median. max|dh| = max abs "
+               "difference of the final hidden state (W6: every paragraph vector and every "
+               "chapter's last state) from a float64 NumPy loop. setup s = build + first call "
+               "(JIT compile included; stepnet with STEPNET_CACHE_DIR "
+               f"{'= a fresh empty dir' if args.stepnet_cache == 'fresh' else args.stepnet_cache}).")
+    out.append("")
+    if sgemm:
+        M, K, N = SGEMM_SHAPE
+        out.append(f"sgemm ceiling: numpy matmul ({M}x{K})@({K}x{N}) float32, {args.threads} "
+                   f"threads ({sgemm['blas']}): {sgemm['gflops']:.1f} GFLOP/s "
+                   f"(median of 20, {sgemm['median_s'] * 1e3:.2f} ms).")
+        if stepnet_gflops:
+            out.append("stepnet GFLOP/s as a fraction of the ceiling: " + ", ".join(
+                f"{k} {g / sgemm['gflops']:.2f}" for k, g in stepnet_gflops.items()) + ".")
+    else:
+        out.append("sgemm ceiling: n/a (see Failures).")
+    if compile_lines:
+        out.append("")
+        out.append("### stepnet compile time")
+        out.append("")
+        out += compile_lines
+    out.append("")
+    out.append(f"### Numerical disagreements (max|dh| > {TOLERANCE:g})")
+    out.append("")
+    out += [f"- {d}" for d in disagreements] or ["- none"]
+    out.append("")
+    out.append("### Failures")
+    out.append("")
+    out += [f"- {f}" for f in failures] or ["- none"]
+    out.append("")
+    out.append("Worker wall time (import + build + compile + warm-up + timing): " + ", ".join(
+        f"{f} {s:.1f} s" for f, s in worker_secs.items()) + f"; whole run {run_secs:.1f} s.")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes (T=5, B=4, I=8, H=16 ...), 1 round: a smoke test")
+    ap.add_argument("--workloads", default=",".join(WORKLOAD_KEYS),
+                    help="comma-separated, e.g. W1,W3 (default: all)")
+    ap.add_argument("--peers", default=",".join(FAMILIES),
+                    help=f"comma-separated from {', '.join(FAMILIES)} (default: all)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timing rounds (default 7; 1 with --quick)")
+    ap.add_argument("--check", action="store_true",
+                    help="accuracy only: build and call every item once, no timing")
+    ap.add_argument("--markdown", metavar="FILE", help="also write the report to FILE")
+    ap.add_argument("--threads", type=int, default=2, help="threads per peer (default 2)")
+    ap.add_argument("--stepnet-cache", default="fresh", metavar="fresh|default|DIR",
+                    help="STEPNET_CACHE_DIR of the stepnet worker: a new empty dir (fresh, the "
+                    "default: setup s includes compiling), the user's (default), or DIR")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the stepnet compile-time section")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per child process")
+    ap.add_argument("--keep", action="store_true", help="keep the workers' files and log")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--outdir", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker == "sgemm":
+        sgemm_main(args)
+    elif args.worker == "compile-probe":
+        probe_main(args)
+    elif args.worker:
+        worker_main(args)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The benchmark workloads: deterministic data, weights and float64 references.
+
+Every workload is built from fixed seeds (``numpy.random.default_rng``), in
+float32. GRU math everywhere is PyTorch's (gates r, z, n;
+``n = tanh(x@W_in + b_in + r*(h@W_hn + b_hn))``; ``h' = (1-z)*n + z*h``), i.e.
+ONNX ``linear_before_reset=1``. GRU/LSTM weights are in PyTorch's layout
+(``w_ih [G*H, I]``, ``w_hh [G*H, H]``, ``b_ih``, ``b_hh``; GRU gates r, z, n, LSTM
+gates i, f, g, o), drawn like PyTorch's init, ``U(-1/sqrt(H), 1/sqrt(H))``;
+inputs are ``N(0, 1)``.
+
+- W1 gru-std: GRU T=100, B=64, I=128, H=256, every length T.
+- W2 lstm-std: LSTM, same sizes.
+- W3 gru-latency: GRU T=1000, B=1, I=64, H=128.
+- W4 gru-varlen: GRU B=64, I=128, H=256, lengths ``default_rng(7).integers(10, 201, 64)``.
+- W5 custom-cell: T=100, B=64, I=128, H=256,
+  ``z = sigmoid(x@Wz + h@Uz + bz)``, ``r = sigmoid(x@Wr + h@Ur + br)``,
+  ``h' = (1-z)*h + z*(s*tanh(x@Wx + (r*h)@Wh + b)) + 0.1*(x@P)``, ``s`` a learned
+  per-unit scale ``[H]``.
+- W6 nested: 64 chapters of 2-8 paragraphs of 5-40 words, I=64, H=128: a word-level
+  GRU over each paragraph (h0 = 0) whose last state is the paragraph vector, then a
+  paragraph-level GRU over each chapter's paragraph vectors. Outputs: every
+  paragraph's vector and every chapter's last state.
+
+``make(key, quick=False)`` builds one workload; ``quick`` gives tiny sizes for a
+smoke run. ``reference(wl)`` is a plain float64 NumPy loop, one sequence at a
+time, giving the final state that every peer's is compared with (W6: the
+paragraph vectors stacked on the chapters' last states).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+NAMES = {
+    "W1": "gru-std",
+    "W2": "lstm-std",
+    "W3": "gru-latency",
+    "W4": "gru-varlen",
+    "W5": "custom-cell",
+    "W6": "nested",
+}
+KINDS = {"W1": "gru", "W2": "lstm", "W3": "gru", "W4": "gru", "W5": "custom", "W6": "nested"}
+
+
+@dataclass
+class Workload:
+    """One workload. Dense workloads (W1-W5) hold ``x`` padded batch-major
+    ``[B, T, I]`` (zeros past each length) and ``lengths [B]``; W6 holds the
+    words ``[num_words, I]`` and the per-level lengths."""
+
+    key: str
+    name: str
+    kind: str  # "gru" | "lstm" | "custom" | "nested"
+    dims: dict
+    weights: dict
+    lengths: np.ndarray | None = None
+    x: np.ndarray | None = None
+    # W6 only
+    words: np.ndarray | None = None
+    paragraphs_per_chapter: np.ndarray | None = None
+    words_per_paragraph: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        return f"{self.key} {self.name}"
+
+    # -- layouts of the same data (built once, outside any timing) ------------
+
+    def x_packed(self) -> np.ndarray:
+        """The valid tokens, sequence after sequence: ``[sum(lengths), I]``
+        (the row order of a one-level LoDTensor)."""
+        return np.ascontiguousarray(
+            np.concatenate([self.x[b, :n] for b, n in enumerate(self.lengths)], axis=0)
+        )
+
+    def x_time_major(self) -> np.ndarray:
+        """``[T, B, I]``, padded with zeros past each length."""
+        return np.ascontiguousarray(self.x.transpose(1, 0, 2))
+
+    def paragraph_offsets(self) -> np.ndarray:
+        """Row offsets of each paragraph's words in ``words``."""
+        return np.concatenate([[0], np.cumsum(self.words_per_paragraph)]).astype(np.int64)
+
+    def chapter_offsets(self) -> np.ndarray:
+        """Offsets of each chapter's paragraphs."""
+        return np.concatenate([[0], np.cumsum(self.paragraphs_per_chapter)]).astype(np.int64)
+
+    def words_padded(self) -> np.ndarray:
+        """``[num_paragraphs, max_words, I]``, zeros past each paragraph's end."""
+        P, Tw = len(self.words_per_paragraph), int(self.words_per_paragraph.max())
+        out = np.zeros((P, Tw, self.dims["I"]), np.float32)
+        off = self.paragraph_offsets()
+        for p in range(P):
+            out[p, : off[p + 1] - off[p]] = self.words[off[p] : off[p + 1]]
+        return out
+
+    def chapter_gather_index(self) -> np.ndarray:
+        """``[num_chapters, max_paragraphs]`` indices into the paragraph vectors,
+        ``num_paragraphs`` (one past the last) where a chapter has ended."""
+        C, Tp = len(self.paragraphs_per_chapter), int(self.paragraphs_per_chapter.max())
+        P = int(self.paragraphs_per_chapter.sum())
+        idx = np.full((C, Tp), P, np.int64)
+        off = self.chapter_offsets()
+        for c in range(C):
+            idx[c, : off[c + 1] - off[c]] = np.arange(off[c], off[c + 1])
+        return idx
+
+
+# ----------------------------------------------------------------------------
+# weights
+
+
+def _uniform(rng, shape, H):
+    k = 1.0 / np.sqrt(H)
+    return rng.uniform(-k, k, size=shape).astype(np.float32)
+
+
+def gru_weights(rng, I, H) -> dict:
+    return {
+        "w_ih": _uniform(rng, (3 * H, I), H),
+        "w_hh": _uniform(rng, (3 * H, H), H),
+        "b_ih": _uniform(rng, (3 * H,), H),
+        "b_hh": _uniform(rng, (3 * H,), H),
+    }
+
+
+def lstm_weights(rng, I, H) -> dict:
+    return {
+        "w_ih": _uniform(rng, (4 * H, I), H),
+        "w_hh": _uniform(rng, (4 * H, H), H),
+        "b_ih": _uniform(rng, (4 * H,), H),
+        "b_hh": _uniform(rng, (4 * H,), H),
+    }
+
+
+def custom_weights(rng, I, H) -> dict:
+    """W5: every matrix in ``x @ W`` orientation (``[in, out]``)."""
+    w = {}
+    for name in ("Wz", "Wr", "Wx", "P"):
+        w[name] = _uniform(rng, (I, H), H)
+    for name in ("Uz", "Ur", "Wh"):
+        w[name] = _uniform(rng, (H, H), H)
+    for name in ("bz", "br", "b"):
+        w[name] = _uniform(rng, (H,), H)
+    w["s"] = rng.uniform(0.5, 1.5, size=H).astype(np.float32)
+    return w
+
+
+# ----------------------------------------------------------------------------
+# building
+
+
+_FULL = {
+    "W1": {"T": 100, "B": 64, "I": 128, "H": 256},
+    "W2": {"T": 100, "B": 64, "I": 128, "H": 256},
+    "W3": {"T": 1000, "B": 1, "I": 64, "H": 128},
+    "W4": {"B": 64, "I": 128, "H": 256, "lo": 10, "hi": 200},
+    "W5": {"T": 100, "B": 64, "I": 128, "H": 256},
+    "W6": {"C": 64, "I": 64, "H": 128, "pmin": 2, "pmax": 8, "wmin": 5, "wmax": 40},
+}
+_QUICK = {
+    "W1": {"T": 5, "B": 4, "I": 8, "H": 16},
+    "W2": {"T": 5, "B": 4, "I": 8, "H": 16},
+    "W3": {"T": 20, "B": 1, "I": 8, "H": 16},
+    "W4": {"B": 4, "I": 8, "H": 16, "lo": 2, "hi": 8},
+    "W5": {"T": 5, "B": 4, "I": 8, "H": 16},
+    "W6": {"C": 4, "I": 8, "H": 16, "pmin": 2, "pmax": 3, "wmin": 2, "wmax": 6},
+}
+
+
+def make(key: str, quick: bool = False) -> Workload:
+    """Build workload ``key`` ("W1".."W6"); the same seeds give the same arrays."""
+    if key not in WORKLOADS:
+        raise KeyError(f"unknown workload {key!r}; known: {', '.join(WORKLOADS)}")
+    dims = dict((_QUICK if quick else _FULL)[key])
+    kind = KINDS[key]
+    n = int(key[1])
+    data_rng = np.random.default_rng(1000 + n)
+    weight_rng = np.random.default_rng(2000 + n)
+    I, H = dims["I"], dims["H"]
+
+    if kind == "nested":
+        struct = np.random.default_rng(6)
+        ppc = struct.integers(dims["pmin"], dims["pmax"] + 1, dims["C"]).astype(np.int64)
+        wpp = struct.integers(dims["wmin"], dims["wmax"] + 1, int(ppc.sum())).astype(np.int64)
+        words = data_rng.standard_normal((int(wpp.sum()), I)).astype(np.float32)
+        weights = {"word": gru_weights(weight_rng, I, H), "para": gru_weights(weight_rng, H, H)}
+        dims.update(P=int(ppc.sum()), words=int(wpp.sum()))
+        return Workload(key, NAMES[key], kind, dims, weights, words=words,
+                        paragraphs_per_chapter=ppc, words_per_paragraph=wpp)
+
+    B = dims["B"]
+    if key == "W4":
+        lengths = np.random.default_rng(7).integers(dims["lo"], dims["hi"] + 1, B).astype(np.int64)
+        dims["T"] = int(lengths.max())
+    else:
+        lengths = np.full(B, dims["T"], np.int64)
+    T = dims["T"]
+    x = data_rng.standard_normal((B, T, I)).astype(np.float32)
+    for b, L in enumerate(lengths):
+        x[b, L:] = 0.0
+    if kind == "gru":
+        weights = gru_weights(weight_rng, I, H)
+    elif kind == "lstm":
+        weights = lstm_weights(weight_rng, I, H)
+    else:
+        weights = custom_weights(weight_rng, I, H)
+    return Workload(key, NAMES[key], kind, dims, weights, lengths=lengths, x=x)
+
+
+def flops(wl: Workload) -> float:
+    """Sum of 2*M*N*K over every matmul of the workload, valid tokens only."""
+    I, H = wl.dims["I"], wl.dims["H"]
+    if wl.kind == "nested":
+        words, paras = wl.dims["words"], wl.dims["P"]
+        return 2.0 * words * (I + H) * 3 * H + 2.0 * paras * (H + H) * 3 * H
+    tokens = int(wl.lengths.sum())
+    if wl.kind == "gru":
+        return 2.0 * tokens * (I + H) * 3 * H
+    if wl.kind == "lstm":
+        return 2.0 * tokens * (I + H) * 4 * H
+    # custom: x@Wz, x@Wr, x@Wx, x@P and h@Uz, h@Ur, (r*h)@Wh
+    return 2.0 * tokens * (4 * I * H + 3 * H * H)
+
+
+# ----------------------------------------------------------------------------
+# float64 references: one sequence at a time, a plain loop over its steps
+
+
+def _sig(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _f64(weights):
+    return {k: np.asarray(v, np.float64) for k, v in weights.items()}
+
+
+def gru_sequence_ref(x, w, h=None):
+    """PyTorch GRU over one sequence ``x [T, I]``; returns the last state."""
+    H = w["w_hh"].shape[1]
+    h = np.zeros(H) if h is None else h
+    for t in range(x.shape[0]):
+        gx = w["w_ih"] @ x[t] + w["b_ih"]
+        gh = w["w_hh"] @ h + w["b_hh"]
+        r = _sig(gx[:H] + gh[:H])
+        z = _sig(gx[H : 2 * H] + gh[H : 2 * H])
+        n = np.tanh(gx[2 * H :] + r * gh[2 * H :])
+        h = (1.0 - z) * n + z * h
+    return h
+
+
+def lstm_sequence_ref(x, w):
+    H = w["w_hh"].shape[1]
+    h, c = np.zeros(H), np.zeros(H)
+    for t in range(x.shape[0]):
+        g = w["w_ih"] @ x[t] + w["b_ih"] + w["w_hh"] @ h + w["b_hh"]
+        i, f = _sig(g[:H]), _sig(g[H : 2 * H])
+        gg, o = np.tanh(g[2 * H : 3 * H]), _sig(g[3 * H :])
+        c = f * c + i * gg
+        h = o * np.tanh(c)
+    return h
+
+
+def custom_sequence_ref(x, w):
+    H = w["Uz"].shape[0]
+    h = np.zeros(H)
+    for t in range(x.shape[0]):
+        xt = x[t]
+        z = _sig(xt @ w["Wz"] + h @ w["Uz"] + w["bz"])
+        r = _sig(xt @ w["Wr"] + h @ w["Ur"] + w["br"])
+        cand = w["s"] * np.tanh(xt @ w["Wx"] + (r * h) @ w["Wh"] + w["b"])
+        h = (1.0 - z) * h + z * cand + 0.1 * (xt @ w["P"])
+    return h
+
+
+def reference(wl: Workload) -> np.ndarray:
+    """The float64 final state: ``[B, H]`` (W6: ``[P + C, H]``, the paragraph
+    vectors then each chapter's last state)."""
+    if wl.kind == "nested":
+        ww, wp = _f64(wl.weights["word"]), _f64(wl.weights["para"])
+        words = wl.words.astype(np.float64)
+        off = wl.paragraph_offsets()
+        pv = np.stack([gru_sequence_ref(words[off[p] : off[p + 1]], ww)
+                       for p in range(len(off) - 1)])
+        coff = wl.chapter_offsets()
+        ch = np.stack([gru_sequence_ref(pv[coff[c] : coff[c + 1]], wp)
+                       for c in range(len(coff) - 1)])
+        return np.concatenate([pv, ch], axis=0)
+    fn = {"gru": gru_sequence_ref, "lstm": lstm_sequence_ref, "custom": custom_sequence_ref}
+    w = _f64(wl.weights)
+    x = wl.x.astype(np.float64)
+    return np.stack([fn[wl.kind](x[b, :L], w) for b, L in enumerate(wl.lengths)])
