@@ -95,7 +95,7 @@ class _Gen:
         self.module_consts = []  # lines defining typed scalar constants
         self.literals = {}
         self.gargs = []  # names passed to every rnn function
-        self.functions = []
+        self.functions = {}  # name -> lines
         self.prologue = []  # lines in program(): hoisted work and allocations
         self.hoisted = set()
         self.packed = {}  # weights ident -> packed weights ident
@@ -175,12 +175,11 @@ class _Gen:
             "",
         ]
         src += self.module_consts + [""]
-        gsig = ", ".join(self.gargs)
-        for fn in self.functions:
-            src += [line.replace("GARGS", gsig) for line in fn] + [""]
+        for fn in self.functions.values():
+            src += fn + [""]
         src.append(_DECORATOR)
         src.append(f"def program({', '.join(params)}):")
-        src += ["    " + line.replace("GARGS", gsig) for line in body]
+        src += ["    " + line for line in body]
         return "\n".join(src) + "\n"
 
     # -- hoisting: work that depends on no memory runs once per space --------
@@ -204,23 +203,54 @@ class _Gen:
                 self.info[id(step_var)] = _Info("global", d.ident, step_var, offset=d.offset,
                                                 width=d.width, size=d.size,
                                                 hoistable=d.hoistable)
-        merged = self.merge_matmuls(body, hoisting=True)
-        for e in self.hoistable_eqns(body):
-            kinds = [self.info[id(v)] for v in e.inputs if isinstance(v, ir.Var)]
-            if id(e.outputs[0]) in self.info:
-                continue  # computed by a merged matmul
-            if all(k.kind == "const" for k in kinds):
-                self.emit_op(e, "const", self.prologue)
-            elif id(e) in merged:
-                self.emit_merged(merged[id(e)], "hoist", self.prologue)
-            else:
-                self.emit_op(e, "hoist", self.prologue)
-        for e in body.eqns:
-            if e.op == "rnn":
+        progress = True
+        while progress:  # a hoisted nested rnn can make more of this body hoistable
+            progress = False
+            merged = self.merge_matmuls(body, hoisting=True)
+            for e in self.hoistable_eqns(body):
+                if id(e.outputs[0]) in self.info:
+                    continue  # computed by a merged matmul
+                kinds = [self.info[id(v)] for v in e.inputs if isinstance(v, ir.Var)]
+                if all(k.kind == "const" for k in kinds):
+                    self.emit_op(e, "const", self.prologue)
+                elif id(e) in merged:
+                    self.emit_merged(merged[id(e)], "hoist", self.prologue)
+                else:
+                    self.emit_op(e, "hoist", self.prologue)
+                progress = True
+            for e in body.eqns:
+                if e.op != "rnn":
+                    continue
                 # its sequence inputs are known now if they come from step inputs
                 inner_seqs, _, _ = ir.rnn_parts(e)
                 if all(id(v) in self.info for v in inner_seqs):
                     self.hoist_block(e)
+                    if id(e.outputs[0]) not in self.info and self.independent_rnn(e):
+                        level = self.info[id(inner_seqs[0])].levels[0]
+                        call, _ = self.emit_rnn_call(
+                            e, f"{level}[:-1]", f"({level}[1:] - {level}[:-1])",
+                            f"{level}.shape[0] - 1", mode="hoist",
+                        )
+                        self.prologue.extend(call)
+                        progress = True
+
+    def independent_rnn(self, e):
+        """A nested rnn that reads no per-step value of its enclosing step (only
+        step-input data, constants and literals) runs once over every entry of
+        its space, before any time loop, instead of once per enclosing step."""
+        seqs, statics, inits = ir.rnn_parts(e)
+        for v in seqs:
+            info = self.info[id(v)]
+            if info.kind != "ragged" or not info.data.hoistable:
+                return False
+        for v in list(statics) + list(inits):
+            if isinstance(v, ir.Var) and self.info.get(id(v), _Info("?")).kind != "const":
+                return False
+        body = e.attrs["body"]
+        return all(
+            all_steps or not res.lod_depth
+            for res, all_steps in zip(body.outputs, e.attrs["all_steps"])
+        )
 
     def hoistable_eqns(self, body):
         """The ops of ``body`` that depend on no memory, in order.
@@ -527,10 +557,11 @@ class _Gen:
                     f"{ident} = np.empty({_shape(level + '[-1]', res.shape[1:])}, {dt})"
                 )
                 self.gargs.append(ident)
-                data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]")
+                data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]",
+                             hoistable=mode == "hoist")
                 self.info[id(out)] = _Info("ragged", None, out, levels=(level,), data=data)
         fname, result_infos = self.emit_rnn_function(eqn)
-        lines, args, outs = [], [start_expr, len_expr], []
+        lines, args, outs, hoisted_lasts = [], [start_expr, len_expr], [], []
         for v in list(inits) + list(statics):
             if isinstance(v, ir.Literal):
                 continue
@@ -563,22 +594,28 @@ class _Gen:
                     outs.append(("ragged_last", ident, ri.levels, ri.data.ident))
                     self.extra_returns.append(ri.data.ident)
                 else:
-                    if mode == "program":
+                    if mode in ("program", "hoist"):
                         ident = self.fresh("last")
                         lines.append(
-                            f"{ident} = np.empty({_shape('num_seq', res.shape[1:])}, {dt})"
+                            f"{ident} = np.empty({_shape(count_expr, res.shape[1:])}, {dt})"
                         )
                         args.append(ident)
                         outs.append(("last", ident))
+                        if mode == "hoist":  # one row per entry of the enclosing space
+                            hoisted_lasts.append(ident)
+                            self.info[id(out)] = _Info("global", ident, out, width=_width(out),
+                                                       size=f"({count_expr})", hoistable=True)
                     else:
                         info = self.new_array(out, "step", lines)
                         args.append(f"{info.ident}[:nb]")
                         outs.append(("last", info.ident))
-        lines.append(f"{fname}({', '.join(args)}, {', '.join(self.gargs_marker())})")
+        # The function takes every array defined before its call (consts, data,
+        # hoisted values, packed weights, output buffers) by name.
+        gargs = ", ".join(self.gargs)
+        self.functions[fname] = [line.replace("GARGS", gargs) for line in self.functions[fname]]
+        lines.append(f"{fname}({', '.join(args)}, {gargs})")
+        self.gargs.extend(hoisted_lasts)
         return lines, outs
-
-    def gargs_marker(self):
-        return ["GARGS"]
 
     def seq_levels(self, eqn):
         seqs, _, _ = ir.rnn_parts(eqn)
@@ -697,7 +734,7 @@ class _Gen:
         fn += ["    nb = num_seq", "    for step in range(num_steps):"]
         fn += ["        " + line for line in step]
         fn += ["    return 0"]
-        self.functions.append(fn)
+        self.functions[fname] = fn
         self.step_allocs = saved_allocs
         result_infos = [self.info.get(id(res)) for res in body.outputs]
         self.info = saved_info
