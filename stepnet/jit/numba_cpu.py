@@ -98,7 +98,8 @@ class _Gen:
         self.functions = {}  # name -> lines
         self.prologue = []  # lines in program(): hoisted work and allocations
         self.hoisted = set()
-        self.packed = {}  # weights ident -> packed weights ident
+        self.packed = {}
+        self.step_buffers = set()  # buffers written inside a time step  # weights ident -> packed weights ident
         self.extra_returns = []  # data arrays behind ragged last-step outputs  # ids of rnn equations whose hoistable work is emitted
 
     def fresh(self, base):
@@ -331,6 +332,7 @@ class _Gen:
                 f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})"
             )
             info = _Info("local", ident, var, width=_width(var))
+            self.step_buffers.add(ident)
         self.info[id(var)] = info
         return info
 
@@ -696,17 +698,6 @@ class _Gen:
         pos = "slen[b] - 1 - step" if eqn.attrs["reverse"] else "step"
         step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + {pos}"])
         self.emit_step(body, step)
-        # memories: copy the new values in (snapshot first where a post is a pre)
-        pres = {id(m.pre) for m in body.memories}
-        snaps = {}
-        for mem in body.memories:
-            if id(mem.post) in pres and id(mem.post) not in snaps:
-                tmp = self.new_array(ir.Var("snap", mem.post.dtype, mem.post.shape), "step", step)
-                self.emit_copy(self.info[id(mem.post)], tmp, "step", step)
-                snaps[id(mem.post)] = tmp
-        for mem in body.memories:
-            src = snaps.get(id(mem.post), self.info[id(mem.post)])
-            self.emit_copy(src, self.info[id(mem.pre)], "step", step)
         # outputs
         for res, out, p in zip(body.outputs, eqn.outputs, last_params):
             ri = self.info[id(res)]
@@ -729,6 +720,27 @@ class _Gen:
                     ["for b in range(nb):", "if slen[b] == step + 1:"],
                     _nest(loops[1:], [f"{dst} = {self.ref(ri, idx, 'step', res.shape)}"]),
                 )
+        # memories, after the outputs (which may read a previous state): a new
+        # value in a buffer of its own is swapped in, anything else is copied
+        # (through a snapshot where a new value is another memory's old one).
+        pres = {id(m.pre) for m in body.memories}
+        posts = [id(m.post) for m in body.memories]
+        snaps = {}
+        for mem in body.memories:
+            if id(mem.post) in pres and id(mem.post) not in snaps:
+                tmp = self.new_array(ir.Var("snap", mem.post.dtype, mem.post.shape), "step", step)
+                self.emit_copy(self.info[id(mem.post)], tmp, "step", step)
+                snaps[id(mem.post)] = tmp
+        for mem in body.memories:
+            src = snaps.get(id(mem.post), self.info[id(mem.post)])
+            dst = self.info[id(mem.pre)]
+            own_buffer = (src.kind == "local" and src.ident in self.step_buffers
+                          and src.offset == 0 and src.width == dst.width
+                          and id(mem.post) not in snaps and posts.count(id(mem.post)) == 1)
+            if own_buffer:
+                step.append(f"{dst.ident}, {src.ident} = {src.ident}, {dst.ident}")
+            else:
+                self.emit_copy(src, dst, "step", step)
         fn = [_DECORATOR, f"def {fname}({', '.join(params)}, GARGS):"]
         fn += ["    " + line for line in setup + self.step_allocs]
         fn += ["    nb = num_seq", "    for step in range(num_steps):"]
