@@ -16,7 +16,7 @@ _BACKEND_MODULES = {
     "interpreter": "stepnet.interpreter",
     "numba": "stepnet.jit.numba_cpu",
 }
-_default = "interpreter"
+_default = None  # the first call picks "numba" when it is available (DESIGN.md §4)
 
 
 def backends() -> list:
@@ -39,6 +39,9 @@ def set_default_backend(name) -> None:
 
 
 def default_backend() -> str:
+    global _default
+    if _default is None:
+        _default = "numba" if "numba" in backends() else "interpreter"
     return _default
 
 
@@ -96,7 +99,7 @@ class CompiledStepNet:
 
 
 def get_backend(name=None):
-    return _Runner(name or _default)
+    return _Runner(name or default_backend())
 
 
 class _Runner:

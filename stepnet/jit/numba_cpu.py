@@ -99,6 +99,8 @@ class _Gen:
         self.prologue = []  # lines in program(): hoisted work and allocations
         self.hoisted = set()
         self.packed = {}
+        self.const_names = {}  # ident -> the program's constant name
+        self.concatenated = {}  # ident -> names of the constants it joins by columns
         self.step_buffers = set()  # buffers written inside a time step  # weights ident -> packed weights ident
         self.extra_returns = []  # data arrays behind ragged last-step outputs  # ids of rnn equations whose hoistable work is emitted
 
@@ -125,6 +127,7 @@ class _Gen:
         params = []
         for v in prog.consts:
             ident = self.fresh("c")
+            self.const_names[ident] = v.name
             self.info[id(v)] = _Info("const", ident, v)
             params.append(ident)
             self.gargs.append(ident)
@@ -157,11 +160,10 @@ class _Gen:
 
         self.hoist_block(eqn)
         top_levels = self.info[id(seqs[0])].levels
-        call, outs = self.emit_rnn_call(eqn, f"{top_levels[0]}[:-1]",
-                                        f"({top_levels[0]}[1:] - {top_levels[0]}[:-1])",
-                                        "num_seq", mode="program")
+        call, outs = self.emit_rnn_call(eqn, "starts", "lengths", "num_seq", mode="program")
         self.top_outputs = outs
-        body = ["num_seq = " + f"{top_levels[0]}.shape[0] - 1"] + self.prologue + call
+        body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
+                "num_seq = lengths.shape[0]"] + self.prologue + call
         ret = ", ".join([o[1] for o in outs] + self.extra_returns)
         body.append(f"return ({ret},)")
         src = [
@@ -171,7 +173,8 @@ class _Gen:
             f"# BLAS: {blas.BLAS_NAME}",
             "from stepnet.jit.blas import gemm32, gemm64, gemm_packed32, gemm_packed64, pack32, pack64",
             "from stepnet.jit.numba_runtime import (",
-            "    relu, sigmoid32, sigmoid64, softplus32, softplus64, sort_by_length, tanh32, tanh64,",
+            "    relu, sigmoid32, sigmoid64, softplus32, softplus64, sort_by_length,",
+            "    starts_and_lengths, tanh32, tanh64,",
             ")",
             "",
         ]
@@ -179,6 +182,8 @@ class _Gen:
         for fn in self.functions.values():
             src += fn + [""]
         src.append(_DECORATOR)
+        # consts, then weights concatenated by the caller for merged matmuls
+        params = params[:len(prog.consts)] + list(self.concatenated) + params[len(prog.consts):]
         src.append(f"def program({', '.join(params)}):")
         src += ["    " + line for line in body]
         return "\n".join(src) + "\n"
@@ -228,10 +233,9 @@ class _Gen:
                     self.hoist_block(e)
                     if id(e.outputs[0]) not in self.info and self.independent_rnn(e):
                         level = self.info[id(inner_seqs[0])].levels[0]
-                        call, _ = self.emit_rnn_call(
-                            e, f"{level}[:-1]", f"({level}[1:] - {level}[:-1])",
-                            f"{level}.shape[0] - 1", mode="hoist",
-                        )
+                        st, ln = self.fresh("st"), self.fresh("ln")
+                        self.prologue.append(f"{st}, {ln} = starts_and_lengths({level})")
+                        call, _ = self.emit_rnn_call(e, st, ln, f"{ln}.shape[0]", mode="hoist")
                         self.prologue.extend(call)
                         progress = True
 
@@ -347,7 +351,12 @@ class _Gen:
         ai = self.info[id(a)]
         ws = [self.info[id(e.inputs[1])].ident for e in group]
         wcat = self.fresh("w")
-        self.prologue.append(f"{wcat} = np.ascontiguousarray(np.concatenate(({', '.join(ws)},), axis=1))")
+        if all(w in self.const_names for w in ws):  # concatenated by the caller
+            self.concatenated[wcat] = [self.const_names[w] for w in ws]
+        else:
+            self.prologue.append(
+                f"{wcat} = np.ascontiguousarray(np.concatenate(({', '.join(ws)},), axis=1))"
+            )
         self.gargs.append(wcat)
         total = sum(e.outputs[0].shape[-1] for e in group)
         out_var = ir.Var("merged", group[0].outputs[0].dtype, (None, total))
@@ -967,6 +976,7 @@ class NumbaProgram:
         self.source, gen = generate_source(program)
         self.top_inputs = gen.top_inputs
         self.top_outputs = gen.top_outputs
+        self.concatenated = gen.concatenated
         if os.environ.get("STEPNET_DEBUG"):
             print(self.source, file=sys.stderr)
         self.module = _load(self.source)
@@ -982,6 +992,8 @@ class NumbaProgram:
             else:
                 call_args.append(np.ascontiguousarray(value))
         const_args = [np.ascontiguousarray(consts[v.name]) for v in self.program.consts]
+        const_args += [np.ascontiguousarray(np.concatenate([consts[n] for n in names], axis=1))
+                       for names in self.concatenated.values()]
         results = self.module.program(*const_args, *call_args)
         extra = list(results[len(self.top_outputs):])
         outputs = []

@@ -107,3 +107,15 @@ def sort_by_length(seq_start, seq_len):
         slen[b] = seq_len[order[b]]
         sstart[b] = seq_start[order[b]]
     return order, slen, sstart
+
+
+@njit(cache=True)
+def starts_and_lengths(offsets):
+    """Each sequence's first entry and length, from one LoD level's offsets."""
+    n = offsets.shape[0] - 1
+    starts = np.empty(n, np.int64)
+    lengths = np.empty(n, np.int64)
+    for i in range(n):
+        starts[i] = offsets[i]
+        lengths[i] = offsets[i + 1] - offsets[i]
+    return starts, lengths
