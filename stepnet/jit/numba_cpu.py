@@ -983,16 +983,14 @@ class NumbaProgram:
 
     def __call__(self, args, consts):
         call_args = []
-        primary = None
-        for (kind, var, _, _), value in zip(self.top_inputs, args):
+        for (kind, _, _, _), value in zip(self.top_inputs, args):
             if kind == "sequence":
-                primary = primary or value
-                call_args.append(np.ascontiguousarray(value.data))
-                call_args += [np.ascontiguousarray(lv) for lv in value.levels]
+                call_args.append(_read_only(value.data))
+                call_args += [_read_only(lv) for lv in value.levels]
             else:
-                call_args.append(np.ascontiguousarray(value))
-        const_args = [np.ascontiguousarray(consts[v.name]) for v in self.program.consts]
-        const_args += [np.ascontiguousarray(np.concatenate([consts[n] for n in names], axis=1))
+                call_args.append(_read_only(value))
+        const_args = [_read_only(consts[v.name]) for v in self.program.consts]
+        const_args += [_read_only(np.concatenate([consts[n] for n in names], axis=1))
                        for names in self.concatenated.values()]
         results = self.module.program(*const_args, *call_args)
         extra = list(results[len(self.top_outputs):])
@@ -1023,6 +1021,14 @@ class NumbaProgram:
         if not pieces:
             return LoDTensor(empty.data, [[0]] + [[0]] * (len(levels) - 1))
         return LoDTensor.concat(pieces)
+
+
+def _read_only(array):
+    """A C-contiguous read-only view: the kernel never writes its inputs, and one
+    array type for every call means one compiled signature."""
+    view = np.ascontiguousarray(array).view()
+    view.flags.writeable = False
+    return view
 
 
 def compile_program(program: ir.Program):

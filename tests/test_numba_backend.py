@@ -1,0 +1,226 @@
+"""The Numba backend: agreement with the interpreter on the cases its code
+generator treats specially, its caches, and its float32 transcendentals."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import assert_backends_agree, assert_close
+
+import stepnet as sn
+
+numba_cpu = pytest.importorskip("stepnet.jit.numba_cpu")
+
+
+def _param(rng, *shape, dtype=np.float32):
+    return sn.Parameter((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype))
+
+
+def gru_net(X, rng, hidden=6, reverse=False, dtype=np.float32):
+    """A PyTorch-style GRU: three input matmuls (one hoisted GEMM) and three
+    recurrent ones (one packed GEMM per step)."""
+    width = X.shape[1]
+    Wr, Wz, Wn = (_param(rng, width, hidden, dtype=dtype) for _ in range(3))
+    Ur, Uz, Un = (_param(rng, hidden, hidden, dtype=dtype) for _ in range(3))
+    br, bz, bn, bhn = (_param(rng, hidden, dtype=dtype) for _ in range(4))
+    rnn = sn.create_rnn_op(reverse=reverse)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[hidden], name="h")
+        hp = h.pre_state()
+        r = sn.ops.sigmoid(x @ Wr + br + hp @ Ur)
+        z = sn.ops.sigmoid(x @ Wz + bz + hp @ Uz)
+        n = sn.ops.tanh(x @ Wn + bn + r * (hp @ Un + bhn))
+        h.update((1 - z) * n + z * hp)
+        rnn.add_outputs(h)
+    return rnn
+
+
+def lod(rng, lengths, width, dtype=np.float32):
+    data = rng.standard_normal((sum(lengths), width)).astype(dtype)
+    return sn.LoDTensor.from_lengths(data, [lengths])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gru_matches_interpreter(rng, dtype, reverse):
+    X = lod(rng, [5, 0, 1, 7, 3], 4, dtype)
+    rnn = gru_net(X, rng, reverse=reverse, dtype=dtype)
+    assert_backends_agree(rnn, backends=["numba"])
+    assert_backends_agree(rnn, output_all_steps=False, backends=["numba"])
+
+
+def test_generated_source_merges_matmuls_and_hoists(rng):
+    rnn = gru_net(lod(rng, [3, 2], 4), rng)
+    source = rnn.compile("numba").source
+    program = source[source.index("def program"):]
+    # one GEMM over every token before the time loop, one packed GEMM per step
+    assert program.count("gemm32(") == 1
+    assert source.count("gemm_packed32(") == 1
+    assert "for step in range(num_steps)" in source
+
+
+def test_rebinding_never_recompiles(rng):
+    X = lod(rng, [3, 2], 4)
+    rnn = gru_net(X, rng)
+    f = rnn.compile("numba")
+    f()
+    kernel = numba_cpu._load(f.source).program
+    assert len(kernel.signatures) == 1
+    for lengths in ([1], [7, 0, 0, 2, 9, 4, 4, 1], [0, 0], []):
+        Y = lod(rng, lengths, 4)
+        expected = rnn(x=Y, backend="interpreter")
+        assert_close(f(x=Y), expected)
+    assert len(kernel.signatures) == 1
+
+
+def test_float16_in_float32_out_as_float16(rng):
+    X = lod(rng, [3, 4], 4, np.float16)
+    rnn = gru_net(X, rng)
+    out = rnn(backend="numba")
+    assert out.dtype == np.float16
+    assert_close(out, rnn(backend="interpreter"), dtype=np.float16)
+
+
+def test_nested_independent_inner_rnn_runs_before_the_outer_loop(rng):
+    X = sn.LoDTensor.from_lengths(
+        rng.standard_normal((14, 4)).astype(np.float32), [[2, 3, 0], [3, 2, 5, 0, 4]]
+    )
+    W, U, V = _param(rng, 4, 5), _param(rng, 5, 5), _param(rng, 5, 5)
+    outer = sn.create_rnn_op()
+    with outer.stepnet():
+        para = outer.add_input(X, name="chapters")
+        hc = outer.add_memory(shape=[5], name="hc")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            w = inner.add_input(para, name="words")
+            hw = inner.add_memory(shape=[5], name="hw")
+            hw.update(sn.ops.tanh(w @ W + hw.pre_state() @ U))
+            inner.add_outputs(hw)
+        last = inner(output_all_steps=False)
+        hc.update(sn.ops.tanh(last @ V + hc.pre_state()))
+        outer.add_outputs(hc, inner(), last)
+    assert_backends_agree(outer, backends=["numba"])
+    assert_backends_agree(outer, output_all_steps=False, backends=["numba"])
+    source = outer.compile("numba").source
+    program = source[source.index("def program"):]
+    # the word-level rnn is called from program(), not from the chapter loop
+    inner_calls = [line for line in program.splitlines() if "rnn_" in line]
+    assert len(inner_calls) == 3
+
+
+def test_tanh32_and_sigmoid32_error_bound():
+    from stepnet.jit import numba_runtime as rt
+
+    x = np.linspace(-20, 20, 400_001).astype(np.float32)
+    tanh = np.array([rt.tanh32(v) for v in x[::40]], np.float64)
+    sigm = np.array([rt.sigmoid32(v) for v in x[::40]], np.float64)
+    exact_tanh = np.tanh(x[::40].astype(np.float64))
+    exact_sigm = 1 / (1 + np.exp(-x[::40].astype(np.float64)))
+    # documented in numba_runtime and README: below 5e-7 absolute
+    assert np.abs(tanh - exact_tanh).max() < 5e-7
+    assert np.abs(sigm - exact_sigm).max() < 5e-7
+
+
+def test_debug_env_prints_source(tmp_path):
+    script = textwrap.dedent(
+        """
+        import numpy as np, stepnet as sn
+        X = sn.LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[1, 2]])
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            x = rnn.add_input(X, name="x")
+            h = rnn.add_memory(shape=[2], name="h")
+            h.update(sn.ops.tanh(x + h.pre_state()))
+            rnn.add_outputs(h)
+        rnn(backend="numba")
+        """
+    )
+    env = dict(os.environ, STEPNET_DEBUG="1", STEPNET_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, check=True)
+    assert "def program(" in result.stderr
+    assert list(tmp_path.glob("stepnet_kernel_*.py"))
+
+
+_EDGE_CASES = textwrap.dedent(
+    """
+    import numpy as np, stepnet as sn
+    from stepnet.jit import numba_cpu
+    rng = np.random.default_rng(0)
+
+    def check(rnn, **feeds):
+        for all_steps in (True, False):
+            a = rnn(backend="numba", output_all_steps=all_steps, **feeds)
+            b = rnn(backend="interpreter", output_all_steps=all_steps, **feeds)
+            a = a if isinstance(a, tuple) else (a,)
+            b = b if isinstance(b, tuple) else (b,)
+            for u, v in zip(a, b):
+                if isinstance(v, sn.LoDTensor):
+                    assert u.lod == v.lod
+                    u, v = u.data, v.data
+                assert np.allclose(u, v, atol=1e-5), (u, v)
+
+    W = sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32))
+    U = sn.Parameter(rng.standard_normal((4, 4)).astype(np.float32))
+    for lengths in ([0], [0, 0, 0], [1], [4], [0, 3, 0, 1], [], [2, 0, 5]):
+        data = rng.standard_normal((sum(lengths), 3)).astype(np.float32)
+        X = sn.LoDTensor.from_lengths(data, [lengths])
+        S = rng.standard_normal((len(lengths), 4)).astype(np.float32)
+        for reverse in (False, True):
+            rnn = sn.create_rnn_op(reverse=reverse)
+            with rnn.stepnet():
+                x = rnn.add_input(X, name="x")
+                s = rnn.add_static_input(S, name="s")
+                h = rnn.add_memory(init=S, name="h")
+                h.update(sn.ops.tanh(x @ W + h.pre_state() @ U + s))
+                rnn.add_outputs(h, h.pre_state() * 2)
+            check(rnn)
+    # nested, with empty chapters and empty paragraphs
+    for lengths in ([[0, 2], [0, 3]], [[3], [1, 0, 2]], [[0, 0], []], [[1, 1], [0, 0]]):
+        rows = sum(lengths[1])
+        X = sn.LoDTensor.from_lengths(rng.standard_normal((rows, 3)).astype(np.float32), lengths)
+        outer = sn.create_rnn_op()
+        with outer.stepnet():
+            p = outer.add_input(X, name="x")
+            hc = outer.add_memory(shape=[4], name="hc")
+            inner = sn.create_rnn_op()
+            with inner.stepnet():
+                w = inner.add_input(p, name="w")
+                hw = inner.add_memory(init=hc.pre_state(), name="hw")
+                hw.update(sn.ops.tanh(w @ W + hw.pre_state() @ U))
+                inner.add_outputs(hw)
+            hc.update(inner(output_all_steps=False) + hc.pre_state())
+            outer.add_outputs(hc, inner())
+        check(outer)
+    print("edge cases ok")
+    """
+)
+
+
+@pytest.mark.slow
+def test_lod_edge_cases_under_boundscheck(tmp_path):
+    """Compiled with NUMBA_BOUNDSCHECK=1: any out-of-bounds index raises."""
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", STEPNET_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", _EDGE_CASES], env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "edge cases ok" in result.stdout
+
+
+def test_lod_edge_cases():
+    namespace = {}
+    exec(compile(_EDGE_CASES, "edge_cases", "exec"), namespace)
+
+
+def test_bad_rebinding_raises_before_the_kernel(rng):
+    X = lod(rng, [3, 2], 4)
+    rnn = gru_net(X, rng)
+    f = rnn.compile("numba")
+    with pytest.raises(sn.ShapeError, match="feature shape"):
+        f(x=lod(rng, [3, 2], 5))
+    with pytest.raises(sn.ShapeError, match="dtype"):
+        f(x=sn.LoDTensor.from_lengths(np.ones((5, 4), np.int32), [[3, 2]]))
