@@ -277,7 +277,9 @@ class RNNOp:
             if outer.lod_depth or not outer.batched:
                 raise ShapeError(f"add_memory({name}): init {outer.type_str()} is not one row per sequence")
             if shape is not None and outer.shape[1:] != shape:
-                raise ShapeError(f"add_memory({name}): init {outer.type_str()} does not have shape {list(shape)}")
+                raise ShapeError(
+                    f"add_memory({name}): init {outer.type_str()} does not have shape {list(shape)}"
+                )
             shape = outer.shape[1:]
             mem_dtype = np.dtype(outer.dtype)
             init_operand = outer

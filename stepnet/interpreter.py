@@ -46,7 +46,7 @@ def _empty_piece(var, num):
 
 def _prepend_level(value: LoDTensor, counts) -> LoDTensor:
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return LoDTensor(value.data, [offsets] + [lv for lv in value.levels])
+    return LoDTensor(value.data, [offsets] + list(value.levels))
 
 
 def run_rnn(eqn, args, consts, scopes=None):

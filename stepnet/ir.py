@@ -245,7 +245,7 @@ def check(program: Program) -> None:
             check_block(body)
         else:
             op = registry.get(eqn.op)
-            avals = op.infer([v for v in eqn.inputs], eqn.attrs)
+            avals = op.infer(list(eqn.inputs), eqn.attrs)
             for out, aval in zip(eqn.outputs, avals):
                 if (out.shape, np.dtype(out.dtype)) != (aval.shape, np.dtype(aval.dtype)):
                     raise StepNetError(

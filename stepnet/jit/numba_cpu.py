@@ -97,12 +97,12 @@ class _Gen:
         self.gargs = []  # names passed to every rnn function
         self.functions = {}  # name -> lines
         self.prologue = []  # lines in program(): hoisted work and allocations
-        self.hoisted = set()
-        self.packed = {}
+        self.hoisted = set()  # ids of bodies whose hoistable work is emitted
+        self.packed = {}  # weights ident -> packed weights ident
         self.const_names = {}  # ident -> the program's constant name
         self.concatenated = {}  # ident -> names of the constants it joins by columns
-        self.step_buffers = set()  # buffers written inside a time step  # weights ident -> packed weights ident
-        self.extra_returns = []  # data arrays behind ragged last-step outputs  # ids of rnn equations whose hoistable work is emitted
+        self.step_buffers = set()  # buffers written inside a time step
+        self.extra_returns = []  # data arrays behind ragged last-step outputs
 
     def fresh(self, base):
         self.counter += 1
@@ -804,19 +804,13 @@ class _Gen:
 
     def materialized(self, body, step_eqns):
         """Vars of fused ops that other ops, memories or outputs read."""
-        users = {}
-        for i, e in enumerate(step_eqns):
-            for v in e.inputs:
-                if isinstance(v, ir.Var):
-                    users.setdefault(id(v), set()).add(i)
         needed = {id(m.post) for m in body.memories} | {id(v) for v in body.outputs}
-        for i, e in enumerate(step_eqns):
+        for e in step_eqns:
             fusable = e.op in _SCALAR_OPS or e.op in _PRECISION_OPS or e.op == "clip"
             if not fusable:
                 for v in e.inputs:
                     if isinstance(v, ir.Var):
                         needed.add(id(v))
-        self._users = users
         return needed
 
     def emit_fused(self, group, needed, lines):
