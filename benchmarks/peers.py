@@ -120,6 +120,32 @@ def stepnet_gru(wl):
     return run
 
 
+@peer("stepnet", ["W4"], "stepnet GRU, batch padded to its longest sequence (work on padding)")
+def stepnet_gru_padded(wl):
+    """The same batch with every sequence padded to the longest: what the
+    length-sorted active batch saves. Final states are read at each sequence's
+    own last step, so they are exact."""
+    import stepnet as sn
+
+    B, T = wl.x.shape[:2]
+    X = sn.LoDTensor.from_lengths(np.ascontiguousarray(wl.x.reshape(B * T, -1)), [[T] * B])
+    p = _sn_gru_params(sn, wl.weights, "")
+    rnn = sn.create_rnn_op(output_num=1)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[wl.dims["H"]], name="h")
+        h.update(_sn_gru_cell(sn, x, h.pre_state(), p))
+        rnn.add_outputs(h)
+    f = rnn.compile("numba")
+    last = np.arange(B) * T + wl.lengths - 1
+
+    def run():
+        out = f()
+        return out, out.data[last]
+
+    return run
+
+
 @peer("stepnet", ["W2"], "stepnet LSTM cell in the DSL (numba)")
 def stepnet_lstm(wl):
     import stepnet as sn
