@@ -7,6 +7,12 @@ runs ``cblas_?gemm_compute`` on the packed copy, as oneDNN's RNN does.
 MKL runs on its GNU-OpenMP threading layer, the runtime Numba's ``prange``
 uses too, so two thread pools never spin against each other.
 
+Small products (a shrinking batch near the end of its sequences, a batch of
+one) spend more time in MKL's or OpenBLAS's dispatch than in arithmetic: below
+``SMALL_GEMM_WORK`` multiply-adds a step runs ``small_gemm``, a Numba loop over
+the transposed weights (row dot products, four rows at a time), measured 1.6-2x
+faster than MKL's packed GEMM there.
+
 ``BLAS_NAME`` says which one is in use; it is part of the generated source,
 so kernels cached on disk never mix the two. ``STEPNET_BLAS=openblas`` forces
 the fallback.
@@ -26,7 +32,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 _ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
-_GNU_THREADING = 1
+_GNU_THREADING = 3  # MKL_THREADING_GNU (0 Intel, 1 sequential, 2 PGI, 3 GNU, 4 TBB)
 
 
 def _find_mkl():
@@ -86,7 +92,38 @@ def _extern(symbol, argspec, returns_size=False):
     return call
 
 
-_mkl = _find_mkl()
+SMALL_GEMM_WORK = 2_000_000  # m * k * n at or below which small_gemm runs
+
+
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
+def small_gemm(a, bt, out):
+    """out[:m] = a[:m] @ bt.T, ``bt`` the C-contiguous transposed weights."""
+    m = a.shape[0]
+    n, k = bt.shape
+    zero = np.zeros(1, out.dtype)[0]
+    i = 0
+    while i + 4 <= m:
+        for j in range(n):
+            s0 = s1 = s2 = s3 = zero
+            for kk in range(k):
+                w = bt[j, kk]
+                s0 += a[i, kk] * w
+                s1 += a[i + 1, kk] * w
+                s2 += a[i + 2, kk] * w
+                s3 += a[i + 3, kk] * w
+            out[i, j] = s0
+            out[i + 1, j] = s1
+            out[i + 2, j] = s2
+            out[i + 3, j] = s3
+        i += 4
+    while i < m:
+        for j in range(n):
+            s = zero
+            for kk in range(k):
+                s += a[i, kk] * bt[j, kk]
+            out[i, j] = s
+        i += 1
+
 _mkl = _find_mkl()
 BLAS_NAME = "mkl" if _mkl is not None else "openblas"
 
@@ -122,39 +159,44 @@ if _mkl is not None:
 
     @njit(cache=True)
     def pack32(b, max_rows):
-        """The packed form of float32 ``b`` [k, n] for ``gemm_packed32``."""
+        """Float32 weights ``b`` [k, n] prepared for ``gemm_packed32``: MKL's
+        packed form and the transposed copy ``small_gemm`` reads."""
         k, n = b.shape
         size = _s_pack_size((_B_MATRIX, max(max_rows, 1), n, k))
         packed = np.empty(size // 4 + 1, np.float32)
         _s_pack((_ROW_MAJOR, _B_MATRIX, _NO_TRANS, max(max_rows, 1), n, k, 1.0,
                  b.ctypes.data, n, packed.ctypes.data))
-        return packed
+        return packed, np.ascontiguousarray(b.T)
 
     @njit(cache=True)
     def pack64(b, max_rows):
-        """The packed form of float64 ``b`` [k, n] for ``gemm_packed64``."""
+        """Float64 weights ``b`` [k, n] prepared for ``gemm_packed64``."""
         k, n = b.shape
         size = _d_pack_size((_B_MATRIX, max(max_rows, 1), n, k))
         packed = np.empty(size // 8 + 1, np.float64)
         _d_pack((_ROW_MAJOR, _B_MATRIX, _NO_TRANS, max(max_rows, 1), n, k, 1.0,
                  b.ctypes.data, n, packed.ctypes.data))
-        return packed
+        return packed, np.ascontiguousarray(b.T)
 
     @njit(cache=True)
-    def gemm_packed32(a, packed, k, n, out):
-        """out[:m] = a[:m] @ b, with ``packed = pack32(b, ...)``."""
+    def gemm_packed32(a, prepared, k, n, out):
+        """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)``."""
         m = a.shape[0]
-        if m > 0:
+        if m * k * n <= SMALL_GEMM_WORK:
+            small_gemm(a, prepared[1], out)
+        else:
             _s_compute((_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
-                        packed.ctypes.data, n, 0.0, out.ctypes.data, n))
+                        prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n))
 
     @njit(cache=True)
-    def gemm_packed64(a, packed, k, n, out):
-        """out[:m] = a[:m] @ b, with ``packed = pack64(b, ...)``."""
+    def gemm_packed64(a, prepared, k, n, out):
+        """out[:m] = a[:m] @ b, with ``prepared = pack64(b, ...)``."""
         m = a.shape[0]
-        if m > 0:
+        if m * k * n <= SMALL_GEMM_WORK:
+            small_gemm(a, prepared[1], out)
+        else:
             _d_compute((_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
-                        packed.ctypes.data, n, 0.0, out.ctypes.data, n))
+                        prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n))
 
 else:
 
@@ -166,13 +208,16 @@ else:
 
     @njit(cache=True)
     def _pack(b, max_rows):
-        """Without MKL the "packed" weights are the weights themselves."""
-        return b
+        """Without MKL the "packed" weights are the weights themselves (and
+        their transposed copy for ``small_gemm``)."""
+        return b, np.ascontiguousarray(b.T)
 
     @njit(cache=True)
-    def _gemm_packed(a, packed, k, n, out):
-        if a.shape[0] > 0:
-            np.dot(a, packed, out)
+    def _gemm_packed(a, prepared, k, n, out):
+        if a.shape[0] * k * n <= SMALL_GEMM_WORK:
+            small_gemm(a, prepared[1], out)
+        else:
+            np.dot(a, prepared[0], out)
 
     gemm32 = gemm64 = _gemm
     pack32 = pack64 = _pack
