@@ -53,6 +53,20 @@ def test_gru_matches_interpreter(rng, dtype, reverse):
     assert_backends_agree(rnn, output_all_steps=False, backends=["numba"])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_large_batch_takes_the_blas_path_then_the_small_one(rng, dtype):
+    # 64 rows x 128 x 384 is above blas.SMALL_GEMM_WORK, so the first steps run
+    # BLAS (MKL's packed GEMM when present) and the last ones, with a few
+    # sequences left, run small_gemm; the fused loops split rows over threads.
+    from stepnet.jit import blas
+
+    lengths = [4] * 8 + [2] * 56
+    assert 64 * 128 * 384 > blas.SMALL_GEMM_WORK >= 8 * 128 * 384
+    X = lod(rng, lengths, 16, dtype)
+    rnn = gru_net(X, rng, hidden=128, dtype=dtype)
+    assert_backends_agree(rnn, backends=["numba"])
+
+
 def test_generated_source_merges_matmuls_and_hoists(rng):
     rnn = gru_net(lod(rng, [3, 2], 4), rng)
     source = rnn.compile("numba").source
@@ -224,3 +238,18 @@ def test_bad_rebinding_raises_before_the_kernel(rng):
         f(x=lod(rng, [3, 2], 5))
     with pytest.raises(sn.ShapeError, match="dtype"):
         f(x=sn.LoDTensor.from_lengths(np.ones((5, 4), np.int32), [[3, 2]]))
+
+
+def test_one_value_listed_as_two_all_steps_outputs(rng):
+    # Both outputs are the same fused-loop value; each gets every row.
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32), [[1, 0, 5]])
+    rnn = sn.create_rnn_op(output_num=2)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[3], name="h")
+        y = sn.ops.tanh(x - h.pre_state())
+        h.update(y)
+        rnn.add_outputs(y, y)
+    first, second = assert_backends_agree(rnn)
+    np.testing.assert_array_equal(first.data, second.data)
+    assert np.all(first.data != 0)
