@@ -304,6 +304,9 @@ def _operand_var(x, frame):
         return capture(frame, owner, var)
     if isinstance(x, (bool, np.bool_)):
         return Literal(bool(x))
+    if isinstance(x, np.floating):
+        # NumPy's float scalars keep their dtype, as in NumPy (NEP 50): a 0-d constant
+        return frame.state.const(x)
     if isinstance(x, numbers.Real) and not isinstance(x, np.ndarray):
         return Literal(float(x))
     if isinstance(x, (Parameter, np.ndarray)):

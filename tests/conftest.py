@@ -25,6 +25,11 @@ def assert_close(actual, expected, dtype=None, what="output"):
     a, e = _data(actual), _data(expected)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
     assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
+    if e.dtype.kind in "biu":  # masks and counts agree exactly
+        mismatched = np.flatnonzero((a != e).ravel())
+        assert mismatched.size == 0, (
+            f"{what}: {mismatched.size} elements differ, first at flat index {mismatched[:1]}")
+        return
     tol = TOL[np.dtype(dtype or e.dtype)]
     err = np.abs(a.astype(np.float64) - e.astype(np.float64))
     bound = tol * np.maximum(1.0, np.abs(e.astype(np.float64)))

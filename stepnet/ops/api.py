@@ -122,5 +122,7 @@ def concat(values, axis=-1):
 
 def slice(x, start, stop, axis=-1):
     size = shape_of(x)[axis]
+    if size is None:  # the batch axis: the rule refuses it with a clear error
+        return bind("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
     start, stop, _ = builtins.slice(start, stop).indices(size)
     return bind("slice", [x], axis=int(axis), start=start, stop=builtins.max(start, stop))

@@ -32,6 +32,10 @@ def split(x, sections, axis=-1):
     """Split ``x`` along ``axis`` into ``sections`` equal parts, or at the
     sizes listed in ``sections`` (a list). Returns a list of slices."""
     size = shape_of(x)[axis]
+    if size is None:
+        from ..errors import ShapeError
+
+        raise ShapeError(f"split: cannot split the batch axis (axis {axis}) of a step value")
     if isinstance(sections, int):
         if sections <= 0 or size % sections:
             from ..errors import ShapeError

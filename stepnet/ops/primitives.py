@@ -10,6 +10,7 @@ import numpy as np
 from scipy import special
 
 from ..errors import ShapeError
+from ..ir import Literal
 from .registry import (
     Aval,
     broadcast,
@@ -176,6 +177,12 @@ register("sum", _sum_rule, lambda x, axis, keepdims=False: np.sum(x, axis, keepd
 def _concat_rule(operands, axis):
     if not operands:
         raise ShapeError("concat: needs at least one operand")
+    for index, v in enumerate(operands):
+        if isinstance(v, Literal):
+            raise ShapeError(
+                f"concat: operand {index} is the scalar {v.value!r}; concat joins arrays "
+                "(make it one with sn.Parameter(np.full(shape, value)))"
+            )
     first = operands[0]
     axis = normalize_axis("concat", first, axis)
     total = 0
@@ -199,6 +206,8 @@ register("concat", _concat_rule, lambda *xs, axis: np.concatenate(xs, axis), "sh
 def _slice_rule(operands, axis, start, stop):
     (x,) = operands
     axis = normalize_axis("slice", x, axis)
+    if x.shape[axis] is None:
+        raise ShapeError(f"slice: cannot slice the batch axis (axis {axis}) of {shape_str(x)}")
     if not 0 <= start <= stop <= x.shape[axis]:
         raise ShapeError(
             f"slice: [{start}:{stop}] is out of range for axis {axis} of {shape_str(x)}"

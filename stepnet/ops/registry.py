@@ -98,7 +98,8 @@ def result_dtype(operands) -> np.dtype:
     dtypes = [np.dtype(v.dtype) for v in operands if not isinstance(v, Literal)]
     if not dtypes:
         raise StepNetError("an op needs at least one array operand")
-    return np.result_type(*dtypes)
+    scalars = [v.value for v in operands if isinstance(v, Literal)]
+    return np.result_type(*dtypes, *scalars)
 
 
 def broadcast(opname, operands) -> tuple:
