@@ -73,6 +73,7 @@ class CompiledStepNet:
         self._runs = {}
 
     def _runner(self, all_steps):
+        all_steps = self.rnn.all_steps_flags(all_steps)
         if all_steps not in self._runs:
             self._runs[all_steps] = self._module.compile_program(self.rnn.program(all_steps))
         return self._runs[all_steps]
@@ -83,7 +84,7 @@ class CompiledStepNet:
 
     def __call__(self, output_all_steps=True, scopes=None, **inputs):
         rnn = self.rnn
-        all_steps = bool(output_all_steps)
+        all_steps = rnn.all_steps_flags(output_all_steps)
         args = rnn.bind(**inputs)
         run = self._runner(all_steps)
         if scopes is not None:

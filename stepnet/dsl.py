@@ -402,17 +402,30 @@ class RNNOp:
         inits = tuple(o for _, o in frame.memories)
         return seqs, statics, inits
 
+    def all_steps_flags(self, output_all_steps) -> tuple:
+        """``output_all_steps`` (one bool, or one per output) as one bool per output."""
+        count = len(self.block.outputs)
+        if isinstance(output_all_steps, (bool, int, np.bool_, np.integer)):
+            return (bool(output_all_steps),) * count
+        flags = tuple(bool(f) for f in output_all_steps)
+        if len(flags) != count:
+            raise StepNetError(
+                f"step-net {self.name}: output_all_steps has {len(flags)} flags for "
+                f"{count} outputs"
+            )
+        return flags
+
     def _make_eqn(self, all_steps, fresh):
         seqs, statics, inits = self._eqn_operands()
         outs = []
-        for v in self.block.outputs:
-            depth = v.lod_depth + 1 if all_steps else v.lod_depth
-            outs.append(Var(fresh(v.name), v.dtype, v.shape, depth))
+        for v, flag in zip(self.block.outputs, all_steps):
+            depth = v.lod_depth + 1 if flag else v.lod_depth
+            outs.append(Var(fresh(v.name, flag), v.dtype, v.shape, depth))
         attrs = {
             "name": self.name,
             "body": self.block,
             "reverse": self.reverse,
-            "all_steps": tuple(all_steps for _ in outs),
+            "all_steps": tuple(all_steps),
             "output_memory": self.output_memory,
             "num_sequence_inputs": len(seqs),
             "num_static_inputs": len(statics),
@@ -425,11 +438,10 @@ class RNNOp:
             raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
         if not self._top:
             raise StepNetError(f"{self.name} is a nested step-net; call it inside its enclosing block")
-        key = bool(all_steps)
+        key = self.all_steps_flags(all_steps)
         if key not in self._programs:
             state = self.frame.state
-            suffix = "" if key else "_last"
-            eqn = self._make_eqn(key, lambda n: f"{n}_all" if key else f"{n}{suffix}")
+            eqn = self._make_eqn(key, lambda n, flag: f"{n}_all" if flag else f"{n}_last")
             consts = tuple(var for var, _ in state.consts.values())
             inputs = tuple(b.var for b in self.bindings.values())
             program = ir.Program(inputs, consts, eqn)
@@ -539,7 +551,8 @@ class RNNOp:
             raise StepNetError(
                 f"nested step-net {self.name} must be called inside the block it was defined in"
             )
-        eqn = self._make_eqn(bool(output_all_steps), outer.state.fresh)
+        eqn = self._make_eqn(self.all_steps_flags(output_all_steps),
+                             lambda n, flag: outer.state.fresh(n))
         for v in eqn.outputs:
             outer.define(v)
         outer.eqns.append(eqn)

@@ -253,3 +253,23 @@ def test_one_value_listed_as_two_all_steps_outputs(rng):
     first, second = assert_backends_agree(rnn)
     np.testing.assert_array_equal(first.data, second.data)
     assert np.all(first.data != 0)
+
+
+def test_output_all_steps_per_output(rng):
+    # One run gives every step of h and the last states of h and c.
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32), [[2, 0, 4]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(init=np.ones(3, np.float32), name="h")
+        c = rnn.add_memory(shape=[3], name="c")
+        c.update(c.pre_state() + x)
+        h.update(sn.ops.tanh(x + h.pre_state() * c.pre_state()))
+        rnn.add_outputs(h, h, c)
+    y, h_last, c_last = assert_backends_agree(rnn, output_all_steps=(True, False, False))
+    assert isinstance(y, sn.LoDTensor) and y.lod == [[0, 2, 2, 6]]
+    np.testing.assert_array_equal(h_last[[0, 2]], y.data[[1, 5]])
+    np.testing.assert_array_equal(h_last[1], np.ones(3, np.float32))  # empty: its init
+    np.testing.assert_allclose(c_last[2], X.data[2:].sum(0), rtol=1e-6)
+    with pytest.raises(sn.StepNetError, match="2 flags for 3 outputs"):
+        rnn(output_all_steps=(True, False))
