@@ -4,7 +4,7 @@ Write what happens in one time step; stepnet runs it over every step of every
 sequence of a batch. See DESIGN.md and README.md.
 """
 
-from . import errors, ops
+from . import errors, nn, ops
 from .backends import backends, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
 from .errors import (
@@ -38,6 +38,7 @@ __all__ = [
     "create_rnn_op",
     "default_backend",
     "errors",
+    "nn",
     "ops",
     "set_default_backend",
 ]

@@ -1,0 +1,736 @@
+"""The built-in recurrent layers: RNN, LSTM, GRU and AUGRU over LoD batches.
+
+Each (layer, direction) of a layer is one step-net (``cells.py`` writes its
+step), built on the first call and run on any backend; nothing here has a
+private fast path. A call runs the step-nets layer after layer (``combine=
+"per_layer"``: each layer reads both directions' combined outputs, as PyTorch
+and ONNX stack) or direction after direction (``combine="final"``: each
+direction's whole stack runs on its own and the stacks are combined at the
+end, as oneDNN does).
+
+Weights are kept per gate in ONNX's gate order; ``onnx_weights(l)`` gives
+layer ``l`` in ONNX's layout, ``from_onnx``/``to_onnx`` and
+``from_torch``/``to_torch`` convert (PyTorch's GRU gates are r, z, n and its
+GRU is ONNX's ``linear_before_reset=1``; its LSTM gates are i, f, g, o).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dsl
+from ..errors import ShapeError, StepNetError, UnsupportedError
+from ..lod import LoDTensor
+from ..tracing import Parameter, compute_dtype
+from . import cells
+
+DIRECTIONS = ("forward", "reverse", "bidirectional_concat", "bidirectional_sum")
+_DIRECTION_NAMES = {0: "fwd", 1: "rev"}
+_ONNX_DIRECTION = {"forward": "forward", "reverse": "reverse",
+                   "bidirectional_concat": "bidirectional"}
+_FROM_ONNX_DIRECTION = {"forward": "forward", "reverse": "reverse",
+                        "bidirectional": "bidirectional_concat"}
+_DEFAULT_ACTIVATIONS = {
+    "rnn": ("Tanh",),
+    "gru": ("Sigmoid", "Tanh"),
+    "augru": ("Sigmoid", "Tanh"),
+    "lstm": ("Sigmoid", "Tanh", "Tanh"),
+}
+# PyTorch's gate order, as indices into ONNX's
+_TORCH_GATES = {"gru": ("r", "z", "h"), "lstm": ("i", "f", "c", "o"), "rnn": ("i",)}
+
+
+class _RecurrentLayer:
+    """What every built-in layer shares; see the module docstring."""
+
+    cell = None  # "rnn" | "gru" | "augru" | "lstm"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, direction="forward",
+                 combine="per_layer", activations=None, activation_alpha=None,
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None, *,
+                 linear_before_reset=False, peephole=False, proj_size=0, input_forget=False):
+        name = type(self).__name__
+        self.input_size = _positive(input_size, f"{name}: input_size")
+        self.hidden_size = _positive(hidden_size, f"{name}: hidden_size")
+        self.num_layers = _positive(num_layers, f"{name}: num_layers")
+        if direction not in DIRECTIONS:
+            raise StepNetError(f"{name}: direction {direction!r} is not one of {list(DIRECTIONS)}")
+        if combine not in ("per_layer", "final"):
+            raise StepNetError(f"{name}: combine {combine!r} is not 'per_layer' or 'final'")
+        self.direction, self.combine = direction, combine
+        self.num_directions = 2 if direction.startswith("bidirectional") else 1
+        self.dtype = compute_dtype(np.dtype(dtype), f"{name}: dtype")
+        if self.dtype not in (np.float32, np.float64):
+            raise StepNetError(f"{name}: dtype must be float32 or float64, not {self.dtype}")
+        self.clip = cells.float_or_none(clip)
+        if self.clip is not None and not self.clip > 0:
+            raise StepNetError(f"{name}: clip must be positive, got {clip}")
+        self.linear_before_reset = bool(linear_before_reset)
+        self.peephole = bool(peephole)
+        self.proj_size = int(proj_size or 0)
+        if self.proj_size < 0 or (self.proj_size and self.proj_size >= self.hidden_size):
+            raise StepNetError(f"{name}: proj_size must lie in [0, hidden_size), got {proj_size}")
+        self.input_forget = bool(input_forget)
+        self._set_activations(activations, activation_alpha, activation_beta)
+        self._nets = {}  # (layer, direction) -> its step-net, built on first use
+        self._init_parameters(np.random.default_rng(seed))
+
+    # -- configuration ----------------------------------------------------------
+
+    @property
+    def output_size(self):
+        """Width of one direction's output (the projection's with proj_size)."""
+        return self.proj_size or self.hidden_size
+
+    def _set_activations(self, names, alphas, betas):
+        where = type(self).__name__
+        per_direction = len(_DEFAULT_ACTIVATIONS[self.cell])
+        if names is None:
+            names = list(self._default_activations()) * self.num_directions
+        names = [cells.canonical_activation(n, where) for n in names]
+        if len(names) == per_direction and self.num_directions == 2:
+            names = names * 2
+        if len(names) != per_direction * self.num_directions:
+            raise StepNetError(
+                f"{where}: activations lists {len(names)} functions; a {self.direction} "
+                f"{self.cell.upper()} takes {per_direction} per direction"
+            )
+        self.activations = names
+        self.activation_alpha = None if alphas is None else [float(a) for a in alphas]
+        self.activation_beta = None if betas is None else [float(b) for b in betas]
+        funcs, self._activation_specs = cells.resolve_activations(
+            names, self.activation_alpha, self.activation_beta)
+        self._acts = [funcs[d * per_direction:(d + 1) * per_direction]
+                      for d in range(self.num_directions)]
+
+    def _default_activations(self):
+        return _DEFAULT_ACTIVATIONS[self.cell]
+
+    def layer_input_size(self, layer):
+        """Width of the input that ``layer`` reads."""
+        if layer == 0:
+            return self.input_size
+        if self.combine == "per_layer" and self.direction == "bidirectional_concat":
+            return 2 * self.output_size
+        return self.output_size
+
+    def _init_parameters(self, rng):
+        """PyTorch's initialization: every weight and bias ``U(-k, k)``,
+        ``k = 1/sqrt(hidden_size)``."""
+        k = 1.0 / np.sqrt(self.hidden_size)
+        H, P = self.hidden_size, self.output_size
+        self._params = {}
+        for layer in range(self.num_layers):
+            for d in range(self.num_directions):
+                I = self.layer_input_size(layer)
+
+                def draw(*shape):
+                    return rng.uniform(-k, k, shape).astype(self.dtype)
+
+                arrays = {
+                    "W": {g: draw(I, H) for g in cells.GATES[self.cell]},
+                    "R": {g: draw(P, H) for g in cells.GATES[self.cell]},
+                    "Wb": {g: draw(H) for g in cells.GATES[self.cell]},
+                    "Rb": {g: draw(H) for g in cells.GATES[self.cell]},
+                }
+                if self.peephole:
+                    arrays["P"] = {g: draw(H) for g in cells.PEEPHOLES}
+                if self.proj_size:
+                    arrays["proj"] = draw(H, P)
+                self._set_layer(layer, d, arrays)
+
+    def _set_layer(self, layer, d, arrays):
+        prefix = f"l{layer}_{_DIRECTION_NAMES[d]}"
+        params = {}
+        for kind, value in arrays.items():
+            if isinstance(value, dict):
+                params[kind] = {g: Parameter(np.ascontiguousarray(v, self.dtype),
+                                             name=f"{prefix}_{kind}_{g}")
+                                for g, v in value.items()}
+            else:
+                params[kind] = Parameter(np.ascontiguousarray(value, self.dtype),
+                                         name=f"{prefix}_{kind}")
+        self._params[(layer, d)] = params
+        self._nets.pop((layer, d), None)  # rebuilt with the new Parameters
+
+    def parameters(self):
+        """Every weight, layer by layer and direction by direction."""
+        out = []
+        for key in sorted(self._params):
+            for value in self._params[key].values():
+                out.extend(value.values() if isinstance(value, dict) else [value])
+        return out
+
+    # -- ONNX layout --------------------------------------------------------------
+
+    def onnx_weights(self, layer):
+        """Layer ``layer`` in ONNX's layout: ``W [D, G*H, I]``, ``R [D, G*H, Hr]``,
+        ``B [D, 2*G*H]`` (and ``P [D, 3*H]`` with peepholes, ``proj [D, P, H]``,
+        PyTorch's ``weight_hr``, with a projection)."""
+        if not 0 <= layer < self.num_layers:
+            raise StepNetError(f"layer {layer} is not in [0, {self.num_layers})")
+        gates = cells.GATES[self.cell]
+        out = {"W": [], "R": [], "B": []}
+        for d in range(self.num_directions):
+            p = self._params[(layer, d)]
+            out["W"].append(np.concatenate([p["W"][g].value.T for g in gates], 0))
+            out["R"].append(np.concatenate([p["R"][g].value.T for g in gates], 0))
+            out["B"].append(np.concatenate([p["Wb"][g].value for g in gates]
+                                           + [p["Rb"][g].value for g in gates]))
+            if self.peephole:
+                out.setdefault("P", []).append(
+                    np.concatenate([p["P"][g].value for g in cells.PEEPHOLES]))
+            if self.proj_size:
+                out.setdefault("proj", []).append(p["proj"].value.T)
+        return {k: np.stack(v) for k, v in out.items()}
+
+    def _set_onnx_weights(self, layer, W, R, B=None, P=None, proj=None):
+        gates = cells.GATES[self.cell]
+        G, H, D = len(gates), self.hidden_size, self.num_directions
+        I, Hr = self.layer_input_size(layer), self.output_size
+        W, R = np.asarray(W), np.asarray(R)
+        B = np.zeros((D, 2 * G * H), W.dtype) if B is None else np.asarray(B)
+        expected = {"W": ((D, G * H, I), W), "R": ((D, G * H, Hr), R), "B": ((D, 2 * G * H), B)}
+        if self.peephole:
+            P = np.zeros((D, 3 * H), W.dtype) if P is None else np.asarray(P)
+            expected["P"] = ((D, 3 * H), P)
+        if self.proj_size:
+            expected["proj"] = ((D, Hr, H), np.asarray(proj))
+        for key, (shape, value) in expected.items():
+            if value.shape != shape:
+                raise ShapeError(f"{type(self).__name__} layer {layer}: {key} has shape "
+                                 f"{list(value.shape)}, expected {list(shape)}")
+        for d in range(D):
+            arrays = {
+                "W": {g: W[d, j * H:(j + 1) * H].T for j, g in enumerate(gates)},
+                "R": {g: R[d, j * H:(j + 1) * H].T for j, g in enumerate(gates)},
+                "Wb": {g: B[d, j * H:(j + 1) * H] for j, g in enumerate(gates)},
+                "Rb": {g: B[d, (G + j) * H:(G + j + 1) * H] for j, g in enumerate(gates)},
+            }
+            if self.peephole:
+                arrays["P"] = {g: P[d, j * H:(j + 1) * H] for j, g in enumerate(cells.PEEPHOLES)}
+            if self.proj_size:
+                arrays["proj"] = expected["proj"][1][d].T
+            self._set_layer(layer, d, arrays)
+
+    @classmethod
+    def from_onnx(cls, W, R, B=None, P=None, **attrs):
+        """A one-layer layer from an ONNX GRU/LSTM/RNN node's inputs and
+        attributes (``hidden_size``, ``direction``, ``activations``,
+        ``activation_alpha``, ``activation_beta``, ``clip``,
+        ``linear_before_reset``, ``input_forget``, ``layout``)."""
+        W, R = np.asarray(W), np.asarray(R)
+        if W.ndim != 3 or R.ndim != 3:
+            raise ShapeError(f"{cls.__name__}.from_onnx: W and R must be 3-D, got "
+                             f"{list(W.shape)} and {list(R.shape)}")
+        attrs = dict(attrs)
+        hidden = int(attrs.pop("hidden_size", R.shape[2]))
+        direction = attrs.pop("direction", "forward")
+        if isinstance(direction, bytes):
+            direction = direction.decode()
+        if direction not in _FROM_ONNX_DIRECTION:
+            raise StepNetError(f"{cls.__name__}.from_onnx: direction {direction!r} is not "
+                               f"forward, reverse or bidirectional")
+        attrs.pop("layout", None)  # the layout of X and Y, not of the weights
+        activations = attrs.pop("activations", None)
+        if activations is not None:
+            activations = [a.decode() if isinstance(a, bytes) else a for a in activations]
+        kwargs = {
+            "direction": _FROM_ONNX_DIRECTION[direction],
+            "activations": activations,
+            "activation_alpha": attrs.pop("activation_alpha", None),
+            "activation_beta": attrs.pop("activation_beta", None),
+            "clip": attrs.pop("clip", None),
+            "dtype": W.dtype if W.dtype in (np.float32, np.float64) else np.float32,
+        }
+        kwargs.update(cls._onnx_options(attrs, P))
+        if attrs:
+            raise StepNetError(f"{cls.__name__}.from_onnx: unknown attribute(s) {sorted(attrs)}")
+        layer = cls(W.shape[2], hidden, **kwargs)
+        layer._set_onnx_weights(0, W, R, B, P)
+        return layer
+
+    @classmethod
+    def _onnx_options(cls, attrs, P):
+        if P is not None:
+            raise StepNetError(f"{cls.__name__}.from_onnx: P (peepholes) is an LSTM input")
+        return {}
+
+    def to_onnx(self):
+        """The ONNX node's inputs and attributes: a dict (W, R, B, P with
+        peepholes, hidden_size, direction, activations, activation_alpha,
+        activation_beta, clip, and linear_before_reset or input_forget), or a
+        list of such dicts, one per layer, for a stack."""
+        name = type(self).__name__
+        if self.cell == "augru":
+            raise UnsupportedError(f"{name}: ONNX has no AUGRU operator")
+        if self.direction not in _ONNX_DIRECTION:
+            raise UnsupportedError(f"{name}: ONNX has no {self.direction} direction")
+        if self.proj_size:
+            raise UnsupportedError(f"{name}: ONNX's LSTM has no projection (proj_size)")
+        if self.num_layers > 1 and self.combine == "final" and self.num_directions == 2:
+            raise UnsupportedError(f"{name}: ONNX stacks layers per layer, not combine='final'")
+        nodes = []
+        for layer in range(self.num_layers):
+            node = self.onnx_weights(layer)
+            node.update(
+                hidden_size=self.hidden_size,
+                direction=_ONNX_DIRECTION[self.direction],
+                activations=list(self.activations),
+                activation_alpha=[a for _, a, _ in self._activation_specs if a is not None],
+                activation_beta=[b for _, _, b in self._activation_specs if b is not None],
+                clip=self.clip,
+            )
+            node.update(self._onnx_attrs())
+            nodes.append(node)
+        return nodes[0] if self.num_layers == 1 else nodes
+
+    def _onnx_attrs(self):
+        return {}
+
+    # -- PyTorch layout -----------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, module):
+        """A layer with the weights (and dtype) of a ``torch.nn.RNN``, ``LSTM``
+        or ``GRU``."""
+        import torch
+
+        expected = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
+        if type(module) is not expected:
+            raise StepNetError(f"{cls.__name__}.from_torch expects a {expected.__name__}, "
+                               f"got {type(module).__name__}")
+        first = module.weight_ih_l0.detach()
+        dtype = {torch.float32: np.float32, torch.float64: np.float64}.get(first.dtype)
+        if dtype is None:
+            raise StepNetError(f"{cls.__name__}.from_torch: dtype {first.dtype} is not "
+                               f"float32 or float64")
+        kwargs = {
+            "num_layers": module.num_layers,
+            "direction": "bidirectional_concat" if module.bidirectional else "forward",
+            "dtype": dtype,
+        }
+        kwargs.update(cls._torch_options(module))
+        layer = cls(module.input_size, module.hidden_size, **kwargs)
+        order = _TORCH_GATES[cls.cell]
+        H = module.hidden_size
+        for l in range(module.num_layers):
+            arrays = {"W": [], "R": [], "B": [], "proj": []}
+            for d in range(layer.num_directions):
+                sfx = f"_l{l}" + ("_reverse" if d else "")
+
+                def get(name, sfx=sfx):
+                    t = getattr(module, name + sfx, None)
+                    return None if t is None else t.detach().cpu().numpy().astype(dtype)
+
+                w_ih, w_hh = get("weight_ih"), get("weight_hh")
+                b_ih = get("bias_ih") if module.bias else np.zeros(len(order) * H, dtype)
+                b_hh = get("bias_hh") if module.bias else np.zeros(len(order) * H, dtype)
+                # PyTorch's rows in ONNX's gate order
+                rows = [order.index(g) for g in cells.GATES[cls.cell]]
+
+                def reorder(a, rows=rows):
+                    return np.concatenate([a[j * H:(j + 1) * H] for j in rows], 0)
+
+                arrays["W"].append(reorder(w_ih))
+                arrays["R"].append(reorder(w_hh))
+                arrays["B"].append(np.concatenate([reorder(b_ih), reorder(b_hh)]))
+                if layer.proj_size:
+                    arrays["proj"].append(get("weight_hr"))
+            layer._set_onnx_weights(l, np.stack(arrays["W"]), np.stack(arrays["R"]),
+                                    np.stack(arrays["B"]),
+                                    proj=np.stack(arrays["proj"]) if layer.proj_size else None)
+        return layer
+
+    @classmethod
+    def _torch_options(cls, module):
+        return {}
+
+    def to_torch(self):
+        """The same weights in a ``torch.nn.RNN``, ``LSTM`` or ``GRU``
+        (``batch_first=False``, PyTorch's default)."""
+        import torch
+
+        name = type(self).__name__
+        reasons = self._torch_unsupported()
+        if self.direction not in ("forward", "bidirectional_concat"):
+            reasons.append(f"direction {self.direction!r}")
+        if self.combine == "final" and self.num_layers > 1 and self.num_directions == 2:
+            reasons.append("combine='final'")
+        if self.clip is not None:
+            reasons.append("clip")
+        if list(self.activations) != list(self._default_activations()) * self.num_directions:
+            reasons.append(f"activations {self.activations}")
+        if reasons:
+            raise UnsupportedError(f"{name}.to_torch: PyTorch has no {', '.join(reasons)}")
+        module = self._torch_module(torch)
+        order = _TORCH_GATES[self.cell]
+        H = self.hidden_size
+        tdtype = {np.float32: torch.float32, np.float64: torch.float64}[self.dtype.type]
+        module = module.to(tdtype)
+        with torch.no_grad():
+            for l in range(self.num_layers):
+                onnx = self.onnx_weights(l)
+                G = len(order)
+                for d in range(self.num_directions):
+                    sfx = f"_l{l}" + ("_reverse" if d else "")
+                    rows = [cells.GATES[self.cell].index(g) for g in order]
+
+                    def reorder(a, rows=rows):
+                        return np.concatenate([a[j * H:(j + 1) * H] for j in rows], 0)
+
+                    b = onnx["B"][d]
+                    values = {"weight_ih": reorder(onnx["W"][d]), "weight_hh": reorder(onnx["R"][d]),
+                              "bias_ih": reorder(b[:G * H]), "bias_hh": reorder(b[G * H:])}
+                    if self.proj_size:
+                        values["weight_hr"] = onnx["proj"][d]
+                    for key, value in values.items():
+                        getattr(module, key + sfx).copy_(torch.from_numpy(np.ascontiguousarray(value)))
+        return module
+
+    def _torch_unsupported(self):
+        return []
+
+    # -- the step-nets ------------------------------------------------------------
+
+    def _net(self, layer, d):
+        key = (layer, d)
+        if key not in self._nets:
+            I = self.layer_input_size(layer)
+            X = LoDTensor.from_lengths(np.zeros((1, I), self.dtype), [[1]])
+            rnn = dsl.create_rnn_op(reverse=(d == 1), name=f"{self.cell}_l{layer}_{_DIRECTION_NAMES[d]}")
+            with rnn.stepnet():
+                x = rnn.add_input(X, name="x")
+                attention = None
+                if self.cell == "augru":
+                    A = LoDTensor.from_lengths(np.zeros((1, 1), self.dtype), [[1]])
+                    attention = rnn.add_input(A, name="a")
+                h = rnn.add_memory(shape=[self.output_size], dtype=self.dtype, name="h")
+                if self.cell == "lstm":
+                    c = rnn.add_memory(shape=[self.hidden_size], dtype=self.dtype, name="c")
+                    self._step(x, (h, c), self._params[key], self._acts[d], attention)
+                    rnn.add_outputs(h, h, c)
+                else:
+                    self._step(x, (h,), self._params[key], self._acts[d], attention)
+                    rnn.add_outputs(h, h)
+            self._nets[key] = rnn
+        return self._nets[key]
+
+    def __str__(self):
+        lines = [repr(self)]
+        for layer in range(self.num_layers):
+            for d in range(self.num_directions):
+                lines.append(f"-- layer {layer}, {('forward', 'reverse')[d]} --")
+                lines.append(self._net(layer, d).ir())
+        return "\n".join(lines)
+
+    def __repr__(self):
+        opts = [f"{self.input_size}", f"{self.hidden_size}"]
+        if self.num_layers != 1:
+            opts.append(f"num_layers={self.num_layers}")
+        if self.direction != "forward":
+            opts.append(f"direction={self.direction!r}")
+            if self.num_layers > 1 and self.num_directions == 2:
+                opts.append(f"combine={self.combine!r}")
+        opts += self._repr_options()
+        if self.clip is not None:
+            opts.append(f"clip={self.clip}")
+        opts.append(f"dtype={self.dtype.name}")
+        return f"{type(self).__name__}({', '.join(opts)})"
+
+    def _repr_options(self):
+        return []
+
+    # -- running ------------------------------------------------------------------
+
+    def _run(self, X, attention, initial, backend):
+        """X: a one-level LoDTensor of this layer's dtype. ``initial``: per
+        state, ``None`` or ``[L*D, B, width]``. Returns Y's data, and per state
+        ``[L*D, B, width]``."""
+        L, D = self.num_layers, self.num_directions
+        B = X.num_sequences
+        states = [np.zeros((L * D, B, w), self.dtype) for w in self._state_widths()]
+
+        def run_one(layer, d, inp):
+            feeds = {"x": inp}
+            if attention is not None:
+                feeds["a"] = attention
+            names = ("h", "c")
+            for s, init in enumerate(initial):
+                if init is not None:
+                    feeds[names[s]] = init[layer * D + d]
+            rnn = self._net(layer, d)
+            flags = (True,) + (False,) * len(states)
+            outs = rnn(output_all_steps=flags, backend=backend, **feeds)
+            for s in range(len(states)):
+                states[s][layer * D + d] = outs[1 + s]
+            return outs[0]
+
+        def combined(ys):
+            if len(ys) == 1:
+                return ys[0].data
+            if self.direction == "bidirectional_sum":
+                return ys[0].data + ys[1].data
+            return np.concatenate([ys[0].data, ys[1].data], axis=1)
+
+        if self.combine == "per_layer" or D == 1:
+            inp = X
+            for layer in range(L):
+                ys = [run_one(layer, d, inp) for d in range(D)]
+                inp = LoDTensor(combined(ys), X.levels)
+            return inp.data, states
+        tops = []
+        for d in range(D):
+            inp = X
+            for layer in range(L):
+                inp = run_one(layer, d, inp)
+            tops.append(inp)
+        return combined(tops), states
+
+    def _state_widths(self):
+        return (self.output_size,)
+
+    def _check_input(self, X):
+        """``X`` as (one-level LoDTensor over the finest sequences, how to give
+        Y back)."""
+        name = type(self).__name__
+        if isinstance(X, tuple) and len(X) == 2:
+            padded, lengths = X
+            padded = np.asarray(padded)
+            if padded.ndim != 3:
+                raise ShapeError(f"{name}: padded input must be [B, T, input_size], got "
+                                 f"shape {list(padded.shape)}")
+            flat = LoDTensor.from_padded(padded, lengths)
+            back = ("padded", padded.shape[1])
+        elif isinstance(X, LoDTensor):
+            if X.num_levels == 0:
+                raise ShapeError(f"{name}: input LoDTensor has no LoD level")
+            flat = X if X.num_levels == 1 else LoDTensor(X.data, [X.levels[-1]])
+            back = ("lod", X.levels)
+        else:
+            raise ShapeError(f"{name}: input must be a LoDTensor or (padded [B, T, I], lengths), "
+                             f"got {type(X).__name__}")
+        if flat.data.ndim != 2 or flat.data.shape[1] != self.input_size:
+            raise ShapeError(f"{name}: input has feature shape {list(flat.data.shape[1:])}, the "
+                             f"layer expects [{self.input_size}] (input_size)")
+        if flat.dtype != self.dtype:
+            if flat.dtype.kind != "f":
+                raise ShapeError(f"{name}: input dtype {flat.dtype} is not floating point")
+            flat = flat.astype(self.dtype)
+        return flat, back
+
+    def _check_state(self, value, width, what, batch):
+        if value is None:
+            return None
+        value = np.asarray(value)
+        shape = (self.num_layers * self.num_directions, batch, width)
+        if value.shape != shape:
+            raise ShapeError(f"{type(self).__name__}: {what} has shape {list(value.shape)}, "
+                             f"expected [num_layers * num_directions, B, {width}] = {list(shape)}")
+        return np.ascontiguousarray(value, self.dtype)
+
+    def _give_back(self, data, back, flat):
+        if back[0] == "lod":
+            return LoDTensor(data, back[1])
+        T = back[1]
+        lengths = np.diff(np.asarray(flat.levels[0]))
+        out = np.zeros((len(lengths), T, data.shape[1]), data.dtype)
+        offsets = np.asarray(flat.levels[0])
+        for b, n in enumerate(lengths):
+            out[b, :n] = data[offsets[b]:offsets[b] + n]
+        return out
+
+    def _forward(self, X, attention, initial, backend):
+        flat, back = self._check_input(X)
+        B = flat.num_sequences
+        names = ("h0", "c0")
+        initial = [self._check_state(v, w, names[i], B)
+                   for i, (v, w) in enumerate(zip(initial, self._state_widths()))]
+        data, states = self._run(flat, attention, initial, backend)
+        return self._give_back(data, back, flat), states
+
+
+def _positive(value, what):
+    if int(value) != value or value < 1:
+        raise StepNetError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class RNN(_RecurrentLayer):
+    """Elman RNN: ``h = f(x Wi + Wbi + Rbi + h_prev Ri)``, ``f`` from
+    ``nonlinearity`` ("tanh", "relu", "sigmoid") unless ``activations`` names it."""
+
+    cell = "rnn"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", **kwargs):
+        names = {"tanh": "Tanh", "relu": "Relu", "sigmoid": "Sigmoid"}
+        if nonlinearity not in names:
+            raise StepNetError(f"RNN: nonlinearity {nonlinearity!r} is not tanh, relu or sigmoid")
+        self.nonlinearity = nonlinearity
+        self._nonlinearity_name = names[nonlinearity]
+        super().__init__(input_size, hidden_size, num_layers, **kwargs)
+
+    def _default_activations(self):
+        return (self._nonlinearity_name,)
+
+    def _step(self, x, memories, p, acts, attention):
+        cells.rnn_step(x, memories[0], p, acts, self.clip)
+
+    def _repr_options(self):
+        return [] if self.nonlinearity == "tanh" else [f"nonlinearity={self.nonlinearity!r}"]
+
+    @classmethod
+    def _torch_options(cls, module):
+        return {"nonlinearity": module.nonlinearity}
+
+    def _torch_unsupported(self):
+        return ["sigmoid RNN"] if self.nonlinearity == "sigmoid" else []
+
+    def _torch_module(self, torch):
+        return torch.nn.RNN(self.input_size, self.hidden_size, self.num_layers,
+                            nonlinearity=self.nonlinearity,
+                            bidirectional=self.num_directions == 2)
+
+    def __call__(self, X, h0=None, backend=None):
+        """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
+        Y, (h_n,) = self._forward(X, None, [h0], backend)
+        return Y, h_n
+
+
+class GRU(_RecurrentLayer):
+    """ONNX's GRU (gates z, r, h); ``linear_before_reset=True`` is PyTorch's
+    GRU (the candidate's recurrent bias kept separate, inside ``r * (...)``)."""
+
+    cell = "gru"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, linear_before_reset=False, **kwargs):
+        super().__init__(input_size, hidden_size, num_layers,
+                         linear_before_reset=linear_before_reset, **kwargs)
+
+    def _step(self, x, memories, p, acts, attention):
+        cells.gru_step(x, memories[0], p, acts, self.clip, self.linear_before_reset, attention)
+
+    def _repr_options(self):
+        return ["linear_before_reset=True"] if self.linear_before_reset else []
+
+    @classmethod
+    def _onnx_options(cls, attrs, P):
+        super()._onnx_options(attrs, P)
+        return {"linear_before_reset": bool(attrs.pop("linear_before_reset", 0))}
+
+    def _onnx_attrs(self):
+        return {"linear_before_reset": int(self.linear_before_reset)}
+
+    @classmethod
+    def _torch_options(cls, module):
+        return {"linear_before_reset": True}
+
+    def _torch_unsupported(self):
+        return [] if self.linear_before_reset else ["GRU with linear_before_reset=False"]
+
+    def _torch_module(self, torch):
+        return torch.nn.GRU(self.input_size, self.hidden_size, self.num_layers,
+                            bidirectional=self.num_directions == 2)
+
+    def __call__(self, X, h0=None, backend=None):
+        """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
+        Y, (h_n,) = self._forward(X, None, [h0], backend)
+        return Y, h_n
+
+
+class AUGRU(GRU):
+    """oneDNN's attention-update GRU: the update gate is scaled by each
+    token's attention score, ``z' = (1 - a) * z``. Called as
+    ``layer(X, attention)``, ``attention`` one score per token of X."""
+
+    cell = "augru"
+
+    @classmethod
+    def from_torch(cls, module):
+        raise UnsupportedError("AUGRU.from_torch: PyTorch has no AUGRU")
+
+    def to_torch(self):
+        raise UnsupportedError("AUGRU.to_torch: PyTorch has no AUGRU")
+
+    def __call__(self, X, attention, h0=None, backend=None):
+        """``Y, h_n = layer(X, attention, h0=None)``."""
+        flat, back = self._check_input(X)
+        if back[0] == "padded":
+            padded, lengths = attention
+            padded = np.asarray(padded)
+            attention = LoDTensor.from_padded(padded.reshape(padded.shape[:2] + (1,)), lengths)
+        if not isinstance(attention, LoDTensor):
+            raise ShapeError(f"AUGRU: attention must be a LoDTensor, got {type(attention).__name__}")
+        A = attention if attention.num_levels == 1 else LoDTensor(attention.data,
+                                                                  [attention.levels[-1]])
+        if A.num_levels != 1 or A.levels[0] != flat.levels[0]:
+            raise ShapeError(f"AUGRU: attention has LoD {attention.lod}, the input has "
+                             f"{X.lod if isinstance(X, LoDTensor) else flat.lod}; they must match")
+        data = A.data.reshape(len(A.data), -1)
+        if data.shape[1] != 1:
+            raise ShapeError(f"AUGRU: attention must hold one score per token, got feature "
+                             f"shape {list(A.data.shape[1:])}")
+        A = LoDTensor(np.ascontiguousarray(data, self.dtype), A.levels)
+        B = flat.num_sequences
+        h0 = self._check_state(h0, self.output_size, "h0", B)
+        out, (h_n,) = self._run(flat, A, [h0], backend)
+        return self._give_back(out, back, flat), h_n
+
+
+class LSTM(_RecurrentLayer):
+    """ONNX's LSTM (gates i, o, f, c; ``peephole`` weights i, o, f;
+    ``input_forget`` couples f = 1 - i) with PyTorch's ``proj_size``."""
+
+    cell = "lstm"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, peephole=False, proj_size=0,
+                 input_forget=False, **kwargs):
+        super().__init__(input_size, hidden_size, num_layers, peephole=peephole,
+                         proj_size=proj_size, input_forget=input_forget, **kwargs)
+
+    def _step(self, x, memories, p, acts, attention):
+        h, c = memories
+        cells.lstm_step(x, h, c, p, acts, self.clip, self.peephole, self.input_forget,
+                        p.get("proj"))
+
+    def _state_widths(self):
+        return (self.output_size, self.hidden_size)
+
+    def _repr_options(self):
+        opts = []
+        if self.peephole:
+            opts.append("peephole=True")
+        if self.proj_size:
+            opts.append(f"proj_size={self.proj_size}")
+        if self.input_forget:
+            opts.append("input_forget=True")
+        return opts
+
+    @classmethod
+    def _onnx_options(cls, attrs, P):
+        return {"input_forget": bool(attrs.pop("input_forget", 0)), "peephole": P is not None}
+
+    def _onnx_attrs(self):
+        return {"input_forget": int(self.input_forget)}
+
+    @classmethod
+    def _torch_options(cls, module):
+        return {"proj_size": module.proj_size}
+
+    def _torch_unsupported(self):
+        reasons = []
+        if self.peephole:
+            reasons.append("peephole")
+        if self.input_forget:
+            reasons.append("input_forget")
+        return reasons
+
+    def _torch_module(self, torch):
+        return torch.nn.LSTM(self.input_size, self.hidden_size, self.num_layers,
+                             bidirectional=self.num_directions == 2, proj_size=self.proj_size)
+
+    def __call__(self, X, initial=None, backend=None):
+        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see DESIGN.md §5."""
+        h0, c0 = (None, None) if initial is None else initial
+        Y, (h_n, c_n) = self._forward(X, None, [h0, c0], backend)
+        return Y, (h_n, c_n)
