@@ -18,6 +18,7 @@ from .errors import (
 )
 from .lod import LoDTensor
 from .tracing import Parameter, Value
+from .yaml import load_yaml
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "create_rnn_op",
     "default_backend",
     "errors",
+    "load_yaml",
     "nn",
     "ops",
     "set_default_backend",

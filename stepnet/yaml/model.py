@@ -1,0 +1,727 @@
+"""Building a network from a YAML document with the step-net DSL.
+
+The builder makes exactly the DSL calls a Python user would make
+(``create_rnn_op``, ``add_input``, ``add_memory``, operators and
+``stepnet.ops`` functions, ``add_outputs``), so a YAML model's IR is the one
+the same network written in Python gives, and both run to the same numbers.
+
+The DSL traces with data in hand; a YAML file declares shapes only. Each net
+is therefore traced on a placeholder (one sequence of one element per LoD
+level, with the declared feature shape and dtype), and every call rebinds the
+real arrays by name, which never re-traces (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..dsl import MemoryHandle, create_rnn_op
+from ..errors import Error, ShapeError, StepNetError, YAMLError
+from ..lod import LoDTensor
+from ..tracing import Parameter, Value
+from . import document
+from .expressions import (
+    FUNCTIONS,
+    LIST_FUNCTIONS,
+    Evaluator,
+    ExpressionError,
+    NestedNet,
+    Scope,
+    call_function,
+    parse_assignment,
+    parse_expression,
+)
+from .initializers import InitError, generator, initialize
+
+TOP_KEYS = ("name", "description", "dtype", "inputs", "parameters", "nets", "layers", "outputs")
+INPUT_KEYS = ("shape", "dtype", "lod_level", "random", "description")
+PARAM_KEYS = ("shape", "dtype", "init", "from", "description", "mean", "std", "low", "high",
+              "gain", "value")
+NET_KEYS = ("inputs", "static_inputs", "memories", "step", "outputs", "reverse", "description")
+NESTED_KEYS = ("net",) + NET_KEYS
+MEMORY_KEYS = ("shape", "init", "dtype", "description")
+RANDOM_KINDS = ("normal", "uniform", "onehot")
+DTYPES = ("float16", "float32", "float64")
+_REF = re.compile(r"^([A-Za-z_]\w*)(?:\.(all|last)(?:\.([A-Za-z_]\w*))?)?$")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A declared model input: rows of ``shape`` with ``lod_level`` LoD levels
+    (0: a dense ``[num_sequences, *shape]`` array)."""
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    lod_level: int
+    random: str = "normal"
+
+
+@dataclass
+class _Source:
+    """Where a top-level binding's value comes from at call time."""
+
+    input: str | None = None  # a model input
+    net: str | None = None  # or an earlier net's result
+    mode: str = "all"
+    index: int = 0
+
+
+class _TopNet:
+    def __init__(self, name, rnn, output_names):
+        self.name = name
+        self.rnn = rnn
+        self.output_names = output_names
+        self.sources = {}  # binding name -> _Source
+        self.modes = []  # "all" / "last": what callers need
+
+
+class Model:
+    """A network loaded from YAML: ``model(feeds)`` -> dict of outputs.
+
+    ``feeds`` maps each declared input name to a LoDTensor (``lod_level`` >= 1)
+    or an array ``[num_sequences, *shape]`` (``lod_level: 0``). Attributes:
+    ``inputs`` (name -> InputSpec), ``parameters`` (name -> Parameter),
+    ``nets`` (name -> the top-level RNNOp), ``outputs`` (names in order).
+
+    >>> import stepnet as sn
+    >>> model = sn.load_yaml("examples/custom_cell.yaml")          # doctest: +SKIP
+    >>> outs = model(model.random_feeds(seed=0), backend="interpreter")  # doctest: +SKIP
+    """
+
+    def __init__(self, path, name, description):
+        self.path = Path(path)
+        self.name = name
+        self.description = description
+        self.inputs = {}
+        self.parameters = {}
+        self.nets = {}
+        self.outputs = []
+        self._nets = []
+        self._output_sources = {}
+
+    def __repr__(self):
+        return (f"<stepnet.yaml.Model {self.name!r}: inputs {list(self.inputs)}, "
+                f"nets {list(self.nets)}, outputs {self.outputs}>")
+
+    def ir(self) -> str:
+        """The IR of every top-level net, in run order."""
+        return "\n".join(f"net {net.name}:\n{net.rnn.ir()}" for net in self._nets)
+
+    def __call__(self, feeds=None, backend=None, progress=None):
+        """Run the network; returns ``{output name: LoDTensor or ndarray}``.
+
+        ``progress``, if given, is called with a short text before each net runs.
+        """
+        feeds = self._check_feeds(dict(feeds or {}))
+        results = {}
+        for i, net in enumerate(self._nets):
+            if not net.modes:
+                continue
+            bindings = {b: self._resolve(src, feeds, results) for b, src in net.sources.items()}
+            for mode in net.modes:
+                if progress is not None:
+                    progress(f"net {i + 1}/{len(self._nets)} {net.name} ({mode} steps)")
+                out = net.rnn(output_all_steps=(mode == "all"), backend=backend, **bindings)
+                results[(net.name, mode)] = out if isinstance(out, tuple) else (out,)
+        return {name: self._resolve(src, feeds, results) for name, src in self._output_sources.items()}
+
+    @staticmethod
+    def _resolve(source, feeds, results):
+        if source.input is not None:
+            return feeds[source.input]
+        return results[(source.net, source.mode)][source.index]
+
+    def _check_feeds(self, feeds):
+        unknown = sorted(set(feeds) - set(self.inputs))
+        if unknown:
+            raise StepNetError(
+                f"model {self.name}: unknown input(s) {unknown}; it takes {sorted(self.inputs)}"
+            )
+        missing = [n for n in self.inputs if n not in feeds]
+        if missing:
+            raise StepNetError(
+                f"model {self.name}: missing input(s) {missing} "
+                "(random_feeds() makes data of the declared shapes)"
+            )
+        out = {}
+        for name, spec in self.inputs.items():
+            value = feeds[name]
+            if spec.lod_level:
+                if not isinstance(value, LoDTensor):
+                    raise ShapeError(
+                        f"input {name}: expects a LoDTensor with {spec.lod_level} LoD level(s), "
+                        f"got {type(value).__name__}"
+                    )
+                if value.num_levels != spec.lod_level:
+                    raise ShapeError(
+                        f"input {name}: has {value.num_levels} LoD level(s), declared lod_level "
+                        f"{spec.lod_level}"
+                    )
+                features = value.shape[1:]
+            else:
+                if isinstance(value, LoDTensor):
+                    raise ShapeError(f"input {name}: declared lod_level 0, expects a dense array")
+                value = np.asarray(value)
+                features = value.shape[1:] if value.ndim else None
+            if features != spec.shape:
+                got = value.shape
+                raise ShapeError(
+                    f"input {name}: shape {list(got)} does not fit the declared rows of "
+                    f"{list(spec.shape)} ([rows, {', '.join(map(str, spec.shape))}])"
+                )
+            if value.dtype.kind not in "iubf":
+                raise ShapeError(f"input {name}: dtype {value.dtype} is not numeric")
+            if value.dtype != spec.dtype:
+                value = value.astype(spec.dtype)
+            out[name] = value
+        return out
+
+    def random_feeds(self, seed=0, num_sequences=4, max_length=6):
+        """Random inputs of the declared shapes and a random LoD.
+
+        One random LoD of the deepest declared level is drawn; an input with
+        ``lod_level`` k takes its first k levels, so every input of the model
+        agrees with every other. Top-level sequences have 1..max_length
+        elements, deeper ones 0..max_length (empty sub-sequences included).
+        """
+        rng = np.random.default_rng(seed)
+        depth = max([s.lod_level for s in self.inputs.values()] + [1])
+        lengths = [rng.integers(1, max_length + 1, size=num_sequences).tolist()]
+        for _ in range(depth - 1):
+            lengths.append(rng.integers(0, max_length + 1, size=sum(lengths[-1])).tolist())
+        feeds = {}
+        for name, spec in self.inputs.items():
+            k = spec.lod_level
+            rows = sum(lengths[k - 1]) if k else num_sequences
+            data = _random_rows(rng, spec, rows)
+            feeds[name] = LoDTensor.from_lengths(data, lengths[:k]) if k else data
+        return feeds
+
+
+def _random_rows(rng, spec, rows):
+    shape = (rows,) + spec.shape
+    if spec.random == "onehot":
+        data = np.zeros(shape)
+        width = spec.shape[-1] if spec.shape else 1
+        index = rng.integers(0, width, size=shape[:-1])
+        np.put_along_axis(data, index[..., None], 1.0, axis=-1)
+    elif spec.random == "uniform":
+        data = rng.uniform(-1.0, 1.0, size=shape)
+    else:
+        data = rng.standard_normal(shape)
+    return data.astype(spec.dtype)
+
+
+# ----------------------------------------------------------------------------
+# building
+
+
+def load_yaml(path, params=None, seed=0) -> Model:
+    """Load a YAML network (see docs/yaml.md) into a :class:`Model`.
+
+    ``params`` overrides parameter values: a dict or the path of an ``.npz``
+    file whose keys are parameter names. ``seed`` seeds the initializers.
+    Every error is a ``stepnet.YAMLError`` naming the file, line and key.
+    """
+    doc = document.read(path)
+    return _Builder(doc, params, seed).build()
+
+
+class _Builder:
+    def __init__(self, doc, params, seed):
+        self.doc = doc
+        self.seed = seed
+        self.overrides = params
+        self.model = None
+        self.dtype = np.dtype(np.float32)
+
+    def error(self, path, message):
+        return self.doc.error(path, message)
+
+    def build(self) -> Model:
+        doc = self.doc
+        data = doc.mapping(doc.data, (), TOP_KEYS, required=("inputs", "nets", "outputs"))
+        name = data.get("name", doc.path.stem)
+        if not isinstance(name, str):
+            raise self.error(("name",), f"the model's name must be a string, got {name!r}")
+        self.model = Model(doc.path, name, data.get("description", ""))
+        if "dtype" in data:
+            self.dtype = self._dtype(data["dtype"], ("dtype",))
+        if "layers" in data:
+            raise self.error(
+                ("layers",),
+                "built-in layers (gru, lstm, rnn) need stepnet.nn, which this version does not "
+                "have yet; write the cell as a net (see examples/char_gru.yaml)",
+            )
+        self._inputs(data.get("inputs"))
+        self._parameters(data.get("parameters"))
+        nets = doc.mapping(data.get("nets"), ("nets",))
+        if not nets:
+            raise self.error(("nets",), "a model needs at least one net")
+        for net_name, spec in nets.items():
+            self._top_net(net_name, spec, ("nets", net_name))
+        self._outputs(data.get("outputs"))
+        return self.model
+
+    def _dtype(self, value, path):
+        if value not in DTYPES:
+            raise self.error(path, f"dtype {value!r} is not supported; use one of {', '.join(DTYPES)}"
+                             + document.did_you_mean(value, DTYPES))
+        return np.dtype(value)
+
+    # -- inputs and parameters ---------------------------------------------
+
+    def _inputs(self, inputs):
+        doc = self.doc
+        inputs = doc.mapping(inputs, ("inputs",))
+        if not inputs:
+            raise self.error(("inputs",), "a model needs at least one input")
+        for name, spec in inputs.items():
+            path = ("inputs", name)
+            doc.name(name, path)
+            spec = doc.mapping(spec, path, INPUT_KEYS, required=("shape",))
+            shape = doc.shape(spec["shape"], path + ("shape",))
+            dtype = self._dtype(spec["dtype"], path + ("dtype",)) if "dtype" in spec else self.dtype
+            lod_level = spec.get("lod_level", 1)
+            if isinstance(lod_level, bool) or not isinstance(lod_level, int) or lod_level < 0:
+                raise self.error(path + ("lod_level",),
+                                 f"lod_level is a count of LoD levels (0, 1, 2, ...), got {lod_level!r}")
+            random = spec.get("random", "normal")
+            if random not in RANDOM_KINDS:
+                raise self.error(path + ("random",), f"random must be one of {', '.join(RANDOM_KINDS)}, "
+                                 f"got {random!r}")
+            self.model.inputs[name] = InputSpec(name, shape, dtype, lod_level, random)
+
+    def _parameters(self, params):
+        doc = self.doc
+        params = doc.mapping(params, ("parameters",))
+        overrides = self._load_overrides()
+        for name, spec in params.items():
+            path = ("parameters", name)
+            doc.name(name, path)
+            if name in self.model.inputs:
+                raise self.error(path, f"{name!r} is already an input; names must be unique")
+            if name in FUNCTIONS:
+                raise self.error(path, f"{name!r} is the name of a function; choose another name")
+            spec = doc.mapping(spec, path, PARAM_KEYS)
+            dtype = self._dtype(spec["dtype"], path + ("dtype",)) if "dtype" in spec else self.dtype
+            shape = doc.shape(spec["shape"], path + ("shape",)) if "shape" in spec else None
+            if name in overrides:
+                value = self._fit(np.asarray(overrides[name]), shape, path, "the given parameters")
+            elif "from" in spec:
+                if "init" in spec:
+                    raise self.error(path + ("from",), "give either init or from, not both")
+                value = self._fit(self._from_file(spec["from"], name, path + ("from",)), shape,
+                                  path + ("from",), f"{spec['from']!r}")
+            else:
+                if shape is None:
+                    raise self.error(path, "missing key 'shape' (or load the array with from: file.npz:key)")
+                kind = spec.get("init", "zeros")
+                options = {k: v for k, v in spec.items()
+                           if k not in ("shape", "dtype", "init", "description")}
+                try:
+                    value = initialize(kind, shape, dtype, options, generator(self.seed, name))
+                except InitError as exc:
+                    key = "init" if "init" in spec else next(iter(options), "init")
+                    raise self.error(path + (key,), str(exc)) from None
+            self.model.parameters[name] = Parameter(value.astype(dtype, copy=False), name=name)
+        unused = sorted(set(overrides) - set(params))
+        if unused:
+            raise self.error(("parameters",), f"the given parameters have key(s) {unused} that are "
+                             f"not parameters of this model (it has {sorted(params)})")
+
+    def _load_overrides(self):
+        if self.overrides is None:
+            return {}
+        if isinstance(self.overrides, dict):
+            return self.overrides
+        try:
+            with np.load(self.overrides) as npz:
+                return {k: npz[k] for k in npz.files}
+        except (OSError, ValueError) as exc:
+            raise self.error(("parameters",), f"cannot read parameters from {str(self.overrides)!r}: "
+                             f"{exc}") from None
+
+    def _from_file(self, ref, name, path):
+        if not isinstance(ref, str):
+            raise self.error(path, f"from: expects 'file.npz:key', got {ref!r}")
+        file, _, key = ref.rpartition(":") if ":" in ref else (ref, "", name)
+        key = key or name
+        full = Path(file)
+        if not full.is_absolute():
+            full = self.doc.path.parent / full
+        try:
+            with np.load(full) as npz:
+                if key not in npz.files:
+                    raise self.error(path, f"{file} has no array {key!r} (it has {', '.join(npz.files)})"
+                                     + document.did_you_mean(key, npz.files))
+                return npz[key]
+        except (OSError, ValueError) as exc:
+            raise self.error(path, f"cannot read {str(full)!r}: {exc}") from None
+
+    def _fit(self, value, shape, path, where):
+        if shape is not None and value.shape != shape:
+            raise self.error(path, f"{where} holds shape {list(value.shape)} but the parameter is "
+                             f"declared with shape {list(shape)}")
+        if value.dtype.kind not in "iuf":
+            raise self.error(path, f"{where} holds dtype {value.dtype}, not numbers")
+        return value
+
+    # -- nets ----------------------------------------------------------------
+
+    def _top_net(self, name, spec, path):
+        doc = self.doc
+        doc.name(name, path)
+        if name in self.model.inputs or name in self.model.parameters:
+            raise self.error(path, f"{name!r} is already an input or parameter; names must be unique")
+        spec = doc.mapping(spec, path, NET_KEYS, required=("inputs", "step", "outputs"))
+        outputs = self._output_names(spec, path)
+        reverse = self._reverse(spec, path)
+        rnn = create_rnn_op(output_num=len(outputs), reverse=reverse, name=name)
+        net = _TopNet(name, rnn, outputs)
+        scope = Scope(globals_=dict(self.model.parameters))
+        with self._wrap(path), rnn.stepnet():
+            for local, ref in doc.mapping(spec["inputs"], path + ("inputs",)).items():
+                p = path + ("inputs", local)
+                self._new_local(scope, local, p)
+                placeholder, source = self._top_source(ref, p, want="sequence")
+                binding = self._binding_name(rnn, name, local)
+                scope.names[local] = self._dsl(p, rnn.add_input, placeholder, name=binding)
+                net.sources[binding] = source
+            for local, ref in doc.mapping(spec.get("static_inputs"), path + ("static_inputs",)).items():
+                p = path + ("static_inputs", local)
+                self._new_local(scope, local, p)
+                placeholder, source = self._top_source(ref, p, want="static")
+                binding = self._binding_name(rnn, name, local)
+                scope.names[local] = self._dsl(p, rnn.add_static_input, placeholder, name=binding)
+                net.sources[binding] = source
+            memories = self._memories(rnn, name, spec, path, scope, None, net)
+            self._body(rnn, spec, path, scope, memories)
+        self.model.nets[name] = rnn
+        self.model._nets.append(net)
+
+    def _wrap(self, path):
+        builder = self
+
+        class _Wrap:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, kind, exc, tb):
+                if isinstance(exc, Error) and not isinstance(exc, YAMLError):
+                    raise builder.error(path, str(exc)) from None
+                return False
+
+        return _Wrap()
+
+    def _dsl(self, path, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except YAMLError:
+            raise
+        except Error as exc:
+            raise self.error(path, str(exc)) from None
+
+    def _new_local(self, scope, name, path):
+        self.doc.name(name, path)
+        if name in FUNCTIONS:
+            raise self.error(path, f"{name!r} is the name of a function; choose another name")
+        try:
+            existing = scope.lookup(name)
+        except KeyError:
+            return
+        what = "a parameter" if isinstance(existing, Parameter) and name in scope.globals else "defined"
+        raise self.error(path, f"name {name!r} is already {what} here; each name is defined once")
+
+    @staticmethod
+    def _binding_name(rnn, net_name, local):
+        """The DSL name of a binding: the YAML name unless another net of the
+        same program took it (then ``net_local``)."""
+        names = rnn.frame.state.names
+        candidate = local
+        counter = 1
+        while candidate in names:
+            candidate = f"{net_name}_{local}" if counter == 1 else f"{net_name}_{local}_{counter}"
+            counter += 1
+        return candidate
+
+    def _reverse(self, spec, path):
+        reverse = spec.get("reverse", False)
+        if not isinstance(reverse, bool):
+            raise self.error(path + ("reverse",), f"reverse is true or false, got {reverse!r}")
+        return reverse
+
+    def _output_names(self, spec, path):
+        outputs = spec["outputs"]
+        if isinstance(outputs, str):
+            outputs = [outputs]
+        outputs = self.doc.sequence(outputs, path + ("outputs",))
+        if not outputs:
+            raise self.error(path + ("outputs",), "a net needs at least one output")
+        for i, o in enumerate(outputs):
+            self.doc.name(o, path + ("outputs", i))
+        return outputs
+
+    def _top_source(self, ref, path, want):
+        """A placeholder for the DSL and the call-time source of a top-level
+        step input, static input or per-sequence initial memory."""
+        match = _REF.match(ref) if isinstance(ref, str) else None
+        if match is None:
+            raise self.error(path, f"expected an input name or net.all.output / net.last.output, got {ref!r}")
+        head, mode, output = match.groups()
+        if head in self.model.inputs and mode is None:
+            spec = self.model.inputs[head]
+            source = _Source(input=head)
+            dtype, features, levels = spec.dtype, spec.shape, spec.lod_level
+        elif head in self.model.nets:
+            net = next(n for n in self.model._nets if n.name == head)
+            if mode is None:
+                raise self.error(path, f"{head!r} is a net: use {head}.all or {head}.last "
+                                 "(with .output when it has several)")
+            if output is None:
+                if len(net.output_names) != 1:
+                    raise self.error(path, f"net {head!r} has outputs {net.output_names}; pick one: "
+                                     f"{head}.{mode}.{net.output_names[0]}")
+                index = 0
+            elif output in net.output_names:
+                index = net.output_names.index(output)
+            else:
+                raise self.error(path, f"net {head!r} has no output {output!r} (its outputs: "
+                                 f"{', '.join(net.output_names)})"
+                                 + document.did_you_mean(output, net.output_names))
+            if mode not in net.modes:
+                net.modes.append(mode)
+            var = net.rnn.program(mode == "all").eqn.outputs[index]
+            source = _Source(net=head, mode=mode, index=index)
+            dtype, features, levels = var.dtype, var.shape[1:], var.lod_depth
+        else:
+            choices = list(self.model.inputs) + list(self.model.nets)
+            raise self.error(path, f"unknown input or net {head!r}" + document.did_you_mean(head, choices)
+                             + (" (nets can read only nets defined above them)" if head in
+                                (self.doc.data.get("nets") or {}) else ""))
+        if want == "sequence" and levels < 1:
+            raise self.error(path, f"{ref!r} has one row per sequence (lod_level 0); a step input "
+                             "needs a LoD to step over (use it as a static input or an init)")
+        if want == "init" and levels:
+            raise self.error(path, f"{ref!r} is a sequence (lod_level {levels}); an initial memory "
+                             "needs one row per sequence (lod_level 0)")
+        rows = np.zeros((1,) + tuple(features), dtype)
+        placeholder = LoDTensor.from_lengths(rows, [[1]] * levels) if levels else rows
+        return placeholder, source
+
+    def _memories(self, rnn, net_name, spec, path, scope, outer_scope, net):
+        memories = {}
+        for local, mspec in self.doc.mapping(spec.get("memories"), path + ("memories",)).items():
+            p = path + ("memories", local)
+            self._new_local(scope, local, p)
+            mspec = self.doc.mapping(mspec, p, MEMORY_KEYS)
+            shape = self.doc.shape(mspec["shape"], p + ("shape",)) if "shape" in mspec else None
+            dtype = self._dtype(mspec["dtype"], p + ("dtype",)) if "dtype" in mspec else None
+            init = mspec.get("init")
+            binding = self._binding_name(rnn, net_name, local)
+            if init is None:
+                if shape is None:
+                    raise self.error(p, "a memory needs shape: [...] (starts at zeros) or init:")
+                handle = self._dsl(p, rnn.add_memory, shape=list(shape), name=binding, dtype=dtype)
+            elif isinstance(init, bool):
+                raise self.error(p + ("init",), "init must be a number, a name or an expression, "
+                                 f"got {init!r}")
+            elif isinstance(init, (int, float)):
+                if shape is None:
+                    raise self.error(p, "a number init needs shape: [...]")
+                handle = self._dsl(p, rnn.add_memory, init=init, shape=list(shape), name=binding,
+                                   dtype=dtype)
+            elif isinstance(init, list):
+                value = np.asarray(init, dtype=dtype or self.dtype)
+                handle = self._dsl(p, rnn.add_memory, init=value, shape=None if shape is None
+                                   else list(shape), name=binding, dtype=dtype)
+            elif outer_scope is None:  # a top-level net: a parameter or a per-sequence source
+                if isinstance(init, str) and init in self.model.parameters:
+                    handle = self._dsl(p, rnn.add_memory, init=self.model.parameters[init],
+                                       shape=None if shape is None else list(shape),
+                                       name=binding, dtype=dtype)
+                else:
+                    placeholder, source = self._top_source(init, p + ("init",), want="init")
+                    feature = placeholder.shape[1:]
+                    if shape is not None and shape != feature:
+                        raise self.error(p + ("init",), f"{init!r} has rows of shape {list(feature)} but "
+                                         f"the memory is declared with shape {list(shape)}")
+                    handle = self._dsl(p, rnn.add_memory, init=placeholder, shape=list(feature),
+                                       name=binding, dtype=dtype)
+                    net.sources[binding] = source
+            else:  # a nested net: an expression of the enclosing step
+                value = self._expression(outer_scope, init, p + ("init",))
+                if isinstance(value, np.ndarray) and shape is None:
+                    raise self.error(p, "an array init needs shape: [...]")
+                handle = self._dsl(p, rnn.add_memory, init=value,
+                                   shape=None if shape is None else list(shape),
+                                   name=binding, dtype=dtype)
+            scope.names[local] = handle
+            memories[local] = (handle, p)
+        return memories
+
+    def _expression(self, scope, text, path):
+        try:
+            node = parse_expression(text)
+            return Evaluator(scope, str(text)).eval(node)
+        except ExpressionError as exc:
+            raise self.error(path, str(exc)) from None
+
+    # -- the step body -------------------------------------------------------
+
+    def _body(self, rnn, spec, path, scope, memories):
+        body = self.doc.sequence(spec["step"], path + ("step",))
+        if not body:
+            raise self.error(path + ("step",), "the step is empty; give a list of assignments")
+        for i, item in enumerate(body):
+            p = path + ("step", i)
+            if isinstance(item, str):
+                self._assignment(scope, item, p, memories)
+            elif isinstance(item, dict) and "net" in item:
+                self._nested_net(item, p, scope)
+            elif isinstance(item, dict) and "op" in item:
+                self._op_entry(scope, item, p, memories)
+            else:
+                raise self.error(p, "a step entry is an assignment 'h = tanh(x @ W)', an op "
+                                 "{op: matmul, in: [x, W], out: xw}, or a nested net {net: name, ...}")
+        for local, (handle, mpath) in memories.items():
+            if handle.post is None:
+                raise self.error(mpath, f"memory {local!r} is never updated in the step; assign it "
+                                 f"once, e.g. '{local} = tanh(x @ W + {local}.pre @ U)'")
+        values = []
+        for i, name in enumerate(self._output_names(spec, path)):
+            try:
+                value = scope.names[name]
+            except KeyError:
+                raise self.error(path + ("outputs", i),
+                                 f"output {name!r} is not a value of this step"
+                                 + document.did_you_mean(name, scope.names)) from None
+            if isinstance(value, NestedNet) or not isinstance(value, Value):
+                raise self.error(path + ("outputs", i), f"output {name!r} is not a step value")
+            values.append(value)
+        self._dsl(path + ("outputs",), rnn.add_outputs, *values)
+
+    def _assignment(self, scope, text, path, memories):
+        try:
+            names, node, unpack = parse_assignment(text)
+            value = Evaluator(scope, text.strip()).eval(node)
+        except ExpressionError as exc:
+            raise self.error(path, str(exc)) from None
+        self._assign(scope, names, value, unpack, path, memories)
+
+    def _assign(self, scope, names, value, unpack, path, memories):
+        if unpack:
+            if not isinstance(value, (list, tuple)) or len(value) != len(names):
+                got = len(value) if isinstance(value, (list, tuple)) else 1
+                raise self.error(path, f"{len(names)} names on the left but {got} value(s) on the right")
+            values = list(value)
+        else:
+            if isinstance(value, (list, tuple)):
+                raise self.error(path, f"the right side gives {len(value)} values; unpack them: "
+                                 f"{', '.join(f'v{i}' for i in range(len(value)))} = ...")
+            values = [value]
+        for name, v in zip(names, values):
+            if name in memories:
+                handle, _ = memories[name]
+                if handle.post is not None:
+                    raise self.error(path, f"memory {name!r} is updated twice in one step")
+                if not isinstance(v, Value):
+                    raise self.error(path, f"memory {name!r} must be updated with a step value, "
+                                     f"not a constant")
+                self._dsl(path, handle.update, v)
+                continue
+            try:
+                existing = scope.lookup(name)
+            except KeyError:
+                existing = None
+            if isinstance(existing, MemoryHandle):
+                raise self.error(path, f"{name!r} is a memory of an enclosing net; a net updates "
+                                 "only its own memories")
+            if existing is not None or name in FUNCTIONS:
+                raise self.error(path, f"name {name!r} is already defined; each name is assigned "
+                                 "once (values are not variables)")
+            scope.names[name] = v
+
+    def _op_entry(self, scope, item, path, memories):
+        op = item["op"]
+        if op not in FUNCTIONS:
+            raise self.error(path + ("op",), f"unknown op {op!r}" + document.did_you_mean(op, FUNCTIONS))
+        for key in ("in", "out"):
+            if key not in item:
+                raise self.error(path, f"op {op!r}: missing key {key!r}")
+        ins = item["in"]
+        ins = self.doc.sequence(ins if isinstance(ins, list) else [ins], path + ("in",))
+        args = [self._expression(scope, x, path + ("in", i)) for i, x in enumerate(ins)]
+        attrs = {}
+        for key, value in item.items():
+            if key in ("op", "in", "out"):
+                continue
+            if not isinstance(value, (int, float)):
+                raise self.error(path + (key,), f"op attribute {key!r} must be a number or boolean, "
+                                 f"got {value!r}")
+            attrs[key] = value
+        if op in LIST_FUNCTIONS:
+            args = [args]
+
+        def fail(message):
+            raise self.error(path, message)
+
+        value = call_function(op, args, attrs, fail)
+        out = item["out"]
+        names = out if isinstance(out, list) else [out]
+        for i, n in enumerate(names):
+            self.doc.name(n, path + ("out",) + ((i,) if isinstance(out, list) else ()))
+        self._assign(scope, names, value, isinstance(out, list), path, memories)
+
+    def _nested_net(self, item, path, scope):
+        doc = self.doc
+        spec = doc.mapping(item, path, NESTED_KEYS, required=("inputs", "step", "outputs"))
+        name = doc.name(spec["net"], path + ("net",))
+        self._new_local(scope, name, path + ("net",))
+        outputs = self._output_names(spec, path)
+        # the enclosing step's values are evaluated before the inner block opens
+        sources = {}
+        for key in ("inputs", "static_inputs"):
+            for local, text in doc.mapping(spec.get(key), path + (key,)).items():
+                sources[(key, local)] = self._expression(scope, text, path + (key, local))
+        inner = create_rnn_op(output_num=len(outputs), reverse=self._reverse(spec, path), name=name)
+        inner_scope = Scope(parent=scope)
+        with self._wrap(path), inner.stepnet():
+            for (key, local), value in sources.items():
+                p = path + (key, local)
+                self._new_local(inner_scope, local, p)
+                binding = self._binding_name(inner, name, local)
+                add = inner.add_input if key == "inputs" else inner.add_static_input
+                inner_scope.names[local] = self._dsl(p, add, value, name=binding)
+            memories = self._memories(inner, name, spec, path, inner_scope, scope, None)
+            self._body(inner, spec, path, inner_scope, memories)
+        scope.names[name] = NestedNet(inner, outputs)
+
+    # -- network outputs -------------------------------------------------------
+
+    def _outputs(self, outputs):
+        doc = self.doc
+        outputs = doc.mapping(outputs, ("outputs",))
+        if not outputs:
+            raise self.error(("outputs",), "a model needs at least one output: name: net.all.output")
+        for name, ref in outputs.items():
+            path = ("outputs", name)
+            doc.name(name, path)
+            if isinstance(ref, str) and ref in self.model.inputs:
+                raise self.error(path, f"{ref!r} is an input; outputs are net.all.output or "
+                                 "net.last.output")
+            if isinstance(ref, str) and _REF.match(ref) and _REF.match(ref).group(1) in self.model.nets \
+                    and _REF.match(ref).group(2) is None:
+                raise self.error(path, f"{ref!r} is a net: write {ref}.all (every step) or "
+                                 f"{ref}.last (each sequence's last step)")
+            _, source = self._top_source(ref, path, want="output")
+            self.model._output_sources[name] = source
+            self.model.outputs.append(name)
+
+
+__all__ = ["InputSpec", "Model", "load_yaml"]
