@@ -25,7 +25,12 @@ INITIALIZERS = {
 
 
 class InitError(Exception):
-    """A bad initializer; the caller adds file, line and key."""
+    """A bad initializer; the caller adds file, line and key (``key``: the
+    option at fault, or None for the initializer itself)."""
+
+    def __init__(self, message, key=None):
+        super().__init__(message)
+        self.key = key
 
 
 def generator(seed, name):
@@ -41,9 +46,9 @@ def initialize(kind, shape, dtype, options, rng):
     for key, value in options.items():
         if key not in allowed:
             takes = ", ".join(allowed) or "no options"
-            raise InitError(f"initializer {kind!r} has no option {key!r} (it takes {takes})")
+            raise InitError(f"initializer {kind!r} has no option {key!r} (it takes {takes})", key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InitError(f"option {key!r} of {kind!r} must be a number, got {value!r}")
+            raise InitError(f"option {key!r} of {kind!r} must be a number, got {value!r}", key)
     for key, default in allowed.items():
         if default is None and key not in options:
             raise InitError(f"initializer {kind!r} needs option {key!r}")
@@ -61,7 +66,8 @@ def initialize(kind, shape, dtype, options, rng):
     elif kind == "uniform":
         low, high = options.get("low", -scale), options.get("high", scale)
         if not low < high:
-            raise InitError(f"uniform needs low < high, got low={low}, high={high}")
+            raise InitError(f"uniform needs low < high, got low={low}, high={high}",
+                            "high" if "high" in options else "low")
         out = rng.uniform(low, high, size=shape)
     elif kind == "xavier":
         if len(shape) != 2:

@@ -77,7 +77,23 @@ class _TopNet:
         self.rnn = rnn
         self.output_names = output_names
         self.sources = {}  # binding name -> _Source
-        self.modes = []  # "all" / "last": what callers need
+        self.needed = {}  # output index -> {"all", "last"}: what callers read
+
+    def feed_names(self) -> str:
+        """How this net's binding names map to the model's inputs, for errors."""
+        pairs = [f"{b} <- {s.input}" for b, s in self.sources.items()
+                 if s.input is not None and s.input != b]
+        return f" (bindings: {', '.join(pairs)})" if pairs else ""
+
+    def runs(self):
+        """The ``output_all_steps`` flags of the calls that give every output
+        read: one call with a flag per output, or two when some output is read
+        both ways."""
+        if not self.needed:
+            return []
+        if all(len(modes) == 1 for modes in self.needed.values()):
+            return [tuple("all" in self.needed.get(i, ()) for i in range(len(self.output_names)))]
+        return [(True,) * len(self.output_names), (False,) * len(self.output_names)]
 
 
 class Model:
@@ -120,21 +136,27 @@ class Model:
         feeds = self._check_feeds(dict(feeds or {}))
         results = {}
         for i, net in enumerate(self._nets):
-            if not net.modes:
+            runs = net.runs()
+            if not runs:
                 continue
             bindings = {b: self._resolve(src, feeds, results) for b, src in net.sources.items()}
-            for mode in net.modes:
+            for flags in runs:
                 if progress is not None:
-                    progress(f"net {i + 1}/{len(self._nets)} {net.name} ({mode} steps)")
-                out = net.rnn(output_all_steps=(mode == "all"), backend=backend, **bindings)
-                results[(net.name, mode)] = out if isinstance(out, tuple) else (out,)
+                    progress(f"net {i + 1}/{len(self._nets)} {net.name}")
+                try:
+                    out = net.rnn(output_all_steps=flags, backend=backend, **bindings)
+                except Error as exc:
+                    raise type(exc)(f"net {net.name}: {exc}{net.feed_names()}") from None
+                out = out if isinstance(out, tuple) else (out,)
+                for index, (flag, value) in enumerate(zip(flags, out)):
+                    results[(net.name, "all" if flag else "last", index)] = value
         return {name: self._resolve(src, feeds, results) for name, src in self._output_sources.items()}
 
     @staticmethod
     def _resolve(source, feeds, results):
         if source.input is not None:
             return feeds[source.input]
-        return results[(source.net, source.mode)][source.index]
+        return results[(source.net, source.mode, source.index)]
 
     def _check_feeds(self, feeds):
         unknown = sorted(set(feeds) - set(self.inputs))
@@ -327,7 +349,7 @@ class _Builder:
                 try:
                     value = initialize(kind, shape, dtype, options, generator(self.seed, name))
                 except InitError as exc:
-                    key = "init" if "init" in spec else next(iter(options), "init")
+                    key = exc.key or ("init" if "init" in spec else "shape")
                     raise self.error(path + (key,), str(exc)) from None
             self.model.parameters[name] = Parameter(value.astype(dtype, copy=False), name=name)
         unused = sorted(set(overrides) - set(params))
@@ -494,8 +516,7 @@ class _Builder:
                 raise self.error(path, f"net {head!r} has no output {output!r} (its outputs: "
                                  f"{', '.join(net.output_names)})"
                                  + document.did_you_mean(output, net.output_names))
-            if mode not in net.modes:
-                net.modes.append(mode)
+            net.needed.setdefault(index, set()).add(mode)
             var = net.rnn.program(mode == "all").eqn.outputs[index]
             source = _Source(net=head, mode=mode, index=index)
             dtype, features, levels = var.dtype, var.shape[1:], var.lod_depth

@@ -1,0 +1,410 @@
+"""YAML networks: each example equals the same network written in the Python
+DSL (same IR, bit-identical outputs), the expression language, initializers,
+and every error class (file, line and key in the message)."""
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stepnet as sn
+from stepnet.yaml.expressions import FUNCTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _data(x):
+    return x.data if isinstance(x, sn.LoDTensor) else x
+
+
+def assert_identical(actual, expected, what):
+    if isinstance(expected, sn.LoDTensor):
+        assert isinstance(actual, sn.LoDTensor), what
+        assert actual.lod == expected.lod, what
+    a, e = _data(actual), _data(expected)
+    assert a.dtype == e.dtype and a.shape == e.shape, what
+    assert np.array_equal(a, e), f"{what}: max difference {np.abs(a - e).max()}"
+
+
+def write(tmp_path, text, name="model.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+# ----------------------------------------------------------------------------
+# the examples against the same networks in the Python DSL
+
+
+def char_gru_dsl(P, chars):
+    rnn = sn.create_rnn_op(output_num=2, name="gru")
+    with rnn.stepnet():
+        x = rnn.add_input(chars, name="x")
+        h = rnn.add_memory(shape=[64], name="h")
+        hp = h.pre_state()
+        r = sn.ops.sigmoid(x @ P["W_r"] + hp @ P["U_r"] + P["b_r"])
+        z = sn.ops.sigmoid(x @ P["W_z"] + hp @ P["U_z"] + P["b_z"])
+        n = sn.ops.tanh(x @ P["W_n"] + P["b_n"] + r * (hp @ P["U_n"] + P["b_hn"]))
+        h.update((1 - z) * n + z * hp)
+        logits = h @ P["W_out"] + P["b_out"]
+        log_probs = logits - sn.ops.log(sn.ops.sum(sn.ops.exp(logits), axis=-1, keepdims=True))
+        rnn.add_outputs(log_probs, h)
+    return rnn
+
+
+def hierarchical_dsl(P, chapters, chapter_init):
+    top = sn.create_rnn_op(output_num=3, name="top")
+    with top.stepnet():
+        paragraph = top.add_input(chapters, name="paragraph")
+        chapter = top.add_memory(init=chapter_init, shape=[8], name="chapter")
+        low = sn.create_rnn_op(output_num=1, name="low")
+        with low.stepnet():
+            sentence = low.add_input(paragraph, name="sentence")
+            h = low.add_memory(init=chapter.pre_state(), name="h")
+            h.update(sn.ops.tanh(sentence @ P["W"] + h.pre_state() @ P["U"]))
+            low.add_outputs(h)
+        summary = low(output_all_steps=False)
+        sentence_states = low()
+        chapter.update(sn.ops.tanh(summary @ P["W0"] + chapter.pre_state() @ P["U0"] + P["b0"]))
+        top.add_outputs(chapter, sentence_states, summary)
+    return top
+
+
+def custom_cell_dsl(P, x):
+    rnn = sn.create_rnn_op(output_num=1, name="mgu")
+    with rnn.stepnet():
+        xt = rnn.add_input(x, name="xt")
+        h = rnn.add_memory(shape=[32], name="h")
+        f = sn.ops.sigmoid(sn.ops.add(sn.ops.add(sn.ops.matmul(xt, P["W_f"]),
+                                                 sn.ops.matmul(h.pre_state(), P["U_f"])), P["b_f"]))
+        c = sn.ops.tanh(xt @ P["W_c"] + (f * h.pre_state()) @ P["U_c"] + P["b_c"])
+        m = (1 - f) * h.pre_state() + f * c
+        h.update(sn.ops.sigmoid(P["d"]) * m)
+        rnn.add_outputs(h)
+    return rnn
+
+
+def test_char_gru_equals_dsl_on_interpreter_and_numba():
+    model = sn.load_yaml(EXAMPLES / "char_gru.yaml")
+    feeds = model.random_feeds(seed=3, num_sequences=3, max_length=5)
+    rnn = char_gru_dsl(model.parameters, feeds["chars"])
+    assert rnn.ir() == model.nets["gru"].ir()
+    for backend in ("interpreter", "numba"):
+        out = model(feeds, backend=backend)
+        all_steps = rnn(backend=backend)
+        last = rnn(output_all_steps=False, backend=backend)
+        assert_identical(out["log_probs"], all_steps[0], f"{backend} log_probs")
+        assert_identical(out["final_state"], last[1], f"{backend} final_state")
+    # one-hot random characters; log-probabilities sum to one
+    assert np.array_equal(feeds["chars"].data.sum(axis=1), np.ones(feeds["chars"].shape[0]))
+    np.testing.assert_allclose(np.exp(out["log_probs"].data).sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_hierarchical_equals_dsl():
+    model = sn.load_yaml(EXAMPLES / "hierarchical.yaml")
+    feeds = model.random_feeds(seed=5)
+    top = hierarchical_dsl(model.parameters, feeds["chapters"], feeds["chapter_init"])
+    assert top.ir() == model.nets["top"].ir()
+    out = model(feeds, backend="interpreter")
+    all_steps = top(backend="interpreter")
+    last = top(output_all_steps=False, backend="interpreter")
+    assert_identical(out["chapter_state"], all_steps[0], "chapter_state")
+    assert_identical(out["final_chapter_state"], last[0], "final_chapter_state")
+    assert_identical(out["sentence_states"], all_steps[1], "sentence_states")
+    assert_identical(out["paragraph_summary"], all_steps[2], "paragraph_summary")
+    assert out["sentence_states"].lod == feeds["chapters"].lod
+
+
+def test_custom_cell_equals_dsl():
+    model = sn.load_yaml(EXAMPLES / "custom_cell.yaml")
+    feeds = model.random_feeds(seed=2)
+    rnn = custom_cell_dsl(model.parameters, feeds["x"])
+    assert rnn.ir() == model.nets["mgu"].ir()
+    out = model(feeds, backend="interpreter")
+    assert_identical(out["states"], rnn(backend="interpreter"), "states")
+    assert_identical(out["final"], rnn(output_all_steps=False, backend="interpreter"), "final")
+    decay = 1 / (1 + np.exp(-model.parameters["d"].value))
+    assert np.all((decay > 0.88) & (decay < 0.99))
+
+
+def test_model_reruns_on_new_data_and_sizes():
+    model = sn.load_yaml(EXAMPLES / "hierarchical.yaml")
+    for seed, n in ((1, 1), (2, 6)):
+        feeds = model.random_feeds(seed=seed, num_sequences=n)
+        out = model(feeds, backend="interpreter")
+        assert out["final_chapter_state"].shape == (n, 8)
+        top = hierarchical_dsl(model.parameters, feeds["chapters"], feeds["chapter_init"])
+        assert_identical(out["final_chapter_state"],
+                         top(output_all_steps=False, backend="interpreter")[0], "rerun")
+
+
+# ----------------------------------------------------------------------------
+# the format: nets fed by nets, statics, inits, reverse, expressions
+
+
+STACKED = """
+inputs:
+  tokens: {shape: [5], lod_level: 1}
+  context: {shape: [3], lod_level: 0}
+parameters:
+  Wa: {shape: [5, 4], init: normal, std: 0.5}
+  Ua: {shape: [4, 4], init: orthogonal, gain: 0.9}
+  Wb: {shape: [4, 4], init: uniform}
+  Cb: {shape: [3, 4], init: xavier}
+  h0: {shape: [4], init: constant, value: 0.25}
+nets:
+  enc:
+    inputs: {x: tokens}
+    memories:
+      h: {init: h0}
+    step:
+      - h = tanh(x @ Wa + h.pre @ Ua)
+    outputs: [h]
+  dec:
+    reverse: true
+    inputs: {y: enc.all}
+    static_inputs: {ctx: context}
+    memories:
+      s: {init: enc.last}
+    step:
+      - gate = sigmoid(ctx @ Cb)
+      - both = concat([y, s.pre], axis=-1)
+      - left, right = split(both, 2)
+      - s = where(left > 0, gate * tanh(left @ Wb), clip(right, lo=-0.5, hi=0.5))
+      - part = s[:, 1:3]
+    outputs: [s, part]
+outputs:
+  states: dec.all.s
+  part: dec.last.part
+  encoded: enc.last
+"""
+
+
+def stacked_dsl(P, tokens, context):
+    enc = sn.create_rnn_op(output_num=1, name="enc")
+    with enc.stepnet():
+        x = enc.add_input(tokens, name="x")
+        h = enc.add_memory(init=P["h0"], name="h")
+        h.update(sn.ops.tanh(x @ P["Wa"] + h.pre_state() @ P["Ua"]))
+        enc.add_outputs(h)
+    encoded_all, encoded_last = enc(backend="interpreter"), enc(output_all_steps=False,
+                                                                backend="interpreter")
+    dec = sn.create_rnn_op(output_num=2, reverse=True, name="dec")
+    with dec.stepnet():
+        y = dec.add_input(encoded_all, name="y")
+        ctx = dec.add_static_input(context, name="ctx")
+        s = dec.add_memory(init=encoded_last, shape=[4], name="s")
+        gate = sn.ops.sigmoid(ctx @ P["Cb"])
+        both = sn.ops.concat([y, s.pre_state()], axis=-1)
+        left, right = sn.ops.split(both, 2)
+        s.update(sn.ops.where(left > 0, gate * sn.ops.tanh(left @ P["Wb"]),
+                              sn.ops.clip(right, lo=-0.5, hi=0.5)))
+        part = s[:, 1:3]
+        dec.add_outputs(s, part)
+    return enc, encoded_last, dec
+
+
+def test_nets_fed_by_nets_statics_inits_reverse(tmp_path):
+    model = sn.load_yaml(write(tmp_path, STACKED))
+    feeds = model.random_feeds(seed=4, num_sequences=5)
+    enc, encoded_last, dec = stacked_dsl(model.parameters, feeds["tokens"], feeds["context"])
+    assert enc.ir() == model.nets["enc"].ir() and dec.ir() == model.nets["dec"].ir()
+    out = model(feeds, backend="interpreter")
+    assert_identical(out["encoded"], encoded_last, "encoded")
+    assert_identical(out["states"], dec(backend="interpreter")[0], "states")
+    assert_identical(out["part"], dec(output_all_steps=False, backend="interpreter")[1], "part")
+    assert list(out) == ["states", "part", "encoded"]
+    assert out["part"].shape == (5, 2)
+
+
+def test_parameters_initializers_and_files(tmp_path):
+    np.savez(tmp_path / "w.npz", emb=np.arange(6.0).reshape(2, 3), V=np.ones((3, 3)))
+    path = write(tmp_path, """
+        dtype: float64
+        inputs:
+          x: {shape: [2]}
+        parameters:
+          E: {from: "w.npz:emb"}
+          V: {from: w.npz, shape: [3, 3]}
+          Q: {shape: [6, 3], init: orthogonal}
+          G: {shape: [40, 50], init: xavier, gain: 2.0}
+          N: {shape: [400], init: normal, mean: 3.0, std: 0.5}
+          Z: {shape: [3]}
+        nets:
+          n:
+            inputs: {xt: x}
+            memories: {h: {shape: [3]}}
+            step:
+              - h = xt @ E + h.pre @ V + Z
+            outputs: [h]
+        outputs:
+          h: n.all
+    """)
+    model = sn.load_yaml(path, seed=1)
+    P = {k: p.value for k, p in model.parameters.items()}
+    assert P["E"].dtype == np.float64 and np.array_equal(P["E"], np.arange(6.0).reshape(2, 3))
+    assert np.array_equal(P["V"], np.ones((3, 3))) and not P["Z"].any()
+    np.testing.assert_allclose(P["Q"].T @ P["Q"], np.eye(3), atol=1e-12)
+    assert np.abs(P["G"]).max() <= 2.0 * np.sqrt(6 / 90) and np.abs(P["G"]).max() > 0.5
+    assert abs(P["N"].mean() - 3.0) < 0.1 and abs(P["N"].std() - 0.5) < 0.1
+    # the same seed gives the same values; another seed others; each parameter has
+    # its own generator, so removing one does not change the rest
+    again = sn.load_yaml(path, seed=1)
+    assert np.array_equal(again.parameters["Q"].value, P["Q"])
+    assert not np.array_equal(sn.load_yaml(path, seed=2).parameters["Q"].value, P["Q"])
+    fewer = path.read_text().replace("      G: {shape: [40, 50], init: xavier, gain: 2.0}\n", "")
+    assert np.array_equal(sn.load_yaml(write(tmp_path, fewer, "fewer.yaml"), seed=1)
+                          .parameters["N"].value, P["N"])
+    # overrides by name, from a dict or an .npz file
+    np.savez(tmp_path / "override.npz", Z=np.full(3, 7.0))
+    for params in ({"Z": np.full(3, 7.0)}, tmp_path / "override.npz"):
+        assert np.array_equal(sn.load_yaml(path, params=params).parameters["Z"].value, np.full(3, 7.0))
+
+
+def test_expressions_never_run_python(tmp_path):
+    marker = tmp_path / "ran"
+    for body in (f"__import__('pathlib').Path('{marker}').touch()",
+                 "x.__class__", "(lambda: 1)()", "[c for c in x]", "x if x else x"):
+        path = write(tmp_path, MINIMAL.replace("h = tanh(x @ W + h.pre @ U)", f"y = {body}"))
+        with pytest.raises(sn.YAMLError):
+            sn.load_yaml(path)
+    assert not marker.exists()
+
+
+def test_every_stepnet_op_is_callable_from_yaml():
+    assert {"tanh", "sigmoid", "matmul", "concat", "split", "where", "clip", "mean",
+            "hard_sigmoid", "leaky_relu", "softplus"} <= set(FUNCTIONS)
+    assert "registry" not in FUNCTIONS
+
+
+def test_model_call_errors():
+    model = sn.load_yaml(EXAMPLES / "hierarchical.yaml")
+    feeds = model.random_feeds(seed=0)
+    with pytest.raises(sn.StepNetError, match=r"missing input\(s\) \['chapter_init'\]"):
+        model({"chapters": feeds["chapters"]})
+    with pytest.raises(sn.StepNetError, match="unknown input"):
+        model(dict(feeds, extra=1))
+    bad = sn.LoDTensor(np.zeros((feeds["chapters"].shape[0], 5), np.float32), feeds["chapters"].lod)
+    with pytest.raises(sn.ShapeError, match="input chapters: shape"):
+        model(dict(feeds, chapters=bad))
+    with pytest.raises(sn.ShapeError, match="has 1 LoD level.*declared lod_level 2"):
+        model(dict(feeds, chapters=sn.LoDTensor.from_lengths(np.zeros((2, 16)), [[2]])))
+    with pytest.raises(sn.ShapeError,
+                       match=r"net top: memory chapter: init of shape \[3, 8\].*chapter <- chapter_init"):
+        model(dict(feeds, chapter_init=np.zeros((3, 8), np.float32)))
+
+
+# ----------------------------------------------------------------------------
+# errors: file, line and key
+
+
+MINIMAL = """
+inputs:
+  x: {shape: [3]}
+parameters:
+  W: {shape: [3, 4], init: xavier}
+  U: {shape: [4, 4], init: orthogonal}
+nets:
+  rnn:
+    inputs: {x: x}
+    memories:
+      h: {shape: [4]}
+    step:
+      - h = tanh(x @ W + h.pre @ U)
+    outputs: [h]
+outputs:
+  out: rnn.all
+"""
+
+# (name, text to replace in MINIMAL, replacement, line, key, message fragment)
+ERRORS = [
+    ("unknown name", "x @ W +", "x @ Wx +", 12, "nets.rnn.step[0]",
+     "unknown name 'Wx'"),
+    ("unknown function", "tanh(", "tanhh(", 12, "nets.rnn.step[0]",
+     "unknown function 'tanhh'; did you mean 'tanh'?"),
+    ("unknown op", "- h = tanh(x @ W + h.pre @ U)",
+     "- {op: matmull, in: [x, W], out: xw}\n      - h = tanh(xw + h.pre @ U)", 12,
+     "nets.rnn.step[0].op", "unknown op 'matmull'; did you mean 'matmul'?"),
+    ("shape mismatch", "x @ W +", "x @ U +", 12, "nets.rnn.step[0]", "matmul"),
+    ("memory with no update", "h = tanh(x @ W + h.pre @ U)", "y = tanh(x @ W + h.pre @ U)", 10,
+     "nets.rnn.memories.h", "memory 'h' is never updated"),
+    ("memory updated twice", "    outputs: [h]", "      - h = tanh(h)\n    outputs: [h]", 13,
+     "nets.rnn.step[1]", "memory 'h' is updated twice"),
+    ("memory read before update", "x @ W + h.pre", "x @ W + h", 12, "nets.rnn.step[0]",
+     "use h.pre"),
+    ("bad initializer", "init: xavier", "init: glorot", 4, "parameters.W.init",
+     "unknown initializer 'glorot'"),
+    ("initializer shape", "U: {shape: [4, 4], init: orthogonal}",
+     "U: {shape: [4], init: orthogonal}", 5, "parameters.U.init", "orthogonal needs a 2-D shape"),
+    ("initializer option", "init: xavier}", "init: xavier, std: 2}", 4, "parameters.W.std",
+     "has no option 'std'"),
+    ("missing parameter file", "W: {shape: [3, 4], init: xavier}",
+     "W: {from: 'nothere.npz:W'}", 4, "parameters.W.from", "cannot read"),
+    ("bad YAML", "    memories:\n      h: {shape: [4]}", "    memories:\n      h: {shape: [4]",
+     11, "nets.rnn.step", "bad YAML: expected ',' or '}'"),
+    ("bad YAML indentation", "    outputs: [h]", "   outputs: [h]", 13, "nets.rnn.outputs",
+     "bad YAML"),
+    ("duplicate key", "  U: {shape: [4, 4], init: orthogonal}",
+     "  U: {shape: [4, 4], init: orthogonal}\n  U: {shape: [4, 4]}", 6, "parameters.U",
+     "appears twice"),
+    ("unknown key", "    outputs: [h]", "    output: [h]", 13, "nets.rnn.output",
+     "did you mean 'outputs'?"),
+    ("not allowed", "x @ W +", "x ** W +", 12, "nets.rnn.step[0]", "operator '**' is not allowed"),
+    ("unknown step input source", "inputs: {x: x}", "inputs: {x: y}", 8, "nets.rnn.inputs.x",
+     "unknown input or net 'y'"),
+    ("unknown output", "outputs: [h]", "outputs: [g]", 13, "nets.rnn.outputs[0]",
+     "output 'g' is not a value of this step"),
+    ("unknown network output", "out: rnn.all", "out: rnn.last.c", 15, "outputs.out",
+     "net 'rnn' has no output 'c'"),
+    ("bad dtype", "x: {shape: [3]}", "x: {shape: [3], dtype: int32}", 2, "inputs.x.dtype",
+     "dtype 'int32' is not supported"),
+    ("bad shape", "x: {shape: [3]}", "x: {shape: [three]}", 2, "inputs.x.shape",
+     "list of positive integers"),
+    ("syntax", "x @ W +", "x @@ W +", 12, "nets.rnn.step[0]", "syntax error"),
+    ("wrong arguments", "tanh(x @ W + h.pre @ U)", "tanh(x @ W + h.pre @ U, 2)", 12,
+     "nets.rnn.step[0]", "tanh()"),
+    ("reassigned name", "- h = tanh(x @ W + h.pre @ U)",
+     "- a = x @ W\n      - a = a + 1\n      - h = tanh(a + h.pre @ U)", 13, "nets.rnn.step[1]",
+     "already defined"),
+]
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=[c[0] for c in ERRORS])
+def test_errors_name_file_line_and_key(tmp_path, case):
+    _, old, new, line, key, fragment = case
+    assert old in MINIMAL
+    path = write(tmp_path, MINIMAL.replace(old, new, 1))
+    with pytest.raises(sn.YAMLError) as info:
+        sn.load_yaml(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: {key}: "), message
+    assert fragment in message, message
+    assert (info.value.file, info.value.line, info.value.key) == (str(path), line, key)
+
+
+def test_minimal_model_loads(tmp_path):
+    model = sn.load_yaml(write(tmp_path, MINIMAL))
+    out = model(model.random_feeds(), backend="interpreter")
+    assert out["out"].shape[1:] == (4,)
+
+
+def test_error_in_nested_net_names_its_key(tmp_path):
+    text = (EXAMPLES / "hierarchical.yaml").read_text()
+    bad = text.replace("h = tanh(sentence @ W + h.pre @ U)", "h = tanh(sentence @ W0 + h.pre @ U)")
+    path = write(tmp_path, bad)
+    line = next(i for i, s in enumerate(bad.splitlines(), 1) if "sentence @ W0" in s)
+    with pytest.raises(sn.YAMLError) as info:
+        sn.load_yaml(path)
+    assert str(info.value).startswith(f"{path}:{line}: nets.top.step[0].step[0]: ")
+    assert "f32[B,16]" in str(info.value) and "[8,8]" in str(info.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(sn.YAMLError, match=r"nothere.yaml:1: \(document\): cannot read"):
+        sn.load_yaml(tmp_path / "nothere.yaml")
+    with pytest.raises(sn.YAMLError, match="empty"):
+        sn.load_yaml(write(tmp_path, "# nothing\n"))
+    with pytest.raises(sn.YAMLError, match="missing key 'nets'"):
+        sn.load_yaml(write(tmp_path, "inputs: {x: {shape: [2]}}\noutputs: {}\n"))
