@@ -98,6 +98,71 @@ def _sn_last_rows(lod_level):
     return off[1:] - 1
 
 
+def _torch_to_onnx_gates(a, H, order):
+    """PyTorch's gate blocks (rows) of ``a`` in ONNX's order."""
+    return np.concatenate([a[j * H:(j + 1) * H] for j in order], axis=0)
+
+
+def _onnx_layout(weights, H, order):
+    """ONNX's ``W, R, B`` of one layer from PyTorch-layout weights, one dict
+    per direction (``{"w_ih", "w_hh", "b_ih", "b_hh"}``)."""
+    W, R, B = [], [], []
+    for w in weights:
+        W.append(_torch_to_onnx_gates(w["w_ih"], H, order))
+        R.append(_torch_to_onnx_gates(w["w_hh"], H, order))
+        B.append(np.concatenate([_torch_to_onnx_gates(w["b_ih"], H, order),
+                                 _torch_to_onnx_gates(w["b_hh"], H, order)]))
+    return np.stack(W), np.stack(R), np.stack(B)
+
+
+_GRU_ORDER = (1, 0, 2)  # ONNX z, r, h from PyTorch r, z, n
+_LSTM_ORDER = (0, 3, 1, 2)  # ONNX i, o, f, c from PyTorch i, f, g, o
+
+
+def _sn_run_layer(layer, X, last_state):
+    def run():
+        Y, state = layer(X)
+        return Y, last_state(state)
+
+    return run
+
+
+@peer("stepnet", ["W1", "W3", "W4"], "stepnet nn.GRU (numba)")
+def stepnet_nn_gru(wl):
+    import stepnet as sn
+
+    H = wl.dims["H"]
+    W, R, B = _onnx_layout([wl.weights], H, _GRU_ORDER)
+    layer = sn.nn.GRU.from_onnx(W, R, B, hidden_size=H, linear_before_reset=1)
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    return _sn_run_layer(layer, X, lambda h_n: h_n[0])
+
+
+@peer("stepnet", ["W2"], "stepnet nn.LSTM (numba)")
+def stepnet_nn_lstm(wl):
+    import stepnet as sn
+
+    H = wl.dims["H"]
+    W, R, B = _onnx_layout([wl.weights], H, _LSTM_ORDER)
+    layer = sn.nn.LSTM.from_onnx(W, R, B, hidden_size=H)
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    return _sn_run_layer(layer, X, lambda state: state[0][0])
+
+
+@peer("stepnet", ["W7"], "stepnet nn.LSTM 2 layers bidirectional_concat (numba)")
+def stepnet_nn_bilstm(wl):
+    import stepnet as sn
+
+    H, w = wl.dims["H"], wl.weights
+    layer = sn.nn.LSTM(wl.dims["I"], H, num_layers=2, direction="bidirectional_concat")
+    for l in range(2):
+        W, R, B = _onnx_layout([w[f"l{l}"], w[f"l{l}_reverse"]], H, _LSTM_ORDER)
+        layer.set_onnx_weights(l, W, R, B)
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    # the top layer's last states, forward then reverse: [B, 2H]
+    return _sn_run_layer(layer, X, lambda state: np.concatenate(state[0][2:], axis=1))
+
+
 @peer("stepnet", ["W1", "W3", "W4"], "stepnet GRU cell in the DSL (numba)")
 def stepnet_gru(wl):
     import stepnet as sn
@@ -289,6 +354,29 @@ def torch_lstm(wl):
         with torch.inference_mode():
             y, (h, _c) = m(x)
         return y, h[0]
+
+    return run
+
+
+@peer("torch", ["W7"], "torch nn.LSTM 2 layers bidirectional")
+def torch_bilstm(wl):
+    import torch
+
+    m = torch.nn.LSTM(wl.dims["I"], wl.dims["H"], num_layers=2, bidirectional=True)
+    with torch.no_grad():
+        for name, w in wl.weights.items():  # "l0", "l0_reverse", ...
+            sfx = "_" + name
+            for key in ("w_ih", "w_hh", "b_ih", "b_hh"):
+                attr = key.replace("w_", "weight_").replace("b_", "bias_") + sfx
+                getattr(m, attr).copy_(torch.from_numpy(w[key]))
+    m.eval()
+    m.requires_grad_(False)
+    x = torch.from_numpy(wl.x_time_major())
+
+    def run():
+        with torch.inference_mode():
+            y, (h, _c) = m(x)
+        return y, torch.cat([h[2], h[3]], dim=1)
 
     return run
 
@@ -508,6 +596,7 @@ def ort_gru_varlen(wl):
 
 not_applicable("onnxruntime", ["W5"], "no single ONNX op for a custom cell")
 not_applicable("onnxruntime", ["W6"], "no single ONNX op for a nested RNN")
+not_applicable("onnxruntime", ["W7"], "one ONNX LSTM node is one layer; PyTorch is the W7 peer")
 
 
 # ============================================================================
@@ -790,3 +879,7 @@ def numpy_nested(wl):
         return (pvec, ys), (pvec, hc)
 
     return run
+
+
+not_applicable("jax", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")
+not_applicable("numpy", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")

@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy")
 ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
-WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6")
+WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")  # workloads.WORKLOADS
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
 SGEMM_SHAPE = (6400, 128, 768)
 

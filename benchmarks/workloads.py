@@ -16,6 +16,9 @@ inputs are ``N(0, 1)``.
   ``z = sigmoid(x@Wz + h@Uz + bz)``, ``r = sigmoid(x@Wr + h@Ur + br)``,
   ``h' = (1-z)*h + z*(s*tanh(x@Wx + (r*h)@Wh + b)) + 0.1*(x@P)``, ``s`` a learned
   per-unit scale ``[H]``.
+- W7 lstm-bi2: a 2-layer bidirectional LSTM (PyTorch's stacking), T=100, B=64,
+  I=128, H=256; the final state is the top layer's last states, forward then
+  reverse (``[B, 2H]``).
 - W6 nested: 64 chapters of 2-8 paragraphs of 5-40 words, I=64, H=128: a word-level
   GRU over each paragraph (h0 = 0) whose last state is the paragraph vector, then a
   paragraph-level GRU over each chapter's paragraph vectors. Outputs: every
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")
 NAMES = {
     "W1": "gru-std",
     "W2": "lstm-std",
@@ -41,8 +44,10 @@ NAMES = {
     "W4": "gru-varlen",
     "W5": "custom-cell",
     "W6": "nested",
+    "W7": "lstm-bi2",
 }
-KINDS = {"W1": "gru", "W2": "lstm", "W3": "gru", "W4": "gru", "W5": "custom", "W6": "nested"}
+KINDS = {"W1": "gru", "W2": "lstm", "W3": "gru", "W4": "gru", "W5": "custom", "W6": "nested",
+         "W7": "bilstm"}
 
 
 @dataclass
@@ -161,6 +166,7 @@ _FULL = {
     "W4": {"B": 64, "I": 128, "H": 256, "lo": 10, "hi": 200},
     "W5": {"T": 100, "B": 64, "I": 128, "H": 256},
     "W6": {"C": 64, "I": 64, "H": 128, "pmin": 2, "pmax": 8, "wmin": 5, "wmax": 40},
+    "W7": {"T": 100, "B": 64, "I": 128, "H": 256},
 }
 _QUICK = {
     "W1": {"T": 5, "B": 4, "I": 8, "H": 16},
@@ -169,6 +175,7 @@ _QUICK = {
     "W4": {"B": 4, "I": 8, "H": 16, "lo": 2, "hi": 8},
     "W5": {"T": 5, "B": 4, "I": 8, "H": 16},
     "W6": {"C": 4, "I": 8, "H": 16, "pmin": 2, "pmax": 3, "wmin": 2, "wmax": 6},
+    "W7": {"T": 5, "B": 4, "I": 8, "H": 16},
 }
 
 
@@ -207,6 +214,9 @@ def make(key: str, quick: bool = False) -> Workload:
         weights = gru_weights(weight_rng, I, H)
     elif kind == "lstm":
         weights = lstm_weights(weight_rng, I, H)
+    elif kind == "bilstm":  # layer 0 reads I features, layer 1 both directions' 2H
+        weights = {f"l{layer}{sfx}": lstm_weights(weight_rng, I if layer == 0 else 2 * H, H)
+                   for layer in range(2) for sfx in ("", "_reverse")}
     else:
         weights = custom_weights(weight_rng, I, H)
     return Workload(key, NAMES[key], kind, dims, weights, lengths=lengths, x=x)
@@ -223,6 +233,8 @@ def flops(wl: Workload) -> float:
         return 2.0 * tokens * (I + H) * 3 * H
     if wl.kind == "lstm":
         return 2.0 * tokens * (I + H) * 4 * H
+    if wl.kind == "bilstm":
+        return 2 * (2.0 * tokens * (I + H) * 4 * H + 2.0 * tokens * (2 * H + H) * 4 * H)
     # custom: x@Wz, x@Wr, x@Wx, x@P and h@Uz, h@Ur, (r*h)@Wh
     return 2.0 * tokens * (4 * I * H + 3 * H * H)
 
@@ -254,15 +266,32 @@ def gru_sequence_ref(x, w, h=None):
 
 
 def lstm_sequence_ref(x, w):
+    return lstm_sequence_all(x, w)[-1]
+
+
+def lstm_sequence_all(x, w):
+    """PyTorch LSTM over one sequence ``x [T, I]``: every step's h ``[T, H]``."""
     H = w["w_hh"].shape[1]
     h, c = np.zeros(H), np.zeros(H)
+    out = np.zeros((x.shape[0], H))
     for t in range(x.shape[0]):
         g = w["w_ih"] @ x[t] + w["b_ih"] + w["w_hh"] @ h + w["b_hh"]
         i, f = _sig(g[:H]), _sig(g[H : 2 * H])
         gg, o = np.tanh(g[2 * H : 3 * H]), _sig(g[3 * H :])
         c = f * c + i * gg
         h = o * np.tanh(c)
-    return h
+        out[t] = h
+    return out
+
+
+def bilstm_sequence_ref(x, weights):
+    """Two bidirectional LSTM layers over one sequence; the top layer's last
+    states, forward (after the last step) then reverse (after the first)."""
+    for layer in range(2):
+        w, wr = _f64(weights[f"l{layer}"]), _f64(weights[f"l{layer}_reverse"])
+        fwd, rev = lstm_sequence_all(x, w), lstm_sequence_all(x[::-1], wr)[::-1]
+        x = np.concatenate([fwd, rev], axis=1)
+    return np.concatenate([fwd[-1], rev[0]])
 
 
 def custom_sequence_ref(x, w):
@@ -279,7 +308,7 @@ def custom_sequence_ref(x, w):
 
 def reference(wl: Workload) -> np.ndarray:
     """The float64 final state: ``[B, H]`` (W6: ``[P + C, H]``, the paragraph
-    vectors then each chapter's last state)."""
+    vectors then each chapter's last state; W7: ``[B, 2H]``)."""
     if wl.kind == "nested":
         ww, wp = _f64(wl.weights["word"]), _f64(wl.weights["para"])
         words = wl.words.astype(np.float64)
@@ -290,7 +319,9 @@ def reference(wl: Workload) -> np.ndarray:
         ch = np.stack([gru_sequence_ref(pv[coff[c] : coff[c + 1]], wp)
                        for c in range(len(coff) - 1)])
         return np.concatenate([pv, ch], axis=0)
+    x = wl.x.astype(np.float64)
+    if wl.kind == "bilstm":
+        return np.stack([bilstm_sequence_ref(x[b, :L], wl.weights) for b, L in enumerate(wl.lengths)])
     fn = {"gru": gru_sequence_ref, "lstm": lstm_sequence_ref, "custom": custom_sequence_ref}
     w = _f64(wl.weights)
-    x = wl.x.astype(np.float64)
     return np.stack([fn[wl.kind](x[b, :L], w) for b, L in enumerate(wl.lengths)])

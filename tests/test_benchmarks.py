@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["W1 gru-std", "W2 lstm-std", "W3 gru-latency", "W4 gru-varlen",
-             "W5 custom-cell", "W6 nested"]
+             "W5 custom-cell", "W6 nested", "W7 lstm-bi2"]
 
 
 def _rows(table_text):

@@ -184,7 +184,8 @@ class _RecurrentLayer:
                 out.setdefault("proj", []).append(p["proj"].value.T)
         return {k: np.stack(v) for k, v in out.items()}
 
-    def _set_onnx_weights(self, layer, W, R, B=None, P=None, proj=None):
+    def set_onnx_weights(self, layer, W, R, B=None, P=None, proj=None):
+        """Set layer ``layer``'s weights from ONNX's layout (see ``onnx_weights``)."""
         gates = cells.GATES[self.cell]
         G, H, D = len(gates), self.hidden_size, self.num_directions
         I, Hr = self.layer_input_size(layer), self.output_size
@@ -247,7 +248,7 @@ class _RecurrentLayer:
         if attrs:
             raise StepNetError(f"{cls.__name__}.from_onnx: unknown attribute(s) {sorted(attrs)}")
         layer = cls(W.shape[2], hidden, **kwargs)
-        layer._set_onnx_weights(0, W, R, B, P)
+        layer.set_onnx_weights(0, W, R, B, P)
         return layer
 
     @classmethod
@@ -337,7 +338,7 @@ class _RecurrentLayer:
                 arrays["B"].append(np.concatenate([reorder(b_ih), reorder(b_hh)]))
                 if layer.proj_size:
                     arrays["proj"].append(get("weight_hr"))
-            layer._set_onnx_weights(l, np.stack(arrays["W"]), np.stack(arrays["R"]),
+            layer.set_onnx_weights(l, np.stack(arrays["W"]), np.stack(arrays["R"]),
                                     np.stack(arrays["B"]),
                                     proj=np.stack(arrays["proj"]) if layer.proj_size else None)
         return layer
