@@ -406,5 +406,95 @@ def test_missing_and_empty_files(tmp_path):
         sn.load_yaml(tmp_path / "nothere.yaml")
     with pytest.raises(sn.YAMLError, match="empty"):
         sn.load_yaml(write(tmp_path, "# nothing\n"))
-    with pytest.raises(sn.YAMLError, match="missing key 'nets'"):
+    with pytest.raises(sn.YAMLError, match="nets: a model needs at least one net or layer"):
         sn.load_yaml(write(tmp_path, "inputs: {x: {shape: [2]}}\noutputs: {}\n"))
+
+
+# ----------------------------------------------------------------------------
+# built-in layers (stepnet.nn)
+
+
+LAYERS = """
+inputs:
+  x: {shape: [5]}
+parameters:
+  V: {shape: [12, 3], init: xavier}
+layers:
+  enc:
+    type: gru
+    input: x
+    hidden_size: 6
+    direction: bidirectional_concat
+    linear_before_reset: true
+  top:
+    type: lstm
+    input: enc.all
+    hidden_size: 4
+    num_layers: 2
+nets:
+  head:
+    inputs: {y: enc.all}
+    memories: {s: {shape: [3]}}
+    step:
+      - s = s.pre + y @ V
+    outputs: [s]
+outputs:
+  y: enc.all
+  h_n: enc.last
+  c_n: top.last.c_n
+  s: head.last
+"""
+
+
+def copy_of(layer, cls, **options):
+    other = cls(layer.input_size, layer.hidden_size, **options)
+    for i in range(layer.num_layers):
+        other.set_onnx_weights(i, **layer.onnx_weights(i))
+    return other
+
+
+def test_layers_equal_stepnet_nn_and_feed_nets(tmp_path):
+    model = sn.load_yaml(write(tmp_path, LAYERS), seed=4)
+    feeds = model.random_feeds(seed=1)
+    out = model(feeds, backend="interpreter")
+    gru = copy_of(model.layers["enc"], sn.nn.GRU, direction="bidirectional_concat",
+                  linear_before_reset=True)
+    Y, h_n = gru(feeds["x"], backend="interpreter")
+    assert_identical(out["y"], Y, "y")
+    assert_identical(out["h_n"], h_n, "h_n")
+    lstm = copy_of(model.layers["top"], sn.nn.LSTM, num_layers=2)
+    _, (_, c_n) = lstm(Y, backend="interpreter")
+    assert_identical(out["c_n"], c_n, "c_n")
+    head = sn.create_rnn_op(name="head")
+    with head.stepnet():
+        y = head.add_input(Y, name="y")
+        s = head.add_memory(shape=[3], name="s")
+        s.update(s.pre_state() + y @ model.parameters["V"])
+        head.add_outputs(s)
+    assert head.ir() == model.nets["head"].ir()
+    assert_identical(out["s"], head(output_all_steps=False, backend="interpreter"), "s")
+    assert "layer enc: GRU(5, 6" in model.ir()
+    # layer weights can be given by name, like parameters
+    name = model.layers["enc"].parameters()[0].name
+    value = np.full(model.layers["enc"].parameters()[0].shape, 0.5, np.float32)
+    again = sn.load_yaml(write(tmp_path, LAYERS), params={f"enc.{name}": value})
+    assert np.array_equal(again.layers["enc"].parameters()[0].value, value)
+
+
+@pytest.mark.parametrize("old, new, line, key, fragment", [
+    ("type: gru", "type: gruu", 7, "layers.enc.type", "did you mean 'gru'?"),
+    ("linear_before_reset: true", "peephole: true", 11, "layers.enc.peephole",
+     "a gru layer has no option 'peephole'"),
+    ("inputs: {y: enc.all}", "inputs: {y: enc.last}", 19, "nets.head.inputs.y",
+     "it can only be a network output"),
+    ("direction: bidirectional_concat", "direction: sideways", 10, "layers.enc.direction",
+     "direction 'sideways'"),
+    ("input: enc.all", "input: head.all", 14, "layers.top.input", "layers run before nets"),
+])
+def test_layer_errors(tmp_path, old, new, line, key, fragment):
+    assert old in LAYERS
+    path = write(tmp_path, LAYERS.replace(old, new, 1))
+    with pytest.raises(sn.YAMLError) as info:
+        sn.load_yaml(path)
+    assert str(info.value).startswith(f"{path}:{line}: {key}: "), str(info.value)
+    assert fragment in str(info.value)

@@ -37,7 +37,7 @@ from .expressions import (
 )
 from .initializers import InitError, generator, initialize
 
-TOP_KEYS = ("name", "description", "dtype", "inputs", "parameters", "nets", "layers", "outputs")
+TOP_KEYS = ("name", "description", "dtype", "inputs", "parameters", "layers", "nets", "outputs")
 INPUT_KEYS = ("shape", "dtype", "lod_level", "random", "description")
 PARAM_KEYS = ("shape", "dtype", "init", "from", "description", "mean", "std", "low", "high",
               "gain", "value")
@@ -46,6 +46,14 @@ NESTED_KEYS = ("net",) + NET_KEYS
 MEMORY_KEYS = ("shape", "init", "dtype", "description")
 RANDOM_KINDS = ("normal", "uniform", "onehot")
 DTYPES = ("float16", "float32", "float64")
+_COMMON_LAYER = ("type", "input", "description", "hidden_size", "num_layers", "direction",
+                 "combine", "activations", "activation_alpha", "activation_beta", "clip", "dtype")
+LAYER_TYPES = {
+    "rnn": _COMMON_LAYER + ("nonlinearity",),
+    "gru": _COMMON_LAYER + ("linear_before_reset",),
+    "lstm": _COMMON_LAYER + ("peephole", "proj_size", "input_forget"),
+}
+LAYER_KEYS = tuple(dict.fromkeys(k for keys in LAYER_TYPES.values() for k in keys))
 _REF = re.compile(r"^([A-Za-z_]\w*)(?:\.(all|last)(?:\.([A-Za-z_]\w*))?)?$")
 
 
@@ -96,6 +104,30 @@ class _TopNet:
         return [(True,) * len(self.output_names), (False,) * len(self.output_names)]
 
 
+class _LayerEntry:
+    """A built-in layer of ``stepnet.nn``: ``.all`` is its output Y, ``.last``
+    its final states (``h_n``, and ``c_n`` for an LSTM)."""
+
+    def __init__(self, name, layer, source, input_levels):
+        self.name = name
+        self.layer = layer
+        self.source = source
+        self.input_levels = input_levels
+        self.last_names = ["h_n", "c_n"] if type(layer).__name__ == "LSTM" else ["h_n"]
+
+    def outputs(self, mode):
+        return ["y"] if mode == "all" else self.last_names
+
+    def width(self):
+        layer = self.layer
+        return layer.output_size * (2 if layer.direction == "bidirectional_concat" else 1)
+
+    def run(self, X, backend):
+        Y, state = self.layer(X, backend=backend)
+        states = state if isinstance(state, tuple) else (state,)
+        return Y, states
+
+
 class Model:
     """A network loaded from YAML: ``model(feeds)`` -> dict of outputs.
 
@@ -116,7 +148,9 @@ class Model:
         self.inputs = {}
         self.parameters = {}
         self.nets = {}
+        self.layers = {}
         self.outputs = []
+        self._layers = []
         self._nets = []
         self._output_sources = {}
 
@@ -125,8 +159,9 @@ class Model:
                 f"nets {list(self.nets)}, outputs {self.outputs}>")
 
     def ir(self) -> str:
-        """The IR of every top-level net, in run order."""
-        return "\n".join(f"net {net.name}:\n{net.rnn.ir()}" for net in self._nets)
+        """The built-in layers, then the IR of every top-level net, in run order."""
+        layers = [f"layer {e.name}: {e.layer!r}" for e in self._layers]
+        return "\n".join(layers + [f"net {net.name}:\n{net.rnn.ir()}" for net in self._nets])
 
     def __call__(self, feeds=None, backend=None, progress=None):
         """Run the network; returns ``{output name: LoDTensor or ndarray}``.
@@ -135,6 +170,13 @@ class Model:
         """
         feeds = self._check_feeds(dict(feeds or {}))
         results = {}
+        for entry in self._layers:
+            if progress is not None:
+                progress(f"layer {entry.name}")
+            Y, states = entry.run(self._resolve(entry.source, feeds, results), backend)
+            results[(entry.name, "all", 0)] = Y
+            for index, value in enumerate(states):
+                results[(entry.name, "last", index)] = value
         for i, net in enumerate(self._nets):
             runs = net.runs()
             if not runs:
@@ -267,24 +309,21 @@ class _Builder:
 
     def build(self) -> Model:
         doc = self.doc
-        data = doc.mapping(doc.data, (), TOP_KEYS, required=("inputs", "nets", "outputs"))
+        data = doc.mapping(doc.data, (), TOP_KEYS, required=("inputs", "outputs"))
         name = data.get("name", doc.path.stem)
         if not isinstance(name, str):
             raise self.error(("name",), f"the model's name must be a string, got {name!r}")
         self.model = Model(doc.path, name, data.get("description", ""))
         if "dtype" in data:
             self.dtype = self._dtype(data["dtype"], ("dtype",))
-        if "layers" in data:
-            raise self.error(
-                ("layers",),
-                "built-in layers (gru, lstm, rnn) need stepnet.nn, which this version does not "
-                "have yet; write the cell as a net (see examples/char_gru.yaml)",
-            )
         self._inputs(data.get("inputs"))
         self._parameters(data.get("parameters"))
+        for layer_name, spec in doc.mapping(data.get("layers"), ("layers",)).items():
+            self._layer(layer_name, spec, ("layers", layer_name))
+        self._check_overrides_used()
         nets = doc.mapping(data.get("nets"), ("nets",))
-        if not nets:
-            raise self.error(("nets",), "a model needs at least one net")
+        if not nets and not self.model.layers:
+            raise self.error(("nets",), "a model needs at least one net or layer")
         for net_name, spec in nets.items():
             self._top_net(net_name, spec, ("nets", net_name))
         self._outputs(data.get("outputs"))
@@ -352,10 +391,16 @@ class _Builder:
                     key = exc.key or ("init" if "init" in spec else "shape")
                     raise self.error(path + (key,), str(exc)) from None
             self.model.parameters[name] = Parameter(value.astype(dtype, copy=False), name=name)
-        unused = sorted(set(overrides) - set(params))
+        self._overrides = overrides
+        self._used_overrides = set(overrides) & set(params)
+
+    def _check_overrides_used(self):
+        unused = sorted(set(self._overrides) - self._used_overrides)
         if unused:
+            known = sorted(self.model.parameters) + sorted(
+                f"{e.name}.{p.name}" for e in self.model._layers for p in e.layer.parameters())
             raise self.error(("parameters",), f"the given parameters have key(s) {unused} that are "
-                             f"not parameters of this model (it has {sorted(params)})")
+                             f"not parameters of this model (it has {', '.join(known)})")
 
     def _load_overrides(self):
         if self.overrides is None:
@@ -394,13 +439,59 @@ class _Builder:
             raise self.error(path, f"{where} holds dtype {value.dtype}, not numbers")
         return value
 
+    # -- built-in layers -------------------------------------------------------
+
+    def _layer(self, name, spec, path):
+        from .. import nn
+
+        doc = self.doc
+        doc.name(name, path)
+        if name in self.model.inputs or name in self.model.parameters or name in self.model.layers:
+            raise self.error(path, f"{name!r} is already an input, parameter or layer; names must be "
+                             "unique")
+        spec = doc.mapping(spec, path, LAYER_KEYS, required=("type", "input", "hidden_size"))
+        kind = spec["type"]
+        if kind not in LAYER_TYPES:
+            raise self.error(path + ("type",), f"unknown layer type {kind!r}; expected one of "
+                             f"{', '.join(LAYER_TYPES)}" + document.did_you_mean(kind, LAYER_TYPES))
+        options = {k: v for k, v in spec.items() if k not in ("type", "input", "description")}
+        for key in options:
+            if key not in LAYER_TYPES[kind]:
+                raise self.error(path + (key,), f"a {kind} layer has no option {key!r} (it takes "
+                                 f"{', '.join(LAYER_TYPES[kind])})"
+                                 + document.did_you_mean(key, LAYER_TYPES[kind]))
+        placeholder, source = self._top_source(spec["input"], path + ("input",), want="sequence")
+        if placeholder.data.ndim != 2:
+            raise self.error(path + ("input",), f"a layer reads rows of one dimension, "
+                             f"{spec['input']!r} has rows of {list(placeholder.shape[1:])}")
+        options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
+            else placeholder.dtype
+        seed = int(generator(self.seed, name).integers(2 ** 31))
+        cls = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[kind]
+        try:
+            layer = cls(placeholder.shape[1], seed=seed, **options)
+        except (Error, TypeError, ValueError) as exc:
+            key = next((k for k in options if k in str(exc)), None)
+            raise self.error(path + ((key,) if key else ()), f"{kind} layer: {exc}") from None
+        for p in layer.parameters():
+            key = f"{name}.{p.name}"
+            if key in self._overrides:
+                value = self._fit(np.asarray(self._overrides[key]), p.shape, ("parameters",),
+                                  f"the given parameter {key!r}")
+                p.value = value.astype(p.dtype)
+                self._used_overrides.add(key)
+        entry = _LayerEntry(name, layer, source, placeholder.num_levels)
+        self.model.layers[name] = layer
+        self.model._layers.append(entry)
+
     # -- nets ----------------------------------------------------------------
 
     def _top_net(self, name, spec, path):
         doc = self.doc
         doc.name(name, path)
-        if name in self.model.inputs or name in self.model.parameters:
-            raise self.error(path, f"{name!r} is already an input or parameter; names must be unique")
+        if name in self.model.inputs or name in self.model.parameters or name in self.model.layers:
+            raise self.error(path, f"{name!r} is already an input, parameter or layer; names must be "
+                             "unique")
         spec = doc.mapping(spec, path, NET_KEYS, required=("inputs", "step", "outputs"))
         outputs = self._output_names(spec, path)
         reverse = self._reverse(spec, path)
@@ -500,31 +591,44 @@ class _Builder:
             spec = self.model.inputs[head]
             source = _Source(input=head)
             dtype, features, levels = spec.dtype, spec.shape, spec.lod_level
-        elif head in self.model.nets:
-            net = next(n for n in self.model._nets if n.name == head)
+        elif head in self.model.nets or head in self.model.layers:
+            is_net = head in self.model.nets
+            kind = "net" if is_net else "layer"
+            producer = next(n for n in (self.model._nets if is_net else self.model._layers)
+                            if n.name == head)
             if mode is None:
-                raise self.error(path, f"{head!r} is a net: use {head}.all or {head}.last "
+                raise self.error(path, f"{head!r} is a {kind}: use {head}.all or {head}.last "
                                  "(with .output when it has several)")
+            names = producer.output_names if is_net else producer.outputs(mode)
             if output is None:
-                if len(net.output_names) != 1:
-                    raise self.error(path, f"net {head!r} has outputs {net.output_names}; pick one: "
-                                     f"{head}.{mode}.{net.output_names[0]}")
+                if len(names) != 1:
+                    raise self.error(path, f"{kind} {head!r} has outputs {names}; pick one: "
+                                     f"{head}.{mode}.{names[0]}")
                 index = 0
-            elif output in net.output_names:
-                index = net.output_names.index(output)
+            elif output in names:
+                index = names.index(output)
             else:
-                raise self.error(path, f"net {head!r} has no output {output!r} (its outputs: "
-                                 f"{', '.join(net.output_names)})"
-                                 + document.did_you_mean(output, net.output_names))
-            net.needed.setdefault(index, set()).add(mode)
-            var = net.rnn.program(mode == "all").eqn.outputs[index]
+                which = "" if is_net else f"{mode}-step "
+                raise self.error(path, f"{kind} {head!r} has no {which}output {output!r} (its "
+                                 f"outputs: {', '.join(names)})" + document.did_you_mean(output, names))
             source = _Source(net=head, mode=mode, index=index)
-            dtype, features, levels = var.dtype, var.shape[1:], var.lod_depth
+            if is_net:
+                producer.needed.setdefault(index, set()).add(mode)
+                var = producer.rnn.program(mode == "all").eqn.outputs[index]
+                dtype, features, levels = var.dtype, var.shape[1:], var.lod_depth
+            elif mode == "all":
+                dtype, features = producer.layer.dtype, (producer.width(),)
+                levels = producer.input_levels
+            elif want != "output":
+                raise self.error(path, f"{ref!r} is [num_layers * num_directions, batch, hidden] "
+                                 "(PyTorch's h_n); it can only be a network output")
+            else:
+                dtype, features, levels = producer.layer.dtype, (), 0
         else:
-            choices = list(self.model.inputs) + list(self.model.nets)
+            choices = list(self.model.inputs) + list(self.model.nets) + list(self.model.layers)
             raise self.error(path, f"unknown input or net {head!r}" + document.did_you_mean(head, choices)
-                             + (" (nets can read only nets defined above them)" if head in
-                                (self.doc.data.get("nets") or {}) else ""))
+                             + (" (nets and layers read only those defined above them; layers run "
+                                "before nets)" if head in (self.doc.data.get("nets") or {}) else ""))
         if want == "sequence" and levels < 1:
             raise self.error(path, f"{ref!r} has one row per sequence (lod_level 0); a step input "
                              "needs a LoD to step over (use it as a static input or an init)")
