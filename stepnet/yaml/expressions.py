@@ -153,8 +153,8 @@ class Evaluator:
 
     def fail(self, node, message):
         col = getattr(node, "col_offset", None)
-        where = f" (column {col + 1})" if col is not None else ""
-        raise ExpressionError(f"{message} in {self.source!r}{where}")
+        where = f", column {col + 1}" if col is not None else ""
+        raise ExpressionError(f"{self.source!r}{where}: {message}")
 
     def eval(self, node):
         method = getattr(self, f"_{type(node).__name__}", None)
@@ -275,6 +275,8 @@ class Evaluator:
             return -value
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool)):
             return node.value
+        if isinstance(node, ast.Name) and node.id in ("true", "false", "True", "False"):
+            return node.id in ("true", "True")  # YAML's spelling or Python's
         self.fail(node, f"expected a number here, got {ast.unparse(node)!r}")
 
     def _Call(self, node):

@@ -439,16 +439,20 @@ class _Builder:
             raise self.error(path, f"{where} holds dtype {value.dtype}, not numbers")
         return value
 
+    def _top_name(self, name, path):
+        self.doc.name(name, path)
+        model = self.model
+        if name in model.inputs or name in model.parameters or name in model.layers or name in model.nets:
+            raise self.error(path, f"{name!r} is already an input, parameter, layer or net; names "
+                             "must be unique")
+
     # -- built-in layers -------------------------------------------------------
 
     def _layer(self, name, spec, path):
         from .. import nn
 
         doc = self.doc
-        doc.name(name, path)
-        if name in self.model.inputs or name in self.model.parameters or name in self.model.layers:
-            raise self.error(path, f"{name!r} is already an input, parameter or layer; names must be "
-                             "unique")
+        self._top_name(name, path)
         spec = doc.mapping(spec, path, LAYER_KEYS, required=("type", "input", "hidden_size"))
         kind = spec["type"]
         if kind not in LAYER_TYPES:
@@ -465,7 +469,7 @@ class _Builder:
             raise self.error(path + ("input",), f"a layer reads rows of one dimension, "
                              f"{spec['input']!r} has rows of {list(placeholder.shape[1:])}")
         options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
-            else placeholder.dtype
+            else np.promote_types(placeholder.dtype, np.float32)  # float16 data runs in float32
         seed = int(generator(self.seed, name).integers(2 ** 31))
         cls = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[kind]
         try:
@@ -488,10 +492,7 @@ class _Builder:
 
     def _top_net(self, name, spec, path):
         doc = self.doc
-        doc.name(name, path)
-        if name in self.model.inputs or name in self.model.parameters or name in self.model.layers:
-            raise self.error(path, f"{name!r} is already an input, parameter or layer; names must be "
-                             "unique")
+        self._top_name(name, path)
         spec = doc.mapping(spec, path, NET_KEYS, required=("inputs", "step", "outputs"))
         outputs = self._output_names(spec, path)
         reverse = self._reverse(spec, path)
