@@ -126,7 +126,8 @@ def test_errors_exit_1_with_file_line_and_key(tmp_path):
     proc = stepnet("check", tmp_path / "bad.yaml")
     line = next(i for i, s in enumerate(bad.splitlines(), 1) if "U_zz" in s)
     assert proc.returncode == 1 and proc.stdout == ""
-    assert f"bad.yaml:{line}: nets.gru.step[1]: unknown name 'U_zz'" in proc.stderr
+    assert f"bad.yaml:{line}: nets.gru.step[1]: " in proc.stderr
+    assert "unknown name 'U_zz'; did you mean 'U_z'?" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = stepnet("run", EXAMPLES / "char_gru.yaml", "--backend", "cuda9")
     assert proc.returncode == 1 and "unknown backend 'cuda9'" in proc.stderr
