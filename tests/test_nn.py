@@ -30,29 +30,6 @@ ORACLE_TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
 
 LENGTHS = [5, 1, 7, 3, 2]
 
-# Disagreements with stepnet.nn found by these tests; each mark is strict, so a
-# fix shows up as an XPASS failure and the mark comes off.
-REVERSE_BUG = ("stepnet.nn: direction='reverse' computes the forward direction (Y and h_n equal "
-               "a forward run): the single direction's step-net is built with "
-               "create_rnn_op(reverse=(d == 1)) and d is 0 (stepnet/nn/layers.py, _net)")
-AUGRU_BUG = ("stepnet.nn: every AUGRU call raises a plain ValueError ('truth value of an array "
-             "... is ambiguous'): AUGRU.__call__ compares the attention's and X's offset arrays "
-             "with != (stepnet/nn/layers.py)")
-
-LSTM_STATE_BUG = ("stepnet.nn: an LSTM given a bare h0 array instead of the pair (h0, c0) raises "
-                  "a plain ValueError ('not enough values to unpack'), not a stepnet error")
-
-
-def known_bugs(kind, direction):
-    """xfail marks for the stepnet.nn bugs that a case runs into."""
-    reasons = []
-    if direction == "reverse":
-        reasons.append(REVERSE_BUG)
-    if kind.lower() == "augru":
-        reasons.append(AUGRU_BUG)
-    return [pytest.mark.xfail(strict=True, reason="; ".join(reasons))] if reasons else []
-
-
 def nn():
     return pytest.importorskip("stepnet.nn")
 
@@ -444,9 +421,7 @@ def test_to_torch_refuses_what_torch_cannot_express():
 ONNX_CLASSES = {"rnn": "RNN", "gru": "GRU", "lstm": "LSTM"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=known_bugs(kind, options.get("direction", "forward")))
-    for name, (kind, _, options) in sorted(ONNX_CASES.items())])
+@pytest.mark.parametrize("name", sorted(ONNX_CASES))
 def test_matches_onnxruntime(rng, name):
     pytest.importorskip("onnxruntime")
     kind, arrays, attrs = onnx_case(rng, name)
@@ -612,22 +587,18 @@ def run_reference_case(rng, layer_kind, kwargs, num_layers, dtype, lengths, inpu
     return check_layer(layer, X, expected, state=state, attention=attention, dtype=dtype)
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(name, marks=known_bugs(kind, kwargs.get("direction", "forward")))
-    for name, (kind, kwargs, _, _) in sorted(REFERENCE_CASES.items())])
+@pytest.mark.parametrize("case", sorted(REFERENCE_CASES))
 def test_matches_the_numpy_reference(rng, case):
     layer_kind, kwargs, num_layers, dtype = REFERENCE_CASES[case]
     run_reference_case(rng, layer_kind, kwargs, num_layers, dtype, [5, 0, 7, 3, 1])
 
 
-@pytest.mark.xfail(strict=True, reason=AUGRU_BUG)
 def test_augru_output_width_and_dtype(rng):
     Y, h_n, _ = run_reference_case(rng, "AUGRU", {}, 1, np.float32, [2, 3], with_state=False)
     assert Y.data.shape == (5, 6) and Y.data.dtype == np.float32
     assert h_n.shape == (1, 2, 6)
 
 
-@pytest.mark.xfail(strict=True, reason=AUGRU_BUG)
 def test_augru_with_zero_attention_is_the_gru(rng):
     # The same weights in a GRU and an AUGRU (through ONNX layout).
     augru = nn().AUGRU(4, 6, seed=5)
@@ -700,7 +671,6 @@ def test_wrong_initial_state_shape_is_a_shape_error(rng, backend):
         lstm(X, (good_h, np.zeros((1, 2, 3), np.float32)), backend=backend)
 
 
-@pytest.mark.xfail(strict=True, reason=LSTM_STATE_BUG)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lstm_state_must_be_a_pair(rng, backend):
     layer = nn().LSTM(4, 6, seed=0)
@@ -710,7 +680,6 @@ def test_lstm_state_must_be_a_pair(rng, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.xfail(strict=True, reason=AUGRU_BUG)
 def test_attention_with_another_lod_is_refused(rng, backend):
     layer = nn().AUGRU(4, 6, seed=0)
     X = make_lod(rng, [2, 3], 4, np.float32)
@@ -762,9 +731,37 @@ SLOW_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=known_bugs(c[0], c[1]["direction"]), id="-".join(
+    pytest.param(c, id="-".join(
         [c[0]] + [f"{k}={v}" for k, v in c[1].items()] + [f"L{c[2]}", np.dtype(c[3]).name]))
     for c in SLOW_CASES])
 def test_cross_product_matches_the_numpy_reference(rng, case):
     layer_kind, kwargs, num_layers, dtype = case
     run_reference_case(rng, layer_kind, kwargs, num_layers, dtype, [4, 0, 6, 2, 1])
+
+
+def test_float16_input_is_computed_in_float32_and_given_back_as_float16(rng):
+    sn_nn = nn()
+    gru = sn_nn.GRU(3, 4, seed=1)
+    data = rng.standard_normal((6, 3)).astype(np.float16)
+    X16 = sn.LoDTensor.from_lengths(data, [[4, 2]])
+    X32 = sn.LoDTensor.from_lengths(data.astype(np.float32), [[4, 2]])
+    Y16, h16 = gru(X16, backend="interpreter")
+    Y32, h32 = gru(X32, backend="interpreter")
+    assert Y16.data.dtype == np.float16 and h16.dtype == np.float16
+    np.testing.assert_array_equal(Y16.data, Y32.data.astype(np.float16))
+    np.testing.assert_array_equal(h16, h32.astype(np.float16))
+
+
+def test_a_nested_lod_input_runs_over_its_finest_sequences(rng):
+    sn_nn = nn()
+    lstm = sn_nn.LSTM(3, 4, seed=2)
+    data = rng.standard_normal((9, 3)).astype(np.float32)
+    nested = sn.LoDTensor.from_lengths(data, [[2, 1], [4, 0, 5]])  # 2 chapters, 3 paragraphs
+    flat = sn.LoDTensor.from_lengths(data, [[4, 0, 5]])
+    for backend in ("interpreter", "numba"):
+        Y, (h_n, c_n) = lstm(nested, backend=backend)
+        Yf, (hf, cf) = lstm(flat, backend=backend)
+        assert Y.lod == nested.lod
+        np.testing.assert_array_equal(Y.data, Yf.data)
+        np.testing.assert_array_equal(h_n, hf)
+        assert h_n.shape == (1, 3, 4)

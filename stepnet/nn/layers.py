@@ -25,7 +25,6 @@ from ..tracing import Parameter, compute_dtype
 from . import cells
 
 DIRECTIONS = ("forward", "reverse", "bidirectional_concat", "bidirectional_sum")
-_DIRECTION_NAMES = {0: "fwd", 1: "rev"}
 _ONNX_DIRECTION = {"forward": "forward", "reverse": "reverse",
                    "bidirectional_concat": "bidirectional"}
 _FROM_ONNX_DIRECTION = {"forward": "forward", "reverse": "reverse",
@@ -140,7 +139,7 @@ class _RecurrentLayer:
                 self._set_layer(layer, d, arrays)
 
     def _set_layer(self, layer, d, arrays):
-        prefix = f"l{layer}_{_DIRECTION_NAMES[d]}"
+        prefix = f"l{layer}_{self._direction_name(d)}"
         params = {}
         for kind, value in arrays.items():
             if isinstance(value, dict):
@@ -394,12 +393,20 @@ class _RecurrentLayer:
 
     # -- the step-nets ------------------------------------------------------------
 
+    def _is_reverse(self, d):
+        """Direction ``d`` (0 or 1) runs from each sequence's end to its start."""
+        return d == 1 or self.direction == "reverse"
+
+    def _direction_name(self, d):
+        return "rev" if self._is_reverse(d) else "fwd"
+
     def _net(self, layer, d):
         key = (layer, d)
         if key not in self._nets:
             I = self.layer_input_size(layer)
             X = LoDTensor.from_lengths(np.zeros((1, I), self.dtype), [[1]])
-            rnn = dsl.create_rnn_op(reverse=(d == 1), name=f"{self.cell}_l{layer}_{_DIRECTION_NAMES[d]}")
+            rnn = dsl.create_rnn_op(reverse=self._is_reverse(d),
+                                    name=f"{self.cell}_l{layer}_{self._direction_name(d)}")
             with rnn.stepnet():
                 x = rnn.add_input(X, name="x")
                 attention = None
@@ -421,7 +428,7 @@ class _RecurrentLayer:
         lines = [repr(self)]
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
-                lines.append(f"-- layer {layer}, {('forward', 'reverse')[d]} --")
+                lines.append(f"-- layer {layer}, {('forward', 'reverse')[self._is_reverse(d)]} --")
                 lines.append(self._net(layer, d).ir())
         return "\n".join(lines)
 
@@ -493,7 +500,8 @@ class _RecurrentLayer:
 
     def _check_input(self, X):
         """``X`` as (one-level LoDTensor over the finest sequences, how to give
-        Y back)."""
+        Y back: its layout and dtype). float16 input is computed in the
+        layer's dtype and given back as float16 (DESIGN.md §4)."""
         name = type(self).__name__
         if isinstance(X, tuple) and len(X) == 2:
             padded, lengths = X
@@ -514,9 +522,10 @@ class _RecurrentLayer:
         if flat.data.ndim != 2 or flat.data.shape[1] != self.input_size:
             raise ShapeError(f"{name}: input has feature shape {list(flat.data.shape[1:])}, the "
                              f"layer expects [{self.input_size}] (input_size)")
+        if flat.dtype.kind != "f":
+            raise ShapeError(f"{name}: input dtype {flat.dtype} is not floating point")
+        back = back + (np.float16 if flat.dtype == np.float16 else self.dtype,)
         if flat.dtype != self.dtype:
-            if flat.dtype.kind != "f":
-                raise ShapeError(f"{name}: input dtype {flat.dtype} is not floating point")
             flat = flat.astype(self.dtype)
         return flat, back
 
@@ -531,6 +540,7 @@ class _RecurrentLayer:
         return np.ascontiguousarray(value, self.dtype)
 
     def _give_back(self, data, back, flat):
+        data = data.astype(back[2], copy=False)
         if back[0] == "lod":
             return LoDTensor(data, back[1])
         T = back[1]
@@ -548,7 +558,7 @@ class _RecurrentLayer:
         initial = [self._check_state(v, w, names[i], B)
                    for i, (v, w) in enumerate(zip(initial, self._state_widths()))]
         data, states = self._run(flat, attention, initial, backend)
-        return self._give_back(data, back, flat), states
+        return self._give_back(data, back, flat), [h.astype(back[2], copy=False) for h in states]
 
 
 def _positive(value, what):
@@ -664,7 +674,7 @@ class AUGRU(GRU):
             raise ShapeError(f"AUGRU: attention must be a LoDTensor, got {type(attention).__name__}")
         A = attention if attention.num_levels == 1 else LoDTensor(attention.data,
                                                                   [attention.levels[-1]])
-        if A.num_levels != 1 or A.levels[0] != flat.levels[0]:
+        if A.num_levels != 1 or not np.array_equal(A.levels[0], flat.levels[0]):
             raise ShapeError(f"AUGRU: attention has LoD {attention.lod}, the input has "
                              f"{X.lod if isinstance(X, LoDTensor) else flat.lod}; they must match")
         data = A.data.reshape(len(A.data), -1)
@@ -675,7 +685,7 @@ class AUGRU(GRU):
         B = flat.num_sequences
         h0 = self._check_state(h0, self.output_size, "h0", B)
         out, (h_n,) = self._run(flat, A, [h0], backend)
-        return self._give_back(out, back, flat), h_n
+        return self._give_back(out, back, flat), h_n.astype(back[2], copy=False)
 
 
 class LSTM(_RecurrentLayer):
@@ -732,6 +742,12 @@ class LSTM(_RecurrentLayer):
 
     def __call__(self, X, initial=None, backend=None):
         """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see DESIGN.md §5."""
-        h0, c0 = (None, None) if initial is None else initial
+        if initial is None:
+            h0 = c0 = None
+        elif isinstance(initial, (tuple, list)) and len(initial) == 2:
+            h0, c0 = initial
+        else:
+            raise ShapeError("LSTM: the initial state must be a pair (h0, c0) (either may be "
+                             f"None), got {type(initial).__name__}")
         Y, (h_n, c_n) = self._forward(X, None, [h0, c0], backend)
         return Y, (h_n, c_n)
