@@ -28,6 +28,7 @@ import torch before anything that starts a thread pool.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -107,8 +108,14 @@ def _family_notes(family, threads):
             import numba
 
             import stepnet
+            from stepnet.jit import blas
 
-            notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}"
+            blas_note = blas.BLAS_NAME
+            if blas.BLAS_NAME == "openblas":
+                blas._openblas.scipy_openblas_get_corename.restype = ctypes.c_char_p
+                core = blas._openblas.scipy_openblas_get_corename().decode()
+                blas_note += f" ({core} kernels)"
+            notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}, BLAS {blas_note}"
         elif family == "numpy":
             import numpy
 
@@ -123,7 +130,8 @@ def worker_main(args):
     family = args.worker
     out_dir = Path(args.outdir)
     result = {"family": family, "items": [], "notes": {}, "error": None}
-    out_file = out_dir / f"{family}.json"
+    tag = args.tag or ""
+    out_file = out_dir / f"{family}{tag}.json"
     if family == "torch":
         try:  # before numpy or anything else that may start a thread pool
             import torch
@@ -153,6 +161,7 @@ def worker_main(args):
                                     "status": "failed", "reason": f"workload: {_reason(exc)}"})
             continue
         for i, (label, builder) in enumerate(entry):
+            label += args.label_suffix or ""
             rec = {"workload": key, "family": family, "label": label, "status": "failed"}
             result["items"].append(rec)
             _write_json(out_file, result)  # a crash below still leaves a trace
@@ -165,7 +174,7 @@ def worker_main(args):
                 out = fn()
                 rec["setup_s"] = time.perf_counter() - t0
                 h = peers.final_state_numpy(out[1])
-                h_file = out_dir / f"{family}_{key}_{i}.npy"
+                h_file = out_dir / f"{family}{tag}_{key}_{i}.npy"
                 np.save(h_file, h)
                 rec["h_file"] = str(h_file)
                 t_end = time.perf_counter() + tp["warmup_s"]
@@ -178,7 +187,7 @@ def worker_main(args):
                 items.append((rec, fn))
             except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
                 rec["reason"] = _reason(exc)
-    result["notes"] = _family_notes(family, args.threads)
+    result["notes"] = {k + tag: v for k, v in _family_notes(family, args.threads).items()}
     _write_json(out_file, result)
 
     for r in range(tp["rounds"]):
@@ -229,6 +238,7 @@ def sgemm_main(args):
     med = float(np.median(times))
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
+        blas += ", OPENBLAS_CORETYPE unset"
     except (TypeError, KeyError, AttributeError):  # older numpy: no mode="dicts"
         blas = "unknown BLAS"
     _write_json(Path(args.outdir) / "sgemm.json",
@@ -378,8 +388,13 @@ def _run_all(args, keys, fams, tmp, log):
     """Run the workers, the sgemm probe and the compile probes; returns the report."""
     t_run = time.perf_counter()
     failures, results, worker_secs = [], [], {}
-    for fam in fams:
-        extra = {}
+    runs = [(fam, None) for fam in fams]
+    if "stepnet" in fams and os.environ.get("OPENBLAS_CORETYPE") and not args.no_openblas_auto:
+        # stepnet's GEMMs are OpenBLAS's: run it again with OpenBLAS choosing
+        # its kernels for this CPU (the other peers do not use OpenBLAS)
+        runs.insert(fams.index("stepnet") + 1, ("stepnet", "auto"))
+    for fam, variant in runs:
+        extra, remove = {}, []
         if fam == "stepnet":
             cache = args.stepnet_cache
             if cache == "fresh":
@@ -388,16 +403,24 @@ def _run_all(args, keys, fams, tmp, log):
                 extra["STEPNET_CACHE_DIR"] = str(cache)
         argv = ["--worker", fam, "--workloads", ",".join(keys), "--outdir", str(tmp),
                 "--threads", str(args.threads)]
+        if variant == "auto":
+            remove.append("OPENBLAS_CORETYPE")
+            argv += ["--tag", "_auto", "--label-suffix",
+                     " [OPENBLAS_CORETYPE unset: OpenBLAS picks its kernels]"]
         if args.quick:
             argv.append("--quick")
         if args.rounds:
             argv += ["--rounds", str(args.rounds)]
         if args.check:
             argv.append("--check")
-        print(f"[bench] worker {fam} ...", file=sys.stderr, flush=True)
-        ok, secs, msg = run_child(argv, child_env(args.threads, extra), args.timeout, log)
-        worker_secs[fam] = secs
-        f = tmp / f"{fam}.json"
+        name = fam + (f" ({variant})" if variant else "")
+        print(f"[bench] worker {name} ...", file=sys.stderr, flush=True)
+        env = child_env(args.threads, extra)
+        for var in remove:
+            env.pop(var, None)
+        ok, secs, msg = run_child(argv, env, args.timeout, log)
+        worker_secs[name] = secs
+        f = tmp / f"{fam}{'_' + variant if variant else ''}.json"
         data = json.loads(f.read_text()) if f.exists() else {"items": [], "notes": {}}
         for rec in data["items"]:
             if not ok and rec["status"] == "ok" and "median_s" not in rec:
@@ -410,8 +433,9 @@ def _run_all(args, keys, fams, tmp, log):
 
     print("[bench] sgemm ceiling ...", file=sys.stderr, flush=True)
     sgemm = None
-    ok, _, msg = run_child(["--worker", "sgemm", "--outdir", str(tmp)],
-                           child_env(args.threads), args.timeout, log)
+    env = child_env(args.threads)
+    env.pop("OPENBLAS_CORETYPE", None)  # the machine's ceiling: OpenBLAS's own kernels
+    ok, _, msg = run_child(["--worker", "sgemm", "--outdir", str(tmp)], env, args.timeout, log)
     if ok and (tmp / "sgemm.json").exists():
         sgemm = json.loads((tmp / "sgemm.json").read_text())
     else:
@@ -571,7 +595,12 @@ def main(argv=None):
                     help="skip the stepnet compile-time section")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per child process")
     ap.add_argument("--keep", action="store_true", help="keep the workers' files and log")
+    ap.add_argument("--no-openblas-auto", action="store_true",
+                    help="skip the second stepnet run with OPENBLAS_CORETYPE unset (made when "
+                         "the environment sets it)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", help=argparse.SUPPRESS)
+    ap.add_argument("--label-suffix", help=argparse.SUPPRESS)
     ap.add_argument("--outdir", help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -273,3 +273,35 @@ def test_output_all_steps_per_output(rng):
     np.testing.assert_allclose(c_last[2], X.data[2:].sum(0), rtol=1e-6)
     with pytest.raises(sn.StepNetError, match="2 flags for 3 outputs"):
         rnn(output_all_steps=(True, False))
+
+
+@pytest.mark.parametrize("choice", ["openblas", "mkl", "numpy"])
+def test_each_blas_choice_gives_the_interpreters_results(tmp_path, choice):
+    # STEPNET_BLAS picks the GEMMs (blas.py); "mkl" falls back to "numpy"
+    # where the mkl wheel is missing. The product crosses SMALL_GEMM_WORK.
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np, stepnet as sn
+        from stepnet.jit import blas
+        rng = np.random.default_rng(0)
+        X = sn.LoDTensor.from_lengths(rng.standard_normal((200, 32)), [[20] * 8 + [5] * 8])
+        gru = sn.nn.GRU(32, 96, linear_before_reset=True, dtype=np.float64, seed=0)
+        Y, h = gru(X, backend="numba")
+        Yi, hi = gru(X, backend="interpreter")
+        print(blas.BLAS_NAME, np.abs(Y.data - Yi.data).max(), np.abs(h - hi).max())
+        """
+    )
+    env = dict(os.environ, STEPNET_BLAS=choice, STEPNET_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[0] in ({choice} if choice != "mkl" else {"mkl", "numpy"})
+    assert float(out[1]) < 1e-12 and float(out[2]) < 1e-12
+
+
+def test_an_unknown_blas_choice_is_refused():
+    env = dict(os.environ, STEPNET_BLAS="atlas")
+    proc = subprocess.run([sys.executable, "-c", "import stepnet.jit.numba_cpu"], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "STEPNET_BLAS='atlas': expected one of openblas, mkl, numpy" in proc.stderr

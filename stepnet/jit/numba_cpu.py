@@ -949,33 +949,16 @@ def _nest(head, body):
 
 
 # Fused per-step loops run their rows in parallel (``prange``) when a step has
-# at least this many element-ops. Only with MKL: it runs on the GNU OpenMP
-# runtime that Numba's ``prange`` then uses too (see _use_openmp), while
-# OpenBLAS's own thread pool spinning next to OpenMP's costs 10x or more on a
-# small machine.
-_PARALLEL = blas.BLAS_NAME == "mkl"
+# at least this many element-ops. Not with ``STEPNET_BLAS=numpy``: OpenBLAS's
+# own thread pool spinning next to Numba's costs 10x or more on a small
+# machine; the other two run their GEMMs on Numba's OpenMP pool (blas.py).
+_PARALLEL = blas.BLAS_NAME in ("openblas", "mkl")
 _PARALLEL_MIN_WORK = 32768
 
 
 def _decorator(parallel):
     flags = "cache=True, error_model='numpy', nogil=True"
     return f"@njit({flags}, parallel=True)" if parallel else f"@njit({flags})"
-
-
-def _use_openmp():
-    """Numba's ``prange`` on the OpenMP runtime MKL's threads run on, unless
-    the user chose a threading layer (Numba would take TBB first when the
-    ``tbb`` wheel, which ``mkl`` depends on, is installed: two thread pools
-    then spin against each other on every time step)."""
-    import numba
-
-    if not (os.environ.get("NUMBA_THREADING_LAYER")
-            or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY")):
-        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
-
-
-if _PARALLEL:
-    _use_openmp()
 
 
 # ----------------------------------------------------------------------------
