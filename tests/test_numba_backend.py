@@ -305,3 +305,21 @@ def test_an_unknown_blas_choice_is_refused():
                           capture_output=True, text=True)
     assert proc.returncode != 0
     assert "STEPNET_BLAS='atlas': expected one of openblas, mkl, numpy" in proc.stderr
+
+
+def test_bounds_checked_code_is_never_cached_with_the_fast_code():
+    # Numba's disk cache ignores NUMBA_BOUNDSCHECK: a bounds-checked run must
+    # neither write stepnet's helpers to the package cache nor share kernels.
+    script = textwrap.dedent(
+        """
+        from stepnet.jit import blas, numba_runtime
+        print(blas.CACHE, numba_runtime.CACHE)
+        """
+    )
+    checked = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             env=dict(os.environ, NUMBA_BOUNDSCHECK="1"), check=True)
+    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "NUMBA_BOUNDSCHECK"},
+                           check=True)
+    assert checked.stdout.split() == ["False", "False"]
+    assert plain.stdout.split() == ["True", "True"]

@@ -46,6 +46,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 _ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
+CACHE = not numba_config.BOUNDSCHECK  # see numba_runtime.CACHE
 
 
 def _use_openmp():
@@ -142,7 +143,7 @@ def _extern(symbol, argspec, returns_size=False, returns_int=False):
 SMALL_GEMM_WORK = 2_000_000  # m * k * n at or below which small_gemm runs
 
 
-@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
+@njit(cache=CACHE, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
 def small_gemm(a, bt, out):
     """out[:m] = a[:m] @ bt.T, ``bt`` the C-contiguous transposed weights."""
     m = a.shape[0]
@@ -194,7 +195,7 @@ if _openblas is not None:
     # cacheable on disk; NUMBA_NUM_THREADS changes it)
     _THREADS = max(1, int(numba_config.NUMBA_NUM_THREADS))
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _block(a, b, out, i0, i1, j0, j1):
         """out[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1] on the calling thread."""
         k, n = b.shape
@@ -209,7 +210,7 @@ if _openblas is not None:
             _dgemm(args)
         _set_threads_local((previous,))
 
-    @njit(cache=True, parallel=True)
+    @njit(cache=CACHE, parallel=True)
     def _split(a, b, out):
         """out[:m] = a[:m] @ b, one block per Numba thread: column blocks (16
         wide, a cache line of float32) or, for a tall product, row blocks."""
@@ -230,12 +231,12 @@ if _openblas is not None:
             for t in prange(threads):
                 _block(a, b, out, m * t // threads, m * (t + 1) // threads, 0, n)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _gemm_split(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
         _split(a, b, out)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _gemm_packed_split(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)`` (or pack64)."""
         if a.shape[0] * k * n <= SMALL_GEMM_WORK:
@@ -243,7 +244,7 @@ if _openblas is not None:
         else:
             _split(a, prepared[0], out)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _pack(b, max_rows):
         """The weights themselves (OpenBLAS packs per call) and their
         transposed copy for ``small_gemm``."""
@@ -265,7 +266,7 @@ elif _mkl is not None:
     _s_compute = _extern("cblas_sgemm_compute", "iiiiiipipifpi")
     _d_compute = _extern("cblas_dgemm_compute", "iiiiiipipidpi")
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def gemm32(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D float32 arrays."""
         m, k = a.shape
@@ -274,7 +275,7 @@ elif _mkl is not None:
             _sgemm((_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
                     b.ctypes.data, n, 0.0, out.ctypes.data, n))
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def gemm64(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D float64 arrays."""
         m, k = a.shape
@@ -283,7 +284,7 @@ elif _mkl is not None:
             _dgemm((_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
                     b.ctypes.data, n, 0.0, out.ctypes.data, n))
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def pack32(b, max_rows):
         """Float32 weights ``b`` [k, n] prepared for ``gemm_packed32``: MKL's
         packed form and the transposed copy ``small_gemm`` reads."""
@@ -294,7 +295,7 @@ elif _mkl is not None:
                  b.ctypes.data, n, packed.ctypes.data))
         return packed, np.ascontiguousarray(b.T)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def pack64(b, max_rows):
         """Float64 weights ``b`` [k, n] prepared for ``gemm_packed64``."""
         k, n = b.shape
@@ -304,7 +305,7 @@ elif _mkl is not None:
                  b.ctypes.data, n, packed.ctypes.data))
         return packed, np.ascontiguousarray(b.T)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def gemm_packed32(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)``."""
         m = a.shape[0]
@@ -314,7 +315,7 @@ elif _mkl is not None:
             _s_compute((_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
                         prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n))
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def gemm_packed64(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack64(b, ...)``."""
         m = a.shape[0]
@@ -326,18 +327,18 @@ elif _mkl is not None:
 
 else:
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _gemm(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
         if a.shape[0] > 0:
             np.dot(a, b, out)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _pack(b, max_rows):
         """The weights themselves and their transposed copy for ``small_gemm``."""
         return b, np.ascontiguousarray(b.T)
 
-    @njit(cache=True)
+    @njit(cache=CACHE)
     def _gemm_packed(a, prepared, k, n, out):
         if a.shape[0] * k * n <= SMALL_GEMM_WORK:
             small_gemm(a, prepared[1], out)

@@ -983,7 +983,10 @@ def generate_source(program: ir.Program) -> str:
 
 
 def _load(source: str):
-    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    # bounds-checked kernels (NUMBA_BOUNDSCHECK=1) are cached apart: Numba's
+    # own cache does not tell them from the fast ones
+    flags = f"boundscheck={not blas.CACHE}"
+    key = hashlib.sha256((source + flags).encode()).hexdigest()[:24]
     if key in _MODULES:
         return _MODULES[key]
     directory = cache_dir()

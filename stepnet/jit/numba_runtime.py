@@ -9,7 +9,13 @@ float64 uses libm (exact).
 """
 
 import numpy as np
+from numba import config as numba_config
 from numba import njit
+
+# Numba's on-disk cache does not tell code compiled with NUMBA_BOUNDSCHECK=1
+# from code compiled without: a bounds-checked run must not leave its slower
+# helpers in the package's cache for every later run.
+CACHE = not numba_config.BOUNDSCHECK
 
 _F = np.float32
 _CLAMP = _F(7.90531110763549805)
@@ -30,7 +36,7 @@ _ZERO32 = _F(0.0)
 _ONE32 = _F(1.0)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def tanh32(x):
     c = min(_CLAMP, x)
     c = max(-_CLAMP, c)
@@ -49,37 +55,37 @@ def tanh32(x):
     return x if (x < _TINY and x > -_TINY) else r
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def sigmoid32(x):
     return _HALF32 + _HALF32 * tanh32(_HALF32 * x)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def tanh64(x):
     return np.tanh(x)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def sigmoid64(x):
     return 0.5 + 0.5 * np.tanh(0.5 * x)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def softplus64(x):
     return np.log1p(np.exp(-abs(x))) + max(x, 0.0)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def softplus32(x):
     return np.log1p(np.exp(-abs(x))) + (max(_ZERO32, x))
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def relu(x):
     return x if x > 0 else x - x
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def sort_by_length(seq_start, seq_len):
     """(order, sorted lengths, sorted starts): sequences longest first, ties in
     the caller's order (a stable counting sort; O(n + longest))."""
@@ -109,7 +115,7 @@ def sort_by_length(seq_start, seq_len):
     return order, slen, sstart
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def starts_and_lengths(offsets):
     """Each sequence's first entry and length, from one LoD level's offsets."""
     n = offsets.shape[0] - 1
