@@ -397,6 +397,7 @@ def test_from_torch_reads_every_gate_and_to_torch_gives_it_back(name, dtype):
 
 
 def test_to_torch_of_a_constructed_layer_runs_like_stepnet(rng):
+    pytest.importorskip("torch")
     layer = nn().GRU(4, 6, num_layers=3, direction="bidirectional_concat",
                      linear_before_reset=True, seed=3)
     module = layer.to_torch()
@@ -765,3 +766,21 @@ def test_a_nested_lod_input_runs_over_its_finest_sequences(rng):
         np.testing.assert_array_equal(Y.data, Yf.data)
         np.testing.assert_array_equal(h_n, hf)
         assert h_n.shape == (1, 3, 4)
+
+
+def test_torch_converters_without_torch_say_what_is_missing(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("no torch here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    layer = nn().GRU(2, 3, linear_before_reset=True)
+    with pytest.raises(sn.UnsupportedError, match=r"GRU.to_torch needs PyTorch"):
+        layer.to_torch()
+    with pytest.raises(sn.UnsupportedError, match=r"LSTM.from_torch needs PyTorch"):
+        nn().LSTM.from_torch(object())

@@ -294,7 +294,7 @@ class _RecurrentLayer:
     def from_torch(cls, module):
         """A layer with the weights (and dtype) of a ``torch.nn.RNN``, ``LSTM``
         or ``GRU``."""
-        import torch
+        torch = _torch(f"{cls.__name__}.from_torch")
 
         expected = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
         if type(module) is not expected:
@@ -349,7 +349,7 @@ class _RecurrentLayer:
     def to_torch(self):
         """The same weights in a ``torch.nn.RNN``, ``LSTM`` or ``GRU``
         (``batch_first=False``, PyTorch's default)."""
-        import torch
+        torch = _torch(f"{type(self).__name__}.to_torch")
 
         name = type(self).__name__
         reasons = self._torch_unsupported()
@@ -559,6 +559,15 @@ class _RecurrentLayer:
                    for i, (v, w) in enumerate(zip(initial, self._state_widths()))]
         data, states = self._run(flat, attention, initial, backend)
         return self._give_back(data, back, flat), [h.astype(back[2], copy=False) for h in states]
+
+
+def _torch(what):
+    """PyTorch, an optional dependency of the layout converters."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise UnsupportedError(f"{what} needs PyTorch: pip install torch==2.13.0") from exc
+    return torch
 
 
 def _positive(value, what):
