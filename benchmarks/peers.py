@@ -307,17 +307,22 @@ def stepnet_nested(wl):
 # torch
 
 
-def _torch_gru_module(torch, w, batch_first=False):
-    H, I = w["w_hh"].shape[1], w["w_ih"].shape[1]
-    m = torch.nn.GRU(I, H, batch_first=batch_first)
+def _torch_loaded(torch, m, weights):
+    """``m`` (a torch RNN module) with ``weights`` {suffix: {"w_ih", "w_hh",
+    "b_ih", "b_hh"}} copied in (suffix "l0", "l0_reverse", ...), for inference."""
     with torch.no_grad():
-        for name in ("w_ih", "w_hh", "b_ih", "b_hh"):
-            pname = {"w_ih": "weight_ih_l0", "w_hh": "weight_hh_l0",
-                     "b_ih": "bias_ih_l0", "b_hh": "bias_hh_l0"}[name]
-            getattr(m, pname).copy_(torch.from_numpy(w[name]))
+        for suffix, w in weights.items():
+            for key in ("w_ih", "w_hh", "b_ih", "b_hh"):
+                name = key.replace("w_", "weight_").replace("b_", "bias_") + "_" + suffix
+                getattr(m, name).copy_(torch.from_numpy(w[key]))
     m.eval()
     m.requires_grad_(False)
     return m
+
+
+def _torch_gru_module(torch, w, batch_first=False):
+    H, I = w["w_hh"].shape[1], w["w_ih"].shape[1]
+    return _torch_loaded(torch, torch.nn.GRU(I, H, batch_first=batch_first), {"l0": w})
 
 
 @peer("torch", ["W1", "W3"], "torch nn.GRU")
@@ -339,15 +344,7 @@ def torch_gru(wl):
 def torch_lstm(wl):
     import torch
 
-    w = wl.weights
-    m = torch.nn.LSTM(wl.dims["I"], wl.dims["H"])
-    with torch.no_grad():
-        m.weight_ih_l0.copy_(torch.from_numpy(w["w_ih"]))
-        m.weight_hh_l0.copy_(torch.from_numpy(w["w_hh"]))
-        m.bias_ih_l0.copy_(torch.from_numpy(w["b_ih"]))
-        m.bias_hh_l0.copy_(torch.from_numpy(w["b_hh"]))
-    m.eval()
-    m.requires_grad_(False)
+    m = _torch_loaded(torch, torch.nn.LSTM(wl.dims["I"], wl.dims["H"]), {"l0": wl.weights})
     x = torch.from_numpy(wl.x_time_major())
 
     def run():
@@ -362,15 +359,8 @@ def torch_lstm(wl):
 def torch_bilstm(wl):
     import torch
 
-    m = torch.nn.LSTM(wl.dims["I"], wl.dims["H"], num_layers=2, bidirectional=True)
-    with torch.no_grad():
-        for name, w in wl.weights.items():  # "l0", "l0_reverse", ...
-            sfx = "_" + name
-            for key in ("w_ih", "w_hh", "b_ih", "b_hh"):
-                attr = key.replace("w_", "weight_").replace("b_", "bias_") + sfx
-                getattr(m, attr).copy_(torch.from_numpy(w[key]))
-    m.eval()
-    m.requires_grad_(False)
+    m = _torch_loaded(torch, torch.nn.LSTM(wl.dims["I"], wl.dims["H"], num_layers=2,
+                                           bidirectional=True), wl.weights)
     x = torch.from_numpy(wl.x_time_major())
 
     def run():

@@ -439,18 +439,21 @@ def test_matmul_matches_reference(data):
               scale=np.abs(terms).sum(axis))
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
 @SETTINGS
 @given(data=st.data())
-def test_sum_matches_reference(data):
+def test_reductions_match_reference(reduction, data):
     dtype, lengths, shape, reverse = draw_setup(data)
     X = data.draw(lod_input(dtype, shape, general(dtype), lengths))
     axis = data.draw(st.sampled_from(
         list(range(1, len(shape) + 1)) + list(range(-len(shape), 0))))
     keepdims = data.draw(st.booleans())
-    rnn, traced = step_net([X], lambda x: sn.ops.sum(x, axis=axis, keepdims=keepdims), reverse)
+    op = getattr(sn.ops, reduction)
+    rnn, traced = step_net([X], lambda x: op(x, axis=axis, keepdims=keepdims), reverse)
     x64 = X.data.astype(np.float64)
-    expected = np.add.reduce(x64, axis=axis, keepdims=keepdims)
-    scale = np.add.reduce(np.abs(x64), axis=axis, keepdims=keepdims)
+    n = x64.shape[axis] if reduction == "mean" else 1
+    expected = np.add.reduce(x64, axis=axis, keepdims=keepdims) / n
+    scale = np.add.reduce(np.abs(x64), axis=axis, keepdims=keepdims) / n
     check_net(rnn, traced, X, expected, dtype, reverse, scale=scale)
 
 
@@ -774,22 +777,6 @@ def test_onnx_activation_matches_formula(name, data):
     # Weak scalars: alpha and beta are used in the step's dtype.
     expected = formula(X.data.astype(np.float64), **{k: weak(v, dtype) for k, v in params.items()})
     check_net(rnn, traced, X, expected, dtype, reverse)
-
-
-@SETTINGS
-@given(data=st.data())
-def test_mean_matches_reference(data):
-    dtype, lengths, shape, reverse = draw_setup(data)
-    X = data.draw(lod_input(dtype, shape, general(dtype), lengths))
-    axis = data.draw(st.sampled_from(
-        list(range(1, len(shape) + 1)) + list(range(-len(shape), 0))))
-    keepdims = data.draw(st.booleans())
-    rnn, traced = step_net([X], lambda x: sn.ops.mean(x, axis, keepdims), reverse)
-    x64 = X.data.astype(np.float64)
-    n = x64.shape[axis]
-    expected = np.add.reduce(x64, axis=axis, keepdims=keepdims) / n
-    scale = np.add.reduce(np.abs(x64), axis=axis, keepdims=keepdims) / n
-    check_net(rnn, traced, X, expected, dtype, reverse, scale=scale)
 
 
 @SETTINGS

@@ -45,8 +45,9 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .numba_runtime import CACHE
+
 _ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
-CACHE = not numba_config.BOUNDSCHECK  # see numba_runtime.CACHE
 
 
 def _use_openmp():
@@ -148,7 +149,7 @@ def small_gemm(a, bt, out):
     """out[:m] = a[:m] @ bt.T, ``bt`` the C-contiguous transposed weights."""
     m = a.shape[0]
     n, k = bt.shape
-    zero = np.zeros(1, out.dtype)[0]
+    zero = out.dtype.type(0)
     i = 0
     while i + 4 <= m:
         for j in range(n):
@@ -232,11 +233,6 @@ if _openblas is not None:
                 _block(a, b, out, m * t // threads, m * (t + 1) // threads, 0, n)
 
     @njit(cache=CACHE)
-    def _gemm_split(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
-        _split(a, b, out)
-
-    @njit(cache=CACHE)
     def _gemm_packed_split(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)`` (or pack64)."""
         if a.shape[0] * k * n <= SMALL_GEMM_WORK:
@@ -250,7 +246,7 @@ if _openblas is not None:
         transposed copy for ``small_gemm``."""
         return b, np.ascontiguousarray(b.T)
 
-    gemm32 = gemm64 = _gemm_split
+    gemm32 = gemm64 = _split
     pack32 = pack64 = _pack
     gemm_packed32 = gemm_packed64 = _gemm_packed_split
 

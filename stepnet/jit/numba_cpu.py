@@ -105,7 +105,6 @@ class _Gen:
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.direct_outputs = {}  # id(step result) -> global arrays of all-steps outputs
         self.written_outputs = set()  # ids of those a fused loop already writes
-        self.has_prange = False  # the function being generated has a prange loop
 
     def fresh(self, base):
         self.counter += 1
@@ -653,7 +652,6 @@ class _Gen:
         # per-step values live is local to each function.
         saved_info = dict(self.info)
         saved_allocs = getattr(self, "step_allocs", None)
-        saved_prange, self.has_prange = self.has_prange, False
         self.step_allocs = []
         params = ["seq_start", "seq_len"]
         setup = [
@@ -762,14 +760,14 @@ class _Gen:
                 step.append(f"{dst.ident}, {src.ident} = {src.ident}, {dst.ident}")
             else:
                 self.emit_copy(src, dst, "step", step)
-        fn = [_decorator(self.has_prange), f"def {fname}({', '.join(params)}, GARGS):"]
+        fn = [f"def {fname}({', '.join(params)}, GARGS):"]
         fn += ["    " + line for line in setup + self.step_allocs]
         fn += ["    nb = num_seq", "    for step in range(num_steps):"]
         fn += ["        " + line for line in step]
         fn += ["    return 0"]
+        fn.insert(0, _decorator(parallel=any("prange(" in line for line in fn)))
         self.functions[fname] = fn
         self.step_allocs = saved_allocs
-        self.has_prange = saved_prange
         result_infos = [self.info.get(id(res)) for res in body.outputs]
         self.info = saved_info
         return fname, result_infos
@@ -858,7 +856,6 @@ class _Gen:
             # rows are independent: split them over threads when there is
             # enough work to pay for starting the parallel region
             per_row = int(np.prod(shape[1:], dtype=np.int64)) * len(group)
-            self.has_prange = True
             lines.append(f"if nb * {per_row} >= {_PARALLEL_MIN_WORK}:")
             lines += ["    " + line for line in _nest(["for b in prange(nb):"] + loops[1:], inner)]
             lines.append("else:")

@@ -326,11 +326,11 @@ class _RecurrentLayer:
                 w_ih, w_hh = get("weight_ih"), get("weight_hh")
                 b_ih = get("bias_ih") if module.bias else np.zeros(len(order) * H, dtype)
                 b_hh = get("bias_hh") if module.bias else np.zeros(len(order) * H, dtype)
-                # PyTorch's rows in ONNX's gate order
+                # PyTorch's gate blocks in ONNX's gate order
                 rows = [order.index(g) for g in cells.GATES[cls.cell]]
 
                 def reorder(a, rows=rows):
-                    return np.concatenate([a[j * H:(j + 1) * H] for j in rows], 0)
+                    return _gate_blocks(a, H, rows)
 
                 arrays["W"].append(reorder(w_ih))
                 arrays["R"].append(reorder(w_hh))
@@ -377,7 +377,7 @@ class _RecurrentLayer:
                     rows = [cells.GATES[self.cell].index(g) for g in order]
 
                     def reorder(a, rows=rows):
-                        return np.concatenate([a[j * H:(j + 1) * H] for j in rows], 0)
+                        return _gate_blocks(a, H, rows)
 
                     b = onnx["B"][d]
                     values = {"weight_ih": reorder(onnx["W"][d]), "weight_hh": reorder(onnx["R"][d]),
@@ -553,12 +553,19 @@ class _RecurrentLayer:
 
     def _forward(self, X, attention, initial, backend):
         flat, back = self._check_input(X)
+        if attention is not None:
+            attention = self._check_attention(attention, X, flat, back)
         B = flat.num_sequences
         names = ("h0", "c0")
         initial = [self._check_state(v, w, names[i], B)
                    for i, (v, w) in enumerate(zip(initial, self._state_widths()))]
         data, states = self._run(flat, attention, initial, backend)
         return self._give_back(data, back, flat), [h.astype(back[2], copy=False) for h in states]
+
+
+def _gate_blocks(a, H, order):
+    """The ``H``-row gate blocks of ``a`` in the order ``order`` (indices)."""
+    return np.concatenate([a[j * H:(j + 1) * H] for j in order], 0)
 
 
 def _torch(what):
@@ -674,7 +681,11 @@ class AUGRU(GRU):
 
     def __call__(self, X, attention, h0=None, backend=None):
         """``Y, h_n = layer(X, attention, h0=None)``."""
-        flat, back = self._check_input(X)
+        Y, (h_n,) = self._forward(X, attention, [h0], backend)
+        return Y, h_n
+
+    def _check_attention(self, attention, X, flat, back):
+        """``attention`` as a one-level LoDTensor [tokens, 1] with ``flat``'s LoD."""
         if back[0] == "padded":
             padded, lengths = attention
             padded = np.asarray(padded)
@@ -690,11 +701,7 @@ class AUGRU(GRU):
         if data.shape[1] != 1:
             raise ShapeError(f"AUGRU: attention must hold one score per token, got feature "
                              f"shape {list(A.data.shape[1:])}")
-        A = LoDTensor(np.ascontiguousarray(data, self.dtype), A.levels)
-        B = flat.num_sequences
-        h0 = self._check_state(h0, self.output_size, "h0", B)
-        out, (h_n,) = self._run(flat, A, [h0], backend)
-        return self._give_back(out, back, flat), h_n.astype(back[2], copy=False)
+        return LoDTensor(np.ascontiguousarray(data, self.dtype), A.levels)
 
 
 class LSTM(_RecurrentLayer):

@@ -841,8 +841,8 @@ class _Builder:
             if isinstance(ref, str) and ref in self.model.inputs:
                 raise self.error(path, f"{ref!r} is an input; outputs are net.all.output or "
                                  "net.last.output")
-            if isinstance(ref, str) and _REF.match(ref) and _REF.match(ref).group(1) in self.model.nets \
-                    and _REF.match(ref).group(2) is None:
+            match = _REF.match(ref) if isinstance(ref, str) else None
+            if match and match.group(1) in self.model.nets and match.group(2) is None:
                 raise self.error(path, f"{ref!r} is a net: write {ref}.all (every step) or "
                                  f"{ref}.last (each sequence's last step)")
             _, source = self._top_source(ref, path, want="output")
