@@ -1,0 +1,283 @@
+"""Optimizers over ``stepnet.Parameter``s, gradient clipping and a training loop.
+
+The update equations are PyTorch's (``torch.optim.SGD``, ``torch.optim.Adam``,
+``torch.nn.utils.clip_grad_norm_``) and are tested against them step by step.
+Gradients come from ``sn.gradients`` / ``sn.vjp`` (docs/gradients.md) or from
+anywhere else: an optimizer only sees one ndarray per parameter.
+
+Parameters are updated **in place** (``p.value[...] = ...``): a step-net that
+reads a Parameter sees the new values on its next call, with no re-tracing and
+no recompiling.
+
+>>> import numpy as np, stepnet as sn
+>>> from stepnet.optim import SGD
+>>> W = sn.Parameter(np.ones((2, 2), np.float32), name="W")
+>>> opt = SGD([W], lr=0.5)
+>>> opt.step([np.ones((2, 2), np.float32)])
+>>> W.value
+array([[0.5, 0.5],
+       [0.5, 0.5]], dtype=float32)
+"""
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from .errors import ShapeError, StepNetError
+from .tracing import Parameter
+
+__all__ = ["SGD", "Adam", "Optimizer", "clip_grad_norm", "train"]
+
+
+def _describe(p, i):
+    """How an error message names parameter ``i``."""
+    return f"parameter {i} ({p.name!r})" if p.name else f"parameter {i}"
+
+
+def _nonnegative(value, what):
+    value = float(value)
+    if not value >= 0.0:  # also refuses NaN
+        raise StepNetError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+class Optimizer:
+    """What every optimizer shares: the parameter list, validation of the
+    gradients handed to :meth:`step`, and per-parameter state.
+
+    Subclasses implement ``_update(i, p, g)``, which changes ``p.value`` in place
+    from the gradient ``g`` (an ndarray of ``p``'s shape and dtype).
+    """
+
+    def __init__(self, params, lr):
+        if isinstance(params, Parameter):
+            raise StepNetError(f"{type(self).__name__}: params must be a list of Parameters, "
+                               "not a single Parameter; pass [p]")
+        self.params = list(params)
+        if not self.params:
+            raise StepNetError(f"{type(self).__name__}: got an empty parameter list")
+        seen = {}
+        for i, p in enumerate(self.params):
+            if not isinstance(p, Parameter):
+                raise StepNetError(f"{type(self).__name__}: params[{i}] is a "
+                                   f"{type(p).__name__}, not a stepnet.Parameter")
+            if id(p) in seen:
+                raise StepNetError(f"{type(self).__name__}: {_describe(p, i)} is the same "
+                                   f"Parameter as parameter {seen[id(p)]}; it would be "
+                                   "updated twice per step")
+            seen[id(p)] = i
+            if p.value.dtype.kind != "f":
+                raise StepNetError(f"{type(self).__name__}: {_describe(p, i)} has dtype "
+                                   f"{p.value.dtype}; only floating-point parameters are trained")
+            if not p.value.flags.writeable:
+                raise StepNetError(f"{type(self).__name__}: {_describe(p, i)}'s value is "
+                                   "read-only; it is updated in place")
+        self.lr = _nonnegative(lr, f"{type(self).__name__}: lr")
+        self.state = [{} for _ in self.params]  # one dict per parameter
+        self.steps = 0  # number of calls to step()
+
+    def _check(self, grads):
+        """The gradients as arrays of each parameter's dtype (``None`` kept)."""
+        name = type(self).__name__
+        if isinstance(grads, np.ndarray):
+            raise StepNetError(f"{name}.step: grads must be a list with one array per "
+                               "parameter, not a single array")
+        grads = list(grads)
+        if len(grads) != len(self.params):
+            raise StepNetError(f"{name}.step: got {len(grads)} gradients for "
+                               f"{len(self.params)} parameters (one per parameter, in order)")
+        out = []
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                out.append(None)
+                continue
+            g = np.asarray(g)
+            if g.shape != p.value.shape:
+                raise ShapeError(f"{name}.step: the gradient of {_describe(p, i)} has shape "
+                                 f"{g.shape}; the parameter has shape {p.value.shape}")
+            if g.dtype.kind not in "fiu":
+                raise ShapeError(f"{name}.step: the gradient of {_describe(p, i)} has dtype "
+                                 f"{g.dtype}, not a real number type")
+            out.append(g.astype(p.value.dtype, copy=False))
+        return out
+
+    def step(self, grads):
+        """Update every parameter from its gradient.
+
+        ``grads`` holds one ndarray per parameter, in the order the parameters
+        were given, each shaped like ``Parameter.value``; ``None`` leaves that
+        parameter (and its state) unchanged, as a missing ``.grad`` does in
+        PyTorch. The arrays are not modified.
+        """
+        grads = self._check(grads)
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is not None:
+                self._update(i, p, g)
+        self.steps += 1
+
+    def _update(self, i, p, g):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}({len(self.params)} parameters, lr={self.lr})"
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, as ``torch.optim.SGD``::
+
+        g = grad + weight_decay * p
+        buf = g                                   (first step)
+        buf = momentum * buf + (1 - dampening) * g   (later steps)
+        g = g + momentum * buf if nesterov else buf  (when momentum != 0)
+        p = p - lr * g
+    """
+
+    def __init__(self, params, lr, momentum=0.0, nesterov=False, weight_decay=0.0, dampening=0.0):
+        super().__init__(params, lr)
+        self.momentum = _nonnegative(momentum, "SGD: momentum")
+        self.dampening = float(dampening)
+        self.weight_decay = _nonnegative(weight_decay, "SGD: weight_decay")
+        self.nesterov = bool(nesterov)
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise StepNetError("SGD: nesterov=True needs momentum > 0 and dampening 0")
+
+    def _update(self, i, p, g):
+        if self.weight_decay:
+            g = g + self.weight_decay * p.value
+        if self.momentum:
+            state = self.state[i]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = np.array(g, copy=True)  # an array even when 0-d
+            else:
+                buf *= self.momentum
+                buf += (1.0 - self.dampening) * g
+            g = g + self.momentum * buf if self.nesterov else buf
+        p.value[...] = p.value - self.lr * g
+
+
+class Adam(Optimizer):
+    """Adam with bias correction, as ``torch.optim.Adam`` (``amsgrad=False``)::
+
+        g = grad + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    with ``t`` counting that parameter's updates from 1. ``weight_decay`` is
+    L2 added to the gradient (PyTorch's Adam, not AdamW).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, lr)
+        betas = tuple(float(b) for b in betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise StepNetError(f"Adam: betas must be two numbers in [0, 1), got {betas}")
+        self.betas = betas
+        self.eps = _nonnegative(eps, "Adam: eps")
+        self.weight_decay = _nonnegative(weight_decay, "Adam: weight_decay")
+
+    def _update(self, i, p, g):
+        beta1, beta2 = self.betas
+        if self.weight_decay:
+            g = g + self.weight_decay * p.value
+        state = self.state[i]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = np.zeros_like(p.value)
+            state["exp_avg_sq"] = np.zeros_like(p.value)
+        state["step"] += 1
+        t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+        m += (1.0 - beta1) * (g - m)  # PyTorch's lerp
+        v *= beta2
+        v += (1.0 - beta2) * (g * g)
+        step_size = self.lr / (1.0 - beta1 ** t)
+        denom = np.sqrt(v) / math.sqrt(1.0 - beta2 ** t) + self.eps
+        p.value[...] = p.value - step_size * (m / denom)
+
+
+def clip_grad_norm(grads, max_norm, norm_type=2.0):
+    """Scale ``grads`` in place so that their joint norm is at most ``max_norm``;
+    returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``.
+
+    The joint norm is the ``norm_type`` norm of all gradients taken together
+    (``float("inf")``: the largest absolute value). When it exceeds
+    ``max_norm`` every gradient is multiplied by ``max_norm / (norm + 1e-6)``.
+    ``None`` entries are skipped. The arrays must be writable float arrays.
+    """
+    max_norm = _nonnegative(max_norm, "clip_grad_norm: max_norm")
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise StepNetError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
+    if isinstance(grads, np.ndarray):
+        grads = [grads]
+    grads = [g for g in grads if g is not None]
+    for i, g in enumerate(grads):
+        if not isinstance(g, np.ndarray) or g.dtype.kind != "f":
+            raise StepNetError(f"clip_grad_norm: gradient {i} is not a float ndarray "
+                               f"(got {type(g).__name__}); it is scaled in place")
+    if not grads:
+        return 0.0
+    flat = [np.abs(g.astype(np.float64, copy=False)).ravel() for g in grads]
+    if math.isinf(norm_type):
+        total = max((float(a.max()) if a.size else 0.0) for a in flat)
+    else:
+        total = float(sum(np.sum(a ** norm_type) for a in flat) ** (1.0 / norm_type))
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g *= g.dtype.type(coef)
+    return total
+
+
+def _epoch_batches(batches, epoch, epochs):
+    if callable(batches):
+        return batches(epoch)
+    if epochs > 1 and isinstance(batches, Iterator):
+        raise StepNetError("train: batches is an iterator, which runs out after one epoch; "
+                           "pass a list or a function epoch -> batches")
+    return batches
+
+
+def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log=print):
+    """Run a training loop; returns the list of every step's loss.
+
+    - ``step_fn(batch) -> (loss, grads)``: computes the loss of one batch and
+      the gradients of the optimizer's parameters (one array each, in the
+      optimizer's order), e.g. with ``sn.gradients`` or ``sn.vjp``. It may clip
+      them (:func:`clip_grad_norm`) before returning them.
+    - ``optimizer``: applies ``optimizer.step(grads)`` after each batch.
+    - ``batches``: a list (or other re-iterable) run through once per epoch, or
+      a function ``batches(epoch)`` returning that epoch's batches (fresh
+      random batches each epoch, say). A one-shot iterator is accepted only
+      with ``epochs=1``.
+    - ``log_every``: every that many steps, ``log`` (``print`` by default) gets
+      a line ``step N  epoch E  loss L`` with the mean loss over those steps;
+      0 logs nothing.
+    - ``callback(step, loss)``: called after every step (``step`` counts from
+      1 over all epochs); returning ``True`` stops training there.
+    """
+    if epochs < 0:
+        raise StepNetError(f"train: epochs must be >= 0, got {epochs}")
+    if log_every < 0:
+        raise StepNetError(f"train: log_every must be >= 0, got {log_every}")
+    losses = []
+    for epoch in range(epochs):
+        for batch in _epoch_batches(batches, epoch, epochs):
+            result = step_fn(batch)
+            if not isinstance(result, (tuple, list)) or len(result) != 2:
+                raise StepNetError("train: step_fn(batch) must return (loss, grads), got "
+                                   f"{type(result).__name__}")
+            loss, grads = result
+            loss = float(loss)
+            optimizer.step(grads)
+            losses.append(loss)
+            step = len(losses)
+            if log_every and step % log_every == 0:
+                mean = sum(losses[-log_every:]) / log_every
+                log(f"step {step:6d}  epoch {epoch + 1}  loss {mean:.6f}")
+            if callback is not None and callback(step, loss) is True:
+                return losses
+    return losses
+
