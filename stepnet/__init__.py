@@ -5,6 +5,7 @@ sequence of a batch. See DESIGN.md and README.md.
 """
 
 from . import errors, nn, ops
+from .autodiff import gradients, vjp
 from .backends import backends, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
 from .errors import (
@@ -39,8 +40,10 @@ __all__ = [
     "create_rnn_op",
     "default_backend",
     "errors",
+    "gradients",
     "load_yaml",
     "nn",
     "ops",
     "set_default_backend",
+    "vjp",
 ]

@@ -128,6 +128,7 @@ class RNNOp:
         self._programs = {}
         self.step_scopes = None
         self._compiled = {}
+        self._workspace = None  # kept by rnn(keep_workspace=True) for sn.gradients
 
     # -- definition ----------------------------------------------------------
 
@@ -524,11 +525,18 @@ class RNNOp:
                                        sequence_input=first))
         return args
 
-    def __call__(self, output_all_steps=True, backend=None, keep_scopes=False, **bindings):
+    def __call__(self, output_all_steps=True, backend=None, keep_scopes=False,
+                 keep_workspace=False, **bindings):
         if self.block is None:
             raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
         if not self._top:
             return self._call_nested(output_all_steps, bindings)
+        if keep_workspace:
+            from .autodiff import forward_with_workspace
+
+            outputs, self._workspace = forward_with_workspace(
+                self, output_all_steps, backend, **bindings)
+            return outputs
         from .backends import get_backend
 
         if keep_scopes and backend not in (None, "interpreter"):

@@ -358,7 +358,7 @@ def bind(opname, operands, **attrs):
             + (" (its block has ended)" if owner.closed else "")
         )
     ins = [_operand_var(x, frame) for x in operands]
-    if "axis" in attrs and opname in ("sum", "concat", "slice"):
+    if "axis" in attrs and opname in ("sum", "concat", "slice", "pad"):
         attrs["axis"] = registry.normalize_axis(opname, ins[0], attrs["axis"])
     avals = op.infer(ins, attrs)
     outs = tuple(

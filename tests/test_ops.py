@@ -208,7 +208,7 @@ COMPARISONS = {
     "less_equal": (operator.le, sn.ops.less_equal, operator.le),
     "equal": (operator.eq, sn.ops.equal, None),  # == on a step value stays identity
 }
-OTHERS = {"where", "clip", "matmul", "sum", "concat", "slice"}
+OTHERS = {"where", "clip", "matmul", "sum", "concat", "slice", "transpose", "broadcast_axis", "pad"}
 
 
 def test_every_primitive_is_checked_against_a_reference():
@@ -477,6 +477,30 @@ def test_concat_matches_reference(data):
     parts = [X.data, Y.data, X.data] if three else [X.data, Y.data]
     expected = np.concatenate([p.astype(np.float64) for p in parts], axis=axis)
     check_net(rnn, traced, X, expected, np.result_type(dtype, other_dtype), reverse, exact=True)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_layout_ops_match_numpy(data):
+    """transpose, broadcast_axis and pad (the gradient rules' layout ops)."""
+    dtype, lengths, shape, reverse = draw_setup(data)
+    X = data.draw(lod_input(dtype, shape, general(dtype), lengths))
+    before, after, size = (data.draw(st.integers(0, 3)) for _ in range(3))
+
+    def build(x):
+        wide = sn.ops.broadcast_axis(x, 1, size)                  # [B, size, *shape]
+        return [sn.ops.transpose(wide) if len(shape) == 1 else wide,
+                sn.ops.pad(x, before, after, axis=-1),
+                sn.ops.broadcast_axis(sn.ops.slice(x, 0, 1, axis=-1), len(shape), 3,
+                                      insert=False)]
+
+    rnn, traced = step_net([X], build, reverse)
+    x = X.data.astype(np.float64)
+    wide = np.repeat(x[:, None], size, axis=1)
+    widths = [(0, 0)] * (x.ndim - 1) + [(before, after)]
+    expected = [np.swapaxes(wide, -1, -2) if len(shape) == 1 else wide, np.pad(x, widths),
+                np.repeat(x[..., :1], 3, axis=-1)]
+    check_net(rnn, traced, X, expected, dtype, reverse, exact=True)
 
 
 slice_bounds = st.one_of(st.none(), st.integers(-6, 6))
@@ -928,7 +952,9 @@ def _backend_cases():
                 sn.ops.matmul(x, W[F64 if x.dtype == F32 else F32]),
                 sn.ops.sum(x, -1), sn.ops.sum(x, 1, keepdims=True), sn.ops.mean(y),
                 sn.ops.concat([x, y]), sn.ops.concat([x, y[:, 1:], x], axis=-1),
-                sn.ops.slice(x, 1, 3), x[:, :2], x[:, 2:]] + sn.ops.split(y, [1, 2])
+                sn.ops.slice(x, 1, 3), x[:, :2], x[:, 2:],
+                sn.ops.transpose(sn.ops.broadcast_axis(x, 1, 2)), sn.ops.pad(y, 1, 2),
+                sn.ops.broadcast_axis(x[:, :1], 1, 4, insert=False)] + sn.ops.split(y, [1, 2])
 
     def composites(x, y):
         return [sn.ops.affine(x), sn.ops.affine(x, 0.5, -1.0), sn.ops.leaky_relu(x),

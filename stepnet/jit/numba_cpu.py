@@ -482,6 +482,28 @@ class _Gen:
                     f"{self.ref(info, didx, mode, shape)} = {self.ref(vi, vidx, mode, v.shape)}"
                 ])
                 offset += v.shape[axis]
+        elif e.op == "transpose":
+            in_idx = list(idx[:-2]) + [idx[-1], idx[-2]]
+            lines += _nest(loops, [f"{dst} = {self.ref(ins[0], in_idx, mode, shape)}"])
+        elif e.op == "broadcast_axis":
+            axis = e.attrs["axis"]
+            in_idx = list(idx)
+            if e.attrs["insert"]:
+                del in_idx[axis]
+            else:
+                in_idx[axis] = "0"
+            src = self.ref(ins[0], in_idx, mode, e.inputs[0].shape)
+            lines += _nest(loops, [f"{dst} = {src}"])
+        elif e.op == "pad":
+            axis, before = e.attrs["axis"], e.attrs["before"]
+            n = e.inputs[0].shape[axis]
+            in_idx = list(idx)
+            in_idx[axis] = f"{idx[axis]} - {before}"
+            src = self.ref(ins[0], in_idx, mode, e.inputs[0].shape)
+            zero = self.literal(0.0, out.dtype)
+            lines += _nest(loops, [
+                f"{dst} = {src} if {before} <= {idx[axis]} < {before + n} else {zero}"
+            ])
         elif e.op == "matmul":
             self.emit_loop_matmul(e, ins, info, loops, idx, mode, lines)
         else:

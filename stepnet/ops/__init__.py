@@ -2,10 +2,12 @@
 composites built from them. Use them as ``sn.ops.tanh(x)`` and so on."""
 
 from . import primitives as _primitives  # noqa: F401 - fills the registry
+from . import grads as _grads  # noqa: F401 - adds the gradient rules
 from . import registry
 from .api import (
     abs,
     add,
+    broadcast_axis,
     clip,
     concat,
     div,
@@ -21,6 +23,7 @@ from .api import (
     minimum,
     mul,
     neg,
+    pad,
     relu,
     sigmoid,
     slice,
@@ -28,6 +31,7 @@ from .api import (
     sub,
     sum,
     tanh,
+    transpose,
     where,
 )
 from .composites import (
@@ -46,6 +50,7 @@ __all__ = [
     "abs",
     "add",
     "affine",
+    "broadcast_axis",
     "clip",
     "concat",
     "div",
@@ -65,6 +70,7 @@ __all__ = [
     "minimum",
     "mul",
     "neg",
+    "pad",
     "registry",
     "relu",
     "scaled_tanh",
@@ -77,5 +83,6 @@ __all__ = [
     "sum",
     "tanh",
     "thresholded_relu",
+    "transpose",
     "where",
 ]

@@ -126,3 +126,19 @@ def slice(x, start, stop, axis=-1):
         return bind("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
     start, stop, _ = builtins.slice(start, stop).indices(size)
     return bind("slice", [x], axis=int(axis), start=start, stop=builtins.max(start, stop))
+
+
+def transpose(x):
+    """Swap the last two feature axes (``W.T`` for a matrix)."""
+    return bind("transpose", [x])
+
+
+def broadcast_axis(x, axis, size, insert=True):
+    """Repeat ``x`` ``size`` times along ``axis``: a new axis (``insert=True``)
+    or one of size 1."""
+    return bind("broadcast_axis", [x], axis=int(axis), size=int(size), insert=bool(insert))
+
+
+def pad(x, before, after, axis=-1):
+    """Zero-pad ``axis`` with ``before`` and ``after`` elements."""
+    return bind("pad", [x], axis=int(axis), before=int(before), after=int(after))

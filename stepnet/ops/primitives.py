@@ -224,3 +224,61 @@ def _slice(x, axis, start, stop):
 
 
 register("slice", _slice_rule, _slice, "shape", 1)
+
+
+def _transpose_rule(operands):
+    (x,) = operands
+    if len(x.shape) < 2 or x.shape[-2] is None:
+        raise ShapeError(
+            f"transpose: swaps the last two feature axes; {shape_str(x)} has fewer than two"
+        )
+    return Aval(x.shape[:-2] + (x.shape[-1], x.shape[-2]), np.dtype(x.dtype))
+
+
+register("transpose", _transpose_rule, lambda x: np.swapaxes(x, -1, -2), "shape", 1)
+
+
+def _broadcast_axis_rule(operands, axis, size, insert):
+    (x,) = operands
+    if size < 0:
+        raise ShapeError(f"broadcast_axis: size {size} is negative")
+    shape = list(x.shape)
+    if insert:
+        if not (1 if x.batched else 0) <= axis <= len(shape):
+            raise ShapeError(f"broadcast_axis: cannot insert axis {axis} into {shape_str(x)}")
+        shape.insert(axis, size)
+    else:
+        if not 0 <= axis < len(shape) or shape[axis] != 1:
+            raise ShapeError(f"broadcast_axis: axis {axis} of {shape_str(x)} is not of size 1")
+        shape[axis] = size
+    return Aval(tuple(shape), np.dtype(x.dtype))
+
+
+def _broadcast_axis(x, axis, size, insert):
+    if insert:
+        x = np.expand_dims(x, axis)
+    shape = list(x.shape)
+    shape[axis] = size
+    return np.ascontiguousarray(np.broadcast_to(x, shape))
+
+
+register("broadcast_axis", _broadcast_axis_rule, _broadcast_axis, "shape", 1)
+
+
+def _pad_rule(operands, axis, before, after):
+    (x,) = operands
+    axis = normalize_axis("pad", x, axis)
+    if before < 0 or after < 0:
+        raise ShapeError(f"pad: widths {before}, {after} must not be negative")
+    shape = list(x.shape)
+    shape[axis] += before + after
+    return Aval(tuple(shape), np.dtype(x.dtype))
+
+
+def _pad(x, axis, before, after):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (before, after)
+    return np.pad(x, widths)
+
+
+register("pad", _pad_rule, _pad, "shape", 1)
