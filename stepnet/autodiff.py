@@ -484,8 +484,9 @@ class Pullback:
     step: each memory's previous state, one row per token.
     """
 
-    def __init__(self, rnn, flags, backend, args, outputs, workspace, consts, float16):
+    def __init__(self, rnn, flags, backend, args, outputs, workspace, consts, float16, values):
         self.rnn = rnn
+        self.values = values  # binding name -> the value this run was given
         self.flags = flags
         self.backend = backend
         self.args = args
@@ -501,7 +502,7 @@ class Pullback:
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn
         wrt = rnn.parameters() if wrt is None else list(wrt)
-        targets = [_resolve(rnn, item) for item in wrt]
+        targets = [_resolve(rnn, item, self.values) for item in wrt]
         program = rnn.program(self.flags)
         cts = _check_grad_outputs(rnn, program, self.outputs, grad_outputs)
         present = tuple(c is not None for c in cts)
@@ -572,8 +573,9 @@ def _deliver(found, wrt, accumulate, out):
     return list(out)
 
 
-def _resolve(rnn, item):
-    """A wrt entry as (kind, key, like): a constant var, or a binding's var."""
+def _resolve(rnn, item, values):
+    """A wrt entry as (kind, key, like): a constant var, or a binding's var and
+    the value it was given."""
     from .tracing import Parameter
 
     if isinstance(item, str):
@@ -583,20 +585,28 @@ def _resolve(rnn, item):
                 f"wrt: {item!r} is not an input of {rnn.name}; its inputs are "
                 f"{sorted(rnn.bindings)}"
             )
-        return b.kind, b.var, b.value
+        return b.kind, b.var, _like(values[item])
     for var, source in rnn.frame.state.consts.values():
         if source is item or (isinstance(source, Parameter) and source.value is item):
             value = source.value if isinstance(source, Parameter) else np.asarray(source)
             return "const", var, value
-    if isinstance(item, np.ndarray) or isinstance(item, LoDTensor):
-        for b in rnn.bindings.values():
-            if b.value is item:
-                return b.kind, b.var, b.value
+    if isinstance(item, (np.ndarray, LoDTensor)):
+        for name, b in rnn.bindings.items():
+            if values[name] is item:
+                return b.kind, b.var, _like(item)
     what = repr(item) if isinstance(item, Parameter) else type(item).__name__
     raise StepNetError(
         f"wrt: {what} is not read by {rnn.name}: give its Parameters, or the names "
         f"of its inputs {sorted(rnn.bindings)}"
     )
+
+
+def _like(value):
+    from .tracing import Parameter
+
+    if isinstance(value, LoDTensor):
+        return value
+    return np.asarray(value.value if isinstance(value, Parameter) else value)
 
 
 def _check_grad_outputs(rnn, program, outputs, grad_outputs):
@@ -671,7 +681,8 @@ def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings)
         b.kind == "sequence" and np.dtype(bindings.get(name, b.value).dtype) == np.float16
         for name, b in rnn.bindings.items()
     )
-    pullback = Pullback(rnn, flags, backend, args, outputs, workspace, consts, float16)
+    values = {name: bindings.get(name, b.value) for name, b in rnn.bindings.items()}
+    pullback = Pullback(rnn, flags, backend, args, outputs, workspace, consts, float16, values)
     shown = [o.astype(np.float16) for o in outputs] if float16 else outputs
     return (shown[0] if n == 1 else tuple(shown)), pullback
 

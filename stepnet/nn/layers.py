@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dsl
+from ..autodiff import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError
 from ..lod import LoDTensor
 from ..tracing import Parameter, compute_dtype
@@ -72,6 +73,7 @@ class _RecurrentLayer:
         self.input_forget = bool(input_forget)
         self._set_activations(activations, activation_alpha, activation_beta)
         self._nets = {}  # (layer, direction) -> its step-net, built on first use
+        self._workspace = None  # kept by a call with keep_workspace=True
         self._init_parameters(np.random.default_rng(seed))
 
     # -- configuration ----------------------------------------------------------
@@ -451,10 +453,11 @@ class _RecurrentLayer:
 
     # -- running ------------------------------------------------------------------
 
-    def _run(self, X, attention, initial, backend):
+    def _run(self, X, attention, initial, backend, tape=None):
         """X: a one-level LoDTensor of this layer's dtype. ``initial``: per
         state, ``None`` or ``[L*D, B, width]``. Returns Y's data, and per state
-        ``[L*D, B, width]``."""
+        ``[L*D, B, width]``. With ``tape`` (a dict), each step-net's pullback is
+        kept in it by (layer, direction)."""
         L, D = self.num_layers, self.num_directions
         B = X.num_sequences
         states = [np.zeros((L * D, B, w), self.dtype) for w in self._state_widths()]
@@ -469,7 +472,10 @@ class _RecurrentLayer:
                     feeds[names[s]] = init[layer * D + d]
             rnn = self._net(layer, d)
             flags = (True,) + (False,) * len(states)
-            outs = rnn(output_all_steps=flags, backend=backend, **feeds)
+            if tape is None:
+                outs = rnn(output_all_steps=flags, backend=backend, **feeds)
+            else:
+                outs, tape[layer, d] = forward_with_workspace(rnn, flags, backend, **feeds)
             for s in range(len(states)):
                 states[s][layer * D + d] = outs[1 + s]
             return outs[0]
@@ -551,7 +557,7 @@ class _RecurrentLayer:
             out[b, :n] = data[offsets[b]:offsets[b] + n]
         return out
 
-    def _forward(self, X, attention, initial, backend):
+    def _forward(self, X, attention, initial, backend, keep_workspace=False):
         flat, back = self._check_input(X)
         if attention is not None:
             attention = self._check_attention(attention, X, flat, back)
@@ -559,8 +565,144 @@ class _RecurrentLayer:
         names = ("h0", "c0")
         initial = [self._check_state(v, w, names[i], B)
                    for i, (v, w) in enumerate(zip(initial, self._state_widths()))]
-        data, states = self._run(flat, attention, initial, backend)
-        return self._give_back(data, back, flat), [h.astype(back[2], copy=False) for h in states]
+        tape = {} if keep_workspace else None
+        data, states = self._run(flat, attention, initial, backend, tape)
+        Y = self._give_back(data, back, flat)
+        if keep_workspace:
+            self._workspace = LayerPullback(self, tape, flat, back, data.shape[1],
+                                            attention is not None)
+        return Y, [h.astype(back[2], copy=False) for h in states]
+
+    def vjp(self, *args, backend=None, **kwargs):
+        """``(outputs, pullback)``: the layer's outputs as a call returns them,
+        and the pullback of that run (see ``stepnet.vjp``)."""
+        outputs = self(*args, backend=backend, keep_workspace=True, **kwargs)
+        return outputs, self._workspace
+
+
+class LayerPullback:
+    """The backward of one call of a layer (``layer.vjp`` or
+    ``keep_workspace=True``): each (layer, direction) step-net's pullback, run
+    in reverse order through the stacking and the direction combination.
+
+    ``pullback(grad_outputs, wrt=None, accumulate=False, out=None)``:
+    ``grad_outputs`` is ``[dY, dh_n]`` (LSTM ``[dY, dh_n, dc_n]``), None for
+    zeros; ``wrt`` holds Parameters of the layer and ``"X"``, ``"h0"``, ``"c0"``,
+    ``"attention"`` (AUGRU: one gradient per token, ``[tokens, 1]``).
+    """
+
+    def __init__(self, layer, tape, flat, back, width, has_attention):
+        self.layer = layer
+        self.tape = tape
+        self.flat = flat
+        self.back = back
+        self.width = width
+        self.has_attention = has_attention
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(pb.workspace_bytes for pb in self.tape.values())
+
+    def _rows(self, dY):
+        """dY (shaped like Y) as rows ``[tokens, width]`` in the layer's dtype."""
+        flat, layer = self.flat, self.layer
+        shape = (flat.data.shape[0], self.width)
+        if dY is None:
+            return np.zeros(shape, layer.dtype)
+        if isinstance(dY, LoDTensor):
+            dY = dY.data
+        dY = np.asarray(dY)
+        if self.back[0] == "padded":
+            lengths = np.diff(np.asarray(flat.levels[0]))
+            expected = (len(lengths), self.back[1], self.width)
+            if dY.shape != expected:
+                raise ShapeError(f"grad_outputs[0] (dY) has shape {list(dY.shape)}; Y is "
+                                 f"{list(expected)}")
+            return np.ascontiguousarray(
+                np.concatenate([dY[b, :n] for b, n in enumerate(lengths)] or [dY[:0, 0]]),
+                layer.dtype)
+        if dY.shape != shape:
+            raise ShapeError(f"grad_outputs[0] (dY) has shape {list(dY.shape)}; Y's data is "
+                             f"{list(shape)}")
+        return np.ascontiguousarray(dY, layer.dtype)
+
+    def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
+        layer = self.layer
+        wrt = layer.parameters() if wrt is None else list(wrt)
+        widths = layer._state_widths()
+        names = ("h", "c")[:len(widths)]
+        if len(grad_outputs) != 1 + len(widths):
+            raise StepNetError(f"grad_outputs: {type(layer).__name__} has {1 + len(widths)} "
+                               f"outputs ({', '.join(['Y'] + [n + '_n' for n in names])}), "
+                               f"got {len(grad_outputs)} gradients")
+        L, D = layer.num_layers, layer.num_directions
+        B = self.flat.num_sequences
+        d_states = []
+        for name, w, g in zip(names, widths, grad_outputs[1:]):
+            expected = (L * D, B, w)
+            if g is not None and np.shape(g) != expected:
+                raise ShapeError(f"grad_outputs: d{name}_n has shape {list(np.shape(g))}, "
+                                 f"expected {list(expected)}")
+            d_states.append(g)
+        param_grads = {}
+        d_init = [np.zeros((L * D, B, w), layer.dtype) for w in widths]
+        d_attention = []
+        feeds = ["x"] + (["a"] if self.has_attention else []) + list(names)
+
+        def pull(i, d, dy):
+            pullback = self.tape[i, d]
+            params = pullback.rnn.parameters()
+            cts = [dy] + [None if g is None else g[i * D + d] for g in d_states]
+            grads = pullback(cts, wrt=params + feeds)
+            for p, g in zip(params, grads):
+                param_grads[id(p)] = param_grads[id(p)] + g if id(p) in param_grads else g
+            rest = grads[len(params):]
+            if self.has_attention:
+                d_attention.append(rest.pop(1))
+            for s in range(len(widths)):
+                d_init[s][i * D + d] = rest[1 + s]
+            return rest[0]
+
+        def split(dy):
+            if D == 1:
+                return [dy]
+            if layer.direction == "bidirectional_sum":
+                return [dy, dy]
+            H = layer.output_size
+            return [np.ascontiguousarray(dy[:, :H]), np.ascontiguousarray(dy[:, H:])]
+
+        dy = self._rows(grad_outputs[0])
+        if layer.combine == "per_layer" or D == 1:
+            for i in reversed(range(L)):
+                dy = sum(pull(i, d, part) for d, part in enumerate(split(dy)))
+            dX = dy
+        else:
+            dX = 0
+            for d, part in enumerate(split(dy)):
+                for i in reversed(range(L)):
+                    part = pull(i, d, part)
+                dX = dX + part
+        found = []
+        own = {id(p) for p in layer.parameters()}
+        for item in wrt:
+            if isinstance(item, Parameter):
+                if id(item) not in own:
+                    raise StepNetError(f"wrt: {item!r} is not a parameter of this layer")
+                g = param_grads.get(id(item), np.zeros_like(item.value))
+            elif isinstance(item, str) and item == "X":
+                g = layer._give_back(dX, self.back, self.flat)
+                g = g.data if isinstance(g, LoDTensor) else g
+            elif isinstance(item, str) and item in ("h0", "c0")[:len(widths)]:
+                g = d_init[("h0", "c0").index(item)]
+            elif isinstance(item, str) and item == "attention" and self.has_attention:
+                g = sum(d_attention)
+            else:
+                raise StepNetError(
+                    f"wrt: {item!r} is neither a Parameter of this layer nor one of "
+                    f"{['X'] + [n + '0' for n in names] + (['attention'] if self.has_attention else [])}"
+                )
+            found.append(g)
+        return _deliver(found, wrt, accumulate, out)
 
 
 def _gate_blocks(a, H, order):
@@ -618,9 +760,9 @@ class RNN(_RecurrentLayer):
                             nonlinearity=self.nonlinearity,
                             bidirectional=self.num_directions == 2)
 
-    def __call__(self, X, h0=None, backend=None):
+    def __call__(self, X, h0=None, backend=None, keep_workspace=False):
         """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
-        Y, (h_n,) = self._forward(X, None, [h0], backend)
+        Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
 
@@ -659,9 +801,9 @@ class GRU(_RecurrentLayer):
         return torch.nn.GRU(self.input_size, self.hidden_size, self.num_layers,
                             bidirectional=self.num_directions == 2)
 
-    def __call__(self, X, h0=None, backend=None):
+    def __call__(self, X, h0=None, backend=None, keep_workspace=False):
         """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
-        Y, (h_n,) = self._forward(X, None, [h0], backend)
+        Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
 
@@ -679,9 +821,9 @@ class AUGRU(GRU):
     def to_torch(self):
         raise UnsupportedError("AUGRU.to_torch: PyTorch has no AUGRU")
 
-    def __call__(self, X, attention, h0=None, backend=None):
+    def __call__(self, X, attention, h0=None, backend=None, keep_workspace=False):
         """``Y, h_n = layer(X, attention, h0=None)``."""
-        Y, (h_n,) = self._forward(X, attention, [h0], backend)
+        Y, (h_n,) = self._forward(X, attention, [h0], backend, keep_workspace)
         return Y, h_n
 
     def _check_attention(self, attention, X, flat, back):
@@ -756,7 +898,7 @@ class LSTM(_RecurrentLayer):
         return torch.nn.LSTM(self.input_size, self.hidden_size, self.num_layers,
                              bidirectional=self.num_directions == 2, proj_size=self.proj_size)
 
-    def __call__(self, X, initial=None, backend=None):
+    def __call__(self, X, initial=None, backend=None, keep_workspace=False):
         """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see DESIGN.md §5."""
         if initial is None:
             h0 = c0 = None
@@ -765,5 +907,5 @@ class LSTM(_RecurrentLayer):
         else:
             raise ShapeError("LSTM: the initial state must be a pair (h0, c0) (either may be "
                              f"None), got {type(initial).__name__}")
-        Y, (h_n, c_n) = self._forward(X, None, [h0, c0], backend)
+        Y, (h_n, c_n) = self._forward(X, None, [h0, c0], backend, keep_workspace)
         return Y, (h_n, c_n)
