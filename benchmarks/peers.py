@@ -7,6 +7,13 @@ the final hidden state per sequence (W6: ``(paragraph_vectors,
 chapter_last_states)``). ``final_state_numpy`` turns the latter into one
 float array for the accuracy check (outside any timing).
 
+A training workload (W8) returns a third item: a zero-argument function giving
+the gradients as a dict keyed by ``workloads.GRADIENTS`` in PyTorch's layout
+(``"x"`` batch-major ``[B, T, I]``), called once, outside any timing; ``None``
+for a forward-only part. Such a callable may carry ``info`` (a dict: its
+``role`` in the step, ``"step"``, ``"forward"``, ``"backward"`` or
+``"inference"``, and what else it measured) for the report.
+
 Families (each runs in its own process, see run.py): ``stepnet``, ``torch``,
 ``onnxruntime``, ``jax``, ``numpy``. ``PEERS[family][workload]`` lists
 ``(label, builder)``; a workload a family has no peer for maps to a string
@@ -49,6 +56,16 @@ def final_state_numpy(h) -> np.ndarray:
     if hasattr(h, "detach"):  # torch
         h = h.detach().cpu().numpy()
     return np.asarray(h, dtype=np.float64)
+
+
+def gradients_numpy(grads) -> dict:
+    """A peer's gradients as float64 arrays, keyed as given."""
+    return {k: final_state_numpy(v) for k, v in grads.items()}
+
+
+def _with_info(fn, **info):
+    fn.info = info
+    return fn
 
 
 def _gate_slices(H, n):
@@ -127,14 +144,19 @@ def _sn_run_layer(layer, X, last_state):
     return run
 
 
+def _sn_nn_gru(sn, wl):
+    """``stepnet.nn.GRU`` with the workload's weights, and its input."""
+    H = wl.dims["H"]
+    W, R, B = _onnx_layout([wl.weights], H, _GRU_ORDER)
+    layer = sn.nn.GRU.from_onnx(W, R, B, hidden_size=H, linear_before_reset=1)
+    return layer, sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+
+
 @peer("stepnet", ["W1", "W3", "W4"], "stepnet nn.GRU (numba)")
 def stepnet_nn_gru(wl):
     import stepnet as sn
 
-    H = wl.dims["H"]
-    W, R, B = _onnx_layout([wl.weights], H, _GRU_ORDER)
-    layer = sn.nn.GRU.from_onnx(W, R, B, hidden_size=H, linear_before_reset=1)
-    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    layer, X = _sn_nn_gru(sn, wl)
     return _sn_run_layer(layer, X, lambda h_n: h_n[0])
 
 
@@ -303,6 +325,99 @@ def stepnet_nested(wl):
     return run
 
 
+# ----------------------------------------------------------------------------
+# stepnet W8: sn.vjp / keep_workspace + sn.gradients over nn.GRU
+
+
+class _SnGruTraining:
+    """W8 for ``stepnet.nn.GRU``: the layer, its input, the upstream
+    gradients ``[dY rows, dh_n]`` and ``wrt`` (every parameter, then X)."""
+
+    def __init__(self, wl):
+        import stepnet as sn
+
+        self.sn, self.wl = sn, wl
+        self.layer, self.X = _sn_nn_gru(sn, wl)
+        H = wl.dims["H"]
+        self.grad_outputs = [np.ascontiguousarray(wl.extra["dY"].reshape(-1, H)),
+                             np.ascontiguousarray(wl.extra["dh"][None])]
+        self.wrt = self.layer.parameters() + ["X"]
+
+    def forward(self):
+        """``sn.vjp``: Y, h_n of the one layer, the pullback."""
+        (Y, h_n), pullback = self.sn.vjp(self.layer, self.X)
+        return Y, h_n[0], pullback
+
+    def gradients(self, grads):
+        """A function giving ``grads`` (one per ``wrt``) in PyTorch's layout:
+        the weight gradients go through a second layer's ``onnx_weights``."""
+
+        def convert():
+            shadow, _ = _sn_nn_gru(self.sn, self.wl)
+            for p, g in zip(shadow.parameters(), grads):
+                p.value = np.asarray(g)
+            onnx, H = shadow.onnx_weights(0), self.wl.dims["H"]
+            b = onnx["B"][0]
+            return {"weight_ih": _torch_to_onnx_gates(onnx["W"][0], H, _GRU_ORDER),
+                    "weight_hh": _torch_to_onnx_gates(onnx["R"][0], H, _GRU_ORDER),
+                    "bias_ih": _torch_to_onnx_gates(b[:3 * H], H, _GRU_ORDER),
+                    "bias_hh": _torch_to_onnx_gates(b[3 * H:], H, _GRU_ORDER),
+                    "x": np.asarray(grads[-1]).reshape(self.wl.x.shape)}
+
+        return convert
+
+    def backward(self, pullback):
+        return self.gradients(pullback(self.grad_outputs, wrt=self.wrt))
+
+
+@peer("stepnet", ["W8"], "stepnet nn.GRU: sn.vjp + pullback")
+def stepnet_nn_gru_train(wl):
+    t = _SnGruTraining(wl)
+
+    def run():
+        Y, h, pullback = t.forward()
+        return Y, h, t.backward(pullback)
+
+    return _with_info(run, role="step")
+
+
+@peer("stepnet", ["W8"], "stepnet nn.GRU: layer(keep_workspace=True) + sn.gradients")
+def stepnet_nn_gru_train_kept(wl):
+    t = _SnGruTraining(wl)
+
+    def run():
+        Y, h_n = t.layer(t.X, keep_workspace=True)
+        grads = t.sn.gradients(t.layer, wrt=t.wrt, grad_outputs=t.grad_outputs)
+        return Y, h_n[0], t.gradients(grads)
+
+    return _with_info(run, role="step")
+
+
+@peer("stepnet", ["W8"], "stepnet nn.GRU: forward only (sn.vjp, workspace kept)")
+def stepnet_nn_gru_train_forward(wl):
+    t = _SnGruTraining(wl)
+
+    def run():
+        Y, h, _ = t.forward()
+        return Y, h, None
+
+    kept = getattr(t.forward()[2], "workspace_bytes", None)  # what the pullback keeps
+    return _with_info(run, role="forward", workspace_bytes=kept)
+
+
+@peer("stepnet", ["W8"], "stepnet nn.GRU: backward only (pullback of one kept sn.vjp)")
+def stepnet_nn_gru_train_backward(wl):
+    t = _SnGruTraining(wl)
+    Y, h, pullback = t.forward()
+    return _with_info(lambda: (Y, h, t.backward(pullback)), role="backward")
+
+
+@peer("stepnet", ["W8"], "stepnet nn.GRU: forward only, no workspace (W1's call)")
+def stepnet_nn_gru_train_inference(wl):
+    t = _SnGruTraining(wl)
+    return _with_info(_sn_run_layer(t.layer, t.X, lambda h_n: h_n[0]), role="inference")
+
+
 # ============================================================================
 # torch
 
@@ -414,6 +529,77 @@ def torch_nested(wl):
         return (pvec, y), (pvec, hc[0])
 
     return run
+
+
+class _TorchGruTraining:
+    """W8 for ``torch.nn.GRU``: the module in training mode, X requiring its
+    gradient, the upstream gradients (time-major, like Y)."""
+
+    def __init__(self, torch, wl):
+        self.torch = torch
+        self.m = _torch_gru_module(torch, wl.weights).train().requires_grad_(True)
+        self.x = torch.from_numpy(wl.x_time_major()).requires_grad_(True)
+        self.grad_outputs = (torch.from_numpy(np.ascontiguousarray(wl.extra["dY"].transpose(1, 0, 2))),
+                             torch.from_numpy(np.ascontiguousarray(wl.extra["dh"][None])))
+        self.leaves = list(self.m.parameters()) + [self.x]
+
+    def forward(self):
+        for leaf in self.leaves:  # fresh gradients, as stepnet's (no accumulation)
+            leaf.grad = None
+        return self.m(self.x)
+
+    def backward(self, y, h, retain_graph=False):
+        self.torch.autograd.backward((y, h), self.grad_outputs, retain_graph=retain_graph)
+
+    def grads(self):
+        m = self.m
+        g = {"weight_ih": m.weight_ih_l0.grad, "weight_hh": m.weight_hh_l0.grad,
+             "bias_ih": m.bias_ih_l0.grad, "bias_hh": m.bias_hh_l0.grad,
+             "x": self.x.grad.transpose(0, 1)}
+        return lambda: g
+
+
+@peer("torch", ["W8"], "torch nn.GRU: forward + backward()")
+def torch_gru_train(wl):
+    import torch
+
+    t = _TorchGruTraining(torch, wl)
+
+    def run():
+        y, h = t.forward()
+        t.backward(y, h)
+        return y, h[0], t.grads()
+
+    return _with_info(run, role="step")
+
+
+@peer("torch", ["W8"], "torch nn.GRU: forward only (autograd recording)")
+def torch_gru_train_forward(wl):
+    import torch
+
+    t = _TorchGruTraining(torch, wl)
+
+    def run():
+        y, h = t.forward()
+        return y, h[0], None
+
+    return _with_info(run, role="forward")
+
+
+@peer("torch", ["W8"], "torch nn.GRU: backward only (backward(retain_graph=True) of one forward)")
+def torch_gru_train_backward(wl):
+    import torch
+
+    t = _TorchGruTraining(torch, wl)
+    y, h = t.forward()
+
+    def run():
+        for leaf in t.leaves:
+            leaf.grad = None
+        t.backward(y, h, retain_graph=True)
+        return y, h[0], t.grads()
+
+    return _with_info(run, role="backward")
 
 
 def _custom_torch_weights(torch, w):
@@ -587,6 +773,7 @@ def ort_gru_varlen(wl):
 not_applicable("onnxruntime", ["W5"], "no single ONNX op for a custom cell")
 not_applicable("onnxruntime", ["W6"], "no single ONNX op for a nested RNN")
 not_applicable("onnxruntime", ["W7"], "one ONNX LSTM node is one layer; PyTorch is the W7 peer")
+not_applicable("onnxruntime", ["W8"], "inference only: no gradients")
 
 
 # ============================================================================
@@ -713,6 +900,30 @@ def jax_custom(wl):
         return ys, h
 
     return _jax_ready(jax, jax.jit(forward), p, jnp.asarray(wl.x_time_major()))
+
+
+@peer("jax", ["W8"], "jax jit(vjp(lax.scan)): forward + backward")
+def jax_gru_train(wl):
+    import jax
+
+    jnp = jax.numpy
+
+    def step(p, x, grad_outputs):
+        outputs, pullback = jax.vjp(lambda p, x: _jax_gru_scan(jax, p, x), p, x)
+        return outputs, pullback(grad_outputs)
+
+    fn = jax.jit(step)
+    args = (_jax_gru_params(jnp, wl.weights), jnp.asarray(wl.x_time_major()),
+            (jnp.asarray(wl.extra["dY"].transpose(1, 0, 2)), jnp.asarray(wl.extra["dh"])))
+
+    def run():
+        (ys, h), (dp, dx) = jax.block_until_ready(fn(*args))
+        return ys, h, lambda: {"weight_ih": np.asarray(dp["wih"]).T,
+                               "weight_hh": np.asarray(dp["whh"]).T,
+                               "bias_ih": dp["bih"], "bias_hh": dp["bhh"],
+                               "x": np.asarray(dx).transpose(1, 0, 2)}
+
+    return _with_info(run, role="step")
 
 
 @peer("jax", ["W6"], "jax jit(lax.scan) x2 (masked: words, then paragraphs)")
@@ -869,6 +1080,20 @@ def numpy_nested(wl):
         return (pvec, ys), (pvec, hc)
 
     return run
+
+
+@peer("numpy", ["W8"], "numpy loops (forward, then backward through time)")
+def numpy_gru_train(wl):
+    import workloads
+
+    x = wl.x_time_major()
+    dY, dh = np.ascontiguousarray(wl.extra["dY"].transpose(1, 0, 2)), wl.extra["dh"]
+
+    def run():
+        ys, h, g = workloads.gru_train(x, wl.weights, dY, dh)
+        return ys, h, lambda: {**g, "x": g["x"].transpose(1, 0, 2)}
+
+    return _with_info(run, role="step")
 
 
 not_applicable("jax", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")

@@ -15,6 +15,12 @@ says otherwise), warms it up, then times ``--rounds`` rounds (items shuffled per
 round, one untimed call before each block) of blocks of >= 2 calls and >= 0.2 s;
 median and min are over every timed call. The final hidden states go to .npy
 files and are compared here with a float64 NumPy reference (workloads.py).
+W8 (a GRU training step: forward, then the gradients of every parameter and of
+X) also saves each peer's gradients, in PyTorch's layout, to .npz files; the
+report gives their relative error against the float64 gradients and
+stepnet's against PyTorch's, and stepnet's split of the step into its forward
+(``sn.vjp``, workspace kept) and its backward (the pullback) with the size of
+the workspace.
 
 Printed: one markdown table, the measured sgemm ceiling, stepnet's share of
 it, the compile time of stepnet's W1 kernel in a fresh process with a cold and
@@ -45,8 +51,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy")
 ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
-WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")  # workloads.WORKLOADS
+WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")  # workloads.WORKLOADS
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
+GRAD_TOLERANCE = 1e-3  # a gradient's relative error (see grad_error) above this, too
 SGEMM_SHAPE = (6400, 128, 768)
 
 
@@ -129,8 +136,8 @@ def worker_main(args):
     """Build, first-call, warm up and time every item of one family."""
     family = args.worker
     out_dir = Path(args.outdir)
-    result = {"family": family, "items": [], "notes": {}, "error": None}
     tag = args.tag or ""
+    result = {"family": family, "tag": tag, "items": [], "notes": {}, "error": None}
     out_file = out_dir / f"{family}{tag}.json"
     if family == "torch":
         try:  # before numpy or anything else that may start a thread pool
@@ -177,6 +184,11 @@ def worker_main(args):
                 h_file = out_dir / f"{family}{tag}_{key}_{i}.npy"
                 np.save(h_file, h)
                 rec["h_file"] = str(h_file)
+                if len(out) > 2 and out[2] is not None:  # a training step's gradients
+                    g_file = out_dir / f"{family}{tag}_{key}_{i}_grads.npz"
+                    np.savez(g_file, **peers.gradients_numpy(out[2]()))
+                    rec["g_file"] = str(g_file)
+                rec["info"] = getattr(fn, "info", {})
                 t_end = time.perf_counter() + tp["warmup_s"]
                 calls = 0
                 while calls < tp["warmup_calls"] or time.perf_counter() < t_end:
@@ -501,11 +513,10 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
     stepnet_gflops = {}
     for k in keys:
         wl = wls[k]
-        fl = workloads.flops(wl)
         rows = [r for r in recs if r["workload"] == k]
         rows.sort(key=lambda r: FAMILIES.index(r["family"]))
-        base = next((r.get("median_s") for r in rows
-                     if r["family"] == "stepnet" and r["status"] == "ok"), None)
+        base = next((r.get("median_s") for r in rows if r["family"] == "stepnet"
+                     and r["status"] == "ok" and _role(r) == "step"), None)
         for r in rows:
             name = f"{k} {wl.name}"
             if r["status"] == "na":
@@ -525,8 +536,8 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
                            f"| n/a | n/a | n/a | n/a | {setup} |")
                 continue
             med, mn = r["median_s"], r["min_s"]
-            gfl = fl / med / 1e9
-            if r["family"] == "stepnet":
+            gfl = workloads.flops(wl, _role(r)) / med / 1e9
+            if r["family"] == "stepnet" and _role(r) == "step":
                 stepnet_gflops[k] = gfl
             ratio = f"{med / base:.2f}" if base else "n/a"
             dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
@@ -543,7 +554,15 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
                "chapter's last state) from a float64 NumPy loop. setup s = build + first call "
                "(JIT compile included; stepnet with STEPNET_CACHE_DIR "
                f"{'= a fresh empty dir' if args.stepnet_cache == 'fresh' else args.stepnet_cache}).")
+    trained = [k for k in keys if k in workloads.TRAINS]
+    if trained:
+        out.append(f"{', '.join(trained)} (training steps): GFLOP/s counts the backward's matmuls "
+                   "too (3x the forward's; a forward alone a third, a backward alone two "
+                   "thirds); max|dh| is the forward's final state; a forward or backward timed "
+                   "alone has as ratio its share of stepnet's step.")
     out.append("")
+    for k in trained:
+        out += training_section(k, wls[k], results, disagreements, failures)
     if sgemm:
         M, K, N = SGEMM_SHAPE
         out.append(f"sgemm ceiling: numpy matmul ({M}x{K})@({K}x{N}) float32, {args.threads} "
@@ -560,7 +579,8 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
         out.append("")
         out += compile_lines
     out.append("")
-    out.append(f"### Numerical disagreements (max|dh| > {TOLERANCE:g})")
+    out.append(f"### Numerical disagreements (max|dh| > {TOLERANCE:g}; gradients: relative "
+               f"error > {GRAD_TOLERANCE:g})")
     out.append("")
     out += [f"- {d}" for d in disagreements] or ["- none"]
     out.append("")
@@ -571,6 +591,106 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
     out.append("Worker wall time (import + build + compile + warm-up + timing): " + ", ".join(
         f"{f} {s:.1f} s" for f, s in worker_secs.items()) + f"; whole run {run_secs:.1f} s.")
     return "\n".join(out)
+
+
+def _role(rec):
+    """What a record times: ``"step"`` (the whole workload), or for a training
+    workload ``"forward"``, ``"backward"`` or ``"inference"`` (peers.py)."""
+    return rec.get("info", {}).get("role", "step")
+
+
+def grad_error(g, ref):
+    """Per gradient, ``max|g - ref| / max|ref|``: relative to the tensor's
+    largest entry, so that entries near zero do not dominate; None where the
+    gradient is missing or its shape differs."""
+    import numpy as np
+
+    err = {}
+    for name, b in ref.items():
+        a = g.get(name)
+        if a is None or a.shape != b.shape:
+            err[name] = None
+            continue
+        diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        err[name] = diff / scale if scale > 0 else diff
+    return err
+
+
+def training_section(k, wl, results, disagreements, failures):
+    """A training workload's gradient errors and each family's split of the
+    step into its forward and its backward (the records' ``info["role"]``)."""
+    import numpy as np
+    import workloads
+
+    try:
+        ref = workloads.gradient_reference(wl)
+    except Exception as exc:  # noqa: BLE001 - reported, never a crash
+        failures.append(f"{k} float64 gradient reference: {_reason(exc)}")
+        return []
+    names = list(workloads.GRADIENTS)
+    out = [f"### {k} {wl.name}: gradients", "",
+           "Relative error of each gradient (PyTorch's layout; x: dX) = max|g - g_ref| / "
+           "max|g_ref| over that tensor; the float64 reference is a NumPy forward and "
+           "backpropagation through time (workloads.gru_train).", "",
+           "| peer | compared with | " + " | ".join(names) + " | max |",
+           "|---|---|" + "---:|" * (len(names) + 1)]
+    recs = [r for data in results for r in data["items"]
+            if r["workload"] == k and r["status"] == "ok"]
+    graded = [r for r in recs if r.get("g_file")]
+    torch_step = next((r for r in graded if r["family"] == "torch" and _role(r) == "step"), None)
+    torch_g = dict(np.load(torch_step["g_file"])) if torch_step else None
+    for r in graded:
+        g = dict(np.load(r["g_file"]))
+        against = [("float64 NumPy", ref)]
+        if r["family"] == "stepnet" and torch_g is not None:
+            against.append((torch_step["label"], torch_g))
+        for what, other in against:
+            err = grad_error(g, {n: other[n] for n in names})
+            missing = [n for n, e in err.items() if e is None]
+            if missing:
+                failures.append(f"{k} {r['label']}: gradient(s) {missing} missing or shaped "
+                                f"unlike {what}'s")
+            worst = max((e for e in err.values() if e is not None), default=0.0)
+            if worst > GRAD_TOLERANCE:
+                which = max((n for n in names if err[n] is not None), key=err.get)
+                disagreements.append(f"{k} {r['label']}: gradient relative error {worst:.2e} "
+                                     f"({which}) vs {what}")
+            cells = " | ".join("n/a" if err[n] is None else f"{err[n]:.1e}" for n in names)
+            out.append(f"| {r['label']} | {what} | {cells} | {worst:.1e} |")
+    if not graded:
+        out.append("| (no peer gave gradients) | |" + " |" * (len(names) + 1))
+    out += ["", "Split of the step (median ms, each part timed on its own):", ""]
+    Y_bytes = wl.dims["T"] * wl.dims["B"] * wl.dims["H"] * wl.x.dtype.itemsize
+    for data in results:
+        role = {}
+        for r in data["items"]:
+            if r["workload"] == k and r["status"] == "ok":
+                role.setdefault(_role(r), r)
+        if "forward" not in role and "backward" not in role:
+            continue
+        name = data["family"] + (f" ({data['tag'].lstrip('_')})" if data.get("tag") else "")
+
+        median = {what: r.get("median_s") for what, r in role.items()}  # None with --check
+        fwd, bwd, step, inf = (median.get(w) for w in ("forward", "backward", "step", "inference"))
+        line = f"- {name}: " + " + ".join(
+            f"{what} {_fmt_ms(median[what])} ms ({role[what]['label']})" if what in role
+            else f"{what} n/a" for what in ("forward", "backward"))
+        if fwd and bwd:
+            line += f" = {_fmt_ms(fwd + bwd)} ms"
+        if step:
+            line += f"; the step timed whole {_fmt_ms(step)} ms ({role['step']['label']})"
+        if inf:
+            line += f"; the forward without a workspace {_fmt_ms(inf)} ms"
+            if fwd:
+                line += f" (keeping it costs {(fwd - inf) * 1e3:+.2f} ms)"
+        ws = role.get("forward", {}).get("info", {}).get("workspace_bytes")
+        if ws is not None:
+            line += (f"; workspace kept: {ws} bytes ({ws / 2**20:.2f} MiB, {ws / Y_bytes:.2f}x "
+                     f"Y's {Y_bytes} bytes)")
+        out.append(line + ".")
+    out.append("")
+    return out
 
 
 def main(argv=None):

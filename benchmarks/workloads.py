@@ -23,11 +23,17 @@ inputs are ``N(0, 1)``.
   GRU over each paragraph (h0 = 0) whose last state is the paragraph vector, then a
   paragraph-level GRU over each chapter's paragraph vectors. Outputs: every
   paragraph's vector and every chapter's last state.
+- W8 gru-train: a training step of W1 without the optimizer: the forward, then
+  the gradients of every parameter and of the input given upstream gradients
+  ``dY [B, T, H]`` (every step's output) and ``dh [B, H]`` (the last state),
+  both ``N(0, 1)``. Same x and weights as W1.
 
 ``make(key, quick=False)`` builds one workload; ``quick`` gives tiny sizes for a
 smoke run. ``reference(wl)`` is a plain float64 NumPy loop, one sequence at a
 time, giving the final state that every peer's is compared with (W6: the
-paragraph vectors stacked on the chapters' last states).
+paragraph vectors stacked on the chapters' last states). For W8,
+``gradient_reference(wl)`` gives the gradients in float64 (``gru_train``: the
+batched forward, then backpropagation through time, written out by hand).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
 NAMES = {
     "W1": "gru-std",
     "W2": "lstm-std",
@@ -45,9 +51,12 @@ NAMES = {
     "W5": "custom-cell",
     "W6": "nested",
     "W7": "lstm-bi2",
+    "W8": "gru-train",
 }
 KINDS = {"W1": "gru", "W2": "lstm", "W3": "gru", "W4": "gru", "W5": "custom", "W6": "nested",
-         "W7": "bilstm"}
+         "W7": "bilstm", "W8": "gru-train"}
+TRAINS = {"W8": "W1"}  # a training workload: the forward workload whose data it reuses
+GRADIENTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "x")  # PyTorch's names
 
 
 @dataclass
@@ -58,7 +67,7 @@ class Workload:
 
     key: str
     name: str
-    kind: str  # "gru" | "lstm" | "custom" | "nested"
+    kind: str  # "gru" | "lstm" | "custom" | "nested" | "bilstm" | "gru-train"
     dims: dict
     weights: dict
     lengths: np.ndarray | None = None
@@ -67,7 +76,7 @@ class Workload:
     words: np.ndarray | None = None
     paragraphs_per_chapter: np.ndarray | None = None
     words_per_paragraph: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # W8: the upstream gradients "dY", "dh"
 
     @property
     def title(self) -> str:
@@ -168,6 +177,7 @@ _FULL = {
     "W6": {"C": 64, "I": 64, "H": 128, "pmin": 2, "pmax": 8, "wmin": 5, "wmax": 40},
     "W7": {"T": 100, "B": 64, "I": 128, "H": 256},
 }
+_FULL["W8"] = _FULL["W1"]
 _QUICK = {
     "W1": {"T": 5, "B": 4, "I": 8, "H": 16},
     "W2": {"T": 5, "B": 4, "I": 8, "H": 16},
@@ -177,12 +187,23 @@ _QUICK = {
     "W6": {"C": 4, "I": 8, "H": 16, "pmin": 2, "pmax": 3, "wmin": 2, "wmax": 6},
     "W7": {"T": 5, "B": 4, "I": 8, "H": 16},
 }
+_QUICK["W8"] = _QUICK["W1"]
 
 
 def make(key: str, quick: bool = False) -> Workload:
-    """Build workload ``key`` ("W1".."W6"); the same seeds give the same arrays."""
+    """Build workload ``key`` ("W1".."W8"); the same seeds give the same arrays."""
     if key not in WORKLOADS:
         raise KeyError(f"unknown workload {key!r}; known: {', '.join(WORKLOADS)}")
+    if key in TRAINS:
+        wl = make(TRAINS[key], quick)
+        B, T, H = wl.dims["B"], wl.dims["T"], wl.dims["H"]
+        if np.any(wl.lengths != T):
+            raise ValueError(f"{key}: gru_train needs every sequence of length T")
+        rng = np.random.default_rng(3000 + int(key[1]))
+        extra = {"dY": rng.standard_normal((B, T, H)).astype(np.float32),
+                 "dh": rng.standard_normal((B, H)).astype(np.float32)}
+        return Workload(key, NAMES[key], KINDS[key], wl.dims, wl.weights, lengths=wl.lengths,
+                        x=wl.x, extra=extra)
     dims = dict((_QUICK if quick else _FULL)[key])
     kind = KINDS[key]
     n = int(key[1])
@@ -222,8 +243,10 @@ def make(key: str, quick: bool = False) -> Workload:
     return Workload(key, NAMES[key], kind, dims, weights, lengths=lengths, x=x)
 
 
-def flops(wl: Workload) -> float:
-    """Sum of 2*M*N*K over every matmul of the workload, valid tokens only."""
+def flops(wl: Workload, part: str = "step") -> float:
+    """Sum of 2*M*N*K over every matmul of the workload, valid tokens only; of
+    a training workload's ``part``: ``"step"`` (all), ``"forward"`` or
+    ``"inference"`` (a third), ``"backward"`` (two thirds)."""
     I, H = wl.dims["I"], wl.dims["H"]
     if wl.kind == "nested":
         words, paras = wl.dims["words"], wl.dims["P"]
@@ -231,6 +254,9 @@ def flops(wl: Workload) -> float:
     tokens = int(wl.lengths.sum())
     if wl.kind == "gru":
         return 2.0 * tokens * (I + H) * 3 * H
+    if wl.kind == "gru-train":  # backward: dX, dW_ih, dh, dW_hh, each as large as its forward
+        share = {"step": 3, "forward": 1, "inference": 1, "backward": 2}[part]
+        return share * 2.0 * tokens * (I + H) * 3 * H
     if wl.kind == "lstm":
         return 2.0 * tokens * (I + H) * 4 * H
     if wl.kind == "bilstm":
@@ -320,8 +346,69 @@ def reference(wl: Workload) -> np.ndarray:
                        for c in range(len(coff) - 1)])
         return np.concatenate([pv, ch], axis=0)
     x = wl.x.astype(np.float64)
+    if wl.kind == "gru-train":  # the forward's final state; gradient_reference has the rest
+        return gru_train(wl.x_time_major().astype(np.float64), _f64(wl.weights))[1]
     if wl.kind == "bilstm":
         return np.stack([bilstm_sequence_ref(x[b, :L], wl.weights) for b, L in enumerate(wl.lengths)])
     fn = {"gru": gru_sequence_ref, "lstm": lstm_sequence_ref, "custom": custom_sequence_ref}
     w = _f64(wl.weights)
     return np.stack([fn[wl.kind](x[b, :L], w) for b, L in enumerate(wl.lengths)])
+
+
+# ----------------------------------------------------------------------------
+# W8: a GRU's forward and backward through time, batched, time-major
+
+
+def gru_train(x, w, dY=None, dh=None):
+    """PyTorch's GRU over ``x [T, B, I]`` (every sequence T steps, h0 = 0) in
+    ``x``'s dtype; with the upstream gradients ``dY [T, B, H]`` and ``dh [B, H]``
+    also backpropagation through time. Returns ``(Y, h_n, grads)``, ``grads``
+    (None without ``dY``) keyed by ``GRADIENTS`` in PyTorch's layout (gates r, z,
+    n), ``grads["x"]`` shaped like ``x``."""
+    T, B, _ = x.shape
+    wih, whh = w["w_ih"], w["w_hh"]
+    H = whh.shape[1]
+    gx = (x.reshape(T * B, -1) @ wih.T + w["b_ih"]).reshape(T, B, 3 * H)
+    h = np.zeros((B, H), x.dtype)
+    Y = np.empty((T, B, H), x.dtype)
+    saved = []  # per step: h_prev, r, z, n, h @ W_hn + b_hn
+    for t in range(T):
+        gh = h @ whh.T + w["b_hh"]
+        r = _sig(gx[t, :, :H] + gh[:, :H])
+        z = _sig(gx[t, :, H:2 * H] + gh[:, H:2 * H])
+        n = np.tanh(gx[t, :, 2 * H:] + r * gh[:, 2 * H:])
+        saved.append((h, r, z, n, gh[:, 2 * H:]))
+        h = (1 - z) * n + z * h
+        Y[t] = h
+    if dY is None:
+        return Y, h, None
+    g = {"weight_hh": np.zeros_like(whh), "bias_hh": np.zeros_like(w["b_hh"])}
+    dgx = np.empty((T, B, 3 * H), x.dtype)
+    dh = np.array(dh, x.dtype)
+    for t in reversed(range(T)):
+        hp, r, z, n, ghn = saved[t]
+        dh = dh + dY[t]
+        dan = dh * (1 - z) * (1 - n * n)  # at n's pre-activation
+        dar = dan * ghn * r * (1 - r)
+        daz = dh * (hp - n) * z * (1 - z)
+        dgh = np.concatenate([dar, daz, dan * r], axis=1)  # at h @ W_hh.T + b_hh
+        dgx[t] = np.concatenate([dar, daz, dan], axis=1)  # at x @ W_ih.T + b_ih
+        g["weight_hh"] += dgh.T @ hp
+        g["bias_hh"] += dgh.sum(axis=0)
+        dh = dh * z + dgh @ whh
+    flat = dgx.reshape(T * B, 3 * H)
+    g["weight_ih"] = flat.T @ x.reshape(T * B, -1)
+    g["bias_ih"] = flat.sum(axis=0)
+    g["x"] = (flat @ wih).reshape(x.shape)
+    return Y, h, g
+
+
+def gradient_reference(wl: Workload) -> dict:
+    """W8's gradients in float64, keyed by ``GRADIENTS``; ``"x"`` batch-major
+    ``[B, T, I]`` like ``wl.x``."""
+    tm = (1, 0, 2)
+    _, _, g = gru_train(wl.x_time_major().astype(np.float64), _f64(wl.weights),
+                        wl.extra["dY"].transpose(tm).astype(np.float64),
+                        wl.extra["dh"].astype(np.float64))
+    g["x"] = g["x"].transpose(tm)
+    return g
