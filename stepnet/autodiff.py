@@ -163,14 +163,17 @@ class BackwardOutputs:
     sequences: list  # per forward sequence input: index of its all-steps cotangent, or None
     contribs: list = field(default_factory=list)  # (const Var, Rows/Outer of indices)
     injected: list = field(default_factory=list)  # forward output indices seeded by the flag
+    values: list = field(default_factory=list)  # the enclosing var of each output index
 
 
 def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
-    """The backward ``rnn`` equation of the forward ``rnn`` equation ``eqn``.
+    """The backward ``rnn`` equations of the forward ``rnn`` equation ``eqn``.
 
     ``pre_seqs``: per memory, the enclosing value holding its previous states
     (all steps); ``cts``: per output of ``eqn``, the enclosing value holding its
-    cotangent, or None. Returns ``(equation, BackwardOutputs)``.
+    cotangent, or None. Returns ``([equation, ...], BackwardOutputs)``: the
+    time loop, and maybe a memory-free step-net for the work after it; output
+    indices in BackwardOutputs refer to ``BackwardOutputs.values``.
     """
     body = eqn.attrs["body"]
     seqs, statics, _ = ir.rnn_parts(eqn)
@@ -274,10 +277,20 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
     result = BackwardOutputs([], [], [], injected=[k for k, _, _ in injected])
 
     def output(var, flag, memory=-1):
+        for i, (v, f, m) in enumerate(zip(outputs, all_steps, out_memory)):
+            if v is var and f == flag and m == memory:
+                return i  # one value given once
         outputs.append(var)
         all_steps.append(flag)
         out_memory.append(memory)
         return len(outputs) - 1
+
+    def factor(var):
+        """An Outer factor: a top-level step input is read from the input itself."""
+        for v, operand in zip(step_inputs, seq_operands):
+            if top and v is var:
+                return operand
+        return output(var, True)
 
     for m, adj, init in zip(body.memories, adjoints, adjoint_init):
         post = ct.get(id(m.pre))
@@ -303,25 +316,100 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
             if isinstance(term, Rows):
                 result.contribs.append((var, Rows(output(term.value, True))))
             else:
-                result.contribs.append((var, Outer(output(term.a, True), output(term.g, True))))
+                result.contribs.append((var, Outer(factor(term.a), output(term.g, True))))
 
-    block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
-                  _live_eqns(em.eqns, outputs, memories), tuple(outputs))
-    outs = tuple(
-        _new_var(f"{v.name}_out", v.dtype, v.shape, v.lod_depth + 1 if flag else v.lod_depth)
-        for v, flag in zip(outputs, all_steps)
-    )
+    eqns = _live_eqns(em.eqns, outputs, memories)
+    loop_eqns, post_eqns = _split_after_loop(eqns, outputs, all_steps, memories)
     attrs = {
         "name": f"{name}_grad",
-        "body": block,
         "reverse": not eqn.attrs["reverse"],
-        "all_steps": tuple(all_steps),
-        "output_memory": tuple(out_memory),
-        "num_sequence_inputs": len(seq_operands),
         "num_static_inputs": len(static_operands),
     }
-    bwd = Eqn("rnn", tuple(seq_operands) + tuple(static_operands) + tuple(mem_inits), outs, attrs)
-    return bwd, result
+    if not post_eqns:
+        block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
+                      _schedule(eqns), tuple(outputs))
+        loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, all_steps,
+                        out_memory, attrs)
+        result.values = list(loop.outputs)
+        return [loop], result
+    # The ops that neither the memories nor the last-step outputs need run after
+    # the time loop, over every step at once (dX = G @ W^T is one GEMM): a second
+    # step-net without memories reads what they need as all-steps outputs.
+    post_defined = {id(o) for e in post_eqns for o in e.outputs}
+    loop_outputs, loop_flags, loop_memory = [], [], []
+    post_outputs = []
+    where = []
+    for v, flag, m in zip(outputs, all_steps, out_memory):
+        if id(v) in post_defined:
+            where.append(("post", len(post_outputs)))
+            post_outputs.append(v)
+        else:
+            where.append(("loop", len(loop_outputs)))
+            loop_outputs.append(v)
+            loop_flags.append(flag)
+            loop_memory.append(m)
+    step_ids = {id(v): (v, o) for v, o in zip(step_inputs, seq_operands)}
+    static_ids = {id(v): (v, o) for v, o in zip(static_inputs, static_operands)}
+    post_steps, post_seq_operands, post_statics, post_static_operands = [], [], [], []
+    exported = []  # loop values the post step reads: (var, index among loop outputs)
+    seen = set()
+    for e in post_eqns:
+        for v in e.inputs:
+            if not isinstance(v, Var) or id(v) in post_defined or id(v) in seen or not v.batched:
+                continue
+            seen.add(id(v))
+            if id(v) in step_ids:
+                post_steps.append(v)
+                post_seq_operands.append(step_ids[id(v)][1])
+            elif id(v) in static_ids:
+                post_statics.append(v)
+                post_static_operands.append(static_ids[id(v)][1])
+            else:
+                exported.append((v, len(loop_outputs)))
+                loop_outputs.append(v)
+                loop_flags.append(True)
+                loop_memory.append(-1)
+    block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
+                  _schedule(loop_eqns), tuple(loop_outputs))
+    loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, loop_flags, loop_memory,
+                    attrs)
+    post_steps = [v for v, _ in exported] + post_steps
+    post_seq_operands = [loop.outputs[i] for _, i in exported] + post_seq_operands
+    post_block = Block(tuple(post_steps), tuple(post_statics), (), _schedule(post_eqns),
+                       tuple(post_outputs))
+    post = _rnn_eqn(post_block, post_seq_operands, post_static_operands, [],
+                    [True] * len(post_outputs), [-1] * len(post_outputs),
+                    dict(attrs, name=f"{name}_grad_rest", num_static_inputs=len(post_statics)))
+    result.values = [loop.outputs[i] if part == "loop" else post.outputs[i]
+                     for part, i in where]
+    return [loop, post], result
+
+
+def _rnn_eqn(block, seq_operands, static_operands, inits, all_steps, out_memory, attrs):
+    outs = tuple(
+        _new_var(f"{v.name}_out", v.dtype, v.shape, v.lod_depth + 1 if flag else v.lod_depth)
+        for v, flag in zip(block.outputs, all_steps)
+    )
+    attrs = dict(attrs, body=block, all_steps=tuple(all_steps), output_memory=tuple(out_memory),
+                 num_sequence_inputs=len(seq_operands))
+    return Eqn("rnn", tuple(seq_operands) + tuple(static_operands) + tuple(inits), outs, attrs)
+
+
+def _split_after_loop(eqns, outputs, all_steps, memories):
+    """(loop eqns, post eqns): post are the ops that only all-steps outputs
+    need; empty unless they include a matmul (else the split only adds copies)."""
+    need = {id(m.post) for m in memories}
+    need |= {id(v) for v, flag in zip(outputs, all_steps) if not flag}
+    loop = set()
+    for e in reversed(eqns):
+        if e.op == "rnn" or any(id(o) in need for o in e.outputs):
+            loop.add(id(e))
+            need.update(id(v) for v in e.inputs if isinstance(v, Var))
+    post = [e for e in eqns if id(e) not in loop]
+    if not any(registry.get(e.op).kind == "matmul" for e in post):
+        return eqns, []
+    # a post matmul that is hoisted anyway (it reads step inputs only) stays put
+    return [e for e in eqns if id(e) in loop], post
 
 
 def _pull_nested(e, pres, ct, add, em):
@@ -330,9 +418,9 @@ def _pull_nested(e, pres, ct, add, em):
     if all(g is None for g in cts):
         return
     bwd, res = backward_eqn(e, pres, cts, top=False)
-    em.eqns.append(bwd)
+    em.eqns.extend(bwd)
     seqs, statics, inits = ir.rnn_parts(e)
-    outs = bwd.outputs
+    outs = res.values
     for v, i in zip(inits, res.inits):
         if isinstance(v, Var):
             add(v, em.unbroadcast(outs[i], v))
@@ -381,6 +469,29 @@ def _live_eqns(eqns, outputs, memories) -> tuple:
     return tuple(reversed(live))
 
 
+def _schedule(eqns) -> tuple:
+    """A topological order that runs elementwise ops as early as their operands
+    allow, grouped by shape, so a backend fuses them into few loops between the
+    matmuls (the rules emit them interleaved)."""
+    elementwise = {"elementwise"}
+    defined_by = {id(o): i for i, e in enumerate(eqns) for o in e.outputs}
+    deps = [{defined_by[id(v)] for v in e.inputs if isinstance(v, Var) and id(v) in defined_by}
+            for e in eqns]
+    done, order, shape = set(), [], None
+    pending = list(range(len(eqns)))
+    while pending:
+        ready = [i for i in pending if deps[i] <= done]
+        fusable = [i for i in ready if eqns[i].op != "rnn"
+                   and registry.get(eqns[i].op).kind in elementwise]
+        same = [i for i in fusable if eqns[i].outputs[0].shape == shape]
+        pick = (same or fusable or ready)[0]
+        shape = eqns[pick].outputs[0].shape
+        order.append(pick)
+        done.add(pick)
+        pending.remove(pick)
+    return tuple(eqns[i] for i in order)
+
+
 # ----------------------------------------------------------------------------
 # top-level programs
 
@@ -417,9 +528,17 @@ def backward_program(program: ir.Program, ct_present):
                    if present else None)
     bwd, layout = backward_eqn(eqn, pres, cts, top=True)
     inputs = tuple(seqs) + tuple(statics) + tuple(pres) + tuple(c for c in cts if c is not None)
-    prog = ir.Program(inputs, program.consts, bwd)
-    ir.check(prog)
-    return prog, layout
+    programs = [ir.Program(inputs, program.consts, bwd[0])]
+    if len(bwd) == 2:  # the work after the loop reads the loop's outputs and inputs
+        operands, seen = [], set()
+        for v in bwd[1].inputs:
+            if isinstance(v, Var) and id(v) not in seen:
+                seen.add(id(v))
+                operands.append(v)
+        programs.append(ir.Program(tuple(operands), program.consts, bwd[1]))
+    for prog in programs:
+        ir.check(prog)
+    return programs, layout
 
 
 def const_only_eqns(program: ir.Program) -> list:
@@ -435,16 +554,21 @@ def const_only_eqns(program: ir.Program) -> list:
     return out
 
 
-def reduce_terms(layout, outputs, const_shapes) -> dict:
-    """Sum the per-row terms: ``{id(const var): gradient}``."""
+def reduce_terms(layout, outputs, inputs) -> dict:
+    """Sum the per-row terms: ``{id(const var): gradient}``. A term's index is
+    an output of the backward rnn; a Var is one of its inputs (``inputs``:
+    id(var) -> value)."""
     grads = {}
+
+    def rows(ref):
+        return (inputs[id(ref)] if isinstance(ref, Var) else outputs[ref]).data
+
     for var, term in layout.contribs:
         if isinstance(term, Rows):
-            rows = outputs[term.value].data
-            g = rows.reshape(rows.shape[0], -1).sum(0).reshape(var.shape)
+            r = rows(term.value)
+            g = r.reshape(r.shape[0], -1).sum(0).reshape(var.shape)
         else:
-            a, gg = outputs[term.a].data, outputs[term.g].data
-            g = a.T @ gg
+            g = rows(term.a).T @ rows(term.g)
         grads[id(var)] = grads[id(var)] + g if id(var) in grads else g
     return grads
 
@@ -506,7 +630,7 @@ class Pullback:
         program = rnn.program(self.flags)
         cts = _check_grad_outputs(rnn, program, self.outputs, grad_outputs)
         present = tuple(c is not None for c in cts)
-        run, layout = _compiled_backward(rnn, self.backend, self.flags, present)
+        runs, layout = _compiled_backward(rnn, self.backend, self.flags, present)
         seqs, statics, _ = ir.rnn_parts(program.eqn)
         position = {id(v): i for i, v in enumerate(program.inputs)}
         args = [self.args[position[id(v)]] for v in tuple(seqs) + tuple(statics)]
@@ -514,8 +638,15 @@ class Pullback:
         for c, res, flag in zip(cts, self.outputs, self.flags):
             if c is not None:
                 args.append(LoDTensor(c, res.levels) if flag else c)
-        results = run(args, self.consts)
-        grads = pull_consts(program, reduce_terms(layout, results, None), self.consts)
+        values = {}
+        for run, prog in runs:
+            if not values:
+                values.update((id(v), a) for v, a in zip(prog.inputs, args))
+            outs = run([values[id(v)] for v in prog.inputs], self.consts)
+            values.update((id(v), a) for v, a in zip(prog.eqn.outputs, outs))
+        results = [values[id(v)] for v in layout.values]
+        inputs = values
+        grads = pull_consts(program, reduce_terms(layout, results, inputs), self.consts)
         lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))
         d_inits = []
         for i in layout.inits:
@@ -657,8 +788,9 @@ def _compiled_backward(rnn, backend, flags, present):
     key = ("backward", backend, flags, present)
     cache = _programs(rnn)
     if key not in cache:
-        prog, layout = backward_program(rnn.program(flags), present)
-        cache[key] = (_module(backend).compile_program(prog), layout)
+        programs, layout = backward_program(rnn.program(flags), present)
+        module = _module(backend)
+        cache[key] = ([(module.compile_program(p), p) for p in programs], layout)
     return cache[key]
 
 
