@@ -70,6 +70,7 @@ class _BlockEmitter:
 
     def __init__(self):
         self.eqns = []
+        self.producer = {}  # id(var) -> the equation this emitter made it with
 
     @staticmethod
     def val(v):
@@ -78,8 +79,39 @@ class _BlockEmitter:
     def op(self, name, *operands, **attrs):
         avals = registry.get(name).infer(list(operands), attrs)
         outs = tuple(_new_var(name, a.dtype, a.shape) for a in avals)
-        self.eqns.append(Eqn(name, tuple(operands), outs, dict(attrs)))
+        eqn = Eqn(name, tuple(operands), outs, dict(attrs))
+        self.eqns.append(eqn)
+        self.producer[id(outs[0])] = eqn
         return outs[0]
+
+    def _weight_matmul(self, v):
+        """The ``a @ W`` equation (a one row per sequence, W constant) behind ``v``."""
+        e = self.producer.get(id(v))
+        if e is None or e.op != "matmul":
+            return None
+        a, w = e.inputs
+        if (isinstance(w, Var) and not w.batched and len(w.shape) == 2 and a.batched
+                and len(a.shape) == 2 and np.dtype(a.dtype) == np.dtype(w.dtype)):
+            return e
+        return None
+
+    def sum_terms(self, terms):
+        """The sum of a value's cotangent terms; ``a1 @ W1 + a2 @ W2 + ...``
+        becomes one matmul ``[a1 a2 ...] @ [W1; W2; ...]`` (one GEMM per step
+        for the recurrent weights of every gate)."""
+        matmuls = [t for t in terms if self._weight_matmul(t) is not None]
+        rest = [t for t in terms if self._weight_matmul(t) is None]
+        if len(matmuls) >= 2:
+            eqns = [self._weight_matmul(t) for t in matmuls]
+            left = self.op("concat", *[e.inputs[0] for e in eqns], axis=1)
+            right = self.op("concat", *[e.inputs[1] for e in eqns], axis=0)
+            rest.append(self.op("matmul", left, right))
+        else:
+            rest += matmuls
+        value = rest[0]
+        for t in rest[1:]:
+            value = self.op("add", value, t)
+        return value
 
     @staticmethod
     def outer(a, g):
@@ -185,7 +217,7 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
     static_operands = list(statics)
     memories, mem_inits = [], []
     outputs, all_steps, out_memory = [], [], []
-    ct, contribs = {}, {}
+    ct, contribs = _Cotangents(em), {}
 
     def add(var, g):
         if g is None or not _is_float(var):
@@ -200,15 +232,12 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
                 f"gradient of {name}: {var.name} is {np.dtype(var.dtype)} but meets "
                 f"{np.dtype(g.dtype)} values; gradients need one float dtype per step-net"
             )
-        if id(var) not in ct:
-            ct[id(var)] = g
-        elif var.lod_depth:
+        if var.lod_depth and id(var) in ct:
             raise UnsupportedError(
                 f"gradient of {name}: the ragged value {var.name} is read twice; "
                 "gradients of a ragged value used by several ops are not supported"
             )
-        else:
-            ct[id(var)] = em.op("add", ct[id(var)], g)
+        ct.append(var, g)
 
     # the recompute: the forward step, nested step-nets keeping their workspace
     inner_pres = {}
@@ -410,6 +439,29 @@ def _split_after_loop(eqns, outputs, all_steps, memories):
         return eqns, []
     # a post matmul that is hoisted anyway (it reads step inputs only) stays put
     return [e for e in eqns if id(e) in loop], post
+
+
+class _Cotangents:
+    """Each value's cotangent terms, summed when the cotangent is first read
+    (every term is in by then: the pullback runs consumers first)."""
+
+    def __init__(self, em):
+        self.em = em
+        self.terms = {}
+        self.sums = {}
+
+    def __contains__(self, key):
+        return key in self.terms
+
+    def append(self, var, g):
+        assert id(var) not in self.sums, f"cotangent of {var.name} grew after it was read"
+        self.terms.setdefault(id(var), []).append(g)
+
+    def get(self, key):
+        if key not in self.sums:
+            terms = self.terms.get(key)
+            self.sums[key] = self.em.sum_terms(terms) if terms else None
+        return self.sums[key]
 
 
 def _pull_nested(e, pres, ct, add, em):
