@@ -394,10 +394,13 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
                 post_statics.append(v)
                 post_static_operands.append(static_ids[id(v)][1])
             else:
-                exported.append((v, len(loop_outputs)))
-                loop_outputs.append(v)
-                loop_flags.append(True)
-                loop_memory.append(-1)
+                given = [i for i, (w, f) in enumerate(zip(loop_outputs, loop_flags))
+                         if w is v and f]
+                exported.append((v, given[0] if given else len(loop_outputs)))
+                if not given:
+                    loop_outputs.append(v)
+                    loop_flags.append(True)
+                    loop_memory.append(-1)
     block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
                   _schedule(loop_eqns), tuple(loop_outputs))
     loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, loop_flags, loop_memory,
