@@ -205,6 +205,8 @@ def clip_grad_norm(grads, max_norm, norm_type=2.0):
     (``float("inf")``: the largest absolute value). When it exceeds
     ``max_norm`` every gradient is multiplied by ``max_norm / (norm + 1e-6)``.
     ``None`` entries are skipped. The arrays must be writable float arrays.
+    A NaN norm leaves the gradients as they are (PyTorch's would turn them all
+    into NaN); the returned norm says so.
     """
     max_norm = _nonnegative(max_norm, "clip_grad_norm: max_norm")
     norm_type = float(norm_type)

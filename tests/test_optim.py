@@ -298,3 +298,9 @@ def test_training_a_step_net_with_gradients_lowers_its_loss():
     assert len(losses) == 120
     assert np.mean(losses[-8:]) < 0.5 * np.mean(losses[:8])
     assert step_fn(test)[0] < 0.5 * baseline
+
+
+def test_clip_grad_norm_leaves_gradients_with_a_nan_norm_alone():
+    g = np.array([np.nan, 1.0])
+    assert np.isnan(clip_grad_norm([g], 1.0))
+    np.testing.assert_array_equal(g, [np.nan, 1.0])
