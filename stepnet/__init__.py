@@ -4,7 +4,7 @@ Write what happens in one time step; stepnet runs it over every step of every
 sequence of a batch. See DESIGN.md and README.md.
 """
 
-from . import errors, nn, ops
+from . import errors, nn, ops, optim
 from .autodiff import gradients, vjp
 from .backends import backends, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
@@ -44,6 +44,7 @@ __all__ = [
     "load_yaml",
     "nn",
     "ops",
+    "optim",
     "set_default_backend",
     "vjp",
 ]
