@@ -34,6 +34,7 @@ import numpy as np
 
 from . import ir
 from .errors import ShapeError, StepNetError, UnsupportedError
+from .jit.blas import transposed_product
 from .ir import Block, Eqn, Literal, Memory, Var
 from .lod import LoDTensor
 from .ops import registry
@@ -171,18 +172,32 @@ class _EagerEmitter:
 # building the backward step-net
 
 
-def augment(eqn: Eqn):
-    """``eqn`` with each memory's previous state added as an all-steps output
-    (the workspace). Returns the new equation and the added output vars."""
-    body = eqn.attrs["body"]
+def kept_values(body: Block) -> tuple:
+    """What the forward keeps per step for the backward (the workspace): each
+    memory's previous state, and the result of each ``a @ W`` with constant
+    weights (so the backward recomputes only elementwise ops)."""
     pres = tuple(m.pre for m in body.memories)
+    products = tuple(
+        e.outputs[0] for e in body.eqns
+        if e.op == "matmul" and e.outputs[0].batched and isinstance(e.inputs[1], Var)
+        and not e.inputs[1].batched and not any(e.outputs[0] is p for p in pres)
+    )
+    return pres + products
+
+
+def augment(eqn: Eqn):
+    """``eqn`` with its kept values (:func:`kept_values`) added as all-steps
+    outputs. Returns the new equation and the added output vars."""
+    body = eqn.attrs["body"]
+    kept = kept_values(body)
     new_body = Block(body.step_inputs, body.static_inputs, body.memories, body.eqns,
-                     body.outputs + pres)
-    extra = tuple(_new_var(f"{m.name}_ws", m.pre.dtype, m.pre.shape, m.pre.lod_depth + 1)
-                  for m in body.memories)
+                     body.outputs + kept)
+    extra = tuple(_new_var(f"{v.name}_ws", v.dtype, v.shape, v.lod_depth + 1) for v in kept)
+    memory_of = {id(m.pre): i for i, m in enumerate(body.memories)}
     attrs = dict(eqn.attrs, body=new_body,
-                 all_steps=tuple(eqn.attrs["all_steps"]) + (True,) * len(pres),
-                 output_memory=tuple(eqn.attrs["output_memory"]) + tuple(range(len(pres))))
+                 all_steps=tuple(eqn.attrs["all_steps"]) + (True,) * len(kept),
+                 output_memory=tuple(eqn.attrs["output_memory"])
+                 + tuple(memory_of.get(id(v), -1) for v in kept))
     return Eqn("rnn", eqn.inputs, eqn.outputs + extra, attrs), extra
 
 
@@ -198,11 +213,11 @@ class BackwardOutputs:
     values: list = field(default_factory=list)  # the enclosing var of each output index
 
 
-def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
+def backward_eqn(eqn: Eqn, kept, cts, top: bool):
     """The backward ``rnn`` equations of the forward ``rnn`` equation ``eqn``.
 
-    ``pre_seqs``: per memory, the enclosing value holding its previous states
-    (all steps); ``cts``: per output of ``eqn``, the enclosing value holding its
+    ``kept``: per kept value (:func:`kept_values`), the enclosing value holding
+    it at every step (the workspace); ``cts``: per output of ``eqn``, the enclosing value holding its
     cotangent, or None. Returns ``([equation, ...], BackwardOutputs)``: the
     time loop, and maybe a memory-free step-net for the work after it; output
     indices in BackwardOutputs refer to ``BackwardOutputs.values``.
@@ -211,8 +226,10 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
     seqs, statics, _ = ir.rnn_parts(eqn)
     name = eqn.attrs["name"]
     em = _BlockEmitter()
-    step_inputs = list(body.step_inputs) + [m.pre for m in body.memories]
-    seq_operands = list(seqs) + list(pre_seqs)
+    kept_vars = kept_values(body)
+    step_inputs = list(body.step_inputs) + list(kept_vars)
+    seq_operands = list(seqs) + list(kept)
+    recomputed = {id(v) for v in kept_vars}
     static_inputs = list(body.static_inputs)
     static_operands = list(statics)
     memories, mem_inits = [], []
@@ -246,7 +263,7 @@ def backward_eqn(eqn: Eqn, pre_seqs, cts, top: bool):
             e_aug, extra = augment(e)
             em.eqns.append(e_aug)
             inner_pres[id(e)] = extra
-        else:
+        elif id(e.outputs[0]) not in recomputed:  # kept values are read, not recomputed
             em.eqns.append(e)
 
     # seeds: adjoints carried from the next step, output cotangents
@@ -576,7 +593,7 @@ def backward_program(program: ir.Program, ct_present):
     eqn = program.eqn
     body = eqn.attrs["body"]
     seqs, statics, _ = ir.rnn_parts(eqn)
-    pres = [_new_var(f"{m.name}_ws", m.pre.dtype, m.pre.shape, 1) for m in body.memories]
+    pres = [_new_var(f"{v.name}_ws", v.dtype, v.shape, 1) for v in kept_values(body)]
     cts = []
     for out, present in zip(eqn.outputs, ct_present):
         cts.append(_new_var(f"d_{out.name}", out.dtype, out.shape, out.lod_depth)
@@ -623,7 +640,7 @@ def reduce_terms(layout, outputs, inputs) -> dict:
             r = rows(term.value)
             g = r.reshape(r.shape[0], -1).sum(0).reshape(var.shape)
         else:
-            g = rows(term.a).T @ rows(term.g)
+            g = transposed_product(rows(term.a), rows(term.g))
         grads[id(var)] = grads[id(var)] + g if id(var) in grads else g
     return grads
 

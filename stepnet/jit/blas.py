@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 
 from .numba_runtime import CACHE
 
-_ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 
 
 def _use_openmp():
@@ -246,6 +246,36 @@ if _openblas is not None:
         transposed copy for ``small_gemm``."""
         return b, np.ascontiguousarray(b.T)
 
+    @njit(cache=CACHE)
+    def _block_tn(a, b, out, j0, j1):
+        """out[:, j0:j1] = a.T @ b[:, j0:j1] on the calling thread (a is [k, m])."""
+        k, m = a.shape
+        n = b.shape[1]
+        size = a.itemsize
+        args = (_ROW_MAJOR, _TRANS, _NO_TRANS, m, j1 - j0, k, 1.0, a.ctypes.data, m,
+                b.ctypes.data + size * j0, n, 0.0, out.ctypes.data + size * j0, n)
+        previous = _set_threads_local((1,))
+        if size == 4:
+            _sgemm(args)
+        else:
+            _dgemm(args)
+        _set_threads_local((previous,))
+
+    @njit(cache=CACHE, parallel=True)
+    def _transposed_split(a, b, out):
+        """out = a.T @ b, column blocks over Numba's threads (weight gradients:
+        a long reduction over every token)."""
+        n = b.shape[1]
+        threads = _THREADS
+        if threads == 1 or n < 32:
+            _block_tn(a, b, out, 0, n)
+        else:
+            for t in prange(threads):
+                j0 = (n * t // threads) // 16 * 16
+                j1 = n if t == threads - 1 else (n * (t + 1) // threads) // 16 * 16
+                if j1 > j0:
+                    _block_tn(a, b, out, j0, j1)
+
     gemm32 = gemm64 = _split
     pack32 = pack64 = _pack
     gemm_packed32 = gemm_packed64 = _gemm_packed_split
@@ -344,3 +374,22 @@ else:
     gemm32 = gemm64 = _gemm
     pack32 = pack64 = _pack
     gemm_packed32 = gemm_packed64 = _gemm_packed
+
+
+def transposed_product(a, b):
+    """``a.T @ b`` for 2-D float arrays of one dtype, on the BLAS above (so on
+    the same thread pool as the kernels); NumPy for anything else."""
+    if a.dtype != b.dtype or a.dtype not in (np.float32, np.float64) or a.ndim != 2 \
+            or b.ndim != 2:
+        return a.T @ b
+    out = np.empty((a.shape[1], b.shape[1]), a.dtype)
+    if not out.size:
+        return out
+    if a.shape[0] == 0:
+        out[...] = 0
+    elif _openblas is not None:
+        _transposed_split(np.ascontiguousarray(a), np.ascontiguousarray(b), out)
+    else:
+        at = np.ascontiguousarray(a.T)
+        (gemm32 if a.dtype == np.float32 else gemm64)(at, np.ascontiguousarray(b), out)
+    return out
