@@ -174,13 +174,16 @@ class _EagerEmitter:
 
 def kept_values(body: Block) -> tuple:
     """What the forward keeps per step for the backward (the workspace): each
-    memory's previous state, and the result of each ``a @ W`` with constant
-    weights (so the backward recomputes only elementwise ops)."""
+    memory's previous state, and the result of each ``h @ U`` with constant
+    weights that depends on a memory (a per-step product in the forward). The
+    backward recomputes the rest: products of the step inputs alone (``x @ W``)
+    are one hoisted GEMM there, cheaper than storing them step by step."""
     pres = tuple(m.pre for m in body.memories)
+    dependent = {id(v) for v in ir.memory_dependent(body)}
     products = tuple(
         e.outputs[0] for e in body.eqns
-        if e.op == "matmul" and e.outputs[0].batched and isinstance(e.inputs[1], Var)
-        and not e.inputs[1].batched and not any(e.outputs[0] is p for p in pres)
+        if e.op == "matmul" and id(e.outputs[0]) in dependent and isinstance(e.inputs[1], Var)
+        and not e.inputs[1].batched
     )
     return pres + products
 
