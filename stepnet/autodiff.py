@@ -301,13 +301,15 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
         injected.append((k, res, s))
     for m, adj in zip(body.memories, adjoints):
         add(m.post, adj)
-    if injected:
-        dtype = injected[0][1].dtype
-        flag_pre = _new_var("first_step", dtype, (None, 1))
-        for _, res, s in injected:
-            add(res, em.op("mul", s, flag_pre))
-        memories.append(Memory("first_step", flag_pre, em.op("mul", flag_pre, Literal(0.0))))
-        mem_inits.append(Literal(1.0))
+    flags = {}  # (rank, dtype) -> a first-step flag memory of that rank
+    for _, res, s in injected:
+        key = (len(res.shape), np.dtype(res.dtype).str)
+        if key not in flags:
+            flags[key] = _new_var("first_step", res.dtype, (None,) + (1,) * (len(res.shape) - 1))
+            memories.append(Memory("first_step", flags[key],
+                                   em.op("mul", flags[key], Literal(0.0))))
+            mem_inits.append(Literal(1.0))
+        add(res, em.op("mul", s, flags[key]))
 
     # the pullback, last op first
     for e in reversed(body.eqns):
@@ -460,8 +462,16 @@ def _split_after_loop(eqns, outputs, all_steps, memories):
     post = [e for e in eqns if id(e) not in loop]
     if not any(registry.get(e.op).kind == "matmul" for e in post):
         return eqns, []
-    # a post matmul that is hoisted anyway (it reads step inputs only) stays put
-    return [e for e in eqns if id(e) in loop], post
+    # values of constants alone (W.T) that the work after the loop reads are
+    # computed there too
+    post_ids = {id(e) for e in post}
+    need = {id(v) for e in post for v in e.inputs if isinstance(v, Var)}
+    for e in reversed(eqns):
+        if id(e) in loop and e.op != "rnn" and any(id(o) in need for o in e.outputs) \
+                and not any(isinstance(v, Var) and v.batched for v in e.inputs):
+            post_ids.add(id(e))
+            need.update(id(v) for v in e.inputs if isinstance(v, Var))
+    return [e for e in eqns if id(e) in loop], [e for e in eqns if id(e) in post_ids]
 
 
 class _Cotangents:
@@ -641,7 +651,7 @@ def reduce_terms(layout, outputs, inputs) -> dict:
     for var, term in layout.contribs:
         if isinstance(term, Rows):
             r = rows(term.value)
-            g = r.reshape(r.shape[0], -1).sum(0).reshape(var.shape)
+            g = r.reshape(r.shape[0], int(np.prod(r.shape[1:]))).sum(0).reshape(var.shape)
         else:
             g = transposed_product(rows(term.a), rows(term.g))
         grads[id(var)] = grads[id(var)] + g if id(var) in grads else g

@@ -344,7 +344,10 @@ def bind(opname, operands, **attrs):
     from .ops import registry
 
     op = registry.get(opname)
-    if not any(isinstance(x, Value) for x in operands):
+    # eager on plain arrays; traced on step values, and on Parameters inside a
+    # step block (so the run reads the Parameter's current value)
+    if not any(isinstance(x, Value) for x in operands) and not (
+            current_frame() is not None and any(isinstance(x, Parameter) for x in operands)):
         arrays = [
             x.value if isinstance(x, Parameter) else x for x in operands
         ]
