@@ -154,10 +154,6 @@ class _EagerEmitter:
         return registry.get(name).numpy(*args, **attrs)
 
     @staticmethod
-    def outer(a, g):
-        return np.swapaxes(a, -1, -2) @ g
-
-    @staticmethod
     def unbroadcast(g, target):
         g = np.asarray(g)
         while g.ndim > len(target.shape):
@@ -338,9 +334,10 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
 
     def factor(var):
         """An Outer factor: a top-level step input is read from the input itself."""
-        for v, operand in zip(step_inputs, seq_operands):
-            if top and v is var:
-                return operand
+        if top:
+            for v, operand in zip(step_inputs, seq_operands):
+                if v is var:
+                    return operand
         return output(var, True)
 
     for m, adj, init in zip(body.memories, adjoints, adjoint_init):
@@ -546,11 +543,7 @@ def _live_eqns(eqns, outputs, memories) -> tuple:
     for e in reversed(eqns):
         if any(id(o) in need for o in e.outputs):
             live.append(e)
-            for v in e.inputs:
-                if isinstance(v, Var):
-                    need.add(id(v))
-            if e.op == "rnn":  # its body reads its own inputs only
-                pass
+            need.update(id(v) for v in e.inputs if isinstance(v, Var))
     return tuple(reversed(live))
 
 
@@ -558,7 +551,6 @@ def _schedule(eqns) -> tuple:
     """A topological order that runs elementwise ops as early as their operands
     allow, grouped by shape, so a backend fuses them into few loops between the
     matmuls (the rules emit them interleaved)."""
-    elementwise = {"elementwise"}
     defined_by = {id(o): i for i, e in enumerate(eqns) for o in e.outputs}
     deps = [{defined_by[id(v)] for v in e.inputs if isinstance(v, Var) and id(v) in defined_by}
             for e in eqns]
@@ -567,7 +559,7 @@ def _schedule(eqns) -> tuple:
     while pending:
         ready = [i for i in pending if deps[i] <= done]
         fusable = [i for i in ready if eqns[i].op != "rnn"
-                   and registry.get(eqns[i].op).kind in elementwise]
+                   and registry.get(eqns[i].op).kind == "elementwise"]
         same = [i for i in fusable if eqns[i].outputs[0].shape == shape]
         pick = (same or fusable or ready)[0]
         shape = eqns[pick].outputs[0].shape
@@ -579,17 +571,6 @@ def _schedule(eqns) -> tuple:
 
 # ----------------------------------------------------------------------------
 # top-level programs
-
-
-@dataclass
-class GradientProgram:
-    """The forward (with workspace) and backward programs of a top-level step-net."""
-
-    forward: ir.Program
-    num_outputs: int
-    backward: ir.Program
-    layout: BackwardOutputs
-    ct_present: tuple
 
 
 def forward_program(program: ir.Program) -> ir.Program:
@@ -693,7 +674,7 @@ class Pullback:
     step: each memory's previous state, one row per token.
     """
 
-    def __init__(self, rnn, flags, backend, args, outputs, workspace, consts, float16, values):
+    def __init__(self, rnn, flags, backend, args, outputs, workspace, consts, values):
         self.rnn = rnn
         self.values = values  # binding name -> the value this run was given
         self.flags = flags
@@ -702,7 +683,6 @@ class Pullback:
         self.outputs = outputs
         self.workspace = workspace
         self.consts = consts
-        self.float16 = float16
 
     @property
     def workspace_bytes(self) -> int:
@@ -852,16 +832,11 @@ def _check_grad_outputs(rnn, program, outputs, grad_outputs):
     return cts
 
 
-def _programs(rnn):
-    cache = rnn.__dict__.setdefault("_gradient_programs", {})
-    return cache
-
-
 def _compiled_forward(rnn, backend, flags):
     from .backends import _module
 
     key = ("forward", backend, flags)
-    cache = _programs(rnn)
+    cache = rnn._gradient_programs
     if key not in cache:
         cache[key] = _module(backend).compile_program(forward_program(rnn.program(flags)))
     return cache[key]
@@ -871,7 +846,7 @@ def _compiled_backward(rnn, backend, flags, present):
     from .backends import _module
 
     key = ("backward", backend, flags, present)
-    cache = _programs(rnn)
+    cache = rnn._gradient_programs
     if key not in cache:
         programs, layout = backward_program(rnn.program(flags), present)
         module = _module(backend)
@@ -894,12 +869,9 @@ def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings)
     results = _compiled_forward(rnn, backend, flags)(args, consts)
     n = len(rnn.block.outputs)
     outputs, workspace = list(results[:n]), list(results[n:])
-    float16 = any(
-        b.kind == "sequence" and np.dtype(bindings.get(name, b.value).dtype) == np.float16
-        for name, b in rnn.bindings.items()
-    )
+    float16 = rnn.float16_input(bindings)
     values = {name: bindings.get(name, b.value) for name, b in rnn.bindings.items()}
-    pullback = Pullback(rnn, flags, backend, args, outputs, workspace, consts, float16, values)
+    pullback = Pullback(rnn, flags, backend, args, outputs, workspace, consts, values)
     shown = [o.astype(np.float16) for o in outputs] if float16 else outputs
     return (shown[0] if n == 1 else tuple(shown)), pullback
 

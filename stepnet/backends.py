@@ -91,10 +91,7 @@ class CompiledStepNet:
             outputs = run(args, rnn.const_values(), scopes=scopes)
         else:
             outputs = run(args, rnn.const_values())
-        if any(
-            b.kind == "sequence" and np.dtype(inputs.get(n, b.value).dtype) == np.float16
-            for n, b in rnn.bindings.items()
-        ):
+        if rnn.float16_input(inputs):
             outputs = [o.astype(np.float16) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 

@@ -129,6 +129,7 @@ class RNNOp:
         self.step_scopes = None
         self._compiled = {}
         self._workspace = None  # kept by rnn(keep_workspace=True) for sn.gradients
+        self._gradient_programs = {}  # compiled forward-with-workspace and backward programs
 
     # -- definition ----------------------------------------------------------
 
@@ -475,6 +476,14 @@ class RNNOp:
 
     def _top_values(self):
         return {name: b.value for name, b in self.bindings.items()}
+
+    def float16_input(self, bindings) -> bool:
+        """Whether a step input of this run (``bindings`` over the bound values)
+        is float16: the run computes in float32 and gives float16 back."""
+        return any(
+            b.kind == "sequence" and np.dtype(bindings.get(name, b.value).dtype) == np.float16
+            for name, b in self.bindings.items()
+        )
 
     def bind(self, **bindings) -> list:
         """Validate new arrays for the named inputs; returns the program's

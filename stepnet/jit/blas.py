@@ -197,19 +197,24 @@ if _openblas is not None:
     _THREADS = max(1, int(numba_config.NUMBA_NUM_THREADS))
 
     @njit(cache=CACHE)
-    def _block(a, b, out, i0, i1, j0, j1):
-        """out[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1] on the calling thread."""
-        k, n = b.shape
-        size = a.itemsize
-        args = (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, i1 - i0, j1 - j0, k, 1.0,
-                a.ctypes.data + size * i0 * k, k, b.ctypes.data + size * j0, n, 0.0,
-                out.ctypes.data + size * (i0 * n + j0), n)
+    def _single_threaded(size, args):
+        """One CBLAS ?gemm call (``size``: 4 for sgemm, 8 for dgemm) on the
+        calling thread: OpenBLAS's thread-local count is 1 during the call."""
         previous = _set_threads_local((1,))
         if size == 4:
             _sgemm(args)
         else:
             _dgemm(args)
         _set_threads_local((previous,))
+
+    @njit(cache=CACHE)
+    def _block(a, b, out, i0, i1, j0, j1):
+        """out[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1] on the calling thread."""
+        k, n = b.shape
+        size = a.itemsize
+        _single_threaded(size, (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, i1 - i0, j1 - j0, k, 1.0,
+                                a.ctypes.data + size * i0 * k, k, b.ctypes.data + size * j0,
+                                n, 0.0, out.ctypes.data + size * (i0 * n + j0), n))
 
     @njit(cache=CACHE, parallel=True)
     def _split(a, b, out):
@@ -252,14 +257,9 @@ if _openblas is not None:
         k, m = a.shape
         n = b.shape[1]
         size = a.itemsize
-        args = (_ROW_MAJOR, _TRANS, _NO_TRANS, m, j1 - j0, k, 1.0, a.ctypes.data, m,
-                b.ctypes.data + size * j0, n, 0.0, out.ctypes.data + size * j0, n)
-        previous = _set_threads_local((1,))
-        if size == 4:
-            _sgemm(args)
-        else:
-            _dgemm(args)
-        _set_threads_local((previous,))
+        _single_threaded(size, (_ROW_MAJOR, _TRANS, _NO_TRANS, m, j1 - j0, k, 1.0,
+                                a.ctypes.data, m, b.ctypes.data + size * j0, n, 0.0,
+                                out.ctypes.data + size * j0, n))
 
     @njit(cache=CACHE, parallel=True)
     def _transposed_split(a, b, out):
