@@ -1,0 +1,482 @@
+"""The ONNX operators stepnet runs outside its recurrent nodes: one entry per op.
+
+An entry's ``run(ctx, *inputs, **attrs)`` computes the node. At graph level
+its inputs are NumPy arrays. Inside a Scan body (``ctx.step``) an input may be
+a step value (``sn.Value``): the body's tensor of ONNX shape ``S`` is the step
+value of shape ``[B, *S]`` (one row per sequence), so an ONNX axis ``a`` is the
+step value's axis ``a + 1``; an entry with ``in_step=False`` only takes arrays.
+Missing optional inputs are ``None``. ``attrs`` lists the attributes the entry
+understands; any other attribute is refused before anything runs.
+
+``vjp(ctx, inputs, outputs, grads, **attrs)`` (graph level, arrays only) gives
+one gradient per input (``None``: not differentiable) for the ONNX Gradient
+operator; see :mod:`stepnet.onnx.gradient`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops as sn_ops
+from ..errors import UnsupportedError
+from ..tracing import Value
+
+OPS: dict = {}
+
+
+@dataclass
+class OnnxOp:
+    name: str
+    run: Callable
+    attrs: frozenset = frozenset()
+    in_step: bool = True
+    vjp: Callable | None = None
+
+
+@dataclass
+class NodeContext:
+    """What an op needs to know about the node it runs: for error messages,
+    the opset, and whether it runs inside a Scan body."""
+
+    node: str  # the node's name, or its op and first output
+    op: str
+    opset: int
+    step: bool = False
+    num_outputs: int = 1
+
+    def unsupported(self, what) -> UnsupportedError:
+        return UnsupportedError(f"ONNX node {self.node!r} ({self.op}): {what}")
+
+
+def op(name, attrs=(), in_step=True):
+    def register(fn):
+        OPS[name] = OnnxOp(name, fn, frozenset(attrs), in_step)
+        return fn
+
+    return register
+
+
+def is_step(x) -> bool:
+    return isinstance(x, Value)
+
+
+def rank(x) -> int:
+    """The ONNX rank of a value: a step value's batch axis is not counted."""
+    return len(x.shape) - 1 if is_step(x) else np.ndim(x)
+
+
+def axis_of(ctx, x, axis, extra=0) -> int:
+    """ONNX ``axis`` of ``x`` (negative allowed; ``extra`` more axes in the
+    result, for Unsqueeze) as an axis of the array or step value."""
+    r = rank(x) + extra
+    if not -r <= axis < max(r, 1):
+        raise ctx.unsupported(f"axis {axis} is out of range for rank {r}")
+    axis %= max(r, 1)
+    return axis + 1 if is_step(x) else axis
+
+
+def _any_step(xs) -> bool:
+    return any(is_step(x) for x in xs)
+
+
+def _check_constant_rank(ctx, xs):
+    """ONNX broadcasting of a step value against a constant of higher rank
+    would need the constant's leading axes outside the batch axis."""
+    r = max(rank(x) for x in xs if is_step(x))
+    for x in xs:
+        if x is not None and not is_step(x) and np.ndim(x) > r:
+            raise ctx.unsupported(
+                f"a constant of rank {np.ndim(x)} broadcast against a Scan state or scan "
+                f"input of rank {r} inside a Scan body")
+
+
+def _int_div(a, b):
+    q = np.abs(a) // np.abs(b)
+    return (np.sign(a) * np.sign(b) * q).astype(np.result_type(a, b))
+
+
+def _binary(name, np_fn, sn_fn):
+    @op(name)
+    def run(ctx, a, b):
+        if _any_step((a, b)):
+            _check_constant_rank(ctx, (a, b))
+            return sn_fn(a, b)
+        if name == "Div" and np.asarray(a).dtype.kind in "iu":
+            return _int_div(a, b)
+        return np_fn(a, b)
+
+
+_binary("Add", np.add, sn_ops.add)
+_binary("Sub", np.subtract, sn_ops.sub)
+_binary("Mul", np.multiply, sn_ops.mul)
+_binary("Div", np.divide, sn_ops.div)
+_binary("Greater", np.greater, sn_ops.greater)
+_binary("GreaterOrEqual", np.greater_equal, sn_ops.greater_equal)
+_binary("Less", np.less, sn_ops.less)
+_binary("LessOrEqual", np.less_equal, sn_ops.less_equal)
+_binary("Equal", np.equal, sn_ops.equal)
+
+
+def _variadic(name, np_fn, sn_fn):
+    @op(name)
+    def run(ctx, *xs):
+        if not xs:
+            raise ctx.unsupported("needs at least one input")
+        step = _any_step(xs)
+        if step:
+            _check_constant_rank(ctx, xs)
+        out = xs[0]
+        for x in xs[1:]:
+            out = (sn_fn if step else np_fn)(out, x)
+        if name == "Mean":
+            out = sn_ops.mul(out, 1.0 / len(xs)) if step else out / np.asarray(len(xs), out.dtype)
+        return out
+
+
+_variadic("Sum", np.add, sn_ops.add)
+_variadic("Mean", np.add, sn_ops.add)
+_variadic("Max", np.maximum, sn_ops.maximum)
+_variadic("Min", np.minimum, sn_ops.minimum)
+
+
+def _unary(name, np_fn, sn_fn, attrs=(), defaults=None):
+    defaults = defaults or {}
+
+    @op(name, attrs)
+    def run(ctx, x, **kw):
+        kw = {**defaults, **kw}
+        if is_step(x):
+            return sn_fn(x, **kw)
+        x = np.asarray(x)
+        return np.asarray(np_fn(x, **kw), x.dtype)
+
+
+def _np(sn_fn):
+    """The NumPy reference of a stepnet composite: it computes eagerly on arrays."""
+    return lambda x, **kw: sn_fn(x, **kw)
+
+
+_unary("Neg", np.negative, sn_ops.neg)
+_unary("Abs", np.abs, sn_ops.abs)
+_unary("Exp", np.exp, sn_ops.exp)
+_unary("Log", np.log, sn_ops.log)
+_unary("Tanh", np.tanh, sn_ops.tanh)
+_unary("Sigmoid", _np(sn_ops.sigmoid), sn_ops.sigmoid)
+_unary("Relu", _np(sn_ops.relu), sn_ops.relu)
+_unary("Softplus", _np(sn_ops.softplus), sn_ops.softplus)
+_unary("Softsign", _np(sn_ops.softsign), sn_ops.softsign)
+_unary("Elu", _np(sn_ops.elu), sn_ops.elu, ["alpha"], {"alpha": 1.0})
+_unary("LeakyRelu", _np(sn_ops.leaky_relu), sn_ops.leaky_relu, ["alpha"], {"alpha": 0.01})
+_unary("ThresholdedRelu", _np(sn_ops.thresholded_relu), sn_ops.thresholded_relu, ["alpha"],
+       {"alpha": 1.0})
+_unary("HardSigmoid", _np(sn_ops.hard_sigmoid), sn_ops.hard_sigmoid, ["alpha", "beta"],
+       {"alpha": 0.2, "beta": 0.5})
+
+
+def _selu(x, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
+    return sn_ops.mul(sn_ops.elu(x, alpha=alpha), gamma)
+
+
+_unary("Selu", _np(_selu), _selu, ["alpha", "gamma"])
+
+
+def _sqrt(x):
+    return sn_ops.exp(sn_ops.mul(sn_ops.log(x), 0.5))
+
+
+_unary("Sqrt", np.sqrt, _sqrt)
+_unary("Reciprocal", lambda x: 1 / x, lambda x: sn_ops.div(1.0, x))
+
+
+@op("Identity")
+def _identity(ctx, x):
+    return x
+
+
+@op("Dropout", ["seed"])
+def _dropout(ctx, x, ratio=None, training_mode=None):
+    if training_mode is not None and bool(np.asarray(training_mode)):
+        raise ctx.unsupported("training_mode=True (stepnet runs Dropout as inference)")
+    if is_step(x):
+        return x
+    return x, np.ones(np.shape(x), bool)
+
+
+@op("Where")
+def _where(ctx, cond, a, b):
+    if _any_step((cond, a, b)):
+        _check_constant_rank(ctx, (cond, a, b))
+        return sn_ops.where(cond, a, b)
+    return np.where(cond, a, b)
+
+
+@op("Clip", ["min", "max"])
+def _clip(ctx, x, lo=None, hi=None, **kw):
+    if ctx.opset < 11:
+        lo, hi = kw.get("min"), kw.get("max")
+    for bound in (lo, hi):
+        if is_step(bound):
+            raise ctx.unsupported("Clip's min and max must be constants inside a Scan body")
+    if is_step(x):
+        return sn_ops.clip(x, None if lo is None else float(np.asarray(lo)),
+                           None if hi is None else float(np.asarray(hi)))
+    x = np.asarray(x)
+    out = x
+    if lo is not None:
+        out = np.maximum(out, np.asarray(lo, x.dtype))
+    if hi is not None:
+        out = np.minimum(out, np.asarray(hi, x.dtype))
+    return out
+
+
+@op("MatMul")
+def _matmul(ctx, a, b):
+    if not _any_step((a, b)):
+        return np.matmul(a, b)
+    if is_step(b) and not is_step(a):
+        if rank(b) == 1:  # W @ v == v @ W.T for a vector v
+            return sn_ops.matmul(b, np.ascontiguousarray(np.swapaxes(a, -1, -2)))
+        if np.ndim(a) < 2:
+            raise ctx.unsupported("a constant vector times a Scan value inside a Scan body")
+    return sn_ops.matmul(a, b)
+
+
+@op("Gemm", ["alpha", "beta", "transA", "transB"])
+def _gemm(ctx, a, b, c=None, alpha=1.0, beta=1.0, transA=0, transB=0):
+    def t(x):
+        return sn_ops.transpose(x) if is_step(x) else np.swapaxes(x, -1, -2)
+
+    if transA:
+        a = t(a)
+    if transB:
+        b = t(b)
+    step = _any_step((a, b, c))
+    y = _matmul(ctx, a, b)
+    if alpha != 1.0:
+        y = sn_ops.mul(y, float(alpha)) if step else y * np.asarray(alpha, y.dtype)
+    if c is not None:
+        if beta != 1.0:
+            c = sn_ops.mul(c, float(beta)) if is_step(c) else c * np.asarray(beta, np.asarray(c).dtype)
+        y = sn_ops.add(y, c) if step else y + c
+    return y
+
+
+@op("Concat", ["axis"])
+def _concat(ctx, *xs, axis):
+    if _any_step(xs):
+        if not all(is_step(x) for x in xs):
+            raise ctx.unsupported("Concat of a Scan value with a constant inside a Scan body")
+        return sn_ops.concat(list(xs), axis=axis_of(ctx, xs[0], axis))
+    return np.concatenate(xs, axis=axis)
+
+
+def _constant_ints(ctx, x, what):
+    if x is None:
+        return None
+    if is_step(x):
+        raise ctx.unsupported(f"{what} must be a constant inside a Scan body")
+    return [int(v) for v in np.asarray(x).ravel()]
+
+
+@op("Split", ["axis", "split", "num_outputs"])
+def _split(ctx, x, split_in=None, axis=0, num_outputs=None, split=None):
+    sizes = split if ctx.opset < 13 else _constant_ints(ctx, split_in, "Split's split")
+    ax = axis_of(ctx, x, axis)
+    length = x.shape[ax]
+    if sizes is None:
+        n = num_outputs or ctx.num_outputs
+        chunk = -(-length // n)
+        sizes = [min(chunk, length - i * chunk) for i in range(n)]
+    if sum(sizes) != length:
+        raise ctx.unsupported(f"split sizes {sizes} do not add up to axis length {length}")
+    outs, start = [], 0
+    for s in sizes:
+        if is_step(x):
+            outs.append(sn_ops.slice(x, start, start + s, axis=ax))
+        else:
+            outs.append(np.take(x, range(start, start + s), axis=ax))
+        start += s
+    return tuple(outs)
+
+
+@op("Slice", ["starts", "ends", "axes"])
+def _slice(ctx, x, starts_in=None, ends_in=None, axes_in=None, steps_in=None,
+           starts=None, ends=None, axes=None):
+    steps = None
+    if ctx.opset >= 10:
+        starts = _constant_ints(ctx, starts_in, "Slice's starts")
+        ends = _constant_ints(ctx, ends_in, "Slice's ends")
+        axes = _constant_ints(ctx, axes_in, "Slice's axes")
+        steps = _constant_ints(ctx, steps_in, "Slice's steps")
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    if not is_step(x):
+        index = [slice(None)] * np.ndim(x)
+        for a, s, e, st in zip(axes, starts, ends, steps):
+            index[axis_of(ctx, x, a)] = slice(s, e, st)
+        return np.asarray(x)[tuple(index)]
+    for a, s, e, st in zip(axes, starts, ends, steps):
+        if st != 1:
+            raise ctx.unsupported(f"Slice step {st} inside a Scan body (only 1)")
+        ax = axis_of(ctx, x, a)
+        size = x.shape[ax]
+        s = min(max(s + size if s < 0 else s, 0), size)
+        e = min(max(e + size if e < 0 else e, 0), size)
+        x = sn_ops.slice(x, s, max(s, e), axis=ax)
+    return x
+
+
+def _axes_input(ctx, axes, attr_axes, what):
+    return attr_axes if ctx.opset < 13 else _constant_ints(ctx, axes, f"{what}'s axes")
+
+
+@op("Squeeze", ["axes"])
+def _squeeze(ctx, x, axes_in=None, axes=None):
+    axes = _axes_input(ctx, axes_in, axes, "Squeeze")
+    if not is_step(x):
+        return np.squeeze(x, axis=None if axes is None else tuple(axes))
+    feature = x.shape[1:]
+    axes = [i for i, d in enumerate(feature) if d == 1] if axes is None else axes
+    for a in sorted((axis_of(ctx, x, a) for a in axes), reverse=True):
+        if x.shape[a] != 1:
+            raise ctx.unsupported(f"cannot squeeze axis {a - 1} of size {x.shape[a]}")
+        x = sn_ops.sum(x, axis=a)
+    return x
+
+
+@op("Unsqueeze", ["axes"])
+def _unsqueeze(ctx, x, axes_in=None, axes=None):
+    axes = _axes_input(ctx, axes_in, axes, "Unsqueeze")
+    r = rank(x) + len(axes)
+    for a in sorted(a % r for a in axes):
+        if is_step(x):
+            x = sn_ops.broadcast_axis(x, a + 1, 1)
+        else:
+            x = np.expand_dims(x, a)
+    return x
+
+
+@op("Transpose", ["perm"])
+def _transpose(ctx, x, perm=None):
+    r = rank(x)
+    perm = list(reversed(range(r))) if perm is None else list(perm)
+    if not is_step(x):
+        return np.transpose(x, perm)
+    if perm == list(range(r)):
+        return x
+    if r >= 2 and perm == list(range(r - 2)) + [r - 1, r - 2]:
+        return sn_ops.transpose(x)
+    raise ctx.unsupported(f"Transpose perm {perm} inside a Scan body (only a swap of the last two axes)")
+
+
+def _reduce(name, np_fn, sn_fn):
+    @op(name, ["axes", "keepdims", "noop_with_empty_axes"])
+    def run(ctx, x, axes_in=None, keepdims=1, noop_with_empty_axes=0, axes=None):
+        since = 18 if name != "ReduceSum" else 13
+        if ctx.opset >= since:
+            axes = _constant_ints(ctx, axes_in, f"{name}'s axes")
+        if not axes:
+            if noop_with_empty_axes:
+                return x
+            axes = list(range(rank(x)))
+        if not is_step(x):
+            return np_fn(x, axis=tuple(axes), keepdims=bool(keepdims))
+        if sn_fn is None:
+            raise ctx.unsupported(f"{name} inside a Scan body")
+        for a in sorted((axis_of(ctx, x, a) for a in axes), reverse=True):
+            x = sn_fn(x, axis=a, keepdims=bool(keepdims))
+        return x
+
+
+_reduce("ReduceSum", np.sum, sn_ops.sum)
+_reduce("ReduceMean", np.mean, sn_ops.mean)
+_reduce("ReduceMax", np.max, None)
+_reduce("ReduceMin", np.min, None)
+_reduce("ReduceProd", np.prod, None)
+
+
+# ----------------------------------------------------------------------------
+# graph-level only: shapes, indices, casts
+
+
+@op("Constant", ["value", "value_float", "value_floats", "value_int", "value_ints"], in_step=False)
+def _constant(ctx, **kw):
+    (key, value), = kw.items()
+    if key == "value":
+        return value
+    dtype = np.float32 if "float" in key else np.int64
+    return np.asarray(value, dtype)
+
+
+_ONNX_DTYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 5: np.int16, 6: np.int32, 7: np.int64,
+                9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+
+
+@op("Cast", ["to", "saturate"], in_step=False)
+def _cast(ctx, x, to, saturate=1):
+    if to not in _ONNX_DTYPES:
+        raise ctx.unsupported(f"Cast to ONNX type {to}")
+    return np.asarray(x).astype(_ONNX_DTYPES[to])
+
+
+@op("Shape", ["start", "end"], in_step=False)
+def _shape(ctx, x, start=0, end=None):
+    return np.asarray(np.shape(x)[start:end], np.int64)
+
+
+@op("Reshape", ["allowzero"], in_step=False)
+def _reshape(ctx, x, shape, allowzero=0):
+    shape = [int(d) for d in np.asarray(shape)]
+    if not allowzero:
+        shape = [np.shape(x)[i] if d == 0 else d for i, d in enumerate(shape)]
+    return np.reshape(x, shape)
+
+
+@op("Flatten", ["axis"], in_step=False)
+def _flatten(ctx, x, axis=1):
+    x = np.asarray(x)
+    axis %= max(x.ndim, 1) if axis < 0 else x.ndim + 1
+    return x.reshape(int(np.prod(x.shape[:axis])), -1)
+
+
+@op("Expand", in_step=False)
+def _expand(ctx, x, shape):
+    x = np.asarray(x)
+    return x * np.ones([int(d) for d in np.asarray(shape)], x.dtype)
+
+
+@op("Gather", ["axis"], in_step=False)
+def _gather(ctx, x, indices, axis=0):
+    return np.take(x, np.asarray(indices, np.int64), axis=axis)
+
+
+@op("ConstantOfShape", ["value"], in_step=False)
+def _constant_of_shape(ctx, shape, value=None):
+    value = np.zeros(1, np.float32) if value is None else np.asarray(value)
+    return np.full([int(d) for d in np.asarray(shape)], value.ravel()[0], value.dtype)
+
+
+@op("Softmax", ["axis"], in_step=False)
+def _softmax(ctx, x, axis=None):
+    x = np.asarray(x)
+    if ctx.opset < 13:  # the input coerced to 2-D at axis (default 1)
+        axis = 1 if axis is None else axis % x.ndim
+        flat = x.reshape(int(np.prod(x.shape[:axis])), -1)
+        return _softmax(NodeContext(ctx.node, ctx.op, 13), flat, axis=1).reshape(x.shape)
+    axis = -1 if axis is None else axis
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+@op("Pow", in_step=False)
+def _pow(ctx, x, y):
+    x = np.asarray(x)
+    return np.power(x, np.asarray(y)).astype(x.dtype)
+
+
+@op("Not", in_step=False)
+def _not(ctx, x):
+    return np.logical_not(x)

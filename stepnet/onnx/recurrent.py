@@ -1,0 +1,296 @@
+"""ONNX's recurrent nodes as stepnet step-nets.
+
+- ``GRU``, ``LSTM``, ``RNN``: the node's weights and attributes make a
+  :mod:`stepnet.nn` layer (``from_onnx``); ``sequence_lens`` becomes the LoD,
+  so Y is zero past each sequence's length and ``Y_h`` is each sequence's own
+  last state, as the spec says.
+- ``Scan``: the body graph is traced into a step-net. A body tensor of ONNX
+  shape ``S`` is a step value ``[B, *S]``. Scan 9 and later scan one sequence
+  (B = 1); Scan 8 has a batch axis, one sequence per batch entry, and its
+  ``sequence_lens`` becomes the LoD (scan outputs zero past each length, final
+  states at each sequence's own last step). Reversed scan inputs are reversed
+  before the run (Scan 8: within each sequence's length) and reversed scan
+  outputs after it, so the step-net itself always runs forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dsl, nn
+from ..errors import Error, UnsupportedError
+from ..lod import LoDTensor
+from .ops import is_step
+
+_LAYERS = {"GRU": nn.GRU, "LSTM": nn.LSTM, "RNN": nn.RNN}
+_COMMON = {"activation_alpha", "activation_beta", "activations", "clip", "direction",
+           "hidden_size", "layout", "output_sequence"}
+_ATTRS = {"GRU": _COMMON | {"linear_before_reset"}, "LSTM": _COMMON | {"input_forget"},
+          "RNN": _COMMON}
+
+
+def _reraise(ctx, error):
+    """A stepnet error raised while running a node, with the node named."""
+    return type(error)(f"ONNX node {ctx.node!r} ({ctx.op}): {error}")
+
+
+class RecurrentNode:
+    """An ONNX GRU, LSTM or RNN node run by a ``stepnet.nn`` layer."""
+
+    def __init__(self, ctx, attrs):
+        self.ctx = ctx
+        unknown = sorted(set(attrs) - _ATTRS[ctx.op])
+        if unknown:
+            raise ctx.unsupported(f"attribute {unknown[0]!r} is not supported")
+        attrs = dict(attrs)
+        self.layout = int(attrs.pop("layout", 0))
+        if self.layout not in (0, 1):
+            raise ctx.unsupported(f"attribute 'layout' = {self.layout}")
+        if self.layout and ctx.opset < 14:
+            raise ctx.unsupported(f"attribute 'layout' needs opset 14, the model has {ctx.opset}")
+        attrs.pop("output_sequence", None)  # GRU/LSTM/RNN-1 and -3: Y is given when asked for
+        if "hidden_size" not in attrs:
+            raise ctx.unsupported("attribute 'hidden_size' is missing")
+        self.attrs = attrs
+        self.cls = _LAYERS[ctx.op]
+        self.layer = None
+        self.weights = None  # the arrays self.layer was built from
+
+    def _layer(self, W, R, B, P):
+        ctx = self.ctx
+        weights = (W, R, B, P)
+        if self.layer is not None and all(
+                (a is b) for a, b in zip(weights, self.weights)):
+            return self.layer
+        extra = {"P": P} if ctx.op == "LSTM" else {}
+        if self.layer is not None and all(
+                np.shape(a) == np.shape(b) for a, b in zip(weights, self.weights)):
+            self.layer.set_onnx_weights(0, W, R, B, **extra)
+        else:
+            self.layer = self.cls.from_onnx(W, R, B, **extra, **self.attrs)
+        self.weights = weights
+        return self.layer
+
+    def run(self, inputs, backend):
+        ctx = self.ctx
+        inputs = list(inputs) + [None] * (8 - len(inputs))
+        X, W, R, B, lengths, h0 = inputs[:6]
+        c0, P = (inputs[6], inputs[7]) if ctx.op == "LSTM" else (None, None)
+        X = np.asarray(X)
+        if X.ndim != 3:
+            raise _reraise(ctx, UnsupportedError(f"X must be 3-D, got shape {list(X.shape)}"))
+        for name, w in (("W", W), ("R", R)):
+            if np.ndim(w) != 3:
+                raise ctx.unsupported(f"{name} must be 3-D, got shape {list(np.shape(w))}")
+        if np.shape(W)[0] != (2 if self.attrs.get("direction") == "bidirectional" else 1):
+            raise ctx.unsupported(f"W has {np.shape(W)[0]} directions, the node's direction is "
+                                  f"{self.attrs.get('direction', 'forward')!r}")
+        batch_first = X if self.layout else X.transpose(1, 0, 2)
+        Bsz, T = batch_first.shape[:2]
+        if lengths is None:
+            lengths = np.full(Bsz, T, np.int64)
+        lengths = np.asarray(lengths)
+        if lengths.shape != (Bsz,) or lengths.dtype.kind not in "iu":
+            raise ctx.unsupported(f"sequence_lens must be integers of shape [{Bsz}], got "
+                                  f"{lengths.dtype} {list(lengths.shape)}")
+        bad = np.flatnonzero((lengths < 0) | (lengths > T))
+        if bad.size:
+            raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in [0, {T}]")
+
+        def state(s):
+            if s is None:
+                return None
+            s = np.asarray(s)
+            return s.transpose(1, 0, 2) if self.layout else s
+
+        try:
+            layer = self._layer(W, R, B, P)
+            feed = (batch_first, lengths)
+            if ctx.op == "LSTM":
+                h0, c0 = state(h0), state(c0)
+                initial = None if h0 is None and c0 is None else (h0, c0)
+                Y, (h_n, c_n) = layer(feed, initial, backend=backend)
+                states = [h_n, c_n]
+            else:
+                Y, h_n = layer(feed, state(h0), backend=backend)
+                states = [h_n]
+        except Error as e:
+            raise _reraise(ctx, e) from e
+        D, H = len(states[0]), layer.hidden_size
+        Y = Y.reshape(Bsz, T, D, H)
+        Y = Y if self.layout else Y.transpose(1, 2, 0, 3)
+        states = [s.transpose(1, 0, 2) if self.layout else s for s in states]
+        return [np.ascontiguousarray(Y)] + [np.ascontiguousarray(s) for s in states]
+
+
+class ScanNode:
+    """An ONNX Scan node run as a step-net traced from its body graph."""
+
+    def __init__(self, ctx, attrs, body):
+        self.ctx = ctx
+        known = {"body", "num_scan_inputs", "directions", "scan_input_axes",
+                 "scan_input_directions", "scan_output_axes", "scan_output_directions"}
+        unknown = sorted(set(attrs) - known)
+        if unknown:
+            raise ctx.unsupported(f"attribute {unknown[0]!r} is not supported")
+        if ctx.opset < 8:
+            raise ctx.unsupported(f"Scan needs opset 8 or later, the model has {ctx.opset}")
+        self.body = body
+        self.M = int(attrs["num_scan_inputs"])
+        self.N = len(body.input_names) - self.M
+        self.K = len(body.output_names) - self.N
+        if self.N < 0 or self.K < 0:
+            raise ctx.unsupported(f"the body has {len(body.input_names)} inputs and "
+                                  f"{len(body.output_names)} outputs for {self.M} scan inputs")
+        if ctx.opset == 8:
+            for name in ("scan_input_axes", "scan_input_directions", "scan_output_axes",
+                         "scan_output_directions"):
+                if name in attrs:
+                    raise ctx.unsupported(f"attribute {name!r} is not in Scan-8")
+            self.in_dirs = list(attrs.get("directions", [0] * self.M))
+            self.in_axes, self.out_axes, self.out_dirs = [1] * self.M, [1] * self.K, [0] * self.K
+        else:
+            if "directions" in attrs:
+                raise ctx.unsupported("attribute 'directions' is Scan-8's; use scan_input_directions")
+            self.in_dirs = list(attrs.get("scan_input_directions", [0] * self.M))
+            self.in_axes = list(attrs.get("scan_input_axes", [0] * self.M))
+            self.out_dirs = list(attrs.get("scan_output_directions", [0] * self.K))
+            self.out_axes = list(attrs.get("scan_output_axes", [0] * self.K))
+        for name, values, n in (("scan input directions", self.in_dirs, self.M),
+                                ("scan input axes", self.in_axes, self.M),
+                                ("scan output directions", self.out_dirs, self.K),
+                                ("scan output axes", self.out_axes, self.K)):
+            if len(values) != n:
+                raise ctx.unsupported(f"{len(values)} {name} for {n} values")
+        for d in self.in_dirs + self.out_dirs:
+            if d not in (0, 1):
+                raise ctx.unsupported(f"direction {d} is not 0 or 1")
+        self.nets = {}  # traced step-nets by the signature of what they were traced on
+
+    def run(self, inputs, backend, captures):
+        """``captures``: the outer-scope values the body reads, by name, each
+        ``(value, constant)``; a constant is traced into the step-net, any
+        other value is bound as a static input on every run."""
+        ctx = self.ctx
+        if ctx.opset == 8:
+            lengths, states, scans = inputs[0], inputs[1:1 + self.N], inputs[1 + self.N:]
+        else:
+            lengths, states, scans = None, inputs[:self.N], inputs[self.N:]
+        if len(scans) != self.M or any(x is None for x in list(states) + list(scans)):
+            raise ctx.unsupported(f"expects {self.N} states and {self.M} scan inputs, got "
+                                  f"{len(states)} and {len(scans)}")
+        states = [np.asarray(s) for s in states]
+        scans = [np.asarray(x) for x in scans]
+        float16 = any(a.dtype == np.float16 for a in states + scans)
+        if float16:  # computed in float32, given back as float16 (DESIGN.md §4)
+            states, scans = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
+                             for arrays in (states, scans))
+        if ctx.opset == 8:
+            seqs, inits, B, T = self._batched(states, scans, lengths)
+        else:
+            seqs, inits, B, T = self._single(states, scans)
+        constants = {k: v for k, (v, constant) in captures.items() if constant}
+        statics = {k: np.broadcast_to(v, (B,) + np.shape(v))
+                   for k, (v, constant) in captures.items() if not constant}
+        key = tuple((a.shape[1:], a.dtype.str) for a in
+                    [*inits, *(s.data for s in seqs), *statics.values()])
+        try:
+            if key not in self.nets:
+                self.nets[key] = self._trace(seqs, inits, statics, constants, float16)
+            rnn = self.nets[key]
+            feeds = {f"scan{j}": s for j, s in enumerate(seqs)}
+            feeds.update({f"state{i}": s for i, s in enumerate(inits)})
+            feeds.update({f"outer{k}": v for k, v in enumerate(statics.values())})
+            outs = rnn(output_all_steps=(False,) * self.N + (True,) * self.K, backend=backend,
+                       **feeds)
+        except Error as e:
+            raise _reraise(ctx, e) from e
+        finals, scan_outs = outs[:self.N], outs[self.N:]
+        if ctx.opset == 8:
+            scan_outs = [_padded(y, T) for y in scan_outs]
+        else:
+            finals = [f[0] for f in finals]
+            scan_outs = [np.moveaxis(y.data[::-1] if d else y.data, 0, a)
+                         for y, d, a in zip(scan_outs, self.out_dirs, self.out_axes)]
+        results = [np.array(y, order="C") for y in list(finals) + list(scan_outs)]
+        if float16:
+            results = [y.astype(np.float16) if y.dtype == np.float32 else y for y in results]
+        return results
+
+    def _single(self, states, scans):
+        """Scan 9+: one sequence; each scan input's axis moved first."""
+        seqs, T = [], None
+        for j, (x, axis, d) in enumerate(zip(scans, self.in_axes, self.in_dirs)):
+            if not -x.ndim <= axis < x.ndim:
+                raise self.ctx.unsupported(f"scan input {j}: axis {axis} for rank {x.ndim}")
+            x = np.moveaxis(x, axis, 0)
+            x = np.ascontiguousarray(x[::-1] if d else x)
+            if T is not None and x.shape[0] != T:
+                raise self.ctx.unsupported(f"scan input {j} has {x.shape[0]} steps, scan input "
+                                           f"0 has {T}")
+            T = x.shape[0]
+            seqs.append(LoDTensor(x, [[0, T]]))
+        return seqs, [s[None] for s in states], 1, T
+
+    def _batched(self, states, scans, lengths):
+        """Scan 8: ``[batch, sequence, ...]`` scan inputs, ``[batch, ...]`` states."""
+        ctx = self.ctx
+        B, T = scans[0].shape[:2] if scans[0].ndim >= 2 else (None, None)
+        for j, x in enumerate(scans):
+            if x.ndim < 2 or x.shape[:2] != (B, T):
+                raise ctx.unsupported(f"scan input {j} has shape {list(x.shape)}, expected "
+                                      f"[{B}, {T}, ...]")
+        for i, s in enumerate(states):
+            if s.ndim < 1 or s.shape[0] != B:
+                raise ctx.unsupported(f"state {i} has shape {list(s.shape)}, expected [{B}, ...]")
+        lengths = np.full(B, T, np.int64) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (B,) or lengths.dtype.kind not in "iu":
+            raise ctx.unsupported(f"sequence_lens must be integers of shape [{B}]")
+        bad = np.flatnonzero((lengths < 0) | (lengths > T))
+        if bad.size:
+            raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in [0, {T}]")
+        seqs = []
+        for x, d in zip(scans, self.in_dirs):
+            if d:
+                x = x.copy()
+                for b, n in enumerate(lengths):
+                    x[b, :n] = x[b, :n][::-1]
+            seqs.append(LoDTensor.from_padded(x, lengths))
+        return seqs, states, B, T
+
+    def _trace(self, seqs, inits, statics, constants, float16):
+        body = self.body
+        rnn = dsl.create_rnn_op(name=self.ctx.node)
+        with rnn.stepnet():
+            env = dict(constants)
+            for j, (name, x) in enumerate(zip(body.input_names[self.N:], seqs)):
+                env[name] = rnn.add_input(x, name=f"scan{j}")
+            memories = []
+            for i, (name, s) in enumerate(zip(body.input_names[:self.N], inits)):
+                m = rnn.add_memory(init=s, shape=s.shape[1:], name=f"state{i}")
+                memories.append(m)
+                env[name] = m.pre_state()
+            for k, (name, v) in enumerate(statics.items()):
+                env[name] = rnn.add_static_input(v, name=f"outer{k}")
+            body.run(env, backend=None, step=True, float16_as_float32=float16)
+            outs = []
+            for i, name in enumerate(body.output_names):
+                v = env[name]
+                if not is_step(v):
+                    raise self.ctx.unsupported(f"body output {name!r} does not depend on a state "
+                                               "or scan input")
+                if i < self.N:
+                    memories[i].update(v)
+                    v = memories[i]
+                outs.append(v)
+            rnn.add_outputs(*outs)
+        return rnn
+
+
+def _padded(y: LoDTensor, T):
+    """All-steps rows back into ``[B, T, ...]``, zero past each length."""
+    offsets = np.asarray(y.levels[0])
+    out = np.zeros((len(offsets) - 1, T) + y.data.shape[1:], y.data.dtype)
+    for b in range(len(offsets) - 1):
+        out[b, :offsets[b + 1] - offsets[b]] = y.data[offsets[b]:offsets[b + 1]]
+    return out
