@@ -8,6 +8,7 @@
 See docs/onnx.md.
 """
 
+from .export import export
 from .session import InferenceSession, NodeArg
 
-__all__ = ["InferenceSession", "NodeArg"]
+__all__ = ["InferenceSession", "NodeArg", "export"]

@@ -1,0 +1,463 @@
+"""``stepnet.onnx.export``: step-nets, built-in layers and YAML networks as
+ONNX models (opset 17) that onnxruntime runs to stepnet's numbers.
+
+>>> import numpy as np, stepnet as sn
+>>> gru = sn.nn.GRU(3, 4, seed=0)
+>>> model = sn.onnx.export(gru, "gru.onnx")             # doctest: +SKIP
+>>> [i.name for i in model.graph.input]                  # doctest: +SKIP
+['X', 'lengths']
+
+Layout (docs/onnx-export.md has the whole of it): sequences come batch-first
+and right-padded, ``X [B, T, ...]``, with ``lengths`` (int64 ``[B]``); a
+nested (k-level) input is ``[B, T0, ..., T(k-1), ...]`` with one more lengths
+input per deeper level. Static inputs and per-sequence initial memories are
+``[B, ...]`` inputs named as in the step-net. Parameters are initializers.
+All-steps outputs are ``[B, T, ...]``, zero past each length; last-step
+outputs ``[B, ...]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..dsl import RNNOp
+from ..errors import Error, StepNetError, UnsupportedError
+from ..ir import rnn_parts
+from ..lod import LoDTensor
+from .export_graph import (
+    IR_VERSION,
+    OPSET,
+    Graph,
+    ModelBuilder,
+    Ragged,
+    StepNet,
+    _onnx,
+    check_supported,
+    emit_rnn,
+    tensor_type,
+)
+
+_NODE_TYPES = {"rnn": "RNN", "gru": "GRU", "lstm": "LSTM"}
+
+
+def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_states=False,
+           as_scan=False):
+    """Write ``obj`` as an ONNX model to ``path`` (if given) and return it
+    (an ``onnx.ModelProto``, checked with ``onnx.checker.check_model(...,
+    full_check=True)``).
+
+    ``obj`` is a top-level step-net (``RNNOp``), a built-in layer
+    (``stepnet.nn.RNN``, ``LSTM``, ``GRU``, ``AUGRU``) or a YAML network
+    (``stepnet.load_yaml(...)``) made of one net or one layer.
+
+    - ``output_all_steps`` (step-nets): one bool, or one per output, as in
+      ``rnn(output_all_steps=...)``. ``output_names``: the graph outputs'
+      names (default: the memory's name, or ``output<i>``, plus ``_all`` or
+      ``_last``).
+    - ``initial_states`` (layers): add ``h0`` (LSTM also ``c0``) inputs,
+      ``[num_layers * num_directions, B, H]``; without it states start at 0.
+    - ``as_scan`` (layers): ``Scan`` nodes even where ONNX has a GRU, LSTM or
+      RNN operator. Layers ONNX has no operator for (AUGRU,
+      ``bidirectional_sum``, ``combine="final"`` stacks, ``proj_size``) are
+      always exported as ``Scan``.
+
+    Raises a ``stepnet.errors`` exception naming what is not supported
+    before anything is written.
+    """
+    from ..nn.layers import _RecurrentLayer
+    from ..yaml.model import Model
+
+    if isinstance(obj, RNNOp):
+        _only_for("a step-net", initial_states=initial_states, as_scan=as_scan)
+        model = _step_net_model(obj, output_all_steps, output_names)
+    elif isinstance(obj, _RecurrentLayer):
+        _only_for("a built-in layer", output_all_steps=output_all_steps is not True,
+                  output_names=output_names)
+        model = _layer_model(obj, initial_states, as_scan)
+    elif isinstance(obj, Model):
+        _only_for("a YAML network", output_all_steps=output_all_steps is not True,
+                  output_names=output_names, initial_states=initial_states)
+        model = _yaml_model(obj, as_scan)
+    else:
+        raise UnsupportedError(
+            f"export: expected a step-net (sn.create_rnn_op), a stepnet.nn layer or a YAML "
+            f"network (sn.load_yaml), got {type(obj).__name__}")
+    onnx = _onnx()
+    onnx.checker.check_model(model, full_check=True)
+    if path is not None:
+        _save(model, path)
+    return model
+
+
+def to_nested_padded(X: LoDTensor):
+    """``(padded, lengths)``: a k-level LoDTensor as the exported models take
+    it, ``padded [B, T0, ..., T(k-1), *features]`` (zeros past the lengths)
+    and per level the int64 lengths ``[B]``, ``[B, T0]``, ... (0 where a
+    sequence does not exist).
+
+    >>> X = LoDTensor.from_lengths(np.arange(5.0)[:, None], [[2, 1], [1, 0, 4]])
+    >>> padded, (top, inner) = to_nested_padded(X)
+    >>> padded.shape, top.tolist(), inner.tolist()
+    ((2, 2, 4, 1), [2, 1], [[1, 0], [4, 0]])
+    """
+    levels = [np.asarray(level, np.int64) for level in X.levels]
+    num_sequences = len(levels[0]) - 1
+    coords = np.arange(num_sequences)[:, None]  # per sequence of the level: its position
+    shape, lengths = [num_sequences], []
+    for offsets in levels:
+        counts = np.diff(offsets)
+        per_position = np.zeros(shape, np.int64)
+        per_position[tuple(coords.T)] = counts
+        lengths.append(per_position)
+        shape.append(int(counts.max()) if counts.size else 0)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        position = np.arange(offsets[-1]) - offsets[owner]
+        coords = np.concatenate([coords[owner], position[:, None]], axis=1)
+    padded = np.zeros(tuple(shape) + tuple(X.data.shape[1:]), X.data.dtype)
+    padded[tuple(coords.T)] = X.data
+    return padded, lengths
+
+
+# ----------------------------------------------------------------------------
+# step-nets
+
+
+class _TopGraph:
+    """The main graph: its inputs by name (one input may feed several
+    bindings), its constants and outputs."""
+
+    def __init__(self, name, taken):
+        self.builder = ModelBuilder(taken)
+        self.graph = Graph(self.builder, name)
+        self.declared = {}
+        self.lengths = None
+
+    def input(self, name, dtype, shape) -> str:
+        if name not in self.declared:
+            self.builder.names.add(name)
+            self.graph.inputs.append(self.graph.value_info(name, dtype, shape))
+            self.declared[name] = name
+        return name
+
+    def top_lengths(self) -> str:
+        """The ``[B]`` lengths of the top level, shared by every sequence input."""
+        if self.lengths is None:
+            self.lengths = self.input(self.builder.fresh("lengths"), np.int64, ["batch"])
+        return self.lengths
+
+    def ragged_input(self, name, var, shared_top) -> Ragged:
+        """Input ``name`` of a ``lod_depth``-level value: padded, plus lengths
+        per level (the top level's shared when ``shared_top``)."""
+        steps = [f"{name}_steps_{j}" if not shared_top else ("steps" if j == 0 else f"steps_{j}")
+                 for j in range(var.lod_depth)]
+        padded = self.input(name, var.dtype, ["batch"] + steps + list(var.shape[1:]))
+        lengths = []
+        for level in range(var.lod_depth):
+            if level == 0 and shared_top:
+                lengths.append(self.top_lengths())
+            else:
+                lengths.append(self.input(self.builder.fresh(f"{name}_lengths_{level}"), np.int64,
+                                          ["batch"] + steps[:level]))
+        return Ragged(padded, tuple(lengths))
+
+    def constants(self, rnn, env):
+        for var in rnn.program(True).consts:
+            env[id(var)] = self.builder.initializer(self.builder.fresh(var.name),
+                                                    rnn.const_values()[var.name])
+
+    def output(self, value, name, dtype, shape):
+        value = value.padded if isinstance(value, Ragged) else value
+        self.graph.add("Identity", [value], names=[name])
+        self.graph.add_output(name, dtype, shape)
+
+    def model(self, doc):
+        onnx = _onnx()
+        graph = self.graph.make(self.builder.initializers)
+        model = onnx.helper.make_model(graph, producer_name="stepnet", doc_string=doc,
+                                       opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+        model.ir_version = IR_VERSION
+        return model
+
+
+def _step_net_model(rnn, output_all_steps, output_names):
+    program = rnn.program(True)
+    body = program.eqn.attrs["body"]
+    check_supported(body, f"step-net {rnn.name}")
+    modes = [("all",) if flag else ("last",) for flag in rnn.all_steps_flags(output_all_steps)]
+    names = _default_output_names(body, modes)
+    if output_names is not None:
+        output_names = list(output_names)
+        if len(output_names) != len(names):
+            raise StepNetError(f"export: output_names has {len(output_names)} names for the "
+                               f"{len(names)} outputs of step-net {rnn.name}")
+        names = output_names
+    inputs = [name for name, b in rnn.bindings.items() if b.kind != "init" or b.per_sequence]
+    top = _TopGraph(rnn.name, taken=inputs)
+    clash = sorted(set(names) & set(inputs)) or sorted(n for n in set(names) if names.count(n) > 1)
+    if clash:
+        raise StepNetError(f"export: output name(s) {clash} are used twice (the inputs are "
+                           f"{inputs})")
+    top.builder.names.update(names)
+    outputs = {(i, mode[0]): [name] for i, (mode, name) in enumerate(zip(modes, names))}
+    _emit_step_net(top, rnn, {name: name for name in rnn.bindings}, outputs)
+    return top.model(f"stepnet step-net {rnn.name}")
+
+
+def _default_output_names(body, modes):
+    names = []
+    for i, (out, mode) in enumerate(zip(body.outputs, modes)):
+        base = f"output{i}"
+        for mem in body.memories:
+            if out is mem.post:
+                base = mem.name
+                break
+            if out is mem.pre:
+                base = f"{mem.name}_prev"
+        name = f"{base}_{mode[0]}"
+        names.append(name if name not in names else f"{name}_{i}")
+    return names
+
+
+def _emit_step_net(top, rnn, input_names, outputs):
+    """The Scan of top-level step-net ``rnn`` in ``top``'s graph.
+
+    ``input_names`` maps each binding to its graph input's name;
+    ``outputs`` maps (output index, "all" | "last") to graph output names.
+    """
+    g = top.graph
+    eqn = rnn.program(True).eqn
+    body = eqn.attrs["body"]
+    seq_vars, static_vars, init_vars = rnn_parts(eqn)
+    env = {}
+    top.constants(rnn, env)
+    seqs = [top.ragged_input(input_names[v.name], v, shared_top=True) for v in seq_vars]
+    statics = []
+    for var in static_vars:
+        name = input_names[var.name]
+        statics.append(top.ragged_input(name, var, shared_top=False) if var.lod_depth else
+                       top.input(name, var.dtype, ["batch"] + list(var.shape[1:])))
+    inits = []
+    for var in init_vars:
+        binding = rnn.bindings[var.name]
+        if binding.per_sequence:
+            inits.append(top.input(input_names[var.name], var.dtype, ["batch"] + list(var.shape[1:])))
+        else:  # one value for every sequence (zeros for a shape-only memory)
+            value = np.asarray(binding.value, var.dtype)
+            const = top.builder.initializer(top.builder.fresh(f"{var.name}_init"), value)
+            inits.append(g.batch_of(const, var.shape[1:], top.top_lengths()))
+    modes = [tuple(mode for (index, mode) in outputs if index == i) for i in range(len(body.outputs))]
+    net = StepNet(rnn.name, body, rnn.reverse, eqn.attrs["output_memory"])
+    results = emit_rnn(g, env, net, seqs, statics, inits, modes)
+    for (i, mode), names in outputs.items():
+        out = body.outputs[i]
+        steps = ["batch", "steps"] if mode == "all" else ["batch"]
+        shape = steps + [None] * out.lod_depth + list(out.shape[1:])
+        for name in names:
+            top.output(results[i][mode], name, out.dtype, shape)
+
+
+# ----------------------------------------------------------------------------
+# built-in layers
+
+
+def _layer_model(layer, initial_states, as_scan):
+    top = _TopGraph(type(layer).__name__, taken=["X", "lengths", "attention", "h0", "c0",
+                                                 "Y", "h_n", "c_n"])
+    X = top.input("X", layer.dtype, ["batch", "steps", layer.input_size])
+    lengths = top.input("lengths", np.int64, ["batch"])
+    attention = None
+    if layer.cell == "augru":
+        attention = top.input("attention", layer.dtype, ["batch", "steps"])
+    initial = [top.input(name, layer.dtype, [layer.num_layers * layer.num_directions, "batch", w])
+               for name, w in zip(("h0", "c0"), layer._state_widths())] if initial_states else None
+    names = ["Y", "h_n", "c_n"][:1 + len(layer._state_widths())]
+    _emit_layer(top, layer, X, lengths, attention, initial, as_scan,
+                {name: [name] for name in names})
+    return top.model(f"stepnet {layer!r}")
+
+
+def _emit_layer(top, layer, X, lengths, attention, initial, as_scan, outputs):
+    """Y ``[B, T, D*H]`` and the final states ``[L*D, B, H]`` of ``layer``;
+    ``outputs`` maps "Y", "h_n", "c_n" to graph output names."""
+    native = not as_scan
+    if native:
+        try:
+            nodes = layer.to_onnx()
+        except UnsupportedError:
+            native = False  # no ONNX operator computes it: Scan
+    if native:
+        Y, states = _layer_nodes(top, layer, nodes if isinstance(nodes, list) else [nodes],
+                                 X, lengths, initial)
+    else:
+        Y, states = _layer_scans(top, layer, X, lengths, attention, initial)
+    L, D = layer.num_layers, layer.num_directions
+    width = layer.output_size * (2 if layer.direction == "bidirectional_concat" else 1)
+    shapes = {"Y": ["batch", "steps", width]}
+    for name, w in zip(("h_n", "c_n"), layer._state_widths()):
+        shapes[name] = [L * D, "batch", w]
+    values = dict(zip(("Y", "h_n", "c_n"), [Y] + states))
+    for key, names in outputs.items():
+        for name in names:
+            top.output(values[key], name, layer.dtype, shapes[key])
+
+
+def _layer_nodes(top, layer, nodes, X, lengths, initial):
+    """One ONNX GRU / LSTM / RNN node per layer, time-major between them."""
+    g, builder = top.graph, top.builder
+    op = _NODE_TYPES[layer.cell]
+    D = layer.num_directions
+    x = g.add("Transpose", [X], "x_time_major", perm=[1, 0, 2])  # [T, B, I]
+    sequence_lens = g.add("Cast", [lengths], "sequence_lens", to=tensor_type(np.int32))
+    finals = [[] for _ in layer._state_widths()]
+    for index, node in enumerate(nodes):
+        def weight(key, index=index, node=node):
+            return builder.initializer(builder.fresh(f"l{index}_{key}"), node[key])
+
+        states = [""] * 2
+        for s in range(len(finals)):
+            if initial is not None:
+                states[s] = g.add("Slice", [initial[s], g.ints([index * D]), g.ints([(index + 1) * D]),
+                                            g.ints([0])], f"l{index}_initial")
+        inputs = [x, weight("W"), weight("R"), weight("B"), sequence_lens, states[0]]
+        if layer.cell == "lstm":
+            inputs += [states[1], weight("P") if "P" in node else ""]
+        while inputs[-1] == "":
+            inputs.pop()
+        attrs = {key: node[key] for key in ("hidden_size", "direction", "activations",
+                                            "activation_alpha", "activation_beta", "clip",
+                                            "linear_before_reset", "input_forget")
+                 if node.get(key) not in (None, [])}
+        results = g.add(op, inputs, f"l{index}_{op}", num_outputs=1 + len(finals), **attrs)
+        for s, final in enumerate(results[1:]):
+            if initial is not None:
+                # onnxruntime gives zeros for an empty sequence; its state is the initial one
+                started = g.add("Unsqueeze", [g.add("Greater", [lengths, g.const(0, np.int64)]),
+                                              g.ints([0, 2])], "started")
+                final = g.add("Where", [started, final, states[s]], "final_state")
+            finals[s].append(final)
+        # Y [T, D, B, H] -> [T, B, D*H], the next layer's input
+        y = g.add("Transpose", [results[0]], perm=[0, 2, 1, 3])
+        x = g.add("Reshape", [y, g.ints([0, 0, -1])], f"l{index}_y")
+    Y = g.add("Transpose", [x], "Y_batch_first", perm=[1, 0, 2])
+    return Y, [g.add("Concat", parts, "final_state", axis=0) for parts in finals]
+
+
+def _layer_scans(top, layer, X, lengths, attention, initial):
+    """The layer's own step-nets, one Scan each, stacked and combined as the
+    layer runs them."""
+    g = top.graph
+    L, D = layer.num_layers, layer.num_directions
+    widths = layer._state_widths()
+    finals = [[None] * (L * D) for _ in widths]
+    if attention is not None:
+        attention = g.add("Unsqueeze", [attention, g.ints([2])], "attention_rows")
+
+    def run(index, d, inp):
+        rnn = layer._net(index, d)  # the layer's step-net for (layer, direction)
+        eqn = rnn.program(True).eqn
+        env = {}
+        top.constants(rnn, env)
+        seqs = [Ragged(inp, (lengths,))] + ([Ragged(attention, (lengths,))] if attention else [])
+        inits = []
+        for s, w in enumerate(widths):
+            if initial is not None:
+                inits.append(g.add("Gather", [initial[s], g.const(index * D + d, np.int64)],
+                                   "initial_state", axis=0))
+            else:
+                inits.append(g.batch_of(g.const(0, layer.dtype), [w], lengths))
+        modes = [("all",)] + [("last",)] * len(widths)
+        net = StepNet(rnn.name, eqn.attrs["body"], rnn.reverse, eqn.attrs["output_memory"])
+        results = emit_rnn(g, env, net, seqs, [], inits, modes)
+        for s in range(len(widths)):
+            finals[s][index * D + d] = results[1 + s]["last"]
+        return results[0]["all"].padded
+
+    def combined(ys):
+        if len(ys) == 1:
+            return ys[0]
+        if layer.direction == "bidirectional_sum":
+            return g.add("Add", ys, "y")
+        return g.add("Concat", ys, "y", axis=-1)
+
+    if layer.combine == "per_layer" or D == 1:
+        inp = X
+        for index in range(L):
+            inp = combined([run(index, d, inp) for d in range(D)])
+        Y = inp
+    else:
+        tops = []
+        for d in range(D):
+            inp = X
+            for index in range(L):
+                inp = run(index, d, inp)
+            tops.append(inp)
+        Y = combined(tops)
+    states = [g.add("Concat", [g.add("Unsqueeze", [v, g.ints([0])]) for v in parts],
+                    "final_state", axis=0) for parts in finals]
+    return Y, states
+
+
+# ----------------------------------------------------------------------------
+# YAML networks
+
+
+def _yaml_model(model, as_scan):
+    nets, layers = model._nets, model._layers  # in run order, with their sources
+    if len(nets) + len(layers) != 1:
+        parts = [f"nets {[n.name for n in nets]}"] if nets else []
+        parts += [f"layers {[e.name for e in layers]}"] if layers else []
+        raise UnsupportedError(
+            f"{model.path}: export takes a network of one net or one layer; {model.name} has "
+            f"{' and '.join(parts)} (export each step-net on its own with sn.onnx.export)")
+    sources = model._output_sources
+    top = _TopGraph(model.name, taken=list(model.inputs) + list(model.outputs))
+    if layers:
+        entry = layers[0]
+        spec = model.inputs[entry.source.input]
+        if spec.lod_level != 1:
+            raise UnsupportedError(
+                f"{model.path}: layer {entry.name} reads {spec.name!r} with lod_level "
+                f"{spec.lod_level}; export takes a layer over a one-level input")
+        layer = entry.layer
+        X = top.input(spec.name, layer.dtype, ["batch", "steps", layer.input_size])
+        keys = {("all", 0): "Y", ("last", 0): "h_n", ("last", 1): "c_n"}
+        outputs = {}
+        for name, src in sources.items():
+            outputs.setdefault(keys[src.mode, src.index], []).append(name)
+        _emit_layer(top, layer, X, top.top_lengths(), None, None, as_scan, outputs)
+    else:
+        net = nets[0]
+        check_supported(net.rnn.program(True).eqn.attrs["body"], f"{model.path}: net {net.name}")
+        input_names = {}
+        for binding in net.rnn.bindings:
+            source = net.sources.get(binding)
+            input_names[binding] = source.input if source is not None else binding
+        outputs = {}
+        for name, src in sources.items():
+            outputs.setdefault((src.index, src.mode), []).append(name)
+        _emit_step_net(top, net.rnn, input_names, outputs)
+    return top.model(f"stepnet YAML network {model.name} ({model.path.name})")
+
+
+# ----------------------------------------------------------------------------
+# checks
+
+
+def _only_for(what, **given):
+    """Options that do not apply to ``what`` are refused, not ignored."""
+    wrong = [name for name, value in given.items() if value]
+    if wrong:
+        raise StepNetError(f"export: {', '.join(wrong)} does not apply to {what}")
+
+
+def _save(model, path):
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise Error(f"export: cannot write {str(path)!r}: the folder {str(path.parent)!r} "
+                    "does not exist")
+    try:
+        _onnx().save(model, str(path))
+    except OSError as exc:
+        raise Error(f"export: cannot write {str(path)!r}: {exc.strerror or exc}") from None
