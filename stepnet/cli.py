@@ -4,11 +4,12 @@
     stepnet run model.yaml --input data.npz --output out.npz --backend interpreter
     stepnet check model.yaml                          # validate, print the IR
     stepnet bench model.yaml --repeat 20              # compile time, median run time
+    stepnet export model.yaml -o model.onnx           # an ONNX model onnxruntime runs
 
 Data files are ``.npz``: an input ``x`` with a LoD is the array ``x`` (its data
 rows) plus ``x.lod.0``, ``x.lod.1``, ... (offsets, coarsest level first) or
 ``x.lengths.0``, ...; a ``lod_level: 0`` input is the array alone. ``--output``
-writes the outputs the same way. See docs/yaml.md.
+writes the outputs the same way. See docs/yaml.md and docs/onnx-export.md.
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ def _parser():
     bench.add_argument("--repeat", type=int, default=10, metavar="N",
                        help="timed runs after the first call (default 10)")
     bench.set_defaults(func=cmd_bench)
+
+    export = sub.add_parser("export", help="write a network as an ONNX model",
+                            description="Write a YAML network of one net (nested nets included) "
+                                        "or one built-in layer as an ONNX model (opset 17) that "
+                                        "onnxruntime runs; see docs/onnx-export.md.")
+    model_args(export)
+    export.add_argument("--output", "-o", required=True, metavar="MODEL.onnx",
+                        help="the ONNX file to write")
+    export.add_argument("--scan", action="store_true",
+                        help="built-in layers as Scan nodes, not ONNX GRU/LSTM/RNN nodes")
+    export.set_defaults(func=cmd_export)
     return parser
 
 
@@ -161,8 +173,41 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .onnx.export import export
+
+    model = _load(args)
+    onnx_model = export(model, args.output, as_scan=args.scan)
+    print(f"model    {args.model} ({model.name})")
+    print("inputs")
+    _print_value_infos(onnx_model.graph.input)
+    print("outputs")
+    _print_value_infos(onnx_model.graph.output)
+    ops = sorted({node.op_type for node in onnx_model.graph.node})
+    print(f"nodes    {len(onnx_model.graph.node)} ({', '.join(ops)}), opset "
+          f"{onnx_model.opset_import[0].version}")
+    print(f"wrote    {args.output}")
+    return 0
+
+
 # ----------------------------------------------------------------------------
 # helpers
+
+
+def _print_value_infos(values):
+    from .onnx.export_graph import _onnx
+
+    to_dtype = _onnx().helper.tensor_dtype_to_np_dtype
+    width = max((len(v.name) for v in values), default=0)
+    for value in values:
+        tensor = value.type.tensor_type
+        dims = []
+        for dim in tensor.shape.dim:
+            if dim.dim_param:
+                dims.append(dim.dim_param)
+            else:
+                dims.append(str(dim.dim_value) if dim.HasField("dim_value") else "?")
+        print(f"  {value.name:<{width}}  {to_dtype(tensor.elem_type)} [{', '.join(dims)}]")
 
 
 def _load(args):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
+from conftest import assert_close
 from stepnet.cli import Progress, load_npz, save_npz
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,13 +36,14 @@ def ok(proc):
     return proc.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["check"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["check"], ["bench"], ["export"]])
 def test_help_on_every_command(command):
     out = ok(stepnet(*command, "--help"))
     assert out.startswith("usage: stepnet")
-    expected = {(): ["run", "check", "bench"], ("run",): ["--input", "--params", "--output",
+    expected = {(): ["run", "check", "bench", "export"], ("run",): ["--input", "--params", "--output",
                 "--backend", "--seed", "--quiet"], ("check",): ["MODEL.yaml"],
-                ("bench",): ["--repeat", "--backend"]}[tuple(command)]
+                ("bench",): ["--repeat", "--backend"],
+                ("export",): ["--output", "--scan", "--params"]}[tuple(command)]
     for word in expected:
         assert word in out
 
@@ -174,3 +176,107 @@ def test_progress_line():
     with Progress(delay=5.0, stream=stream, interval=0.01):  # a short run shows nothing
         time.sleep(0.05)
     assert stream.getvalue() == ""
+
+
+# ----------------------------------------------------------------------------
+# export
+
+
+def onnx_feeds(feeds):
+    """A YAML model's inputs in the exported layout (docs/onnx-export.md)."""
+    from stepnet.onnx.export import to_nested_padded
+
+    out = {}
+    for name, value in feeds.items():
+        if isinstance(value, sn.LoDTensor):
+            out[name], lengths = to_nested_padded(value)
+            out["lengths"] = lengths[0]
+            for level, per_level in enumerate(lengths[1:], 1):
+                out[f"{name}_lengths_{level}"] = per_level
+        else:
+            out[name] = value
+    return out
+
+
+def read_outputs(path):
+    """``stepnet run --output`` written back: LoDTensors padded per level."""
+    from stepnet.onnx.export import to_nested_padded
+
+    with np.load(path) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    out = {}
+    for name in [k for k in arrays if "." not in k]:
+        levels = [arrays[f"{name}.lod.{k}"] for k in range(3) if f"{name}.lod.{k}" in arrays]
+        out[name] = to_nested_padded(sn.LoDTensor(arrays[name], levels))[0] if levels else arrays[name]
+    return out
+
+
+@pytest.mark.parametrize("example", ["char_gru.yaml", "custom_cell.yaml", "hierarchical.yaml"])
+def test_export_each_example_runs_in_onnxruntime_as_stepnet_runs(example, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    model = sn.load_yaml(EXAMPLES / example)
+    feeds = model.random_feeds(seed=3, num_sequences=5, max_length=4)
+    save_npz(tmp_path / "in.npz", feeds)
+    out = ok(stepnet("export", EXAMPLES / example, "-o", tmp_path / "model.onnx"))
+    assert "opset 17" in out and "Scan" in out
+    ok(stepnet("run", EXAMPLES / example, "--input", tmp_path / "in.npz", "--output",
+               tmp_path / "out.npz", "--backend", "interpreter", "-q"))
+    expected = read_outputs(tmp_path / "out.npz")
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    assert names == model.outputs
+    for name, actual in zip(names, session.run(None, onnx_feeds(feeds))):
+        want = expected[name]
+        want = np.pad(want, [(0, a - w) for a, w in zip(actual.shape, want.shape)])
+        assert_close(actual, want, what=name)
+
+
+LAYER_YAML = """
+name: tagger
+inputs:
+  words: {shape: [6], lod_level: 1}
+layers:
+  encoder:
+    type: lstm
+    input: words
+    hidden_size: 5
+    num_layers: 2
+    direction: {direction}
+outputs:
+  states: encoder.all
+  last_h: encoder.last.h_n
+  last_c: encoder.last.c_n
+"""
+
+
+@pytest.mark.parametrize("direction, scan, node", [("bidirectional_concat", False, "LSTM"),
+                                                   ("reverse", True, "Scan"),
+                                                   ("bidirectional_sum", False, "Scan")])
+def test_export_a_layer_network(direction, scan, node, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "tagger.yaml"
+    path.write_text(LAYER_YAML.replace("{direction}", direction))
+    out = ok(stepnet("export", path, "-o", tmp_path / "m.onnx", *(["--scan"] if scan else [])))
+    assert node in out.split("nodes")[1]
+    model = sn.load_yaml(path)
+    feeds = model.random_feeds(seed=1)
+    expected = model(feeds, backend="interpreter")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    actual = dict(zip(["states", "last_h", "last_c"], session.run(None, onnx_feeds(feeds))))
+    states = expected["states"]
+    assert_close(actual["states"], states.to_padded()[0], what="states")
+    assert_close(actual["last_h"], expected["last_h"], what="last_h")
+    assert_close(actual["last_c"], expected["last_c"], what="last_c")
+
+
+def test_export_refuses_two_nets_and_names_them(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text((EXAMPLES / "custom_cell.yaml").read_text().replace(
+        "outputs:\n  states: mgu.all",
+        "  again:\n    inputs: {xt: x}\n    memories: {h: {shape: [32]}}\n"
+        "    step: ['h = tanh(xt @ W_c + h.pre @ U_c)']\n    outputs: [h]\n\n"
+        "outputs:\n  states: mgu.all"))
+    proc = stepnet("export", path, "-o", tmp_path / "two.onnx")
+    assert proc.returncode == 1
+    assert "one net or one layer" in proc.stderr and "['mgu', 'again']" in proc.stderr
+    assert not (tmp_path / "two.onnx").exists()
