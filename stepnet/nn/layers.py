@@ -90,7 +90,10 @@ class _RecurrentLayer:
             names = list(self._default_activations()) * self.num_directions
         names = [cells.canonical_activation(n, where) for n in names]
         if len(names) == per_direction and self.num_directions == 2:
+            # one direction's functions, with their alphas and betas, for both
             names = names * 2
+            alphas = None if alphas is None else list(alphas) * 2
+            betas = None if betas is None else list(betas) * 2
         if len(names) != per_direction * self.num_directions:
             raise StepNetError(
                 f"{where}: activations lists {len(names)} functions; a {self.direction} "

@@ -93,6 +93,18 @@ def _check_constant_rank(ctx, xs):
                 f"input of rank {r} inside a Scan body")
 
 
+def _aligned(xs):
+    """Step values of lower rank get leading size-1 axes after the batch axis,
+    so ONNX's right-aligned broadcasting holds between step values."""
+    r = max(rank(x) for x in xs if is_step(x))
+    out = []
+    for x in xs:
+        while is_step(x) and rank(x) < r:
+            x = sn_ops.broadcast_axis(x, 1, 1)
+        out.append(x)
+    return out
+
+
 def _int_div(a, b):
     q = np.abs(a) // np.abs(b)
     return (np.sign(a) * np.sign(b) * q).astype(np.result_type(a, b))
@@ -103,7 +115,7 @@ def _binary(name, np_fn, sn_fn):
     def run(ctx, a, b):
         if _any_step((a, b)):
             _check_constant_rank(ctx, (a, b))
-            return sn_fn(a, b)
+            return sn_fn(*_aligned((a, b)))
         if name == "Div" and np.asarray(a).dtype.kind in "iu":
             return _int_div(a, b)
         return np_fn(a, b)
@@ -128,6 +140,7 @@ def _variadic(name, np_fn, sn_fn):
         step = _any_step(xs)
         if step:
             _check_constant_rank(ctx, xs)
+            xs = _aligned(xs)
         out = xs[0]
         for x in xs[1:]:
             out = (sn_fn if step else np_fn)(out, x)
@@ -209,7 +222,7 @@ def _dropout(ctx, x, ratio=None, training_mode=None):
 def _where(ctx, cond, a, b):
     if _any_step((cond, a, b)):
         _check_constant_rank(ctx, (cond, a, b))
-        return sn_ops.where(cond, a, b)
+        return sn_ops.where(*_aligned((cond, a, b)))
     return np.where(cond, a, b)
 
 

@@ -1,0 +1,612 @@
+"""stepnet.onnx.InferenceSession against ONNX's own node tests and onnxruntime."""
+
+import importlib
+import warnings
+
+import numpy as np
+import pytest
+
+import stepnet as sn
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from stepnet.onnx import InferenceSession  # noqa: E402
+
+from conftest import assert_close  # noqa: E402
+
+# ----------------------------------------------------------------------------
+# every ONNX backend node test of GRU, LSTM, RNN and Scan
+
+
+def _node_cases():
+    """The test cases onnx generates for its recurrent ops (its own
+    collect/expect machinery, importing only those four modules)."""
+    import onnx.backend.test.case.node as node_cases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in ("gru", "lstm", "rnn", "scan"):
+            importlib.import_module(f"onnx.backend.test.case.node.{module}")
+    return [c for c in node_cases._NodeTestCases
+            if c.model.graph.node[0].op_type in ("GRU", "LSTM", "RNN", "Scan")]
+
+
+NODE_CASES = {c.name: c for c in _node_cases()}
+# Numba compiles a kernel per case: a sample runs by default, all of them under -m slow
+NUMBA_SAMPLE = {"test_gru_seq_length", "test_lstm_with_peepholes", "test_simple_rnn_bidirectional",
+                "test_scan_sum", "test_scan9_multi_state"}
+
+
+def _backend_params():
+    for name in sorted(NODE_CASES):
+        yield pytest.param(name, "interpreter", id=f"{name}-interpreter")
+        marks = () if name in NUMBA_SAMPLE else (pytest.mark.slow,)
+        yield pytest.param(name, "numba", id=f"{name}-numba", marks=marks)
+
+
+def test_every_recurrent_node_case_is_collected():
+    counts = {}
+    for c in NODE_CASES.values():
+        op = c.model.graph.node[0].op_type
+        counts[op] = counts.get(op, 0) + 1
+    print(f"\nONNX backend node cases: {len(NODE_CASES)} ({counts})")
+    assert set(counts) == {"GRU", "LSTM", "RNN", "Scan"}
+    assert len(NODE_CASES) >= 22
+
+
+@pytest.mark.parametrize("name, backend", list(_backend_params()))
+def test_onnx_backend_node_case(name, backend):
+    case = NODE_CASES[name]
+    session = InferenceSession(case.model, backend=backend)
+    for inputs, outputs in case.data_sets:
+        feeds = {arg.name: value for arg, value in zip(session.get_inputs(), inputs)}
+        got = session.run(None, feeds)
+        assert len(got) == len(outputs)
+        for g, e in zip(got, outputs):
+            assert_close(g, np.asarray(e), what=name)
+
+
+# ----------------------------------------------------------------------------
+# helpers: single-node models, run by stepnet and by onnxruntime
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=22, domain_opsets=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    imports = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in domain_opsets]
+    model = helper.make_model(graph, opset_imports=imports)
+    model.ir_version = 10
+    return model
+
+
+def _info(name, array):
+    elem = helper.np_dtype_to_tensor_dtype(np.asarray(array).dtype)
+    return helper.make_tensor_value_info(name, elem, list(np.shape(array)))
+
+
+def _ort_run(model, feeds, names=None):
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    return session.run(names, feeds)
+
+
+def _compare(model, feeds, backends=("interpreter",), names=None, tol_dtype=None):
+    expected = _ort_run(model, feeds, names)
+    for backend in backends:
+        got = InferenceSession(model, backend=backend).run(names, feeds)
+        assert len(got) == len(expected)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_close(g, e, dtype=tol_dtype, what=f"{backend} output {i}")
+    return expected
+
+
+# ----------------------------------------------------------------------------
+# randomized GRU / LSTM / RNN nodes over the attribute space, onnxruntime the oracle
+
+_ACTIVATIONS = ["Relu", "Tanh", "Sigmoid", "Affine", "LeakyRelu", "ThresholdedRelu", "ScaledTanh",
+                "HardSigmoid", "Elu", "Softsign", "Softplus"]
+_TAKES = {"Affine": 2, "LeakyRelu": 1, "ThresholdedRelu": 1, "ScaledTanh": 2, "HardSigmoid": 2,
+          "Elu": 1}
+_GATES = {"GRU": 3, "LSTM": 4, "RNN": 1}
+_NUM_ACTS = {"GRU": 2, "LSTM": 3, "RNN": 1}
+
+
+def random_recurrent_node(op, seed):
+    """One GRU/LSTM/RNN node with attributes and optional inputs drawn at random."""
+    r = np.random.default_rng(seed)
+    T, B, I, H = int(r.integers(1, 6)), int(r.integers(1, 5)), int(r.integers(1, 5)), int(r.integers(1, 5))
+    direction = ["forward", "reverse", "bidirectional"][r.integers(3)]
+    D = 2 if direction == "bidirectional" else 1
+    G = _GATES[op]
+    layout = int(r.integers(2))
+    attrs = {"hidden_size": H, "direction": direction, "layout": layout}
+    if r.random() < 0.5:
+        acts = [str(a) for a in r.choice(_ACTIVATIONS, _NUM_ACTS[op] * (D if r.random() < 0.5 else 1))]
+        attrs["activations"] = acts
+        n_alpha = sum(_TAKES.get(a, 0) >= 1 for a in acts)
+        n_beta = sum(_TAKES.get(a, 0) >= 2 for a in acts)
+        # onnxruntime's defaults differ from the ONNX operators' for these
+        # three (docs/onnx.md): the models spell their parameters out
+        explicit = any(a in ("Affine", "ScaledTanh", "ThresholdedRelu") for a in acts)
+        if n_alpha and (explicit or r.random() < 0.7):
+            attrs["activation_alpha"] = [float(v) for v in r.uniform(0.1, 1.5, n_alpha)]
+        if n_beta and (explicit or r.random() < 0.7):
+            attrs["activation_beta"] = [float(v) for v in r.uniform(0.1, 1.0, n_beta)]
+    if r.random() < 0.3:
+        attrs["clip"] = float(r.uniform(0.5, 3.0))
+    if op == "GRU" and r.random() < 0.5:
+        attrs["linear_before_reset"] = 1
+    if op == "LSTM" and r.random() < 0.3:
+        attrs["input_forget"] = 1
+    f = np.float32
+    x_shape = (B, T, I) if layout else (T, B, I)
+    state_shape = (B, D, H) if layout else (D, B, H)
+    arrays = {"X": r.standard_normal(x_shape).astype(f),
+              "W": (r.standard_normal((D, G * H, I)) * 0.6).astype(f),
+              "R": (r.standard_normal((D, G * H, H)) * 0.6).astype(f)}
+    if r.random() < 0.7:
+        arrays["B"] = (r.standard_normal((D, 2 * G * H)) * 0.3).astype(f)
+    if r.random() < 0.6:
+        arrays["sequence_lens"] = r.integers(1, T + 1, B).astype(np.int32)
+    if r.random() < 0.6:
+        arrays["initial_h"] = r.standard_normal(state_shape).astype(f)
+    if op == "LSTM":
+        if r.random() < 0.5:
+            arrays["initial_c"] = r.standard_normal(state_shape).astype(f)
+        if r.random() < 0.5:
+            arrays["P"] = (r.standard_normal((D, 3 * H)) * 0.5).astype(f)
+    order = ["X", "W", "R", "B", "sequence_lens", "initial_h"] + (["initial_c", "P"] if op == "LSTM" else [])
+    node_inputs = [n if n in arrays else "" for n in order]
+    while node_inputs[-1] == "":
+        node_inputs.pop()
+    outputs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    if r.random() < 0.3:
+        outputs[0] = ""  # Y omitted
+    elif r.random() < 0.3:
+        outputs = outputs[:1]  # only Y
+    # weights as initializers half of the time, as graph inputs otherwise
+    as_init = r.random() < 0.5
+
+    def build(attrs, arrays):
+        node = helper.make_node(op, node_inputs, outputs, **attrs)
+        inits = [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B", "P")
+                 if k in arrays and as_init]
+        feeds = {k: v for k, v in arrays.items() if not (as_init and k in ("W", "R", "B", "P"))}
+        model = _model([node], [_info(k, v) for k, v in feeds.items()],
+                       [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs if o],
+                       inits)
+        return model, feeds
+
+    model, feeds = build(attrs, arrays)
+    # onnxruntime runs neither layout=1 nor one direction's activations for
+    # both: its model is the same node with layout 0 and the list spelled out
+    oracle_attrs = dict(attrs, layout=0)
+    if "activations" in attrs and len(attrs["activations"]) < _NUM_ACTS[op] * D:
+        oracle_attrs["activations"] = attrs["activations"] * 2
+        for key in ("activation_alpha", "activation_beta"):
+            if key in attrs:
+                oracle_attrs[key] = attrs[key] * 2
+    oracle_arrays = dict(arrays)
+    if layout:
+        for k in ("X", "initial_h", "initial_c"):
+            if k in arrays:
+                oracle_arrays[k] = np.ascontiguousarray(np.swapaxes(arrays[k], 0, 1))
+    oracle_model, oracle_feeds = build(oracle_attrs, oracle_arrays)
+    expected = _ort_run(oracle_model, oracle_feeds)
+    if layout:  # Y [T, D, B, H] -> [B, T, D, H]; states [D, B, H] -> [B, D, H]
+        expected = [np.transpose(e, (2, 0, 1, 3)) if e.ndim == 4 else np.swapaxes(e, 0, 1)
+                    for e in expected]
+    return model, feeds, expected
+
+
+RANDOM_SEEDS = range(24)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_recurrent_node_matches_onnxruntime(op, seed):
+    _check_random_node(op, seed, "interpreter")
+
+
+def _check_random_node(op, seed, backend):
+    model, feeds, expected = random_recurrent_node(op, seed)
+    got = InferenceSession(model, backend=backend).run(None, feeds)
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        # unbounded activations (Relu, Softplus, Affine) can overflow float32;
+        # onnxruntime's Softplus overflows earlier than stepnet's: compare
+        # where the oracle is finite
+        finite = np.isfinite(e)
+        assert finite.mean() > 0.5
+        assert_close(np.where(finite, g, 0), np.where(finite, e, 0), what=f"{op} seed {seed} output {i}")
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_recurrent_node_numba(op, seed):
+    _check_random_node(op, seed, "numba")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_recurrent_node_numba_all(op, seed):
+    _check_random_node(op, seed, "numba")
+
+
+def _gru_arrays(r, T=4, B=3, I=5, H=6, dtype=np.float32):
+    return {"X": r.standard_normal((T, B, I)).astype(dtype),
+            "W": (r.standard_normal((1, 3 * H, I)) * 0.5).astype(dtype),
+            "R": (r.standard_normal((1, 3 * H, H)) * 0.5).astype(dtype),
+            "B": (r.standard_normal((1, 6 * H)) * 0.3).astype(dtype)}
+
+
+def _gru_model(arrays, opset, H=6, extra_attrs=None, outputs=("Y", "Y_h"), elem=TensorProto.FLOAT):
+    node = helper.make_node("GRU", ["X", "W", "R", "B"], list(outputs), hidden_size=H,
+                            **(extra_attrs or {}))
+    return _model([node], [_info("X", arrays["X"])],
+                  [helper.make_tensor_value_info(o, elem, None) for o in outputs],
+                  [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B")], opset=opset)
+
+
+@pytest.mark.parametrize("opset", [7, 14, 22])
+def test_gru_opsets(opset, rng):
+    arrays = _gru_arrays(rng)
+    _compare(_gru_model(arrays, opset), {"X": arrays["X"]})
+
+
+def test_gru_opset3_output_sequence(rng):
+    arrays = _gru_arrays(rng)
+    expected = InferenceSession(_gru_model(arrays, 22)).run(None, {"X": arrays["X"]})
+    for flag in (0, 1):
+        model = _gru_model(arrays, 3, extra_attrs={"output_sequence": flag})
+        got = InferenceSession(model, backend="interpreter").run(None, {"X": arrays["X"]})
+        assert_close(got, expected)
+
+
+def test_float16_model_is_computed_in_float32(rng):
+    arrays = _gru_arrays(rng)
+    half = {k: v.astype(np.float16) for k, v in arrays.items()}
+    model = _gru_model(half, 22, elem=TensorProto.FLOAT16)
+    Y, Y_h = InferenceSession(model, backend="interpreter").run(None, {"X": half["X"]})
+    assert Y.dtype == np.float16 and Y_h.dtype == np.float16
+    wide = {k: v.astype(np.float32) for k, v in half.items()}
+    expected = _ort_run(_gru_model(wide, 22), {"X": wide["X"]})
+    assert_close(Y, expected[0].astype(np.float16))
+    assert_close(Y_h, expected[1].astype(np.float16))
+
+
+def test_float64_lstm_matches_float32_oracle(rng):
+    """onnxruntime's CPU LSTM is float32 only: float64 is checked against it at
+    float32's tolerance and against stepnet's own two backends at float64's."""
+    T, B, I, H = 5, 2, 3, 4
+    arrays = {"X": rng.standard_normal((T, B, I)), "W": rng.standard_normal((1, 4 * H, I)) * 0.5,
+              "R": rng.standard_normal((1, 4 * H, H)) * 0.5}
+    node = helper.make_node("LSTM", ["X", "W", "R"], ["Y", "Y_h", "Y_c"], hidden_size=H)
+
+    def model(dtype):
+        a = {k: v.astype(dtype) for k, v in arrays.items()}
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        return _model([node], [_info(k, a[k]) for k in a],
+                      [helper.make_tensor_value_info(o, elem, None) for o in ("Y", "Y_h", "Y_c")]), a
+
+    m64, a64 = model(np.float64)
+    interp = InferenceSession(m64, backend="interpreter").run(None, a64)
+    assert all(y.dtype == np.float64 for y in interp)
+    assert_close(InferenceSession(m64, backend="numba").run(None, a64), interp)
+    m32, a32 = model(np.float32)
+    oracle = _ort_run(m32, a32)
+    assert_close([y.astype(np.float32) for y in interp], oracle)
+
+
+def test_zero_length_sequence(rng):
+    """A sequence of length 0 gives zeros in Y and its initial state in Y_h."""
+    arrays = _gru_arrays(rng)
+    h0 = rng.standard_normal((1, 3, 6)).astype(np.float32)
+    node = helper.make_node("GRU", ["X", "W", "R", "B", "L", "h0"], ["Y", "Y_h"], hidden_size=6)
+    model = _model([node], [_info("X", arrays["X"]), _info("L", np.zeros(3, np.int32)),
+                            _info("h0", h0)],
+                   [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("Y", "Y_h")],
+                   [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B")])
+    lengths = np.array([4, 0, 2], np.int32)
+    Y, Y_h = InferenceSession(model, backend="interpreter").run(
+        None, {"X": arrays["X"], "L": lengths, "h0": h0})
+    assert np.all(Y[:, :, 1] == 0) and np.all(Y[2:, :, 2] == 0)
+    assert_close(Y_h[:, 1], h0[:, 1])
+    # the other sequences are what onnxruntime gives with lengths >= 1
+    ok = np.array([4, 1, 2], np.int32)
+    expected = _ort_run(model, {"X": arrays["X"], "L": ok, "h0": h0})
+    assert_close(Y[:, :, [0, 2]], expected[0][:, :, [0, 2]])
+
+
+# ----------------------------------------------------------------------------
+# Scan: custom bodies, against onnxruntime
+
+
+def _scan_rnn_model(opset, H=4, I=3, reverse_in=False, reverse_out=False, in_axis=0, out_axis=0,
+                    weights_as_input=False):
+    """Scan-9+: an Elman RNN whose body reads W, U, b from the outer graph."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["x_t", "W"], ["xw"]),
+         helper.make_node("MatMul", ["h", "U"], ["hu"]),
+         helper.make_node("Add", ["xw", "hu"], ["s"]),
+         helper.make_node("Add", ["s", "b"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["h_next"]),
+         helper.make_node("Identity", ["h_next"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, H]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [2, I])],
+        [helper.make_tensor_value_info("h_next", TensorProto.FLOAT, [2, H]),
+         helper.make_tensor_value_info("y_t", TensorProto.FLOAT, [2, H])])
+    node = helper.make_node("Scan", ["h0", "X"], ["h_T", "Y"], body=body, num_scan_inputs=1,
+                            scan_input_directions=[int(reverse_in)],
+                            scan_output_directions=[int(reverse_out)],
+                            scan_input_axes=[in_axis], scan_output_axes=[out_axis])
+    r = np.random.default_rng(7)
+    weights = {"W": (r.standard_normal((I, H)) * 0.5).astype(np.float32),
+               "U": (r.standard_normal((H, H)) * 0.5).astype(np.float32),
+               "b": (r.standard_normal(H) * 0.1).astype(np.float32)}
+    T = 5
+    X = r.standard_normal((T, 2, I)).astype(np.float32)
+    X = np.moveaxis(X, 0, in_axis).copy()
+    feeds = {"h0": r.standard_normal((2, H)).astype(np.float32), "X": X}
+    inputs = [_info("h0", feeds["h0"]), _info("X", X)]
+    inits = []
+    if weights_as_input:
+        feeds.update(weights)
+        inputs += [_info(k, v) for k, v in weights.items()]
+    else:
+        inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("h_T", "Y")]
+    return _model([node], inputs, outs, inits, opset=opset), feeds
+
+
+@pytest.mark.parametrize("opset", [9, 11, 16, 21])
+def test_scan_rnn_opsets(opset):
+    model, feeds = _scan_rnn_model(opset)
+    _compare(model, feeds)
+
+
+@pytest.mark.parametrize("reverse_in, reverse_out, in_axis, out_axis",
+                         [(True, False, 0, 0), (False, True, 0, 1), (True, True, 1, 2),
+                          (False, False, 2, 1)])
+def test_scan_axes_and_directions(reverse_in, reverse_out, in_axis, out_axis):
+    model, feeds = _scan_rnn_model(16, reverse_in=reverse_in, reverse_out=reverse_out,
+                                   in_axis=in_axis, out_axis=out_axis)
+    _compare(model, feeds)
+
+
+def test_scan_on_numba_with_outer_graph_inputs():
+    """Weights fed as graph inputs are static inputs of the step-net, rebound
+    on every run; initializers are traced as constants."""
+    model, feeds = _scan_rnn_model(16, weights_as_input=True)
+    expected = _compare(model, feeds, backends=("interpreter", "numba"))
+    session = InferenceSession(model, backend="numba")
+    doubled = dict(feeds, W=feeds["W"] * 2)
+    assert not np.allclose(session.run(None, doubled)[1], expected[1])
+    assert_close(session.run(None, doubled), _ort_run(model, doubled))
+    model, feeds = _scan_rnn_model(16)
+    _compare(model, feeds, backends=("numba",))
+
+
+def _scan8_model(directions):
+    """Scan-8: batch axis, optional sequence_lens, a running sum and a gated
+    output; two scan inputs with their own directions."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s", "a"], ["s1"]),
+         helper.make_node("Mul", ["s1", "c"], ["m"]),
+         helper.make_node("Sigmoid", ["m"], ["g"]),
+         helper.make_node("Mul", ["g", "a"], ["y"])],
+        "body",
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("a", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("c", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("s1", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    node = helper.make_node("Scan", ["L", "s0", "A", "C"], ["sT", "Y"], body=body,
+                            num_scan_inputs=2, directions=list(directions))
+    r = np.random.default_rng(3)
+    feeds = {"L": np.array([4, 1, 3], np.int64), "s0": r.standard_normal((3, 3)).astype(np.float32),
+             "A": r.standard_normal((3, 4, 3)).astype(np.float32),
+             "C": r.standard_normal((3, 4, 3)).astype(np.float32)}
+    model = _model([node], [_info(k, v) for k, v in feeds.items()],
+                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("sT", "Y")],
+                   opset=8)
+    return model, feeds
+
+
+@pytest.mark.parametrize("directions", [(0, 0), (1, 1), (0, 1)])
+def test_scan8_sequence_lens_and_directions(directions):
+    model, feeds = _scan8_model(directions)
+    got = InferenceSession(model, backend="interpreter").run(None, feeds)
+    # the loop, written out per sequence
+    L, s, A, C = feeds["L"], feeds["s0"].copy(), feeds["A"], feeds["C"]
+    Y = np.zeros_like(A)
+    for b in range(3):
+        a_seq, c_seq = A[b, :L[b]], C[b, :L[b]]
+        a_seq = a_seq[::-1] if directions[0] else a_seq
+        c_seq = c_seq[::-1] if directions[1] else c_seq
+        for t in range(L[b]):
+            s[b] = s[b] + a_seq[t]
+            Y[b, t] = 1 / (1 + np.exp(-(s[b] * c_seq[t]))) * a_seq[t]
+    assert_close(got, [s, Y])
+
+
+def test_scan8_matches_onnxruntime():
+    model, feeds = _scan8_model((0, 1))
+    _compare(model, feeds, backends=("interpreter", "numba"))
+
+
+def test_scan_body_ops_match_onnxruntime():
+    """A body using Gemm, Concat, Split, Slice, Squeeze/Unsqueeze, ReduceSum,
+    Transpose, Where, Clip and activations, against onnxruntime."""
+    H = 4
+    consts = [
+        helper.make_node("Constant", [], ["axes0"], value=numpy_helper.from_array(np.array([0], np.int64))),
+        helper.make_node("Constant", [], ["lo"], value=numpy_helper.from_array(np.float32(-0.5))),
+        helper.make_node("Constant", [], ["hi"], value=numpy_helper.from_array(np.float32(0.8))),
+        helper.make_node("Constant", [], ["st"], value=numpy_helper.from_array(np.array([1], np.int64))),
+        helper.make_node("Constant", [], ["en"], value=numpy_helper.from_array(np.array([3], np.int64))),
+        helper.make_node("Constant", [], ["ax1"], value=numpy_helper.from_array(np.array([1], np.int64))),
+    ]
+    body = helper.make_graph(
+        consts + [
+            helper.make_node("Unsqueeze", ["h", "axes0"], ["h2"]),                    # [1, H]
+            helper.make_node("Gemm", ["h2", "U"], ["hu"], transB=1, alpha=0.9),       # [1, H]
+            helper.make_node("Squeeze", ["hu", "axes0"], ["hu1"]),                    # [H]
+            helper.make_node("Concat", ["x_t", "hu1"], ["cat"], axis=0),               # [2H]
+            helper.make_node("Split", ["cat"], ["p", "q"], axis=0, num_outputs=2),     # [H], [H]
+            helper.make_node("Mul", ["p", "q"], ["pq"]),
+            helper.make_node("Clip", ["pq", "lo", "hi"], ["pc"]),
+            helper.make_node("Greater", ["p", "q"], ["gt"]),
+            helper.make_node("Where", ["gt", "pc", "q"], ["w"]),
+            helper.make_node("LeakyRelu", ["w"], ["lr"], alpha=0.2),
+            helper.make_node("Tanh", ["lr"], ["h_next"]),
+            helper.make_node("Slice", ["h_next", "st", "en"], ["sl"]),                # [2]
+            helper.make_node("ReduceSum", ["sl", "axes0"], ["rs"], keepdims=1),        # [1]
+            helper.make_node("Unsqueeze", ["h_next", "ax1"], ["col"]),                 # [H, 1]
+            helper.make_node("Transpose", ["col"], ["row"], perm=[1, 0]),              # [1, H]
+            helper.make_node("Softplus", ["row"], ["y_t"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [H]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [H])],
+        [helper.make_tensor_value_info("h_next", TensorProto.FLOAT, [H]),
+         helper.make_tensor_value_info("rs", TensorProto.FLOAT, [1]),
+         helper.make_tensor_value_info("y_t", TensorProto.FLOAT, [1, H])])
+    node = helper.make_node("Scan", ["h0", "X"], ["hT", "R", "Y"], body=body, num_scan_inputs=1)
+    r = np.random.default_rng(11)
+    U = (r.standard_normal((H, H)) * 0.7).astype(np.float32)
+    feeds = {"h0": r.standard_normal(H).astype(np.float32),
+             "X": r.standard_normal((6, H)).astype(np.float32)}
+    model = _model([node], [_info(k, v) for k, v in feeds.items()],
+                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("hT", "R", "Y")],
+                   [numpy_helper.from_array(U, "U")], opset=18)
+    _compare(model, feeds, backends=("interpreter", "numba"))
+
+
+def test_graph_around_recurrent_nodes_matches_onnxruntime(rng):
+    """Graph-level ops feeding and reading a GRU and a Scan."""
+    T, B, I, H = 5, 3, 4, 6
+    arrays = _gru_arrays(rng, T, B, I, H)
+    proj = (rng.standard_normal((H, 2)) * 0.5).astype(np.float32)
+    nodes = [
+        helper.make_node("Relu", ["X"], ["Xr"]),
+        helper.make_node("GRU", ["Xr", "W", "R", "B"], ["Y", "Y_h"], hidden_size=H),
+        helper.make_node("Squeeze", ["Y", "one"], ["Ys"]),                       # [T, B, H]
+        helper.make_node("Transpose", ["Ys"], ["Yb"], perm=[1, 0, 2]),           # [B, T, H]
+        helper.make_node("MatMul", ["Yb", "proj"], ["Z"]),                       # [B, T, 2]
+        helper.make_node("ReduceMean", ["Z", "one"], ["Zm"], keepdims=0),        # [B, 2]
+        helper.make_node("Softmax", ["Zm"], ["P"], axis=-1),
+    ]
+    inits = [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B")]
+    inits += [numpy_helper.from_array(proj, "proj"), numpy_helper.from_array(np.array([1], np.int64), "one")]
+    model = _model(nodes, [_info("X", arrays["X"])],
+                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("P", "Y_h")],
+                   inits)
+    _compare(model, {"X": arrays["X"]})
+
+
+def test_inputs_and_outputs_like_onnxruntime():
+    ort = pytest.importorskip("onnxruntime")
+    model, feeds = _scan_rnn_model(16, weights_as_input=True)
+    ours = InferenceSession(model)
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for a, b in zip(ours.get_inputs() + ours.get_outputs(), theirs.get_inputs() + theirs.get_outputs()):
+        assert (a.name, a.type) == (b.name, b.type)
+    for a, b in zip(ours.get_inputs(), theirs.get_inputs()):
+        assert a.shape == b.shape
+    assert [a.name for a in ours.get_inputs()] == [a.name for a in theirs.get_inputs()]
+    # output selection and order
+    hT, = ours.run(["h_T"], feeds)
+    Y, hT2 = ours.run(["Y", "h_T"], feeds)
+    assert_close(hT, hT2)
+
+
+def test_session_loads_paths_and_bytes(tmp_path, rng):
+    arrays = _gru_arrays(rng)
+    model = _gru_model(arrays, 22)
+    path = tmp_path / "gru.onnx"
+    onnx.save(model, str(path))
+    expected = InferenceSession(model, backend="interpreter").run(None, {"X": arrays["X"]})
+    for source in (str(path), path, model.SerializeToString()):
+        assert_close(InferenceSession(source, backend="interpreter").run(None, {"X": arrays["X"]}),
+                     expected)
+
+
+# ----------------------------------------------------------------------------
+# errors: before anything runs, naming the node, op and attribute
+
+
+def _unchecked_model(nodes, inputs, outputs, opset=22):
+    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _float(name, shape=None):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def test_unsupported_op_names_the_node():
+    model = _unchecked_model([helper.make_node("Einsum", ["a", "b"], ["c"], name="mix", equation="i,i")],
+                             [_float("a"), _float("b")], [_float("c")])
+    with pytest.raises(sn.UnsupportedError, match=r"'mix' \(Einsum\).*not supported"):
+        InferenceSession(model)
+
+
+def test_unsupported_attribute_names_the_attribute():
+    node = helper.make_node("GRU", ["X", "W", "R"], ["Y"], name="g1", hidden_size=2, fancy=3)
+    model = _unchecked_model([node], [_float("X"), _float("W"), _float("R")], [_float("Y")])
+    with pytest.raises(sn.UnsupportedError, match=r"'g1' \(GRU\): attribute 'fancy'"):
+        InferenceSession(model)
+
+
+def test_unknown_domain_is_refused():
+    node = helper.make_node("Foo", ["a"], ["b"], domain="com.example", name="f")
+    graph = helper.make_graph([node], "g", [_float("a")], [_float("b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22),
+                                                    helper.make_opsetid("com.example", 1)])
+    with pytest.raises(sn.UnsupportedError, match="'f' \\(Foo\\): domain 'com.example'"):
+        InferenceSession(model)
+
+
+def test_unsupported_op_inside_scan_body_on_step_values():
+    body = helper.make_graph(
+        [helper.make_node("Transpose", ["s"], ["s2"], perm=[1, 0, 2], name="tr"),
+         helper.make_node("Add", ["s2", "x"], ["s3"])],
+        "body", [_float("s", [2, 2, 2]), _float("x", [2, 2, 2])],
+        [_float("s3", [2, 2, 2])])
+    node = helper.make_node("Scan", ["s0", "X"], ["sT"], body=body, num_scan_inputs=1, name="scan")
+    model = _unchecked_model([node], [_float("s0", [2, 2, 2]), _float("X", [3, 2, 2, 2])],
+                             [_float("sT")], opset=16)
+    feeds = {"s0": np.zeros((2, 2, 2), np.float32), "X": np.ones((3, 2, 2, 2), np.float32)}
+    with pytest.raises(sn.UnsupportedError, match=r"'tr' \(Transpose\).*perm \[1, 0, 2\]"):
+        InferenceSession(model, backend="interpreter").run(None, feeds)
+
+
+def test_bad_feeds_are_refused(rng):
+    arrays = _gru_arrays(rng)
+    session = InferenceSession(_gru_model(arrays, 22), backend="interpreter")
+    with pytest.raises(sn.StepNetError, match="no value fed for input"):
+        session.run(None, {})
+    with pytest.raises(sn.StepNetError, match="'Z' is not an input"):
+        session.run(None, {"X": arrays["X"], "Z": arrays["X"]})
+    with pytest.raises(sn.ShapeError, match="dtype float64"):
+        session.run(None, {"X": arrays["X"].astype(np.float64)})
+    with pytest.raises(sn.ShapeError, match="has shape \\[4, 3\\]"):
+        session.run(None, {"X": arrays["X"][:, :, 0]})
+    with pytest.raises(sn.StepNetError, match="'nope' is not an output"):
+        session.run(["nope"], {"X": arrays["X"]})
+
+
+def test_bad_sequence_lens_is_refused(rng):
+    arrays = _gru_arrays(rng)
+    node = helper.make_node("GRU", ["X", "W", "R", "B", "L"], ["Y"], hidden_size=6, name="g")
+    model = _model([node], [_info("X", arrays["X"]), _info("L", np.zeros(3, np.int32))],
+                   [_float("Y")], [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B")])
+    with pytest.raises(sn.UnsupportedError, match=r"'g' \(GRU\): sequence_lens\[1\] = 9"):
+        InferenceSession(model, backend="interpreter").run(
+            None, {"X": arrays["X"], "L": np.array([1, 9, 2], np.int32)})
