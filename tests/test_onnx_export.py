@@ -387,3 +387,17 @@ def test_export_writes_a_file_onnx_loads(rng, tmp_path):
     onnx.checker.check_model(loaded, full_check=True)
     assert loaded.opset_import[0].version == export_graph.OPSET == 17
     assert [i.name for i in loaded.graph.initializer][:1] == [model.graph.initializer[0].name]
+
+
+def test_the_documented_snippet_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    import stepnet.onnx
+
+    assert stepnet.onnx.export is export
+    doc = Path(__file__).resolve().parents[1] / "docs" / "onnx-export.md"
+    snippet = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, str(doc), "exec"), {})
+    assert (tmp_path / "rnn.onnx").exists()
