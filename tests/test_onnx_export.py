@@ -401,3 +401,29 @@ def test_the_documented_snippet_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet, str(doc), "exec"), {})
     assert (tmp_path / "rnn.onnx").exists()
+
+
+def test_lod_static_input_stepped_over_by_a_nested_net(rng):
+    X = lod_input(rng, [[2, 1, 3]], 2)
+    M = lod_input(rng, [[3, 0, 2]], 2)  # per sequence, a memory to read (one is empty)
+    W = weight(rng, 2, 2)
+    top = sn.create_rnn_op(name="reader")
+    with top.stepnet():
+        x = top.add_input(X, name="x")
+        memory = top.add_static_input(M, name="memory")
+        h = top.add_memory(shape=[2], name="h")
+        inner = sn.create_rnn_op(name="attend")
+        with inner.stepnet():
+            m = inner.add_input(memory)
+            a = inner.add_memory(init=h.pre_state(), name="a")
+            a.update(sn.ops.tanh(m @ W + a.pre_state()))
+            inner.add_outputs(a)
+        h.update(sn.ops.tanh(x @ W + inner(output_all_steps=False)))
+        top.add_outputs(h)
+    model = export(top)
+    assert [i.name for i in model.graph.input] == ["x", "lengths", "memory", "memory_lengths_0"]
+    x_padded, (lengths,) = to_nested_padded(X)
+    m_padded, (m_lengths,) = to_nested_padded(M)
+    actual = run_onnx(model, {"x": x_padded, "lengths": lengths, "memory": m_padded,
+                              "memory_lengths_0": m_lengths})
+    assert_close(actual["h_all"], padded(top(backend="interpreter")))
