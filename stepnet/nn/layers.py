@@ -167,25 +167,28 @@ class _RecurrentLayer:
 
     # -- ONNX layout --------------------------------------------------------------
 
-    def onnx_weights(self, layer):
+    def onnx_weights(self, layer, value=None):
         """Layer ``layer`` in ONNX's layout: ``W [D, G*H, I]``, ``R [D, G*H, Hr]``,
         ``B [D, 2*G*H]`` (and ``P [D, 3*H]`` with peepholes, ``proj [D, P, H]``,
-        PyTorch's ``weight_hr``, with a projection)."""
+        PyTorch's ``weight_hr``, with a projection). ``value(parameter)`` gives
+        what to lay out for each Parameter (default: its value; gradients by
+        Parameter give the gradients in ONNX's layout)."""
         if not 0 <= layer < self.num_layers:
             raise StepNetError(f"layer {layer} is not in [0, {self.num_layers})")
+        value = value or (lambda p: p.value)
         gates = cells.GATES[self.cell]
         out = {"W": [], "R": [], "B": []}
         for d in range(self.num_directions):
             p = self._params[(layer, d)]
-            out["W"].append(np.concatenate([p["W"][g].value.T for g in gates], 0))
-            out["R"].append(np.concatenate([p["R"][g].value.T for g in gates], 0))
-            out["B"].append(np.concatenate([p["Wb"][g].value for g in gates]
-                                           + [p["Rb"][g].value for g in gates]))
+            out["W"].append(np.concatenate([value(p["W"][g]).T for g in gates], 0))
+            out["R"].append(np.concatenate([value(p["R"][g]).T for g in gates], 0))
+            out["B"].append(np.concatenate([value(p["Wb"][g]) for g in gates]
+                                           + [value(p["Rb"][g]) for g in gates]))
             if self.peephole:
                 out.setdefault("P", []).append(
-                    np.concatenate([p["P"][g].value for g in cells.PEEPHOLES]))
+                    np.concatenate([value(p["P"][g]) for g in cells.PEEPHOLES]))
             if self.proj_size:
-                out.setdefault("proj", []).append(p["proj"].value.T)
+                out.setdefault("proj", []).append(value(p["proj"]).T)
         return {k: np.stack(v) for k, v in out.items()}
 
     def set_onnx_weights(self, layer, W, R, B=None, P=None, proj=None):

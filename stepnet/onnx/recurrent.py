@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dsl, nn
+from .. import autodiff, dsl, nn
 from ..errors import Error, UnsupportedError
 from ..lod import LoDTensor
 from .ops import is_step
@@ -72,6 +72,12 @@ class RecurrentNode:
         return self.layer
 
     def run(self, inputs, backend):
+        return self.forward(inputs, backend)[0]
+
+    def forward(self, inputs, backend, keep=False):
+        """``(outputs, pullback)``; with ``keep``, ``pullback(grads)`` maps one
+        gradient (or None) per output to one per input (None where there is
+        none), in ONNX's layouts."""
         ctx = self.ctx
         inputs = list(inputs) + [None] * (8 - len(inputs))
         X, W, R, B, lengths, h0 = inputs[:6]
@@ -106,13 +112,16 @@ class RecurrentNode:
         try:
             layer = self._layer(W, R, B, P)
             feed = (batch_first, lengths)
+            call = layer.vjp if keep else layer
             if ctx.op == "LSTM":
                 h0, c0 = state(h0), state(c0)
                 initial = None if h0 is None and c0 is None else (h0, c0)
-                Y, (h_n, c_n) = layer(feed, initial, backend=backend)
+                out = call(feed, initial, backend=backend)
+                (Y, (h_n, c_n)) = out[0] if keep else out
                 states = [h_n, c_n]
             else:
-                Y, h_n = layer(feed, state(h0), backend=backend)
+                out = call(feed, state(h0), backend=backend)
+                Y, h_n = out[0] if keep else out
                 states = [h_n]
         except Error as e:
             raise _reraise(ctx, e) from e
@@ -120,7 +129,36 @@ class RecurrentNode:
         Y = Y.reshape(Bsz, T, D, H)
         Y = Y if self.layout else Y.transpose(1, 2, 0, 3)
         states = [s.transpose(1, 0, 2) if self.layout else s for s in states]
-        return [np.ascontiguousarray(Y)] + [np.ascontiguousarray(s) for s in states]
+        outs = [np.ascontiguousarray(Y)] + [np.ascontiguousarray(s) for s in states]
+        if not keep:
+            return outs, None
+        layer_pullback = out[1]
+
+        def pullback(grads):
+            grads = list(grads) + [None] * (len(outs) - len(grads))
+            dY = grads[0]
+            if dY is not None:
+                dY = np.asarray(dY)
+                dY = (dY if self.layout else dY.transpose(2, 0, 1, 3)).reshape(Bsz, T, D * H)
+            d_states = [None if g is None else state(np.asarray(g)) for g in grads[1:]]
+            params = layer.parameters()
+            names = ["X", "h0"] + (["c0"] if ctx.op == "LSTM" else [])
+            try:
+                found = layer_pullback([dY] + d_states, wrt=params + names)
+            except Error as e:
+                raise _reraise(ctx, e) from e
+            by_param = {id(p): g for p, g in zip(params, found)}
+            weights = layer.onnx_weights(0, value=lambda p: by_param[id(p)])
+            dX, d_init = found[len(params)], found[len(params) + 1:]
+            dX = dX if self.layout else dX.transpose(1, 0, 2)
+            d_init = [state(g) for g in d_init]  # the transpose is its own inverse
+            result = [dX, weights["W"], weights["R"], weights["B"], None, d_init[0]]
+            if ctx.op == "LSTM":
+                result += [d_init[1], weights.get("P")]
+            return [None if g is None or x is None else np.asarray(g, np.asarray(x).dtype)
+                    for g, x in zip(result, inputs)]
+
+        return outs, pullback
 
 
 class ScanNode:
@@ -171,6 +209,12 @@ class ScanNode:
         """``captures``: the outer-scope values the body reads, by name, each
         ``(value, constant)``; a constant is traced into the step-net, any
         other value is bound as a static input on every run."""
+        return self.forward(inputs, backend, captures)[0]
+
+    def forward(self, inputs, backend, captures, keep=False):
+        """``(outputs, pullback)``; with ``keep``, ``pullback(grads)`` maps one
+        gradient (or None) per output to ``(one per input, one per non-constant
+        capture by name)``."""
         ctx = self.ctx
         if ctx.opset == 8:
             lengths, states, scans = inputs[0], inputs[1:1 + self.N], inputs[1 + self.N:]
@@ -186,14 +230,15 @@ class ScanNode:
             states, scans = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
                              for arrays in (states, scans))
         if ctx.opset == 8:
-            seqs, inits, B, T = self._batched(states, scans, lengths)
+            seqs, inits, B, T, lengths = self._batched(states, scans, lengths)
         else:
             seqs, inits, B, T = self._single(states, scans)
         constants = {k: v for k, (v, constant) in captures.items() if constant}
         statics = {k: np.broadcast_to(v, (B,) + np.shape(v))
                    for k, (v, constant) in captures.items() if not constant}
         key = tuple((a.shape[1:], a.dtype.str) for a in
-                    [*inits, *(s.data for s in seqs), *statics.values()])
+                    [*inits, *(s.data for s in seqs), *statics.values()]) + (tuple(statics),)
+        flags = (False,) * self.N + (True,) * self.K
         try:
             if key not in self.nets:
                 self.nets[key] = self._trace(seqs, inits, statics, constants, float16)
@@ -201,8 +246,11 @@ class ScanNode:
             feeds = {f"scan{j}": s for j, s in enumerate(seqs)}
             feeds.update({f"state{i}": s for i, s in enumerate(inits)})
             feeds.update({f"outer{k}": v for k, v in enumerate(statics.values())})
-            outs = rnn(output_all_steps=(False,) * self.N + (True,) * self.K, backend=backend,
-                       **feeds)
+            if keep:
+                outs, rnn_pullback = autodiff.vjp(rnn, output_all_steps=flags, backend=backend,
+                                                  **feeds)
+            else:
+                outs = rnn(output_all_steps=flags, backend=backend, **feeds)
         except Error as e:
             raise _reraise(ctx, e) from e
         finals, scan_outs = outs[:self.N], outs[self.N:]
@@ -215,7 +263,50 @@ class ScanNode:
         results = [np.array(y, order="C") for y in list(finals) + list(scan_outs)]
         if float16:
             results = [y.astype(np.float16) if y.dtype == np.float32 else y for y in results]
-        return results
+        if not keep:
+            return results, None
+
+        def pullback(grads):
+            grads = list(grads) + [None] * (len(results) - len(grads))
+            cts = []
+            for i, g in enumerate(grads):
+                if g is not None:
+                    g = np.asarray(g, results[i].dtype if not float16 else np.float32)
+                    if i < self.N:
+                        g = g if ctx.opset == 8 else g[None]
+                    elif ctx.opset == 8:
+                        g = LoDTensor.from_padded(g, lengths).data
+                    else:
+                        g = np.moveaxis(g, self.out_axes[i - self.N], 0)
+                        g = g[::-1] if self.out_dirs[i - self.N] else g
+                    g = np.ascontiguousarray(g)
+                cts.append(g)
+            names = list(feeds)
+            try:
+                found = rnn_pullback(cts, wrt=names)
+            except Error as e:
+                raise _reraise(ctx, e) from e
+            by_name = dict(zip(names, found))
+            d_scans = []
+            for j in range(self.M):
+                g = by_name[f"scan{j}"]
+                if ctx.opset == 8:
+                    g = _padded(LoDTensor(g, seqs[j].levels), T)
+                    if self.in_dirs[j]:
+                        for b, n in enumerate(lengths):
+                            g[b, :n] = g[b, :n][::-1]
+                else:
+                    g = np.moveaxis(g[::-1] if self.in_dirs[j] else g, 0, self.in_axes[j])
+                d_scans.append(g)
+            d_states = [by_name[f"state{i}"] if ctx.opset == 8 else by_name[f"state{i}"][0]
+                        for i in range(self.N)]
+            d_inputs = ([None] if ctx.opset == 8 else []) + d_states + d_scans
+            d_inputs = [None if g is None or x is None else np.asarray(g, np.asarray(x).dtype)
+                        for g, x in zip(d_inputs, inputs)]
+            d_captures = {k: by_name[f"outer{n}"].sum(axis=0) for n, k in enumerate(statics)}
+            return d_inputs, d_captures
+
+        return results, pullback
 
     def _single(self, states, scans):
         """Scan 9+: one sequence; each scan input's axis moved first."""
@@ -256,7 +347,7 @@ class ScanNode:
                 for b, n in enumerate(lengths):
                     x[b, :n] = x[b, :n][::-1]
             seqs.append(LoDTensor.from_padded(x, lengths))
-        return seqs, states, B, T
+        return seqs, states, B, T, lengths
 
     def _trace(self, seqs, inits, statics, constants, float16):
         body = self.body

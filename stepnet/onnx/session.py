@@ -18,6 +18,7 @@ import numpy as np
 
 from ..backends import default_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError
+from .gradient import GradientNode
 from .ops import OPS, NodeContext, is_step
 from .recurrent import RecurrentNode, ScanNode
 
@@ -97,7 +98,7 @@ def _value_info(info) -> NodeArg:
 class Node:
     """One node, checked and ready to run."""
 
-    def __init__(self, proto, opsets, index, graph_names):
+    def __init__(self, proto, opsets, index):
         self.proto = proto
         self.op = proto.op_type
         self.domain = proto.domain or ""
@@ -112,9 +113,7 @@ class Node:
         attrs = attributes(proto)
         self.impl = None  # a RecurrentNode, ScanNode or GradientNode; None for an OPS entry
         if domain == TRAINING_DOMAIN and self.op == "Gradient":
-            from .gradient import GradientNode
-
-            self.impl = GradientNode(self.ctx, attrs, graph_names)
+            self.impl = GradientNode(self.ctx, attrs, self.inputs)
         elif domain != "":
             raise self.ctx.unsupported(f"domain {self.domain!r} is not supported")
         elif self.op in ("GRU", "LSTM", "RNN"):
@@ -166,7 +165,7 @@ class Graph:
                         raise StepNetError(f"ONNX {where}: node {p.name or p.op_type!r} reads "
                                            f"{name!r}, which nothing before it defines")
                     self.captures.append(name)
-            node = Node(p, opsets, i, sorted(defined))
+            node = Node(p, opsets, i)
             self.nodes.append(node)
             if node.op == "Scan":
                 for name in node.captures:
@@ -188,11 +187,10 @@ class Graph:
                 constant.update(node.outputs)
         return constant
 
-    def run(self, env, backend, step=False, float16_as_float32=False, constant=(), tape=None):
+    def run(self, env, backend, step=False, float16_as_float32=False, constant=()):
         """Evaluate every node into ``env`` (name -> value), which holds the
         graph's inputs (and, for a subgraph, what it captures). Inside a Scan
-        body (``step``) values may be step values. ``tape``, a list, records
-        ``(node, inputs, outputs)`` for the Gradient operator."""
+        body (``step``) values may be step values."""
         for name, value in self.initializers.items():
             if name not in env:
                 if float16_as_float32 and value.dtype == np.float16:
@@ -201,7 +199,7 @@ class Graph:
         constant = set(constant) | set(self.initializers)
         for node in self.nodes:
             if node.op == "Gradient":
-                outs = node.impl.run(self, env, backend, tape)
+                outs = node.impl.run(self, env, backend)
             else:
                 inputs = [env[n] if n else None for n in node.inputs]
                 while inputs and inputs[-1] is None:
@@ -216,8 +214,6 @@ class Graph:
                         outs = node.impl.run(inputs, backend)
                 else:
                     outs = self._run_op(node, inputs, step, float16_as_float32)
-                if tape is not None:
-                    tape.append((node, inputs, outs))
             if all(n in constant for n in node.inputs if n) and node.op != "Gradient":
                 constant.update(node.outputs)
             for name, value in zip(node.outputs, outs):
