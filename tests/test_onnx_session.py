@@ -610,3 +610,63 @@ def test_bad_sequence_lens_is_refused(rng):
     with pytest.raises(sn.UnsupportedError, match=r"'g' \(GRU\): sequence_lens\[1\] = 9"):
         InferenceSession(model, backend="interpreter").run(
             None, {"X": arrays["X"], "L": np.array([1, 9, 2], np.int32)})
+
+
+# ----------------------------------------------------------------------------
+# models stepnet exports, run again by stepnet
+
+
+def _export_feeds(X):
+    padded, lengths = X.to_padded()
+    return {"X": padded, "lengths": lengths.astype(np.int64)}
+
+
+def test_exported_step_net_runs_in_the_session(rng):
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 3)).astype(np.float32), [[4, 0, 5]])
+    W = sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32) * 0.5, name="W")
+    U = sn.Parameter(rng.standard_normal((4, 4)).astype(np.float32) * 0.5, name="U")
+    rnn = sn.create_rnn_op(reverse=True)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[4], name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
+        rnn.add_outputs(h)
+    model = sn.onnx.export(rnn, output_all_steps=False)
+    expected = rnn(output_all_steps=False, backend="interpreter")
+    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    for backend in ("interpreter", "numba"):
+        got = InferenceSession(model, backend=backend).run(None, _export_feeds(X))
+        assert_close(got, expected)
+
+
+@pytest.mark.parametrize("as_scan", [False, True])
+def test_exported_layer_runs_in_the_session(as_scan, rng):
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 3)).astype(np.float32), [[4, 1, 4]])
+    gru = sn.nn.GRU(3, 4, num_layers=2, direction="bidirectional_concat", seed=0)
+    model = sn.onnx.export(gru, as_scan=as_scan)
+    Y, h_n = gru(X, backend="interpreter")
+    got = InferenceSession(model, backend="interpreter").run(None, _export_feeds(X))
+    assert_close(got[0], Y.to_padded()[0])
+    assert_close(got[1], h_n)
+
+
+def test_exported_nested_step_net_is_refused_by_name(rng):
+    """A nested step-net exports as a Scan inside a Scan body, which the
+    session does not run (stepnet's nested nets step over ragged values)."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 2)).astype(np.float32), [[2, 1], [3, 2, 2]])
+    W = sn.Parameter(rng.standard_normal((2, 2)).astype(np.float32), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[2], name="h")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            w = inner.add_input(x, name="w")
+            g = inner.add_memory(shape=[2], name="g")
+            g.update(sn.ops.tanh(w @ W + g.pre_state()))
+            inner.add_outputs(g)
+        h.update(inner(output_all_steps=False) + h.pre_state())
+        rnn.add_outputs(h)
+    model = sn.onnx.export(rnn)
+    with pytest.raises(sn.UnsupportedError, match=r"\(Scan\): a recurrent node inside a Scan body"):
+        InferenceSession(model, backend="interpreter")

@@ -493,3 +493,9 @@ def _pow(ctx, x, y):
 @op("Not", in_step=False)
 def _not(ctx, x):
     return np.logical_not(x)
+
+
+@op("Range", in_step=False)
+def _range(ctx, start, limit, delta):
+    start, limit, delta = (np.asarray(v) for v in (start, limit, delta))
+    return np.arange(start, limit, delta).astype(start.dtype)

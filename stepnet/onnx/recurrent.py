@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import autodiff, dsl, nn
+from .. import ops as sn_ops
 from ..errors import Error, UnsupportedError
 from ..lod import LoDTensor
 from .ops import is_step
@@ -236,12 +237,16 @@ class ScanNode:
         constants = {k: v for k, (v, constant) in captures.items() if constant}
         statics = {k: np.broadcast_to(v, (B,) + np.shape(v))
                    for k, (v, constant) in captures.items() if not constant}
+        # boolean sequences and statics (masks) run as 0/1 and are compared back to booleans
+        masks = tuple(a.dtype == np.bool_ for a in [*(s.data for s in seqs), *statics.values()])
+        seqs = [s.astype(np.float32) if s.dtype == np.bool_ else s for s in seqs]
+        statics = {k: v.astype(np.float32) if v.dtype == np.bool_ else v for k, v in statics.items()}
         key = tuple((a.shape[1:], a.dtype.str) for a in
-                    [*inits, *(s.data for s in seqs), *statics.values()]) + (tuple(statics),)
+                    [*inits, *(s.data for s in seqs), *statics.values()]) + (tuple(statics), masks)
         flags = (False,) * self.N + (True,) * self.K
         try:
             if key not in self.nets:
-                self.nets[key] = self._trace(seqs, inits, statics, constants, float16)
+                self.nets[key] = self._trace(seqs, inits, statics, constants, float16, masks)
             rnn = self.nets[key]
             feeds = {f"scan{j}": s for j, s in enumerate(seqs)}
             feeds.update({f"state{i}": s for i, s in enumerate(inits)})
@@ -253,6 +258,7 @@ class ScanNode:
                 outs = rnn(output_all_steps=flags, backend=backend, **feeds)
         except Error as e:
             raise _reraise(ctx, e) from e
+        outs = list(outs) if self.N + self.K > 1 else [outs]  # one output comes unwrapped
         finals, scan_outs = outs[:self.N], outs[self.N:]
         if ctx.opset == 8:
             scan_outs = [_padded(y, T) for y in scan_outs]
@@ -301,8 +307,8 @@ class ScanNode:
             d_states = [by_name[f"state{i}"] if ctx.opset == 8 else by_name[f"state{i}"][0]
                         for i in range(self.N)]
             d_inputs = ([None] if ctx.opset == 8 else []) + d_states + d_scans
-            d_inputs = [None if g is None or x is None else np.asarray(g, np.asarray(x).dtype)
-                        for g, x in zip(d_inputs, inputs)]
+            d_inputs = [None if g is None or x is None or np.asarray(x).dtype.kind != "f"
+                        else np.asarray(g, np.asarray(x).dtype) for g, x in zip(d_inputs, inputs)]
             d_captures = {k: by_name[f"outer{n}"].sum(axis=0) for n, k in enumerate(statics)}
             return d_inputs, d_captures
 
@@ -349,20 +355,25 @@ class ScanNode:
             seqs.append(LoDTensor.from_padded(x, lengths))
         return seqs, states, B, T, lengths
 
-    def _trace(self, seqs, inits, statics, constants, float16):
+    def _trace(self, seqs, inits, statics, constants, float16, masks):
         body = self.body
         rnn = dsl.create_rnn_op(name=self.ctx.node)
+        masks = iter(masks)
+
+        def boolean(v):
+            return sn_ops.greater(v, 0.5) if next(masks) else v
+
         with rnn.stepnet():
             env = dict(constants)
             for j, (name, x) in enumerate(zip(body.input_names[self.N:], seqs)):
-                env[name] = rnn.add_input(x, name=f"scan{j}")
+                env[name] = boolean(rnn.add_input(x, name=f"scan{j}"))
             memories = []
             for i, (name, s) in enumerate(zip(body.input_names[:self.N], inits)):
                 m = rnn.add_memory(init=s, shape=s.shape[1:], name=f"state{i}")
                 memories.append(m)
                 env[name] = m.pre_state()
             for k, (name, v) in enumerate(statics.items()):
-                env[name] = rnn.add_static_input(v, name=f"outer{k}")
+                env[name] = boolean(rnn.add_static_input(v, name=f"outer{k}"))
             body.run(env, backend=None, step=True, float16_as_float32=float16)
             outs = []
             for i, name in enumerate(body.output_names):

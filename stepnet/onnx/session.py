@@ -166,6 +166,10 @@ class Graph:
                                            f"{name!r}, which nothing before it defines")
                     self.captures.append(name)
             node = Node(p, opsets, i)
+            if outer and node.recurrent:
+                raise node.ctx.unsupported(
+                    f"a recurrent node inside a Scan body ({where}): stepnet's nested step-nets "
+                    "step over ragged values, not over a body's tensors")
             self.nodes.append(node)
             if node.op == "Scan":
                 for name in node.captures:
@@ -205,8 +209,6 @@ class Graph:
                 while inputs and inputs[-1] is None:
                     inputs.pop()
                 if node.recurrent:
-                    if step:
-                        raise node.ctx.unsupported("a recurrent node inside a Scan body")
                     if node.op == "Scan":
                         captures = {n: (env[n], n in constant) for n in node.captures}
                         outs = node.impl.run(inputs, backend, captures)
