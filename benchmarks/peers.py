@@ -266,10 +266,8 @@ def stepnet_lstm(wl):
     return run
 
 
-@peer("stepnet", ["W5"], "stepnet custom cell in the DSL (numba)")
-def stepnet_custom(wl):
-    import stepnet as sn
-
+def _sn_custom_rnn(sn, wl):
+    """W5's cell as a step-net, and its input."""
     X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
     p = {k: _sn_param(sn, v, k) for k, v in wl.weights.items()}
     rnn = sn.create_rnn_op(output_num=1)
@@ -282,6 +280,14 @@ def stepnet_custom(wl):
         cand = p["s"] * sn.ops.tanh(x @ p["Wx"] + (r * hp) @ p["Wh"] + p["b"])
         h.update((1 - z) * hp + z * cand + 0.1 * (x @ p["P"]))
         rnn.add_outputs(h)
+    return rnn, X
+
+
+@peer("stepnet", ["W5"], "stepnet custom cell in the DSL (numba)")
+def stepnet_custom(wl):
+    import stepnet as sn
+
+    rnn, X = _sn_custom_rnn(sn, wl)
     f = rnn.compile("numba")
     last = _sn_last_rows(X.lod[-1])
 

@@ -670,3 +670,37 @@ def test_exported_nested_step_net_is_refused_by_name(rng):
     model = sn.onnx.export(rnn)
     with pytest.raises(sn.UnsupportedError, match=r"\(Scan\): a recurrent node inside a Scan body"):
         InferenceSession(model, backend="interpreter")
+
+
+def _scan_layouts(session):
+    return [key[0] for node in session.graph.nodes if node.op == "Scan"
+            for key, (_, rnn) in node.impl.nets.items() if rnn is not None]
+
+
+def test_scan_with_rows_runs_one_sequence_per_row():
+    """A body that keeps the rows of axis 0 apart runs them as sequences (one
+    GEMM per step over every row), not as one sequence of matrices."""
+    model, feeds = _scan_rnn_model(16)
+    session = InferenceSession(model, backend="interpreter")
+    assert_close(session.run(None, feeds), _ort_run(model, feeds))
+    assert _scan_layouts(session) == ["rows"]
+
+
+def test_scan_mixing_rows_falls_back_to_one_sequence():
+    """A ReduceSum over axis 0 mixes rows: the body runs as one sequence."""
+    H = 3
+    body = helper.make_graph(
+        [helper.make_node("Add", ["h", "x_t"], ["s"]),
+         helper.make_node("ReduceSum", ["s", "zero"], ["col"], keepdims=1),   # [1, H]
+         helper.make_node("Sub", ["s", "col"], ["c"]),
+         helper.make_node("Tanh", ["c"], ["h_next"])],
+        "body", [_float("h", [2, H]), _float("x_t", [2, H])], [_float("h_next", [2, H])])
+    node = helper.make_node("Scan", ["h0", "X"], ["hT"], body=body, num_scan_inputs=1)
+    r = np.random.default_rng(0)
+    feeds = {"h0": r.standard_normal((2, H)).astype(np.float32),
+             "X": r.standard_normal((4, 2, H)).astype(np.float32)}
+    model = _model([node], [_info(k, v) for k, v in feeds.items()], [_float("hT")],
+                   [numpy_helper.from_array(np.array([0], np.int64), "zero")], opset=16)
+    session = InferenceSession(model, backend="interpreter")
+    assert_close(session.run(None, feeds), _ort_run(model, feeds))
+    assert _scan_layouts(session) == ["whole"]

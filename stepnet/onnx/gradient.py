@@ -359,12 +359,14 @@ class GradientNode:
             while inputs and inputs[-1] is None:
                 inputs.pop()
             if node.op == "Scan":
-                captures = {n: (local[n], n not in varying) for n in node.captures}
-                outs, pullback = node.impl.forward(inputs, backend, captures, keep=True)
+                captures = {n: local[n] for n in node.captures}
+                wrt = [n for n in node.captures if n in varying and np.asarray(local[n]).dtype.kind == "f"]
+                outs, pullback = node.impl.forward(inputs, backend, captures, keep=True,
+                                                   wrt_captures=wrt)
             elif node.recurrent:
                 outs, pullback = node.impl.forward(inputs, backend, keep=True)
             else:
-                outs = graph._run_op(node, inputs, step=False, float16_as_float32=False)
+                outs = graph._run_op(node, inputs, step=False, rows=False, float16_as_float32=False)
                 pullback = None
             if any(n in varying for n in node.inputs if n) or (
                     node.op == "Scan" and any(n in varying for n in node.captures)):

@@ -2,9 +2,17 @@
 
 An entry's ``run(ctx, *inputs, **attrs)`` computes the node. At graph level
 its inputs are NumPy arrays. Inside a Scan body (``ctx.step``) an input may be
-a step value (``sn.Value``): the body's tensor of ONNX shape ``S`` is the step
-value of shape ``[B, *S]`` (one row per sequence), so an ONNX axis ``a`` is the
-step value's axis ``a + 1``; an entry with ``in_step=False`` only takes arrays.
+a step value (``sn.Value``), in one of two layouts (``ctx.rows``):
+
+- rows: axis 0 of every state and scan slice is the batch axis (one
+  sequence per row), so ONNX axis ``a`` is the step value's axis ``a``. An op
+  that would mix rows (a reduction, concat, slice or transpose touching axis
+  0, a row-sized constant, a step value on a matmul's right) raises
+  :class:`NotRowWise`, and the Scan is traced again in the other layout.
+- whole: the body's tensor of ONNX shape ``S`` is the step value ``[1, *S]``
+  (one sequence), so ONNX axis ``a`` is the step value's axis ``a + 1``.
+
+An entry with ``in_step=False`` only takes arrays.
 Missing optional inputs are ``None``. ``attrs`` lists the attributes the entry
 understands; any other attribute is refused before anything runs.
 
@@ -45,6 +53,7 @@ class NodeContext:
     op: str
     opset: int
     step: bool = False
+    rows: bool = False  # inside a Scan body: axis 0 of step values is the batch axis
     num_outputs: int = 1
 
     def unsupported(self, what) -> UnsupportedError:
@@ -59,23 +68,35 @@ def op(name, attrs=(), in_step=True):
     return register
 
 
+class NotRowWise(Exception):
+    """A Scan body mixes the rows of axis 0: it cannot run one sequence per row."""
+
+
 def is_step(x) -> bool:
     return isinstance(x, Value)
 
 
-def rank(x) -> int:
-    """The ONNX rank of a value: a step value's batch axis is not counted."""
-    return len(x.shape) - 1 if is_step(x) else np.ndim(x)
+def rank(ctx, x) -> int:
+    """The ONNX rank of a value (see the module docstring for step values)."""
+    if not is_step(x):
+        return np.ndim(x)
+    return len(x.shape) if ctx.rows else len(x.shape) - 1
 
 
 def axis_of(ctx, x, axis, extra=0) -> int:
     """ONNX ``axis`` of ``x`` (negative allowed; ``extra`` more axes in the
     result, for Unsqueeze) as an axis of the array or step value."""
-    r = rank(x) + extra
+    r = rank(ctx, x) + extra
     if not -r <= axis < max(r, 1):
         raise ctx.unsupported(f"axis {axis} is out of range for rank {r}")
     axis %= max(r, 1)
-    return axis + 1 if is_step(x) else axis
+    if not is_step(x):
+        return axis
+    if ctx.rows:
+        if axis == 0:
+            raise NotRowWise(f"{ctx.op} on axis 0")
+        return axis
+    return axis + 1
 
 
 def _any_step(xs) -> bool:
@@ -84,22 +105,29 @@ def _any_step(xs) -> bool:
 
 def _check_constant_rank(ctx, xs):
     """ONNX broadcasting of a step value against a constant of higher rank
-    would need the constant's leading axes outside the batch axis."""
-    r = max(rank(x) for x in xs if is_step(x))
+    would need the constant's leading axes outside the batch axis; in rows,
+    a constant reaching axis 0 would differ per row."""
+    r = max(rank(ctx, x) for x in xs if is_step(x))
     for x in xs:
-        if x is not None and not is_step(x) and np.ndim(x) > r:
+        if x is None or is_step(x):
+            continue
+        if ctx.rows and (np.ndim(x) > r or (np.ndim(x) == r and np.shape(x)[0] != 1)):
+            raise NotRowWise(f"a constant of shape {list(np.shape(x))} in {ctx.op}")
+        if np.ndim(x) > r:
             raise ctx.unsupported(
                 f"a constant of rank {np.ndim(x)} broadcast against a Scan state or scan "
                 f"input of rank {r} inside a Scan body")
 
 
-def _aligned(xs):
+def _aligned(ctx, xs):
     """Step values of lower rank get leading size-1 axes after the batch axis,
     so ONNX's right-aligned broadcasting holds between step values."""
-    r = max(rank(x) for x in xs if is_step(x))
+    r = max(rank(ctx, x) for x in xs if is_step(x))
     out = []
     for x in xs:
-        while is_step(x) and rank(x) < r:
+        while is_step(x) and rank(ctx, x) < r:
+            if ctx.rows:
+                raise NotRowWise(f"step values of ranks {rank(ctx, x)} and {r} in {ctx.op}")
             x = sn_ops.broadcast_axis(x, 1, 1)
         out.append(x)
     return out
@@ -115,7 +143,7 @@ def _binary(name, np_fn, sn_fn):
     def run(ctx, a, b):
         if _any_step((a, b)):
             _check_constant_rank(ctx, (a, b))
-            return sn_fn(*_aligned((a, b)))
+            return sn_fn(*_aligned(ctx, (a, b)))
         if name == "Div" and np.asarray(a).dtype.kind in "iu":
             return _int_div(a, b)
         return np_fn(a, b)
@@ -140,7 +168,7 @@ def _variadic(name, np_fn, sn_fn):
         step = _any_step(xs)
         if step:
             _check_constant_rank(ctx, xs)
-            xs = _aligned(xs)
+            xs = _aligned(ctx, xs)
         out = xs[0]
         for x in xs[1:]:
             out = (sn_fn if step else np_fn)(out, x)
@@ -222,7 +250,7 @@ def _dropout(ctx, x, ratio=None, training_mode=None):
 def _where(ctx, cond, a, b):
     if _any_step((cond, a, b)):
         _check_constant_rank(ctx, (cond, a, b))
-        return sn_ops.where(*_aligned((cond, a, b)))
+        return sn_ops.where(*_aligned(ctx, (cond, a, b)))
     return np.where(cond, a, b)
 
 
@@ -249,8 +277,10 @@ def _clip(ctx, x, lo=None, hi=None, **kw):
 def _matmul(ctx, a, b):
     if not _any_step((a, b)):
         return np.matmul(a, b)
+    if ctx.rows and (is_step(b) or rank(ctx, a) < 2):
+        raise NotRowWise("a matmul contracting or stacking over axis 0")
     if is_step(b) and not is_step(a):
-        if rank(b) == 1:  # W @ v == v @ W.T for a vector v
+        if rank(ctx, b) == 1:  # W @ v == v @ W.T for a vector v
             return sn_ops.matmul(b, np.ascontiguousarray(np.swapaxes(a, -1, -2)))
         if np.ndim(a) < 2:
             raise ctx.unsupported("a constant vector times a Scan value inside a Scan body")
@@ -263,6 +293,8 @@ def _gemm(ctx, a, b, c=None, alpha=1.0, beta=1.0, transA=0, transB=0):
         return sn_ops.transpose(x) if is_step(x) else np.swapaxes(x, -1, -2)
 
     if transA:
+        if ctx.rows and is_step(a):
+            raise NotRowWise("Gemm's transA on a step value")
         a = t(a)
     if transB:
         b = t(b)
@@ -351,11 +383,13 @@ def _squeeze(ctx, x, axes_in=None, axes=None):
     axes = _axes_input(ctx, axes_in, axes, "Squeeze")
     if not is_step(x):
         return np.squeeze(x, axis=None if axes is None else tuple(axes))
-    feature = x.shape[1:]
-    axes = [i for i, d in enumerate(feature) if d == 1] if axes is None else axes
+    if axes is None:
+        if ctx.rows:
+            raise NotRowWise("Squeeze without axes (it would squeeze a batch of one)")
+        axes = [i for i, d in enumerate(x.shape[1:]) if d == 1]
     for a in sorted((axis_of(ctx, x, a) for a in axes), reverse=True):
         if x.shape[a] != 1:
-            raise ctx.unsupported(f"cannot squeeze axis {a - 1} of size {x.shape[a]}")
+            raise ctx.unsupported(f"cannot squeeze an axis of size {x.shape[a]}")
         x = sn_ops.sum(x, axis=a)
     return x
 
@@ -363,21 +397,27 @@ def _squeeze(ctx, x, axes_in=None, axes=None):
 @op("Unsqueeze", ["axes"])
 def _unsqueeze(ctx, x, axes_in=None, axes=None):
     axes = _axes_input(ctx, axes_in, axes, "Unsqueeze")
-    r = rank(x) + len(axes)
+    r = rank(ctx, x) + len(axes)
     for a in sorted(a % r for a in axes):
-        if is_step(x):
-            x = sn_ops.broadcast_axis(x, a + 1, 1)
-        else:
+        if not is_step(x):
             x = np.expand_dims(x, a)
+        elif ctx.rows:
+            if a == 0:
+                raise NotRowWise("Unsqueeze at axis 0")
+            x = sn_ops.broadcast_axis(x, a, 1)
+        else:
+            x = sn_ops.broadcast_axis(x, a + 1, 1)
     return x
 
 
 @op("Transpose", ["perm"])
 def _transpose(ctx, x, perm=None):
-    r = rank(x)
+    r = rank(ctx, x)
     perm = list(reversed(range(r))) if perm is None else list(perm)
     if not is_step(x):
         return np.transpose(x, perm)
+    if ctx.rows and perm[0] != 0:
+        raise NotRowWise("Transpose moving axis 0")
     if perm == list(range(r)):
         return x
     if r >= 2 and perm == list(range(r - 2)) + [r - 1, r - 2]:
@@ -394,7 +434,7 @@ def _reduce(name, np_fn, sn_fn):
         if not axes:
             if noop_with_empty_axes:
                 return x
-            axes = list(range(rank(x)))
+            axes = list(range(rank(ctx, x)))
         if not is_step(x):
             return np_fn(x, axis=tuple(axes), keepdims=bool(keepdims))
         if sn_fn is None:

@@ -21,7 +21,7 @@ from .. import autodiff, dsl, nn
 from .. import ops as sn_ops
 from ..errors import Error, UnsupportedError
 from ..lod import LoDTensor
-from .ops import is_step
+from .ops import NotRowWise, is_step
 
 _LAYERS = {"GRU": nn.GRU, "LSTM": nn.LSTM, "RNN": nn.RNN}
 _COMMON = {"activation_alpha", "activation_beta", "activations", "clip", "direction",
@@ -204,18 +204,22 @@ class ScanNode:
         for d in self.in_dirs + self.out_dirs:
             if d not in (0, 1):
                 raise ctx.unsupported(f"direction {d} is not 0 or 1")
-        self.nets = {}  # traced step-nets by the signature of what they were traced on
+        # traced step-nets by what they were traced on: key -> (captured arrays, rnn or None)
+        self.nets = {}
 
     def run(self, inputs, backend, captures):
-        """``captures``: the outer-scope values the body reads, by name, each
-        ``(value, constant)``; a constant is traced into the step-net, any
-        other value is bound as a static input on every run."""
+        """``captures``: the outer-scope arrays the body reads, by name."""
         return self.forward(inputs, backend, captures)[0]
 
-    def forward(self, inputs, backend, captures, keep=False):
+    def forward(self, inputs, backend, captures, keep=False, wrt_captures=()):
         """``(outputs, pullback)``; with ``keep``, ``pullback(grads)`` maps one
-        gradient (or None) per output to ``(one per input, one per non-constant
-        capture by name)``."""
+        gradient (or None) per output to ``(one per input, {capture name:
+        gradient} for wrt_captures)``.
+
+        Scan 9+ first tries one sequence per row of axis 0 (every state and scan
+        slice has the same first dimension, the body keeps rows apart); if the
+        body mixes rows (:class:`~stepnet.onnx.ops.NotRowWise`) it runs as one
+        sequence. Scan 8 runs one sequence per batch entry."""
         ctx = self.ctx
         if ctx.opset == 8:
             lengths, states, scans = inputs[0], inputs[1:1 + self.N], inputs[1 + self.N:]
@@ -231,26 +235,23 @@ class ScanNode:
             states, scans = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
                              for arrays in (states, scans))
         if ctx.opset == 8:
-            seqs, inits, B, T, lengths = self._batched(states, scans, lengths)
+            layouts = [lambda: self._batched(states, scans, lengths)]
         else:
-            seqs, inits, B, T = self._single(states, scans)
-        constants = {k: v for k, (v, constant) in captures.items() if constant}
-        statics = {k: np.broadcast_to(v, (B,) + np.shape(v))
-                   for k, (v, constant) in captures.items() if not constant}
-        # boolean sequences and statics (masks) run as 0/1 and are compared back to booleans
-        masks = tuple(a.dtype == np.bool_ for a in [*(s.data for s in seqs), *statics.values()])
-        seqs = [s.astype(np.float32) if s.dtype == np.bool_ else s for s in seqs]
-        statics = {k: v.astype(np.float32) if v.dtype == np.bool_ else v for k, v in statics.items()}
-        key = tuple((a.shape[1:], a.dtype.str) for a in
-                    [*inits, *(s.data for s in seqs), *statics.values()]) + (tuple(statics), masks)
+            layouts = [lambda: self._rows(states, scans), lambda: self._single(states, scans)]
+        for make_layout in layouts:
+            layout = make_layout()
+            if layout is None:
+                continue
+            # boolean scan inputs (masks) run as 0/1 and are compared back to booleans
+            layout.masks = tuple(x.dtype == np.bool_ for x in layout.seqs)
+            layout.seqs = [x.astype(np.float32) if x.dtype == np.bool_ else x for x in layout.seqs]
+            rnn = self._net(layout, captures, float16)
+            if rnn is not None:
+                break
         flags = (False,) * self.N + (True,) * self.K
+        feeds = {f"scan{j}": s for j, s in enumerate(layout.seqs)}
+        feeds.update({f"state{i}": s for i, s in enumerate(layout.inits)})
         try:
-            if key not in self.nets:
-                self.nets[key] = self._trace(seqs, inits, statics, constants, float16, masks)
-            rnn = self.nets[key]
-            feeds = {f"scan{j}": s for j, s in enumerate(seqs)}
-            feeds.update({f"state{i}": s for i, s in enumerate(inits)})
-            feeds.update({f"outer{k}": v for k, v in enumerate(statics.values())})
             if keep:
                 outs, rnn_pullback = autodiff.vjp(rnn, output_all_steps=flags, backend=backend,
                                                   **feeds)
@@ -259,14 +260,9 @@ class ScanNode:
         except Error as e:
             raise _reraise(ctx, e) from e
         outs = list(outs) if self.N + self.K > 1 else [outs]  # one output comes unwrapped
-        finals, scan_outs = outs[:self.N], outs[self.N:]
-        if ctx.opset == 8:
-            scan_outs = [_padded(y, T) for y in scan_outs]
-        else:
-            finals = [f[0] for f in finals]
-            scan_outs = [np.moveaxis(y.data[::-1] if d else y.data, 0, a)
-                         for y, d, a in zip(scan_outs, self.out_dirs, self.out_axes)]
-        results = [np.array(y, order="C") for y in list(finals) + list(scan_outs)]
+        results = [layout.final_out(f) for f in outs[:self.N]]
+        results += [self._scan_out(layout, k, y) for k, y in enumerate(outs[self.N:])]
+        results = [np.array(y, order="C") for y in results]
         if float16:
             results = [y.astype(np.float16) if y.dtype == np.float32 else y for y in results]
         if not keep:
@@ -277,45 +273,30 @@ class ScanNode:
             cts = []
             for i, g in enumerate(grads):
                 if g is not None:
-                    g = np.asarray(g, results[i].dtype if not float16 else np.float32)
-                    if i < self.N:
-                        g = g if ctx.opset == 8 else g[None]
-                    elif ctx.opset == 8:
-                        g = LoDTensor.from_padded(g, lengths).data
-                    else:
-                        g = np.moveaxis(g, self.out_axes[i - self.N], 0)
-                        g = g[::-1] if self.out_dirs[i - self.N] else g
+                    g = np.asarray(g, np.float32 if float16 else results[i].dtype)
+                    g = layout.final_in(g) if i < self.N else self._scan_out_back(layout, i - self.N, g)
                     g = np.ascontiguousarray(g)
                 cts.append(g)
             names = list(feeds)
+            arrays = [captures[n] for n in wrt_captures]
             try:
-                found = rnn_pullback(cts, wrt=names)
+                found = rnn_pullback(cts, wrt=names + arrays)
             except Error as e:
                 raise _reraise(ctx, e) from e
             by_name = dict(zip(names, found))
-            d_scans = []
-            for j in range(self.M):
-                g = by_name[f"scan{j}"]
-                if ctx.opset == 8:
-                    g = _padded(LoDTensor(g, seqs[j].levels), T)
-                    if self.in_dirs[j]:
-                        for b, n in enumerate(lengths):
-                            g[b, :n] = g[b, :n][::-1]
-                else:
-                    g = np.moveaxis(g[::-1] if self.in_dirs[j] else g, 0, self.in_axes[j])
-                d_scans.append(g)
-            d_states = [by_name[f"state{i}"] if ctx.opset == 8 else by_name[f"state{i}"][0]
-                        for i in range(self.N)]
+            d_states = [layout.final_back(by_name[f"state{i}"]) for i in range(self.N)]
+            d_scans = [self._scan_in_back(layout, j, by_name[f"scan{j}"]) for j in range(self.M)]
             d_inputs = ([None] if ctx.opset == 8 else []) + d_states + d_scans
             d_inputs = [None if g is None or x is None or np.asarray(x).dtype.kind != "f"
                         else np.asarray(g, np.asarray(x).dtype) for g, x in zip(d_inputs, inputs)]
-            d_captures = {k: by_name[f"outer{n}"].sum(axis=0) for n, k in enumerate(statics)}
-            return d_inputs, d_captures
+            return d_inputs, dict(zip(wrt_captures, found[len(names):]))
 
         return results, pullback
 
+    # -- layouts: how the node's arrays become the step-net's feeds ----------------
+
     def _single(self, states, scans):
-        """Scan 9+: one sequence; each scan input's axis moved first."""
+        """Scan 9+ as one sequence: each scan input's axis moved first."""
         seqs, T = [], None
         for j, (x, axis, d) in enumerate(zip(scans, self.in_axes, self.in_dirs)):
             if not -x.ndim <= axis < x.ndim:
@@ -327,7 +308,30 @@ class ScanNode:
                                            f"0 has {T}")
             T = x.shape[0]
             seqs.append(LoDTensor(x, [[0, T]]))
-        return seqs, [s[None] for s in states], 1, T
+        return _Layout("whole", seqs, [s[None] for s in states], T=T,
+                       final_out=lambda f: f[0], final_in=lambda g: g[None],
+                       final_back=lambda g: g[0])
+
+    def _rows(self, states, scans):
+        """Scan 9+ as one sequence per row of axis 0; None when the shapes do not allow it."""
+        steps = []  # each scan input as [B, T, ...]: a view when it is laid out so
+        for j, (x, axis, d) in enumerate(zip(scans, self.in_axes, self.in_dirs)):
+            if not -x.ndim <= axis < x.ndim:
+                raise self.ctx.unsupported(f"scan input {j}: axis {axis} for rank {x.ndim}")
+            if x.ndim < 2:
+                return None
+            x = np.moveaxis(x, axis % x.ndim, 0)
+            x = np.moveaxis(x[::-1] if d else x, 0, 1)
+            steps.append(x)
+        firsts = {a.shape[0] if a.ndim else None for a in states} | {x.shape[0] for x in steps}
+        if len(firsts) != 1 or None in firsts or len({x.shape[1] for x in steps}) != 1:
+            return None
+        (B,), T = firsts, steps[0].shape[1]
+        seqs = [LoDTensor(np.ascontiguousarray(x).reshape((B * T,) + x.shape[2:]),
+                          [[i * T for i in range(B + 1)]]) for x in steps]
+        identity = lambda a: a  # noqa: E731
+        return _Layout("rows", seqs, list(states), T=T, B=B, final_out=identity,
+                       final_in=identity, final_back=identity)
 
     def _batched(self, states, scans, lengths):
         """Scan 8: ``[batch, sequence, ...]`` scan inputs, ``[batch, ...]`` states."""
@@ -346,35 +350,78 @@ class ScanNode:
         bad = np.flatnonzero((lengths < 0) | (lengths > T))
         if bad.size:
             raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in [0, {T}]")
-        seqs = []
-        for x, d in zip(scans, self.in_dirs):
-            if d:
-                x = x.copy()
-                for b, n in enumerate(lengths):
-                    x[b, :n] = x[b, :n][::-1]
-            seqs.append(LoDTensor.from_padded(x, lengths))
-        return seqs, states, B, T, lengths
+        seqs = [LoDTensor.from_padded(_reverse_within(x, lengths) if d else x, lengths)
+                for x, d in zip(scans, self.in_dirs)]
+        identity = lambda a: a  # noqa: E731
+        return _Layout("batched", seqs, states, T=T, B=B, lengths=lengths, final_out=identity,
+                       final_in=identity, final_back=identity)
 
-    def _trace(self, seqs, inits, statics, constants, float16, masks):
+    def _scan_out(self, layout, k, y):
+        """An all-steps output of the step-net as the node's scan output ``k``."""
+        if layout.kind == "batched":
+            return _padded(y, layout.T)
+        data = y.data
+        if layout.kind == "rows":  # [B*T, ...] -> [T, B, ...]
+            data = data.reshape((layout.B, layout.T) + data.shape[1:]).swapaxes(0, 1)
+        return np.moveaxis(data[::-1] if self.out_dirs[k] else data, 0, self.out_axes[k])
+
+    def _scan_out_back(self, layout, k, g):
+        """The adjoint of ``_scan_out``: a gradient of scan output ``k`` as rows."""
+        if layout.kind == "batched":
+            return LoDTensor.from_padded(g, layout.lengths).data
+        g = np.moveaxis(g, self.out_axes[k], 0)
+        g = g[::-1] if self.out_dirs[k] else g
+        if layout.kind == "rows":
+            g = g.swapaxes(0, 1).reshape((layout.B * layout.T,) + g.shape[2:])
+        return g
+
+    def _scan_in_back(self, layout, j, g):
+        """A gradient with respect to the rows of scan input ``j``, in the input's shape."""
+        if layout.kind == "batched":
+            g = _padded(LoDTensor(g, layout.seqs[j].levels), layout.T)
+            return _reverse_within(g, layout.lengths) if self.in_dirs[j] else g
+        if layout.kind == "rows":
+            g = g.reshape((layout.B, layout.T) + g.shape[1:]).swapaxes(0, 1)
+        return np.moveaxis(g[::-1] if self.in_dirs[j] else g, 0, self.in_axes[j])
+
+    # -- tracing ----------------------------------------------------------------
+
+    def _net(self, layout, captures, float16):
+        """The step-net for this layout, traced once per shapes and captured
+        arrays; None when the body mixes rows in the rows layout."""
+        key = (layout.kind, layout.masks, tuple((a.shape[1:], a.dtype.str) for a in
+                                              [*layout.inits, *(s.data for s in layout.seqs)]),
+               tuple((n, np.shape(v), np.asarray(v).dtype.str) for n, v in captures.items()))
+        cached = self.nets.get(key)
+        if cached is not None and all(a is b for a, b in zip(cached[0], captures.values())):
+            return cached[1]
+        try:
+            rnn = self._trace(layout, captures, float16)
+        except NotRowWise:
+            if layout.kind != "rows":
+                raise
+            rnn = None
+        except Error as e:
+            raise _reraise(self.ctx, e) from e
+        self.nets[key] = (tuple(captures.values()), rnn)
+        return rnn
+
+    def _trace(self, layout, captures, float16):
         body = self.body
         rnn = dsl.create_rnn_op(name=self.ctx.node)
-        masks = iter(masks)
-
-        def boolean(v):
-            return sn_ops.greater(v, 0.5) if next(masks) else v
-
         with rnn.stepnet():
-            env = dict(constants)
-            for j, (name, x) in enumerate(zip(body.input_names[self.N:], seqs)):
-                env[name] = boolean(rnn.add_input(x, name=f"scan{j}"))
+            env = {k: v.astype(np.float32) if float16 and np.asarray(v).dtype == np.float16 else v
+                   for k, v in captures.items()}
+            for j, (name, x) in enumerate(zip(body.input_names[self.N:], layout.seqs)):
+                v = rnn.add_input(x, name=f"scan{j}")
+                env[name] = sn_ops.greater(v, 0.5) if layout.masks[j] else v
             memories = []
-            for i, (name, s) in enumerate(zip(body.input_names[:self.N], inits)):
+            for i, (name, s) in enumerate(zip(body.input_names[:self.N], layout.inits)):
                 m = rnn.add_memory(init=s, shape=s.shape[1:], name=f"state{i}")
                 memories.append(m)
                 env[name] = m.pre_state()
-            for k, (name, v) in enumerate(statics.items()):
-                env[name] = boolean(rnn.add_static_input(v, name=f"outer{k}"))
-            body.run(env, backend=None, step=True, float16_as_float32=float16)
+            body.run(env, backend=None, step=True, rows=layout.kind == "rows",
+                     float16_as_float32=float16)
             outs = []
             for i, name in enumerate(body.output_names):
                 v = env[name]
@@ -387,6 +434,25 @@ class ScanNode:
                 outs.append(v)
             rnn.add_outputs(*outs)
         return rnn
+
+
+class _Layout:
+    """How one Scan run maps onto a step-net: ``kind`` is "rows", "whole" or
+    "batched"; ``seqs`` the step inputs, ``inits`` the memories' initial
+    values, and the maps of the final states to and from the node's layout."""
+
+    def __init__(self, kind, seqs, inits, T, B=1, lengths=None, final_out=None, final_in=None,
+                 final_back=None):
+        self.kind, self.seqs, self.inits, self.T, self.B, self.lengths = kind, seqs, inits, T, B, lengths
+        self.final_out, self.final_in, self.final_back = final_out, final_in, final_back
+
+
+def _reverse_within(x, lengths):
+    """Each sequence ``b`` of ``x [B, T, ...]`` reversed over its first ``lengths[b]`` steps."""
+    x = x.copy()
+    for b, n in enumerate(lengths):
+        x[b, :n] = x[b, :n][::-1]
+    return x
 
 
 def _padded(y: LoDTensor, T):

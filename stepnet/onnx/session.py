@@ -148,6 +148,9 @@ class Graph:
 
         self.where = where
         self.initializers = {t.name: numpy_helper.to_array(t) for t in proto.initializer}
+        # what a float16 model's Scan body reads: float16 is computed in float32
+        self.initializers32 = {k: v.astype(np.float32) if v.dtype == np.float16 else v
+                               for k, v in self.initializers.items()}
         self.input_args, self.input_dtypes = [], {}
         for info in proto.input:
             arg, dtype = _value_info(info)
@@ -182,25 +185,14 @@ class Graph:
                     raise StepNetError(f"ONNX {where}: output {name!r} is computed by no node")
                 self.captures.append(name)
 
-    def constant_names(self, fed=()) -> set:
-        """Names whose value is the same on every run: initializers not fed,
-        and what nodes compute from them alone."""
-        constant = set(self.initializers) - set(fed)
-        for node in self.nodes:
-            if node.op != "Scan" and all(not n or n in constant for n in node.inputs):
-                constant.update(node.outputs)
-        return constant
-
-    def run(self, env, backend, step=False, float16_as_float32=False, constant=()):
+    def run(self, env, backend, step=False, rows=False, float16_as_float32=False):
         """Evaluate every node into ``env`` (name -> value), which holds the
         graph's inputs (and, for a subgraph, what it captures). Inside a Scan
-        body (``step``) values may be step values."""
-        for name, value in self.initializers.items():
-            if name not in env:
-                if float16_as_float32 and value.dtype == np.float16:
-                    value = value.astype(np.float32)
-                env[name] = value
-        constant = set(constant) | set(self.initializers)
+        body (``step``) values may be step values, in the layout ``rows``
+        says (:mod:`stepnet.onnx.ops`)."""
+        initializers = self.initializers32 if float16_as_float32 else self.initializers
+        for name, value in initializers.items():
+            env.setdefault(name, value)
         for node in self.nodes:
             if node.op == "Gradient":
                 outs = node.impl.run(self, env, backend)
@@ -208,23 +200,19 @@ class Graph:
                 inputs = [env[n] if n else None for n in node.inputs]
                 while inputs and inputs[-1] is None:
                     inputs.pop()
-                if node.recurrent:
-                    if node.op == "Scan":
-                        captures = {n: (env[n], n in constant) for n in node.captures}
-                        outs = node.impl.run(inputs, backend, captures)
-                    else:
-                        outs = node.impl.run(inputs, backend)
+                if node.op == "Scan":
+                    outs = node.impl.run(inputs, backend, {n: env[n] for n in node.captures})
+                elif node.recurrent:
+                    outs = node.impl.run(inputs, backend)
                 else:
-                    outs = self._run_op(node, inputs, step, float16_as_float32)
-            if all(n in constant for n in node.inputs if n) and node.op != "Gradient":
-                constant.update(node.outputs)
+                    outs = self._run_op(node, inputs, step, rows, float16_as_float32)
             for name, value in zip(node.outputs, outs):
                 if name:
                     env[name] = value
         return env
 
-    def _run_op(self, node, inputs, step, float16_as_float32):
-        ctx = NodeContext(node.ctx.node, node.op, node.ctx.opset, step=step,
+    def _run_op(self, node, inputs, step, rows, float16_as_float32):
+        ctx = NodeContext(node.ctx.node, node.op, node.ctx.opset, step=step, rows=rows,
                           num_outputs=len(node.outputs))
         entry = node.entry
         if any(is_step(x) for x in inputs) and not entry.in_step:
@@ -285,7 +273,7 @@ class InferenceSession:
                                    f"(outputs: {graph.output_names})")
         env = self._check_feeds(input_feed)
         backend = self.backend or default_backend()
-        graph.run(env, backend, constant=graph.constant_names(fed=input_feed))
+        graph.run(env, backend)
         return [np.asarray(env[n]) for n in names]
 
     def _check_feeds(self, feeds) -> dict:
