@@ -708,9 +708,10 @@ def _reorder(a, order, H):
     return np.concatenate([a[k * H : (k + 1) * H] for k in order], axis=0)
 
 
-def _ort_session(op, w, I, H, with_lengths):
+def _onnx_node_model(op, w, I, H, with_lengths):
+    """A model of one ONNX GRU (linear_before_reset=1) or LSTM node with the
+    workload's weights: X [T, N, I] (and L [N]) -> Y, Y_h."""
     import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     order = _ONNX_GRU_ORDER if op == "GRU" else _ONNX_LSTM_ORDER
@@ -734,10 +735,24 @@ def _ort_session(op, w, I, H, with_lengths):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)
+    return model
+
+
+def _ort_options():
+    import onnxruntime as ort
+
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return so
+
+
+def _ort_session(op, w, I, H, with_lengths):
+    import onnxruntime as ort
+
+    model = _onnx_node_model(op, w, I, H, with_lengths)
+    return ort.InferenceSession(model.SerializeToString(), _ort_options(),
+                                providers=["CPUExecutionProvider"])
 
 
 @peer("onnxruntime", ["W1", "W3"], "onnxruntime GRU node")
@@ -776,7 +791,74 @@ def ort_gru_varlen(wl):
     return run
 
 
-not_applicable("onnxruntime", ["W5"], "no single ONNX op for a custom cell")
+def _w5_scan_model(wl):
+    """W5's cell exported by stepnet as an ONNX Scan model, and its feeds."""
+    import stepnet as sn
+
+    rnn, X = _sn_custom_rnn(sn, wl)
+    padded, lengths = X.to_padded()
+    return sn.onnx.export(rnn, output_all_steps=False), {"x": padded, "lengths": lengths}
+
+
+@peer("onnxruntime", ["W5"], "onnxruntime: the W5 cell exported by stepnet as ONNX Scan")
+def ort_custom_scan(wl):
+    import onnxruntime as ort
+
+    model, feeds = _w5_scan_model(wl)
+    sess = ort.InferenceSession(model.SerializeToString(), _ort_options(),
+                                providers=["CPUExecutionProvider"])
+
+    def run():
+        h, = sess.run(None, feeds)
+        return h, h
+
+    return run
+
+
+# ============================================================================
+# stepnet.onnx.InferenceSession on the same ONNX models as onnxruntime
+
+
+def _sn_session_node(op, with_lengths):
+    def build(wl):
+        import stepnet as sn
+
+        model = _onnx_node_model(op, wl.weights, wl.dims["I"], wl.dims["H"], with_lengths)
+        sess = sn.onnx.InferenceSession(model)
+        feeds = {"X": wl.x_time_major()}
+        if with_lengths:
+            feeds["L"] = wl.lengths.astype(np.int32)
+
+        def run():
+            y, h = sess.run(None, feeds)
+            return y, h[0]
+
+        return run
+
+    return build
+
+
+peer("stepnet", ["W1", "W3"], "stepnet.onnx session: the onnxruntime GRU node model")(
+    _sn_session_node("GRU", False))
+peer("stepnet", ["W2"], "stepnet.onnx session: the onnxruntime LSTM node model")(
+    _sn_session_node("LSTM", False))
+peer("stepnet", ["W4"], "stepnet.onnx session: the onnxruntime GRU node model (sequence_lens)")(
+    _sn_session_node("GRU", True))
+
+
+@peer("stepnet", ["W5"], "stepnet.onnx session: the W5 cell exported as ONNX Scan")
+def stepnet_session_custom_scan(wl):
+    import stepnet as sn
+
+    model, feeds = _w5_scan_model(wl)
+    sess = sn.onnx.InferenceSession(model)
+
+    def run():
+        h, = sess.run(None, feeds)
+        return h, h
+
+    return run
+
 not_applicable("onnxruntime", ["W6"], "no single ONNX op for a nested RNN")
 not_applicable("onnxruntime", ["W7"], "one ONNX LSTM node is one layer; PyTorch is the W7 peer")
 not_applicable("onnxruntime", ["W8"], "inference only: no gradients")

@@ -4,7 +4,7 @@ Write what happens in one time step; stepnet runs it over every step of every
 sequence of a batch. See DESIGN.md and README.md.
 """
 
-from . import errors, nn, ops, optim
+from . import errors, nn, onnx, ops, optim
 from .autodiff import gradients, vjp
 from .backends import backends, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
@@ -43,6 +43,7 @@ __all__ = [
     "gradients",
     "load_yaml",
     "nn",
+    "onnx",
     "ops",
     "optim",
     "set_default_backend",
