@@ -85,7 +85,7 @@ def check_layer(layer, rng, **options):
     model = export(layer, **options)
     X, feeds = layer_feeds(rng, layer)
     if options.get("initial_states"):
-        for name, width in zip(("h0", "c0"), layer._state_widths()):
+        for name, width in zip(("h0", "c0"), layer.state_widths()):
             feeds[name] = rng.standard_normal(
                 (layer.num_layers * layer.num_directions, len(LENGTHS), width)).astype(layer.dtype)
     initial = [feeds.get("h0"), feeds.get("c0")]

@@ -408,7 +408,9 @@ class _RecurrentLayer:
     def _direction_name(self, d):
         return "rev" if self._is_reverse(d) else "fwd"
 
-    def _net(self, layer, d):
+    def step_net(self, layer, d):
+        """The step-net of layer ``layer``, direction ``d`` (0 forward, 1
+        reverse), built on first use with this layer's Parameters."""
         key = (layer, d)
         if key not in self._nets:
             I = self.layer_input_size(layer)
@@ -437,7 +439,7 @@ class _RecurrentLayer:
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
                 lines.append(f"-- layer {layer}, {('forward', 'reverse')[self._is_reverse(d)]} --")
-                lines.append(self._net(layer, d).ir())
+                lines.append(self.step_net(layer, d).ir())
         return "\n".join(lines)
 
     def __repr__(self):
@@ -466,7 +468,7 @@ class _RecurrentLayer:
         kept in it by (layer, direction)."""
         L, D = self.num_layers, self.num_directions
         B = X.num_sequences
-        states = [np.zeros((L * D, B, w), self.dtype) for w in self._state_widths()]
+        states = [np.zeros((L * D, B, w), self.dtype) for w in self.state_widths()]
 
         def run_one(layer, d, inp):
             feeds = {"x": inp}
@@ -476,7 +478,7 @@ class _RecurrentLayer:
             for s, init in enumerate(initial):
                 if init is not None:
                     feeds[names[s]] = init[layer * D + d]
-            rnn = self._net(layer, d)
+            rnn = self.step_net(layer, d)
             flags = (True,) + (False,) * len(states)
             if tape is None:
                 outs = rnn(output_all_steps=flags, backend=backend, **feeds)
@@ -507,7 +509,8 @@ class _RecurrentLayer:
             tops.append(inp)
         return combined(tops), states
 
-    def _state_widths(self):
+    def state_widths(self):
+        """The width of each recurrent state: ``(H,)``; LSTM ``(H or proj, H)``."""
         return (self.output_size,)
 
     def _check_input(self, X):
@@ -570,7 +573,7 @@ class _RecurrentLayer:
         B = flat.num_sequences
         names = ("h0", "c0")
         initial = [self._check_state(v, w, names[i], B)
-                   for i, (v, w) in enumerate(zip(initial, self._state_widths()))]
+                   for i, (v, w) in enumerate(zip(initial, self.state_widths()))]
         tape = {} if keep_workspace else None
         data, states = self._run(flat, attention, initial, backend, tape)
         Y = self._give_back(data, back, flat)
@@ -635,7 +638,7 @@ class LayerPullback:
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         layer = self.layer
         wrt = layer.parameters() if wrt is None else list(wrt)
-        widths = layer._state_widths()
+        widths = layer.state_widths()
         names = ("h", "c")[:len(widths)]
         if len(grad_outputs) != 1 + len(widths):
             raise StepNetError(f"grad_outputs: {type(layer).__name__} has {1 + len(widths)} "
@@ -868,7 +871,7 @@ class LSTM(_RecurrentLayer):
         cells.lstm_step(x, h, c, p, acts, self.clip, self.peephole, self.input_forget,
                         p.get("proj"))
 
-    def _state_widths(self):
+    def state_widths(self):
         return (self.output_size, self.hidden_size)
 
     def _repr_options(self):

@@ -271,8 +271,8 @@ def _layer_model(layer, initial_states, as_scan):
     if layer.cell == "augru":
         attention = top.input("attention", layer.dtype, ["batch", "steps"])
     initial = [top.input(name, layer.dtype, [layer.num_layers * layer.num_directions, "batch", w])
-               for name, w in zip(("h0", "c0"), layer._state_widths())] if initial_states else None
-    names = ["Y", "h_n", "c_n"][:1 + len(layer._state_widths())]
+               for name, w in zip(("h0", "c0"), layer.state_widths())] if initial_states else None
+    names = ["Y", "h_n", "c_n"][:1 + len(layer.state_widths())]
     _emit_layer(top, layer, X, lengths, attention, initial, as_scan,
                 {name: [name] for name in names})
     return top.model(f"stepnet {layer!r}")
@@ -295,7 +295,7 @@ def _emit_layer(top, layer, X, lengths, attention, initial, as_scan, outputs):
     L, D = layer.num_layers, layer.num_directions
     width = layer.output_size * (2 if layer.direction == "bidirectional_concat" else 1)
     shapes = {"Y": ["batch", "steps", width]}
-    for name, w in zip(("h_n", "c_n"), layer._state_widths()):
+    for name, w in zip(("h_n", "c_n"), layer.state_widths()):
         shapes[name] = [L * D, "batch", w]
     values = dict(zip(("Y", "h_n", "c_n"), [Y] + states))
     for key, names in outputs.items():
@@ -310,7 +310,7 @@ def _layer_nodes(top, layer, nodes, X, lengths, initial):
     D = layer.num_directions
     x = g.add("Transpose", [X], "x_time_major", perm=[1, 0, 2])  # [T, B, I]
     sequence_lens = g.add("Cast", [lengths], "sequence_lens", to=tensor_type(np.int32))
-    finals = [[] for _ in layer._state_widths()]
+    finals = [[] for _ in layer.state_widths()]
     for index, node in enumerate(nodes):
         def weight(key, index=index, node=node):
             return builder.initializer(builder.fresh(f"l{index}_{key}"), node[key])
@@ -349,13 +349,13 @@ def _layer_scans(top, layer, X, lengths, attention, initial):
     layer runs them."""
     g = top.graph
     L, D = layer.num_layers, layer.num_directions
-    widths = layer._state_widths()
+    widths = layer.state_widths()
     finals = [[None] * (L * D) for _ in widths]
     if attention is not None:
         attention = g.add("Unsqueeze", [attention, g.ints([2])], "attention_rows")
 
     def run(index, d, inp):
-        rnn = layer._net(index, d)  # the layer's step-net for (layer, direction)
+        rnn = layer.step_net(index, d)  # the layer's step-net for (layer, direction)
         eqn = rnn.program(True).eqn
         env = {}
         top.constants(rnn, env)
