@@ -371,3 +371,28 @@ def test_y_that_xs_do_not_reach_is_refused():
     forward, with_grad = _models(nodes, {"a": _a(2), "b": _a(2)}, ["a"], "y")
     with pytest.raises(sn.UnsupportedError, match="depends on 'b'"):
         InferenceSession(with_grad).run(None, {"a": _a(2), "b": _a(2)})
+
+
+def test_scan9_gradient_when_the_body_mixes_rows():
+    """A body summing over axis 0 runs as one sequence; its pullback too."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "U"], ["hu"]),
+         helper.make_node("Add", ["hu", "x_t"], ["s"]),
+         helper.make_node("ReduceSum", ["s", "zero"], ["col"], keepdims=1),
+         helper.make_node("Sub", ["s", "col"], ["c"]),
+         helper.make_node("Tanh", ["c"], ["h_next"]),
+         helper.make_node("Identity", ["h_next"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info("h", F64, [2, 3]), helper.make_tensor_value_info("x_t", F64, [2, 3])],
+        [helper.make_tensor_value_info("h_next", F64, [2, 3]),
+         helper.make_tensor_value_info("y_t", F64, [2, 3])])
+    r = np.random.default_rng(8)
+    feeds = {"h0": r.standard_normal((2, 3)), "X": r.standard_normal((3, 2, 3)),
+             "U": r.standard_normal((3, 3)) * 0.5}
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(r.standard_normal((3, 2, 3)), "C")]
+    nodes = [helper.make_node("Scan", ["h0", "X"], ["hT", "Y"], body=body, num_scan_inputs=1,
+                              scan_output_directions=[1]),
+             helper.make_node("Mul", ["Y", "C"], ["YC"]),
+             helper.make_node("ReduceSum", ["YC"], ["y"], keepdims=0)]
+    _check(nodes, feeds, ["h0", "X", "U"], initializers=inits, opset=16)

@@ -29,8 +29,8 @@ _TYPE_NAMES = {
     np.dtype(np.int8): "int8", np.dtype(np.int16): "int16", np.dtype(np.int32): "int32",
     np.dtype(np.int64): "int64", np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
 }
-_SAME_TYPE_OUT = {"Cast", "Shape", "ConstantOfShape", "Constant", "Greater", "GreaterOrEqual",
-                  "Less", "LessOrEqual", "Equal", "Not"}
+# ops whose output type is not their float input's: float16 is not computed in float32 for them
+_TYPE_OPS = {"Cast", "Shape", "ConstantOfShape", "Constant"}
 
 
 def _onnx():
@@ -217,7 +217,7 @@ class Graph:
         entry = node.entry
         if any(is_step(x) for x in inputs) and not entry.in_step:
             raise ctx.unsupported("this op on a Scan state or scan input inside a Scan body")
-        half = not step and node.op not in _SAME_TYPE_OUT and any(
+        half = not step and node.op not in _TYPE_OPS and any(
             isinstance(x, np.ndarray) and x.dtype == np.float16 for x in inputs)
         if half or float16_as_float32:  # float16 is computed in float32 (DESIGN.md §4)
             inputs = [x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype == np.float16
