@@ -366,7 +366,7 @@ class GradientNode:
             elif node.recurrent:
                 outs, pullback = node.impl.forward(inputs, backend, keep=True)
             else:
-                outs = graph._run_op(node, inputs, step=False, rows=False, float16_as_float32=False)
+                outs = graph.run_op(node, inputs, step=False, rows=False, float16_as_float32=False)
                 pullback = None
             if any(n in varying for n in node.inputs if n) or (
                     node.op == "Scan" and any(n in varying for n in node.captures)):

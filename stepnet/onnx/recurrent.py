@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import autodiff, dsl, nn
 from .. import ops as sn_ops
-from ..errors import Error, UnsupportedError
+from ..errors import Error
 from ..lod import LoDTensor
 from .ops import NotRowWise, is_step
 
@@ -85,7 +85,7 @@ class RecurrentNode:
         c0, P = (inputs[6], inputs[7]) if ctx.op == "LSTM" else (None, None)
         X = np.asarray(X)
         if X.ndim != 3:
-            raise _reraise(ctx, UnsupportedError(f"X must be 3-D, got shape {list(X.shape)}"))
+            raise ctx.unsupported(f"X must be 3-D, got shape {list(X.shape)}")
         for name, w in (("W", W), ("R", R)):
             if np.ndim(w) != 3:
                 raise ctx.unsupported(f"{name} must be 3-D, got shape {list(np.shape(w))}")
@@ -445,6 +445,7 @@ class _Layout:
                  final_back=None):
         self.kind, self.seqs, self.inits, self.T, self.B, self.lengths = kind, seqs, inits, T, B, lengths
         self.final_out, self.final_in, self.final_back = final_out, final_in, final_back
+        self.masks = ()  # per step input: fed as 0/1 for a boolean scan input
 
 
 def _reverse_within(x, lengths):

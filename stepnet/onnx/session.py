@@ -205,13 +205,14 @@ class Graph:
                 elif node.recurrent:
                     outs = node.impl.run(inputs, backend)
                 else:
-                    outs = self._run_op(node, inputs, step, rows, float16_as_float32)
+                    outs = self.run_op(node, inputs, step, rows, float16_as_float32)
             for name, value in zip(node.outputs, outs):
                 if name:
                     env[name] = value
         return env
 
-    def _run_op(self, node, inputs, step, rows, float16_as_float32):
+    def run_op(self, node, inputs, step, rows, float16_as_float32):
+        """One node of the op table on its inputs: its outputs, as a list."""
         ctx = NodeContext(node.ctx.node, node.op, node.ctx.opset, step=step, rows=rows,
                           num_outputs=len(node.outputs))
         entry = node.entry
