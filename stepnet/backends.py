@@ -15,6 +15,7 @@ from .errors import BackendError
 _BACKEND_MODULES = {
     "interpreter": "stepnet.interpreter",
     "numba": "stepnet.jit.numba_cpu",
+    "cuda": "stepnet.jit.numba_cuda",
 }
 _default = None  # the first call picks "numba" when it is available (DESIGN.md §4)
 
@@ -56,7 +57,9 @@ def _module(name):
         raise BackendError(f"backend {name!r} is not available here: {exc}") from exc
     available = getattr(module, "available", None)
     if available is not None and not available():
-        raise BackendError(f"backend {name!r} is not available on this machine")
+        why = getattr(module, "why_unavailable", lambda: "")()
+        raise BackendError(f"backend {name!r} is not available on this machine"
+                           + (f": {why}" if why else ""))
     return module
 
 

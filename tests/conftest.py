@@ -1,9 +1,16 @@
 """Shared test helpers: every backend is judged against the interpreter."""
 
-import numpy as np
-import pytest
+import os
 
-import stepnet as sn
+# Without a GPU the CUDA backend runs on Numba's CUDA simulator (it must be
+# chosen before numba is imported); tests/test_cuda_backend.py tests it.
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import stepnet as sn  # noqa: E402
 
 TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12, np.dtype(np.float16): 1e-3}
 
@@ -37,7 +44,9 @@ def assert_close(actual, expected, dtype=None, what="output"):
 
 
 def available_backends():
-    return [b for b in sn.backends() if b != "interpreter"]
+    """The compiled CPU backends; the CUDA backend has its own tests at the
+    simulator's small sizes (tests/test_cuda_backend.py)."""
+    return [b for b in sn.backends() if b not in ("interpreter", "cuda")]
 
 
 def assert_backends_agree(rnn, output_all_steps=True, backends=None, **feeds):

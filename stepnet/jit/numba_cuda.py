@@ -1,0 +1,582 @@
+"""The CUDA backend (``backend="cuda"``): a step-net as ``numba.cuda`` kernels.
+
+``compile_program(program)`` generates Python source for a few kernels
+(``compiled.source`` shows it, ``STEPNET_DEBUG=1`` prints it) and returns
+``run(args, consts)``. A call:
+
+1. sorts the sequences by length (longest first, stable) and packs every step
+   input time-major: step ``t``'s rows are the ``nb[t]`` sequences still
+   running, rows ``[off[t], off[t] + nb[t])`` of the packed array (a reversed
+   step-net packs each sequence back to front). Data moves to the device once
+   per call.
+2. runs the **hoisted** stages once over every token: the ops that depend on
+   no memory and no static input (``x @ W`` for every step is one matmul).
+3. runs the **time loop**: per step, the stages of the memory-dependent ops on
+   the active prefix ``[0, nb[t])``, then the outputs and the memory updates.
+   Each stage is one kernel: a matmul (a row-dot per output element), a
+   shape op (slice, concat, pad, sum, transpose, broadcast_axis), or a run of
+   elementwise ops fused into one kernel that keeps intermediates in
+   registers. For a small batch (``num_seq * width <= PERSISTENT_MAX_ELEMENTS``)
+   the whole loop is **one persistent kernel** of one block instead: one
+   launch for every step, the stages separated by ``cuda.syncthreads()``
+   (Persistent RNNs, Diamos et al. 2016, on one multiprocessor).
+4. copies all-steps outputs and last-step outputs back, in the caller's order.
+
+Ops whose operands are constants only (e.g. ``W.T`` in a backward step) are
+computed once per call with NumPy. Supported: top-level step-nets with dense
+step values (any feature rank) and dense static inputs; a nested step-net,
+a ragged value or a matmul whose right operand is a step value raise
+UnsupportedError. Gradients run on this backend because the backward of a
+step-net is a step-net (stepnet.autodiff).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+from .. import ir
+from ..errors import BackendError, UnsupportedError
+from ..lod import LoDTensor
+from ..ops import registry
+from .numba_cpu import _SCALAR_OPS
+
+try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
+    from numba import cuda
+except ImportError:  # pragma: no cover - numba always ships cuda
+    cuda = None
+
+PERSISTENT_MAX_ELEMENTS = 8192  # num_seq * widest step value: one block runs the whole loop
+THREADS = 128  # threads per block
+
+# the CPU backend's scalar templates, with CUDA's math functions
+_ELEMENTWISE = {
+    **_SCALAR_OPS,
+    "exp": "math.exp({0})",
+    "log": "math.log({0})",
+    "relu": "max({0}, {zero})",
+    "tanh": "math.tanh({0})",
+    "sigmoid": "({one} / ({one} + math.exp(-{0})))",
+    "softplus": "(max({0}, {zero}) + math.log1p(math.exp(-abs({0}))))",
+    "clip": None,  # bounds from attributes
+}
+_SHAPE_OPS = {"slice", "concat", "pad", "sum", "transpose", "broadcast_axis"}
+
+
+def available() -> bool:
+    try:
+        return cuda is not None and cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken driver is "not available"
+        return False
+
+
+def why_unavailable() -> str:
+    return ("no CUDA GPU was found; set NUMBA_ENABLE_CUDASIM=1 (before numba is imported) to "
+            "run on Numba's CUDA simulator")
+
+
+# ----------------------------------------------------------------------------
+# where the generated code finds a value
+
+
+class _Value:
+    """A var as the kernels see it. ``kind``: "token" (one row per token of
+    the packed layout: step inputs and hoisted values), "row" (one row per
+    sequence in sorted order: memories, statics, per-step values), "const"
+    (flat, no batch axis) or "literal"."""
+
+    def __init__(self, kind, name, shape, dtype, literal=None):
+        self.kind, self.name, self.shape, self.dtype, self.literal = kind, name, shape, dtype, literal
+
+    @property
+    def width(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _strides(shape):
+    out, s = [], 1
+    for d in reversed(shape):
+        out.append(s)
+        s *= d
+    return list(reversed(out))
+
+
+def _dtype_name(dtype) -> str:
+    return {"f4": "float32", "f8": "float64", "b1": "boolean"}.get(np.dtype(dtype).str[1:],
+                                                                   np.dtype(dtype).name)
+
+
+class _Kernels:
+    """Generates the kernels of one program (see the module docstring)."""
+
+    def __init__(self, program: ir.Program):
+        self.program = program
+        eqn = program.eqn
+        self.body = body = eqn.attrs["body"]
+        for v in ir.rnn_parts(eqn)[0]:
+            if v.lod_depth != 1:
+                raise UnsupportedError(f"cuda backend: step input {v.name} is a nested (multi-level) "
+                                       "sequence; nested step-nets run on numba and interpreter")
+        for v in ir.rnn_parts(eqn)[1]:
+            if v.lod_depth:
+                raise UnsupportedError(f"cuda backend: static input {v.name} is a LoDTensor; "
+                                       "dense static inputs only")
+        for e in body.eqns:
+            if e.op == "rnn":
+                raise UnsupportedError(f"cuda backend: {eqn.attrs['name']} holds a nested step-net "
+                                       f"({e.attrs['name']}); it runs on numba and interpreter")
+        self.values = {}  # id(var) -> _Value
+        self.host_eqns = []  # constant-only equations, computed with NumPy per call
+        self.buffers = []  # (name, kind, width, dtype) of "row" and "token" scratch buffers
+        self.lines = ["import math", "from numba import cuda", "from numba import float32, float64",
+                      "from numba import boolean", ""]
+        self.kernel_names = []
+        for v in program.consts:
+            self.values[id(v)] = _Value("const", f"c_{_ident(v.name)}", tuple(v.shape), v.dtype)
+        for i, var in enumerate(body.step_inputs):
+            self.values[id(var)] = _Value("token", f"seq{i}", tuple(var.shape[1:]), var.dtype)
+        for i, var in enumerate(body.static_inputs):
+            self.values[id(var)] = _Value("row", f"static{i}", tuple(var.shape[1:]), var.dtype)
+        for i, mem in enumerate(body.memories):
+            self.values[id(mem.pre)] = _Value("row", f"mem{i}", tuple(mem.pre.shape[1:]), mem.pre.dtype)
+        memdep = {id(v) for v in ir.memory_dependent(body)}
+        static_dep = {id(v) for v in body.static_inputs}
+        hoisted, stepped = [], []
+        for e in body.eqns:
+            ins = [v for v in e.inputs if isinstance(v, ir.Var)]
+            if all(self.values.get(id(v)) is not None and self.values[id(v)].kind == "const"
+                   for v in ins):
+                self._host(e)
+                continue
+            if any(id(v) in static_dep for v in ins):
+                static_dep.update(id(o) for o in e.outputs)
+            per_step = any(id(o) in memdep or id(o) in static_dep for o in e.outputs)
+            kind = "row" if per_step else "token"
+            for o in e.outputs:
+                name = f"v{len(self.values)}"
+                self.values[id(o)] = _Value(kind, name, tuple(o.shape[1:]), o.dtype)
+                self.buffers.append((name, kind, self.values[id(o)].width, np.dtype(o.dtype)))
+            (stepped if per_step else hoisted).append(e)
+        # what a stage must write to its buffer: values read outside it
+        self.read_by = {}  # id(var) -> ids of the equations reading it
+        for e in body.eqns:
+            for v in e.inputs:
+                self.read_by.setdefault(id(v), set()).add(id(e))
+        self.kept = {id(v) for v in body.outputs} | {id(m.post) for m in body.memories}
+        self.hoisted = [self._stage_lines(s, "token") for s in _stages(hoisted)]
+        self.stepped = [self._stage_lines(s, "row") for s in _stages(stepped)]
+        self.finish = self._finish_lines()
+        self.widest = max([w for (_, _, w, _) in self.buffers] + [v.width for v in self.values.values()
+                                                                   if v.kind != "const"] + [1])
+
+    # -- constants ------------------------------------------------------------------
+
+    def _host(self, e):
+        for o in e.outputs:
+            self.values[id(o)] = _Value("const", f"h{len(self.host_eqns)}_{_ident(o.name)}",
+                                        tuple(o.shape), o.dtype)
+        self.host_eqns.append(e)
+
+    # -- reading values inside a kernel ----------------------------------------------
+
+    def _operand(self, v, local, out_shape, coords):
+        """Code reading operand ``v`` at this thread's element of an output of
+        feature shape ``out_shape`` (right-aligned broadcasting)."""
+        if isinstance(v, ir.Literal):
+            return None, v
+        if id(v) in local:
+            return local[id(v)], None
+        info = self.values[id(v)]
+        index = _broadcast_index(out_shape, info.shape, coords)
+        return self._read(info, index), None
+
+    @staticmethod
+    def _read(info, index):
+        if info.kind == "const":
+            return f"{info.name}[{index}]"
+        row = "off + i" if info.kind == "token" else "i"
+        return f"{info.name}[{row}, {index}]"
+
+    # -- stages -------------------------------------------------------------------
+
+    def _stage_lines(self, eqns, kind):
+        """(element count expression's width, body lines computing element
+        ``e`` = (row ``i``, flat feature ``j``)) of one stage."""
+        first = eqns[0]
+        out = self.values[id(first.outputs[0])]
+        if first.op == "matmul":
+            return out.width, self._matmul(first)
+        if first.op in _SHAPE_OPS:
+            return out.width, self._shape_op(first)
+        return out.width, self._elementwise(eqns)
+
+    def _coords(self, shape, flat="j"):
+        lines = []
+        for k, (d, s) in enumerate(zip(shape, _strides(shape))):
+            lines.append(f"c{k} = ({flat} // {s}) % {d}")
+        return lines
+
+    def _elementwise(self, eqns):
+        out_shape = tuple(eqns[0].outputs[0].shape[1:])
+        lines = []
+        local = {}
+        inside = {id(e) for e in eqns}
+        for e in eqns:
+            o = e.outputs[0]
+            dt = _literal_dtype(e)
+            args = []
+            for v in e.inputs:
+                code, lit = self._operand(v, local, out_shape, range(len(out_shape)))
+                args.append(code if lit is None else f"{_dtype_name(dt)}({float(lit.value)!r})")
+            name = f"t{len(local)}"
+            lines.append(f"{name} = {self._scalar(e, args)}")
+            local[id(o)] = name
+            if id(o) in self.kept or self.read_by.get(id(o), set()) - inside:
+                lines.append(f"{self._read(self.values[id(o)], 'j')} = {name}")
+        return _used_coords(self._coords(out_shape), lines)
+
+    def _scalar(self, e, args):
+        dt = _dtype_name(e.outputs[0].dtype) if np.dtype(e.outputs[0].dtype).kind == "f" else "float64"
+        one, zero = f"{dt}(1.0)", f"{dt}(0.0)"
+        if e.op == "clip":
+            x = args[0]
+            if e.attrs.get("lo") is not None:
+                x = f"max({x}, {dt}({float(e.attrs['lo'])!r}))"
+            if e.attrs.get("hi") is not None:
+                x = f"min({x}, {dt}({float(e.attrs['hi'])!r}))"
+            return x
+        return _ELEMENTWISE[e.op].format(*args, one=one, zero=zero)
+
+    def _matmul(self, e):
+        a, b = e.inputs
+        ia, ib = self.values.get(id(a)), self.values.get(id(b))
+        if ia is None or ib is None or ia.kind == "const" or ib.kind != "const":
+            raise UnsupportedError(f"cuda backend: matmul {a.name} @ {b.name}: the left operand "
+                                   "must be a step value and the right one a constant")
+        if len(ia.shape) != 1 or len(ib.shape) not in (1, 2):
+            raise UnsupportedError(f"cuda backend: matmul of a step value of feature shape "
+                                   f"{list(ia.shape)} by {list(ib.shape)} (one feature axis only)")
+        K = ia.shape[0]
+        N = ib.shape[1] if len(ib.shape) == 2 else 1
+        out = self.values[id(e.outputs[0])]
+        acc = f"{_dtype_name(out.dtype)}(0.0)"
+        return [f"n = j % {N}", f"acc = {acc}", f"for k in range({K}):",
+                f"    acc += {self._read(ia, 'k')} * {ib.name}[k * {N} + n]",
+                f"{self._read(out, 'j')} = acc"]
+
+    def _shape_op(self, e):
+        out = self.values[id(e.outputs[0])]
+        oshape = out.shape
+        lines = self._coords(oshape)
+        src = [self.values.get(id(v)) for v in e.inputs]
+        if any(s is None or s.kind == "const" for s in src):
+            raise UnsupportedError(f"cuda backend: {e.op} of a constant inside a step")
+        axis = e.attrs.get("axis", len(e.inputs[0].shape) - 1) - 1  # feature axis
+
+        def at(info, coords):
+            return self._read(info, " + ".join(f"({c}) * {s}" for c, s in
+                                               zip(coords, _strides(info.shape))) or "0")
+
+        c = [f"c{k}" for k in range(len(oshape))]
+        dst = self._read(out, "j")
+        if e.op == "slice":
+            coords = list(c)
+            coords[axis] = f"c{axis} + {e.attrs['start']}"
+            lines.append(f"{dst} = {at(src[0], coords)}")
+        elif e.op == "pad":
+            n = src[0].shape[axis]
+            coords = list(c)
+            coords[axis] = f"c{axis} - {e.attrs['before']}"
+            lines += [f"if {e.attrs['before']} <= c{axis} < {e.attrs['before'] + n}:",
+                      f"    {dst} = {at(src[0], coords)}", "else:", f"    {dst} = 0"]
+        elif e.op == "concat":
+            start = 0
+            for k, info in enumerate(src):
+                n = info.shape[axis]
+                coords = list(c)
+                coords[axis] = f"c{axis} - {start}"
+                lines += [f"{'if' if k == 0 else 'elif'} c{axis} < {start + n}:",
+                          f"    {dst} = {at(info, coords)}"]
+                start += n
+        elif e.op == "transpose":
+            coords = list(c)
+            coords[-1], coords[-2] = c[-2], c[-1]
+            lines.append(f"{dst} = {at(src[0], coords)}")
+        elif e.op == "broadcast_axis":
+            coords = list(c)
+            if e.attrs["insert"]:
+                del coords[axis]
+            else:
+                coords[axis] = "0"
+            lines.append(f"{dst} = {at(src[0], coords)}")
+        elif e.op == "sum":
+            n = src[0].shape[axis]
+            coords = list(c)
+            if e.attrs.get("keepdims"):
+                coords[axis] = "k"
+            else:
+                coords.insert(axis, "k")
+            lines += [f"acc = {_dtype_name(out.dtype)}(0.0)", f"for k in range({n}):",
+                      f"    acc += {at(src[0], coords)}", f"{dst} = acc"]
+        return _used_coords(lines[:len(oshape)], lines[len(oshape):])
+
+    # -- outputs and memory updates --------------------------------------------------
+
+    def _finish_lines(self):
+        """Stages after a step: outputs first (a pre-state output reads the
+        memory before its update), memories through a snapshot when one
+        memory's new value is another's old one."""
+        body, eqn = self.body, self.program.eqn
+        stages = []
+        for k, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+            info = self.values[id(out)]
+            if info.kind == "const":
+                raise UnsupportedError(f"cuda backend: output {out.name} is a constant")
+            row = "off + i" if all_steps else "i"
+            stages.append((info.width, [f"out{k}[{row}, j] = {self._read(info, 'j')}"]))
+        pres = {id(m.pre) for m in body.memories}
+        snap = []
+        for i, mem in enumerate(body.memories):
+            info = self.values[id(mem.post)]
+            if id(mem.post) in pres:
+                snap.append((info.width, [f"snap{i}[i, j] = {self._read(info, 'j')}"]))
+        stages += snap
+        for i, mem in enumerate(body.memories):
+            info = self.values.get(id(mem.post))
+            if info is None or info.kind == "literal":
+                raise UnsupportedError(f"cuda backend: memory {mem.name} is updated with a literal")
+            read = f"snap{i}[i, j]" if id(mem.post) in pres else (
+                f"{info.name}[j]" if info.kind == "const" else self._read(info, "j"))
+            stages.append((info.width, [f"mem{i}[i, j] = {read}"]))
+        self.snapshots = [i for i, m in enumerate(self.body.memories) if id(m.post) in pres]
+        return stages
+
+    # -- source ------------------------------------------------------------------
+
+    def arg_names(self):
+        body = self.body
+        names = [f"seq{i}" for i in range(len(body.step_inputs))]
+        names += [f"static{i}" for i in range(len(body.static_inputs))]
+        names += [f"mem{i}" for i in range(len(body.memories))]
+        names += [f"snap{i}" for i in self.snapshots]
+        names += [f"out{k}" for k in range(len(body.outputs))]
+        names += [name for name, _, _, _ in self.buffers]
+        names += sorted({v.name for v in self.values.values() if v.kind == "const"})
+        return names
+
+    def source(self):
+        args = ", ".join(self.arg_names())
+        lines = list(self.lines)
+        for group, stages in (("hoisted", self.hoisted), ("step", self.stepped + self.finish)):
+            for k, (width, body) in enumerate(stages):
+                name = f"{group}{k}"
+                self.kernel_names.append((group, name, width))
+                lines += ["@cuda.jit", f"def {name}(nb, off, {args}):",
+                          "    e = cuda.grid(1)", f"    if e < nb * {width}:",
+                          f"        i = e // {width}", f"        j = e % {width}"]
+                lines += ["        " + s for s in body] + [""]
+        lines += ["@cuda.jit", f"def persistent(steps, nbs, offs, {args}):",
+                  "    tid = cuda.threadIdx.x", "    nt = cuda.blockDim.x",
+                  "    for t in range(steps):", "        nb = nbs[t]", "        off = offs[t]"]
+        for width, body in self.stepped + self.finish:
+            lines += [f"        for e in range(tid, nb * {width}, nt):",
+                      f"            i = e // {width}", f"            j = e % {width}"]
+            lines += ["            " + s for s in body]
+            lines.append("        cuda.syncthreads()")
+        return "\n".join(lines) + "\n"
+
+
+def _used_coords(coords, lines):
+    """The coordinate lines (``c<k> = ...``) that ``lines`` read, then ``lines``."""
+    text = "\n".join(lines)
+    return [c for c in coords if c.split(" = ")[0] in text] + lines
+
+
+def _ident(name) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+def _broadcast_index(out_shape, shape, coords) -> str:
+    """The flat index into a value of feature ``shape`` broadcast (right-aligned)
+    to ``out_shape``, from the output's coordinates ``c<k>``."""
+    shape = tuple(shape)
+    if shape == tuple(out_shape):
+        return "j"
+    if int(np.prod(shape, dtype=np.int64)) == 1:
+        return "0"
+    lead = len(out_shape) - len(shape)
+    terms = [f"c{lead + k} * {s}" for k, (d, s) in enumerate(zip(shape, _strides(shape))) if d != 1]
+    return " + ".join(terms) or "0"
+
+
+def _literal_dtype(e):
+    for v in e.inputs:
+        if isinstance(v, ir.Var) and np.dtype(v.dtype).kind == "f":
+            return v.dtype
+    return e.outputs[0].dtype
+
+
+def _stages(eqns):
+    """Runs of elementwise equations with one output shape become one stage
+    (their intermediates stay in registers); every other op is a stage."""
+    stages = []
+    for e in eqns:
+        fusable = e.op in _ELEMENTWISE
+        shape = tuple(e.outputs[0].shape)
+        if (fusable and stages and stages[-1][0].op in _ELEMENTWISE
+                and tuple(stages[-1][-1].outputs[0].shape) == shape):
+            stages[-1].append(e)
+        else:
+            if not fusable and e.op != "matmul" and e.op not in _SHAPE_OPS:
+                raise UnsupportedError(f"cuda backend: op {e.op} is not supported")
+            stages.append([e])
+    return stages
+
+
+# ----------------------------------------------------------------------------
+# running
+
+
+_MODULES = {}  # source hash -> the exec'd module namespace (kernels compile on first launch)
+
+
+def compile_program(program: ir.Program):
+    if not available():
+        raise BackendError(f"backend 'cuda' is not available on this machine: {why_unavailable()}")
+    kernels = _Kernels(program)
+    source = kernels.source()
+    key = hashlib.sha1(source.encode()).hexdigest()
+    if key not in _MODULES:
+        namespace = {"__name__": f"stepnet_cuda_{key[:12]}"}
+        exec(compile(source, f"<stepnet cuda {key[:12]}>", "exec"), namespace)  # noqa: S102
+        _MODULES[key] = namespace
+    if os.environ.get("STEPNET_DEBUG"):
+        print(source)
+    run = _Run(program, kernels, _MODULES[key])
+    run.source = source
+    return run
+
+
+def _device(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _launch(kernel, count, *args):
+    if count <= 0:
+        return
+    blocks = (count + THREADS - 1) // THREADS
+    kernel[blocks, THREADS](*args)
+
+
+class _Run:
+    """``run(args, consts)``: one call of the compiled program."""
+
+    def __init__(self, program, kernels, namespace):
+        self.program, self.k, self.ns = program, kernels, namespace
+
+    def __call__(self, args, consts, scopes=None):
+        if scopes is not None:
+            raise UnsupportedError("cuda backend: keep_scopes=True needs backend='interpreter'")
+        k, program = self.k, self.program
+        eqn = program.eqn
+        body = k.body
+        by_var = {id(v): a for v, a in zip(program.inputs, args)}
+        seqs, statics, inits = (list(p) for p in ir.rnn_parts(eqn))
+        seq_args = [by_var[id(v)] for v in seqs]
+        lengths = np.diff(np.asarray(seq_args[0].levels[0])).astype(np.int64)
+        num_seq = len(lengths)
+        order = np.argsort(-lengths, kind="stable")
+        sorted_lengths = lengths[order]
+        steps = int(sorted_lengths[0]) if num_seq else 0
+        nbs = np.array([np.count_nonzero(sorted_lengths > t) for t in range(steps)], np.int64)
+        offs = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64) if steps else nbs
+        total = int(lengths.sum())
+        if steps == 0:  # no step to run: empty all-steps outputs, initial states
+            return _no_steps(eqn, body, by_var, seq_args, num_seq)
+        # packed row r (step t, sorted position b) holds token starts[order[b]] + position
+        starts = np.asarray(seq_args[0].levels[0][:-1])[order]
+        gather = np.empty(total, np.int64)
+        for t in range(steps):
+            nb = nbs[t]
+            pos = (sorted_lengths[:nb] - 1 - t) if eqn.attrs["reverse"] else np.full(nb, t)
+            gather[offs[t]:offs[t] + nb] = starts[:nb] + pos
+        device = {}
+        for i, X in enumerate(seq_args):
+            data = X.data.reshape(len(X.data), -1)
+            device[f"seq{i}"] = _device(data[gather])
+        for i, v in enumerate(statics):
+            s = np.asarray(by_var[id(v)])
+            device[f"static{i}"] = _device(s[order].reshape(num_seq, -1))
+        mem_init = []
+        for i, (mem, v) in enumerate(zip(body.memories, inits)):
+            full = np.broadcast_to(np.asarray(by_var[id(v)], mem.pre.dtype),
+                                   (num_seq,) + tuple(mem.pre.shape[1:]))
+            mem_init.append(full)
+            device[f"mem{i}"] = _device(full[order].reshape(num_seq, -1))
+        for i in k.snapshots:
+            device[f"snap{i}"] = cuda.device_array((num_seq, k.values[id(body.memories[i].pre)].width),
+                                                   body.memories[i].pre.dtype)
+        for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+            width = k.values[id(out)].width
+            if all_steps:
+                device[f"out{kk}"] = cuda.device_array((max(total, 1), width), out.dtype)
+            else:
+                mi = eqn.attrs["output_memory"][kk]
+                start = mem_init[mi][order] if mi >= 0 else np.zeros((num_seq,) + out.shape[1:], out.dtype)
+                device[f"out{kk}"] = _device(np.asarray(start, out.dtype).reshape(num_seq, -1))
+        for name, kind, width, dtype in k.buffers:
+            rows = total if kind == "token" else num_seq
+            device[name] = cuda.device_array((max(rows, 1), width), dtype)
+        const_env = {id(v): np.asarray(consts[v.name]) for v in program.consts}
+        for e in k.host_eqns:
+            vals = [const_env[id(v)] if isinstance(v, ir.Var) else v.value for v in e.inputs]
+            const_env[id(e.outputs[0])] = registry.get(e.op).numpy(*vals, **e.attrs)
+        for v_id, info in k.values.items():
+            if info.kind == "const" and info.name not in device:
+                device[info.name] = _device(np.ravel(np.asarray(const_env[v_id], info.dtype)))
+        arglist = [device[n] for n in k.arg_names()]
+        ns = self.ns
+        kernels = {name: (group, width) for group, name, width in k.kernel_names}
+        for name, (group, width) in kernels.items():
+            if group == "hoisted":
+                _launch(ns[name], total * width, total, 0, *arglist)
+        if steps and num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
+            ns["persistent"][1, THREADS](steps, _device(nbs), _device(offs), *arglist)
+        else:
+            step_kernels = [(ns[n], w) for n, (g, w) in kernels.items() if g == "step"]
+            for t in range(steps):
+                nb, off = int(nbs[t]), int(offs[t])
+                for kernel, width in step_kernels:
+                    _launch(kernel, nb * width, nb, off, *arglist)
+        results = []
+        for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+            host = device[f"out{kk}"].copy_to_host()
+            if all_steps:
+                data = np.empty((total,) + tuple(out.shape[1:]), out.dtype)
+                data[gather] = host[:total].reshape((total,) + tuple(out.shape[1:]))
+                results.append(LoDTensor(data, [seq_args[0].levels[0]]))
+            else:
+                last = np.empty((num_seq,) + tuple(out.shape[1:]), out.dtype)
+                last[order] = host.reshape((num_seq,) + tuple(out.shape[1:]))
+                results.append(last)
+        return results
+
+
+def _no_steps(eqn, body, by_var, seq_args, num_seq):
+    inits = ir.rnn_parts(eqn)[2]
+    results = []
+    for k, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+        shape = tuple(out.shape[1:])
+        if all_steps:
+            results.append(LoDTensor(np.zeros((0,) + shape, out.dtype), [seq_args[0].levels[0]]))
+            continue
+        mi = eqn.attrs["output_memory"][k]
+        start = (np.broadcast_to(np.asarray(by_var[id(inits[mi])], out.dtype), (num_seq,) + shape)
+                 if mi >= 0 else np.zeros((num_seq,) + shape, out.dtype))
+        results.append(np.array(start))
+    return results
+
+
+__all__ = ["available", "compile_program"]

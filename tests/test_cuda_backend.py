@@ -1,0 +1,192 @@
+"""The CUDA backend against the interpreter.
+
+Without a GPU, tests/conftest.py turns on Numba's CUDA simulator, which runs
+every thread in Python: sizes stay tiny. Both time-loop paths are checked: the
+persistent kernel (one block for every step, the default at these sizes) and
+one launch per stage and step (``PERSISTENT_MAX_ELEMENTS = 0``).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import assert_close
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from stepnet_strategies import build_random_stepnet
+
+import stepnet as sn
+
+pytestmark = pytest.mark.skipif("cuda" not in sn.backends(),
+                                reason="no CUDA GPU and no CUDA simulator")
+
+numba_cuda = pytest.importorskip("stepnet.jit.numba_cuda")
+
+
+@pytest.fixture(params=["persistent", "per-stage"])
+def loop(request, monkeypatch):
+    """Run a test on both time-loop paths."""
+    if request.param == "per-stage":
+        monkeypatch.setattr(numba_cuda, "PERSISTENT_MAX_ELEMENTS", 0)
+    return request.param
+
+
+def agree(rnn, output_all_steps=True, dtype=None, **feeds):
+    expected = rnn(output_all_steps=output_all_steps, backend="interpreter", **feeds)
+    actual = rnn(output_all_steps=output_all_steps, backend="cuda", **feeds)
+    assert_close(actual, expected, dtype=dtype, what="cuda vs interpreter")
+    return actual
+
+
+def _gated_cell(X, reverse=False, dtype=np.float32, static=None):
+    r = np.random.default_rng(0)
+    W = sn.Parameter((r.standard_normal((X.shape[1], 4)) * 0.5).astype(dtype), name="W")
+    U = sn.Parameter((r.standard_normal((4, 4)) * 0.5).astype(dtype), name="U")
+    b = sn.Parameter((r.standard_normal(4) * 0.1).astype(dtype), name="b")
+    rnn = sn.create_rnn_op(reverse=reverse)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[4], name="h", dtype=dtype)
+        hp = h.pre_state()
+        z = sn.ops.sigmoid(x @ W + hp @ U + b)
+        cand = sn.ops.tanh(x @ W + (z * hp) @ U)
+        if static is not None:
+            cand = cand + rnn.add_static_input(static, name="s")
+        h.update((1 - z) * hp + z * cand)
+        rnn.add_outputs(h, z)
+    return rnn
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("flags", [(True, True), (False, True), (True, False)])
+def test_gated_cell_with_variable_lengths(reverse, flags, loop):
+    r = np.random.default_rng(1)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), [[4, 0, 2, 3]])
+    agree(_gated_cell(X, reverse), output_all_steps=flags)
+
+
+def test_float64_static_input_and_rebinding(loop):
+    r = np.random.default_rng(2)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((6, 2)), [[1, 3, 2]])
+    rnn = _gated_cell(X, dtype=np.float64, static=r.standard_normal((3, 4)))
+    agree(rnn)
+    Y = sn.LoDTensor.from_lengths(r.standard_normal((5, 2)), [[5, 0]])
+    out = agree(rnn, x=Y, s=r.standard_normal((2, 4)))
+    assert out[0].data.dtype == np.float64
+
+
+def test_shape_ops_in_a_step(loop):
+    """slice, concat, pad, sum, transpose and broadcast_axis on step values,
+    a swap of two memories (a snapshot) and a pre-state output."""
+    r = np.random.default_rng(3)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((7, 4)).astype(np.float32), [[3, 4]])
+    M = sn.Parameter((r.standard_normal((2, 3)) * 0.5).astype(np.float32), name="M")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        a = rnn.add_memory(shape=[4], name="a")
+        b = rnn.add_memory(shape=[4], name="b")
+        left, right = sn.ops.slice(x, 0, 2), sn.ops.slice(x, 2, 4)
+        both = sn.ops.concat([right, left + a.pre_state()[:, :2]], axis=1)
+        padded = sn.ops.pad(sn.ops.relu(left), 1, 1)
+        grid = sn.ops.broadcast_axis(both, 1, 2)                      # [B, 2, 4]
+        flipped = sn.ops.transpose(grid)                              # [B, 4, 2]
+        total = sn.ops.sum(flipped, axis=-1)                          # [B, 4]
+        mixed = sn.ops.tanh(total + padded + b.pre_state()) @ sn.ops.pad(M, 1, 1, axis=0)
+        a.update(b.pre_state())
+        b.update(sn.ops.concat([mixed, sn.ops.sum(x, axis=1, keepdims=True)], axis=1))
+        rnn.add_outputs(a, b, a.pre_state(), sn.ops.where(x > 0, x, 0.0))
+    agree(rnn)
+    agree(rnn, output_all_steps=False)
+
+
+def test_empty_batch_and_all_empty_sequences():
+    X = sn.LoDTensor.from_lengths(np.zeros((0, 3), np.float32), [[0, 0]])
+    rnn = _gated_cell(X)
+    agree(rnn)
+    agree(rnn, output_all_steps=False)
+
+
+@pytest.mark.parametrize("layer", ["gru", "lstm", "rnn"])
+def test_nn_layers(layer, loop):
+    r = np.random.default_rng(4)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((7, 3)).astype(np.float32), [[3, 1, 3]])
+    make = {"gru": lambda: sn.nn.GRU(3, 4, num_layers=2, direction="bidirectional_concat", seed=1,
+                                     linear_before_reset=True),
+            "lstm": lambda: sn.nn.LSTM(3, 4, direction="reverse", peephole=True, seed=1),
+            "rnn": lambda: sn.nn.RNN(3, 4, nonlinearity="relu", seed=1)}[layer]
+    net = make()
+    expected = net(X, backend="interpreter")
+    assert_close(net(X, backend="cuda"), expected)
+
+
+def _random_stepnets_agree(data):
+    rnn, feeds = build_random_stepnet(data.draw)
+    for all_steps in (True, False):
+        agree(rnn, output_all_steps=all_steps)
+        agree(rnn, output_all_steps=all_steps, **feeds)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_stepnets(data):
+    _random_stepnets_agree(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_stepnets_many(data):
+    _random_stepnets_agree(data)
+
+
+def test_gradients_on_cuda():
+    """The backward of a step-net is a step-net: it runs on this backend too."""
+    r = np.random.default_rng(5)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((6, 3)).astype(np.float32), [[2, 4]])
+    gru = sn.nn.GRU(3, 4, seed=2)
+    dY = r.standard_normal((6, 4)).astype(np.float32)
+    dh = r.standard_normal((1, 2, 4)).astype(np.float32)
+    wrt = gru.parameters() + ["X", "h0"]
+    expected = sn.gradients(gru, wrt, [dY, dh], backend="interpreter", X=X)
+    actual = sn.gradients(gru, wrt, [dY, dh], backend="cuda", X=X)
+    for a, e in zip(actual, expected):
+        assert_close(a, e, what="cuda gradient")
+
+
+def test_source_is_printable():
+    X = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float32), [[3]])
+    source = _gated_cell(X).compile("cuda").source
+    assert "@cuda.jit" in source and "def persistent(" in source and "cuda.syncthreads()" in source
+
+
+def test_nested_step_net_is_refused_by_name():
+    X = sn.LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[2], [1, 2]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[2], name="h")
+        inner = sn.create_rnn_op(name="words")
+        with inner.stepnet():
+            w = inner.add_input(x, name="w")
+            g = inner.add_memory(shape=[2], name="g")
+            g.update(w + g.pre_state())
+            inner.add_outputs(g)
+        h.update(inner(output_all_steps=False) + h.pre_state())
+        rnn.add_outputs(h)
+    with pytest.raises(sn.UnsupportedError, match="cuda backend.*nested step-net"):
+        rnn(backend="cuda")
+
+
+def test_without_gpu_or_simulator_the_backend_is_not_listed():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    code = ("import os, stepnet as sn\n"
+            "assert 'cuda' not in sn.backends(), sn.backends()\n"
+            "try:\n    sn.set_default_backend('cuda')\nexcept sn.BackendError as e:\n    print(e)\n")
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "not available on this machine" in out.stdout and "NUMBA_ENABLE_CUDASIM=1" in out.stdout
