@@ -1186,3 +1186,83 @@ def numpy_gru_train(wl):
 
 not_applicable("jax", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")
 not_applicable("numpy", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")
+
+
+# ============================================================================
+# GPU (run.py --cuda): stepnet's CUDA backend against PyTorch on the GPU.
+# Each call copies its result to the host, so GPU work is finished when it returns.
+
+
+def _stepnet_cuda():
+    import stepnet as sn
+
+    if "cuda" not in sn.backends():
+        raise RuntimeError("stepnet's cuda backend is not available (no GPU, no simulator)")
+    return sn
+
+
+def _sn_cuda_layer_run(layer, X, last_state):
+    def run():
+        Y, state = layer(X, backend="cuda")
+        return Y, last_state(state)
+
+    return run
+
+
+@peer("stepnet-cuda", ["W1", "W3"], "stepnet nn.GRU (cuda)")
+def stepnet_cuda_gru(wl):
+    sn = _stepnet_cuda()
+    layer, X = _sn_nn_gru(sn, wl)
+    return _sn_cuda_layer_run(layer, X, lambda h_n: h_n[0])
+
+
+@peer("stepnet-cuda", ["W5"], "stepnet custom cell in the DSL (cuda)")
+def stepnet_cuda_custom(wl):
+    sn = _stepnet_cuda()
+    rnn, X = _sn_custom_rnn(sn, wl)
+    f = rnn.compile("cuda")
+    last = _sn_last_rows(X.lod[-1])
+
+    def run():
+        out = f()
+        return out, out.data[last]
+
+    return run
+
+
+def _torch_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"torch {torch.__version__} sees no CUDA GPU")
+    return torch
+
+
+@peer("torch-cuda", ["W1", "W3"], "torch nn.GRU on the GPU (cuDNN)")
+def torch_cuda_gru(wl):
+    torch = _torch_cuda()
+    m = _torch_gru_module(torch, wl.weights).cuda()
+    x = torch.from_numpy(wl.x_time_major()).cuda()
+
+    def run():
+        with torch.inference_mode():
+            y, h = m(x)
+        return y.cpu(), h[0].cpu()
+
+    return run
+
+
+@peer("torch-cuda", ["W5"], "torch eager Python loop on the GPU")
+def torch_cuda_custom_eager(wl):
+    torch = _torch_cuda()
+    T, B, H = wl.dims["T"], wl.dims["B"], wl.dims["H"]
+    wx, bx, u, wh, s = (t.cuda() for t in _custom_torch_weights(torch, wl.weights))
+    x = torch.from_numpy(wl.x_time_major()).cuda()
+
+    def run():
+        with torch.inference_mode():
+            xp = torch.addmm(bx, x.reshape(T * B, -1), wx).view(T, B, 4 * H)
+            y, h = _custom_loop(xp, u, wh, s, torch.zeros(B, H, device="cuda"))
+        return y.cpu(), h.cpu()
+
+    return run

@@ -49,7 +49,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy")
+FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy", "stepnet-cuda", "torch-cuda")
+CPU_FAMILIES = FAMILIES[:5]  # the default peers; --cuda adds the GPU families
 ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
 WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")  # workloads.WORKLOADS
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
@@ -127,6 +128,19 @@ def _family_notes(family, threads):
             import numpy
 
             notes["numpy"] = numpy.__version__
+        elif family == "stepnet-cuda":
+            from numba import cuda
+
+            if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+                notes["stepnet-cuda"] = "Numba's CUDA simulator (timings meaningless)"
+            else:
+                name = cuda.get_current_device().name
+                notes["stepnet-cuda"] = f"GPU {name.decode() if isinstance(name, bytes) else name}"
+        elif family == "torch-cuda":
+            import torch
+
+            notes["torch-cuda"] = f"{torch.__version__}, GPU {torch.cuda.get_device_name()}, " \
+                f"cuDNN {torch.backends.cudnn.version()}"
     except Exception as exc:  # noqa: BLE001 - notes are best effort
         notes[family] = f"(version unknown: {_reason(exc)})"
     return notes
@@ -139,7 +153,7 @@ def worker_main(args):
     tag = args.tag or ""
     result = {"family": family, "tag": tag, "items": [], "notes": {}, "error": None}
     out_file = out_dir / f"{family}{tag}.json"
-    if family == "torch":
+    if family.startswith("torch"):
         try:  # before numpy or anything else that may start a thread pool
             import torch
 
@@ -382,6 +396,8 @@ def orchestrate(args):
             sys.exit(f"unknown peer {p!r}; known: {', '.join(FAMILIES)}")
         if p not in fams:
             fams.append(p)
+    if args.cuda:
+        fams += [f for f in FAMILIES[5:] if f not in fams]
     fams.sort(key=FAMILIES.index)
 
     tmp = Path(tempfile.mkdtemp(prefix="stepnet_bench_"))
@@ -515,9 +531,12 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
         wl = wls[k]
         rows = [r for r in recs if r["workload"] == k]
         rows.sort(key=lambda r: FAMILIES.index(r["family"]))
-        base = next((r.get("median_s") for r in rows if r["family"] == "stepnet"
-                     and r["status"] == "ok" and _role(r) == "step"), None)
+        bases = {own: next((r.get("median_s") for r in rows if r["family"] == own
+                            and r["status"] == "ok" and _role(r) == "step"), None)
+                 for own in ("stepnet", "stepnet-cuda")}
         for r in rows:
+            # GPU peers are compared with stepnet's cuda backend, CPU peers with its CPU one
+            base = bases["stepnet-cuda" if r["family"].endswith("-cuda") else "stepnet"]
             name = f"{k} {wl.name}"
             if r["status"] == "na":
                 out.append(f"| {name} | {r['family']}: n/a ({r['reason']}) | n/a | n/a | n/a "
@@ -548,7 +567,8 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
         if not rows:
             out.append(f"| {k} {wl.name} | (no peer selected) | | | | | | | |")
     out.append("")
-    out.append("ratio = peer median / stepnet median (> 1: stepnet is faster). GFLOP/s = sum of "
+    out.append("ratio = peer median / stepnet median (> 1: stepnet is faster; GPU rows: / stepnet "
+               "cuda median). GFLOP/s = sum of "
                "2*M*N*K of every matmul (valid tokens only) / median. max|dh| = max abs "
                "difference of the final hidden state (W6: every paragraph vector and every "
                "chapter's last state) from a float64 NumPy loop. setup s = build + first call "
@@ -700,8 +720,11 @@ def main(argv=None):
                     help="tiny sizes (T=5, B=4, I=8, H=16 ...), 1 round: a smoke test")
     ap.add_argument("--workloads", default=",".join(WORKLOAD_KEYS),
                     help="comma-separated, e.g. W1,W3 (default: all)")
-    ap.add_argument("--peers", default=",".join(FAMILIES),
-                    help=f"comma-separated from {', '.join(FAMILIES)} (default: all)")
+    ap.add_argument("--peers", default=",".join(CPU_FAMILIES),
+                    help=f"comma-separated from {', '.join(FAMILIES)} (default: the CPU ones)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also run stepnet's cuda backend and PyTorch on the GPU (cuDNN GRU, "
+                    "an eager loop for the custom cell)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timing rounds (default 7; 1 with --quick)")
     ap.add_argument("--check", action="store_true",
