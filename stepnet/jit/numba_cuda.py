@@ -17,9 +17,10 @@
    shape op (slice, concat, pad, sum, transpose, broadcast_axis), or a run of
    elementwise ops fused into one kernel that keeps intermediates in
    registers. For a small batch (``num_seq * width <= PERSISTENT_MAX_ELEMENTS``)
-   the whole loop is **one persistent kernel** of one block instead: one
-   launch for every step, the stages separated by ``cuda.syncthreads()``
-   (Persistent RNNs, Diamos et al. 2016, on one multiprocessor).
+   the whole loop is **one persistent kernel** instead: one launch for every
+   step, the stages separated by a grid-wide sync (a cooperative launch of at
+   most one block per multiprocessor; Persistent RNNs, Diamos et al. 2016).
+   The weights are read through the caches, not pinned on chip.
 4. copies all-steps outputs and last-step outputs back, in the caller's order.
 
 Ops whose operands are constants only (e.g. ``W.T`` in a backward step) are
@@ -378,13 +379,14 @@ class _Kernels:
                           f"        i = e // {width}", f"        j = e % {width}"]
                 lines += ["        " + s for s in body] + [""]
         lines += ["@cuda.jit", f"def persistent(steps, nbs, offs, {args}):",
-                  "    tid = cuda.threadIdx.x", "    nt = cuda.blockDim.x",
+                  "    grid = cuda.cg.this_grid()",
+                  "    tid = cuda.grid(1)", "    nt = cuda.gridsize(1)",
                   "    for t in range(steps):", "        nb = nbs[t]", "        off = offs[t]"]
         for width, body in self.stepped + self.finish:
             lines += [f"        for e in range(tid, nb * {width}, nt):",
                       f"            i = e // {width}", f"            j = e % {width}"]
             lines += ["            " + s for s in body]
-            lines.append("        cuda.syncthreads()")
+            lines.append("        grid.sync()")
         return "\n".join(lines) + "\n"
 
 
@@ -461,6 +463,16 @@ def compile_program(program: ir.Program):
 
 def _device(a):
     return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _persistent_blocks(count):
+    """Blocks of the persistent kernel: all must be resident at once for its
+    grid-wide sync (a cooperative launch), so at most one per multiprocessor;
+    the simulator syncs a grid of one block only."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return 1
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return max(1, min(sms, (count + THREADS - 1) // THREADS))
 
 
 def _launch(kernel, count, *args):
@@ -543,7 +555,8 @@ class _Run:
             if group == "hoisted":
                 _launch(ns[name], total * width, total, 0, *arglist)
         if steps and num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
-            ns["persistent"][1, THREADS](steps, _device(nbs), _device(offs), *arglist)
+            blocks = _persistent_blocks(num_seq * k.widest)
+            ns["persistent"][blocks, THREADS](steps, _device(nbs), _device(offs), *arglist)
         else:
             step_kernels = [(ns[n], w) for n, (g, w) in kernels.items() if g == "step"]
             for t in range(steps):
