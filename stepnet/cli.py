@@ -5,11 +5,17 @@
     stepnet check model.yaml                          # validate, print the IR
     stepnet bench model.yaml --repeat 20              # compile time, median run time
     stepnet export model.yaml -o model.onnx           # an ONNX model onnxruntime runs
+    stepnet run model.yaml --input big.npz --cluster local:2       # on 2 Dask workers
+    stepnet run model.yaml --input shards/ --output out/ --cluster tcp://host:8786
 
 Data files are ``.npz``: an input ``x`` with a LoD is the array ``x`` (its data
 rows) plus ``x.lod.0``, ``x.lod.1``, ... (offsets, coarsest level first) or
 ``x.lengths.0``, ...; a ``lod_level: 0`` input is the array alone. ``--output``
-writes the outputs the same way. See docs/yaml.md and docs/onnx-export.md.
+writes the outputs the same way. With ``--cluster`` the batch is split by
+top-level sequences across Dask workers (docs/distributed.md); an ``--input``
+directory of ``.npz`` shards is read shard by shard by the workers, and
+``--output`` is then a directory of one output file per shard. See
+docs/yaml.md and docs/onnx-export.md.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ def _parser():
     model_args(run)
     data_args(run)
     run.add_argument("--output", "-o", metavar="OUT.npz", help="write the outputs to an .npz file")
+    run.add_argument("--cluster", metavar="local:N|tcp://HOST:PORT",
+                     help="run on Dask workers: a new local cluster of N processes, or a scheduler")
+    run.add_argument("--partitions", type=int, default=None, metavar="P",
+                     help="with --cluster: pieces of the batch (default: one per worker)")
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check", help="validate a network and print its IR",
@@ -121,8 +131,10 @@ def cmd_run(args) -> int:
     from .backends import default_backend
 
     model = _load(args)
-    feeds = _feeds(model, args)
     backend = args.backend or default_backend()
+    if args.cluster:
+        return _run_on_cluster(model, args, backend)
+    feeds = _feeds(model, args)
     with Progress(enabled=not args.quiet) as progress:
         start = time.perf_counter()
         outputs = model(feeds, backend=backend, progress=progress.stage)
@@ -134,6 +146,47 @@ def cmd_run(args) -> int:
     print("outputs")
     _print_values(outputs)
     print(f"time     {_seconds(seconds)} (one call; compilation included on a first run)")
+    if args.output:
+        save_npz(args.output, outputs)
+        print(f"wrote    {args.output}")
+    return 0
+
+
+def _run_on_cluster(model, args, backend) -> int:
+    from pathlib import Path
+
+    from . import distributed
+
+    client = distributed.connect(args.cluster)
+    try:
+        workers = len(client.scheduler_info()["workers"])
+        print(f"model    {args.model} ({model.name})")
+        print(f"backend  {backend}, on {workers} Dask worker(s) ({args.cluster})")
+        start = time.perf_counter()
+        if args.input and Path(args.input).is_dir():
+            total = 0
+            for path, tokens, _ in distributed.run_shards(model, args.input, client,
+                                                          out_dir=args.output, backend=backend):
+                total += tokens
+                print(f"shard    {path}: {tokens} rows")
+            seconds = time.perf_counter() - start
+            print(f"time     {_seconds(seconds)}; {total / seconds:,.0f} rows/s")
+            if args.output:
+                print(f"wrote    {args.output}/ (one .npz per shard)")
+            return 0
+        feeds = _feeds(model, args)
+        outputs = distributed.run(model, feeds, client=client, partitions=args.partitions,
+                                  backend=backend)
+        seconds = time.perf_counter() - start
+    finally:
+        client.close()
+        if args.cluster.startswith("local"):
+            client.cluster.close()
+    print("inputs")
+    _print_values(feeds)
+    print("outputs")
+    _print_values(outputs)
+    print(f"time     {_seconds(seconds)} (one call, spread over the workers)")
     if args.output:
         save_npz(args.output, outputs)
         print(f"wrote    {args.output}")

@@ -76,6 +76,10 @@ class _RecurrentLayer:
         self._workspace = None  # kept by a call with keep_workspace=True
         self._init_parameters(np.random.default_rng(seed))
 
+    def __getstate__(self):
+        """Pickled without a kept workspace (its step-nets drop their kernels)."""
+        return dict(self.__dict__, _workspace=None)
+
     # -- configuration ----------------------------------------------------------
 
     @property

@@ -1,0 +1,308 @@
+"""Scale out on Dask (the ``distributed`` extra): sharded inference and
+data-parallel training across workers.
+
+- :func:`run` splits a batch by whole top-level sequences (a sequence and all
+  its nested sub-sequences stay together) into partitions of about the same
+  number of tokens, runs each on a Dask worker, and gives the outputs back in
+  the caller's order with the original LoD. The model is sent to each worker
+  once (``client.scatter(..., broadcast=True)``), so each worker compiles its
+  kernels once. Dask retries the tasks of a worker that dies.
+- :func:`data_parallel` makes a training step for ``stepnet.optim.train``:
+  each worker computes the loss and gradient *sums* of its shard with the
+  current parameters, the sums are added up and divided by the batch size, so
+  the step equals the single-process one up to float rounding.
+- :func:`read_shards` streams a directory of ``.npz`` shards, one partition
+  each, for input larger than memory.
+
+Without ``client=``, a ``LocalCluster`` of one worker process per core is
+started (``local_client``). ``stepnet run MODEL.yaml --cluster local:N`` (or
+``--cluster tcp://HOST:8786``) uses this module from the command line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import StepNetError
+from .lod import LoDTensor
+
+
+def _dask():
+    try:
+        import distributed
+    except ImportError:  # pragma: no cover - the extra is not installed
+        raise StepNetError("stepnet.distributed needs Dask: pip install 'stepnet[distributed]'") from None
+    return distributed
+
+
+def local_client(n_workers=None, threads_per_worker=1):
+    """A client of a new ``LocalCluster`` of worker processes (one per core by default)."""
+    distributed = _dask()
+    n = n_workers or os.cpu_count() or 1
+    cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=threads_per_worker,
+                                       processes=True, dashboard_address=None)
+    return distributed.Client(cluster)
+
+
+def connect(spec):
+    """A client for ``"local:N"`` (a new LocalCluster of N workers) or a
+    scheduler address (``"tcp://host:8786"``)."""
+    distributed = _dask()
+    if spec.startswith("local"):
+        _, _, n = spec.partition(":")
+        if n and not n.isdigit():
+            raise StepNetError(f"--cluster {spec!r}: expected local:N with N a number of workers")
+        return local_client(int(n) if n else None)
+    return distributed.Client(spec)
+
+
+# ----------------------------------------------------------------------------
+# partitions by whole top-level sequences
+
+
+def tokens_per_sequence(X: LoDTensor) -> np.ndarray:
+    """The number of data rows under each top-level sequence of ``X``."""
+    bounds = np.asarray(X.levels[0])
+    for level in X.levels[1:]:
+        bounds = np.asarray(level)[bounds]
+    return np.diff(bounds)
+
+
+def partition_bounds(tokens, partitions) -> list:
+    """Contiguous ranges ``(start, stop)`` of sequences with about the same
+    number of tokens each; never an empty range, at most ``partitions``."""
+    tokens = np.asarray(tokens, np.int64)
+    n = len(tokens)
+    if n == 0:
+        return []
+    partitions = max(1, min(int(partitions), n))
+    cum = np.cumsum(tokens)
+    total = int(cum[-1])
+    cuts = [0]
+    for k in range(1, partitions):
+        # the first sequence past this share of the tokens starts the next partition
+        share = total * k / partitions
+        cut = int(np.searchsorted(cum, share, side="right")) if total else n * k // partitions
+        cut = min(max(cut, cuts[-1] + 1), n - (partitions - k))
+        cuts.append(cut)
+    cuts.append(n)
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def _num_sequences(feeds):
+    for value in feeds.values():
+        if isinstance(value, LoDTensor):
+            return value.num_sequences, value
+    raise StepNetError("stepnet.distributed: the feeds hold no LoDTensor to split by sequences")
+
+
+def _split(feeds, per_sequence, start, stop):
+    """The feeds of sequences ``[start, stop)``: LoDTensors and per-sequence
+    arrays (``per_sequence(name, value)``) sliced, the rest whole."""
+    part = {}
+    for name, value in feeds.items():
+        if isinstance(value, LoDTensor):
+            part[name] = value.select(np.arange(start, stop))
+        elif per_sequence(name, value):
+            part[name] = np.asarray(value)[start:stop]
+        else:
+            part[name] = value
+    return part
+
+
+def _join(parts):
+    """Outputs of consecutive partitions back into one (same structure)."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return {k: _join([p[k] for p in parts]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, LoDTensor):
+        return LoDTensor.concat(parts)
+    return np.concatenate([np.asarray(p) for p in parts], axis=0)
+
+
+# ----------------------------------------------------------------------------
+# what runs on a worker
+
+
+def _run_part(obj, kind, feeds, backend, output_all_steps):
+    if kind == "rnn":
+        return obj(output_all_steps=output_all_steps, backend=backend, **feeds)
+    if kind == "layer":
+        feeds = dict(feeds)
+        X = feeds.pop("X")
+        return obj(X, backend=backend, **feeds)
+    return obj(feeds, backend=backend)
+
+
+def _describe(obj, feeds):
+    """(kind, feeds, per_sequence(name, value)) for a step-net, a layer or a
+    YAML model."""
+    from .dsl import RNNOp
+    from .nn.layers import _RecurrentLayer
+    from .yaml.model import Model
+
+    if isinstance(obj, RNNOp):
+        feeds = dict(feeds if feeds is not None else {n: b.value for n, b in obj.bindings.items()})
+        num_seq, _ = _num_sequences(feeds)
+
+        def per_sequence(name, value):
+            b = obj.bindings.get(name)
+            if b is None:
+                raise StepNetError(f"stepnet.distributed.run: {name!r} is not an input of "
+                                   f"{obj.name}; its inputs are {sorted(obj.bindings)}")
+            shape = np.shape(value)
+            if b.kind == "static":
+                return True
+            return b.kind == "init" and shape[:1] == (num_seq,) and (
+                tuple(shape[1:]) == tuple(b.memory_shape))
+
+        return "rnn", feeds, per_sequence
+    if isinstance(obj, _RecurrentLayer):
+        feeds = dict(feeds or {})
+        if not isinstance(feeds.get("X"), LoDTensor):
+            raise StepNetError("stepnet.distributed.run of a layer: feeds['X'] must be a LoDTensor")
+        for name in ("h0", "c0"):  # [L * D, B, H]: split along the batch axis
+            if feeds.get(name) is not None:
+                feeds[name] = np.moveaxis(np.asarray(feeds[name]), 1, 0)
+        return "layer", feeds, lambda name, value: name in ("h0", "c0")
+    if isinstance(obj, Model):
+        feeds = obj._check_feeds(dict(feeds or {}))
+        return "model", feeds, lambda name, value: not isinstance(value, LoDTensor)
+    raise StepNetError(f"stepnet.distributed.run: expects a step-net, a stepnet.nn layer or a "
+                       f"YAML model, got {type(obj).__name__}")
+
+
+def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_steps=True):
+    """Run ``obj`` (a step-net, an ``nn`` layer or a YAML model) on ``feeds``
+    across the workers of ``client``; returns what ``obj`` returns on the
+    whole batch, in the caller's order with the original LoD.
+
+    ``feeds``: a step-net's inputs by name (default: its bound values); a
+    layer's ``{"X": LoDTensor, "h0": ..., "c0": ...}``; a YAML model's
+    inputs. ``partitions``: how many pieces (default: one per worker)."""
+    own = client is None
+    client = local_client() if own else client
+    try:
+        kind, feeds, per_sequence = _describe(obj, feeds)
+        num_seq, X = _num_sequences(feeds)
+        if partitions is None:
+            partitions = max(1, len(client.scheduler_info()["workers"]))
+        bounds = partition_bounds(tokens_per_sequence(X), partitions)
+        if not bounds:  # no sequence at all: nothing to distribute
+            return _run_part(obj, kind, _layer_states_back(kind, feeds), backend, output_all_steps)
+        shared = client.scatter(obj, broadcast=True, hash=False)
+        futures = [client.submit(_run_part, shared, kind,
+                                 _layer_states_back(kind, _split(feeds, per_sequence, a, b)),
+                                 backend, output_all_steps, pure=False)
+                   for a, b in bounds]
+        return _join_layer(kind, client.gather(futures))
+    finally:
+        if own:
+            client.close()
+            client.cluster.close()
+
+
+def _layer_states_back(kind, feeds):
+    if kind != "layer":
+        return feeds
+    feeds = dict(feeds)
+    for name in ("h0", "c0"):
+        if feeds.get(name) is not None:
+            feeds[name] = np.ascontiguousarray(np.moveaxis(feeds[name], 0, 1))
+    return feeds
+
+
+def _join_layer(kind, parts):
+    """A layer's ``(Y, h_n)`` / ``(Y, (h_n, c_n))``: states join along the batch axis."""
+    if kind != "layer":
+        return _join(parts)
+    Y = LoDTensor.concat([p[0] for p in parts])
+    states = [p[1] for p in parts]
+    if isinstance(states[0], tuple):
+        return Y, tuple(np.concatenate([s[i] for s in states], axis=1) for i in range(2))
+    return Y, np.concatenate(states, axis=1)
+
+
+# ----------------------------------------------------------------------------
+# data-parallel training
+
+
+def _shard_sums(model, shard_fn, values, shard):
+    for p, v in zip(model.parameters(), values):
+        p.value[...] = v
+    return shard_fn(model, shard)
+
+
+def data_parallel(model, shard_fn, client, partitions=None):
+    """A step function ``step(batch) -> (loss, grads)`` for ``optim.train``
+    that computes on the workers of ``client``.
+
+    ``shard_fn(model, shard) -> (loss_sum, grad_sums, count)`` gives the
+    *sums* over a shard's examples (and how many there are); ``batch`` is a
+    tuple of arrays with one row per example, split by rows. The step sends the
+    current parameter values with each shard, adds the sums up and returns the
+    mean loss and mean gradients: the single-process step, up to rounding.
+    """
+    shared = client.scatter(model, broadcast=True, hash=False)
+    workers = partitions or max(1, len(client.scheduler_info()["workers"]))
+
+    def step(batch):
+        arrays = [np.asarray(a) for a in batch]
+        n = len(arrays[0])
+        bounds = partition_bounds(np.ones(n), workers)
+        values = [p.value for p in model.parameters()]
+        futures = [client.submit(_shard_sums, shared, shard_fn, values,
+                                 tuple(a[lo:hi] for a in arrays), pure=False)
+                   for lo, hi in bounds]
+        loss, grads, count = 0.0, None, 0
+        for part_loss, part_grads, part_count in client.gather(futures):
+            loss += part_loss
+            count += part_count
+            grads = list(part_grads) if grads is None else [g + h for g, h in zip(grads, part_grads)]
+        return loss / count, [g / count for g in grads]
+
+    return step
+
+
+# ----------------------------------------------------------------------------
+# input larger than memory: a directory of .npz shards
+
+
+def shard_files(directory) -> list:
+    """The ``*.npz`` shards of ``directory``, in name order."""
+    files = sorted(Path(directory).glob("*.npz"))
+    if not files:
+        raise StepNetError(f"{directory}: no .npz shards")
+    return files
+
+
+def _run_shard(model, path, out_dir, backend):
+    from .cli import load_npz, save_npz
+
+    feeds = load_npz(path, model)
+    outputs = model(feeds, backend=backend)
+    tokens = sum(v.data.shape[0] for v in feeds.values() if isinstance(v, LoDTensor))
+    if out_dir is not None:
+        save_npz(Path(out_dir) / Path(path).name, outputs)
+        return path, tokens, None
+    return path, tokens, outputs
+
+
+def run_shards(model, directory, client, out_dir=None, backend=None):
+    """Run a YAML ``model`` on every ``.npz`` shard of ``directory``, one task
+    per shard: each worker reads its shard itself (the driver never holds the
+    whole input) and writes ``out_dir/<shard name>`` when ``out_dir`` is given.
+    Yields ``(shard path, tokens, outputs or None)`` in shard order."""
+    files = shard_files(directory)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    shared = client.scatter(model, broadcast=True, hash=False)
+    futures = [client.submit(_run_shard, shared, str(f), out_dir and str(out_dir), backend, pure=False)
+               for f in files]
+    for future in futures:
+        yield future.result()
