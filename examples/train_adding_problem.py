@@ -68,19 +68,34 @@ class AddingModel:
         _, h_n = self.gru(self._input(X), backend=self.backend)
         return h_n[0] @ self.w.value + self.b.value
 
-    def loss_and_grads(self, batch):
-        """Mean squared error of a batch and the gradients of every parameter."""
+    def error_sums(self, batch):
+        """The sum of squared errors over a batch, its gradients with respect
+        to every parameter, and the number of examples: what each worker of a
+        data-parallel step computes on its shard."""
         X, y = batch
         (_, h_n), pullback = sn.vjp(self.gru, self._input(X), backend=self.backend)
         h = h_n[0]  # [B, H]: one layer, one direction
         err = h @ self.w.value + self.b.value - y
-        loss = float(np.mean(err ** 2))
-        dpred = (2.0 / err.size) * err  # d loss / d prediction
+        dpred = 2.0 * err  # d sum(err^2) / d prediction
         dh_n = (dpred @ self.w.value.T)[None]  # shaped like h_n: [1, B, H]
         grads = list(pullback([None, dh_n], wrt=self.gru.parameters()))
         grads += [h.T @ dpred, dpred.sum(axis=0)]
-        clip_grad_norm(grads, 1.0)
-        return loss, grads
+        return float(np.sum(err ** 2)), grads, err.size
+
+    def loss_and_grads(self, batch):
+        """Mean squared error of a batch and the clipped gradients of every parameter."""
+        loss, grads, count = self.error_sums(batch)
+        return mean_and_clip(loss / count, [g / count for g in grads])
+
+
+def mean_and_clip(loss, grads):
+    clip_grad_norm(grads, 1.0)
+    return loss, grads
+
+
+def error_sums(model, shard):
+    """``AddingModel.error_sums`` as a function, for stepnet.distributed."""
+    return model.error_sums(shard)
 
 
 def test_mse(model, length):
@@ -98,6 +113,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and training data")
     parser.add_argument("--backend", default=None, help="stepnet backend (default: numba)")
     parser.add_argument("--log-every", type=int, default=50, help="print the loss every N steps")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="data-parallel on N local Dask workers (default 0: this process)")
     args = parser.parse_args(argv)
     if args.length < 2:
         parser.error("--length must be at least 2 (one marker in each half)")
@@ -114,7 +131,15 @@ def main(argv=None):
     print(f"adding problem: length {args.length}, GRU hidden {args.hidden}, batch {args.batch}, "
           f"{args.steps} Adam steps (lr {args.lr}); predicting the mean scores 0.167")
     start = time.perf_counter()
-    train(model.loss_and_grads, optimizer, batches, log_every=args.log_every)
+    if args.workers:
+        from stepnet import distributed
+
+        with distributed.local_client(args.workers) as client:
+            parallel = distributed.data_parallel(model, error_sums, client)
+            train(lambda batch: mean_and_clip(*parallel(batch)), optimizer, batches,
+                  log_every=args.log_every)
+    else:
+        train(model.loss_and_grads, optimizer, batches, log_every=args.log_every)
     seconds = time.perf_counter() - start
     mse = test_mse(model, args.length)
     print(f"trained in {seconds:.1f} s; test MSE {mse:.5f} on {TEST_SIZE} sequences "

@@ -180,8 +180,6 @@ def _run_on_cluster(model, args, backend) -> int:
         seconds = time.perf_counter() - start
     finally:
         client.close()
-        if args.cluster.startswith("local"):
-            client.cluster.close()
     print("inputs")
     _print_values(feeds)
     print("outputs")

@@ -39,12 +39,13 @@ def _dask():
 
 
 def local_client(n_workers=None, threads_per_worker=1):
-    """A client of a new ``LocalCluster`` of worker processes (one per core by default)."""
+    """A client of a new ``LocalCluster`` of worker processes (one per core by
+    default, one thread each); closing the client stops the cluster."""
     distributed = _dask()
     n = n_workers or os.cpu_count() or 1
-    cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=threads_per_worker,
-                                       processes=True, dashboard_address=None)
-    return distributed.Client(cluster)
+    # the client starts the cluster, so closing the client stops it too
+    return distributed.Client(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
+                              dashboard_address=None)
 
 
 def connect(spec):
@@ -204,7 +205,6 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
     finally:
         if own:
             client.close()
-            client.cluster.close()
 
 
 def _layer_states_back(kind, feeds):

@@ -141,10 +141,18 @@ def _extern(symbol, argspec, returns_size=False, returns_int=False):
     return call
 
 
-SMALL_GEMM_WORK = 2_000_000  # m * k * n at or below which small_gemm runs
+# STEPNET_DETERMINISTIC=1: every product runs small_gemm without reassociation,
+# so each row's result is a fixed sequential sum, whatever the other rows of the
+# batch (a distributed run equals a single-process one bit for bit). Slower;
+# its helpers are compiled per process, not cached on disk.
+DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", "0")
+if DETERMINISTIC:
+    CACHE = False
+SMALL_GEMM_WORK = (1 << 62) if DETERMINISTIC else 2_000_000  # m*k*n at or below: small_gemm
+_SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"reassoc", "contract", "nsz", "arcp"}
 
 
-@njit(cache=CACHE, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
+@njit(cache=CACHE, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def small_gemm(a, bt, out):
     """out[:m] = a[:m] @ bt.T, ``bt`` the C-contiguous transposed weights."""
     m = a.shape[0]
@@ -374,6 +382,25 @@ else:
     gemm32 = gemm64 = _gemm
     pack32 = pack64 = _pack
     gemm_packed32 = gemm_packed64 = _gemm_packed
+
+
+if DETERMINISTIC:
+    @njit
+    def _gemm_exact(a, b, out):
+        """out[:m] = a[:m] @ b, every row a sequential sum (small_gemm)."""
+        small_gemm(a, np.ascontiguousarray(b.T), out)
+
+    @njit
+    def _pack_exact(b, max_rows):
+        return b, np.ascontiguousarray(b.T)
+
+    @njit
+    def _gemm_packed_exact(a, prepared, k, n, out):
+        small_gemm(a, prepared[1], out)
+
+    gemm32 = gemm64 = _gemm_exact
+    pack32 = pack64 = _pack_exact
+    gemm_packed32 = gemm_packed64 = _gemm_packed_exact
 
 
 def transposed_product(a, b):
