@@ -45,7 +45,7 @@ def local_client(n_workers=None, threads_per_worker=1):
     n = n_workers or os.cpu_count() or 1
     # the client starts the cluster, so closing the client stops it too
     return distributed.Client(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
-                              dashboard_address=None)
+                              dashboard_address=":0")
 
 
 def connect(spec):

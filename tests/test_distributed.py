@@ -1,0 +1,240 @@
+"""stepnet.distributed on a LocalCluster of two worker processes: the same
+outputs as one process, in the caller's order, even when a worker dies."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stepnet as sn
+
+distributed = pytest.importorskip("distributed")
+from stepnet import distributed as sd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def client():
+    with sd.local_client(2) as c:
+        yield c
+
+
+# ----------------------------------------------------------------------------
+# partitions
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=0, max_size=40), st.integers(1, 8))
+def test_partitions_are_contiguous_whole_and_balanced(tokens, parts):
+    bounds = sd.partition_bounds(tokens, parts)
+    if not tokens:
+        assert bounds == []
+        return
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(tokens)
+    assert all(a < b for a, b in bounds)
+    assert all(b == c for (_, b), (c, _) in zip(bounds[:-1], bounds[1:]))
+    assert len(bounds) <= min(parts, len(tokens))
+    # no partition holds more than its share plus one sequence
+    share = sum(tokens) / len(bounds)
+    biggest = max(tokens)
+    for a, b in bounds:
+        assert sum(tokens[a:b]) <= share + biggest + 1e-9
+
+
+def test_partitions_balance_tokens_not_sequences():
+    tokens = [100] + [1] * 99  # one long sequence, many short ones
+    (a0, b0), (a1, b1) = sd.partition_bounds(tokens, 2)
+    assert (a0, b0) == (0, 1) and (a1, b1) == (1, 100)
+
+
+def test_tokens_per_sequence_counts_nested_rows():
+    X = sn.LoDTensor.from_lengths(np.zeros((9, 1)), [[2, 0, 1], [3, 1, 5]])
+    assert sd.tokens_per_sequence(X).tolist() == [4, 0, 5]
+
+
+# ----------------------------------------------------------------------------
+# inference
+
+
+def _nested_net(lengths, seed):
+    r = np.random.default_rng(seed)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((sum(lengths[1]), 3)).astype(np.float32), lengths)
+    num_seq = len(lengths[0])
+    W = sn.Parameter((r.standard_normal((3, 4)) * 0.5).astype(np.float32), name="W")
+    U = sn.Parameter((r.standard_normal((4, 4)) * 0.5).astype(np.float32), name="U")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(init=r.standard_normal((num_seq, 4)).astype(np.float32), name="h")
+        s = rnn.add_static_input(r.standard_normal((num_seq, 4)).astype(np.float32), name="s")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            w = inner.add_input(x, name="w")
+            g = inner.add_memory(shape=[4], name="g")
+            g.update(sn.ops.tanh(w @ W + g.pre_state() @ U))
+            inner.add_outputs(g)
+        h.update(sn.ops.tanh(inner(output_all_steps=False) + h.pre_state() @ U + s))
+        rnn.add_outputs(h, h)
+    return rnn
+
+
+@st.composite
+def nested_lengths(draw):
+    outer = draw(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+    inner = draw(st.lists(st.integers(0, 5), min_size=sum(outer), max_size=sum(outer)))
+    return [outer, inner]
+
+
+@settings(max_examples=6, deadline=None)
+@given(nested_lengths(), st.integers(1, 5), st.integers(0, 100))
+def test_nested_batches_match_one_process(client, lengths, parts, seed):
+    rnn = _nested_net(lengths, seed)
+    for flags in (True, (True, False)):
+        expected = rnn(output_all_steps=flags)
+        got = sd.run(rnn, client=client, partitions=parts, output_all_steps=flags)
+        assert_close(got, expected, what="distributed vs one process")
+
+
+def test_layer_with_initial_state_and_yaml_model(client, rng):
+    gru = sn.nn.GRU(3, 4, num_layers=2, seed=0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32), [[3, 0, 5, 4, 8]])
+    h0 = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    assert_close(sd.run(gru, {"X": X, "h0": h0}, client=client, partitions=3), gru(X, h0))
+    model = sn.load_yaml(ROOT / "examples" / "hierarchical.yaml")
+    feeds = model.random_feeds(seed=1, num_sequences=7, max_length=5)
+    got, expected = sd.run(model, feeds, client=client, partitions=3), model(feeds)
+    assert list(got) == list(expected)
+    for name in expected:
+        assert_close(got[name], expected[name], what=name)
+
+
+def test_bad_input_is_refused_before_anything_runs(client):
+    with pytest.raises(sn.StepNetError, match="expects a step-net"):
+        sd.run(object(), {}, client=client)
+    gru = sn.nn.GRU(3, 4, seed=0)
+    with pytest.raises(sn.StepNetError, match="must be a LoDTensor"):
+        sd.run(gru, {"X": np.zeros((2, 3, 3))}, client=client)
+
+
+def test_bit_for_bit_in_deterministic_mode():
+    """STEPNET_DETERMINISTIC=1 (workers inherit it): every row a sequential
+    sum, so partitions of a different size give the same bits."""
+    code = f"""
+import numpy as np, sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_distributed import _nested_net
+from stepnet import distributed as sd
+from stepnet.jit import blas
+assert blas.DETERMINISTIC
+rnn = _nested_net([[3, 0, 2, 4, 1, 5, 2], [2, 1, 3, 2, 1, 1, 4, 2, 1, 3, 2, 1, 1, 2, 3, 1, 2]], 7)
+expected = rnn()
+with sd.local_client(2) as client:
+    for parts in (2, 3, 5):
+        got = sd.run(rnn, client=client, partitions=parts)
+        for a, b in zip(got, expected):
+            assert a.lod == b.lod and np.array_equal(a.data, b.data), parts
+print("bit for bit")
+"""
+    env = dict(os.environ, STEPNET_DETERMINISTIC="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bit for bit" in out.stdout
+
+
+def test_a_worker_killed_mid_run_is_retried():
+    """Dask reruns the tasks of a worker that dies; the result is complete and
+    in order (no lost or duplicated sequence)."""
+    lengths = [[40] * 12, [6] * 480]
+    rnn = _nested_net(lengths, 3)
+    expected = rnn(backend="interpreter")
+    with sd.local_client(2) as c:
+        workers = list(c.scheduler_info()["workers"])
+        result = {}
+
+        def run():
+            result["out"] = sd.run(rnn, client=c, partitions=6, backend="interpreter")
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.time() + 60
+        while time.time() < deadline:  # kill a worker once it is computing
+            if any(c.processing().get(w) for w in workers):
+                break
+            time.sleep(0.05)
+        victim = next(w for w in workers if c.processing().get(w)) if any(
+            c.processing().get(w) for w in workers) else workers[0]
+        try:
+            c.run(os._exit, 1, workers=[victim])
+        except Exception:  # noqa: BLE001 - the worker dies answering
+            pass
+        thread.join(timeout=600)
+        assert not thread.is_alive()
+        assert victim not in c.scheduler_info()["workers"]  # it really died (its nanny restarts it anew)
+    assert_close(result["out"], expected, what="after a worker died")
+
+
+# ----------------------------------------------------------------------------
+# data-parallel training and the command line
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adding_problem_trains_the_same_on_two_workers(client):
+    ex = _example("train_adding_problem")
+    curves = []
+    for workers in (0, 2):
+        model = ex.AddingModel(8, seed=3, backend=None)
+        optimizer = sn.optim.Adam(model.parameters(), lr=0.01)
+        rng = np.random.default_rng(3)
+        batches = [ex.adding_batch(rng, 16, 12) for _ in range(6)]
+        if workers:
+            step = sd.data_parallel(model, ex.error_sums, client)
+            curves.append(sn.optim.train(lambda b: ex.mean_and_clip(*step(b)), optimizer, batches))
+        else:
+            curves.append(sn.optim.train(model.loss_and_grads, optimizer, batches))
+    np.testing.assert_allclose(curves[1], curves[0], rtol=1e-5)
+    assert curves[0][-1] < curves[0][0]
+
+
+def test_cli_run_on_a_local_cluster_and_shards(tmp_path):
+    from stepnet.cli import save_npz
+
+    model = sn.load_yaml(ROOT / "examples" / "hierarchical.yaml")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    expected = {}
+    for k in range(3):
+        feeds = model.random_feeds(seed=k, num_sequences=3, max_length=4)
+        save_npz(shards / f"part{k}.npz", feeds)
+        expected[f"part{k}.npz"] = model(feeds)
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "-m", "stepnet", "run", str(ROOT / "examples" / "hierarchical.yaml"),
+           "--input", str(shards), "--output", str(out_dir), "--cluster", "local:2", "-q"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rows/s" in done.stdout
+    for name, outputs in expected.items():
+        with np.load(out_dir / name) as npz:
+            for key, value in outputs.items():
+                data = value.data if isinstance(value, sn.LoDTensor) else value
+                assert_close(npz[key], data, what=f"{name} {key}")
+    done = subprocess.run(cmd[:5] + ["--cluster", "local:2", "--sequences", "6", "-q"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 2 Dask worker(s)" in done.stdout
