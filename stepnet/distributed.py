@@ -22,6 +22,7 @@ started (``local_client``). ``stepnet run MODEL.yaml --cluster local:N`` (or
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -197,11 +198,16 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
         if not bounds:  # no sequence at all: nothing to distribute
             return _run_part(obj, kind, _layer_states_back(kind, feeds), backend, output_all_steps)
         shared = client.scatter(obj, broadcast=True, hash=False)
-        futures = [client.submit(_run_part, shared, kind,
-                                 _layer_states_back(kind, _split(feeds, per_sequence, a, b)),
-                                 backend, output_all_steps, pure=False)
-                   for a, b in bounds]
-        return _join_layer(kind, client.gather(futures))
+        # Each partition's data travels inside its task: the scheduler keeps it,
+        # so a task whose worker dies runs again elsewhere (data scattered to
+        # that worker alone would be lost with it).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
+            futures = [client.submit(_run_part, shared, kind,
+                                     _layer_states_back(kind, _split(feeds, per_sequence, a, b)),
+                                     backend, output_all_steps, pure=False)
+                       for a, b in bounds]
+            return _join_layer(kind, client.gather(futures))
     finally:
         if own:
             client.close()

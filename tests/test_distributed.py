@@ -205,7 +205,8 @@ def test_adding_problem_trains_the_same_on_two_workers(client):
         batches = [ex.adding_batch(rng, 16, 12) for _ in range(6)]
         if workers:
             step = sd.data_parallel(model, ex.error_sums, client)
-            curves.append(sn.optim.train(lambda b: ex.mean_and_clip(*step(b)), optimizer, batches))
+            curves.append(sn.optim.train(lambda b, step=step: ex.mean_and_clip(*step(b)),
+                                         optimizer, batches))
         else:
             curves.append(sn.optim.train(model.loss_and_grads, optimizer, batches))
     np.testing.assert_allclose(curves[1], curves[0], rtol=1e-5)
