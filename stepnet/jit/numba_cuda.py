@@ -166,8 +166,8 @@ class _Kernels:
             for v in e.inputs:
                 self.read_by.setdefault(id(v), set()).add(id(e))
         self.kept = {id(v) for v in body.outputs} | {id(m.post) for m in body.memories}
-        self.hoisted = [self._stage_lines(s, "token") for s in _stages(hoisted)]
-        self.stepped = [self._stage_lines(s, "row") for s in _stages(stepped)]
+        self.hoisted = [self._stage_lines(s) for s in _stages(hoisted)]
+        self.stepped = [self._stage_lines(s) for s in _stages(stepped)]
         self.finish = self._finish_lines()
         self.widest = max([w for (_, _, w, _) in self.buffers] + [v.width for v in self.values.values()
                                                                    if v.kind != "const"] + [1])
@@ -182,7 +182,7 @@ class _Kernels:
 
     # -- reading values inside a kernel ----------------------------------------------
 
-    def _operand(self, v, local, out_shape, coords):
+    def _operand(self, v, local, out_shape):
         """Code reading operand ``v`` at this thread's element of an output of
         feature shape ``out_shape`` (right-aligned broadcasting)."""
         if isinstance(v, ir.Literal):
@@ -190,7 +190,7 @@ class _Kernels:
         if id(v) in local:
             return local[id(v)], None
         info = self.values[id(v)]
-        index = _broadcast_index(out_shape, info.shape, coords)
+        index = _broadcast_index(out_shape, info.shape)
         return self._read(info, index), None
 
     @staticmethod
@@ -202,7 +202,7 @@ class _Kernels:
 
     # -- stages -------------------------------------------------------------------
 
-    def _stage_lines(self, eqns, kind):
+    def _stage_lines(self, eqns):
         """(element count expression's width, body lines computing element
         ``e`` = (row ``i``, flat feature ``j``)) of one stage."""
         first = eqns[0]
@@ -229,7 +229,7 @@ class _Kernels:
             dt = _literal_dtype(e)
             args = []
             for v in e.inputs:
-                code, lit = self._operand(v, local, out_shape, range(len(out_shape)))
+                code, lit = self._operand(v, local, out_shape)
                 args.append(code if lit is None else f"{_dtype_name(dt)}({float(lit.value)!r})")
             name = f"t{len(local)}"
             lines.append(f"{name} = {self._scalar(e, args)}")
@@ -400,7 +400,7 @@ def _ident(name) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name)
 
 
-def _broadcast_index(out_shape, shape, coords) -> str:
+def _broadcast_index(out_shape, shape) -> str:
     """The flat index into a value of feature ``shape`` broadcast (right-aligned)
     to ``out_shape``, from the output's coordinates ``c<k>``."""
     shape = tuple(shape)
