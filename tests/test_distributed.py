@@ -239,3 +239,13 @@ def test_cli_run_on_a_local_cluster_and_shards(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on 2 Dask worker(s)" in done.stdout
+
+
+def test_cli_run_on_a_scheduler_address(client):
+    """--cluster tcp://HOST:PORT connects to a running scheduler."""
+    address = client.scheduler.address
+    cmd = [sys.executable, "-m", "stepnet", "run", str(ROOT / "examples" / "custom_cell.yaml"),
+           "--cluster", address, "--sequences", "5", "-q"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"on 2 Dask worker(s) ({address})" in done.stdout
