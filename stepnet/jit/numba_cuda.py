@@ -116,19 +116,12 @@ class _Kernels:
         self.program = program
         eqn = program.eqn
         self.body = body = eqn.attrs["body"]
-        for v in ir.rnn_parts(eqn)[0]:
-            if v.lod_depth != 1:
-                raise UnsupportedError(f"cuda backend: step input {v.name} is a nested (multi-level) "
-                                       "sequence; nested step-nets run on numba and interpreter")
         for v in ir.rnn_parts(eqn)[1]:
             if v.lod_depth:
                 raise UnsupportedError(f"cuda backend: static input {v.name} is a LoDTensor; "
                                        "dense static inputs only")
-        for e in body.eqns:
-            if e.op == "rnn":
-                raise UnsupportedError(f"cuda backend: {eqn.attrs['name']} holds a nested step-net "
-                                       f"({e.attrs['name']}); it runs on numba and interpreter")
         self.values = {}  # id(var) -> _Value
+        self.nested = []  # (nested rnn eqn, its own compiled program), run before the loop
         self.host_eqns = []  # constant-only equations, computed with NumPy per call
         self.buffers = []  # (name, kind, width, dtype) of "row" and "token" scratch buffers
         self.lines = ["import math", "from numba import cuda", "from numba import float32, float64",
@@ -137,7 +130,9 @@ class _Kernels:
         for v in program.consts:
             self.values[id(v)] = _Value("const", f"c_{_ident(v.name)}", tuple(v.shape), v.dtype)
         for i, var in enumerate(body.step_inputs):
-            self.values[id(var)] = _Value("token", f"seq{i}", tuple(var.shape[1:]), var.dtype)
+            # a ragged step (a multi-level input) is read by nested step-nets only
+            kind = "ragged" if var.lod_depth else "token"
+            self.values[id(var)] = _Value(kind, f"seq{i}", tuple(var.shape[1:]), var.dtype)
         for i, var in enumerate(body.static_inputs):
             self.values[id(var)] = _Value("row", f"static{i}", tuple(var.shape[1:]), var.dtype)
         for i, mem in enumerate(body.memories):
@@ -146,6 +141,9 @@ class _Kernels:
         static_dep = {id(v) for v in body.static_inputs}
         hoisted, stepped = [], []
         for e in body.eqns:
+            if e.op == "rnn":
+                self._nested(e, program.consts)
+                continue
             ins = [v for v in e.inputs if isinstance(v, ir.Var)]
             if all(self.values.get(id(v)) is not None and self.values[id(v)].kind == "const"
                    for v in ins):
@@ -171,6 +169,33 @@ class _Kernels:
         self.finish = self._finish_lines()
         self.widest = max([w for (_, _, w, _) in self.buffers] + [v.width for v in self.values.values()
                                                                    if v.kind != "const"] + [1])
+
+    # -- nested step-nets ---------------------------------------------------------
+
+    def _nested(self, e, consts):
+        """A nested step-net that reads nothing of the enclosing step but its
+        ragged step inputs runs once over every sub-sequence before the loop
+        (its own program on this backend); each last-step output is then one
+        row per token of the enclosing net."""
+        name = e.attrs["name"]
+        seqs, statics, inits = ir.rnn_parts(e)
+        own = {id(v) for v in self.body.step_inputs}
+        why = None
+        if statics or any(id(v) not in own for v in seqs):
+            why = "reads values of the enclosing step (only its step inputs are supported)"
+        elif any(isinstance(v, ir.Var) and self.values.get(id(v), _Value("", "", (), None)).kind
+                 != "const" for v in inits):
+            why = "starts a memory from a value of the enclosing step"
+        elif any(e.attrs["all_steps"]):
+            why = "gives an all-steps (ragged) output to the enclosing step"
+        if why:
+            raise UnsupportedError(f"cuda backend: nested step-net {name} {why}; it runs on numba "
+                                   "and interpreter")
+        inner = ir.Program(inputs=tuple(seqs), consts=tuple(consts), eqn=e)
+        for j, o in enumerate(e.outputs):
+            self.values[id(o)] = _Value("token", f"nest{len(self.nested)}_{j}", tuple(o.shape[1:]),
+                                        o.dtype)
+        self.nested.append((e, compile_program(inner)))
 
     # -- constants ------------------------------------------------------------------
 
@@ -333,8 +358,9 @@ class _Kernels:
         stages = []
         for k, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
             info = self.values[id(out)]
-            if info.kind == "const":
-                raise UnsupportedError(f"cuda backend: output {out.name} is a constant")
+            if info.kind in ("const", "ragged"):
+                raise UnsupportedError(f"cuda backend: output {out.name} is a constant or a ragged "
+                                       "value; it runs on numba and interpreter")
             row = "off + i" if all_steps else "i"
             stages.append((info.width, [f"out{k}[{row}, j] = {self._read(info, 'j')}"]))
         pres = {id(m.pre) for m in body.memories}
@@ -364,6 +390,7 @@ class _Kernels:
         names += [f"snap{i}" for i in self.snapshots]
         names += [f"out{k}" for k in range(len(body.outputs))]
         names += [name for name, _, _, _ in self.buffers]
+        names += [f"nest{n}_{j}" for n, (e, _) in enumerate(self.nested) for j in range(len(e.outputs))]
         names += sorted({v.name for v in self.values.values() if v.kind == "const"})
         return names
 
@@ -505,8 +532,15 @@ class _Run:
         nbs = np.array([np.count_nonzero(sorted_lengths > t) for t in range(steps)], np.int64)
         offs = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64) if steps else nbs
         total = int(lengths.sum())
+        const_env = {id(v): np.asarray(consts[v.name]) for v in program.consts}
+
+        def initial(v):  # a memory's init: bound by name, a literal or a constant
+            if isinstance(v, ir.Literal):
+                return v.value
+            return by_var[id(v)] if id(v) in by_var else const_env[id(v)]
+
         if steps == 0:  # no step to run: empty all-steps outputs, initial states
-            return _no_steps(eqn, body, by_var, seq_args, num_seq)
+            return _no_steps(eqn, body, initial, seq_args, num_seq)
         # packed row r (step t, sorted position b) holds token starts[order[b]] + position
         starts = np.asarray(seq_args[0].levels[0][:-1])[order]
         gather = np.empty(total, np.int64)
@@ -516,14 +550,24 @@ class _Run:
             gather[offs[t]:offs[t] + nb] = starts[:nb] + pos
         device = {}
         for i, X in enumerate(seq_args):
-            data = X.data.reshape(len(X.data), -1)
-            device[f"seq{i}"] = _device(data[gather])
+            if X.num_levels == 1:
+                device[f"seq{i}"] = _device(X.data.reshape(len(X.data), -1)[gather])
+            else:  # read by nested step-nets only: not on the device as rows
+                device[f"seq{i}"] = cuda.device_array((1, 1), np.float32)
+        position = {id(v): i for i, v in enumerate(body.step_inputs)}
+        for n, (e, inner) in enumerate(k.nested):
+            inner_args = [LoDTensor(seq_args[position[id(v)]].data, seq_args[position[id(v)]].levels[1:])
+                          for v in ir.rnn_parts(e)[0]]
+            for j, (o, value) in enumerate(zip(e.outputs, inner(inner_args, consts))):
+                # one row per sub-sequence = per token of this net, packed like its step inputs
+                rows = np.asarray(value, o.dtype).reshape(len(value), -1)
+                device[f"nest{n}_{j}"] = _device(rows[gather])
         for i, v in enumerate(statics):
             s = np.asarray(by_var[id(v)])
             device[f"static{i}"] = _device(s[order].reshape(num_seq, -1))
         mem_init = []
         for i, (mem, v) in enumerate(zip(body.memories, inits)):
-            full = np.broadcast_to(np.asarray(by_var[id(v)], mem.pre.dtype),
+            full = np.broadcast_to(np.asarray(initial(v), mem.pre.dtype),
                                    (num_seq,) + tuple(mem.pre.shape[1:]))
             mem_init.append(full)
             device[f"mem{i}"] = _device(full[order].reshape(num_seq, -1))
@@ -541,7 +585,6 @@ class _Run:
         for name, kind, width, dtype in k.buffers:
             rows = total if kind == "token" else num_seq
             device[name] = cuda.device_array((max(rows, 1), width), dtype)
-        const_env = {id(v): np.asarray(consts[v.name]) for v in program.consts}
         for e in k.host_eqns:
             vals = [const_env[id(v)] if isinstance(v, ir.Var) else v.value for v in e.inputs]
             const_env[id(e.outputs[0])] = registry.get(e.op).numpy(*vals, **e.attrs)
@@ -577,7 +620,7 @@ class _Run:
         return results
 
 
-def _no_steps(eqn, body, by_var, seq_args, num_seq):
+def _no_steps(eqn, body, initial, seq_args, num_seq):
     inits = ir.rnn_parts(eqn)[2]
     results = []
     for k, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
@@ -586,7 +629,7 @@ def _no_steps(eqn, body, by_var, seq_args, num_seq):
             results.append(LoDTensor(np.zeros((0,) + shape, out.dtype), [seq_args[0].levels[0]]))
             continue
         mi = eqn.attrs["output_memory"][k]
-        start = (np.broadcast_to(np.asarray(by_var[id(inits[mi])], out.dtype), (num_seq,) + shape)
+        start = (np.broadcast_to(np.asarray(initial(inits[mi]), out.dtype), (num_seq,) + shape)
                  if mi >= 0 else np.zeros((num_seq,) + shape, out.dtype))
         results.append(np.array(start))
     return results
