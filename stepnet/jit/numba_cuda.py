@@ -24,11 +24,16 @@
 4. copies all-steps outputs and last-step outputs back, in the caller's order.
 
 Ops whose operands are constants only (e.g. ``W.T`` in a backward step) are
-computed once per call with NumPy. Supported: top-level step-nets with dense
-step values (any feature rank) and dense static inputs; a nested step-net,
-a ragged value or a matmul whose right operand is a step value raise
-UnsupportedError. Gradients run on this backend because the backward of a
-step-net is a step-net (stepnet.autodiff).
+computed once per call with NumPy. A nested step-net that reads only its
+ragged step input (a word-level encoder inside a sentence-level net) runs once
+over every sub-sequence before the enclosing loop, as a program of its own on
+this backend; each last-step output is then one row per token of the
+enclosing net. Supported: dense step values (any feature rank), dense static
+inputs and such nested nets at any depth; a nested net reading other values of
+the enclosing step or giving it a ragged output, a LoDTensor static input, or
+a matmul whose right operand is a step value raise UnsupportedError.
+Gradients run on this backend because the backward of a step-net is a
+step-net (stepnet.autodiff).
 """
 
 from __future__ import annotations
