@@ -149,7 +149,8 @@ def _describe(obj, feeds):
     from .yaml.model import Model
 
     if isinstance(obj, RNNOp):
-        feeds = dict(feeds if feeds is not None else {n: b.value for n, b in obj.bindings.items()})
+        # names not given keep their bound values (split like the rest)
+        feeds = {**{n: b.value for n, b in obj.bindings.items()}, **dict(feeds or {})}
         num_seq, _ = _num_sequences(feeds)
 
         def per_sequence(name, value):
@@ -184,14 +185,14 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
     across the workers of ``client``; returns what ``obj`` returns on the
     whole batch, in the caller's order with the original LoD.
 
-    ``feeds``: a step-net's inputs by name (default: its bound values); a
+    ``feeds``: a step-net's inputs by name (those not given: their bound values); a
     layer's ``{"X": LoDTensor, "h0": ..., "c0": ...}``; a YAML model's
     inputs. ``partitions``: how many pieces (default: one per worker)."""
+    kind, feeds, per_sequence = _describe(obj, feeds)  # bad input fails before any cluster starts
+    _, X = _num_sequences(feeds)
     own = client is None
     client = local_client() if own else client
     try:
-        kind, feeds, per_sequence = _describe(obj, feeds)
-        num_seq, X = _num_sequences(feeds)
         if partitions is None:
             partitions = max(1, len(client.scheduler_info()["workers"]))
         bounds = partition_bounds(tokens_per_sequence(X), partitions)
