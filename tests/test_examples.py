@@ -79,3 +79,14 @@ def test_train_nested_beats_the_one_level_bound():
 def test_examples_document_themselves(name):
     text = (ROOT / "examples" / name).read_text()
     assert text.startswith('"""') and "Run it:" in text
+
+
+def test_onnx_roundtrip(tmp_path):
+    pytest.importorskip("onnxruntime")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "onnx_roundtrip.py")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "stepnet session vs stepnet:" in proc.stdout and "onnxruntime vs stepnet:" in proc.stdout
+    assert (tmp_path / "cell.onnx").exists()
