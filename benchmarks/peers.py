@@ -136,9 +136,9 @@ _GRU_ORDER = (1, 0, 2)  # ONNX z, r, h from PyTorch r, z, n
 _LSTM_ORDER = (0, 3, 1, 2)  # ONNX i, o, f, c from PyTorch i, f, g, o
 
 
-def _sn_run_layer(layer, X, last_state):
+def _sn_run_layer(layer, X, last_state, backend=None):
     def run():
-        Y, state = layer(X)
+        Y, state = layer(X, backend=backend)
         return Y, last_state(state)
 
     return run
@@ -283,12 +283,9 @@ def _sn_custom_rnn(sn, wl):
     return rnn, X
 
 
-@peer("stepnet", ["W5"], "stepnet custom cell in the DSL (numba)")
-def stepnet_custom(wl):
-    import stepnet as sn
-
+def _sn_custom_run(sn, wl, backend):
     rnn, X = _sn_custom_rnn(sn, wl)
-    f = rnn.compile("numba")
+    f = rnn.compile(backend)
     last = _sn_last_rows(X.lod[-1])
 
     def run():
@@ -296,6 +293,13 @@ def stepnet_custom(wl):
         return out, out.data[last]
 
     return run
+
+
+@peer("stepnet", ["W5"], "stepnet custom cell in the DSL (numba)")
+def stepnet_custom(wl):
+    import stepnet as sn
+
+    return _sn_custom_run(sn, wl, "numba")
 
 
 @peer("stepnet", ["W6"], "stepnet nested step-net (numba)")
@@ -1201,33 +1205,16 @@ def _stepnet_cuda():
     return sn
 
 
-def _sn_cuda_layer_run(layer, X, last_state):
-    def run():
-        Y, state = layer(X, backend="cuda")
-        return Y, last_state(state)
-
-    return run
-
-
 @peer("stepnet-cuda", ["W1", "W3"], "stepnet nn.GRU (cuda)")
 def stepnet_cuda_gru(wl):
     sn = _stepnet_cuda()
     layer, X = _sn_nn_gru(sn, wl)
-    return _sn_cuda_layer_run(layer, X, lambda h_n: h_n[0])
+    return _sn_run_layer(layer, X, lambda h_n: h_n[0], backend="cuda")
 
 
 @peer("stepnet-cuda", ["W5"], "stepnet custom cell in the DSL (cuda)")
 def stepnet_cuda_custom(wl):
-    sn = _stepnet_cuda()
-    rnn, X = _sn_custom_rnn(sn, wl)
-    f = rnn.compile("cuda")
-    last = _sn_last_rows(X.lod[-1])
-
-    def run():
-        out = f()
-        return out, out.data[last]
-
-    return run
+    return _sn_custom_run(_stepnet_cuda(), wl, "cuda")
 
 
 def _torch_cuda():

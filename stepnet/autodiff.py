@@ -155,13 +155,7 @@ class _EagerEmitter:
 
     @staticmethod
     def unbroadcast(g, target):
-        g = np.asarray(g)
-        while g.ndim > len(target.shape):
-            g = g.sum(0)
-        for ax, n in enumerate(target.shape):
-            if n == 1 and g.shape[ax] != 1:
-                g = g.sum(ax, keepdims=True)
-        return g
+        return sum_to_shape(g, target.shape)
 
 
 # ----------------------------------------------------------------------------
@@ -734,12 +728,14 @@ class Pullback:
             else:
                 inits = ir.rnn_parts(program.eqn)[2]
                 g = d_inits[[id(v) for v in inits].index(id(key))]
-                g = _sum_to_shape(g, np.shape(like))
+                g = sum_to_shape(g, np.shape(like))
             found.append(np.asarray(g).astype(like.dtype, copy=False).reshape(np.shape(like)))
         return _deliver(found, wrt, accumulate, out)
 
 
-def _sum_to_shape(g, shape):
+def sum_to_shape(g, shape):
+    """Sum ``g`` down to ``shape``: the adjoint of NumPy broadcasting."""
+    g = np.asarray(g)
     while g.ndim > len(shape):
         g = g.sum(0)
     for ax, n in enumerate(shape):

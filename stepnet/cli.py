@@ -141,11 +141,17 @@ def cmd_run(args) -> int:
         seconds = time.perf_counter() - start
     print(f"model    {args.model} ({model.name})")
     print(f"backend  {backend}")
+    return _report(args, feeds, outputs, f"{_seconds(seconds)} (one call; compilation included "
+                                         "on a first run)")
+
+
+def _report(args, feeds, outputs, time_line) -> int:
+    """The inputs, outputs and time of a run, and ``--output`` written."""
     print("inputs")
     _print_values(feeds)
     print("outputs")
     _print_values(outputs)
-    print(f"time     {_seconds(seconds)} (one call; compilation included on a first run)")
+    print(f"time     {time_line}")
     if args.output:
         save_npz(args.output, outputs)
         print(f"wrote    {args.output}")
@@ -180,15 +186,7 @@ def _run_on_cluster(model, args, backend) -> int:
         seconds = time.perf_counter() - start
     finally:
         client.close()
-    print("inputs")
-    _print_values(feeds)
-    print("outputs")
-    _print_values(outputs)
-    print(f"time     {_seconds(seconds)} (one call, spread over the workers)")
-    if args.output:
-        save_npz(args.output, outputs)
-        print(f"wrote    {args.output}")
-    return 0
+    return _report(args, feeds, outputs, f"{_seconds(seconds)} (one call, spread over the workers)")
 
 
 def cmd_bench(args) -> int:

@@ -101,17 +101,22 @@ def _num_sequences(feeds):
     raise StepNetError("stepnet.distributed: the feeds hold no LoDTensor to split by sequences")
 
 
-def _split(feeds, per_sequence, start, stop):
-    """The feeds of sequences ``[start, stop)``: LoDTensors and per-sequence
-    arrays (``per_sequence(name, value)``) sliced, the rest whole."""
+def _split(feeds, batch_axis, start, stop):
+    """The feeds of sequences ``[start, stop)``: LoDTensors by their top-level
+    sequences, per-sequence arrays along ``batch_axis(name, value)``, the
+    rest (``None``) whole."""
     part = {}
     for name, value in feeds.items():
         if isinstance(value, LoDTensor):
             part[name] = value.select(np.arange(start, stop))
-        elif per_sequence(name, value):
-            part[name] = np.asarray(value)[start:stop]
-        else:
+            continue
+        axis = None if value is None else batch_axis(name, value)
+        if axis is None:
             part[name] = value
+        else:
+            index = [slice(None)] * np.ndim(value)
+            index[axis] = slice(start, stop)
+            part[name] = np.ascontiguousarray(np.asarray(value)[tuple(index)])
     return part
 
 
@@ -142,8 +147,9 @@ def _run_part(obj, kind, feeds, backend, output_all_steps):
 
 
 def _describe(obj, feeds):
-    """(kind, feeds, per_sequence(name, value)) for a step-net, a layer or a
-    YAML model."""
+    """(kind, feeds, batch_axis(name, value)) for a step-net, a layer or a
+    YAML model; ``batch_axis`` is the axis of a per-sequence array, or None
+    for a value every partition gets whole."""
     from .dsl import RNNOp
     from .nn.layers import _RecurrentLayer
     from .yaml.model import Model
@@ -153,29 +159,27 @@ def _describe(obj, feeds):
         feeds = {**{n: b.value for n, b in obj.bindings.items()}, **dict(feeds or {})}
         num_seq, _ = _num_sequences(feeds)
 
-        def per_sequence(name, value):
+        def batch_axis(name, value):
             b = obj.bindings.get(name)
             if b is None:
                 raise StepNetError(f"stepnet.distributed.run: {name!r} is not an input of "
                                    f"{obj.name}; its inputs are {sorted(obj.bindings)}")
             shape = np.shape(value)
-            if b.kind == "static":
-                return True
-            return b.kind == "init" and shape[:1] == (num_seq,) and (
-                tuple(shape[1:]) == tuple(b.memory_shape))
+            per_sequence = b.kind == "static" or (
+                b.kind == "init" and shape[:1] == (num_seq,)
+                and tuple(shape[1:]) == tuple(b.memory_shape))
+            return 0 if per_sequence else None
 
-        return "rnn", feeds, per_sequence
+        return "rnn", feeds, batch_axis
     if isinstance(obj, _RecurrentLayer):
         feeds = dict(feeds or {})
         if not isinstance(feeds.get("X"), LoDTensor):
             raise StepNetError("stepnet.distributed.run of a layer: feeds['X'] must be a LoDTensor")
-        for name in ("h0", "c0"):  # [L * D, B, H]: split along the batch axis
-            if feeds.get(name) is not None:
-                feeds[name] = np.moveaxis(np.asarray(feeds[name]), 1, 0)
-        return "layer", feeds, lambda name, value: name in ("h0", "c0")
+        # h0, c0 are [L * D, B, H]: split along their batch axis
+        return "layer", feeds, lambda name, value: 1 if name in ("h0", "c0") else None
     if isinstance(obj, Model):
         feeds = obj._check_feeds(dict(feeds or {}))
-        return "model", feeds, lambda name, value: not isinstance(value, LoDTensor)
+        return "model", feeds, lambda name, value: 0
     raise StepNetError(f"stepnet.distributed.run: expects a step-net, a stepnet.nn layer or a "
                        f"YAML model, got {type(obj).__name__}")
 
@@ -188,7 +192,7 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
     ``feeds``: a step-net's inputs by name (those not given: their bound values); a
     layer's ``{"X": LoDTensor, "h0": ..., "c0": ...}``; a YAML model's
     inputs. ``partitions``: how many pieces (default: one per worker)."""
-    kind, feeds, per_sequence = _describe(obj, feeds)  # bad input fails before any cluster starts
+    kind, feeds, batch_axis = _describe(obj, feeds)  # bad input fails before any cluster starts
     _, X = _num_sequences(feeds)
     own = client is None
     client = local_client() if own else client
@@ -197,31 +201,20 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
             partitions = max(1, len(client.scheduler_info()["workers"]))
         bounds = partition_bounds(tokens_per_sequence(X), partitions)
         if not bounds:  # no sequence at all: nothing to distribute
-            return _run_part(obj, kind, _layer_states_back(kind, feeds), backend, output_all_steps)
+            return _run_part(obj, kind, feeds, backend, output_all_steps)
         shared = client.scatter(obj, broadcast=True, hash=False)
         # Each partition's data travels inside its task: the scheduler keeps it,
         # so a task whose worker dies runs again elsewhere (data scattered to
         # that worker alone would be lost with it).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
-            futures = [client.submit(_run_part, shared, kind,
-                                     _layer_states_back(kind, _split(feeds, per_sequence, a, b)),
+            futures = [client.submit(_run_part, shared, kind, _split(feeds, batch_axis, a, b),
                                      backend, output_all_steps, pure=False)
                        for a, b in bounds]
             return _join_layer(kind, client.gather(futures))
     finally:
         if own:
             client.close()
-
-
-def _layer_states_back(kind, feeds):
-    if kind != "layer":
-        return feeds
-    feeds = dict(feeds)
-    for name in ("h0", "c0"):
-        if feeds.get(name) is not None:
-            feeds[name] = np.ascontiguousarray(np.moveaxis(feeds[name], 0, 1))
-    return feeds
 
 
 def _join_layer(kind, parts):

@@ -437,11 +437,12 @@ class LoDTensor:
         """A copy with data cast to ``dtype`` and the same LoD."""
         return LoDTensor(self._data.astype(dtype), self._levels)
 
-    def to_padded(self, pad_value=0):
+    def to_padded(self, pad_value=0, steps=None):
         """Pad the sequences of the last level into ``[B, T, ...]``.
 
         Returns ``(padded, lengths)``: ``B`` is the number of sequences of the
-        last level, ``T`` the longest of them (0 if there are none), and
+        last level, ``T`` the longest of them (0 if there are none) or
+        ``steps`` when given (at least the longest), and
         ``lengths`` an int64 array ``[B]``.  Positions past a sequence's end
         hold ``pad_value``.
 
@@ -454,7 +455,11 @@ class LoDTensor:
         offsets = self._levels[-1]
         lens = np.diff(offsets)
         batch = lens.size
-        steps = int(lens.max()) if batch else 0
+        longest = int(lens.max()) if batch else 0
+        if steps is None:
+            steps = longest
+        elif steps < longest:
+            raise LoDError(f"to_padded: steps={steps} is shorter than the longest sequence ({longest})")
         padded = np.full((batch, steps) + self.shape[1:], pad_value, dtype=self.dtype)
         rows = self.shape[0]
         seq = np.repeat(np.arange(batch), lens)

@@ -519,6 +519,9 @@ class _Run:
 
     def __init__(self, program, kernels, namespace):
         self.program, self.k, self.ns = program, kernels, namespace
+        # (kernel, width) of the stages before the loop and of those of each step
+        self.hoisted = [(namespace[n], w) for g, n, w in kernels.kernel_names if g == "hoisted"]
+        self.stepped = [(namespace[n], w) for g, n, w in kernels.kernel_names if g == "step"]
 
     def __call__(self, args, consts, scopes=None):
         if scopes is not None:
@@ -598,18 +601,15 @@ class _Run:
                 device[info.name] = _device(np.ravel(np.asarray(const_env[v_id], info.dtype)))
         arglist = [device[n] for n in k.arg_names()]
         ns = self.ns
-        kernels = {name: (group, width) for group, name, width in k.kernel_names}
-        for name, (group, width) in kernels.items():
-            if group == "hoisted":
-                _launch(ns[name], total * width, total, 0, *arglist)
+        for kernel, width in self.hoisted:
+            _launch(kernel, total * width, total, 0, *arglist)
         if steps and num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
             blocks = _persistent_blocks(num_seq * k.widest)
             ns["persistent"][blocks, THREADS](steps, _device(nbs), _device(offs), *arglist)
         else:
-            step_kernels = [(ns[n], w) for n, (g, w) in kernels.items() if g == "step"]
             for t in range(steps):
                 nb, off = int(nbs[t]), int(offs[t])
-                for kernel, width in step_kernels:
+                for kernel, width in self.stepped:
                     _launch(kernel, nb * width, nb, off, *arglist)
         results = []
         for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):

@@ -499,19 +499,28 @@ class _RecurrentLayer:
                 return ys[0].data + ys[1].data
             return np.concatenate([ys[0].data, ys[1].data], axis=1)
 
+        Y = self.stack(X, run_one, lambda ys: LoDTensor(combined(ys), X.levels))
+        return Y.data, states
+
+    def stack(self, X, run, combine):
+        """Run the stack on ``X``: ``run(layer, d, input)`` is one (layer,
+        direction) step-net, ``combine(outputs)`` joins the directions.
+        ``combine="per_layer"``: each layer reads the previous layer's combined
+        directions; ``"final"``: each direction's whole stack runs on its own
+        and only the tops are combined."""
+        L, D = self.num_layers, self.num_directions
         if self.combine == "per_layer" or D == 1:
             inp = X
             for layer in range(L):
-                ys = [run_one(layer, d, inp) for d in range(D)]
-                inp = LoDTensor(combined(ys), X.levels)
-            return inp.data, states
+                inp = combine([run(layer, d, inp) for d in range(D)])
+            return inp
         tops = []
         for d in range(D):
             inp = X
             for layer in range(L):
-                inp = run_one(layer, d, inp)
+                inp = run(layer, d, inp)
             tops.append(inp)
-        return combined(tops), states
+        return combine(tops)
 
     def state_widths(self):
         """The width of each recurrent state: ``(H,)``; LSTM ``(H or proj, H)``."""
@@ -562,13 +571,7 @@ class _RecurrentLayer:
         data = data.astype(back[2], copy=False)
         if back[0] == "lod":
             return LoDTensor(data, back[1])
-        T = back[1]
-        lengths = np.diff(np.asarray(flat.levels[0]))
-        out = np.zeros((len(lengths), T, data.shape[1]), data.dtype)
-        offsets = np.asarray(flat.levels[0])
-        for b, n in enumerate(lengths):
-            out[b, :n] = data[offsets[b]:offsets[b] + n]
-        return out
+        return LoDTensor(data, flat.levels).to_padded(steps=back[1])[0]
 
     def _forward(self, X, attention, initial, backend, keep_workspace=False):
         flat, back = self._check_input(X)

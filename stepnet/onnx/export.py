@@ -381,19 +381,7 @@ def _layer_scans(top, layer, X, lengths, attention, initial):
             return g.add("Add", ys, "y")
         return g.add("Concat", ys, "y", axis=-1)
 
-    if layer.combine == "per_layer" or D == 1:
-        inp = X
-        for index in range(L):
-            inp = combined([run(index, d, inp) for d in range(D)])
-        Y = inp
-    else:
-        tops = []
-        for d in range(D):
-            inp = X
-            for index in range(L):
-                inp = run(index, d, inp)
-            tops.append(inp)
-        Y = combined(tops)
+    Y = layer.stack(X, run, combined)
     states = [g.add("Concat", [g.add("Unsqueeze", [v, g.ints([0])]) for v in parts],
                     "final_state", axis=0) for parts in finals]
     return Y, states

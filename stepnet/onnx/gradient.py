@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import special
 
+from ..autodiff import sum_to_shape
 from .ops import OPS
 
 # ----------------------------------------------------------------------------
@@ -34,17 +35,6 @@ def _rule(*names):
     return register
 
 
-def unbroadcast(g, shape):
-    """Sum ``g`` down to ``shape`` (the adjoint of NumPy broadcasting)."""
-    g = np.asarray(g)
-    while g.ndim > len(shape):
-        g = g.sum(axis=0)
-    for axis, n in enumerate(shape):
-        if n == 1 and g.shape[axis] != 1:
-            g = g.sum(axis=axis, keepdims=True)
-    return g
-
-
 def _float(x) -> bool:
     return x is not None and np.asarray(x).dtype.kind == "f"
 
@@ -58,7 +48,7 @@ def _fit(gs, inputs):
             out.append(None)
         else:
             x = np.asarray(x)
-            out.append(unbroadcast(g, x.shape).astype(x.dtype, copy=False))
+            out.append(sum_to_shape(g, x.shape).astype(x.dtype, copy=False))
     return out
 
 

@@ -183,53 +183,49 @@ _variadic("Max", np.maximum, sn_ops.maximum)
 _variadic("Min", np.minimum, sn_ops.minimum)
 
 
-def _unary(name, np_fn, sn_fn, attrs=(), defaults=None):
+def _unary(name, fn, attrs=(), defaults=None, on_arrays=None):
+    """An elementwise op: ``fn`` traces on step values and computes its NumPy
+    reference on arrays (stepnet's ops do both); ``on_arrays`` replaces it on
+    arrays where NumPy has the exact function."""
     defaults = defaults or {}
 
     @op(name, attrs)
     def run(ctx, x, **kw):
         kw = {**defaults, **kw}
         if is_step(x):
-            return sn_fn(x, **kw)
+            return fn(x, **kw)
         x = np.asarray(x)
-        return np.asarray(np_fn(x, **kw), x.dtype)
+        return np.asarray((on_arrays or fn)(x, **kw), x.dtype)
 
 
-def _np(sn_fn):
-    """The NumPy reference of a stepnet composite: it computes eagerly on arrays."""
-    return lambda x, **kw: sn_fn(x, **kw)
-
-
-_unary("Neg", np.negative, sn_ops.neg)
-_unary("Abs", np.abs, sn_ops.abs)
-_unary("Exp", np.exp, sn_ops.exp)
-_unary("Log", np.log, sn_ops.log)
-_unary("Tanh", np.tanh, sn_ops.tanh)
-_unary("Sigmoid", _np(sn_ops.sigmoid), sn_ops.sigmoid)
-_unary("Relu", _np(sn_ops.relu), sn_ops.relu)
-_unary("Softplus", _np(sn_ops.softplus), sn_ops.softplus)
-_unary("Softsign", _np(sn_ops.softsign), sn_ops.softsign)
-_unary("Elu", _np(sn_ops.elu), sn_ops.elu, ["alpha"], {"alpha": 1.0})
-_unary("LeakyRelu", _np(sn_ops.leaky_relu), sn_ops.leaky_relu, ["alpha"], {"alpha": 0.01})
-_unary("ThresholdedRelu", _np(sn_ops.thresholded_relu), sn_ops.thresholded_relu, ["alpha"],
-       {"alpha": 1.0})
-_unary("HardSigmoid", _np(sn_ops.hard_sigmoid), sn_ops.hard_sigmoid, ["alpha", "beta"],
-       {"alpha": 0.2, "beta": 0.5})
+_unary("Neg", sn_ops.neg)
+_unary("Abs", sn_ops.abs)
+_unary("Exp", sn_ops.exp)
+_unary("Log", sn_ops.log)
+_unary("Tanh", sn_ops.tanh)
+_unary("Sigmoid", sn_ops.sigmoid)
+_unary("Relu", sn_ops.relu)
+_unary("Softplus", sn_ops.softplus)
+_unary("Softsign", sn_ops.softsign)
+_unary("Elu", sn_ops.elu, ["alpha"], {"alpha": 1.0})
+_unary("LeakyRelu", sn_ops.leaky_relu, ["alpha"], {"alpha": 0.01})
+_unary("ThresholdedRelu", sn_ops.thresholded_relu, ["alpha"], {"alpha": 1.0})
+_unary("HardSigmoid", sn_ops.hard_sigmoid, ["alpha", "beta"], {"alpha": 0.2, "beta": 0.5})
 
 
 def _selu(x, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
     return sn_ops.mul(sn_ops.elu(x, alpha=alpha), gamma)
 
 
-_unary("Selu", _np(_selu), _selu, ["alpha", "gamma"])
+_unary("Selu", _selu, ["alpha", "gamma"])
 
 
 def _sqrt(x):
     return sn_ops.exp(sn_ops.mul(sn_ops.log(x), 0.5))
 
 
-_unary("Sqrt", np.sqrt, _sqrt)
-_unary("Reciprocal", lambda x: 1 / x, lambda x: sn_ops.div(1.0, x))
+_unary("Sqrt", _sqrt, on_arrays=np.sqrt)
+_unary("Reciprocal", lambda x: sn_ops.div(1.0, x))
 
 
 @op("Identity")

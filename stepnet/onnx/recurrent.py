@@ -327,8 +327,9 @@ class ScanNode:
         if len(firsts) != 1 or None in firsts or len({x.shape[1] for x in steps}) != 1:
             return None
         (B,), T = firsts, steps[0].shape[1]
-        seqs = [LoDTensor(np.ascontiguousarray(x).reshape((B * T,) + x.shape[2:]),
-                          [[i * T for i in range(B + 1)]]) for x in steps]
+        offsets = np.arange(B + 1, dtype=np.int64) * T
+        seqs = [LoDTensor(np.ascontiguousarray(x).reshape((B * T,) + x.shape[2:]), [offsets])
+                for x in steps]
         identity = lambda a: a  # noqa: E731
         return _Layout("rows", seqs, list(states), T=T, B=B, final_out=identity,
                        final_in=identity, final_back=identity)
@@ -458,8 +459,4 @@ def _reverse_within(x, lengths):
 
 def _padded(y: LoDTensor, T):
     """All-steps rows back into ``[B, T, ...]``, zero past each length."""
-    offsets = np.asarray(y.levels[0])
-    out = np.zeros((len(offsets) - 1, T) + y.data.shape[1:], y.data.dtype)
-    for b in range(len(offsets) - 1):
-        out[b, :offsets[b + 1] - offsets[b]] = y.data[offsets[b]:offsets[b + 1]]
-    return out
+    return y.to_padded(steps=T)[0]
