@@ -577,3 +577,11 @@ def test_row_range_matches_nested_lists(t, data):
 
     assert list(range(lo, hi)) == flatten(groups[start:stop])
     assert lo == len(flatten(groups[:start]))
+
+
+def test_to_padded_to_a_given_number_of_steps():
+    t = LoDTensor(np.array([1, 2, 3]), [[0, 2, 3]])
+    padded, lengths = t.to_padded(steps=4)
+    assert padded.tolist() == [[1, 2, 0, 0], [3, 0, 0, 0]] and lengths.tolist() == [2, 1]
+    with pytest.raises(LoDError, match="steps=1 is shorter than the longest sequence"):
+        t.to_padded(steps=1)
