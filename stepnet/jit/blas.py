@@ -143,11 +143,8 @@ def _extern(symbol, argspec, returns_size=False, returns_int=False):
 
 # STEPNET_DETERMINISTIC=1: every product runs small_gemm without reassociation,
 # so each row's result is a fixed sequential sum, whatever the other rows of the
-# batch (a distributed run equals a single-process one bit for bit). Slower;
-# its helpers are compiled per process, not cached on disk.
+# batch (a distributed run equals a single-process one bit for bit). Slower.
 DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", "0")
-if DETERMINISTIC:
-    CACHE = False
 SMALL_GEMM_WORK = (1 << 62) if DETERMINISTIC else 2_000_000  # m*k*n at or below: small_gemm
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"reassoc", "contract", "nsz", "arcp"}
 

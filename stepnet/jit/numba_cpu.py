@@ -30,7 +30,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +37,7 @@ from .. import ir
 from ..errors import UnsupportedError
 from ..lod import LoDTensor
 from . import blas
+from .cache import cache_dir, helpers_fingerprint
 
 # ----------------------------------------------------------------------------
 # code generation
@@ -984,13 +984,6 @@ def _decorator(parallel):
 # compiling and running
 
 
-def cache_dir() -> Path:
-    path = os.environ.get("STEPNET_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "stepnet"
-    )
-    return Path(path)
-
-
 _MODULES = {}
 
 
@@ -1002,10 +995,9 @@ def generate_source(program: ir.Program) -> str:
 
 
 def _load(source: str):
-    # bounds-checked kernels (NUMBA_BOUNDSCHECK=1) are cached apart: Numba's
-    # own cache does not tell them from the fast ones
-    flags = f"boundscheck={not blas.CACHE}"
-    key = hashlib.sha256((source + flags).encode()).hexdigest()[:24]
+    # the key covers what a cached kernel embeds besides its own source: the
+    # helpers it calls and the settings they were built with (cache.py)
+    key = hashlib.sha256((source + helpers_fingerprint()).encode()).hexdigest()[:24]
     if key in _MODULES:
         return _MODULES[key]
     directory = cache_dir()

@@ -9,13 +9,13 @@ float64 uses libm (exact).
 """
 
 import numpy as np
-from numba import config as numba_config
 from numba import njit
 
-# Numba's on-disk cache does not tell code compiled with NUMBA_BOUNDSCHECK=1
-# from code compiled without: a bounds-checked run must not leave its slower
-# helpers in the package's cache for every later run.
-CACHE = not numba_config.BOUNDSCHECK
+from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
+
+# Cached on disk under STEPNET_CACHE_DIR, one folder per build (cache.py), so
+# bounds-checked or deterministic builds never mix with the fast ones.
+CACHE = True
 
 _F = np.float32
 _CLAMP = _F(7.90531110763549805)

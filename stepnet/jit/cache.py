@@ -1,0 +1,105 @@
+"""Where stepnet keeps what it compiles: one directory, ``STEPNET_CACHE_DIR``.
+
+Layout (default root: ``$XDG_CACHE_HOME/stepnet``, else ``~/.cache/stepnet``)::
+
+    STEPNET_CACHE_DIR/
+        stepnet_kernel_<hash>.py      generated kernels (numba_cpu), by a hash of their source
+        __pycache__/                  Numba's compiled code of those kernels
+        numba/<build>/jit/            Numba's compiled code of stepnet's own helpers
+                                      (numba_runtime, blas), one folder per build
+
+Nothing is written into the installed package: importing this module puts a
+Numba cache locator in front of Numba's own ones for source files inside the
+stepnet package (files elsewhere keep Numba's usual locators). A ``build``
+names what Numba's cache cannot see but the compiled helpers depend on
+(bounds checking, the thread count baked into the GEMM split, the BLAS choice,
+deterministic mode, Numba's version), so runs with different settings never
+load each other's code.
+
+Removing the directory, even while a process runs, costs a recompile and
+nothing else: Numba recreates a locator's directory before each save.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+from numba import config as numba_config
+from numba.core import caching
+
+_PACKAGE = Path(__file__).resolve().parent.parent  # the stepnet package directory
+# public names since Numba 0.61, private before
+_CACHE_IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+_USER_WIDE_LOCATOR = (getattr(caching, "UserWideCacheLocator", None)
+                      or caching._UserWideCacheLocator)
+
+
+def cache_dir() -> Path:
+    """The root of everything stepnet writes: ``STEPNET_CACHE_DIR`` or the
+    per-user cache directory."""
+    path = os.environ.get("STEPNET_CACHE_DIR")
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "stepnet")
+    return Path(path)
+
+
+def build_key() -> str:
+    """The settings baked into compiled helpers that Numba's cache does not key
+    by (see the module docstring)."""
+    settings = [
+        f"numba={numba.__version__}",
+        f"boundscheck={bool(numba_config.BOUNDSCHECK)}",
+        f"threads={int(numba_config.NUMBA_NUM_THREADS)}",
+        f"blas={os.environ.get('STEPNET_BLAS', '').strip().lower()}",
+        f"deterministic={os.environ.get('STEPNET_DETERMINISTIC', '').strip() not in ('', '0')}",
+    ]
+    return hashlib.sha256(";".join(settings).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def helpers_fingerprint() -> str:
+    """A hash of the helper sources the generated kernels call: a kernel cached
+    on disk embeds their compiled code, so a changed helper (a new stepnet)
+    must give the kernel a new key."""
+    digest = hashlib.sha256(build_key().encode())
+    for name in ("numba_runtime.py", "blas.py"):
+        digest.update((_PACKAGE / "jit" / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """Numba's cache of functions defined in stepnet's own source files, kept
+    under ``cache_dir()/numba/<build>/`` instead of the package's __pycache__."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        relative = Path(py_file).resolve().parent.relative_to(_PACKAGE)
+        self._cache_path = str(cache_dir() / "numba" / build_key() / relative)
+
+    def get_cache_path(self):
+        return self._cache_path
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        try:
+            Path(py_file).resolve().relative_to(_PACKAGE)
+        except ValueError:
+            return None  # not stepnet's: Numba's own locators decide
+        # an unwritable cache directory: Numba's per-user cache, never the package
+        return (super().from_function(py_func, py_file)
+                or _USER_WIDE_LOCATOR.from_function(py_func, py_file))
+
+
+def _install():
+    locators = _CACHE_IMPL._locator_classes
+    if _PackageCacheLocator not in locators:
+        locators.insert(0, _PackageCacheLocator)
+
+
+_install()

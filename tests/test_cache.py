@@ -1,0 +1,77 @@
+"""Everything stepnet compiles lands under STEPNET_CACHE_DIR, never in the package."""
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import stepnet as sn
+from stepnet.jit import cache
+
+_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, stepnet as sn
+    X = sn.LoDTensor.from_lengths(np.arange(10, dtype=np.float32).reshape(5, 2) / 10, [[3, 2]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[2], name="h")
+        h.update(sn.ops.tanh(x + h.pre_state()))
+        rnn.add_outputs(h)
+    compiled, reference = rnn(backend="numba"), rnn(backend="interpreter")
+    assert np.allclose(compiled.data, reference.data, atol=1e-6)
+    print("ran from", sn.__file__)
+    """
+)
+
+
+def _tree(root):
+    """Every file and folder below ``root`` with its size and modification time."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*")}
+
+
+def test_a_run_writes_only_under_the_cache_dir(tmp_path):
+    """A read-only copy of the package, an empty cache: the package stays as it
+    was, and the generated kernels and Numba's cache of stepnet's own helpers
+    are under STEPNET_CACHE_DIR (STEPNET_DEBUG=1 prints the generated source)."""
+    site = tmp_path / "site"
+    package = site / "stepnet"
+    shutil.copytree(Path(sn.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [package, *package.rglob("*")]:
+        path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+                   | (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH if path.is_dir() else 0))
+    before = _tree(package)
+    cache_root = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1",
+               STEPNET_CACHE_DIR=str(cache_root), STEPNET_DEBUG="1")
+    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                            text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"ran from {package / '__init__.py'}" in result.stdout
+    assert "def program(" in result.stderr
+    assert _tree(package) == before, "the run wrote into the package"
+    assert list(cache_root.glob("stepnet_kernel_*.py"))
+    assert list(cache_root.glob("__pycache__/stepnet_kernel_*.nbi"))
+    helper_index = list(cache_root.glob("numba/*/jit/numba_runtime.*.nbi"))
+    assert helper_index, sorted(str(p) for p in cache_root.rglob("*"))
+
+
+def test_build_settings_give_separate_helper_caches(monkeypatch):
+    plain = cache.build_key()
+    monkeypatch.setenv("STEPNET_DETERMINISTIC", "1")
+    assert cache.build_key() != plain
+    monkeypatch.setenv("STEPNET_DETERMINISTIC", "0")
+    assert cache.build_key() == plain
+
+
+def test_default_cache_dir_is_per_user(monkeypatch, tmp_path):
+    monkeypatch.delenv("STEPNET_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.cache_dir() == tmp_path / "stepnet"
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.cache_dir() == tmp_path / "mine"
