@@ -11,24 +11,30 @@
 Data files are ``.npz``: an input ``x`` with a LoD is the array ``x`` (its data
 rows) plus ``x.lod.0``, ``x.lod.1``, ... (offsets, coarsest level first) or
 ``x.lengths.0``, ...; a ``lod_level: 0`` input is the array alone. ``--output``
-writes the outputs the same way. With ``--cluster`` the batch is split by
-top-level sequences across Dask workers (docs/distributed.md); an ``--input``
-directory of ``.npz`` shards is read shard by shard by the workers, and
-``--output`` is then a directory of one output file per shard. See
-docs/yaml.md and docs/onnx-export.md.
+writes the outputs the same way. An ``--input`` directory of ``.npz`` shards
+is run one shard at a time (one in memory at once), and ``--output`` is then a
+directory of one output file per shard, named as the shard. With
+``--cluster`` the batch is split by top-level sequences across Dask workers
+(docs/distributed.md), and the workers read the shards of a directory
+themselves. See docs/yaml.md and docs/onnx-export.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import re
+import shutil
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
-from .errors import Error
+from .errors import Error, LoDError
 from .lod import LoDTensor
 
 
@@ -67,9 +73,10 @@ def _parser():
 
     def data_args(p):
         p.add_argument("--input", metavar="DATA.npz",
-                       help="input data (default: random data of the declared shapes and a random LoD)")
+                       help="input data (default: random data of the declared shapes and a random "
+                            "LoD); for run also a directory of .npz shards, run one at a time")
         p.add_argument("--backend", default=None,
-                       help="interpreter or numba (default: numba when available)")
+                       help=f"{_backend_names()} (default: numba when available)")
         p.add_argument("--sequences", type=int, default=4, metavar="N",
                        help="random data: number of top-level sequences (default 4)")
         p.add_argument("--max-length", type=int, default=6, metavar="L",
@@ -77,10 +84,13 @@ def _parser():
         p.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
 
     run = sub.add_parser("run", help="run a network and print a summary of its outputs",
-                         description="Run a YAML network once and print its outputs' shapes and LoD.")
+                         description="Run a YAML network once and print its outputs' shapes, LoD "
+                                     "and a summary of their values.")
     model_args(run)
     data_args(run)
-    run.add_argument("--output", "-o", metavar="OUT.npz", help="write the outputs to an .npz file")
+    run.add_argument("--output", "-o", metavar="OUT.npz",
+                     help="write the outputs to an .npz file (a directory of them for a directory "
+                          "of shards)")
     run.add_argument("--cluster", metavar="local:N|tcp://HOST:PORT",
                      help="run on Dask workers: a new local cluster of N processes, or a scheduler")
     run.add_argument("--partitions", type=int, default=None, metavar="P",
@@ -134,6 +144,8 @@ def cmd_run(args) -> int:
     backend = args.backend or default_backend()
     if args.cluster:
         return _run_on_cluster(model, args, backend)
+    if args.input and Path(args.input).is_dir():
+        return _run_shards(model, args, backend)
     feeds = _feeds(model, args)
     with Progress(enabled=not args.quiet) as progress:
         start = time.perf_counter()
@@ -150,7 +162,7 @@ def _report(args, feeds, outputs, time_line) -> int:
     print("inputs")
     _print_values(feeds)
     print("outputs")
-    _print_values(outputs)
+    _print_values(outputs, summary=True)
     print(f"time     {time_line}")
     if args.output:
         save_npz(args.output, outputs)
@@ -158,9 +170,53 @@ def _report(args, feeds, outputs, time_line) -> int:
     return 0
 
 
-def _run_on_cluster(model, args, backend) -> int:
-    from pathlib import Path
+def _run_shards(model, args, backend) -> int:
+    """Every ``.npz`` shard of the ``--input`` directory, one at a time in this
+    process: read it, run it, write its outputs (``--output DIR/<shard
+    name>``, as the workers of ``--cluster`` name them), let it go."""
+    from .distributed import shard_files, shard_output_path  # pure helpers: no Dask imported
 
+    files = shard_files(args.input)
+    out_dir = Path(args.output) if args.output else None
+    if out_dir is not None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise Error(f"--output {args.output!r} must be a directory for a directory of shards: "
+                        f"{exc.strerror or exc}") from None
+    print(f"model    {args.model} ({model.name})")
+    print(f"backend  {backend}, one shard at a time in this process")
+    warned = set()
+    total = 0
+    start = time.perf_counter()
+    with Progress(enabled=not args.quiet) as progress:
+        for i, path in enumerate(files, 1):
+            where = f"shard {i}/{len(files)} {path.name}: "
+            progress.stage(where + "reading", log=False)
+            feeds = load_npz(path, model, warn=lambda text: _warn_once(text, warned))
+            shard_start = time.perf_counter()
+            outputs = model(feeds, backend=backend,
+                            progress=lambda text, where=where: progress.stage(where + text))
+            shard_seconds = time.perf_counter() - shard_start
+            rows = _rows(feeds)
+            total += rows
+            line = f"shard    {path}: {rows} rows, {_seconds(shard_seconds)}"
+            if out_dir is not None:
+                target = shard_output_path(out_dir, path)
+                save_npz(target, outputs)
+                line += f" -> {target}"
+            progress.write(line)
+            del feeds, outputs  # one shard in memory at a time
+    seconds = time.perf_counter() - start
+    print(f"time     {_seconds(seconds)} for {len(files)} shard(s); {total / seconds:,.0f} rows/s")
+    if out_dir is not None:
+        print(f"wrote    {out_dir}/ (one .npz per shard)")
+    else:
+        print("wrote    nothing (give --output DIR to keep one .npz of outputs per shard)")
+    return 0
+
+
+def _run_on_cluster(model, args, backend) -> int:
     from . import distributed
 
     client = distributed.connect(args.cluster)
@@ -199,27 +255,39 @@ def cmd_bench(args) -> int:
     backend = args.backend or default_backend()
     times = []
     with Progress(enabled=not args.quiet) as progress:
-        progress.stage("first call (compiling)")
         start = time.perf_counter()
-        model(feeds, backend=backend)
+        model(feeds, backend=backend, progress=lambda text: progress.stage(f"first call: {text}"))
         first = time.perf_counter() - start
+        progress.stage(f"timing {args.repeat} runs")
         for i in range(args.repeat):
-            progress.stage(f"run {i + 1}/{args.repeat}")
+            where = f"timing run {i + 1}/{args.repeat}: "
             start = time.perf_counter()
-            model(feeds, backend=backend)
+            model(feeds, backend=backend,
+                  progress=lambda text, where=where: progress.stage(where + text, log=False))
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    rows = sum(v.shape[0] for v in feeds.values() if isinstance(v, LoDTensor))
+    rows = _rows(feeds)
     print(f"model    {args.model} ({model.name})")
     print(f"backend  {backend}")
     print("inputs")
     _print_values(feeds)
-    print(f"compile  {_seconds(max(first - median, 0.0))} (first call {_seconds(first)} minus the "
-          "median run; kernels cached on disk load faster than they compile)")
+    print(f"compile  {_compile_line(backend, first, median)}")
     print(f"run      median {_seconds(median)} over {args.repeat} runs "
           f"(min {_seconds(min(times))}, max {_seconds(max(times))}); "
           f"{rows / median:,.0f} rows/s")
     return 0
+
+
+def _compile_line(backend, first, median) -> str:
+    """What the first call's extra time says about compiling (never a negative figure)."""
+    if backend == "interpreter":
+        return f"none (the interpreter compiles nothing; first call {_seconds(first)})"
+    extra = first - median
+    if extra <= 0:
+        return (f"none measured (first call {_seconds(first)}, no slower than the median run: "
+                "the kernels were already compiled)")
+    return (f"{_seconds(extra)} (first call {_seconds(first)} minus the median run; kernels "
+            "cached on disk load faster than they compile)")
 
 
 def cmd_export(args) -> int:
@@ -267,41 +335,97 @@ def _load(args):
 
 def _feeds(model, args):
     if args.input:
-        return load_npz(args.input, model)
+        if Path(args.input).is_dir():
+            raise Error(f"--input {args.input!r} is a directory; `stepnet run` runs a directory of "
+                        f".npz shards, `stepnet {args.command}` reads one .npz file")
+        return load_npz(args.input, model, warn=_warn)
     if args.sequences < 1 or args.max_length < 1:
         raise Error("--sequences and --max-length must be at least 1")
     return model.random_feeds(seed=args.seed, num_sequences=args.sequences,
                               max_length=args.max_length)
 
 
-def load_npz(path, model):
-    """The model's inputs from an ``.npz`` file (see the module docstring)."""
+def _backend_names() -> str:
+    """stepnet's backends as a phrase: ``"interpreter, numba or cuda"``."""
+    from .backends import _BACKEND_MODULES
+
+    names = list(_BACKEND_MODULES)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _warn(text):
+    print(f"stepnet: warning: {text}", file=sys.stderr)
+
+
+def _warn_once(text, seen):
+    if text not in seen:
+        seen.add(text)
+        _warn(text)
+
+
+def _rows(feeds) -> int:
+    """Data rows of the LoD inputs (tokens)."""
+    return sum(v.data.shape[0] for v in feeds.values() if isinstance(v, LoDTensor))
+
+
+def load_npz(path, model, warn=None):
+    """The model's inputs from an ``.npz`` file (see the module docstring).
+
+    ``warn(text)``, if given, is told which arrays of the file the model does
+    not read (``x.lod.K`` and ``x.lengths.K`` of an input ``x`` with K below
+    its ``lod_level`` count as read)."""
     try:
         with np.load(path) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except (OSError, ValueError) as exc:
-        raise Error(f"cannot read input data {path!r}: {exc}") from None
+        raise Error(f"cannot read input data {str(path)!r}: {exc}") from None
     feeds = {}
+    read = set()
     for name, spec in model.inputs.items():
         if name not in arrays:
             raise Error(f"{path}: no array {name!r} for input {name!r} "
                         f"(it has {', '.join(sorted(arrays)) or 'nothing'})")
+        read.add(name)
         data = arrays[name]
         if spec.lod_level == 0:
             feeds[name] = data
             continue
         offsets = [arrays.get(f"{name}.lod.{k}") for k in range(spec.lod_level)]
         lengths = [arrays.get(f"{name}.lengths.{k}") for k in range(spec.lod_level)]
-        if all(o is not None for o in offsets):
-            feeds[name] = LoDTensor(data, offsets)
-        elif all(n is not None for n in lengths):
-            feeds[name] = LoDTensor.from_lengths(data, lengths)
-        else:
-            raise Error(f"{path}: input {name!r} has lod_level {spec.lod_level}; give its LoD as "
-                        + ", ".join(f"{name}.lod.{k}" for k in range(spec.lod_level))
-                        + " (offsets) or as " + ", ".join(f"{name}.lengths.{k}" for k in
-                                                          range(spec.lod_level)))
+        read.update(f"{name}.{kind}.{k}" for kind in ("lod", "lengths") for k in range(spec.lod_level))
+        try:
+            if all(o is not None for o in offsets):
+                feeds[name] = LoDTensor(data, offsets)
+            elif all(n is not None for n in lengths):
+                feeds[name] = LoDTensor.from_lengths(data, lengths)
+            else:
+                raise Error(f"{path}: input {name!r} has lod_level {spec.lod_level}; give its LoD "
+                            "as " + ", ".join(f"{name}.lod.{k}" for k in range(spec.lod_level))
+                            + " (offsets) or as " + ", ".join(f"{name}.lengths.{k}" for k in
+                                                              range(spec.lod_level)))
+        except LoDError as exc:
+            kind = "lod" if all(o is not None for o in offsets) else "lengths"
+            raise LoDError(_lod_error(path, name, kind, spec.lod_level, str(exc))) from None
+    unread = sorted(set(arrays) - read)
+    if unread and warn is not None:
+        warn(f"{path}: the model does not read array(s) {', '.join(unread)} "
+             f"(its inputs: {', '.join(model.inputs)})")
     return feeds
+
+
+def _lod_error(path, name, kind, num_levels, message) -> str:
+    """A LoDError of input ``name`` read from ``path`` in the file's terms: the
+    array at fault (``x.lengths.0``), which level that is, and ``'x'`` for the
+    data."""
+    match = re.match(r"^(?:lod|lengths) level (\d+)(?: \([^)]*\))?(.*)$", message, re.S)
+    if match is None:
+        return f"{path}: input {name!r}: {message}"
+    k, rest = int(match.group(1)), match.group(2)
+    which = ("the only level" if num_levels == 1 else "the coarsest" if k == 0
+             else "the finest" if k == num_levels - 1 else None)
+    rest = rest.replace("the data has", f"{name!r} has")
+    rest = re.sub(r"\blevel (\d+) has", lambda m: f"{name}.{kind}.{m.group(1)} has", rest)
+    return f"{path}: input {name!r}: {name}.{kind}.{k} (level {k}{', ' + which if which else ''}){rest}"
 
 
 def save_npz(path, values):
@@ -332,15 +456,51 @@ def _print_model(model):
         print(f"  {name}")
 
 
-def _print_values(values):
+def _print_values(values, summary=False):
     width = max((len(n) for n in values), default=0)
     for name, value in values.items():
         if isinstance(value, LoDTensor):
             print(f"  {name:<{width}}  LoDTensor {value.dtype} {list(value.shape)}  "
                   f"lod {_short_lod(value.lod)}")
+            data = value.data
         else:
-            value = np.asarray(value)
-            print(f"  {name:<{width}}  ndarray   {value.dtype} {list(value.shape)}")
+            data = np.asarray(value)
+            print(f"  {name:<{width}}  ndarray   {data.dtype} {list(data.shape)}")
+        if summary:
+            print(f"  {'':<{width}}  {_value_summary(data)}")
+
+
+def _value_summary(data, first=4) -> str:
+    """min / mean / max of the finite values, NaN and inf counted, and the first
+    few values in row-major order."""
+    flat = np.asarray(data).ravel()
+    if flat.size == 0:
+        return "no values"
+    if flat.dtype.kind == "b":
+        flat = flat.astype(np.int8)
+    parts = []
+    finite = flat
+    if flat.dtype.kind in "fc":
+        is_finite = np.isfinite(flat)
+        finite = flat[is_finite]
+        nan = int(np.isnan(flat).sum())
+        inf = int(flat.size - is_finite.sum()) - nan
+    else:
+        nan = inf = 0
+    if finite.size:
+        parts.append(f"min {_number(finite.min())}  mean {_number(finite.mean(dtype=np.float64))}  "
+                     f"max {_number(finite.max())}")
+    if nan:
+        parts.append(f"{nan} NaN")
+    if inf:
+        parts.append(f"{inf} inf")
+    head = ", ".join(_number(x) for x in flat[:first]) + (", ..." if flat.size > first else "")
+    parts.append(f"first [{head}]")
+    return "  ".join(parts)
+
+
+def _number(x) -> str:
+    return f"{x.item() if isinstance(x, np.generic) else x:.4g}"
 
 
 def _short_lod(lod, limit=10):
@@ -361,59 +521,107 @@ def _seconds(s) -> str:
 
 
 class Progress:
-    """A one-line progress indication on stderr for work that takes more than
-    ``delay`` seconds: the current stage and the time so far. On a terminal the
-    line is redrawn in place and erased at the end; elsewhere each stage is
-    printed once."""
+    """What the command is doing, on stderr, while it works.
 
-    def __init__(self, enabled=True, delay=1.0, stream=None, interval=0.2):
+    ``stage(text)`` names the work under way (``"compiling net 'enc' (1/2)"``).
+    On a terminal one live line shows it with the time so far, e.g.
+    ``stepnet: compiling net 'enc' (1/2) ... 3.4 s``: a tqdm bar of text only,
+    redrawn every ``interval`` seconds by a daemon thread (a compile holds the
+    main thread for many seconds, mostly in Numba and LLVM, which let that
+    thread run), shown once the work has taken ``delay`` seconds and erased at
+    the end. Elsewhere (a file, a pipe, a CI log) each stage is one plain line
+    with the time it started, and the end one more. ``enabled=False``
+    (``--quiet``) prints nothing.
+
+    >>> with Progress() as progress:                        # doctest: +SKIP
+    ...     progress.stage("compiling net 'gru' (1/1)")
+    """
+
+    def __init__(self, enabled=True, stream=None, interval=0.25, delay=0.5):
         self.enabled = enabled
-        self.delay = delay
         self.stream = stream if stream is not None else sys.stderr
         self.interval = interval
+        self.delay = delay
         self.text = "starting"
         self._start = None
         self._stop = threading.Event()
         self._thread = None
-        self._shown = None
-        self._width = 0
+        self._bar = None
+        self._logged = None
 
-    def stage(self, text):
+    def stage(self, text, log=True):
+        """The work now under way; ``log=False`` shows it on a terminal only
+        (no plain line: for the many repeats of one logged stage)."""
         self.text = text
+        if self.enabled and log and not self._tty() and self._start is not None:
+            if text != self._logged:
+                self._line(f"stepnet: {text} (at {self._elapsed():.1f} s)")
+                self._logged = text
+
+    def write(self, line):
+        """Print ``line`` on stdout without tearing the live line."""
+        if self._bar is not None:
+            from tqdm import tqdm
+
+            self._bar.set_description_str(self._live_text(), refresh=False)  # redrawn below it
+            tqdm.write(line, file=sys.stdout)
+        else:
+            print(line)
 
     def __enter__(self):
         self._start = time.perf_counter()
-        if self.enabled:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
+        if self.enabled and self._tty():
+            self._thread = threading.Thread(target=self._loop, name="stepnet-progress", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, exc, tb):
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            if self._shown is not None and self._tty():
-                self.stream.write("\r" + " " * self._width + "\r")
-                self.stream.flush()
+            if self._bar is not None:
+                self._bar.close()  # leave=False: the line is erased
+        elif self.enabled and self._logged is not None and kind is None:
+            self._line(f"stepnet: done (at {self._elapsed():.1f} s)")
         return False
 
+    def _elapsed(self):
+        return time.perf_counter() - self._start
+
     def _tty(self):
-        return getattr(self.stream, "isatty", lambda: False)()
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    def _line(self, text):
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def _loop(self):
         while not self._stop.wait(self.interval):
-            elapsed = time.perf_counter() - self._start
+            elapsed = self._elapsed()
             if elapsed < self.delay:
                 continue
-            if self._tty():
-                line = f"stepnet: {self.text} ... {elapsed:.1f} s"
-                self.stream.write("\r" + line.ljust(self._width))
-                self._width = max(self._width, len(line))
-                self._shown = self.text
-            elif self._shown != self.text:
-                self.stream.write(f"stepnet: {self.text} ... ({elapsed:.1f} s so far)\n")
-                self._shown = self.text
-            self.stream.flush()
+            width = self._width()
+            if self._bar is None:
+                from tqdm import tqdm
+
+                # the size is ours to give: a terminal that reports 0 x 0 (a
+                # pseudo-terminal of `script`) would make tqdm print nothing
+                self._bar = tqdm(file=self.stream, bar_format="{desc}", leave=False,
+                                 ncols=width, nrows=24)
+            self._bar.ncols = width  # follows a resized terminal
+            self._bar.set_description_str(self._live_text())
+
+    def _live_text(self):
+        return f"stepnet: {self.text} ... {self._elapsed():.1f} s"
+
+    def _width(self) -> int:
+        """The terminal's width (``COLUMNS`` or 80 where it reports none)."""
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            columns = 0
+        return columns if columns > 0 else shutil.get_terminal_size((80, 24)).columns
 
 
 if __name__ == "__main__":

@@ -281,6 +281,11 @@ def shard_files(directory) -> list:
     return files
 
 
+def shard_output_path(out_dir, shard) -> Path:
+    """Where the outputs of ``shard`` go: ``out_dir/<shard name>``."""
+    return Path(out_dir) / Path(shard).name
+
+
 def _run_shard(model, path, out_dir, backend):
     from .cli import load_npz, save_npz
 
@@ -288,7 +293,7 @@ def _run_shard(model, path, out_dir, backend):
     outputs = model(feeds, backend=backend)
     tokens = sum(v.data.shape[0] for v in feeds.values() if isinstance(v, LoDTensor))
     if out_dir is not None:
-        save_npz(Path(out_dir) / Path(path).name, outputs)
+        save_npz(shard_output_path(out_dir, path), outputs)
         return path, tokens, None
     return path, tokens, outputs
 

@@ -518,7 +518,11 @@ class RNNOp:
                     f"{list(b.var.shape[1:])}"
                 )
             if compute_dtype(X.dtype, f"input {name}") != b.var.dtype:
-                raise ShapeError(f"input {name}: rebound with dtype {X.dtype}, defined as {b.var.dtype}")
+                raise ShapeError(
+                    f"input {name}: rebound with dtype {X.dtype}, defined as {b.var.dtype}; cast "
+                    f"the array ({name}.astype(np.{b.var.dtype})) or define the net in "
+                    f"{compute_dtype(X.dtype, f'input {name}')}"
+                )
             if first is None:
                 first, num_seq = name, X.num_sequences
             elif not _same_offsets(values[first], X, 1):

@@ -100,6 +100,11 @@ def _int_array(values, where, item, noun, scalar_hint=""):
     return np.array([int(x) for x in values], dtype=np.int64)
 
 
+def _finest(k):
+    """How an error names level ``k``, the finest of a LoD (it counts data rows)."""
+    return "the only level" if k == 0 else "the finest"
+
+
 def _as_levels(levels, what):
     """Turn a ``lod`` or ``lengths`` argument into a list of its levels."""
     if levels is None:
@@ -257,14 +262,14 @@ class LoDTensor:
         for k in range(len(levels) - 1):
             last, entries = int(levels[k][-1]), len(levels[k + 1]) - 1
             if last != entries:
-                raise LoDError(f"lod level {k}: last offset {last} must equal the number "
-                               f"of entries of level {k + 1} ({entries})")
+                raise LoDError(f"lod level {k}: offsets end at {last} but level {k + 1} has "
+                               f"{entries} entries")
         if levels:
             k = len(levels) - 1
             last, rows = int(levels[k][-1]), data.shape[0]
             if last != rows:
-                raise LoDError(f"last lod level {k}: last offset {last} must equal "
-                               f"data rows ({rows})")
+                raise LoDError(f"lod level {k} ({_finest(k)}): offsets end at {last} but the "
+                               f"data has {rows} rows")
 
         self._data = data
         self._levels = tuple(_frozen(offsets) for offsets in levels)
@@ -300,14 +305,14 @@ class LoDTensor:
         for k in range(len(levels) - 1):
             total, entries = int(levels[k].sum()), len(levels[k + 1])
             if total != entries:
-                raise LoDError(f"lengths level {k}: sum {total} must equal the number "
-                               f"of entries of level {k + 1} ({entries})")
+                raise LoDError(f"lengths level {k}: lengths sum to {total} but level {k + 1} "
+                               f"has {entries} entries")
         if levels and data.ndim >= 1:
             k = len(levels) - 1
             total, rows = int(levels[k].sum()), data.shape[0]
             if total != rows:
-                raise LoDError(f"last lengths level {k}: sum {total} must equal "
-                               f"data rows ({rows})")
+                raise LoDError(f"lengths level {k} ({_finest(k)}): lengths sum to {total} but "
+                               f"the data has {rows} rows")
         return cls(data, [offsets_from_lengths(lens) for lens in levels])
 
     @classmethod

@@ -118,8 +118,21 @@ def test_check_prints_the_ir():
 def test_bench_reports_compile_and_median():
     out = ok(stepnet("bench", EXAMPLES / "custom_cell.yaml", "--backend", "interpreter",
                      "--repeat", 3, "-q"))
-    assert re.search(r"^compile +[\d.]+ (s|ms|us) \(first call", out, re.M)
+    # the interpreter compiles nothing: no compile figure, no note about kernel caches
+    assert re.search(r"^compile +none \(the interpreter compiles nothing; first call [\d.]+ "
+                     r"(s|ms|us)\)$", out, re.M), out
+    assert "kernels" not in out
     assert re.search(r"^run +median [\d.]+ (s|ms|us) over 3 runs", out, re.M)
+
+
+def test_bench_compile_line_is_never_a_clamped_negative_figure():
+    from stepnet.cli import _compile_line
+
+    line = _compile_line("numba", first=0.001, median=0.002)
+    assert line.startswith("none measured (first call 1.00 ms, no slower than the median run")
+    assert "0.0 us" not in line and not re.search(r"^-?[\d.]+ ", line)
+    assert _compile_line("numba", first=2.5, median=0.5).startswith("2.00 s (first call 2.50 s ")
+    assert _compile_line("interpreter", first=0.5, median=0.1).startswith("none (the interpreter")
 
 
 def test_errors_exit_1_with_file_line_and_key(tmp_path):
@@ -135,6 +148,17 @@ def test_errors_exit_1_with_file_line_and_key(tmp_path):
     assert proc.returncode == 1 and "unknown backend 'cuda9'" in proc.stderr
 
 
+def test_backend_help_lists_stepnets_own_backends():
+    from stepnet.backends import _BACKEND_MODULES
+
+    names = list(_BACKEND_MODULES)
+    assert "cuda" in names
+    phrase = ", ".join(names[:-1]) + " or " + names[-1]  # "interpreter, numba or cuda"
+    for command in ("run", "bench"):
+        out = " ".join(ok(stepnet(command, "--help")).split())  # argparse wraps lines
+        assert f"--backend BACKEND {phrase} (default" in out, out
+
+
 def test_installed_script_and_numba_run_with_progress(tmp_path):
     """The default backend (numba) compiling into an empty cache takes over a
     second: the progress line shows on stderr, and --quiet hides it."""
@@ -145,7 +169,10 @@ def test_installed_script_and_numba_run_with_progress(tmp_path):
                           text=True, cwd=tmp_path, env=env, timeout=300, check=False)
     ok(proc)
     assert "backend  numba" in proc.stdout
-    assert "stepnet: net 1/1 gru" in proc.stderr, proc.stderr
+    # not a terminal: plain lines, the compile named before it starts
+    assert re.search(r"^stepnet: compiling net 'gru' \(1/1\) \(at [\d.]+ s\)$", proc.stderr,
+                     re.M), proc.stderr
+    assert re.search(r"^stepnet: done \(at [\d.]+ s\)$", proc.stderr, re.M), proc.stderr
 
 
 @pytest.mark.slow
@@ -158,24 +185,241 @@ def test_quiet_hides_progress_on_a_long_run(tmp_path):
         pytest.skip("the run took under a second: no progress line to hide")
 
 
-def test_progress_line():
-    stream = io.StringIO()
-    with Progress(delay=0.0, stream=stream, interval=0.01) as progress:
-        progress.stage("compiling")
-        time.sleep(0.1)
-        progress.stage("running")
-        time.sleep(0.1)
+class FakeTTY(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_updates_during_a_slow_stage():
+    """The live line is redrawn while the main thread is busy (as in a compile),
+    with the stage and the time so far, and erased at the end."""
+    stream = FakeTTY()
+    with Progress(stream=stream, interval=0.05, delay=0.0) as progress:
+        progress.stage("compiling net 'enc' (1/2)")
+        time.sleep(0.6)  # one slow stage, no stage() calls
+        progress.stage("running net 'dec' (2/2)")
+        time.sleep(0.3)
     text = stream.getvalue()
-    assert "stepnet: compiling ..." in text and "stepnet: running ..." in text
-    assert text.count("compiling") == 1  # not a terminal: each stage once
-    stream = io.StringIO()
-    with Progress(enabled=False, delay=0.0, stream=stream, interval=0.01):
-        time.sleep(0.05)
+    times = [float(t) for t in re.findall(r"stepnet: compiling net 'enc' \(1/2\) \.\.\. ([\d.]+) s",
+                                          text)]
+    assert len(times) >= 3, text  # updated more than once during the stage
+    assert times == sorted(times) and times[-1] > times[0]
+    assert "stepnet: running net 'dec' (2/2) ... " in text
+    assert "\n" not in text  # one line, redrawn in place
+    assert text.endswith("\r") and text.rstrip("\r").split("\r")[-1].strip() == ""  # erased
+
+
+def test_progress_on_a_terminal_waits_for_delay_and_quiet_prints_nothing():
+    stream = FakeTTY()
+    with Progress(stream=stream, interval=0.01, delay=5.0) as progress:  # a short run
+        progress.stage("running net 'a' (1/1)")
+        time.sleep(0.1)
     assert stream.getvalue() == ""
+    for stream in (FakeTTY(), io.StringIO()):
+        with Progress(enabled=False, stream=stream, interval=0.01, delay=0.0) as progress:
+            progress.stage("compiling net 'a' (1/1)")
+            time.sleep(0.05)
+        assert stream.getvalue() == ""
+
+
+def test_progress_elsewhere_prints_one_plain_line_per_stage():
     stream = io.StringIO()
-    with Progress(delay=5.0, stream=stream, interval=0.01):  # a short run shows nothing
+    with Progress(stream=stream, interval=0.01, delay=0.0) as progress:
+        progress.stage("compiling net 'enc' (1/2)")
         time.sleep(0.05)
-    assert stream.getvalue() == ""
+        progress.stage("compiling net 'enc' (1/2)")  # the same stage again: no new line
+        progress.stage("timing run 1/3", log=False)  # terminal only
+        progress.stage("running net 'dec' (2/2)")
+    lines = stream.getvalue().splitlines()
+    assert [re.sub(r" \(at [\d.]+ s\)$", "", line) for line in lines] == [
+        "stepnet: compiling net 'enc' (1/2)", "stepnet: running net 'dec' (2/2)", "stepnet: done"]
+    assert float(re.search(r"at ([\d.]+) s", lines[1]).group(1)) >= 0.05
+
+
+TWO_STAGE_YAML = """
+name: tagger
+inputs:
+  words: {shape: [6], lod_level: 1}
+layers:
+  encoder: {type: gru, input: words, hidden_size: 5}
+nets:
+  head:
+    inputs: {y: encoder.all}
+    memories: {h: {shape: [5]}}
+    step: ['h = tanh(y + h.pre)']
+    outputs: [h]
+outputs:
+  states: head.all
+"""
+
+
+def test_run_not_on_a_terminal_prints_the_stages_naming_each_net(tmp_path):
+    path = tmp_path / "tagger.yaml"
+    path.write_text(TWO_STAGE_YAML)
+    proc = stepnet("run", path, "--backend", "interpreter")
+    ok(proc)
+    stages = [re.sub(r" \(at [\d.]+ s\)$", "", line) for line in proc.stderr.splitlines()]
+    # the interpreter compiles nothing: every stage is "running"
+    assert stages == ["stepnet: running layer 'encoder' (1/2)", "stepnet: running net 'head' (2/2)",
+                      "stepnet: done"], proc.stderr
+    quiet = stepnet("run", path, "--backend", "interpreter", "--quiet")
+    assert ok(quiet) == proc.stdout.replace(re.search(r"time .*", proc.stdout).group(0),
+                                            re.search(r"time .*", quiet.stdout).group(0))
+    assert quiet.stderr == ""
+
+
+def test_bench_not_on_a_terminal_prints_the_first_call_and_the_timing():
+    proc = stepnet("bench", EXAMPLES / "custom_cell.yaml", "--backend", "interpreter", "--repeat", 4)
+    ok(proc)
+    stages = [re.sub(r" \(at [\d.]+ s\)$", "", line) for line in proc.stderr.splitlines()]
+    assert stages == ["stepnet: first call: running net 'mgu' (1/1)", "stepnet: timing 4 runs",
+                      "stepnet: done"], proc.stderr
+    assert stepnet("bench", EXAMPLES / "custom_cell.yaml", "--backend", "interpreter", "--repeat",
+                   2, "-q").stderr == ""
+
+
+def test_model_reports_compiling_before_a_first_compile_and_running_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tagger.yaml"
+    path.write_text(TWO_STAGE_YAML.replace("type: gru", "type: rnn"))
+    model = sn.load_yaml(path)
+    feeds = model.random_feeds(seed=0)
+    stages = []
+    first = model(feeds, backend="numba", progress=stages.append)
+    model(model.random_feeds(seed=1, num_sequences=2), backend="numba", progress=stages.append)
+    assert stages == ["compiling layer 'encoder' (1/2)", "compiling net 'head' (2/2)",
+                      "running layer 'encoder' (1/2)", "running net 'head' (2/2)"]
+    stages.clear()
+    model(feeds, backend="interpreter", progress=stages.append)
+    assert stages == ["running layer 'encoder' (1/2)", "running net 'head' (2/2)"]
+    assert_close(first["states"].data, model(feeds, backend="interpreter")["states"].data)
+
+
+# ----------------------------------------------------------------------------
+# what a newcomer reads
+
+
+def test_run_prints_a_summary_of_each_outputs_values(tmp_path):
+    out = ok(stepnet("run", EXAMPLES / "custom_cell.yaml", "--backend", "interpreter", "-q",
+                     "--output", tmp_path / "out.npz"))
+    lines = out.splitlines()
+    with np.load(tmp_path / "out.npz") as npz:
+        for name in ("states", "final"):
+            i = next(i for i, line in enumerate(lines) if line.strip().startswith(name + " "))
+            values = npz[name].ravel()
+            summary = lines[i + 1].split()
+            assert summary[:6] == ["min", f"{values.min():.4g}", "mean", f"{values.mean():.4g}",
+                                   "max", f"{values.max():.4g}"], lines[i + 1]
+            assert f"first [{values[0]:.4g}, {values[1]:.4g}, " in lines[i + 1]
+            assert "NaN" not in lines[i + 1] and "inf" not in lines[i + 1]
+
+
+def test_value_summary_counts_nan_and_inf():
+    from stepnet.cli import _value_summary
+
+    text = _value_summary(np.array([1.0, np.nan, np.inf, -np.inf, 3.0, 2.0], np.float32))
+    assert text == "min 1  mean 2  max 3  1 NaN  2 inf  first [1, nan, inf, -inf, ...]"
+    assert _value_summary(np.zeros((0, 4))) == "no values"
+    assert _value_summary(np.array([np.nan])) == "1 NaN  first [nan]"
+
+
+def test_input_lod_errors_name_the_file_the_array_and_the_level(tmp_path):
+    path = tmp_path / "data.npz"
+    np.savez(path, x=np.zeros((10, 24), np.float32), **{"x.lengths.0": np.array([4, 5])})
+    proc = stepnet("run", EXAMPLES / "custom_cell.yaml", "--input", path, "--backend", "interpreter")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().endswith(
+        "data.npz: input 'x': x.lengths.0 (level 0, the only level): lengths sum to 9 but 'x' "
+        "has 10 rows"), proc.stderr
+    model = sn.load_yaml(EXAMPLES / "hierarchical.yaml")
+    init = np.zeros((2, 8), np.float32)
+    np.savez(path, chapters=np.zeros((10, 16), np.float32), chapter_init=init,
+             **{"chapters.lod.0": np.array([0, 1, 3]), "chapters.lod.1": np.array([0, 4, 9, 11])})
+    with pytest.raises(sn.LoDError) as info:
+        load_npz(path, model)
+    assert str(info.value) == (f"{path}: input 'chapters': chapters.lod.1 (level 1, the finest): "
+                               "offsets end at 11 but 'chapters' has 10 rows")
+    np.savez(path, chapters=np.zeros((10, 16), np.float32), chapter_init=init,
+             **{"chapters.lengths.0": np.array([1, 3]), "chapters.lengths.1": np.array([4, 5, 1])})
+    with pytest.raises(sn.LoDError, match=r"input 'chapters': chapters\.lengths\.0 \(level 0, the "
+                                          r"coarsest\): lengths sum to 4 but chapters\.lengths\.1 "
+                                          r"has 3 entries$"):
+        load_npz(path, model)
+
+
+def test_arrays_the_model_does_not_read_are_warned_about(tmp_path):
+    model = sn.load_yaml(EXAMPLES / "custom_cell.yaml")
+    X = model.random_feeds(seed=0)["x"]
+    path = tmp_path / "data.npz"
+    np.savez(path, x=X.data, typo=np.ones(3), **{"x.lod.0": np.asarray(X.lod[0]),
+                                                 "x.lengths.0": np.asarray(X.lengths[0]),
+                                                 "x.lod.1": np.array([0])})
+    warnings = []
+    feeds = load_npz(path, model, warn=warnings.append)
+    assert feeds["x"].lod == X.lod
+    # x.lod.0 and x.lengths.0 are x's LoD (read); x has one level, so x.lod.1 is not read
+    assert warnings == [f"{path}: the model does not read array(s) typo, x.lod.1 (its inputs: x)"]
+    proc = stepnet("run", EXAMPLES / "custom_cell.yaml", "--input", path, "--backend",
+                   "interpreter", "-q")
+    ok(proc)
+    assert proc.stderr == f"stepnet: warning: {warnings[0]}\n"
+    np.savez(path, x=X.data, **{"x.lod.0": np.asarray(X.lod[0])})
+    assert stepnet("run", EXAMPLES / "custom_cell.yaml", "--input", path, "--backend",
+                   "interpreter", "-q").stderr == ""
+
+
+def test_run_a_directory_of_shards_locally_one_at_a_time(tmp_path):
+    model = sn.load_yaml(EXAMPLES / "custom_cell.yaml")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    expected = {}
+    for k in range(3):
+        feeds = model.random_feeds(seed=k, num_sequences=2 + k)
+        save_npz(shards / f"part{k}.npz", feeds)
+        expected[f"part{k}.npz"] = (model(feeds, backend="interpreter"), feeds["x"].data.shape[0])
+    # in-process, to see that Dask is never imported on this path
+    code = ("import sys; from stepnet.cli import main; "
+            f"rc = main(['run', {str(EXAMPLES / 'custom_cell.yaml')!r}, '--input', {str(shards)!r}, "
+            f"'--output', {str(tmp_path / 'out')!r}, '--backend', 'interpreter', '-q']); "
+            "assert not any(m.split('.')[0] in ('dask', 'distributed') for m in sys.modules), "
+            "'dask imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, check=False)
+    out = ok(proc)
+    assert "Is a directory" not in proc.stderr
+    shard_lines = [line for line in out.splitlines() if line.startswith("shard ")]
+    assert len(shard_lines) == 3, out
+    for line, (name, (outputs, rows)) in zip(shard_lines, sorted(expected.items())):
+        assert line.startswith(f"shard    {shards / name}: {rows} rows, "), line
+        assert line.endswith(f" -> {tmp_path / 'out' / name}"), line
+        with np.load(tmp_path / "out" / name) as npz:  # named as the --cluster path names them
+            assert np.array_equal(npz["final"], outputs["final"])
+            assert np.array_equal(npz["states"], outputs["states"].data)
+            assert npz["states.lod.0"].tolist() == outputs["states"].lod[0]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(expected)
+    # without --output: run and say so
+    out = ok(stepnet("run", EXAMPLES / "custom_cell.yaml", "--input", shards, "--backend",
+                     "interpreter", "-q"))
+    assert len([line for line in out.splitlines() if line.startswith("shard ")]) == 3
+    assert "give --output DIR" in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = stepnet("run", EXAMPLES / "custom_cell.yaml", "--input", empty)
+    assert proc.returncode == 1 and "no .npz shards" in proc.stderr
+
+
+def test_shard_output_naming_is_shared_with_the_cluster_path(tmp_path):
+    from stepnet import distributed
+
+    assert distributed.shard_output_path("out", "shards/part7.npz") == Path("out/part7.npz")
+    model = sn.load_yaml(EXAMPLES / "custom_cell.yaml")
+    save_npz(tmp_path / "part7.npz", model.random_feeds(seed=7))
+    # what a Dask worker runs for one shard (no Dask needed to call it)
+    (tmp_path / "out").mkdir()
+    distributed._run_shard(model, str(tmp_path / "part7.npz"), str(tmp_path / "out"), "interpreter")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["part7.npz"]
 
 
 # ----------------------------------------------------------------------------

@@ -395,6 +395,25 @@ def test_unsupported_dtype_on_rebinding():
         elman()(X=Xi)
 
 
+def test_rebinding_another_float_dtype_says_what_to_do():
+    X32 = sn.LoDTensor.from_lengths(RNG.standard_normal((8, 3)).astype(np.float32), [[3, 0, 1, 4]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X32, name="X")
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(sn.ops.tanh(x + h.pre_state()))
+        rnn.add_outputs(h)
+    with pytest.raises(ShapeError, match=r"^input X: rebound with dtype float64, defined as "
+                                         r"float32; cast the array \(X\.astype\(np\.float32\)\) "
+                                         r"or define the net in float64$"):
+        rnn(X=X)
+    assert rnn(X=X.astype(np.float32)).dtype == np.float32  # the advice works
+    with pytest.raises(ShapeError, match=r"defined as float64; cast the array "
+                                         r"\(X\.astype\(np\.float64\)\) or define the net in "
+                                         r"float32$"):
+        elman()(X=X32)
+
+
 def test_add_input_needs_a_lod_tensor():
     rnn = sn.create_rnn_op()
     with (

@@ -305,20 +305,20 @@ def test_error_must_start_at_zero():
 
 
 def test_error_level_entries_mismatch():
-    with pytest.raises(LoDError, match=r"^lod level 0: last offset 5 must equal the number "
-                                       r"of entries of level 1 \(4\)$"):
+    with pytest.raises(LoDError, match=r"^lod level 0: offsets end at 5 but level 1 has 4 "
+                                       r"entries$"):
         LoDTensor(make_data(14), [[0, 2, 5], [0, 3, 5, 9, 14]])
-    with pytest.raises(LoDError, match=r"^lod level 1: last offset 2 must equal the number "
-                                       r"of entries of level 2 \(3\)$"):
+    with pytest.raises(LoDError, match=r"^lod level 1: offsets end at 2 but level 2 has 3 "
+                                       r"entries$"):
         LoDTensor(make_data(3), [[0, 2], [0, 1, 2], [0, 1, 2, 3]])
 
 
 def test_error_last_level_rows_mismatch():
-    with pytest.raises(LoDError, match=r"^last lod level 1: last offset 14 must equal "
-                                       r"data rows \(13\)$"):
+    with pytest.raises(LoDError, match=r"^lod level 1 \(the finest\): offsets end at 14 but "
+                                       r"the data has 13 rows$"):
         LoDTensor(make_data(13), DESIGN_LOD)
-    with pytest.raises(LoDError, match=r"^last lod level 0: last offset 3 must equal "
-                                       r"data rows \(4\)$"):
+    with pytest.raises(LoDError, match=r"^lod level 0 \(the only level\): offsets end at 3 "
+                                       r"but the data has 4 rows$"):
         LoDTensor(make_data(4), [[0, 3]])
 
 
@@ -382,12 +382,15 @@ def test_error_from_lengths():
     with pytest.raises(LoDError, match=r"^lengths level 1, index 2: lengths must be "
                                        r"non-negative \(got -1\)$"):
         LoDTensor.from_lengths(make_data(4), [[3], [2, 3, -1]])
-    with pytest.raises(LoDError, match=r"^lengths level 0: sum 6 must equal the number of "
-                                       r"entries of level 1 \(5\)$"):
+    with pytest.raises(LoDError, match=r"^lengths level 0: lengths sum to 6 but level 1 has "
+                                       r"5 entries$"):
         LoDTensor.from_lengths(make_data(14), [[2, 4], [3, 2, 4, 1, 4]])
-    with pytest.raises(LoDError, match=r"^last lengths level 1: sum 14 must equal data "
-                                       r"rows \(15\)$"):
+    with pytest.raises(LoDError, match=r"^lengths level 1 \(the finest\): lengths sum to 14 "
+                                       r"but the data has 15 rows$"):
         LoDTensor.from_lengths(make_data(15), DESIGN_LENGTHS)
+    with pytest.raises(LoDError, match=r"^lengths level 0 \(the only level\): lengths sum to 9 "
+                                       r"but the data has 10 rows$"):
+        LoDTensor.from_lengths(make_data(10), [[4, 5]])
     with pytest.raises(LoDError, match=r"^lengths level 0, index 1: lengths must be "
                                        r"integers \(got 1\.5\)$"):
         LoDTensor.from_lengths(make_data(3), [[1, 1.5]])

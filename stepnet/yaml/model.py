@@ -166,25 +166,39 @@ class Model:
     def __call__(self, feeds=None, backend=None, progress=None):
         """Run the network; returns ``{output name: LoDTensor or ndarray}``.
 
-        ``progress``, if given, is called with a short text before each net runs.
+        ``progress``, if given, is called with a short text before each layer
+        and net runs, in run order: ``"compiling net 'encoder' (1/2)"`` before
+        a call that compiles first (that net is not compiled yet in this
+        process for this backend; the call then runs it), ``"running net
+        'encoder' (1/2)"`` otherwise.
         """
         feeds = self._check_feeds(dict(feeds or {}))
         results = {}
-        for entry in self._layers:
+        nets = [net for net in self._nets if net.runs()]
+        total = len(self._layers) + len(nets)
+        if progress is not None:
+            from ..backends import default_backend
+
+            backend_name = backend or default_backend()
+
+        def report(position, kind, name, compiled):
             if progress is not None:
-                progress(f"layer {entry.name}")
+                verb = "running" if compiled else "compiling"
+                progress(f"{verb} {kind} {name!r} ({position}/{total})")
+
+        for position, entry in enumerate(self._layers, 1):
+            if progress is not None:  # a layer builds its step-nets on its first call
+                report(position, "layer", entry.name,
+                       _compiled_here(list(entry.layer._nets.values()), backend_name))
             Y, states = entry.run(self._resolve(entry.source, feeds, results), backend)
             results[(entry.name, "all", 0)] = Y
             for index, value in enumerate(states):
                 results[(entry.name, "last", index)] = value
-        for i, net in enumerate(self._nets):
-            runs = net.runs()
-            if not runs:
-                continue
+        for position, net in enumerate(nets, len(self._layers) + 1):
             bindings = {b: self._resolve(src, feeds, results) for b, src in net.sources.items()}
-            for flags in runs:
+            for flags in net.runs():
                 if progress is not None:
-                    progress(f"net {i + 1}/{len(self._nets)} {net.name}")
+                    report(position, "net", net.name, _compiled_here([net.rnn], backend_name, flags))
                 try:
                     out = net.rnn(output_all_steps=flags, backend=backend, **bindings)
                 except Error as exc:
@@ -265,6 +279,22 @@ class Model:
             data = _random_rows(rng, spec, rows)
             feeds[name] = LoDTensor.from_lengths(data, lengths[:k]) if k else data
         return feeds
+
+
+def _compiled_here(rnns, backend, flags=None) -> bool:
+    """Whether calling the step-nets ``rnns`` on ``backend`` (with these
+    ``output_all_steps`` flags; any, if None) runs code already compiled in
+    this process. The interpreter compiles nothing; no step-nets yet (a layer
+    not called yet) means a compile to come."""
+    if backend == "interpreter":
+        return True
+    for rnn in rnns:
+        compiled = rnn._compiled.get(backend)
+        if compiled is None or not compiled._runs:
+            return False
+        if flags is not None and rnn.all_steps_flags(flags) not in compiled._runs:
+            return False
+    return bool(rnns)
 
 
 def _random_rows(rng, spec, rows):
