@@ -5,7 +5,7 @@ sequence of a batch. See DESIGN.md and README.md.
 """
 
 from . import errors, nn, onnx, ops, optim
-from .autodiff import gradients, vjp
+from .pullback import gradients, vjp
 from .backends import backends, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
 from .errors import (

@@ -9,7 +9,7 @@ equation that runs the other way in time over the same LoD. Its step:
 - **recompute**: the forward step's equations, verbatim. With the previous
   states given, none of them depends on a memory any more, so a backend hoists
   them out of the time loop (every ``h_prev @ U`` of the sequence is one GEMM);
-- **pullback**: the gradient rules of the ops (``ops/grads.py``) in reverse,
+- **pullback**: the gradient rules of the ops (their registry entries) in reverse,
   as IR equations; a nested step-net's pullback is a nested backward rnn;
 - **memories**: each forward memory's adjoint (d loss / d its value, carried
   from step t+1 to t), started at the cotangent of its last-step output; an
@@ -20,9 +20,9 @@ equation that runs the other way in time over the same LoD. Its step:
   constant the per-row terms of its gradient (all steps): ``x @ W`` gives the
   pair (x, g) whose sum over rows ``X^T G`` is one GEMM after the loop.
 
-After the loop :class:`Pullback` sums the per-row terms, pushes them through
-ops on constants alone (with the NumPy references) and maps them to the
-Parameters and named inputs asked for.
+This module builds programs (IR to IR); :mod:`stepnet.pullback` runs them:
+after the loop it sums the per-row terms, pushes them through ops on
+constants alone and maps them to the Parameters and named inputs asked for.
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import ir
-from .errors import ShapeError, StepNetError, UnsupportedError
-from .jit.blas import transposed_product
+from .errors import UnsupportedError
 from .ir import Block, Eqn, Literal, Memory, Var
-from .lod import LoDTensor
 from .ops import registry
 
 _counter = itertools.count()
@@ -66,8 +64,16 @@ class Outer:
     g: object
 
 
+def grad_rule(op):
+    """The gradient rule of ``op`` (see ops/primitives.py)."""
+    rule = registry.get(op).grad
+    if rule is None:
+        raise UnsupportedError(f"op {op!r} has no gradient rule")
+    return rule
+
+
 class _BlockEmitter:
-    """Appends the gradient rules' ops to a backward step (see ops/grads.py)."""
+    """Appends the gradient rules' ops to a backward step (see ops/primitives.py)."""
 
     def __init__(self):
         self.eqns = []
@@ -310,7 +316,7 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
         g = ct.get(id(out))
         if g is None or not out.batched or not _is_float(out):
             continue  # ops on constants alone are pulled back after the loop
-        grads = registry.get(e.op).grad(em, e, g)
+        grads = grad_rule(e.op)(em, e, g)
         for v, gv in zip(e.inputs, grads):
             if gv is not None and _is_float(v):
                 add(v, em.unbroadcast(gv, v))
@@ -614,125 +620,6 @@ def const_only_eqns(program: ir.Program) -> list:
     return out
 
 
-def reduce_terms(layout, outputs, inputs) -> dict:
-    """Sum the per-row terms: ``{id(const var): gradient}``. A term's index is
-    an output of the backward rnn; a Var is one of its inputs (``inputs``:
-    id(var) -> value)."""
-    grads = {}
-
-    def rows(ref):
-        return (inputs[id(ref)] if isinstance(ref, Var) else outputs[ref]).data
-
-    for var, term in layout.contribs:
-        if isinstance(term, Rows):
-            r = rows(term.value)
-            g = r.reshape(r.shape[0], int(np.prod(r.shape[1:]))).sum(0).reshape(var.shape)
-        else:
-            g = transposed_product(rows(term.a), rows(term.g))
-        grads[id(var)] = grads[id(var)] + g if id(var) in grads else g
-    return grads
-
-
-def pull_consts(program, grads, const_values) -> dict:
-    """Push gradients of values computed from constants alone back to the
-    constants they read (NumPy, after the loop)."""
-    eqns = const_only_eqns(program)
-    if not eqns:
-        return grads
-    env = {id(v): const_values[v.name] for v in program.consts}
-    for e in eqns:
-        args = [v.value if isinstance(v, Literal) else env[id(v)] for v in e.inputs]
-        env[id(e.outputs[0])] = registry.get(e.op).numpy(*args, **e.attrs)
-    em = _EagerEmitter(env)
-    for e in reversed(eqns):
-        g = grads.get(id(e.outputs[0]))
-        if g is None or not _is_float(e.outputs[0]):
-            continue
-        for v, gv in zip(e.inputs, registry.get(e.op).grad(em, e, g)):
-            if gv is not None and _is_float(v):
-                gv = em.unbroadcast(gv, v)
-                grads[id(v)] = grads[id(v)] + gv if id(v) in grads else gv
-    return grads
-
-
-# ----------------------------------------------------------------------------
-# the public API: gradients, vjp, workspaces
-
-
-class Pullback:
-    """The backward of one forward run of a step-net, its workspace kept.
-
-    ``pullback(grad_outputs, wrt=None, accumulate=False, out=None)`` returns one
-    gradient per ``wrt`` (default: the step-net's Parameters); it may be called
-    any number of times. ``workspace_bytes`` is the size of what is kept per
-    step: each memory's previous state, one row per token.
-    """
-
-    def __init__(self, rnn, flags, backend, args, outputs, workspace, consts, values):
-        self.rnn = rnn
-        self.values = values  # binding name -> the value this run was given
-        self.flags = flags
-        self.backend = backend
-        self.args = args
-        self.outputs = outputs
-        self.workspace = workspace
-        self.consts = consts
-
-    @property
-    def workspace_bytes(self) -> int:
-        return int(sum(w.data.nbytes for w in self.workspace))
-
-    def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
-        rnn = self.rnn
-        wrt = rnn.parameters() if wrt is None else list(wrt)
-        targets = [_resolve(rnn, item, self.values) for item in wrt]
-        program = rnn.program(self.flags)
-        cts = _check_grad_outputs(rnn, program, self.outputs, grad_outputs)
-        present = tuple(c is not None for c in cts)
-        runs, layout = _compiled_backward(rnn, self.backend, self.flags, present)
-        seqs, statics, _ = ir.rnn_parts(program.eqn)
-        position = {id(v): i for i, v in enumerate(program.inputs)}
-        args = [self.args[position[id(v)]] for v in tuple(seqs) + tuple(statics)]
-        args += list(self.workspace)
-        for c, res, flag in zip(cts, self.outputs, self.flags):
-            if c is not None:
-                args.append(LoDTensor(c, res.levels) if flag else c)
-        values = {}
-        for run, prog in runs:
-            if not values:
-                values.update((id(v), a) for v, a in zip(prog.inputs, args))
-            outs = run([values[id(v)] for v in prog.inputs], self.consts)
-            values.update((id(v), a) for v, a in zip(prog.eqn.outputs, outs))
-        results = [values[id(v)] for v in layout.values]
-        inputs = values
-        grads = pull_consts(program, reduce_terms(layout, results, inputs), self.consts)
-        lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))
-        d_inits = []
-        for i in layout.inits:
-            d_inits.append(np.array(results[i]))
-        for k in layout.injected:  # empty sequences: a last-step output is the init itself
-            mi = program.eqn.attrs["output_memory"][k]
-            if mi >= 0:
-                d_inits[mi][lengths == 0] += cts[k][lengths == 0]
-        found = []
-        for kind, key, like in targets:
-            if kind == "const":
-                g = grads.get(id(key))
-                g = np.zeros(like.shape, like.dtype) if g is None else g
-            elif kind == "sequence":
-                i = layout.sequences[[id(v) for v in seqs].index(id(key))]
-                g = np.zeros(like.data.shape) if i is None else results[i].data
-            elif kind == "static":
-                i = layout.statics[[id(v) for v in statics].index(id(key))]
-                g = np.zeros(np.shape(like)) if i is None else results[i]
-            else:
-                inits = ir.rnn_parts(program.eqn)[2]
-                g = d_inits[[id(v) for v in inits].index(id(key))]
-                g = sum_to_shape(g, np.shape(like))
-            found.append(np.asarray(g).astype(like.dtype, copy=False).reshape(np.shape(like)))
-        return _deliver(found, wrt, accumulate, out)
-
-
 def sum_to_shape(g, shape):
     """Sum ``g`` down to ``shape``: the adjoint of NumPy broadcasting."""
     g = np.asarray(g)
@@ -744,179 +631,4 @@ def sum_to_shape(g, shape):
     return g
 
 
-def _deliver(found, wrt, accumulate, out):
-    """Fresh arrays, or written (``accumulate``: added) into ``out``."""
-    if out is None:
-        if accumulate:
-            raise StepNetError("accumulate=True needs out=[one array per wrt]")
-        return found
-    if len(out) != len(found):
-        raise StepNetError(f"out has {len(out)} arrays for {len(found)} wrt entries")
-    for i, (buf, g) in enumerate(zip(out, found)):
-        if not isinstance(buf, np.ndarray) or buf.shape != g.shape:
-            raise ShapeError(
-                f"out[{i}]: needs an ndarray of shape {list(g.shape)} for wrt[{i}], got "
-                f"{list(np.shape(buf))}"
-            )
-        if accumulate:
-            buf += g
-        else:
-            buf[...] = g
-    return list(out)
-
-
-def _resolve(rnn, item, values):
-    """A wrt entry as (kind, key, like): a constant var, or a binding's var and
-    the value it was given."""
-    from .tracing import Parameter
-
-    if isinstance(item, str):
-        b = rnn.bindings.get(item)
-        if b is None:
-            raise StepNetError(
-                f"wrt: {item!r} is not an input of {rnn.name}; its inputs are "
-                f"{sorted(rnn.bindings)}"
-            )
-        return b.kind, b.var, _like(values[item])
-    for var, source in rnn.frame.state.consts.values():
-        if source is item or (isinstance(source, Parameter) and source.value is item):
-            value = source.value if isinstance(source, Parameter) else np.asarray(source)
-            return "const", var, value
-    if isinstance(item, (np.ndarray, LoDTensor)):
-        for name, b in rnn.bindings.items():
-            if values[name] is item:
-                return b.kind, b.var, _like(item)
-    what = repr(item) if isinstance(item, Parameter) else type(item).__name__
-    raise StepNetError(
-        f"wrt: {what} is not read by {rnn.name}: give its Parameters, or the names "
-        f"of its inputs {sorted(rnn.bindings)}"
-    )
-
-
-def _like(value):
-    from .tracing import Parameter
-
-    if isinstance(value, LoDTensor):
-        return value
-    return np.asarray(value.value if isinstance(value, Parameter) else value)
-
-
-def _check_grad_outputs(rnn, program, outputs, grad_outputs):
-    outs = program.eqn.outputs
-    if not isinstance(grad_outputs, (list, tuple)):
-        grad_outputs = [grad_outputs]
-    if len(grad_outputs) != len(outs):
-        raise StepNetError(
-            f"grad_outputs has {len(grad_outputs)} entries; {rnn.name} has {len(outs)} "
-            "outputs (use None for an output that gets no gradient)"
-        )
-    cts = []
-    for k, (g, res, var) in enumerate(zip(grad_outputs, outputs, outs)):
-        if g is None:
-            cts.append(None)
-            continue
-        if isinstance(g, LoDTensor):
-            g = g.data
-        g = np.asarray(g)
-        expected = res.data.shape if isinstance(res, LoDTensor) else np.shape(res)
-        if g.shape != tuple(expected):
-            raise ShapeError(
-                f"grad_outputs[{k}] (output {var.name}) has shape {list(g.shape)}; the output's "
-                f"data has shape {list(expected)}"
-            )
-        cts.append(np.ascontiguousarray(g, dtype=var.dtype))
-    return cts
-
-
-def _compiled_forward(rnn, backend, flags):
-    from .backends import _module
-
-    key = ("forward", backend, flags)
-    cache = rnn._gradient_programs
-    if key not in cache:
-        cache[key] = _module(backend).compile_program(forward_program(rnn.program(flags)))
-    return cache[key]
-
-
-def _compiled_backward(rnn, backend, flags, present):
-    from .backends import _module
-
-    key = ("backward", backend, flags, present)
-    cache = rnn._gradient_programs
-    if key not in cache:
-        programs, layout = backward_program(rnn.program(flags), present)
-        module = _module(backend)
-        cache[key] = ([(module.compile_program(p), p) for p in programs], layout)
-    return cache[key]
-
-
-def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings):
-    """Run ``rnn`` keeping its workspace: ``(outputs as rnn() returns, Pullback)``."""
-    from .backends import default_backend
-
-    if rnn.block is None:
-        raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
-    if not rnn._top:
-        raise StepNetError(f"{rnn.name} is a nested step-net; differentiate its enclosing one")
-    backend = backend or default_backend()
-    flags = rnn.all_steps_flags(output_all_steps)
-    args = rnn.bind(**bindings)
-    consts = rnn.const_values()
-    results = _compiled_forward(rnn, backend, flags)(args, consts)
-    n = len(rnn.block.outputs)
-    outputs, workspace = list(results[:n]), list(results[n:])
-    float16 = rnn.float16_input(bindings)
-    values = {name: bindings.get(name, b.value) for name, b in rnn.bindings.items()}
-    pullback = Pullback(rnn, flags, backend, args, outputs, workspace, consts, values)
-    shown = [o.astype(np.float16) for o in outputs] if float16 else outputs
-    return (shown[0] if n == 1 else tuple(shown)), pullback
-
-
-def vjp(obj, *args, output_all_steps=True, backend=None, **inputs):
-    """Run ``obj`` (a step-net or a ``stepnet.nn`` layer) once, keeping its
-    workspace: returns ``(outputs, pullback)``; ``pullback(grad_outputs,
-    wrt=None)`` gives one gradient per ``wrt`` (default: the Parameters)."""
-    from .dsl import RNNOp
-
-    if isinstance(obj, RNNOp):
-        if args:
-            raise StepNetError("vjp of a step-net takes its inputs by name: vjp(rnn, X=...)")
-        return forward_with_workspace(obj, output_all_steps, backend, **inputs)
-    if hasattr(obj, "vjp"):
-        return obj.vjp(*args, backend=backend, **inputs)
-    raise StepNetError(f"vjp: expects a step-net or a stepnet.nn layer, got {type(obj).__name__}")
-
-
-def gradients(obj, wrt, grad_outputs, output_all_steps=True, backend=None, accumulate=False,
-              out=None, **inputs):
-    """Gradients of ``obj``'s outputs, weighted by ``grad_outputs``, with respect
-    to each entry of ``wrt`` (DESIGN.md §6, docs/gradients.md)."""
-    from .dsl import RNNOp
-
-    kept = getattr(obj, "_workspace", None)
-    if isinstance(obj, RNNOp):
-        flags = obj.all_steps_flags(output_all_steps) if obj.block is not None else None
-        if kept is not None and not inputs and kept.flags == flags and (
-                backend is None or backend == kept.backend):
-            pullback = kept
-        else:
-            _, pullback = forward_with_workspace(obj, output_all_steps, backend, **inputs)
-        return pullback(grad_outputs, wrt, accumulate=accumulate, out=out)
-    if hasattr(obj, "vjp"):
-        if inputs:
-            _, pullback = obj.vjp(backend=backend, **inputs)
-        elif kept is not None:
-            pullback = kept
-        else:
-            raise StepNetError(
-                f"gradients of a {type(obj).__name__} layer need its input: pass X=... (and "
-                "its initial state), or call the layer with keep_workspace=True first"
-            )
-        return pullback(grad_outputs, wrt, accumulate=accumulate, out=out)
-    raise StepNetError(
-        f"gradients: expects a step-net or a stepnet.nn layer, got {type(obj).__name__}"
-    )
-
-
-__all__ = ["Pullback", "augment", "backward_eqn", "backward_program", "forward_program",
-           "gradients", "vjp"]
+__all__ = ["augment", "backward_eqn", "backward_program", "forward_program", "sum_to_shape"]

@@ -552,7 +552,7 @@ class RNNOp:
         if not self._top:
             return self._call_nested(output_all_steps, bindings)
         if keep_workspace:
-            from .autodiff import forward_with_workspace
+            from .pullback import forward_with_workspace
 
             outputs, self._workspace = forward_with_workspace(
                 self, output_all_steps, backend, **bindings)

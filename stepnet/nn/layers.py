@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dsl
-from ..autodiff import _deliver, forward_with_workspace
+from ..pullback import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError
 from ..lod import LoDTensor
 from ..tracing import Parameter, compute_dtype

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import autodiff, dsl, nn
+from .. import dsl, nn
+from ..pullback import vjp
 from .. import ops as sn_ops
 from ..errors import Error
 from ..lod import LoDTensor
@@ -253,8 +254,7 @@ class ScanNode:
         feeds.update({f"state{i}": s for i, s in enumerate(layout.inits)})
         try:
             if keep:
-                outs, rnn_pullback = autodiff.vjp(rnn, output_all_steps=flags, backend=backend,
-                                                  **feeds)
+                outs, rnn_pullback = vjp(rnn, output_all_steps=flags, backend=backend, **feeds)
             else:
                 outs = rnn(output_all_steps=flags, backend=backend, **feeds)
         except Error as e:
