@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -34,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import Error, LoDError
+from .errors import Error
 from .lod import LoDTensor
+from .npz import load_npz, save_npz, shard_files, shard_output_path
 
 
 def main(argv=None) -> int:
@@ -174,8 +174,6 @@ def _run_shards(model, args, backend) -> int:
     """Every ``.npz`` shard of the ``--input`` directory, one at a time in this
     process: read it, run it, write its outputs (``--output DIR/<shard
     name>``, as the workers of ``--cluster`` name them), let it go."""
-    from .distributed import shard_files, shard_output_path  # pure helpers: no Dask imported
-
     files = shard_files(args.input)
     out_dir = Path(args.output) if args.output else None
     if out_dir is not None:
@@ -366,82 +364,6 @@ def _warn_once(text, seen):
 def _rows(feeds) -> int:
     """Data rows of the LoD inputs (tokens)."""
     return sum(v.data.shape[0] for v in feeds.values() if isinstance(v, LoDTensor))
-
-
-def load_npz(path, model, warn=None):
-    """The model's inputs from an ``.npz`` file (see the module docstring).
-
-    ``warn(text)``, if given, is told which arrays of the file the model does
-    not read (``x.lod.K`` and ``x.lengths.K`` of an input ``x`` with K below
-    its ``lod_level`` count as read)."""
-    try:
-        with np.load(path) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise Error(f"cannot read input data {str(path)!r}: {exc}") from None
-    feeds = {}
-    read = set()
-    for name, spec in model.inputs.items():
-        if name not in arrays:
-            raise Error(f"{path}: no array {name!r} for input {name!r} "
-                        f"(it has {', '.join(sorted(arrays)) or 'nothing'})")
-        read.add(name)
-        data = arrays[name]
-        if spec.lod_level == 0:
-            feeds[name] = data
-            continue
-        offsets = [arrays.get(f"{name}.lod.{k}") for k in range(spec.lod_level)]
-        lengths = [arrays.get(f"{name}.lengths.{k}") for k in range(spec.lod_level)]
-        read.update(f"{name}.{kind}.{k}" for kind in ("lod", "lengths") for k in range(spec.lod_level))
-        try:
-            if all(o is not None for o in offsets):
-                feeds[name] = LoDTensor(data, offsets)
-            elif all(n is not None for n in lengths):
-                feeds[name] = LoDTensor.from_lengths(data, lengths)
-            else:
-                raise Error(f"{path}: input {name!r} has lod_level {spec.lod_level}; give its LoD "
-                            "as " + ", ".join(f"{name}.lod.{k}" for k in range(spec.lod_level))
-                            + " (offsets) or as " + ", ".join(f"{name}.lengths.{k}" for k in
-                                                              range(spec.lod_level)))
-        except LoDError as exc:
-            kind = "lod" if all(o is not None for o in offsets) else "lengths"
-            raise LoDError(_lod_error(path, name, kind, spec.lod_level, str(exc))) from None
-    unread = sorted(set(arrays) - read)
-    if unread and warn is not None:
-        warn(f"{path}: the model does not read array(s) {', '.join(unread)} "
-             f"(its inputs: {', '.join(model.inputs)})")
-    return feeds
-
-
-def _lod_error(path, name, kind, num_levels, message) -> str:
-    """A LoDError of input ``name`` read from ``path`` in the file's terms: the
-    array at fault (``x.lengths.0``), which level that is, and ``'x'`` for the
-    data."""
-    match = re.match(r"^(?:lod|lengths) level (\d+)(?: \([^)]*\))?(.*)$", message, re.S)
-    if match is None:
-        return f"{path}: input {name!r}: {message}"
-    k, rest = int(match.group(1)), match.group(2)
-    which = ("the only level" if num_levels == 1 else "the coarsest" if k == 0
-             else "the finest" if k == num_levels - 1 else None)
-    rest = rest.replace("the data has", f"{name!r} has")
-    rest = re.sub(r"\blevel (\d+) has", lambda m: f"{name}.{kind}.{m.group(1)} has", rest)
-    return f"{path}: input {name!r}: {name}.{kind}.{k} (level {k}{', ' + which if which else ''}){rest}"
-
-
-def save_npz(path, values):
-    """Write named arrays and LoDTensors (``name``, ``name.lod.K``) to ``.npz``."""
-    arrays = {}
-    for name, value in values.items():
-        if isinstance(value, LoDTensor):
-            arrays[name] = value.data
-            for k, offsets in enumerate(value.levels):
-                arrays[f"{name}.lod.{k}"] = np.asarray(offsets)
-        else:
-            arrays[name] = np.asarray(value)
-    try:
-        np.savez(path, **arrays)
-    except OSError as exc:
-        raise Error(f"cannot write {path!r}: {exc.strerror or exc}") from None
 
 
 def _print_model(model):

@@ -29,6 +29,7 @@ import numpy as np
 
 from .errors import StepNetError
 from .lod import LoDTensor
+from .npz import load_npz, save_npz, shard_files, shard_output_path
 
 
 def _dask():
@@ -273,22 +274,7 @@ def data_parallel(model, shard_fn, client, partitions=None):
 # input larger than memory: a directory of .npz shards
 
 
-def shard_files(directory) -> list:
-    """The ``*.npz`` shards of ``directory``, in name order."""
-    files = sorted(Path(directory).glob("*.npz"))
-    if not files:
-        raise StepNetError(f"{directory}: no .npz shards")
-    return files
-
-
-def shard_output_path(out_dir, shard) -> Path:
-    """Where the outputs of ``shard`` go: ``out_dir/<shard name>``."""
-    return Path(out_dir) / Path(shard).name
-
-
 def _run_shard(model, path, out_dir, backend):
-    from .cli import load_npz, save_npz
-
     feeds = load_npz(path, model)
     outputs = model(feeds, backend=backend)
     tokens = sum(v.data.shape[0] for v in feeds.values() if isinstance(v, LoDTensor))
