@@ -6,9 +6,11 @@ inputs, calls it, and shapes the results (the same for every backend).
 from __future__ import annotations
 
 import importlib
+import weakref
 
 import numpy as np
 
+from .autodiff import backward_program, forward_program
 from .errors import BackendError
 
 # name -> module implementing ``compile_program(program) -> run(args, consts)``
@@ -66,6 +68,8 @@ def _module(name):
 class CompiledStepNet:
     """A step-net bound to one backend: ``f(**inputs, output_all_steps=True)``.
 
+    It holds every program compiled for that pair: one per set of output flags,
+    and for gradients the forward that keeps its workspace and the backward.
     ``source`` holds the generated code for code-generating backends.
     """
 
@@ -73,13 +77,38 @@ class CompiledStepNet:
         self.rnn = rnn
         self.backend = backend
         self._module = _module(backend)
-        self._runs = {}
+        self._runs = {}  # output flags -> run
+        self._gradient_runs = {}  # ("forward", flags) / ("backward", flags, present) -> runs
 
     def _runner(self, all_steps):
         all_steps = self.rnn.all_steps_flags(all_steps)
         if all_steps not in self._runs:
             self._runs[all_steps] = self._module.compile_program(self.rnn.program(all_steps))
         return self._runs[all_steps]
+
+    def has_run(self, all_steps=None) -> bool:
+        """Whether a run with these output flags (any, if None) is compiled."""
+        if all_steps is None:
+            return bool(self._runs)
+        return self.rnn.all_steps_flags(all_steps) in self._runs
+
+    def forward_with_workspace(self, flags):
+        """The forward program that also returns its workspace, compiled."""
+        key = ("forward", flags)
+        if key not in self._gradient_runs:
+            program = forward_program(self.rnn.program(flags))
+            self._gradient_runs[key] = self._module.compile_program(program)
+        return self._gradient_runs[key]
+
+    def backward(self, flags, present):
+        """``([(run, program), ...], layout)``: the backward programs for output
+        flags ``flags`` and the outputs that get a cotangent (``present``)."""
+        key = ("backward", flags, present)
+        if key not in self._gradient_runs:
+            programs, layout = backward_program(self.rnn.program(flags), present)
+            runs = [(self._module.compile_program(p), p) for p in programs]
+            self._gradient_runs[key] = (runs, layout)
+        return self._gradient_runs[key]
 
     @property
     def source(self) -> str:
@@ -99,6 +128,26 @@ class CompiledStepNet:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+# step-net -> {backend name: CompiledStepNet}: compiled code lives here, not on
+# the step-net, and goes when the step-net does
+_COMPILED = weakref.WeakKeyDictionary()
+
+
+def compiled(rnn, backend) -> CompiledStepNet:
+    """``rnn`` bound to ``backend`` (made once per pair)."""
+    per_backend = _COMPILED.setdefault(rnn, {})
+    if backend not in per_backend:
+        per_backend[backend] = CompiledStepNet(rnn, backend)
+    return per_backend[backend]
+
+
+def is_compiled(rnn, backend, all_steps=None) -> bool:
+    """Whether ``rnn`` has a run compiled on ``backend`` in this process (for
+    these output flags; any, if None)."""
+    found = _COMPILED.get(rnn, {}).get(backend)
+    return found is not None and found.has_run(all_steps)
+
+
 def get_backend(name=None):
     return _Runner(name or default_backend())
 
@@ -109,10 +158,7 @@ class _Runner:
         _module(name)
 
     def compile_rnn_op(self, rnn):
-        key = self.name
-        if key not in rnn._compiled:
-            rnn._compiled[key] = CompiledStepNet(rnn, self.name)
-        return rnn._compiled[key]
+        return compiled(rnn, self.name)
 
     def run_rnn_op(self, rnn, bindings, output_all_steps, keep_scopes=False):
         compiled = self.compile_rnn_op(rnn)

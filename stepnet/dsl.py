@@ -127,16 +127,13 @@ class RNNOp:
         self.output_memory = ()
         self._programs = {}
         self.step_scopes = None
-        self._compiled = {}
         self._workspace = None  # kept by rnn(keep_workspace=True) for sn.gradients
-        self._gradient_programs = {}  # compiled forward-with-workspace and backward programs
 
     def __getstate__(self):
-        """Pickled (e.g. to a Dask worker) without compiled kernels or a kept
-        workspace: the receiver compiles its own, from its kernel cache."""
-        state = dict(self.__dict__)
-        state.update(_compiled={}, _workspace=None, _gradient_programs={})
-        return state
+        """Pickled (e.g. to a Dask worker) without a kept workspace; compiled
+        kernels are never part of a step-net (stepnet.backends holds them): the
+        receiver compiles its own, from its kernel cache."""
+        return dict(self.__dict__, _workspace=None)
 
     # -- definition ----------------------------------------------------------
 

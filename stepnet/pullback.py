@@ -18,13 +18,11 @@ from .autodiff import (
     Rows,
     _EagerEmitter,
     _is_float,
-    backward_program,
     const_only_eqns,
-    forward_program,
     grad_rule,
     sum_to_shape,
 )
-from .backends import _module, default_backend
+from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
 from .jit.blas import transposed_product
@@ -108,7 +106,7 @@ class Pullback:
         program = rnn.program(self.flags)
         cts = _check_grad_outputs(rnn, program, self.outputs, grad_outputs)
         present = tuple(c is not None for c in cts)
-        runs, layout = _compiled_backward(rnn, self.backend, self.flags, present)
+        runs, layout = compiled(rnn, self.backend).backward(self.flags, present)
         seqs, statics, _ = ir.rnn_parts(program.eqn)
         position = {id(v): i for i, v in enumerate(program.inputs)}
         args = [self.args[position[id(v)]] for v in tuple(seqs) + tuple(statics)]
@@ -232,24 +230,6 @@ def _check_grad_outputs(rnn, program, outputs, grad_outputs):
     return cts
 
 
-def _compiled_forward(rnn, backend, flags):
-    key = ("forward", backend, flags)
-    cache = rnn._gradient_programs
-    if key not in cache:
-        cache[key] = _module(backend).compile_program(forward_program(rnn.program(flags)))
-    return cache[key]
-
-
-def _compiled_backward(rnn, backend, flags, present):
-    key = ("backward", backend, flags, present)
-    cache = rnn._gradient_programs
-    if key not in cache:
-        programs, layout = backward_program(rnn.program(flags), present)
-        module = _module(backend)
-        cache[key] = ([(module.compile_program(p), p) for p in programs], layout)
-    return cache[key]
-
-
 def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings):
     """Run ``rnn`` keeping its workspace: ``(outputs as rnn() returns, Pullback)``."""
     if rnn.block is None:
@@ -260,7 +240,7 @@ def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings)
     flags = rnn.all_steps_flags(output_all_steps)
     args = rnn.bind(**bindings)
     consts = rnn.const_values()
-    results = _compiled_forward(rnn, backend, flags)(args, consts)
+    results = compiled(rnn, backend).forward_with_workspace(flags)(args, consts)
     n = len(rnn.block.outputs)
     outputs, workspace = list(results[:n]), list(results[n:])
     float16 = rnn.float16_input(bindings)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends import is_compiled
 from ..dsl import MemoryHandle, create_rnn_op
 from ..errors import Error, ShapeError, StepNetError, YAMLError
 from ..lod import LoDTensor
@@ -288,13 +289,7 @@ def _compiled_here(rnns, backend, flags=None) -> bool:
     not called yet) means a compile to come."""
     if backend == "interpreter":
         return True
-    for rnn in rnns:
-        compiled = rnn._compiled.get(backend)
-        if compiled is None or not compiled._runs:
-            return False
-        if flags is not None and rnn.all_steps_flags(flags) not in compiled._runs:
-            return False
-    return bool(rnns)
+    return bool(rnns) and all(is_compiled(rnn, backend, flags) for rnn in rnns)
 
 
 def _random_rows(rng, spec, rows):
