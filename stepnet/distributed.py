@@ -27,17 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import StepNetError
+from .errors import StepNetError, optional_import
 from .lod import LoDTensor
 from .npz import load_npz, save_npz, shard_files, shard_output_path
 
 
 def _dask():
-    try:
-        import distributed
-    except ImportError:  # pragma: no cover - the extra is not installed
-        raise StepNetError("stepnet.distributed needs Dask: pip install 'stepnet[distributed]'") from None
-    return distributed
+    return optional_import("distributed", "stepnet.distributed", "pip install 'stepnet[distributed]'")
 
 
 def local_client(n_workers=None, threads_per_worker=1):

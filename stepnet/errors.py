@@ -31,3 +31,15 @@ class BackendError(Error):
 
 class UnsupportedError(Error):
     """A feature, op or attribute that stepnet does not support."""
+
+
+def optional_import(module: str, what: str, install: str):
+    """Import one of stepnet's optional dependencies, or say what needs it and
+    how to install it: ``optional_import("onnx", "stepnet.onnx", "pip install
+    'stepnet[onnx]'")``."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise UnsupportedError(f"{what} needs {module}: {install}") from exc

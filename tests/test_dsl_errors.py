@@ -431,3 +431,11 @@ def test_names_must_be_unique():
     ):
         rnn.add_input(X, name="X")
         rnn.add_memory(shape=[3], name="X")
+
+
+def test_a_missing_optional_dependency_names_what_needs_it_and_the_install():
+    from stepnet.errors import optional_import
+
+    with pytest.raises(sn.UnsupportedError, match=r"stepnet.thing needs no_such_module_x: pip install x"):
+        optional_import("no_such_module_x", "stepnet.thing", "pip install x")
+    assert optional_import("numpy", "stepnet", "pip install numpy") is np

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import dsl
 from ..pullback import _deliver, forward_with_workspace
-from ..errors import ShapeError, StepNetError, UnsupportedError
+from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
 from ..lod import LoDTensor
 from ..tracing import Parameter, compute_dtype
 from . import cells
@@ -728,11 +728,7 @@ def _gate_blocks(a, H, order):
 
 def _torch(what):
     """PyTorch, an optional dependency of the layout converters."""
-    try:
-        import torch
-    except ImportError as exc:
-        raise UnsupportedError(f"{what} needs PyTorch: pip install torch==2.13.0") from exc
-    return torch
+    return optional_import("torch", what, "pip install torch==2.13.0")
 
 
 def _positive(value, what):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends import default_backend
-from ..errors import Error, ShapeError, StepNetError, UnsupportedError
+from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
 from .gradient import GradientNode
 from .ops import OPS, NodeContext, is_step
 from .recurrent import RecurrentNode, ScanNode
@@ -34,11 +34,7 @@ _TYPE_OPS = {"Cast", "Shape", "ConstantOfShape", "Constant"}
 
 
 def _onnx():
-    try:
-        import onnx
-    except ImportError:  # pragma: no cover - the extra is not installed
-        raise StepNetError("stepnet.onnx needs the onnx package: pip install 'stepnet[onnx]'") from None
-    return onnx
+    return optional_import("onnx", "stepnet.onnx", "pip install 'stepnet[onnx]'")
 
 
 @dataclass(frozen=True)
