@@ -65,6 +65,8 @@ def test_onnx_backend_node_case(name, backend):
         assert len(got) == len(outputs)
         for g, e in zip(got, outputs):
             assert_close(g, np.asarray(e), what=name)
+            # and at ONNX's own tolerances, as its backend test runner checks
+            np.testing.assert_allclose(g, e, rtol=case.rtol, atol=case.atol, err_msg=name)
 
 
 # ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ layout:
   sequence, allocated once per call. ``entries[b]`` is the space index of
   active row b's current element. The per-step recurrent matmuls go to BLAS
   (``np.dot``); runs of elementwise ops are fused into one loop, with float32
-  tanh/sigmoid as vectorizable rational approximations (numba_runtime).
+  tanh/sigmoid as vectorizable approximations (numba_runtime).
 - **Nesting.** A nested rnn is a function called once per outer step with its
   sequences (the active outer rows' sub-sequences) given by start and length.
 
@@ -42,13 +42,16 @@ from .cache import cache_dir, helpers_fingerprint
 # ----------------------------------------------------------------------------
 # code generation
 
+# NaN in gives NaN out, as in NumPy, by construction: Numba's max/min of
+# floats and a GPU's fmaxf/fminf drop a NaN, so maximum and minimum pick the
+# first operand when it is NaN or not beaten, else the second (NaN or not).
 _SCALAR_OPS = {
     "add": "({0} + {1})",
     "sub": "({0} - {1})",
     "mul": "({0} * {1})",
     "div": "({0} / {1})",
-    "maximum": "max({0}, {1})",
-    "minimum": "min({0}, {1})",
+    "maximum": "({0} if ({0} >= {1}) | ({0} != {0}) else {1})",
+    "minimum": "({0} if ({0} <= {1}) | ({0} != {0}) else {1})",
     "neg": "(-{0})",
     "abs": "abs({0})",
     "exp": "np.exp({0})",
@@ -565,12 +568,16 @@ class _Gen:
             bits = "32" if np.dtype(e.outputs[0].dtype) == np.float32 else "64"
             return f"{_PRECISION_OPS[e.op]}{bits}({args[0]})"
         if e.op == "clip":
+            # np.clip: the bounds are numbers, so only x can be NaN, and it
+            # fails both comparisons and stays NaN
             x = args[0]
             dt = e.outputs[0].dtype
             if e.attrs.get("lo") is not None:
-                x = f"max({x}, {self.literal(e.attrs['lo'], dt)})"
+                lo = self.literal(e.attrs["lo"], dt)
+                x = f"({x} if not ({x} < {lo}) else {lo})"
             if e.attrs.get("hi") is not None:
-                x = f"min({x}, {self.literal(e.attrs['hi'], dt)})"
+                hi = self.literal(e.attrs["hi"], dt)
+                x = f"({x} if not ({x} > {hi}) else {hi})"
             return x
         return _SCALAR_OPS[e.op].format(*args)
 

@@ -57,15 +57,23 @@ except ImportError:  # pragma: no cover - numba always ships cuda
 PERSISTENT_MAX_ELEMENTS = 8192  # num_seq * widest step value: one block runs the whole loop
 THREADS = 128  # threads per block
 
-# the CPU backend's scalar templates, with CUDA's math functions
+# the CPU backend's scalar templates (NaN-propagating maximum and minimum),
+# with CUDA's math functions. No max/min: fmaxf/fminf drop a NaN on a GPU.
+# A NaN fails every comparison, so each template sends it down a branch that
+# keeps it. sigmoid and softplus call exp only on -|x| (no overflow, and on
+# the simulator Python's math.exp raises where CUDA's gives inf): with
+# e = exp(-|x|), sigmoid is 1/(1+e) for x >= 0 and e/(1+e) below, one exp.
+_RELU = "({0} if not ({0} <= {zero}) else {zero})"
+_EXP_NEG_ABS = "math.exp(-abs({0}))"
 _ELEMENTWISE = {
     **_SCALAR_OPS,
     "exp": "math.exp({0})",
     "log": "math.log({0})",
-    "relu": "max({0}, {zero})",
+    "relu": _RELU,
     "tanh": "math.tanh({0})",
-    "sigmoid": "({one} / ({one} + math.exp(-{0})))",
-    "softplus": "(max({0}, {zero}) + math.log1p(math.exp(-abs({0}))))",
+    "sigmoid": (f"({{one}} / ({{one}} + {_EXP_NEG_ABS})"
+                f" * ({{one}} if {{0}} >= {{zero}} else {_EXP_NEG_ABS}))"),
+    "softplus": f"({_RELU} + math.log1p({_EXP_NEG_ABS}))",
     "clip": None,  # bounds from attributes
 }
 _SHAPE_OPS = {"slice", "concat", "pad", "sum", "transpose", "broadcast_axis"}
@@ -273,10 +281,13 @@ class _Kernels:
         one, zero = f"{dt}(1.0)", f"{dt}(0.0)"
         if e.op == "clip":
             x = args[0]
+            # a NaN x fails both comparisons and stays NaN (the bounds are numbers)
             if e.attrs.get("lo") is not None:
-                x = f"max({x}, {dt}({float(e.attrs['lo'])!r}))"
+                lo = f"{dt}({float(e.attrs['lo'])!r})"
+                x = f"({x} if not ({x} < {lo}) else {lo})"
             if e.attrs.get("hi") is not None:
-                x = f"min({x}, {dt}({float(e.attrs['hi'])!r}))"
+                hi = f"{dt}({float(e.attrs['hi'])!r})"
+                x = f"({x} if not ({x} > {hi}) else {hi})"
             return x
         return _ELEMENTWISE[e.op].format(*args, one=one, zero=zero)
 
