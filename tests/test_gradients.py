@@ -177,6 +177,7 @@ OP_TERMS = {
     "tanh": _unary(sn.ops.tanh),
     "sigmoid": _unary(sn.ops.sigmoid),
     "softplus": _unary(sn.ops.softplus),
+    "erf": _unary(sn.ops.erf),
     "relu": _unary(sn.ops.relu),
     "clip": lambda o: [sn.ops.clip(o.a, -0.8, 0.8), sn.ops.clip(o.a + o.Z, None, 0.8),
                        sn.ops.clip(o.a, -1.0, None), sn.ops.clip(o.a * o.P, -0.55, 0.55)],
@@ -234,7 +235,7 @@ PARAMETER_TERMS = {
     "transpose": lambda o: sn.ops.transpose(o.M),
     "thresholded_relu": lambda o: sn.ops.thresholded_relu(o.P, 0.3),
 }
-for _op in ["neg", "abs", "exp", "tanh", "sigmoid", "softplus", "relu", "affine",
+for _op in ["neg", "abs", "exp", "tanh", "sigmoid", "softplus", "erf", "relu", "affine",
             "leaky_relu", "scaled_tanh", "hard_sigmoid", "elu", "softsign"]:
     PARAMETER_TERMS[_op] = (lambda f: lambda o: f(o.P))(getattr(sn.ops, _op))
 

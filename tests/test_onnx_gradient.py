@@ -128,6 +128,7 @@ OP_CASES = {
     "Sigmoid": ([_node("Sigmoid", ["a"], ["y"])], {"a": _a(4)}),
     "Relu": ([_node("Relu", ["a"], ["y"])], {"a": _a(4)}),
     "Softplus": ([_node("Softplus", ["a"], ["y"])], {"a": _a(4)}),
+    "Erf": ([_node("Erf", ["a"], ["y"])], {"a": _a(4)}),
     "Softsign": ([_node("Softsign", ["a"], ["y"])], {"a": _a(4)}),
     "Sqrt": ([_node("Sqrt", ["a"], ["y"])], {"a": _a(4, positive=True)}),
     "Reciprocal": ([_node("Reciprocal", ["a"], ["y"])], {"a": _a(4, positive=True)}),

@@ -190,6 +190,7 @@ UNARY = {
                 [sn.ops.sigmoid]),
     "softplus": (elementwise(_softplus), lambda d: floats(d, -1000.0, 1000.0), False,
                  [sn.ops.softplus]),
+    "erf": (elementwise(math.erf), lambda d: floats(d, -8.0, 8.0), False, [sn.ops.erf]),
 }
 
 # name -> (reference on float64 operands, sn.ops function, operator or None)
@@ -622,7 +623,7 @@ def test_comparisons_give_bool(dtype, name):
 
 def test_float_ops_refuse_a_bool_step_value():
     X = _lod(F32)
-    for name in ("exp", "log", "tanh", "sigmoid", "softplus"):
+    for name in ("exp", "log", "tanh", "sigmoid", "softplus", "erf"):
         with pytest.raises(sn.ShapeError, match=name):
             step_net([X], lambda x, name=name: getattr(sn.ops, name)(x > 0))
 
@@ -922,7 +923,7 @@ def _backend_cases():
 
     def unary(x, y):
         return [sn.ops.neg(x), -x, abs(x), sn.ops.abs(x), sn.ops.relu(x), sn.ops.exp(x),
-                sn.ops.log(y), sn.ops.tanh(x), sn.ops.sigmoid(x), sn.ops.softplus(x),
+                sn.ops.log(y), sn.ops.tanh(x), sn.ops.sigmoid(x), sn.ops.softplus(x), sn.ops.erf(x),
                 sn.ops.clip(x, -0.5, 0.5), sn.ops.clip(x, None, 0.2), sn.ops.clip(x, -0.1),
                 # saturation, past exp's float32 overflow
                 sn.ops.tanh(x * 50.0), sn.ops.sigmoid(x * 50.0), sn.ops.softplus(x * 50.0)]

@@ -47,7 +47,6 @@ from .. import ir
 from ..errors import BackendError, UnsupportedError
 from ..lod import LoDTensor
 from ..ops import registry
-from .numba_cpu import _SCALAR_OPS
 
 try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
     from numba import cuda
@@ -56,28 +55,6 @@ except ImportError:  # pragma: no cover - numba always ships cuda
 
 PERSISTENT_MAX_ELEMENTS = 8192  # num_seq * widest step value: one block runs the whole loop
 THREADS = 128  # threads per block
-
-# the CPU backend's scalar templates (NaN-propagating maximum and minimum),
-# with CUDA's math functions. No max/min: fmaxf/fminf drop a NaN on a GPU.
-# A NaN fails every comparison, so each template sends it down a branch that
-# keeps it. sigmoid and softplus call exp only on -|x| (no overflow, and on
-# the simulator Python's math.exp raises where CUDA's gives inf): with
-# e = exp(-|x|), sigmoid is 1/(1+e) for x >= 0 and e/(1+e) below, one exp.
-_RELU = "({0} if not ({0} <= {zero}) else {zero})"
-_EXP_NEG_ABS = "math.exp(-abs({0}))"
-_ELEMENTWISE = {
-    **_SCALAR_OPS,
-    "exp": "math.exp({0})",
-    "log": "math.log({0})",
-    "relu": _RELU,
-    "tanh": "math.tanh({0})",
-    "sigmoid": (f"({{one}} / ({{one}} + {_EXP_NEG_ABS})"
-                f" * ({{one}} if {{0}} >= {{zero}} else {_EXP_NEG_ABS}))"),
-    "softplus": f"({_RELU} + math.log1p({_EXP_NEG_ABS}))",
-    "clip": None,  # bounds from attributes
-}
-_SHAPE_OPS = {"slice", "concat", "pad", "sum", "transpose", "broadcast_axis"}
-
 
 def available() -> bool:
     try:
@@ -247,7 +224,7 @@ class _Kernels:
         out = self.values[id(first.outputs[0])]
         if first.op == "matmul":
             return out.width, self._matmul(first)
-        if first.op in _SHAPE_OPS:
+        if registry.get(first.op).kind in ("shape", "reduce"):
             return out.width, self._shape_op(first)
         return out.width, self._elementwise(eqns)
 
@@ -277,19 +254,13 @@ class _Kernels:
         return _used_coords(self._coords(out_shape), lines)
 
     def _scalar(self, e, args):
+        """Op ``e`` on one element, ``args`` its operands' code: the op's
+        ``cuda`` code (stepnet/ops/primitives.py)."""
         dt = _dtype_name(e.outputs[0].dtype) if np.dtype(e.outputs[0].dtype).kind == "f" else "float64"
-        one, zero = f"{dt}(1.0)", f"{dt}(0.0)"
-        if e.op == "clip":
-            x = args[0]
-            # a NaN x fails both comparisons and stays NaN (the bounds are numbers)
-            if e.attrs.get("lo") is not None:
-                lo = f"{dt}({float(e.attrs['lo'])!r})"
-                x = f"({x} if not ({x} < {lo}) else {lo})"
-            if e.attrs.get("hi") is not None:
-                hi = f"{dt}({float(e.attrs['hi'])!r})"
-                x = f"({x} if not ({x} > {hi}) else {hi})"
-            return x
-        return _ELEMENTWISE[e.op].format(*args, one=one, zero=zero)
+        code = registry.get(e.op).cuda
+        if callable(code):
+            return code(*args, **{k: f"{dt}({float(v)!r})" for k, v in e.attrs.items() if v is not None})
+        return code.format(*args, one=f"{dt}(1.0)", zero=f"{dt}(0.0)")
 
     def _matmul(self, e):
         a, b = e.inputs
@@ -468,13 +439,14 @@ def _stages(eqns):
     (their intermediates stay in registers); every other op is a stage."""
     stages = []
     for e in eqns:
-        fusable = e.op in _ELEMENTWISE
+        op = registry.get(e.op)
+        fusable = op.kind == "elementwise" and op.cuda is not None
         shape = tuple(e.outputs[0].shape)
-        if (fusable and stages and stages[-1][0].op in _ELEMENTWISE
+        if (fusable and stages and registry.get(stages[-1][0].op).kind == "elementwise"
                 and tuple(stages[-1][-1].outputs[0].shape) == shape):
             stages[-1].append(e)
         else:
-            if not fusable and e.op != "matmul" and e.op not in _SHAPE_OPS:
+            if not fusable and op.kind not in ("matmul", "shape", "reduce"):
                 raise UnsupportedError(f"cuda backend: op {e.op} is not supported")
             stages.append([e])
     return stages

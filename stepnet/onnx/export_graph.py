@@ -1,5 +1,5 @@
-"""The step-net IR as ONNX nodes: one table of op translations and one
-``Scan`` per ``rnn`` equation.
+"""The step-net IR as ONNX nodes: each op as its registry entry says
+(``OpDef.onnx``) and one ``Scan`` per ``rnn`` equation.
 
 A step-net over a padded batch is one ``Scan`` (opset 17) whose body is the
 step. Sequences are right-padded, so the batch never shrinks; a mask says
@@ -210,132 +210,15 @@ class Graph:
 
 
 # ----------------------------------------------------------------------------
-# ops: one translation per primitive
+# ops: each primitive's entry says how it exports (registry.OpDef.onnx)
 
 
-def _operand(g, env, v, dtype):
-    """The ONNX name of operand ``v`` as ``dtype`` (a Literal is a constant
-    of that dtype: Python scalars are weak)."""
+def _operand(g, env, v, dtype=None):
+    """The ONNX name of operand ``v``, cast to ``dtype`` if given (a Literal
+    is a constant of that dtype: Python scalars are weak)."""
     if isinstance(v, Literal):
         return g.const(v.value, dtype)
-    return g.cast(env[id(v)], v.dtype, dtype)
-
-
-def _elementwise(onnx_op):
-    def emit(g, env, eqn):
-        dtype = eqn.outputs[0].dtype
-        return g.add(onnx_op, [_operand(g, env, v, dtype) for v in eqn.inputs])
-
-    return emit
-
-
-def _compare(onnx_op):
-    def emit(g, env, eqn):
-        dtype = registry.result_dtype(eqn.inputs)
-        return g.add(onnx_op, [_operand(g, env, v, dtype) for v in eqn.inputs])
-
-    return emit
-
-
-def _softplus(g, env, eqn):
-    x = _operand(g, env, eqn.inputs[0], eqn.outputs[0].dtype)
-    if np.dtype(eqn.outputs[0].dtype) == np.float32:
-        return g.add("Softplus", [x])
-    # onnxruntime has no float64 Softplus: max(x, 0) + log(1 + exp(-|x|))
-    tail = g.add("Exp", [g.add("Neg", [g.add("Abs", [x])])])
-    one = g.const(1, eqn.outputs[0].dtype)
-    return g.add("Add", [g.add("Relu", [x]), g.add("Log", [g.add("Add", [one, tail])])])
-
-
-def _where(g, env, eqn):
-    cond, a, b = eqn.inputs
-    dtype = eqn.outputs[0].dtype
-    return g.add("Where", [env[id(cond)], _operand(g, env, a, dtype), _operand(g, env, b, dtype)])
-
-
-def _clip(g, env, eqn):
-    dtype = eqn.outputs[0].dtype
-    lo, hi = eqn.attrs.get("lo"), eqn.attrs.get("hi")
-    bounds = ["" if lo is None else g.const(lo, dtype)] + ([] if hi is None else [g.const(hi, dtype)])
-    return g.add("Clip", [_operand(g, env, eqn.inputs[0], dtype)] + bounds)
-
-
-def _axis(eqn):
-    (x,) = eqn.inputs[:1]
-    return registry.normalize_axis(eqn.op, x, eqn.attrs["axis"])
-
-
-def _sum(g, env, eqn):
-    x = _operand(g, env, eqn.inputs[0], eqn.outputs[0].dtype)
-    return g.add("ReduceSum", [x, g.ints([_axis(eqn)])],
-                 keepdims=int(bool(eqn.attrs.get("keepdims", False))))
-
-
-def _concat(g, env, eqn):
-    dtype = eqn.outputs[0].dtype
-    return g.add("Concat", [_operand(g, env, v, dtype) for v in eqn.inputs], axis=_axis(eqn))
-
-
-def _slice(g, env, eqn):
-    a = eqn.attrs
-    return g.add("Slice", [env[id(eqn.inputs[0])], g.ints([a["start"]]), g.ints([a["stop"]]),
-                           g.ints([_axis(eqn)])])
-
-
-def _transpose(g, env, eqn):
-    rank = len(eqn.inputs[0].shape)
-    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
-    return g.add("Transpose", [env[id(eqn.inputs[0])]], perm=perm)
-
-
-def _broadcast_axis(g, env, eqn):
-    x = env[id(eqn.inputs[0])]
-    axis, size = eqn.attrs["axis"], eqn.attrs["size"]
-    if eqn.attrs["insert"]:
-        x = g.add("Unsqueeze", [x, g.ints([axis])])
-    target = [1] * len(eqn.outputs[0].shape)
-    target[axis] = size
-    return g.add("Expand", [x, g.ints(target)])  # Expand broadcasts both ways
-
-
-def _pad(g, env, eqn):
-    rank = len(eqn.inputs[0].shape)
-    axis = _axis(eqn)
-    pads = [0] * (2 * rank)
-    pads[axis], pads[rank + axis] = eqn.attrs["before"], eqn.attrs["after"]
-    return g.add("Pad", [env[id(eqn.inputs[0])], g.ints(pads)], mode="constant")
-
-
-OPS = {
-    "add": _elementwise("Add"),
-    "sub": _elementwise("Sub"),
-    "mul": _elementwise("Mul"),
-    "div": _elementwise("Div"),
-    "maximum": _elementwise("Max"),
-    "minimum": _elementwise("Min"),
-    "neg": _elementwise("Neg"),
-    "abs": _elementwise("Abs"),
-    "exp": _elementwise("Exp"),
-    "log": _elementwise("Log"),
-    "tanh": _elementwise("Tanh"),
-    "sigmoid": _elementwise("Sigmoid"),
-    "softplus": _softplus,
-    "relu": _elementwise("Relu"),
-    "clip": _clip,
-    "greater": _compare("Greater"),
-    "greater_equal": _compare("GreaterOrEqual"),
-    "less": _compare("Less"),
-    "less_equal": _compare("LessOrEqual"),
-    "equal": _compare("Equal"),
-    "where": _where,
-    "matmul": _elementwise("MatMul"),
-    "sum": _sum,
-    "concat": _concat,
-    "slice": _slice,
-    "transpose": _transpose,
-    "broadcast_axis": _broadcast_axis,
-    "pad": _pad,
-}
+    return env[id(v)] if dtype is None else g.cast(env[id(v)], v.dtype, dtype)
 
 
 def check_supported(block, where) -> None:
@@ -344,7 +227,7 @@ def check_supported(block, where) -> None:
     for eqn in block.eqns:
         if eqn.op == "rnn":
             check_supported(eqn.attrs["body"], f"{where} > {eqn.attrs['name']}")
-        elif eqn.op not in OPS:
+        elif registry.get(eqn.op).onnx is None:
             raise UnsupportedError(f"{where}: op {eqn.op!r} has no ONNX export")
 
 
@@ -353,7 +236,16 @@ def emit_eqn(g, env, eqn):
     if eqn.op == "rnn":
         _emit_nested_rnn(g, env, eqn)
         return
-    env[id(eqn.outputs[0])] = OPS[eqn.op](g, env, eqn)
+    form = registry.get(eqn.op).onnx
+
+    def operand(v, dtype=None):
+        return _operand(g, env, v, dtype)
+
+    if isinstance(form, str):  # one ONNX node, its operands of the result's type
+        dtype = registry.result_dtype(eqn.inputs)
+        env[id(eqn.outputs[0])] = g.add(form, [operand(v, dtype) for v in eqn.inputs])
+    else:
+        env[id(eqn.outputs[0])] = form(g, eqn, operand)
 
 
 def _emit_nested_rnn(g, env, eqn):

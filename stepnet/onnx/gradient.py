@@ -8,18 +8,20 @@ initializers); it is run again on the node's inputs, keeping each recurrent
 node's workspace, then walked backwards from ``y`` with the seed
 ``ones_like(y)``: for a non-scalar ``y`` the outputs are the gradients of
 ``sum(y)`` (the spec's examples have a scalar ``y``). GRU, LSTM, RNN and
-Scan nodes pull back through their step-nets (:func:`stepnet.vjp`); the
-other ops by the rules below, one per op, attached to the op's entry in
-:mod:`stepnet.onnx.ops`. A Gradient inside the
+Scan nodes pull back through their step-nets (:func:`stepnet.vjp`); an op
+that imports as one of stepnet's primitives by that primitive's own gradient
+rule; the other ops by the rules below, one per op, attached to the op's entry
+in :mod:`stepnet.onnx.ops`. A Gradient inside the
 differentiated graph (a Gradient of a Gradient) raises UnsupportedError.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from scipy import special
 
-from ..autodiff import sum_to_shape
+from ..autodiff import _EagerEmitter, sum_to_shape
+from ..ir import Eqn, Var
+from ..ops import registry
 from .ops import OPS
 
 # ----------------------------------------------------------------------------
@@ -52,32 +54,28 @@ def _fit(gs, inputs):
     return out
 
 
+def _primitive_rule(entry):
+    """The gradient rule of stepnet's primitive ``entry``, computed with NumPy:
+    the ONNX op it imports (``entry.onnx_import``) means the same."""
+
+    def rule(ctx, inputs, outputs, grads):
+        arrays = [np.asarray(x) for x in [*inputs, outputs[0]]]
+        variables = [Var(f"v{i}", a.dtype, a.shape) for i, a in enumerate(arrays)]
+        eqn = Eqn(entry.name, tuple(variables[:-1]), (variables[-1],))
+        em = _EagerEmitter({id(v): a for v, a in zip(variables, arrays)})
+        return _fit(entry.grad(em, eqn, grads[0]), inputs)
+
+    return rule
+
+
+for _entry in registry.all_ops().values():
+    if _entry.onnx_import and _entry.grad is not None:
+        _rule(_entry.onnx_import)(_primitive_rule(_entry))
+
+
 @_rule("Identity", "Dropout")
 def _identity(ctx, inputs, outputs, grads, **attrs):
     return [grads[0]]
-
-
-@_rule("Add")
-def _add(ctx, inputs, outputs, grads):
-    return _fit([grads[0], grads[0]], inputs)
-
-
-@_rule("Sub")
-def _sub(ctx, inputs, outputs, grads):
-    return _fit([grads[0], -grads[0]], inputs)
-
-
-@_rule("Mul")
-def _mul(ctx, inputs, outputs, grads):
-    a, b = inputs
-    return _fit([grads[0] * b, grads[0] * a], inputs)
-
-
-@_rule("Div")
-def _div(ctx, inputs, outputs, grads):
-    a, b = inputs
-    g = grads[0]
-    return _fit([g / b, -g * outputs[0] / b], inputs)
 
 
 @_rule("Sum")
@@ -111,14 +109,6 @@ def _unary(name, derivative):
         return _fit([grads[0] * derivative(x, outputs[0], **attrs)], inputs[:1])
 
 
-_unary("Neg", lambda x, y: -1)
-_unary("Abs", lambda x, y: np.sign(x))
-_unary("Exp", lambda x, y: y)
-_unary("Log", lambda x, y: 1 / x)
-_unary("Tanh", lambda x, y: 1 - y * y)
-_unary("Sigmoid", lambda x, y: y * (1 - y))
-_unary("Relu", lambda x, y: (x > 0).astype(x.dtype))
-_unary("Softplus", lambda x, y: special.expit(x))
 _unary("Softsign", lambda x, y: 1 / (1 + np.abs(x)) ** 2)
 _unary("Sqrt", lambda x, y: 0.5 / y)
 _unary("Reciprocal", lambda x, y: -y * y)
@@ -141,13 +131,6 @@ def _clip(ctx, inputs, outputs, grads, **attrs):
     if hi is not None:
         inside &= x <= np.asarray(hi)
     return _fit([np.where(inside, grads[0], 0)], inputs[:1]) + [None] * (len(inputs) - 1)
-
-
-@_rule("Where")
-def _where(ctx, inputs, outputs, grads):
-    cond, a, b = inputs
-    g = grads[0]
-    return [None] + _fit([np.where(cond, g, 0), np.where(cond, 0, g)], [a, b])
 
 
 def _matmul_grads(a, b, g):

@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import ops as sn_ops
 from ..errors import UnsupportedError
+from ..ops import registry
 from ..tracing import Value
 
 OPS: dict = {}
@@ -138,26 +139,26 @@ def _int_div(a, b):
     return (np.sign(a) * np.sign(b) * q).astype(np.result_type(a, b))
 
 
-def _binary(name, np_fn, sn_fn):
+def _primitive(name, entry):
+    """ONNX op ``name`` run as stepnet's primitive ``entry`` (its ``onnx_import``)."""
+
     @op(name)
-    def run(ctx, a, b):
-        if _any_step((a, b)):
-            _check_constant_rank(ctx, (a, b))
-            return sn_fn(*_aligned(ctx, (a, b)))
-        if name == "Div" and np.asarray(a).dtype.kind in "iu":
-            return _int_div(a, b)
-        return np_fn(a, b)
+    def run(ctx, *xs):
+        if len(xs) != entry.num_inputs:
+            raise ctx.unsupported(f"takes {entry.num_inputs} inputs, got {len(xs)}")
+        if _any_step(xs):
+            _check_constant_rank(ctx, xs)
+            return entry.function(*_aligned(ctx, xs))
+        if name == "Div" and np.asarray(xs[0]).dtype.kind in "iu":
+            return _int_div(*xs)
+        if len(xs) == 1:  # a unary op keeps its input's dtype (float16 included)
+            return np.asarray(entry.numpy(np.asarray(xs[0])), np.asarray(xs[0]).dtype)
+        return entry.numpy(*xs)
 
 
-_binary("Add", np.add, sn_ops.add)
-_binary("Sub", np.subtract, sn_ops.sub)
-_binary("Mul", np.multiply, sn_ops.mul)
-_binary("Div", np.divide, sn_ops.div)
-_binary("Greater", np.greater, sn_ops.greater)
-_binary("GreaterOrEqual", np.greater_equal, sn_ops.greater_equal)
-_binary("Less", np.less, sn_ops.less)
-_binary("LessOrEqual", np.less_equal, sn_ops.less_equal)
-_binary("Equal", np.equal, sn_ops.equal)
+for _entry in registry.all_ops().values():
+    if _entry.onnx_import:
+        _primitive(_entry.onnx_import, _entry)
 
 
 def _variadic(name, np_fn, sn_fn):
@@ -198,14 +199,6 @@ def _unary(name, fn, attrs=(), defaults=None, on_arrays=None):
         return np.asarray((on_arrays or fn)(x, **kw), x.dtype)
 
 
-_unary("Neg", sn_ops.neg)
-_unary("Abs", sn_ops.abs)
-_unary("Exp", sn_ops.exp)
-_unary("Log", sn_ops.log)
-_unary("Tanh", sn_ops.tanh)
-_unary("Sigmoid", sn_ops.sigmoid)
-_unary("Relu", sn_ops.relu)
-_unary("Softplus", sn_ops.softplus)
 _unary("Softsign", sn_ops.softsign)
 _unary("Elu", sn_ops.elu, ["alpha"], {"alpha": 1.0})
 _unary("LeakyRelu", sn_ops.leaky_relu, ["alpha"], {"alpha": 0.01})
@@ -240,14 +233,6 @@ def _dropout(ctx, x, ratio=None, training_mode=None):
     if is_step(x):
         return x
     return x, np.ones(np.shape(x), bool)
-
-
-@op("Where")
-def _where(ctx, cond, a, b):
-    if _any_step((cond, a, b)):
-        _check_constant_rank(ctx, (cond, a, b))
-        return sn_ops.where(*_aligned(ctx, (cond, a, b)))
-    return np.where(cond, a, b)
 
 
 @op("Clip", ["min", "max"])

@@ -1,88 +1,11 @@
-"""stepnet's ops: the primitives (``registry``, one entry each) and the
-composites built from them. Use them as ``sn.ops.tanh(x)`` and so on."""
+"""stepnet's ops: the primitives (one ``registry`` entry each, registered in
+``primitives.py``) and the composites built from them. Use them as
+``sn.ops.tanh(x)`` and so on."""
 
-from . import primitives as _primitives  # noqa: F401 - fills the registry
-from . import grads as _grads  # noqa: F401 - adds the gradient rules
-from . import registry
-from .api import (
-    abs,
-    add,
-    broadcast_axis,
-    clip,
-    concat,
-    div,
-    equal,
-    exp,
-    greater,
-    greater_equal,
-    less,
-    less_equal,
-    log,
-    matmul,
-    maximum,
-    minimum,
-    mul,
-    neg,
-    pad,
-    relu,
-    sigmoid,
-    slice,
-    softplus,
-    sub,
-    sum,
-    tanh,
-    transpose,
-    where,
-)
-from .composites import (
-    affine,
-    elu,
-    hard_sigmoid,
-    leaky_relu,
-    mean,
-    scaled_tanh,
-    softsign,
-    split,
-    thresholded_relu,
-)
+from . import composites, primitives, registry  # noqa: F401 - primitives fills the registry
 
-__all__ = [
-    "abs",
-    "add",
-    "affine",
-    "broadcast_axis",
-    "clip",
-    "concat",
-    "div",
-    "elu",
-    "equal",
-    "exp",
-    "greater",
-    "greater_equal",
-    "hard_sigmoid",
-    "leaky_relu",
-    "less",
-    "less_equal",
-    "log",
-    "matmul",
-    "maximum",
-    "mean",
-    "minimum",
-    "mul",
-    "neg",
-    "pad",
-    "registry",
-    "relu",
-    "scaled_tanh",
-    "sigmoid",
-    "slice",
-    "softplus",
-    "softsign",
-    "split",
-    "sub",
-    "sum",
-    "tanh",
-    "thresholded_relu",
-    "transpose",
-    "where",
-]
+# sn.ops.<name>: every primitive's function (from its entry) and every composite
+globals().update({name: op.function for name, op in registry.all_ops().items()})
+globals().update({name: getattr(composites, name) for name in composites.__all__})
+
+__all__ = sorted([*registry.all_ops(), *composites.__all__, "registry"])

@@ -5,10 +5,12 @@ RNN/GRU/LSTM operator specs, alpha and beta included.
 
 from __future__ import annotations
 
-from .api import (
+from ..errors import ShapeError
+from .primitives import (
     abs,
     add,
     clip,
+    div,
     exp,
     greater,
     greater_equal,
@@ -20,6 +22,9 @@ from .api import (
     tanh,
     where,
 )
+
+__all__ = ["affine", "elu", "hard_sigmoid", "leaky_relu", "mean", "scaled_tanh", "softsign",
+           "split", "thresholded_relu"]
 
 
 def mean(x, axis=-1, keepdims=False):
@@ -33,13 +38,9 @@ def split(x, sections, axis=-1):
     sizes listed in ``sections`` (a list). Returns a list of slices."""
     size = shape_of(x)[axis]
     if size is None:
-        from ..errors import ShapeError
-
         raise ShapeError(f"split: cannot split the batch axis (axis {axis}) of a step value")
     if isinstance(sections, int):
         if sections <= 0 or size % sections:
-            from ..errors import ShapeError
-
             raise ShapeError(f"split: axis of size {size} does not split into {sections} parts")
         sizes = [size // sections] * sections
     else:
@@ -49,8 +50,6 @@ def split(x, sections, axis=-1):
         parts.append(slice(x, start, start + n, axis))
         start += n
     if start != size:
-        from ..errors import ShapeError
-
         raise ShapeError(f"split: sizes {sizes} do not add up to the axis size {size}")
     return parts
 
@@ -87,6 +86,4 @@ def elu(x, alpha=1.0):
 
 def softsign(x):
     """ONNX Softsign: ``x / (1 + |x|)``."""
-    from .api import div
-
     return div(x, add(abs(x), 1.0))

@@ -1,16 +1,43 @@
-"""The primitives: each one entry with its shape rule and NumPy reference.
+"""The primitives: one record each, its function under its registration.
 
-Composite ops (the parametric ONNX activations, mean, split, ...) live in
-``composites.py`` and are built from these, so they need nothing here.
+A record holds the op's shape rule, NumPy reference, gradient rule, code for
+each backend and ONNX forms (the fields of :class:`registry.OpDef`), then the
+public function ``sn.ops.<name>``::
+
+    @register("tanh", _unary_float_rule("tanh"), np.tanh, "elementwise", 1,
+              grad=derivative(lambda em, x, y: em.op("sub", ONE, em.op("mul", y, y))),
+              onnx="Tanh", onnx_import="Tanh")
+    def tanh(x):
+        return bind("tanh", [x])
+
+On step values the functions trace into the IR; on plain arrays they compute
+eagerly with the NumPy reference. Composite ops (the parametric ONNX
+activations, mean, split, ...) live in ``composites.py`` and are built from
+these, so they need nothing here. docs/adding-an-op.md says how to add one.
+
+A gradient rule is ``grad(em, eqn, g) -> [cotangent or None per operand]``:
+``g`` is the cotangent of the equation's output, ``em.val(v)`` gives a forward
+value (an operand or the output), and ``em.op(name, *operands, **attrs)``
+applies a primitive. Under :mod:`stepnet.autodiff` the emitter appends IR
+equations to the backward step (so the backward compiles like the forward);
+for constants outside the time loop, and for the ONNX Gradient operator, it
+computes with the NumPy references. Each cotangent has the shape of the
+equation's output; ``em.unbroadcast`` (applied by the caller) reduces it to the
+operand's shape. ``None`` means "no gradient": the condition of ``where``,
+Python scalars, and non-float operands.
 """
 
 from __future__ import annotations
 
+import builtins
+import math
+
 import numpy as np
 from scipy import special
 
-from ..errors import ShapeError
+from ..errors import ShapeError, UnsupportedError
 from ..ir import Literal
+from ..tracing import Parameter, Value, bind
 from .registry import (
     Aval,
     broadcast,
@@ -21,8 +48,19 @@ from .registry import (
     shape_str,
 )
 
+ZERO, ONE = Literal(0.0), Literal(1.0)
+TWO_OVER_SQRT_PI = Literal(2 / math.sqrt(math.pi))
+
+
+def shape_of(x) -> tuple:
+    """The full shape of a step value (``None`` = batch axis) or an array."""
+    if isinstance(x, (Value, Parameter)):
+        return x.shape
+    return np.shape(x)
+
+
 # ----------------------------------------------------------------------------
-# elementwise
+# shape rules and gradient helpers
 
 
 def _binary_rule(name):
@@ -54,33 +92,196 @@ def _unary_rule(operands):
     return Aval(x.shape, np.dtype(x.dtype))
 
 
-register("add", _binary_rule("add"), np.add, "elementwise", 2)
-register("sub", _binary_rule("sub"), np.subtract, "elementwise", 2)
-register("mul", _binary_rule("mul"), np.multiply, "elementwise", 2)
-register("div", _binary_rule("div"), np.divide, "elementwise", 2)
-register("maximum", _binary_rule("maximum"), np.maximum, "elementwise", 2)
-register("minimum", _binary_rule("minimum"), np.minimum, "elementwise", 2)
-register("neg", _unary_rule, np.negative, "elementwise", 1)
-register("abs", _unary_rule, np.abs, "elementwise", 1)
+def _vals(em, e):
+    """The forward values of ``e``'s operands."""
+    return [em.val(v) for v in e.inputs]
 
-register("exp", _unary_float_rule("exp"), np.exp, "elementwise", 1)
-register("log", _unary_float_rule("log"), np.log, "elementwise", 1)
-register("tanh", _unary_float_rule("tanh"), np.tanh, "elementwise", 1)
-register("sigmoid", _unary_float_rule("sigmoid"), special.expit, "elementwise", 1)
-register(
-    "softplus",
-    _unary_float_rule("softplus"),
-    lambda x: np.logaddexp(x.dtype.type(0), x),
-    "elementwise",
-    1,
-)
-register("relu", _unary_rule, lambda x: np.maximum(x, x.dtype.type(0)), "elementwise", 1)
 
-register("greater", _compare_rule("greater"), np.greater, "elementwise", 2)
-register("greater_equal", _compare_rule("greater_equal"), np.greater_equal, "elementwise", 2)
-register("less", _compare_rule("less"), np.less, "elementwise", 2)
-register("less_equal", _compare_rule("less_equal"), np.less_equal, "elementwise", 2)
-register("equal", _compare_rule("equal"), np.equal, "elementwise", 2)
+def derivative(dydx):
+    """The gradient rule of a unary op from its derivative ``dydx(em, x, y)``."""
+    return lambda em, e, g: [em.op("mul", g, dydx(em, em.val(e.inputs[0]), em.val(e.outputs[0])))]
+
+
+def _select(em, cond, g):
+    """``[g where cond, 0 elsewhere; 0 where cond, g elsewhere]``."""
+    return [em.op("where", cond, g, ZERO), em.op("where", cond, ZERO, g)]
+
+
+# ----------------------------------------------------------------------------
+# elementwise arithmetic
+
+
+@register("add", _binary_rule("add"), np.add, "elementwise", 2,
+          grad=lambda em, e, g: [g, g], numba="({0} + {1})", onnx="Add", onnx_import="Add")
+def add(a, b):
+    return bind("add", [a, b])
+
+
+@register("sub", _binary_rule("sub"), np.subtract, "elementwise", 2,
+          grad=lambda em, e, g: [g, em.op("neg", g)], numba="({0} - {1})",
+          onnx="Sub", onnx_import="Sub")
+def sub(a, b):
+    return bind("sub", [a, b])
+
+
+def _mul_grad(em, e, g):
+    a, b = _vals(em, e)
+    return [em.op("mul", g, b), em.op("mul", g, a)]
+
+
+@register("mul", _binary_rule("mul"), np.multiply, "elementwise", 2,
+          grad=_mul_grad, numba="({0} * {1})", onnx="Mul", onnx_import="Mul")
+def mul(a, b):
+    return bind("mul", [a, b])
+
+
+def _div_grad(em, e, g):
+    ga = em.op("div", g, em.val(e.inputs[1]))
+    return [ga, em.op("neg", em.op("mul", ga, em.val(e.outputs[0])))]
+
+
+@register("div", _binary_rule("div"), np.divide, "elementwise", 2,
+          grad=_div_grad, numba="({0} / {1})", onnx="Div", onnx_import="Div")
+def div(a, b):
+    return bind("div", [a, b])
+
+
+# NaN in gives NaN out, as in NumPy, by construction: Numba's max/min of
+# floats and a GPU's fmaxf/fminf drop a NaN, so maximum and minimum pick the
+# first operand when it is NaN or not beaten, else the second (NaN or not).
+@register("maximum", _binary_rule("maximum"), np.maximum, "elementwise", 2,
+          grad=lambda em, e, g: _select(em, em.op("greater_equal", *_vals(em, e)), g),
+          numba="({0} if ({0} >= {1}) | ({0} != {0}) else {1})", onnx="Max")
+def maximum(a, b):
+    return bind("maximum", [a, b])
+
+
+@register("minimum", _binary_rule("minimum"), np.minimum, "elementwise", 2,
+          grad=lambda em, e, g: _select(em, em.op("less_equal", *_vals(em, e)), g),
+          numba="({0} if ({0} <= {1}) | ({0} != {0}) else {1})", onnx="Min")
+def minimum(a, b):
+    return bind("minimum", [a, b])
+
+
+@register("neg", _unary_rule, np.negative, "elementwise", 1,
+          grad=lambda em, e, g: [em.op("neg", g)], numba="(-{0})", onnx="Neg", onnx_import="Neg")
+def neg(x):
+    return bind("neg", [x])
+
+
+def _abs_grad(em, e, g):
+    x = em.val(e.inputs[0])
+    positive = em.op("where", em.op("greater", x, ZERO), g, ZERO)
+    negative = em.op("where", em.op("less", x, ZERO), g, ZERO)
+    return [em.op("sub", positive, negative)]
+
+
+@register("abs", _unary_rule, np.abs, "elementwise", 1,
+          grad=_abs_grad, numba="abs({0})", onnx="Abs", onnx_import="Abs")
+def abs(x):
+    return bind("abs", [x])
+
+
+# ----------------------------------------------------------------------------
+# transcendental activations
+#
+# On CUDA a NaN fails every comparison, so each template sends it down a
+# branch that keeps it (no max/min: fmaxf/fminf drop a NaN on a GPU).
+# sigmoid and softplus call exp only on -|x| (no overflow, and on the
+# simulator Python's math.exp raises where CUDA's gives inf): with
+# e = exp(-|x|), sigmoid is 1/(1+e) for x >= 0 and e/(1+e) below, one exp.
+
+_RELU_CUDA = "({0} if not ({0} <= {zero}) else {zero})"
+_EXP_NEG_ABS = "math.exp(-abs({0}))"
+_SIGMOID_CUDA = (f"({{one}} / ({{one}} + {_EXP_NEG_ABS})"
+                 f" * ({{one}} if {{0}} >= {{zero}} else {_EXP_NEG_ABS}))")
+
+
+@register("exp", _unary_float_rule("exp"), np.exp, "elementwise", 1,
+          grad=derivative(lambda em, x, y: y), numba="np.exp({0})", cuda="math.exp({0})",
+          onnx="Exp", onnx_import="Exp")
+def exp(x):
+    return bind("exp", [x])
+
+
+@register("log", _unary_float_rule("log"), np.log, "elementwise", 1,
+          grad=lambda em, e, g: [em.op("div", g, em.val(e.inputs[0]))],
+          numba="np.log({0})", cuda="math.log({0})", onnx="Log", onnx_import="Log")
+def log(x):
+    return bind("log", [x])
+
+
+@register("tanh", _unary_float_rule("tanh"), np.tanh, "elementwise", 1,
+          grad=derivative(lambda em, x, y: em.op("sub", ONE, em.op("mul", y, y))),
+          numba="tanh{bits}({0})", cuda="math.tanh({0})", onnx="Tanh", onnx_import="Tanh")
+def tanh(x):
+    return bind("tanh", [x])
+
+
+@register("sigmoid", _unary_float_rule("sigmoid"), special.expit, "elementwise", 1,
+          grad=derivative(lambda em, x, y: em.op("mul", y, em.op("sub", ONE, y))),
+          numba="sigmoid{bits}({0})", cuda=_SIGMOID_CUDA, onnx="Sigmoid", onnx_import="Sigmoid")
+def sigmoid(x):
+    return bind("sigmoid", [x])
+
+
+def _softplus_onnx(g, e, operand):
+    dtype = e.outputs[0].dtype
+    x = operand(e.inputs[0], dtype)
+    if np.dtype(dtype) == np.float32:
+        return g.add("Softplus", [x])
+    # onnxruntime has no float64 Softplus: max(x, 0) + log(1 + exp(-|x|))
+    tail = g.add("Exp", [g.add("Neg", [g.add("Abs", [x])])])
+    return g.add("Add", [g.add("Relu", [x]), g.add("Log", [g.add("Add", [g.const(1, dtype), tail])])])
+
+
+@register("softplus", _unary_float_rule("softplus"),
+          lambda x: np.logaddexp(x.dtype.type(0), x), "elementwise", 1,
+          grad=derivative(lambda em, x, y: em.op("sigmoid", x)),
+          numba="softplus{bits}({0})", cuda=f"({_RELU_CUDA} + math.log1p({_EXP_NEG_ABS}))",
+          onnx=_softplus_onnx, onnx_import="Softplus")
+def softplus(x):
+    """ONNX Softplus: ``log(1 + exp(x))``, computed without overflow."""
+    return bind("softplus", [x])
+
+
+@register("erf", _unary_float_rule("erf"), special.erf, "elementwise", 1,
+          grad=derivative(lambda em, x, y: em.op("mul", TWO_OVER_SQRT_PI,
+                                                 em.op("exp", em.op("neg", em.op("mul", x, x))))),
+          numba="math.erf({0})", cuda="math.erf({0})", onnx="Erf", onnx_import="Erf")
+def erf(x):
+    """The Gauss error function ``2/sqrt(pi) * integral of exp(-t*t) from 0 to x``
+    (``gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))``). Exports as ONNX Erf,
+    which onnxruntime runs in float32 only."""
+    return bind("erf", [x])
+
+
+@register("relu", _unary_rule, lambda x: np.maximum(x, x.dtype.type(0)), "elementwise", 1,
+          grad=lambda em, e, g: [em.op("where", em.op("greater", em.val(e.inputs[0]), ZERO), g, ZERO)],
+          numba="relu({0})", cuda=_RELU_CUDA, onnx="Relu", onnx_import="Relu")
+def relu(x):
+    return bind("relu", [x])
+
+
+# ----------------------------------------------------------------------------
+# comparisons (no gradient: the result is a mask), where, clip
+
+
+def _comparison(name, numpy, symbol, onnx):
+    @register(name, _compare_rule(name), numpy, "elementwise", 2, numba=f"({{0}} {symbol} {{1}})",
+              onnx=onnx, onnx_import=onnx)
+    def compare(a, b):
+        return bind(name, [a, b])
+
+    compare.__name__ = compare.__qualname__ = name
+    return compare
+
+
+greater = _comparison("greater", np.greater, ">", "Greater")
+greater_equal = _comparison("greater_equal", np.greater_equal, ">=", "GreaterOrEqual")
+less = _comparison("less", np.less, "<", "Less")
+less_equal = _comparison("less_equal", np.less_equal, "<=", "LessOrEqual")
+equal = _comparison("equal", np.equal, "==", "Equal")
 
 
 def _where_rule(operands):
@@ -90,7 +291,18 @@ def _where_rule(operands):
     return Aval(broadcast("where", operands), result_dtype([a, b]))
 
 
-register("where", _where_rule, np.where, "elementwise", 3)
+def _where_onnx(g, e, operand):
+    cond, a, b = e.inputs
+    dtype = e.outputs[0].dtype
+    return g.add("Where", [operand(cond), operand(a, dtype), operand(b, dtype)])
+
+
+@register("where", _where_rule, np.where, "elementwise", 3,
+          grad=lambda em, e, g: [None] + _select(em, em.val(e.inputs[0]), g),
+          numba="({1} if {0} else {2})", onnx=_where_onnx, onnx_import="Where")
+def where(cond, a, b):
+    """Per element: ``a`` where ``cond`` holds, else ``b``."""
+    return bind("where", [cond, a, b])
 
 
 def _clip_rule(operands, lo=None, hi=None):
@@ -111,7 +323,39 @@ def _clip(x, lo=None, hi=None):
     return x
 
 
-register("clip", _clip_rule, _clip, "elementwise", 1)
+def _clip_grad(em, e, g):
+    x = em.val(e.inputs[0])
+    lo, hi = e.attrs.get("lo"), e.attrs.get("hi")
+    if lo is not None:
+        g = em.op("where", em.op("less", x, Literal(lo)), ZERO, g)
+    if hi is not None:
+        g = em.op("where", em.op("greater", x, Literal(hi)), ZERO, g)
+    return [g]
+
+
+def _clip_code(x, lo=None, hi=None):
+    # np.clip: the bounds are numbers, so only x can be NaN, and it fails
+    # both comparisons and stays NaN
+    if lo is not None:
+        x = f"({x} if not ({x} < {lo}) else {lo})"
+    if hi is not None:
+        x = f"({x} if not ({x} > {hi}) else {hi})"
+    return x
+
+
+def _clip_onnx(g, e, operand):
+    dtype = e.outputs[0].dtype
+    lo, hi = e.attrs.get("lo"), e.attrs.get("hi")
+    bounds = ["" if lo is None else g.const(lo, dtype)] + ([] if hi is None else [g.const(hi, dtype)])
+    return g.add("Clip", [operand(e.inputs[0], dtype)] + bounds)
+
+
+@register("clip", _clip_rule, _clip, "elementwise", 1, grad=_clip_grad, numba=_clip_code,
+          onnx=_clip_onnx)
+def clip(x, lo=None, hi=None):
+    """Clip to ``[lo, hi]``; either bound may be None."""
+    return bind("clip", [x], lo=None if lo is None else float(lo),
+                hi=None if hi is None else float(hi))
 
 
 # ----------------------------------------------------------------------------
@@ -152,11 +396,33 @@ def _matmul_rule(operands):
     return Aval(out, dtype)
 
 
-register("matmul", _matmul_rule, np.matmul, "matmul", 2)
+def _matmul_grad(em, e, g):
+    a, b = e.inputs
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise UnsupportedError(
+            "gradient of matmul with a one-dimensional operand is not supported; "
+            "make the vector a [1, n] or [n, 1] matrix"
+        )
+    av, bv = em.val(a), em.val(b)
+    ga = em.op("matmul", g, em.op("transpose", bv))
+    if a.batched and len(a.shape) == 2:
+        # x @ W with x one row per sequence: dW is the sum over rows of the
+        # outer products x^T g, one GEMM over every step (em.outer)
+        return [ga, em.outer(av, g)]
+    return [ga, em.op("matmul", em.op("transpose", av), g)]
+
+
+@register("matmul", _matmul_rule, np.matmul, "matmul", 2, grad=_matmul_grad, onnx="MatMul")
+def matmul(a, b):
+    return bind("matmul", [a, b])
 
 
 # ----------------------------------------------------------------------------
 # reductions and shape ops
+
+
+def _axis(e) -> int:
+    return normalize_axis(e.op, e.inputs[0], e.attrs["axis"])
 
 
 def _sum_rule(operands, axis, keepdims=False):
@@ -170,8 +436,21 @@ def _sum_rule(operands, axis, keepdims=False):
     return Aval(tuple(shape), np.dtype(x.dtype))
 
 
-register("sum", _sum_rule, lambda x, axis, keepdims=False: np.sum(x, axis, keepdims=keepdims),
-         "reduce", 1)
+def _sum_grad(em, e, g):
+    (x,) = e.inputs
+    axis, keep = e.attrs["axis"], e.attrs.get("keepdims", False)
+    return [em.op("broadcast_axis", g, axis=axis, size=x.shape[axis], insert=not keep)]
+
+
+def _sum_onnx(g, e, operand):
+    x = operand(e.inputs[0], e.outputs[0].dtype)
+    return g.add("ReduceSum", [x, g.ints([_axis(e)])], keepdims=int(bool(e.attrs.get("keepdims", False))))
+
+
+@register("sum", _sum_rule, lambda x, axis, keepdims=False: np.sum(x, axis, keepdims=keepdims),
+          "reduce", 1, grad=_sum_grad, onnx=_sum_onnx)
+def sum(x, axis=-1, keepdims=False):
+    return bind("sum", [x], axis=int(axis), keepdims=bool(keepdims))
 
 
 def _concat_rule(operands, axis):
@@ -200,7 +479,25 @@ def _concat_rule(operands, axis):
     return Aval(tuple(shape), result_dtype(operands))
 
 
-register("concat", _concat_rule, lambda *xs, axis: np.concatenate(xs, axis), "shape")
+def _concat_grad(em, e, g):
+    axis = e.attrs["axis"]
+    out, start = [], 0
+    for v in e.inputs:
+        n = v.shape[axis]
+        out.append(em.op("slice", g, axis=axis, start=start, stop=start + n))
+        start += n
+    return out
+
+
+def _concat_onnx(g, e, operand):
+    dtype = e.outputs[0].dtype
+    return g.add("Concat", [operand(v, dtype) for v in e.inputs], axis=_axis(e))
+
+
+@register("concat", _concat_rule, lambda *xs, axis: np.concatenate(xs, axis), "shape",
+          grad=_concat_grad, onnx=_concat_onnx)
+def concat(values, axis=-1):
+    return bind("concat", list(values), axis=int(axis))
 
 
 def _slice_rule(operands, axis, start, stop):
@@ -218,12 +515,30 @@ def _slice_rule(operands, axis, start, stop):
 
 
 def _slice(x, axis, start, stop):
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(start, stop)
+    index = [builtins.slice(None)] * x.ndim
+    index[axis] = builtins.slice(start, stop)
     return x[tuple(index)]
 
 
-register("slice", _slice_rule, _slice, "shape", 1)
+def _slice_grad(em, e, g):
+    (x,) = e.inputs
+    axis, start, stop = e.attrs["axis"], e.attrs["start"], e.attrs["stop"]
+    return [em.op("pad", g, axis=axis, before=start, after=x.shape[axis] - stop)]
+
+
+def _slice_onnx(g, e, operand):
+    a = e.attrs
+    return g.add("Slice", [operand(e.inputs[0]), g.ints([a["start"]]), g.ints([a["stop"]]),
+                           g.ints([_axis(e)])])
+
+
+@register("slice", _slice_rule, _slice, "shape", 1, grad=_slice_grad, onnx=_slice_onnx)
+def slice(x, start, stop, axis=-1):
+    size = shape_of(x)[axis]
+    if size is None:  # the batch axis: the rule refuses it with a clear error
+        return bind("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
+    start, stop, _ = builtins.slice(start, stop).indices(size)
+    return bind("slice", [x], axis=int(axis), start=start, stop=builtins.max(start, stop))
 
 
 def _transpose_rule(operands):
@@ -235,7 +550,16 @@ def _transpose_rule(operands):
     return Aval(x.shape[:-2] + (x.shape[-1], x.shape[-2]), np.dtype(x.dtype))
 
 
-register("transpose", _transpose_rule, lambda x: np.swapaxes(x, -1, -2), "shape", 1)
+def _transpose_onnx(g, e, operand):
+    rank = len(e.inputs[0].shape)
+    return g.add("Transpose", [operand(e.inputs[0])], perm=list(range(rank - 2)) + [rank - 1, rank - 2])
+
+
+@register("transpose", _transpose_rule, lambda x: np.swapaxes(x, -1, -2), "shape", 1,
+          grad=lambda em, e, g: [em.op("transpose", g)], onnx=_transpose_onnx)
+def transpose(x):
+    """Swap the last two feature axes (``W.T`` for a matrix)."""
+    return bind("transpose", [x])
 
 
 def _broadcast_axis_rule(operands, axis, size, insert):
@@ -262,7 +586,23 @@ def _broadcast_axis(x, axis, size, insert):
     return np.ascontiguousarray(np.broadcast_to(x, shape))
 
 
-register("broadcast_axis", _broadcast_axis_rule, _broadcast_axis, "shape", 1)
+def _broadcast_axis_onnx(g, e, operand):
+    x = operand(e.inputs[0])
+    axis, size = e.attrs["axis"], e.attrs["size"]
+    if e.attrs["insert"]:
+        x = g.add("Unsqueeze", [x, g.ints([axis])])
+    target = [1] * len(e.outputs[0].shape)
+    target[axis] = size
+    return g.add("Expand", [x, g.ints(target)])  # Expand broadcasts both ways
+
+
+@register("broadcast_axis", _broadcast_axis_rule, _broadcast_axis, "shape", 1,
+          grad=lambda em, e, g: [em.op("sum", g, axis=e.attrs["axis"], keepdims=not e.attrs["insert"])],
+          onnx=_broadcast_axis_onnx)
+def broadcast_axis(x, axis, size, insert=True):
+    """Repeat ``x`` ``size`` times along ``axis``: a new axis (``insert=True``)
+    or one of size 1."""
+    return bind("broadcast_axis", [x], axis=int(axis), size=int(size), insert=bool(insert))
 
 
 def _pad_rule(operands, axis, before, after):
@@ -281,4 +621,21 @@ def _pad(x, axis, before, after):
     return np.pad(x, widths)
 
 
-register("pad", _pad_rule, _pad, "shape", 1)
+def _pad_grad(em, e, g):
+    (x,) = e.inputs
+    axis, before = e.attrs["axis"], e.attrs["before"]
+    return [em.op("slice", g, axis=axis, start=before, stop=before + x.shape[axis])]
+
+
+def _pad_onnx(g, e, operand):
+    rank = len(e.inputs[0].shape)
+    axis = _axis(e)
+    pads = [0] * (2 * rank)
+    pads[axis], pads[rank + axis] = e.attrs["before"], e.attrs["after"]
+    return g.add("Pad", [operand(e.inputs[0]), g.ints(pads)], mode="constant")
+
+
+@register("pad", _pad_rule, _pad, "shape", 1, grad=_pad_grad, onnx=_pad_onnx)
+def pad(x, before, after, axis=-1):
+    """Zero-pad ``axis`` with ``before`` and ``after`` elements."""
+    return bind("pad", [x], axis=int(axis), before=int(before), after=int(after))

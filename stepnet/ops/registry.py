@@ -1,14 +1,18 @@
 """The op table: one :class:`OpDef` per primitive.
 
-An entry holds everything stepnet knows about a primitive: its shape/dtype
-rule, its NumPy reference, its code generation per backend and its gradient
-rule. Backends and autodiff look ops up here; nothing else special-cases an op.
+An entry holds everything stepnet knows about a primitive: its function
+(``sn.ops.tanh``), its shape/dtype rule, its NumPy reference, its gradient
+rule, its code for each backend and its ONNX forms. The interpreter, autodiff,
+the backends, ONNX export and import and the YAML expressions read the
+entries; none keeps its own list of ops (only the kernels of matmul, the
+reduction and the shape ops are still written in each backend).
+``primitives.py`` registers them; docs/adding-an-op.md says how to add one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,8 +42,25 @@ class OpDef:
     - ``numpy(*arrays, **attrs) -> ndarray``: the reference implementation.
     - ``kind``: "elementwise" (fusable into one loop), "matmul", "reduce"
       or "shape" (concat, slice).
-    - ``codegen``: per backend name, whatever that backend needs to emit code.
-    - ``grad``: the gradient rule (reverse mode), written as IR.
+    - ``function``: the public function, ``sn.ops.<name>``.
+    - ``grad(em, eqn, g) -> [cotangent or None per operand]``: the gradient
+      rule (reverse mode), written with ``em.op`` (see ``primitives.py``);
+      None: the result is not differentiable (a comparison).
+    - ``numba``, ``cuda``: an elementwise op's code for that backend: a scalar
+      expression template, ``{0}``, ``{1}``, ... the operands' code. A Numba
+      template may name ``{bits}`` (32 or 64: the result's float width, for
+      the helpers of ``jit/numba_runtime.py``), ``np`` and ``math``; a CUDA
+      one ``{one}`` and ``{zero}`` (of the result's dtype) and ``math``.
+      Or ``code(*operands, **attrs)`` giving the expression, the attributes
+      as literals of the result's dtype (clip). ``cuda`` defaults to the
+      Numba template.
+    - ``onnx``: the export: the name of the ONNX operator computing it
+      (operands cast to the result type), or ``emit(g, eqn, operand)`` adding
+      nodes to the ONNX graph ``g`` (``operand(v, dtype=None)``: the ONNX name
+      of operand ``v``) and returning the result's name.
+    - ``onnx_import``: the ONNX operator that an imported model's node runs as
+      this op (same operands, same meaning); None where stepnet.onnx.ops has
+      its own entry (variadic Max, MatMul's layouts, Clip's bound inputs).
     """
 
     name: str
@@ -47,8 +68,12 @@ class OpDef:
     numpy: Callable
     kind: str
     num_inputs: int | None = None  # None: variadic
-    codegen: dict = field(default_factory=dict)
+    function: Callable | None = None
     grad: Callable | None = None
+    numba: str | Callable | None = None
+    cuda: str | Callable | None = None
+    onnx: str | Callable | None = None
+    onnx_import: str | None = None
 
     def infer(self, operands, attrs) -> list:
         if self.num_inputs is not None and len(operands) != self.num_inputs:
@@ -64,12 +89,18 @@ class OpDef:
         return out if isinstance(out, list) else [out]
 
 
-def register(name, rule, numpy, kind, num_inputs=None) -> OpDef:
-    if name in _OPS:
-        raise ValueError(f"op {name} is registered twice")
-    op = OpDef(name, rule, numpy, kind, num_inputs)
-    _OPS[name] = op
-    return op
+def register(name, rule, numpy, kind, num_inputs=None, **fields):
+    """Register op ``name`` with the function it decorates as ``sn.ops.<name>``;
+    ``fields`` are the other fields of :class:`OpDef`."""
+
+    def decorate(function):
+        if name in _OPS:
+            raise ValueError(f"op {name} is registered twice")
+        fields.setdefault("cuda", fields.get("numba"))
+        _OPS[name] = OpDef(name, rule, numpy, kind, num_inputs, function, **fields)
+        return function
+
+    return decorate
 
 
 def get(name) -> OpDef:

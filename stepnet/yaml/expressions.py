@@ -32,9 +32,10 @@ from ..errors import Error
 from ..tracing import Parameter, Value
 from .document import did_you_mean
 
+# every function of stepnet.ops: each primitive's (its registry entry's) and each composite
 FUNCTIONS = {name: getattr(ops, name) for name in ops.__all__ if name != "registry"}
-# functions whose first argument is a list of values
-LIST_FUNCTIONS = {"concat"}
+# functions whose first argument is a list of values: the variadic primitives (concat)
+LIST_FUNCTIONS = {name for name, op in ops.registry.all_ops().items() if op.num_inputs is None}
 
 _BINARY = {
     ast.Add: operator.add,
