@@ -37,9 +37,10 @@ def optional_import(module: str, what: str, install: str):
     """Import one of stepnet's optional dependencies, or say what needs it and
     how to install it: ``optional_import("onnx", "stepnet.onnx", "pip install
     'stepnet[onnx]'")``."""
-    import importlib
+    import sys
 
     try:
-        return importlib.import_module(module)
+        __import__(module)  # the import statement's hook, as `import torch` would
     except ImportError as exc:
         raise UnsupportedError(f"{what} needs {module}: {install}") from exc
+    return sys.modules[module]

@@ -780,7 +780,7 @@ def test_torch_converters_without_torch_say_what_is_missing(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_torch)
     layer = nn().GRU(2, 3, linear_before_reset=True)
-    with pytest.raises(sn.UnsupportedError, match=r"GRU.to_torch needs PyTorch"):
+    with pytest.raises(sn.UnsupportedError, match=r"GRU.to_torch needs torch: pip install torch"):
         layer.to_torch()
-    with pytest.raises(sn.UnsupportedError, match=r"LSTM.from_torch needs PyTorch"):
+    with pytest.raises(sn.UnsupportedError, match=r"LSTM.from_torch needs torch"):
         nn().LSTM.from_torch(object())
