@@ -36,6 +36,7 @@ from . import ir
 from .errors import UnsupportedError
 from .ir import Block, Eqn, Literal, Memory, Var
 from .ops import registry
+from .schedule import fusion_order
 
 _counter = itertools.count()
 
@@ -375,7 +376,7 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
     }
     if not post_eqns:
         block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
-                      _schedule(eqns), tuple(outputs))
+                      fusion_order(eqns), tuple(outputs))
         loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, all_steps,
                         out_memory, attrs)
         result.values = list(loop.outputs)
@@ -421,12 +422,12 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
                     loop_flags.append(True)
                     loop_memory.append(-1)
     block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
-                  _schedule(loop_eqns), tuple(loop_outputs))
+                  fusion_order(loop_eqns), tuple(loop_outputs))
     loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, loop_flags, loop_memory,
                     attrs)
     post_steps = [v for v, _ in exported] + post_steps
     post_seq_operands = [loop.outputs[i] for _, i in exported] + post_seq_operands
-    post_block = Block(tuple(post_steps), tuple(post_statics), (), _schedule(post_eqns),
+    post_block = Block(tuple(post_steps), tuple(post_statics), (), fusion_order(post_eqns),
                        tuple(post_outputs))
     post = _rnn_eqn(post_block, post_seq_operands, post_static_operands, [],
                     [True] * len(post_outputs), [-1] * len(post_outputs),
@@ -545,28 +546,6 @@ def _live_eqns(eqns, outputs, memories) -> tuple:
             live.append(e)
             need.update(id(v) for v in e.inputs if isinstance(v, Var))
     return tuple(reversed(live))
-
-
-def _schedule(eqns) -> tuple:
-    """A topological order that runs elementwise ops as early as their operands
-    allow, grouped by shape, so a backend fuses them into few loops between the
-    matmuls (the rules emit them interleaved)."""
-    defined_by = {id(o): i for i, e in enumerate(eqns) for o in e.outputs}
-    deps = [{defined_by[id(v)] for v in e.inputs if isinstance(v, Var) and id(v) in defined_by}
-            for e in eqns]
-    done, order, shape = set(), [], None
-    pending = list(range(len(eqns)))
-    while pending:
-        ready = [i for i in pending if deps[i] <= done]
-        fusable = [i for i in ready if eqns[i].op != "rnn"
-                   and registry.get(eqns[i].op).kind == "elementwise"]
-        same = [i for i in fusable if eqns[i].outputs[0].shape == shape]
-        pick = (same or fusable or ready)[0]
-        shape = eqns[pick].outputs[0].shape
-        order.append(pick)
-        done.add(pick)
-        pending.remove(pick)
-    return tuple(eqns[i] for i in order)
 
 
 # ----------------------------------------------------------------------------

@@ -144,27 +144,6 @@ def test_tanh32_and_sigmoid32_error_bound():
     assert np.isnan(rt.sigmoid32(nan)) and (rt.sigmoid32(inf), rt.sigmoid32(-inf)) == (1.0, 0.0)
 
 
-def test_debug_env_prints_source(tmp_path):
-    script = textwrap.dedent(
-        """
-        import numpy as np, stepnet as sn
-        X = sn.LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[1, 2]])
-        rnn = sn.create_rnn_op()
-        with rnn.stepnet():
-            x = rnn.add_input(X, name="x")
-            h = rnn.add_memory(shape=[2], name="h")
-            h.update(sn.ops.tanh(x + h.pre_state()))
-            rnn.add_outputs(h)
-        rnn(backend="numba")
-        """
-    )
-    env = dict(os.environ, STEPNET_DEBUG="1", STEPNET_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, check=True)
-    assert "def program(" in result.stderr
-    assert list(tmp_path.glob("stepnet_kernel_*.py"))
-
-
 _EDGE_CASES = textwrap.dedent(
     """
     import numpy as np, stepnet as sn
