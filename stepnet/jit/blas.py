@@ -45,7 +45,8 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .numba_runtime import CACHE
+from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
+
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 
@@ -149,7 +150,7 @@ SMALL_GEMM_WORK = (1 << 62) if DETERMINISTIC else 2_000_000  # m*k*n at or below
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"reassoc", "contract", "nsz", "arcp"}
 
 
-@njit(cache=CACHE, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+@njit(cache=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def small_gemm(a, bt, out):
     """out[:m] = a[:m] @ bt.T, ``bt`` the C-contiguous transposed weights."""
     m = a.shape[0]
@@ -201,7 +202,7 @@ if _openblas is not None:
     # cacheable on disk; NUMBA_NUM_THREADS changes it)
     _THREADS = max(1, int(numba_config.NUMBA_NUM_THREADS))
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _single_threaded(size, args):
         """One CBLAS ?gemm call (``size``: 4 for sgemm, 8 for dgemm) on the
         calling thread: OpenBLAS's thread-local count is 1 during the call."""
@@ -212,7 +213,7 @@ if _openblas is not None:
             _dgemm(args)
         _set_threads_local((previous,))
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _block(a, b, out, i0, i1, j0, j1):
         """out[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1] on the calling thread."""
         k, n = b.shape
@@ -221,7 +222,7 @@ if _openblas is not None:
                                 a.ctypes.data + size * i0 * k, k, b.ctypes.data + size * j0,
                                 n, 0.0, out.ctypes.data + size * (i0 * n + j0), n))
 
-    @njit(cache=CACHE, parallel=True)
+    @njit(cache=True, parallel=True)
     def _split(a, b, out):
         """out[:m] = a[:m] @ b, one block per Numba thread: column blocks (16
         wide, a cache line of float32) or, for a tall product, row blocks."""
@@ -242,7 +243,7 @@ if _openblas is not None:
             for t in prange(threads):
                 _block(a, b, out, m * t // threads, m * (t + 1) // threads, 0, n)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _gemm_packed_split(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)`` (or pack64)."""
         if a.shape[0] * k * n <= SMALL_GEMM_WORK:
@@ -250,13 +251,13 @@ if _openblas is not None:
         else:
             _split(a, prepared[0], out)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _pack(b, max_rows):
         """The weights themselves (OpenBLAS packs per call) and their
         transposed copy for ``small_gemm``."""
         return b, np.ascontiguousarray(b.T)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _block_tn(a, b, out, j0, j1):
         """out[:, j0:j1] = a.T @ b[:, j0:j1] on the calling thread (a is [k, m])."""
         k, m = a.shape
@@ -266,7 +267,7 @@ if _openblas is not None:
                                 a.ctypes.data, m, b.ctypes.data + size * j0, n, 0.0,
                                 out.ctypes.data + size * j0, n))
 
-    @njit(cache=CACHE, parallel=True)
+    @njit(cache=True, parallel=True)
     def _transposed_split(a, b, out):
         """out = a.T @ b, column blocks over Numba's threads (weight gradients:
         a long reduction over every token)."""
@@ -297,7 +298,7 @@ elif _mkl is not None:
     _s_compute = _extern("cblas_sgemm_compute", "iiiiiipipifpi")
     _d_compute = _extern("cblas_dgemm_compute", "iiiiiipipidpi")
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def gemm32(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D float32 arrays."""
         m, k = a.shape
@@ -306,7 +307,7 @@ elif _mkl is not None:
             _sgemm((_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
                     b.ctypes.data, n, 0.0, out.ctypes.data, n))
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def gemm64(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D float64 arrays."""
         m, k = a.shape
@@ -315,7 +316,7 @@ elif _mkl is not None:
             _dgemm((_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
                     b.ctypes.data, n, 0.0, out.ctypes.data, n))
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def pack32(b, max_rows):
         """Float32 weights ``b`` [k, n] prepared for ``gemm_packed32``: MKL's
         packed form and the transposed copy ``small_gemm`` reads."""
@@ -326,7 +327,7 @@ elif _mkl is not None:
                  b.ctypes.data, n, packed.ctypes.data))
         return packed, np.ascontiguousarray(b.T)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def pack64(b, max_rows):
         """Float64 weights ``b`` [k, n] prepared for ``gemm_packed64``."""
         k, n = b.shape
@@ -336,7 +337,7 @@ elif _mkl is not None:
                  b.ctypes.data, n, packed.ctypes.data))
         return packed, np.ascontiguousarray(b.T)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def gemm_packed32(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)``."""
         m = a.shape[0]
@@ -346,7 +347,7 @@ elif _mkl is not None:
             _s_compute((_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
                         prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n))
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def gemm_packed64(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack64(b, ...)``."""
         m = a.shape[0]
@@ -358,18 +359,18 @@ elif _mkl is not None:
 
 else:
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _gemm(a, b, out):
         """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
         if a.shape[0] > 0:
             np.dot(a, b, out)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _pack(b, max_rows):
         """The weights themselves and their transposed copy for ``small_gemm``."""
         return b, np.ascontiguousarray(b.T)
 
-    @njit(cache=CACHE)
+    @njit(cache=True)
     def _gemm_packed(a, prepared, k, n, out):
         if a.shape[0] * k * n <= SMALL_GEMM_WORK:
             small_gemm(a, prepared[1], out)

@@ -38,9 +38,6 @@ from numba.extending import intrinsic
 
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 
-# Cached on disk under STEPNET_CACHE_DIR, one folder per build (cache.py), so
-# bounds-checked or deterministic builds never mix with the fast ones.
-CACHE = True
 
 _F = np.float32
 _ONE32 = _F(1.0)
@@ -96,7 +93,7 @@ def _exponent_bits_to_float(typingctx, t):
     return types.float32(types.float32), codegen
 
 
-@njit(cache=CACHE, fastmath=_FASTMATH)
+@njit(cache=True, fastmath=_FASTMATH)
 def _exp32(x):
     """exp(x) for x in [-86.5, 88.72] (within 1 ulp, 8.3e-8 relative, on 5e6
     points); +inf above, exp(-86.5) below; NaN for NaN."""
@@ -116,7 +113,7 @@ def _exp32(x):
     return p * _exponent_bits_to_float(t)
 
 
-@njit(cache=CACHE, fastmath=_FASTMATH)
+@njit(cache=True, fastmath=_FASTMATH)
 def tanh32(x):
     x2 = x * x
     p = x2 * _A13 + _A11
@@ -137,39 +134,39 @@ def tanh32(x):
     return x if (x < _TINY and x > -_TINY) else r
 
 
-@njit(cache=CACHE, fastmath=_FASTMATH)
+@njit(cache=True, fastmath=_FASTMATH)
 def sigmoid32(x):
     # x -> -inf: exp32 is +inf and the result 0; x -> +inf: 1
     return _ONE32 / (_ONE32 + _exp32(-x))
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def tanh64(x):
     return np.tanh(x)
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def sigmoid64(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def relu(x):
     # not (x <= 0): a NaN stays NaN, and -inf gives 0 (x - x would be NaN)
     return x if not (x <= 0) else type(x)(0)
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def softplus64(x):
     return np.log1p(np.exp(-abs(x))) + relu(x)
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def softplus32(x):
     return np.log1p(np.exp(-abs(x))) + relu(x)
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def sort_by_length(seq_start, seq_len):
     """(order, sorted lengths, sorted starts): sequences longest first, ties in
     the caller's order (a stable counting sort; O(n + longest))."""
@@ -199,7 +196,7 @@ def sort_by_length(seq_start, seq_len):
     return order, slen, sstart
 
 
-@njit(cache=CACHE)
+@njit(cache=True)
 def starts_and_lengths(offsets):
     """Each sequence's first entry and length, from one LoD level's offsets."""
     n = offsets.shape[0] - 1
