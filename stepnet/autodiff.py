@@ -32,11 +32,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import ir
+from . import ir, registry, schedule
 from .errors import UnsupportedError
 from .ir import Block, Eqn, Literal, Memory, Var
-from .ops import registry
-from .schedule import fusion_order
 
 _counter = itertools.count()
 
@@ -93,13 +91,9 @@ class _BlockEmitter:
         return outs[0]
 
     def _weight_matmul(self, v):
-        """The ``a @ W`` equation (a one row per sequence, W constant) behind ``v``."""
+        """The GEMM ``a @ W`` (``a`` a step value, ``W`` a constant) behind ``v``."""
         e = self.producer.get(id(v))
-        if e is None or e.op != "matmul":
-            return None
-        a, w = e.inputs
-        if (isinstance(w, Var) and not w.batched and len(w.shape) == 2 and a.batched
-                and len(a.shape) == 2 and np.dtype(a.dtype) == np.dtype(w.dtype)):
+        if e is not None and schedule.is_gemm(e, lambda w: not w.batched):
             return e
         return None
 
@@ -222,188 +216,238 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
     time loop, and maybe a memory-free step-net for the work after it; output
     indices in BackwardOutputs refer to ``BackwardOutputs.values``.
     """
-    body = eqn.attrs["body"]
-    seqs, statics, _ = ir.rnn_parts(eqn)
-    name = eqn.attrs["name"]
-    em = _BlockEmitter()
-    kept_vars = kept_values(body)
-    step_inputs = list(body.step_inputs) + list(kept_vars)
-    seq_operands = list(seqs) + list(kept)
-    recomputed = {id(v) for v in kept_vars}
-    static_inputs = list(body.static_inputs)
-    static_operands = list(statics)
-    memories, mem_inits = [], []
-    outputs, all_steps, out_memory = [], [], []
-    ct, contribs = _Cotangents(em), {}
+    step = _BackwardStep(eqn, kept, top)
+    inner_pres = step.recompute()
+    adjoints, adjoint_init = step.seed(cts)
+    step.pull_back(inner_pres)
+    result = step.collect(adjoints, adjoint_init)
+    return step.equations(result), result
 
-    def add(var, g):
+
+class _BackwardStep:
+    """The step of a backward rnn while it is built (:func:`backward_eqn`): its
+    step inputs (with the enclosing operands), static inputs, memories and
+    outputs, and the cotangent terms of the forward step's values."""
+
+    def __init__(self, eqn, kept, top):
+        body = eqn.attrs["body"]
+        seqs, statics, _ = ir.rnn_parts(eqn)
+        self.eqn, self.body, self.top = eqn, body, top
+        self.name = eqn.attrs["name"]
+        self.em = _BlockEmitter()
+        self.kept_vars = kept_values(body)
+        self.step_inputs = list(body.step_inputs) + list(self.kept_vars)
+        self.seq_operands = list(seqs) + list(kept)
+        self.static_inputs = list(body.static_inputs)
+        self.static_operands = list(statics)
+        self.memories, self.mem_inits = [], []
+        self.outputs, self.all_steps, self.out_memory = [], [], []
+        self.ct = _Cotangents(self.em)
+        self.contribs = {}  # id(constant) -> (constant, its Rows/Outer terms)
+        self.injected = []  # (output index, forward output, its last-step cotangent)
+
+    def add(self, var, g):
+        """Add the cotangent term ``g`` of the forward value ``var``."""
         if g is None or not _is_float(var):
             return
         if isinstance(g, (Rows, Outer)) or not var.batched:
             if not isinstance(g, (Rows, Outer)):
                 g = Rows(g)
-            contribs.setdefault(id(var), (var, []))[1].append(g)
+            self.contribs.setdefault(id(var), (var, []))[1].append(g)
             return
         if np.dtype(g.dtype) != np.dtype(var.dtype):
             raise UnsupportedError(
-                f"gradient of {name}: {var.name} is {np.dtype(var.dtype)} but meets "
+                f"gradient of {self.name}: {var.name} is {np.dtype(var.dtype)} but meets "
                 f"{np.dtype(g.dtype)} values; gradients need one float dtype per step-net"
             )
-        if var.lod_depth and id(var) in ct:
+        if var.lod_depth and id(var) in self.ct:
             raise UnsupportedError(
-                f"gradient of {name}: the ragged value {var.name} is read twice; "
+                f"gradient of {self.name}: the ragged value {var.name} is read twice; "
                 "gradients of a ragged value used by several ops are not supported"
             )
-        ct.append(var, g)
+        self.ct.append(var, g)
 
-    # the recompute: the forward step, nested step-nets keeping their workspace
-    inner_pres = {}
-    for e in body.eqns:
-        if e.op == "rnn":
-            e_aug, extra = augment(e)
-            em.eqns.append(e_aug)
-            inner_pres[id(e)] = extra
-        elif id(e.outputs[0]) not in recomputed:  # kept values are read, not recomputed
-            em.eqns.append(e)
+    def recompute(self) -> dict:
+        """The forward step's equations (kept values are read, not recomputed),
+        nested step-nets keeping their workspace: {id(nested eqn): its
+        workspace outputs}."""
+        recomputed = {id(v) for v in self.kept_vars}
+        inner_pres = {}
+        for e in self.body.eqns:
+            if e.op == "rnn":
+                e_aug, extra = augment(e)
+                self.em.eqns.append(e_aug)
+                inner_pres[id(e)] = extra
+            elif id(e.outputs[0]) not in recomputed:
+                self.em.eqns.append(e)
+        return inner_pres
 
-    # seeds: adjoints carried from the next step, output cotangents
-    adjoints = [_new_var(f"d_{m.name}", m.pre.dtype, m.pre.shape) for m in body.memories]
-    adjoint_init = [Literal(0.0)] * len(body.memories)
-    injected = []
-    for k, (res, flag, g) in enumerate(zip(body.outputs, eqn.attrs["all_steps"], cts)):
-        if g is None:
-            continue
-        if flag:
-            dy = _new_var(f"d_{res.name}", res.dtype, res.shape, res.lod_depth)
-            step_inputs.append(dy)
-            seq_operands.append(g)
-            add(res, dy)
-            continue
-        if res.lod_depth:
-            raise UnsupportedError(
-                f"gradient of {name}: the last step of the ragged output {res.name}"
-            )
-        mi = next((i for i, m in enumerate(body.memories) if m.post is res), None)
-        if mi is not None and isinstance(adjoint_init[mi], Literal):
-            adjoint_init[mi] = g  # d(post) at the last step = this output's cotangent
-            continue
-        if not top and eqn.attrs["output_memory"][k] >= 0:
-            raise UnsupportedError(
-                f"gradient of {name}: a nested step-net whose last-step output {res.name} "
-                "is a memory's previous state (or a memory given twice)"
-            )
-        s = _new_var(f"d_{res.name}_last", res.dtype, res.shape)
-        static_inputs.append(s)
-        static_operands.append(g)
-        injected.append((k, res, s))
-    for m, adj in zip(body.memories, adjoints):
-        add(m.post, adj)
-    flags = {}  # (rank, dtype) -> a first-step flag memory of that rank
-    for _, res, s in injected:
-        key = (len(res.shape), np.dtype(res.dtype).str)
-        if key not in flags:
-            flags[key] = _new_var("first_step", res.dtype, (None,) + (1,) * (len(res.shape) - 1))
-            memories.append(Memory("first_step", flags[key],
-                                   em.op("mul", flags[key], Literal(0.0))))
-            mem_inits.append(Literal(1.0))
-        add(res, em.op("mul", s, flags[key]))
+    def seed(self, cts):
+        """The adjoints carried from the next step and the outputs' cotangents:
+        ``(adjoints, their initial values)``."""
+        body, eqn = self.body, self.eqn
+        adjoints = [_new_var(f"d_{m.name}", m.pre.dtype, m.pre.shape) for m in body.memories]
+        adjoint_init = [Literal(0.0)] * len(body.memories)
+        for k, (res, flag, g) in enumerate(zip(body.outputs, eqn.attrs["all_steps"], cts)):
+            if g is None:
+                continue
+            if flag:
+                dy = _new_var(f"d_{res.name}", res.dtype, res.shape, res.lod_depth)
+                self.step_inputs.append(dy)
+                self.seq_operands.append(g)
+                self.add(res, dy)
+                continue
+            if res.lod_depth:
+                raise UnsupportedError(
+                    f"gradient of {self.name}: the last step of the ragged output {res.name}"
+                )
+            mi = next((i for i, m in enumerate(body.memories) if m.post is res), None)
+            if mi is not None and isinstance(adjoint_init[mi], Literal):
+                adjoint_init[mi] = g  # d(post) at the last step = this output's cotangent
+                continue
+            if not self.top and eqn.attrs["output_memory"][k] >= 0:
+                raise UnsupportedError(
+                    f"gradient of {self.name}: a nested step-net whose last-step output "
+                    f"{res.name} is a memory's previous state (or a memory given twice)"
+                )
+            s = _new_var(f"d_{res.name}_last", res.dtype, res.shape)
+            self.static_inputs.append(s)
+            self.static_operands.append(g)
+            self.injected.append((k, res, s))
+        for m, adj in zip(body.memories, adjoints):
+            self.add(m.post, adj)
+        self._inject_last_steps()
+        return adjoints, adjoint_init
 
-    # the pullback, last op first
-    for e in reversed(body.eqns):
-        if e.op == "rnn":
-            _pull_nested(e, inner_pres[id(e)], ct, add, em)
-            continue
-        out = e.outputs[0]
-        g = ct.get(id(out))
-        if g is None or not out.batched or not _is_float(out):
-            continue  # ops on constants alone are pulled back after the loop
-        grads = grad_rule(e.op)(em, e, g)
-        for v, gv in zip(e.inputs, grads):
-            if gv is not None and _is_float(v):
-                add(v, em.unbroadcast(gv, v))
+    def _inject_last_steps(self):
+        """A last-step cotangent that is not a memory's enters at the first
+        backward step only: times a flag memory, 1 at the first step, then 0."""
+        flags = {}  # (rank, dtype) -> a first-step flag memory of that rank
+        em = self.em
+        for _, res, s in self.injected:
+            key = (len(res.shape), np.dtype(res.dtype).str)
+            if key not in flags:
+                flags[key] = _new_var("first_step", res.dtype,
+                                      (None,) + (1,) * (len(res.shape) - 1))
+                self.memories.append(Memory("first_step", flags[key],
+                                            em.op("mul", flags[key], Literal(0.0))))
+                self.mem_inits.append(Literal(1.0))
+            self.add(res, em.op("mul", s, flags[key]))
 
-    result = BackwardOutputs([], [], [], injected=[k for k, _, _ in injected])
+    def pull_back(self, inner_pres):
+        """The gradient rules of the step's ops, last op first."""
+        em, ct = self.em, self.ct
+        for e in reversed(self.body.eqns):
+            if e.op == "rnn":
+                _pull_nested(e, inner_pres[id(e)], ct, self.add, em)
+                continue
+            out = e.outputs[0]
+            g = ct.get(id(out))
+            if g is None or not out.batched or not _is_float(out):
+                continue  # ops on constants alone are pulled back after the loop
+            grads = grad_rule(e.op)(em, e, g)
+            for v, gv in zip(e.inputs, grads):
+                if gv is not None and _is_float(v):
+                    self.add(v, em.unbroadcast(gv, v))
 
-    def output(var, flag, memory=-1):
-        for i, (v, f, m) in enumerate(zip(outputs, all_steps, out_memory)):
+    def output(self, var, flag, memory=-1) -> int:
+        """The index of the backward rnn's output giving ``var`` (one value given once)."""
+        for i, (v, f, m) in enumerate(zip(self.outputs, self.all_steps, self.out_memory)):
             if v is var and f == flag and m == memory:
-                return i  # one value given once
-        outputs.append(var)
-        all_steps.append(flag)
-        out_memory.append(memory)
-        return len(outputs) - 1
+                return i
+        self.outputs.append(var)
+        self.all_steps.append(flag)
+        self.out_memory.append(memory)
+        return len(self.outputs) - 1
 
-    def factor(var):
+    def factor(self, var):
         """An Outer factor: a top-level step input is read from the input itself."""
-        if top:
-            for v, operand in zip(step_inputs, seq_operands):
+        if self.top:
+            for v, operand in zip(self.step_inputs, self.seq_operands):
                 if v is var:
                     return operand
-        return output(var, True)
+        return self.output(var, True)
 
-    for m, adj, init in zip(body.memories, adjoints, adjoint_init):
-        post = ct.get(id(m.pre))
-        if post is None:
-            post = em.op("mul", adj, Literal(0.0))
-        memories.append(Memory(f"d_{m.name}", adj, post))
-        mem_inits.append(init)
-        result.inits.append(output(post, False, len(memories) - 1))
-    for sv in body.static_inputs:
-        g = ct.get(id(sv))
-        if g is None:
-            result.statics.append(None)
-            continue
-        acc = _new_var(f"d_{sv.name}", sv.dtype, sv.shape)
-        memories.append(Memory(f"d_{sv.name}", acc, em.op("add", acc, g)))
-        mem_inits.append(Literal(0.0))
-        result.statics.append(output(memories[-1].post, False, len(memories) - 1))
-    for sv in body.step_inputs:
-        g = ct.get(id(sv))
-        result.sequences.append(None if g is None else output(g, True))
-    for var, terms in contribs.values():
-        for term in _merge_terms(terms, em):
-            if isinstance(term, Rows):
-                result.contribs.append((var, Rows(output(term.value, True))))
+    def collect(self, adjoints, adjoint_init) -> BackwardOutputs:
+        """The memories (adjoints, static accumulators) and the outputs."""
+        body, em, ct = self.body, self.em, self.ct
+        result = BackwardOutputs([], [], [], injected=[k for k, _, _ in self.injected])
+        for m, adj, init in zip(body.memories, adjoints, adjoint_init):
+            post = ct.get(id(m.pre))
+            if post is None:
+                post = em.op("mul", adj, Literal(0.0))
+            self.memories.append(Memory(f"d_{m.name}", adj, post))
+            self.mem_inits.append(init)
+            result.inits.append(self.output(post, False, len(self.memories) - 1))
+        for sv in body.static_inputs:
+            g = ct.get(id(sv))
+            if g is None:
+                result.statics.append(None)
+                continue
+            acc = _new_var(f"d_{sv.name}", sv.dtype, sv.shape)
+            self.memories.append(Memory(f"d_{sv.name}", acc, em.op("add", acc, g)))
+            self.mem_inits.append(Literal(0.0))
+            result.statics.append(self.output(self.memories[-1].post, False,
+                                              len(self.memories) - 1))
+        for sv in body.step_inputs:
+            g = ct.get(id(sv))
+            result.sequences.append(None if g is None else self.output(g, True))
+        for var, terms in self.contribs.values():
+            for term in _merge_terms(terms, em):
+                if isinstance(term, Rows):
+                    result.contribs.append((var, Rows(self.output(term.value, True))))
+                else:
+                    result.contribs.append(
+                        (var, Outer(self.factor(term.a), self.output(term.g, True))))
+        return result
+
+    def equations(self, result) -> list:
+        """The backward rnn equation, and a second one for the work after the
+        loop when there is some (:func:`_split_after_loop`); fills
+        ``result.values``."""
+        eqns = _live_eqns(self.em.eqns, self.outputs, self.memories)
+        loop_eqns, post_eqns = _split_after_loop(eqns, self.outputs, self.all_steps,
+                                                 self.memories)
+        attrs = {
+            "name": f"{self.name}_grad",
+            "reverse": not self.eqn.attrs["reverse"],
+            "num_static_inputs": len(self.static_operands),
+        }
+        if not post_eqns:
+            loop = self._loop(eqns, self.outputs, self.all_steps, self.out_memory, attrs)
+            result.values = list(loop.outputs)
+            return [loop]
+        return self._loop_and_after(loop_eqns, post_eqns, attrs, result)
+
+    def _loop(self, eqns, outputs, flags, memory, attrs):
+        block = Block(tuple(self.step_inputs), tuple(self.static_inputs), tuple(self.memories),
+                      schedule.fusion_order(eqns), tuple(outputs))
+        return _rnn_eqn(block, self.seq_operands, self.static_operands, self.mem_inits, flags,
+                        memory, attrs)
+
+    def _loop_and_after(self, loop_eqns, post_eqns, attrs, result):
+        """The ops that neither the memories nor the last-step outputs need run
+        after the time loop, over every step at once (dX = G @ W^T is one
+        GEMM): a second step-net without memories reads what they need as
+        all-steps outputs."""
+        post_defined = {id(o) for e in post_eqns for o in e.outputs}
+        loop_outputs, loop_flags, loop_memory = [], [], []
+        post_outputs, where = [], []
+        for v, flag, m in zip(self.outputs, self.all_steps, self.out_memory):
+            if id(v) in post_defined:
+                where.append(("post", len(post_outputs)))
+                post_outputs.append(v)
             else:
-                result.contribs.append((var, Outer(factor(term.a), output(term.g, True))))
-
-    eqns = _live_eqns(em.eqns, outputs, memories)
-    loop_eqns, post_eqns = _split_after_loop(eqns, outputs, all_steps, memories)
-    attrs = {
-        "name": f"{name}_grad",
-        "reverse": not eqn.attrs["reverse"],
-        "num_static_inputs": len(static_operands),
-    }
-    if not post_eqns:
-        block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
-                      fusion_order(eqns), tuple(outputs))
-        loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, all_steps,
-                        out_memory, attrs)
-        result.values = list(loop.outputs)
-        return [loop], result
-    # The ops that neither the memories nor the last-step outputs need run after
-    # the time loop, over every step at once (dX = G @ W^T is one GEMM): a second
-    # step-net without memories reads what they need as all-steps outputs.
-    post_defined = {id(o) for e in post_eqns for o in e.outputs}
-    loop_outputs, loop_flags, loop_memory = [], [], []
-    post_outputs = []
-    where = []
-    for v, flag, m in zip(outputs, all_steps, out_memory):
-        if id(v) in post_defined:
-            where.append(("post", len(post_outputs)))
-            post_outputs.append(v)
-        else:
-            where.append(("loop", len(loop_outputs)))
-            loop_outputs.append(v)
-            loop_flags.append(flag)
-            loop_memory.append(m)
-    step_ids = {id(v): (v, o) for v, o in zip(step_inputs, seq_operands)}
-    static_ids = {id(v): (v, o) for v, o in zip(static_inputs, static_operands)}
-    post_steps, post_seq_operands, post_statics, post_static_operands = [], [], [], []
-    exported = []  # loop values the post step reads: (var, index among loop outputs)
-    seen = set()
-    for e in post_eqns:
-        for v in e.inputs:
+                where.append(("loop", len(loop_outputs)))
+                loop_outputs.append(v)
+                loop_flags.append(flag)
+                loop_memory.append(m)
+        step_ids = {id(v): (v, o) for v, o in zip(self.step_inputs, self.seq_operands)}
+        static_ids = {id(v): (v, o) for v, o in zip(self.static_inputs, self.static_operands)}
+        post_steps, post_seq_operands, post_statics, post_static_operands = [], [], [], []
+        exported = []  # loop values the post step reads: (var, index among loop outputs)
+        seen = set()
+        for v in (v for e in post_eqns for v in e.inputs):
             if not isinstance(v, Var) or id(v) in post_defined or id(v) in seen or not v.batched:
                 continue
             seen.add(id(v))
@@ -421,20 +465,18 @@ def backward_eqn(eqn: Eqn, kept, cts, top: bool):
                     loop_outputs.append(v)
                     loop_flags.append(True)
                     loop_memory.append(-1)
-    block = Block(tuple(step_inputs), tuple(static_inputs), tuple(memories),
-                  fusion_order(loop_eqns), tuple(loop_outputs))
-    loop = _rnn_eqn(block, seq_operands, static_operands, mem_inits, loop_flags, loop_memory,
-                    attrs)
-    post_steps = [v for v, _ in exported] + post_steps
-    post_seq_operands = [loop.outputs[i] for _, i in exported] + post_seq_operands
-    post_block = Block(tuple(post_steps), tuple(post_statics), (), fusion_order(post_eqns),
-                       tuple(post_outputs))
-    post = _rnn_eqn(post_block, post_seq_operands, post_static_operands, [],
-                    [True] * len(post_outputs), [-1] * len(post_outputs),
-                    dict(attrs, name=f"{name}_grad_rest", num_static_inputs=len(post_statics)))
-    result.values = [loop.outputs[i] if part == "loop" else post.outputs[i]
-                     for part, i in where]
-    return [loop, post], result
+        loop = self._loop(loop_eqns, loop_outputs, loop_flags, loop_memory, attrs)
+        post_steps = [v for v, _ in exported] + post_steps
+        post_seq_operands = [loop.outputs[i] for _, i in exported] + post_seq_operands
+        post_block = Block(tuple(post_steps), tuple(post_statics), (),
+                           schedule.fusion_order(post_eqns), tuple(post_outputs))
+        post = _rnn_eqn(post_block, post_seq_operands, post_static_operands, [],
+                        [True] * len(post_outputs), [-1] * len(post_outputs),
+                        dict(attrs, name=f"{self.name}_grad_rest",
+                             num_static_inputs=len(post_statics)))
+        result.values = [loop.outputs[i] if part == "loop" else post.outputs[i]
+                         for part, i in where]
+        return [loop, post]
 
 
 def _rnn_eqn(block, seq_operands, static_operands, inits, all_steps, out_memory, attrs):
@@ -521,20 +563,26 @@ def _pull_nested(e, pres, ct, add, em):
 
 
 def _merge_terms(terms, em):
-    """Per-row terms of one constant: same-shaped dense Rows summed, Outer
-    pairs with the same left factor summed; ragged terms (from nested
-    step-nets) stay apart."""
-    merged, rows, outers = [], {}, {}
+    """Per-row terms of one constant: same-shaped dense Rows summed, and Outer
+    pairs with the same left factor summed (``a^T g1 + a^T g2 = a^T (g1 + g2)``:
+    products sharing their left operand, grouped as the schedule groups GEMMs);
+    ragged terms (from nested step-nets) stay apart."""
+    rows, outers, apart = {}, [], []
     for t in terms:
         if isinstance(t, Rows) and not t.value.lod_depth:
             key = t.value.shape
             rows[key] = Rows(em.op("add", rows[key].value, t.value)) if key in rows else t
         elif isinstance(t, Outer) and not t.a.lod_depth:
-            key = id(t.a)
-            outers[key] = Outer(t.a, em.op("add", outers[key].g, t.g)) if key in outers else t
+            outers.append(t)
         else:
-            merged.append(t)
-    return list(rows.values()) + list(outers.values()) + merged
+            apart.append(t)
+    merged = []
+    for group in schedule.group_by_left(outers, lambda t: t.a):
+        g = group[0].g
+        for t in group[1:]:
+            g = em.op("add", g, t.g)
+        merged.append(Outer(group[0].a, g))
+    return list(rows.values()) + merged + apart
 
 
 def _live_eqns(eqns, outputs, memories) -> tuple:

@@ -10,6 +10,7 @@ import weakref
 
 import numpy as np
 
+from . import schedule as _schedule
 from .autodiff import backward_program, forward_program
 from .errors import BackendError
 
@@ -113,6 +114,15 @@ class CompiledStepNet:
     @property
     def source(self) -> str:
         return getattr(self._runner(True), "source", "")
+
+    @property
+    def schedule(self):
+        """The :class:`stepnet.schedule.Schedule` of the all-steps program:
+        what runs once, what runs per step, in which stages (``print`` it).
+        The compiled backends render it; the interpreter runs the IR as it
+        is, so for it this is the schedule the others would use."""
+        run = self._runner(True)
+        return getattr(run, "schedule", None) or _schedule.schedule(self.rnn.program(True))
 
     def __call__(self, output_all_steps=True, scopes=None, **inputs):
         rnn = self.rnn

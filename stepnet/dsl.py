@@ -456,11 +456,12 @@ class RNNOp:
         return self._programs[key]
 
     def const_values(self) -> dict:
-        """The current arrays of the program's constants, keyed by var name."""
+        """The current arrays of the program's constants, keyed by their
+        :class:`ir.Var` (``program.consts``)."""
         out = {}
         for var, source in self.frame.state.consts.values():
             arr = source.value if isinstance(source, Parameter) else np.asarray(source)
-            out[var.name] = arr.astype(var.dtype, copy=False)
+            out[var] = arr.astype(var.dtype, copy=False)
         return out
 
     def parameters(self) -> list:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ir
+from . import ir, registry
 from .errors import StepNetError
 from .lod import LoDTensor
-from .ops import registry
 
 
 def eval_eqn(eqn, env, consts, scopes=None):
@@ -172,7 +171,7 @@ def run_program(program: ir.Program, args, consts: dict, scopes=None):
     """Run a top-level program on bound arguments (in ``program.inputs`` order);
     ``consts`` maps constant names to arrays."""
     env = {id(v): a for v, a in zip(program.inputs, args)}
-    const_env = {id(v): consts[v.name] for v in program.consts}
+    const_env = {id(v): consts[v] for v in program.consts}
     eval_eqn(program.eqn, env, const_env, scopes)
     return [env[id(v)] for v in program.eqn.outputs]
 

@@ -27,43 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import StepNetError
+from . import registry
+from .values import Literal, Var
 
-
-@dataclass(frozen=True, eq=False)
-class Var:
-    """One value of the graph. Identity is the object itself."""
-
-    name: str
-    dtype: np.dtype
-    shape: tuple  # full shape; shape[0] is None for per-sequence (batched) values
-    lod_depth: int = 0  # > 0: ragged rows, a `lod_depth`-level LoD under each batch row
-
-    @property
-    def batched(self) -> bool:
-        return len(self.shape) > 0 and self.shape[0] is None
-
-    @property
-    def row_shape(self) -> tuple:
-        """The shape of one row: the full shape without the batch axis."""
-        return self.shape[1:] if self.batched else self.shape
-
-    def type_str(self) -> str:
-        dims = ",".join("B" if d is None else str(d) for d in self.shape)
-        lod = f"lod{self.lod_depth}" if self.lod_depth else ""
-        return f"{_dtype_short(self.dtype)}{lod}[{dims}]"
-
-    def __repr__(self):
-        return f"{self.name}:{self.type_str()}"
-
-
-@dataclass(frozen=True)
-class Literal:
-    """A Python scalar operand; weakly typed (NEP 50): it never promotes."""
-
-    value: float
-
-    def __repr__(self):
-        return repr(self.value)
+__all__ = ["Block", "Eqn", "Literal", "Memory", "Program", "Var", "check", "format_program",
+           "iter_eqns", "memory_dependent", "rnn_parts"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,7 +80,8 @@ class Program:
 
     ``inputs`` are the arrays bound by name at call time (sequence inputs,
     static inputs, per-sequence initial memories); ``consts`` are parameters
-    and captured arrays; ``const_values`` is filled by the front end.
+    and captured arrays, whose arrays the front end passes at each run keyed by
+    their Var (``RNNOp.const_values()``).
     """
 
     inputs: tuple  # of Var
@@ -122,13 +91,6 @@ class Program:
 
 # ----------------------------------------------------------------------------
 # printing
-
-
-def _dtype_short(dtype) -> str:
-    dtype = np.dtype(dtype)
-    return {"f": "f", "i": "i", "u": "u", "b": "bool"}.get(dtype.kind, dtype.kind) + (
-        "" if dtype.kind == "b" else str(dtype.itemsize * 8)
-    )
 
 
 def _fmt_attr(value) -> str:
@@ -222,8 +184,6 @@ def check(program: Program) -> None:
     constant; memories' post values are defined in their block; an rnn's
     operands fit its body.
     """
-    from .ops import registry  # the op table is the source of the shape rules
-
     consts = {id(v) for v in program.consts}
     seen = set()
     for v in program.inputs + program.consts:

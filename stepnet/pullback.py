@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ir
+from . import ir, registry
 from .autodiff import (
     Rows,
     _EagerEmitter,
@@ -27,7 +27,6 @@ from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
 from .jit.blas import transposed_product
 from .lod import LoDTensor
-from .ops import registry
 from .tracing import Parameter
 
 
@@ -56,7 +55,7 @@ def pull_consts(program, grads, const_values) -> dict:
     eqns = const_only_eqns(program)
     if not eqns:
         return grads
-    env = {id(v): const_values[v.name] for v in program.consts}
+    env = {id(v): const_values[v] for v in program.consts}
     for e in eqns:
         args = [v.value if isinstance(v, Literal) else env[id(v)] for v in e.inputs]
         env[id(e.outputs[0])] = registry.get(e.op).numpy(*args, **e.attrs)

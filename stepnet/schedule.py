@@ -60,9 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ir
+from . import ir, registry
 from .errors import StepNetError
-from .ops import registry
 
 STAGE_KINDS = ("gemm", "matmul", "elementwise", "shape", "rnn")
 

@@ -13,6 +13,7 @@ import numbers
 
 import numpy as np
 
+from . import registry
 from .errors import ShapeError, StepNetError
 from .ir import Eqn, Literal, Var
 
@@ -341,8 +342,6 @@ def capture(frame, owner, var):
 
 def bind(opname, operands, **attrs):
     """Apply a primitive: trace it inside a block, compute it eagerly outside."""
-    from .ops import registry
-
     op = registry.get(opname)
     # eager on plain arrays; traced on step values, and on Parameters inside a
     # step block (so the run reads the Parameter's current value)

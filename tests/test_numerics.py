@@ -17,7 +17,7 @@ import pytest
 from scipy import special
 
 import stepnet as sn
-from stepnet.ops import registry
+from stepnet import registry
 
 F32 = np.finfo(np.float32)
 # every kind of float32 value: NaN, infinities, zeros, extremes, subnormals,

@@ -25,7 +25,7 @@ from hypothesis.extra import numpy as hnp
 from stepnet_strategies import float_dtypes, sequence_lengths
 
 import stepnet as sn
-from stepnet.ops import registry
+from stepnet import registry
 
 SETTINGS = settings(max_examples=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

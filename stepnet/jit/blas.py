@@ -299,63 +299,51 @@ elif _mkl is not None:
     _d_compute = _extern("cblas_dgemm_compute", "iiiiiipipidpi")
 
     @njit(cache=True)
-    def gemm32(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D float32 arrays."""
+    def _mkl_gemm(a, b, out):
+        """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays."""
         m, k = a.shape
         n = b.shape[1]
         if m > 0:
-            _sgemm((_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
-                    b.ctypes.data, n, 0.0, out.ctypes.data, n))
+            args = (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
+                    b.ctypes.data, n, 0.0, out.ctypes.data, n)
+            if a.itemsize == 4:
+                _sgemm(args)
+            else:
+                _dgemm(args)
 
     @njit(cache=True)
-    def gemm64(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D float64 arrays."""
-        m, k = a.shape
-        n = b.shape[1]
-        if m > 0:
-            _dgemm((_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
-                    b.ctypes.data, n, 0.0, out.ctypes.data, n))
-
-    @njit(cache=True)
-    def pack32(b, max_rows):
-        """Float32 weights ``b`` [k, n] prepared for ``gemm_packed32``: MKL's
+    def _mkl_pack(b, max_rows):
+        """Weights ``b`` [k, n] prepared for ``gemm_packed32``/``64``: MKL's
         packed form and the transposed copy ``small_gemm`` reads."""
         k, n = b.shape
-        size = _s_pack_size((_B_MATRIX, max(max_rows, 1), n, k))
-        packed = np.empty(size // 4 + 1, np.float32)
-        _s_pack((_ROW_MAJOR, _B_MATRIX, _NO_TRANS, max(max_rows, 1), n, k, 1.0,
-                 b.ctypes.data, n, packed.ctypes.data))
+        shape = (_B_MATRIX, max(max_rows, 1), n, k)
+        size = _s_pack_size(shape) if b.itemsize == 4 else _d_pack_size(shape)
+        packed = np.empty(size // b.itemsize + 1, b.dtype)
+        args = (_ROW_MAJOR, _B_MATRIX, _NO_TRANS, max(max_rows, 1), n, k, 1.0,
+                b.ctypes.data, n, packed.ctypes.data)
+        if b.itemsize == 4:
+            _s_pack(args)
+        else:
+            _d_pack(args)
         return packed, np.ascontiguousarray(b.T)
 
     @njit(cache=True)
-    def pack64(b, max_rows):
-        """Float64 weights ``b`` [k, n] prepared for ``gemm_packed64``."""
-        k, n = b.shape
-        size = _d_pack_size((_B_MATRIX, max(max_rows, 1), n, k))
-        packed = np.empty(size // 8 + 1, np.float64)
-        _d_pack((_ROW_MAJOR, _B_MATRIX, _NO_TRANS, max(max_rows, 1), n, k, 1.0,
-                 b.ctypes.data, n, packed.ctypes.data))
-        return packed, np.ascontiguousarray(b.T)
-
-    @njit(cache=True)
-    def gemm_packed32(a, prepared, k, n, out):
-        """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)``."""
+    def _mkl_gemm_packed(a, prepared, k, n, out):
+        """out[:m] = a[:m] @ b, with ``prepared = pack32(b, ...)`` (or pack64)."""
         m = a.shape[0]
         if m * k * n <= SMALL_GEMM_WORK:
             small_gemm(a, prepared[1], out)
+            return
+        args = (_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
+                prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n)
+        if a.itemsize == 4:
+            _s_compute(args)
         else:
-            _s_compute((_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
-                        prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n))
+            _d_compute(args)
 
-    @njit(cache=True)
-    def gemm_packed64(a, prepared, k, n, out):
-        """out[:m] = a[:m] @ b, with ``prepared = pack64(b, ...)``."""
-        m = a.shape[0]
-        if m * k * n <= SMALL_GEMM_WORK:
-            small_gemm(a, prepared[1], out)
-        else:
-            _d_compute((_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a.ctypes.data, k,
-                        prepared[0].ctypes.data, n, 0.0, out.ctypes.data, n))
+    gemm32 = gemm64 = _mkl_gemm
+    pack32 = pack64 = _mkl_pack
+    gemm_packed32 = gemm_packed64 = _mkl_gemm_packed
 
 else:
 

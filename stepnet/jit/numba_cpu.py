@@ -26,18 +26,21 @@ which encodes the graph and its dtypes but no sizes.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import importlib.util
 import os
 import sys
 import textwrap
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ir
+from .. import ir, schedule
 from ..errors import UnsupportedError
 from ..lod import LoDTensor
-from ..ops import registry
+from .. import registry
 from . import blas, numba_runtime
 from .cache import cache_dir, helpers_fingerprint
 
@@ -50,11 +53,6 @@ _RUNTIME_HELPERS = sorted(name for name, f in vars(numba_runtime).items() if not
                           and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__)
 
 
-def _fusable(e) -> bool:
-    """An elementwise op: one scalar expression (its entry's ``numba`` code) per element."""
-    return e.op != "rnn" and registry.get(e.op).kind == "elementwise"
-
-
 class _Info:
     """Where the generated code finds a var.
 
@@ -65,37 +63,39 @@ class _Info:
     """
 
     def __init__(self, kind, ident=None, var=None, offset=0, width=None, size=None,
-                 hoistable=False, levels=(), data=None, literal=None):
+                 levels=(), data=None):
         self.kind = kind
         self.ident = ident
         self.var = var
-        self.offset = offset  # column offset into a merged matmul result
+        self.offset = offset  # column offset into a merged GEMM's result
         self.width = width  # full last-axis width of the array behind ident
         self.size = size  # rows of a global (code expression)
-        self.hoistable = hoistable
         self.levels = tuple(levels)
         self.data = data
-        self.literal = literal
+
+    @property
+    def whole(self) -> bool:
+        """The array behind ``ident`` holds this var alone (no merged columns)."""
+        return self.offset == 0 and self.width == _width(self.var)
 
 
-class _Gen:
-    def __init__(self, program: ir.Program):
-        self.program = program
-        self.info = {}
+class _Module:
+    """What the generated module shares: fresh names, typed literals, the rnn
+    functions, the program's prologue (hoisted work and allocations) and the
+    arrays defined so far, which every rnn function takes by name."""
+
+    def __init__(self):
         self.counter = 0
-        self.module_consts = []  # lines defining typed scalar constants
-        self.literals = {}
-        self.gargs = []  # names passed to every rnn function
-        self.functions = {}  # name -> lines
-        self.prologue = []  # lines in program(): hoisted work and allocations
-        self.hoisted = set()  # ids of bodies whose hoistable work is emitted
+        self.literals = {}  # (repr, dtype) -> name of a module-level constant
+        self.module_consts = []  # lines defining them
+        self.functions = []  # lines of each rnn function
+        self.prologue = []
+        self.gargs = []
         self.packed = {}  # weights ident -> packed weights ident
-        self.const_names = {}  # ident -> the program's constant name
-        self.concatenated = {}  # ident -> names of the constants it joins by columns
-        self.step_buffers = set()  # buffers written inside a time step
+        self.const_vars = {}  # ident -> the program's constant (an ir.Var)
+        self.concatenated = {}  # ident -> the constants it joins by columns
         self.extra_returns = []  # data arrays behind ragged last-step outputs
-        self.direct_outputs = {}  # id(step result) -> global arrays of all-steps outputs
-        self.written_outputs = set()  # ids of those a fused loop already writes
+        self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
 
     def fresh(self, base):
         self.counter += 1
@@ -113,808 +113,804 @@ class _Gen:
             self.literals[key] = name
         return self.literals[key]
 
-    # -- entry point ---------------------------------------------------------
 
-    def generate(self) -> str:
-        prog = self.program
-        params = []
-        for v in prog.consts:
-            ident = self.fresh("c")
-            self.const_names[ident] = v.name
-            self.info[id(v)] = _Info("const", ident, v)
+@dataclass
+class _Function:
+    """One rnn function while its code is generated: the buffers allocated
+    before its time loop, and the all-steps outputs its fused loops write."""
+
+    allocs: list = field(default_factory=list)
+    buffers: set = field(default_factory=set)  # idents of the step buffers
+    materialized: frozenset = frozenset()  # per-step values stored in buffers
+    direct: dict = field(default_factory=dict)  # Var -> all-steps output arrays
+    written: set = field(default_factory=set)  # Vars a fused loop wrote there
+
+
+@dataclass
+class _Ctx:
+    """Where a piece of generated code goes: ``lines``, in ``mode`` ("const"
+    and "hoist": the program's prologue; "step": a time step; "program": the
+    top call), seeing ``values`` (Var -> _Info); ``fn`` in a step."""
+
+    module: _Module
+    values: dict
+    mode: str
+    lines: list
+    fn: _Function | None = None
+
+    def at(self, mode, lines=None):
+        return dataclasses.replace(self, mode=mode, lines=self.lines if lines is None else lines)
+
+
+# ----------------------------------------------------------------------------
+# the program
+
+
+def generate_source(program: ir.Program):
+    """The generated module's source and a _Layout of its program() function."""
+    sched = schedule.schedule(program)
+    module, values = _Module(), {}
+    params, top_inputs = _program_inputs(module, program, values)
+    _hoist(_Ctx(module, values, "hoist", module.prologue), sched)
+    seqs = ir.rnn_parts(program.eqn)[0]
+    top_levels = values[seqs[0]].levels
+    ctx = _Ctx(module, values, "program", [])
+    outs = _rnn_call(ctx, sched, "starts", "lengths", "num_seq")
+    body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
+            "num_seq = lengths.shape[0]"] + module.prologue + ctx.lines
+    ret = ", ".join([o[1] for o in outs] + module.extra_returns)
+    body.append(f"return ({ret},)")
+    src = [
+        "# generated by stepnet: do not edit",
+        "import math",
+        "import numpy as np",
+        "from numba import njit, prange",
+        f"# BLAS: {blas.BLAS_NAME}" + (" (deterministic)" if blas.DETERMINISTIC else ""),
+        "from stepnet.jit.blas import gemm32, gemm64, gemm_packed32, gemm_packed64, pack32, pack64",
+        "from stepnet.jit.numba_runtime import (",
+        *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
+                       subsequent_indent="    "),
+        ")",
+        "",
+    ]
+    src += module.module_consts + [""]
+    for fn in module.functions:
+        src += fn + [""]
+    src.append(_decorator(parallel=False))
+    # consts, then weights concatenated by the caller for merged GEMMs
+    n = len(program.consts)
+    params = params[:n] + list(module.concatenated) + params[n:]
+    src.append(f"def program({', '.join(params)}):")
+    src += ["    " + line for line in body]
+    layout = _Layout(top_inputs, outs, module.concatenated, sched)
+    return "\n".join(src) + "\n", layout
+
+
+@dataclass
+class _Layout:
+    """What a call of the generated program() takes and returns."""
+
+    top_inputs: list  # per program input: (kind, var, data ident, level idents)
+    top_outputs: list  # per rnn output: (kind, ident, ...)
+    concatenated: dict  # weights joined by the caller: ident -> constants (ir.Var)
+    schedule: schedule.Schedule
+
+
+def _program_inputs(module, program, values):
+    """program()'s parameters: constants, then each input (a ragged one as its
+    data and levels); their infos go to ``values``."""
+    params = []
+    for v in program.consts:
+        ident = module.fresh("c")
+        module.const_vars[ident] = v
+        values[v] = _Info("const", ident, v)
+        params.append(ident)
+        module.gargs.append(ident)
+    statics = ir.rnn_parts(program.eqn)[1]
+    top_inputs = []
+    for v in program.inputs:
+        if not v.lod_depth:
+            ident = module.fresh("a")
             params.append(ident)
-            self.gargs.append(ident)
-        eqn = prog.eqn
-        seqs, statics, _ = ir.rnn_parts(eqn)
-        self.top_inputs = []
-        for v in prog.inputs:
-            if v.lod_depth:
-                data = self.fresh("x")
-                levels = [self.fresh("L") for _ in range(v.lod_depth)]
-                params += [data] + levels
-                self.gargs += levels
-                size = f"{data}.shape[0]"
-                dinfo = _Info("global", data, v, size=size, hoistable=True,
-                              width=_width(v))
-                self.gargs.append(data)
-                if any(s is v for s in statics):
-                    raise UnsupportedError(
-                        f"static input {v.name} is a LoDTensor; the numba backend takes "
-                        "dense static inputs only (use backend='interpreter')"
-                    )
-                self.info[id(v)] = _Info("ragged", None, v, levels=levels, data=dinfo)
-                self.top_inputs.append(("sequence", v, data, levels))
-            else:
-                ident = self.fresh("a")
-                params.append(ident)
-                self.info[id(v)] = _Info("local", ident, v, width=_width(v))
-                self.top_inputs.append(("dense", v, ident, None))
-        self.program_params = params
+            values[v] = _Info("local", ident, v, width=_width(v))
+            top_inputs.append(("dense", v, ident, None))
+            continue
+        if any(s is v for s in statics):
+            raise UnsupportedError(
+                f"static input {v.name} is a LoDTensor; the numba backend takes "
+                "dense static inputs only (use backend='interpreter')"
+            )
+        data = module.fresh("x")
+        levels = [module.fresh("L") for _ in range(v.lod_depth)]
+        params += [data] + levels
+        module.gargs += levels + [data]
+        dinfo = _Info("global", data, v, size=f"{data}.shape[0]", width=_width(v))
+        values[v] = _Info("ragged", None, v, levels=levels, data=dinfo)
+        top_inputs.append(("sequence", v, data, levels))
+    return params, top_inputs
 
-        self.hoist_block(eqn)
-        top_levels = self.info[id(seqs[0])].levels
-        call, outs = self.emit_rnn_call(eqn, "starts", "lengths", "num_seq", mode="program")
-        self.top_outputs = outs
-        body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
-                "num_seq = lengths.shape[0]"] + self.prologue + call
-        ret = ", ".join([o[1] for o in outs] + self.extra_returns)
-        body.append(f"return ({ret},)")
-        src = [
-            "# generated by stepnet: do not edit",
-            "import math",
-            "import numpy as np",
-            "from numba import njit, prange",
-            f"# BLAS: {blas.BLAS_NAME}" + (" (deterministic)" if blas.DETERMINISTIC else ""),
-            "from stepnet.jit.blas import gemm32, gemm64, gemm_packed32, gemm_packed64, pack32, pack64",
-            "from stepnet.jit.numba_runtime import (",
-            *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
-                           subsequent_indent="    "),
-            ")",
-            "",
-        ]
-        src += self.module_consts + [""]
-        for fn in self.functions.values():
-            src += fn + [""]
-        src.append(_decorator(parallel=False))
-        # consts, then weights concatenated by the caller for merged matmuls
-        params = params[:len(prog.consts)] + list(self.concatenated) + params[len(prog.consts):]
-        src.append(f"def program({', '.join(params)}):")
-        src += ["    " + line for line in body]
-        return "\n".join(src) + "\n"
 
-    # -- hoisting: work that depends on no memory runs once per space --------
+# ----------------------------------------------------------------------------
+# hoisting: the const and hoisted stages of every body, in the prologue
 
-    def hoist_block(self, eqn):
-        """Classify the body of ``eqn`` and emit its hoistable ops into the prologue."""
-        body = eqn.attrs["body"]
-        if id(body) in self.hoisted:
-            return
-        self.hoisted.add(id(body))
-        seqs, _, _ = ir.rnn_parts(eqn)
-        for step_var, outer in zip(body.step_inputs, seqs):
-            oi = self.info[id(outer)]
-            if oi.kind != "ragged":
-                raise UnsupportedError(f"step input {outer.name} is not a sequence")
-            if step_var.lod_depth:
-                self.info[id(step_var)] = _Info("ragged", None, step_var,
-                                                levels=oi.levels[1:], data=oi.data)
-            else:
-                d = oi.data
-                self.info[id(step_var)] = _Info("global", d.ident, step_var, offset=d.offset,
-                                                width=d.width, size=d.size,
-                                                hoistable=d.hoistable)
-        progress = True
-        while progress:  # a hoisted nested rnn can make more of this body hoistable
-            progress = False
-            merged = self.merge_matmuls(body, hoisting=True)
-            for e in self.hoistable_eqns(body):
-                if id(e.outputs[0]) in self.info:
-                    continue  # computed by a merged matmul
-                kinds = [self.info[id(v)] for v in e.inputs if isinstance(v, ir.Var)]
-                if all(k.kind == "const" for k in kinds):
-                    self.emit_op(e, "const", self.prologue)
-                elif id(e) in merged:
-                    self.emit_merged(merged[id(e)], "hoist", self.prologue)
-                else:
-                    self.emit_op(e, "hoist", self.prologue)
-                progress = True
-            for e in body.eqns:
-                if e.op != "rnn":
-                    continue
-                # its sequence inputs are known now if they come from step inputs
-                inner_seqs, _, _ = ir.rnn_parts(e)
-                if all(id(v) in self.info for v in inner_seqs):
-                    self.hoist_block(e)
-                    if id(e.outputs[0]) not in self.info and self.independent_rnn(e):
-                        level = self.info[id(inner_seqs[0])].levels[0]
-                        st, ln = self.fresh("st"), self.fresh("ln")
-                        self.prologue.append(f"{st}, {ln} = starts_and_lengths({level})")
-                        call, _ = self.emit_rnn_call(e, st, ln, f"{ln}.shape[0]", mode="hoist")
-                        self.prologue.extend(call)
-                        progress = True
 
-    def independent_rnn(self, e):
-        """A nested rnn that reads no per-step value of its enclosing step (only
-        step-input data, constants and literals) runs once over every entry of
-        its space, before any time loop, instead of once per enclosing step."""
-        seqs, statics, inits = ir.rnn_parts(e)
-        for v in seqs:
-            info = self.info[id(v)]
-            if info.kind != "ragged" or not info.data.hoistable:
-                return False
-        for v in list(statics) + list(inits):
-            if isinstance(v, ir.Var) and self.info.get(id(v), _Info("?")).kind != "const":
-                return False
-        body = e.attrs["body"]
-        return all(
-            all_steps or not res.lod_depth
-            for res, all_steps in zip(body.outputs, e.attrs["all_steps"])
+def _hoist(ctx, sched):
+    """Emit ``sched``'s const and hoisted stages into the prologue, then those
+    of the nested bodies whose sequences are known (once per body)."""
+    body = sched.body
+    if body in ctx.module.hoisted_bodies:
+        return
+    ctx.module.hoisted_bodies.add(body)
+    seqs = ir.rnn_parts(sched.eqn)[0]
+    for step_var, outer in zip(body.step_inputs, seqs):
+        oi = ctx.values[outer]
+        if oi.kind != "ragged":
+            raise UnsupportedError(f"step input {outer.name} is not a sequence")
+        if step_var.lod_depth:
+            ctx.values[step_var] = _Info("ragged", None, step_var, levels=oi.levels[1:],
+                                         data=oi.data)
+        else:
+            d = oi.data
+            ctx.values[step_var] = _Info("global", d.ident, step_var, offset=d.offset,
+                                         width=d.width, size=d.size)
+    # a body's equations may be another's too (autodiff's recompute): each
+    # value is computed once
+    for stage in sched.const:
+        if stage.outputs[0] not in ctx.values:
+            _emit_op(ctx.at("const"), stage.eqns[0])
+    for stage in sched.hoisted:
+        if not all(v in ctx.values for v in stage.outputs):
+            _render_stage(ctx.at("hoist"), sched, stage)
+    for stage in sched.step:
+        if stage.kind == "rnn" and all(v in ctx.values for v in ir.rnn_parts(stage.eqns[0])[0]):
+            _hoist(ctx, sched.nested[stage.eqns[0]])
+
+
+def _render_stage(ctx, sched, stage):
+    _STAGE_RENDERERS[stage.kind](ctx, sched, stage)
+
+
+def _render_gemm(ctx, sched, stage):
+    """``a @ W`` as one BLAS call; a merged stage multiplies by the weights
+    joined by columns and each result is a column block of its output."""
+    a = stage.left
+    ai = ctx.values[a]
+    dtype = stage.eqns[0].outputs[0].dtype
+    if stage.merged:
+        weights = _joined_weights(ctx, [e.inputs[1] for e in stage.eqns])
+        total = sum(e.outputs[0].shape[-1] for e in stage.eqns)
+        out = ir.Var("merged", dtype, (None, total))
+    else:
+        weights = ctx.values[stage.eqns[0].inputs[1]].ident
+        out = stage.eqns[0].outputs[0]
+    left = _contiguous(ctx, ai)
+    info = _new_array(ctx, out, size=ai.size)
+    ctx.lines.append(_gemm_call(ctx, left, weights, info, a.shape[-1], out.shape[-1], dtype))
+    offset = 0
+    for e in stage.eqns if stage.merged else ():
+        res = e.outputs[0]
+        ctx.values[res] = _Info(info.kind, info.ident, res, offset=offset, width=out.shape[-1],
+                                size=info.size)
+        offset += res.shape[-1]
+
+
+def _joined_weights(ctx, weights):
+    """The ident of the weights joined by columns: by the caller when they
+    are the program's constants, else once in the prologue."""
+    module = ctx.module
+    idents = [ctx.values[w].ident for w in weights]
+    joined = module.fresh("w")
+    if all(w in module.const_vars for w in idents):
+        module.concatenated[joined] = [module.const_vars[w] for w in idents]
+    else:
+        module.prologue.append(
+            f"{joined} = np.ascontiguousarray(np.concatenate(({', '.join(idents)},), axis=1))"
         )
+    module.gargs.append(joined)
+    return joined
 
-    def hoistable_eqns(self, body):
-        """The ops of ``body`` that depend on no memory, in order.
 
-        An elementwise op is hoisted only when a hoisted matmul, reduction or
-        shape op needs its result: otherwise it costs one more pass over every
-        token, while inside the step it fuses into the gate loop for free.
-        """
-        ready = {id(v) for v in self.info_vars(("const",))}
-        ready |= {i for i, info in self.info.items() if info.kind == "global" and info.hoistable}
-        marked = []
-        for e in body.eqns:
-            if e.op == "rnn":
-                continue
-            if all(id(v) in ready for v in e.inputs if isinstance(v, ir.Var)):
-                marked.append(e)
-                ready.update(id(v) for v in e.outputs)
-        consumers = {}
-        for e in body.eqns:
-            for v in e.inputs:
-                if isinstance(v, ir.Var):
-                    consumers.setdefault(id(v), []).append(e)
-        keep = set()
-        for e in reversed(marked):
-            const_only = all(self.info.get(id(v)) is not None and self.info[id(v)].kind == "const"
-                             for v in e.inputs if isinstance(v, ir.Var))
-            fusable = _fusable(e)
-            if const_only or not fusable or any(
-                id(c) in keep for c in consumers.get(id(e.outputs[0]), ())
-            ):
-                keep.add(id(e))
-        return [e for e in marked if id(e) in keep]
+def _gemm_call(ctx, left, weights, info, k, n, dtype):
+    """A BLAS call: plain GEMM when hoisted, packed weights inside the time loop."""
+    bits = np.dtype(dtype).itemsize * 8
+    if ctx.mode != "step":
+        return f"gemm{bits}({left}, {weights}, {info.ident})"
+    module = ctx.module
+    packed = module.packed.get(weights)
+    if packed is None:
+        packed = module.packed[weights] = module.fresh("wp")
+        module.prologue.append(f"{packed} = pack{bits}({weights}, num_seq)")
+        module.gargs.append(packed)
+    return f"gemm_packed{bits}({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
 
-    def info_vars(self, kinds):
-        return [info.var for info in self.info.values() if info.kind in kinds]
 
-    def merge_matmuls(self, body, hoisting):
-        """Group ``a @ W1``, ``a @ W2``, ... (same a, constant W) -> {id(eqn): group}."""
-        groups = {}
-        for e in body.eqns:
-            if e.op != "matmul":
-                continue
-            a, w = e.inputs
-            if not (isinstance(a, ir.Var) and isinstance(w, ir.Var)):
-                continue
-            wi = self.info.get(id(w))
-            if wi is None or wi.kind != "const" or len(w.shape) != 2 or len(a.shape) != 2:
-                continue
-            ai = self.info.get(id(a))
-            if hoisting and (ai is None or ai.kind != "global" or not ai.hoistable):
-                continue
-            if not hoisting and ai is not None and ai.kind == "global" and ai.hoistable:
-                continue
-            groups.setdefault((id(a), np.dtype(e.outputs[0].dtype).str), []).append(e)
-        out = {}
-        for group in groups.values():
-            if len(group) > 1:
-                for e in group:
-                    out[id(e)] = group
-        return out
+def _render_single(ctx, sched, stage):
+    _emit_op(ctx, stage.eqns[0])
 
-    # -- emitting ops ----------------------------------------------------------
 
-    def new_array(self, var, mode, lines, size=None):
-        """Allocate the array that holds ``var`` (mode: const, hoist or step)."""
-        ident = self.fresh("v")
-        dt = f"np.{np.dtype(var.dtype).name}"
-        if mode == "const":
-            lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
-            self.gargs.append(ident)
-            info = _Info("const", ident, var)
-        elif mode == "hoist":
-            lines.append(f"{ident} = np.empty({_shape(size, var.shape[1:])}, {dt})")
-            self.gargs.append(ident)
-            info = _Info("global", ident, var, width=_width(var), size=size, hoistable=True)
+def _render_elementwise(ctx, sched, stage):
+    if ctx.mode == "step":
+        _emit_fused(ctx, stage.eqns)
+    else:  # hoisted: one op per stage
+        _emit_op(ctx, stage.eqns[0])
+
+
+def _render_rnn(ctx, sched, stage):
+    e = stage.eqns[0]
+    inner = sched.nested[e]
+    if ctx.mode == "step":
+        _emit_nested(ctx, inner)
+        return
+    # independent: once over every entry of its space, before any time loop
+    _hoist(ctx, inner)
+    level = ctx.values[ir.rnn_parts(e)[0][0]].levels[0]
+    st, ln = ctx.module.fresh("st"), ctx.module.fresh("ln")
+    ctx.lines.append(f"{st}, {ln} = starts_and_lengths({level})")
+    _rnn_call(ctx, inner, st, ln, f"{ln}.shape[0]")
+
+
+_STAGE_RENDERERS = {
+    "gemm": _render_gemm,
+    "matmul": _render_single,
+    "shape": _render_single,
+    "elementwise": _render_elementwise,
+    "rnn": _render_rnn,
+}
+
+
+# ----------------------------------------------------------------------------
+# arrays, loops and element references
+
+
+def _new_array(ctx, var, size=None):
+    """Allocate the array that holds ``var`` (as ctx.mode says) and record it."""
+    module = ctx.module
+    ident = module.fresh("v")
+    dt = f"np.{np.dtype(var.dtype).name}"
+    if ctx.mode == "const":
+        ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
+        module.gargs.append(ident)
+        info = _Info("const", ident, var)
+    elif ctx.mode == "hoist":
+        ctx.lines.append(f"{ident} = np.empty({_shape(size, var.shape[1:])}, {dt})")
+        module.gargs.append(ident)
+        info = _Info("global", ident, var, width=_width(var), size=size)
+    else:
+        ctx.fn.allocs.append(f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})")
+        ctx.fn.buffers.add(ident)
+        info = _Info("local", ident, var, width=_width(var))
+    ctx.values[var] = info
+    return info
+
+
+def _contiguous(ctx, info):
+    """An expression for a C-contiguous [rows, K] array holding a 2-D var."""
+    if ctx.mode == "hoist" and info.kind == "global" and info.whole:
+        return info.ident
+    if ctx.mode == "step" and info.kind == "local" and info.whole:
+        return f"{info.ident}[:nb]"
+    tmp = _new_array(ctx, ir.Var("tmp", info.var.dtype, info.var.shape), size=info.size)
+    _emit_copy(ctx, info, tmp)
+    return f"{tmp.ident}[:nb]" if ctx.mode == "step" else tmp.ident
+
+
+def _emit_copy(ctx, src, dst):
+    shape = dst.var.shape
+    loops, idx = _loop_nest(shape, ctx.mode, dst.size)
+    ctx.lines += _nest(loops, [
+        f"{_ref(dst, idx, ctx.mode, shape)} = {_ref(src, idx, ctx.mode, shape)}"
+    ])
+
+
+def _loop_nest(shape, mode, size=None):
+    """Loops over ``shape``; in a step, ``e`` is row b's entry (loaded once
+    per row, so LLVM vectorizes the inner loop)."""
+    loops, idx = [], []
+    for d, n in enumerate(shape):
+        if n is None:
+            var = "b" if mode == "step" else "r"
+            bound = "nb" if mode == "step" else size
         else:
-            self.step_allocs.append(
-                f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})"
-            )
-            info = _Info("local", ident, var, width=_width(var))
-            self.step_buffers.add(ident)
-        self.info[id(var)] = info
-        return info
+            var, bound = f"i{d}", str(n)
+        loops.append(f"for {var} in range({bound}):")
+        if n is None and mode == "step":
+            loops.append("e = entries[b]")
+        idx.append(var)
+    return loops, idx
 
-    def space_size(self, e):
-        for v in e.inputs:
-            if isinstance(v, ir.Var) and self.info[id(v)].kind == "global":
-                return self.info[id(v)].size
-        raise AssertionError("hoisted op without a global operand")
 
-    def emit_merged(self, group, mode, lines):
-        a = group[0].inputs[0]
-        ai = self.info[id(a)]
-        ws = [self.info[id(e.inputs[1])].ident for e in group]
-        wcat = self.fresh("w")
-        if all(w in self.const_names for w in ws):  # concatenated by the caller
-            self.concatenated[wcat] = [self.const_names[w] for w in ws]
-        else:
-            self.prologue.append(
-                f"{wcat} = np.ascontiguousarray(np.concatenate(({', '.join(ws)},), axis=1))"
-            )
-        self.gargs.append(wcat)
-        total = sum(e.outputs[0].shape[-1] for e in group)
-        out_var = ir.Var("merged", group[0].outputs[0].dtype, (None, total))
-        left = self.contiguous(ai, mode, lines)
-        info = self.new_array(out_var, mode, lines, size=ai.size)
-        k = a.shape[-1]
-        lines.append(self.gemm(left, wcat, info, mode, k, total, out_var.dtype))
-        offset = 0
-        for e in group:
-            out = e.outputs[0]
-            self.info[id(out)] = _Info(info.kind, info.ident, out, offset=offset, width=total,
-                                       size=info.size, hoistable=info.hoistable)
-            offset += out.shape[-1]
-
-    def contiguous(self, info, mode, lines):
-        """An expression for a C-contiguous [rows, K] array holding a 2-D var."""
-        full = info.offset == 0 and info.width == _width(info.var)
-        if mode == "hoist" and info.kind == "global" and full:
-            return info.ident
-        if mode == "step" and info.kind == "local" and full:
-            return f"{info.ident}[:nb]"
-        tmp = self.new_array(ir.Var("tmp", info.var.dtype, info.var.shape), mode, lines,
-                             size=info.size)
-        self.emit_copy(info, tmp, mode, lines)
-        return f"{tmp.ident}[:nb]" if mode == "step" else tmp.ident
-
-    def emit_copy(self, src, dst, mode, lines):
-        shape = dst.var.shape
-        loops, idx = self.loop_nest(shape, mode, dst.size)
-        body = f"{self.ref(dst, idx, mode, shape)} = {self.ref(src, idx, mode, shape)}"
-        lines += _nest(loops, [body])
-
-    def loop_nest(self, shape, mode, size=None):
-        """Loops over ``shape``; in a step, ``e`` is row b's entry (loaded once
-        per row, so LLVM vectorizes the inner loop)."""
-        loops, idx = [], []
-        for d, n in enumerate(shape):
-            if n is None:
-                var = "b" if mode == "step" else "r"
-                bound = "nb" if mode == "step" else size
+def _ref(info, idx, mode, loop_shape, row="b"):
+    """Code reading element ``idx`` (loop indices over ``loop_shape``) of a var,
+    with NumPy broadcasting; ``row``: a local buffer's row."""
+    if info.kind in ("literal", "scalar"):
+        return info.ident
+    shape = info.var.shape
+    lead = len(loop_shape) - len(shape)
+    parts = []
+    for d, n in enumerate(shape):
+        i = idx[lead + d]
+        if n is None:
+            if info.kind == "global":
+                i = "e" if mode == "step" else "r"
             else:
-                var, bound = f"i{d}", str(n)
-            loops.append(f"for {var} in range({bound}):")
-            if n is None and mode == "step":
-                loops.append("e = entries[b]")
-            idx.append(var)
-        return loops, idx
+                i = row
+        elif n == 1 and loop_shape[lead + d] != 1:
+            i = "0"
+        if d == len(shape) - 1 and info.offset:
+            i = f"{info.offset} + {i}"
+        parts.append(i)
+    if not parts:
+        return f"{info.ident}.item()" if info.kind == "const" else info.ident
+    return f"{info.ident}[{', '.join(parts)}]"
 
-    def ref(self, info, idx, mode, loop_shape):
-        """Code reading element ``idx`` (loop indices over ``loop_shape``) of a var,
-        with NumPy broadcasting."""
-        if info.kind == "literal":
-            return info.ident
-        if info.kind == "scalar":
-            return info.ident
-        shape = info.var.shape
-        lead = len(loop_shape) - len(shape)
-        parts = []
-        for d, n in enumerate(shape):
-            i = idx[lead + d]
-            if n is None:
-                if info.kind == "global":
-                    i = "e" if mode == "step" else "r"
-                else:
-                    i = "b"
-            elif n == 1 and loop_shape[lead + d] != 1:
-                i = "0"
-            if d == len(shape) - 1 and info.offset:
-                i = f"{info.offset} + {i}"
-            parts.append(i)
-        if not parts:
-            return f"{info.ident}.item()" if info.kind == "const" else info.ident
-        return f"{info.ident}[{', '.join(parts)}]"
 
-    def operand(self, v, dtype):
-        if isinstance(v, ir.Literal):
-            return _Info("literal", self.literal(v.value, dtype))
-        return self.info[id(v)]
+def _operand(ctx, v, dtype):
+    if isinstance(v, ir.Literal):
+        return _Info("literal", ctx.module.literal(v.value, dtype))
+    return ctx.values[v]
 
-    def emit_op(self, e, mode, lines):
-        """One non-rnn op as its own loop nest (or a BLAS call)."""
-        out = e.outputs[0]
-        size = self.space_size(e) if mode == "hoist" else None
-        if e.op == "matmul" and self.emit_dot(e, mode, lines):
-            return
-        info = self.new_array(out, mode, lines, size=size)
-        opdt = _operand_dtype(e)
-        ins = [self.operand(v, opdt) for v in e.inputs]
-        shape = out.shape
-        loops, idx = self.loop_nest(shape, mode, size)
-        dst = self.ref(info, idx, mode, shape)
-        if _fusable(e):
-            expr = self.scalar_expr(e, [self.ref(i, idx, mode, shape) for i in ins])
-            lines += _nest(loops, [f"{dst} = {expr}"])
-        elif e.op == "sum":
-            axis = e.attrs["axis"]
-            n = e.inputs[0].shape[axis]
-            keep = e.attrs.get("keepdims", False)
-            in_idx = list(idx)
-            if keep:
-                in_idx[axis] = "k"
-            else:
-                in_idx.insert(axis, "k")
-            acc = self.literal(0.0, out.dtype)
-            src = self.ref(ins[0], in_idx, mode, e.inputs[0].shape)
-            lines += _nest(loops, [f"acc = {acc}", f"for k in range({n}):",
-                                   f"    acc += {src}", f"{dst} = acc"])
-        elif e.op == "slice":
-            axis, start = e.attrs["axis"], e.attrs["start"]
-            in_idx = list(idx)
-            in_idx[axis] = f"{start} + {idx[axis]}"
-            lines += _nest(loops, [f"{dst} = {self.ref(ins[0], in_idx, mode, shape)}"])
-        elif e.op == "concat":
-            axis = e.attrs["axis"]
-            offset = 0
-            for v, vi in zip(e.inputs, ins):
-                vloops, vidx = self.loop_nest(v.shape, mode, size)
-                didx = list(vidx)
-                didx[axis] = f"{offset} + {vidx[axis]}"
-                lines += _nest(vloops, [
-                    f"{self.ref(info, didx, mode, shape)} = {self.ref(vi, vidx, mode, v.shape)}"
-                ])
-                offset += v.shape[axis]
-        elif e.op == "transpose":
-            in_idx = list(idx[:-2]) + [idx[-1], idx[-2]]
-            lines += _nest(loops, [f"{dst} = {self.ref(ins[0], in_idx, mode, shape)}"])
-        elif e.op == "broadcast_axis":
-            axis = e.attrs["axis"]
-            in_idx = list(idx)
-            if e.attrs["insert"]:
-                del in_idx[axis]
-            else:
-                in_idx[axis] = "0"
-            src = self.ref(ins[0], in_idx, mode, e.inputs[0].shape)
-            lines += _nest(loops, [f"{dst} = {src}"])
-        elif e.op == "pad":
-            axis, before = e.attrs["axis"], e.attrs["before"]
-            n = e.inputs[0].shape[axis]
-            in_idx = list(idx)
-            in_idx[axis] = f"{idx[axis]} - {before}"
-            src = self.ref(ins[0], in_idx, mode, e.inputs[0].shape)
-            zero = self.literal(0.0, out.dtype)
-            lines += _nest(loops, [
-                f"{dst} = {src} if {before} <= {idx[axis]} < {before + n} else {zero}"
-            ])
-        elif e.op == "matmul":
-            self.emit_loop_matmul(e, ins, info, loops, idx, mode, lines)
-        else:
-            raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
 
-    def emit_dot(self, e, mode, lines):
-        """``a @ W`` with a 2-D step value and a 2-D constant: one BLAS call."""
-        a, w = e.inputs
-        if not (isinstance(a, ir.Var) and isinstance(w, ir.Var)):
-            return False
-        ai, wi = self.info[id(a)], self.info[id(w)]
-        if wi.kind != "const" or len(w.shape) != 2 or len(a.shape) != 2 or not a.batched:
-            return False
-        if np.dtype(a.dtype) != np.dtype(w.dtype):
-            return False
-        size = ai.size
-        left = self.contiguous(ai, mode, lines)
-        info = self.new_array(e.outputs[0], mode, lines, size=size)
-        lines.append(self.gemm(left, wi.ident, info, mode, w.shape[0], w.shape[1], w.dtype))
-        return True
+# ----------------------------------------------------------------------------
+# one op as its own loop nest
 
-    def gemm(self, left, weights, info, mode, k, n, dtype):
-        """A BLAS call: plain GEMM when hoisted, packed weights inside the time loop."""
-        bits = np.dtype(dtype).itemsize * 8
-        if mode != "step":
-            return f"gemm{bits}({left}, {weights}, {info.ident})"
-        packed = self.packed.get(weights)
-        if packed is None:
-            packed = self.packed[weights] = self.fresh("wp")
-            self.prologue.append(f"{packed} = pack{bits}({weights}, num_seq)")
-            self.gargs.append(packed)
-        return f"gemm_packed{bits}({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
 
-    def emit_loop_matmul(self, e, ins, info, loops, idx, mode, lines):
-        a, b = e.inputs
-        shape = e.outputs[0].shape
-        ma = a.shape if len(a.shape) > 1 else (1,) + a.shape
-        r = len(shape)
-        out_idx = list(idx)
-        # indices of the stacked/row dims of the promoted result
-        full_idx = out_idx if len(a.shape) > 1 else out_idx[:r - 1] + ["0"] + out_idx[r - 1:]
-        if len(b.shape) == 1:
-            full_idx = full_idx + ["0"]
-        stack = full_idx[:-2]
-        a_idx = stack[len(stack) - (len(ma) - 2):] if len(ma) > 2 else []
-        a_idx = a_idx + ([full_idx[-2]] if len(a.shape) > 1 else []) + ["k"]
-        b_idx = stack[len(stack) - (len(b.shape) - 2):] if len(b.shape) > 2 else []
-        b_idx = b_idx + ["k"] + ([full_idx[-1]] if len(b.shape) > 1 else [])
-        k = ma[-1]
-        acc = self.literal(0.0, e.outputs[0].dtype)
-        ra = self.ref(ins[0], a_idx, mode, a.shape)
-        rb = self.ref(ins[1], b_idx, mode, b.shape)
-        dst = self.ref(info, out_idx, mode, shape)
-        lines += _nest(loops, [f"acc = {acc}", f"for k in range({k}):",
-                               f"    acc += {ra} * {rb}", f"{dst} = acc"])
+def _emit_op(ctx, e):
+    """One op (not a GEMM, not fused) as its own loop nest over its result."""
+    out = e.outputs[0]
+    size = None
+    if ctx.mode == "hoist":  # the rows of the space: those of a global operand
+        size = next(ctx.values[v].size for v in e.inputs
+                    if isinstance(v, ir.Var) and ctx.values[v].kind == "global")
+    info = _new_array(ctx, out, size=size)
+    ins = [_operand(ctx, v, registry.literal_dtype(e)) for v in e.inputs]
+    loops, idx = _loop_nest(out.shape, ctx.mode, size)
+    op = "elementwise" if schedule.is_elementwise(e) else e.op
+    emit = _OP_LOOPS.get(op)
+    if emit is None:
+        raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
+    ctx.lines += emit(ctx, e, ins, info, loops, idx, size)
 
-    def scalar_expr(self, e, args):
-        """Op ``e`` on one element, ``args`` its operands' code: the op's
-        ``numba`` code (stepnet/ops/primitives.py)."""
-        code = registry.get(e.op).numba
-        dtype = e.outputs[0].dtype
-        if code is None:
-            raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
-        if callable(code):
-            return code(*args, **{k: self.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
-        return code.format(*args, bits="32" if np.dtype(dtype) == np.float32 else "64")
 
-    # -- the time loop -----------------------------------------------------------
+def _elementwise_loop(ctx, e, ins, info, loops, idx, size):
+    shape = e.outputs[0].shape
+    expr = _scalar_expr(ctx, e, [_ref(i, idx, ctx.mode, shape) for i in ins])
+    return _nest(loops, [f"{_ref(info, idx, ctx.mode, shape)} = {expr}"])
 
-    def emit_rnn_call(self, eqn, start_expr, len_expr, count_expr, mode):
-        """Emit the function for ``eqn`` and the lines that call it.
 
-        Returns (lines, outputs) where outputs lists (kind, ident) per rnn output.
-        """
-        _, statics, inits = ir.rnn_parts(eqn)
-        body = eqn.attrs["body"]
-        for out, res, all_steps in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"]):
-            if all_steps and not res.lod_depth:
-                level = self.seq_levels(eqn)[0]
-                ident = self.fresh("o")
-                dt = f"np.{np.dtype(out.dtype).name}"
-                self.prologue.append(
-                    f"{ident} = np.empty({_shape(level + '[-1]', res.shape[1:])}, {dt})"
-                )
-                self.gargs.append(ident)
-                data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]",
-                             hoistable=mode == "hoist")
-                self.info[id(out)] = _Info("ragged", None, out, levels=(level,), data=data)
-        fname, result_infos = self.emit_rnn_function(eqn)
-        lines, args, outs, hoisted_lasts = [], [start_expr, len_expr], [], []
-        for v in list(inits) + list(statics):
-            if isinstance(v, ir.Literal):
-                continue
-            vi = self.info[id(v)]
-            if vi.kind == "const":
-                continue
-            args.append(self.batched_arg(vi, mode, lines))
-        for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
-                                           result_infos):
-            dt = f"np.{np.dtype(out.dtype).name}"
-            if all_steps:
-                if res.lod_depth:
-                    oi = _Info("ragged", None, out, levels=(self.seq_levels(eqn)[0],) + ri.levels,
-                               data=ri.data)
-                    self.info[id(out)] = oi
-                    outs.append(("ragged_all", oi.data.ident, oi.levels))
-                else:
-                    oi = self.info[id(out)]
-                    outs.append(("dense_all", oi.data.ident, oi.levels))
-            else:
-                if res.lod_depth:
-                    if mode != "program":
-                        raise UnsupportedError(
-                            "numba backend: a nested step-net's last step of a ragged output "
-                            "is not supported (use backend='interpreter')"
-                        )
-                    ident = self.fresh("e")
-                    lines.append(f"{ident} = np.empty(num_seq, np.int64)")
-                    args.append(ident)
-                    outs.append(("ragged_last", ident, ri.levels, ri.data.ident))
-                    self.extra_returns.append(ri.data.ident)
-                else:
-                    if mode in ("program", "hoist"):
-                        ident = self.fresh("last")
-                        lines.append(
-                            f"{ident} = np.empty({_shape(count_expr, res.shape[1:])}, {dt})"
-                        )
-                        args.append(ident)
-                        outs.append(("last", ident))
-                        if mode == "hoist":  # one row per entry of the enclosing space
-                            hoisted_lasts.append(ident)
-                            self.info[id(out)] = _Info("global", ident, out, width=_width(out),
-                                                       size=f"({count_expr})", hoistable=True)
-                    else:
-                        info = self.new_array(out, "step", lines)
-                        args.append(f"{info.ident}[:nb]")
-                        outs.append(("last", info.ident))
-        # The function takes every array defined before its call (consts, data,
-        # hoisted values, packed weights, output buffers) by name.
-        gargs = ", ".join(self.gargs)
-        self.functions[fname] = [line.replace("GARGS", gargs) for line in self.functions[fname]]
-        lines.append(f"{fname}({', '.join(args)}, {gargs})")
-        self.gargs.extend(hoisted_lasts)
-        return lines, outs
+def _sum_loop(ctx, e, ins, info, loops, idx, size):
+    axis, out = e.attrs["axis"], e.outputs[0]
+    in_idx = list(idx)
+    if e.attrs.get("keepdims", False):
+        in_idx[axis] = "k"
+    else:
+        in_idx.insert(axis, "k")
+    acc = ctx.module.literal(0.0, out.dtype)
+    src = _ref(ins[0], in_idx, ctx.mode, e.inputs[0].shape)
+    return _nest(loops, [f"acc = {acc}", f"for k in range({e.inputs[0].shape[axis]}):",
+                         f"    acc += {src}", f"{_ref(info, idx, ctx.mode, out.shape)} = acc"])
 
-    def seq_levels(self, eqn):
-        seqs, _, _ = ir.rnn_parts(eqn)
-        return self.info[id(seqs[0])].levels
 
-    def batched_arg(self, vi, mode, lines):
-        """An expression for an [n, ...] array of a batched operand, in batch order."""
-        if mode == "program":
-            return vi.ident
-        if vi.kind == "local" and vi.offset == 0 and vi.width == _width(vi.var):
-            return f"{vi.ident}[:nb]"
-        tmp = self.new_array(ir.Var("tmp", vi.var.dtype, vi.var.shape), "step", lines)
-        self.emit_copy(vi, tmp, "step", lines)
-        return f"{tmp.ident}[:nb]"
+def _slice_loop(ctx, e, ins, info, loops, idx, size):
+    axis, shape = e.attrs["axis"], e.outputs[0].shape
+    in_idx = list(idx)
+    in_idx[axis] = f"{e.attrs['start']} + {idx[axis]}"
+    return _nest(loops, [
+        f"{_ref(info, idx, ctx.mode, shape)} = {_ref(ins[0], in_idx, ctx.mode, shape)}"
+    ])
 
-    def emit_rnn_function(self, eqn):
-        body = eqn.attrs["body"]
-        _, statics, inits = ir.rnn_parts(eqn)
-        fname = self.fresh("rnn_")
-        # The same body may be called twice (all steps and last step): where its
-        # per-step values live is local to each function.
-        saved_info = dict(self.info)
-        saved_allocs = getattr(self, "step_allocs", None)
-        self.step_allocs = []
-        params = ["seq_start", "seq_len"]
-        setup = [
-            "num_seq = seq_len.shape[0]",
-            "order, slen, sstart = sort_by_length(seq_start, seq_len)",
-            "num_steps = slen[0] if num_seq > 0 else 0",
-            "entries = np.empty(num_seq, np.int64)",
-        ]
-        # initial memories (sorted), statics (sorted)
-        for mem, init in zip(body.memories, inits):
-            ident = self.fresh("m")
-            dt = f"np.{np.dtype(mem.pre.dtype).name}"
-            setup.append(f"{ident} = np.empty({_shape('num_seq', mem.pre.shape[1:])}, {dt})")
-            src, src_row, src_shape = self.init_source(init, mem.pre, params)
-            setup += _row_assign(ident, "b", src, src_row, mem.pre.shape[1:], src_shape)
-            self.info[id(mem.pre)] = _Info("local", ident, mem.pre, width=_width(mem.pre))
-        for sv, outer in zip(body.static_inputs, statics):
-            oi = self.info[id(outer)]
-            if oi.kind == "const":
-                self.info[id(sv)] = oi
-                continue
-            if outer.lod_depth or sv.lod_depth:
-                raise UnsupportedError(
-                    f"numba backend: ragged static input {outer.name} is not supported "
-                    "(use backend='interpreter')"
-                )
-            p = self.fresh("s_in")
-            params.append(p)
-            ident = self.fresh("s")
-            dt = f"np.{np.dtype(sv.dtype).name}"
-            setup.append(f"{ident} = np.empty({_shape('num_seq', sv.shape[1:])}, {dt})")
-            setup += _row_assign(ident, "b", p, "order[b]", sv.shape[1:])
-            self.info[id(sv)] = _Info("local", ident, sv, width=_width(sv))
-        # last-step outputs: params filled here
-        last_params = []
-        for res, all_steps, mem_index in zip(body.outputs, eqn.attrs["all_steps"],
-                                             eqn.attrs["output_memory"]):
-            if all_steps:
-                last_params.append(None)
-                continue
-            p = self.fresh("out_last")
-            params.append(p)
-            last_params.append(p)
-            if res.lod_depth:
-                setup += _nest(["for b in range(num_seq):"], [f"{p}[b] = -1"])
-            elif mem_index >= 0:
-                m = self.info[id(body.memories[mem_index].pre)].ident
-                setup += _row_assign(p, "order[b]", m, "b", res.shape[1:])
-            else:
-                zero = self.literal(0.0, res.dtype)
-                setup += _row_assign(p, "b", zero, None, res.shape[1:])
 
-        # the step
-        step = ["while nb > 0 and slen[nb - 1] <= step:", "    nb -= 1"]
-        pos = "slen[b] - 1 - step" if eqn.attrs["reverse"] else "step"
-        step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + {pos}"])
-        saved_direct = self.direct_outputs, self.written_outputs
-        self.direct_outputs = {}
-        for res, out, p in zip(body.outputs, eqn.outputs, last_params):
-            if p is None and not res.lod_depth:  # one value may be several outputs
-                self.direct_outputs.setdefault(id(res), []).append(self.info[id(out)].data)
-        self.written_outputs = set()
-        self.emit_step(body, step)
-        written = self.written_outputs
-        self.direct_outputs, self.written_outputs = saved_direct
-        # outputs
-        for res, out, p in zip(body.outputs, eqn.outputs, last_params):
-            ri = self.info[id(res)]
-            if p is None:
-                if res.lod_depth or id(res) in written:
-                    continue  # written in place by the nested rnn or the fused loop
-                oi = self.info[id(out)].data
-                loops, idx = self.loop_nest(res.shape, "step")
-                step += _nest(loops, [
-                    f"{self.ref(oi, idx, 'step', res.shape)} = {self.ref(ri, idx, 'step', res.shape)}"
-                ])
-            elif res.lod_depth:
-                step += _nest(["for b in range(nb):", "if slen[b] == step + 1:"],
-                              [f"{p}[order[b]] = entries[b]"])
-            else:
-                loops, idx = self.loop_nest(res.shape, "step")
-                dst = self.ref(_Info("local", p, res), idx, "step", res.shape)
-                dst = dst.replace(f"{p}[b", f"{p}[order[b]", 1)
-                step += _nest(
-                    ["for b in range(nb):", "if slen[b] == step + 1:"],
-                    _nest(loops[1:], [f"{dst} = {self.ref(ri, idx, 'step', res.shape)}"]),
-                )
-        # memories, after the outputs (which may read a previous state): a new
-        # value in a buffer of its own is swapped in, anything else is copied
-        # (through a snapshot where a new value is another memory's old one).
-        pres = {id(m.pre) for m in body.memories}
-        posts = [id(m.post) for m in body.memories]
-        snaps = {}
-        for mem in body.memories:
-            if id(mem.post) in pres and id(mem.post) not in snaps:
-                tmp = self.new_array(ir.Var("snap", mem.post.dtype, mem.post.shape), "step", step)
-                self.emit_copy(self.info[id(mem.post)], tmp, "step", step)
-                snaps[id(mem.post)] = tmp
-        for mem in body.memories:
-            src = snaps.get(id(mem.post), self.info[id(mem.post)])
-            dst = self.info[id(mem.pre)]
-            own_buffer = (src.kind == "local" and src.ident in self.step_buffers
-                          and src.offset == 0 and src.width == dst.width
-                          and id(mem.post) not in snaps and posts.count(id(mem.post)) == 1)
-            if own_buffer:
-                step.append(f"{dst.ident}, {src.ident} = {src.ident}, {dst.ident}")
-            else:
-                self.emit_copy(src, dst, "step", step)
-        fn = [f"def {fname}({', '.join(params)}, GARGS):"]
-        fn += ["    " + line for line in setup + self.step_allocs]
-        fn += ["    nb = num_seq", "    for step in range(num_steps):"]
-        fn += ["        " + line for line in step]
-        fn += ["    return 0"]
-        fn.insert(0, _decorator(parallel=any("prange(" in line for line in fn)))
-        self.functions[fname] = fn
-        self.step_allocs = saved_allocs
-        result_infos = [self.info.get(id(res)) for res in body.outputs]
-        self.info = saved_info
-        return fname, result_infos
-
-    def init_source(self, init, pre, params):
-        """The expression for row b's initial value of a memory."""
-        if isinstance(init, ir.Literal):
-            return self.literal(init.value, pre.dtype), None, None
-        ii = self.info[id(init)]
-        if ii.kind == "const":
-            return ii.ident, None, init.shape
-        p = self.fresh("init")
-        params.append(p)
-        return p, "order[b]", None
-
-    def emit_step(self, body, lines):
-        """The per-step ops of a block: BLAS calls, fused elementwise loops, nested rnns."""
-        step_eqns = [e for e in body.eqns if e.op == "rnn" or id(e.outputs[0]) not in self.info]
-        merged = self.merge_matmuls(_Body(step_eqns), hoisting=False)
-        needed = self.materialized(body, step_eqns)
-        group = []
-
-        def flush():
-            if group:
-                self.emit_fused(group, needed, lines)
-                group.clear()
-
-        for e in step_eqns:
-            if id(e.outputs[0]) in self.info:  # computed by a merged matmul
-                continue
-            if e.op == "rnn":
-                flush()
-                self.emit_nested(e, lines)
-            elif _fusable(e):
-                if group and group[0].outputs[0].shape != e.outputs[0].shape:
-                    flush()
-                group.append(e)
-            else:
-                flush()
-                if id(e) in merged:
-                    self.emit_merged(merged[id(e)], "step", lines)
-                else:
-                    self.emit_op(e, "step", lines)
-        flush()
-
-    def materialized(self, body, step_eqns):
-        """Vars of fused ops that other ops, memories or outputs read."""
-        needed = {id(m.post) for m in body.memories} | {id(v) for v in body.outputs}
-        for e in step_eqns:
-            fusable = _fusable(e)
-            if not fusable:
-                for v in e.inputs:
-                    if isinstance(v, ir.Var):
-                        needed.add(id(v))
-        return needed
-
-    def emit_fused(self, group, needed, lines):
-        shape = group[0].outputs[0].shape
-        loops, idx = self.loop_nest(shape, "step")
-        inner = []
-        scalars = []
-        for e in group:
-            opdt = _operand_dtype(e)
-            args = []
-            for v in e.inputs:
-                vi = self.operand(v, opdt)
-                args.append(self.ref(vi, idx, "step", shape))
-            out = e.outputs[0]
-            name = self.fresh("t")
-            inner.append(f"{name} = {self.scalar_expr(e, args)}")
-            scalars.append((out, name))
-            self.info[id(out)] = _Info("scalar", name, out)
-        # materialize what is read outside the group
-        for out, name in scalars:
-            if id(out) in needed or self.used_outside(out, group):
-                info = self.new_array(out, "step", lines)
-                inner.append(f"{self.ref(info, idx, 'step', shape)} = {name}")
-        # all-steps outputs computed here go straight to their global array
-        for out, name in scalars:
-            if id(out) in self.written_outputs:
-                continue
-            for target in self.direct_outputs.get(id(out), ()):
-                inner.append(f"{self.ref(target, idx, 'step', shape)} = {name}")
-                self.written_outputs.add(id(out))
-        if _PARALLEL and shape and shape[0] is None:
-            # rows are independent: split them over threads when there is
-            # enough work to pay for starting the parallel region
-            per_row = int(np.prod(shape[1:], dtype=np.int64)) * len(group)
-            lines.append(f"if nb * {per_row} >= {_PARALLEL_MIN_WORK}:")
-            lines += ["    " + line for line in _nest(["for b in prange(nb):"] + loops[1:], inner)]
-            lines.append("else:")
-            lines += ["    " + line for line in _nest(loops, inner)]
-        else:
-            lines += _nest(loops, inner)
-
-    def used_outside(self, var, group):
-        ids = {id(e) for e in group}
-        for e in self._all_eqns:
-            if id(e) in ids:
-                continue
-            if any(v is var for v in e.inputs):
-                return True
-        return False
-
-    def emit_nested(self, e, lines):
-        seqs, _, _ = ir.rnn_parts(e)
-        si = self.info[id(seqs[0])]
-        level = si.levels[0]
-        starts = self.fresh("st")
-        lens = self.fresh("ln")
-        self.step_allocs.append(f"{starts} = np.empty(num_seq, np.int64)")
-        self.step_allocs.append(f"{lens} = np.empty(num_seq, np.int64)")
-        lines += _nest(["for b in range(nb):"], [
-            f"{starts}[b] = {level}[entries[b]]",
-            f"{lens}[b] = {level}[entries[b] + 1] - {level}[entries[b]]",
+def _concat_loop(ctx, e, ins, info, loops, idx, size):
+    axis, shape = e.attrs["axis"], e.outputs[0].shape
+    lines, offset = [], 0
+    for v, vi in zip(e.inputs, ins):
+        vloops, vidx = _loop_nest(v.shape, ctx.mode, size)
+        didx = list(vidx)
+        didx[axis] = f"{offset} + {vidx[axis]}"
+        lines += _nest(vloops, [
+            f"{_ref(info, didx, ctx.mode, shape)} = {_ref(vi, vidx, ctx.mode, v.shape)}"
         ])
-        self.hoist_block(e)
-        call, _ = self.emit_rnn_call(e, f"{starts}[:nb]", f"{lens}[:nb]", "nb", mode="step")
-        lines += call
+        offset += v.shape[axis]
+    return lines
 
 
-class _Body:
-    def __init__(self, eqns):
-        self.eqns = eqns
+def _transpose_loop(ctx, e, ins, info, loops, idx, size):
+    shape = e.outputs[0].shape
+    in_idx = list(idx[:-2]) + [idx[-1], idx[-2]]
+    return _nest(loops, [
+        f"{_ref(info, idx, ctx.mode, shape)} = {_ref(ins[0], in_idx, ctx.mode, shape)}"
+    ])
+
+
+def _broadcast_axis_loop(ctx, e, ins, info, loops, idx, size):
+    axis = e.attrs["axis"]
+    in_idx = list(idx)
+    if e.attrs["insert"]:
+        del in_idx[axis]
+    else:
+        in_idx[axis] = "0"
+    src = _ref(ins[0], in_idx, ctx.mode, e.inputs[0].shape)
+    return _nest(loops, [f"{_ref(info, idx, ctx.mode, e.outputs[0].shape)} = {src}"])
+
+
+def _pad_loop(ctx, e, ins, info, loops, idx, size):
+    axis, before = e.attrs["axis"], e.attrs["before"]
+    n = e.inputs[0].shape[axis]
+    in_idx = list(idx)
+    in_idx[axis] = f"{idx[axis]} - {before}"
+    src = _ref(ins[0], in_idx, ctx.mode, e.inputs[0].shape)
+    zero = ctx.module.literal(0.0, e.outputs[0].dtype)
+    dst = _ref(info, idx, ctx.mode, e.outputs[0].shape)
+    return _nest(loops, [f"{dst} = {src} if {before} <= {idx[axis]} < {before + n} else {zero}"])
+
+
+def _matmul_loop(ctx, e, ins, info, loops, idx, size):
+    """A general matmul (not a GEMM by a constant): a dot product per element."""
+    a, b = e.inputs
+    shape = e.outputs[0].shape
+    ma = a.shape if len(a.shape) > 1 else (1,) + a.shape
+    r = len(shape)
+    out_idx = list(idx)
+    # indices of the stacked/row dims of the promoted result
+    full_idx = out_idx if len(a.shape) > 1 else out_idx[:r - 1] + ["0"] + out_idx[r - 1:]
+    if len(b.shape) == 1:
+        full_idx = full_idx + ["0"]
+    stack = full_idx[:-2]
+    a_idx = stack[len(stack) - (len(ma) - 2):] if len(ma) > 2 else []
+    a_idx = a_idx + ([full_idx[-2]] if len(a.shape) > 1 else []) + ["k"]
+    b_idx = stack[len(stack) - (len(b.shape) - 2):] if len(b.shape) > 2 else []
+    b_idx = b_idx + ["k"] + ([full_idx[-1]] if len(b.shape) > 1 else [])
+    acc = ctx.module.literal(0.0, e.outputs[0].dtype)
+    ra = _ref(ins[0], a_idx, ctx.mode, a.shape)
+    rb = _ref(ins[1], b_idx, ctx.mode, b.shape)
+    dst = _ref(info, out_idx, ctx.mode, shape)
+    return _nest(loops, [f"acc = {acc}", f"for k in range({ma[-1]}):",
+                         f"    acc += {ra} * {rb}", f"{dst} = acc"])
+
+
+_OP_LOOPS = {
+    "elementwise": _elementwise_loop,
+    "sum": _sum_loop,
+    "slice": _slice_loop,
+    "concat": _concat_loop,
+    "transpose": _transpose_loop,
+    "broadcast_axis": _broadcast_axis_loop,
+    "pad": _pad_loop,
+    "matmul": _matmul_loop,
+}
+
+
+def _scalar_expr(ctx, e, args):
+    """Op ``e`` on one element, ``args`` its operands' code: the op's
+    ``numba`` code (stepnet/ops/primitives.py)."""
+    code = registry.get(e.op).numba
+    dtype = e.outputs[0].dtype
+    if code is None:
+        raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
+    if callable(code):
+        return code(*args, **{k: ctx.module.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
+    return code.format(*args, bits="32" if np.dtype(dtype) == np.float32 else "64")
+
+
+# ----------------------------------------------------------------------------
+# the time loop: one function per rnn equation
+
+
+def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
+    """Emit the function for ``sched``'s rnn and, into ctx.lines, its call.
+
+    Returns per rnn output (kind, ident, ...) for the caller of program().
+    """
+    eqn = sched.eqn
+    _, statics, inits = ir.rnn_parts(eqn)
+    _all_steps_arrays(ctx, eqn)
+    fname, params, fn_lines, result_infos = _rnn_function(ctx, sched)
+    args, outs, hoisted_lasts = [start_expr, len_expr], [], []
+    for v in list(inits) + list(statics):
+        if isinstance(v, ir.Var) and ctx.values[v].kind != "const":
+            args.append(_batched_arg(ctx, ctx.values[v]))
+    body = eqn.attrs["body"]
+    for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
+                                       result_infos):
+        if all_steps and res.lod_depth:
+            oi = _Info("ragged", None, out, levels=(_seq_levels(ctx, eqn)[0],) + ri.levels,
+                       data=ri.data)
+            ctx.values[out] = oi
+            outs.append(("ragged_all", oi.data.ident, oi.levels))
+        elif all_steps:
+            oi = ctx.values[out]
+            outs.append(("dense_all", oi.data.ident, oi.levels))
+        elif res.lod_depth:
+            outs.append(_ragged_last_arg(ctx, ri, args))
+        else:
+            outs.append(_last_arg(ctx, out, res, count_expr, args, hoisted_lasts))
+    # The function takes every array defined before its call (consts, data,
+    # hoisted values, packed weights, output buffers) by name.
+    gargs = list(ctx.module.gargs)
+    fn = [f"def {fname}({', '.join(params + gargs)}):"] + fn_lines
+    fn.insert(0, _decorator(parallel=any("prange(" in line for line in fn)))
+    ctx.module.functions.append(fn)
+    ctx.lines.append(f"{fname}({', '.join(args + gargs)})")
+    ctx.module.gargs.extend(hoisted_lasts)
+    return outs
+
+
+def _all_steps_arrays(ctx, eqn):
+    """The global arrays of ``eqn``'s dense all-steps outputs, one row per entry."""
+    body = eqn.attrs["body"]
+    for out, res, all_steps in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"]):
+        if all_steps and not res.lod_depth:
+            level = _seq_levels(ctx, eqn)[0]
+            ident = ctx.module.fresh("o")
+            dt = f"np.{np.dtype(out.dtype).name}"
+            ctx.module.prologue.append(
+                f"{ident} = np.empty({_shape(level + '[-1]', res.shape[1:])}, {dt})"
+            )
+            ctx.module.gargs.append(ident)
+            data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]")
+            ctx.values[out] = _Info("ragged", None, out, levels=(level,), data=data)
+
+
+def _ragged_last_arg(ctx, ri, args):
+    if ctx.mode != "program":
+        raise UnsupportedError(
+            "numba backend: a nested step-net's last step of a ragged output "
+            "is not supported (use backend='interpreter')"
+        )
+    ident = ctx.module.fresh("e")
+    ctx.lines.append(f"{ident} = np.empty(num_seq, np.int64)")
+    args.append(ident)
+    ctx.module.extra_returns.append(ri.data.ident)
+    return ("ragged_last", ident, ri.levels, ri.data.ident)
+
+
+def _last_arg(ctx, out, res, count_expr, args, hoisted_lasts):
+    """The buffer a dense last-step output is written to: the caller's result,
+    one row per entry of the enclosing space (hoisted), or a step buffer."""
+    if ctx.mode == "step":
+        info = _new_array(ctx, out)
+        args.append(f"{info.ident}[:nb]")
+        return ("last", info.ident)
+    ident = ctx.module.fresh("last")
+    dt = f"np.{np.dtype(out.dtype).name}"
+    ctx.lines.append(f"{ident} = np.empty({_shape(count_expr, res.shape[1:])}, {dt})")
+    args.append(ident)
+    if ctx.mode == "hoist":
+        hoisted_lasts.append(ident)
+        ctx.values[out] = _Info("global", ident, out, width=_width(out), size=f"({count_expr})")
+    return ("last", ident)
+
+
+def _seq_levels(ctx, eqn):
+    return ctx.values[ir.rnn_parts(eqn)[0][0]].levels
+
+
+def _batched_arg(ctx, vi):
+    """An expression for an [n, ...] array of a batched operand, in batch order."""
+    if ctx.mode == "program":
+        return vi.ident
+    if vi.kind == "local" and vi.whole:
+        return f"{vi.ident}[:nb]"
+    tmp = _new_array(ctx.at("step"), ir.Var("tmp", vi.var.dtype, vi.var.shape))
+    _emit_copy(ctx.at("step"), vi, tmp)
+    return f"{tmp.ident}[:nb]"
+
+
+def _rnn_function(ctx, sched):
+    """The code of the function running ``sched``'s rnn: ``(name, params,
+    body lines, the infos of the body's outputs)``. Its per-step values live
+    in a scope of its own (the same body may be called twice)."""
+    eqn = sched.eqn
+    fn = _Function(materialized=frozenset(sched.materialized))
+    fctx = _Ctx(ctx.module, collections.ChainMap({}, ctx.values), "step", [], fn)
+    fname = ctx.module.fresh("rnn_")
+    params = ["seq_start", "seq_len"]
+    setup = _function_setup(fctx, eqn, params)
+    last_params = _last_step_params(fctx, eqn, params, setup)
+    step = _step_body(fctx, sched, last_params)
+    lines = ["    " + line for line in setup + fn.allocs]
+    lines += ["    nb = num_seq", "    for step in range(num_steps):"]
+    lines += ["        " + line for line in step]
+    lines += ["    return 0"]
+    results = [fctx.values.get(res) for res in eqn.attrs["body"].outputs]
+    return fname, params, lines, results
+
+
+def _function_setup(fctx, eqn, params):
+    """Sort the sequences; copy initial memories and static inputs in sorted
+    order (their params join ``params``)."""
+    body = eqn.attrs["body"]
+    _, statics, inits = ir.rnn_parts(eqn)
+    module = fctx.module
+    setup = [
+        "num_seq = seq_len.shape[0]",
+        "order, slen, sstart = sort_by_length(seq_start, seq_len)",
+        "num_steps = slen[0] if num_seq > 0 else 0",
+        "entries = np.empty(num_seq, np.int64)",
+    ]
+    for mem, init in zip(body.memories, inits):
+        ident = module.fresh("m")
+        dt = f"np.{np.dtype(mem.pre.dtype).name}"
+        setup.append(f"{ident} = np.empty({_shape('num_seq', mem.pre.shape[1:])}, {dt})")
+        src, src_row, src_shape = _init_source(fctx, init, mem.pre, params)
+        setup += _row_assign(ident, "b", src, src_row, mem.pre.shape[1:], src_shape)
+        fctx.values[mem.pre] = _Info("local", ident, mem.pre, width=_width(mem.pre))
+    for sv, outer in zip(body.static_inputs, statics):
+        oi = fctx.values[outer]
+        if oi.kind == "const":
+            fctx.values[sv] = oi
+            continue
+        if outer.lod_depth or sv.lod_depth:
+            raise UnsupportedError(
+                f"numba backend: ragged static input {outer.name} is not supported "
+                "(use backend='interpreter')"
+            )
+        p = module.fresh("s_in")
+        params.append(p)
+        ident = module.fresh("s")
+        dt = f"np.{np.dtype(sv.dtype).name}"
+        setup.append(f"{ident} = np.empty({_shape('num_seq', sv.shape[1:])}, {dt})")
+        setup += _row_assign(ident, "b", p, "order[b]", sv.shape[1:])
+        fctx.values[sv] = _Info("local", ident, sv, width=_width(sv))
+    return setup
+
+
+def _init_source(fctx, init, pre, params):
+    """The expression for row b's initial value of a memory."""
+    if isinstance(init, ir.Literal):
+        return fctx.module.literal(init.value, pre.dtype), None, None
+    ii = fctx.values[init]
+    if ii.kind == "const":
+        return ii.ident, None, init.shape
+    p = fctx.module.fresh("init")
+    params.append(p)
+    return p, "order[b]", None
+
+
+def _last_step_params(fctx, eqn, params, setup):
+    """Per output: the param its last step is written to (started at the
+    memory's init, zeros, or -1 for a ragged one), or None for all steps."""
+    body = eqn.attrs["body"]
+    last_params = []
+    for res, all_steps, mem_index in zip(body.outputs, eqn.attrs["all_steps"],
+                                         eqn.attrs["output_memory"]):
+        if all_steps:
+            last_params.append(None)
+            continue
+        p = fctx.module.fresh("out_last")
+        params.append(p)
+        last_params.append(p)
+        if res.lod_depth:
+            setup += _nest(["for b in range(num_seq):"], [f"{p}[b] = -1"])
+        elif mem_index >= 0:
+            m = fctx.values[body.memories[mem_index].pre].ident
+            setup += _row_assign(p, "order[b]", m, "b", res.shape[1:])
+        else:
+            zero = fctx.module.literal(0.0, res.dtype)
+            setup += _row_assign(p, "b", zero, None, res.shape[1:])
+    return last_params
+
+
+def _step_body(fctx, sched, last_params):
+    """One time step: the active prefix, the step's stages, the outputs, the
+    memory updates."""
+    eqn, body = sched.eqn, sched.body
+    step = ["while nb > 0 and slen[nb - 1] <= step:", "    nb -= 1"]
+    pos = "slen[b] - 1 - step" if eqn.attrs["reverse"] else "step"
+    step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + {pos}"])
+    for res, out, p in zip(body.outputs, eqn.outputs, last_params):
+        if p is None and not res.lod_depth:  # one value may be several outputs
+            fctx.fn.direct.setdefault(res, []).append(fctx.values[out].data)
+    sctx = fctx.at("step", step)
+    for stage in sched.step:
+        _render_stage(sctx, sched, stage)
+    step += _write_outputs(fctx, eqn, last_params)
+    step += _update_memories(fctx, sched)
+    return step
+
+
+def _write_outputs(fctx, eqn, last_params):
+    """Copy each output's step value where it goes (unless written in place)."""
+    body, lines = eqn.attrs["body"], []
+    for res, out, p in zip(body.outputs, eqn.outputs, last_params):
+        ri = fctx.values[res]
+        if p is None:
+            if res.lod_depth or res in fctx.fn.written:
+                continue  # written in place by the nested rnn or the fused loop
+            oi = fctx.values[out].data
+            loops, idx = _loop_nest(res.shape, "step")
+            lines += _nest(loops, [
+                f"{_ref(oi, idx, 'step', res.shape)} = {_ref(ri, idx, 'step', res.shape)}"
+            ])
+        elif res.lod_depth:
+            lines += _nest(["for b in range(nb):", "if slen[b] == step + 1:"],
+                           [f"{p}[order[b]] = entries[b]"])
+        else:
+            loops, idx = _loop_nest(res.shape, "step")
+            dst = _ref(_Info("local", p, res), idx, "step", res.shape, row="order[b]")
+            lines += _nest(
+                ["for b in range(nb):", "if slen[b] == step + 1:"],
+                _nest(loops[1:], [f"{dst} = {_ref(ri, idx, 'step', res.shape)}"]),
+            )
+    return lines
+
+
+def _update_memories(fctx, sched):
+    """After the outputs (which may read a previous state): a new value in a
+    buffer of its own is swapped in (schedule.swaps), anything else is copied
+    (through a snapshot where a new value is another memory's old one)."""
+    body, lines = sched.body, []
+    sctx = fctx.at("step", lines)
+    pres = {m.pre for m in body.memories}
+    snaps = {}
+    for mem in body.memories:
+        if mem.post in pres and mem.post not in snaps:
+            tmp = _new_array(sctx, ir.Var("snap", mem.post.dtype, mem.post.shape))
+            _emit_copy(sctx, fctx.values[mem.post], tmp)
+            snaps[mem.post] = tmp
+    for mem in body.memories:
+        src = snaps.get(mem.post, fctx.values[mem.post])
+        dst = fctx.values[mem.pre]
+        if mem in sched.swaps:
+            assert src.kind == "local" and src.ident in fctx.fn.buffers and src.whole
+            lines.append(f"{dst.ident}, {src.ident} = {src.ident}, {dst.ident}")
+        else:
+            _emit_copy(sctx, src, dst)
+    return lines
+
+
+def _emit_fused(ctx, group):
+    """A run of elementwise ops as one loop; its intermediates stay scalars,
+    the materialized ones are stored, all-steps outputs written in place."""
+    shape = group[0].outputs[0].shape
+    loops, idx = _loop_nest(shape, "step")
+    inner, scalars = [], []
+    for e in group:
+        opdt = registry.literal_dtype(e)
+        args = [_ref(_operand(ctx, v, opdt), idx, "step", shape) for v in e.inputs]
+        out = e.outputs[0]
+        name = ctx.module.fresh("t")
+        inner.append(f"{name} = {_scalar_expr(ctx, e, args)}")
+        scalars.append((out, name))
+        ctx.values[out] = _Info("scalar", name, out)
+    for out, name in scalars:
+        if out in ctx.fn.materialized:
+            info = _new_array(ctx, out)
+            inner.append(f"{_ref(info, idx, 'step', shape)} = {name}")
+    for out, name in scalars:
+        if out in ctx.fn.written:
+            continue
+        for target in ctx.fn.direct.get(out, ()):
+            inner.append(f"{_ref(target, idx, 'step', shape)} = {name}")
+            ctx.fn.written.add(out)
+    if _PARALLEL and shape and shape[0] is None:
+        # rows are independent: split them over threads when there is
+        # enough work to pay for starting the parallel region
+        per_row = int(np.prod(shape[1:], dtype=np.int64)) * len(group)
+        ctx.lines.append(f"if nb * {per_row} >= {_PARALLEL_MIN_WORK}:")
+        ctx.lines += ["    " + line for line in _nest(["for b in prange(nb):"] + loops[1:], inner)]
+        ctx.lines.append("else:")
+        ctx.lines += ["    " + line for line in _nest(loops, inner)]
+    else:
+        ctx.lines += _nest(loops, inner)
+
+
+def _emit_nested(ctx, inner):
+    """A nested rnn called once per step on the active rows' sub-sequences."""
+    e = inner.eqn
+    level = ctx.values[ir.rnn_parts(e)[0][0]].levels[0]
+    starts, lens = ctx.module.fresh("st"), ctx.module.fresh("ln")
+    ctx.fn.allocs.append(f"{starts} = np.empty(num_seq, np.int64)")
+    ctx.fn.allocs.append(f"{lens} = np.empty(num_seq, np.int64)")
+    ctx.lines += _nest(["for b in range(nb):"], [
+        f"{starts}[b] = {level}[entries[b]]",
+        f"{lens}[b] = {level}[entries[b] + 1] - {level}[entries[b]]",
+    ])
+    _hoist(ctx.at("hoist", ctx.module.prologue), inner)
+    _rnn_call(ctx, inner, f"{starts}[:nb]", f"{lens}[:nb]", "nb")
 
 
 def _width(var):
     return var.shape[-1] if len(var.shape) > 0 and var.shape[-1] is not None else None
-
-
-def _operand_dtype(e):
-    """The dtype literals of ``e`` take: its float operands' (comparisons, where)."""
-    for v in e.inputs:
-        if isinstance(v, ir.Var) and np.dtype(v.dtype).kind == "f":
-            return v.dtype
-    return e.outputs[0].dtype
 
 
 def _shape(lead, rest) -> str:
@@ -976,13 +972,6 @@ def _decorator(parallel):
 _MODULES = {}
 
 
-def generate_source(program: ir.Program) -> str:
-    gen = _Gen(program)
-    gen._all_eqns = list(ir.iter_eqns(program.eqn.attrs["body"]))
-    src = gen.generate()
-    return src, gen
-
-
 def _load(source: str):
     # the key covers what a cached kernel embeds besides its own source: the
     # helpers it calls and the settings they were built with (cache.py)
@@ -1010,10 +999,11 @@ class NumbaProgram:
 
     def __init__(self, program: ir.Program):
         self.program = program
-        self.source, gen = generate_source(program)
-        self.top_inputs = gen.top_inputs
-        self.top_outputs = gen.top_outputs
-        self.concatenated = gen.concatenated
+        self.source, layout = generate_source(program)
+        self.top_inputs = layout.top_inputs
+        self.top_outputs = layout.top_outputs
+        self.concatenated = layout.concatenated
+        self.schedule = layout.schedule
         if os.environ.get("STEPNET_DEBUG"):
             print(self.source, file=sys.stderr)
         self.module = _load(self.source)
@@ -1026,9 +1016,9 @@ class NumbaProgram:
                 call_args += [_read_only(lv) for lv in value.levels]
             else:
                 call_args.append(_read_only(value))
-        const_args = [_read_only(consts[v.name]) for v in self.program.consts]
-        const_args += [_read_only(np.concatenate([consts[n] for n in names], axis=1))
-                       for names in self.concatenated.values()]
+        const_args = [_read_only(consts[v]) for v in self.program.consts]
+        const_args += [_read_only(np.concatenate([consts[v] for v in joined], axis=1))
+                       for joined in self.concatenated.values()]
         results = self.module.program(*const_args, *call_args)
         extra = list(results[len(self.top_outputs):])
         outputs = []

@@ -9,14 +9,17 @@
    running, rows ``[off[t], off[t] + nb[t])`` of the packed array (a reversed
    step-net packs each sequence back to front). Data moves to the device once
    per call.
-2. runs the **hoisted** stages once over every token: the ops that depend on
-   no memory and no static input (``x @ W`` for every step is one matmul).
-3. runs the **time loop**: per step, the stages of the memory-dependent ops on
-   the active prefix ``[0, nb[t])``, then the outputs and the memory updates.
-   Each stage is one kernel: a matmul (a row-dot per output element), a
-   shape op (slice, concat, pad, sum, transpose, broadcast_axis), or a run of
-   elementwise ops fused into one kernel that keeps intermediates in
-   registers. For a small batch (``num_seq * width <= PERSISTENT_MAX_ELEMENTS``)
+2. runs the schedule's **hoisted** stages (:mod:`stepnet.schedule`, the
+   one every compiled backend renders) once over every token: ``x @ Wr``,
+   ``x @ Wz``, ``x @ Wn`` for every step are one merged GEMM.
+3. runs the **time loop**: per step, the schedule's step stages on the active
+   prefix ``[0, nb[t])``, then the outputs and the memory updates. Each
+   stage is one kernel: a GEMM (a row-dot per output element; merged ones
+   read the weights joined by columns, once per call), a general matmul, a
+   shape op (slice, concat, pad, sum, transpose, broadcast_axis), or a run
+   of elementwise ops fused into one kernel that keeps intermediates in
+   registers (only the schedule's materialized values are stored). For a
+   small batch (``num_seq * width <= PERSISTENT_MAX_ELEMENTS``)
    the whole loop is **one persistent kernel** instead: one launch for every
    step, the stages separated by a grid-wide sync (a cooperative launch of at
    most one block per multiprocessor; Persistent RNNs, Diamos et al. 2016).
@@ -43,10 +46,10 @@ import os
 
 import numpy as np
 
-from .. import ir
+from .. import ir, schedule
 from ..errors import BackendError, UnsupportedError
 from ..lod import LoDTensor
-from ..ops import registry
+from .. import registry
 
 try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
     from numba import cuda
@@ -78,8 +81,9 @@ class _Value:
     sequence in sorted order: memories, statics, per-step values), "const"
     (flat, no batch axis) or "literal"."""
 
-    def __init__(self, kind, name, shape, dtype, literal=None):
-        self.kind, self.name, self.shape, self.dtype, self.literal = kind, name, shape, dtype, literal
+    def __init__(self, kind, name, shape, dtype, offset=0):
+        self.kind, self.name, self.shape, self.dtype = kind, name, shape, dtype
+        self.offset = offset  # first column in the buffer (a merged GEMM's results share one)
 
     @property
     def width(self) -> int:
@@ -127,38 +131,43 @@ class _Kernels:
             self.values[id(var)] = _Value("row", f"static{i}", tuple(var.shape[1:]), var.dtype)
         for i, mem in enumerate(body.memories):
             self.values[id(mem.pre)] = _Value("row", f"mem{i}", tuple(mem.pre.shape[1:]), mem.pre.dtype)
-        memdep = {id(v) for v in ir.memory_dependent(body)}
-        static_dep = {id(v) for v in body.static_inputs}
-        hoisted, stepped = [], []
-        for e in body.eqns:
-            if e.op == "rnn":
-                self._nested(e, program.consts)
-                continue
-            ins = [v for v in e.inputs if isinstance(v, ir.Var)]
-            if all(self.values.get(id(v)) is not None and self.values[id(v)].kind == "const"
-                   for v in ins):
-                self._host(e)
-                continue
-            if any(id(v) in static_dep for v in ins):
-                static_dep.update(id(o) for o in e.outputs)
-            per_step = any(id(o) in memdep or id(o) in static_dep for o in e.outputs)
-            kind = "row" if per_step else "token"
-            for o in e.outputs:
-                name = f"v{len(self.values)}"
-                self.values[id(o)] = _Value(kind, name, tuple(o.shape[1:]), o.dtype)
-                self.buffers.append((name, kind, self.values[id(o)].width, np.dtype(o.dtype)))
-            (stepped if per_step else hoisted).append(e)
-        # what a stage must write to its buffer: values read outside it
-        self.read_by = {}  # id(var) -> ids of the equations reading it
-        for e in body.eqns:
-            for v in e.inputs:
-                self.read_by.setdefault(id(v), set()).add(id(e))
-        self.kept = {id(v) for v in body.outputs} | {id(m.post) for m in body.memories}
-        self.hoisted = [self._stage_lines(s) for s in _stages(hoisted)]
-        self.stepped = [self._stage_lines(s) for s in _stages(stepped)]
+        self.schedule = sched = schedule.schedule(program)
+        self.joined = []  # (name, weights): a merged GEMM's weights, joined by columns per call
+        self.stored = {id(v) for v in sched.materialized}  # per-step values written to buffers
+        for stage in sched.const:
+            self._host(stage.eqns[0])
+        for section, kind in (("hoisted", "token"), ("step", "row")):
+            for stage in getattr(sched, section):
+                if stage.kind == "rnn":
+                    self._nested(stage.eqns[0], program.consts)
+                else:
+                    self._allocate(stage, kind)
+        self.hoisted = [self._stage_lines(s) for s in sched.hoisted if s.kind != "rnn"]
+        self.stepped = [self._stage_lines(s) for s in sched.step]
         self.finish = self._finish_lines()
         self.widest = max([w for (_, _, w, _) in self.buffers] + [v.width for v in self.values.values()
                                                                    if v.kind != "const"] + [1])
+
+    def _allocate(self, stage, kind):
+        """Buffers for a stage's results: one row per token ("token", hoisted)
+        or per sequence ("row"). A merged GEMM's results are column blocks of
+        one buffer; a fused run's intermediates that nobody reads outside it
+        stay in registers."""
+        if stage.merged:
+            name, offset = f"v{len(self.values)}", 0
+            for o in stage.outputs:
+                self.values[id(o)] = _Value(kind, name, tuple(o.shape[1:]), o.dtype, offset)
+                self.stored.add(id(o))
+                offset += self.values[id(o)].width
+            self.buffers.append((name, kind, offset, np.dtype(stage.outputs[0].dtype)))
+            return
+        for o in stage.outputs:
+            if kind == "row" and stage.kind == "elementwise" and id(o) not in self.stored:
+                continue  # stays in a register
+            name = f"v{len(self.values)}"
+            self.values[id(o)] = _Value(kind, name, tuple(o.shape[1:]), o.dtype)
+            self.stored.add(id(o))
+            self.buffers.append((name, kind, self.values[id(o)].width, np.dtype(o.dtype)))
 
     # -- nested step-nets ---------------------------------------------------------
 
@@ -178,6 +187,8 @@ class _Kernels:
             why = "starts a memory from a value of the enclosing step"
         elif any(e.attrs["all_steps"]):
             why = "gives an all-steps (ragged) output to the enclosing step"
+        elif any(o.lod_depth for o in e.outputs):
+            why = "gives a ragged last-step output to the enclosing step"
         if why:
             raise UnsupportedError(f"cuda backend: nested step-net {name} {why}; it runs on numba "
                                    "and interpreter")
@@ -213,20 +224,24 @@ class _Kernels:
         if info.kind == "const":
             return f"{info.name}[{index}]"
         row = "off + i" if info.kind == "token" else "i"
+        if info.offset:
+            index = f"{info.offset} + {index}"
         return f"{info.name}[{row}, {index}]"
 
     # -- stages -------------------------------------------------------------------
 
-    def _stage_lines(self, eqns):
-        """(element count expression's width, body lines computing element
-        ``e`` = (row ``i``, flat feature ``j``)) of one stage."""
-        first = eqns[0]
-        out = self.values[id(first.outputs[0])]
-        if first.op == "matmul":
-            return out.width, self._matmul(first)
-        if registry.get(first.op).kind in ("shape", "reduce"):
-            return out.width, self._shape_op(first)
-        return out.width, self._elementwise(eqns)
+    def _stage_lines(self, stage):
+        """(element count per row, body lines computing element ``e`` = (row
+        ``i``, flat feature ``j``)) of one stage."""
+        first = stage.eqns[0]
+        if stage.kind == "gemm":
+            return self._gemm(stage)
+        width = int(np.prod(first.outputs[0].shape[1:], dtype=np.int64))
+        if stage.kind == "matmul":
+            return width, self._matmul(first)
+        if stage.kind == "shape":
+            return width, self._shape_op(first)
+        return width, self._elementwise(stage.eqns)
 
     def _coords(self, shape, flat="j"):
         lines = []
@@ -238,10 +253,9 @@ class _Kernels:
         out_shape = tuple(eqns[0].outputs[0].shape[1:])
         lines = []
         local = {}
-        inside = {id(e) for e in eqns}
         for e in eqns:
             o = e.outputs[0]
-            dt = _literal_dtype(e)
+            dt = registry.literal_dtype(e)
             args = []
             for v in e.inputs:
                 code, lit = self._operand(v, local, out_shape)
@@ -249,7 +263,7 @@ class _Kernels:
             name = f"t{len(local)}"
             lines.append(f"{name} = {self._scalar(e, args)}")
             local[id(o)] = name
-            if id(o) in self.kept or self.read_by.get(id(o), set()) - inside:
+            if id(o) in self.stored:
                 lines.append(f"{self._read(self.values[id(o)], 'j')} = {name}")
         return _used_coords(self._coords(out_shape), lines)
 
@@ -261,6 +275,23 @@ class _Kernels:
         if callable(code):
             return code(*args, **{k: f"{dt}({float(v)!r})" for k, v in e.attrs.items() if v is not None})
         return code.format(*args, one=f"{dt}(1.0)", zero=f"{dt}(0.0)")
+
+    def _gemm(self, stage):
+        """``a @ W`` (W a 2-D constant): a row-dot per output element; a merged
+        GEMM reads the weights joined by columns (``joined<n>``)."""
+        ia = self.values[id(stage.left)]
+        weights = [e.inputs[1] for e in stage.eqns]
+        if stage.merged:
+            name = f"joined{len(self.joined)}"
+            self.joined.append((name, weights))
+        else:
+            name = self.values[id(weights[0])].name
+        K, N = stage.left.shape[-1], sum(w.shape[1] for w in weights)
+        out = self.values[id(stage.eqns[0].outputs[0])]
+        acc = f"{_dtype_name(out.dtype)}(0.0)"
+        return N, [f"n = j % {N}", f"acc = {acc}", f"for k in range({K}):",
+                   f"    acc += {self._read(ia, 'k')} * {name}[k * {N} + n]",
+                   f"{self._read(out, 'j')} = acc"]
 
     def _matmul(self, e):
         a, b = e.inputs
@@ -379,6 +410,7 @@ class _Kernels:
         names += [name for name, _, _, _ in self.buffers]
         names += [f"nest{n}_{j}" for n, (e, _) in enumerate(self.nested) for j in range(len(e.outputs))]
         names += sorted({v.name for v in self.values.values() if v.kind == "const"})
+        names += [name for name, _ in self.joined]
         return names
 
     def source(self):
@@ -427,31 +459,6 @@ def _broadcast_index(out_shape, shape) -> str:
     return " + ".join(terms) or "0"
 
 
-def _literal_dtype(e):
-    for v in e.inputs:
-        if isinstance(v, ir.Var) and np.dtype(v.dtype).kind == "f":
-            return v.dtype
-    return e.outputs[0].dtype
-
-
-def _stages(eqns):
-    """Runs of elementwise equations with one output shape become one stage
-    (their intermediates stay in registers); every other op is a stage."""
-    stages = []
-    for e in eqns:
-        op = registry.get(e.op)
-        fusable = op.kind == "elementwise" and op.cuda is not None
-        shape = tuple(e.outputs[0].shape)
-        if (fusable and stages and registry.get(stages[-1][0].op).kind == "elementwise"
-                and tuple(stages[-1][-1].outputs[0].shape) == shape):
-            stages[-1].append(e)
-        else:
-            if not fusable and op.kind not in ("matmul", "shape", "reduce"):
-                raise UnsupportedError(f"cuda backend: op {e.op} is not supported")
-            stages.append([e])
-    return stages
-
-
 # ----------------------------------------------------------------------------
 # running
 
@@ -473,6 +480,7 @@ def compile_program(program: ir.Program):
         print(source)
     run = _Run(program, kernels, _MODULES[key])
     run.source = source
+    run.schedule = kernels.schedule
     return run
 
 
@@ -523,7 +531,7 @@ class _Run:
         nbs = np.array([np.count_nonzero(sorted_lengths > t) for t in range(steps)], np.int64)
         offs = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64) if steps else nbs
         total = int(lengths.sum())
-        const_env = {id(v): np.asarray(consts[v.name]) for v in program.consts}
+        const_env = {id(v): np.asarray(consts[v]) for v in program.consts}
 
         def initial(v):  # a memory's init: bound by name, a literal or a constant
             if isinstance(v, ir.Literal):
@@ -579,6 +587,9 @@ class _Run:
         for e in k.host_eqns:
             vals = [const_env[id(v)] if isinstance(v, ir.Var) else v.value for v in e.inputs]
             const_env[id(e.outputs[0])] = registry.get(e.op).numpy(*vals, **e.attrs)
+        for name, weights in k.joined:
+            device[name] = _device(np.concatenate([const_env[id(w)] for w in weights], axis=1)
+                                   .ravel())
         for v_id, info in k.values.items():
             if info.kind == "const" and info.name not in device:
                 device[info.name] = _device(np.ravel(np.asarray(const_env[v_id], info.dtype)))

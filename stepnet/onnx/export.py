@@ -165,7 +165,7 @@ class _TopGraph:
     def constants(self, rnn, env):
         for var in rnn.program(True).consts:
             env[id(var)] = self.builder.initializer(self.builder.fresh(var.name),
-                                                    rnn.const_values()[var.name])
+                                                    rnn.const_values()[var])
 
     def output(self, value, name, dtype, shape):
         value = value.padded if isinstance(value, Ragged) else value

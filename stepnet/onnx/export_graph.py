@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 from ..ir import Literal, Var, rnn_parts
-from ..ops import registry
+from .. import registry
 
 OPSET = 17
 IR_VERSION = 8  # the IR version of opset 17

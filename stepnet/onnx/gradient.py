@@ -21,7 +21,7 @@ import numpy as np
 
 from ..autodiff import _EagerEmitter, sum_to_shape
 from ..ir import Eqn, Var
-from ..ops import registry
+from .. import registry
 from .ops import OPS
 
 # ----------------------------------------------------------------------------

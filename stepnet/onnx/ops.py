@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import ops as sn_ops
 from ..errors import UnsupportedError
-from ..ops import registry
+from .. import registry
 from ..tracing import Value
 
 OPS: dict = {}

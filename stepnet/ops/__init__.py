@@ -1,8 +1,9 @@
-"""stepnet's ops: the primitives (one ``registry`` entry each, registered in
-``primitives.py``) and the composites built from them. Use them as
+"""stepnet's ops: the primitives (one :mod:`stepnet.registry` entry each,
+registered in ``primitives.py``) and the composites built from them. Use them as
 ``sn.ops.tanh(x)`` and so on."""
 
-from . import composites, primitives, registry  # noqa: F401 - primitives fills the registry
+from .. import registry
+from . import composites, primitives  # noqa: F401 - primitives fills the registry
 
 # sn.ops.<name>: every primitive's function (from its entry) and every composite
 globals().update({name: op.function for name, op in registry.all_ops().items()})

@@ -38,7 +38,7 @@ from scipy import special
 from ..errors import ShapeError, UnsupportedError
 from ..ir import Literal
 from ..tracing import Parameter, Value, bind
-from .registry import (
+from ..registry import (
     Aval,
     broadcast,
     check_float,

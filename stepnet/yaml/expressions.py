@@ -26,7 +26,7 @@ import operator
 
 import numpy as np
 
-from .. import ops
+from .. import ops, registry
 from ..dsl import MemoryHandle
 from ..errors import Error
 from ..tracing import Parameter, Value
@@ -35,7 +35,7 @@ from .document import did_you_mean
 # every function of stepnet.ops: each primitive's (its registry entry's) and each composite
 FUNCTIONS = {name: getattr(ops, name) for name in ops.__all__ if name != "registry"}
 # functions whose first argument is a list of values: the variadic primitives (concat)
-LIST_FUNCTIONS = {name for name, op in ops.registry.all_ops().items() if op.num_inputs is None}
+LIST_FUNCTIONS = {name for name, op in registry.all_ops().items() if op.num_inputs is None}
 
 _BINARY = {
     ast.Add: operator.add,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ShapeError, StepNetError, UnsupportedError
-from ..ir import Literal, Var
+from .errors import ShapeError, StepNetError, UnsupportedError
+from .values import Literal, Var
 
 _OPS: dict = {}
 
@@ -131,6 +131,15 @@ def result_dtype(operands) -> np.dtype:
         raise StepNetError("an op needs at least one array operand")
     scalars = [v.value for v in operands if isinstance(v, Literal)]
     return np.result_type(*dtypes, *scalars)
+
+
+def literal_dtype(eqn) -> np.dtype:
+    """The dtype the Literal operands of ``eqn`` take in generated code: its
+    first float operand's (comparisons, ``where``), else its result's."""
+    for v in eqn.inputs:
+        if isinstance(v, Var) and np.dtype(v.dtype).kind == "f":
+            return v.dtype
+    return eqn.outputs[0].dtype
 
 
 def broadcast(opname, operands) -> tuple:
