@@ -7,10 +7,11 @@ the final hidden state per sequence (W6: ``(paragraph_vectors,
 chapter_last_states)``). ``final_state_numpy`` turns the latter into one
 float array for the accuracy check (outside any timing).
 
-A training workload (W8) returns a third item: a zero-argument function giving
-the gradients as a dict keyed by ``workloads.GRADIENTS`` in PyTorch's layout
-(``"x"`` batch-major ``[B, T, I]``), called once, outside any timing; ``None``
-for a forward-only part. Such a callable may carry ``info`` (a dict: its
+A training workload (W8, W9) returns a third item: a zero-argument function
+giving the gradients as a dict keyed by ``workloads.gradient_names(wl)`` (W8:
+``GRADIENTS``, PyTorch's layout; W9: ``CUSTOM_GRADIENTS``, the layout of
+``workloads.custom_weights``; ``"x"`` batch-major ``[B, T, I]``), called once,
+outside any timing; ``None`` for a forward-only part. Such a callable may carry ``info`` (a dict: its
 ``role`` in the step, ``"step"``, ``"forward"``, ``"backward"`` or
 ``"inference"``, and what else it measured) for the report.
 
@@ -428,6 +429,111 @@ def stepnet_nn_gru_train_inference(wl):
     return _with_info(_sn_run_layer(t.layer, t.X, lambda h_n: h_n[0]), role="inference")
 
 
+# ----------------------------------------------------------------------------
+# stepnet W9: sn.vjp / keep_workspace + sn.gradients over W5's DSL cell
+
+
+class _SnCustomTraining:
+    """W9 for W5's step-net (``_sn_custom_rnn``): the step-net, its input, the
+    upstream gradient of its all-steps output (rows in the input's order) and
+    ``wrt`` (every Parameter, then the input ``"x"``).
+
+    One per workload (``of``): the W9 stepnet peers share the step-net and so
+    the kernels compiled for it, as one user's training loop would."""
+
+    _shared: dict = {}
+
+    @classmethod
+    def of(cls, wl):
+        found = cls._shared.get(id(wl))
+        if found is None or found.wl is not wl:
+            found = cls._shared[id(wl)] = cls(wl)
+        return found
+
+    def __init__(self, wl):
+        import stepnet as sn
+
+        self.sn, self.wl = sn, wl
+        self.rnn, self.X = _sn_custom_rnn(sn, wl)
+        self.params = self.rnn.parameters()
+        self.wrt = self.params + ["x"]
+        self.grad_outputs = [np.ascontiguousarray(wl.extra["dY"].reshape(-1, wl.dims["H"]))]
+        self.last = _sn_last_rows(self.X.lod[-1])
+
+    def forward(self):
+        """``sn.vjp``: Y (all steps), the final states, the pullback."""
+        Y, pullback = self.sn.vjp(self.rnn, backend="numba")
+        return Y, Y.data[self.last], pullback
+
+    def gradients(self, grads):
+        """A function giving ``grads`` (one per ``wrt``) keyed by the weights'
+        names (``workloads.CUSTOM_GRADIENTS``), ``"x"`` as ``[B, T, I]``."""
+
+        def convert():
+            g = {p.name: np.asarray(v) for p, v in zip(self.params, grads)}
+            g["x"] = np.asarray(grads[-1]).reshape(self.wl.x.shape)
+            return g
+
+        return convert
+
+    def backward(self, pullback):
+        return self.gradients(pullback(self.grad_outputs, wrt=self.wrt))
+
+
+@peer("stepnet", ["W9"], "stepnet custom cell in the DSL: sn.vjp + pullback")
+def stepnet_custom_train(wl):
+    t = _SnCustomTraining.of(wl)
+
+    def run():
+        Y, h, pullback = t.forward()
+        return Y, h, t.backward(pullback)
+
+    return _with_info(run, role="step")
+
+
+@peer("stepnet", ["W9"], "stepnet custom cell in the DSL: rnn(keep_workspace=True) + sn.gradients")
+def stepnet_custom_train_kept(wl):
+    t = _SnCustomTraining.of(wl)
+
+    def run():
+        Y = t.rnn(backend="numba", keep_workspace=True)
+        grads = t.sn.gradients(t.rnn, wrt=t.wrt, grad_outputs=t.grad_outputs, backend="numba")
+        return Y, Y.data[t.last], t.gradients(grads)
+
+    return _with_info(run, role="step")
+
+
+@peer("stepnet", ["W9"], "stepnet custom cell: forward only (sn.vjp, workspace kept)")
+def stepnet_custom_train_forward(wl):
+    t = _SnCustomTraining.of(wl)
+
+    def run():
+        Y, h, _ = t.forward()
+        return Y, h, None
+
+    kept = getattr(t.forward()[2], "workspace_bytes", None)  # what the pullback keeps
+    return _with_info(run, role="forward", workspace_bytes=kept)
+
+
+@peer("stepnet", ["W9"], "stepnet custom cell: backward only (pullback of one kept sn.vjp)")
+def stepnet_custom_train_backward(wl):
+    t = _SnCustomTraining.of(wl)
+    Y, h, pullback = t.forward()
+    return _with_info(lambda: (Y, h, t.backward(pullback)), role="backward")
+
+
+@peer("stepnet", ["W9"], "stepnet custom cell: forward only, no workspace (W5's call)")
+def stepnet_custom_train_inference(wl):
+    t = _SnCustomTraining.of(wl)
+    f = t.rnn.compile("numba")
+
+    def run():
+        out = f()
+        return out, out.data[t.last]
+
+    return _with_info(run, role="inference")
+
+
 # ============================================================================
 # torch
 
@@ -700,6 +806,85 @@ def torch_custom_script(wl):
     return run
 
 
+class _TorchCustomTraining:
+    """W9 in PyTorch eager autograd: W5's cell as a Python loop over time
+    (``_custom_loop``, the input projection hoisted into one ``addmm``, as the
+    W5 eager peer), every weight a leaf of its own (concatenated inside the
+    recorded graph, so each gets its gradient), X requiring its gradient, the
+    upstream gradient of Y (time-major, like Y)."""
+
+    def __init__(self, torch, wl):
+        self.torch = torch
+        self.T, self.B, self.H = wl.dims["T"], wl.dims["B"], wl.dims["H"]
+        self.w = {k: torch.from_numpy(np.array(v, np.float32)).requires_grad_(True)
+                  for k, v in wl.weights.items()}
+        self.x = torch.from_numpy(wl.x_time_major()).requires_grad_(True)
+        self.dY = torch.from_numpy(np.ascontiguousarray(wl.extra["dY"].transpose(1, 0, 2)))
+        self.zero_bias = torch.zeros(self.H)
+        self.leaves = list(self.w.values()) + [self.x]
+
+    def forward(self):
+        torch, w, T, B, H = self.torch, self.w, self.T, self.B, self.H
+        for leaf in self.leaves:  # fresh gradients, as stepnet's (no accumulation)
+            leaf.grad = None
+        wx = torch.cat([w["Wz"], w["Wr"], w["Wx"], w["P"]], dim=1)
+        bx = torch.cat([w["bz"], w["br"], w["b"], self.zero_bias])
+        u = torch.cat([w["Uz"], w["Ur"]], dim=1)
+        xp = torch.addmm(bx, self.x.reshape(T * B, -1), wx).view(T, B, 4 * H)
+        return _custom_loop(xp, u, w["Wh"], w["s"], torch.zeros(B, H))
+
+    def backward(self, y, retain_graph=False):
+        self.torch.autograd.backward(y, self.dY, retain_graph=retain_graph)
+
+    def grads(self):
+        g = {k: v.grad for k, v in self.w.items()}
+        g["x"] = self.x.grad.transpose(0, 1)
+        return lambda: g
+
+
+@peer("torch", ["W9"], "torch eager autograd: Python loop (hoisted x-proj) + backward()")
+def torch_custom_train(wl):
+    import torch
+
+    t = _TorchCustomTraining(torch, wl)
+
+    def run():
+        y, h = t.forward()
+        t.backward(y)
+        return y, h, t.grads()
+
+    return _with_info(run, role="step")
+
+
+@peer("torch", ["W9"], "torch eager: forward only (autograd recording)")
+def torch_custom_train_forward(wl):
+    import torch
+
+    t = _TorchCustomTraining(torch, wl)
+
+    def run():
+        y, h = t.forward()
+        return y, h, None
+
+    return _with_info(run, role="forward")
+
+
+@peer("torch", ["W9"], "torch eager: backward only (backward(retain_graph=True) of one forward)")
+def torch_custom_train_backward(wl):
+    import torch
+
+    t = _TorchCustomTraining(torch, wl)
+    y, h = t.forward()
+
+    def run():
+        for leaf in t.leaves:
+            leaf.grad = None
+        t.backward(y, retain_graph=True)
+        return y, h, t.grads()
+
+    return _with_info(run, role="backward")
+
+
 # ============================================================================
 # onnxruntime: a single GRU / LSTM node
 
@@ -865,7 +1050,7 @@ def stepnet_session_custom_scan(wl):
 
 not_applicable("onnxruntime", ["W6"], "no single ONNX op for a nested RNN")
 not_applicable("onnxruntime", ["W7"], "one ONNX LSTM node is one layer; PyTorch is the W7 peer")
-not_applicable("onnxruntime", ["W8"], "inference only: no gradients")
+not_applicable("onnxruntime", ["W8", "W9"], "inference only: no gradients")
 
 
 # ============================================================================
@@ -1014,6 +1199,46 @@ def jax_gru_train(wl):
                                "weight_hh": np.asarray(dp["whh"]).T,
                                "bias_ih": dp["bih"], "bias_hh": dp["bhh"],
                                "x": np.asarray(dx).transpose(1, 0, 2)}
+
+    return _with_info(run, role="step")
+
+
+@peer("jax", ["W9"], "jax jit(grad(lax.scan)): forward + backward")
+def jax_custom_train(wl):
+    """``jax.jit(jax.grad(loss))``, ``loss = sum(Y * dY)`` over W5's cell in
+    ``lax.scan`` (the jax W5 peer's step: input projections hoisted per step
+    into one ``x @ [Wz|Wr|Wx|P]``, ``h @ [Uz|Ur]`` one matmul); every weight
+    is an argument of its own (concatenated inside the traced function), X
+    too. ``Y`` and ``h_n`` come back as ``grad``'s aux output."""
+    import jax
+
+    jnp = jax.numpy
+    H = wl.dims["H"]
+
+    def loss(p, x, dY):
+        wx = jnp.concatenate([p["Wz"], p["Wr"], p["Wx"], p["P"]], axis=1)
+        bx = jnp.concatenate([p["bz"], p["br"], p["b"], jnp.zeros(H, x.dtype)])
+        u = jnp.concatenate([p["Uz"], p["Ur"]], axis=1)
+
+        def step(h, xt):
+            g = xt @ wx + bx
+            hu = h @ u
+            z = jax.nn.sigmoid(g[:, :H] + hu[:, :H])
+            r = jax.nn.sigmoid(g[:, H : 2 * H] + hu[:, H:])
+            cand = p["s"] * jnp.tanh(g[:, 2 * H : 3 * H] + (r * h) @ p["Wh"])
+            h = (1 - z) * h + z * cand + 0.1 * g[:, 3 * H :]
+            return h, h
+
+        h, ys = jax.lax.scan(step, jnp.zeros((x.shape[1], H), x.dtype), x)
+        return jnp.sum(ys * dY), (ys, h)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    args = ({k: jnp.asarray(v) for k, v in wl.weights.items()}, jnp.asarray(wl.x_time_major()),
+            jnp.asarray(wl.extra["dY"].transpose(1, 0, 2)))
+
+    def run():
+        (dp, dx), (ys, h) = jax.block_until_ready(fn(*args))
+        return ys, h, lambda: {**dp, "x": np.asarray(dx).transpose(1, 0, 2)}
 
     return _with_info(run, role="step")
 
@@ -1190,6 +1415,8 @@ def numpy_gru_train(wl):
 
 not_applicable("jax", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")
 not_applicable("numpy", ["W7"], "the stacked bidirectional LSTM is measured against PyTorch's")
+not_applicable("numpy", ["W9"], "the float64 reference is NumPy's BPTT (workloads.custom_train): "
+               "a float32 run of it would be checked against itself")
 
 
 # ============================================================================

@@ -16,10 +16,12 @@ round, one untimed call before each block) of blocks of >= 2 calls and >= 0.2 s;
 median and min are over every timed call. The final hidden states go to .npy
 files and are compared here with a float64 NumPy reference (workloads.py).
 W8 (a GRU training step: forward, then the gradients of every parameter and of
-X) also saves each peer's gradients, in PyTorch's layout, to .npz files; the
-report gives their relative error against the float64 gradients and
-stepnet's against PyTorch's, and stepnet's split of the step into its forward
-(``sn.vjp``, workspace kept) and its backward (the pullback) with the size of
+X) and W9 (the same for W5's custom cell, given the gradient of its all-steps
+output) also save each peer's gradients to .npz files (W8 in PyTorch's layout,
+W9 in workloads.custom_weights'); the report gives their relative error against
+the float64 gradients (a hand-written NumPy BPTT) and stepnet's against
+PyTorch's, and each family's split of the step into its forward (stepnet:
+``sn.vjp``, workspace kept) and its backward (the pullback) with the size of
 the workspace.
 
 Printed: one markdown table, the measured sgemm ceiling, stepnet's share of
@@ -52,7 +54,7 @@ ROOT = HERE.parent
 FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy", "stepnet-cuda", "torch-cuda")
 CPU_FAMILIES = FAMILIES[:5]  # the default peers; --cuda adds the GPU families
 ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
-WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")  # workloads.WORKLOADS
+WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9")  # workloads.WORKLOADS
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
 GRAD_TOLERANCE = 1e-3  # a gradient's relative error (see grad_error) above this, too
 SGEMM_SHAPE = (6400, 128, 768)
@@ -648,11 +650,13 @@ def training_section(k, wl, results, disagreements, failures):
     except Exception as exc:  # noqa: BLE001 - reported, never a crash
         failures.append(f"{k} float64 gradient reference: {_reason(exc)}")
         return []
-    names = list(workloads.GRADIENTS)
+    names = list(workloads.gradient_names(wl))
+    layout, oracle = (("the layout of workloads.custom_weights", "workloads.custom_train")
+                      if wl.kind == "custom-train" else ("PyTorch's layout", "workloads.gru_train"))
     out = [f"### {k} {wl.name}: gradients", "",
-           "Relative error of each gradient (PyTorch's layout; x: dX) = max|g - g_ref| / "
+           f"Relative error of each gradient ({layout}; x: dX) = max|g - g_ref| / "
            "max|g_ref| over that tensor; the float64 reference is a NumPy forward and "
-           "backpropagation through time (workloads.gru_train).", "",
+           f"backpropagation through time ({oracle}).", "",
            "| peer | compared with | " + " | ".join(names) + " | max |",
            "|---|---|" + "---:|" * (len(names) + 1)]
     recs = [r for data in results for r in data["items"]

@@ -27,13 +27,20 @@ inputs are ``N(0, 1)``.
   the gradients of every parameter and of the input given upstream gradients
   ``dY [B, T, H]`` (every step's output) and ``dh [B, H]`` (the last state),
   both ``N(0, 1)``. Same x and weights as W1.
+- W9 custom-train: a training step of W5's cell (a gated cell that is none of
+  the built-in layers) without the optimizer: the forward, then the gradients
+  of every weight (``CUSTOM_GRADIENTS``: the 11 of ``custom_weights``, in their
+  ``x @ W`` layout) and of the input, given the upstream gradient ``dY [B, T, H]``
+  of the all-steps output (``N(0, 1)``; no separate gradient of the last state:
+  it is ``Y``'s last step). Same x and weights as W5.
 
 ``make(key, quick=False)`` builds one workload; ``quick`` gives tiny sizes for a
 smoke run. ``reference(wl)`` is a plain float64 NumPy loop, one sequence at a
 time, giving the final state that every peer's is compared with (W6: the
-paragraph vectors stacked on the chapters' last states). For W8,
-``gradient_reference(wl)`` gives the gradients in float64 (``gru_train``: the
-batched forward, then backpropagation through time, written out by hand).
+paragraph vectors stacked on the chapters' last states). For W8 and W9,
+``gradient_reference(wl)`` gives the gradients in float64 (``gru_train``,
+``custom_train``: the batched forward, then backpropagation through time,
+written out by hand), keyed by ``gradient_names(wl)``.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9")
 NAMES = {
     "W1": "gru-std",
     "W2": "lstm-std",
@@ -52,11 +59,14 @@ NAMES = {
     "W6": "nested",
     "W7": "lstm-bi2",
     "W8": "gru-train",
+    "W9": "custom-train",
 }
 KINDS = {"W1": "gru", "W2": "lstm", "W3": "gru", "W4": "gru", "W5": "custom", "W6": "nested",
-         "W7": "bilstm", "W8": "gru-train"}
-TRAINS = {"W8": "W1"}  # a training workload: the forward workload whose data it reuses
+         "W7": "bilstm", "W8": "gru-train", "W9": "custom-train"}
+TRAINS = {"W8": "W1", "W9": "W5"}  # a training workload: the forward workload whose data it reuses
 GRADIENTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "x")  # PyTorch's names
+# W9: every weight of custom_weights (its own names and layout), then the input
+CUSTOM_GRADIENTS = ("Wz", "Wr", "Wx", "P", "Uz", "Ur", "Wh", "bz", "br", "b", "s", "x")
 
 
 @dataclass
@@ -67,7 +77,7 @@ class Workload:
 
     key: str
     name: str
-    kind: str  # "gru" | "lstm" | "custom" | "nested" | "bilstm" | "gru-train"
+    kind: str  # "gru" | "lstm" | "custom" | "nested" | "bilstm" | "gru-train" | "custom-train"
     dims: dict
     weights: dict
     lengths: np.ndarray | None = None
@@ -76,7 +86,7 @@ class Workload:
     words: np.ndarray | None = None
     paragraphs_per_chapter: np.ndarray | None = None
     words_per_paragraph: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)  # W8: the upstream gradients "dY", "dh"
+    extra: dict = field(default_factory=dict)  # W8: the upstream gradients "dY", "dh"; W9: "dY"
 
     @property
     def title(self) -> str:
@@ -178,6 +188,7 @@ _FULL = {
     "W7": {"T": 100, "B": 64, "I": 128, "H": 256},
 }
 _FULL["W8"] = _FULL["W1"]
+_FULL["W9"] = _FULL["W5"]
 _QUICK = {
     "W1": {"T": 5, "B": 4, "I": 8, "H": 16},
     "W2": {"T": 5, "B": 4, "I": 8, "H": 16},
@@ -188,20 +199,22 @@ _QUICK = {
     "W7": {"T": 5, "B": 4, "I": 8, "H": 16},
 }
 _QUICK["W8"] = _QUICK["W1"]
+_QUICK["W9"] = _QUICK["W5"]
 
 
 def make(key: str, quick: bool = False) -> Workload:
-    """Build workload ``key`` ("W1".."W8"); the same seeds give the same arrays."""
+    """Build workload ``key`` ("W1".."W9"); the same seeds give the same arrays."""
     if key not in WORKLOADS:
         raise KeyError(f"unknown workload {key!r}; known: {', '.join(WORKLOADS)}")
     if key in TRAINS:
         wl = make(TRAINS[key], quick)
         B, T, H = wl.dims["B"], wl.dims["T"], wl.dims["H"]
         if np.any(wl.lengths != T):
-            raise ValueError(f"{key}: gru_train needs every sequence of length T")
+            raise ValueError(f"{key}: {KINDS[key]} needs every sequence of length T")
         rng = np.random.default_rng(3000 + int(key[1]))
-        extra = {"dY": rng.standard_normal((B, T, H)).astype(np.float32),
-                 "dh": rng.standard_normal((B, H)).astype(np.float32)}
+        extra = {"dY": rng.standard_normal((B, T, H)).astype(np.float32)}
+        if KINDS[key] == "gru-train":  # W9 has no separate last-state gradient
+            extra["dh"] = rng.standard_normal((B, H)).astype(np.float32)
         return Workload(key, NAMES[key], KINDS[key], wl.dims, wl.weights, lengths=wl.lengths,
                         x=wl.x, extra=extra)
     dims = dict((_QUICK if quick else _FULL)[key])
@@ -257,6 +270,9 @@ def flops(wl: Workload, part: str = "step") -> float:
     if wl.kind == "gru-train":  # backward: dX, dW_ih, dh, dW_hh, each as large as its forward
         share = {"step": 3, "forward": 1, "inference": 1, "backward": 2}[part]
         return share * 2.0 * tokens * (I + H) * 3 * H
+    if wl.kind == "custom-train":  # as gru-train: each matmul's two gradients, each as large
+        share = {"step": 3, "forward": 1, "inference": 1, "backward": 2}[part]
+        return share * 2.0 * tokens * (4 * I * H + 3 * H * H)
     if wl.kind == "lstm":
         return 2.0 * tokens * (I + H) * 4 * H
     if wl.kind == "bilstm":
@@ -350,7 +366,8 @@ def reference(wl: Workload) -> np.ndarray:
         return gru_train(wl.x_time_major().astype(np.float64), _f64(wl.weights))[1]
     if wl.kind == "bilstm":
         return np.stack([bilstm_sequence_ref(x[b, :L], wl.weights) for b, L in enumerate(wl.lengths)])
-    fn = {"gru": gru_sequence_ref, "lstm": lstm_sequence_ref, "custom": custom_sequence_ref}
+    fn = {"gru": gru_sequence_ref, "lstm": lstm_sequence_ref, "custom": custom_sequence_ref,
+          "custom-train": custom_sequence_ref}  # W9: the forward's final state, as W5's
     w = _f64(wl.weights)
     return np.stack([fn[wl.kind](x[b, :L], w) for b, L in enumerate(wl.lengths)])
 
@@ -405,10 +422,93 @@ def gru_train(x, w, dY=None, dh=None):
 
 def gradient_reference(wl: Workload) -> dict:
     """W8's gradients in float64, keyed by ``GRADIENTS``; ``"x"`` batch-major
-    ``[B, T, I]`` like ``wl.x``."""
+    ``[B, T, I]`` like ``wl.x``. (W9: ``custom_gradient_reference``.)"""
+    if wl.kind == "custom-train":
+        return custom_gradient_reference(wl)
     tm = (1, 0, 2)
     _, _, g = gru_train(wl.x_time_major().astype(np.float64), _f64(wl.weights),
                         wl.extra["dY"].transpose(tm).astype(np.float64),
                         wl.extra["dh"].astype(np.float64))
+    g["x"] = g["x"].transpose(tm)
+    return g
+
+
+def gradient_names(wl: Workload) -> tuple:
+    """The keys of a training workload's gradients: ``GRADIENTS`` (W8) or
+    ``CUSTOM_GRADIENTS`` (W9)."""
+    return CUSTOM_GRADIENTS if wl.kind == "custom-train" else GRADIENTS
+
+
+# ----------------------------------------------------------------------------
+# W9: W5's cell forward and backward through time, batched, time-major
+
+
+def custom_train(x, w, dY=None):
+    """W5's cell over ``x [T, B, I]`` (every sequence T steps, h0 = 0) in
+    ``x``'s dtype; with the upstream gradient ``dY [T, B, H]`` of every step's
+    output also backpropagation through time, written out by hand (no
+    framework: the float64 oracle of W9). Returns ``(Y, h_n, grads)``,
+    ``grads`` (None without ``dY``) keyed by ``CUSTOM_GRADIENTS``, each shaped
+    like its weight in ``w`` (``x @ W`` layout), ``grads["x"]`` like ``x``.
+
+    Forward: ``z = sig(x@Wz + h@Uz + bz)``, ``r = sig(x@Wr + h@Ur + br)``,
+    ``c = tanh(x@Wx + (r*h)@Wh + b)``, ``h' = (1-z)*h + z*s*c + 0.1*x@P``.
+    """
+    T, B, I = x.shape
+    H = w["Uz"].shape[0]
+    xf = x.reshape(T * B, I)
+    gz = (xf @ w["Wz"] + w["bz"]).reshape(T, B, H)
+    gr = (xf @ w["Wr"] + w["br"]).reshape(T, B, H)
+    gc = (xf @ w["Wx"] + w["b"]).reshape(T, B, H)
+    px = 0.1 * (xf @ w["P"]).reshape(T, B, H)
+    s = w["s"]
+    h = np.zeros((B, H), x.dtype)
+    Y = np.empty((T, B, H), x.dtype)
+    saved = []  # per step: h_prev, z, r, c
+    for t in range(T):
+        z = _sig(gz[t] + h @ w["Uz"])
+        r = _sig(gr[t] + h @ w["Ur"])
+        c = np.tanh(gc[t] + (r * h) @ w["Wh"])
+        saved.append((h, z, r, c))
+        h = (1 - z) * h + z * (s * c) + px[t]
+        Y[t] = h
+    if dY is None:
+        return Y, h, None
+    g = {k: np.zeros_like(w[k]) for k in ("Uz", "Ur", "Wh", "s")}
+    daz, dar, dac, dnew = (np.empty((T, B, H), x.dtype) for _ in range(4))
+    dY = np.asarray(dY, x.dtype)
+    dh = np.zeros((B, H), x.dtype)
+    for t in reversed(range(T)):
+        hp, z, r, c = saved[t]
+        dh = dh + dY[t]  # at h' of step t: its output's and the next step's
+        dnew[t] = dh  # x@P's term reads it, after the loop
+        dcand = dh * z  # at s * c
+        g["s"] += (dcand * c).sum(axis=0)
+        dac[t] = dcand * s * (1 - c * c)  # at c's pre-activation
+        daz[t] = dh * (s * c - hp) * z * (1 - z)
+        dq = dac[t] @ w["Wh"].T  # at r * h
+        dar[t] = dq * hp * r * (1 - r)
+        g["Wh"] += (r * hp).T @ dac[t]
+        g["Uz"] += hp.T @ daz[t]
+        g["Ur"] += hp.T @ dar[t]
+        dh = dh * (1 - z) + dq * r + daz[t] @ w["Uz"].T + dar[t] @ w["Ur"].T
+    dnf = dnew.reshape(T * B, H)
+    gx = 0.1 * (dnf @ w["P"].T)
+    for name, bias, d in (("Wz", "bz", daz), ("Wr", "br", dar), ("Wx", "b", dac)):
+        d = d.reshape(T * B, H)
+        g[name] = xf.T @ d
+        g[bias] = d.sum(axis=0)
+        gx += d @ w[name].T
+    g["P"] = 0.1 * (xf.T @ dnf)
+    g["x"] = gx.reshape(x.shape)
+    return Y, h, {k: g[k] for k in CUSTOM_GRADIENTS}
+
+
+def custom_gradient_reference(wl: Workload) -> dict:
+    """W9's gradients in float64 (``custom_train``), keyed by
+    ``CUSTOM_GRADIENTS``; ``"x"`` batch-major ``[B, T, I]`` like ``wl.x``."""
+    tm = (1, 0, 2)
+    _, _, g = custom_train(wl.x_time_major().astype(np.float64), _f64(wl.weights),
+                           wl.extra["dY"].transpose(tm).astype(np.float64))
     g["x"] = g["x"].transpose(tm)
     return g

@@ -1,6 +1,7 @@
 """The benchmark harness must keep working: a --quick run of stepnet and numpy
 lists every workload, stepnet's final states match the float64 reference, and
-its W8 gradients match the float64 gradients, which match PyTorch's autograd."""
+its W8 and W9 gradients match the float64 gradients, which match PyTorch's
+autograd."""
 
 import re
 import subprocess
@@ -12,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["W1 gru-std", "W2 lstm-std", "W3 gru-latency", "W4 gru-varlen",
-             "W5 custom-cell", "W6 nested", "W7 lstm-bi2", "W8 gru-train"]
+             "W5 custom-cell", "W6 nested", "W7 lstm-bi2", "W8 gru-train", "W9 custom-train"]
+NO_NUMPY_PEER = ("W7 lstm-bi2", "W9 custom-train")  # W9: NumPy is its float64 reference
 
 
 def _section(report, title):
@@ -55,7 +57,7 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
             assert float(other[7]) < 1e-3, f"{wl} {other[1]}: max|dh| {other[7]}"
         numpy_rows = [r for r in rows if r[0] == wl and r[1].startswith("numpy")]
         assert numpy_rows, f"{wl}: no numpy row\n{report}"
-        if wl == "W7 lstm-bi2":  # measured against PyTorch only
+        if wl in NO_NUMPY_PEER:
             assert numpy_rows[0][1].startswith("numpy: n/a ("), numpy_rows[0]
         else:
             assert float(numpy_rows[0][7]) < 1e-3, f"{wl}: numpy row\n{report}"
@@ -71,9 +73,34 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
     split = next(line for line in gradients if line.startswith("- stepnet:"))
     assert re.search(r"forward [0-9.]+ ms .* \+ backward [0-9.]+ ms", split), split
     assert int(re.search(r"workspace kept: (\d+) bytes", split).group(1)) > 0, split
+    _check_w9_gradients(report)
     assert "sgemm ceiling:" in report and "GFLOP/s" in report
     assert "### stepnet compile time" in report
     assert re.search(r"^\| cold .*\| warm", report, re.DOTALL | re.MULTILINE), report
+
+
+def _check_w9_gradients(report):
+    """W9's gradient table: every weight of the custom cell and x, each
+    stepnet row within 1e-3 of the float64 BPTT; stepnet's split of the step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import workloads
+
+    gradients = _section(report, "W9 custom-train: gradients")
+    header = next(line for line in gradients if line.startswith("| peer"))
+    assert [c.strip() for c in header.split("|")[1:-1]] == (
+        ["peer", "compared with"] + list(workloads.CUSTOM_GRADIENTS) + ["max"]), header
+    graded = [[c.strip() for c in line.split("|")[1:-1]] for line in gradients
+              if line.startswith("| stepnet")]
+    for label in ("stepnet custom cell in the DSL: sn.vjp + pullback",
+                  "stepnet custom cell in the DSL: rnn(keep_workspace=True) + sn.gradients",
+                  "stepnet custom cell: backward only"):
+        mine = [r for r in graded if r[0].startswith(label) and r[1] == "float64 NumPy"]
+        assert mine, f"W9: no gradient row for {label}:\n{report}"
+        assert all(c != "n/a" for c in mine[0][2:]), mine[0]
+        assert float(mine[0][-1]) < 1e-3, f"W9 {label}: gradient error {mine[0][-1]}"
+    split = next(line for line in gradients if line.startswith("- stepnet:"))
+    assert re.search(r"forward [0-9.]+ ms .* \+ backward [0-9.]+ ms", split), split
+    assert int(re.search(r"workspace kept: (\d+) bytes", split).group(1)) > 0, split
 
 
 def test_w8_float64_gradients_match_torch_autograd():
@@ -101,3 +128,42 @@ def test_w8_float64_gradients_match_torch_autograd():
     for name in workloads.GRADIENTS:
         np.testing.assert_allclose(ref[name], got[name], rtol=1e-10, atol=1e-12, err_msg=name)
     np.testing.assert_allclose(workloads.reference(wl), h[0].detach().numpy(), rtol=1e-10)
+
+
+def test_w9_float64_gradients_match_torch_autograd():
+    """The W9 oracle (``workloads.custom_train``, a hand-written
+    backpropagation through time of W5's cell) against PyTorch's autograd of
+    a plain per-step loop of the cell (no hoisting, batch-major), both in
+    float64; the forward against W5's per-sequence reference loop."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import workloads
+
+    wl = workloads.make("W9", quick=True)
+    assert wl.kind == "custom-train" and set(wl.extra) == {"dY"}
+    w5 = workloads.make("W5", quick=True)
+    np.testing.assert_array_equal(wl.x, w5.x)
+    ref = workloads.gradient_reference(wl)
+    assert tuple(ref) == workloads.CUSTOM_GRADIENTS == workloads.gradient_names(wl)
+    w = {k: torch.from_numpy(v.astype(np.float64)).requires_grad_(True)
+         for k, v in wl.weights.items()}
+    x = torch.from_numpy(wl.x.astype(np.float64)).requires_grad_(True)  # [B, T, I]
+    B, T, _ = x.shape
+    h = torch.zeros(B, wl.dims["H"], dtype=torch.float64)
+    ys = []
+    for t in range(T):
+        xt = x[:, t]
+        z = torch.sigmoid(xt @ w["Wz"] + h @ w["Uz"] + w["bz"])
+        r = torch.sigmoid(xt @ w["Wr"] + h @ w["Ur"] + w["br"])
+        cand = w["s"] * torch.tanh(xt @ w["Wx"] + (r * h) @ w["Wh"] + w["b"])
+        h = (1 - z) * h + z * cand + 0.1 * (xt @ w["P"])
+        ys.append(h)
+    Y = torch.stack(ys, dim=1)
+    torch.autograd.backward(Y, torch.from_numpy(wl.extra["dY"].astype(np.float64)))
+    for name in workloads.CUSTOM_GRADIENTS:
+        got = (x if name == "x" else w[name]).grad.numpy()
+        assert got.shape == ref[name].shape, name
+        np.testing.assert_allclose(ref[name], got, rtol=1e-10, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(workloads.reference(wl), h.detach().numpy(), rtol=1e-10)
+    np.testing.assert_allclose(workloads.reference(wl), workloads.reference(w5), rtol=0)
+    assert workloads.flops(wl) == 3 * workloads.flops(w5)
