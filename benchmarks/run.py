@@ -36,7 +36,6 @@ import torch before anything that starts a thread pool.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -118,13 +117,9 @@ def _family_notes(family, threads):
             import numba
 
             import stepnet
-            from stepnet.jit import blas
+            from stepnet.jit import blas, blas_choice
 
-            blas_note = blas.BLAS_NAME
-            if blas.BLAS_NAME == "openblas":
-                blas._openblas.scipy_openblas_get_corename.restype = ctypes.c_char_p
-                core = blas._openblas.scipy_openblas_get_corename().decode()
-                blas_note += f" ({core} kernels)"
+            blas_note = f"{blas.BLAS_NAME} ({blas_choice.choose()['reason']})"
             notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}, BLAS {blas_note}"
         elif family == "numpy":
             import numpy

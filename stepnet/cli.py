@@ -121,11 +121,35 @@ def _parser():
     export.add_argument("--scan", action="store_true",
                         help="built-in layers as Scan nodes, not ONNX GRU/LSTM/RNN nodes")
     export.set_defaults(func=cmd_export)
+
+    info = sub.add_parser("info", help="print the versions, the BLAS and the threads in use",
+                          description="Print stepnet's and Numba's versions, the cache directory, "
+                                      "the backends, the BLAS the Numba backend calls (chosen by "
+                                      "measurement unless STEPNET_BLAS names one, with the "
+                                      "figures) and the number of threads.")
+    info.set_defaults(func=cmd_info)
     return parser
 
 
 # ----------------------------------------------------------------------------
 # commands
+
+
+def cmd_info(args) -> int:
+    import numba
+
+    from . import __version__
+    from .backends import backends
+    from .jit import blas_choice
+    from .jit.cache import cache_dir
+
+    print(f"stepnet {__version__}, numba {numba.__version__}, numpy {np.__version__}")
+    print(f"cache: {cache_dir()}")
+    print(f"backends: {', '.join(backends())}")
+    print(blas_choice.describe())
+    print(f"threads: {numba.get_num_threads()} (sequence groups run in parallel; "
+          "NUMBA_NUM_THREADS or numba.set_num_threads changes it)")
+    return 0
 
 
 def cmd_check(args) -> int:

@@ -57,7 +57,7 @@ def test_gru_matches_interpreter(rng, dtype, reverse):
 def test_large_batch_takes_the_blas_path_then_the_small_one(rng, dtype):
     # 64 rows x 128 x 384 is above blas.SMALL_GEMM_WORK, so the first steps run
     # BLAS (MKL's packed GEMM when present) and the last ones, with a few
-    # sequences left, run small_gemm; the fused loops split rows over threads.
+    # sequences left, run small_gemm. The kernels are serial.
     from stepnet.jit import blas
 
     lengths = [4] * 8 + [2] * 56
@@ -72,8 +72,8 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     source = rnn.compile("numba").source
     program = source[source.index("def program"):]
     # one GEMM over every token before the time loop, one packed GEMM per step
-    assert program.count("gemm32(") == 1
-    assert source.count("gemm_packed32(") == 1
+    assert program.count("gemm(") == 1
+    assert source.count("gemm_packed(") == 1
     assert "for step in range(num_steps)" in source
 
 

@@ -12,7 +12,7 @@ Nothing is written into the installed package: importing this module puts a
 Numba cache locator in front of Numba's own ones for source files inside the
 stepnet package (files elsewhere keep Numba's usual locators). A ``build``
 names what Numba's cache cannot see but the compiled helpers depend on
-(bounds checking, the thread count baked into the GEMM split, the BLAS choice,
+(bounds checking, the thread count, the BLAS choice,
 deterministic mode, Numba's version), so runs with different settings never
 load each other's code.
 

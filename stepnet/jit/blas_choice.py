@@ -1,0 +1,263 @@
+"""Which BLAS the Numba backend calls: the libraries it can reach, and the
+fastest of them on this machine.
+
+The candidates:
+
+- ``mkl``: Intel MKL's single dynamic library (``libmkl_rt``, from the ``mkl``
+  wheel or a conda environment) in the Python prefix's ``lib/``, called
+  through its CBLAS entry points on its sequential threading layer.
+- ``openblas``: scipy's BLAS through its public Cython API
+  (``scipy.linalg.cython_blas``: ``sgemm``/``dgemm`` function pointers). Each
+  call runs on the calling thread: OpenBLAS's ``openblas_set_num_threads_local``
+  is looked up in the OpenBLAS library the process has loaded.
+- ``numpy``: ``np.dot``, when neither is reachable (stepnet warns).
+
+``STEPNET_BLAS`` names one. Unset, stepnet measures the ones it can reach
+once per machine, single-threaded, on a per-step product (64 rows) and a
+hoisted one (every token), picks the faster and keeps the choice and the
+figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU and the
+libraries. ``stepnet info`` prints them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+
+import numpy as np
+
+from .cache import cache_dir
+
+CHOICES = ("openblas", "mkl", "numpy")
+
+# the products measured (m, k, n), repetitions, and the weight of each in the
+# score: a per-step product of a 64-row batch (H=256, three gates), run 100
+# times per call, and a hoisted one over 2048 tokens, run about 3 times (6400
+# tokens)
+_SHAPES = ((64, 256, 768, 20, 100), (2048, 128, 768, 3, 3))
+
+
+class Library:
+    """A reachable BLAS: its name, path and ctypes handle."""
+
+    def __init__(self, name, path, handle):
+        self.name, self.path, self.handle = name, path, handle
+
+    def fingerprint(self) -> str:
+        try:
+            stat = os.stat(self.path)
+            return f"{self.path}:{stat.st_size}:{int(stat.st_mtime)}"
+        except OSError:
+            return self.path
+
+
+@functools.cache
+def find_mkl():
+    """``libmkl_rt`` in the Python prefix's ``lib/``, or None."""
+    roots = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(sys.executable))}
+    for root in sorted(roots):
+        for name in ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so", "libmkl_rt.dylib"):
+            path = os.path.join(root, "lib", name)
+            if not os.path.exists(path):
+                continue
+            try:
+                handle = ctypes.CDLL(path)
+            except OSError:
+                continue
+            handle.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
+            handle.MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL
+            return Library("mkl", path, handle)
+    return None
+
+
+@functools.cache
+def find_openblas():
+    """scipy's ``cython_blas`` GEMMs (addresses) and the loaded OpenBLAS's
+    thread-local thread count setter (an address, or None), or None."""
+    try:
+        from numba.extending import get_cython_function_address
+
+        sgemm = get_cython_function_address("scipy.linalg.cython_blas", "sgemm")
+        dgemm = get_cython_function_address("scipy.linalg.cython_blas", "dgemm")
+    except (ImportError, ValueError, AttributeError):
+        return None
+    setter, path = _openblas_thread_setter()
+    lib = Library("openblas", path or "scipy.linalg.cython_blas", None)
+    lib.sgemm, lib.dgemm, lib.set_threads_local = sgemm, dgemm, setter
+    return lib
+
+
+def _openblas_thread_setter():
+    """``openblas_set_num_threads_local`` of the 32-bit-integer OpenBLAS the
+    process has loaded (scipy's), from the process's own list of mapped
+    libraries; (None, None) where it cannot be found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()
+                     and line.split()[-1].startswith("/")}
+    except OSError:
+        return None, None
+    for path in sorted(paths):
+        try:
+            handle = ctypes.CDLL(path)
+            setter = handle.openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        # the 32-bit-integer (LP64) build that cython_blas calls, not numpy's
+        # 64-bit-integer one (whose GEMMs end in 64_)
+        if any(hasattr(handle, name) for name in ("sgemm_", "scipy_sgemm_")):
+            return ctypes.cast(setter, ctypes.c_void_p).value, path
+    return None, None
+
+
+def _time_mkl(lib, m, k, n, reps):
+    f = lib.handle.cblas_sgemm
+    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                                       ctypes.c_void_p, ctypes.c_int]
+    a, b, c = _operands(m, k, n)
+
+    def call():
+        f(101, 111, 111, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n, 0.0, c.ctypes.data, n)
+    return _best(call, reps)
+
+
+def _time_openblas(lib, m, k, n, reps):
+    ref_i, ref_f = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ref_i, ref_i, ref_i, ref_f,
+                             ctypes.c_void_p, ref_i, ctypes.c_void_p, ref_i, ref_f,
+                             ctypes.c_void_p, ref_i)
+    f = proto(lib.sgemm)
+    a, b, c = _operands(m, k, n)
+    im, ik, i_n = ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(n)
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    previous = None
+    if lib.set_threads_local is not None:
+        previous = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lib.set_threads_local)
+    old = previous(1) if previous else None
+
+    def call():  # row-major C = A B as column-major C^T = B^T A^T
+        f(b"N", b"N", ctypes.byref(i_n), ctypes.byref(im), ctypes.byref(ik), ctypes.byref(one),
+          b.ctypes.data, ctypes.byref(i_n), a.ctypes.data, ctypes.byref(ik), ctypes.byref(zero),
+          c.ctypes.data, ctypes.byref(i_n))
+    try:
+        return _best(call, reps)
+    finally:
+        if previous:
+            previous(old)
+
+
+def _time_numpy(m, k, n, reps):
+    a, b, c = _operands(m, k, n)
+    return _best(lambda: np.dot(a, b, c), reps)
+
+
+def _operands(m, k, n):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32),
+            np.empty((m, n), np.float32))
+
+
+def _best(call, reps):
+    call()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure(libraries) -> dict:
+    """Seconds per product, best of several, single-threaded: {name: [per shape]}."""
+    timers = {"mkl": _time_mkl, "openblas": _time_openblas}
+    return {lib.name: [timers[lib.name](lib, m, k, n, reps) for m, k, n, reps, _ in _SHAPES]
+            for lib in libraries}
+
+
+@functools.cache
+def choose() -> dict:
+    """The BLAS to use: ``{"name", "reason", "seconds", "cpu", "libraries"}``."""
+    requested = os.environ.get("STEPNET_BLAS", "").strip().lower()
+    if requested and requested not in CHOICES:
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(f"STEPNET_BLAS={requested!r}: expected one of {', '.join(CHOICES)}")
+    cpu = _cpu_name()
+    found = {}
+    if requested in ("", "mkl"):
+        found["mkl"] = find_mkl()
+    if requested in ("", "openblas"):
+        found["openblas"] = find_openblas()
+    reachable = [lib for lib in found.values() if lib is not None]
+    info = {"cpu": cpu, "libraries": {lib.name: lib.path for lib in reachable}, "seconds": {}}
+    if requested:
+        if requested != "numpy" and found.get(requested) is None:
+            warnings.warn(f"stepnet: STEPNET_BLAS={requested} but {_what(requested)} was not "
+                          "found; the kernels call np.dot instead", RuntimeWarning, stacklevel=2)
+            return dict(info, name="numpy", reason=f"STEPNET_BLAS={requested}, not found")
+        return dict(info, name=requested, reason="STEPNET_BLAS")
+    if not reachable:
+        warnings.warn("stepnet: no BLAS found (tried MKL's libmkl_rt in the Python prefix and "
+                      "scipy.linalg.cython_blas); the kernels call np.dot, and run slower",
+                      RuntimeWarning, stacklevel=2)
+        return dict(info, name="numpy", reason="no BLAS found")
+    if len(reachable) == 1:
+        return dict(info, name=reachable[0].name, reason="the only one found")
+    key = hashlib.sha256(";".join([cpu] + sorted(lib.fingerprint() for lib in reachable))
+                         .encode()).hexdigest()[:16]
+    path = cache_dir() / "blas.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key and saved.get("name") in found:
+            return dict(info, name=saved["name"], reason="measured (cached)",
+                        seconds=saved.get("seconds", {}))
+    except (OSError, ValueError, AttributeError):
+        pass
+    seconds = measure(reachable)
+    name = min(seconds, key=lambda n: sum(s * shape[-1] for s, shape in zip(seconds[n], _SHAPES)))
+    result = dict(info, name=name, reason="measured", seconds=seconds)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(result, key=key), indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache: measured again next time
+    return result
+
+
+def _what(name):
+    return {"mkl": "MKL (libmkl_rt; pip install mkl)",
+            "openblas": "scipy.linalg.cython_blas"}[name]
+
+
+def describe() -> str:
+    """What ``stepnet info`` prints about the BLAS."""
+    c = choose()
+    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}"]
+    for name, path in c["libraries"].items():
+        lines.append(f"  {name}: {path}")
+    for name, secs in c.get("seconds", {}).items():
+        rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
+                          for (m, k, n, _, _), s in zip(_SHAPES, secs))
+        lines.append(f"  {name}, one thread: {rates}")
+    return "\n".join(lines)

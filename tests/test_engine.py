@@ -1,0 +1,156 @@
+"""The CPU engine: sequence groups on threads, the BLAS chosen by measurement."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+import stepnet as sn
+from conftest import assert_close
+from stepnet.jit import blas_choice, numba_cpu
+
+
+def _gru(rng, lengths, features=8, hidden=16, levels=None):
+    rows = sum(lengths[-1])
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((rows, features)).astype(np.float32),
+                                  lengths)
+    W = sn.Parameter(rng.standard_normal((features, hidden)).astype(np.float32) * 0.3, name="W")
+    U = sn.Parameter(rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.3, name="U")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(init=rng.standard_normal((len(lengths[0]), hidden)).astype(np.float32),
+                           name="h")
+        z = sn.ops.sigmoid(x @ W + h.pre_state() @ U)
+        h.update(z * h.pre_state() + (1 - z) * sn.ops.tanh(x @ W))
+        rnn.add_outputs(h)
+    return rnn
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Every run with two or more sequences splits into groups."""
+    monkeypatch.setattr(numba_cpu, "_SPLIT_MIN_WORK", 0)
+    previous = numba.get_num_threads()
+    yield
+    numba.set_num_threads(previous)
+
+
+def _program_of(rnn):
+    return rnn.compile("numba")._runner(rnn.all_steps_flags(True))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_groups_cover_the_sequences_in_order_balanced_by_rows(rng, split_everything, threads):
+    lengths = [[9, 1, 1, 1, 1, 1, 8, 0, 2]]
+    rnn = _gru(rng, lengths)
+    program = _program_of(rnn)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    groups = program._groups(rnn.bind())
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths[0])
+    assert all(a < b and b == c for (a, b), (c, _) in zip(groups, groups[1:]))
+    assert len(groups) == numba.get_num_threads()
+    if len(groups) == 2:  # 24 rows: the first cut falls after the 12th row
+        assert groups == [(0, 4), (4, 9)]
+
+
+@pytest.mark.parametrize("lengths", [[[5, 0, 4, 7, 1]], [[2, 3, 0], [3, 2, 5, 4, 1]],
+                                     [[0, 0, 3]], [[4]]])
+def test_a_split_run_equals_one_group(rng, split_everything, lengths):
+    """Sequence groups on threads give the interpreter's results, LoD
+    included, for flat and nested batches, all-steps and last-step outputs."""
+    if len(lengths) == 1:
+        rnn = _gru(rng, lengths)
+    else:
+        rows = sum(lengths[1])
+        X = sn.LoDTensor.from_lengths(rng.standard_normal((rows, 4)).astype(np.float32), lengths)
+        W = sn.Parameter(rng.standard_normal((4, 5)).astype(np.float32), name="W")
+        U = sn.Parameter(rng.standard_normal((5, 5)).astype(np.float32) * 0.3, name="U")
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            x = rnn.add_input(X, name="X")
+            h = rnn.add_memory(shape=[5], name="h")
+            inner = sn.create_rnn_op()
+            with inner.stepnet():
+                w = inner.add_input(x, name="w")
+                g = inner.add_memory(init=h.pre_state(), name="g")
+                g.update(sn.ops.tanh(w @ W + g.pre_state() @ U))
+                inner.add_outputs(g)
+            h.update(inner(output_all_steps=False) + h.pre_state() @ U)
+            rnn.add_outputs(h, inner())
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    for all_steps in (True, False):
+        expected = rnn(output_all_steps=all_steps, backend="interpreter")
+        assert_close(rnn(output_all_steps=all_steps, backend="numba"), expected)
+
+
+def test_gradients_of_a_split_run(rng, split_everything):
+    rnn = _gru(rng, [[6, 2, 0, 5, 3]])
+    W, U = rnn.parameters()
+    dY = rng.standard_normal((16, 16)).astype(np.float32)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    got = sn.gradients(rnn, wrt=[W, U], grad_outputs=[dY], backend="numba")
+    want = sn.gradients(rnn, wrt=[W, U], grad_outputs=[dY], backend="interpreter")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# the BLAS
+
+
+def _python(code, tmp_path, **env):
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path), **env),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_the_choice_is_measured_once_and_kept(tmp_path):
+    code = ("from stepnet.jit import blas_choice as b; c = b.choose(); "
+            "print(c['name'], '|', c['reason'])")
+    env = {k: v for k, v in os.environ.items() if k != "STEPNET_BLAS"}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(env, STEPNET_CACHE_DIR=str(tmp_path)), timeout=300)
+    assert first.returncode == 0, first.stderr
+    name, reason = first.stdout.strip().split(" | ")
+    assert name in blas_choice.CHOICES
+    if reason != "measured":  # fewer than two libraries here: nothing to measure or keep
+        assert not (tmp_path / "blas.json").exists()
+        return
+    saved = json.loads((tmp_path / "blas.json").read_text())
+    assert saved["name"] == name and set(saved["seconds"]) == {"mkl", "openblas"}
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=dict(env, STEPNET_CACHE_DIR=str(tmp_path)), timeout=300)
+    assert second.stdout.strip() == f"{name} | measured (cached)"
+    # a corrupted file is measured again, never a crash
+    (tmp_path / "blas.json").write_text("{not json")
+    third = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(env, STEPNET_CACHE_DIR=str(tmp_path)), timeout=300)
+    assert third.returncode == 0 and third.stdout.strip().endswith("| measured")
+
+
+def test_stepnet_blas_names_the_library(tmp_path):
+    out = _python("from stepnet.jit import blas; print(blas.BLAS_NAME)", tmp_path,
+                  STEPNET_BLAS="numpy")
+    assert out.strip() == "numpy"
+
+
+def test_stepnet_info_prints_the_choice(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
+                          text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path)),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout
+
+
+def test_importing_stepnet_leaves_numbas_threading_alone(tmp_path):
+    out = _python("import numba; before = numba.config.THREADING_LAYER_PRIORITY; "
+                  "import stepnet; from stepnet.jit import blas; "
+                  "print(numba.config.THREADING_LAYER_PRIORITY == before)", tmp_path)
+    assert out.strip() == "True"
