@@ -44,17 +44,81 @@ def assert_close(actual, expected, dtype=None, what="output"):
 
 
 def available_backends():
-    """The compiled CPU backends; the CUDA backend has its own tests at the
-    simulator's small sizes (tests/test_cuda_backend.py)."""
+    """The compiled CPU backends. The CUDA backend has its own tests
+    (tests/test_cuda_backend.py), and :func:`assert_backends_agree` adds it
+    (for small runs on the simulator)."""
     return [b for b in sn.backends() if b not in ("interpreter", "cuda")]
 
 
-def assert_backends_agree(rnn, output_all_steps=True, backends=None, **feeds):
-    """Run ``rnn`` on every backend and compare each with the interpreter."""
+# Numba's CUDA simulator runs every GPU thread as a Python thread (a block of
+# 128 per launch), so a call costs about 0.04 s per time step for a small
+# batch, and more as rows x width grows. Measured on a small tanh cell (one
+# call, warm): 1 step 0.07 s, 4 steps 0.18 s, 8 steps 0.35 s, 16 steps 0.7 s,
+# 32 steps 1.1 s; 8 steps of 8 rows x 4 wide 0.43 s, x 16 wide 0.53 s, x 64
+# wide 4.1 s. assert_backends_agree adds the CUDA backend to its default
+# backends on the simulator for runs of at most SIMULATOR_MAX_STEPS steps and
+# SIMULATOR_MAX_WORK rows x width: about 0.3 s a call (more for nets of many
+# ops), which keeps what the simulator adds to the default test run under
+# about 30 s (the call count is what costs: a test looping over many nets or
+# Hypothesis examples names its backends).
+SIMULATOR_MAX_STEPS = 6
+SIMULATOR_MAX_WORK = 512
+
+
+def _on_simulator():
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def run_size(rnn, **feeds):
+    """``(steps, rows x width)`` of a run of ``rnn``: its longest sequence,
+    and the rows of its step inputs (every token of a nested LoD) times its
+    widest step value (feature elements)."""
+    inputs = [feeds.get(name, b.value) for name, b in rnn.bindings.items()
+              if b.kind == "sequence"]
+    steps = max((int(np.diff(X.levels[0]).max(initial=0)) for X in inputs), default=0)
+    rows = sum(X.data.shape[0] for X in inputs)
+    body = rnn.program().eqn.attrs["body"]
+    values = [*body.step_inputs, *(m.pre for m in body.memories),
+              *(o for e in body.eqns for o in e.outputs)]
+    width = max((int(np.prod(v.shape[1:])) for v in values if v.shape and v.shape[0] is None),
+                default=1)
+    return steps, rows * width
+
+
+def default_backends(rnn, **feeds):
+    """What :func:`assert_backends_agree` compares with the interpreter when
+    it is given no ``backends``: every compiled backend; CUDA on a GPU, and on
+    the CUDA simulator while ``run_size`` is within ``SIMULATOR_MAX_STEPS``
+    and ``SIMULATOR_MAX_WORK``."""
+    out = available_backends()
+    if "cuda" in sn.backends():
+        if not _on_simulator():
+            out.append("cuda")
+        else:
+            steps, work = run_size(rnn, **feeds)
+            if steps <= SIMULATOR_MAX_STEPS and work <= SIMULATOR_MAX_WORK:
+                out.append("cuda")
+    return out
+
+
+def assert_backends_agree(rnn, output_all_steps=True, backends=None, dtype=None, **feeds):
+    """Run ``rnn`` on every backend and compare each with the interpreter
+    (``dtype``: the tolerance's dtype, the outputs' by default); returns the
+    interpreter's outputs.
+
+    ``backends=None`` is :func:`default_backends`: numba and CUDA (on Numba's
+    CUDA simulator when there is no GPU, for small runs only: see
+    ``SIMULATOR_MAX_STEPS``). A backend that refuses the net fails the test: a
+    test of a net some backend does not support names the backends it runs on.
+    """
     expected = rnn(output_all_steps=output_all_steps, backend="interpreter", **feeds)
-    for backend in backends if backends is not None else available_backends():
+    if backends is None:
+        backends = default_backends(rnn, **feeds)
+    for backend in backends:
         actual = rnn(output_all_steps=output_all_steps, backend=backend, **feeds)
-        assert_close(actual, expected, what=f"{backend} vs interpreter")
+        assert_close(actual, expected, dtype=dtype, what=f"{backend} vs interpreter")
     return expected
 
 

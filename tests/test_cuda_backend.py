@@ -14,9 +14,10 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nets import nested_encoder
 from stepnet_strategies import build_random_stepnet
 
 import stepnet as sn
@@ -35,11 +36,9 @@ def loop(request, monkeypatch):
     return request.param
 
 
-def agree(rnn, output_all_steps=True, dtype=None, **feeds):
-    expected = rnn(output_all_steps=output_all_steps, backend="interpreter", **feeds)
-    actual = rnn(output_all_steps=output_all_steps, backend="cuda", **feeds)
-    assert_close(actual, expected, dtype=dtype, what="cuda vs interpreter")
-    return actual
+def agree(rnn, output_all_steps=True, **feeds):
+    """The cuda backend against the interpreter, at any size."""
+    return assert_backends_agree(rnn, output_all_steps, backends=["cuda"], **feeds)
 
 
 def _gated_cell(X, reverse=False, dtype=np.float32, static=None):
@@ -200,19 +199,9 @@ def test_nested_step_nets_three_levels(reverse, loop):
 
 
 def test_nested_step_net_reading_the_enclosing_step_is_refused_by_name():
-    X = sn.LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[2], [1, 2]])
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="x")
-        h = rnn.add_memory(shape=[2], name="h")
-        inner = sn.create_rnn_op(name="words")
-        with inner.stepnet():
-            w = inner.add_input(x, name="w")
-            g = inner.add_memory(init=h.pre_state(), name="g")
-            g.update(w + g.pre_state())
-            inner.add_outputs(g)
-        h.update(inner(output_all_steps=False) + h.pre_state())
-        rnn.add_outputs(h)
+    r = np.random.default_rng(7)
+    rnn = nested_encoder(r, [[2], [1, 2]], features=2, hidden=2, start_from_outer=True,
+                         outputs=("h",)).rnn
     with pytest.raises(sn.UnsupportedError,
                        match="cuda backend: nested step-net words starts a memory from a value"):
         rnn(backend="cuda")

@@ -14,6 +14,7 @@ import pytest
 from conftest import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nets import nested_encoder
 
 import stepnet as sn
 
@@ -67,25 +68,10 @@ def test_tokens_per_sequence_counts_nested_rows():
 
 
 def _nested_net(lengths, seed):
-    r = np.random.default_rng(seed)
-    X = sn.LoDTensor.from_lengths(r.standard_normal((sum(lengths[1]), 3)).astype(np.float32), lengths)
-    num_seq = len(lengths[0])
-    W = sn.Parameter((r.standard_normal((3, 4)) * 0.5).astype(np.float32), name="W")
-    U = sn.Parameter((r.standard_normal((4, 4)) * 0.5).astype(np.float32), name="U")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="X")
-        h = rnn.add_memory(init=r.standard_normal((num_seq, 4)).astype(np.float32), name="h")
-        s = rnn.add_static_input(r.standard_normal((num_seq, 4)).astype(np.float32), name="s")
-        inner = sn.create_rnn_op()
-        with inner.stepnet():
-            w = inner.add_input(x, name="w")
-            g = inner.add_memory(shape=[4], name="g")
-            g.update(sn.ops.tanh(w @ W + g.pre_state() @ U))
-            inner.add_outputs(g)
-        h.update(sn.ops.tanh(inner(output_all_steps=False) + h.pre_state() @ U + s))
-        rnn.add_outputs(h, h)
-    return rnn
+    """nets.nested_encoder with a per-sequence initial memory and static
+    input (both split by partition) and its memory as both output forms."""
+    return nested_encoder(np.random.default_rng(seed), lengths, static=True, init=True,
+                          outputs=("h", "h")).rnn
 
 
 @st.composite

@@ -10,6 +10,7 @@ from stepnet.onnx import InferenceSession
 from stepnet.onnx.export import export, to_nested_padded
 
 from conftest import assert_close
+from nets import lod, tanh_cell, weight
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -36,15 +37,6 @@ def padded(value, shape=None):
 
 def node_types(model):
     return {node.op_type for node in model.graph.node}
-
-
-def lod_input(rng, lengths, width, dtype=np.float32):
-    data = rng.standard_normal((sum(lengths[-1]), width)).astype(dtype)
-    return sn.LoDTensor.from_lengths(data, lengths)
-
-
-def weight(rng, *shape, dtype=np.float32, name=None):
-    return sn.Parameter((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype), name=name)
 
 
 # ----------------------------------------------------------------------------
@@ -76,7 +68,7 @@ CELLS = [
 
 
 def layer_feeds(rng, layer, lengths=LENGTHS):
-    X = lod_input(rng, [lengths], layer.input_size, layer.dtype)
+    X = lod(rng, [lengths], layer.input_size, layer.dtype)
     values, (lens,) = to_nested_padded(X)
     return X, {"X": values, "lengths": lens}
 
@@ -138,7 +130,7 @@ def test_layers_onnx_has_no_operator_for_export_as_scan(layer, rng):
 
 def test_augru_exports_as_scan_with_attention_input(rng):
     layer = sn.nn.AUGRU(3, 4, num_layers=2, direction="bidirectional_concat", seed=4)
-    X = lod_input(rng, [LENGTHS], 3)
+    X = lod(rng, [LENGTHS], 3)
     A = sn.LoDTensor.from_lengths(rng.uniform(size=(sum(LENGTHS), 1)).astype(np.float32), [LENGTHS])
     Y, h_n = layer(X, A, backend="interpreter")
     model = export(layer)
@@ -175,7 +167,7 @@ def test_layer_with_clip_and_parametric_activations(rng):
 def gated_reverse_net(rng, dtype, lengths=LENGTHS):
     """reverse; two memories (one with per-sequence initial values); a static
     input; outputs all-steps and last-step, one a memory's previous value."""
-    X = lod_input(rng, [lengths], 3, dtype)
+    X = lod(rng, [lengths], 3, dtype)
     context = rng.standard_normal((len(lengths), 2)).astype(dtype)
     h0 = rng.standard_normal((len(lengths), 4)).astype(dtype)
     W = weight(rng, 3, 4, dtype=dtype, name="W")
@@ -196,7 +188,7 @@ def gated_reverse_net(rng, dtype, lengths=LENGTHS):
 
 def every_op_net(rng, dtype=np.float32, lengths=LENGTHS):
     """forward; every primitive of the registry inside one step."""
-    X = lod_input(rng, [lengths], 4, dtype)
+    X = lod(rng, [lengths], 4, dtype)
     W = weight(rng, 4, 4, dtype=dtype, name="W")
     M = weight(rng, 2, 3, dtype=dtype, name="M")
     scale = sn.Parameter(np.linspace(0.5, 1.5, 4).astype(dtype), name="scale")
@@ -295,7 +287,7 @@ def all_node_types(graph):
 def test_erf_exports(dtype, rng):
     """erf exports as ONNX Erf and imports back as stepnet's erf; onnxruntime
     runs it in float32 only (it has no float64 Erf)."""
-    X = lod_input(rng, [LENGTHS], 4, dtype)
+    X = lod(rng, [LENGTHS], 4, dtype)
     W = weight(rng, 4, 4, dtype=dtype, name="W")
     rnn = sn.create_rnn_op(name="erf_net")
     with rnn.stepnet():
@@ -315,7 +307,7 @@ def nested_net(rng, dtype, inner_reverse=False):
     inner net starts from the outer memory, its last state feeds the outer
     step and its every step is a ragged output."""
     lengths = [[2, 0, 3, 1], [3, 0, 1, 4, 2, 1]]  # an empty chapter, an empty paragraph
-    X = lod_input(rng, lengths, 5, dtype)
+    X = lod(rng, lengths, 5, dtype)
     init = rng.standard_normal((4, 3)).astype(dtype)
     W, U = weight(rng, 5, 3, dtype=dtype), weight(rng, 3, 3, dtype=dtype)
     W0, U0 = weight(rng, 3, 3, dtype=dtype), weight(rng, 3, 3, dtype=dtype)
@@ -353,7 +345,7 @@ def test_nested_net_exports_as_scan_in_scan(dtype, inner_reverse, rng):
 
 def test_three_level_net_with_ragged_last_step_output(rng):
     lengths = [[2, 1], [1, 3, 0], [2, 0, 1, 3]]
-    X = lod_input(rng, lengths, 2)
+    X = lod(rng, lengths, 2)
     W = weight(rng, 2, 2)
     top = sn.create_rnn_op(name="books")
     with top.stepnet():
@@ -381,15 +373,7 @@ def test_three_level_net_with_ragged_last_step_output(rng):
 
 
 def simple_net(rng):
-    X = lod_input(rng, [[2, 1]], 3)
-    W = weight(rng, 3, 3)
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X)
-        h = rnn.add_memory(shape=[3])
-        h.update(sn.ops.tanh(x @ W + h.pre_state()))
-        rnn.add_outputs(h)
-    return rnn
+    return tanh_cell(lod(rng, [[2, 1]], 3), weight(rng, 3, 3))
 
 
 def test_export_refuses_what_it_does_not_know_before_writing(rng, tmp_path, monkeypatch):
@@ -444,8 +428,8 @@ def test_the_documented_snippet_runs(tmp_path, monkeypatch):
 
 
 def test_lod_static_input_stepped_over_by_a_nested_net(rng):
-    X = lod_input(rng, [[2, 1, 3]], 2)
-    M = lod_input(rng, [[3, 0, 2]], 2)  # per sequence, a memory to read (one is empty)
+    X = lod(rng, [[2, 1, 3]], 2)
+    M = lod(rng, [[3, 0, 2]], 2)  # per sequence, a memory to read (one is empty)
     W = weight(rng, 2, 2)
     top = sn.create_rnn_op(name="reader")
     with top.stepnet():

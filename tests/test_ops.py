@@ -76,6 +76,12 @@ def draw_setup(data, max_sequences=4, max_length=4):
     )
 
 
+def feature_axes(shape):
+    """A feature axis of step values of feature shape ``shape``, counted from
+    either end (axis 0 is the batch)."""
+    return st.sampled_from(list(range(1, len(shape) + 1)) + list(range(-len(shape), 0)))
+
+
 def weak(value, dtype):
     """A Python scalar as NEP 50 uses it: converted to the other operand's dtype."""
     return float(np.dtype(dtype).type(value))
@@ -446,8 +452,7 @@ def test_matmul_matches_reference(data):
 def test_reductions_match_reference(reduction, data):
     dtype, lengths, shape, reverse = draw_setup(data)
     X = data.draw(lod_input(dtype, shape, general(dtype), lengths))
-    axis = data.draw(st.sampled_from(
-        list(range(1, len(shape) + 1)) + list(range(-len(shape), 0))))
+    axis = data.draw(feature_axes(shape))
     keepdims = data.draw(st.booleans())
     op = getattr(sn.ops, reduction)
     rnn, traced = step_net([X], lambda x: op(x, axis=axis, keepdims=keepdims), reverse)
@@ -512,8 +517,7 @@ slice_bounds = st.one_of(st.none(), st.integers(-6, 6))
 def test_slice_matches_python_slicing(data):
     dtype, lengths, shape, reverse = draw_setup(data)
     X = data.draw(lod_input(dtype, shape, general(dtype), lengths))
-    axis = data.draw(st.sampled_from(
-        list(range(1, len(shape) + 1)) + list(range(-len(shape), 0))))
+    axis = data.draw(feature_axes(shape))
     start, stop = data.draw(slice_bounds), data.draw(slice_bounds)
     rnn, traced = step_net([X], lambda x: sn.ops.slice(x, start, stop, axis=axis), reverse)
     index = [slice(None)] * X.data.ndim
@@ -809,8 +813,7 @@ def test_onnx_activation_matches_formula(name, data):
 def test_split_matches_reference(data):
     dtype, lengths, shape, reverse = draw_setup(data)
     X = data.draw(lod_input(dtype, shape, general(dtype), lengths))
-    axis = data.draw(st.sampled_from(
-        list(range(1, len(shape) + 1)) + list(range(-len(shape), 0))))
+    axis = data.draw(feature_axes(shape))
     size = X.data.shape[axis]
     if data.draw(st.booleans(), label="equal parts"):
         sections = data.draw(st.sampled_from([d for d in range(1, size + 1) if size % d == 0]))
@@ -999,19 +1002,16 @@ def test_backend_cases_cover_every_primitive():
     assert traced == set(registry.all_ops())
 
 
-@pytest.mark.parametrize("group", sorted(BACKEND_CASES))
-@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
-@SETTINGS
-@given(data=st.data())
-def test_ops_agree_on_every_backend(group, dtype, data):
-    build, x_elements, y_elements = BACKEND_CASES[group]
+def _check_backend_case(group, dtype, X, Y, backends, flags=(True, False)):
+    """The net of ``group`` on ``backends`` against the interpreter, and the
+    interpreter against the same build evaluated eagerly, for each
+    ``output_all_steps`` of ``flags``."""
+    build = BACKEND_CASES[group][0]
     rnn, traced = _backend_net(group, dtype)
-    lengths = data.draw(sequence_lengths(max_sequences=5, max_length=6))
-    X = data.draw(lod_input(dtype, (3,), x_elements(dtype), lengths))
-    Y = data.draw(lod_input(dtype, (3,), y_elements(dtype), lengths))
     expected = build(X.data, Y.data)  # eager, on the whole data
-    for all_steps in (True, False):
-        results = as_list(assert_backends_agree(rnn, output_all_steps=all_steps, x0=X, x1=Y))
+    for all_steps in flags:
+        results = as_list(assert_backends_agree(rnn, output_all_steps=all_steps,
+                                                backends=backends, x0=X, x1=Y))
         assert len(results) == len(expected)
         for i, (result, rows) in enumerate(zip(results, expected)):
             what = f"{group} output {i} ({traced[i].name})"
@@ -1025,22 +1025,48 @@ def test_ops_agree_on_every_backend(group, dtype, data):
                            rows.dtype, what=what)
 
 
+@pytest.mark.parametrize("group", sorted(BACKEND_CASES))
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@SETTINGS
+@given(data=st.data())
+def test_ops_agree_on_every_backend(group, dtype, data):
+    _, x_elements, y_elements = BACKEND_CASES[group]
+    lengths = data.draw(sequence_lengths(max_sequences=5, max_length=6))
+    X = data.draw(lod_input(dtype, (3,), x_elements(dtype), lengths))
+    Y = data.draw(lod_input(dtype, (3,), y_elements(dtype), lengths))
+    # the CPU backends: the CUDA simulator costs about a second a call on
+    # these nets, so CUDA runs each net once, on the data of the test below
+    _check_backend_case(group, dtype, X, Y, backends=available_backends())
+
+
+@pytest.mark.parametrize("group", sorted(BACKEND_CASES))
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_ops_agree_on_every_backend_cuda_included(group, dtype):
+    # values every group's element strategies can draw (y in [0.25, 4], away
+    # from zero and on GRID); an empty sequence, a shrinking batch, two steps.
+    # All steps only: both output forms are checked on every backend elsewhere
+    # (test_interpreter.py, test_numba_backend.py's edge cases).
+    lengths = [[2, 0, 1]]
+    X = sn.LoDTensor.from_lengths(np.resize(np.array(GRID, dtype), (3, 3)), lengths)
+    Y = sn.LoDTensor.from_lengths(np.resize(np.array([0.5, 1.0, 2.0], dtype), (3, 3)), lengths)
+    _check_backend_case(group, dtype, X, Y, backends=None, flags=(True,))
+
+
 def test_bool_outputs_agree_on_every_backend():
     X = sn.LoDTensor.from_lengths(np.array([[-1.0, 0.5], [0.5, 0.5], [2.0, -0.5]], F32),
                                   [[0, 1, 2]])
     rnn, _ = step_net([X], lambda x: [x > 0.5, sn.ops.equal(x, 0.5), x <= x[:, :1]])
     expected_rows = [X.data > 0.5, X.data == 0.5, X.data <= X.data[:, :1]]
-    for backend in ["interpreter"] + available_backends():
-        for all_steps in (True, False):
-            results = rnn(output_all_steps=all_steps, backend=backend)
-            for result, rows in zip(results, expected_rows):
-                if all_steps:
-                    assert result.lod == X.lod
-                    result = result.data
-                else:
-                    rows = last_rows(rows, X.lod, reverse=False)
-                assert result.dtype == np.dtype(bool), backend
-                np.testing.assert_array_equal(result, rows, err_msg=backend)
+    for all_steps in (True, False):
+        results = assert_backends_agree(rnn, output_all_steps=all_steps)  # bools: exactly
+        for result, rows in zip(results, expected_rows):
+            if all_steps:
+                assert result.lod == X.lod
+                result = result.data
+            else:
+                rows = last_rows(rows, X.lod, reverse=False)
+            assert result.dtype == np.dtype(bool)
+            np.testing.assert_array_equal(result, rows)
 
 
 def test_bool_mask_times_a_python_float_is_a_float():

@@ -3,6 +3,7 @@ in-place updates, the training loop and the errors."""
 
 import numpy as np
 import pytest
+from nets import tanh_cell
 
 import stepnet as sn
 from stepnet.optim import SGD, Adam, clip_grad_norm, train
@@ -96,12 +97,7 @@ def test_updates_in_place_so_a_step_net_sees_them_without_retracing(backend):
     rng = np.random.default_rng(0)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[2, 3]])
     W = sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32), name="W")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="X")
-        h = rnn.add_memory(shape=[4], name="h")
-        h.update(sn.ops.tanh(x @ W + h.pre_state()))
-        rnn.add_outputs(h)
+    rnn = tanh_cell(X, W)
     before = rnn(output_all_steps=False, backend=backend)
     array, old = W.value, W.value.copy()
     grad = rng.standard_normal((3, 4)).astype(np.float32)
@@ -111,13 +107,7 @@ def test_updates_in_place_so_a_step_net_sees_them_without_retracing(backend):
     after = rnn(output_all_steps=False, backend=backend)
     assert not np.allclose(before, after)
     # the same as a step-net built on the updated weights from scratch
-    W2 = sn.Parameter(W.value.copy())
-    rnn2 = sn.create_rnn_op()
-    with rnn2.stepnet():
-        x = rnn2.add_input(X)
-        h = rnn2.add_memory(shape=[4])
-        h.update(sn.ops.tanh(x @ W2 + h.pre_state()))
-        rnn2.add_outputs(h)
+    rnn2 = tanh_cell(X, sn.Parameter(W.value.copy()))
     np.testing.assert_array_equal(after, rnn2(output_all_steps=False, backend=backend))
 
 

@@ -144,12 +144,13 @@ def test_each_sequence_alone_gives_the_rows_it_gets_in_the_batch(data):
 # (b) every backend against the interpreter
 
 
-def _check_backends_agree_with_the_interpreter(net):
+def _check_backends_agree_with_the_interpreter(net, backends=None):
     rnn, feeds = net
     before = copy.deepcopy(feeds)
     for run_feeds in ({}, feeds):
         for all_steps in (True, False):
-            expected = assert_backends_agree(rnn, output_all_steps=all_steps, **run_feeds)
+            expected = assert_backends_agree(rnn, output_all_steps=all_steps, backends=backends,
+                                             **run_feeds)
             # The interpreter is deterministic and every backend is reached
             # through compile() as well, rebinding without re-tracing.
             again = rnn(output_all_steps=all_steps, backend="interpreter", **run_feeds)
@@ -168,14 +169,20 @@ def _check_backends_agree_with_the_interpreter(net):
 
 
 # Each example compiles a new kernel (a few seconds), so the default run draws
-# a handful and the slow run many.
-test_backends_agree_with_the_interpreter = settings(
-    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-)(given(random_stepnets())(_check_backends_agree_with_the_interpreter))
+# a handful and the slow run many. The default run leaves out the CUDA
+# simulator (about 0.7 s a call on these nets; test_cuda_backend.py runs a few
+# random step-nets on it); the slow run has it for every small run.
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_stepnets())
+def test_backends_agree_with_the_interpreter(net):
+    _check_backends_agree_with_the_interpreter(net, backends=available_backends())
 
-test_backends_agree_with_the_interpreter_many = pytest.mark.slow(settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-)(given(random_stepnets())(_check_backends_agree_with_the_interpreter)))
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_stepnets())
+def test_backends_agree_with_the_interpreter_many(net):
+    _check_backends_agree_with_the_interpreter(net)
 
 
 def test_build_random_stepnet_works_with_a_plain_draw():

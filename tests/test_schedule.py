@@ -12,17 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stepnet_strategies import build_random_stepnet
-from test_numba_backend import gru_net
+from nets import gru_net, nested_encoder, weight
 
 import stepnet as sn
 from stepnet import autodiff, ir
 from stepnet import schedule as sched_mod
 from stepnet.errors import StepNetError, UnsupportedError
 from stepnet.schedule import Schedule, Stage, check, fusion_order, schedule
-
-
-def _param(rng, *shape):
-    return sn.Parameter((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32))
 
 
 def _program(rnn, output_all_steps=True):
@@ -47,24 +43,8 @@ def _check_all(program):
 def _nested(rng, dependent=False):
     """README's two-level net; ``dependent``: the inner net also reads the
     outer state (so it runs per outer step)."""
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((14, 8)).astype(np.float32),
-                                  [[2, 3], [3, 2, 4, 1, 4]])
-    W, U, V = _param(rng, 8, 6), _param(rng, 6, 6), _param(rng, 6, 6)
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="X")
-        h = rnn.add_memory(shape=[6], name="h")
-        hp = h.pre_state()
-        inner = sn.create_rnn_op()
-        with inner.stepnet():
-            w = inner.add_input(x, name="words")
-            hw = inner.add_memory(shape=[6], name="hw")
-            pre = w @ W + hw.pre_state() @ U
-            hw.update(sn.ops.tanh(pre + hp @ V if dependent else pre))
-            inner.add_outputs(hw)
-        h.update(sn.ops.tanh(inner(output_all_steps=False) + hp @ U))
-        rnn.add_outputs(h, inner())
-    return rnn
+    return nested_encoder(rng, [[2, 3], [3, 2, 4, 1, 4]], features=8, hidden=6,
+                          inner_reads_outer=dependent, outputs=("h", "words")).rnn
 
 
 def _gru_cell(rng):
@@ -135,7 +115,7 @@ def test_gru_cell_prints_one_merged_gemm_hoisted_and_one_per_step(rng):
 
 def test_elementwise_ops_are_hoisted_only_for_a_hoisted_gemm(rng):
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)).astype(np.float32), [[2, 4]])
-    W, U = _param(rng, 4, 3), _param(rng, 3, 3)
+    W, U = weight(rng, 4, 3), weight(rng, 3, 3)
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x = rnn.add_input(X, name="x")
@@ -153,7 +133,7 @@ def test_elementwise_ops_are_hoisted_only_for_a_hoisted_gemm(rng):
 def test_ops_on_constants_and_static_inputs(rng):
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)).astype(np.float32), [[2, 4]])
     S = rng.standard_normal((2, 4)).astype(np.float32)
-    W = _param(rng, 3, 4)
+    W = weight(rng, 3, 4)
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x = rnn.add_input(X, name="x")

@@ -1,0 +1,124 @@
+"""Step-nets and data that several test files build: one builder each.
+
+* :func:`weight` and :func:`lod`: a Parameter scaled by its fan-in, and a
+  random LoDTensor of given lengths.
+* :func:`tanh_cell` and :func:`gru_net`: a one-product cell and a
+  PyTorch-style GRU written in the DSL.
+* :func:`nested_encoder`: the README's two-level encoder (chapters of
+  paragraphs of words), with the variations the tests use.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+import stepnet as sn
+
+CHAPTERS = [[2, 0, 3, 1], [3, 0, 4, 1, 2, 0]]  # 4 chapters, 6 paragraphs, 10 words; empty ones
+
+
+def weight(rng, *shape, dtype=np.float32, name=None):
+    """A Parameter of standard normal values over the square root of its
+    first dimension (its fan-in)."""
+    return sn.Parameter((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype), name=name)
+
+
+def lod(rng, lengths, width, dtype=np.float32):
+    """A LoDTensor of standard normal rows of ``width`` features.
+    ``lengths``: one level's sequence lengths, or a list of levels."""
+    levels = lengths if lengths and isinstance(lengths[0], (list, tuple)) else [lengths]
+    data = rng.standard_normal((sum(levels[-1]), width)).astype(dtype)
+    return sn.LoDTensor.from_lengths(data, levels)
+
+
+def tanh_cell(X, W):
+    """``h = tanh(x @ W + h_prev)``, ``h`` starting from zeros: the smallest
+    step-net with a product and a memory (default names)."""
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X)
+        h = rnn.add_memory(shape=[W.shape[1]])
+        h.update(sn.ops.tanh(x @ W + h.pre_state()))
+        rnn.add_outputs(h)
+    return rnn
+
+
+def gru_net(X, rng, hidden=6, reverse=False, dtype=np.float32):
+    """A PyTorch-style GRU: three input matmuls (one hoisted GEMM) and three
+    recurrent ones (one packed GEMM per step)."""
+    width = X.shape[1]
+    Wr, Wz, Wn = (weight(rng, width, hidden, dtype=dtype) for _ in range(3))
+    Ur, Uz, Un = (weight(rng, hidden, hidden, dtype=dtype) for _ in range(3))
+    br, bz, bn, bhn = (weight(rng, hidden, dtype=dtype) for _ in range(4))
+    rnn = sn.create_rnn_op(reverse=reverse)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[hidden], name="h")
+        hp = h.pre_state()
+        r = sn.ops.sigmoid(x @ Wr + br + hp @ Ur)
+        z = sn.ops.sigmoid(x @ Wz + bz + hp @ Uz)
+        n = sn.ops.tanh(x @ Wn + bn + r * (hp @ Un + bhn))
+        h.update((1 - z) * n + z * hp)
+        rnn.add_outputs(h)
+    return rnn
+
+
+def nested_encoder(rng, lengths=CHAPTERS, features=3, hidden=4, dtype=np.float32, *,
+                   reverse_outer=False, reverse_inner=False, start_from_outer=False,
+                   inner_reads_outer=False, static=False, init=False,
+                   outputs=("h", "words", "last")):
+    """Chapters of paragraphs of words, ``X`` of LoD ``lengths`` (two levels)::
+
+        outer net, over a chapter's paragraphs; memory h (zeros, or H0 with ``init``)
+            inner net "words", over a paragraph's words; memory hw (zeros, or
+            h's pre-state with ``start_from_outer``)
+                hw = tanh(word @ W + hw_prev @ U [+ G] [+ h_prev @ Q])
+            last = the inner net's last step
+            h = tanh(last @ V + h_prev @ R)
+
+    ``static``: ``G`` is a static input of the outer net (one row per
+    chapter) that the inner net reads; ``inner_reads_outer``: the inner update
+    reads the outer memory (``h_prev @ Q``). With neither, nor
+    ``start_from_outer``, the inner net reads only its words (it can run once
+    over every paragraph before the outer loop). ``outputs``: the outer net's
+    outputs, by name: ``h``, ``words`` (the inner net's every step: X's
+    two-level LoD) and ``last``.
+
+    Returns a namespace: ``rnn``, ``X``, ``x`` (X's rows), ``lengths``, the
+    weights ``W``, ``U``, ``V``, ``R``, ``Q`` (arrays), ``G`` and ``H0``
+    (arrays, or None when not asked).
+    """
+    dtype = np.dtype(dtype)
+    num_chapters = len(lengths[0])
+    x = rng.standard_normal((sum(lengths[1]), features)).astype(dtype)
+    X = sn.LoDTensor.from_lengths(x, lengths)
+    shapes = {"W": (features, hidden), "U": (hidden, hidden), "V": (hidden, hidden),
+              "R": (hidden, hidden), "Q": (hidden, hidden)}
+    arrays = {k: (rng.standard_normal(s) / np.sqrt(s[0])).astype(dtype) for k, s in shapes.items()}
+    W, U, V, R, Q = (sn.Parameter(arrays[k], name=k) for k in shapes)
+    G = rng.standard_normal((num_chapters, hidden)).astype(dtype) if static else None
+    H0 = rng.standard_normal((num_chapters, hidden)).astype(dtype) if init else None
+
+    rnn = sn.create_rnn_op(output_num=len(outputs), reverse=reverse_outer)
+    with rnn.stepnet():
+        paragraph = rnn.add_input(X, name="X")
+        g = rnn.add_static_input(G, name="G") if static else None
+        h = rnn.add_memory(init=H0, name="h") if init else rnn.add_memory(shape=[hidden], name="h")
+        hp = h.pre_state()
+        inner = sn.create_rnn_op(reverse=reverse_inner, name="words")
+        with inner.stepnet():
+            word = inner.add_input(paragraph, name="word")
+            hw = (inner.add_memory(init=hp, name="hw") if start_from_outer
+                  else inner.add_memory(shape=[hidden], name="hw"))
+            pre = word @ W + hw.pre_state() @ U
+            if static:  # read from the enclosing step: one row per paragraph
+                pre = pre + g
+            if inner_reads_outer:
+                pre = pre + hp @ Q
+            hw.update(sn.ops.tanh(pre))
+            inner.add_outputs(hw)
+        named = {"h": h, "words": inner() if "words" in outputs else None,
+                 "last": inner(output_all_steps=False)}
+        h.update(sn.ops.tanh(named["last"] @ V + hp @ R))
+        rnn.add_outputs(*(named[name] for name in outputs))
+    return SimpleNamespace(rnn=rnn, X=X, x=x, lengths=lengths, G=G, H0=H0, **arrays)
