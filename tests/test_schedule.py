@@ -224,3 +224,17 @@ def test_fusion_order_groups_elementwise_ops_topologically(rng):
     assert [x.op for x in order] == ["neg", "matmul", "tanh", "add"]
     assert sched_mod.group_by_left([eqns[0], eqns[0]], lambda x: x.inputs[0]) == [
         (eqns[0], eqns[0])]
+
+
+@pytest.mark.parametrize("backend", ["numba", "cuda", "interpreter"])
+def test_compiled_step_net_prints_the_schedule_it_renders(rng, backend):
+    if backend not in sn.backends():
+        pytest.skip(f"{backend} is not available")
+    rnn = _gru_cell(rng)
+    sched = rnn.compile(backend).schedule
+    assert isinstance(sched, sched_mod.Schedule)
+    assert str(sched) == str(sched_mod.schedule(rnn.program(True)))
+    text = str(sched)
+    # the three input products are one hoisted GEMM, the recurrent ones one per step
+    assert "gemm[merged 3]" in text.split("step (per time step)")[0]
+    assert "gemm[merged 3]" in text.split("step (per time step)")[1]
