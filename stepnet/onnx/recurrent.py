@@ -1,16 +1,22 @@
 """ONNX's recurrent nodes as stepnet step-nets.
 
 - ``GRU``, ``LSTM``, ``RNN``: the node's weights and attributes make a
-  :mod:`stepnet.nn` layer (``from_onnx``); ``sequence_lens`` becomes the LoD,
-  so Y is zero past each sequence's length and ``Y_h`` is each sequence's own
-  last state, as the spec says.
+  :mod:`stepnet.nn` layer (``from_onnx``), built once per weights; each run
+  calls each direction's step-net on the batch, ``sequence_lens`` its LoD, so
+  Y is zero past each sequence's length and ``Y_h`` is each sequence's own
+  last state, as the spec says. (The layer's own call, which also stacks
+  layers, is used for the Gradient operator's pullback.)
 - ``Scan``: the body graph is traced into a step-net. A body tensor of ONNX
-  shape ``S`` is a step value ``[B, *S]``. Scan 9 and later scan one sequence
-  (B = 1); Scan 8 has a batch axis, one sequence per batch entry, and its
-  ``sequence_lens`` becomes the LoD (scan outputs zero past each length, final
-  states at each sequence's own last step). Reversed scan inputs are reversed
-  before the run (Scan 8: within each sequence's length) and reversed scan
-  outputs after it, so the step-net itself always runs forward.
+  shape ``S`` is a step value: one sequence per row of a shared first axis
+  when the body keeps rows apart, else one sequence of ``[1, *S]``; Scan 8
+  has a batch axis, one sequence per batch entry, and its ``sequence_lens``
+  becomes the LoD (scan outputs zero past each length, final states at each
+  sequence's own last step). Reversed scan inputs are reversed before the run
+  (Scan 8: within each sequence's length) and reversed scan outputs after it,
+  so the step-net itself always runs forward. A body that does not trace (an
+  op stepnet has no step form of, a recurrent node or control flow inside, an
+  integer scan input) runs node by node: the specification's loop, the body
+  run as a graph at each step.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import numpy as np
 from .. import dsl, nn
 from ..pullback import vjp
 from .. import ops as sn_ops
-from ..errors import Error
+from ..errors import Error, ShapeError
 from ..lod import LoDTensor
 from .ops import NotRowWise, is_step
 
@@ -57,29 +63,34 @@ class RecurrentNode:
         self.cls = _LAYERS[ctx.op]
         self.layer = None
         self.weights = None  # the arrays self.layer was built from
+        self.compiled = {}  # (direction, backend) -> its step-net compiled
 
     def _layer(self, W, R, B, P):
         ctx = self.ctx
         weights = (W, R, B, P)
-        if self.layer is not None and all(
-                (a is b) for a, b in zip(weights, self.weights)):
+        if self.layer is not None and all(_same(a, b) for a, b in zip(weights, self.weights)):
+            self.weights = weights
             return self.layer
+        for name, w in (("W", W), ("R", R)):
+            if np.ndim(w) != 3:
+                raise ctx.unsupported(f"{name} must be 3-D, got shape {list(np.shape(w))}")
+        if np.shape(W)[0] != (2 if self.attrs.get("direction") == "bidirectional" else 1):
+            raise ctx.unsupported(f"W has {np.shape(W)[0]} directions, the node's direction is "
+                                  f"{self.attrs.get('direction', 'forward')!r}")
         extra = {"P": P} if ctx.op == "LSTM" else {}
         if self.layer is not None and all(
                 np.shape(a) == np.shape(b) for a, b in zip(weights, self.weights)):
-            self.layer.set_onnx_weights(0, W, R, B, **extra)
+            self.layer.set_onnx_weights(0, W, R, B, **extra)  # new step-nets
+            self.compiled = {}
         else:
             self.layer = self.cls.from_onnx(W, R, B, **extra, **self.attrs)
+            self.compiled = {}
         self.weights = weights
         return self.layer
 
-    def run(self, inputs, backend):
-        return self.forward(inputs, backend)[0]
-
-    def forward(self, inputs, backend, keep=False):
-        """``(outputs, pullback)``; with ``keep``, ``pullback(grads)`` maps one
-        gradient (or None) per output to one per input (None where there is
-        none), in ONNX's layouts."""
+    def _prepare(self, inputs):
+        """The node's inputs checked: ``(X batch-first, W, R, B, P, lengths or
+        None when every sequence is full, h0, c0)``, states in ONNX's layout 0."""
         ctx = self.ctx
         inputs = list(inputs) + [None] * (8 - len(inputs))
         X, W, R, B, lengths, h0 = inputs[:6]
@@ -87,23 +98,97 @@ class RecurrentNode:
         X = np.asarray(X)
         if X.ndim != 3:
             raise ctx.unsupported(f"X must be 3-D, got shape {list(X.shape)}")
-        for name, w in (("W", W), ("R", R)):
-            if np.ndim(w) != 3:
-                raise ctx.unsupported(f"{name} must be 3-D, got shape {list(np.shape(w))}")
-        if np.shape(W)[0] != (2 if self.attrs.get("direction") == "bidirectional" else 1):
-            raise ctx.unsupported(f"W has {np.shape(W)[0]} directions, the node's direction is "
-                                  f"{self.attrs.get('direction', 'forward')!r}")
         batch_first = X if self.layout else X.transpose(1, 0, 2)
+        Bsz, T = batch_first.shape[:2]
+        if lengths is not None:
+            lengths = np.asarray(lengths)
+            if lengths.shape != (Bsz,) or lengths.dtype.kind not in "iu":
+                raise ctx.unsupported(f"sequence_lens must be integers of shape [{Bsz}], got "
+                                      f"{lengths.dtype} {list(lengths.shape)}")
+            bad = np.flatnonzero((lengths < 0) | (lengths > T))
+            if bad.size:
+                raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in "
+                                      f"[0, {T}]")
+            if np.all(lengths == T):
+                lengths = None
+        if self.layout:
+            h0, c0 = (None if s is None else np.asarray(s).transpose(1, 0, 2) for s in (h0, c0))
+        return batch_first, W, R, B, P, lengths, h0, c0
+
+    def run(self, inputs, backend):
+        """The node's outputs, each direction's step-net called on the batch."""
+        ctx = self.ctx
+        X, W, R, B, P, lengths, h0, c0 = self._prepare(inputs)
+        Bsz, T = X.shape[:2]
+        try:
+            layer = self._layer(W, R, B, P)
+        except Error as e:
+            raise _reraise(ctx, e) from e
+        D, H, dtype = layer.num_directions, layer.hidden_size, layer.dtype
+        if X.dtype.kind != "f":
+            raise ctx.unsupported(f"X has dtype {X.dtype}, not floating point")
+        if lengths is None:
+            data = X.reshape(Bsz * T, X.shape[2])
+            offsets = np.arange(0, (Bsz + 1) * T, T, dtype=np.int64)
+        else:
+            mask = np.arange(T) < lengths[:, None]
+            data = X[mask]
+            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        data = np.ascontiguousarray(data, dtype)
+        widths = layer.state_widths()
+        initial = []
+        for s, (state, name) in enumerate(zip((h0, c0), ("initial_h", "initial_c"))):
+            if state is not None and state.shape != (D, Bsz, widths[min(s, len(widths) - 1)]):
+                shape = [Bsz, D, H] if self.layout else [D, Bsz, H]
+                raise ShapeError(f"ONNX node {ctx.node!r} ({ctx.op}): {name} has shape "
+                                 f"{list(np.shape(inputs[5 + s]))}, expected {shape}")
+            initial.append(state if state is None or state.dtype == dtype else state.astype(dtype))
+        if ctx.op != "LSTM":
+            initial = initial[:1]
+        try:
+            results = [self._direction(d, backend)(data, offsets, [None if s is None else s[d]
+                                                                    for s in initial])
+                       for d in range(D)]
+        except Error as e:
+            raise _reraise(ctx, e) from e
+        out_dtype = np.float16 if X.dtype == np.float16 else dtype
+        if lengths is None:
+            Y = (results[0][0].reshape(Bsz, T, 1, H) if D == 1
+                 else np.stack([r[0].reshape(Bsz, T, H) for r in results], axis=2))
+        else:
+            Y = np.zeros((Bsz, T, D, H), dtype)
+            for d, r in enumerate(results):
+                Y[:, :, d][mask] = r[0]
+        Y = Y if self.layout else Y.transpose(1, 2, 0, 3)
+        outs = [np.ascontiguousarray(Y, out_dtype)]
+        for s in range(len(results[0]) - 1):
+            state = (results[0][1 + s][None] if D == 1
+                     else np.stack([r[1 + s] for r in results]))          # [D, B, H]
+            outs.append(np.ascontiguousarray(state.transpose(1, 0, 2) if self.layout else state,
+                                             out_dtype))
+        return outs
+
+    def _direction(self, d, backend):
+        """Direction ``d``'s step-net, compiled for ``backend``."""
+        key = (d, backend)
+        run = self.compiled.get(key)
+        if run is None:
+            states = 2 if self.ctx.op == "LSTM" else 1
+            run = self.compiled[key] = _Direction(self.layer.step_net(0, d), backend, states)
+        return run
+
+    def forward(self, inputs, backend, keep=False):
+        """``(outputs, pullback)``; with ``keep``, ``pullback(grads)`` maps one
+        gradient (or None) per output to one per input (None where there is
+        none), in ONNX's layouts. Without ``keep`` it is ``run``."""
+        if not keep:
+            return self.run(inputs, backend), None
+        ctx = self.ctx
+        inputs = list(inputs) + [None] * (8 - len(inputs))
+        batch_first, W, R, B, P, lengths, h0, c0 = self._prepare(inputs)
         Bsz, T = batch_first.shape[:2]
         if lengths is None:
             lengths = np.full(Bsz, T, np.int64)
-        lengths = np.asarray(lengths)
-        if lengths.shape != (Bsz,) or lengths.dtype.kind not in "iu":
-            raise ctx.unsupported(f"sequence_lens must be integers of shape [{Bsz}], got "
-                                  f"{lengths.dtype} {list(lengths.shape)}")
-        bad = np.flatnonzero((lengths < 0) | (lengths > T))
-        if bad.size:
-            raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in [0, {T}]")
 
         def state(s):
             if s is None:
@@ -116,13 +201,12 @@ class RecurrentNode:
             feed = (batch_first, lengths)
             call = layer.vjp if keep else layer
             if ctx.op == "LSTM":
-                h0, c0 = state(h0), state(c0)
                 initial = None if h0 is None and c0 is None else (h0, c0)
                 out = call(feed, initial, backend=backend)
                 (Y, (h_n, c_n)) = out[0] if keep else out
                 states = [h_n, c_n]
             else:
-                out = call(feed, state(h0), backend=backend)
+                out = call(feed, h0, backend=backend)
                 Y, h_n = out[0] if keep else out
                 states = [h_n]
         except Error as e:
@@ -163,8 +247,93 @@ class RecurrentNode:
         return outs, pullback
 
 
+class _Direction:
+    """One direction of a GRU, LSTM or RNN node: its step-net compiled,
+    called on ``(data [tokens, I], offsets [B + 1], states)`` (a state None:
+    zeros) to give ``[Y data [tokens, H], h_n [B, H](, c_n)]``.
+
+    It calls ``rnn.compile(backend)``. On the Numba backend, after the first
+    call, it calls the kernel's entry point itself with the weights prepared
+    once (:func:`_prepared_kernel`): stepnet's call binds and checks every
+    input and lays out the weights again on each call, which costs more than
+    the kernel itself for a chunk of audio (about 60 us against 17 us)."""
+
+    def __init__(self, rnn, backend, states):
+        self.rnn = rnn
+        self.flags = (True,) + (False,) * states
+        self.compiled = rnn.compile(backend)
+        self.kernel = None
+        self.tried = backend != "numba"
+
+    def __call__(self, data, offsets, states):
+        if self.kernel is not None:
+            return self.kernel(data, offsets, states)
+        feeds = {"x": LoDTensor(data, [offsets])}
+        for name, state in zip(("h", "c"), states):
+            if state is not None:
+                feeds[name] = state
+        outs = self.compiled(output_all_steps=self.flags, **feeds)
+        outs = [outs[0].data] + [np.asarray(o) for o in outs[1:]]
+        if not self.tried:
+            self.tried = True
+            self.kernel = _prepared_kernel(self.rnn, self.compiled, self.flags, data, offsets,
+                                           states, outs)
+        return outs
+
+
+def _read_only(array):
+    view = np.ascontiguousarray(array).view()
+    view.flags.writeable = False
+    return view
+
+
+def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
+    """``call(data, offsets, states)`` running the Numba program of ``rnn``
+    with its constant arguments laid out once, or None.
+
+    A stopgap until stepnet's backends offer a prepared call: it reads the
+    compiled program's layout (``top_inputs``, ``program.consts``,
+    ``concatenated``, ``module.program``), and is used only if its first
+    results equal, bit for bit, those of the public call it replaces."""
+    try:
+        run = compiled._runner(flags)
+        consts = rnn.const_values()
+        const_args = [_read_only(consts[v]) for v in run.program.consts]
+        const_args += [_read_only(np.concatenate([consts[v] for v in joined], axis=1))
+                       for joined in run.concatenated.values()]
+        n = len(flags) - 1
+        if (tuple(spec[0] for spec in run.top_inputs) != ("sequence",) + ("dense",) * n
+                or tuple(spec[0] for spec in run.top_outputs) != ("dense_all",) + ("last",) * n):
+            return None
+        entry = run.module.program
+        width = expected[1].shape[1]
+
+        def call(data, offsets, states):
+            zeros = None
+            args = [_read_only(data), _read_only(offsets)]
+            for state in states:
+                if state is None:
+                    if zeros is None:
+                        zeros = _read_only(np.zeros((len(offsets) - 1, width), data.dtype))
+                    args.append(zeros)
+                else:
+                    args.append(_read_only(state))
+            results = entry(*const_args, *args)
+            return list(results[:1 + n])
+
+        got = call(data, offsets, states)
+        if len(got) == len(expected) and all(
+                a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+                for a, b in zip(got, expected)):
+            return call
+    except Exception:  # noqa: BLE001  (any mismatch of layout: the public call stays)
+        pass
+    return None
+
+
 class ScanNode:
-    """An ONNX Scan node run as a step-net traced from its body graph."""
+    """An ONNX Scan node run as a step-net traced from its body graph, or node
+    by node where the body does not trace."""
 
     def __init__(self, ctx, attrs, body):
         self.ctx = ctx
@@ -231,6 +400,7 @@ class ScanNode:
                                   f"{len(states)} and {len(scans)}")
         states = [np.asarray(s) for s in states]
         scans = [np.asarray(x) for x in scans]
+        given = (states, scans)
         float16 = any(a.dtype == np.float16 for a in states + scans)
         if float16:  # computed in float32, given back as float16 (DESIGN.md §4)
             states, scans = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
@@ -239,6 +409,7 @@ class ScanNode:
             layouts = [lambda: self._batched(states, scans, lengths)]
         else:
             layouts = [lambda: self._rows(states, scans), lambda: self._single(states, scans)]
+        rnn = None
         for make_layout in layouts:
             layout = make_layout()
             if layout is None:
@@ -249,6 +420,11 @@ class ScanNode:
             rnn = self._net(layout, captures, float16)
             if rnn is not None:
                 break
+        if rnn is None:  # the body does not trace into a step-net: node by node
+            if keep:
+                raise ctx.unsupported("the Gradient through a Scan whose body runs node by node "
+                                      "(it holds an op stepnet does not trace)")
+            return self._loop(*given, lengths, backend, captures), None
         flags = (False,) * self.N + (True,) * self.K
         feeds = {f"scan{j}": s for j, s in enumerate(layout.seqs)}
         feeds.update({f"state{i}": s for i, s in enumerate(layout.inits)})
@@ -385,16 +561,92 @@ class ScanNode:
             g = g.reshape((layout.B, layout.T) + g.shape[1:]).swapaxes(0, 1)
         return np.moveaxis(g[::-1] if self.in_dirs[j] else g, 0, self.in_axes[j])
 
+    # -- node by node ---------------------------------------------------------------
+
+    def _loop(self, states, scans, lengths, backend, captures):
+        """The Scan as its specification's loop, the body run as a graph at
+        each step (recurrent nodes in it are step-nets of their own)."""
+        if self.ctx.opset == 8:
+            return self._loop8(states, scans, lengths, backend, captures)
+        steps = []
+        for j, (x, axis, d) in enumerate(zip(scans, self.in_axes, self.in_dirs)):
+            if not -x.ndim <= axis < x.ndim:
+                raise self.ctx.unsupported(f"scan input {j}: axis {axis} for rank {x.ndim}")
+            x = np.moveaxis(x, axis, 0)
+            steps.append(x[::-1] if d else x)
+        T = steps[0].shape[0] if steps else 0
+        for j, x in enumerate(steps):
+            if x.shape[0] != T:
+                raise self.ctx.unsupported(f"scan input {j} has {x.shape[0]} steps, scan input "
+                                           f"0 has {T}")
+        finals, ys = self._steps(list(states), steps, T, backend, captures)
+        outs = []
+        for k, y in enumerate(ys):
+            y = y[::-1] if self.out_dirs[k] else y
+            outs.append(np.ascontiguousarray(np.moveaxis(y, 0, self.out_axes[k] % y.ndim)))
+        return list(finals) + outs
+
+    def _steps(self, states, slices, T, backend, captures):
+        """``T`` steps of the body from ``states`` over ``slices`` (each
+        ``[T, ...]``): the final states and each scan output stacked ``[T, ...]``."""
+        body = self.body
+        ys = [[] for _ in range(self.K)]
+        for t in range(T):
+            env = {n: captures[n] for n in body.dynamic_captures}
+            env.update(zip(body.input_names[:self.N], states))
+            env.update(zip(body.input_names[self.N:], (x[t] for x in slices)))
+            body.run(env, backend)
+            outs = [env[n] for n in body.output_names]
+            states = outs[:self.N]
+            for k, y in enumerate(outs[self.N:]):
+                ys[k].append(np.asarray(y))
+        stacked = []
+        for k, y in enumerate(ys):
+            if y:
+                stacked.append(np.stack(y))
+            else:
+                arg = body.output_args[self.N + k]
+                shape = [d if isinstance(d, int) else 0 for d in (arg.shape or [])]
+                stacked.append(np.zeros([0] + shape, body.output_dtypes[self.N + k] or np.float32))
+        return [np.asarray(s) for s in states], stacked
+
+    def _loop8(self, states, scans, lengths, backend, captures):
+        """Scan 8: each batch entry its own loop over its length."""
+        B, T = scans[0].shape[:2] if scans and scans[0].ndim >= 2 else (None, None)
+        for j, x in enumerate(scans):
+            if x.ndim < 2 or x.shape[:2] != (B, T):
+                raise self.ctx.unsupported(f"scan input {j} has shape {list(x.shape)}, expected "
+                                           f"[{B}, {T}, ...]")
+        lengths = np.full(B, T, np.int64) if lengths is None else np.asarray(lengths)
+        finals, outs = [[] for _ in range(self.N)], [[] for _ in range(self.K)]
+        for b in range(B):
+            n = int(lengths[b])
+            slices = [x[b, :n][::-1] if d else x[b, :n] for x, d in zip(scans, self.in_dirs)]
+            final, ys = self._steps([s[b] for s in states], slices, n, backend, captures)
+            for i, f in enumerate(final):
+                finals[i].append(f)
+            for k, y in enumerate(ys):
+                outs[k].append(y)
+        results = [np.stack(f) for f in finals]
+        for ys in outs:
+            inner = next((y.shape[1:] for y in ys if len(y)), ys[0].shape[1:])
+            padded = np.zeros((B, T) + tuple(inner), ys[0].dtype)
+            for b, y in enumerate(ys):
+                padded[b, :len(y)] = y
+            results.append(padded)
+        return results
+
     # -- tracing ----------------------------------------------------------------
 
     def _net(self, layout, captures, float16):
         """The step-net for this layout, traced once per shapes and captured
-        arrays; None when the body mixes rows in the rows layout."""
+        arrays; None when the body mixes rows in the rows layout or holds an
+        op that does not trace on step values."""
         key = (layout.kind, layout.masks, tuple((a.shape[1:], a.dtype.str) for a in
                                               [*layout.inits, *(s.data for s in layout.seqs)]),
                tuple((n, np.shape(v), np.asarray(v).dtype.str) for n, v in captures.items()))
         cached = self.nets.get(key)
-        if cached is not None and all(a is b for a, b in zip(cached[0], captures.values())):
+        if cached is not None and all(_same(a, b) for a, b in zip(cached[0], captures.values())):
             return cached[1]
         try:
             rnn = self._trace(layout, captures, float16)
@@ -402,8 +654,8 @@ class ScanNode:
             if layout.kind != "rows":
                 raise
             rnn = None
-        except Error as e:
-            raise _reraise(self.ctx, e) from e
+        except Error:  # an op or a dtype (integer scan inputs) that does not trace:
+            rnn = None  # the body runs node by node, where a real error shows again
         self.nets[key] = (tuple(captures.values()), rnn)
         return rnn
 
@@ -447,6 +699,17 @@ class _Layout:
         self.kind, self.seqs, self.inits, self.T, self.B, self.lengths = kind, seqs, inits, T, B, lengths
         self.final_out, self.final_in, self.final_back = final_out, final_in, final_back
         self.masks = ()  # per step input: fed as 0/1 for a boolean scan input
+
+
+def _same(a, b) -> bool:
+    """The same array: the same object, or equal values (a weight computed
+    again on each run by the graph around the node)."""
+    if a is b:
+        return True
+    if a is None or b is None or is_step(a) or is_step(b):
+        return False
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
 
 
 def _reverse_within(x, lengths):

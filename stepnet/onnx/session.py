@@ -1,16 +1,31 @@
 """``stepnet.onnx.InferenceSession``: ONNX models on stepnet's kernels.
 
-The session checks every node when it is made: an op, attribute or domain
-stepnet does not run raises :class:`stepnet.errors.UnsupportedError` naming the
-node, before any data is seen. ``run`` then evaluates the nodes in order:
-GRU, LSTM, RNN and Scan nodes as step-nets on the chosen backend
-(:mod:`stepnet.onnx.recurrent`), the other ops with NumPy
-(:mod:`stepnet.onnx.ops`), and the ONNX Gradient operator with stepnet's reverse
-mode (:mod:`stepnet.onnx.gradient`).
+The session checks every node when it is made, against its operator's schema
+(inputs, outputs, attributes) and against what runs it: an op outside the
+default domain, one the model's opset does not have, or a malformed node
+raises :class:`stepnet.errors.UnsupportedError` or :class:`~stepnet.errors.Error`
+naming the node, before any data is seen. Nodes that compute only from
+constants (initializers, ``Constant``) are computed then, once.
+
+``run`` evaluates the other nodes in order:
+
+- GRU, LSTM, RNN and Scan nodes as step-nets on the chosen backend
+  (:mod:`stepnet.onnx.recurrent`);
+- ``If`` and ``Loop`` here, their branches and bodies being graphs of this
+  module (so recurrent nodes inside them are step-nets too);
+- the ONNX Gradient operator with stepnet's reverse mode
+  (:mod:`stepnet.onnx.gradient`);
+- every other op with stepnet's NumPy version where it has one
+  (:mod:`stepnet.onnx.ops`, :mod:`stepnet.onnx.conv`), else with the ONNX
+  project's reference implementation (:mod:`stepnet.onnx.reference`).
+
+float16 is computed in float32 and given back as float16 (DESIGN.md §4): per
+node, the outputs typed like a float16 input are rounded to float16.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 
@@ -18,23 +33,55 @@ import numpy as np
 
 from ..backends import default_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
+from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from .gradient import GradientNode
-from .ops import OPS, NodeContext, is_step
+from .ops import OPS, UNKNOWN, NodeContext, OnnxOp, is_step
 from .recurrent import RecurrentNode, ScanNode
+from .reference import ReferenceOp
+from .static import RANDOM, SMALL, VALUE, analyse
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
+# exact in any float type: float16 is not widened for them
+_MOVES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat",
+          "Split", "Slice", "Gather", "Shape", "Size", "Expand", "Tile", "Pad", "Cast",
+          "CastLike", "Constant", "ConstantOfShape"}
+
+_F16 = np.dtype(np.float16)
 
 _TYPE_NAMES = {
     np.dtype(np.float32): "float", np.dtype(np.float16): "float16", np.dtype(np.float64): "double",
     np.dtype(np.int8): "int8", np.dtype(np.int16): "int16", np.dtype(np.int32): "int32",
-    np.dtype(np.int64): "int64", np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
+    np.dtype(np.int64): "int64", np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "uint16",
+    np.dtype(np.uint32): "uint32", np.dtype(np.uint64): "uint64", np.dtype(np.bool_): "bool",
 }
-# ops whose output type is not their float input's: float16 is not computed in float32 for them
-_TYPE_OPS = {"Cast", "Shape", "ConstantOfShape", "Constant"}
 
 
 def _onnx():
     return optional_import("onnx", "stepnet.onnx", "pip install 'stepnet[onnx]'")
+
+
+def _numpy_blas_threads():
+    """``set(n) -> previous``: the number of threads NumPy's own OpenBLAS uses
+    for calls from this thread, or None where it cannot be set.
+
+    A run keeps it at one: the GEMMs the session leaves to NumPy (Conv,
+    MatMul) are small, and OpenBLAS's pool spinning after them next to
+    Numba's threads made a 64-stream VAD run 10x slower on two cores."""
+    import ctypes
+    import glob
+
+    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
+        try:
+            set_local = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        set_local.argtypes, set_local.restype = [ctypes.c_int], ctypes.c_int
+        return set_local
+    return None
+
+
+_BLAS_THREADS = []  # [set_local or None], found on the first session
 
 
 @dataclass(frozen=True)
@@ -42,23 +89,27 @@ class NodeArg:
     """A graph input or output as onnxruntime describes it."""
 
     name: str
-    type: str  # e.g. "tensor(float)"
+    type: str  # e.g. "tensor(float)", "seq(tensor(int64))"
     shape: list  # ints, dimension names (str) or None
 
 
 def load_model(model):
-    """A ModelProto from a path, bytes or a ModelProto."""
+    """A ModelProto from a path, bytes or a ModelProto, its local functions inlined."""
     onnx = _onnx()
-    if isinstance(model, onnx.ModelProto):
-        return model
     if isinstance(model, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model))
-    if isinstance(model, (str, os.PathLike)):
+        model = onnx.load_from_string(bytes(model))
+    elif isinstance(model, (str, os.PathLike)):
         if not os.path.exists(model):
             raise StepNetError(f"ONNX model {os.fspath(model)!r} does not exist")
-        return onnx.load(os.fspath(model))
-    raise StepNetError(f"InferenceSession: expects a path, bytes or an onnx.ModelProto, got "
-                       f"{type(model).__name__}")
+        model = onnx.load(os.fspath(model))
+    elif not isinstance(model, onnx.ModelProto):
+        raise StepNetError(f"InferenceSession: expects a path, bytes or an onnx.ModelProto, got "
+                           f"{type(model).__name__}")
+    if len(model.functions):
+        from onnx.inliner import inline_local_functions
+
+        model = inline_local_functions(model)
+    return model
 
 
 def attributes(node) -> dict:
@@ -79,84 +130,328 @@ def attributes(node) -> dict:
     return out
 
 
-def _value_info(info) -> NodeArg:
+def _type_string(type_proto) -> tuple:
+    """(onnxruntime's name of a type, its NumPy dtype for a tensor, its shape)."""
     onnx = _onnx()
-    t = info.type.tensor_type
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type) if t.elem_type else None
-    shape = None
-    if t.HasField("shape"):
-        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                 for d in t.shape.dim]
-    name = _TYPE_NAMES.get(np.dtype(dtype), str(dtype)) if dtype is not None else "unknown"
-    return NodeArg(info.name, f"tensor({name})", shape), dtype
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type":
+        t = type_proto.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type) if t.elem_type else None
+        shape = None
+        if t.HasField("shape"):
+            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in t.shape.dim]
+        name = _TYPE_NAMES.get(np.dtype(dtype), str(dtype)) if dtype is not None else "unknown"
+        return f"tensor({name})", dtype, shape
+    if kind == "sequence_type":
+        return f"seq({_type_string(type_proto.sequence_type.elem_type)[0]})", None, None
+    if kind == "optional_type":
+        return f"optional({_type_string(type_proto.optional_type.elem_type)[0]})", None, None
+    return "unknown", None, None
+
+
+def _value_info(info):
+    name, dtype, shape = _type_string(info.type)
+    return NodeArg(info.name, name, shape), dtype
+
+
+def _dense(sparse):
+    """A SparseTensorProto as a dense array (indices: flat, or one row per value)."""
+    from onnx import numpy_helper
+
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dense = np.zeros(tuple(sparse.dims), values.dtype)
+    if indices.ndim == 1:
+        dense.reshape(-1)[indices] = values
+    else:
+        dense[tuple(indices.T)] = values
+    return dense
+
+
+def _schema(proto, ctx):
+    """The node's operator schema at the model's opset; raises naming the node."""
+    onnx = _onnx()
+    try:
+        schema = onnx.defs.get_schema(ctx.op, ctx.opset, "")
+    except onnx.defs.SchemaError:
+        raise ctx.unsupported(f"{ctx.op} is not an operator of the default ONNX domain at "
+                              f"opset {ctx.opset}") from None
+    if schema.deprecated:
+        raise ctx.unsupported(f"{ctx.op} is deprecated at opset {ctx.opset} (since "
+                              f"{schema.since_version})")
+    return schema
+
+
+def _check_node(proto, schema, ctx):
+    """Inputs, outputs and attributes against the schema: Error naming the node."""
+    onnx = _onnx()
+    where = f"ONNX node {ctx.node!r} ({ctx.op})"
+    op = f"{ctx.op}-{schema.since_version}"
+    n_in, n_out = len(proto.input), len(proto.output)
+    if not schema.min_input <= n_in <= schema.max_input:
+        raise Error(f"{where}: has {n_in} inputs, {op} takes {schema.min_input} to "
+                    f"{schema.max_input}")
+    if not schema.min_output <= n_out <= schema.max_output:
+        raise Error(f"{where}: has {n_out} outputs, {op} gives {schema.min_output} to "
+                    f"{schema.max_output}")
+    single = onnx.defs.OpSchema.FormalParameterOption.Single
+    for i, (name, formal) in enumerate(zip(proto.input, schema.inputs)):
+        if not name and formal.option == single:
+            raise Error(f"{where}: input {i} ({formal.name}) is required, the node leaves it out")
+    for attr in proto.attribute:
+        known = schema.attributes.get(attr.name)
+        if known is None:
+            raise UnsupportedError(f"{where}: attribute {attr.name!r} is not supported ({op} "
+                                   f"has no such attribute)")
+        if attr.ref_attr_name:
+            raise UnsupportedError(f"{where}: attribute {attr.name!r} refers to a function's "
+                                   "attribute outside a function")
+        if known.type.value != attr.type:
+            given = onnx.AttributeProto.AttributeType.Name(attr.type)
+            raise Error(f"{where}: attribute {attr.name!r} is {given}, {op} expects "
+                        f"{known.type.name}")
+    given = {a.name for a in proto.attribute}
+    for name, known in schema.attributes.items():
+        if known.required and name not in given:
+            raise Error(f"{where}: attribute {name!r} is required")
+
+
+def _type_params(schema):
+    """The type parameter (``"T"``, ``"T1"``, ...) of each formal input and
+    output: an output typed like a float16 input is given back as float16."""
+    return [f.type_str for f in schema.inputs], [f.type_str for f in schema.outputs]
 
 
 class Node:
-    """One node, checked and ready to run."""
+    """One node, checked and ready to run. ``kind`` is "op", "recurrent"
+    (GRU, LSTM, RNN, Scan; ``impl``), "if", "loop" or "gradient"."""
 
-    def __init__(self, proto, opsets, index):
+    def __init__(self, proto, opsets, index, constants=None):
         self.proto = proto
         self.op = proto.op_type
         self.domain = proto.domain or ""
         self.inputs = list(proto.input)
         self.outputs = list(proto.output)
+        self.args = list(self.inputs)  # without the omitted inputs at the end
+        while self.args and not self.args[-1]:
+            self.args.pop()
+        self.fast = None  # the table entry bound to this node (prepare)
+        self.widen = False  # float16 inputs are computed in float32
         name = proto.name or f"{self.op}_{index}"
         domain = "" if self.domain in ("", "ai.onnx") else self.domain
         if domain not in opsets:
             raise UnsupportedError(f"ONNX node {name!r} ({self.op}): domain {self.domain!r} is not "
                                    "imported by the model")
         self.ctx = NodeContext(name, self.op, opsets[domain], num_outputs=len(self.outputs))
-        attrs = attributes(proto)
-        self.impl = None  # a RecurrentNode, ScanNode or GradientNode; None for an OPS entry
+        self.attrs = attributes(proto)
+        self.impl = None  # RecurrentNode, ScanNode or GradientNode
+        self.entry = OPS.get(self.op) or OnnxOp(self.op, None, in_step=False)
+        self.table = None  # the OPS entry that runs the node, if any
+        self.reference = None
+        self.captures = []  # outer-scope names read by its subgraphs
+        self.dynamic_captures = []  # ... those that are not constants of the enclosing graph
+        self.subgraphs = {}
+        self.types = None
         if domain == TRAINING_DOMAIN and self.op == "Gradient":
-            self.impl = GradientNode(self.ctx, attrs, self.inputs)
-        elif domain != "":
-            raise self.ctx.unsupported(f"domain {self.domain!r} is not supported")
-        elif self.op in ("GRU", "LSTM", "RNN"):
-            self.impl = RecurrentNode(self.ctx, attrs)
+            self.kind = "gradient"
+            self.impl = GradientNode(self.ctx, self.attrs, self.inputs)
+            return
+        if domain != "":
+            raise self.ctx.unsupported(f"domain {self.domain!r} is not supported (stepnet runs "
+                                       "the default ONNX domain)")
+        schema = _schema(proto, self.ctx)
+        _check_node(proto, schema, self.ctx)
+        self.types = _type_params(schema)
+        self.widen = self.op not in _MOVES
+        for key in ("body", "then_branch", "else_branch"):
+            if key in self.attrs:
+                graph = Graph(self.attrs[key], opsets, where=f"the {key} of {name!r}", outer=True,
+                              outer_constants=constants)
+                self.subgraphs[key] = graph
+                self.captures += [c for c in graph.captures if c not in self.captures]
+                self.dynamic_captures += [c for c in graph.dynamic_captures
+                                          if c not in self.dynamic_captures]
+        if self.op in ("GRU", "LSTM", "RNN"):
+            self.kind = "recurrent"
+            self.impl = RecurrentNode(self.ctx, self.attrs)
         elif self.op == "Scan":
-            body = Graph(attrs["body"], opsets, where=f"the body of {name!r}", outer=True)
-            self.impl = ScanNode(self.ctx, attrs, body)
-            self.captures = body.captures
-        elif self.op in OPS:
-            entry = OPS[self.op]
-            unknown = sorted(set(attrs) - entry.attrs)
-            if unknown:
-                raise self.ctx.unsupported(f"attribute {unknown[0]!r} is not supported")
-            self.entry = entry
+            self.kind = "recurrent"
+            self.impl = ScanNode(self.ctx, self.attrs, self.subgraphs["body"])
+        elif self.op == "If":
+            self.kind = "if"
+            self.then_branch, self.else_branch = (self.subgraphs["then_branch"],
+                                                  self.subgraphs["else_branch"])
+            for branch in (self.then_branch, self.else_branch):
+                if len(branch.output_names) != len(self.outputs):
+                    raise Error(f"ONNX node {name!r} (If): a branch gives "
+                                f"{len(branch.output_names)} outputs, the node has "
+                                f"{len(self.outputs)}")
+        elif self.op == "Loop":
+            self.kind = "loop"
+            self._check_loop()
         else:
-            raise self.ctx.unsupported("the op is not supported by stepnet")
-        self.attrs = attrs
+            self.kind = "op"
+            entry = OPS.get(self.op)
+            if entry is not None and entry.run is not None and set(self.attrs) <= entry.attrs:
+                self.table = entry
+            self.reference = ReferenceOp(proto, self.ctx, opsets)
 
     @property
     def recurrent(self) -> bool:
-        return self.op in ("GRU", "LSTM", "RNN", "Scan")
+        return self.kind == "recurrent"
+
+    def prepare(self, known):
+        """Bind the table entry to what is known before any run (``known``:
+        the constants by name): what the attributes and constant inputs
+        decide is worked out once."""
+        if self.kind == "op" and self.table is not None and self.table.bind is not None:
+            values = [known.get(n, UNKNOWN) if n else None for n in self.args]
+            self.fast = self.table.bind(self.ctx, values, **self.attrs)
+        if self.fast is not None:
+            if not self.args or not self.outputs or not self.outputs[0]:
+                self.fast = None
+            else:  # what Graph.run reads: the inputs (an omitted one is env[""])
+                self.get = operator.itemgetter(*self.args)
+                self.single, self.out = len(self.args) == 1, self.outputs[0]
+
+    # -- running -----------------------------------------------------------------
+
+    def run(self, graph, env, backend, step=False, rows=False, float16_as_float32=False,
+            use_fast=True, key=None):
+        """Compute the node from ``env`` into ``env`` (``Graph._run`` inlines
+        the common case, an op bound to its table entry)."""
+        if self.kind == "gradient":
+            outs = self.impl.run(graph, env, backend)
+        elif self.kind == "if" and not step:
+            outs = self._run_if(env, backend, key)
+        else:
+            inputs = [env[n] if n else None for n in self.args]
+            if self.kind == "op":
+                outs = None
+                if use_fast and self.fast is not None and not step:
+                    outs = self._run_bound(inputs)
+                if outs is None:
+                    outs = graph.run_op(self, inputs, step, rows, float16_as_float32)
+            else:
+                if step and (any(is_step(x) for x in inputs)
+                             or any(is_step(env[n]) for n in self.dynamic_captures)):
+                    raise self.ctx.unsupported("a recurrent or control-flow node on a Scan state "
+                                               "or scan input (the body runs node by node)")
+                if self.op == "Scan":
+                    outs = self.impl.run(inputs, backend,
+                                         {n: env[n] for n in self.dynamic_captures})
+                elif self.kind == "recurrent":
+                    outs = self.impl.run(inputs, backend)
+                elif self.kind == "if":
+                    outs = self._run_if(env, backend)
+                else:
+                    outs = self._run_loop(inputs, {n: env[n] for n in self.dynamic_captures},
+                                          backend)
+        for name, value in zip(self.outputs, outs):
+            if name:
+                env[name] = value
+
+    def _run_bound(self, inputs):
+        """The outputs by the bound table entry, or None where it declines (or
+        a float16 input must be widened first: ``Graph.run_op``)."""
+        if self.widen and any(type(x) is np.ndarray and x.dtype == _F16 for x in inputs):
+            return None
+        try:
+            out = self.fast(*inputs)
+        except (TypeError, ValueError, IndexError) as e:  # NumPy's own complaints
+            if isinstance(e, Error):
+                raise
+            raise ShapeError(f"ONNX node {self.ctx.node!r} ({self.op}): {e}") from e
+        if out is NotImplemented:
+            return None
+        return [out if type(out) is np.ndarray or isinstance(out, list) or out is None
+                else np.asarray(out)]
+
+    def _run_if(self, env, backend, key=None):
+        cond = env[self.inputs[0]]
+        if cond.size != 1:
+            raise ShapeError(f"ONNX node {self.ctx.node!r} (If): cond has shape "
+                             f"{list(np.shape(cond))}, not one element")
+        branch = self.then_branch if cond.item() else self.else_branch
+        inner = {n: env[n] for n in branch.dynamic_captures}
+        branch.run(inner, backend, key=key)
+        return [inner[n] for n in branch.output_names]
+
+    def _check_loop(self):
+        body = self.subgraphs["body"]
+        carried = len(self.inputs) - 2
+        if len(body.input_names) != carried + 2 or len(body.output_names) < carried + 1:
+            raise Error(f"ONNX node {self.ctx.node!r} (Loop): its body has "
+                        f"{len(body.input_names)} inputs and {len(body.output_names)} outputs "
+                        f"for {carried} loop-carried values")
+        if len(self.outputs) != len(body.output_names) - 1:
+            raise Error(f"ONNX node {self.ctx.node!r} (Loop): has {len(self.outputs)} outputs, "
+                        f"its body gives {len(body.output_names) - 1}")
+
+    def _run_loop(self, inputs, captures, backend):
+        """``for i in range(M) while cond: cond, v..., scan... = body(i, cond, v...)``;
+        scan outputs stacked on a new first axis."""
+        body = self.subgraphs["body"]
+        inputs = list(inputs) + [None] * (len(self.inputs) - len(inputs))
+        trips, cond, values = inputs[0], inputs[1], list(inputs[2:])
+        trips = None if trips is None else int(np.asarray(trips).reshape(-1)[0])
+        cond = True if cond is None else bool(np.asarray(cond).reshape(-1)[0])
+        N = len(values)
+        scans = [[] for _ in range(len(body.output_names) - 1 - N)]
+        i = 0
+        while cond and (trips is None or i < trips):
+            env = {n: captures[n] for n in body.dynamic_captures}
+            env[body.input_names[0]] = np.array(i, np.int64)
+            env[body.input_names[1]] = np.array(cond)
+            env.update(zip(body.input_names[2:], values))
+            body.run(env, backend)
+            outs = [env[n] for n in body.output_names]
+            cond = bool(np.asarray(outs[0]).reshape(-1)[0])
+            values = outs[1:1 + N]
+            for k, y in enumerate(outs[1 + N:]):
+                scans[k].append(np.asarray(y))
+            i += 1
+        stacked = []
+        for k, ys in enumerate(scans):
+            if ys:
+                stacked.append(np.stack(ys))
+            else:
+                dtype = body.output_dtypes[1 + N + k] or np.float32
+                stacked.append(np.zeros((0,), dtype))
+        return values + stacked
 
 
 class Graph:
-    """An ONNX graph (a model's, or a Scan body) ready to run.
+    """An ONNX graph (a model's, a branch or a body) ready to run.
 
     ``outer=True`` marks a subgraph: names it reads but does not define are
     taken from the enclosing graph (``captures``)."""
 
-    def __init__(self, proto, opsets, where="graph", outer=False):
+    def __init__(self, proto, opsets, where="graph", outer=False, outer_constants=None):
         from onnx import numpy_helper
 
         self.where = where
         self.initializers = {t.name: numpy_helper.to_array(t) for t in proto.initializer}
-        # what a float16 model's Scan body reads: float16 is computed in float32
-        self.initializers32 = {k: v.astype(np.float32) if v.dtype == np.float16 else v
-                               for k, v in self.initializers.items()}
+        for sparse in proto.sparse_initializer:
+            self.initializers[sparse.values.name] = _dense(sparse)
         self.input_args, self.input_dtypes = [], {}
         for info in proto.input:
             arg, dtype = _value_info(info)
             self.input_args.append(arg)
             self.input_dtypes[info.name] = dtype
         self.input_names = [i.name for i in proto.input]
-        self.output_args = [_value_info(o)[0] for o in proto.output]
+        outputs = [_value_info(o) for o in proto.output]
+        self.output_args = [a for a, _ in outputs]
+        self.output_dtypes = [d for _, d in outputs]
         self.output_names = [o.name for o in proto.output]
         defined = set(self.input_names) | set(self.initializers)
-        self.nodes, self.captures = [], []
+        # what is known before any run: initializers that cannot be fed, the
+        # enclosing graph's constants, and what nodes compute from them alone
+        known = {k: v for k, v in (outer_constants or {}).items() if k not in defined}
+        known.update((k, v) for k, v in self.initializers.items() if k not in self.input_names)
+        folding = not any(p.domain == TRAINING_DOMAIN for p in proto.node)
+        self.nodes, self.captures, self.plan, self.constants = [], [], [], {}
         for i, p in enumerate(proto.node):
             for name in p.input:
                 if name and name not in defined and name not in self.captures:
@@ -164,77 +459,233 @@ class Graph:
                         raise StepNetError(f"ONNX {where}: node {p.name or p.op_type!r} reads "
                                            f"{name!r}, which nothing before it defines")
                     self.captures.append(name)
-            node = Node(p, opsets, i)
-            if outer and node.recurrent:
-                raise node.ctx.unsupported(
-                    f"a recurrent node inside a Scan body ({where}): stepnet's nested step-nets "
-                    "step over ragged values, not over a body's tensors")
+            node = Node(p, opsets, i, constants=known if folding else {})
             self.nodes.append(node)
-            if node.op == "Scan":
-                for name in node.captures:
-                    if name not in defined and name not in self.captures:
-                        self.captures.append(name)
+            for name in node.captures:
+                if name not in defined and name not in self.captures:
+                    if not outer:
+                        raise StepNetError(f"ONNX {where}: a subgraph of node {node.ctx.node!r} "
+                                           f"reads {name!r}, which nothing before it defines")
+                    self.captures.append(name)
+            for name in p.output:
+                if name and name in defined:
+                    raise Error(f"ONNX {where}: node {node.ctx.node!r} ({node.op}) defines "
+                                f"{name!r}, which is already defined")
             defined.update(n for n in p.output if n)
+            if folding and node.kind == "op" and node.op not in RANDOM and all(
+                    n in known for n in node.inputs if n):
+                self._fold(node, known)
+            else:
+                node.prepare(known)
+                self.plan.append(node)
         for name in self.output_names:
             if name not in defined and name not in self.captures:
                 if not outer:
                     raise StepNetError(f"ONNX {where}: output {name!r} is computed by no node")
                 self.captures.append(name)
+        # what a run puts into its environment: the constants the nodes left
+        # to run (and their subgraphs) read, the enclosing graph's constants
+        # it captures (bound here, not copied in on each run), and
+        # initializers a feed may replace
+        read = set(self.output_names)
+        for node in self.plan:
+            read.update(node.inputs)
+            read.update(node.captures)
+        outer = {n: known[n] for n in self.captures if n in known}
+        self.dynamic_captures = [n for n in self.captures if n not in outer]
+        self.run_constants = {k: v for k, v in {**self.initializers, **self.constants,
+                                                **outer}.items()
+                              if k in read and k not in self.input_names}
+        self.defaults = {k: v for k, v in self.initializers.items() if k in self.input_names}
+        self.constants32 = {k: v.astype(np.float32)
+                            if isinstance(v, np.ndarray) and v.dtype == np.float16 else v
+                            for k, v in {**self.run_constants, **self.defaults}.items()}
+        for value in [*self.initializers.values(), *self.constants.values(),
+                      *self.constants32.values()]:
+            _read_only(value)  # shared by every run
+        self.widen = True  # a node may meet float16 (_no_widening clears it)
+        self.decided, self.rest, self.memo = [], self.plan, {}
 
-    def run(self, env, backend, step=False, rows=False, float16_as_float32=False):
+    def _fold(self, node, known):
+        """Compute a node that reads only constants, once, now."""
+        inputs = [known[n] if n else None for n in node.inputs]
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        for name, value in zip(node.outputs, self.run_op(node, inputs, False, False, False)):
+            if name:
+                known[name] = self.constants[name] = value
+
+    def decide(self, decided):
+        """Remember the nodes whose values a run's key decides
+        (:mod:`stepnet.onnx.static`): run once per key, then taken from a memo."""
+        chosen = {id(n) for n in decided}
+        self.decided = [name for n in decided for name in n.outputs if name]
+        self.rest = [n for n in self.plan if id(n) not in chosen]
+        self.memo = {}
+
+    def run(self, env, backend, step=False, rows=False, float16_as_float32=False, key=None):
         """Evaluate every node into ``env`` (name -> value), which holds the
-        graph's inputs (and, for a subgraph, what it captures). Inside a Scan
-        body (``step``) values may be step values, in the layout ``rows``
-        says (:mod:`stepnet.onnx.ops`)."""
-        initializers = self.initializers32 if float16_as_float32 else self.initializers
-        for name, value in initializers.items():
-            env.setdefault(name, value)
-        for node in self.nodes:
-            if node.op == "Gradient":
-                outs = node.impl.run(self, env, backend)
-            else:
-                inputs = [env[n] if n else None for n in node.inputs]
-                while inputs and inputs[-1] is None:
-                    inputs.pop()
-                if node.op == "Scan":
-                    outs = node.impl.run(inputs, backend, {n: env[n] for n in node.captures})
-                elif node.recurrent:
-                    outs = node.impl.run(inputs, backend)
+        graph's inputs (and, for a subgraph, what it captures). ``key``: the
+        fed shapes and small integer values (see ``decide``). Inside a Scan
+        body being traced (``step``) values may be step values, in the layout
+        ``rows`` says (:mod:`stepnet.onnx.ops`)."""
+        if key is None or not self.decided:
+            return self._run(env, backend, step, rows, float16_as_float32, self.plan, None)
+        known = self.memo.get(key)
+        if known is not None:
+            env.update(known)
+            return self._run(env, backend, step, rows, float16_as_float32, self.rest, key)
+        self._run(env, backend, step, rows, float16_as_float32, self.plan, key)
+        if len(self.memo) >= 16:
+            self.memo.clear()
+        self.memo[key] = {n: _read_only(env[n].copy() if isinstance(env[n], np.ndarray)
+                                        else env[n]) for n in self.decided}
+        return env
+
+    def _run(self, env, backend, step, rows, float16_as_float32, plan, key):
+        if float16_as_float32:
+            for name, value in self.constants32.items():
+                env.setdefault(name, value)
+        else:
+            env.update(self.run_constants)
+            for name, value in self.defaults.items():
+                env.setdefault(name, value)
+        if step or float16_as_float32 or self.widen:
+            for node in plan:
+                node.run(self, env, backend, step, rows, float16_as_float32, key=key)
+            return env
+        # the common case, inlined: a node bound to its table entry (Node.run)
+        env[""] = None  # an omitted input
+        node = None
+        try:
+            for node in plan:
+                fast = node.fast
+                if fast is None:
+                    node.run(self, env, backend, key=key)
+                    continue
+                out = fast(node.get(env)) if node.single else fast(*node.get(env))
+                if type(out) is np.ndarray:
+                    env[node.out] = out
+                elif out is NotImplemented:
+                    node.run(self, env, backend, use_fast=False)
                 else:
-                    outs = self.run_op(node, inputs, step, rows, float16_as_float32)
-            for name, value in zip(node.outputs, outs):
-                if name:
-                    env[name] = value
+                    env[node.out] = out if isinstance(out, list) else np.asarray(out)
+        except (TypeError, ValueError, IndexError) as e:  # NumPy's own complaints
+            if isinstance(e, Error) or node is None:
+                raise
+            raise ShapeError(f"ONNX node {node.ctx.node!r} ({node.op}): {e}") from e
         return env
 
     def run_op(self, node, inputs, step, rows, float16_as_float32):
-        """One node of the op table on its inputs: its outputs, as a list."""
-        ctx = NodeContext(node.ctx.node, node.op, node.ctx.opset, step=step, rows=rows,
-                          num_outputs=len(node.outputs))
-        entry = node.entry
-        if any(is_step(x) for x in inputs) and not entry.in_step:
-            raise ctx.unsupported("this op on a Scan state or scan input inside a Scan body")
-        half = not step and node.op not in _TYPE_OPS and any(
-            isinstance(x, np.ndarray) and x.dtype == np.float16 for x in inputs)
-        if half or float16_as_float32:  # float16 is computed in float32 (DESIGN.md §4)
-            inputs = [x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype == np.float16
-                      else x for x in inputs]
+        """One op node on its inputs: its outputs, as a list. Inside a Scan body
+        being traced, step values go to the node's table entry; an op it cannot
+        trace raises UnsupportedError (the Scan then runs node by node)."""
+        ctx = node.ctx
+        if node.kind != "op":  # the Gradient operator re-running If or Loop
+            raise ctx.unsupported("If and Loop inside the graph a Gradient node differentiates")
+        if step and any(is_step(x) for x in inputs):
+            ctx = NodeContext(ctx.node, node.op, ctx.opset, step=True, rows=rows,
+                              num_outputs=len(node.outputs))
+            if node.table is None or not node.table.in_step:
+                raise ctx.unsupported("this op on a Scan state or scan input inside a Scan body "
+                                      "is not traced")
+            out = self._call(node.table, ctx, inputs, node.attrs)
+            if out is NotImplemented:
+                raise ctx.unsupported("this case on a Scan state or scan input is not traced")
+            return self._outputs(node, out)
+        half = None
+        if node.types is not None and node.op not in _MOVES:
+            half = {j for j, x in enumerate(inputs)
+                    if isinstance(x, np.ndarray) and x.dtype == np.float16}
+            if half:  # float16 is computed in float32 (DESIGN.md §4)
+                inputs = [x.astype(np.float32) if j in half else x for j, x in enumerate(inputs)]
+        out = NotImplemented
+        if node.table is not None:
+            out = self._call(node.table, ctx, inputs, node.attrs)
+        outs = self._outputs(node, out) if out is not NotImplemented else node.reference(*inputs)
+        if half:
+            ins, outs_t = node.types
+            types = {ins[min(j, len(ins) - 1)] for j in half}
+            outs = [y.astype(np.float16) if isinstance(y, np.ndarray) and y.dtype == np.float32
+                    and outs_t[min(k, len(outs_t) - 1)] in types else y
+                    for k, y in enumerate(outs)]
+        return outs
+
+    @staticmethod
+    def _call(entry, ctx, inputs, attrs):
         try:
-            out = entry.run(ctx, *inputs, **node.attrs)
+            return entry.run(ctx, *inputs, **attrs)
         except Error as e:
             if str(e).startswith("ONNX node"):
                 raise
             raise type(e)(f"ONNX node {ctx.node!r} ({ctx.op}): {e}") from e
         except (TypeError, ValueError, IndexError) as e:  # NumPy's own complaints
             raise ShapeError(f"ONNX node {ctx.node!r} ({ctx.op}): {e}") from e
+
+    @staticmethod
+    def _outputs(node, out):
         outs = list(out) if isinstance(out, tuple) else [out]
         if len(outs) < len([n for n in node.outputs if n]):
-            raise ctx.unsupported(f"gives {len(outs)} output(s), the node asks for "
-                                  f"{len(node.outputs)}")
-        outs = [o if is_step(o) else np.asarray(o) for o in outs]
-        if half:
-            outs = [o.astype(np.float16) if o.dtype == np.float32 else o for o in outs]
-        return outs
+            raise node.ctx.unsupported(f"gives {len(outs)} output(s), the node asks for "
+                                       f"{len(node.outputs)}")
+        return [o if is_step(o) or isinstance(o, (np.ndarray, list)) or o is None
+                else np.asarray(o) for o in outs]
+
+
+def _type_is_float16(type_proto) -> bool:
+    onnx = _onnx()
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type":
+        return type_proto.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    if kind in ("sequence_type", "optional_type"):
+        return _type_is_float16(getattr(type_proto, kind).elem_type)
+    if kind == "map_type":
+        return _type_is_float16(type_proto.map_type.value_type)
+    return False
+
+
+def _mentions_float16(graph) -> bool:
+    """Whether a graph (or a subgraph of it) can hold a float16 value: a
+    float16 input, initializer, constant or cast."""
+    onnx = _onnx()
+    half = onnx.TensorProto.FLOAT16
+    for info in list(graph.input) + list(graph.output):
+        if _type_is_float16(info.type):
+            return True
+    if any(t.data_type == half for t in graph.initializer):
+        return True
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH and _mentions_float16(attr.g):
+                return True
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == half:
+                return True
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == half:
+                return True
+            if attr.type == onnx.AttributeProto.TYPE_PROTO and _type_is_float16(attr.tp):
+                return True
+    return False
+
+
+def _read_only(value):
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    return value
+
+
+def _has_decided(graph) -> bool:
+    """Whether a graph or a subgraph of it has nodes its key decides."""
+    return bool(graph.decided) or any(_has_decided(sub) for node in graph.nodes
+                                      for sub in node.subgraphs.values())
+
+
+def _no_widening(graph):
+    """No node of a graph without float16 needs to look for float16 inputs."""
+    graph.widen = False
+    for node in graph.nodes:
+        node.widen = False
+        for sub in node.subgraphs.values():
+            _no_widening(sub)
 
 
 class InferenceSession:
@@ -252,7 +703,32 @@ class InferenceSession:
             raise UnsupportedError("ONNX model imports no version of the default (ai.onnx) domain")
         self.backend = backend
         self.graph = Graph(model.graph, opsets)
+        if not _mentions_float16(model.graph):
+            _no_widening(self.graph)
         self._inputs = [a for a in self.graph.input_args if a.name not in self.graph.initializers]
+        # (name, dtype, declared shape) per tensor input
+        self._checks = [(a.name, self.graph.input_dtypes[a.name], a.shape)
+                        for a in self.graph.input_args if a.type.startswith("tensor(")]
+        self._plan_memo()
+
+    def _plan_memo(self):
+        """Which inputs make the key of the memos (:mod:`stepnet.onnx.static`):
+        the shapes of all, and the values of small integer inputs."""
+        graph = self.graph
+        self._by_value, self._memoized = [], False
+        if any(n.kind == "gradient" for n in graph.nodes):
+            return
+        status = {}
+        for arg in graph.input_args:
+            dtype, shape = graph.input_dtypes[arg.name], arg.shape
+            small = (dtype is not None and np.dtype(dtype).kind in "biu" and shape is not None
+                     and all(isinstance(d, int) and d > 0 for d in shape)
+                     and int(np.prod(shape)) <= SMALL)
+            status[arg.name] = VALUE if small else 1
+            if small:
+                self._by_value.append(arg.name)
+        _, decided = analyse(graph, status)
+        self._memoized = _has_decided(graph)
 
     def get_inputs(self) -> list:
         return list(self._inputs)
@@ -263,15 +739,40 @@ class InferenceSession:
     def run(self, output_names, input_feed, run_options=None):
         """The outputs named (all when ``output_names`` is None or empty), in order."""
         graph = self.graph
-        names = list(output_names) if output_names else list(graph.output_names)
+        names = list(output_names) if output_names else graph.output_names
         for name in names:
             if name not in graph.output_names:
                 raise StepNetError(f"InferenceSession.run: {name!r} is not an output of the model "
                                    f"(outputs: {graph.output_names})")
         env = self._check_feeds(input_feed)
         backend = self.backend or default_backend()
-        graph.run(env, backend)
-        return [np.asarray(env[n]) for n in names]
+        if not _BLAS_THREADS:
+            _BLAS_THREADS.append(_numpy_blas_threads())
+        set_threads = _BLAS_THREADS[0]
+        previous = set_threads(1) if set_threads is not None else None
+        try:
+            self._run(env, backend)
+        finally:
+            if set_threads is not None:
+                set_threads(previous)
+        return [self._output(env[n]) for n in names]
+
+    @staticmethod
+    def _output(value):
+        """An output as the caller gets it: a copy where it is (a view of) one
+        of the session's constants or memoized values (read-only: the next
+        run reuses them)."""
+        if isinstance(value, np.ndarray):
+            return value if value.flags.writeable else value.copy()
+        return value if isinstance(value, list) or value is None else np.asarray(value)
+
+    def _run(self, env, backend):
+        key = None
+        if self._memoized:
+            key = tuple((n, v.shape, v.dtype.str) if isinstance(v, np.ndarray) else (n, id(v))
+                        for n, v in env.items())
+            key += tuple(env[n].tobytes() for n in self._by_value if n in env)
+        self.graph.run(env, backend, key=key)
 
     def _check_feeds(self, feeds) -> dict:
         graph = self.graph
@@ -283,19 +784,25 @@ class InferenceSession:
             if name not in graph.input_dtypes:
                 raise StepNetError(f"InferenceSession.run: {name!r} is not an input of the model "
                                    f"(inputs: {[a.name for a in self._inputs]})")
-            value = np.asarray(value)
-            arg = next(a for a in graph.input_args if a.name == name)
-            dtype = graph.input_dtypes[name]
-            if dtype is not None and value.dtype != dtype:
-                raise ShapeError(f"InferenceSession.run: input {name!r} has dtype {value.dtype}, "
-                                 f"the model declares {arg.type}")
-            if arg.shape is not None:
-                if value.ndim != len(arg.shape) or any(
-                        isinstance(d, int) and d > 0 and d != v for d, v in zip(arg.shape, value.shape)):
-                    raise ShapeError(f"InferenceSession.run: input {name!r} has shape "
-                                     f"{list(value.shape)}, the model declares {arg.shape}")
             env[name] = value
+        for name, dtype, shape in self._checks:
+            if name not in env:
+                continue
+            value = env[name]
+            if not isinstance(value, np.ndarray):
+                value = env[name] = np.asarray(value)
+            if dtype is not None and value.dtype != dtype and value.dtype != object:
+                raise ShapeError(f"InferenceSession.run: input {name!r} has dtype {value.dtype}, "
+                                 f"the model declares {_type_string_of(dtype)}")
+            if shape is not None and (value.ndim != len(shape) or any(
+                    isinstance(d, int) and d > 0 and d != v for d, v in zip(shape, value.shape))):
+                raise ShapeError(f"InferenceSession.run: input {name!r} has shape "
+                                 f"{list(value.shape)}, the model declares {shape}")
         missing = [a.name for a in self._inputs if a.name not in env]
         if missing:
             raise StepNetError(f"InferenceSession.run: no value fed for input(s) {missing}")
         return env
+
+
+def _type_string_of(dtype) -> str:
+    return f"tensor({_TYPE_NAMES.get(np.dtype(dtype), str(dtype))})"
