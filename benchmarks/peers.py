@@ -267,11 +267,12 @@ def stepnet_lstm(wl):
     return run
 
 
-def _sn_custom_rnn(sn, wl):
-    """W5's cell as a step-net, and its input."""
+def sn_custom_rnn(sn, wl, last_too=False):
+    """W5's cell as a step-net, and its input; ``last_too``: a second output,
+    the same state (every step's and the last, from one run)."""
     X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
     p = {k: _sn_param(sn, v, k) for k, v in wl.weights.items()}
-    rnn = sn.create_rnn_op(output_num=1)
+    rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x = rnn.add_input(X, name="x")
         h = rnn.add_memory(shape=[wl.dims["H"]], name="h")
@@ -280,12 +281,12 @@ def _sn_custom_rnn(sn, wl):
         r = sn.ops.sigmoid(x @ p["Wr"] + hp @ p["Ur"] + p["br"])
         cand = p["s"] * sn.ops.tanh(x @ p["Wx"] + (r * hp) @ p["Wh"] + p["b"])
         h.update((1 - z) * hp + z * cand + 0.1 * (x @ p["P"]))
-        rnn.add_outputs(h)
+        rnn.add_outputs(*([h, h] if last_too else [h]))
     return rnn, X
 
 
 def _sn_custom_run(sn, wl, backend):
-    rnn, X = _sn_custom_rnn(sn, wl)
+    rnn, X = sn_custom_rnn(sn, wl)
     f = rnn.compile(backend)
     last = _sn_last_rows(X.lod[-1])
 
@@ -434,7 +435,7 @@ def stepnet_nn_gru_train_inference(wl):
 
 
 class _SnCustomTraining:
-    """W9 for W5's step-net (``_sn_custom_rnn``): the step-net, its input, the
+    """W9 for W5's step-net (``sn_custom_rnn``): the step-net, its input, the
     upstream gradient of its all-steps output (rows in the input's order) and
     ``wrt`` (every Parameter, then the input ``"x"``).
 
@@ -454,7 +455,7 @@ class _SnCustomTraining:
         import stepnet as sn
 
         self.sn, self.wl = sn, wl
-        self.rnn, self.X = _sn_custom_rnn(sn, wl)
+        self.rnn, self.X = sn_custom_rnn(sn, wl)
         self.params = self.rnn.parameters()
         self.wrt = self.params + ["x"]
         self.grad_outputs = [np.ascontiguousarray(wl.extra["dY"].reshape(-1, wl.dims["H"]))]
@@ -984,7 +985,7 @@ def _w5_scan_model(wl):
     """W5's cell exported by stepnet as an ONNX Scan model, and its feeds."""
     import stepnet as sn
 
-    rnn, X = _sn_custom_rnn(sn, wl)
+    rnn, X = sn_custom_rnn(sn, wl)
     padded, lengths = X.to_padded()
     return sn.onnx.export(rnn, output_all_steps=False), {"x": padded, "lengths": lengths}
 

@@ -1,0 +1,824 @@
+"""stepnet inside PyTorch: a step-net or a ``stepnet.nn`` layer as a
+``torch.nn.Module``, trained by ``torch.optim``.
+
+``Module(layer)`` is called like the matching torch module and returns what
+it returns::
+
+    import torch, stepnet as sn, stepnet.torch
+    g = torch.nn.GRU(8, 16, batch_first=True)
+    m = stepnet.torch.Module(sn.nn.GRU.from_torch(g))      # batch_first=True
+    y, h_n = m(torch.randn(4, 10, 8))                        # as g(x) gives
+
+``Module(rnn)`` takes a step-net's inputs by name as torch tensors: a LoD input
+as a ``PackedSequence``, as ``(padded, lengths)`` or as ``(rows, lod)``, initial
+memories and static inputs as tensors; all-steps outputs come back in the
+layout their input came in, last-step outputs as ``[num_seq, ...]``.
+
+The module's parameters are ``torch.nn.Parameter``s sharing memory with the
+stepnet ``Parameter``s, so ``torch.optim`` updates what stepnet computes with.
+The forward runs on stepnet's backend (Numba by default); when autograd
+records, it keeps the workspace and the backward is ``sn.vjp``'s pullback;
+under ``torch.no_grad()`` nothing is kept. See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import LoDError, ShapeError, StepNetError, UnsupportedError, optional_import
+
+torch = optional_import("torch", "stepnet.torch", "pip install torch==2.13.0")
+
+from torch.autograd.function import once_differentiable  # noqa: E402
+from torch.nn.utils.rnn import PackedSequence  # noqa: E402
+
+from . import dsl  # noqa: E402
+from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
+from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
+from .pullback import vjp  # noqa: E402
+
+__all__ = ["LayerModule", "Module", "StepNetModule"]
+
+_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                 np.dtype(np.float64): torch.float64}
+_NUMPY_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
+_LAYERS = (RNN, GRU, LSTM)  # AUGRU is a GRU
+
+
+# ----------------------------------------------------------------------------
+# layouts: where each row of a one-level LoD lies in the caller's tensor
+
+
+class _Layout:
+    """How the rows of a one-level LoD (caller's sequence order, each
+    sequence's steps in order) lie in the caller's tensor.
+
+    ``kind`` is ``"padded"`` (``[B, T, ...]`` batch-first), ``"packed"``
+    (a ``PackedSequence``'s data) or ``"rows"`` (the LoD's own rows).
+    ``index`` gives, for each LoD row, its row in the caller's tensor
+    flattened to ``[rows, ...]`` (``None``: the same row).
+    """
+
+    def __init__(self, kind, levels, index=None, padded_shape=None, packed=None):
+        self.kind = kind
+        self.levels = levels  # the LoD's offset levels
+        self.index = index
+        self.padded_shape = padded_shape  # (B, T) for "padded"
+        self.packed = packed  # the PackedSequence that came in, for "packed"
+
+    @property
+    def caller_rows(self):
+        if self.kind == "padded":
+            return self.padded_shape[0] * self.padded_shape[1]
+        if self.kind == "packed":
+            return int(self.packed.data.shape[0])
+        return int(self.levels[-1][-1])
+
+    def gather(self, array):
+        """The caller's tensor (as an array) to LoD rows."""
+        flat = array.reshape((self.caller_rows,) + array.shape[2 if self.kind == "padded" else 1:])
+        if self.index is None:
+            return np.ascontiguousarray(flat)
+        return flat[self.index]
+
+    def scatter(self, rows):
+        """LoD rows to an array in the caller's layout (zeros where padding)."""
+        features = rows.shape[1:]
+        if self.index is None:
+            out = rows
+        else:
+            make = np.empty if self.kind == "packed" else np.zeros  # packed rows are all tokens
+            out = make((self.caller_rows,) + features, rows.dtype)
+            out[self.index] = rows
+        if self.kind == "padded":
+            return out.reshape(tuple(self.padded_shape) + features)
+        return out
+
+    def wrap(self, data):
+        """An output tensor in the caller's form (a PackedSequence for packed)."""
+        if self.kind == "packed":
+            p = self.packed
+            return PackedSequence(data, p.batch_sizes, p.sorted_indices, p.unsorted_indices)
+        if self.kind == "rows":
+            return data, [level.tolist() for level in self.levels]
+        return data
+
+
+def _padded_layout(shape, lengths, what):
+    """A ``[B, T, ...]`` tensor; ``lengths`` None: every sequence T steps."""
+    B, T = int(shape[0]), int(shape[1])
+    if lengths is None:
+        lens = np.full(B, T, np.int64)
+    else:
+        lens = _lengths_array(lengths, what)
+        if lens.shape != (B,):
+            raise ShapeError(f"{what}: lengths has {lens.size} entries for {B} sequences "
+                             f"(the padded tensor is {list(shape)})")
+        bad = np.flatnonzero((lens < 0) | (lens > T))
+        if bad.size:
+            i = int(bad[0])
+            raise ShapeError(f"{what}: lengths[{i}] = {int(lens[i])} is outside [0, {T}] "
+                             f"(the padded tensor has {T} steps)")
+    index = None
+    if not np.all(lens == T):
+        index = np.flatnonzero((np.arange(T) < lens[:, None]).ravel())
+    return _Layout("padded", (offsets_from_lengths(lens),), index, (B, T))
+
+
+def _packed_layout(packed, what):
+    """A PackedSequence: rows in the caller's order (``unsorted_indices``), so
+    initial and final states need no permutation."""
+    if packed.batch_sizes.device.type != "cpu":
+        raise ShapeError(f"{what}: batch_sizes must be on the CPU")
+    sizes = packed.batch_sizes.numpy().astype(np.int64)
+    steps = sizes.size
+    batch = int(sizes[0]) if steps else 0
+    # a sorted sequence s has as many steps as there are batch sizes above s
+    sorted_lengths = steps - np.searchsorted(sizes[::-1], np.arange(batch), side="right")
+    if packed.unsorted_indices is None:
+        position = np.arange(batch)
+    else:
+        position = packed.unsorted_indices.cpu().numpy().astype(np.int64)
+    lengths = sorted_lengths[position]
+    offsets = offsets_from_lengths(lengths)
+    step = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
+    first_row = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    index = first_row[step] + np.repeat(position, lengths)
+    return _Layout("packed", (offsets,), index, packed=packed)
+
+
+def _rows_layout(rows, lod, what):
+    try:
+        levels = LoDTensor(np.empty((rows.shape[0], 0)), lod).levels
+    except LoDError as exc:
+        raise ShapeError(f"{what}: {exc}") from None
+    return _Layout("rows", levels)
+
+
+def _lengths_array(lengths, what):
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.detach().cpu().numpy()
+    lens = np.asarray(lengths)
+    if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
+        raise ShapeError(f"{what}: lengths must be a 1-D sequence of integers, got "
+                         f"{lens.dtype} of shape {list(lens.shape)}")
+    return lens.astype(np.int64)
+
+
+def _is_lod_levels(value):
+    """A list of offset levels (``[[0, 2, 5], ...]``), told from lengths."""
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(level, (list, tuple, np.ndarray)) for level in value))
+
+
+# ----------------------------------------------------------------------------
+# tensors and arrays
+
+
+def _check_tensor(t, what, dtype=None):
+    if not isinstance(t, torch.Tensor):
+        raise ShapeError(f"{what}: expects a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise UnsupportedError(f"{what}: is on {t.device}; stepnet.torch runs on CPU tensors "
+                               "(move it with .cpu())")
+    if dtype is not None and t.dtype != dtype:
+        raise ShapeError(f"{what}: has dtype {t.dtype}, the stepnet net computes in {dtype}; "
+                         f"cast it (.to({dtype}))")
+    elif t.dtype not in _NUMPY_DTYPES:
+        raise ShapeError(f"{what}: dtype {t.dtype} is not float16, float32 or float64")
+    return t
+
+
+def _array(t):
+    """A tensor's memory as an ndarray (no copy)."""
+    return t.detach().numpy()
+
+
+def _tensor(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _grad_array(g):
+    return None if g is None else _array(g)
+
+
+def _data_pointer(a):
+    return a.__array_interface__["data"][0]
+
+
+# ----------------------------------------------------------------------------
+# the autograd function: forward once keeping the workspace, backward by the pullback
+
+
+class _Bridge(torch.autograd.Function):
+    """``apply(call, *tensors)``: ``call.forward()`` runs stepnet (``tensors``
+    are the inputs and parameters it reads, passed so that autograd links
+    them); ``call.backward(grads, needs)`` runs the pullback."""
+
+    @staticmethod
+    def forward(ctx, call, *tensors):
+        ctx.set_materialize_grads(False)  # None stands for zeros: the pullback skips them
+        ctx.call = call
+        ctx.save_for_backward(*tensors)  # modified in place before backward: torch refuses
+        return call.forward()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        ctx.saved_tensors  # noqa: B018 - checks that no input changed in place since
+        return (None,) + tuple(ctx.call.backward(grads, ctx.needs_input_grad[1:]))
+
+
+def _records(tensors):
+    """Whether autograd records this call."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------
+# the module
+
+
+class Module(torch.nn.Module):
+    """A stepnet layer or step-net as a ``torch.nn.Module``.
+
+    ``Module(layer, batch_first=True, backend=None)`` (a ``stepnet.nn`` RNN,
+    GRU, LSTM or AUGRU) is a :class:`LayerModule`; ``Module(rnn,
+    output_all_steps=True, batch_first=True, backend=None)`` (a top-level
+    step-net) is a :class:`StepNetModule`.
+
+    >>> import torch, stepnet as sn, stepnet.torch
+    >>> m = stepnet.torch.Module(sn.nn.GRU(3, 5, seed=0))
+    >>> y, h_n = m(torch.zeros(2, 4, 3))
+    >>> tuple(y.shape), tuple(h_n.shape)
+    ((2, 4, 5), (1, 2, 5))
+    """
+
+    def __new__(cls, net=None, *args, **kwargs):
+        if cls is Module:
+            if isinstance(net, _LAYERS):
+                cls = LayerModule
+            elif isinstance(net, dsl.RNNOp):
+                cls = StepNetModule
+            else:
+                raise StepNetError(f"stepnet.torch.Module: expects a stepnet.nn layer or a "
+                                   f"step-net (sn.create_rnn_op), got {type(net).__name__}")
+        return super().__new__(cls)
+
+    def __init__(self, net, *, batch_first=True, backend=None):
+        super().__init__()
+        self.wrapped = net
+        self.batch_first = bool(batch_first)
+        self.backend = backend
+        self._register_stepnet_parameters()
+
+    # -- parameters ----------------------------------------------------------
+
+    def _stepnet_parameters(self):
+        return self.wrapped.parameters()
+
+    def _register_stepnet_parameters(self):
+        """One torch Parameter per stepnet Parameter, on the same memory."""
+        self._links = []  # (torch name, stepnet Parameter, dtype it must keep)
+        taken = set()
+        for i, p in enumerate(self._stepnet_parameters()):
+            name = (p.name or f"param{i}").replace(".", "_")
+            base, k = name, 1
+            while name in taken or hasattr(self, name):
+                name, k = f"{base}_{k}", k + 1
+            taken.add(name)
+            if not (p.value.flags.c_contiguous and p.value.flags.writeable):
+                p.value = np.array(p.value, order="C")  # torch shares only plain memory
+            self.register_parameter(name, torch.nn.Parameter(torch.from_numpy(p.value)))
+            self._links.append((name, p, p.value.dtype))
+
+    def stepnet_parameter(self, name):
+        """The stepnet ``Parameter`` behind the torch parameter ``name``."""
+        for torch_name, p, _ in self._links:
+            if torch_name == name:
+                return p
+        raise StepNetError(f"{name!r} is not a parameter of this module; its parameters are "
+                           f"{[n for n, _, _ in self._links]}")
+
+    def _sync(self):
+        """Point each stepnet Parameter at its torch parameter's memory (torch
+        owns it: ``param.data = ...``, ``load_state_dict``, a deep copy or a
+        pickle round trip may have moved it)."""
+        for name, p, dtype in self._links:
+            t = self._parameters.get(name)
+            if t is None:
+                raise StepNetError(f"parameter {name!r} was removed from the module")
+            if t.device.type != "cpu":
+                raise UnsupportedError(f"parameter {name!r} is on {t.device}; stepnet.torch "
+                                       "runs on CPU tensors")
+            if t.dtype != _TORCH_DTYPES.get(np.dtype(dtype)):
+                raise ShapeError(f"parameter {name!r} has dtype {t.dtype}; the stepnet net "
+                                 f"computes in {np.dtype(dtype)} (change dtypes with module.to)")
+            if tuple(t.shape) != p.value.shape:
+                raise ShapeError(f"parameter {name!r} has shape {list(t.shape)}; the stepnet "
+                                 f"net was built with {list(p.value.shape)}")
+            if not t.is_contiguous():
+                t.data = t.data.contiguous()
+            if t.data_ptr() != _data_pointer(p.value) or not p.value.flags.c_contiguous:
+                p.value = _array(t)
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)``, ``.double()``, ``.cuda()`` ...: refused before
+        anything changes unless the result stays on the CPU in a dtype stepnet
+        computes in (see ``_retype``)."""
+        for dtype in {d for _, _, d in self._links}:
+            probe = fn(torch.empty(0, dtype=_TORCH_DTYPES[np.dtype(dtype)]))
+            if probe.device.type != "cpu":
+                raise UnsupportedError(f"stepnet.torch.Module runs on the CPU; it cannot move "
+                                       f"to {probe.device} (stepnet's CUDA backend takes arrays, "
+                                       "see docs/cuda.md)")
+            if probe.dtype != _TORCH_DTYPES[np.dtype(dtype)]:
+                self._check_retype(probe.dtype)
+        out = super()._apply(fn, recurse)
+        changed = [self._parameters[name].dtype for name, _, dtype in self._links
+                   if self._parameters[name].dtype != _TORCH_DTYPES[np.dtype(dtype)]]
+        if changed:
+            self._retype(changed[0])
+        self._sync()
+        return out
+
+    def _check_retype(self, dtype):
+        """Refuse (raise) a change of the parameters' dtype to ``dtype``."""
+        raise NotImplementedError
+
+    def _retype(self, dtype):
+        """Follow the torch parameters, converted to ``dtype``."""
+        raise NotImplementedError
+
+
+class LayerModule(Module):
+    """A ``stepnet.nn`` layer called like the matching torch module:
+    ``module(input, hx=None)`` (AUGRU: ``module(input, attention, hx=None)``).
+
+    ``input`` is ``[B, T, I]`` (``batch_first=True``, the default), ``[T, B, I]``
+    (``batch_first=False``), ``[T, I]`` (one sequence) or a ``PackedSequence``;
+    ``hx`` is ``[num_layers * num_directions, B, H]`` (LSTM: a pair ``(h_0,
+    c_0)``), ``[L*D, H]`` for one sequence. Returns ``output, h_n`` (LSTM:
+    ``output, (h_n, c_n)``), ``output`` a ``PackedSequence`` when one came in.
+    As in torch, a padded tensor is run over all its T steps.
+    """
+
+    def __init__(self, layer, *, batch_first=True, backend=None):
+        if not isinstance(layer, _LAYERS):
+            raise StepNetError(f"LayerModule: expects a stepnet.nn layer, got {type(layer).__name__}")
+        super().__init__(layer, batch_first=batch_first, backend=backend)
+
+    @property
+    def layer(self):
+        return self.wrapped
+
+    def extra_repr(self):
+        return f"{self.wrapped!r}, batch_first={self.batch_first}"
+
+    # -- dtype changes: the layer is built again in the new dtype --------------
+
+    def _check_retype(self, dtype):
+        if dtype not in (torch.float32, torch.float64):
+            raise UnsupportedError(f"{type(self.wrapped).__name__} computes in float32 or "
+                                   f"float64, not {dtype}")
+
+    def _retype(self, dtype):
+        """The same layer in ``dtype``, its Parameters on the converted torch
+        parameters' memory (the torch Parameters stay the same objects)."""
+        old = self.wrapped
+        new = type(old)(old.input_size, old.hidden_size, **_layer_options(old, _NUMPY_DTYPES[dtype]))
+        fresh = new.parameters()
+        if len(fresh) != len(self._links):
+            raise AssertionError("the rebuilt layer has other parameters")
+        links = []
+        for (name, _, _), p in zip(self._links, fresh):
+            t = self._parameters[name]
+            if tuple(t.shape) != p.value.shape:
+                raise AssertionError(f"rebuilt parameter {name} has another shape")
+            p.value = _array(t)
+            links.append((name, p, p.value.dtype))
+        self.wrapped, self._links = new, links
+
+    # -- forward -----------------------------------------------------------------
+
+    @torch.compiler.disable  # a model under torch.compile runs the bridge as it is
+    def forward(self, input, *args, **kwargs):
+        layer = self.wrapped
+        if isinstance(layer, AUGRU):
+            attention, hx = _augru_arguments(args, kwargs)
+        else:
+            if len(args) > 1 or set(kwargs) - {"hx"} or (args and "hx" in kwargs):
+                raise StepNetError(f"{type(layer).__name__} module: called as module(input, "
+                                   "hx=None)")
+            attention, hx = None, (args[0] if args else kwargs.get("hx"))
+        self._sync()
+        dtype = _TORCH_DTYPES[np.dtype(layer.dtype)]
+        name = type(layer).__name__
+        packed = isinstance(input, PackedSequence)
+        unbatched = False
+        if packed:
+            data = _check_tensor(input.data, f"{name}: input", dtype)
+            if data.dim() != 2 or data.shape[1] != layer.input_size:
+                raise ShapeError(f"{name}: the PackedSequence's data has shape "
+                                 f"{list(data.shape)}, expected [tokens, {layer.input_size}]")
+            layout = _packed_layout(input, f"{name}: input")
+        else:
+            data = _check_tensor(input, f"{name}: input", dtype)
+            if data.dim() not in (2, 3) or data.shape[-1] != layer.input_size:
+                raise ShapeError(
+                    f"{name}: input has shape {list(data.shape)}, expected "
+                    f"{'[B, T' if self.batch_first else '[T, B'}, {layer.input_size}] or "
+                    f"[T, {layer.input_size}] (input_size {layer.input_size})")
+            unbatched = data.dim() == 2
+            if unbatched:
+                data = data.unsqueeze(0)
+            elif not self.batch_first:
+                data = data.transpose(0, 1)
+            layout = _padded_layout(data.shape, None, f"{name}: input")
+        B = len(layout.levels[0]) - 1
+        states = self._check_hx(hx, B, unbatched, dtype)
+        if attention is not None:
+            attention = self._check_attention(attention, packed, unbatched, layout, dtype)
+        tensors = [data] + ([attention] if attention is not None else []) + \
+            [s for s in states if s is not None]
+        call = _LayerCall(self, layout, data, attention, states)
+        params = [self._parameters[n] for n, _, _ in self._links]
+        if _records(tensors + params):
+            outs = _Bridge.apply(call, *tensors, *params)
+        else:
+            outs = call.forward(keep=False)
+        output, finals = outs[0], list(outs[1:])
+        if packed:
+            output = layout.wrap(output)
+        elif unbatched:
+            output, finals = output.squeeze(0), [f.squeeze(1) for f in finals]
+        elif not self.batch_first:
+            output = output.transpose(0, 1).contiguous()
+        return (output, tuple(finals)) if isinstance(layer, LSTM) else (output, finals[0])
+
+    def _check_hx(self, hx, B, unbatched, dtype):
+        layer = self.wrapped
+        name = type(layer).__name__
+        widths = layer.state_widths()
+        if hx is None:
+            return [None] * len(widths)
+        if isinstance(layer, LSTM):
+            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+                raise ShapeError(f"{name}: hx must be a pair (h_0, c_0), got {type(hx).__name__}")
+            given = list(hx)
+        else:
+            given = [hx]
+        states = []
+        LD = layer.num_layers * layer.num_directions
+        for what, t, w in zip(("h_0", "c_0"), given, widths):
+            t = _check_tensor(t, f"{name}: {what}", dtype)
+            expected = (LD, w) if unbatched else (LD, B, w)
+            if tuple(t.shape) != expected:
+                width = "proj_size" if w != layer.hidden_size else "hidden_size"
+                raise ShapeError(f"{name}: {what} has shape {list(t.shape)}, expected "
+                                 f"{list(expected)} ([num_layers * num_directions, "
+                                 f"{'' if unbatched else 'B, '}{width}])")
+            states.append(t.unsqueeze(1) if unbatched else t)
+        return states
+
+    def _check_attention(self, attention, packed, unbatched, layout, dtype):
+        name = type(self.wrapped).__name__
+        if packed != isinstance(attention, PackedSequence):
+            raise ShapeError(f"{name}: attention must be a PackedSequence exactly when the "
+                             "input is one")
+        if packed:
+            if not torch.equal(attention.batch_sizes, layout.packed.batch_sizes) or (
+                    (attention.unsorted_indices is None) != (layout.packed.unsorted_indices is None)
+                    or (attention.unsorted_indices is not None and not torch.equal(
+                        attention.unsorted_indices, layout.packed.unsorted_indices))):
+                raise ShapeError(f"{name}: attention is packed with other lengths or order "
+                                 "than the input")
+            a = _check_tensor(attention.data, f"{name}: attention", dtype)
+            if a.shape[0] != layout.caller_rows or a.numel() != a.shape[0]:
+                raise ShapeError(f"{name}: attention's data has shape {list(a.shape)}, expected "
+                                 f"[{layout.caller_rows}] or [{layout.caller_rows}, 1]")
+            return a
+        a = _check_tensor(attention, f"{name}: attention", dtype)
+        if unbatched:
+            a = a.unsqueeze(0)
+        elif not self.batch_first:
+            a = a.transpose(0, 1)
+        B, T = layout.padded_shape
+        if tuple(a.shape[:2]) != (B, T) or a.numel() != B * T:
+            raise ShapeError(f"{name}: attention has shape {list(attention.shape)}, expected one "
+                             f"score per input step ({'[B, T]' if self.batch_first else '[T, B]'}"
+                             f" = {[B, T] if self.batch_first else [T, B]}, or with a last "
+                             "dimension of 1)")
+        return a
+
+
+def _augru_arguments(args, kwargs):
+    kwargs = dict(kwargs)
+    names = ["attention", "hx"]
+    values = dict(zip(names, args))
+    for k in list(kwargs):
+        if k not in names or k in values:
+            raise StepNetError("AUGRU module: called as module(input, attention, hx=None)")
+        values[k] = kwargs.pop(k)
+    if len(args) > 2 or "attention" not in values:
+        raise StepNetError("AUGRU module: called as module(input, attention, hx=None)")
+    return values["attention"], values.get("hx")
+
+
+def _layer_options(layer, dtype):
+    """The keyword arguments that build ``layer`` again (in ``dtype``)."""
+    options = {
+        "num_layers": layer.num_layers,
+        "direction": layer.direction,
+        "combine": layer.combine,
+        "activations": list(layer.activations),
+        "activation_alpha": layer.activation_alpha,
+        "activation_beta": layer.activation_beta,
+        "clip": layer.clip,
+        "dtype": dtype,
+    }
+    if isinstance(layer, RNN):
+        options["nonlinearity"] = layer.nonlinearity
+    elif isinstance(layer, GRU):
+        options["linear_before_reset"] = layer.linear_before_reset
+    else:
+        options.update(peephole=layer.peephole, proj_size=layer.proj_size,
+                       input_forget=layer.input_forget)
+    return options
+
+
+class _LayerCall:
+    """One call of a layer: its inputs as arrays, the run, its pullback."""
+
+    def __init__(self, module, layout, data, attention, states):
+        self.module = module
+        self.layout = layout
+        self.data = data
+        self.attention = attention
+        self.states = states
+        self.pullback = None
+
+    def _arguments(self):
+        layer, layout = self.module.wrapped, self.layout
+        X = LoDTensor(layout.gather(_array(self.data)), layout.levels)
+        args = [X]
+        if self.attention is not None:  # one score per token: [tokens, 1]
+            a = _array(self.attention)
+            steps = a.shape[:2] if layout.kind == "padded" else a.shape[:1]
+            args.append(LoDTensor(layout.gather(a.reshape(steps + (1,))), layout.levels))
+        states = [None if s is None else _array(s) for s in self.states]
+        if isinstance(layer, LSTM):
+            args.append(tuple(states) if any(s is not None for s in states) else None)
+        else:
+            args.append(states[0])
+        return args
+
+    def forward(self, keep=True):
+        layer = self.module.wrapped
+        args = self._arguments()
+        backend = self.module.backend
+        if keep:
+            outs, self.pullback = vjp(layer, *args, backend=backend)
+            if getattr(layer, "_workspace", None) is self.pullback:
+                layer._workspace = None  # held by this call's autograd node only
+        else:
+            outs = layer(*args, backend=backend)
+        Y, finals = outs
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        return (_tensor(self.layout.scatter(Y.data)),) + tuple(_tensor(f) for f in finals)
+
+    def backward(self, grads, needs):
+        layout = self.layout
+        dY = grads[0]
+        cts = [None if dY is None else layout.gather(_array(dY))]
+        cts += [_grad_array(g) for g in grads[1:]]
+        given = [("X", self.data)]
+        if self.attention is not None:
+            given.append(("attention", self.attention))
+        given += [(n, s) for n, s in zip(("h0", "c0"), self.states) if s is not None]
+        params = [p for _, p, _ in self.module._links]
+        inputs_needed = [name for (name, _), need in zip(given, needs) if need]
+        params_needed = needs[len(given):]
+        wrt = inputs_needed + [p for p, need in zip(params, params_needed) if need]
+        if not wrt:
+            return [None] * len(needs)
+        found = iter(self.pullback(cts, wrt=wrt))
+        out = []
+        for (name, t), need in zip(given, needs):
+            if not need:
+                out.append(None)
+            elif name in ("X", "attention"):
+                out.append(_tensor(layout.scatter(next(found)).reshape(t.shape)))
+            else:
+                out.append(_tensor(next(found)))
+        out += [_tensor(next(found)) if need else None for need in params_needed]
+        return out
+
+
+class StepNetModule(Module):
+    """A top-level step-net as a torch module: ``module(**inputs)`` takes the
+    step-net's inputs by name as torch tensors (a LoD input as a
+    ``PackedSequence``, ``(padded, lengths)`` or ``(rows, lod)``) and returns
+    its outputs: one, or a tuple in ``add_outputs`` order.
+
+    An all-steps output comes back in the layout of the first LoD input: a
+    ``PackedSequence``, a padded tensor (zeros past each length), or
+    ``(rows, lod)``; a last-step output is ``[num_seq, ...]`` in the caller's
+    sequence order. ``output_all_steps`` (one flag or one per output) is fixed
+    when the module is made.
+    """
+
+    def __init__(self, rnn, output_all_steps=True, *, batch_first=True, backend=None):
+        if not isinstance(rnn, dsl.RNNOp):
+            raise StepNetError(f"StepNetModule: expects a step-net, got {type(rnn).__name__}")
+        if rnn.block is None:
+            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        if not rnn._top:
+            raise StepNetError(f"{rnn.name} is a nested step-net; wrap its enclosing one")
+        flags = rnn.all_steps_flags(output_all_steps)
+        super().__init__(rnn, batch_first=batch_first, backend=backend)
+        self.flags = flags
+
+    @property
+    def rnn(self):
+        return self.wrapped
+
+    def _check_retype(self, dtype):
+        traced = sorted({np.dtype(d).name for _, _, d in self._links})
+        raise UnsupportedError(
+            f"step-net {self.wrapped.name} computes in {', '.join(traced)}: a step-net's dtypes "
+            f"are fixed when it is defined; define it again with {dtype} inputs and Parameters")
+
+    def extra_repr(self):
+        inputs = ", ".join(f"{n}: {b.kind}" for n, b in self.wrapped.bindings.items())
+        return f"{self.wrapped.name}({inputs}), output_all_steps={self.flags}"
+
+    @torch.compiler.disable  # a model under torch.compile runs the bridge as it is
+    def forward(self, **inputs):
+        rnn = self.wrapped
+        unknown = set(inputs) - set(rnn.bindings)
+        if unknown:
+            raise StepNetError(f"unknown input name(s) {sorted(unknown)}; {rnn.name} takes "
+                               f"{sorted(rnn.bindings)}")
+        self._sync()
+        bindings, tensors, names, layouts = {}, [], [], {}
+        layout = None
+        for name, value in inputs.items():
+            b = rnn.bindings[name]
+            dtype = _TORCH_DTYPES[np.dtype(b.var.dtype)]
+            what = f"input {name}"
+            if b.kind == "sequence":
+                t, lay = self._sequence_input(value, b, what, dtype)
+                layouts[name] = lay
+                layout = layout or lay
+                bindings[name] = (t, lay)
+            else:
+                if isinstance(value, (int, float, np.ndarray)):
+                    bindings[name] = value  # a constant: no gradient
+                    continue
+                t = _check_tensor(value, what, dtype)
+                bindings[name] = t
+            tensors.append(t)
+            names.append(name)
+        call = _StepNetCall(self, bindings, names, layouts)
+        params = [self._parameters[n] for n, _, _ in self._links]
+        if _records(tensors + params):
+            outs = _Bridge.apply(call, *tensors, *params)
+        else:
+            outs = call.forward(keep=False)
+        results = []
+        for out, flag, lay in zip(outs, self.flags, call.out_layouts):
+            if flag and lay is not None:
+                out = lay.wrap(out)
+                if lay.kind == "padded" and not self.batch_first:
+                    out = out.transpose(0, 1).contiguous()
+            elif flag:
+                out = (out, call.out_lods.pop(0))
+            results.append(out)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _sequence_input(self, value, b, what, dtype):
+        features = tuple(b.var.shape[1:])
+        depth = b.var.lod_depth
+        if isinstance(value, PackedSequence):
+            if depth != 1:
+                raise ShapeError(f"{what}: a PackedSequence has one LoD level; {what} was defined "
+                                 f"with {depth} (pass (rows, lod))")
+            t = _check_tensor(value.data, what, dtype)
+            lay = _packed_layout(value, what)
+            shape = tuple(t.shape[1:])
+        elif isinstance(value, (tuple, list)) and len(value) == 2:
+            t, second = value
+            t = _check_tensor(t, what, dtype)
+            if _is_lod_levels(second):
+                lay = _rows_layout(t, second, what)
+                if len(lay.levels) != depth:
+                    raise ShapeError(f"{what}: lod has {len(lay.levels)} level(s); {what} was "
+                                     f"defined with {depth}")
+                shape = tuple(t.shape[1:])
+            else:
+                if depth != 1:
+                    raise ShapeError(f"{what}: (padded, lengths) has one LoD level; {what} was "
+                                     f"defined with {depth} (pass (rows, lod))")
+                if t.dim() < 2:
+                    raise ShapeError(f"{what}: the padded tensor has shape {list(t.shape)}, "
+                                     f"expected {'[B, T' if self.batch_first else '[T, B'}, ...]")
+                if not self.batch_first:
+                    t = t.transpose(0, 1)
+                lay = _padded_layout(t.shape, second, what)
+                shape = tuple(t.shape[2:])
+        else:
+            raise ShapeError(f"{what}: a LoD input is given as a PackedSequence, (padded, lengths) "
+                             f"or (rows, lod); got {type(value).__name__}")
+        if shape != features:
+            raise ShapeError(f"{what}: has feature shape {list(shape)}; it was defined with "
+                             f"{list(features)}")
+        return t, lay
+
+
+class _StepNetCall:
+    """One call of a step-net: its inputs as stepnet values, the run, its
+    pullback."""
+
+    def __init__(self, module, bindings, names, layouts):
+        self.module = module
+        self.bindings = bindings
+        self.names = names  # the inputs given as tensors, in the order passed to autograd
+        self.layouts = layouts
+        self.pullback = None
+        first = next(iter(layouts.values()), None)
+        self.out_layouts = []
+        self.out_lods = []
+        self._first = first
+
+    def _values(self):
+        values = {}
+        for name, v in self.bindings.items():
+            if isinstance(v, tuple):
+                t, lay = v
+                values[name] = LoDTensor(lay.gather(_array(t)), lay.levels)
+            elif isinstance(v, torch.Tensor):
+                values[name] = _array(v)
+            else:
+                values[name] = v
+        return values
+
+    def forward(self, keep=True):
+        module = self.module
+        rnn = module.wrapped
+        flags = module.flags
+        values = self._values()
+        if keep:
+            outs, self.pullback = vjp(rnn, output_all_steps=flags, backend=module.backend, **values)
+        else:
+            outs = rnn(output_all_steps=flags, backend=module.backend, **values)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        tensors = []
+        for out, flag in zip(outs, flags):
+            if not flag:
+                self.out_layouts.append(None)
+                tensors.append(_tensor(out))
+                continue
+            lay = self._first
+            if lay is not None and lay.kind != "rows" and out.num_levels == 1 and \
+                    np.array_equal(out.levels[0], lay.levels[0]):
+                self.out_layouts.append(lay)
+                tensors.append(_tensor(lay.scatter(out.data)))
+            else:
+                self.out_layouts.append(None)
+                self.out_lods.append(out.lod)
+                tensors.append(_tensor(out.data))
+        return tuple(tensors)
+
+    def backward(self, grads, needs):
+        module = self.module
+        cts = []
+        for g, lay in zip(grads, self.out_layouts):
+            if g is None:
+                cts.append(None)
+            elif lay is not None:
+                cts.append(lay.gather(_array(g)))
+            else:
+                cts.append(_array(g))
+        n = len(self.names)
+        params = [p for _, p, _ in module._links]
+        wrt = [name for name, need in zip(self.names, needs[:n]) if need]
+        wrt += [p for p, need in zip(params, needs[n:]) if need]
+        if not wrt:
+            return [None] * len(needs)
+        found = iter(self.pullback(cts, wrt=wrt))
+        out = []
+        for name, need in zip(self.names, needs[:n]):
+            if not need:
+                out.append(None)
+                continue
+            g = next(found)
+            lay = self.layouts.get(name)
+            if lay is not None:
+                g = lay.scatter(g)
+            v = self.bindings[name]
+            t = v[0] if isinstance(v, tuple) else v
+            out.append(_tensor(np.asarray(g, _NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape))))
+        for need in needs[n:]:
+            out.append(_tensor(next(found)) if need else None)
+        return out
+
