@@ -10,9 +10,11 @@ and cached; ``STEPNET_BLAS`` overrides; see :mod:`stepnet.jit.blas_choice`):
   thread-local thread count set to one around each call.
 - ``numpy``: ``np.dot`` (when neither is reachable).
 
-Parallelism is not here: the Numba backend runs groups of sequences on
-threads of its own (numba_cpu), each calling these single-threaded GEMMs, so
-no step waits on a barrier and no two thread pools compete.
+Parallelism is not in the BLAS: the Numba backend runs groups of sequences on
+stepnet's threads (:mod:`stepnet.jit.threads`), each calling these
+single-threaded GEMMs, so no step waits on a barrier and no two thread pools
+compete; ``transposed_product`` (weight gradients) splits its reduction over
+the same threads.
 
 Small products (a shrinking batch near the end of its sequences, a batch of
 one) spend more time in dispatch than in arithmetic: at or below
@@ -34,11 +36,12 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from . import threads
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import choose, find_mkl, find_openblas
 
-_ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
-_N = 78  # ord("N"): Fortran BLAS's "no transpose"
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+_N, _T = 78, 84  # ord("N"), ord("T"): Fortran BLAS's "no transpose", "transpose"
 
 
 def _extern(symbol, argspec, returns_size=False, returns_int=False):
@@ -151,6 +154,19 @@ if BLAS_NAME == "mkl":
             else:
                 _dgemm(args)
 
+    @njit(cache=True, nogil=True)
+    def gemm_tn(a, b, out):
+        """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype."""
+        k, m = a.shape
+        n = b.shape[1]
+        if m > 0 and n > 0:
+            args = (_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, m,
+                    b.ctypes.data, n, 0.0, out.ctypes.data, n)
+            if a.itemsize == 4:
+                _sgemm(args)
+            else:
+                _dgemm(args)
+
     @njit(cache=True)
     def pack(b, max_rows):
         """Weights ``b`` [k, n] prepared for ``gemm_packed``: MKL's packed form
@@ -213,6 +229,23 @@ elif BLAS_NAME == "openblas":
             _dgemm(args)
         _set_threads_local((previous,))
 
+    @njit(cache=True, nogil=True)
+    def gemm_tn(a, b, out):
+        """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype, on
+        the calling thread (column-major C^T = B^T A)."""
+        k, m = a.shape
+        n = b.shape[1]
+        if m == 0 or n == 0:
+            return
+        previous = _set_threads_local((1,))
+        args = (_N, _T, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, m, 0.0,
+                out.ctypes.data, n)
+        if a.itemsize == 4:
+            _sgemm(args)
+        else:
+            _dgemm(args)
+        _set_threads_local((previous,))
+
     @njit(cache=True)
     def pack(b, max_rows):
         """The weights themselves (OpenBLAS packs per call) and their
@@ -234,6 +267,11 @@ else:
         """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
         if a.shape[0] > 0:
             np.dot(a, b, out)
+
+    @njit(cache=True, nogil=True)
+    def gemm_tn(a, b, out):
+        """out = a.T @ b."""
+        np.dot(a.T, b, out)
 
     @njit(cache=True)
     def pack(b, max_rows):
@@ -263,13 +301,35 @@ if DETERMINISTIC:
         small_gemm(a, prepared[1], out)
 
 
+# a.T @ b over at least this many multiply-adds is split over threads
+_SPLIT_TN_WORK = 1 << 22
+
+
 def transposed_product(a, b):
-    """``a.T @ b`` (weight gradients: a long reduction over every token), with
-    NumPy's own multi-threaded BLAS; under ``STEPNET_DETERMINISTIC=1`` every
-    element a sequential sum (``small_gemm``)."""
-    if DETERMINISTIC and a.dtype == b.dtype and a.dtype in (np.float32, np.float64) \
-            and a.ndim == b.ndim == 2:
+    """``a.T @ b`` (weight gradients: a long reduction over every token) on
+    stepnet's threads, each reducing its share of the rows on the chosen BLAS;
+    under ``STEPNET_DETERMINISTIC=1`` every element a sequential sum
+    (``small_gemm``)."""
+    if not (a.dtype == b.dtype and a.dtype in (np.float32, np.float64) and a.ndim == b.ndim == 2):
+        return a.T @ b
+    if DETERMINISTIC:
         out = np.empty((a.shape[1], b.shape[1]), a.dtype)
         small_gemm(np.ascontiguousarray(a.T), np.ascontiguousarray(b.T), out)
         return out
-    return a.T @ b
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    rows, m, n = a.shape[0], a.shape[1], b.shape[1]
+    if rows == 0:
+        return np.zeros((m, n), a.dtype)
+    parts = max(1, min(threads.count(), rows * m * n // _SPLIT_TN_WORK))
+    cuts = [rows * i // parts for i in range(parts + 1)]
+
+    def part(i):
+        out = np.empty((m, n), a.dtype)
+        gemm_tn(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]], out)
+        return out
+
+    results = threads.run_each(part, range(parts))
+    total = results[0]
+    for r in results[1:]:
+        total += r
+    return total

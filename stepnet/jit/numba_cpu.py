@@ -27,7 +27,6 @@ which encodes the graph and its dtypes but no sizes.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import hashlib
 import importlib.util
@@ -37,13 +36,12 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 
 from .. import ir, registry, schedule
 from ..errors import UnsupportedError
 from ..lod import LoDTensor
-from . import blas, numba_runtime
+from . import blas, numba_runtime, threads
 from .cache import cache_dir, helpers_fingerprint
 
 # ----------------------------------------------------------------------------
@@ -993,17 +991,31 @@ class NumbaProgram:
         self.module = _load(self.source)
 
     def __call__(self, args, consts):
+        return self.run_prepared(self.prepare(consts), args)
+
+    def prepare(self, consts):
+        """The constant arguments of the kernel (merged weights joined), laid
+        out once for any number of :meth:`run_prepared` calls."""
         const_args = [_read_only(consts[v]) for v in self.program.consts]
         const_args += [_read_only(np.concatenate([consts[v] for v in joined], axis=1))
                        for joined in self.concatenated.values()]
+        return const_args
+
+    def splits(self, rows, width, num_sequences):
+        """Whether a run of ``num_sequences`` top-level sequences over ``rows``
+        data rows of ``width`` elements runs on more than one thread."""
+        return threads.count() >= 2 and num_sequences >= 2 and \
+            rows * width >= _SPLIT_MIN_WORK
+
+    def run_prepared(self, const_args, args):
+        """The outputs for ``args`` (one value per top-level input), with
+        ``const_args = prepare(consts)``."""
         groups = self._groups(args)
         if len(groups) <= 1:
             return self._run(const_args, args)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
-        pool = _pool(len(parts))
-        futures = [pool.submit(self._run, const_args, part) for part in parts[1:]]
-        results = [self._run(const_args, parts[0])] + [f.result() for f in futures]
+        results = threads.run_each(lambda part: self._run(const_args, part), parts)
         outputs = []
         for pieces in zip(*results):
             if isinstance(pieces[0], LoDTensor):
@@ -1015,18 +1027,17 @@ class NumbaProgram:
     def _groups(self, args):
         """Contiguous ranges of top-level sequences, one per thread, balanced
         by data rows; one range when the run is too small to split."""
-        threads = numba.get_num_threads()
         seq = next(v for (kind, *_), v in zip(self.top_inputs, args) if kind == "sequence")
         n = seq.num_sequences
         rows = seq.data.shape[0]
         width = int(np.prod(seq.data.shape[1:], dtype=np.int64)) or 1
-        if threads < 2 or n < 2 or rows * width < _SPLIT_MIN_WORK:
+        if not self.splits(rows, width, n):
             return [(0, n)]
         # data rows before each top-level sequence
         cum = np.asarray(seq.levels[0], np.int64)
         for level in seq.levels[1:]:
             cum = np.asarray(level, np.int64)[cum]
-        groups = min(threads, n)
+        groups = min(threads.count(), n)
         cuts = np.searchsorted(cum, [rows * g / groups for g in range(1, groups)])
         bounds = [0] + sorted({int(min(max(c, 1), n - 1)) for c in cuts}) + [n]
         return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
@@ -1084,16 +1095,6 @@ class NumbaProgram:
 
 # a run with fewer data elements than this stays on one thread
 _SPLIT_MIN_WORK = 1 << 16
-_POOL = None
-
-
-def _pool(workers):
-    """The threads that run sequence groups (the kernels release the GIL)."""
-    global _POOL
-    if _POOL is None or _POOL._max_workers < workers:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
-                                                      thread_name_prefix="stepnet")
-    return _POOL
 
 
 def _read_only(array):

@@ -291,16 +291,15 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     """``call(data, offsets, states)`` running the Numba program of ``rnn``
     with its constant arguments laid out once, or None.
 
-    A stopgap until stepnet's backends offer a prepared call: it reads the
-    compiled program's layout (``top_inputs``, ``program.consts``,
-    ``concatenated``, ``module.program``), and is used only if its first
-    results equal, bit for bit, those of the public call it replaces."""
+    The constants come from the program's ``prepare``; a run big enough for
+    sequence groups on threads goes through its ``run_prepared``, a small one
+    (a chunk of audio) calls the kernel's entry point directly. It reads the
+    program's layout (``top_inputs``, ``top_outputs``, ``module.program``), and
+    is used only if its first results equal, bit for bit, those of the public
+    call it replaces."""
     try:
         run = compiled._runner(flags)
-        consts = rnn.const_values()
-        const_args = [_read_only(consts[v]) for v in run.program.consts]
-        const_args += [_read_only(np.concatenate([consts[v] for v in joined], axis=1))
-                       for joined in run.concatenated.values()]
+        const_args = run.prepare(rnn.const_values())
         n = len(flags) - 1
         if (tuple(spec[0] for spec in run.top_inputs) != ("sequence",) + ("dense",) * n
                 or tuple(spec[0] for spec in run.top_outputs) != ("dense_all",) + ("last",) * n):
@@ -310,14 +309,17 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
 
         def call(data, offsets, states):
             zeros = None
-            args = [_read_only(data), _read_only(offsets)]
-            for state in states:
+            states = list(states)
+            for i, state in enumerate(states):
                 if state is None:
                     if zeros is None:
-                        zeros = _read_only(np.zeros((len(offsets) - 1, width), data.dtype))
-                    args.append(zeros)
-                else:
-                    args.append(_read_only(state))
+                        zeros = np.zeros((len(offsets) - 1, width), data.dtype)
+                    states[i] = zeros
+            if run.splits(data.shape[0], data.shape[1], len(offsets) - 1):
+                # big enough for sequence groups on threads: the engine's own call
+                results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
+                return [results[0].data] + list(results[1:1 + n])
+            args = [_read_only(data), _read_only(offsets)] + [_read_only(s) for s in states]
             results = entry(*const_args, *args)
             return list(results[:1 + n])
 
