@@ -112,7 +112,8 @@ def main(argv=None):
     dh = rng.standard_normal((B, H)).astype(np.float32)
 
     # -- the models -----------------------------------------------------------------
-    bridge = stepnet.torch.Module(peers.sn_custom_rnn(sn, wl, last_too=True)[0], output_all_steps=(True, False))
+    w5_rnn = peers.sn_custom_rnn(sn, wl, last_too=True)[0]
+    bridge = stepnet.torch.Module(w5_rnn, output_all_steps=(True, False))
     x_bf = torch.from_numpy(wl.x)  # [B, T, I]
     lengths = torch.from_numpy(wl.lengths)
     up_bf = (torch.from_numpy(dY), torch.from_numpy(dh))

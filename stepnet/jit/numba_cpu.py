@@ -95,6 +95,7 @@ class _Module:
         self.const_vars = {}  # ident -> the program's constant (an ir.Var)
         self.concatenated = {}  # ident -> the constants it joins by columns
         self.extra_returns = []  # data arrays behind ragged last-step outputs
+        self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
 
     def fresh(self, base):
@@ -179,10 +180,14 @@ def generate_source(program: ir.Program):
     src.append(_DECORATOR)
     # consts, then weights concatenated by the caller for merged GEMMs
     n = len(program.consts)
-    params = params[:n] + list(module.concatenated) + params[n:]
+    # then the output buffers the caller gives, in the order of the outputs
+    given = set(module.given_outputs)
+    params = params[:n] + list(module.concatenated) + params[n:] + [o[1] for o in outs
+                                                                    if o[1] in given]
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in body]
-    layout = _Layout(top_inputs, outs, module.concatenated, sched)
+    layout = _Layout(top_inputs, outs, module.concatenated, sched,
+                     [o[0] in ("dense_all", "last") and o[1] in given for o in outs])
     return "\n".join(src) + "\n", layout
 
 
@@ -194,6 +199,7 @@ class _Layout:
     top_outputs: list  # per rnn output: (kind, ident, ...)
     concatenated: dict  # weights joined by the caller: ident -> constants (ir.Var)
     schedule: schedule.Schedule
+    given: list  # per rnn output: whether program() takes its buffer (last parameters)
 
 
 def _program_inputs(module, program, values):
@@ -641,9 +647,12 @@ def _all_steps_arrays(ctx, eqn):
             level = _seq_levels(ctx, eqn)[0]
             ident = ctx.module.fresh("o")
             dt = f"np.{np.dtype(out.dtype).name}"
-            ctx.module.prologue.append(
-                f"{ident} = np.empty({_shape(level + '[-1]', res.shape[1:])}, {dt})"
-            )
+            if ctx.mode == "program":  # the caller's buffer (a group's rows of it)
+                ctx.module.given_outputs.append(ident)
+            else:
+                ctx.module.prologue.append(
+                    f"{ident} = np.empty({_shape(level + '[-1]', res.shape[1:])}, {dt})"
+                )
             ctx.module.gargs.append(ident)
             data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]")
             ctx.values[out] = _Info("ragged", None, out, levels=(level,), data=data)
@@ -671,7 +680,10 @@ def _last_arg(ctx, out, res, count_expr, args, hoisted_lasts):
         return ("last", info.ident)
     ident = ctx.module.fresh("last")
     dt = f"np.{np.dtype(out.dtype).name}"
-    ctx.lines.append(f"{ident} = np.empty({_shape(count_expr, res.shape[1:])}, {dt})")
+    if ctx.mode == "program":  # the caller's buffer (a group's rows of it)
+        ctx.module.given_outputs.append(ident)
+    else:
+        ctx.lines.append(f"{ident} = np.empty({_shape(count_expr, res.shape[1:])}, {dt})")
     args.append(ident)
     if ctx.mode == "hoist":
         hoisted_lasts.append(ident)
@@ -986,6 +998,9 @@ class NumbaProgram:
         self.top_outputs = layout.top_outputs
         self.concatenated = layout.concatenated
         self.schedule = layout.schedule
+        self.given = layout.given
+        self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
+                                   if spec[1] is ir.rnn_parts(program.eqn)[0][0])
         if os.environ.get("STEPNET_DEBUG"):
             print(self.source, file=sys.stderr)
         self.module = _load(self.source)
@@ -1009,20 +1024,53 @@ class NumbaProgram:
 
     def run_prepared(self, const_args, args):
         """The outputs for ``args`` (one value per top-level input), with
-        ``const_args = prepare(consts)``."""
+        ``const_args = prepare(consts)``. Each sequence group writes its rows
+        of the outputs program() takes from its caller in place."""
         groups = self._groups(args)
+        buffers = self.output_buffers(args)
         if len(groups) <= 1:
-            return self._run(const_args, args)
+            return self._run(const_args, args, buffers)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
-        results = threads.run_each(lambda part: self._run(const_args, part), parts)
-        outputs = []
-        for pieces in zip(*results):
-            if isinstance(pieces[0], LoDTensor):
+        views = [self._buffer_rows(buffers, args, a, b) for a, b in groups]
+        results = threads.run_each(lambda i: self._run(const_args, parts[i], views[i]),
+                                   range(len(groups)))
+        outputs, given = [], iter(buffers)
+        for spec, is_given, pieces in zip(self.top_outputs, self.given, zip(*results)):
+            if is_given:
+                outputs.append(self._output(spec, next(given), args))
+            elif isinstance(pieces[0], LoDTensor):
                 outputs.append(LoDTensor.concat(pieces))
             else:
                 outputs.append(np.concatenate(pieces))
         return outputs
+
+    def output_buffers(self, args):
+        """New arrays for the outputs program() takes from its caller: an
+        all-steps output has a row per step of the top-level sequences, a
+        last-step output a row per top-level sequence."""
+        buffers = []
+        for spec, var, is_given in zip(self.top_outputs, self.program.eqn.outputs, self.given):
+            if is_given:
+                if spec[0] == "dense_all":
+                    rows = int(self._level(spec[2][0], args)[-1])
+                else:
+                    rows = args[self.first_sequence].num_sequences
+                buffers.append(np.empty((rows,) + tuple(var.shape[1:]), var.dtype))
+        return buffers
+
+    def _buffer_rows(self, buffers, args, a, b):
+        """The rows of each output buffer that top-level sequences ``a:b`` write."""
+        views, given = [], iter(buffers)
+        for spec, is_given in zip(self.top_outputs, self.given):
+            if is_given:
+                buffer = next(given)
+                if spec[0] == "dense_all":  # rows of the sequence input's coarsest level
+                    level = self._level(spec[2][0], args)
+                    views.append(buffer[int(level[a]):int(level[b])])
+                else:
+                    views.append(buffer[a:b])
+        return views
 
     def _groups(self, args):
         """Contiguous ranges of top-level sequences, one per thread, balanced
@@ -1054,7 +1102,7 @@ class NumbaProgram:
             lo, hi = int(offsets[lo]), int(offsets[hi])
         return LoDTensor(value.data[lo:hi], levels)
 
-    def _run(self, const_args, args):
+    def _run(self, const_args, args, buffers):
         call_args = []
         for (kind, _, _, _), value in zip(self.top_inputs, args):
             if kind == "sequence":
@@ -1062,18 +1110,19 @@ class NumbaProgram:
                 call_args += [_read_only(lv) for lv in value.levels]
             else:
                 call_args.append(_read_only(value))
-        results = self.module.program(*const_args, *call_args)
+        results = self.module.program(*const_args, *call_args, *buffers)
         extra = list(results[len(self.top_outputs):])
-        outputs = []
-        for spec, arr in zip(self.top_outputs, results):
-            kind = spec[0]
-            if kind in ("dense_all", "ragged_all"):
-                outputs.append(LoDTensor(arr, [self._level(name, args) for name in spec[2]]))
-            elif kind == "last":
-                outputs.append(arr)
-            else:
-                outputs.append(self._ragged_last(arr, spec, args, extra.pop(0)))
-        return outputs
+        return [self._output(spec, arr, args, extra) for spec, arr in zip(self.top_outputs, results)]
+
+    def _output(self, spec, arr, args, extra=None):
+        """One output of program() as stepnet returns it (``extra``: the data
+        arrays behind ragged last-step outputs, taken in order)."""
+        kind = spec[0]
+        if kind in ("dense_all", "ragged_all"):
+            return LoDTensor(arr, [self._level(name, args) for name in spec[2]])
+        if kind == "last":
+            return arr
+        return self._ragged_last(arr, spec, args, extra.pop(0))
 
     def _level(self, name, args):
         for (kind, _, _, levels), value in zip(self.top_inputs, args):
