@@ -109,6 +109,7 @@ def run_worker(family, directory, args):
     if family == "stepnet" and args.stepnet_cache == "fresh":
         cache = tempfile.mkdtemp(prefix="stepnet-cache-")
         env["STEPNET_CACHE_DIR"] = cache
+    env["STEPNET_TIERED"] = "0"  # time the compiled kernels, never the interpreter tier
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", family, "--dir",
            str(directory), "--calls", str(args.calls), "--rounds", str(args.rounds),

@@ -304,6 +304,7 @@ def child_env(threads, extra=None):
                 "NUMBA_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS"):
         env[var] = str(threads)
     env.setdefault("JAX_PLATFORMS", "cpu")
+    env["STEPNET_TIERED"] = "0"  # time stepnet's compiled kernels, never its interpreter tier
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra or {})

@@ -90,6 +90,7 @@ def main(argv=None):
         os.environ[var] = str(args.threads)
     if args.omp_wait_policy != "unset":
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    os.environ["STEPNET_TIERED"] = "0"  # time the compiled kernels, never the interpreter tier
     import torch  # before Numba starts its thread pool
 
     torch.set_num_threads(args.threads)

@@ -111,6 +111,28 @@ class CompiledStepNet:
             self._gradient_runs[key] = (runs, layout)
         return self._gradient_runs[key]
 
+    def _all_runs(self):
+        yield from self._runs.values()
+        for entry in self._gradient_runs.values():
+            if isinstance(entry, tuple):  # a backward: ([(run, program), ...], layout)
+                yield from (run for run, _ in entry[0])
+            else:
+                yield entry
+
+    def ready(self) -> bool:
+        """Whether every program compiled so far runs its compiled kernel (on
+        the Numba backend a new kernel answers on the interpreter while it
+        compiles; ``STEPNET_TIERED=0`` turns that off)."""
+        return all(getattr(run, "ready", True) for run in self._all_runs())
+
+    def wait(self, timeout=None) -> bool:
+        """Block until every program compiled so far runs its compiled kernel
+        (``timeout`` seconds at most for each); whether they all do."""
+        for run in list(self._all_runs()):
+            if hasattr(run, "wait"):
+                run.wait(timeout)
+        return self.ready()
+
     @property
     def source(self) -> str:
         return getattr(self._runner(True), "source", "")
@@ -158,6 +180,23 @@ def is_compiled(rnn, backend, all_steps=None) -> bool:
     return found is not None and found.has_run(all_steps)
 
 
+def kernels_ready() -> bool:
+    """Whether every step-net compiled in this process runs its compiled
+    kernels (none is still answering on the interpreter tier)."""
+    return all(entry.ready() for per_backend in list(_COMPILED.values())
+               for entry in list(per_backend.values()))
+
+
+def wait_for_kernels(timeout=None) -> bool:
+    """Block until every step-net compiled in this process runs its compiled
+    kernels (see :meth:`CompiledStepNet.wait`); whether they all do."""
+    done = True
+    for per_backend in list(_COMPILED.values()):
+        for entry in list(per_backend.values()):
+            done = entry.wait(timeout) and done
+    return done
+
+
 def get_backend(name=None):
     return _Runner(name or default_backend())
 
@@ -180,4 +219,5 @@ class _Runner:
         return compiled(output_all_steps, **bindings)
 
 
-__all__ = ["CompiledStepNet", "backends", "default_backend", "set_default_backend"]
+__all__ = ["CompiledStepNet", "backends", "default_backend", "set_default_backend",
+           "kernels_ready", "wait_for_kernels"]

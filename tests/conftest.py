@@ -7,6 +7,11 @@ import os
 if "NUMBA_ENABLE_CUDASIM" not in os.environ and not os.path.exists("/dev/nvidiactl"):
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
+# The Numba backend's tests test its kernels: a new kernel answers here on the
+# kernel itself, not first on the interpreter (tests/test_tiers.py tests the
+# tiers, turning them on itself).
+os.environ["STEPNET_TIERED"] = "0"
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

@@ -17,7 +17,10 @@ deterministic mode, Numba's version), so runs with different settings never
 load each other's code.
 
 Removing the directory, even while a process runs, costs a recompile and
-nothing else: Numba recreates a locator's directory before each save.
+nothing else: Numba recreates a locator's directory before each save. A file
+in it that cannot be read (corrupted, half-written) is a cache miss: Numba's
+index and data readers are wrapped so that, for files under this directory
+only, a failure to unpickle means "compile again" rather than an error.
 """
 
 from __future__ import annotations
@@ -96,10 +99,43 @@ class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._Cache
                 or _USER_WIDE_LOCATOR.from_function(py_func, py_file))
 
 
+def _ours(path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(cache_dir().resolve())
+    except OSError:
+        return False
+
+
+def _tolerant(method, miss):
+    """``method`` of Numba's cache file, with any failure to read a file under
+    stepnet's cache directory (a corrupted or half-written index or data
+    file) taken as a cache miss: Numba then compiles and writes it anew."""
+
+    @functools.wraps(method)
+    def read(self, *args):
+        try:
+            return method(self, *args)
+        except Exception:  # noqa: BLE001  (unpickling a damaged file raises anything)
+            if not _ours(self._cache_path):
+                raise
+            return miss()
+
+    read.stepnet_tolerant = True
+    return read
+
+
+def _missing_data():
+    raise OSError("unreadable cache data")  # IndexDataCacheFile.load: a miss
+
+
 def _install():
     locators = _CACHE_IMPL._locator_classes
     if _PackageCacheLocator not in locators:
         locators.insert(0, _PackageCacheLocator)
+    files = caching.IndexDataCacheFile
+    if not getattr(files._load_index, "stepnet_tolerant", False):
+        files._load_index = _tolerant(files._load_index, dict)
+        files._load_data = _tolerant(files._load_data, _missing_data)
 
 
 _install()

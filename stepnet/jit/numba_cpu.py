@@ -14,7 +14,7 @@ layout:
   is the prefix ``[0, nb)``; per-step values live in buffers with one row per
   sequence, allocated once per call. ``entries[b]`` is the space index of
   active row b's current element. The per-step recurrent matmuls go to BLAS
-  (``np.dot``); runs of elementwise ops are fused into one loop, with float32
+  (:mod:`stepnet.jit.blas`); runs of elementwise ops are fused into one loop, with float32
   tanh/sigmoid as vectorizable approximations (numba_runtime).
 - **Nesting.** A nested rnn is a function called once per outer step with its
   sequences (the active outer rows' sub-sequences) given by start and length.
@@ -22,23 +22,34 @@ layout:
 ``compile_program(program)`` returns a callable with ``.source``; kernels are
 cached in memory and on disk (``STEPNET_CACHE_DIR``) by a hash of the source,
 which encodes the graph and its dtypes but no sizes.
+
+- **Tiers.** A kernel that no process has compiled on this machine answers
+  its first calls on the NumPy interpreter while a background thread compiles
+  it (:class:`TieredProgram`); ``STEPNET_TIERED=0`` makes the first call wait
+  for the kernel instead.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import hashlib
 import importlib.util
 import itertools
+import json
 import os
+import pickle
+import subprocess
 import sys
 import textwrap
+import threading
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
-from .. import ir, registry, schedule
+from .. import interpreter, ir, registry, schedule
 from ..errors import UnsupportedError
 from ..lod import LoDTensor
 from . import blas, numba_runtime, threads
@@ -966,16 +977,25 @@ _DECORATOR = "@njit(cache=True, error_model='numpy', nogil=True)"
 _MODULES = {}
 
 
-def _load(source: str):
+def _kernel_key(source: str) -> str:
     # the key covers what a cached kernel embeds besides its own source: the
     # helpers it calls and the settings they were built with (cache.py)
-    key = hashlib.sha256((source + helpers_fingerprint()).encode()).hexdigest()[:24]
+    return hashlib.sha256((source + helpers_fingerprint()).encode()).hexdigest()[:24]
+
+
+def _ready_marker(key: str):
+    """The file saying that a kernel was compiled into the disk cache."""
+    return cache_dir() / f"stepnet_kernel_{key}.ready"
+
+
+def _load(source: str):
+    key = _kernel_key(source)
     if key in _MODULES:
         return _MODULES[key]
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stepnet_kernel_{key}.py"
-    if not path.exists() or path.read_text() != source:
+    if not path.exists() or path.read_bytes() != source.encode():  # new, or not ours
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(source)
         os.replace(tmp, path)
@@ -1003,10 +1023,45 @@ class NumbaProgram:
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
         if os.environ.get("STEPNET_DEBUG"):
             print(self.source, file=sys.stderr)
+        self.key = _kernel_key(self.source)
         self.module = _load(self.source)
+        self._marked = False
 
     def __call__(self, args, consts):
-        return self.run_prepared(self.prepare(consts), args)
+        outputs = self.run_prepared(self.prepare(consts), args)
+        if not self._marked:
+            self._mark_ready()
+        return outputs
+
+    # -- compiling ahead of a call (the tiers) ---------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether program() is compiled (or loaded from the disk cache) in
+        this process."""
+        return bool(self.module.program.signatures)
+
+    def compiled_before(self) -> bool:
+        """Whether a process compiled this kernel into the disk cache (its
+        first call here then loads it, in a fraction of a second)."""
+        return _ready_marker(self.key).exists()
+
+    def _mark_ready(self):
+        self._marked = True
+        try:
+            _ready_marker(self.key).touch()
+        except OSError:  # a read-only or removed cache directory: the next process compiles
+            pass
+
+    def signature(self, args, consts):
+        """program()'s argument types for a call with ``args``."""
+        call = self.prepare(consts) + self._call_args(args) + self.output_buffers(args)
+        return tuple(numba.typeof(a) for a in call)
+
+    def compile(self, signature):
+        """Compile program() for ``signature`` without running it."""
+        self.module.program.compile(signature)
+        self._mark_ready()
 
     def prepare(self, consts):
         """The constant arguments of the kernel (merged weights joined), laid
@@ -1102,7 +1157,8 @@ class NumbaProgram:
             lo, hi = int(offsets[lo]), int(offsets[hi])
         return LoDTensor(value.data[lo:hi], levels)
 
-    def _run(self, const_args, args, buffers):
+    def _call_args(self, args):
+        """program()'s arguments for the top-level inputs ``args``."""
         call_args = []
         for (kind, _, _, _), value in zip(self.top_inputs, args):
             if kind == "sequence":
@@ -1110,7 +1166,10 @@ class NumbaProgram:
                 call_args += [_read_only(lv) for lv in value.levels]
             else:
                 call_args.append(_read_only(value))
-        results = self.module.program(*const_args, *call_args, *buffers)
+        return call_args
+
+    def _run(self, const_args, args, buffers):
+        results = self.module.program(*const_args, *self._call_args(args), *buffers)
         extra = list(results[len(self.top_outputs):])
         return [self._output(spec, arr, args, extra) for spec, arr in zip(self.top_outputs, results)]
 
@@ -1154,8 +1213,135 @@ def _read_only(array):
     return view
 
 
+class TieredProgram:
+    """A program whose kernel no process has compiled on this machine, in two
+    tiers: calls run on the NumPy interpreter while the compile worker (a
+    process of its own, :mod:`stepnet.jit.compile_worker`) compiles the kernel
+    into the disk cache for the argument types of the first call; the first
+    call after that loads it, and every call from then on runs the kernel.
+    ``wait()`` blocks until then. If the worker fails, the kernel compiles in
+    this process at the next call, and its errors are raised there."""
+
+    def __init__(self, kernel: NumbaProgram):
+        self.numba_program = kernel
+        self.program = kernel.program
+        self.source = kernel.source
+        self.schedule = kernel.schedule
+        self._interpreted = interpreter.compile_program(kernel.program)
+        self._signature = None
+        self._compiled = threading.Event()  # set when the worker has answered
+        self._worker_error = None
+        self._done = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether calls now run the compiled kernel."""
+        return self._done
+
+    def __call__(self, args, consts):
+        if not self._done:
+            if self._signature is None:
+                self._signature = self.numba_program.signature(args, consts)
+                try:
+                    _compile_worker().submit(self.numba_program, self._signature, self._answered)
+                except OSError as exc:  # no worker: compile here
+                    self._answered(f"the compile worker did not start: {exc}")
+            if not self._compiled.is_set():
+                return self._interpreted(args, consts)
+            self._finish()
+        return self.numba_program(args, consts)
+
+    def _answered(self, error):
+        self._worker_error = error
+        self._compiled.set()
+
+    def _finish(self):
+        """Load the kernel the worker compiled (or compile it here)."""
+        self.numba_program.compile(self._signature)
+        self._done = True
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the kernel runs (``timeout`` seconds at most for the
+        worker); whether it does."""
+        if not self._done and self._signature is not None and self._compiled.wait(timeout):
+            self._finish()
+        return self._done
+
+
+class _CompileWorker:
+    """The compile worker process, started on first use, and the requests it
+    has not answered yet."""
+
+    def __init__(self, root):
+        self.root = root  # the cache directory it compiles into
+        self.lock = threading.Lock()
+        self.pending = {}  # kernel key -> callbacks taking an error (None: compiled)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stepnet.jit.compile_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, bufsize=1,
+            env=dict(os.environ, STEPNET_CACHE_DIR=str(root)))
+        threading.Thread(target=self._read, name="stepnet-compile-worker", daemon=True).start()
+
+    def submit(self, kernel, signature, callback):
+        request = {"key": kernel.key, "module": kernel.module.__name__,
+                   "path": kernel.module.__file__, "blas": blas.BLAS_NAME,
+                   "signature": base64.b64encode(pickle.dumps(signature)).decode()}
+        with self.lock:
+            first = kernel.key not in self.pending
+            self.pending.setdefault(kernel.key, []).append(callback)
+        if first:
+            try:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+            except (OSError, ValueError):
+                self._fail("the compile worker has ended")
+
+    def _read(self):
+        for line in self.process.stdout:
+            reply = json.loads(line)
+            with self.lock:
+                callbacks = self.pending.pop(reply["key"], [])
+            for callback in callbacks:
+                callback(reply.get("error"))
+        self._fail("the compile worker has ended")
+
+    def _fail(self, why):
+        with self.lock:
+            pending, self.pending = self.pending, {}
+        for callbacks in pending.values():
+            for callback in callbacks:
+                callback(why)
+
+
+_WORKER = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _compile_worker():
+    global _WORKER
+    with _WORKER_LOCK:
+        root = cache_dir()
+        if _WORKER is None or _WORKER.process.poll() is not None or _WORKER.root != root:
+            _WORKER = _CompileWorker(root)
+        return _WORKER
+
+
+def tiered() -> bool:
+    """Whether a new kernel answers on the interpreter while it compiles:
+    ``STEPNET_TIERED`` (``0`` waits for the compiled kernel; on by default).
+    Never under ``STEPNET_DETERMINISTIC=1``, whose results must not depend on
+    which tier ran."""
+    return os.environ.get("STEPNET_TIERED", "1").strip() != "0" and not blas.DETERMINISTIC
+
+
 def compile_program(program: ir.Program):
-    return NumbaProgram(program)
+    """The program on the Numba backend: a :class:`NumbaProgram`, or while
+    its kernel is new to this machine and :func:`tiered`, a
+    :class:`TieredProgram` running the interpreter until it is compiled."""
+    kernel = NumbaProgram(program)
+    if tiered() and not kernel.ready and not kernel.compiled_before():
+        return TieredProgram(kernel)
+    return kernel
 
 
 def available() -> bool:

@@ -272,9 +272,12 @@ class _Direction:
         for name, state in zip(("h", "c"), states):
             if state is not None:
                 feeds[name] = state
+        # a new kernel's first calls may answer on the interpreter (its first
+        # tier): the prepared call is tried once the kernel itself answers
+        kernel_answers = getattr(self.compiled._runner(self.flags), "ready", True)
         outs = self.compiled(output_all_steps=self.flags, **feeds)
         outs = [outs[0].data] + [np.asarray(o) for o in outs[1:]]
-        if not self.tried:
+        if not self.tried and kernel_answers:
             self.tried = True
             self.kernel = _prepared_kernel(self.rnn, self.compiled, self.flags, data, offsets,
                                            states, outs)
@@ -299,6 +302,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     call it replaces."""
     try:
         run = compiled._runner(flags)
+        run = getattr(run, "numba_program", run)  # a TieredProgram's kernel
         const_args = run.prepare(rnn.const_values())
         n = len(flags) - 1
         if (tuple(spec[0] for spec in run.top_inputs) != ("sequence",) + ("dense",) * n

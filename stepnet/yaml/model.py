@@ -181,10 +181,16 @@ class Model:
             from ..backends import default_backend
 
             backend_name = backend or default_backend()
+            first_tier = "compiling"
+            if backend_name == "numba":
+                from ..jit.numba_cpu import tiered
+
+                if tiered():  # a new kernel's first calls run on the interpreter
+                    first_tier = "running on the interpreter while compiling"
 
         def report(position, kind, name, compiled):
             if progress is not None:
-                verb = "running" if compiled else "compiling"
+                verb = "running" if compiled else first_tier
                 progress(f"{verb} {kind} {name!r} ({position}/{total})")
 
         for position, entry in enumerate(self._layers, 1):

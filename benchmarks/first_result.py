@@ -1,0 +1,167 @@
+"""Time to first result: each case in a fresh process with an empty
+``STEPNET_CACHE_DIR``, as a user meets a new cell.
+
+    python benchmarks/first_result.py                 # every case, the table
+    python benchmarks/first_result.py --cases custom,gru --repeats 1
+
+Cases (W5's, W1's and W2's sizes: T=100, B=64, I=128, H=256, float32):
+
+- ``custom``: W5's custom gated cell written in the DSL (benchmarks/peers.py);
+- ``gru``, ``lstm``: ``stepnet.nn.GRU`` / ``LSTM``;
+- ``onnx-gru``, ``onnx-lstm``: an ONNX model of one GRU / LSTM node, loaded
+  by ``stepnet.onnx.InferenceSession`` and run once.
+
+Each is measured in three settings: ``tiered`` (the default: a new kernel's
+first calls answer on the NumPy interpreter while a worker process compiles
+it), ``compiled`` (``STEPNET_TIERED=0``: the first call waits for the
+kernel), and ``warm`` (a fresh process with the cache the compiled run left).
+Printed per case: the import, the first forward result, the first training
+step after it (``sn.vjp`` + pullback; not for ONNX models), and a call made
+once the kernels are ready. Figures are medians over ``--repeats`` fresh
+processes; the machine's CPU is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CASES = ("custom", "gru", "lstm", "onnx-gru", "onnx-lstm")
+SETTINGS = ("tiered", "compiled", "warm")
+
+
+def child(case: str) -> dict:
+    """One case in this (fresh) process: seconds to each first result."""
+    t0 = time.perf_counter()
+    import numpy as np
+
+    import stepnet as sn
+    from stepnet.backends import wait_for_kernels
+
+    t_import = time.perf_counter() - t0
+    sys.path.insert(0, str(HERE))
+    import peers
+    import workloads
+
+    wl = workloads.make({"custom": "W5", "lstm": "W2", "onnx-lstm": "W2"}.get(case, "W1"))
+    I, H = wl.dims["I"], wl.dims["H"]
+    result = {"import_s": t_import}
+    if case.startswith("onnx"):
+        op = "GRU" if case == "onnx-gru" else "LSTM"
+        model = peers._onnx_node_model(op, wl.weights, I, H, False).SerializeToString()
+        x = wl.x_time_major()
+        t = time.perf_counter()
+        session = sn.onnx.InferenceSession(model)
+        session.run(None, {"X": x})
+        result["forward_s"] = time.perf_counter() - t
+        forward = lambda: session.run(None, {"X": x})  # noqa: E731
+    else:
+        if case == "custom":
+            net, X = peers.sn_custom_rnn(sn, wl)
+            forward = lambda: net(x=X)  # noqa: E731
+            train = lambda: sn.vjp(net, x=X)  # noqa: E731
+        else:
+            layer = sn.nn.GRU if case == "gru" else sn.nn.LSTM
+            net = layer(I, H, seed=0)
+            X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+            forward = lambda: net(X)  # noqa: E731
+            train = lambda: sn.vjp(net, X)  # noqa: E731
+        t = time.perf_counter()
+        out = forward()
+        result["forward_s"] = time.perf_counter() - t
+        Y = out if isinstance(out, sn.LoDTensor) else out[0]
+        dY = np.ones_like(Y.data)
+        t = time.perf_counter()
+        outs, pullback = train()
+        states = len(net.state_widths()) if case != "custom" else 0  # no gradient for h_n, c_n
+        pullback([dY] + [None] * states)
+        result["train_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    wait_for_kernels()
+    result["kernels_ready_s"] = time.perf_counter() - t0
+    forward()
+    t = time.perf_counter()
+    forward()
+    result["kernel_call_ms"] = (time.perf_counter() - t) * 1e3
+    return result
+
+
+def measure(case, setting, cache, threads):
+    env = dict(os.environ, STEPNET_CACHE_DIR=str(cache),
+               STEPNET_TIERED="1" if setting == "tiered" else "0")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env[var] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                        else []))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case} ({setting}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per case and setting")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child)))
+        return 0
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    print(f"First results in a fresh process, empty STEPNET_CACHE_DIR ({cpu_name()}, "
+          f"{os.cpu_count()} CPUs, {args.threads} threads); seconds, median of {args.repeats}\n")
+    print("| case | setting | import | first forward | first training step | kernels ready "
+          "(from start) | a call with the kernels, ms |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for case in cases:
+        rows = {s: [] for s in SETTINGS}
+        for _ in range(args.repeats):
+            for setting in ("tiered", "compiled"):
+                cache = Path(tempfile.mkdtemp(prefix="stepnet_first_"))
+                try:
+                    rows[setting].append(measure(case, setting, cache, args.threads))
+                    if setting == "compiled":  # the same cache again: warm
+                        rows["warm"].append(measure(case, "warm", cache, args.threads))
+                finally:
+                    time.sleep(0.5)  # a tiered run's worker may still be writing
+                    shutil.rmtree(cache, ignore_errors=True)
+        for setting in SETTINGS:
+            def med(key, scale=1.0, fmt="{:.2f}", rows=rows[setting]):
+                values = [r[key] for r in rows if key in r]
+                return fmt.format(statistics.median(values) * scale) if values else "n/a"
+            print(f"| {case} | {setting} | {med('import_s')} | {med('forward_s')} | "
+                  f"{med('train_s')} | {med('kernels_ready_s')} | "
+                  f"{med('kernel_call_ms', fmt='{:.1f}')} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

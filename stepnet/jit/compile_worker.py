@@ -1,0 +1,54 @@
+"""The process that compiles kernels for the Numba backend's first tier:
+``python -m stepnet.jit.compile_worker``.
+
+While a new kernel compiles here, the process that asked for it answers on the
+NumPy interpreter (numba_cpu.TieredProgram); a separate process keeps the
+compile from taking the interpreter's share of the GIL. Requests come one a
+line on standard input (JSON: ``key``, the kernel module's ``module`` name and
+``path``, the ``blas`` it calls, and ``signature``, its argument types
+pickled and base64-encoded);
+each kernel is compiled into Numba's disk cache under ``STEPNET_CACHE_DIR``,
+and one line answers on standard output: ``{"key": ..., "ok": true}`` or
+``{"key": ..., "error": "..."}``. It exits at the end of its input.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import pickle
+import sys
+
+
+def compile_kernel(request) -> None:
+    from stepnet.jit import blas
+
+    if blas.BLAS_NAME != request["blas"]:  # the kernel would call another library
+        raise RuntimeError(f"this process uses {blas.BLAS_NAME}, the kernel {request['blas']}")
+    name, path = request["module"], request["path"]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    module.program.compile(pickle.loads(base64.b64decode(request["signature"])))
+
+
+def main() -> int:
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            compile_kernel(request)
+            reply = {"key": request["key"], "ok": True}
+        except Exception as exc:  # noqa: BLE001  (reported to the process that asked)
+            reply = {"key": request["key"], "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
+        except OSError:  # the asking process has ended
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
