@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -34,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import cpu_name
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -109,17 +110,6 @@ def measure(case, setting, cache, threads):
     if proc.returncode != 0:
         raise RuntimeError(f"{case} ({setting}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:

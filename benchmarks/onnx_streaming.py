@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_name
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODELS = ("vad", "stream_gru", "identity")
@@ -54,17 +56,6 @@ STATE_OUT = {"vad": 1, "stream_gru": 1}  # ... and the output that feeds it
 BATCHES = (1, 64)
 CHUNKS = 8  # distinct chunks per stream, repeated
 TARGETS = {1: "<= 1.5", 64: "< 1"}  # stepnet / onnxruntime
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (lscpu failed)"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 # ----------------------------------------------------------------------------

@@ -44,28 +44,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from machine import cpu_name
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 COMPILE_CHOICES = ("both", "cell", "loop", "none")
-
-
-def cpu_name() -> str:
-    """lscpu's model name (platform.processor() where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def parse_args(argv=None):

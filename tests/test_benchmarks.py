@@ -167,3 +167,17 @@ def test_w9_float64_gradients_match_torch_autograd():
     np.testing.assert_allclose(workloads.reference(wl), h.detach().numpy(), rtol=1e-10)
     np.testing.assert_allclose(workloads.reference(wl), workloads.reference(w5), rtol=0)
     assert workloads.flops(wl) == 3 * workloads.flops(w5)
+
+
+@pytest.mark.slow
+def test_first_result_benchmark_prints_every_setting():
+    """benchmarks/first_result.py: fresh processes, empty caches, one row per
+    setting, each with a first result and the kernels' call."""
+    pytest.importorskip("onnx")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_result.py"),
+                           "--cases", "onnx-gru"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| onnx-gru")]
+    assert [r[2].strip() for r in rows] == ["tiered", "compiled", "warm"]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[7]) > 0  # first forward s, a kernel call ms

@@ -215,16 +215,12 @@ elif BLAS_NAME == "openblas":
         def _set_threads_local(args):
             return 0
 
-    @njit(cache=True)
-    def gemm(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays,
-        on the calling thread (row-major C = A B is column-major C^T = B^T A^T)."""
-        m, k = a.shape
-        n = b.shape[1]
-        if m == 0:
-            return
+    @njit(cache=True, nogil=True)
+    def _row_major_gemm(trans_a, m, n, k, a, lda, b, out):
+        """Row-major out [m, n] = op(a) @ b on the calling thread: the
+        column-major C^T = B^T op(A)^T (``trans_a``: ``_N`` or ``_T``)."""
         previous = _set_threads_local((1,))
-        args = (_N, _N, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, k, 0.0,
+        args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, lda, 0.0,
                 out.ctypes.data, n)
         if a.itemsize == 4:
             _sgemm(args)
@@ -232,22 +228,22 @@ elif BLAS_NAME == "openblas":
             _dgemm(args)
         _set_threads_local((previous,))
 
+    @njit(cache=True)
+    def gemm(a, b, out):
+        """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays,
+        on the calling thread."""
+        m, k = a.shape
+        if m > 0:
+            _row_major_gemm(_N, m, b.shape[1], k, a, k, b, out)
+
     @njit(cache=True, nogil=True)
     def gemm_tn(a, b, out):
         """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype, on
-        the calling thread (column-major C^T = B^T A)."""
+        the calling thread."""
         k, m = a.shape
         n = b.shape[1]
-        if m == 0 or n == 0:
-            return
-        previous = _set_threads_local((1,))
-        args = (_N, _T, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, m, 0.0,
-                out.ctypes.data, n)
-        if a.itemsize == 4:
-            _sgemm(args)
-        else:
-            _dgemm(args)
-        _set_threads_local((previous,))
+        if m > 0 and n > 0:
+            _row_major_gemm(_T, m, n, k, a, m, b, out)
 
     @njit(cache=True)
     def pack(b, max_rows):
