@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,11 @@ def test_the_command_says_which_tier_answered(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "running on the interpreter while compiling net" in run.stderr
     assert "new kernels answer on the interpreter while they compile" in run.stdout
+    # the command did not wait for its worker, which finishes the kernel and marks it
+    deadline = time.monotonic() + 120
+    while not any((tmp_path / "cache").glob("stepnet_kernel_*.ready")):
+        assert time.monotonic() < deadline, "the worker left no compiled kernel behind"
+        time.sleep(0.2)
     env["STEPNET_CACHE_DIR"] = str(tmp_path / "other")
     bench = subprocess.run([sys.executable, "-m", "stepnet.cli", "bench", example, "--repeat", "2"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

@@ -7,9 +7,11 @@ compile from taking the interpreter's share of the GIL. Requests come one a
 line on standard input (JSON: ``key``, the kernel module's ``module`` name and
 ``path``, the ``blas`` it calls, and ``signature``, its argument types
 pickled and base64-encoded);
-each kernel is compiled into Numba's disk cache under ``STEPNET_CACHE_DIR``,
-and one line answers on standard output: ``{"key": ..., "ok": true}`` or
-``{"key": ..., "error": "..."}``. It exits at the end of its input.
+each kernel is compiled into Numba's disk cache under ``STEPNET_CACHE_DIR``
+and marked ready there (``stepnet_kernel_<key>.ready``), and one line answers
+on standard output: ``{"key": ..., "ok": true}`` or ``{"key": ..., "error":
+"..."}``. It exits at the end of its input, or when the process that asked
+has ended (after the kernel it is compiling).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import pickle
 import sys
+from pathlib import Path
 
 
 def compile_kernel(request) -> None:
@@ -32,6 +35,10 @@ def compile_kernel(request) -> None:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     module.program.compile(pickle.loads(base64.b64decode(request["signature"])))
+    try:  # the mark numba_cpu looks for: a later process loads the kernel at once
+        Path(path).with_suffix(".ready").touch()
+    except OSError:
+        pass
 
 
 def main() -> int:

@@ -1276,9 +1276,12 @@ class _CompileWorker:
         self.root = root  # the cache directory it compiles into
         self.lock = threading.Lock()
         self.pending = {}  # kernel key -> callbacks taking an error (None: compiled)
+        # stderr is not inherited: a caller reading this process's output to
+        # its end (a pipe, subprocess.run) must not wait for the worker, which
+        # finishes the kernel it is compiling after this process ends
         self.process = subprocess.Popen(
             [sys.executable, "-m", "stepnet.jit.compile_worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
             env=dict(os.environ, STEPNET_CACHE_DIR=str(root)))
         threading.Thread(target=self._read, name="stepnet-compile-worker", daemon=True).start()
 
