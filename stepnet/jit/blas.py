@@ -155,6 +155,20 @@ if BLAS_NAME == "mkl":
             else:
                 _dgemm(args)
 
+    @njit(cache=True)
+    def gemm_acc(a, b, out):
+        """out[:m] += a[:m] @ b (``a`` C-contiguous, ``b`` rows of a C-contiguous
+        array)."""
+        m, k = a.shape
+        n = b.shape[1]
+        if m > 0:
+            args = (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
+                    b.ctypes.data, n, 1.0, out.ctypes.data, n)
+            if a.itemsize == 4:
+                _sgemm(args)
+            else:
+                _dgemm(args)
+
     @njit(cache=True, nogil=True)
     def gemm_tn(a, b, out):
         """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype."""
@@ -216,11 +230,11 @@ elif BLAS_NAME == "openblas":
             return 0
 
     @njit(cache=True, nogil=True)
-    def _row_major_gemm(trans_a, m, n, k, a, lda, b, out):
-        """Row-major out [m, n] = op(a) @ b on the calling thread: the
-        column-major C^T = B^T op(A)^T (``trans_a``: ``_N`` or ``_T``)."""
+    def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
+        """Row-major out [m, n] = op(a) @ b + beta * out on the calling thread:
+        the column-major C^T = B^T op(A)^T (``trans_a``: ``_N`` or ``_T``)."""
         previous = _set_threads_local((1,))
-        args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, lda, 0.0,
+        args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, lda, beta,
                 out.ctypes.data, n)
         if a.itemsize == 4:
             _sgemm(args)
@@ -234,7 +248,15 @@ elif BLAS_NAME == "openblas":
         on the calling thread."""
         m, k = a.shape
         if m > 0:
-            _row_major_gemm(_N, m, b.shape[1], k, a, k, b, out)
+            _row_major_gemm(_N, m, b.shape[1], k, a, k, b, out, 0.0)
+
+    @njit(cache=True)
+    def gemm_acc(a, b, out):
+        """out[:m] += a[:m] @ b (``a`` C-contiguous, ``b`` rows of a C-contiguous
+        array)."""
+        m, k = a.shape
+        if m > 0:
+            _row_major_gemm(_N, m, b.shape[1], k, a, k, b, out, 1.0)
 
     @njit(cache=True, nogil=True)
     def gemm_tn(a, b, out):
@@ -243,7 +265,7 @@ elif BLAS_NAME == "openblas":
         k, m = a.shape
         n = b.shape[1]
         if m > 0 and n > 0:
-            _row_major_gemm(_T, m, n, k, a, m, b, out)
+            _row_major_gemm(_T, m, n, k, a, m, b, out, 0.0)
 
     @njit(cache=True)
     def pack(b, max_rows):
@@ -266,6 +288,12 @@ else:
         """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
         if a.shape[0] > 0:
             np.dot(a, b, out)
+
+    @njit(cache=True)
+    def gemm_acc(a, b, out):
+        """out[:m] += a[:m] @ b."""
+        if a.shape[0] > 0:
+            out += np.dot(a, b)
 
     @njit(cache=True, nogil=True)
     def gemm_tn(a, b, out):

@@ -178,7 +178,7 @@ def generate_source(program: ir.Program):
         "import numpy as np",
         "from numba import njit",
         f"# BLAS: {blas.BLAS_NAME}" + (" (deterministic)" if blas.DETERMINISTIC else ""),
-        "from stepnet.jit.blas import gemm, gemm_packed, pack",
+        "from stepnet.jit.blas import gemm, gemm_acc, gemm_packed, pack",
         "from stepnet.jit.numba_runtime import (",
         *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
                        subsequent_indent="    "),
@@ -275,12 +275,65 @@ def _hoist(ctx, sched):
     for stage in sched.const:
         if stage.outputs[0] not in ctx.values:
             _emit_op(ctx.at("const"), stage.eqns[0])
+    split = _split_products(sched)
     for stage in sched.hoisted:
+        if stage in split.values():  # a concat only a split product read
+            continue
         if not all(v in ctx.values for v in stage.outputs):
-            _render_stage(ctx.at("hoist"), sched, stage)
+            if stage in split:
+                _render_split_gemm(ctx.at("hoist"), stage, split[stage])
+            else:
+                _render_stage(ctx.at("hoist"), sched, stage)
     for stage in sched.step:
         if stage.kind == "rnn" and all(v in ctx.values for v in ir.rnn_parts(stage.eqns[0])[0]):
             _hoist(ctx, sched.nested[stage.eqns[0]])
+
+
+def _split_products(sched):
+    """``{gemm stage: concat stage}`` for hoisted products ``concat(a_1, ...,
+    a_n; axis=1) @ concat(W_1, ..., W_n; axis=0)`` (autodiff's merged input
+    gradient) whose concat nothing else reads: they run as ``sum a_i @ W_i``,
+    without copying every token's ``a_i`` into one array first."""
+    if blas.DETERMINISTIC:  # the summation order is part of the result
+        return {}
+    concats = {s.outputs[0]: s for s in sched.hoisted
+               if s.kind == "shape" and s.eqns[0].op == "concat" and s.eqns[0].attrs["axis"] == 1}
+    weights = {s.outputs[0]: s.eqns[0] for s in sched.const
+               if s.eqns[0].op == "concat" and s.eqns[0].attrs["axis"] == 0}
+    body = sched.body
+    uses = collections.Counter(v for e in body.eqns for v in e.inputs if isinstance(v, ir.Var))
+    uses.update(v for v in body.outputs if isinstance(v, ir.Var))
+    uses.update(m.post for m in body.memories)
+    split = {}
+    for stage in sched.hoisted:
+        if stage.kind != "gemm" or stage.merged or stage.left not in concats:
+            continue
+        concat, joined = concats[stage.left], weights.get(stage.eqns[0].inputs[1])
+        if (joined is None or uses[stage.left] != 1
+                or len(joined.inputs) != len(concat.eqns[0].inputs)
+                or any(not isinstance(v, ir.Var) or v.shape[-1] != w.shape[0]
+                       for v, w in zip(concat.eqns[0].inputs, joined.inputs))):
+            continue
+        split[stage] = concat
+    return split
+
+
+def _render_split_gemm(ctx, stage, concat):
+    """``sum a_i @ W_i`` into the product's output: the first part's product,
+    then each other part's added (``gemm_acc``); ``W_i`` are row blocks of the
+    joined weights."""
+    eqn = stage.eqns[0]
+    out = eqn.outputs[0]
+    weights = ctx.values[eqn.inputs[1]].ident
+    parts = concat.eqns[0].inputs
+    info = _new_array(ctx, out, size=ctx.values[parts[0]].size)
+    row = 0
+    for i, part in enumerate(parts):
+        left = _contiguous(ctx, ctx.values[part])
+        k = part.shape[-1]
+        call = "gemm" if i == 0 else "gemm_acc"
+        ctx.lines.append(f"{call}({left}, {weights}[{row}:{row + k}], {info.ident})")
+        row += k
 
 
 def _render_stage(ctx, sched, stage):
