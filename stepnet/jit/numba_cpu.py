@@ -1283,7 +1283,7 @@ class TieredProgram:
         self._interpreted = interpreter.compile_program(kernel.program)
         self._signature = None
         self._compiled = threading.Event()  # set when the worker has answered
-        self._worker_error = None
+        self.worker_error = None  # what the worker said went wrong (the kernel then compiles here)
         self._done = False
 
     @property
@@ -1305,7 +1305,7 @@ class TieredProgram:
         return self.numba_program(args, consts)
 
     def _answered(self, error):
-        self._worker_error = error
+        self.worker_error = error
         self._compiled.set()
 
     def _finish(self):
