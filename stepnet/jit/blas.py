@@ -142,45 +142,18 @@ if BLAS_NAME == "mkl":
     _s_compute = _extern("cblas_sgemm_compute", "iiiiiipipifpi")
     _d_compute = _extern("cblas_dgemm_compute", "iiiiiipipidpi")
 
-    @njit(cache=True)
-    def gemm(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays."""
-        m, k = a.shape
-        n = b.shape[1]
-        if m > 0:
-            args = (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
-                    b.ctypes.data, n, 0.0, out.ctypes.data, n)
-            if a.itemsize == 4:
-                _sgemm(args)
-            else:
-                _dgemm(args)
-
-    @njit(cache=True)
-    def gemm_acc(a, b, out):
-        """out[:m] += a[:m] @ b (``a`` C-contiguous, ``b`` rows of a C-contiguous
-        array)."""
-        m, k = a.shape
-        n = b.shape[1]
-        if m > 0:
-            args = (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
-                    b.ctypes.data, n, 1.0, out.ctypes.data, n)
-            if a.itemsize == 4:
-                _sgemm(args)
-            else:
-                _dgemm(args)
+    _A, _A_T = _NO_TRANS, _TRANS  # CBLAS's codes for a and a.T
 
     @njit(cache=True, nogil=True)
-    def gemm_tn(a, b, out):
-        """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype."""
-        k, m = a.shape
-        n = b.shape[1]
-        if m > 0 and n > 0:
-            args = (_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, m,
-                    b.ctypes.data, n, 0.0, out.ctypes.data, n)
-            if a.itemsize == 4:
-                _sgemm(args)
-            else:
-                _dgemm(args)
+    def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
+        """Row-major out [m, n] = op(a) @ b + beta * out (``b`` [k, n] rows of a
+        C-contiguous array) on the calling thread."""
+        args = (_ROW_MAJOR, trans_a, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, lda,
+                b.ctypes.data, n, beta, out.ctypes.data, n)
+        if a.itemsize == 4:
+            _sgemm(args)
+        else:
+            _dgemm(args)
 
     @njit(cache=True)
     def pack(b, max_rows):
@@ -229,10 +202,12 @@ elif BLAS_NAME == "openblas":
         def _set_threads_local(args):
             return 0
 
+    _A, _A_T = _N, _T  # Fortran BLAS's codes for a and a.T
+
     @njit(cache=True, nogil=True)
     def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
         """Row-major out [m, n] = op(a) @ b + beta * out on the calling thread:
-        the column-major C^T = B^T op(A)^T (``trans_a``: ``_N`` or ``_T``)."""
+        the column-major C^T = B^T op(A)^T."""
         previous = _set_threads_local((1,))
         args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, lda, beta,
                 out.ctypes.data, n)
@@ -241,31 +216,6 @@ elif BLAS_NAME == "openblas":
         else:
             _dgemm(args)
         _set_threads_local((previous,))
-
-    @njit(cache=True)
-    def gemm(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays,
-        on the calling thread."""
-        m, k = a.shape
-        if m > 0:
-            _row_major_gemm(_N, m, b.shape[1], k, a, k, b, out, 0.0)
-
-    @njit(cache=True)
-    def gemm_acc(a, b, out):
-        """out[:m] += a[:m] @ b (``a`` C-contiguous, ``b`` rows of a C-contiguous
-        array)."""
-        m, k = a.shape
-        if m > 0:
-            _row_major_gemm(_N, m, b.shape[1], k, a, k, b, out, 1.0)
-
-    @njit(cache=True, nogil=True)
-    def gemm_tn(a, b, out):
-        """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype, on
-        the calling thread."""
-        k, m = a.shape
-        n = b.shape[1]
-        if m > 0 and n > 0:
-            _row_major_gemm(_T, m, n, k, a, m, b, out, 0.0)
 
     @njit(cache=True)
     def pack(b, max_rows):
@@ -283,22 +233,16 @@ elif BLAS_NAME == "openblas":
 
 else:
 
-    @njit(cache=True)
-    def gemm(a, b, out):
-        """out[:m] = a[:m] @ b for C-contiguous 2-D arrays."""
-        if a.shape[0] > 0:
-            np.dot(a, b, out)
-
-    @njit(cache=True)
-    def gemm_acc(a, b, out):
-        """out[:m] += a[:m] @ b."""
-        if a.shape[0] > 0:
-            out += np.dot(a, b)
+    _A, _A_T = 0, 1
 
     @njit(cache=True, nogil=True)
-    def gemm_tn(a, b, out):
-        """out = a.T @ b."""
-        np.dot(a.T, b, out)
+    def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
+        """out [m, n] = op(a) @ b + beta * out with NumPy's dot."""
+        product = np.dot(a.T, b) if trans_a == _A_T else np.dot(a, b)
+        if beta == 0.0:
+            out[:m] = product
+        else:
+            out[:m] += product
 
     @njit(cache=True)
     def pack(b, max_rows):
@@ -311,6 +255,35 @@ else:
             small_gemm(a, prepared[1], out)
         else:
             np.dot(a, prepared[0], out)
+
+
+
+@njit(cache=True)
+def gemm(a, b, out):
+    """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays, on
+    the calling thread."""
+    m, k = a.shape
+    if m > 0:
+        _row_major_gemm(_A, m, b.shape[1], k, a, k, b, out, 0.0)
+
+
+@njit(cache=True)
+def gemm_acc(a, b, out):
+    """out[:m] += a[:m] @ b (``a`` C-contiguous, ``b`` rows of a C-contiguous
+    array), on the calling thread."""
+    m, k = a.shape
+    if m > 0:
+        _row_major_gemm(_A, m, b.shape[1], k, a, k, b, out, 1.0)
+
+
+@njit(cache=True, nogil=True)
+def gemm_tn(a, b, out):
+    """out = a.T @ b for C-contiguous 2-D a [k, m], b [k, n] of one dtype, on
+    the calling thread."""
+    k, m = a.shape
+    n = b.shape[1]
+    if m > 0 and n > 0:
+        _row_major_gemm(_A_T, m, n, k, a, m, b, out, 0.0)
 
 
 if DETERMINISTIC:
