@@ -180,21 +180,23 @@ def is_compiled(rnn, backend, all_steps=None) -> bool:
     return found is not None and found.has_run(all_steps)
 
 
+def _every_compiled():
+    """Every CompiledStepNet of this process (a snapshot)."""
+    return [entry for per_backend in list(_COMPILED.values())
+            for entry in list(per_backend.values())]
+
+
 def kernels_ready() -> bool:
     """Whether every step-net compiled in this process runs its compiled
     kernels (none is still answering on the interpreter tier)."""
-    return all(entry.ready() for per_backend in list(_COMPILED.values())
-               for entry in list(per_backend.values()))
+    return all(entry.ready() for entry in _every_compiled())
 
 
 def wait_for_kernels(timeout=None) -> bool:
     """Block until every step-net compiled in this process runs its compiled
     kernels (see :meth:`CompiledStepNet.wait`); whether they all do."""
-    done = True
-    for per_backend in list(_COMPILED.values()):
-        for entry in list(per_backend.values()):
-            done = entry.wait(timeout) and done
-    return done
+    results = [entry.wait(timeout) for entry in _every_compiled()]  # every one waited for
+    return all(results)
 
 
 def get_backend(name=None):
