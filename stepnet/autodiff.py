@@ -84,7 +84,7 @@ class _BlockEmitter:
 
     def op(self, name, *operands, **attrs):
         avals = registry.get(name).infer(list(operands), attrs)
-        outs = tuple(_new_var(name, a.dtype, a.shape) for a in avals)
+        outs = tuple(_new_var(name, a.dtype, a.shape, a.lod_depth) for a in avals)
         eqn = Eqn(name, tuple(operands), outs, dict(attrs))
         self.eqns.append(eqn)
         self.producer[id(outs[0])] = eqn
@@ -125,6 +125,8 @@ class _BlockEmitter:
         terms (:class:`Rows`) whose sum over rows is the gradient."""
         if isinstance(g, Outer):
             return g
+        if g.lod_depth and not target.lod_depth and target.batched:
+            g = self.op("seq_sum", g)  # a dense value met a ragged one: summed over its rows
         gs, ts = g.shape, target.shape
         lead = len(gs) - len(ts)
         for j, n in enumerate(ts):
@@ -174,7 +176,7 @@ def kept_values(body: Block) -> tuple:
     products = tuple(
         e.outputs[0] for e in body.eqns
         if e.op == "matmul" and id(e.outputs[0]) in dependent and isinstance(e.inputs[1], Var)
-        and not e.inputs[1].batched
+        and not e.inputs[1].batched and not e.outputs[0].lod_depth
     )
     return pres + products
 
@@ -205,6 +207,9 @@ class BackwardOutputs:
     contribs: list = field(default_factory=list)  # (const Var, Rows/Outer of indices)
     injected: list = field(default_factory=list)  # forward output indices seeded by the flag
     values: list = field(default_factory=list)  # the enclosing var of each output index
+    # positions in ``statics`` of ragged static inputs: their outputs hold a
+    # term per step (all steps), summed per sequence by the caller
+    summed_statics: list = field(default_factory=list)
 
 
 def backward_eqn(eqn: Eqn, kept, cts, top: bool):
@@ -245,6 +250,9 @@ class _BackwardStep:
         self.ct = _Cotangents(self.em)
         self.contribs = {}  # id(constant) -> (constant, its Rows/Outer terms)
         self.injected = []  # (output index, forward output, its last-step cotangent)
+        # ragged values of nested step-nets (their cotangents are not summed)
+        self.nested_ragged = {id(v) for v in body.step_inputs if v.lod_depth}
+        self.nested_ragged |= {id(o) for e in body.eqns if e.op == "rnn" for o in e.outputs}
 
     def add(self, var, g):
         """Add the cotangent term ``g`` of the forward value ``var``."""
@@ -260,7 +268,7 @@ class _BackwardStep:
                 f"gradient of {self.name}: {var.name} is {np.dtype(var.dtype)} but meets "
                 f"{np.dtype(g.dtype)} values; gradients need one float dtype per step-net"
             )
-        if var.lod_depth and id(var) in self.ct:
+        if var.lod_depth and id(var) in self.ct and id(var) in self.nested_ragged:
             raise UnsupportedError(
                 f"gradient of {self.name}: the ragged value {var.name} is read twice; "
                 "gradients of a ragged value used by several ops are not supported"
@@ -383,6 +391,14 @@ class _BackwardStep:
             g = ct.get(id(sv))
             if g is None:
                 result.statics.append(None)
+                continue
+            if sv.lod_depth:  # per step, summed over the steps after the loop
+                if not self.top:
+                    raise UnsupportedError(
+                        f"gradient of {self.name}: the ragged static input {sv.name} of a nested "
+                        "step-net")
+                result.statics.append(self.output(g, True))
+                result.summed_statics.append(len(result.statics) - 1)
                 continue
             acc = _new_var(f"d_{sv.name}", sv.dtype, sv.shape)
             self.memories.append(Memory(f"d_{sv.name}", acc, em.op("add", acc, g)))

@@ -24,10 +24,36 @@ def eval_eqn(eqn, env, consts, scopes=None):
     ]
     if eqn.op == "rnn":
         results = run_rnn(eqn, args, consts, scopes)
+    elif any(isinstance(a, LoDTensor) for a in args) and not registry.get(eqn.op).takes_lod:
+        results = [_on_rows(eqn, args)]
     else:
         results = [registry.get(eqn.op).numpy(*args, **eqn.attrs)]
     for var, value in zip(eqn.outputs, results):
         env[id(var)] = value
+
+
+def _on_rows(eqn, args):
+    """An op with ragged operands (one-level LoDTensors of one LoD): on their
+    rows, each batched dense operand repeated over its batch row's rows."""
+    ragged = [a for a in args if isinstance(a, LoDTensor)]
+    offsets = np.asarray(ragged[0].levels[0])
+    for a in ragged[1:]:
+        if not np.array_equal(np.diff(a.levels[0]), np.diff(offsets)):
+            raise StepNetError(
+                f"{eqn.op} computing {eqn.outputs[0].name}: its ragged operands have different "
+                "LoD (static inputs of one step-net combined row by row must have the same lengths)"
+            )
+    counts = np.diff(offsets)
+    rows = []
+    for v, a in zip(eqn.inputs, args):
+        if isinstance(a, LoDTensor):
+            rows.append(np.asarray(a.data)[offsets[0]:offsets[-1]])
+        elif isinstance(v, ir.Var) and v.batched:
+            rows.append(np.repeat(a, counts, axis=0))
+        else:
+            rows.append(a)
+    out = registry.get(eqn.op).numpy(*rows, **eqn.attrs)
+    return LoDTensor(out, [offsets - offsets[0]])
 
 
 def _take_rows(value, rows):

@@ -4,8 +4,9 @@ An entry holds everything stepnet knows about a primitive: its function
 (``sn.ops.tanh``), its shape/dtype rule, its NumPy reference, its gradient
 rule, its code for each backend and its ONNX forms. The interpreter, autodiff,
 the backends, ONNX export and import and the YAML expressions read the
-entries; none keeps its own list of ops (only the kernels of matmul, the
-reduction and the shape ops are still written in each backend).
+entries; none keeps its own list of ops. An op's code for the backends is a
+scalar template (elementwise ops) or a backend-neutral index form
+(``gather`` for shape ops, ``reduction`` for sum and matmul).
 ``primitives.py`` registers them; docs/adding-an-op.md says how to add one.
 """
 
@@ -28,6 +29,7 @@ class Aval:
 
     shape: tuple
     dtype: np.dtype
+    lod_depth: int = 0
 
     def type_str(self) -> str:
         return Var("", self.dtype, self.shape).type_str()
@@ -40,8 +42,9 @@ class OpDef:
     - ``rule(avals, **attrs) -> Aval``: shape and dtype of the result; raises
       ShapeError naming the op and the operands' shapes.
     - ``numpy(*arrays, **attrs) -> ndarray``: the reference implementation.
-    - ``kind``: "elementwise" (fusable into one loop), "matmul", "reduce"
-      or "shape" (concat, slice).
+    - ``kind``: "elementwise" (fusable into one loop), "matmul", "reduce",
+      "shape" (concat, slice) or "segment" (a reduction over each batch
+      row's own rows of a ragged value: ``seq_sum``, ``seq_max``).
     - ``function``: the public function, ``sn.ops.<name>``.
     - ``grad(em, eqn, g) -> [cotangent or None per operand]``: the gradient
       rule (reverse mode), written with ``em.op`` (see ``primitives.py``);
@@ -61,6 +64,20 @@ class OpDef:
     - ``onnx_import``: the ONNX operator that an imported model's node runs as
       this op (same operands, same meaning); None where stepnet.onnx.ops has
       its own entry (variadic Max, MatMul's layouts, Clip's bound inputs).
+    - ``gather(index, shapes, **attrs) -> [Case]``: a shape op's code for
+      every backend, as where each result element comes from (see
+      :class:`Case`). ``index`` holds the code of the result element's index,
+      one string per axis; ``shapes`` the operands' shapes.
+    - ``reduction(index, shapes, **attrs) -> (extent, [operand index])``: a
+      reduction's (sum, matmul) code for every backend: the result element
+      is the sum over ``k in range(extent)`` of the product of the operands,
+      each read at its index (code that may name ``k``).
+    - ``segment``: a segment op's code for every backend, ``(combine,
+      initial value)``: ``combine`` a template of ``{acc}`` and ``{x}`` (one
+      row's element), folded over each batch row's rows.
+    - ``takes_lod``: the NumPy reference takes ragged operands as LoDTensors
+      (the segment ops); the other references get a ragged operand's rows,
+      the dense batched operands repeated over them.
     """
 
     name: str
@@ -74,19 +91,50 @@ class OpDef:
     cuda: str | Callable | None = None
     onnx: str | Callable | None = None
     onnx_import: str | None = None
+    gather: Callable | None = None
+    reduction: Callable | None = None
+    segment: tuple | None = None
+    takes_lod: bool = False
 
     def infer(self, operands, attrs) -> list:
+        """The results' avals. A ragged operand of one level (a row per batch
+        row's own sub-sequence, e.g. an attention memory given by
+        ``add_static_input``) makes a ragged result: the batched dense
+        operands are repeated over each batch row's rows."""
         if self.num_inputs is not None and len(operands) != self.num_inputs:
             raise StepNetError(f"{self.name} takes {self.num_inputs} operands, got {len(operands)}")
-        for v in operands:
-            if isinstance(v, Var) and v.lod_depth:
+        ragged = [v for v in operands if isinstance(v, Var) and v.lod_depth]
+        for v in ragged:
+            if v.lod_depth > 1:
                 raise UnsupportedError(
-                    f"{self.name}: {v.name} is a ragged (nested sequence) value; arithmetic on it "
-                    "is not supported: feed it to a nested step-net's add_input and compute "
-                    "inside that step, or pass it to add_outputs"
+                    f"{self.name}: {v.name} is a ragged value of {v.lod_depth} levels; arithmetic "
+                    "on it is not supported: feed it to a nested step-net's add_input and "
+                    "compute inside that step, or pass it to add_outputs"
                 )
+        if ragged and self.kind == "matmul" and (
+                any(operands[1] is v for v in ragged) or getattr(operands[1], "batched", False)):
+            raise UnsupportedError(
+                f"matmul: {operands[1].name} is a step value; a ragged value "
+                f"({ragged[0].name}) is multiplied by a constant only (rows @ W)"
+            )
         out = self.rule(list(operands), **attrs)
-        return out if isinstance(out, list) else [out]
+        out = out if isinstance(out, list) else [out]
+        if ragged and self.kind != "segment":
+            out = [Aval(a.shape, a.dtype, 1) for a in out]
+        return out
+
+
+@dataclass(frozen=True)
+class Case:
+    """Part of a shape op's result: where ``lo <= index[axis] < hi`` (all of
+    it when ``axis`` is None) the element is operand ``operand`` read at
+    ``index`` (code per operand axis), or zero when ``operand`` is None."""
+
+    operand: int | None
+    index: tuple = ()
+    axis: int | None = None
+    lo: int = 0
+    hi: int = 0
 
 
 def register(name, rule, numpy, kind, num_inputs=None, **fields):

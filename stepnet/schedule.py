@@ -142,13 +142,13 @@ def is_elementwise(eqn) -> bool:
 
 
 def is_gemm(eqn, is_const) -> bool:
-    """``a @ W``: ``a`` a 2-D step value, ``W`` a 2-D constant of ``a``'s dtype
-    (``is_const(var)`` says what is constant)."""
+    """``a @ W``: ``a`` a 2-D dense step value, ``W`` a 2-D constant of ``a``'s
+    dtype (``is_const(var)`` says what is constant)."""
     if eqn.op != "matmul":
         return False
     a, w = eqn.inputs
     return (isinstance(a, ir.Var) and isinstance(w, ir.Var) and is_const(w)
-            and a.batched and len(a.shape) == 2 and len(w.shape) == 2
+            and a.batched and not a.lod_depth and len(a.shape) == 2 and len(w.shape) == 2
             and np.dtype(a.dtype) == np.dtype(w.dtype))
 
 
@@ -313,7 +313,8 @@ def _stages(eqns, is_const, fuse) -> tuple:
             continue  # a later member: computed with the first, the run goes on
         last = stages[-1] if stages else None
         if (fuse and kind == "elementwise" and last is not None and last.kind == "elementwise"
-                and last.eqns[0].outputs[0].shape == e.outputs[0].shape):
+                and last.eqns[0].outputs[0].shape == e.outputs[0].shape
+                and last.eqns[0].outputs[0].lod_depth == e.outputs[0].lod_depth):
             stages[-1] = Stage("elementwise", last.eqns + (e,))
         else:
             stages.append(Stage(kind, (e,)))

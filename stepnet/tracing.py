@@ -364,7 +364,8 @@ def bind(opname, operands, **attrs):
         attrs["axis"] = registry.normalize_axis(opname, ins[0], attrs["axis"])
     avals = op.infer(ins, attrs)
     outs = tuple(
-        frame.define(Var(frame.state.fresh(), np.dtype(a.dtype), tuple(a.shape))) for a in avals
+        frame.define(Var(frame.state.fresh(), np.dtype(a.dtype), tuple(a.shape), a.lod_depth))
+        for a in avals
     )
     frame.eqns.append(Eqn(opname, tuple(ins), outs, dict(attrs)))
     values = [Value(v, frame) for v in outs]

@@ -103,6 +103,25 @@ def test_shape_ops_in_a_step(loop):
     agree(rnn, output_all_steps=False)
 
 
+def test_matmul_that_is_not_a_gemm(loop):
+    """Per-row matrices times per-row matrices, and a step value times a
+    constant vector: the dot-product form of matmul's record, on every backend."""
+    r = np.random.default_rng(5)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((6, 4)).astype(np.float32), [[2, 4]])
+    v = sn.Parameter(r.standard_normal(3).astype(np.float32), name="v")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[2], name="h")
+        scale = sn.ops.broadcast_axis(h.pre_state(), 2, 3)                  # [B, 2, 3]
+        q = sn.ops.broadcast_axis(sn.ops.slice(x, 1, 4), 1, 2) * scale  # [B, 2, 3]
+        gram = q @ sn.ops.transpose(q)                                  # [B, 2, 2]
+        dot = sn.ops.broadcast_axis(sn.ops.slice(x, 0, 3) @ v, 1, 2)    # [B] -> [B, 2]
+        h.update(sn.ops.tanh(sn.ops.sum(gram, axis=-1) * 0.1 + dot))
+        rnn.add_outputs(h)
+    assert_backends_agree(rnn)
+
+
 def test_empty_batch_and_all_empty_sequences():
     X = sn.LoDTensor.from_lengths(np.zeros((0, 3), np.float32), [[0, 0]])
     rnn = _gated_cell(X)

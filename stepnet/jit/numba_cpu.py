@@ -50,7 +50,7 @@ import numba
 import numpy as np
 
 from .. import interpreter, ir, registry, schedule
-from ..errors import UnsupportedError
+from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
 from . import blas, numba_runtime, threads
 from .cache import cache_dir, helpers_fingerprint
@@ -108,6 +108,8 @@ class _Module:
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
+        self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)
+        self.segment_outputs = {}  # all-steps outputs over a static's rows: (data, pl, level)
 
     def fresh(self, base):
         self.counter += 1
@@ -121,7 +123,7 @@ class _Module:
             if dtype.kind == "b":
                 self.module_consts.append(f"{name} = {bool(value)!r}")
             else:
-                self.module_consts.append(f"{name} = np.{dtype.name}({float(value)!r})")
+                self.module_consts.append(f"{name} = np.{dtype.name}(float('{float(value)!r}'))")
             self.literals[key] = name
         return self.literals[key]
 
@@ -136,6 +138,7 @@ class _Function:
     materialized: frozenset = frozenset()  # per-step values stored in buffers
     direct: dict = field(default_factory=dict)  # Var -> all-steps output arrays
     written: set = field(default_factory=set)  # Vars a fused loop wrote there
+    segments: dict = field(default_factory=dict)  # ragged Var -> its static's (see _segment)
 
 
 @dataclass
@@ -198,7 +201,8 @@ def generate_source(program: ir.Program):
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in body]
     layout = _Layout(top_inputs, outs, module.concatenated, sched,
-                     [o[0] in ("dense_all", "last") and o[1] in given for o in outs])
+                     [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
+                     sorted(module.same_lod))
     return "\n".join(src) + "\n", layout
 
 
@@ -211,6 +215,7 @@ class _Layout:
     concatenated: dict  # weights joined by the caller: ident -> constants (ir.Var)
     schedule: schedule.Schedule
     given: list  # per rnn output: whether program() takes its buffer (last parameters)
+    same_lod: list  # pairs of ragged static inputs' levels combined row by row
 
 
 def _program_inputs(module, program, values):
@@ -232,10 +237,10 @@ def _program_inputs(module, program, values):
             values[v] = _Info("local", ident, v, width=_width(v))
             top_inputs.append(("dense", v, ident, None))
             continue
-        if any(s is v for s in statics):
+        if any(s is v for s in statics) and v.lod_depth > 1:
             raise UnsupportedError(
-                f"static input {v.name} is a LoDTensor; the numba backend takes "
-                "dense static inputs only (use backend='interpreter')"
+                f"static input {v.name} is a LoDTensor of {v.lod_depth} levels; the numba "
+                "backend takes one level (a sub-sequence per sequence) at most"
             )
         data = module.fresh("x")
         levels = [module.fresh("L") for _ in range(v.lod_depth)]
@@ -444,12 +449,38 @@ def _new_array(ctx, var, size=None):
         ctx.lines.append(f"{ident} = np.empty({_shape(size, var.shape[1:])}, {dt})")
         module.gargs.append(ident)
         info = _Info("global", ident, var, width=_width(var), size=size)
+    elif var.lod_depth:  # a row per row of the ragged static input it comes from
+        segment = _segment(ctx, var)
+        ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment[2], var.shape[1:])}, {dt})")
+        info = _Info("rows", ident, var, width=_width(var), levels=segment)
     else:
         ctx.fn.allocs.append(f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})")
         ctx.fn.buffers.add(ident)
         info = _Info("local", ident, var, width=_width(var))
     ctx.values[var] = info
     return info
+
+
+def _segment(ctx, var):
+    """The (starts, stops, rows, level) idents of the ragged static input that
+    the ragged value ``var`` comes from."""
+    return ctx.fn.segments[var]
+
+
+def _note_segment(ctx, e):
+    """Record the segment of ``e``'s ragged result: its ragged operands' (one
+    static input's; several must have the same LoD, checked before a run)."""
+    segments = [ctx.values[v].levels for v in e.inputs
+                if isinstance(v, ir.Var) and v.lod_depth and ctx.values[v].kind in ("rows", "scalar")]
+    if not segments:
+        raise UnsupportedError(f"numba backend: {e.op} computing {e.outputs[0].name} reads a "
+                               "ragged value that is not a static input's (use the interpreter)")
+    for other in segments[1:]:
+        if other != segments[0]:
+            ctx.module.same_lod.add((segments[0][3], other[3]))
+    if e.outputs[0].lod_depth:
+        ctx.fn.segments[e.outputs[0]] = segments[0]
+    return segments[0]
 
 
 def _contiguous(ctx, info):
@@ -471,19 +502,25 @@ def _emit_copy(ctx, src, dst):
     ])
 
 
-def _loop_nest(shape, mode, size=None):
-    """Loops over ``shape``; in a step, ``e`` is row b's entry (loaded once
-    per row, so LLVM vectorizes the inner loop)."""
+def _loop_nest(shape, mode, size=None, bounds=None, segment=None):
+    """Loops over ``shape`` (over ``range(lo, hi)`` on an axis ``bounds`` maps
+    to ``(lo, hi)``); in a step, ``e`` is row b's entry (loaded once per row,
+    so LLVM vectorizes the inner loop), and for a ragged value (``segment``:
+    its (starts, stops, rows) idents) ``j`` runs over row b's own rows."""
     loops, idx = [], []
     for d, n in enumerate(shape):
         if n is None:
             var = "b" if mode == "step" else "r"
             bound = "nb" if mode == "step" else size
+        elif bounds and d in bounds:
+            var, bound = f"i{d}", "{}, {}".format(*bounds[d])
         else:
             var, bound = f"i{d}", str(n)
         loops.append(f"for {var} in range({bound}):")
         if n is None and mode == "step":
             loops.append("e = entries[b]")
+            if segment is not None:
+                loops.append(f"for j in range({segment[0]}[b], {segment[1]}[b]):")
         idx.append(var)
     return loops, idx
 
@@ -501,6 +538,8 @@ def _ref(info, idx, mode, loop_shape, row="b"):
         if n is None:
             if info.kind == "global":
                 i = "e" if mode == "step" else "r"
+            elif info.kind == "rows":
+                i = "j"
             else:
                 i = row
         elif n == 1 and loop_shape[lead + d] != 1:
@@ -524,128 +563,57 @@ def _operand(ctx, v, dtype):
 
 
 def _emit_op(ctx, e):
-    """One op (not a GEMM, not fused) as its own loop nest over its result."""
+    """One op (not a GEMM, not fused) as its own loop nest over its result:
+    an elementwise op from its scalar code, a shape op or a reduction from
+    its record's ``gather`` or ``reduction`` form (stepnet/registry.py)."""
     out = e.outputs[0]
     size = None
     if ctx.mode == "hoist":  # the rows of the space: those of a global operand
         size = next(ctx.values[v].size for v in e.inputs
                     if isinstance(v, ir.Var) and ctx.values[v].kind == "global")
+    ragged = any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs)
+    segment = _note_segment(ctx, e) if ragged else None
+    rows = segment if out.lod_depth else None
     info = _new_array(ctx, out, size=size)
     ins = [_operand(ctx, v, registry.literal_dtype(e)) for v in e.inputs]
-    loops, idx = _loop_nest(out.shape, ctx.mode, size)
-    op = "elementwise" if schedule.is_elementwise(e) else e.op
-    emit = _OP_LOOPS.get(op)
-    if emit is None:
+    loops, idx = _loop_nest(out.shape, ctx.mode, size, segment=rows)
+    record = registry.get(e.op)
+    dst = _ref(info, idx, ctx.mode, out.shape)
+    if record.segment is not None:  # over each batch row's rows of its ragged operand
+        combine, initial = record.segment
+        start, _ = _loop_nest(out.shape, ctx.mode)
+        over_rows, _ = _loop_nest(out.shape, ctx.mode, segment=segment)
+        src = _ref(ins[0], idx, ctx.mode, out.shape)
+        ctx.lines += _nest(start, [f"{dst} = {ctx.module.literal(initial, out.dtype)}"])
+        ctx.lines += _nest(over_rows, [f"{dst} = {combine.format(acc=dst, x=src)}"])
+    elif schedule.is_elementwise(e):
+        expr = _scalar_expr(ctx, e, [_ref(i, idx, ctx.mode, out.shape) for i in ins])
+        ctx.lines += _nest(loops, [f"{dst} = {expr}"])
+    elif record.gather is not None:
+        zero = ctx.module.literal(0.0, out.dtype)
+        for case in record.gather(idx, [v.shape for v in e.inputs], **e.attrs):
+            if case.axis is not None and out.shape[case.axis] is None:
+                raise UnsupportedError(f"numba backend: {e.op} along the batch axis")
+            bounds = {} if case.axis is None else {case.axis: (case.lo, case.hi)}
+            case_loops, _ = _loop_nest(out.shape, ctx.mode, size, bounds, segment=rows)
+            src = zero if case.operand is None else _read_at(ctx, ins, e, case.operand, case.index)
+            ctx.lines += _nest(case_loops, [f"{dst} = {src}"])
+    elif record.reduction is not None:
+        extent, sources = record.reduction(idx, [v.shape for v in e.inputs], **e.attrs)
+        term = " * ".join(_read_at(ctx, ins, e, k, index) for k, index in enumerate(sources))
+        ctx.lines += _nest(loops, [f"acc = {ctx.module.literal(0.0, out.dtype)}",
+                                   f"for k in range({extent}):", f"    acc += {term}",
+                                   f"{dst} = acc"])
+    else:
         raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
-    ctx.lines += emit(ctx, e, ins, info, loops, idx, size)
 
 
-def _elementwise_loop(ctx, e, ins, info, loops, idx, size):
-    shape = e.outputs[0].shape
-    expr = _scalar_expr(ctx, e, [_ref(i, idx, ctx.mode, shape) for i in ins])
-    return _nest(loops, [f"{_ref(info, idx, ctx.mode, shape)} = {expr}"])
-
-
-def _sum_loop(ctx, e, ins, info, loops, idx, size):
-    axis, out = e.attrs["axis"], e.outputs[0]
-    in_idx = list(idx)
-    if e.attrs.get("keepdims", False):
-        in_idx[axis] = "k"
-    else:
-        in_idx.insert(axis, "k")
-    acc = ctx.module.literal(0.0, out.dtype)
-    src = _ref(ins[0], in_idx, ctx.mode, e.inputs[0].shape)
-    return _nest(loops, [f"acc = {acc}", f"for k in range({e.inputs[0].shape[axis]}):",
-                         f"    acc += {src}", f"{_ref(info, idx, ctx.mode, out.shape)} = acc"])
-
-
-def _slice_loop(ctx, e, ins, info, loops, idx, size):
-    axis, shape = e.attrs["axis"], e.outputs[0].shape
-    in_idx = list(idx)
-    in_idx[axis] = f"{e.attrs['start']} + {idx[axis]}"
-    return _nest(loops, [
-        f"{_ref(info, idx, ctx.mode, shape)} = {_ref(ins[0], in_idx, ctx.mode, shape)}"
-    ])
-
-
-def _concat_loop(ctx, e, ins, info, loops, idx, size):
-    axis, shape = e.attrs["axis"], e.outputs[0].shape
-    lines, offset = [], 0
-    for v, vi in zip(e.inputs, ins):
-        vloops, vidx = _loop_nest(v.shape, ctx.mode, size)
-        didx = list(vidx)
-        didx[axis] = f"{offset} + {vidx[axis]}"
-        lines += _nest(vloops, [
-            f"{_ref(info, didx, ctx.mode, shape)} = {_ref(vi, vidx, ctx.mode, v.shape)}"
-        ])
-        offset += v.shape[axis]
-    return lines
-
-
-def _transpose_loop(ctx, e, ins, info, loops, idx, size):
-    shape = e.outputs[0].shape
-    in_idx = list(idx[:-2]) + [idx[-1], idx[-2]]
-    return _nest(loops, [
-        f"{_ref(info, idx, ctx.mode, shape)} = {_ref(ins[0], in_idx, ctx.mode, shape)}"
-    ])
-
-
-def _broadcast_axis_loop(ctx, e, ins, info, loops, idx, size):
-    axis = e.attrs["axis"]
-    in_idx = list(idx)
-    if e.attrs["insert"]:
-        del in_idx[axis]
-    else:
-        in_idx[axis] = "0"
-    src = _ref(ins[0], in_idx, ctx.mode, e.inputs[0].shape)
-    return _nest(loops, [f"{_ref(info, idx, ctx.mode, e.outputs[0].shape)} = {src}"])
-
-
-def _pad_loop(ctx, e, ins, info, loops, idx, size):
-    axis, before = e.attrs["axis"], e.attrs["before"]
-    n = e.inputs[0].shape[axis]
-    in_idx = list(idx)
-    in_idx[axis] = f"{idx[axis]} - {before}"
-    src = _ref(ins[0], in_idx, ctx.mode, e.inputs[0].shape)
-    zero = ctx.module.literal(0.0, e.outputs[0].dtype)
-    dst = _ref(info, idx, ctx.mode, e.outputs[0].shape)
-    return _nest(loops, [f"{dst} = {src} if {before} <= {idx[axis]} < {before + n} else {zero}"])
-
-
-def _matmul_loop(ctx, e, ins, info, loops, idx, size):
-    """A general matmul (not a GEMM by a constant): a dot product per element."""
-    a, b = e.inputs
-    shape = e.outputs[0].shape
-    ma = a.shape if len(a.shape) > 1 else (1,) + a.shape
-    r = len(shape)
-    out_idx = list(idx)
-    # indices of the stacked/row dims of the promoted result
-    full_idx = out_idx if len(a.shape) > 1 else out_idx[:r - 1] + ["0"] + out_idx[r - 1:]
-    if len(b.shape) == 1:
-        full_idx = full_idx + ["0"]
-    stack = full_idx[:-2]
-    a_idx = stack[len(stack) - (len(ma) - 2):] if len(ma) > 2 else []
-    a_idx = a_idx + ([full_idx[-2]] if len(a.shape) > 1 else []) + ["k"]
-    b_idx = stack[len(stack) - (len(b.shape) - 2):] if len(b.shape) > 2 else []
-    b_idx = b_idx + ["k"] + ([full_idx[-1]] if len(b.shape) > 1 else [])
-    acc = ctx.module.literal(0.0, e.outputs[0].dtype)
-    ra = _ref(ins[0], a_idx, ctx.mode, a.shape)
-    rb = _ref(ins[1], b_idx, ctx.mode, b.shape)
-    dst = _ref(info, out_idx, ctx.mode, shape)
-    return _nest(loops, [f"acc = {acc}", f"for k in range({ma[-1]}):",
-                         f"    acc += {ra} * {rb}", f"{dst} = acc"])
-
-
-_OP_LOOPS = {
-    "elementwise": _elementwise_loop,
-    "sum": _sum_loop,
-    "slice": _slice_loop,
-    "concat": _concat_loop,
-    "transpose": _transpose_loop,
-    "broadcast_axis": _broadcast_axis_loop,
-    "pad": _pad_loop,
-    "matmul": _matmul_loop,
-}
+def _read_at(ctx, ins, e, k, index):
+    """Operand ``k`` of ``e`` read at ``index`` (code per operand axis; an
+    axis of size 1 is read at 0)."""
+    shape = e.inputs[k].shape
+    index = ["0" if n == 1 else i for n, i in zip(shape, index)]
+    return _ref(ins[k], index, ctx.mode, shape)
 
 
 def _scalar_expr(ctx, e, args):
@@ -675,12 +643,16 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     fname, params, fn_lines, result_infos = _rnn_function(ctx, sched)
     args, outs, hoisted_lasts = [start_expr, len_expr], [], []
     for v in list(inits) + list(statics):
-        if isinstance(v, ir.Var) and ctx.values[v].kind != "const":
-            args.append(_batched_arg(ctx, ctx.values[v]))
+        if isinstance(v, ir.Var) and ctx.values[v].kind not in ("const", "ragged"):
+            args.append(_batched_arg(ctx, ctx.values[v]))  # (a ragged static is a global)
     body = eqn.attrs["body"]
     for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
                                        result_infos):
-        if all_steps and res.lod_depth:
+        if out in ctx.module.segment_outputs:
+            od, pl, top = ctx.module.segment_outputs[out]
+            ctx.module.extra_returns.append(pl)
+            outs.append(("segment_all", od, (top,)))
+        elif all_steps and res.lod_depth:
             oi = _Info("ragged", None, out, levels=(_seq_levels(ctx, eqn)[0],) + ri.levels,
                        data=ri.data)
             ctx.values[out] = oi
@@ -779,7 +751,7 @@ def _rnn_function(ctx, sched):
     fctx = _Ctx(ctx.module, collections.ChainMap({}, ctx.values), "step", [], fn)
     fname = ctx.module.fresh("rnn_")
     params = ["seq_start", "seq_len"]
-    setup = _function_setup(fctx, eqn, params)
+    setup = _function_setup(fctx, eqn, params, top=ctx.mode == "program")
     last_params = _last_step_params(fctx, eqn, params, setup)
     step = _step_body(fctx, sched, last_params)
     lines = ["    " + line for line in setup + fn.allocs]
@@ -790,7 +762,7 @@ def _rnn_function(ctx, sched):
     return fname, params, lines, results
 
 
-def _function_setup(fctx, eqn, params):
+def _function_setup(fctx, eqn, params, top):
     """Sort the sequences; copy initial memories and static inputs in sorted
     order (their params join ``params``)."""
     body = eqn.attrs["body"]
@@ -815,10 +787,19 @@ def _function_setup(fctx, eqn, params):
             fctx.values[sv] = oi
             continue
         if outer.lod_depth or sv.lod_depth:
-            raise UnsupportedError(
-                f"numba backend: ragged static input {outer.name} is not supported "
-                "(use backend='interpreter')"
-            )
+            if oi.kind != "ragged" or not top or outer.lod_depth != 1:
+                raise UnsupportedError(
+                    f"numba backend: ragged static input {outer.name} of a nested step-net "
+                    "(use backend='interpreter')")
+            level = oi.levels[0]
+            ms, me = module.fresh("ms"), module.fresh("me")
+            setup += [f"{ms} = np.empty(num_seq, np.int64)", f"{me} = np.empty(num_seq, np.int64)"]
+            setup += _nest(["for b in range(num_seq):"], [f"{ms}[b] = {level}[order[b]]",
+                                                          f"{me}[b] = {level}[order[b] + 1]"])
+            segment = (ms, me, f"{level}[-1]", level)
+            fctx.values[sv] = _Info("rows", oi.data.ident, sv, width=_width(sv), levels=segment)
+            fctx.fn.segments[sv] = segment
+            continue
         p = module.fresh("s_in")
         params.append(p)
         ident = module.fresh("s")
@@ -888,7 +869,9 @@ def _write_outputs(fctx, eqn, last_params):
     body, lines = eqn.attrs["body"], []
     for res, out, p in zip(body.outputs, eqn.outputs, last_params):
         ri = fctx.values[res]
-        if p is None:
+        if p is None and res in fctx.fn.segments:
+            lines += _segment_output(fctx, eqn, res, out)
+        elif p is None:
             if res.lod_depth or res in fctx.fn.written:
                 continue  # written in place by the nested rnn or the fused loop
             oi = fctx.values[out].data
@@ -907,6 +890,29 @@ def _write_outputs(fctx, eqn, last_params):
                 _nest(loops[1:], [f"{dst} = {_ref(ri, idx, 'step', res.shape)}"]),
             )
     return lines
+
+
+def _segment_output(fctx, eqn, res, out):
+    """An all-steps output of a value over a ragged static input's rows:
+    each step's rows at its entry's place (``pl[e]``: the rows before entry
+    ``e``, counted in the prologue), a two-level output (sequence, step, rows)."""
+    module = fctx.module
+    ms, me, _, level = fctx.fn.segments[res]
+    top = _seq_levels(fctx, eqn)[0]
+    pl, od = module.fresh("pl"), module.fresh("od")
+    s, t, k = module.fresh("s"), module.fresh("t"), module.fresh("k")
+    dt = f"np.{np.dtype(res.dtype).name}"
+    module.prologue += [f"{pl} = np.zeros({top}[-1] + 1, np.int64)"]
+    module.prologue += _nest([f"for {s} in range(lengths.shape[0]):", f"for {t} in range(lengths[{s}]):"],
+                             [f"{pl}[starts[{s}] + {t} + 1] = {level}[{s} + 1] - {level}[{s}]"])
+    module.prologue += _nest([f"for {k} in range({top}[-1]):"], [f"{pl}[{k} + 1] += {pl}[{k}]"])
+    module.prologue.append(f"{od} = np.empty({_shape(pl + '[-1]', res.shape[1:])}, {dt})")
+    module.gargs += [pl, od]
+    module.segment_outputs[out] = (od, pl, top)
+    loops, idx = _loop_nest(res.shape, "step", segment=(ms, me))
+    target = _Info("global", od, res)
+    dst = _ref(target, idx, "step", res.shape).replace(f"{od}[e", f"{od}[{pl}[e] + j - {ms}[b]", 1)
+    return _nest(loops, [f"{dst} = {_ref(fctx.values[res], idx, 'step', res.shape)}"])
 
 
 def _update_memories(fctx, sched):
@@ -937,7 +943,12 @@ def _emit_fused(ctx, group):
     """A run of elementwise ops as one loop; its intermediates stay scalars,
     the materialized ones are stored, all-steps outputs written in place."""
     shape = group[0].outputs[0].shape
-    loops, idx = _loop_nest(shape, "step")
+    segment = None
+    for e in group:  # a ragged run loops over its rows (schedule: one LoD depth per run)
+        if any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs):
+            segment = _note_segment(ctx, e)
+            ctx.values[e.outputs[0]] = _Info("scalar", None, e.outputs[0], levels=segment)
+    loops, idx = _loop_nest(shape, "step", segment=segment)
     inner, scalars = [], []
     for e in group:
         opdt = registry.literal_dtype(e)
@@ -946,7 +957,7 @@ def _emit_fused(ctx, group):
         name = ctx.module.fresh("t")
         inner.append(f"{name} = {_scalar_expr(ctx, e, args)}")
         scalars.append((out, name))
-        ctx.values[out] = _Info("scalar", name, out)
+        ctx.values[out] = _Info("scalar", name, out, levels=segment or ())
     for out, name in scalars:
         if out in ctx.fn.materialized:
             info = _new_array(ctx, out)
@@ -1072,6 +1083,7 @@ class NumbaProgram:
         self.concatenated = layout.concatenated
         self.schedule = layout.schedule
         self.given = layout.given
+        self.same_lod = layout.same_lod
         self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
         if os.environ.get("STEPNET_DEBUG"):
@@ -1134,6 +1146,12 @@ class NumbaProgram:
         """The outputs for ``args`` (one value per top-level input), with
         ``const_args = prepare(consts)``. Each sequence group writes its rows
         of the outputs program() takes from its caller in place."""
+        for a, b in self.same_lod:
+            if not np.array_equal(np.diff(self._level(a, args)), np.diff(self._level(b, args))):
+                names = [v.name for kind, v, _, levels in self.top_inputs
+                         if kind == "sequence" and (a in levels or b in levels)]
+                raise LoDError(f"static inputs {' and '.join(names)} are combined row by row "
+                               "but have different lengths")
         groups = self._groups(args)
         buffers = self.output_buffers(args)
         if len(groups) <= 1:
@@ -1232,6 +1250,8 @@ class NumbaProgram:
         kind = spec[0]
         if kind in ("dense_all", "ragged_all"):
             return LoDTensor(arr, [self._level(name, args) for name in spec[2]])
+        if kind == "segment_all":  # its second level comes from the kernel
+            return LoDTensor(arr, [self._level(spec[2][0], args), extra.pop(0)])
         if kind == "last":
             return arr
         return self._ragged_last(arr, spec, args, extra.pop(0))

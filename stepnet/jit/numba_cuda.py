@@ -237,10 +237,8 @@ class _Kernels:
         if stage.kind == "gemm":
             return self._gemm(stage)
         width = int(np.prod(first.outputs[0].shape[1:], dtype=np.int64))
-        if stage.kind == "matmul":
-            return width, self._matmul(first)
-        if stage.kind == "shape":
-            return width, self._shape_op(first)
+        if stage.kind in ("matmul", "shape"):
+            return width, self._indexed(first)
         return width, self._elementwise(stage.eqns)
 
     def _coords(self, shape, flat="j"):
@@ -293,78 +291,48 @@ class _Kernels:
                    f"    acc += {self._read(ia, 'k')} * {name}[k * {N} + n]",
                    f"{self._read(out, 'j')} = acc"]
 
-    def _matmul(self, e):
-        a, b = e.inputs
-        ia, ib = self.values.get(id(a)), self.values.get(id(b))
-        if ia is None or ib is None or ia.kind == "const" or ib.kind != "const":
-            raise UnsupportedError(f"cuda backend: matmul {a.name} @ {b.name}: the left operand "
-                                   "must be a step value and the right one a constant")
-        if len(ia.shape) != 1 or len(ib.shape) not in (1, 2):
-            raise UnsupportedError(f"cuda backend: matmul of a step value of feature shape "
-                                   f"{list(ia.shape)} by {list(ib.shape)} (one feature axis only)")
-        K = ia.shape[0]
-        N = ib.shape[1] if len(ib.shape) == 2 else 1
+    def _indexed(self, e):
+        """A shape op or a reduction (sum, a matmul that is not a GEMM) from
+        its record's ``gather`` or ``reduction`` form (stepnet/registry.py)."""
         out = self.values[id(e.outputs[0])]
-        acc = f"{_dtype_name(out.dtype)}(0.0)"
-        return [f"n = j % {N}", f"acc = {acc}", f"for k in range({K}):",
-                f"    acc += {self._read(ia, 'k')} * {ib.name}[k * {N} + n]",
-                f"{self._read(out, 'j')} = acc"]
+        index = ["i"] + [f"c{k}" for k in range(len(out.shape))]
+        shapes = [v.shape for v in e.inputs]
+        record = registry.get(e.op)
+        dst, zero = self._read(out, "j"), f"{_dtype_name(out.dtype)}(0.0)"
+        if record.reduction is not None:
+            extent, sources = record.reduction(index, shapes, **e.attrs)
+            term = " * ".join(self._read_at(e, k, source) for k, source in enumerate(sources))
+            lines = [f"acc = {zero}", f"for k in range({extent}):", f"    acc += {term}",
+                     f"{dst} = acc"]
+        elif record.gather is not None:
+            lines = []
+            for n, case in enumerate(record.gather(index, shapes, **e.attrs)):
+                src = zero if case.operand is None else self._read_at(e, case.operand, case.index)
+                if case.axis is None:
+                    lines.append(f"{dst} = {src}")
+                else:
+                    lines += [f"{'if' if n == 0 else 'elif'} {case.lo} <= {index[case.axis]} < "
+                              f"{case.hi}:", f"    {dst} = {src}"]
+        else:
+            raise UnsupportedError(f"cuda backend: no code generation for op {e.op!r}")
+        return _used_coords(self._coords(out.shape), lines)
 
-    def _shape_op(self, e):
-        out = self.values[id(e.outputs[0])]
-        oshape = out.shape
-        lines = self._coords(oshape)
-        src = [self.values.get(id(v)) for v in e.inputs]
-        if any(s is None or s.kind == "const" for s in src):
-            raise UnsupportedError(f"cuda backend: {e.op} of a constant inside a step")
-        axis = e.attrs.get("axis", len(e.inputs[0].shape) - 1) - 1  # feature axis
-
-        def at(info, coords):
-            return self._read(info, " + ".join(f"({c}) * {s}" for c, s in
-                                               zip(coords, _strides(info.shape))) or "0")
-
-        c = [f"c{k}" for k in range(len(oshape))]
-        dst = self._read(out, "j")
-        if e.op == "slice":
-            coords = list(c)
-            coords[axis] = f"c{axis} + {e.attrs['start']}"
-            lines.append(f"{dst} = {at(src[0], coords)}")
-        elif e.op == "pad":
-            n = src[0].shape[axis]
-            coords = list(c)
-            coords[axis] = f"c{axis} - {e.attrs['before']}"
-            lines += [f"if {e.attrs['before']} <= c{axis} < {e.attrs['before'] + n}:",
-                      f"    {dst} = {at(src[0], coords)}", "else:", f"    {dst} = 0"]
-        elif e.op == "concat":
-            start = 0
-            for k, info in enumerate(src):
-                n = info.shape[axis]
-                coords = list(c)
-                coords[axis] = f"c{axis} - {start}"
-                lines += [f"{'if' if k == 0 else 'elif'} c{axis} < {start + n}:",
-                          f"    {dst} = {at(info, coords)}"]
-                start += n
-        elif e.op == "transpose":
-            coords = list(c)
-            coords[-1], coords[-2] = c[-2], c[-1]
-            lines.append(f"{dst} = {at(src[0], coords)}")
-        elif e.op == "broadcast_axis":
-            coords = list(c)
-            if e.attrs["insert"]:
-                del coords[axis]
-            else:
-                coords[axis] = "0"
-            lines.append(f"{dst} = {at(src[0], coords)}")
-        elif e.op == "sum":
-            n = src[0].shape[axis]
-            coords = list(c)
-            if e.attrs.get("keepdims"):
-                coords[axis] = "k"
-            else:
-                coords.insert(axis, "k")
-            lines += [f"acc = {_dtype_name(out.dtype)}(0.0)", f"for k in range({n}):",
-                      f"    acc += {at(src[0], coords)}", f"{dst} = acc"]
-        return _used_coords(lines[:len(oshape)], lines[len(oshape):])
+    def _read_at(self, e, k, index):
+        """Operand ``k`` of ``e`` read at ``index`` (code per axis of the
+        operand, ``i`` on the batch axis; an axis of size 1 is read at 0)."""
+        v = e.inputs[k]
+        info = self.values.get(id(v))
+        if info is None:
+            raise UnsupportedError(f"cuda backend: {e.op} reads {v.name}, which is not available "
+                                   "inside the kernel")
+        shape, index = tuple(v.shape), list(index)
+        if shape and shape[0] is None:
+            if index[0] != "i":
+                raise UnsupportedError(f"cuda backend: {e.op} across the batch axis of {v.name}")
+            shape, index = shape[1:], index[1:]
+        index = ["0" if n == 1 else i for n, i in zip(shape, index)]
+        flat = " + ".join(f"({i}) * {s}" for i, s in zip(index, _strides(shape))) or "0"
+        return self._read(info, flat)
 
     # -- outputs and memory updates --------------------------------------------------
 

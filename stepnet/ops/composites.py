@@ -15,6 +15,8 @@ from .primitives import (
     greater,
     greater_equal,
     mul,
+    seq_max,
+    seq_sum,
     shape_of,
     slice,
     sub,
@@ -23,8 +25,8 @@ from .primitives import (
     where,
 )
 
-__all__ = ["affine", "elu", "hard_sigmoid", "leaky_relu", "mean", "scaled_tanh", "softsign",
-           "split", "thresholded_relu"]
+__all__ = ["affine", "attention", "elu", "hard_sigmoid", "leaky_relu", "mean", "scaled_tanh",
+           "seq_softmax", "softsign", "split", "thresholded_relu"]
 
 
 def mean(x, axis=-1, keepdims=False):
@@ -87,3 +89,26 @@ def elu(x, alpha=1.0):
 def softsign(x):
     """ONNX Softsign: ``x / (1 + |x|)``."""
     return div(x, add(abs(x), 1.0))
+
+
+# ----------------------------------------------------------------------------
+# attention over a ragged memory (a static input given as a LoDTensor)
+
+
+def seq_softmax(x):
+    """Softmax over each batch row's own rows of the ragged value ``x``
+    (each feature apart): ``exp(x - seq_max(x)) / seq_sum(...)``."""
+    e = exp(sub(x, seq_max(x)))
+    return div(e, seq_sum(e))
+
+
+def attention(query, memory, keys=None):
+    """Dot-product (Luong) attention of each batch row's ``query`` ``[B, D]``
+    over its own rows of the ragged ``memory`` ``[rows, F]``: the weights are
+    ``seq_softmax`` of ``keys_j . query`` (``keys`` defaults to ``memory``),
+    the result ``[B, F]`` the weighted sum of the memory rows. A batch row with
+    no memory rows gets zeros. For additive (Bahdanau) scores, write them out:
+    ``w = seq_softmax(tanh(keys + query @ Wq) @ v)``, ``seq_sum(w * memory)``."""
+    keys = memory if keys is None else keys
+    weights = seq_softmax(sum(mul(keys, query), axis=-1, keepdims=True))
+    return seq_sum(mul(weights, memory))

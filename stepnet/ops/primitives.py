@@ -36,10 +36,12 @@ import numpy as np
 from scipy import special
 
 from ..errors import ShapeError, UnsupportedError
-from ..ir import Literal
+from ..ir import Literal, Var
+from ..lod import LoDTensor
 from ..tracing import Parameter, Value, bind
 from ..registry import (
     Aval,
+    Case,
     broadcast,
     check_float,
     normalize_axis,
@@ -412,7 +414,23 @@ def _matmul_grad(em, e, g):
     return [ga, em.op("matmul", em.op("transpose", av), g)]
 
 
-@register("matmul", _matmul_rule, np.matmul, "matmul", 2, grad=_matmul_grad, onnx="MatMul")
+def _matmul_reduction(index, shapes):
+    """A dot product per result element (a GEMM by a constant is scheduled as
+    a GEMM instead); 1-D operands as NumPy promotes them."""
+    sa, sb = shapes
+    full = list(index) if len(sa) > 1 else list(index[:-1]) + ["0"] + list(index[-1:])
+    if len(sb) == 1:
+        full.append("0")
+    stack = full[:-2]
+    a_index = stack[len(stack) - (len(sa) - 2):] if len(sa) > 2 else []
+    a_index += ([full[-2]] if len(sa) > 1 else []) + ["k"]
+    b_index = stack[len(stack) - (len(sb) - 2):] if len(sb) > 2 else []
+    b_index += ["k"] + ([full[-1]] if len(sb) > 1 else [])
+    return sa[-1], [a_index, b_index]
+
+
+@register("matmul", _matmul_rule, np.matmul, "matmul", 2, grad=_matmul_grad, onnx="MatMul",
+          reduction=_matmul_reduction)
 def matmul(a, b):
     return bind("matmul", [a, b])
 
@@ -447,8 +465,18 @@ def _sum_onnx(g, e, operand):
     return g.add("ReduceSum", [x, g.ints([_axis(e)])], keepdims=int(bool(e.attrs.get("keepdims", False))))
 
 
+def _sum_reduction(index, shapes, axis, keepdims=False):
+    axis %= len(shapes[0])
+    source = list(index)
+    if keepdims:
+        source[axis] = "k"
+    else:
+        source.insert(axis, "k")
+    return shapes[0][axis], [source]
+
+
 @register("sum", _sum_rule, lambda x, axis, keepdims=False: np.sum(x, axis, keepdims=keepdims),
-          "reduce", 1, grad=_sum_grad, onnx=_sum_onnx)
+          "reduce", 1, grad=_sum_grad, onnx=_sum_onnx, reduction=_sum_reduction)
 def sum(x, axis=-1, keepdims=False):
     return bind("sum", [x], axis=int(axis), keepdims=bool(keepdims))
 
@@ -494,8 +522,19 @@ def _concat_onnx(g, e, operand):
     return g.add("Concat", [operand(v, dtype) for v in e.inputs], axis=_axis(e))
 
 
+def _concat_gather(index, shapes, axis):
+    axis %= len(shapes[0])
+    cases, start = [], 0
+    for k, shape in enumerate(shapes):
+        source = list(index)
+        source[axis] = f"{index[axis]} - {start}"
+        cases.append(Case(k, tuple(source), axis, start, start + shape[axis]))
+        start += shape[axis]
+    return cases
+
+
 @register("concat", _concat_rule, lambda *xs, axis: np.concatenate(xs, axis), "shape",
-          grad=_concat_grad, onnx=_concat_onnx)
+          grad=_concat_grad, onnx=_concat_onnx, gather=_concat_gather)
 def concat(values, axis=-1):
     return bind("concat", list(values), axis=int(axis))
 
@@ -532,7 +571,14 @@ def _slice_onnx(g, e, operand):
                            g.ints([_axis(e)])])
 
 
-@register("slice", _slice_rule, _slice, "shape", 1, grad=_slice_grad, onnx=_slice_onnx)
+def _slice_gather(index, shapes, axis, start, stop):
+    source = list(index)
+    source[axis % len(shapes[0])] = f"{start} + {index[axis % len(shapes[0])]}"
+    return [Case(0, tuple(source))]
+
+
+@register("slice", _slice_rule, _slice, "shape", 1, grad=_slice_grad, onnx=_slice_onnx,
+          gather=_slice_gather)
 def slice(x, start, stop, axis=-1):
     size = shape_of(x)[axis]
     if size is None:  # the batch axis: the rule refuses it with a clear error
@@ -556,7 +602,8 @@ def _transpose_onnx(g, e, operand):
 
 
 @register("transpose", _transpose_rule, lambda x: np.swapaxes(x, -1, -2), "shape", 1,
-          grad=lambda em, e, g: [em.op("transpose", g)], onnx=_transpose_onnx)
+          grad=lambda em, e, g: [em.op("transpose", g)], onnx=_transpose_onnx,
+          gather=lambda index, shapes: [Case(0, tuple(index[:-2]) + (index[-1], index[-2]))])
 def transpose(x):
     """Swap the last two feature axes (``W.T`` for a matrix)."""
     return bind("transpose", [x])
@@ -596,9 +643,18 @@ def _broadcast_axis_onnx(g, e, operand):
     return g.add("Expand", [x, g.ints(target)])  # Expand broadcasts both ways
 
 
+def _broadcast_axis_gather(index, shapes, axis, size, insert):
+    source = list(index)
+    if insert:
+        del source[axis]
+    else:
+        source[axis] = "0"
+    return [Case(0, tuple(source))]
+
+
 @register("broadcast_axis", _broadcast_axis_rule, _broadcast_axis, "shape", 1,
           grad=lambda em, e, g: [em.op("sum", g, axis=e.attrs["axis"], keepdims=not e.attrs["insert"])],
-          onnx=_broadcast_axis_onnx)
+          onnx=_broadcast_axis_onnx, gather=_broadcast_axis_gather)
 def broadcast_axis(x, axis, size, insert=True):
     """Repeat ``x`` ``size`` times along ``axis``: a new axis (``insert=True``)
     or one of size 1."""
@@ -635,7 +691,102 @@ def _pad_onnx(g, e, operand):
     return g.add("Pad", [operand(e.inputs[0]), g.ints(pads)], mode="constant")
 
 
-@register("pad", _pad_rule, _pad, "shape", 1, grad=_pad_grad, onnx=_pad_onnx)
+def _pad_gather(index, shapes, axis, before, after):
+    axis %= len(shapes[0])
+    n = shapes[0][axis]
+    source = list(index)
+    source[axis] = f"{index[axis]} - {before}"
+    cases = [Case(None, (), axis, 0, before), Case(0, tuple(source), axis, before, before + n),
+             Case(None, (), axis, before + n, before + n + after)]
+    return [c for c in cases if c.hi > c.lo]
+
+
+@register("pad", _pad_rule, _pad, "shape", 1, grad=_pad_grad, onnx=_pad_onnx, gather=_pad_gather)
 def pad(x, before, after, axis=-1):
     """Zero-pad ``axis`` with ``before`` and ``after`` elements."""
     return bind("pad", [x], axis=int(axis), before=int(before), after=int(after))
+
+
+# ----------------------------------------------------------------------------
+# segment ops: over each batch row's own rows of a ragged value (an attention
+# memory given by add_static_input(LoDTensor), or a value computed from one)
+
+
+def _ragged_operand(name, v):
+    if not (isinstance(v, Var) and v.lod_depth == 1):
+        raise ShapeError(
+            f"{name}: {shape_str(v)} is not a ragged value of one level (a static input given "
+            "as a LoDTensor, e.g. an attention memory, or a value computed from one)"
+        )
+
+
+def _segment_rule(name):
+    def rule(operands):
+        (x,) = operands
+        _ragged_operand(name, x)
+        return Aval(x.shape, np.dtype(x.dtype))
+    return rule
+
+
+def _segments(x):
+    """(data rows, start per segment, row count per segment) of a one-level LoDTensor."""
+    offsets = np.asarray(x.levels[-1])
+    return np.asarray(x.data), offsets[:-1], np.diff(offsets)
+
+
+def _segment_reduce(ufunc, empty):
+    def reference(x):
+        data, starts, counts = _segments(x)
+        out = np.full((len(counts),) + data.shape[1:], empty, data.dtype)
+        full = counts > 0
+        if full.any():  # non-empty segments are contiguous and in order
+            out[full] = ufunc.reduceat(data[:starts[-1] + counts[-1]], starts[full], axis=0)
+        return out
+    return reference
+
+
+@register("seq_sum", _segment_rule("seq_sum"), _segment_reduce(np.add, 0), "segment", 1,
+          grad=lambda em, e, g: [em.op("seq_expand", g, e.inputs[0])], onnx=None,
+          segment=("{acc} + {x}", 0.0), takes_lod=True)
+def seq_sum(x):
+    """Each batch row's sum over its own rows of the ragged value ``x``
+    (``[B, ...]``; zeros for a row with none)."""
+    return bind("seq_sum", [x])
+
+
+def _seq_max_grad(em, e, g):
+    x = e.inputs[0]
+    return [em.op("where", em.op("equal", em.val(x), em.val(e.outputs[0])), g, ZERO)]
+
+
+@register("seq_max", _segment_rule("seq_max"), _segment_reduce(np.maximum, -np.inf), "segment", 1,
+          grad=_seq_max_grad, onnx=None, takes_lod=True,
+          segment=("({acc} if {acc} >= {x} or {acc} != {acc} else {x})", -np.inf))  # NaN wins
+def seq_max(x):
+    """Each batch row's maximum over its own rows of the ragged value ``x``
+    (``[B, ...]``; -inf for a row with none)."""
+    return bind("seq_max", [x])
+
+
+def _seq_expand_rule(operands):
+    x, like = operands
+    _ragged_operand("seq_expand", like)
+    if isinstance(x, Literal) or x.lod_depth or not x.batched:
+        raise ShapeError(f"seq_expand: {shape_str(x)} is not a dense step value [B, ...]")
+    return Aval(x.shape, np.dtype(x.dtype))
+
+
+def _seq_expand(x, like):
+    counts = np.diff(np.asarray(like.levels[-1]))
+    return LoDTensor(np.repeat(np.asarray(x), counts, axis=0), [np.asarray(like.levels[-1]) -
+                                                                like.levels[-1][0]])
+
+
+@register("seq_expand", _seq_expand_rule, _seq_expand, "elementwise", 2,
+          grad=lambda em, e, g: [em.op("seq_sum", g), None], numba="{0}", onnx=None,
+          takes_lod=True)
+def seq_expand(x, like):
+    """The dense step value ``x`` (``[B, ...]``) repeated over each batch row's
+    rows of the ragged value ``like``: a ragged value. (Arithmetic between a
+    ragged and a dense value does this by itself.)"""
+    return bind("seq_expand", [x, like])

@@ -1,0 +1,170 @@
+"""Attention over a ragged memory: a static input given as a LoDTensor, the
+segment ops (seq_sum, seq_max, seq_expand, seq_softmax, attention), on every
+backend that supports them, with gradients against finite differences and
+PyTorch."""
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import stepnet as sn
+
+
+def _memory(rng, lengths, width):
+    return sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), width)).astype(np.float32),
+                                     [lengths])
+
+
+def test_segment_ops_on_lod_tensors_match_numpy(rng):
+    x = _memory(rng, [2, 0, 3], 4)
+    parts = [x.sequence(s) for s in range(3)]
+    assert_close(sn.ops.seq_sum(x), np.stack([p.sum(0) for p in parts]))
+    top = sn.ops.seq_max(x)
+    assert_close(top[[0, 2]], np.stack([parts[0].max(0), parts[2].max(0)]))
+    assert np.all(np.isneginf(top[1]))
+    expanded = sn.ops.seq_expand(np.arange(3.0)[:, None], x)
+    assert expanded.lod == x.lod and expanded.data[:, 0].tolist() == [0, 0, 2, 2, 2]
+
+
+def test_segment_ops_refuse_dense_values():
+    X = sn.LoDTensor.from_lengths(np.zeros((3, 2), np.float32), [[3]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        with pytest.raises(sn.errors.ShapeError, match="not a ragged value"):
+            sn.ops.seq_sum(x)
+        rnn.add_outputs(x)
+
+
+def _decoder(rng, X, M, H=5, additive=True, dtype=np.float32):
+    """A tanh RNN whose input is joined with the attention context over its
+    sequence's own memory rows (additive scores, or dot-product)."""
+    D = M.shape[1]
+    p = {n: sn.Parameter((rng.standard_normal(s) * 0.5).astype(dtype), name=n)
+         for n, s in [("Wq", (H, D)), ("Wx", (X.shape[1] + D, H)), ("U", (H, H)), ("v", (D, 1))]}
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        mem = rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[H], name="h", dtype=dtype)
+        q = h.pre_state() @ p["Wq"]
+        if additive:
+            w = sn.ops.seq_softmax(sn.ops.tanh(mem + q) @ p["v"])
+            ctx = sn.ops.seq_sum(w * mem)
+        else:
+            ctx = sn.ops.attention(q, mem)
+        h.update(sn.ops.tanh(sn.ops.concat([x, ctx], axis=1) @ p["Wx"] + h.pre_state() @ p["U"]))
+        rnn.add_outputs(h)
+    return rnn, p
+
+
+def _reference(X, M, p, additive):
+    """The same decoder as plain NumPy loops, one sequence at a time."""
+    out = []
+    for s in range(X.num_sequences):
+        m, h = M.sequence(s).astype(np.float64), np.zeros(p["U"].value.shape[0])
+        for x in X.sequence(s):
+            q = h @ p["Wq"].value
+            scores = np.tanh(m + q) @ p["v"].value if additive else (m @ q)[:, None]
+            w = np.exp(scores - scores.max(0)) if len(m) else scores
+            w = w / w.sum(0) if len(m) else w
+            ctx = (w * m).sum(0)
+            h = np.tanh(np.concatenate([x, ctx]) @ p["Wx"].value + h @ p["U"].value)
+            out.append(h)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("additive", [True, False])
+def test_decoder_with_attention_on_every_backend(rng, additive):
+    X = _memory(rng, [2, 1, 4, 0], 2)
+    M = _memory(rng, [3, 0, 6, 2], 4)
+    rnn, p = _decoder(rng, X, M, additive=additive)
+    expected = _reference(X, M, p, additive)
+    for backend in ("interpreter", "numba"):
+        out = rnn(backend=backend)
+        assert out.lod == X.lod
+        assert_close(out.data, expected.astype(np.float32), what=backend)
+
+
+def test_static_inputs_combined_row_by_row_must_agree(rng):
+    X = _memory(rng, [2, 1], 2)
+    M, K = _memory(rng, [3, 2], 4), _memory(rng, [3, 2], 4)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        rnn.add_input(X, name="X")
+        mem, keys = rnn.add_static_input(M, name="M"), rnn.add_static_input(K, name="K")
+        h = rnn.add_memory(shape=[4], name="h")
+        h.update(h.pre_state() + sn.ops.attention(h.pre_state(), mem, keys))
+        rnn.add_outputs(h)
+    for backend in ("interpreter", "numba"):
+        assert_close(rnn(backend=backend), rnn(backend="interpreter"))
+        with pytest.raises(sn.errors.Error, match="different (LoD|lengths)"):
+            rnn(backend=backend, K=_memory(rng, [2, 3], 4))
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_gradients_against_finite_differences(rng, backend):
+    X = _memory(rng, [2, 3, 0], 2)
+    M = _memory(rng, [3, 1, 2], 3)
+    X64 = sn.LoDTensor(X.data.astype(np.float64), X.lod)
+    M64 = sn.LoDTensor(M.data.astype(np.float64), M.lod)
+    rnn, p = _decoder(rng, X64, M64, H=3, dtype=np.float64)
+    G = rng.standard_normal((X.shape[0], 3))
+
+    def loss():
+        return float((rnn(backend="interpreter").data * G).sum())
+
+    grads = sn.gradients(rnn, wrt=[*p.values(), "M"], grad_outputs=[G], backend=backend)
+    eps = 1e-6
+    for name, g in zip([*p, "M"], grads):
+        target = M64.data if name == "M" else p[name].value
+        numeric = np.zeros(target.shape)
+        for idx in np.ndindex(*target.shape):
+            keep = target[idx]
+            target[idx] = keep + eps
+            up = loss()
+            target[idx] = keep - eps
+            numeric[idx] = (up - loss()) / (2 * eps)
+            target[idx] = keep
+        np.testing.assert_allclose(g, numeric, rtol=1e-6, atol=1e-7, err_msg=f"d{name}")
+
+
+def test_gradients_against_torch_autograd(rng):
+    torch = pytest.importorskip("torch")
+    X = _memory(rng, [3, 2], 2)
+    M = _memory(rng, [4, 2], 4)
+    rnn, p = _decoder(rng, X, M, H=4, additive=True)
+    G = rng.standard_normal((X.shape[0], 4)).astype(np.float32)
+    grads = sn.gradients(rnn, wrt=[*p.values(), "M"], grad_outputs=[G], backend="numba")
+    t = {n: torch.tensor(v.value, requires_grad=True) for n, v in p.items()}
+    mem = torch.tensor(M.data, requires_grad=True)
+    outs, offsets = [], M.levels[0]
+    for s in range(X.num_sequences):
+        m, h = mem[offsets[s]:offsets[s + 1]], torch.zeros(4)
+        for x in torch.tensor(X.sequence(s)):
+            w = torch.softmax(torch.tanh(m + h @ t["Wq"]) @ t["v"], dim=0)
+            h = torch.tanh(torch.cat([x, (w * m).sum(0)]) @ t["Wx"] + h @ t["U"])
+            outs.append(h)
+    (torch.stack(outs) * torch.tensor(G)).sum().backward()
+    for name, g in zip([*p, "M"], grads):
+        expected = mem.grad if name == "M" else t[name].grad
+        assert_close(g, expected.numpy(), what=f"d{name}")
+
+
+def test_attention_weights_of_every_step_as_an_output(rng):
+    """A ragged all-steps output: (sequence, step, that sequence's memory rows)."""
+    M = _memory(rng, [3, 6, 0], 8)
+    X = _memory(rng, [2, 3, 0], 4)
+    W = sn.Parameter(rng.standard_normal((4, 8)).astype(np.float32), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        mem = rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[8], name="h")
+        w = sn.ops.seq_softmax(sn.ops.sum(mem * h.pre_state(), axis=-1, keepdims=True))
+        h.update(sn.ops.tanh(sn.ops.seq_sum(w * mem) + x @ W))
+        rnn.add_outputs(h, w)
+    expected = rnn(backend="interpreter")
+    assert expected[1].lod == [[0, 2, 5, 5], [0, 3, 6, 12, 18, 24]]
+    assert np.isclose(expected[1].data.sum(), 5.0)  # one softmax per step
+    assert_close(rnn(backend="numba"), expected)
