@@ -74,8 +74,20 @@ def test_train_nested_beats_the_one_level_bound():
     assert accuracy >= 0.9 and accuracy > bound + 0.1
 
 
+def test_train_attention_learns_a_short_version():
+    """250 steps of the attention seq2seq already reverse most digits."""
+    assert _load_example("train_attention.py").main(
+        ["--steps", "250", "--log-every", "0", "--test-size", "40", "--target", "0.6"]) == 0
+
+
+@pytest.mark.slow
+def test_train_attention_reaches_its_target():
+    assert _load_example("train_attention.py").main(["--log-every", "0"]) == 0
+
+
 @pytest.mark.parametrize("name", ["paddle_design_doc.py", "nested_chapters.py",
-                                  "train_adding_problem.py", "train_nested.py"])
+                                  "train_adding_problem.py", "train_nested.py",
+                                  "train_attention.py"])
 def test_examples_document_themselves(name):
     text = (ROOT / "examples" / name).read_text()
     assert text.startswith('"""') and "Run it:" in text
