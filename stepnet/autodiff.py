@@ -347,6 +347,12 @@ class _BackwardStep:
         em, ct = self.em, self.ct
         for e in reversed(self.body.eqns):
             if e.op == "rnn":
+                ragged_statics = {id(v) for v in self.body.static_inputs if v.lod_depth}
+                if any(id(v) in ragged_statics for v in ir.rnn_parts(e)[0]):
+                    raise UnsupportedError(
+                        f"gradient of {self.name}: the nested step-net {e.attrs['name']} steps "
+                        "over a LoDTensor static input; read it with the segment ops instead "
+                        "(docs/attention.md)")
                 _pull_nested(e, inner_pres[id(e)], ct, self.add, em)
                 continue
             out = e.outputs[0]
