@@ -910,8 +910,7 @@ def _segment_output(fctx, eqn, res, out):
     module.gargs += [pl, od]
     module.segment_outputs[out] = (od, pl, top)
     loops, idx = _loop_nest(res.shape, "step", segment=(ms, me))
-    target = _Info("global", od, res)
-    dst = _ref(target, idx, "step", res.shape).replace(f"{od}[e", f"{od}[{pl}[e] + j - {ms}[b]", 1)
+    dst = f"{od}[{', '.join([f'{pl}[e] + j - {ms}[b]'] + idx[1:])}]"
     return _nest(loops, [f"{dst} = {_ref(fctx.values[res], idx, 'step', res.shape)}"])
 
 
