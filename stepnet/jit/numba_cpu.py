@@ -70,11 +70,13 @@ class _Info:
     kind: "const" (whole array, no batch axis), "literal", "global" (an array
     over a whole space, row = entry index), "local" (a buffer with one row per
     active sequence), "scalar" (a register inside a fused loop), "ragged" (a
-    nested sequence: ``levels`` map entries down to ``data``, a global).
+    nested sequence: ``levels`` map entries down to ``data``, a global),
+    "rows" (a value over a ragged static input's rows, row ``j``; its
+    ``segment`` says which rows are batch row b's).
     """
 
     def __init__(self, kind, ident=None, var=None, offset=0, width=None, size=None,
-                 levels=(), data=None):
+                 levels=(), data=None, segment=None):
         self.kind = kind
         self.ident = ident
         self.var = var
@@ -83,6 +85,7 @@ class _Info:
         self.size = size  # rows of a global (code expression)
         self.levels = tuple(levels)
         self.data = data
+        self.segment = segment  # a value over a ragged static input's rows: its _Segment
 
     @property
     def whole(self) -> bool:
@@ -123,7 +126,9 @@ class _Module:
             if dtype.kind == "b":
                 self.module_consts.append(f"{name} = {bool(value)!r}")
             else:
-                self.module_consts.append(f"{name} = np.{dtype.name}(float('{float(value)!r}'))")
+                number = float(value)
+                code = repr(number) if np.isfinite(number) else f"float('{number!r}')"
+                self.module_consts.append(f"{name} = np.{dtype.name}({code})")
             self.literals[key] = name
         return self.literals[key]
 
@@ -451,8 +456,8 @@ def _new_array(ctx, var, size=None):
         info = _Info("global", ident, var, width=_width(var), size=size)
     elif var.lod_depth:  # a row per row of the ragged static input it comes from
         segment = _segment(ctx, var)
-        ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment[2], var.shape[1:])}, {dt})")
-        info = _Info("rows", ident, var, width=_width(var), levels=segment)
+        ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
+        info = _Info("rows", ident, var, width=_width(var), segment=segment)
     else:
         ctx.fn.allocs.append(f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})")
         ctx.fn.buffers.add(ident)
@@ -461,23 +466,37 @@ def _new_array(ctx, var, size=None):
     return info
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """Where a batch row's rows of a ragged static input lie: ``starts[b]``
+    to ``stops[b]`` (arrays filled before the time loop) in the data whose
+    offsets are ``level``."""
+
+    starts: str
+    stops: str
+    level: str
+
+    @property
+    def rows(self) -> str:
+        return f"{self.level}[-1]"
+
+
 def _segment(ctx, var):
-    """The (starts, stops, rows, level) idents of the ragged static input that
-    the ragged value ``var`` comes from."""
+    """The _Segment of the ragged static input that ``var`` comes from."""
     return ctx.fn.segments[var]
 
 
 def _note_segment(ctx, e):
     """Record the segment of ``e``'s ragged result: its ragged operands' (one
     static input's; several must have the same LoD, checked before a run)."""
-    segments = [ctx.values[v].levels for v in e.inputs
+    segments = [ctx.values[v].segment for v in e.inputs
                 if isinstance(v, ir.Var) and v.lod_depth and ctx.values[v].kind in ("rows", "scalar")]
     if not segments:
         raise UnsupportedError(f"numba backend: {e.op} computing {e.outputs[0].name} reads a "
                                "ragged value that is not a static input's (use the interpreter)")
     for other in segments[1:]:
         if other != segments[0]:
-            ctx.module.same_lod.add((segments[0][3], other[3]))
+            ctx.module.same_lod.add((segments[0].level, other.level))
     if e.outputs[0].lod_depth:
         ctx.fn.segments[e.outputs[0]] = segments[0]
     return segments[0]
@@ -506,7 +525,7 @@ def _loop_nest(shape, mode, size=None, bounds=None, segment=None):
     """Loops over ``shape`` (over ``range(lo, hi)`` on an axis ``bounds`` maps
     to ``(lo, hi)``); in a step, ``e`` is row b's entry (loaded once per row,
     so LLVM vectorizes the inner loop), and for a ragged value (``segment``:
-    its (starts, stops, rows) idents) ``j`` runs over row b's own rows."""
+    its _Segment) ``j`` runs over row b's own rows."""
     loops, idx = [], []
     for d, n in enumerate(shape):
         if n is None:
@@ -520,7 +539,7 @@ def _loop_nest(shape, mode, size=None, bounds=None, segment=None):
         if n is None and mode == "step":
             loops.append("e = entries[b]")
             if segment is not None:
-                loops.append(f"for j in range({segment[0]}[b], {segment[1]}[b]):")
+                loops.append(f"for j in range({segment.starts}[b], {segment.stops}[b]):")
         idx.append(var)
     return loops, idx
 
@@ -796,8 +815,8 @@ def _function_setup(fctx, eqn, params, top):
             setup += [f"{ms} = np.empty(num_seq, np.int64)", f"{me} = np.empty(num_seq, np.int64)"]
             setup += _nest(["for b in range(num_seq):"], [f"{ms}[b] = {level}[order[b]]",
                                                           f"{me}[b] = {level}[order[b] + 1]"])
-            segment = (ms, me, f"{level}[-1]", level)
-            fctx.values[sv] = _Info("rows", oi.data.ident, sv, width=_width(sv), levels=segment)
+            segment = _Segment(ms, me, level)
+            fctx.values[sv] = _Info("rows", oi.data.ident, sv, width=_width(sv), segment=segment)
             fctx.fn.segments[sv] = segment
             continue
         p = module.fresh("s_in")
@@ -897,20 +916,21 @@ def _segment_output(fctx, eqn, res, out):
     each step's rows at its entry's place (``pl[e]``: the rows before entry
     ``e``, counted in the prologue), a two-level output (sequence, step, rows)."""
     module = fctx.module
-    ms, me, _, level = fctx.fn.segments[res]
+    segment = fctx.fn.segments[res]
     top = _seq_levels(fctx, eqn)[0]
     pl, od = module.fresh("pl"), module.fresh("od")
     s, t, k = module.fresh("s"), module.fresh("t"), module.fresh("k")
     dt = f"np.{np.dtype(res.dtype).name}"
     module.prologue += [f"{pl} = np.zeros({top}[-1] + 1, np.int64)"]
     module.prologue += _nest([f"for {s} in range(lengths.shape[0]):", f"for {t} in range(lengths[{s}]):"],
-                             [f"{pl}[starts[{s}] + {t} + 1] = {level}[{s} + 1] - {level}[{s}]"])
+                             [f"{pl}[starts[{s}] + {t} + 1] = {segment.level}[{s} + 1] - "
+                              f"{segment.level}[{s}]"])
     module.prologue += _nest([f"for {k} in range({top}[-1]):"], [f"{pl}[{k} + 1] += {pl}[{k}]"])
     module.prologue.append(f"{od} = np.empty({_shape(pl + '[-1]', res.shape[1:])}, {dt})")
     module.gargs += [pl, od]
     module.segment_outputs[out] = (od, pl, top)
-    loops, idx = _loop_nest(res.shape, "step", segment=(ms, me))
-    dst = f"{od}[{', '.join([f'{pl}[e] + j - {ms}[b]'] + idx[1:])}]"
+    loops, idx = _loop_nest(res.shape, "step", segment=segment)
+    dst = f"{od}[{', '.join([f'{pl}[e] + j - {segment.starts}[b]'] + idx[1:])}]"
     return _nest(loops, [f"{dst} = {_ref(fctx.values[res], idx, 'step', res.shape)}"])
 
 
@@ -942,21 +962,19 @@ def _emit_fused(ctx, group):
     """A run of elementwise ops as one loop; its intermediates stay scalars,
     the materialized ones are stored, all-steps outputs written in place."""
     shape = group[0].outputs[0].shape
-    segment = None
+    _, idx = _loop_nest(shape, "step")
+    inner, scalars, segment = [], [], None
     for e in group:  # a ragged run loops over its rows (schedule: one LoD depth per run)
         if any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs):
             segment = _note_segment(ctx, e)
-            ctx.values[e.outputs[0]] = _Info("scalar", None, e.outputs[0], levels=segment)
-    loops, idx = _loop_nest(shape, "step", segment=segment)
-    inner, scalars = [], []
-    for e in group:
         opdt = registry.literal_dtype(e)
         args = [_ref(_operand(ctx, v, opdt), idx, "step", shape) for v in e.inputs]
         out = e.outputs[0]
         name = ctx.module.fresh("t")
         inner.append(f"{name} = {_scalar_expr(ctx, e, args)}")
         scalars.append((out, name))
-        ctx.values[out] = _Info("scalar", name, out, levels=segment or ())
+        ctx.values[out] = _Info("scalar", name, out, segment=segment)
+    loops, _ = _loop_nest(shape, "step", segment=segment)
     for out, name in scalars:
         if out in ctx.fn.materialized:
             info = _new_array(ctx, out)
