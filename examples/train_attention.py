@@ -15,8 +15,9 @@ source costs 5 tokens of work):
   encoder's output**, a LoDTensor holding each sentence's own source rows.
   Each step scores its own sentence's rows with the previous state
   (``sn.ops.attention``: a softmax over that sentence's rows only), feeds the
-  context and the input digit to a GRU cell written in the DSL, and gives
-  logits over the 10 digits from the new state and the context.
+  context and the input digit to a built-in GRU cell (``sn.nn.GRUCell``, one
+  step of a GRU inside the block), and gives logits over the 10 digits from
+  the new state and the context.
 
 The loss is the mean cross-entropy over every target digit, in NumPy. The
 decoder's gradients come from ``sn.gradients`` on the kept workspace, with
@@ -66,14 +67,11 @@ class Seq2Seq:
             scale = scale or 1 / np.sqrt(shape[0])
             return sn.Parameter(rng.uniform(-scale, scale, shape).astype(np.float32), name=name)
 
-        self.encoder = sn.nn.GRU(DIGITS, H, direction="bidirectional_concat", seed=seed)
-        self.params = {
-            "Wq": param("Wq", H, D), "Wzr": param("Wzr", DIGITS + 1 + D, 2 * H),
-            "Uzr": param("Uzr", H, 2 * H), "bzr": param("bzr", 2 * H, scale=0.1),
-            "Wn": param("Wn", DIGITS + 1 + D, H), "Un": param("Un", H, H),
-            "bn": param("bn", H, scale=0.1), "Wo": param("Wo", H + D, DIGITS),
-            "bo": param("bo", DIGITS, scale=0.1),
-        }
+        self.encoder = sn.nn.GRU(DIGITS, H, direction="bidirectional_concat", seed=seed,
+                                 linear_before_reset=True)  # PyTorch's GRU
+        self.cell = sn.nn.GRUCell(DIGITS + 1 + D, H, linear_before_reset=True, seed=seed + 1)
+        self.params = {"Wq": param("Wq", H, D), "Wo": param("Wo", H + D, DIGITS),
+                       "bo": param("bo", DIGITS, scale=0.1)}
         enc, dec, _ = batch(rng, 2)
         self.decoder = self._decoder(H, dec, self.encoder(enc)[0])
 
@@ -84,19 +82,17 @@ class Seq2Seq:
             x = rnn.add_input(dec, name="X")
             mem = rnn.add_static_input(memory, name="M")
             h = rnn.add_memory(shape=[H], name="h")
-            prev = h.pre_state()
-            context = sn.ops.attention(prev @ p["Wq"], mem)            # [B, 2H]
-            inp = sn.ops.concat([x, context], axis=1)
-            zr = sn.ops.sigmoid(inp @ p["Wzr"] + prev @ p["Uzr"] + p["bzr"])
-            z, r = zr[:, :H], zr[:, H:]
-            n = sn.ops.tanh(inp @ p["Wn"] + (r * prev) @ p["Un"] + p["bn"])
-            h.update((1 - z) * n + z * prev)
+            context = sn.ops.attention(h.pre_state() @ p["Wq"], mem)   # [B, 2H]
+            self.cell(sn.ops.concat([x, context], axis=1), h)            # updates h
             logits = sn.ops.concat([h, context], axis=1) @ p["Wo"] + p["bo"]
             rnn.add_outputs(logits)
         return rnn
 
     def parameters(self):
-        return list(self.params.values()) + self.encoder.parameters()
+        return self.decoder_parameters() + self.encoder.parameters()
+
+    def decoder_parameters(self):
+        return list(self.params.values()) + self.cell.parameters()
 
     def train_step(self, enc, dec, target):
         """Loss and one gradient per parameter (as parameters() orders them)."""
@@ -110,7 +106,7 @@ class Seq2Seq:
         dlogits = prob
         dlogits[rows, target] -= 1
         dlogits /= len(target)
-        *dec_grads, dmemory = sn.gradients(self.decoder, wrt=[*self.params.values(), "M"],
+        *dec_grads, dmemory = sn.gradients(self.decoder, wrt=[*self.decoder_parameters(), "M"],
                                            grad_outputs=[dlogits])
         enc_grads = enc_pullback([dmemory, None], wrt=self.encoder.parameters())
         return loss, dec_grads + enc_grads

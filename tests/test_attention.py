@@ -168,3 +168,23 @@ def test_attention_weights_of_every_step_as_an_output(rng):
     assert expected[1].lod == [[0, 2, 5, 5], [0, 3, 6, 12, 18, 24]]
     assert np.isclose(expected[1].data.sum(), 5.0)  # one softmax per step
     assert_close(rnn(backend="numba"), expected)
+
+
+def test_special_values_behave_as_on_the_interpreter():
+    """NaN and inf in the memory go through seq_sum, seq_max, seq_expand and
+    seq_softmax on numba as on the interpreter (NaN wins a maximum)."""
+    values = np.array([[np.nan, 1.0], [2.0, np.inf], [-np.inf, 3.0], [0.5, -1.0], [np.inf, -np.inf],
+                       [4.0, 5.0]], np.float32)
+    M = sn.LoDTensor.from_lengths(values, [[2, 1, 3]])
+    X = sn.LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[1, 1, 1]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        mem = rnn.add_static_input(M, name="M")
+        rnn.add_outputs(sn.ops.seq_sum(mem) + x, sn.ops.seq_max(mem), sn.ops.seq_softmax(mem),
+                        sn.ops.seq_expand(x, mem) * mem)
+    expected = rnn(backend="interpreter")
+    assert np.isnan(expected[1].data[0, 0])
+    for actual, want in zip(rnn(backend="numba"), expected):
+        np.testing.assert_allclose(actual.data, want.data, rtol=1e-6)  # NaN, inf: equal
+        assert actual.lod == want.lod

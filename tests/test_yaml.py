@@ -129,6 +129,42 @@ def test_custom_cell_equals_dsl():
     assert np.all((decay > 0.88) & (decay < 0.99))
 
 
+def test_attention_decoder_equals_dsl_on_interpreter_and_numba():
+    """A ragged memory (a layer's all-steps output as a static input), the
+    attention op and a built-in cell called in the step."""
+    model = sn.load_yaml(EXAMPLES / "attention_decoder.yaml")
+    feeds = model.random_feeds(seed=4, num_sequences=3, max_length=6)
+    P, cell, encoder = model.parameters, model.cells["step_cell"], model.layers["encoder"]
+    memory = encoder(feeds["source"], backend="interpreter")[0]
+    rnn = sn.create_rnn_op(name="decoder_net")
+    with rnn.stepnet():
+        prev = rnn.add_input(feeds["decoder"], name="prev")
+        mem = rnn.add_static_input(memory, name="memory")
+        h = rnn.add_memory(shape=[32], name="h")
+        context = sn.ops.attention(h.pre_state() @ P["Wq"], mem)
+        cell(sn.ops.concat([prev, context], axis=-1), h)
+        rnn.add_outputs(sn.ops.concat([h, context], axis=-1) @ P["Wo"] + P["bo"])
+    assert rnn.ir() == model.nets["decoder_net"].ir()
+    for backend in ("interpreter", "numba"):
+        memory = encoder(feeds["source"], backend=backend)[0]
+        assert_identical(model(feeds, backend=backend)["logits"],
+                         rnn(backend=backend, memory=memory), backend)
+
+
+def test_cells_are_checked(tmp_path):
+    text = (EXAMPLES / "attention_decoder.yaml").read_text()
+    for old, new, message in [
+        ("step_cell(concat([prev, context], axis=-1), h.pre)", "step_cell(prev)",
+         r"step_cell is a gru cell, called as step_cell\(x, h\)"),
+        ("    linear_before_reset: true\n\nparameters", "    peephole: true\n\nparameters",
+         r"cells.step_cell.peephole.*a gru cell has no option 'peephole'"),
+        ("    input_size: 75", "    input_size: 74", r"step_cell.*contracted dimensions differ"),
+    ]:
+        assert old in text, old
+        with pytest.raises(sn.YAMLError, match=message):
+            sn.load_yaml(write(tmp_path, text.replace(old, new)))
+
+
 def test_model_reruns_on_new_data_and_sizes():
     model = sn.load_yaml(EXAMPLES / "hierarchical.yaml")
     for seed, n in ((1, 1), (2, 6)):

@@ -3,7 +3,8 @@
 ``RNN``, ``LSTM`` (peephole, projection, coupled input-forget gate), ``GRU``
 (``linear_before_reset``) and ``AUGRU``; forward, reverse and bidirectional
 (concat or sum), stacked per layer or per direction; PyTorch's and ONNX's
-weight layouts. See DESIGN.md §5.
+weight layouts. See DESIGN.md §5. ``RNNCell``, ``GRUCell`` and ``LSTMCell``
+(and ``layer.step``) are one step of a layer inside another step-net's block.
 
 >>> import numpy as np, stepnet as sn
 >>> gru = sn.nn.GRU(4, 8, seed=0)
@@ -13,6 +14,6 @@ weight layouts. See DESIGN.md §5.
 ((5, 8), [[0, 2, 5]], (1, 2, 8))
 """
 
-from .layers import AUGRU, DIRECTIONS, GRU, LSTM, RNN
+from .layers import AUGRU, DIRECTIONS, GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 
-__all__ = ["AUGRU", "DIRECTIONS", "GRU", "LSTM", "RNN"]
+__all__ = ["AUGRU", "DIRECTIONS", "GRU", "GRUCell", "LSTM", "LSTMCell", "RNN", "RNNCell"]

@@ -22,7 +22,7 @@ from .. import dsl
 from ..pullback import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
 from ..lod import LoDTensor
-from ..tracing import Parameter, compute_dtype
+from ..tracing import Parameter, compute_dtype, current_frame
 from . import cells
 
 DIRECTIONS = ("forward", "reverse", "bidirectional_concat", "bidirectional_sum")
@@ -412,6 +412,35 @@ class _RecurrentLayer:
     def _direction_name(self, d):
         return "rev" if self._is_reverse(d) else "fwd"
 
+    def step(self, x, state, layer=0, direction=0, attention=None):
+        """One step of this layer's recurrence (layer ``layer``, direction
+        ``direction``'s weights) inside another step-net's block: ``x`` the
+        step's input ``[B, input]``, ``state`` the previous state (LSTM: a
+        pair ``(h, c)``), each a memory handle (``add_memory``: it is updated,
+        as ``h.update`` would) or a step value. Returns the new state (LSTM:
+        ``(h, c)``). The weights are the layer's Parameters, so training the
+        enclosing step-net trains them, and its PyTorch/ONNX conversions hold.
+        On NumPy arrays it computes one step eagerly."""
+        name = type(self).__name__
+        if not 0 <= layer < self.num_layers or not 0 <= direction < self.num_directions:
+            raise StepNetError(f"{name}.step: no layer {layer}, direction {direction} (the layer "
+                               f"has {self.num_layers} layer(s), {self.num_directions} direction(s))")
+        pair = self.cell == "lstm"
+        if pair and not (isinstance(state, (tuple, list)) and len(state) == 2):
+            raise StepNetError(f"{name}.step: the state of an LSTM is a pair (h, c)")
+        states = [_StepState.of(v) for v in (state if pair else (state,))]
+        if (attention is None) != (self.cell != "augru"):
+            raise StepNetError(f"{name}.step: " + ("an AUGRU step takes its attention score"
+                                                   if attention is None else
+                                                   "attention is for AUGRU only"))
+        params = self._params[(layer, direction)]
+        if current_frame() is None:  # eager, on arrays: the Parameters' values
+            params = {kind: ({g: v.value for g, v in value.items()} if isinstance(value, dict)
+                             else value.value) for kind, value in params.items()}
+        self._step(x, states, params, self._acts[direction], attention)
+        new = tuple(v.new if isinstance(v, _StepState) else v for v in states)
+        return new if pair else new[0]
+
     def step_net(self, layer, d):
         """The step-net of layer ``layer``, direction ``d`` (0 forward, 1
         reverse), built on first use with this layer's Parameters."""
@@ -594,6 +623,24 @@ class _RecurrentLayer:
         and the pullback of that run (see ``stepnet.vjp``)."""
         outputs = self(*args, backend=backend, keep_workspace=True, **kwargs)
         return outputs, self._workspace
+
+
+class _StepState:
+    """A state given to :meth:`_RecurrentLayer.step` as the cells read it:
+    a memory handle itself, or a value wrapped as one that is not updated."""
+
+    def __init__(self, value):
+        self.value, self.new = value, None
+
+    @staticmethod
+    def of(v):
+        return v if isinstance(v, dsl.MemoryHandle) else _StepState(v)
+
+    def pre_state(self):
+        return self.value
+
+    def update(self, v):
+        self.new = v
 
 
 class LayerPullback:
@@ -921,3 +968,69 @@ class LSTM(_RecurrentLayer):
                              f"None), got {type(initial).__name__}")
         Y, (h_n, c_n) = self._forward(X, None, [h0, c0], backend, keep_workspace)
         return Y, (h_n, c_n)
+
+
+# ----------------------------------------------------------------------------
+# one step of a layer, as a cell inside another step-net's block
+
+
+class _Cell:
+    """A one-layer, one-direction layer called as one step of its recurrence:
+    ``cell(x, state)`` is ``cell.step(x, state)`` (see
+    :meth:`_RecurrentLayer.step`). ``from_torch``/``to_torch`` convert
+    ``torch.nn.RNNCell``/``GRUCell``/``LSTMCell``; ``onnx_weights`` and
+    ``set_onnx_weights`` are the layer's."""
+
+    def __init__(self, input_size, hidden_size, **kwargs):
+        for key in ("num_layers", "direction", "combine"):
+            if kwargs.pop(key, None) not in (None, 1, "forward", "per_layer"):
+                raise StepNetError(f"{type(self).__name__}: a cell has one layer and one direction")
+        super().__init__(input_size, hidden_size, **kwargs)
+
+    def __call__(self, x, state):
+        return self.step(x, state)
+
+    @classmethod
+    def from_torch(cls, module):
+        torch = _torch(f"{cls.__name__}.from_torch")
+        expected = {"rnn": torch.nn.RNNCell, "gru": torch.nn.GRUCell,
+                    "lstm": torch.nn.LSTMCell}[cls.cell]
+        if type(module) is not expected:
+            raise StepNetError(f"{cls.__name__}.from_torch expects a {expected.__name__}, "
+                               f"got {type(module).__name__}")
+        layer = cls._torch_layer(torch, module)
+        with torch.no_grad():
+            for name, value in module.named_parameters():
+                getattr(layer, name + "_l0").copy_(value)
+        return super().from_torch(layer.to(module.weight_ih.dtype))
+
+    def to_torch(self):
+        torch = _torch(f"{type(self).__name__}.to_torch")
+        layer = super().to_torch()
+        kind = {"rnn": torch.nn.RNNCell, "gru": torch.nn.GRUCell, "lstm": torch.nn.LSTMCell}
+        options = {"nonlinearity": layer.nonlinearity} if self.cell == "rnn" else {}
+        module = kind[self.cell](self.input_size, self.hidden_size, **options).to(
+            layer.weight_ih_l0.dtype)
+        with torch.no_grad():
+            for name, value in module.named_parameters():
+                value.copy_(getattr(layer, name + "_l0"))
+        return module
+
+    @classmethod
+    def _torch_layer(cls, torch, module):
+        kind = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
+        options = {"nonlinearity": module.nonlinearity} if cls.cell == "rnn" else {}
+        return kind(module.input_size, module.hidden_size, bias=module.bias, **options)
+
+
+class RNNCell(_Cell, RNN):
+    """One step of an Elman RNN inside a step block: ``h = cell(x, h)``."""
+
+
+class GRUCell(_Cell, GRU):
+    """One step of a GRU inside a step block: ``h = cell(x, h)``
+    (``linear_before_reset=True`` is PyTorch's ``GRUCell``)."""
+
+
+class LSTMCell(_Cell, LSTM):
+    """One step of an LSTM inside a step block: ``h, c = cell(x, (h, c))``."""

@@ -284,6 +284,9 @@ class Evaluator:
         if not isinstance(node.func, ast.Name):
             self.fail(node, f"only functions of stepnet.ops can be called, not {ast.unparse(node.func)!r}")
         name = node.func.id
+        cell = self._cell(name)
+        if cell is not None:
+            return self._call_cell(node, name, cell)
         fn = FUNCTIONS.get(name)
         if fn is None:
             self.fail(node.func, f"unknown function {name!r}" + did_you_mean(name, FUNCTIONS))
@@ -299,6 +302,25 @@ class Evaluator:
                 self.fail(node, "**kwargs is not allowed")
             kwargs[kw.arg] = self._number(kw.value)
         return call_function(name, args, kwargs, lambda msg: self.fail(node, msg))
+
+    def _cell(self, name):
+        from ..nn.layers import _Cell
+
+        try:
+            value = self.scope.lookup(name)
+        except KeyError:
+            return None
+        return value if isinstance(value, _Cell) else None
+
+    def _call_cell(self, node, name, cell):
+        """``cell(x, h)`` -> the new state; an LSTM's ``cell(x, h, c)`` -> ``(h, c)``."""
+        states = 2 if cell.cell == "lstm" else 1
+        if len(node.args) != 1 + states or node.keywords:
+            form = f"{name}(x, h, c)" if states == 2 else f"{name}(x, h)"
+            self.fail(node, f"{name} is a {cell.cell} cell, called as {form} (the input, then "
+                            "the previous state)")
+        x, *state = [self.eval(a) for a in node.args]
+        return self._apply(node, cell.step, x, tuple(state) if states == 2 else state[0])
 
     def _apply(self, node, fn, *args):
         try:

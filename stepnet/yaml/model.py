@@ -38,7 +38,8 @@ from .expressions import (
 )
 from .initializers import InitError, generator, initialize
 
-TOP_KEYS = ("name", "description", "dtype", "inputs", "parameters", "layers", "nets", "outputs")
+TOP_KEYS = ("name", "description", "dtype", "inputs", "parameters", "layers", "cells", "nets",
+            "outputs")
 INPUT_KEYS = ("shape", "dtype", "lod_level", "random", "description")
 PARAM_KEYS = ("shape", "dtype", "init", "from", "description", "mean", "std", "low", "high",
               "gain", "value")
@@ -55,6 +56,11 @@ LAYER_TYPES = {
     "lstm": _COMMON_LAYER + ("peephole", "proj_size", "input_forget"),
 }
 LAYER_KEYS = tuple(dict.fromkeys(k for keys in LAYER_TYPES.values() for k in keys))
+# a cell: one step of a layer, called inside a step (``h = cell(x, h.pre)``)
+CELL_TYPES = {kind: ("type", "description", "input_size") + tuple(
+    k for k in keys if k not in ("type", "input", "description", "num_layers", "direction", "combine"))
+    for kind, keys in LAYER_TYPES.items()}
+CELL_KEYS = tuple(dict.fromkeys(k for keys in CELL_TYPES.values() for k in keys))
 _REF = re.compile(r"^([A-Za-z_]\w*)(?:\.(all|last)(?:\.([A-Za-z_]\w*))?)?$")
 
 
@@ -150,6 +156,7 @@ class Model:
         self.parameters = {}
         self.nets = {}
         self.layers = {}
+        self.cells = {}
         self.outputs = []
         self._layers = []
         self._nets = []
@@ -351,6 +358,8 @@ class _Builder:
         self._parameters(data.get("parameters"))
         for layer_name, spec in doc.mapping(data.get("layers"), ("layers",)).items():
             self._layer(layer_name, spec, ("layers", layer_name))
+        for cell_name, spec in doc.mapping(data.get("cells"), ("cells",)).items():
+            self._cell(cell_name, spec, ("cells", cell_name))
         self._check_overrides_used()
         nets = doc.mapping(data.get("nets"), ("nets",))
         if not nets and not self.model.layers:
@@ -428,8 +437,9 @@ class _Builder:
     def _check_overrides_used(self):
         unused = sorted(set(self._overrides) - self._used_overrides)
         if unused:
+            owners = [(e.name, e.layer) for e in self.model._layers] + list(self.model.cells.items())
             known = sorted(self.model.parameters) + sorted(
-                f"{e.name}.{p.name}" for e in self.model._layers for p in e.layer.parameters())
+                f"{name}.{p.name}" for name, layer in owners for p in layer.parameters())
             raise self.error(("parameters",), f"the given parameters have key(s) {unused} that are "
                              f"not parameters of this model (it has {', '.join(known)})")
 
@@ -473,9 +483,10 @@ class _Builder:
     def _top_name(self, name, path):
         self.doc.name(name, path)
         model = self.model
-        if name in model.inputs or name in model.parameters or name in model.layers or name in model.nets:
-            raise self.error(path, f"{name!r} is already an input, parameter, layer or net; names "
-                             "must be unique")
+        if any(name in names for names in (model.inputs, model.parameters, model.layers,
+                                           model.cells, model.nets)):
+            raise self.error(path, f"{name!r} is already an input, parameter, layer, cell or net; "
+                             "names must be unique")
 
     # -- built-in layers -------------------------------------------------------
 
@@ -489,12 +500,7 @@ class _Builder:
         if kind not in LAYER_TYPES:
             raise self.error(path + ("type",), f"unknown layer type {kind!r}; expected one of "
                              f"{', '.join(LAYER_TYPES)}" + document.did_you_mean(kind, LAYER_TYPES))
-        options = {k: v for k, v in spec.items() if k not in ("type", "input", "description")}
-        for key in options:
-            if key not in LAYER_TYPES[kind]:
-                raise self.error(path + (key,), f"a {kind} layer has no option {key!r} (it takes "
-                                 f"{', '.join(LAYER_TYPES[kind])})"
-                                 + document.did_you_mean(key, LAYER_TYPES[kind]))
+        options = self._options(spec, path, kind, LAYER_TYPES, "layer", ("type", "input"))
         placeholder, source = self._top_source(spec["input"], path + ("input",), want="sequence")
         if placeholder.data.ndim != 2:
             raise self.error(path + ("input",), f"a layer reads rows of one dimension, "
@@ -508,6 +514,23 @@ class _Builder:
         except (Error, TypeError, ValueError) as exc:
             key = next((k for k in options if k in str(exc)), None)
             raise self.error(path + ((key,) if key else ()), f"{kind} layer: {exc}") from None
+        self._override_weights(name, layer)
+        entry = _LayerEntry(name, layer, source, placeholder.num_levels)
+        self.model.layers[name] = layer
+        self.model._layers.append(entry)
+
+    def _options(self, spec, path, kind, types, what, fixed):
+        """A layer's or cell's options (its keys but ``fixed`` and the
+        description), each checked against what a ``kind`` takes."""
+        options = {k: v for k, v in spec.items() if k not in fixed + ("description",)}
+        for key in options:
+            if key not in types[kind]:
+                raise self.error(path + (key,), f"a {kind} {what} has no option {key!r} (it takes "
+                                 f"{', '.join(types[kind])})" + document.did_you_mean(key, types[kind]))
+        return options
+
+    def _override_weights(self, name, layer):
+        """Replace a layer's or cell's weights given as ``name.weight_name``."""
         for p in layer.parameters():
             key = f"{name}.{p.name}"
             if key in self._overrides:
@@ -515,9 +538,30 @@ class _Builder:
                                   f"the given parameter {key!r}")
                 p.value = value.astype(p.dtype)
                 self._used_overrides.add(key)
-        entry = _LayerEntry(name, layer, source, placeholder.num_levels)
-        self.model.layers[name] = layer
-        self.model._layers.append(entry)
+
+    def _cell(self, name, spec, path):
+        """A built-in cell (``stepnet.nn.GRUCell``, ...): called in a step as
+        ``cell(x, h.pre)`` (LSTM ``cell(x, h.pre, c.pre)``, giving ``h, c``)."""
+        from .. import nn
+
+        self._top_name(name, path)
+        spec = self.doc.mapping(spec, path, CELL_KEYS, required=("type", "input_size", "hidden_size"))
+        kind = spec["type"]
+        if kind not in CELL_TYPES:
+            raise self.error(path + ("type",), f"unknown cell type {kind!r}; expected one of "
+                             f"{', '.join(CELL_TYPES)}" + document.did_you_mean(kind, CELL_TYPES))
+        options = self._options(spec, path, kind, CELL_TYPES, "cell", ("type",))
+        options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
+            else np.promote_types(self.dtype, np.float32)
+        seed = int(generator(self.seed, name).integers(2 ** 31))
+        cls = {"rnn": nn.RNNCell, "gru": nn.GRUCell, "lstm": nn.LSTMCell}[kind]
+        try:
+            cell = cls(seed=seed, **options)
+        except (Error, TypeError, ValueError) as exc:
+            key = next((k for k in options if k in str(exc)), None)
+            raise self.error(path + ((key,) if key else ()), f"{kind} cell: {exc}") from None
+        self._override_weights(name, cell)
+        self.model.cells[name] = cell
 
     # -- nets ----------------------------------------------------------------
 
@@ -529,7 +573,7 @@ class _Builder:
         reverse = self._reverse(spec, path)
         rnn = create_rnn_op(output_num=len(outputs), reverse=reverse, name=name)
         net = _TopNet(name, rnn, outputs)
-        scope = Scope(globals_=dict(self.model.parameters))
+        scope = Scope(globals_={**self.model.parameters, **self.model.cells})
         with self._wrap(path), rnn.stepnet():
             for local, ref in doc.mapping(spec["inputs"], path + ("inputs",)).items():
                 p = path + ("inputs", local)

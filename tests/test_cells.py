@@ -1,0 +1,105 @@
+"""A built-in layer as one step inside another step-net's block: ``layer.step``
+and ``sn.nn.RNNCell``/``GRUCell``/``LSTMCell``."""
+
+import numpy as np
+import pytest
+from conftest import assert_backends_agree, assert_close
+
+import stepnet as sn
+
+
+def _lod(rng, lengths, width):
+    return sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), width)).astype(np.float32),
+                                     [lengths])
+
+
+def _stepping(layer, X, layer_index=0, direction=0):
+    """A step-net whose step is ``layer.step`` on a memory handle (LSTM: two)."""
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[layer.hidden_size], name="h")
+        if isinstance(layer, sn.nn.LSTM):
+            c = rnn.add_memory(shape=[layer.hidden_size], name="c")
+            layer.step(x, (h, c), layer_index, direction)
+        else:
+            layer.step(x, h, layer_index, direction)
+        rnn.add_outputs(h)
+    return rnn
+
+
+@pytest.mark.parametrize("kind", [sn.nn.RNN, sn.nn.GRU, sn.nn.LSTM])
+def test_a_layer_step_inside_a_block_is_the_layer(rng, kind):
+    X = _lod(rng, [3, 1, 4], 3)
+    layer = kind(3, 5, seed=1)
+    rnn = _stepping(layer, X)
+    out = assert_backends_agree(rnn)
+    assert_close(out, layer(X, backend="interpreter")[0])
+
+
+def test_gradients_through_a_cell_are_the_layers(rng):
+    X = _lod(rng, [3, 2], 3)
+    layer = sn.nn.GRU(3, 4, seed=2, linear_before_reset=True)
+    rnn = _stepping(layer, X)
+    G = rng.standard_normal((5, 4)).astype(np.float32)
+    through_step = sn.gradients(rnn, wrt=layer.parameters(), grad_outputs=[G])
+    _, pullback = sn.vjp(layer, X)
+    through_layer = pullback([G, None], wrt=layer.parameters())
+    for a, b in zip(through_step, through_layer):
+        assert_close(a, b, what="gradient")
+
+
+def test_a_decoder_cell_reads_a_computed_input_and_a_value_state(rng):
+    """``h_new = cell(concat(x, extra), h.pre_state())``: a value state is not
+    updated; the caller updates the memory."""
+    X = _lod(rng, [2, 3], 3)
+    cell = sn.nn.LSTMCell(5, 4, seed=3)
+    W = sn.Parameter(rng.standard_normal((3, 2)).astype(np.float32), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[4], name="h")
+        c = rnn.add_memory(shape=[4], name="c")
+        h_new, c_new = cell(sn.ops.concat([x, sn.ops.tanh(x @ W)], axis=1),
+                            (h.pre_state(), c.pre_state()))
+        h.update(h_new)
+        c.update(c_new)
+        rnn.add_outputs(h, c)
+    assert_backends_agree(rnn)
+    # the same step by hand, eagerly on arrays
+    h_np, c_np = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    for row in X.sequence(0):
+        inp = np.concatenate([row, np.tanh(row @ W.value)])[None]
+        h_np, c_np = cell(inp, (h_np, c_np))
+    assert_close(rnn(backend="interpreter")[0].sequence(0)[-1], h_np[0])
+
+
+@pytest.mark.parametrize("name", ["RNNCell", "GRUCell", "LSTMCell"])
+def test_cells_convert_to_and_from_torch(rng, name):
+    torch = pytest.importorskip("torch")
+    module = getattr(torch.nn, name)(3, 4)
+    cell = getattr(sn.nn, name).from_torch(module)
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    h = rng.standard_normal((2, 4)).astype(np.float32)
+    state = (h, h) if name == "LSTMCell" else h
+    tstate = tuple(map(torch.tensor, state)) if name == "LSTMCell" else torch.tensor(h)
+    ours = cell(x, state)
+    for back in (module, cell.to_torch()):
+        theirs = back(torch.tensor(x), tstate)
+        for a, b in zip(ours if name == "LSTMCell" else [ours],
+                        theirs if name == "LSTMCell" else [theirs]):
+            assert_close(a, b.detach().numpy())
+
+
+def test_bad_steps_are_refused(rng):
+    lstm, gru = sn.nn.LSTM(3, 4), sn.nn.GRU(3, 4, num_layers=2)
+    x, h = np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)
+    with pytest.raises(sn.StepNetError, match=r"pair \(h, c\)"):
+        lstm.step(x, h)
+    with pytest.raises(sn.StepNetError, match="no layer 2"):
+        gru.step(x, h, layer=2)
+    with pytest.raises(sn.StepNetError, match="one layer and one direction"):
+        sn.nn.GRUCell(3, 4, num_layers=2)
+    with pytest.raises(sn.StepNetError, match="expects a GRUCell"):
+        torch = pytest.importorskip("torch")
+        sn.nn.GRUCell.from_torch(torch.nn.GRU(3, 4))
