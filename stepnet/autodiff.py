@@ -13,8 +13,9 @@ equation that runs the other way in time over the same LoD. Its step:
   as IR equations; a nested step-net's pullback is a nested backward rnn;
 - **memories**: each forward memory's adjoint (d loss / d its value, carried
   from step t+1 to t), started at the cotangent of its last-step output; an
-  accumulator per static input; a first-step flag when a last-step output is
-  not a memory;
+  accumulator per static input (over a ragged static input's own rows: a
+  *ragged memory*, attrs ``ragged_memories``); a first-step flag when a
+  last-step output is not a memory;
 - **outputs**: the adjoints' last values (gradients of the initial memories),
   the static accumulators, the step inputs' cotangents (all steps), and per
   constant the per-row terms of its gradient (all steps): ``x @ W`` gives the
@@ -207,9 +208,6 @@ class BackwardOutputs:
     contribs: list = field(default_factory=list)  # (const Var, Rows/Outer of indices)
     injected: list = field(default_factory=list)  # forward output indices seeded by the flag
     values: list = field(default_factory=list)  # the enclosing var of each output index
-    # positions in ``statics`` of ragged static inputs: their outputs hold a
-    # term per step (all steps), summed per sequence by the caller
-    summed_statics: list = field(default_factory=list)
 
 
 def backward_eqn(eqn: Eqn, kept, cts, top: bool):
@@ -246,6 +244,7 @@ class _BackwardStep:
         self.static_inputs = list(body.static_inputs)
         self.static_operands = list(statics)
         self.memories, self.mem_inits = [], []
+        self.ragged_memories = {}  # memory index -> the static input whose rows it has
         self.outputs, self.all_steps, self.out_memory = [], [], []
         self.ct = _Cotangents(self.em)
         self.contribs = {}  # id(constant) -> (constant, its Rows/Outer terms)
@@ -398,15 +397,13 @@ class _BackwardStep:
             if g is None:
                 result.statics.append(None)
                 continue
-            if sv.lod_depth:  # per step, summed over the steps after the loop
+            if sv.lod_depth:  # an accumulator over the static input's own rows
                 if not self.top:
                     raise UnsupportedError(
                         f"gradient of {self.name}: the ragged static input {sv.name} of a nested "
                         "step-net")
-                result.statics.append(self.output(g, True))
-                result.summed_statics.append(len(result.statics) - 1)
-                continue
-            acc = _new_var(f"d_{sv.name}", sv.dtype, sv.shape)
+                self.ragged_memories[len(self.memories)] = self.static_inputs.index(sv)
+            acc = _new_var(f"d_{sv.name}", sv.dtype, sv.shape, sv.lod_depth)
             self.memories.append(Memory(f"d_{sv.name}", acc, em.op("add", acc, g)))
             self.mem_inits.append(Literal(0.0))
             result.statics.append(self.output(self.memories[-1].post, False,
@@ -434,6 +431,7 @@ class _BackwardStep:
             "name": f"{self.name}_grad",
             "reverse": not self.eqn.attrs["reverse"],
             "num_static_inputs": len(self.static_operands),
+            "ragged_memories": dict(self.ragged_memories),
         }
         if not post_eqns:
             loop = self._loop(eqns, self.outputs, self.all_steps, self.out_memory, attrs)
@@ -495,7 +493,7 @@ class _BackwardStep:
         post = _rnn_eqn(post_block, post_seq_operands, post_static_operands, [],
                         [True] * len(post_outputs), [-1] * len(post_outputs),
                         dict(attrs, name=f"{self.name}_grad_rest",
-                             num_static_inputs=len(post_statics)))
+                             num_static_inputs=len(post_statics), ragged_memories={}))
         result.values = [loop.outputs[i] if part == "loop" else post.outputs[i]
                          for part, i in where]
         return [loop, post]

@@ -103,7 +103,16 @@ def run_rnn(eqn, args, consts, scopes=None):
 
     statics = [_take_rows(s, order) for s in static_args]
     inits, state = [], []  # in the caller's order, and in sorted order
-    for mem, init in zip(body.memories, init_args):
+    # a ragged memory has the rows of a ragged static input: its state is kept
+    # in that input's layout (the caller's order), its rows read and written
+    # per step
+    ragged = {k: _RaggedState(static_args[i], init_args[k], body.memories[k].pre.dtype)
+              for k, i in eqn.attrs.get("ragged_memories", {}).items()}
+    for k, (mem, init) in enumerate(zip(body.memories, init_args)):
+        if k in ragged:
+            inits.append(None)
+            state.append(None)
+            continue
         full = np.broadcast_to(np.asarray(init, mem.pre.dtype), (num_seq,) + mem.pre.shape[1:])
         inits.append(full)
         state.append(np.array(full[order]))
@@ -139,12 +148,15 @@ def run_rnn(eqn, args, consts, scopes=None):
                 env[id(var)] = LoDTensor(X.data, list(X.levels[1:])).select(entries)
         for var, s in zip(body.static_inputs, statics):
             env[id(var)] = _take_rows(s, np.arange(active))
-        for mem, s in zip(body.memories, state):
-            env[id(mem.pre)] = s[:active]
+        for k, (mem, s) in enumerate(zip(body.memories, state)):
+            env[id(mem.pre)] = ragged[k].read(rows) if k in ragged else s[:active]
         inner_scopes = {} if scopes is not None else None
         for inner in body.eqns:
             eval_eqn(inner, env, consts, inner_scopes)
         for i, mem in enumerate(body.memories):
+            if i in ragged:
+                ragged[i].write(rows, env[id(mem.post)])
+                continue
             state[i] = state[i].copy()
             state[i][:active] = env[id(mem.post)]
         for i, out in enumerate(body.outputs):
@@ -166,6 +178,9 @@ def run_rnn(eqn, args, consts, scopes=None):
 
     results = []
     for i, out in enumerate(body.outputs):
+        if not all_steps[i] and eqn.attrs["output_memory"][i] in ragged:
+            results.append(ragged[eqn.attrs["output_memory"][i]].value())
+            continue
         if not out.lod_depth:
             if all_steps[i]:
                 results.append(LoDTensor(dense_all[i], [seq_args[0].levels[0]]))
@@ -182,6 +197,29 @@ def run_rnn(eqn, args, consts, scopes=None):
             pieces = [p if p is not None else _empty_piece(out, 1) for p in last[i]]
             results.append(LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0))
     return results
+
+
+class _RaggedState:
+    """A ragged memory's state: rows laid out as the ragged static input
+    ``like`` (one sub-sequence per sequence, the caller's order)."""
+
+    def __init__(self, like, init, dtype):
+        self.levels = like.levels
+        self.data = np.zeros(like.data.shape, dtype) + np.asarray(init, dtype)
+
+    def _rows(self, sequences):
+        offsets = np.asarray(self.levels[0])
+        parts = [np.arange(offsets[s], offsets[s + 1]) for s in sequences]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def read(self, sequences):
+        return LoDTensor(self.data, self.levels).select(sequences)
+
+    def write(self, sequences, value):
+        self.data[self._rows(sequences)] = value.data
+
+    def value(self):
+        return LoDTensor(self.data.copy(), self.levels)
 
 
 def _block_vars(block):

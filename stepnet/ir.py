@@ -202,12 +202,19 @@ def check(program: Program) -> None:
                 raise StepNetError(f"IR check: rnn {eqn.attrs['name']} operands do not fit its body")
             if len(inits) != len(body.memories) or len(eqn.outputs) != len(body.outputs):
                 raise StepNetError(f"IR check: rnn {eqn.attrs['name']} memories/outputs mismatch")
+            ragged = eqn.attrs.get("ragged_memories", {})
+            for k, mem in enumerate(body.memories):
+                source = body.static_inputs[ragged[k]] if k in ragged else None
+                if mem.pre.lod_depth != (source.lod_depth if source is not None else 0):
+                    raise StepNetError(f"IR check: memory {mem.name} of {eqn.attrs['name']} is "
+                                       "ragged without a ragged static input giving its rows")
             check_block(body)
         else:
             op = registry.get(eqn.op)
             avals = op.infer(list(eqn.inputs), eqn.attrs)
             for out, aval in zip(eqn.outputs, avals):
-                if (out.shape, np.dtype(out.dtype)) != (aval.shape, np.dtype(aval.dtype)):
+                if (out.shape, np.dtype(out.dtype), out.lod_depth) != (
+                        aval.shape, np.dtype(aval.dtype), aval.lod_depth):
                     raise StepNetError(
                         f"IR check: {eqn.op} produces {aval.type_str()} but {out!r} is declared"
                     )
@@ -224,7 +231,8 @@ def check(program: Program) -> None:
         for mem in block.memories:
             if id(mem.post) not in defined and id(mem.post) not in consts:
                 raise StepNetError(f"IR check: memory {mem.name} has no update in its block")
-            if mem.post.shape != mem.pre.shape or mem.post.dtype != mem.pre.dtype:
+            if (mem.post.shape, mem.post.dtype, mem.post.lod_depth) != (
+                    mem.pre.shape, mem.pre.dtype, mem.pre.lod_depth):
                 raise StepNetError(f"IR check: memory {mem.name} changes type across a step")
         for out in block.outputs:
             if id(out) not in defined and id(out) not in consts:

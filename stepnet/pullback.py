@@ -139,31 +139,16 @@ class Pullback:
                 i = layout.sequences[[id(v) for v in seqs].index(id(key))]
                 g = np.zeros(like.data.shape) if i is None else results[i].data
             elif kind == "static":
-                k = [id(v) for v in statics].index(id(key))
-                i = layout.statics[k]
+                i = layout.statics[[id(v) for v in statics].index(id(key))]
                 g = np.zeros(np.shape(like)) if i is None else results[i]
-                if i is not None and k in layout.summed_statics:
-                    g = _sum_over_steps(results[i], like)
+                if isinstance(g, LoDTensor):  # a ragged static input's, in its own layout
+                    g = g.data
             else:
                 inits = ir.rnn_parts(program.eqn)[2]
                 g = d_inits[[id(v) for v in inits].index(id(key))]
                 g = sum_to_shape(g, np.shape(like))
             found.append(np.asarray(g).astype(like.dtype, copy=False).reshape(np.shape(like)))
         return _deliver(found, wrt, accumulate, out)
-
-
-def _sum_over_steps(terms, like):
-    """A ragged static input's gradient: its per-step terms (a two-level
-    LoDTensor: sequence, step, the sequence's memory rows) summed over the
-    steps of each sequence, shaped like ``like.data``."""
-    steps, rows = (np.asarray(level) for level in terms.levels)
-    piece_of_row = np.repeat(np.arange(len(rows) - 1), np.diff(rows))
-    seq_of_piece = np.repeat(np.arange(len(steps) - 1), np.diff(steps))
-    start = np.asarray(like.levels[0])[:-1][seq_of_piece]  # each piece's first memory row
-    target = start[piece_of_row] + np.arange(len(piece_of_row)) - rows[:-1][piece_of_row]
-    out = np.zeros(like.data.shape, np.asarray(terms.data).dtype)
-    np.add.at(out, target, np.asarray(terms.data)[rows[0]:rows[-1]])
-    return out
 
 
 def _deliver(found, wrt, accumulate, out):

@@ -41,8 +41,8 @@ set for every backend:
    read outside it, are outputs of the body, or are a memory's new value.
 7. **swaps**: a memory whose new value a step stage writes into a buffer of
    its own (not a merged GEMM's column block, not another memory's previous
-   state, not shared with another memory) is double-buffered: swapped, not
-   copied. The other memories are copied after the outputs are written.
+   state, not shared with another memory, not ragged) is double-buffered:
+   swapped, not copied. The other memories are copied after the outputs are written.
 
 Where the two backends differed before this module, the CPU's rules were
 kept: CUDA used to hoist every elementwise op on hoisted values (a kernel and
@@ -339,7 +339,8 @@ def _swaps(body, step_stages) -> tuple:
     pres = {m.pre for m in body.memories}
     posts = [m.post for m in body.memories]
     return tuple(m for m in body.memories
-                 if m.post in own and m.post not in pres and posts.count(m.post) == 1)
+                 if m.post in own and m.post not in pres and posts.count(m.post) == 1
+                 and not m.pre.lod_depth)  # a ragged memory keeps the rows of ended sequences
 
 
 # ----------------------------------------------------------------------------

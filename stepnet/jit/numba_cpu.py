@@ -113,6 +113,7 @@ class _Module:
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
         self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)
         self.segment_outputs = {}  # all-steps outputs over a static's rows: (data, pl, level)
+        self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
 
     def fresh(self, base):
         self.counter += 1
@@ -515,7 +516,7 @@ def _contiguous(ctx, info):
 
 def _emit_copy(ctx, src, dst):
     shape = dst.var.shape
-    loops, idx = _loop_nest(shape, ctx.mode, dst.size)
+    loops, idx = _loop_nest(shape, ctx.mode, dst.size, segment=dst.segment)
     ctx.lines += _nest(loops, [
         f"{_ref(dst, idx, ctx.mode, shape)} = {_ref(src, idx, ctx.mode, shape)}"
     ])
@@ -667,7 +668,10 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     body = eqn.attrs["body"]
     for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
                                        result_infos):
-        if out in ctx.module.segment_outputs:
+        if out in ctx.module.memory_outputs:
+            buffer, level = ctx.module.memory_outputs[out]
+            outs.append(("segment_memory", buffer, (level,)))
+        elif out in ctx.module.segment_outputs:
             od, pl, top = ctx.module.segment_outputs[out]
             ctx.module.extra_returns.append(pl)
             outs.append(("segment_all", od, (top,)))
@@ -793,7 +797,10 @@ def _function_setup(fctx, eqn, params, top):
         "num_steps = slen[0] if num_seq > 0 else 0",
         "entries = np.empty(num_seq, np.int64)",
     ]
-    for mem, init in zip(body.memories, inits):
+    ragged = eqn.attrs.get("ragged_memories", {})
+    for k, (mem, init) in enumerate(zip(body.memories, inits)):
+        if k in ragged:
+            continue  # after the static input that gives its rows
         ident = module.fresh("m")
         dt = f"np.{np.dtype(mem.pre.dtype).name}"
         setup.append(f"{ident} = np.empty({_shape('num_seq', mem.pre.shape[1:])}, {dt})")
@@ -826,7 +833,26 @@ def _function_setup(fctx, eqn, params, top):
         setup.append(f"{ident} = np.empty({_shape('num_seq', sv.shape[1:])}, {dt})")
         setup += _row_assign(ident, "b", p, "order[b]", sv.shape[1:])
         fctx.values[sv] = _Info("local", ident, sv, width=_width(sv))
+    for k, i in ragged.items():
+        _ragged_memory(fctx, body.memories[k], inits[k], body.static_inputs[i])
     return setup
+
+
+def _ragged_memory(fctx, mem, init, static):
+    """A memory over a ragged static input's rows (a gradient accumulator): a
+    buffer laid out as that input's data, made before the call (it is the
+    memory's last-step output), read and written at the active rows' rows."""
+    module, segment = fctx.module, fctx.fn.segments[static]
+    if not isinstance(init, ir.Literal):
+        raise UnsupportedError(f"numba backend: ragged memory {mem.name} starts from a value")
+    ident = module.fresh("rm")
+    dt = f"np.{np.dtype(mem.pre.dtype).name}"
+    value = module.literal(init.value, mem.pre.dtype)
+    module.prologue.append(f"{ident} = np.full({_shape(segment.rows, mem.pre.shape[1:])}, "
+                           f"{value}, {dt})")
+    module.gargs.append(ident)
+    fctx.values[mem.pre] = _Info("rows", ident, mem.pre, width=_width(mem.pre), segment=segment)
+    fctx.fn.segments[mem.pre] = segment
 
 
 def _init_source(fctx, init, pre, params):
@@ -846,10 +872,15 @@ def _last_step_params(fctx, eqn, params, setup):
     memory's init, zeros, or -1 for a ragged one), or None for all steps."""
     body = eqn.attrs["body"]
     last_params = []
-    for res, all_steps, mem_index in zip(body.outputs, eqn.attrs["all_steps"],
-                                         eqn.attrs["output_memory"]):
+    for res, out, all_steps, mem_index in zip(body.outputs, eqn.outputs, eqn.attrs["all_steps"],
+                                              eqn.attrs["output_memory"]):
         if all_steps:
             last_params.append(None)
+            continue
+        if mem_index in eqn.attrs.get("ragged_memories", {}):  # the memory's buffer itself
+            info = fctx.values[body.memories[mem_index].pre]
+            fctx.module.memory_outputs[out] = (info.ident, info.segment.level)
+            last_params.append(_MEMORY_BUFFER)
             continue
         p = fctx.module.fresh("out_last")
         params.append(p)
@@ -863,6 +894,9 @@ def _last_step_params(fctx, eqn, params, setup):
             zero = fctx.module.literal(0.0, res.dtype)
             setup += _row_assign(p, "b", zero, None, res.shape[1:])
     return last_params
+
+
+_MEMORY_BUFFER = "memory buffer"  # a last-step output that is a ragged memory's buffer
 
 
 def _step_body(fctx, sched, last_params):
@@ -888,6 +922,8 @@ def _write_outputs(fctx, eqn, last_params):
     body, lines = eqn.attrs["body"], []
     for res, out, p in zip(body.outputs, eqn.outputs, last_params):
         ri = fctx.values[res]
+        if p == _MEMORY_BUFFER:
+            continue  # the buffer holds it
         if p is None and res in fctx.fn.segments:
             lines += _segment_output(fctx, eqn, res, out)
         elif p is None:
@@ -1265,7 +1301,7 @@ class NumbaProgram:
         """One output of program() as stepnet returns it (``extra``: the data
         arrays behind ragged last-step outputs, taken in order)."""
         kind = spec[0]
-        if kind in ("dense_all", "ragged_all"):
+        if kind in ("dense_all", "ragged_all", "segment_memory"):
             return LoDTensor(arr, [self._level(name, args) for name in spec[2]])
         if kind == "segment_all":  # its second level comes from the kernel
             return LoDTensor(arr, [self._level(spec[2][0], args), extra.pop(0)])
