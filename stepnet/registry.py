@@ -75,6 +75,11 @@ class OpDef:
     - ``segment``: a segment op's code for every backend, ``(combine,
       initial value)``: ``combine`` a template of ``{acc}`` and ``{x}`` (one
       row's element), folded over each batch row's rows.
+    - ``elementwise_when(**attrs) -> bool``: an op of another kind that is
+      elementwise for these attributes (``broadcast_axis`` growing an axis of
+      size 1: each element reads its operand with NumPy broadcasting); it
+      then fuses with the elementwise ops around it, by its ``numba`` and
+      ``cuda`` templates.
     - ``takes_lod``: the NumPy reference takes ragged operands as LoDTensors
       (the segment ops); the other references get a ragged operand's rows,
       the dense batched operands repeated over them.
@@ -95,6 +100,7 @@ class OpDef:
     reduction: Callable | None = None
     segment: tuple | None = None
     takes_lod: bool = False
+    elementwise_when: Callable | None = None
 
     def infer(self, operands, attrs) -> list:
         """The results' avals. A ragged operand of one level (a row per batch

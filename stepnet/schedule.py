@@ -138,7 +138,12 @@ class Schedule:
 
 
 def is_elementwise(eqn) -> bool:
-    return eqn.op != "rnn" and registry.get(eqn.op).kind == "elementwise"
+    """An op computing each element from its operands' elements (fusable)."""
+    if eqn.op == "rnn":
+        return False
+    op = registry.get(eqn.op)
+    return op.kind == "elementwise" or (op.elementwise_when is not None
+                                        and op.elementwise_when(**eqn.attrs))
 
 
 def is_gemm(eqn, is_const) -> bool:
@@ -168,8 +173,9 @@ def _stage_kind(eqn, is_const) -> str:
         return "rnn"
     if is_gemm(eqn, is_const):
         return "gemm"
-    kind = registry.get(eqn.op).kind
-    return {"elementwise": "elementwise", "matmul": "matmul"}.get(kind, "shape")
+    if is_elementwise(eqn):
+        return "elementwise"
+    return "matmul" if registry.get(eqn.op).kind == "matmul" else "shape"
 
 
 def fusion_order(eqns) -> tuple:

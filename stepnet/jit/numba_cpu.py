@@ -145,6 +145,7 @@ class _Function:
     direct: dict = field(default_factory=dict)  # Var -> all-steps output arrays
     written: set = field(default_factory=set)  # Vars a fused loop wrote there
     segments: dict = field(default_factory=dict)  # ragged Var -> its static's (see _segment)
+    in_place: set = field(default_factory=set)  # new values of memories written over the old
 
 
 @dataclass
@@ -910,11 +911,80 @@ def _step_body(fctx, sched, last_params):
         if p is None and not res.lod_depth:  # one value may be several outputs
             fctx.fn.direct.setdefault(res, []).append(fctx.values[out].data)
     sctx = fctx.at("step", step)
+    for mem in _updated_in_place(sched):  # the run computing its new value writes it there
+        fctx.fn.in_place.add(mem.post)
+        fctx.fn.direct.setdefault(mem.post, []).append(fctx.values[mem.pre])
+    epilogues = _reduction_epilogues(sched)
+    folded = {r for rs in epilogues.values() for r in rs}
     for stage in sched.step:
-        _render_stage(sctx, sched, stage)
+        if stage in epilogues:
+            _emit_fused(sctx, stage.eqns, [r.eqns[0] for r in epilogues[stage]])
+        elif stage not in folded:
+            _render_stage(sctx, sched, stage)
     step += _write_outputs(fctx, eqn, last_params)
     step += _update_memories(fctx, sched)
     return step
+
+
+def _updated_in_place(sched):
+    """The ragged memories (gradient accumulators) whose new value one fused
+    run computes from the old value at the same element, where nothing else
+    reads either: the run writes it over the old value (no copy per step)."""
+    body = sched.body
+    readers = collections.defaultdict(set)
+    for stage in sched.step:
+        for e in stage.eqns:
+            for v in e.inputs:
+                readers[v].add(stage)
+    out = []
+    for k, mem in enumerate(body.memories):
+        run = next((s for s in sched.step if mem.post in s.outputs), None)
+        as_outputs = [(flag, m) for v, flag, m in zip(body.outputs, sched.eqn.attrs["all_steps"],
+                                                      sched.eqn.attrs["output_memory"])
+                      if v is mem.post]
+        if (mem.pre.lod_depth and run is not None and run.kind == "elementwise"
+                and readers[mem.pre] <= {run} and not readers[mem.post]
+                and all(not flag and m == k for flag, m in as_outputs)
+                and sum(m.post is mem.post for m in body.memories) == 1):
+            out.append(mem)
+    return out
+
+
+def _reduction_epilogues(sched):
+    """``{elementwise stage: [reduction stages]}``: each a segment op
+    (seq_sum, seq_max) or a sum over the last axis of a value of that run that
+    nothing else reads. The run folds the value into the reduction's result
+    in its own loop (the reduction runs early: its result is ready before its
+    own place), and the value is never stored. A last-axis sum accumulates in
+    a register around the innermost loop (an element of memory updated at
+    every iteration would keep the loop from vectorizing)."""
+    body = sched.body
+    uses = collections.Counter(v for e in body.eqns for v in _read_operands(e))
+    uses.update(body.outputs)
+    uses.update(m.post for m in body.memories)
+    run_of = {v: stage for stage in sched.step if stage.kind == "elementwise"
+              for v in stage.outputs}
+    fused = {}
+    for stage in sched.step:
+        e = stage.eqns[0]
+        x = e.inputs[0]
+        row_sum = e.op == "sum" and e.attrs["axis"] % len(x.shape) == len(x.shape) - 1 \
+            and x.shape[-1] is not None
+        if stage.kind != "shape" or not (row_sum or registry.get(e.op).segment is not None):
+            continue
+        if x in run_of and uses[x] == 1:
+            fused.setdefault(run_of[x], []).append(stage)
+    return fused
+
+
+def _read_operands(e):
+    """The operands whose values ``e``'s code reads (``seq_expand`` reads its
+    second operand's LoD only)."""
+    code = None if e.op == "rnn" else registry.get(e.op).numba
+    if isinstance(code, str):
+        return [v for k, v in enumerate(e.inputs)
+                if isinstance(v, ir.Var) and f"{{{k}}}" in code]
+    return [v for v in e.inputs if isinstance(v, ir.Var)]
 
 
 def _write_outputs(fctx, eqn, last_params):
@@ -984,6 +1054,8 @@ def _update_memories(fctx, sched):
             _emit_copy(sctx, fctx.values[mem.post], tmp)
             snaps[mem.post] = tmp
     for mem in body.memories:
+        if mem.post in fctx.fn.in_place:
+            continue
         src = snaps.get(mem.post, fctx.values[mem.post])
         dst = fctx.values[mem.pre]
         if mem in sched.swaps:
@@ -994,9 +1066,11 @@ def _update_memories(fctx, sched):
     return lines
 
 
-def _emit_fused(ctx, group):
+def _emit_fused(ctx, group, epilogues=()):
     """A run of elementwise ops as one loop; its intermediates stay scalars,
-    the materialized ones are stored, all-steps outputs written in place."""
+    the materialized ones are stored, all-steps outputs written in place.
+    ``epilogues``: reductions of its values (see _reduction_epilogues),
+    accumulated in the same loop."""
     shape = group[0].outputs[0].shape
     _, idx = _loop_nest(shape, "step")
     inner, scalars, segment = [], [], None
@@ -1011,8 +1085,24 @@ def _emit_fused(ctx, group):
         scalars.append((out, name))
         ctx.values[out] = _Info("scalar", name, out, segment=segment)
     loops, _ = _loop_nest(shape, "step", segment=segment)
+    names = dict(scalars)
+    before, after = [], []  # around the innermost loop: row sums in registers
+    for e in epilogues:
+        if e.op == "sum":
+            acc = ctx.module.fresh("acc")
+            out = e.outputs[0]
+            if out.lod_depth:
+                _note_segment(ctx, e)
+            info = _new_array(ctx, out)
+            target = idx[:-1] + (["0"] if e.attrs.get("keepdims", False) else [])
+            before.append(f"{acc} = {ctx.module.literal(0.0, out.dtype)}")
+            inner.append(f"{acc} += {names[e.inputs[0]]}")
+            after.append(f"{_ref(info, target, 'step', out.shape)} = {acc}")
+        else:
+            inner += _fold(ctx, e, names[e.inputs[0]], idx)
+    folded = {e.inputs[0] for e in epilogues}
     for out, name in scalars:
-        if out in ctx.fn.materialized:
+        if out in ctx.fn.materialized and out not in folded and out not in ctx.fn.in_place:
             info = _new_array(ctx, out)
             inner.append(f"{_ref(info, idx, 'step', shape)} = {name}")
     for out, name in scalars:
@@ -1021,7 +1111,24 @@ def _emit_fused(ctx, group):
         for target in ctx.fn.direct.get(out, ()):
             inner.append(f"{_ref(target, idx, 'step', shape)} = {name}")
             ctx.fn.written.add(out)
+    if before or after:
+        inner = before + [loops[-1]] + ["    " + line for line in inner] + after
+        loops = loops[:-1]
     ctx.lines += _nest(loops, inner)
+
+
+def _fold(ctx, e, scalar, idx):
+    """Start segment op ``e``'s result (one row per batch row, lines before
+    the loop) and return the line folding ``scalar``, its operand at the
+    loop's index ``idx``, into it."""
+    out = e.outputs[0]
+    combine, initial = registry.get(e.op).segment
+    _note_segment(ctx, e)
+    info = _new_array(ctx, out)
+    start, _ = _loop_nest(out.shape, "step")
+    dst = _ref(info, idx, "step", out.shape)
+    ctx.lines += _nest(start, [f"{dst} = {ctx.module.literal(initial, out.dtype)}"])
+    return [f"{dst} = {combine.format(acc=dst, x=scalar)}"]
 
 
 def _emit_nested(ctx, inner):

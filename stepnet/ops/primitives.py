@@ -654,7 +654,8 @@ def _broadcast_axis_gather(index, shapes, axis, size, insert):
 
 @register("broadcast_axis", _broadcast_axis_rule, _broadcast_axis, "shape", 1,
           grad=lambda em, e, g: [em.op("sum", g, axis=e.attrs["axis"], keepdims=not e.attrs["insert"])],
-          onnx=_broadcast_axis_onnx, gather=_broadcast_axis_gather)
+          onnx=_broadcast_axis_onnx, gather=_broadcast_axis_gather, numba="{0}",
+          elementwise_when=lambda axis, size, insert: not insert)
 def broadcast_axis(x, axis, size, insert=True):
     """Repeat ``x`` ``size`` times along ``axis``: a new axis (``insert=True``)
     or one of size 1."""
