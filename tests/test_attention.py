@@ -1,13 +1,17 @@
 """Attention over a ragged memory: a static input given as a LoDTensor, the
 segment ops (seq_sum, seq_max, seq_expand, seq_softmax, attention), on every
-backend that supports them, with gradients against finite differences and
-PyTorch."""
+backend (CUDA on the simulator while runs are small: conftest.default_backends),
+with gradients against finite differences and PyTorch."""
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, default_backends
 
 import stepnet as sn
+
+
+def _data(value):
+    return value.data if isinstance(value, sn.LoDTensor) else value
 
 
 def _memory(rng, lengths, width):
@@ -80,7 +84,7 @@ def test_decoder_with_attention_on_every_backend(rng, additive):
     M = _memory(rng, [3, 0, 6, 2], 4)
     rnn, p = _decoder(rng, X, M, additive=additive)
     expected = _reference(X, M, p, additive)
-    for backend in ("interpreter", "numba"):
+    for backend in ["interpreter", *default_backends(rnn)]:
         out = rnn(backend=backend)
         assert out.lod == X.lod
         assert_close(out.data, expected.astype(np.float32), what=backend)
@@ -96,14 +100,16 @@ def test_static_inputs_combined_row_by_row_must_agree(rng):
         h = rnn.add_memory(shape=[4], name="h")
         h.update(h.pre_state() + sn.ops.attention(h.pre_state(), mem, keys))
         rnn.add_outputs(h)
-    for backend in ("interpreter", "numba"):
+    for backend in ["interpreter", *default_backends(rnn)]:
         assert_close(rnn(backend=backend), rnn(backend="interpreter"))
         with pytest.raises(sn.errors.Error, match="different (LoD|lengths)"):
             rnn(backend=backend, K=_memory(rng, [2, 3], 4))
 
 
-@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+@pytest.mark.parametrize("backend", ["interpreter", "numba", "cuda"])
 def test_gradients_against_finite_differences(rng, backend):
+    if backend not in sn.backends():
+        pytest.skip(f"no {backend} backend here")
     X = _memory(rng, [2, 3, 0], 2)
     M = _memory(rng, [3, 1, 2], 3)
     X64 = sn.LoDTensor(X.data.astype(np.float64), X.lod)
@@ -167,7 +173,8 @@ def test_attention_weights_of_every_step_as_an_output(rng):
     expected = rnn(backend="interpreter")
     assert expected[1].lod == [[0, 2, 5, 5], [0, 3, 6, 12, 18, 24]]
     assert np.isclose(expected[1].data.sum(), 5.0)  # one softmax per step
-    assert_close(rnn(backend="numba"), expected)
+    for backend in default_backends(rnn):
+        assert_close(rnn(backend=backend), expected, what=backend)
 
 
 def test_special_values_behave_as_on_the_interpreter():
@@ -185,6 +192,7 @@ def test_special_values_behave_as_on_the_interpreter():
                         sn.ops.seq_expand(x, mem) * mem)
     expected = rnn(backend="interpreter")
     assert np.isnan(expected[1].data[0, 0])
-    for actual, want in zip(rnn(backend="numba"), expected):
-        np.testing.assert_allclose(actual.data, want.data, rtol=1e-6)  # NaN, inf: equal
-        assert actual.lod == want.lod
+    for backend in default_backends(rnn):
+        for actual, want in zip(rnn(backend=backend), expected):
+            np.testing.assert_allclose(_data(actual), _data(want), rtol=1e-6,  # NaN, inf: equal
+                                       err_msg=backend)

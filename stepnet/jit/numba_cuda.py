@@ -32,9 +32,11 @@ ragged step input (a word-level encoder inside a sentence-level net) runs once
 over every sub-sequence before the enclosing loop, as a program of its own on
 this backend; each last-step output is then one row per token of the
 enclosing net. Supported: dense step values (any feature rank), dense static
-inputs and such nested nets at any depth; a nested net reading other values of
-the enclosing step or giving it a ragged output, a LoDTensor static input, or
-a matmul whose right operand is a step value raise UnsupportedError.
+inputs and such nested nets at any depth, and ragged static inputs (an
+attention memory) with one LoD: their rows packed in sorted sequence order
+("mrow" values, a thread per memory row), the segment ops a thread per
+sequence looping over its rows. A nested net reading other values of the
+enclosing step or giving it a ragged output raises UnsupportedError.
 Gradients run on this backend because the backward of a step-net is a
 step-net (stepnet.autodiff).
 """
@@ -47,7 +49,7 @@ import os
 import numpy as np
 
 from .. import ir, schedule
-from ..errors import BackendError, UnsupportedError
+from ..errors import BackendError, LoDError, UnsupportedError
 from ..lod import LoDTensor
 from .. import registry
 
@@ -78,8 +80,11 @@ def why_unavailable() -> str:
 class _Value:
     """A var as the kernels see it. ``kind``: "token" (one row per token of
     the packed layout: step inputs and hoisted values), "row" (one row per
-    sequence in sorted order: memories, statics, per-step values), "const"
-    (flat, no batch axis) or "literal"."""
+    sequence in sorted order: memories, statics, per-step values), "mrow"
+    (one row per row of the ragged static input: its data packed in sorted
+    sequence order, sequence b's rows ``mstart[b]`` to ``mstart[b + 1]``, so
+    the active sequences' rows are a prefix), "const" (flat, no batch axis)
+    or "literal"."""
 
     def __init__(self, kind, name, shape, dtype, offset=0):
         self.kind, self.name, self.shape, self.dtype = kind, name, shape, dtype
@@ -111,9 +116,13 @@ class _Kernels:
         eqn = program.eqn
         self.body = body = eqn.attrs["body"]
         for v in ir.rnn_parts(eqn)[1]:
-            if v.lod_depth:
-                raise UnsupportedError(f"cuda backend: static input {v.name} is a LoDTensor; "
-                                       "dense static inputs only")
+            if v.lod_depth > 1:
+                raise UnsupportedError(f"cuda backend: static input {v.name} is a LoDTensor of "
+                                       f"{v.lod_depth} levels; one level at most")
+        # ragged static inputs (one LoD for all of them, checked per call)
+        self.ragged = [i for i, v in enumerate(body.static_inputs) if v.lod_depth]
+        self.ragged_memories = eqn.attrs.get("ragged_memories", {})
+        self.space = "row"  # the rows the stage being generated runs over ("row" or "mrow")
         self.values = {}  # id(var) -> _Value
         self.nested = []  # (nested rnn eqn, its own compiled program), run before the loop
         self.host_eqns = []  # constant-only equations, computed with NumPy per call
@@ -128,9 +137,12 @@ class _Kernels:
             kind = "ragged" if var.lod_depth else "token"
             self.values[id(var)] = _Value(kind, f"seq{i}", tuple(var.shape[1:]), var.dtype)
         for i, var in enumerate(body.static_inputs):
-            self.values[id(var)] = _Value("row", f"static{i}", tuple(var.shape[1:]), var.dtype)
+            kind = "mrow" if var.lod_depth else "row"
+            self.values[id(var)] = _Value(kind, f"static{i}", tuple(var.shape[1:]), var.dtype)
         for i, mem in enumerate(body.memories):
-            self.values[id(mem.pre)] = _Value("row", f"mem{i}", tuple(mem.pre.shape[1:]), mem.pre.dtype)
+            kind = "mrow" if i in self.ragged_memories else "row"
+            self.values[id(mem.pre)] = _Value(kind, f"mem{i}", tuple(mem.pre.shape[1:]),
+                                              mem.pre.dtype)
         self.schedule = sched = schedule.schedule(program)
         self.joined = []  # (name, weights): a merged GEMM's weights, joined by columns per call
         self.stored = {id(v) for v in sched.materialized}  # per-step values written to buffers
@@ -149,6 +161,8 @@ class _Kernels:
                                                                    if v.kind != "const"] + [1])
 
     def _allocate(self, stage, kind):
+        if kind == "row" and stage.outputs[0].lod_depth:
+            kind = "mrow"
         """Buffers for a stage's results: one row per token ("token", hoisted)
         or per sequence ("row"). A merged GEMM's results are column blocks of
         one buffer; a fused run's intermediates that nobody reads outside it
@@ -162,7 +176,7 @@ class _Kernels:
             self.buffers.append((name, kind, offset, np.dtype(stage.outputs[0].dtype)))
             return
         for o in stage.outputs:
-            if kind == "row" and stage.kind == "elementwise" and id(o) not in self.stored:
+            if kind in ("row", "mrow") and stage.kind == "elementwise" and id(o) not in self.stored:
                 continue  # stays in a register
             name = f"v{len(self.values)}"
             self.values[id(o)] = _Value(kind, name, tuple(o.shape[1:]), o.dtype)
@@ -219,11 +233,20 @@ class _Kernels:
         index = _broadcast_index(out_shape, info.shape)
         return self._read(info, index), None
 
-    @staticmethod
-    def _read(info, index):
+    def _read(self, info, index):
+        """Code reading ``info`` at flat feature ``index`` of this thread's row:
+        ``i`` is a sequence (``space`` "row") or a memory row whose sequence
+        is ``row_of[i]`` ("mrow")."""
         if info.kind == "const":
             return f"{info.name}[{index}]"
-        row = "off + i" if info.kind == "token" else "i"
+        sequence = "row_of[i]" if self.space == "mrow" else "i"
+        if info.kind == "mrow":
+            if self.space != "mrow":
+                raise UnsupportedError(f"cuda backend: {info.name} is ragged; read it with a "
+                                       "segment op (seq_sum, seq_max)")
+            row = "i"
+        else:
+            row = f"off + {sequence}" if info.kind == "token" else sequence
         if info.offset:
             index = f"{info.offset} + {index}"
         return f"{info.name}[{row}, {index}]"
@@ -232,7 +255,12 @@ class _Kernels:
 
     def _stage_lines(self, stage):
         """(element count per row, body lines computing element ``e`` = (row
-        ``i``, flat feature ``j``)) of one stage."""
+        ``i``, flat feature ``j``), the rows: "row" or "mrow") of one stage."""
+        self.space = "mrow" if stage.outputs[0].lod_depth else "row"
+        width, lines = self._stage_code(stage)
+        return width, lines, self.space
+
+    def _stage_code(self, stage):
         first = stage.eqns[0]
         if stage.kind == "gemm":
             return self._gemm(stage)
@@ -299,7 +327,13 @@ class _Kernels:
         shapes = [v.shape for v in e.inputs]
         record = registry.get(e.op)
         dst, zero = self._read(out, "j"), f"{_dtype_name(out.dtype)}(0.0)"
-        if record.reduction is not None:
+        if record.segment is not None:  # over sequence i's rows of its ragged operand
+            combine, initial = record.segment
+            x = self.values[id(e.inputs[0])]
+            lines = [f"acc = {_dtype_name(out.dtype)}(float('{float(initial)!r}'))",
+                     "for r in range(mstart[i], mstart[i + 1]):",
+                     f"    acc = {combine.format(acc='acc', x=f'{x.name}[r, j]')}", f"{dst} = acc"]
+        elif record.reduction is not None:
             extent, sources = record.reduction(index, shapes, **e.attrs)
             term = " * ".join(self._read_at(e, k, source) for k, source in enumerate(sources))
             lines = [f"acc = {zero}", f"for k in range({extent}):", f"    acc += {term}",
@@ -342,27 +376,34 @@ class _Kernels:
         memory's new value is another's old one."""
         body, eqn = self.body, self.program.eqn
         stages = []
+        self.space = "row"
         for k, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+            if not all_steps and eqn.attrs["output_memory"][k] in self.ragged_memories:
+                continue  # the memory's buffer is the output
             info = self.values[id(out)]
-            if info.kind in ("const", "ragged"):
+            if info.kind in ("const", "ragged") or (info.kind == "mrow" and not all_steps):
                 raise UnsupportedError(f"cuda backend: output {out.name} is a constant or a ragged "
                                        "value; it runs on numba and interpreter")
-            row = "off + i" if all_steps else "i"
-            stages.append((info.width, [f"out{k}[{row}, j] = {self._read(info, 'j')}"]))
+            self.space = "mrow" if info.kind == "mrow" else "row"
+            row = "i" if not all_steps else ("moff + i" if info.kind == "mrow" else "off + i")
+            stages.append((info.width, [f"out{k}[{row}, j] = {self._read(info, 'j')}"], self.space))
+            self.space = "row"
         pres = {id(m.pre) for m in body.memories}
         snap = []
         for i, mem in enumerate(body.memories):
             info = self.values[id(mem.post)]
             if id(mem.post) in pres:
-                snap.append((info.width, [f"snap{i}[i, j] = {self._read(info, 'j')}"]))
+                snap.append((info.width, [f"snap{i}[i, j] = {self._read(info, 'j')}"], "row"))
         stages += snap
         for i, mem in enumerate(body.memories):
             info = self.values.get(id(mem.post))
             if info is None or info.kind == "literal":
                 raise UnsupportedError(f"cuda backend: memory {mem.name} is updated with a literal")
+            self.space = "mrow" if i in self.ragged_memories else "row"
             read = f"snap{i}[i, j]" if id(mem.post) in pres else (
                 f"{info.name}[j]" if info.kind == "const" else self._read(info, "j"))
-            stages.append((info.width, [f"mem{i}[i, j] = {read}"]))
+            stages.append((info.width, [f"mem{i}[i, j] = {read}"], self.space))
+        self.space = "row"
         self.snapshots = [i for i, m in enumerate(self.body.memories) if id(m.post) in pres]
         return stages
 
@@ -379,25 +420,30 @@ class _Kernels:
         names += [f"nest{n}_{j}" for n, (e, _) in enumerate(self.nested) for j in range(len(e.outputs))]
         names += sorted({v.name for v in self.values.values() if v.kind == "const"})
         names += [name for name, _ in self.joined]
+        if self.ragged:
+            names += ["mstart", "row_of"]
         return names
 
     def source(self):
         args = ", ".join(self.arg_names())
         lines = list(self.lines)
         for group, stages in (("hoisted", self.hoisted), ("step", self.stepped + self.finish)):
-            for k, (width, body) in enumerate(stages):
+            for k, (width, body, space) in enumerate(stages):
                 name = f"{group}{k}"
-                self.kernel_names.append((group, name, width))
-                lines += ["@cuda.jit", f"def {name}(nb, off, {args}):",
-                          "    e = cuda.grid(1)", f"    if e < nb * {width}:",
+                self.kernel_names.append((group, name, width, space))
+                rows = "mstart[nb]" if space == "mrow" else "nb"
+                lines += ["@cuda.jit", f"def {name}(nb, off, moff, {args}):",
+                          "    e = cuda.grid(1)", f"    if e < {rows} * {width}:",
                           f"        i = e // {width}", f"        j = e % {width}"]
                 lines += ["        " + s for s in body] + [""]
-        lines += ["@cuda.jit", f"def persistent(steps, nbs, offs, {args}):",
+        lines += ["@cuda.jit", f"def persistent(steps, nbs, offs, moffs, {args}):",
                   "    grid = cuda.cg.this_grid()",
                   "    tid = cuda.grid(1)", "    nt = cuda.gridsize(1)",
-                  "    for t in range(steps):", "        nb = nbs[t]", "        off = offs[t]"]
-        for width, body in self.stepped + self.finish:
-            lines += [f"        for e in range(tid, nb * {width}, nt):",
+                  "    for t in range(steps):", "        nb = nbs[t]", "        off = offs[t]",
+                  "        moff = moffs[t]"]
+        for width, body, space in self.stepped + self.finish:
+            rows = "mstart[nb]" if space == "mrow" else "nb"
+            lines += [f"        for e in range(tid, {rows} * {width}, nt):",
                       f"            i = e // {width}", f"            j = e % {width}"]
             lines += ["            " + s for s in body]
             lines.append("        grid.sync()")
@@ -479,8 +525,9 @@ class _Run:
     def __init__(self, program, kernels, namespace):
         self.program, self.k, self.ns = program, kernels, namespace
         # (kernel, width) of the stages before the loop and of those of each step
-        self.hoisted = [(namespace[n], w) for g, n, w in kernels.kernel_names if g == "hoisted"]
-        self.stepped = [(namespace[n], w) for g, n, w in kernels.kernel_names if g == "step"]
+        self.hoisted = [(namespace[n], w) for g, n, w, _ in kernels.kernel_names if g == "hoisted"]
+        self.stepped = [(namespace[n], w, space) for g, n, w, space in kernels.kernel_names
+                        if g == "step"]
 
     def __call__(self, args, consts, scopes=None):
         if scopes is not None:
@@ -506,8 +553,12 @@ class _Run:
                 return v.value
             return by_var[id(v)] if id(v) in by_var else const_env[id(v)]
 
+        ragged_args = [by_var[id(statics[i])] for i in k.ragged]
         if steps == 0:  # no step to run: empty all-steps outputs, initial states
-            return _no_steps(eqn, body, initial, seq_args, num_seq)
+            return _no_steps(eqn, body, initial, seq_args, num_seq, ragged_args)
+        ragged = _RaggedRows(ragged_args, [statics[i].name for i in k.ragged], order) \
+            if k.ragged else None
+        moffs = ragged.step_offsets(nbs) if ragged else np.zeros(steps + 1, np.int64)
         # packed row r (step t, sorted position b) holds token starts[order[b]] + position
         starts = np.asarray(seq_args[0].levels[0][:-1])[order]
         gather = np.empty(total, np.int64)
@@ -530,10 +581,22 @@ class _Run:
                 rows = np.asarray(value, o.dtype).reshape(len(value), -1)
                 device[f"nest{n}_{j}"] = _device(rows[gather])
         for i, v in enumerate(statics):
+            if i in k.ragged:
+                data = np.asarray(by_var[id(v)].data)
+                device[f"static{i}"] = _device(data[ragged.pack].reshape(ragged.rows, -1))
+                continue
             s = np.asarray(by_var[id(v)])
             device[f"static{i}"] = _device(s[order].reshape(num_seq, -1))
+        if ragged is not None:
+            device["mstart"], device["row_of"] = _device(ragged.mstart), _device(ragged.row_of)
         mem_init = []
         for i, (mem, v) in enumerate(zip(body.memories, inits)):
+            if i in k.ragged_memories:
+                width = k.values[id(mem.pre)].width
+                device[f"mem{i}"] = _device(np.full((max(ragged.rows, 1), width), initial(v),
+                                                    mem.pre.dtype))
+                mem_init.append(None)
+                continue
             full = np.broadcast_to(np.asarray(initial(v), mem.pre.dtype),
                                    (num_seq,) + tuple(mem.pre.shape[1:]))
             mem_init.append(full)
@@ -543,14 +606,18 @@ class _Run:
                                                    body.memories[i].pre.dtype)
         for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
             width = k.values[id(out)].width
+            if not all_steps and eqn.attrs["output_memory"][kk] in k.ragged_memories:
+                device[f"out{kk}"] = cuda.device_array((1, 1), out.dtype)  # the memory's buffer is it
+                continue
             if all_steps:
-                device[f"out{kk}"] = cuda.device_array((max(total, 1), width), out.dtype)
+                rows = int(moffs[-1]) if out.lod_depth else total
+                device[f"out{kk}"] = cuda.device_array((max(rows, 1), width), out.dtype)
             else:
                 mi = eqn.attrs["output_memory"][kk]
                 start = mem_init[mi][order] if mi >= 0 else np.zeros((num_seq,) + out.shape[1:], out.dtype)
                 device[f"out{kk}"] = _device(np.asarray(start, out.dtype).reshape(num_seq, -1))
         for name, kind, width, dtype in k.buffers:
-            rows = total if kind == "token" else num_seq
+            rows = {"token": total, "mrow": ragged.rows if ragged else 0}.get(kind, num_seq)
             device[name] = cuda.device_array((max(rows, 1), width), dtype)
         for e in k.host_eqns:
             vals = [const_env[id(v)] if isinstance(v, ir.Var) else v.value for v in e.inputs]
@@ -564,19 +631,32 @@ class _Run:
         arglist = [device[n] for n in k.arg_names()]
         ns = self.ns
         for kernel, width in self.hoisted:
-            _launch(kernel, total * width, total, 0, *arglist)
+            _launch(kernel, total * width, total, 0, 0, *arglist)
         if steps and num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
             blocks = _persistent_blocks(num_seq * k.widest)
-            ns["persistent"][blocks, THREADS](steps, _device(nbs), _device(offs), *arglist)
+            ns["persistent"][blocks, THREADS](steps, _device(nbs), _device(offs), _device(moffs),
+                                              *arglist)
         else:
             for t in range(steps):
-                nb, off = int(nbs[t]), int(offs[t])
-                for kernel, width in self.stepped:
-                    _launch(kernel, nb * width, nb, off, *arglist)
+                nb, off, moff = int(nbs[t]), int(offs[t]), int(moffs[t])
+                for kernel, width, space in self.stepped:
+                    rows = ragged.mstart[nb] if space == "mrow" else nb
+                    _launch(kernel, rows * width, nb, off, moff, *arglist)
         results = []
         for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+            mi = eqn.attrs["output_memory"][kk]
+            if not all_steps and mi in k.ragged_memories:  # back to the static input's layout
+                like = by_var[id(statics[k.ragged_memories[mi]])]
+                data = np.empty(np.shape(like.data), out.dtype)
+                data[ragged.pack] = device[f"mem{mi}"].copy_to_host()[:ragged.rows].reshape(
+                    (ragged.rows,) + tuple(out.shape[1:]))
+                results.append(LoDTensor(data, like.levels))
+                continue
             host = device[f"out{kk}"].copy_to_host()
-            if all_steps:
+            if all_steps and out.lod_depth:  # (sequence, step, that sequence's rows)
+                results.append(ragged.all_steps(host, out, nbs, sorted_lengths, order,
+                                                seq_args[0].levels[0], eqn.attrs["reverse"]))
+            elif all_steps:
                 data = np.empty((total,) + tuple(out.shape[1:]), out.dtype)
                 data[gather] = host[:total].reshape((total,) + tuple(out.shape[1:]))
                 results.append(LoDTensor(data, [seq_args[0].levels[0]]))
@@ -587,11 +667,65 @@ class _Run:
         return results
 
 
-def _no_steps(eqn, body, initial, seq_args, num_seq):
+class _RaggedRows:
+    """The rows of the ragged static inputs (one LoD for all), packed in
+    sorted sequence order: sequence b's rows are ``mstart[b]`` to
+    ``mstart[b + 1]``, row r belongs to ``row_of[r]``; ``pack`` maps packed
+    rows to the inputs' own rows."""
+
+    def __init__(self, statics, names, order):
+        offsets = np.asarray(statics[0].levels[0])
+        counts = np.diff(offsets)
+        for value, name in zip(statics[1:], names[1:]):
+            if not np.array_equal(np.diff(np.asarray(value.levels[0])), counts):
+                raise LoDError(f"cuda backend: the ragged static inputs {names[0]} and {name} have "
+                               "different lengths (one LoD for all of them on this backend)")
+        ordered = counts[order]
+        self.mstart = np.concatenate([[0], np.cumsum(ordered)]).astype(np.int64)
+        self.row_of = np.repeat(np.arange(len(order)), ordered).astype(np.int64)
+        parts = [np.arange(offsets[s], offsets[s + 1]) for s in order]
+        self.pack = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        self.rows = int(self.mstart[-1])
+        self.counts = counts  # rows per sequence, the caller's order
+        if self.rows == 0:  # kernels read these arrays: never empty
+            self.row_of = np.zeros(1, np.int64)
+
+    def step_offsets(self, nbs):
+        """Where each step's rows start in a ragged all-steps output (one more
+        entry: the total)."""
+        return np.concatenate([[0], np.cumsum(self.mstart[nbs])]).astype(np.int64)
+
+    def all_steps(self, host, out, nbs, sorted_lengths, order, level, reverse):
+        """A ragged all-steps output written step by step (each step its
+        active sequences' rows in packed order) as a LoDTensor of levels
+        (sequence, step, rows)."""
+        lengths = np.diff(np.asarray(level))
+        entry_rows = np.repeat(self.counts, lengths)  # rows of each step of each sequence
+        inner = np.concatenate([[0], np.cumsum(entry_rows)]).astype(np.int64)
+        per_step = self.mstart[nbs]
+        t = np.repeat(np.arange(len(nbs)), per_step)
+        r = np.concatenate([np.arange(n) for n in per_step]) if len(per_step) else t
+        b = self.row_of[r]
+        position = sorted_lengths[b] - 1 - t if reverse else t
+        dest = inner[np.asarray(level)[:-1][order[b]] + position] + r - self.mstart[b]
+        data = np.empty((int(inner[-1]),) + tuple(out.shape[1:]), out.dtype)
+        data[dest] = host[:len(dest)].reshape((len(dest),) + tuple(out.shape[1:]))
+        return LoDTensor(data, [np.asarray(level), inner])
+
+
+def _no_steps(eqn, body, initial, seq_args, num_seq, ragged_args):
     inits = ir.rnn_parts(eqn)[2]
+    ragged_memories = eqn.attrs.get("ragged_memories", {})
+    statics = [i for i, v in enumerate(body.static_inputs) if v.lod_depth]
     results = []
     for k, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
         shape = tuple(out.shape[1:])
+        mi = eqn.attrs["output_memory"][k]
+        if not all_steps and mi in ragged_memories:
+            like = ragged_args[statics.index(ragged_memories[mi])]
+            results.append(LoDTensor(np.full(np.shape(like.data), initial(inits[mi]), out.dtype),
+                                     like.levels))
+            continue
         if all_steps:
             results.append(LoDTensor(np.zeros((0,) + shape, out.dtype), [seq_args[0].levels[0]]))
             continue
