@@ -181,3 +181,15 @@ def test_first_result_benchmark_prints_every_setting():
     assert [r[2].strip() for r in rows] == ["tiered", "compiled", "warm"]
     for r in rows:
         assert float(r[4]) > 0 and float(r[7]) > 0  # first forward s, a kernel call ms
+
+
+@pytest.mark.slow
+def test_attention_benchmark_runs_both_models_to_the_same_loss():
+    """benchmarks/attention.py --quick: stepnet and PyTorch train the same
+    seq2seq on the same batches; the first losses agree (it exits 1 if not)."""
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--quick"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| stepnet |" in proc.stdout and "| torch |" in proc.stdout
+    assert "Padding in PyTorch's work" in proc.stdout
