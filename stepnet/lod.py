@@ -274,6 +274,17 @@ class LoDTensor:
         self._data = data
         self._levels = tuple(_frozen(offsets) for offsets in levels)
 
+    @classmethod
+    def _trusted(cls, data, levels):
+        """A LoDTensor from parts already known to fit (stepnet's own slices
+        and results of valid tensors): no checks; levels that are read-only
+        int64 arrays are shared, not copied."""
+        t = cls.__new__(cls)
+        t._data = data
+        t._levels = tuple(o if isinstance(o, np.ndarray) and o.dtype == np.int64
+                          and not o.flags.writeable else _frozen(o) for o in levels)
+        return t
+
     # -- construction ------------------------------------------------------
 
     @classmethod

@@ -1246,6 +1246,11 @@ class NumbaProgram:
         self.same_lod = layout.same_lod
         self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
+        body = program.eqn.attrs["body"]
+        # the widest value a step computes: the work per token, for splitting
+        self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
+                               for v in (*body.step_inputs, *(o for e in body.eqns for o in e.outputs))
+                               if v.batched] + [1])
         if os.environ.get("STEPNET_DEBUG"):
             print(self.source, file=sys.stderr)
         self.key = _kernel_key(self.source)
@@ -1298,9 +1303,10 @@ class NumbaProgram:
 
     def splits(self, rows, width, num_sequences):
         """Whether a run of ``num_sequences`` top-level sequences over ``rows``
-        data rows of ``width`` elements runs on more than one thread."""
+        data rows of ``width`` elements runs on more than one thread (the work
+        per row: the widest of that and of the values a step computes)."""
         return threads.count() >= 2 and num_sequences >= 2 and \
-            rows * width >= _SPLIT_MIN_WORK
+            rows * max(width, self.work_width) >= _SPLIT_MIN_WORK
 
     def run_prepared(self, const_args, args):
         """The outputs for ``args`` (one value per top-level input), with
@@ -1361,7 +1367,7 @@ class NumbaProgram:
     def _groups(self, args):
         """Contiguous ranges of top-level sequences, one per thread, balanced
         by data rows; one range when the run is too small to split."""
-        seq = next(v for (kind, *_), v in zip(self.top_inputs, args) if kind == "sequence")
+        seq = args[self.first_sequence]
         n = seq.num_sequences
         rows = seq.data.shape[0]
         width = int(np.prod(seq.data.shape[1:], dtype=np.int64)) or 1
@@ -1386,7 +1392,7 @@ class NumbaProgram:
             offsets = np.asarray(offsets)
             levels.append(offsets[lo:hi + 1] - offsets[lo])
             lo, hi = int(offsets[lo]), int(offsets[hi])
-        return LoDTensor(value.data[lo:hi], levels)
+        return LoDTensor._trusted(value.data[lo:hi], levels)
 
     def _call_args(self, args):
         """program()'s arguments for the top-level inputs ``args``."""
@@ -1409,9 +1415,9 @@ class NumbaProgram:
         arrays behind ragged last-step outputs, taken in order)."""
         kind = spec[0]
         if kind in ("dense_all", "ragged_all", "segment_memory"):
-            return LoDTensor(arr, [self._level(name, args) for name in spec[2]])
+            return LoDTensor._trusted(arr, [self._level(name, args) for name in spec[2]])
         if kind == "segment_all":  # its second level comes from the kernel
-            return LoDTensor(arr, [self._level(spec[2][0], args), extra.pop(0)])
+            return LoDTensor._trusted(arr, [self._level(spec[2][0], args), extra.pop(0)])
         if kind == "last":
             return arr
         return self._ragged_last(arr, spec, args, extra.pop(0))
