@@ -196,3 +196,16 @@ def test_special_values_behave_as_on_the_interpreter():
         for actual, want in zip(rnn(backend=backend), expected):
             np.testing.assert_allclose(_data(actual), _data(want), rtol=1e-6,  # NaN, inf: equal
                                        err_msg=backend)
+
+
+def test_the_example_of_docs_attention_md_runs():
+    """docs/attention.md's first example, as written (numba by default)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "attention.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    scope = {}
+    exec(compile(code, "docs/attention.md", "exec"), scope)  # noqa: S102
+    assert scope["dW"].shape == (12, 16) and scope["dM"].shape == (9, 8)
+    assert scope["Y"].lod == [[0, 2, 5]]
