@@ -1305,8 +1305,8 @@ class NumbaProgram:
         """Whether a run of ``num_sequences`` top-level sequences over ``rows``
         data rows of ``width`` elements runs on more than one thread (the work
         per row: the widest of that and of the values a step computes)."""
-        return threads.count() >= 2 and num_sequences >= 2 and \
-            rows * max(width, self.work_width) >= _SPLIT_MIN_WORK
+        return num_sequences >= 2 and rows * max(width, self.work_width) >= _SPLIT_MIN_WORK \
+            and threads.count() >= 2  # (asking Numba for its threads costs microseconds)
 
     def run_prepared(self, const_args, args):
         """The outputs for ``args`` (one value per top-level input), with

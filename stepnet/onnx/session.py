@@ -706,8 +706,10 @@ class InferenceSession:
         if not _mentions_float16(model.graph):
             _no_widening(self.graph)
         self._inputs = [a for a in self.graph.input_args if a.name not in self.graph.initializers]
-        # (name, dtype, declared shape) per tensor input
-        self._checks = [(a.name, self.graph.input_dtypes[a.name], a.shape)
+        # (name, dtype, declared shape, its fixed axes [(axis, size)]) per tensor input
+        self._checks = [(a.name, self.graph.input_dtypes[a.name], a.shape,
+                         None if a.shape is None else
+                         [(k, d) for k, d in enumerate(a.shape) if isinstance(d, int) and d > 0])
                         for a in self.graph.input_args if a.type.startswith("tensor(")]
         self._plan_memo()
 
@@ -785,17 +787,17 @@ class InferenceSession:
                 raise StepNetError(f"InferenceSession.run: {name!r} is not an input of the model "
                                    f"(inputs: {[a.name for a in self._inputs]})")
             env[name] = value
-        for name, dtype, shape in self._checks:
-            if name not in env:
+        for name, dtype, shape, fixed in self._checks:
+            value = env.get(name)
+            if value is None:
                 continue
-            value = env[name]
-            if not isinstance(value, np.ndarray):
+            if type(value) is not np.ndarray:
                 value = env[name] = np.asarray(value)
             if dtype is not None and value.dtype != dtype and value.dtype != object:
                 raise ShapeError(f"InferenceSession.run: input {name!r} has dtype {value.dtype}, "
                                  f"the model declares {_type_string_of(dtype)}")
-            if shape is not None and (value.ndim != len(shape) or any(
-                    isinstance(d, int) and d > 0 and d != v for d, v in zip(shape, value.shape))):
+            if shape is not None and (value.ndim != len(shape) or not all(
+                    value.shape[k] == d for k, d in fixed)):
                 raise ShapeError(f"InferenceSession.run: input {name!r} has shape "
                                  f"{list(value.shape)}, the model declares {shape}")
         missing = [a.name for a in self._inputs if a.name not in env]
