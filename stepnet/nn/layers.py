@@ -528,7 +528,7 @@ class _RecurrentLayer:
                 return ys[0].data + ys[1].data
             return np.concatenate([ys[0].data, ys[1].data], axis=1)
 
-        Y = self.stack(X, run_one, lambda ys: LoDTensor(combined(ys), X.levels))
+        Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels))
         return Y.data, states
 
     def stack(self, X, run, combine):
@@ -598,9 +598,9 @@ class _RecurrentLayer:
 
     def _give_back(self, data, back, flat):
         data = data.astype(back[2], copy=False)
-        if back[0] == "lod":
-            return LoDTensor(data, back[1])
-        return LoDTensor(data, flat.levels).to_padded(steps=back[1])[0]
+        if back[0] == "lod":  # the input's own (checked) levels
+            return LoDTensor._trusted(data, back[1])
+        return LoDTensor._trusted(data, flat.levels).to_padded(steps=back[1])[0]
 
     def _forward(self, X, attention, initial, backend, keep_workspace=False):
         flat, back = self._check_input(X)
