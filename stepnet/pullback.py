@@ -15,6 +15,7 @@ import numpy as np
 
 from . import ir, registry
 from .autodiff import (
+    Outer,
     Rows,
     _EagerEmitter,
     _is_float,
@@ -33,19 +34,36 @@ from .tracing import Parameter
 def reduce_terms(layout, outputs, inputs) -> dict:
     """Sum the per-row terms: ``{id(const var): gradient}``. A term's index is
     an output of the backward rnn; a Var is one of its inputs (``inputs``:
-    id(var) -> value)."""
-    grads = {}
+    id(var) -> value). The rows of a ``Rows`` term are summed once however many
+    constants share them, and beside the product of an ``Outer`` term over
+    the same rows (a bias next to its weight) when there is one."""
+    grads, sums = {}, {}
+
+    def key(ref):
+        return ("var", id(ref)) if isinstance(ref, Var) else ref
 
     def rows(ref):
         return (inputs[id(ref)] if isinstance(ref, Var) else outputs[ref]).data
 
+    def add(var, g):
+        grads[id(var)] = grads[id(var)] + g if id(var) in grads else g
+
+    summed = {key(term.value) for _, term in layout.contribs if isinstance(term, Rows)}
+    for var, term in layout.contribs:
+        if isinstance(term, Outer):
+            g_rows, g_key = rows(term.g), key(term.g)
+            if g_key in summed and g_key not in sums and g_rows.ndim == 2:
+                product, sums[g_key] = transposed_product(rows(term.a), g_rows, column_sums=True)
+            else:
+                product = transposed_product(rows(term.a), g_rows)
+            add(var, product)
     for var, term in layout.contribs:
         if isinstance(term, Rows):
-            r = rows(term.value)
-            g = r.reshape(r.shape[0], int(np.prod(r.shape[1:]))).sum(0).reshape(var.shape)
-        else:
-            g = transposed_product(rows(term.a), rows(term.g))
-        grads[id(var)] = grads[id(var)] + g if id(var) in grads else g
+            k = key(term.value)
+            if k not in sums:
+                r = rows(term.value)
+                sums[k] = r.reshape(r.shape[0], int(np.prod(r.shape[1:]))).sum(0)
+            add(var, sums[k].reshape(var.shape).copy())
     return grads
 
 

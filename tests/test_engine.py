@@ -180,5 +180,13 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
             got = blas.transposed_product(wide[:, 3:16], b)
             want = wide[:, 3:16].astype(np.float64).T @ b.astype(np.float64)
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
+            # with the column sums of b (a bias's gradient), over several blocks of rows
+            monkeypatch.setattr(blas, "_SUM_BLOCK", 3)
+            got, sums = blas.transposed_product(a, b, column_sums=True)
+            np.testing.assert_allclose(got, a.astype(np.float64).T @ b.astype(np.float64),
+                                       rtol=tol, atol=tol * max(1, rows) ** 0.5)
+            assert sums.dtype == dtype and sums.shape == (21,)
+            np.testing.assert_allclose(sums, b.astype(np.float64).sum(0), rtol=tol,
+                                       atol=tol * max(1, rows) ** 0.5)
     finally:
         numba.set_num_threads(previous)

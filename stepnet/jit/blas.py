@@ -303,33 +303,64 @@ if DETERMINISTIC:
 
 # a.T @ b over at least this many multiply-adds is split over threads
 _SPLIT_TN_WORK = 1 << 22
+# rows of b summed right after the product that read them, while they are in cache
+_SUM_BLOCK = 1024
 
 
-def transposed_product(a, b):
+@njit(cache=True, nogil=True)
+def _gemm_tn_column_sums(a, b, out, sums, block):
+    """out = a.T @ b and sums = b.sum(0), ``block`` rows at a time: each
+    block's column sums read it right after its product did."""
+    k, m = a.shape
+    n = b.shape[1]
+    sums[:] = 0
+    out[:] = 0
+    for start in range(0, k, block):
+        stop = min(start + block, k)
+        if m > 0 and n > 0:
+            _row_major_gemm(_A_T, m, n, stop - start, a[start:stop], m, b[start:stop], out, 1.0)
+        for i in range(start, stop):
+            for j in range(n):
+                sums[j] += b[i, j]
+
+
+def transposed_product(a, b, column_sums=False):
     """``a.T @ b`` (weight gradients: a long reduction over every token) on
     stepnet's threads, each reducing its share of the rows on the chosen BLAS;
     under ``STEPNET_DETERMINISTIC=1`` every element a sequential sum
-    (``small_gemm``)."""
-    if not (a.dtype == b.dtype and a.dtype in (np.float32, np.float64) and a.ndim == b.ndim == 2):
-        return a.T @ b
-    if DETERMINISTIC:
-        out = np.empty((a.shape[1], b.shape[1]), a.dtype)
-        small_gemm(np.ascontiguousarray(a.T), np.ascontiguousarray(b.T), out)
-        return out
+    (``small_gemm``). With ``column_sums``, ``(a.T @ b, b.sum(0))``: the sums
+    (a bias's gradient beside its weight's) read each block of ``b`` while the
+    product has it in cache."""
+    on_blas = a.dtype == b.dtype and a.dtype in (np.float32, np.float64) and a.ndim == b.ndim == 2
+    if DETERMINISTIC or not on_blas:
+        if on_blas:
+            product = np.empty((a.shape[1], b.shape[1]), a.dtype)
+            small_gemm(np.ascontiguousarray(a.T), np.ascontiguousarray(b.T), product)
+        else:
+            product = a.T @ b
+        return (product, b.sum(0)) if column_sums else product
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     rows, m, n = a.shape[0], a.shape[1], b.shape[1]
     if rows == 0:
-        return np.zeros((m, n), a.dtype)
+        product = np.zeros((m, n), a.dtype)
+        return (product, np.zeros(n, b.dtype)) if column_sums else product
     parts = max(1, min(threads.count(), rows * m * n // _SPLIT_TN_WORK))
     cuts = [rows * i // parts for i in range(parts + 1)]
 
     def part(i):
         out = np.empty((m, n), a.dtype)
+        if column_sums:
+            sums = np.empty(n, b.dtype)
+            _gemm_tn_column_sums(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]], out, sums,
+                                 _SUM_BLOCK)
+            return out, sums
         gemm_tn(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]], out)
-        return out
+        return out, None
 
     results = threads.run_each(part, range(parts))
-    total = results[0]
-    for r in results[1:]:
-        total += r
-    return total
+    product, sums = results[0]
+    for r, s in results[1:]:
+        product += r
+        if column_sums:
+            sums += s
+    return (product, sums) if column_sums else product

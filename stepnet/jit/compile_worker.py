@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def compile_kernel(request) -> None:
-    from stepnet.jit import blas
+    from stepnet.jit import blas, numba_cpu  # noqa: F401  (numba_cpu sets LLVM's vectorizer limits)
 
     if blas.BLAS_NAME != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this process uses {blas.BLAS_NAME}, the kernel {request['blas']}")

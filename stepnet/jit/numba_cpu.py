@@ -24,9 +24,18 @@ cached in memory and on disk (``STEPNET_CACHE_DIR``) by a hash of the source,
 which encodes the graph and its dtypes but no sizes.
 
 - **Tiers.** A kernel that no process has compiled on this machine answers
-  its first calls on the NumPy interpreter while a background thread compiles
-  it (:class:`TieredProgram`); ``STEPNET_TIERED=0`` makes the first call wait
-  for the kernel instead.
+  its first calls on the NumPy interpreter while a compile-worker process
+  compiles it (:class:`TieredProgram`); ``STEPNET_TIERED=0`` makes the first
+  call wait for the kernel instead.
+- **Vectorizer limits.** A fused step loop (above all a backward one) loads
+  from and stores to many arrays, and LLVM's loop vectorizer leaves a loop
+  scalar when proving them apart at run time takes more checks than its
+  limits (8, and 128 for loops it is told to vectorize). Importing this
+  module raises both to ``LLVM_VECTORIZER_OPTIONS`` for the process, every
+  Numba function compiled after it included (Numba has no per-function
+  setting); the checks only choose between a vector and a scalar loop doing
+  the same arithmetic. The options are part of the generated source, so
+  kernels cached without them are compiled anew.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import textwrap
 import threading
 from dataclasses import dataclass, field
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 
@@ -54,6 +64,11 @@ from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
 from . import blas, numba_runtime, threads
 from .cache import cache_dir, helpers_fingerprint
+
+LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
+                           "-vectorize-memory-check-threshold=512")
+for _option in LLVM_VECTORIZER_OPTIONS:
+    llvm_binding.set_option("stepnet", _option)
 
 # ----------------------------------------------------------------------------
 # code generation
@@ -146,6 +161,8 @@ class _Function:
     written: set = field(default_factory=set)  # Vars a fused loop wrote there
     segments: dict = field(default_factory=dict)  # ragged Var -> its static's (see _segment)
     in_place: set = field(default_factory=set)  # new values of memories written over the old
+    placed: dict = field(default_factory=dict)  # Var -> its column block of a step concat's buffer
+    unbuffered: set = field(default_factory=set)  # all-steps outputs stored to the outputs alone
 
 
 @dataclass
@@ -188,6 +205,7 @@ def generate_source(program: ir.Program):
         "import numpy as np",
         "from numba import njit",
         f"# BLAS: {blas.BLAS_NAME}" + (" (deterministic)" if blas.DETERMINISTIC else ""),
+        f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
         "from stepnet.jit.blas import gemm, gemm_acc, gemm_packed, pack",
         "from stepnet.jit.numba_runtime import (",
         *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
@@ -916,10 +934,19 @@ def _step_body(fctx, sched, last_params):
         fctx.fn.direct.setdefault(mem.post, []).append(fctx.values[mem.pre])
     epilogues = _reduction_epilogues(sched)
     folded = {r for rs in epilogues.values() for r in rs}
+    fctx.fn.unbuffered.update(_unbuffered(sched, last_params))
+    concats = _concats_in_place(sched, fctx.fn.in_place)
+    for stage in concats:
+        out = stage.outputs[0]
+        buffer, offset = _new_array(sctx, out), 0
+        for part in stage.eqns[0].inputs:
+            fctx.fn.placed[part] = _Info("local", buffer.ident, part, offset=offset,
+                                         width=out.shape[-1])
+            offset += part.shape[-1]
     for stage in sched.step:
         if stage in epilogues:
             _emit_fused(sctx, stage.eqns, [r.eqns[0] for r in epilogues[stage]])
-        elif stage not in folded:
+        elif stage not in folded and stage not in concats:
             _render_stage(sctx, sched, stage)
     step += _write_outputs(fctx, eqn, last_params)
     step += _update_memories(fctx, sched)
@@ -948,6 +975,48 @@ def _updated_in_place(sched):
                 and sum(m.post is mem.post for m in body.memories) == 1):
             out.append(mem)
     return out
+
+
+def _unbuffered(sched, last_params):
+    """The all-steps outputs computed by a fused run that no other stage of a
+    step reads but fused runs (which read them back at the entry's row): the
+    run stores them to the outputs alone, with no per-step buffer (every
+    store stream more is a run-time alias check more, and too many keep LLVM
+    from vectorizing the loop)."""
+    body = sched.body
+    if any(s.kind == "rnn" for s in sched.step):  # a nested body may read any value
+        return set()
+    run_of = {v: s for s in sched.step for v in s.outputs}
+    read_elsewhere = {v for s in sched.step if s.kind != "elementwise" for e in s.eqns
+                      for v in _read_operands(e) if run_of.get(v) is not s}
+    read_elsewhere.update(m.post for m in body.memories)
+    read_elsewhere.update(res for res, p in zip(body.outputs, last_params) if p is not None)
+    return {res for res, p in zip(body.outputs, last_params)
+            if p is None and not res.lod_depth and res not in read_elsewhere
+            and res in run_of and run_of[res].kind == "elementwise"}
+
+
+def _concats_in_place(sched, in_place):
+    """The step's concats along the last axis of values ``[B, n]`` computed
+    by fused runs: each run stores its part straight into the part's column
+    block of the concat's buffer, and the concat copies nothing."""
+    run_of = {v: s for s in sched.step for v in s.outputs}
+    posts = {m.post for m in sched.body.memories}
+    found, placed = [], set()
+    for stage in sched.step:
+        e = stage.eqns[0]
+        if stage.kind != "shape" or e.op != "concat":
+            continue
+        out, parts = e.outputs[0], e.inputs
+        if (len(out.shape) != 2 or out.shape[0] is not None or out.lod_depth
+                or e.attrs["axis"] not in (1, -1) or len(set(parts)) != len(parts)):
+            continue
+        if all(isinstance(v, ir.Var) and not v.lod_depth and v not in posts and v not in in_place
+               and v not in placed and run_of.get(v) is not None
+               and run_of[v].kind == "elementwise" for v in parts):
+            found.append(stage)
+            placed.update(parts)
+    return found
 
 
 def _reduction_epilogues(sched):
@@ -1101,9 +1170,11 @@ def _emit_fused(ctx, group, epilogues=()):
         else:
             inner += _fold(ctx, e, names[e.inputs[0]], idx)
     folded = {e.inputs[0] for e in epilogues}
+    skipped = folded | ctx.fn.in_place | ctx.fn.unbuffered
     for out, name in scalars:
-        if out in ctx.fn.materialized and out not in folded and out not in ctx.fn.in_place:
-            info = _new_array(ctx, out)
+        if out in ctx.fn.materialized and out not in skipped:
+            info = ctx.fn.placed[out] if out in ctx.fn.placed else _new_array(ctx, out)
+            ctx.values[out] = info
             inner.append(f"{_ref(info, idx, 'step', shape)} = {name}")
     for out, name in scalars:
         if out in ctx.fn.written:
@@ -1111,6 +1182,8 @@ def _emit_fused(ctx, group, epilogues=()):
         for target in ctx.fn.direct.get(out, ()):
             inner.append(f"{_ref(target, idx, 'step', shape)} = {name}")
             ctx.fn.written.add(out)
+        if out in ctx.fn.unbuffered:  # read from where it was stored, should anything ask
+            ctx.values[out] = ctx.fn.direct[out][0]
     if before or after:
         inner = before + [loops[-1]] + ["    " + line for line in inner] + after
         loops = loops[:-1]
