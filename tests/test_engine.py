@@ -156,6 +156,35 @@ def test_importing_stepnet_leaves_numbas_threading_alone(tmp_path):
     assert out.strip() == "True"
 
 
+@pytest.mark.parametrize("env, tuned", [
+    ({}, True),
+    ({"STEPNET_MALLOC_TUNING": "0"}, False),
+    ({"MALLOC_ARENA_MAX": "2"}, False),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, False),
+])
+def test_the_numba_backend_keeps_freed_memory_unless_told_not_to(monkeypatch, env, tuned):
+    """glibc's mmap and trim thresholds are set (the next call reuses freed
+    pages), except under STEPNET_MALLOC_TUNING=0 or the user's own malloc
+    settings."""
+    if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        pytest.skip("not glibc")
+    calls = []
+
+    class Libc:
+        @staticmethod
+        def mallopt(option, value):
+            calls.append((option, value))
+            return 1
+
+    for k in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(numba_cpu.ctypes, "CDLL", lambda name: Libc)
+    numba_cpu._keep_freed_memory()
+    assert calls == (list(numba_cpu.GLIBC_MALLOC_OPTIONS.items()) if tuned else [])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rows", [0, 1, 7, 5000])
 def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, rows):

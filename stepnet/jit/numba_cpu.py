@@ -36,12 +36,21 @@ which encodes the graph and its dtypes but no sizes.
   setting); the checks only choose between a vector and a scalar loop doing
   the same arithmetic. The options are part of the generated source, so
   kernels cached without them are compiled anew.
+- **Freed memory kept.** glibc's malloc gives blocks of 128 KiB and more
+  back to the system when they are freed (a bound it moves as it goes), so
+  a loop of calls that drops its arrays and allocates them again (a training
+  loop: outputs, workspace, per-token cotangents) faults in and zeroes every
+  page at every call. Importing this module sets glibc's mmap threshold to
+  32 MiB and its trim threshold to 256 MiB (``GLIBC_MALLOC_OPTIONS``) for the
+  process, unless ``STEPNET_MALLOC_TUNING=0`` or the user set glibc's own
+  ``MALLOC_*`` or ``GLIBC_TUNABLES`` variables.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import ctypes
 import dataclasses
 import hashlib
 import importlib.util
@@ -69,6 +78,27 @@ LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
                            "-vectorize-memory-check-threshold=512")
 for _option in LLVM_VECTORIZER_OPTIONS:
     llvm_binding.set_option("stepnet", _option)
+
+# mallopt's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD
+GLIBC_MALLOC_OPTIONS = {-3: 32 << 20, -1: 256 << 20}
+
+
+def _keep_freed_memory():
+    """glibc's malloc keeps freed blocks for the next call (see above)."""
+    if os.environ.get("STEPNET_MALLOC_TUNING", "1") == "0" or "GLIBC_TUNABLES" in os.environ \
+            or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, ValueError):
+        return
+    for option, value in GLIBC_MALLOC_OPTIONS.items():
+        mallopt(option, value)
+
+
+_keep_freed_memory()
 
 # ----------------------------------------------------------------------------
 # code generation
