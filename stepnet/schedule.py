@@ -34,8 +34,11 @@ set for every backend:
    builds its backward steps with :func:`fusion_order`). A run of consecutive
    elementwise ops with one output shape is one ``elementwise`` stage (its
    intermediates stay in registers); a merged GEMM's later members do not
-   break a run (they were computed with the first). Every other op is a
-   stage; a nested rnn is an ``rnn`` stage, called once per step.
+   break a run (they were computed with the first). An elementwise run that
+   no stage reads before the next elementwise run of its shape joins that
+   run (a gate's bias added before the step's product: one loop, its value
+   never stored). Every other op is a stage; a nested rnn is an ``rnn``
+   stage, called once per step.
 6. **materialized**: the per-step values stored in a buffer: every result of
    a non-elementwise stage, and the results of an elementwise stage that are
    read outside it, are outputs of the body, or are a memory's new value.
@@ -324,6 +327,32 @@ def _stages(eqns, is_const, fuse) -> tuple:
             stages[-1] = Stage("elementwise", last.eqns + (e,))
         else:
             stages.append(Stage(kind, (e,)))
+    return _joined_runs(stages) if fuse else tuple(stages)
+
+
+def _joined_runs(stages) -> tuple:
+    """Rule 5's last part: each elementwise run that no stage reads before
+    the next elementwise run of its shape moves into that run."""
+    stages, k = list(stages), 0
+    while k < len(stages):
+        run = stages[k]
+        if run.kind == "elementwise":
+            outs = set(run.outputs)
+            for j in range(k + 1, len(stages)):
+                later = stages[j]
+                if (later.kind == "elementwise"
+                        and later.eqns[0].outputs[0].shape == run.eqns[0].outputs[0].shape
+                        and later.eqns[0].outputs[0].lod_depth == run.eqns[0].outputs[0].lod_depth):
+                    stages[j] = Stage("elementwise", run.eqns + later.eqns)
+                    del stages[k]
+                    break
+                if any(v in outs for e in later.eqns for v in _free_vars(e)):
+                    k += 1
+                    break
+            else:
+                k += 1
+        else:
+            k += 1
     return tuple(stages)
 
 

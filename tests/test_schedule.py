@@ -110,7 +110,23 @@ def test_gru_cell_prints_one_merged_gemm_hoisted_and_one_per_step(rng):
     assert "swaps: h<->" in text
     [merged] = [s for s in result.step if s.merged]
     assert merged.left is result.body.memories[0].pre
-    assert [s.kind for s in result.step] == ["elementwise", "gemm", "elementwise"]
+    # the bias added to x @ W before the step's product joins the gates' run:
+    # one loop per step
+    assert [s.kind for s in result.step] == ["gemm", "elementwise"]
+
+
+def test_an_elementwise_run_joins_the_next_only_when_nothing_between_reads_it(rng):
+    """``r * h`` feeds the second product of a classic GRU (linear_before_reset
+    off): it stays a run of its own before that product; the layer's biases,
+    summed once per call, join the run after the product."""
+    layer = sn.nn.GRU(5, 7)
+    result = schedule(_program(layer.step_net(0, 0), True))
+    check(result)
+    kinds = [s.kind for s in result.step]
+    assert kinds == ["gemm", "elementwise", "gemm", "elementwise"]
+    second = result.step[2]
+    assert second.left in result.step[1].outputs
+    assert any(s.kind == "elementwise" and s.eqns[0].op == "add" for s in result.const)
 
 
 def test_elementwise_ops_are_hoisted_only_for_a_hoisted_gemm(rng):
@@ -127,7 +143,23 @@ def test_elementwise_ops_are_hoisted_only_for_a_hoisted_gemm(rng):
     result = schedule(_program(rnn))
     check(result)
     assert [s.kind for s in result.hoisted] == ["elementwise", "elementwise", "gemm"]
-    assert [s.kind for s in result.step] == ["elementwise", "gemm", "elementwise"]
+    # the bias added to x @ W before the step's product joins the gates' run:
+    # one loop per step
+    assert [s.kind for s in result.step] == ["gemm", "elementwise"]
+
+
+def test_an_elementwise_run_joins_the_next_only_when_nothing_between_reads_it(rng):
+    """``r * h`` feeds the second product of a classic GRU (linear_before_reset
+    off): it stays a run of its own before that product; the layer's biases,
+    summed once per call, join the run after the product."""
+    layer = sn.nn.GRU(5, 7)
+    result = schedule(_program(layer.step_net(0, 0), True))
+    check(result)
+    kinds = [s.kind for s in result.step]
+    assert kinds == ["gemm", "elementwise", "gemm", "elementwise"]
+    second = result.step[2]
+    assert second.left in result.step[1].outputs
+    assert any(s.kind == "elementwise" and s.eqns[0].op == "add" for s in result.const)
 
 
 def test_ops_on_constants_and_static_inputs(rng):
@@ -180,13 +212,13 @@ def test_check_fails_on_stages_out_of_dependency_order(gru):
 
 
 def test_check_fails_on_a_merged_gemm_without_a_shared_left_operand(gru):
-    hoisted, step = gru.hoisted[0], gru.step[1]
-    bad = Stage("gemm", step.eqns + hoisted.eqns)
+    gemm, run = gru.step  # the per-step product, then the gates' run
+    bad = Stage("gemm", gemm.eqns + gru.hoisted[0].eqns)
     with pytest.raises(StepNetError, match="left operand"):
-        check(_replace(gru, hoisted=(), step=(bad, gru.step[0]) + gru.step[2:]))
-    not_gemm = Stage("gemm", gru.step[0].eqns)
+        check(_replace(gru, hoisted=(), step=(bad, run)))
+    not_gemm = Stage("gemm", run.eqns)
     with pytest.raises(StepNetError, match="not a product by a constant"):
-        check(_replace(gru, step=(not_gemm,) + gru.step[1:]))
+        check(_replace(gru, step=(gemm, not_gemm)))
 
 
 def test_check_fails_on_a_value_read_outside_its_stage_not_materialized(gru):
@@ -198,14 +230,13 @@ def test_check_fails_on_a_value_read_outside_its_stage_not_materialized(gru):
 
 
 def test_check_fails_on_a_bad_swap_or_stage(gru):
-    merged = gru.step[1]
+    merged, run = gru.step
     mem = gru.body.memories[0]
     fake = ir.Memory("h", mem.pre, merged.eqns[0].outputs[0])
     with pytest.raises(StepNetError, match="swapped memory"):
         check(_replace(gru, swaps=(fake,)))
     with pytest.raises(StepNetError, match="elementwise stage holds"):
-        check(_replace(gru, step=(Stage("elementwise", gru.step[0].eqns + merged.eqns),)
-                       + gru.step[2:]))
+        check(_replace(gru, step=(Stage("elementwise", merged.eqns + run.eqns),)))
     assert isinstance(_replace(gru), Schedule)
 
 

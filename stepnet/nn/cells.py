@@ -49,9 +49,10 @@ def _clipped(v, clip):
 
 
 def _gate_input(x, hp, p, g, peephole=None):
-    """``x @ W[g] + Wb[g] + Rb[g] + h_prev @ R[g] (+ peephole)``, the input
-    part first so that it is hoisted out of the time loop as a whole."""
-    v = x @ p["W"][g] + p["Wb"][g] + p["Rb"][g] + hp @ p["R"][g]
+    """``x @ W[g] + (Wb[g] + Rb[g]) + h_prev @ R[g] (+ peephole)``: the two
+    biases summed once per call (a value of constants alone), so a step adds
+    one bias as a cell written by hand does."""
+    v = x @ p["W"][g] + ops.add(p["Wb"][g], p["Rb"][g]) + hp @ p["R"][g]
     return v if peephole is None else v + peephole
 
 
