@@ -64,6 +64,7 @@ class RecurrentNode:
         self.layer = None
         self.weights = None  # the arrays self.layer was built from
         self.compiled = {}  # (direction, backend) -> its step-net compiled
+        self._full_offsets = {}  # (batch, length) -> the offsets of full sequences
 
     def _layer(self, W, R, B, P):
         ctx = self.ctx
@@ -129,7 +130,12 @@ class RecurrentNode:
             raise ctx.unsupported(f"X has dtype {X.dtype}, not floating point")
         if lengths is None:
             data = X.reshape(Bsz * T, X.shape[2])
-            offsets = np.arange(0, (Bsz + 1) * T, T, dtype=np.int64)
+            offsets = self._full_offsets.get((Bsz, T))
+            if offsets is None:  # one read-only array per batch and length, made once
+                if len(self._full_offsets) > 64:
+                    self._full_offsets.clear()
+                offsets = self._full_offsets[Bsz, T] = _read_only(
+                    np.arange(0, (Bsz + 1) * T, T, dtype=np.int64))
         else:
             mask = np.arange(T) < lengths[:, None]
             data = X[mask]
@@ -285,6 +291,8 @@ class _Direction:
 
 
 def _read_only(array):
+    if not array.flags.writeable and array.flags.c_contiguous:
+        return array
     view = np.ascontiguousarray(array).view()
     view.flags.writeable = False
     return view
