@@ -796,10 +796,13 @@ class InferenceSession:
             if dtype is not None and value.dtype != dtype and value.dtype != object:
                 raise ShapeError(f"InferenceSession.run: input {name!r} has dtype {value.dtype}, "
                                  f"the model declares {_type_string_of(dtype)}")
-            if shape is not None and (value.ndim != len(shape) or not all(
-                    value.shape[k] == d for k, d in fixed)):
-                raise ShapeError(f"InferenceSession.run: input {name!r} has shape "
-                                 f"{list(value.shape)}, the model declares {shape}")
+            if shape is not None:
+                ok = value.ndim == len(shape)
+                for k, d in fixed:
+                    ok = ok and value.shape[k] == d
+                if not ok:
+                    raise ShapeError(f"InferenceSession.run: input {name!r} has shape "
+                                     f"{list(value.shape)}, the model declares {shape}")
         missing = [a.name for a in self._inputs if a.name not in env]
         if missing:
             raise StepNetError(f"InferenceSession.run: no value fed for input(s) {missing}")
