@@ -319,41 +319,41 @@ def _stages(eqns, is_const, fuse) -> tuple:
             group = group_of[e]
             if group[0] is e:
                 stages.append(Stage("gemm", group))
-            continue  # a later member: computed with the first, the run goes on
-        last = stages[-1] if stages else None
-        if (fuse and kind == "elementwise" and last is not None and last.kind == "elementwise"
-                and last.eqns[0].outputs[0].shape == e.outputs[0].shape
-                and last.eqns[0].outputs[0].lod_depth == e.outputs[0].lod_depth):
-            stages[-1] = Stage("elementwise", last.eqns + (e,))
-        else:
-            stages.append(Stage(kind, (e,)))
+            continue  # a later member: computed with the first
+        stages.append(Stage(kind, (e,)))
     return _joined_runs(stages) if fuse else tuple(stages)
 
 
 def _joined_runs(stages) -> tuple:
-    """Rule 5's last part: each elementwise run that no stage reads before
-    the next elementwise run of its shape moves into that run."""
+    """Rule 5's runs: each elementwise stage that no stage reads before the
+    next elementwise stage of its shape moves into that one (consecutive
+    ones first of all)."""
     stages, k = list(stages), 0
     while k < len(stages):
-        run = stages[k]
-        if run.kind == "elementwise":
-            outs = set(run.outputs)
-            for j in range(k + 1, len(stages)):
-                later = stages[j]
-                if (later.kind == "elementwise"
-                        and later.eqns[0].outputs[0].shape == run.eqns[0].outputs[0].shape
-                        and later.eqns[0].outputs[0].lod_depth == run.eqns[0].outputs[0].lod_depth):
-                    stages[j] = Stage("elementwise", run.eqns + later.eqns)
-                    del stages[k]
-                    break
-                if any(v in outs for e in later.eqns for v in _free_vars(e)):
-                    k += 1
-                    break
-            else:
-                k += 1
-        else:
+        j = _run_to_join(stages, k)
+        if j is None:
             k += 1
+        else:
+            stages[j] = Stage("elementwise", stages[k].eqns + stages[j].eqns)
+            del stages[k]
     return tuple(stages)
+
+
+def _run_to_join(stages, k):
+    """The index of the elementwise stage that stage ``k`` joins, or None."""
+    run = stages[k]
+    if run.kind != "elementwise":
+        return None
+    shape = (run.eqns[0].outputs[0].shape, run.eqns[0].outputs[0].lod_depth)
+    outs = set(run.outputs)
+    for j in range(k + 1, len(stages)):
+        later = stages[j]
+        if later.kind == "elementwise" and shape == (later.eqns[0].outputs[0].shape,
+                                                     later.eqns[0].outputs[0].lod_depth):
+            return j
+        if any(v in outs for e in later.eqns for v in _free_vars(e)):
+            return None
+    return None
 
 
 def _materialized(body, step_stages) -> tuple:

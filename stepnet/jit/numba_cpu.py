@@ -965,7 +965,7 @@ def _step_body(fctx, sched, last_params):
     epilogues = _reduction_epilogues(sched)
     folded = {r for rs in epilogues.values() for r in rs}
     fctx.fn.unbuffered.update(_unbuffered(sched, last_params))
-    concats = _concats_in_place(sched, fctx.fn.in_place)
+    concats = _concats_in_place(sched)
     for stage in concats:
         out = stage.outputs[0]
         buffer, offset = _new_array(sctx, out), 0
@@ -1026,10 +1026,11 @@ def _unbuffered(sched, last_params):
             and res in run_of and run_of[res].kind == "elementwise"}
 
 
-def _concats_in_place(sched, in_place):
+def _concats_in_place(sched):
     """The step's concats along the last axis of values ``[B, n]`` computed
-    by fused runs: each run stores its part straight into the part's column
-    block of the concat's buffer, and the concat copies nothing."""
+    by fused runs (no memory's new value among them): each run stores its
+    part straight into the part's column block of the concat's buffer, and
+    the concat copies nothing."""
     run_of = {v: s for s in sched.step for v in s.outputs}
     posts = {m.post for m in sched.body.memories}
     found, placed = [], set()
@@ -1041,7 +1042,7 @@ def _concats_in_place(sched, in_place):
         if (len(out.shape) != 2 or out.shape[0] is not None or out.lod_depth
                 or e.attrs["axis"] not in (1, -1) or len(set(parts)) != len(parts)):
             continue
-        if all(isinstance(v, ir.Var) and not v.lod_depth and v not in posts and v not in in_place
+        if all(isinstance(v, ir.Var) and not v.lod_depth and v not in posts
                and v not in placed and run_of.get(v) is not None
                and run_of[v].kind == "elementwise" for v in parts):
             found.append(stage)
