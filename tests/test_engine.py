@@ -141,6 +141,70 @@ def test_stepnet_blas_names_the_library(tmp_path):
     assert out.strip() == "numpy"
 
 
+def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch):
+    """For each size of weights, stepnet's own loop is taken up to the rows
+    where, over all rows measured, the time (each relative to the faster of
+    the two) is least; the limits are kept and read back."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
+    choice = {"name": "mkl", "cpu": "a CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
+    asked = []
+
+    def time_both(m, k, n):  # the own loop is faster up to 4 rows, 16 for the smallest weights
+        asked.append((m, k, n))
+        return (1.0, 2.0) if m <= (16 if k * n < 20000 else 4) else (2.0, 1.0)
+
+    limits = blas_choice.small_product_rows(choice, time_both)
+    sizes = [k * n for k, n in blas_choice._STEP_WEIGHTS]
+    assert limits == tuple((size, 16 if size < 20000 else 4) for size in sizes)
+    assert len(asked) == len(blas_choice._STEP_WEIGHTS) * len(blas_choice._STEP_ROWS)
+    saved = json.loads((tmp_path / "small_products.json").read_text())
+    assert [tuple(x) for x in saved["limits"]] == list(limits)
+    assert blas_choice.small_product_rows(choice, None) == limits  # cached: nothing timed
+    # another library is measured anew; a library faster everywhere gets 0 rows
+    other = dict(choice, name="openblas", libraries={"openblas": "scipy"})
+    assert {r for _, r in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} == {0}
+    monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
+    assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3),)
+    monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
+    with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
+        blas_choice.small_product_rows(choice, None)
+
+
+def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():
+    from stepnet.jit import blas
+
+    sizes, rows = (100, 1000, 4000), (8, 2, 1)
+    assert [blas.rows_for(sizes, rows, size) for size in (1, 100, 101, 1000, 4000, 10**7)] == \
+        [8, 8, 2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
+    """Row blocks of 4 and the rows after them, column blocks of 32/64 and the
+    columns after them, an empty reduction; NaN and inf reach only their row."""
+    from stepnet.jit import blas
+
+    for m, k, n in [(0, 5, 7), (1, 0, 9), (1, 3, 64), (2, 17, 130), (4, 8, 32), (5, 33, 95),
+                    (9, 64, 200), (12, 1, 1)]:
+        a = rng.standard_normal((m, k)).astype(dtype)
+        b = rng.standard_normal((k, n)).astype(dtype)
+        out = np.full((m, n), 7, dtype)
+        blas.small_gemm(a, b, out)
+        np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    a = rng.standard_normal((6, 8)).astype(dtype)
+    b = rng.standard_normal((8, 70)).astype(dtype)
+    a[1, 3], a[4, 0] = np.nan, np.inf
+    out = np.empty((6, 70), dtype)
+    blas.small_gemm(a, b, out)
+    with np.errstate(invalid="ignore"):
+        expected = a @ b
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(expected))
+    fine = np.isfinite(expected)
+    np.testing.assert_allclose(out[fine], expected[fine], rtol=1e-5, atol=1e-5)
+
+
 def test_stepnet_info_prints_the_choice(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
                           text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path)),

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,18 +26,30 @@ def test_gru_matches_interpreter(rng, dtype, reverse):
     assert_backends_agree(rnn, output_all_steps=False, backends=["numba"])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_large_batch_takes_the_blas_path_then_the_small_one(rng, dtype):
-    # 64 rows x 128 x 384 is above blas.SMALL_GEMM_WORK, so the first steps run
-    # BLAS (MKL's packed GEMM when present) and the last ones, with a few
-    # sequences left, run small_gemm. The kernels are serial.
-    from stepnet.jit import blas
-
-    lengths = [4] * 8 + [2] * 56
-    assert 64 * 128 * 384 > blas.SMALL_GEMM_WORK >= 8 * 128 * 384
-    X = lod(rng, lengths, 16, dtype)
-    rnn = gru_net(X, rng, hidden=128, dtype=dtype)
-    assert_backends_agree(rnn, backends=["numba"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_large_batch_takes_the_blas_path_then_the_small_one(dtype):
+    # with stepnet's own loop up to 8 rows, the first steps (64 rows) run the
+    # library's product (MKL's packed GEMM when it is the choice) and the last
+    # ones, with 8 sequences left, stepnet's own loop
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np
+        from stepnet.jit import blas
+        sys.path.insert(0, "tests")
+        from conftest import assert_backends_agree
+        from nets import gru_net, lod
+        assert blas.SMALL_PRODUCT_ROWS == ((1 << 62, 8),)
+        rng = np.random.default_rng(0)
+        X = lod(rng, [4] * 8 + [2] * 56, 16, np.{dtype})
+        assert_backends_agree(gru_net(X, rng, hidden=128, dtype=np.{dtype}), backends=["numba"])
+        print("agree")
+        """
+    )
+    env = dict(os.environ, STEPNET_SMALL_PRODUCTS="8")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0 and out.stdout.split() == ["agree"], out.stderr[-3000:]
 
 
 def test_generated_source_merges_matmuls_and_hoists(rng):
@@ -218,7 +231,8 @@ def test_output_all_steps_per_output(rng):
 @pytest.mark.parametrize("choice", ["openblas", "mkl", "numpy"])
 def test_each_blas_choice_gives_the_interpreters_results(tmp_path, choice):
     # STEPNET_BLAS picks the GEMMs (blas.py); "mkl" falls back to "numpy"
-    # where the mkl wheel is missing. The product crosses SMALL_GEMM_WORK.
+    # where the mkl wheel is missing. The product crosses the small-product
+    # limit: 16 rows run the library's product, the last 8 rows stepnet's loop.
     script = textwrap.dedent(
         """
         import sys
@@ -232,7 +246,8 @@ def test_each_blas_choice_gives_the_interpreters_results(tmp_path, choice):
         print(blas.BLAS_NAME, np.abs(Y.data - Yi.data).max(), np.abs(h - hi).max())
         """
     )
-    env = dict(os.environ, STEPNET_BLAS=choice, STEPNET_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, STEPNET_BLAS=choice, STEPNET_CACHE_DIR=str(tmp_path),
+               STEPNET_SMALL_PRODUCTS="8")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out[0] in ({choice} if choice != "mkl" else {"mkl", "numpy"})

@@ -16,30 +16,35 @@ single-threaded GEMMs, so no step waits on a barrier and no two thread pools
 compete; ``transposed_product`` (weight gradients) splits its reduction over
 the same threads.
 
-Small products (a shrinking batch near the end of its sequences, a batch of
-one) spend more time in OpenBLAS's dispatch than in arithmetic: there, at or
-below ``SMALL_GEMM_WORK`` multiply-adds, a step runs ``small_gemm``, a Numba
-loop over the transposed weights (row dot products, four rows at a time).
-MKL's packed product has no such dispatch and runs every per-step product.
+Small products (a batch of one, the last few sequences of a batch) spend
+more time in a library's dispatch, packing or generic kernels than in
+arithmetic: there a step runs ``small_gemm``, stepnet's own loop (a block
+of ``out`` summed in registers, the weights read in place, once per 4 rows).
+Up to how many rows, for weights of each size, is measured once per machine
+and library (``SMALL_PRODUCT_ROWS``; :func:`stepnet.jit.blas_choice.
+small_product_rows`; ``STEPNET_SMALL_PRODUCTS`` overrides): on the AMD EPYC
+of the README MKL's packed product takes a generic kernel for one row, and
+stepnet's loop is faster up to dozens of rows while the weights fit in L2.
 
-``BLAS_NAME`` says which one is in use; it is part of the generated source,
-so kernels cached on disk never mix them.
+``BLAS_NAME`` says which one is in use; it and ``SMALL_PRODUCT_ROWS`` are part
+of the generated source, so kernels cached on disk never mix them.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir as llvm_ir
-from numba import njit
+from numba import carray, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import threads
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
-from .blas_choice import choose, find_mkl, find_openblas
+from .blas_choice import choose, find_mkl, find_openblas, small_product_rows
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _N, _T = 78, 84  # ord("N"), ord("T"): Fortran BLAS's "no transpose", "transpose"
@@ -93,39 +98,90 @@ def _extern(symbol, argspec, returns_size=False, returns_int=False):
 # so each row's result is a fixed sequential sum, whatever the other rows of the
 # batch (a distributed run equals a single-process one bit for bit). Slower.
 DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", "0")
-SMALL_GEMM_WORK = (1 << 62) if DETERMINISTIC else 2_000_000  # m*k*n at or below: small_gemm
-_SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"reassoc", "contract", "nsz", "arcp"}
+# stepnet's own loop multiplies-adds in order, vectorized across columns: no
+# reassociation is needed, only FMAs (none under STEPNET_DETERMINISTIC)
+_SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
+# small_gemm's block of accumulators: 4 rows x 32 columns, or 1 row x 64
+_ACCUMULATORS = 128
 
 
-@njit(cache=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def small_gemm(a, bt, out):
-    """out[:m] = a[:m] @ bt.T, ``bt`` the C-contiguous transposed weights."""
+@intrinsic
+def _stack_buffer(typingctx, size, dtype):
+    """A pointer to ``size`` (a literal) elements of ``dtype`` on the stack:
+    LLVM keeps such a block in registers across a loop that reads and writes
+    only constant offsets of it."""
+    if not isinstance(size, types.IntegerLiteral) or not isinstance(dtype, types.DType):
+        return None
+    count, element = size.literal_value, dtype.dtype
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, context.get_value_type(element), size=count)
+
+    return types.CPointer(element)(size, dtype), codegen
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def small_gemm(a, b, out):
+    """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous) as stepnet's own loop:
+    a block of 4 rows x 32 columns (1 row x 64 for the last rows) of ``out``
+    is summed in registers over k, each weight row loaded once per block and
+    every sum taken in order of k. It needs no packing and no dispatch: where
+    a product is small (a batch of one, the last sequences of a batch) it
+    beats the libraries' (``SMALL_PRODUCT_ROWS``, measured)."""
     m = a.shape[0]
-    n, k = bt.shape
+    k, n = b.shape
     zero = out.dtype.type(0)
+    acc = carray(_stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
     i = 0
     while i + 4 <= m:
-        for j in range(n):
-            s0 = s1 = s2 = s3 = zero
-            for kk in range(k):
-                w = bt[j, kk]
-                s0 += a[i, kk] * w
-                s1 += a[i + 1, kk] * w
-                s2 += a[i + 2, kk] * w
-                s3 += a[i + 3, kk] * w
-            out[i, j] = s0
-            out[i + 1, j] = s1
-            out[i + 2, j] = s2
-            out[i + 3, j] = s3
+        j0 = 0  # (a while loop: LLVM then sees j0 >= 0, and loads rows, not gathers)
+        while j0 < n:
+            width = min(32, n - j0)
+            for jj in range(128):
+                acc[jj] = zero
+            if width == 32:
+                for kk in range(k):
+                    x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
+                    for jj in range(32):
+                        w = b[kk, j0 + jj]
+                        acc[jj] += x0 * w
+                        acc[32 + jj] += x1 * w
+                        acc[64 + jj] += x2 * w
+                        acc[96 + jj] += x3 * w
+            else:
+                for kk in range(k):
+                    x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
+                    for jj in range(width):
+                        w = b[kk, j0 + jj]
+                        acc[jj] += x0 * w
+                        acc[32 + jj] += x1 * w
+                        acc[64 + jj] += x2 * w
+                        acc[96 + jj] += x3 * w
+            for r in range(4):
+                for jj in range(width):
+                    out[i + r, j0 + jj] = acc[32 * r + jj]
+            j0 += 32
         i += 4
     while i < m:
-        for j in range(n):
-            s = zero
-            for kk in range(k):
-                s += a[i, kk] * bt[j, kk]
-            out[i, j] = s
+        j0 = 0
+        while j0 < n:
+            width = min(64, n - j0)
+            for jj in range(64):
+                acc[jj] = zero
+            if width == 64:
+                for kk in range(k):
+                    x = a[i, kk]
+                    for jj in range(64):
+                        acc[jj] += x * b[kk, j0 + jj]
+            else:
+                for kk in range(k):
+                    x = a[i, kk]
+                    for jj in range(width):
+                        acc[jj] += x * b[kk, j0 + jj]
+            for jj in range(width):
+                out[i, j0 + jj] = acc[jj]
+            j0 += 64
         i += 1
-
 
 
 _choice = choose()
@@ -157,9 +213,8 @@ if BLAS_NAME == "mkl":
 
     @njit(cache=True)
     def pack(b, max_rows):
-        """Weights ``b`` [k, n] prepared for ``gemm_packed``: MKL's packed form
-        (and an empty stand-in for the transposed copy the other libraries'
-        ``small_gemm`` reads)."""
+        """Weights ``b`` [k, n] prepared for ``gemm_packed``: MKL's packed form,
+        and ``b`` itself for ``small_gemm``."""
         k, n = b.shape
         shape = (_B_MATRIX, max(max_rows, 1), n, k)
         size = _s_pack_size(shape) if b.itemsize == 4 else _d_pack_size(shape)
@@ -170,13 +225,12 @@ if BLAS_NAME == "mkl":
             _s_pack(args)
         else:
             _d_pack(args)
-        return packed, np.empty((0, 0), b.dtype)
+        return packed, b
 
     @njit(cache=True)
-    def gemm_packed(a, prepared, k, n, out):
+    def _library_product(a, prepared, k, n, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: MKL's packed
-        product at every size (it has no dispatch to amortize: it beats
-        ``small_gemm`` even for one row, 1.6-2.5x on the Xeon of the README)."""
+        product."""
         m = a.shape[0]
         if m == 0:
             return
@@ -219,17 +273,12 @@ elif BLAS_NAME == "openblas":
 
     @njit(cache=True)
     def pack(b, max_rows):
-        """The weights themselves (OpenBLAS packs per call) and their
-        transposed copy for ``small_gemm``."""
-        return b, np.ascontiguousarray(b.T)
+        """The weights themselves (OpenBLAS packs per call), for both."""
+        return b, b
 
     @njit(cache=True)
-    def gemm_packed(a, prepared, k, n, out):
-        """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``."""
-        if a.shape[0] * k * n <= SMALL_GEMM_WORK:
-            small_gemm(a, prepared[1], out)
-        else:
-            gemm(a, prepared[0], out)
+    def _library_product(a, prepared, k, n, out):
+        gemm(a, prepared[0], out)
 
 else:
 
@@ -246,15 +295,12 @@ else:
 
     @njit(cache=True)
     def pack(b, max_rows):
-        """The weights themselves and their transposed copy for ``small_gemm``."""
-        return b, np.ascontiguousarray(b.T)
+        """The weights themselves, for both."""
+        return b, b
 
     @njit(cache=True)
-    def gemm_packed(a, prepared, k, n, out):
-        if a.shape[0] * k * n <= SMALL_GEMM_WORK:
-            small_gemm(a, prepared[1], out)
-        else:
-            np.dot(a, prepared[0], out)
+    def _library_product(a, prepared, k, n, out):
+        np.dot(a, prepared[0], out)
 
 
 
@@ -286,19 +332,82 @@ def gemm_tn(a, b, out):
         _row_major_gemm(_A_T, m, n, k, a, m, b, out, 0.0)
 
 
+@njit(cache=True)
+def rows_for(sizes, rows, size):
+    """The small-product rows for weights of ``size`` elements: the entry of
+    the next larger size measured (``sizes`` ascending), or of the largest."""
+    index = len(sizes) - 1
+    for i in range(len(sizes) - 1, -1, -1):
+        if size <= sizes[i]:
+            index = i
+    return rows[index]
+
+
+def _gemm_packed_with(limits):
+    """``gemm_packed`` with the small-product limits as constants (closure
+    variables: part of the key of Numba's disk cache). ``limits``: pairs
+    (weight elements k * n, rows), by size."""
+    sizes = tuple(size for size, _ in limits)
+    rows = tuple(r for _, r in limits)
+
+    @njit(cache=True)
+    def gemm_packed(a, prepared, k, n, out):
+        """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
+        loop up to the rows measured for weights of this size, the library's
+        product above."""
+        if a.shape[0] <= rows_for(sizes, rows, k * n):
+            small_gemm(a, prepared[1], out)
+        else:
+            _library_product(a, prepared, k, n, out)
+
+    return gemm_packed
+
+
+def _time_per_call(call, reps):
+    call()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            call()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def _time_small_and_library(m, k, n):
+    """Seconds per product of ``small_gemm`` and of the library's, one thread."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), np.float32)
+    b = rng.standard_normal((k, n), np.float32)
+    out = np.empty((m, n), np.float32)
+    prepared = pack(b, m)
+    reps = max(4, min(400, 2_000_000 // (m * k * n)))
+    return (_time_per_call(lambda: small_gemm(a, b, out), reps),
+            _time_per_call(lambda: _library_product(a, prepared, k, n, out), reps))
+
+
 if DETERMINISTIC:
+    SMALL_PRODUCT_ROWS = ((1 << 62, 1 << 62),)
+
     @njit
     def gemm(a, b, out):
-        """out[:m] = a[:m] @ b, every row a sequential sum (small_gemm)."""
-        small_gemm(a, np.ascontiguousarray(b.T), out)
+        """out[:m] = a[:m] @ b, every element a sequential sum (small_gemm)."""
+        small_gemm(a, np.ascontiguousarray(b), out)
 
     @njit
     def pack(b, max_rows):
-        return b, np.ascontiguousarray(b.T)
+        return b, b
 
     @njit
     def gemm_packed(a, prepared, k, n, out):
         small_gemm(a, prepared[1], out)
+else:
+    SMALL_PRODUCT_ROWS = small_product_rows(_choice, _time_small_and_library)
+    gemm_packed = _gemm_packed_with(SMALL_PRODUCT_ROWS)
+
+# what a kernel's code depends on here (written into its generated source)
+SIGNATURE = (f"{BLAS_NAME}" + (" (deterministic)" if DETERMINISTIC else "")
+             + f", own loop up to (weights, rows) {SMALL_PRODUCT_ROWS}")
 
 
 # a.T @ b over at least this many multiply-adds is split over threads
@@ -335,7 +444,7 @@ def transposed_product(a, b, column_sums=False):
     if DETERMINISTIC or not on_blas:
         if on_blas:
             product = np.empty((a.shape[1], b.shape[1]), a.dtype)
-            small_gemm(np.ascontiguousarray(a.T), np.ascontiguousarray(b.T), product)
+            small_gemm(np.ascontiguousarray(a.T), np.ascontiguousarray(b), product)
         else:
             product = a.T @ b
         return (product, b.sum(0)) if column_sums else product

@@ -245,6 +245,68 @@ def choose() -> dict:
     return result
 
 
+# the per-step products that set the small-product limits: recurrent weights
+# [k, n] from 48 KiB to 4 MiB (float32; GRUs of 64, 128 and 256 units, an
+# LSTM of 256 and one of 512), batches of 1 to 64 rows
+_STEP_WEIGHTS = ((64, 192), (128, 384), (256, 768), (256, 1024), (512, 2048))
+_STEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
+_SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
+
+
+def small_product_rows(choice, time_both) -> tuple:
+    """Up to how many rows a per-step product runs stepnet's own loop instead
+    of the library's, by the size of its weights: ``((k * n, rows), ...)``
+    by size (a product takes the entry of the next larger size measured, or
+    the largest). ``STEPNET_SMALL_PRODUCTS=rows`` sets one limit for every
+    size; else measured once per machine and library (``time_both(m, k, n)``:
+    the seconds of each, one thread) and kept in
+    ``STEPNET_CACHE_DIR/small_products.json``. For each size the limit is the
+    one with the least total time over the rows measured, each counted
+    relative to the faster of the two (a one-row product weighs as much as a
+    64-row one, and a near tie cannot move the limit far)."""
+    requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
+    if requested:
+        if not requested.isdigit():
+            from ..errors import UnsupportedError
+
+            raise UnsupportedError(f"STEPNET_SMALL_PRODUCTS={requested!r}: expected a number of "
+                                   "rows (an integer >= 0)")
+        limits = ((1 << 62, int(requested)),)
+        _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[])
+        return limits
+    library = choice["libraries"].get(choice["name"], choice["name"])
+    key = hashlib.sha256(f"{choice['cpu']};{choice['name']};{library}".encode()).hexdigest()[:16]
+    path = cache_dir() / "small_products.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            limits = tuple((int(size), int(rows)) for size, rows in saved["limits"])
+            _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
+            return limits
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    points = [(m, k, n, *time_both(m, k, n)) for k, n in _STEP_WEIGHTS for m in _STEP_ROWS]
+    limits = []
+    for k, n in _STEP_WEIGHTS:
+        times = [(m, own, lib) for m, kk, nn, own, lib in points if (kk, nn) == (k, n)]
+
+        def cost(rows, times=times):
+            return sum((own if m <= rows else lib) / min(own, lib) for m, own, lib in times)
+
+        limits.append((k * n, min([0] + [m for m, _, _ in times], key=cost)))
+    limits = tuple(limits)
+    result = {"key": key, "limits": limits, "points": points}
+    _SMALL_PRODUCTS.update(result, reason="measured")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache: measured again next time
+    return limits
+
+
 def _what(name):
     return {"mkl": "MKL (libmkl_rt; pip install mkl)",
             "openblas": "scipy.linalg.cython_blas"}[name]
@@ -260,4 +322,18 @@ def describe() -> str:
         rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
                           for (m, k, n, _, _), s in zip(_SHAPES, secs))
         lines.append(f"  {name}, one thread: {rates}")
+    from . import blas  # measures the small-product limit if it is not known yet
+
+    small = _SMALL_PRODUCTS
+    if blas.DETERMINISTIC:
+        lines.append("small products: every product runs stepnet's own loop "
+                     "(STEPNET_DETERMINISTIC)")
+    else:
+        limits = ", ".join(f"{r} rows up to {size} weights" for size, r in blas.SMALL_PRODUCT_ROWS)
+        lines.append(f"small products: stepnet's own loop up to {limits} ({small.get('reason')})")
+    for k, n in _STEP_WEIGHTS:
+        row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
+        if row:
+            figures = ", ".join(f"{m}: {own * 1e6:.1f}/{lib * 1e6:.1f}" for m, own, lib in row)
+            lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{c['name']}: {figures}")
     return "\n".join(lines)

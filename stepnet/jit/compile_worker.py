@@ -27,8 +27,8 @@ from pathlib import Path
 def compile_kernel(request) -> None:
     from stepnet.jit import blas, numba_cpu  # noqa: F401  (numba_cpu sets LLVM's vectorizer limits)
 
-    if blas.BLAS_NAME != request["blas"]:  # the kernel would call another library
-        raise RuntimeError(f"this process uses {blas.BLAS_NAME}, the kernel {request['blas']}")
+    if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
+        raise RuntimeError(f"this process uses {blas.SIGNATURE}, the kernel {request['blas']}")
     name, path = request["module"], request["path"]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

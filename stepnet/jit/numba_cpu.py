@@ -234,7 +234,7 @@ def generate_source(program: ir.Program):
         "import math",
         "import numpy as np",
         "from numba import njit",
-        f"# BLAS: {blas.BLAS_NAME}" + (" (deterministic)" if blas.DETERMINISTIC else ""),
+        f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
         "from stepnet.jit.blas import gemm, gemm_acc, gemm_packed, pack",
         "from stepnet.jit.numba_runtime import (",
@@ -1630,7 +1630,7 @@ class _CompileWorker:
 
     def submit(self, kernel, signature, callback):
         request = {"key": kernel.key, "module": kernel.module.__name__,
-                   "path": kernel.module.__file__, "blas": blas.BLAS_NAME,
+                   "path": kernel.module.__file__, "blas": blas.SIGNATURE,
                    "signature": base64.b64encode(pickle.dumps(signature)).decode()}
         with self.lock:
             first = kernel.key not in self.pending
