@@ -120,6 +120,30 @@ def _stack_buffer(typingctx, size, dtype):
     return types.CPointer(element)(size, dtype), codegen
 
 
+@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def _sum_four_rows(a, b, acc, i, j0, width):
+    """acc[32 r + jj] += sum over k of a[i + r, k] * b[k, j0 + jj], r < 4,
+    jj < width (inlined into small_gemm: where width is the literal 32 the
+    block stays in registers)."""
+    for kk in range(b.shape[0]):
+        x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
+        for jj in range(width):
+            w = b[kk, j0 + jj]
+            acc[jj] += x0 * w
+            acc[32 + jj] += x1 * w
+            acc[64 + jj] += x2 * w
+            acc[96 + jj] += x3 * w
+
+
+@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def _sum_one_row(a, b, acc, i, j0, width):
+    """acc[jj] += sum over k of a[i, k] * b[k, j0 + jj], jj < width."""
+    for kk in range(b.shape[0]):
+        x = a[i, kk]
+        for jj in range(width):
+            acc[jj] += x * b[kk, j0 + jj]
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def small_gemm(a, b, out):
     """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous) as stepnet's own loop:
@@ -129,7 +153,7 @@ def small_gemm(a, b, out):
     a product is small (a batch of one, the last sequences of a batch) it
     beats the libraries' (``SMALL_PRODUCT_ROWS``, measured)."""
     m = a.shape[0]
-    k, n = b.shape
+    n = b.shape[1]
     zero = out.dtype.type(0)
     acc = carray(_stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
     i = 0
@@ -140,23 +164,9 @@ def small_gemm(a, b, out):
             for jj in range(128):
                 acc[jj] = zero
             if width == 32:
-                for kk in range(k):
-                    x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
-                    for jj in range(32):
-                        w = b[kk, j0 + jj]
-                        acc[jj] += x0 * w
-                        acc[32 + jj] += x1 * w
-                        acc[64 + jj] += x2 * w
-                        acc[96 + jj] += x3 * w
+                _sum_four_rows(a, b, acc, i, j0, 32)
             else:
-                for kk in range(k):
-                    x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
-                    for jj in range(width):
-                        w = b[kk, j0 + jj]
-                        acc[jj] += x0 * w
-                        acc[32 + jj] += x1 * w
-                        acc[64 + jj] += x2 * w
-                        acc[96 + jj] += x3 * w
+                _sum_four_rows(a, b, acc, i, j0, width)
             for r in range(4):
                 for jj in range(width):
                     out[i + r, j0 + jj] = acc[32 * r + jj]
@@ -169,15 +179,9 @@ def small_gemm(a, b, out):
             for jj in range(64):
                 acc[jj] = zero
             if width == 64:
-                for kk in range(k):
-                    x = a[i, kk]
-                    for jj in range(64):
-                        acc[jj] += x * b[kk, j0 + jj]
+                _sum_one_row(a, b, acc, i, j0, 64)
             else:
-                for kk in range(k):
-                    x = a[i, kk]
-                    for jj in range(width):
-                        acc[jj] += x * b[kk, j0 + jj]
+                _sum_one_row(a, b, acc, i, j0, width)
             for jj in range(width):
                 out[i, j0 + jj] = acc[jj]
             j0 += 64
