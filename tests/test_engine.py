@@ -174,8 +174,8 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
 def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():
     from stepnet.jit import blas
 
-    sizes, rows = (100, 1000, 4000), (8, 2, 1)
-    assert [blas.rows_for(sizes, rows, size) for size in (1, 100, 101, 1000, 4000, 10**7)] == \
+    table = np.array([[100, 1000, 4000], [8, 2, 1]], np.int64)
+    assert [blas.rows_for(table, size) for size in (1, 100, 101, 1000, 4000, 10**7)] == \
         [8, 8, 2, 2, 1, 1]
 
 

@@ -21,26 +21,29 @@ more time in a library's dispatch, packing or generic kernels than in
 arithmetic: there a step runs ``small_gemm``, stepnet's own loop (a block
 of ``out`` summed in registers, the weights read in place, once per 4 rows).
 Up to how many rows, for weights of each size, is measured once per machine
-and library (``SMALL_PRODUCT_ROWS``; :func:`stepnet.jit.blas_choice.
-small_product_rows`; ``STEPNET_SMALL_PRODUCTS`` overrides): on the AMD EPYC
+and library, at the first call (``small_rows_table``;
+:func:`stepnet.jit.blas_choice.small_product_rows`; ``STEPNET_SMALL_PRODUCTS``
+overrides): on the AMD EPYC
 of the README MKL's packed product takes a generic kernel for one row, and
 stepnet's loop is faster up to dozens of rows while the weights fit in L2.
 
-``BLAS_NAME`` says which one is in use; it and ``SMALL_PRODUCT_ROWS`` are part
-of the generated source, so kernels cached on disk never mix them.
+``BLAS_NAME`` says which one is in use; it is part of the generated source,
+so kernels cached on disk never mix them. The small-product rows are a
+run-time argument of the kernels.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir as llvm_ir
-from numba import carray, njit
+from numba import carray, cfunc, njit
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import threads
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
@@ -103,6 +106,7 @@ DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", 
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
 # small_gemm's block of accumulators: 4 rows x 32 columns, or 1 row x 64
 _ACCUMULATORS = 128
+_U32 = np.uint64(32)
 
 
 @intrinsic
@@ -120,72 +124,64 @@ def _stack_buffer(typingctx, size, dtype):
     return types.CPointer(element)(size, dtype), codegen
 
 
-@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _sum_four_rows(a, b, acc, i, j0, width):
-    """acc[32 r + jj] += sum over k of a[i + r, k] * b[k, j0 + jj], r < 4,
-    jj < width (inlined into small_gemm: where width is the literal 32 the
-    block stays in registers)."""
-    for kk in range(b.shape[0]):
-        x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
-        for jj in range(width):
-            w = b[kk, j0 + jj]
-            acc[jj] += x0 * w
-            acc[32 + jj] += x1 * w
-            acc[64 + jj] += x2 * w
-            acc[96 + jj] += x3 * w
-
-
-@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _sum_one_row(a, b, acc, i, j0, width):
-    """acc[jj] += sum over k of a[i, k] * b[k, j0 + jj], jj < width."""
-    for kk in range(b.shape[0]):
-        x = a[i, kk]
-        for jj in range(width):
-            acc[jj] += x * b[kk, j0 + jj]
-
-
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def small_gemm(a, b, out):
     """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous) as stepnet's own loop:
-    a block of 4 rows x 32 columns (1 row x 64 for the last rows) of ``out``
+    a block of 4 rows x 32 columns of ``out`` (1 row x 64 for the last rows)
     is summed in registers over k, each weight row loaded once per block and
-    every sum taken in order of k. It needs no packing and no dispatch: where
-    a product is small (a batch of one, the last sequences of a batch) it
-    beats the libraries' (``SMALL_PRODUCT_ROWS``, measured)."""
+    every sum taken in order of k; the last block of a row ends at column n
+    (it overlaps the one before, which it writes again with the same values).
+    It needs no packing and no dispatch: where a product is small (a batch of
+    one, the last sequences of a batch) it beats the libraries'
+    (``small_rows_table``, measured)."""
     m = a.shape[0]
-    n = b.shape[1]
+    k, n = b.shape
     zero = out.dtype.type(0)
     acc = carray(_stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
+    if n < 32:  # narrower than a block: one sum at a time
+        for i in range(m):
+            for j in range(n):
+                s = zero
+                for kk in range(k):
+                    s += a[i, kk] * b[kk, j]
+                out[i, j] = s
+        return
     i = 0
-    while i + 4 <= m:
-        j0 = 0  # (a while loop: LLVM then sees j0 >= 0, and loads rows, not gathers)
-        while j0 < n:
-            width = min(32, n - j0)
+    while i < m:
+        rows = 4 if i + 4 <= m else 1
+        end = 32
+        while end < n + 32:
+            # the block's columns (one row: two blocks), as unsigned integers:
+            # Numba then adds no negative-index handling, and LLVM loads
+            # rows, not gathers
+            j0 = np.uint64(min(end, n) - 32)
+            j1 = np.uint64(min(end + 32, n) - 32)
             for jj in range(128):
                 acc[jj] = zero
-            if width == 32:
-                _sum_four_rows(a, b, acc, i, j0, 32)
+            if rows == 4:
+                for kk in range(k):
+                    x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
+                    for jj in range(_U32):
+                        w = b[kk, j0 + jj]
+                        acc[jj] += x0 * w
+                        acc[32 + jj] += x1 * w
+                        acc[64 + jj] += x2 * w
+                        acc[96 + jj] += x3 * w
+                for r in range(4):
+                    for jj in range(_U32):
+                        out[i + r, j0 + jj] = acc[32 * r + jj]
+                end += 32
             else:
-                _sum_four_rows(a, b, acc, i, j0, width)
-            for r in range(4):
-                for jj in range(width):
-                    out[i + r, j0 + jj] = acc[32 * r + jj]
-            j0 += 32
-        i += 4
-    while i < m:
-        j0 = 0
-        while j0 < n:
-            width = min(64, n - j0)
-            for jj in range(64):
-                acc[jj] = zero
-            if width == 64:
-                _sum_one_row(a, b, acc, i, j0, 64)
-            else:
-                _sum_one_row(a, b, acc, i, j0, width)
-            for jj in range(width):
-                out[i, j0 + jj] = acc[jj]
-            j0 += 64
-        i += 1
+                for kk in range(k):
+                    x = a[i, kk]
+                    for jj in range(_U32):
+                        acc[jj] += x * b[kk, j0 + jj]
+                        acc[32 + jj] += x * b[kk, j1 + jj]
+                for jj in range(_U32):
+                    out[i, j0 + jj] = acc[jj]
+                    out[i, j1 + jj] = acc[32 + jj]
+                end += 64
+        i += rows
 
 
 _choice = choose()
@@ -216,9 +212,10 @@ if BLAS_NAME == "mkl":
             _dgemm(args)
 
     @njit(cache=True)
-    def pack(b, max_rows):
-        """Weights ``b`` [k, n] prepared for ``gemm_packed``: MKL's packed form,
-        and ``b`` itself for ``small_gemm``."""
+    def _library_pack(b, max_rows):
+        """MKL's packed form of the weights ``b`` [k, n] (empty for no rows)."""
+        if max_rows == 0:
+            return np.empty(0, b.dtype)
         k, n = b.shape
         shape = (_B_MATRIX, max(max_rows, 1), n, k)
         size = _s_pack_size(shape) if b.itemsize == 4 else _d_pack_size(shape)
@@ -229,7 +226,7 @@ if BLAS_NAME == "mkl":
             _s_pack(args)
         else:
             _d_pack(args)
-        return packed, b
+        return packed
 
     @njit(cache=True)
     def _library_product(a, prepared, k, n, out):
@@ -276,9 +273,8 @@ elif BLAS_NAME == "openblas":
         _set_threads_local((previous,))
 
     @njit(cache=True)
-    def pack(b, max_rows):
-        """The weights themselves (OpenBLAS packs per call), for both."""
-        return b, b
+    def _library_pack(b, max_rows):
+        return b  # OpenBLAS packs per call
 
     @njit(cache=True)
     def _library_product(a, prepared, k, n, out):
@@ -298,9 +294,8 @@ else:
             out[:m] += product
 
     @njit(cache=True)
-    def pack(b, max_rows):
-        """The weights themselves, for both."""
-        return b, b
+    def _library_pack(b, max_rows):
+        return b
 
     @njit(cache=True)
     def _library_product(a, prepared, k, n, out):
@@ -337,81 +332,151 @@ def gemm_tn(a, b, out):
 
 
 @njit(cache=True)
-def rows_for(sizes, rows, size):
-    """The small-product rows for weights of ``size`` elements: the entry of
-    the next larger size measured (``sizes`` ascending), or of the largest."""
-    index = len(sizes) - 1
-    for i in range(len(sizes) - 1, -1, -1):
-        if size <= sizes[i]:
+def rows_for(small_rows, size):
+    """The rows up to which a product with weights of ``size`` elements runs
+    ``small_gemm``: ``small_rows`` [2, L] holds the weight sizes measured
+    (ascending) over their rows; the entry of the next larger size measured
+    is taken, or of the largest."""
+    last = small_rows.shape[1] - 1
+    index = last
+    for i in range(last, -1, -1):
+        if size <= small_rows[0, i]:
             index = i
-    return rows[index]
+    return small_rows[1, index]
 
 
-def _gemm_packed_with(limits):
-    """``gemm_packed`` with the small-product limits as constants (closure
-    variables: part of the key of Numba's disk cache). ``limits``: pairs
-    (weight elements k * n, rows), by size."""
-    sizes = tuple(size for size, _ in limits)
-    rows = tuple(r for _, r in limits)
+@njit(cache=True)
+def pack(b, max_rows, small_rows):
+    """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
+    rows, prepared for ``gemm_packed``: (the library's form, ``b`` itself for
+    ``small_gemm``, the rows up to which ``small_gemm`` runs). The library's
+    form is not made where ``small_gemm`` takes every product."""
+    k, n = b.shape
+    rows = rows_for(small_rows, k * n)
+    return _library_pack(b, max_rows if rows < max_rows else 0), b, rows
 
-    @njit(cache=True)
-    def gemm_packed(a, prepared, k, n, out):
-        """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
-        loop up to the rows measured for weights of this size, the library's
-        product above."""
-        if a.shape[0] <= rows_for(sizes, rows, k * n):
-            small_gemm(a, prepared[1], out)
+
+# small_gemm as a C function per dtype, which kernels call by its symbol: it
+# is compiled once (and cached on disk), not again inside every kernel
+_OWN_SYMBOLS = {"float32": "stepnet_small_sgemm", "float64": "stepnet_small_dgemm"}
+_own_calls = {name: _extern(symbol, "pzzzpp") for name, symbol in _OWN_SYMBOLS.items()}
+_OWN_LOCK = threading.Lock()
+_own_entries = {}  # dtype name -> the cfunc, once its symbol is known to LLVM
+
+
+def register_small_gemm(dtype) -> None:
+    """Compile (or load from the disk cache) ``small_gemm``'s C entry for
+    ``dtype`` and give LLVM its symbol: before a kernel calling
+    ``gemm_packed`` on that dtype is compiled or loaded."""
+    name = np.dtype(dtype).name
+    if name in _own_entries or name not in _OWN_SYMBOLS:
+        return
+    with _OWN_LOCK:
+        if name in _own_entries:
+            return
+        element = types.float32 if name == "float32" else types.float64
+        pointer = types.CPointer(element)
+
+        @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer),
+               cache=True)
+        def entry(a, m, k, n, b, out):
+            small_gemm(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)))
+
+        llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
+        _own_entries[name] = entry
+
+
+def _own_product(a, b, out):
+    """out[:m] = a[:m] @ b by ``small_gemm``'s C entry (``register_small_gemm``)."""
+
+
+@overload(_own_product)
+def _own_product_for(a, b, out):
+    call = _own_calls.get(str(a.dtype))
+    if call is None:
+        return None
+
+    def own_product(a, b, out):
+        m, k = a.shape
+        if m > 0:
+            call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data))
+
+    return own_product
+
+
+@njit(cache=True)
+def gemm_packed(a, prepared, k, n, out):
+    """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
+    loop up to the rows measured for weights of this size, the library's
+    product above."""
+    if a.shape[0] <= prepared[2]:
+        _own_product(a, prepared[1], out)
+    else:
+        _library_product(a, prepared, k, n, out)
+
+
+@njit(cache=True)
+def _repeat_products(a, prepared, out, own, reps):
+    """``reps`` per-step products, by small_gemm's C entry or the library's."""
+    k, n = prepared[1].shape
+    for _ in range(reps):
+        if own:
+            _own_product(a, prepared[1], out)
         else:
             _library_product(a, prepared, k, n, out)
 
-    return gemm_packed
-
-
-def _time_per_call(call, reps):
-    call()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
 
 def _time_small_and_library(m, k, n):
-    """Seconds per product of ``small_gemm`` and of the library's, one thread."""
+    """Seconds per product of ``small_gemm`` and of the library's, one
+    thread (best of three runs of the same products in a compiled loop)."""
+    register_small_gemm(np.float32)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
     b = rng.standard_normal((k, n), np.float32)
     out = np.empty((m, n), np.float32)
-    prepared = pack(b, m)
-    reps = max(4, min(400, 2_000_000 // (m * k * n)))
-    return (_time_per_call(lambda: small_gemm(a, b, out), reps),
-            _time_per_call(lambda: _library_product(a, prepared, k, n, out), reps))
+    prepared = (_library_pack(b, m), b, 0)
+    reps = max(2, min(400, 1_000_000 // (m * k * n)))
+    seconds = []
+    for own in (True, False):
+        _repeat_products(a, prepared, out, own, 1)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _repeat_products(a, prepared, out, own, reps)
+            best = min(best, (time.perf_counter() - t0) / reps)
+        seconds.append(best)
+    return tuple(seconds)
+
+
+_SMALL_ROWS = []  # small_rows_table(), once measured or read
+_SMALL_ROWS_LOCK = threading.Lock()
+
+
+def small_rows_table():
+    """The ``small_rows`` argument of ``pack``: for weights of each size, the
+    rows up to which per-step products run ``small_gemm`` (measured at the
+    first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
+    A run-time argument, so a kernel's code does not depend on it; under
+    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``."""
+    if not _SMALL_ROWS:
+        with _SMALL_ROWS_LOCK:
+            if not _SMALL_ROWS:
+                limits = ((1 << 62, 1 << 62),) if DETERMINISTIC else \
+                    small_product_rows(_choice, _time_small_and_library)
+                table = np.array(limits, np.int64).T.copy()
+                table.flags.writeable = False
+                _SMALL_ROWS.append(table)
+    return _SMALL_ROWS[0]
 
 
 if DETERMINISTIC:
-    SMALL_PRODUCT_ROWS = ((1 << 62, 1 << 62),)
-
     @njit
     def gemm(a, b, out):
         """out[:m] = a[:m] @ b, every element a sequential sum (small_gemm)."""
         small_gemm(a, np.ascontiguousarray(b), out)
 
-    @njit
-    def pack(b, max_rows):
-        return b, b
-
-    @njit
-    def gemm_packed(a, prepared, k, n, out):
-        small_gemm(a, prepared[1], out)
-else:
-    SMALL_PRODUCT_ROWS = small_product_rows(_choice, _time_small_and_library)
-    gemm_packed = _gemm_packed_with(SMALL_PRODUCT_ROWS)
-
 # what a kernel's code depends on here (written into its generated source)
-SIGNATURE = (f"{BLAS_NAME}" + (" (deterministic)" if DETERMINISTIC else "")
-             + f", own loop up to (weights, rows) {SMALL_PRODUCT_ROWS}")
+SIGNATURE = BLAS_NAME + (" (deterministic)" if DETERMINISTIC else "")
 
 
 # a.T @ b over at least this many multiply-adds is split over threads

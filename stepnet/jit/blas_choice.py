@@ -322,14 +322,15 @@ def describe() -> str:
         rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
                           for (m, k, n, _, _), s in zip(_SHAPES, secs))
         lines.append(f"  {name}, one thread: {rates}")
-    from . import blas  # measures the small-product limit if it is not known yet
+    from . import blas
 
+    table = blas.small_rows_table()  # measured here if it is not known yet
     small = _SMALL_PRODUCTS
     if blas.DETERMINISTIC:
         lines.append("small products: every product runs stepnet's own loop "
                      "(STEPNET_DETERMINISTIC)")
     else:
-        limits = ", ".join(f"{r} rows up to {size} weights" for size, r in blas.SMALL_PRODUCT_ROWS)
+        limits = ", ".join(f"{r} rows up to {size} weights" for size, r in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop up to {limits} ({small.get('reason')})")
     for k, n in _STEP_WEIGHTS:
         row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]

@@ -153,6 +153,7 @@ class _Module:
         self.packed = {}  # weights ident -> packed weights ident
         self.const_vars = {}  # ident -> the program's constant (an ir.Var)
         self.concatenated = {}  # ident -> the constants it joins by columns
+        self.small_gemm_dtypes = set()  # dtypes of the per-step products (blas.register_small_gemm)
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -236,23 +237,25 @@ def generate_source(program: ir.Program):
         "from numba import njit",
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
-        "from stepnet.jit.blas import gemm, gemm_acc, gemm_packed, pack",
+        "from stepnet.jit.blas import gemm, gemm_acc, gemm_packed, pack, register_small_gemm",
         "from stepnet.jit.numba_runtime import (",
         *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
                        subsequent_indent="    "),
         ")",
+        *[f"register_small_gemm({name!r})" for name in sorted(module.small_gemm_dtypes)],
         "",
     ]
     src += module.module_consts + [""]
     for fn in module.functions:
         src += fn + [""]
     src.append(_DECORATOR)
-    # consts, then weights concatenated by the caller for merged GEMMs
+    # consts, then weights concatenated by the caller for merged GEMMs, the
+    # small-product rows (blas.small_rows_table), the inputs, and the output
+    # buffers the caller gives, in the order of the outputs
     n = len(program.consts)
-    # then the output buffers the caller gives, in the order of the outputs
     given = set(module.given_outputs)
-    params = params[:n] + list(module.concatenated) + params[n:] + [o[1] for o in outs
-                                                                    if o[1] in given]
+    params = (params[:n] + list(module.concatenated) + ["small_rows"] + params[n:]
+              + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in body]
     layout = _Layout(top_inputs, outs, module.concatenated, sched,
@@ -448,7 +451,8 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
-        module.prologue.append(f"{packed} = pack({weights}, num_seq)")
+        module.prologue.append(f"{packed} = pack({weights}, num_seq, small_rows)")
+        module.small_gemm_dtypes.add(np.dtype(dtype).name)
         module.gargs.append(packed)
     return f"gemm_packed({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
 
@@ -1389,7 +1393,8 @@ class NumbaProgram:
 
     def signature(self, args, consts):
         """program()'s argument types for a call with ``args``."""
-        call = self.prepare(consts) + self._call_args(args) + self.output_buffers(args)
+        call = (self.prepare(consts, _SMALL_ROWS_TYPE) + self._call_args(args)
+                + self.output_buffers(args))
         return tuple(numba.typeof(a) for a in call)
 
     def compile(self, signature):
@@ -1397,12 +1402,14 @@ class NumbaProgram:
         self.module.program.compile(signature)
         self._mark_ready()
 
-    def prepare(self, consts):
-        """The constant arguments of the kernel (merged weights joined), laid
+    def prepare(self, consts, small_rows=None):
+        """The constant arguments of the kernel (merged weights joined, the
+        small-product rows: ``blas.small_rows_table()`` unless given), laid
         out once for any number of :meth:`run_prepared` calls."""
         const_args = [_read_only(consts[v]) for v in self.program.consts]
         const_args += [_read_only(np.concatenate([consts[v] for v in joined], axis=1))
                        for joined in self.concatenated.values()]
+        const_args.append(blas.small_rows_table() if small_rows is None else small_rows)
         return const_args
 
     def splits(self, rows, width, num_sequences):
@@ -1546,6 +1553,10 @@ class NumbaProgram:
 
 # a run with fewer data elements than this stays on one thread
 _SPLIT_MIN_WORK = 1 << 16
+# a stand-in of blas.small_rows_table()'s type, where only the kernel's
+# argument types are asked for (a call before the rows are measured)
+_SMALL_ROWS_TYPE = np.zeros((2, 1), np.int64)
+_SMALL_ROWS_TYPE.flags.writeable = False
 
 
 def _read_only(array):
