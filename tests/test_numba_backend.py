@@ -52,6 +52,29 @@ def test_large_batch_takes_the_blas_path_then_the_small_one(dtype):
     assert out.returncode == 0 and out.stdout.split() == ["agree"], out.stderr[-3000:]
 
 
+def test_nested_steps_wider_than_the_batch_take_the_library_product():
+    # one chapter of three paragraphs: the word-level net runs once over all
+    # three paragraphs, more rows than the one sequence its weights were
+    # packed for; with stepnet's own loop up to one row, its steps run the
+    # library's product (on MKL: weights packed for the rows that reach it)
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        sys.path.insert(0, "tests")
+        from conftest import assert_backends_agree
+        from nets import nested_encoder
+        net = nested_encoder(np.random.default_rng(0), [[3], [4, 2, 5]], features=8, hidden=40)
+        assert_backends_agree(net.rnn, backends=["numba"])
+        print("agree")
+        """
+    )
+    env = dict(os.environ, STEPNET_SMALL_PRODUCTS="1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0 and out.stdout.split() == ["agree"], out.stderr[-3000:]
+
+
 def test_generated_source_merges_matmuls_and_hoists(rng):
     rnn = gru_net(lod(rng, [3, 2], 4), rng)
     source = rnn.compile("numba").source

@@ -107,6 +107,8 @@ _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
 # small_gemm's block of accumulators: 4 rows x 32 columns, or 1 row x 64
 _ACCUMULATORS = 128
 _U32 = np.uint64(32)
+# a small-product limit of rows that every product is within
+_EVERY_PRODUCT = 1 << 62
 
 
 @intrinsic
@@ -350,10 +352,13 @@ def pack(b, max_rows, small_rows):
     """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
     rows, prepared for ``gemm_packed``: (the library's form, ``b`` itself for
     ``small_gemm``, the rows up to which ``small_gemm`` runs). The library's
-    form is not made where ``small_gemm`` takes every product."""
+    form is not made where ``small_gemm`` takes every product
+    (``STEPNET_DETERMINISTIC``)."""
     k, n = b.shape
     rows = rows_for(small_rows, k * n)
-    return _library_pack(b, max_rows if rows < max_rows else 0), b, rows
+    # (a nested net's steps may have more rows than max_rows, its sequences:
+    # only a limit no product reaches leaves the library's form out)
+    return _library_pack(b, max_rows if rows < _EVERY_PRODUCT else 0), b, rows
 
 
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
@@ -461,7 +466,7 @@ def small_rows_table():
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
-                limits = ((1 << 62, 1 << 62),) if DETERMINISTIC else \
+                limits = ((_EVERY_PRODUCT, _EVERY_PRODUCT),) if DETERMINISTIC else \
                     small_product_rows(_choice, _time_small_and_library)
                 table = np.array(limits, np.int64).T.copy()
                 table.flags.writeable = False
