@@ -205,6 +205,30 @@ def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
     np.testing.assert_allclose(out[fine], expected[fine], rtol=1e-5, atol=1e-5)
 
 
+def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
+    """gemm_packed's own-loop path (small_gemm's C entry, registered by symbol)
+    on C-contiguous operands, and on strided ones through contiguous copies."""
+    from numba import njit
+
+    from stepnet.jit import blas
+
+    blas.register_small_gemm(np.float64)
+
+    @njit
+    def own(a, b, out):
+        blas._own_product(a, b, out)
+
+    a = rng.standard_normal((6, 20))
+    b = rng.standard_normal((20, 70))
+    out = np.zeros((6, 140))
+    own(a, b, out[:, :70])  # a row block of a wider array: not C-contiguous
+    own(np.asfortranarray(a), b, out[:, 70:])
+    np.testing.assert_allclose(out, np.hstack([a @ b, a @ b]), rtol=1e-12, atol=1e-12)
+    contiguous = np.empty((6, 70))
+    own(a, b, contiguous)
+    np.testing.assert_allclose(contiguous, a @ b, rtol=1e-12, atol=1e-12)
+
+
 def test_stepnet_info_prints_the_choice(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
                           text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path)),

@@ -401,10 +401,19 @@ def _own_product_for(a, b, out):
     if call is None:
         return None
 
-    def own_product(a, b, out):
-        m, k = a.shape
-        if m > 0:
-            call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data))
+    if a.layout == "C" and b.layout == "C" and out.layout == "C":
+        def own_product(a, b, out):
+            m, k = a.shape
+            if m > 0:
+                call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data))
+    else:  # (arrays not known to be C-contiguous: on C-contiguous copies)
+        def own_product(a, b, out):
+            m, k = a.shape
+            if m > 0:
+                a_c, b_c = np.ascontiguousarray(a), np.ascontiguousarray(b)
+                out_c = np.empty((m, b.shape[1]), out.dtype)
+                call((a_c.ctypes.data, m, k, b.shape[1], b_c.ctypes.data, out_c.ctypes.data))
+                out[:m] = out_c
 
     return own_product
 
