@@ -19,13 +19,15 @@ the same threads.
 Small products (a batch of one, the last few sequences of a batch) spend
 more time in a library's dispatch, packing or generic kernels than in
 arithmetic: there a step runs ``small_gemm``, stepnet's own loop (a block
-of ``out`` summed in registers, the weights read in place, once per 4 rows).
-Up to how many rows, for weights of each size, is measured once per machine
-and library, at the first call (``small_rows_table``;
-:func:`stepnet.jit.blas_choice.small_product_rows`; ``STEPNET_SMALL_PRODUCTS``
-overrides): on the AMD EPYC
-of the README MKL's packed product takes a generic kernel for one row, and
-stepnet's loop is faster up to dozens of rows while the weights fit in L2.
+of ``out`` summed in registers, the weights read in place, once per 4 rows),
+through a C entry compiled once (``register_small_gemm``). Up to how many
+rows, for weights of each size, is measured once per machine and library,
+at the first call (``small_rows_table``;
+:func:`stepnet.jit.blas_choice.small_product_rows`;
+``STEPNET_SMALL_PRODUCTS`` overrides): on the AMD EPYC of the README MKL's
+packed product takes a generic kernel for one row, and stepnet's loop is
+faster up to 64 rows while the weights fit in L2; on an Intel Xeon MKL's
+packed product was faster down to one row.
 
 ``BLAS_NAME`` says which one is in use; it is part of the generated source,
 so kernels cached on disk never mix them. The small-product rows are a
