@@ -17,6 +17,10 @@ once per machine, single-threaded, on a per-step product (64 rows) and a
 hoisted one (every token), picks the faster and keeps the choice and the
 figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU and the
 libraries. ``stepnet info`` prints them.
+
+Up to how many rows a per-step product runs stepnet's own loop instead of
+the chosen library (:func:`small_product_rows`) is measured the same way, at
+the first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``.
 """
 
 from __future__ import annotations
