@@ -49,7 +49,7 @@ from numba.extending import intrinsic, overload
 
 from . import threads
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
-from .blas_choice import choose, find_mkl, find_openblas, small_product_rows
+from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, small_product_rows
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _N, _T = 78, 84  # ord("N"), ord("T"): Fortran BLAS's "no transpose", "transpose"
@@ -109,8 +109,6 @@ _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
 # small_gemm's block of accumulators: 4 rows x 32 columns, or 1 row x 64
 _ACCUMULATORS = 128
 _U32 = np.uint64(32)
-# a small-product limit of rows that every product is within
-_EVERY_PRODUCT = 1 << 62
 
 
 @intrinsic
@@ -160,9 +158,9 @@ def small_gemm(a, b, out):
             # rows, not gathers
             j0 = np.uint64(min(end, n) - 32)
             j1 = np.uint64(min(end + 32, n) - 32)
-            for jj in range(128):
-                acc[jj] = zero
             if rows == 4:
+                for jj in range(128):
+                    acc[jj] = zero
                 for kk in range(k):
                     x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
                     for jj in range(_U32):
@@ -176,6 +174,8 @@ def small_gemm(a, b, out):
                         out[i + r, j0 + jj] = acc[32 * r + jj]
                 end += 32
             else:
+                for jj in range(64):
+                    acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
                     for jj in range(_U32):
@@ -360,7 +360,7 @@ def pack(b, max_rows, small_rows):
     rows = rows_for(small_rows, k * n)
     # (a nested net's steps may have more rows than max_rows, its sequences:
     # only a limit no product reaches leaves the library's form out)
-    return _library_pack(b, max_rows if rows < _EVERY_PRODUCT else 0), b, rows
+    return _library_pack(b, max_rows if rows < EVERY_PRODUCT else 0), b, rows
 
 
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
@@ -477,7 +477,7 @@ def small_rows_table():
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
-                limits = ((_EVERY_PRODUCT, _EVERY_PRODUCT),) if DETERMINISTIC else \
+                limits = ((EVERY_PRODUCT, EVERY_PRODUCT),) if DETERMINISTIC else \
                     small_product_rows(_choice, _time_small_and_library)
                 table = np.array(limits, np.int64).T.copy()
                 table.flags.writeable = False

@@ -228,25 +228,38 @@ def choose() -> dict:
         return dict(info, name=reachable[0].name, reason="the only one found")
     key = hashlib.sha256(";".join([cpu] + sorted(lib.fingerprint() for lib in reachable))
                          .encode()).hexdigest()[:16]
-    path = cache_dir() / "blas.json"
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key and saved.get("name") in found:
-            return dict(info, name=saved["name"], reason="measured (cached)",
-                        seconds=saved.get("seconds", {}))
-    except (OSError, ValueError, AttributeError):
-        pass
+    saved = _kept("blas.json", key)
+    if saved is not None and saved.get("name") in found:
+        return dict(info, name=saved["name"], reason="measured (cached)",
+                    seconds=saved.get("seconds", {}))
     seconds = measure(reachable)
     name = min(seconds, key=lambda n: sum(s * shape[-1] for s, shape in zip(seconds[n], _SHAPES)))
     result = dict(info, name=name, reason="measured", seconds=seconds)
+    _keep("blas.json", dict(result, key=key))
+    return result
+
+
+def _kept(filename, key):
+    """What ``_keep`` wrote to ``STEPNET_CACHE_DIR/filename`` under ``key``,
+    or None (none, another key, or unreadable)."""
+    try:
+        saved = json.loads((cache_dir() / filename).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and saved.get("key") == key else None
+
+
+def _keep(filename, result):
+    """``result`` (with its key) to ``STEPNET_CACHE_DIR/filename``, whole or
+    not at all; an unwritable cache is measured again next time."""
+    path = cache_dir() / filename
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(result, key=key), indent=1))
+        tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, path)
     except OSError:
-        pass  # an unwritable cache: measured again next time
-    return result
+        pass
 
 
 # the per-step products that set the small-product limits: recurrent weights
@@ -255,6 +268,8 @@ def choose() -> dict:
 _STEP_WEIGHTS = ((64, 192), (128, 384), (256, 768), (256, 1024), (512, 2048))
 _STEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
+# a limit, of rows or of weight elements, that no product reaches
+EVERY_PRODUCT = 1 << 62
 
 
 def small_product_rows(choice, time_both) -> tuple:
@@ -275,20 +290,19 @@ def small_product_rows(choice, time_both) -> tuple:
 
             raise UnsupportedError(f"STEPNET_SMALL_PRODUCTS={requested!r}: expected a number of "
                                    "rows (an integer >= 0)")
-        limits = ((1 << 62, int(requested)),)
+        limits = ((EVERY_PRODUCT, int(requested)),)
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[])
         return limits
     library = choice["libraries"].get(choice["name"], choice["name"])
     key = hashlib.sha256(f"{choice['cpu']};{choice['name']};{library}".encode()).hexdigest()[:16]
-    path = cache_dir() / "small_products.json"
+    saved = _kept("small_products.json", key)
     try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
+        if saved is not None:
             limits = tuple((int(size), int(rows)) for size, rows in saved["limits"])
             _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
             return limits
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
+    except (ValueError, TypeError, KeyError):
+        pass  # a file of another form: measured again
     points = [(m, k, n, *time_both(m, k, n)) for k, n in _STEP_WEIGHTS for m in _STEP_ROWS]
     limits = []
     for k, n in _STEP_WEIGHTS:
@@ -301,13 +315,7 @@ def small_product_rows(choice, time_both) -> tuple:
     limits = tuple(limits)
     result = {"key": key, "limits": limits, "points": points}
     _SMALL_PRODUCTS.update(result, reason="measured")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache: measured again next time
+    _keep("small_products.json", result)
     return limits
 
 
