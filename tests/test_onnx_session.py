@@ -325,6 +325,71 @@ def test_zero_length_sequence(rng):
     assert_close(Y[:, :, [0, 2]], expected[0][:, :, [0, 2]])
 
 
+@pytest.mark.parametrize("direction, layout", [("forward", 0), ("bidirectional", 1)])
+def test_recurrent_node_called_again_and_again(direction, layout, rng):
+    """A streaming model's calls (same weights, states fed back) take the
+    node's short path on numba; new weights, another batch, a wrong state
+    shape and sequence_lens still get what the interpreter gives."""
+    D, I, H = (2 if direction == "bidirectional" else 1), 3, 4
+    node = helper.make_node("LSTM", ["X", "W", "R", "B", "L", "h0", "c0"], ["Y", "Y_h", "Y_c"],
+                            hidden_size=H, direction=direction, layout=layout, name="lstm")
+    dims = ["B", D, H] if layout else [D, "B", H]
+    model = _model([node], [_float("X", ["T", "B", "I"] if not layout else ["B", "T", "I"]),
+                            _float("W", [D, 4 * H, I]), _float("R", [D, 4 * H, H]),
+                            _float("B", [D, 8 * H]),
+                            helper.make_tensor_value_info("L", TensorProto.INT32, ["B"]),
+                            _float("h0", dims), _float("c0", dims)],
+                   [_float("Y"), _float("Y_h"), _float("Y_c")])
+    without_lengths = _model([helper.make_node("LSTM", ["X", "W", "R", "B", "", "h0", "c0"],
+                                               ["Y", "Y_h", "Y_c"], hidden_size=H,
+                                               direction=direction, layout=layout,
+                                               name="lstm")],
+                             [i for i in model.graph.input if i.name != "L"],
+                             list(model.graph.output))
+
+    def weights(seed):
+        r = np.random.default_rng(seed)
+        return {k: (r.standard_normal(shape) * 0.5).astype(np.float32) for k, shape in
+                (("W", (D, 4 * H, I)), ("R", (D, 4 * H, H)), ("B", (D, 8 * H)))}
+
+    def feeds(batch, steps, seed):
+        r = np.random.default_rng(seed)
+        x = r.standard_normal((batch, steps, I) if layout else (steps, batch, I))
+        state = (batch, D, H) if layout else (D, batch, H)
+        return {"X": x.astype(np.float32), "h0": r.standard_normal(state).astype(np.float32),
+                "c0": r.standard_normal(state).astype(np.float32)}
+
+    ours = InferenceSession(without_lengths, backend="numba")
+    oracle = InferenceSession(without_lengths, backend="interpreter")
+    lstm = ours.graph.nodes[0].impl
+    w, got = weights(0), None
+    for call, (batch, steps, new_weights) in enumerate(
+            [(2, 3, None), (2, 3, None), (2, 3, None), (3, 5, None), (3, 5, 1), (1, 2, None),
+             (1, 2, 1)]):
+        if new_weights is not None:  # new values, then the same values in new arrays
+            w = weights(new_weights) if call == 4 else {k: v.copy() for k, v in w.items()}
+        f = {**feeds(batch, steps, call), **w}
+        if call == 2:  # the states fed back, as a stream does
+            f["h0"], f["c0"] = got[1], got[2]
+        if call in (2, 3, 5):
+            assert lstm._streaming is not None, f"call {call}: the short path is not taken"
+        got = ours.run(None, f)
+        assert_close(got, oracle.run(None, f), what=f"call {call}")
+    bad = {**feeds(2, 3, 9), **w}
+    bad["h0"] = bad["h0"][:1] if layout else bad["h0"][:, :1]  # one row for a batch of two
+    for session in (ours, oracle):
+        with pytest.raises(sn.ShapeError, match="initial_h has shape"):
+            session.run(None, bad)
+    wide = {**feeds(2, 3, 9), **w}
+    wide["X"] = np.concatenate([wide["X"], wide["X"]], axis=2)  # 6 features for weights of 3
+    for session in (ours, oracle):
+        with pytest.raises(sn.ShapeError, match="'lstm' \\(LSTM\\)"):
+            session.run(None, wide)
+    f = {**feeds(3, 4, 10), **w, "L": np.array([4, 1, 3], np.int32)}
+    assert_close(InferenceSession(model, backend="numba").run(None, f),
+                 InferenceSession(model, backend="interpreter").run(None, f), what="lengths")
+
+
 # ----------------------------------------------------------------------------
 # Scan: custom bodies, against onnxruntime
 

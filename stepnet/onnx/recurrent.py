@@ -65,6 +65,7 @@ class RecurrentNode:
         self.weights = None  # the arrays self.layer was built from
         self.compiled = {}  # (direction, backend) -> its step-net compiled
         self._full_offsets = {}  # (batch, length) -> the offsets of full sequences
+        self._streaming = None  # (backend, each direction's prepared kernel): _run_streaming
 
     def _layer(self, W, R, B, P):
         ctx = self.ctx
@@ -85,10 +86,9 @@ class RecurrentNode:
         if self.layer is not None and all(
                 np.shape(a) == np.shape(b) for a, b in zip(weights, self.weights)):
             self.layer.set_onnx_weights(0, W, R, B, **extra)  # new step-nets
-            self.compiled = {}
         else:
             self.layer = self.cls.from_onnx(W, R, B, **extra, **self.attrs)
-            self.compiled = {}
+        self.compiled, self._streaming = {}, None
         self.weights = weights
         return self.layer
 
@@ -121,6 +121,11 @@ class RecurrentNode:
 
     def run(self, inputs, backend):
         """The node's outputs, each direction's step-net called on the batch."""
+        streaming = self._streaming
+        if streaming is not None and streaming[0] == backend:
+            outs = self._run_streaming(inputs, streaming[1])
+            if outs is not None:
+                return outs
         ctx = self.ctx
         X, W, R, B, P, lengths, h0, c0 = self._prepare(inputs)
         Bsz, T = X.shape[:2]
@@ -133,12 +138,7 @@ class RecurrentNode:
             raise ctx.unsupported(f"X has dtype {X.dtype}, not floating point")
         if lengths is None:
             data = X.reshape(Bsz * T, X.shape[2])
-            offsets = self._full_offsets.get((Bsz, T))
-            if offsets is None:  # one read-only array per batch and length, made once
-                if len(self._full_offsets) > 64:
-                    self._full_offsets.clear()
-                offsets = self._full_offsets[Bsz, T] = _read_only(
-                    np.arange(0, (Bsz + 1) * T, T, dtype=np.int64))
+            offsets = self._offsets(Bsz, T)
         else:
             mask = np.arange(T) < lengths[:, None]
             data = X[mask]
@@ -154,20 +154,41 @@ class RecurrentNode:
             initial.append(state if state is None or state.dtype == dtype else state.astype(dtype))
         if ctx.op != "LSTM":
             initial = initial[:1]
+        directions = [self._direction(d, backend) for d in range(D)]
         try:
-            results = [self._direction(d, backend)(data, offsets, [None if s is None else s[d]
-                                                                    for s in initial])
-                       for d in range(D)]
+            results = [run(data, offsets, [None if s is None else s[d] for s in initial])
+                       for d, run in enumerate(directions)]
         except Error as e:
             raise _reraise(ctx, e) from e
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
         if lengths is None:
+            kernels = [run.kernel for run in directions]
+            self._streaming = (backend, kernels) if None not in kernels else None
+            return self._outputs(results, Bsz, T, out_dtype)
+        Y = np.zeros((Bsz, T, D, H), dtype)
+        for d, r in enumerate(results):
+            Y[:, :, d][mask] = r[0]
+        return self._outputs(results, Bsz, T, out_dtype, Y)
+
+    def _offsets(self, Bsz, T):
+        """The offsets of ``Bsz`` full sequences of ``T`` steps: one read-only
+        array per batch and length, made once."""
+        offsets = self._full_offsets.get((Bsz, T))
+        if offsets is None:
+            if len(self._full_offsets) > 64:
+                self._full_offsets.clear()
+            offsets = self._full_offsets[Bsz, T] = _read_only(
+                np.arange(0, (Bsz + 1) * T, T, dtype=np.int64))
+        return offsets
+
+    def _outputs(self, results, Bsz, T, out_dtype, Y=None):
+        """``[Y, Y_h(, Y_c)]`` in the node's layout from each direction's
+        ``[Y data, h_n(, c_n)]``; ``Y`` [B, T, D, H] given where sequences
+        are ragged."""
+        D, H = len(results), self.layer.hidden_size
+        if Y is None:
             Y = (results[0][0].reshape(Bsz, T, 1, H) if D == 1
                  else np.stack([r[0].reshape(Bsz, T, H) for r in results], axis=2))
-        else:
-            Y = np.zeros((Bsz, T, D, H), dtype)
-            for d, r in enumerate(results):
-                Y[:, :, d][mask] = r[0]
         Y = Y if self.layout else Y.transpose(1, 2, 0, 3)
         outs = [np.ascontiguousarray(Y, out_dtype)]
         for s in range(len(results[0]) - 1):
@@ -176,6 +197,45 @@ class RecurrentNode:
             outs.append(np.ascontiguousarray(state.transpose(1, 0, 2) if self.layout else state,
                                              out_dtype))
         return outs
+
+    def _run_streaming(self, inputs, kernels):
+        """``run`` for the call a streaming model makes chunk after chunk, in a
+        few comparisons: the weights of the last call (the same arrays), no
+        ``sequence_lens``, X and the states in the layer's dtype and the shapes
+        it takes, each direction's kernel prepared (``kernels``). None for any
+        other call: ``run`` then checks and converts everything."""
+        n, X, kept = len(inputs), inputs[0], self.weights
+        lstm = self.ctx.op == "LSTM"
+        dtype = self.layer.dtype
+        if (type(X) is not np.ndarray or X.ndim != 3 or X.dtype != dtype or n < 3
+                or inputs[1] is not kept[0] or inputs[2] is not kept[1]
+                or (inputs[3] if n > 3 else None) is not kept[2]
+                or (n > 4 and inputs[4] is not None)
+                or (inputs[7] if lstm and n > 7 else None) is not kept[3]):
+            return None
+        if not self.layout:
+            X = X.transpose(1, 0, 2)
+        Bsz, T, width = X.shape
+        states, widths = [], self.layer.state_widths()
+        for s in range(1 + lstm):
+            size = widths[min(s, len(widths) - 1)]
+            state = inputs[5 + s] if n > 5 + s else None
+            if state is not None:
+                if type(state) is not np.ndarray or state.dtype != dtype:
+                    return None
+                if self.layout:
+                    state = state.transpose(1, 0, 2)
+                if state.shape != (len(kernels), Bsz, size):
+                    return None
+            states.append(state)
+        data = np.ascontiguousarray(X.reshape(Bsz * T, width))
+        offsets = self._offsets(Bsz, T)
+        try:
+            results = [kernel(data, offsets, [None if s is None else s[d] for s in states])
+                       for d, kernel in enumerate(kernels)]
+        except Error as e:
+            raise _reraise(self.ctx, e) from e
+        return self._outputs(results, Bsz, T, dtype)
 
     def _direction(self, d, backend):
         """Direction ``d``'s step-net, compiled for ``backend``."""
@@ -322,11 +382,14 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
         if not all(run.given):
             return None
         entry = run.module.program
-        width = expected[1].shape[1]
+        width, features = expected[1].shape[1], data.shape[1]
         y_shape, y_dtype = expected[0].shape[1:], expected[0].dtype
         last_shapes = [(e.shape[1:], e.dtype) for e in expected[1:]]
 
         def call(data, offsets, states):
+            if data.shape[1] != features:  # (the public call checks this, and more)
+                raise ShapeError(f"X has {data.shape[1]} features per step, the node's weights "
+                                 f"take {features}")
             zeros = None
             states = list(states)
             for i, state in enumerate(states):
