@@ -229,6 +229,32 @@ def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
     np.testing.assert_allclose(contiguous, a @ b, rtol=1e-12, atol=1e-12)
 
 
+def test_packed_weights_take_any_number_of_rows(rng):
+    """``pack`` makes the library's form only for products of more rows than
+    the own loop takes; a product of more rows than it was told still gets
+    ``a @ b`` (the library's plain product), and so does one under the limit."""
+    from numba import njit
+
+    from stepnet.jit import blas
+
+    blas.register_small_gemm(np.float32)
+
+    @njit
+    def packed_product(a, b, max_rows, table, out):
+        prepared = blas.pack(b, max_rows, table)
+        blas.gemm_packed(a, prepared, b.shape[0], b.shape[1], out)
+        return prepared[0].shape[0]
+
+    b = rng.standard_normal((24, 40)).astype(np.float32)
+    table = np.array([[1 << 40], [4]], np.int64)  # the own loop up to 4 rows, any weights
+    for m, max_rows, library_form in ((3, 4, False), (9, 4, False), (9, 16, True), (3, 16, True)):
+        a = rng.standard_normal((m, 24)).astype(np.float32)
+        out = np.empty((m, 40), np.float32)
+        size = packed_product(a, b, max_rows, table, out)
+        assert (size > 0) == library_form or blas.BLAS_NAME != "mkl", (m, max_rows, size)
+        np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5, err_msg=f"{m} rows")
+
+
 def test_stepnet_info_prints_the_choice(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
                           text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path)),

@@ -354,13 +354,12 @@ def pack(b, max_rows, small_rows):
     """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
     rows, prepared for ``gemm_packed``: (the library's form, ``b`` itself for
     ``small_gemm``, the rows up to which ``small_gemm`` runs). The library's
-    form is not made where ``small_gemm`` takes every product
-    (``STEPNET_DETERMINISTIC``)."""
+    form is made only where a product can have more rows than ``small_gemm``
+    takes (never under ``STEPNET_DETERMINISTIC``, where it takes every
+    product): a stream's call of a few rows packs nothing."""
     k, n = b.shape
     rows = rows_for(small_rows, k * n)
-    # (a nested net's steps may have more rows than max_rows, its sequences:
-    # only a limit no product reaches leaves the library's form out)
-    return _library_pack(b, max_rows if rows < EVERY_PRODUCT else 0), b, rows
+    return _library_pack(b, max_rows if max_rows > rows else 0), b, rows
 
 
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
@@ -421,12 +420,29 @@ def _own_product_for(a, b, out):
 
 
 @njit(cache=True)
+def gemm_hoisted(a, b, out, small_rows):
+    """out[:m] = a[:m] @ b for a product outside the time loop (all steps'
+    rows at once): stepnet's own loop where they are no more than it takes
+    for a per-step product of these weights (a stream's chunk of a few
+    frames), else the library's. Under ``STEPNET_DETERMINISTIC`` always the
+    library's, as before."""
+    rows = rows_for(small_rows, b.shape[0] * b.shape[1])
+    if a.shape[0] <= rows and rows < EVERY_PRODUCT:
+        _own_product(a, b, out)
+    else:
+        gemm(a, b, out)
+
+
+@njit(cache=True)
 def gemm_packed(a, prepared, k, n, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
     loop up to the rows measured for weights of this size, the library's
-    product above."""
+    product above (its packed form, or, where ``pack`` made none, its plain
+    product)."""
     if a.shape[0] <= prepared[2]:
         _own_product(a, prepared[1], out)
+    elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told: never in a kernel
+        gemm(a, prepared[1], out)
     else:
         _library_product(a, prepared, k, n, out)
 

@@ -226,8 +226,13 @@ def generate_source(program: ir.Program):
     top_levels = values[seqs[0]].levels
     ctx = _Ctx(module, values, "program", [])
     outs = _rnn_call(ctx, sched, "starts", "lengths", "num_seq")
+    # a per-step product has at most one row per sequence of its net's level
+    # (an inner net may run once over all of its level's sequences)
+    max_rows = ", ".join(["num_seq"] + [f"{level}.shape[0] - 1" for level in top_levels[1:]])
     body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
-            "num_seq = lengths.shape[0]"] + module.prologue + ctx.lines
+            "num_seq = lengths.shape[0]"]
+    body += [f"max_rows = max({max_rows})" if len(top_levels) > 1 else "max_rows = num_seq"]
+    body += module.prologue + ctx.lines
     ret = ", ".join([o[1] for o in outs] + module.extra_returns)
     body.append(f"return ({ret},)")
     src = [
@@ -237,7 +242,8 @@ def generate_source(program: ir.Program):
         "from numba import njit",
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
-        "from stepnet.jit.blas import gemm, gemm_acc, gemm_packed, pack, register_small_gemm",
+        "from stepnet.jit.blas import (gemm, gemm_acc, gemm_hoisted, gemm_packed, pack,",
+        "                              register_small_gemm)",
         "from stepnet.jit.numba_runtime import (",
         *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
                        subsequent_indent="    "),
@@ -444,15 +450,16 @@ def _joined_weights(ctx, weights):
 
 
 def _gemm_call(ctx, left, weights, info, k, n, dtype):
-    """A BLAS call: plain GEMM when hoisted, packed weights inside the time loop."""
-    if ctx.mode != "step":
-        return f"gemm({left}, {weights}, {info.ident})"
+    """A BLAS call: inside the time loop on weights packed once, else on the
+    weights as they are (stepnet's own loop for few rows: ``gemm_hoisted``)."""
     module = ctx.module
+    module.small_gemm_dtypes.add(np.dtype(dtype).name)
+    if ctx.mode != "step":
+        return f"gemm_hoisted({left}, {weights}, {info.ident}, small_rows)"
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
-        module.prologue.append(f"{packed} = pack({weights}, num_seq, small_rows)")
-        module.small_gemm_dtypes.add(np.dtype(dtype).name)
+        module.prologue.append(f"{packed} = pack({weights}, max_rows, small_rows)")
         module.gargs.append(packed)
     return f"gemm_packed({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
 
