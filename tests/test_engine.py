@@ -181,12 +181,13 @@ def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
-    """Row blocks of 4 and the rows after them, column blocks of 32/64 and the
-    columns after them, an empty reduction; NaN and inf reach only their row."""
+    """Row blocks of 4 and the rows after them, column blocks of 32 (one row:
+    128 or 64) and the columns after them, an empty reduction; NaN and inf
+    reach only their row."""
     from stepnet.jit import blas
 
     for m, k, n in [(0, 5, 7), (1, 0, 9), (1, 3, 64), (2, 17, 130), (4, 8, 32), (5, 33, 95),
-                    (9, 64, 200), (12, 1, 1)]:
+                    (9, 64, 200), (12, 1, 1), (1, 7, 144), (1, 9, 100), (3, 5, 300), (1, 4, 96)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         out = np.full((m, n), 7, dtype)

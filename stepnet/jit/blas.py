@@ -129,9 +129,11 @@ def _stack_buffer(typingctx, size, dtype):
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def small_gemm(a, b, out):
     """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous) as stepnet's own loop:
-    a block of 4 rows x 32 columns of ``out`` (1 row x 64 for the last rows)
-    is summed in registers over k, each weight row loaded once per block and
-    every sum taken in order of k; the last block of a row ends at column n
+    a block of 4 rows x 32 columns of ``out`` (for the last rows, 1 row x 128,
+    or x 64 where no more columns are left: enough independent sums to keep
+    the FMA units busy) is summed in registers over k, each weight row loaded
+    once per block and every sum taken in order of k (so a row's values do
+    not depend on the block it falls in); the last block of a row ends at column n
     (it overlaps the one before, which it writes again with the same values).
     It needs no packing and no dispatch: where a product is small (a batch of
     one, the last sequences of a batch) it beats the libraries'
@@ -173,6 +175,24 @@ def small_gemm(a, b, out):
                     for jj in range(_U32):
                         out[i + r, j0 + jj] = acc[32 * r + jj]
                 end += 32
+            elif n - end > 32:  # more than two blocks left: four at a time
+                j2 = np.uint64(min(end + 64, n) - 32)
+                j3 = np.uint64(min(end + 96, n) - 32)
+                for jj in range(128):
+                    acc[jj] = zero
+                for kk in range(k):
+                    x = a[i, kk]
+                    for jj in range(_U32):
+                        acc[jj] += x * b[kk, j0 + jj]
+                        acc[32 + jj] += x * b[kk, j1 + jj]
+                        acc[64 + jj] += x * b[kk, j2 + jj]
+                        acc[96 + jj] += x * b[kk, j3 + jj]
+                for jj in range(_U32):
+                    out[i, j0 + jj] = acc[jj]
+                    out[i, j1 + jj] = acc[32 + jj]
+                    out[i, j2 + jj] = acc[64 + jj]
+                    out[i, j3 + jj] = acc[96 + jj]
+                end += 128
             else:
                 for jj in range(64):
                     acc[jj] = zero
