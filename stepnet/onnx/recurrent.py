@@ -354,9 +354,16 @@ class _Direction:
 
 
 def _read_only(array):
-    if not array.flags.writeable and array.flags.c_contiguous:
-        return array
-    view = np.ascontiguousarray(array).view()
+    """``array`` C-contiguous and read-only, as the prepared kernels take
+    their inputs: itself, a view of it or a copy (the caller's array keeps
+    its flags)."""
+    flags = array.flags
+    if flags.c_contiguous:
+        if not flags.writeable:
+            return array
+        view = array.view()
+    else:
+        view = np.ascontiguousarray(array)
     view.flags.writeable = False
     return view
 
