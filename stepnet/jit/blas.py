@@ -4,8 +4,9 @@ The library is the machine's fastest that stepnet can reach (measured once
 and cached; ``STEPNET_BLAS`` overrides; see :mod:`stepnet.jit.blas_choice`):
 
 - ``mkl``: MKL's CBLAS on its sequential threading layer; the recurrent
-  weights are packed once per call (``cblas_?gemm_pack``) and every step runs
-  ``cblas_?gemm_compute`` on the packed copy, as oneDNN's RNN does.
+  weights are packed once per call (``cblas_?gemm_pack``) where a step can
+  have more rows than stepnet's own loop takes (below), and every such step
+  runs ``cblas_?gemm_compute`` on the packed copy, as oneDNN's RNN does.
 - ``openblas``: scipy's ``cython_blas`` ``sgemm``/``dgemm``, with OpenBLAS's
   thread-local thread count set to one around each call.
 - ``numpy``: ``np.dot`` (when neither is reachable).
@@ -27,7 +28,8 @@ at the first call (``small_rows_table``;
 ``STEPNET_SMALL_PRODUCTS`` overrides): on the AMD EPYC of the README MKL's
 packed product takes a generic kernel for one row, and stepnet's loop is
 faster up to 64 rows while the weights fit in L2; on an Intel Xeon MKL's
-packed product was faster down to one row.
+packed product was faster down to one row. A product outside the time loop
+takes the same limit (``gemm_hoisted``).
 
 ``BLAS_NAME`` says which one is in use; it is part of the generated source,
 so kernels cached on disk never mix them. The small-product rows are a
