@@ -463,7 +463,7 @@ def gemm_packed(a, prepared, k, n, out):
     product)."""
     if a.shape[0] <= prepared[2]:
         _own_product(a, prepared[1], out)
-    elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told: never in a kernel
+    elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
         gemm(a, prepared[1], out)
     else:
         _library_product(a, prepared, k, n, out)
