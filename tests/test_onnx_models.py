@@ -362,6 +362,30 @@ def test_bound_ops_on_constant_inputs_match_the_node_cases():
     assert {"Slice", "Squeeze", "Unsqueeze", "Reshape", "Pad", "Conv", "ReduceMean", "Gather"} <= checked
 
 
+@pytest.mark.parametrize("spatial, kernel, strides", [((40,), (8,), (4,)), ((9, 12), (3, 5), (2, 3)),
+                                                     ((16,), (16,), (1,))])
+def test_conv_with_a_constant_weight_matches_onnxruntime(spatial, kernel, strides, rng):
+    """Windows taken by output position (strided or wide kernels): one
+    sample in a call (the channels' rows computed at once) and several."""
+    C, M = 3, 5
+    w = rng.standard_normal((M, C) + kernel).astype(np.float32)
+    b = rng.standard_normal(M).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], strides=list(strides),
+                            pads=[1] * (2 * len(spatial)))
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", C, *spatial])], [helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w, "w"),
+                                         numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = InferenceSession(model, backend="interpreter")
+    for n in (1, 3, 1):
+        feeds = {"x": rng.standard_normal((n, C, *spatial)).astype(np.float32)}
+        got, = session.run(None, feeds)
+        expected, = _ort(model, feeds)
+        assert_close(got, expected, what=f"{n} samples")
+
+
 def test_every_default_domain_op_loads_at_every_opset():
     """Every operator of the default domain, opsets 7 to 22, has an
     implementation in the session (a node of it is made)."""

@@ -115,7 +115,11 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         N = x.shape[0]
         windows = np.ndarray(shape, x.dtype, buffer=buf, strides=steps)
         if by_window:
-            y = (windows.reshape(N * O, Cg * K) @ weights_t).reshape(N, O, M).transpose(0, 2, 1)
+            rows = windows.reshape(N * O, Cg * K)
+            if N == 1:  # [M, O] at once: each channel's row contiguous for the ops after
+                y = weights[0] @ rows.T
+            else:
+                y = (rows @ weights_t).reshape(N, O, M).transpose(0, 2, 1)
         else:
             cols = windows.reshape(G, Cg * K, N * O)
             if G == 1:  # NumPy's stacked matmul does not call BLAS: one 2-D product
