@@ -329,7 +329,8 @@ def test_zero_length_sequence(rng):
 def test_recurrent_node_called_again_and_again(direction, layout, rng):
     """A streaming model's calls (same weights, states fed back) take the
     node's short path on numba; new weights, another batch, a wrong state
-    shape and sequence_lens still get what the interpreter gives."""
+    shape, a wrong width of X and sequence_lens still get what the
+    interpreter gives."""
     D, I, H = (2 if direction == "bidirectional" else 1), 3, 4
     node = helper.make_node("LSTM", ["X", "W", "R", "B", "L", "h0", "c0"], ["Y", "Y_h", "Y_c"],
                             hidden_size=H, direction=direction, layout=layout, name="lstm")
