@@ -446,10 +446,9 @@ def gemm_hoisted(a, b, out, small_rows):
     """out[:m] = a[:m] @ b for a product outside the time loop (all steps'
     rows at once): stepnet's own loop where they are no more than it takes
     for a per-step product of these weights (a stream's chunk of a few
-    frames), else the library's. Under ``STEPNET_DETERMINISTIC`` always the
-    library's, as before."""
-    rows = rows_for(small_rows, b.shape[0] * b.shape[1])
-    if a.shape[0] <= rows and rows < EVERY_PRODUCT:
+    frames; under ``STEPNET_DETERMINISTIC`` every product), else the
+    library's."""
+    if a.shape[0] <= rows_for(small_rows, b.shape[0] * b.shape[1]):
         _own_product(a, b, out)
     else:
         gemm(a, b, out)

@@ -153,7 +153,7 @@ class _Module:
         self.packed = {}  # weights ident -> packed weights ident
         self.const_vars = {}  # ident -> the program's constant (an ir.Var)
         self.concatenated = {}  # ident -> the constants it joins by columns
-        self.small_gemm_dtypes = set()  # dtypes of the per-step products (blas.register_small_gemm)
+        self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -1413,8 +1413,8 @@ class NumbaProgram:
         """The constant arguments of the kernel (merged weights joined, the
         small-product rows: ``blas.small_rows_table()`` unless given), laid
         out once for any number of :meth:`run_prepared` calls."""
-        const_args = [_read_only(consts[v]) for v in self.program.consts]
-        const_args += [_read_only(np.concatenate([consts[v] for v in joined], axis=1))
+        const_args = [read_only(consts[v]) for v in self.program.consts]
+        const_args += [read_only(np.concatenate([consts[v] for v in joined], axis=1))
                        for joined in self.concatenated.values()]
         const_args.append(blas.small_rows_table() if small_rows is None else small_rows)
         return const_args
@@ -1517,10 +1517,10 @@ class NumbaProgram:
         call_args = []
         for (kind, _, _, _), value in zip(self.top_inputs, args):
             if kind == "sequence":
-                call_args.append(_read_only(value.data))
-                call_args += [_read_only(lv) for lv in value.levels]
+                call_args.append(read_only(value.data))
+                call_args += [read_only(lv) for lv in value.levels]
             else:
-                call_args.append(_read_only(value))
+                call_args.append(read_only(value))
         return call_args
 
     def _run(self, const_args, args, buffers):
@@ -1566,10 +1566,18 @@ _SMALL_ROWS_TYPE = np.zeros((2, 1), np.int64)
 _SMALL_ROWS_TYPE.flags.writeable = False
 
 
-def _read_only(array):
-    """A C-contiguous read-only view: the kernel never writes its inputs, and one
-    array type for every call means one compiled signature."""
-    view = np.ascontiguousarray(array).view()
+def read_only(array):
+    """``array`` C-contiguous and read-only: itself where it is, else a view
+    or a copy (the caller's array keeps its flags). The kernel never writes
+    its inputs, and one array type for every call means one compiled
+    signature."""
+    flags = array.flags
+    if flags.c_contiguous:
+        if not flags.writeable:
+            return array
+        view = array.view()
+    else:
+        view = np.ascontiguousarray(array)
     view.flags.writeable = False
     return view
 

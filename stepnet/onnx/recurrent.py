@@ -123,7 +123,7 @@ class RecurrentNode:
         """The node's outputs, each direction's step-net called on the batch."""
         streaming = self._streaming
         if streaming is not None and streaming[0] == backend:
-            outs = self._run_streaming(inputs, streaming[1])
+            outs = self._run_streaming(inputs, *streaming[1:])
             if outs is not None:
                 return outs
         ctx = self.ctx
@@ -163,7 +163,8 @@ class RecurrentNode:
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
         if lengths is None:
             kernels = [run.kernel for run in directions]
-            self._streaming = (backend, kernels) if None not in kernels else None
+            sizes = [widths[min(s, len(widths) - 1)] for s in range(len(initial))]
+            self._streaming = (backend, kernels, sizes) if None not in kernels else None
             return self._outputs(results, Bsz, T, out_dtype)
         Y = np.zeros((Bsz, T, D, H), dtype)
         for d, r in enumerate(results):
@@ -177,8 +178,8 @@ class RecurrentNode:
         if offsets is None:
             if len(self._full_offsets) > 64:
                 self._full_offsets.clear()
-            offsets = self._full_offsets[Bsz, T] = _read_only(
-                np.arange(0, (Bsz + 1) * T, T, dtype=np.int64))
+            offsets = self._full_offsets[Bsz, T] = np.arange(0, (Bsz + 1) * T, T, dtype=np.int64)
+            offsets.flags.writeable = False
         return offsets
 
     def _outputs(self, results, Bsz, T, out_dtype, Y=None):
@@ -198,27 +199,26 @@ class RecurrentNode:
                                              out_dtype))
         return outs
 
-    def _run_streaming(self, inputs, kernels):
+    def _run_streaming(self, inputs, kernels, sizes):
         """``run`` for the call a streaming model makes chunk after chunk, in a
         few comparisons: the weights of the last call (the same arrays), no
-        ``sequence_lens``, X and the states in the layer's dtype and the shapes
-        it takes, each direction's kernel prepared (``kernels``). None for any
-        other call: ``run`` then checks and converts everything."""
+        ``sequence_lens``, X and the states (of widths ``sizes``) in the
+        layer's dtype and the shapes it takes, each direction's kernel
+        prepared (``kernels``). None for any other call: ``run`` then checks
+        and converts everything."""
         n, X, kept = len(inputs), inputs[0], self.weights
-        lstm = self.ctx.op == "LSTM"
         dtype = self.layer.dtype
         if (type(X) is not np.ndarray or X.ndim != 3 or X.dtype != dtype or n < 3
                 or inputs[1] is not kept[0] or inputs[2] is not kept[1]
                 or (inputs[3] if n > 3 else None) is not kept[2]
                 or (n > 4 and inputs[4] is not None)
-                or (inputs[7] if lstm and n > 7 else None) is not kept[3]):
+                or (inputs[7] if n > 7 else None) is not kept[3]):  # (P: LSTM only)
             return None
         if not self.layout:
             X = X.transpose(1, 0, 2)
         Bsz, T, width = X.shape
-        states, widths = [], self.layer.state_widths()
-        for s in range(1 + lstm):
-            size = widths[min(s, len(widths) - 1)]
+        states = []
+        for s, size in enumerate(sizes):
             state = inputs[5 + s] if n > 5 + s else None
             if state is not None:
                 if type(state) is not np.ndarray or state.dtype != dtype:
@@ -353,21 +353,6 @@ class _Direction:
         return outs
 
 
-def _read_only(array):
-    """``array`` C-contiguous and read-only, as the prepared kernels take
-    their inputs: itself, a view of it or a copy (the caller's array keeps
-    its flags)."""
-    flags = array.flags
-    if flags.c_contiguous:
-        if not flags.writeable:
-            return array
-        view = array.view()
-    else:
-        view = np.ascontiguousarray(array)
-    view.flags.writeable = False
-    return view
-
-
 def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     """``call(data, offsets, states)`` running the Numba program of ``rnn``
     with its constant arguments laid out once, or None.
@@ -378,6 +363,8 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     program's layout (``top_inputs``, ``top_outputs``, ``given``, ``module.program``), and
     is used only if its first results equal, bit for bit, those of the public
     call it replaces."""
+    from ..jit.numba_cpu import read_only  # (loaded: the public call ran on numba)
+
     try:
         run = compiled._runner(flags)
         run = getattr(run, "numba_program", run)  # a TieredProgram's kernel
@@ -408,7 +395,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 # big enough for sequence groups on threads: the engine's own call
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
-            args = [_read_only(data), _read_only(offsets)] + [_read_only(s) for s in states]
+            args = [read_only(data), read_only(offsets)] + [read_only(s) for s in states]
             outs = [np.empty((data.shape[0],) + y_shape, y_dtype)]
             outs += [np.empty((len(offsets) - 1,) + shape, dtype) for shape, dtype in last_shapes]
             results = entry(*const_args, *args, *outs)
