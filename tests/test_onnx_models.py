@@ -509,6 +509,53 @@ def test_if_with_recurrent_branches(backend):
         _check_against(session.run(None, feeds), _ort(model, feeds), f"flag {flag}")
 
 
+def test_if_on_a_memoized_condition_runs_its_branch_inline():
+    """A run whose key (shapes, small integer inputs) decides an If's
+    condition runs the chosen branch's nodes in the graph's own plan, nested
+    Ifs too, and skips nodes whose outputs only decided nodes read (the
+    ``chunk`` below, read only by Shape); every call matches onnxruntime."""
+    def branch(name, nodes, out):
+        return helper.make_graph(nodes, name, [], [_f32(out)])
+
+    inner_then = branch("inner_then", [helper.make_node("Add", ["t1", "one_f"], ["t2"])], "t2")
+    inner_else = branch("inner_else", [helper.make_node("Sub", ["t1", "one_f"], ["t3"])], "t3")
+    then = branch("then", [helper.make_node("Mul", ["x", "two_f"], ["t1"]),
+                           helper.make_node("If", ["positive"], ["t4"], then_branch=inner_then,
+                                            else_branch=inner_else)], "t4")
+    other = branch("else", [helper.make_node("Neg", ["x"], ["e1"])], "e1")
+    last_then = branch("last_then", [helper.make_node("Mul", ["mid", "two_f"], ["l1"])], "l1")
+    last_else = branch("last_else", [helper.make_node("Identity", ["mid"], ["l2"])], "l2")
+    nodes = [
+        helper.make_node("Equal", ["mode", "one"], ["is_one"]),
+        helper.make_node("Greater", ["mode", "zero"], ["positive"]),
+        helper.make_node("Identity", ["x"], ["chunk"], name="chunk_node"),
+        helper.make_node("Shape", ["chunk"], ["shape"]),
+        helper.make_node("Gather", ["shape", "one"], ["width"]),
+        helper.make_node("Equal", ["width", "four"], ["wide"]),
+        helper.make_node("If", ["is_one"], ["mid"], then_branch=then, else_branch=other),
+        helper.make_node("If", ["wide"], ["y"], then_branch=last_then, else_branch=last_else),
+    ]
+    inits = [numpy_helper.from_array(np.array(v, dtype), name) for name, v, dtype in (
+        ("one", 1, np.int64), ("zero", 0, np.int64), ("four", 4, np.int64),
+        ("one_f", 1.0, np.float32), ("two_f", 2.0, np.float32))]
+    model = _model(nodes, [_f32("x", ["B", "W"]),
+                           helper.make_tensor_value_info("mode", TensorProto.INT64, [])],
+                   [_f32("y")], inits)
+    session = InferenceSession(model)
+    r = np.random.default_rng(3)
+    for mode, width in ((1, 4), (0, 4), (1, 3), (-1, 4), (1, 4), (0, 3)):
+        for call in range(2):  # the second call of a key runs its memoized plan
+            feeds = {"x": r.standard_normal((2, width)).astype(np.float32),
+                     "mode": np.array(mode, np.int64)}
+            _check_against(session.run(None, feeds), _ort(model, feeds), f"mode {mode} {call}")
+    plans = [plan for _, plan in session.graph.memo.values()]
+    assert len(plans) == 5
+    for plan in plans:
+        assert [n.op for n in plan if n.kind == "if"] == []
+        assert "chunk_node" not in [n.ctx.node for n in plan]
+        assert {"Mul", "Neg"} & {n.op for n in plan}
+
+
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])
 def test_loop_with_a_gru_in_its_body(backend):
     """A Loop whose body runs a GRU on the carried sequence, a scan output

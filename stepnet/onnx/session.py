@@ -531,16 +531,64 @@ class Graph:
         ``rows`` says (:mod:`stepnet.onnx.ops`)."""
         if key is None or not self.decided:
             return self._run(env, backend, step, rows, float16_as_float32, self.plan, None)
-        known = self.memo.get(key)
-        if known is not None:
+        memo = self.memo.get(key)
+        if memo is not None:
+            known, plan = memo
             env.update(known)
-            return self._run(env, backend, step, rows, float16_as_float32, self.rest, key)
+            return self._run(env, backend, step, rows, float16_as_float32, plan, key)
         self._run(env, backend, step, rows, float16_as_float32, self.plan, key)
         if len(self.memo) >= 16:
             self.memo.clear()
-        self.memo[key] = {n: _read_only(env[n].copy() if isinstance(env[n], np.ndarray)
-                                        else env[n]) for n in self.decided}
+        known = {n: _read_only(env[n].copy() if isinstance(env[n], np.ndarray) else env[n])
+                 for n in self.decided}
+        plan = self.rest
+        if not (step or float16_as_float32 or self.widen):
+            plan = self._key_plan(known)
+        self.memo[key] = (known, plan)
         return env
+
+    def _key_plan(self, known):
+        """The nodes a run with the memoized values ``known`` computes: each
+        ``If`` whose condition is among them replaced by its branch for
+        these values (the branch's nodes, then its outputs copied to the
+        If's; the branch's constants added to ``known``), and only the
+        nodes that the graph's outputs need."""
+        taken = set(self.input_names) | set(self.initializers) | set(self.constants) | set(
+            self.captures) | {n for node in self.nodes for n in node.outputs}
+        plan = self._inline(self.rest, known, taken)
+        needed, kept = set(self.output_names), []
+        for node in reversed(plan):
+            if any(n in needed for n in node.outputs if n):
+                kept.append(node)
+                needed.update(n for n in node.inputs if n)
+                needed.update(node.captures)
+        return kept[::-1]
+
+    def _inline(self, nodes, known, taken):
+        plan = []
+        for node in nodes:
+            branch = None
+            if node.kind == "if" and node.inputs[0] in known:
+                cond = known[node.inputs[0]]
+                if isinstance(cond, np.ndarray) and cond.size == 1:
+                    branch = node.then_branch if cond.item() else node.else_branch
+            if branch is not None:
+                defined = ({n for inner in branch.nodes for n in inner.outputs if n}
+                           | set(branch.initializers) | set(branch.constants))
+                if (branch.decided or branch.widen or defined & taken
+                        or any(inner.kind == "gradient" for inner in branch.nodes)):
+                    branch = None  # run by the If node itself
+                else:
+                    taken |= defined
+            if branch is None:
+                plan.append(node)
+                continue
+            for name, value in branch.run_constants.items():
+                known.setdefault(name, value)
+            plan += self._inline(branch.plan, known, taken)
+            plan += [_Copy(node, source, name)
+                     for source, name in zip(branch.output_names, node.outputs) if name]
+        return plan
 
     def _run(self, env, backend, step, rows, float16_as_float32, plan, key):
         if float16_as_float32:
@@ -630,6 +678,23 @@ class Graph:
                                        f"{len(node.outputs)}")
         return [o if is_step(o) or isinstance(o, (np.ndarray, list)) or o is None
                 else np.asarray(o) for o in outs]
+
+
+class _Copy:
+    """An ``If``'s output taken from the output of its branch inlined in a
+    plan (``Graph._key_plan``): run like a node bound to its table entry."""
+
+    def __init__(self, node, source, name):
+        self.ctx, self.op, self.kind = node.ctx, node.op, "copy"
+        self.inputs, self.captures, self.outputs = [source], [], [name]
+        self.get, self.single, self.out = operator.itemgetter(source), True, name
+
+    @staticmethod
+    def fast(value):
+        return value if type(value) is np.ndarray else NotImplemented
+
+    def run(self, graph, env, backend, *args, **kwargs):
+        env[self.out] = env[self.inputs[0]]
 
 
 def _type_is_float16(type_proto) -> bool:
