@@ -2,6 +2,7 @@
 generator treats specially, its caches, and its float32 transcendentals."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,11 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     assert program.count("gemm_hoisted(") == 1
     assert source.count("gemm_packed(") == 1
     assert "for step in range(num_steps)" in source
+    # the six weights are read only joined by columns: program() and the rnn
+    # function take the four biases and the two joined weights, not them
+    params = [line[line.index("(") + 1:-2].split(", ") for line in source.splitlines()
+              if line.startswith("def ")]
+    assert [len([p for p in ps if re.fullmatch(r"c\d+", p)]) for ps in params] == [4, 4]
 
 
 def test_rebinding_never_recompiles(rng):

@@ -58,6 +58,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -252,28 +253,57 @@ def generate_source(program: ir.Program):
         "",
     ]
     src += module.module_consts + [""]
-    for fn in module.functions:
+    n = len(program.consts)
+    unused = _unused_consts(params[:n], module, body)
+    functions = [[_without_args(line, unused) for line in fn] for fn in module.functions]
+    body = [_without_args(line, unused) for line in body]
+    for fn in functions:
         src += fn + [""]
     src.append(_DECORATOR)
-    # consts, then weights concatenated by the caller for merged GEMMs, the
-    # small-product rows (blas.small_rows_table), the inputs, and the output
-    # buffers the caller gives, in the order of the outputs
-    n = len(program.consts)
+    # the consts its code reads, then weights concatenated by the caller for
+    # merged GEMMs, the small-product rows (blas.small_rows_table), the
+    # inputs, and the output buffers the caller gives, in the order of the
+    # outputs
     given = set(module.given_outputs)
-    params = (params[:n] + list(module.concatenated) + ["small_rows"] + params[n:]
-              + [o[1] for o in outs if o[1] in given])
+    consts = [v for v, ident in zip(program.consts, params) if ident not in unused]
+    params = ([p for p in params[:n] if p not in unused] + list(module.concatenated)
+              + ["small_rows"] + params[n:] + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in body]
-    layout = _Layout(top_inputs, outs, module.concatenated, sched,
+    layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
                      sorted(module.same_lod))
     return "\n".join(src) + "\n", layout
+
+
+_RNN_CALL = re.compile(r"\s*(def )?rnn_\d+\(")
+
+
+def _unused_consts(idents, module, body):
+    """The constants (by ident) that no generated line reads: a weight whose
+    products all read the weights joined by columns, say. Every rnn function
+    takes every constant by name, so its ``def`` and its calls do not count."""
+    lines = [line for fn in module.functions for line in fn] + body
+    text = "\n".join(line for line in lines if not _RNN_CALL.match(line))
+    read = set(re.findall(r"\b[A-Za-z_]\w*\b", text))
+    return {ident for ident in idents if ident not in read}
+
+
+def _without_args(line, unused):
+    """An rnn function's ``def`` or call line without the ``unused`` arguments."""
+    if not unused or not _RNN_CALL.match(line):
+        return line
+    head, args = line.split("(", 1)
+    end = args.rindex(")")
+    kept = [a for a in args[:end].split(", ") if a not in unused]
+    return f"{head}({', '.join(kept)}){args[end + 1:]}"
 
 
 @dataclass
 class _Layout:
     """What a call of the generated program() takes and returns."""
 
+    consts: list  # the program's constants its code reads (ir.Var), its first parameters
     top_inputs: list  # per program input: (kind, var, data ident, level idents)
     top_outputs: list  # per rnn output: (kind, ident, ...)
     concatenated: dict  # weights joined by the caller: ident -> constants (ir.Var)
@@ -1353,6 +1383,7 @@ class NumbaProgram:
     def __init__(self, program: ir.Program):
         self.program = program
         self.source, layout = generate_source(program)
+        self.consts = layout.consts
         self.top_inputs = layout.top_inputs
         self.top_outputs = layout.top_outputs
         self.concatenated = layout.concatenated
@@ -1413,7 +1444,7 @@ class NumbaProgram:
         """The constant arguments of the kernel (merged weights joined, the
         small-product rows: ``blas.small_rows_table()`` unless given), laid
         out once for any number of :meth:`run_prepared` calls."""
-        const_args = [read_only(consts[v]) for v in self.program.consts]
+        const_args = [read_only(consts[v]) for v in self.consts]
         const_args += [read_only(np.concatenate([consts[v] for v in joined], axis=1))
                        for joined in self.concatenated.values()]
         const_args.append(blas.small_rows_table() if small_rows is None else small_rows)
