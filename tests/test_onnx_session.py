@@ -328,8 +328,9 @@ def test_zero_length_sequence(rng):
 @pytest.mark.parametrize("direction, layout", [("forward", 0), ("bidirectional", 1)])
 def test_recurrent_node_called_again_and_again(direction, layout, rng):
     """A streaming model's calls (same weights, states fed back) take the
-    node's short path on numba; new weights, another batch, a wrong state
-    shape, a wrong width of X and sequence_lens still get what the
+    node's short path on numba (its kernel's machine code called directly);
+    new weights, another batch, states that are strided views, a wrong
+    state shape, a wrong width of X and sequence_lens still get what the
     interpreter gives."""
     D, I, H = (2 if direction == "bidirectional" else 1), 3, 4
     node = helper.make_node("LSTM", ["X", "W", "R", "B", "L", "h0", "c0"], ["Y", "Y_h", "Y_c"],
@@ -376,6 +377,11 @@ def test_recurrent_node_called_again_and_again(direction, layout, rng):
             assert lstm._streaming is not None, f"call {call}: the short path is not taken"
         got = ours.run(None, f)
         assert_close(got, oracle.run(None, f), what=f"call {call}")
+    strided = {**feeds(2, 3, 11), **w}  # states that are views with a stride
+    for name in ("h0", "c0"):
+        strided[name] = np.repeat(strided[name], 2, axis=-1)[..., ::2]
+    assert not strided["h0"].flags.c_contiguous
+    assert_close(ours.run(None, strided), oracle.run(None, strided), what="strided states")
     bad = {**feeds(2, 3, 9), **w}
     bad["h0"] = bad["h0"][:1] if layout else bad["h0"][:, :1]  # one row for a batch of two
     for session in (ours, oracle):

@@ -1613,6 +1613,30 @@ def read_only(array):
     return view
 
 
+def compiled_entry(dispatcher, args):
+    """The machine code ``dispatcher`` compiled for exactly the types of
+    ``args``, as a function called without Numba's type dispatch, or None.
+
+    It costs a microsecond less a call than the dispatcher, and it takes
+    writeable arrays where it was compiled for read-only ones (its code
+    never writes them), so no read-only view need be made per call. It
+    checks nothing: the caller passes arrays of the same dtypes and ranks,
+    C-contiguous and aligned (:func:`exactly`), else it reads wrong memory."""
+    try:
+        return dispatcher.overloads[tuple(numba.typeof(a) for a in args)].entry_point
+    except (AttributeError, KeyError, TypeError, ValueError):  # not compiled, or no such attribute
+        return None
+
+
+def exactly(array, dtype, ndim) -> bool:
+    """Whether ``array`` may go to a :func:`compiled_entry` in place of an
+    array of ``dtype`` and rank ``ndim`` (either writeable or not)."""
+    if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim:
+        return False
+    flags = array.flags
+    return flags.c_contiguous and flags.aligned
+
+
 class TieredProgram:
     """A program whose kernel no process has compiled on this machine, in two
     tiers: calls run on the NumPy interpreter while the compile worker (a

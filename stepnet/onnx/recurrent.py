@@ -359,11 +359,13 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
 
     The constants come from the program's ``prepare``; a run big enough for
     sequence groups on threads goes through its ``run_prepared``, a small one
-    (a chunk of audio) calls the kernel's entry point directly. It reads the
+    (a chunk of audio) calls the kernel's machine code directly
+    (:func:`stepnet.jit.numba_cpu.compiled_entry`, where its arguments are
+    exactly the types it was compiled for; else its entry point). It reads the
     program's layout (``top_inputs``, ``top_outputs``, ``given``, ``module.program``), and
     is used only if its first results equal, bit for bit, those of the public
     call it replaces."""
-    from ..jit.numba_cpu import read_only  # (loaded: the public call ran on numba)
+    from ..jit.numba_cpu import compiled_entry, exactly, read_only  # (loaded: numba ran)
 
     try:
         run = compiled._runner(flags)
@@ -379,6 +381,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
         width, features = expected[1].shape[1], data.shape[1]
         y_shape, y_dtype = expected[0].shape[1:], expected[0].dtype
         last_shapes = [(e.shape[1:], e.dtype) for e in expected[1:]]
+        dtype, plain = data.dtype, None  # plain: the kernel without Numba's dispatch
 
         def call(data, offsets, states):
             if data.shape[1] != features:  # (the public call checks this, and more)
@@ -395,13 +398,24 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 # big enough for sequence groups on threads: the engine's own call
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
-            args = [read_only(data), read_only(offsets)] + [read_only(s) for s in states]
             outs = [np.empty((data.shape[0],) + y_shape, y_dtype)]
             outs += [np.empty((len(offsets) - 1,) + shape, dtype) for shape, dtype in last_shapes]
-            results = entry(*const_args, *args, *outs)
+            if (plain is not None and exactly(data, dtype, 2) and exactly(offsets, np.int64, 1)
+                    and all(exactly(s, dtype, 2) for s in states)):
+                results = plain(*const_args, data, offsets, *states, *outs)
+            else:
+                args = [read_only(data), read_only(offsets)] + [read_only(s) for s in states]
+                results = entry(*const_args, *args, *outs)
             return list(results[:1 + n])
 
-        got = call(data, offsets, states)
+        got = call(data, offsets, states)  # compiles nothing new: the public call's types
+        sample = [read_only(np.zeros((1, features), dtype)), read_only(np.zeros(2, np.int64))]
+        sample += [read_only(np.zeros((1, width), dtype))] * n
+        sample += [np.empty((1,) + y_shape, y_dtype)]
+        sample += [np.empty((1,) + shape, dtype) for shape, dtype in last_shapes]
+        plain = compiled_entry(entry, const_args + sample)
+        if plain is not None:  # the results below are the plain kernel's
+            got = call(data, offsets, states)
         if len(got) == len(expected) and all(
                 a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
                 for a, b in zip(got, expected)):
