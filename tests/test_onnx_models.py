@@ -548,7 +548,7 @@ def test_if_on_a_memoized_condition_runs_its_branch_inline():
             feeds = {"x": r.standard_normal((2, width)).astype(np.float32),
                      "mode": np.array(mode, np.int64)}
             _check_against(session.run(None, feeds), _ort(model, feeds), f"mode {mode} {call}")
-    plans = [plan for _, plan in session.graph.memo.values()]
+    plans = [memo[1] for memo in session.graph.memo.values()]
     assert len(plans) == 5
     for plan in plans:
         assert [n.op for n in plan if n.kind == "if"] == []

@@ -607,14 +607,15 @@ def _reduce(name, np_fn, sn_fn):
         def reduce(x, *rest):
             if x.dtype.kind != "f":
                 return NotImplemented
-            plan = plans.get(x.shape)
+            plan = plans.get((x.shape, x.dtype))
             if plan is None:
                 over = tuple(a % x.ndim for a in axes) if axes else tuple(range(x.ndim))
                 count = int(np.prod([x.shape[a] for a in over]))
-                plan = plans[x.shape] = (over, 1.0 / count if count else np.nan)
+                plan = plans[x.shape, x.dtype] = (over, x.dtype.type(1.0 / count if count
+                                                                    else np.nan))
             total = np.add.reduce(x, axis=plan[0], keepdims=bool(keepdims))
             if name == "ReduceMean":
-                total = total * x.dtype.type(plan[1])
+                total *= plan[1]  # in place where the sum is an array
             return total
 
         return reduce
@@ -733,13 +734,23 @@ def _bind_pad(ctx, known, mode="constant"):
             or mode not in ("constant", "reflect", "edge") or min(pads, default=0) < 0):
         return None
     n = len(pads) // 2
+    plans = {}  # reflect and edge: input shape -> _pad_parts
 
     def pad(x, *rest):
         widths = [(0, 0)] * x.ndim
         for i, a in enumerate(range(x.ndim) if axes is None else axes):
             widths[a % x.ndim] = (pads[i], pads[i + n])
         if mode != "constant":
-            return _pad_from_inside(x, widths, mode)
+            parts = plans.get(x.shape)
+            if parts is None:
+                if len(plans) > 64:
+                    plans.clear()
+                parts = plans[x.shape] = _pad_parts(x.shape, widths, mode)
+            if parts is NotImplemented:  # wider than the axis: NumPy's rule
+                return np.pad(x, widths, mode="reflect")
+            for a, before, after in parts:
+                x = np.concatenate([x[before], x, x[after]], axis=a)
+            return x
         fill = rest[1] if len(rest) > 1 and rest[1] is not None and np.size(rest[1]) else 0
         fill = np.asarray(fill).reshape(-1)[0]
         out = np.full(tuple(d + b + e for d, (b, e) in zip(x.shape, widths)), fill, x.dtype)
@@ -749,28 +760,25 @@ def _bind_pad(ctx, known, mode="constant"):
     return pad
 
 
-def _take(x, axis, start, stop, step=1):
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(start, stop, step)
-    return x[tuple(index)]
-
-
-def _pad_from_inside(x, widths, mode):
-    """Reflect or edge padding, one axis at a time (np.pad is slow on small arrays)."""
+def _pad_parts(shape, widths, mode):
+    """Reflect or edge padding as ``[(axis, before, after)]``: per padded
+    axis, the indices of the rows joined before and after the input (one
+    ``np.concatenate`` each; np.pad is slow on small arrays). NotImplemented
+    where a reflection is wider than its axis."""
+    parts = []
     for a, (b, e) in enumerate(widths):
         if not b and not e:
             continue
-        n = x.shape[a]
+        n = shape[a]
         if mode == "reflect" and (b >= n or e >= n):
-            return np.pad(x, widths, mode="reflect")  # wider than the axis: NumPy's rule
+            return NotImplemented
         if mode == "reflect":
             stop = n - 2 - e if n - 2 - e >= 0 else None  # -1 would mean the last
-            parts = [_take(x, a, b, 0, -1), x, _take(x, a, n - 2, stop, -1)]
-        else:
-            parts = [np.repeat(_take(x, a, 0, 1), b, axis=a), x,
-                     np.repeat(_take(x, a, n - 1, n), e, axis=a)]
-        x = np.concatenate(parts, axis=a)
-    return x
+            before, after = slice(b, 0, -1), slice(n - 2, stop, -1)
+        else:  # edge: the first and the last row repeated
+            before, after = [0] * b, [n - 1] * e
+        parts.append((a, (slice(None),) * a + (before,), (slice(None),) * a + (after,)))
+    return parts
 
 
 @op("Not", in_step=False)

@@ -533,18 +533,23 @@ class Graph:
             return self._run(env, backend, step, rows, float16_as_float32, self.plan, None)
         memo = self.memo.get(key)
         if memo is not None:
-            known, plan = memo
+            known, plan, constants = memo
             env.update(known)
-            return self._run(env, backend, step, rows, float16_as_float32, plan, key)
+            return self._run(env, backend, step, rows, float16_as_float32, plan, key, constants)
         self._run(env, backend, step, rows, float16_as_float32, self.plan, key)
         if len(self.memo) >= 16:
             self.memo.clear()
         known = {n: _read_only(env[n].copy() if isinstance(env[n], np.ndarray) else env[n])
                  for n in self.decided}
-        plan = self.rest
+        plan, constants = self.rest, True
         if not (step or float16_as_float32 or self.widen):
             plan = self._key_plan(known)
-        self.memo[key] = (known, plan)
+            # the memoized values and constants that the plan and the outputs read
+            read = {n for node in plan for n in (*node.inputs, *node.captures) if n}
+            read.update(self.output_names)
+            known = {n: v for n, v in {**self.run_constants, **known}.items() if n in read}
+            constants = False
+        self.memo[key] = (known, plan, constants)
         return env
 
     def _key_plan(self, known):
@@ -590,11 +595,14 @@ class Graph:
                      for source, name in zip(branch.output_names, node.outputs) if name]
         return plan
 
-    def _run(self, env, backend, step, rows, float16_as_float32, plan, key):
+    def _run(self, env, backend, step, rows, float16_as_float32, plan, key, constants=True):
+        """``plan`` run into ``env``; ``constants``: whether ``env`` needs
+        the graph's constants (a key's plan has them among its memoized
+        values)."""
         if float16_as_float32:
             for name, value in self.constants32.items():
                 env.setdefault(name, value)
-        else:
+        elif constants:
             env.update(self.run_constants)
             for name, value in self.defaults.items():
                 env.setdefault(name, value)
@@ -836,7 +844,7 @@ class InferenceSession:
     def _run(self, env, backend):
         key = None
         if self._memoized:
-            key = tuple((n, v.shape, v.dtype.str) if isinstance(v, np.ndarray) else (n, id(v))
+            key = tuple((n, v.shape, v.dtype) if type(v) is np.ndarray else (n, id(v))
                         for n, v in env.items())
             key += tuple(env[n].tobytes() for n in self._by_value if n in env)
         self.graph.run(env, backend, key=key)
