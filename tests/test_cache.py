@@ -69,6 +69,39 @@ def test_build_settings_give_separate_helper_caches(monkeypatch):
     assert cache.build_key() == plain
 
 
+def test_helpers_compiled_for_one_blas_are_not_loaded_for_another(tmp_path):
+    """Two processes that measured different BLAS libraries (close on some
+    machines; two processes measuring at once can differ) keep their
+    compiled helpers apart: the second would otherwise load helpers that
+    call the first's library and crash (LLVM: symbol not found)."""
+    import json
+
+    from stepnet.jit import blas_choice
+
+    if blas_choice.find_mkl() is None or blas_choice.find_openblas() is None:
+        import pytest
+
+        pytest.skip("needs both MKL and scipy's OpenBLAS")
+    env = {k: v for k, v in os.environ.items() if k != "STEPNET_BLAS"}
+    env.update(STEPNET_CACHE_DIR=str(tmp_path), STEPNET_TIERED="0",
+               STEPNET_SMALL_PRODUCTS="0")  # every product on the library
+    script = _SCRIPT.replace("x + h.pre_state()", "x @ W + h.pre_state() @ W").replace(
+        "rnn = sn.create_rnn_op()", "W = sn.Parameter(np.eye(2, dtype=np.float32) / 2)\n"
+        "rnn = sn.create_rnn_op()")
+    names = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        saved = json.loads((tmp_path / "blas.json").read_text())
+        names.append(saved["name"])
+        saved["name"] = "openblas" if saved["name"] == "mkl" else "mkl"  # measured otherwise
+        (tmp_path / "blas.json").write_text(json.dumps(saved))
+    assert names[0] != names[1]
+    builds = {p.parent.parent.name for p in tmp_path.glob("numba/*/jit/blas.gemm_hoisted-*.nbi")}
+    assert len(builds) == 2  # one per library
+
+
 def test_default_cache_dir_is_per_user(monkeypatch, tmp_path):
     monkeypatch.delenv("STEPNET_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

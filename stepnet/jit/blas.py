@@ -50,7 +50,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
-from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
+from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, small_product_rows
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
@@ -212,6 +212,7 @@ def small_gemm(a, b, out):
 
 _choice = choose()
 BLAS_NAME = _choice["name"]
+cache.note_blas(BLAS_NAME)  # the helpers below are compiled, and cached, per choice
 
 if BLAS_NAME == "mkl":
     llvm_binding.load_library_permanently(find_mkl().path)

@@ -12,7 +12,7 @@ Nothing is written into the installed package: importing this module puts a
 Numba cache locator in front of Numba's own ones for source files inside the
 stepnet package (files elsewhere keep Numba's usual locators). A ``build``
 names what Numba's cache cannot see but the compiled helpers depend on
-(bounds checking, the thread count, the BLAS choice,
+(bounds checking, the thread count, the BLAS chosen or measured,
 deterministic mode, Numba's version), so runs with different settings never
 load each other's code.
 
@@ -51,6 +51,18 @@ def cache_dir() -> Path:
     return Path(path)
 
 
+_CHOSEN_BLAS = []  # the BLAS stepnet.jit.blas chose (measured, or STEPNET_BLAS), once it has
+
+
+def note_blas(name) -> None:
+    """Called by :mod:`stepnet.jit.blas` once it has chosen its BLAS, before
+    it defines the helpers that call it: their compiled code is kept apart
+    per choice. (Two processes measuring at once on a machine where the
+    libraries are close can choose differently; a helper compiled against
+    one library's symbols and loaded where the other was chosen would crash.)"""
+    _CHOSEN_BLAS[:] = [name]
+
+
 def build_key() -> str:
     """The settings baked into compiled helpers that Numba's cache does not key
     by (see the module docstring)."""
@@ -59,6 +71,7 @@ def build_key() -> str:
         f"boundscheck={bool(numba_config.BOUNDSCHECK)}",
         f"threads={int(numba_config.NUMBA_NUM_THREADS)}",
         f"blas={os.environ.get('STEPNET_BLAS', '').strip().lower()}",
+        f"chosen={''.join(_CHOSEN_BLAS)}",
         f"deterministic={os.environ.get('STEPNET_DETERMINISTIC', '').strip() not in ('', '0')}",
     ]
     return hashlib.sha256(";".join(settings).encode()).hexdigest()[:16]
