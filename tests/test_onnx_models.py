@@ -584,6 +584,25 @@ def test_if_on_a_memoized_condition_runs_its_branch_inline():
         assert {"Mul", "Neg"} & {n.op for n in plan}
 
 
+def test_an_input_with_a_default_left_unfed_on_a_memoized_run():
+    """An initializer that is also a graph input is a default: a run that
+    does not feed it takes the initializer, on the first run of its shapes
+    and on the memoized ones after it."""
+    bias = np.arange(4, dtype=np.float32)
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Reshape", ["x", "shape"], ["same"]),
+             helper.make_node("Add", ["same", "b"], ["y"])]
+    model = _model(nodes, [_f32("x", ["N", 4]), _f32("b", [4])], [_f32("y")],
+                   [numpy_helper.from_array(bias, "b")])
+    session = InferenceSession(model)
+    r = np.random.default_rng(4)
+    for call in range(3):
+        feeds = {"x": r.standard_normal((2, 4)).astype(np.float32)}
+        _check_against(session.run(None, feeds), _ort(model, feeds), f"call {call}")
+    fed = {"x": feeds["x"], "b": -bias}
+    _check_against(session.run(None, fed), _ort(model, fed), "b fed")
+
+
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])
 def test_loop_with_a_gru_in_its_body(backend):
     """A Loop whose body runs a GRU on the carried sequence, a scan output

@@ -602,9 +602,10 @@ class Graph:
         if float16_as_float32:
             for name, value in self.constants32.items():
                 env.setdefault(name, value)
-        elif constants:
-            env.update(self.run_constants)
-            for name, value in self.defaults.items():
+        else:
+            if constants:
+                env.update(self.run_constants)
+            for name, value in self.defaults.items():  # inputs that were not fed
                 env.setdefault(name, value)
         if step or float16_as_float32 or self.widen:
             for node in plan:
