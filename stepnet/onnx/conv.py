@@ -156,7 +156,7 @@ def _conv_by_taps(x, per_tap, padded, shift, O):
     (N, C, L), (K, M, _) = x.shape, per_tap.shape
     begin, dilation = shift
     Lp = L if padded is None else padded[2]
-    channels = np.zeros((C, N, Lp), x.dtype)
+    channels = (np.empty if padded is None else np.zeros)((C, N, Lp), x.dtype)
     channels[:, :, begin:begin + L] = x.transpose(1, 0, 2)
     flat = channels.reshape(C, N * Lp)
     span = N * Lp - (K - 1) * dilation  # the columns every tap reads

@@ -381,7 +381,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
         width, features = expected[1].shape[1], data.shape[1]
         y_shape, y_dtype = expected[0].shape[1:], expected[0].dtype
         last_shapes = [(e.shape[1:], e.dtype) for e in expected[1:]]
-        dtype, plain = data.dtype, None  # plain: the kernel without Numba's dispatch
+        data_dtype, plain = data.dtype, None  # plain: the kernel without Numba's dispatch
 
         def call(data, offsets, states):
             if data.shape[1] != features:  # (the public call checks this, and more)
@@ -400,8 +400,9 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 return [results[0].data] + list(results[1:1 + n])
             outs = [np.empty((data.shape[0],) + y_shape, y_dtype)]
             outs += [np.empty((len(offsets) - 1,) + shape, dtype) for shape, dtype in last_shapes]
-            if (plain is not None and exactly(data, dtype, 2) and exactly(offsets, np.int64, 1)
-                    and all(exactly(s, dtype, 2) for s in states)):
+            if (plain is not None and exactly(data, data_dtype, 2)
+                    and exactly(offsets, np.int64, 1)
+                    and all(exactly(s, data_dtype, 2) for s in states)):
                 results = plain(*const_args, data, offsets, *states, *outs)
             else:
                 args = [read_only(data), read_only(offsets)] + [read_only(s) for s in states]
@@ -409,8 +410,9 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             return list(results[:1 + n])
 
         got = call(data, offsets, states)  # compiles nothing new: the public call's types
-        sample = [read_only(np.zeros((1, features), dtype)), read_only(np.zeros(2, np.int64))]
-        sample += [read_only(np.zeros((1, width), dtype))] * n
+        sample = [read_only(np.zeros((1, features), data_dtype)),
+                  read_only(np.zeros(2, np.int64))]
+        sample += [read_only(np.zeros((1, width), data_dtype))] * n
         sample += [np.empty((1,) + y_shape, y_dtype)]
         sample += [np.empty((1,) + shape, dtype) for shape, dtype in last_shapes]
         plain = compiled_entry(entry, const_args + sample)
