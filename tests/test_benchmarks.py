@@ -193,3 +193,21 @@ def test_attention_benchmark_runs_both_models_to_the_same_loss():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| stepnet |" in proc.stdout and "| torch |" in proc.stdout
     assert "Padding in PyTorch's work" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cuda_profile_times_every_stage_of_every_workload():
+    """benchmarks/cuda_profile.py --quick (on Numba's simulator without a GPU):
+    each workload's call, each stage kernel's launches and the rest."""
+    import os
+
+    env = dict(os.environ)
+    if not os.path.exists("/dev/nvidiactl"):
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_profile.py"), "--quick"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for title in ("W1:", "W3:", "W3 one launch per stage:", "W5:"):
+        assert f"\n{title}" in proc.stdout, title
+    assert re.search(r"x20 +kernel step0", proc.stdout)  # T=20 steps, one launch per stage
+    assert proc.stdout.count("the rest (Python") == 4
