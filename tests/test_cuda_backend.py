@@ -180,6 +180,15 @@ def test_source_is_printable():
     X = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float32), [[3]])
     source = _gated_cell(X).compile("cuda").source
     assert "@cuda.jit" in source and "def persistent(" in source and "grid.sync()" in source
+    # a stage kernel takes the arrays it reads, not every array of the call
+    # (each argument costs every launch on the host); the persistent kernel all
+    params = {line[4:line.index("(")]: line[line.index("(") + 1:-2].split(", ")
+              for line in source.splitlines() if line.startswith("def ")}
+    every = params.pop("persistent")[4:]
+    stages = [p[3:] for name, p in params.items() if name.startswith(("hoisted", "step"))]
+    assert stages and all(set(p) <= set(every) for p in stages)
+    assert all(len(p) < len(every) for p in stages), (every, stages)
+    assert set().union(*stages) == set(every)
 
 
 def _three_levels(r):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import numpy as np
 
@@ -130,6 +131,7 @@ class _Kernels:
         self.lines = ["import math", "from numba import cuda", "from numba import float32, float64",
                       "from numba import boolean", ""]
         self.kernel_names = []
+        self.used_names = []  # the arrays some stage reads (source())
         for v in program.consts:
             self.values[id(v)] = _Value("const", f"c_{_ident(v.name)}", tuple(v.shape), v.dtype)
         for i, var in enumerate(body.step_inputs):
@@ -425,14 +427,28 @@ class _Kernels:
         return names
 
     def source(self):
-        args = ", ".join(self.arg_names())
+        groups = (("hoisted", self.hoisted), ("step", self.stepped + self.finish))
+
+        def read(body, space):
+            rows = "mstart[nb]" if space == "mrow" else "nb"
+            return set(re.findall(r"[A-Za-z_]\w*", "\n".join(body + [rows])))
+
+        # the arrays some stage reads (a constant read only joined by columns
+        # is neither copied to the device nor passed); each stage kernel takes
+        # only those it reads itself: numba-cuda prepares every argument of
+        # every launch on the host
+        every = set().union(*[read(body, space) for _, stages in groups
+                              for _, body, space in stages])
+        names = self.used_names = [n for n in self.arg_names() if n in every]
+        args = ", ".join(names)
         lines = list(self.lines)
-        for group, stages in (("hoisted", self.hoisted), ("step", self.stepped + self.finish)):
+        for group, stages in groups:
             for k, (width, body, space) in enumerate(stages):
                 name = f"{group}{k}"
-                self.kernel_names.append((group, name, width, space))
                 rows = "mstart[nb]" if space == "mrow" else "nb"
-                lines += ["@cuda.jit", f"def {name}(nb, off, moff, {args}):",
+                used = [n for n in names if n in read(body, space)]
+                self.kernel_names.append((group, name, width, space, used))
+                lines += ["@cuda.jit", f"def {name}({', '.join(['nb', 'off', 'moff'] + used)}):",
                           "    e = cuda.grid(1)", f"    if e < {rows} * {width}:",
                           f"        i = e // {width}", f"        j = e % {width}"]
                 lines += ["        " + s for s in body] + [""]
@@ -525,9 +541,12 @@ class _Run:
     def __init__(self, program, kernels, namespace):
         self.program, self.k, self.ns = program, kernels, namespace
         # (kernel, width) of the stages before the loop and of those of each step
-        self.hoisted = [(namespace[n], w) for g, n, w, _ in kernels.kernel_names if g == "hoisted"]
-        self.stepped = [(namespace[n], w, space) for g, n, w, space in kernels.kernel_names
-                        if g == "step"]
+        # (kernel, width, the names of the arrays it takes) of the stages before
+        # the loop, and (kernel, width, rows, names) of those of each step
+        self.hoisted = [(namespace[n], w, used) for g, n, w, _, used in kernels.kernel_names
+                        if g == "hoisted"]
+        self.stepped = [(namespace[n], w, space, used) for g, n, w, space, used
+                        in kernels.kernel_names if g == "step"]
 
     def __call__(self, args, consts, scopes=None):
         if scopes is not None:
@@ -625,23 +644,26 @@ class _Run:
         for name, weights in k.joined:
             device[name] = _device(np.concatenate([const_env[id(w)] for w in weights], axis=1)
                                    .ravel())
+        used = set(k.used_names)
         for v_id, info in k.values.items():
-            if info.kind == "const" and info.name not in device:
+            if info.kind == "const" and info.name in used and info.name not in device:
                 device[info.name] = _device(np.ravel(np.asarray(const_env[v_id], info.dtype)))
-        arglist = [device[n] for n in k.arg_names()]
+        arglist = [device[n] for n in k.used_names]
         ns = self.ns
-        for kernel, width in self.hoisted:
-            _launch(kernel, total * width, total, 0, 0, *arglist)
+        for kernel, width, used in self.hoisted:
+            _launch(kernel, total * width, total, 0, 0, *[device[n] for n in used])
         if steps and num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
             blocks = _persistent_blocks(num_seq * k.widest)
             ns["persistent"][blocks, THREADS](steps, _device(nbs), _device(offs), _device(moffs),
                                               *arglist)
         else:
+            stepped = [(kernel, width, space, [device[n] for n in used])
+                       for kernel, width, space, used in self.stepped]
             for t in range(steps):
                 nb, off, moff = int(nbs[t]), int(offs[t]), int(moffs[t])
-                for kernel, width, space in self.stepped:
+                for kernel, width, space, kernel_args in stepped:
                     rows = ragged.mstart[nb] if space == "mrow" else nb
-                    _launch(kernel, rows * width, nb, off, moff, *arglist)
+                    _launch(kernel, rows * width, nb, off, moff, *kernel_args)
         results = []
         for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
             mi = eqn.attrs["output_memory"][kk]
