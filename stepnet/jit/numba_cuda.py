@@ -540,9 +540,8 @@ class _Run:
 
     def __init__(self, program, kernels, namespace):
         self.program, self.k, self.ns = program, kernels, namespace
-        # (kernel, width) of the stages before the loop and of those of each step
         # (kernel, width, the names of the arrays it takes) of the stages before
-        # the loop, and (kernel, width, rows, names) of those of each step
+        # the loop, and (kernel, width, space, names) of those of each step
         self.hoisted = [(namespace[n], w, used) for g, n, w, _, used in kernels.kernel_names
                         if g == "hoisted"]
         self.stepped = [(namespace[n], w, space, used) for g, n, w, space, used
@@ -644,21 +643,21 @@ class _Run:
         for name, weights in k.joined:
             device[name] = _device(np.concatenate([const_env[id(w)] for w in weights], axis=1)
                                    .ravel())
-        used = set(k.used_names)
+        needed = set(k.used_names)
         for v_id, info in k.values.items():
-            if info.kind == "const" and info.name in used and info.name not in device:
+            if info.kind == "const" and info.name in needed and info.name not in device:
                 device[info.name] = _device(np.ravel(np.asarray(const_env[v_id], info.dtype)))
         arglist = [device[n] for n in k.used_names]
         ns = self.ns
-        for kernel, width, used in self.hoisted:
-            _launch(kernel, total * width, total, 0, 0, *[device[n] for n in used])
+        for kernel, width, names in self.hoisted:
+            _launch(kernel, total * width, total, 0, 0, *[device[n] for n in names])
         if steps and num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
             blocks = _persistent_blocks(num_seq * k.widest)
             ns["persistent"][blocks, THREADS](steps, _device(nbs), _device(offs), _device(moffs),
                                               *arglist)
         else:
-            stepped = [(kernel, width, space, [device[n] for n in used])
-                       for kernel, width, space, used in self.stepped]
+            stepped = [(kernel, width, space, [device[n] for n in names])
+                       for kernel, width, space, names in self.stepped]
             for t in range(steps):
                 nb, off, moff = int(nbs[t]), int(offs[t]), int(moffs[t])
                 for kernel, width, space, kernel_args in stepped:
