@@ -1,5 +1,6 @@
 """Everything stepnet compiles lands under STEPNET_CACHE_DIR, never in the package."""
 
+import json
 import os
 import shutil
 import stat
@@ -8,8 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import stepnet as sn
-from stepnet.jit import cache
+from stepnet.jit import blas_choice, cache
 
 _SCRIPT = textwrap.dedent(
     """
@@ -74,13 +77,7 @@ def test_helpers_compiled_for_one_blas_are_not_loaded_for_another(tmp_path):
     machines; two processes measuring at once can differ) keep their
     compiled helpers apart: the second would otherwise load helpers that
     call the first's library and crash (LLVM: symbol not found)."""
-    import json
-
-    from stepnet.jit import blas_choice
-
     if blas_choice.find_mkl() is None or blas_choice.find_openblas() is None:
-        import pytest
-
         pytest.skip("needs both MKL and scipy's OpenBLAS")
     env = {k: v for k, v in os.environ.items() if k != "STEPNET_BLAS"}
     env.update(STEPNET_CACHE_DIR=str(tmp_path), STEPNET_TIERED="0",
