@@ -437,8 +437,9 @@ class _Kernels:
         # is neither copied to the device nor passed); each stage kernel takes
         # only those it reads itself: numba-cuda prepares every argument of
         # every launch on the host
-        every = set().union(*[read(body, space) for _, stages in groups
-                              for _, body, space in stages])
+        reads = {(group, k): read(body, space) for group, stages in groups
+                 for k, (_, body, space) in enumerate(stages)}
+        every = set().union(*reads.values())
         names = self.used_names = [n for n in self.arg_names() if n in every]
         args = ", ".join(names)
         lines = list(self.lines)
@@ -446,7 +447,7 @@ class _Kernels:
             for k, (width, body, space) in enumerate(stages):
                 name = f"{group}{k}"
                 rows = "mstart[nb]" if space == "mrow" else "nb"
-                used = [n for n in names if n in read(body, space)]
+                used = [n for n in names if n in reads[group, k]]
                 self.kernel_names.append((group, name, width, space, used))
                 lines += ["@cuda.jit", f"def {name}({', '.join(['nb', 'off', 'moff'] + used)}):",
                           "    e = cuda.grid(1)", f"    if e < {rows} * {width}:",

@@ -736,21 +736,25 @@ def _bind_pad(ctx, known, mode="constant"):
     n = len(pads) // 2
     plans = {}  # reflect and edge: input shape -> _pad_parts
 
+    def widths_of(ndim):
+        widths = [(0, 0)] * ndim
+        for i, a in enumerate(range(ndim) if axes is None else axes):
+            widths[a % ndim] = (pads[i], pads[i + n])
+        return widths
+
     def pad(x, *rest):
-        widths = [(0, 0)] * x.ndim
-        for i, a in enumerate(range(x.ndim) if axes is None else axes):
-            widths[a % x.ndim] = (pads[i], pads[i + n])
         if mode != "constant":
             parts = plans.get(x.shape)
             if parts is None:
                 if len(plans) > 64:
                     plans.clear()
-                parts = plans[x.shape] = _pad_parts(x.shape, widths, mode)
+                parts = plans[x.shape] = _pad_parts(x.shape, widths_of(x.ndim), mode)
             if parts is NotImplemented:  # wider than the axis: NumPy's rule
-                return np.pad(x, widths, mode="reflect")
+                return np.pad(x, widths_of(x.ndim), mode="reflect")
             for a, before, after in parts:
                 x = np.concatenate([x[before], x, x[after]], axis=a)
             return x
+        widths = widths_of(x.ndim)
         fill = rest[1] if len(rest) > 1 and rest[1] is not None and np.size(rest[1]) else 0
         fill = np.asarray(fill).reshape(-1)[0]
         out = np.full(tuple(d + b + e for d, (b, e) in zip(x.shape, widths)), fill, x.dtype)

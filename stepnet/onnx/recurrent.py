@@ -383,6 +383,10 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
         last_shapes = [(e.shape[1:], e.dtype) for e in expected[1:]]
         data_dtype, plain = data.dtype, None  # plain: the kernel without Numba's dispatch
 
+        def buffers(rows, num_sequences):  # the output buffers program() takes
+            return [np.empty((rows,) + y_shape, y_dtype)] + [
+                np.empty((num_sequences,) + shape, dtype) for shape, dtype in last_shapes]
+
         def call(data, offsets, states):
             if data.shape[1] != features:  # (the public call checks this, and more)
                 raise ShapeError(f"X has {data.shape[1]} features per step, the node's weights "
@@ -398,8 +402,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 # big enough for sequence groups on threads: the engine's own call
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
-            outs = [np.empty((data.shape[0],) + y_shape, y_dtype)]
-            outs += [np.empty((len(offsets) - 1,) + shape, dtype) for shape, dtype in last_shapes]
+            outs = buffers(data.shape[0], len(offsets) - 1)
             if (plain is not None and exactly(data, data_dtype, 2)
                     and exactly(offsets, np.int64, 1)
                     and all(exactly(s, data_dtype, 2) for s in states)):
@@ -412,9 +415,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
         got = call(data, offsets, states)  # compiles nothing new: the public call's types
         sample = [read_only(np.zeros((1, features), data_dtype)),
                   read_only(np.zeros(2, np.int64))]
-        sample += [read_only(np.zeros((1, width), data_dtype))] * n
-        sample += [np.empty((1,) + y_shape, y_dtype)]
-        sample += [np.empty((1,) + shape, dtype) for shape, dtype in last_shapes]
+        sample += [read_only(np.zeros((1, width), data_dtype))] * n + buffers(1, 1)
         plain = compiled_entry(entry, const_args + sample)
         if plain is not None:  # the results below are the plain kernel's
             got = call(data, offsets, states)
