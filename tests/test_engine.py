@@ -211,13 +211,13 @@ def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
     on C-contiguous operands, and on strided ones through contiguous copies."""
     from numba import njit
 
-    from stepnet.jit import blas
+    from stepnet.jit import blas, threads
 
     blas.register_small_gemm(np.float64)
 
     @njit
     def own(a, b, out):
-        blas._own_product(a, b, out)
+        blas._own_product(a, b, out, threads.ALONE)
 
     a = rng.standard_normal((6, 20))
     b = rng.standard_normal((20, 70))
@@ -236,13 +236,13 @@ def test_packed_weights_take_any_number_of_rows(rng):
     ``a @ b`` (the library's plain product), and so does one under the limit."""
     from numba import njit
 
-    from stepnet.jit import blas
+    from stepnet.jit import blas, threads
 
     blas.register_small_gemm(np.float32)
 
     @njit
     def packed_product(a, b, max_rows, table, out):
-        prepared = blas.pack(b, max_rows, table)
+        prepared = blas.pack(b, max_rows, table, threads.ALONE)
         blas.gemm_packed(a, prepared, b.shape[0], b.shape[1], out)
         return prepared[0].shape[0]
 

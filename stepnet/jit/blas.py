@@ -1,4 +1,5 @@
-"""The GEMMs the Numba backend calls, every one on the calling thread.
+"""The GEMMs the Numba backend calls, each on the calling thread's core, or on
+two cores with the helper thread (below).
 
 The library is the machine's fastest that stepnet can reach (measured once
 and cached; ``STEPNET_BLAS`` overrides; see :mod:`stepnet.jit.blas_choice`):
@@ -15,7 +16,11 @@ Parallelism is not in the BLAS: the Numba backend runs groups of sequences on
 stepnet's threads (:mod:`stepnet.jit.threads`), each calling these
 single-threaded GEMMs, so no step waits on a barrier and no two thread pools
 compete; ``transposed_product`` (weight gradients) splits its reduction over
-the same threads.
+the same threads. A run too small for groups (one sequence; a stream's
+chunk) shares each big enough product with the helper thread instead: the
+product is cut in two at a place fixed by its shape, and the helper, spinning
+in compiled code, computes the second part (see *products shared with the
+helper* below).
 
 Small products (a batch of one, the last few sequences of a batch) spend
 more time in a library's dispatch, packing or generic kernels than in
@@ -50,6 +55,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
+from .atomics import pointer_to
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, small_product_rows
 
@@ -128,25 +134,35 @@ def _stack_buffer(typingctx, size, dtype):
     return types.CPointer(element)(size, dtype), codegen
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+@njit(cache=True, nogil=True)
 def small_gemm(a, b, out):
-    """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous) as stepnet's own loop:
+    """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous): ``small_gemm_columns``
+    over every column."""
+    small_gemm_columns(a, b, out, 0, b.shape[1])
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def small_gemm_columns(a, b, out, lo, hi):
+    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous) as
+    stepnet's own loop:
     a block of 4 rows x 32 columns of ``out`` (for the last rows, 1 row x 128,
     or x 64 where no more columns are left: enough independent sums to keep
     the FMA units busy) is summed in registers over k, each weight row loaded
     once per block and every sum taken in order of k (so a row's values do
-    not depend on the block it falls in); the last block of a row ends at column n
-    (it overlaps the one before, which it writes again with the same values).
+    not depend on the block it falls in); the last block of a row ends at
+    column ``hi`` (it overlaps the one before, which it writes again with the
+    same values), so neither do they depend on the range of columns asked
+    for: a product split by columns over threads equals the whole.
     It needs no packing and no dispatch: where a product is small (a batch of
     one, the last sequences of a batch) it beats the libraries'
     (``small_rows_table``, measured)."""
     m = a.shape[0]
-    k, n = b.shape
+    k = b.shape[0]
     zero = out.dtype.type(0)
     acc = carray(_stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
-    if n < 32:  # narrower than a block: one sum at a time
+    if hi - lo < 32:  # narrower than a block: one sum at a time
         for i in range(m):
-            for j in range(n):
+            for j in range(lo, hi):
                 s = zero
                 for kk in range(k):
                     s += a[i, kk] * b[kk, j]
@@ -155,13 +171,13 @@ def small_gemm(a, b, out):
     i = 0
     while i < m:
         rows = 4 if i + 4 <= m else 1
-        end = 32
-        while end < n + 32:
+        end = lo + 32
+        while end < hi + 32:
             # the block's columns (one row: two blocks), as unsigned integers:
             # Numba then adds no negative-index handling, and LLVM loads
             # rows, not gathers
-            j0 = np.uint64(min(end, n) - 32)
-            j1 = np.uint64(min(end + 32, n) - 32)
+            j0 = np.uint64(min(end, hi) - 32)
+            j1 = np.uint64(min(end + 32, hi) - 32)
             if rows == 4:
                 for jj in range(128):
                     acc[jj] = zero
@@ -177,9 +193,9 @@ def small_gemm(a, b, out):
                     for jj in range(_U32):
                         out[i + r, j0 + jj] = acc[32 * r + jj]
                 end += 32
-            elif n - end > 32:  # more than two blocks left: four at a time
-                j2 = np.uint64(min(end + 64, n) - 32)
-                j3 = np.uint64(min(end + 96, n) - 32)
+            elif hi - end > 32:  # more than two blocks left: four at a time
+                j2 = np.uint64(min(end + 64, hi) - 32)
+                j3 = np.uint64(min(end + 96, hi) - 32)
                 for jj in range(128):
                     acc[jj] = zero
                 for kk in range(k):
@@ -373,22 +389,24 @@ def rows_for(small_rows, size):
 
 
 @njit(cache=True)
-def pack(b, max_rows, small_rows):
+def pack(b, max_rows, small_rows, board):
     """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
     rows, prepared for ``gemm_packed``: (the library's form, ``b`` itself for
-    ``small_gemm``, the rows up to which ``small_gemm`` runs). The library's
+    ``small_gemm``, the rows up to which ``small_gemm`` runs, the helper's
+    ``board``). The library's
     form is made only where a product can have more rows than ``small_gemm``
     takes (never under ``STEPNET_DETERMINISTIC``, where it takes every
     product): a stream's call of a few rows packs nothing."""
     k, n = b.shape
     rows = rows_for(small_rows, k * n)
-    return _library_pack(b, max_rows if max_rows > rows else 0), b, rows
+    return _library_pack(b, max_rows if max_rows > rows else 0), b, rows, board
 
 
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
 # is compiled once (and cached on disk), not again inside every kernel
 _OWN_SYMBOLS = {"float32": "stepnet_small_sgemm", "float64": "stepnet_small_dgemm"}
-_own_calls = {name: _extern(symbol, "pzzzpp") for name, symbol in _OWN_SYMBOLS.items()}
+# (a, m, k, n, b, out, lo, hi): small_gemm_columns of out's columns lo:hi
+_own_calls = {name: _extern(symbol, "pzzzppzz") for name, symbol in _OWN_SYMBOLS.items()}
 _OWN_LOCK = threading.Lock()
 _own_entries = {}  # dtype name -> the cfunc, once its symbol is known to LLVM
 
@@ -406,53 +424,192 @@ def register_small_gemm(dtype) -> None:
         element = types.float32 if name == "float32" else types.float64
         pointer = types.CPointer(element)
 
-        @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer),
-               cache=True)
-        def entry(a, m, k, n, b, out):
-            small_gemm(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)))
+        @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer,
+                          types.int64, types.int64), cache=True)
+        def entry(a, m, k, n, b, out, lo, hi):
+            small_gemm_columns(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)), lo, hi)
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
 
 
-def _own_product(a, b, out):
-    """out[:m] = a[:m] @ b by ``small_gemm``'s C entry (``register_small_gemm``)."""
+# -- products shared with the helper thread (threads.wake_helper) ----------------
+#
+# A kernel gets a board: threads.BOARD where its run may share products (one
+# group of sequences, more than one thread), else threads.ALONE. On BOARD a
+# product big enough is cut in two at a place that depends only on its shape
+# (so its result does not depend on who computes what): stepnet's own loop by
+# columns (its columns do not depend on the range computed, see
+# small_gemm_columns), a library's by rows. The helper takes the second part
+# if it is spinning and free, else the kernel computes both.
+
+# a per-step product of stepnet's own loop with this many multiply-adds
+# (and at least 64 columns) is cut by columns
+SHARE_OWN_WORK = 1 << 14
+# a library's product with this many (and at least 16 rows), by rows
+_SHARE_LIBRARY_WORK = 1 << 17
+# the helper's job functions (threads.entry slots; + 1 for float64): the
+# columns lo:hi of small_gemm_columns, rows lo:hi of a library product, rows
+# lo:hi of a product with MKL's packed weights; a job is (address of a,
+# m, k, n, address of b or its packed form, address of out, lo, hi)
+_OWN_JOB, _ROWS_JOB, _PACKED_JOB = 0, 2, 4
+_JOB_SIGNATURE = types.void(types.CPointer(types.int64))
+_own_sgemm, _own_dgemm = _own_calls["float32"], _own_calls["float64"]
+
+
+def _own_job(job):
+    j = carray(job, 8)
+    _own_sgemm((j[0], j[1], j[2], j[3], j[4], j[5], j[6], j[7]))
+
+
+def _own_job_64(job):
+    j = carray(job, 8)
+    _own_dgemm((j[0], j[1], j[2], j[3], j[4], j[5], j[6], j[7]))
+
+
+@njit(cache=True, nogil=True)
+def _rows(job, dtype):
+    j = carray(job, 8)
+    m, k, n, lo, hi = j[1], j[2], j[3], j[6], j[7]
+    a = carray(pointer_to(j[0], dtype), (m, k))
+    b = carray(pointer_to(j[4], dtype), (k, n))
+    out = carray(pointer_to(j[5], dtype), (m, n))
+    gemm(a[lo:hi], b, out[lo:hi])
+
+
+def _rows_job(job):
+    _rows(job, np.float32)
+
+
+def _rows_job_64(job):
+    _rows(job, np.float64)
+
+
+def _job_functions():
+    """Compile (or load) the helper's job functions and register them: on the
+    helper thread, before it serves."""
+    for dtype in ("float32", "float64"):
+        register_small_gemm(dtype)
+    jobs = {_OWN_JOB: _own_job, _OWN_JOB + 1: _own_job_64,
+            _ROWS_JOB: _rows_job, _ROWS_JOB + 1: _rows_job_64}
+    if BLAS_NAME == "mkl":
+        jobs.update({_PACKED_JOB: _packed_job, _PACKED_JOB + 1: _packed_job_64})
+    for slot, job in jobs.items():
+        threads.entry(slot, cfunc(_JOB_SIGNATURE, cache=True, nogil=True)(job).address)
+
+
+threads.on_helper_start(_job_functions)
+
+
+def _own_product(a, b, out, board):
+    """out[:m] = a[:m] @ b by ``small_gemm``'s C entry (``register_small_gemm``),
+    cut by columns on ``board``."""
 
 
 @overload(_own_product)
-def _own_product_for(a, b, out):
+def _own_product_for(a, b, out, board):
     call = _own_calls.get(str(a.dtype))
     if call is None:
         return None
+    job = _OWN_JOB + (1 if str(a.dtype) == "float64" else 0)
 
     if a.layout == "C" and b.layout == "C" and out.layout == "C":
-        def own_product(a, b, out):
+        def own_product(a, b, out, board):
             m, k = a.shape
-            if m > 0:
-                call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data))
+            n = b.shape[1]
+            if m == 0:
+                return
+            pa, pb, po = a.ctypes.data, b.ctypes.data, out.ctypes.data
+            if board[threads.SHARES] == 0 or m * k * n < SHARE_OWN_WORK or n < 64:
+                call((pa, m, k, n, pb, po, 0, n))
+                return
+            cut = (n // 2 + 16) // 32 * 32  # whole blocks of 32, and at least 32 left
+            if threads.claim(board):
+                threads.post(board, job, pa, m, k, n, pb, po, cut, n)
+                call((pa, m, k, n, pb, po, 0, cut))
+                threads.finish(board)
+            else:
+                call((pa, m, k, n, pb, po, 0, n))
     else:  # (arrays not known to be C-contiguous: on C-contiguous copies)
-        def own_product(a, b, out):
+        def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
                 a_c, b_c = np.ascontiguousarray(a), np.ascontiguousarray(b)
                 out_c = np.empty((m, b.shape[1]), out.dtype)
-                call((a_c.ctypes.data, m, k, b.shape[1], b_c.ctypes.data, out_c.ctypes.data))
+                _own_product(a_c, b_c, out_c, board)
                 out[:m] = out_c
 
     return own_product
 
 
+def _library_part(a, b, out):
+    """out[:m] = a[:m] @ b by the library: ``b`` the weights, or ``pack``'s
+    ``prepared`` tuple."""
+
+
+@overload(_library_part)
+def _library_part_for(a, b, out):
+    if isinstance(b, types.Array):
+        return lambda a, b, out: gemm(a, b, out)
+    return lambda a, b, out: _library_product(a, b, b[1].shape[0], b[1].shape[1], out)
+
+
+if BLAS_NAME == "mkl":
+    def _packed(job, itemsize):
+        j = carray(job, 8)
+        k, n, lo, hi = j[2], j[3], j[6], j[7]
+        args = (_ROW_MAJOR, _NO_TRANS, _PACKED, hi - lo, n, k, j[0] + lo * k * itemsize, k,
+                j[4], n, 0.0, j[5] + lo * n * itemsize, n)
+        if itemsize == 4:
+            _s_compute(args)
+        else:
+            _d_compute(args)
+
+    _packed = njit(cache=True, nogil=True)(_packed)
+
+    def _packed_job(job):
+        _packed(job, 4)
+
+    def _packed_job_64(job):
+        _packed(job, 8)
+
+# the job of a per-step library product's rows (MKL: on its packed weights)
+_LIBRARY_JOB = _PACKED_JOB if BLAS_NAME == "mkl" else _ROWS_JOB
+
+
 @njit(cache=True)
-def gemm_hoisted(a, b, out, small_rows):
+def _library_rows(a, b, out, board, library_b, job):
+    """out[:m] = a[:m] @ b by the library (``b``: the weights, or ``pack``'s
+    tuple; ``job``: rows of it as a helper's job, on ``library_b``: the
+    address of the weights or of their packed form), cut by rows on
+    ``board``."""
+    m, k = a.shape
+    n = out.shape[1]
+    if board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
+        _library_part(a, b, out)
+        return
+    cut = m // 2
+    if threads.claim(board):
+        threads.post(board, job + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k, n,
+                     library_b, out.ctypes.data, cut, m)
+        _library_part(a[:cut], b, out[:cut])
+        threads.finish(board)
+    else:
+        _library_part(a[:cut], b, out[:cut])
+        _library_part(a[cut:], b, out[cut:])
+
+
+@njit(cache=True)
+def gemm_hoisted(a, b, out, small_rows, board):
     """out[:m] = a[:m] @ b for a product outside the time loop (all steps'
     rows at once): stepnet's own loop where they are no more than it takes
     for a per-step product of these weights (a stream's chunk of a few
     frames; under ``STEPNET_DETERMINISTIC`` every product), else the
-    library's."""
+    library's; shared with the helper on ``board``."""
     if a.shape[0] <= rows_for(small_rows, b.shape[0] * b.shape[1]):
-        _own_product(a, b, out)
-    else:
-        gemm(a, b, out)
+        _own_product(a, b, out, board)
+    elif a.shape[0] > 0:
+        _library_rows(a, b, out, board, b.ctypes.data, _ROWS_JOB)
 
 
 @njit(cache=True)
@@ -460,22 +617,23 @@ def gemm_packed(a, prepared, k, n, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
     loop up to the rows measured for weights of this size, the library's
     product above (its packed form, or, where ``pack`` made none, its plain
-    product)."""
+    product); shared with the helper on ``board``."""
+    board = prepared[3]
     if a.shape[0] <= prepared[2]:
-        _own_product(a, prepared[1], out)
+        _own_product(a, prepared[1], out, board)
     elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
-        gemm(a, prepared[1], out)
+        _library_rows(a, prepared[1], out, board, prepared[1].ctypes.data, _ROWS_JOB)
     else:
-        _library_product(a, prepared, k, n, out)
+        _library_rows(a, prepared, out, board, prepared[0].ctypes.data, _LIBRARY_JOB)
 
 
 @njit(cache=True)
-def _repeat_products(a, prepared, out, own, reps):
+def _repeat_products(a, prepared, out, own, reps, board):
     """``reps`` per-step products, by small_gemm's C entry or the library's."""
     k, n = prepared[1].shape
     for _ in range(reps):
         if own:
-            _own_product(a, prepared[1], out)
+            _own_product(a, prepared[1], out, board)
         else:
             _library_product(a, prepared, k, n, out)
 
@@ -488,15 +646,15 @@ def _time_small_and_library(m, k, n):
     a = rng.standard_normal((m, k), np.float32)
     b = rng.standard_normal((k, n), np.float32)
     out = np.empty((m, n), np.float32)
-    prepared = (_library_pack(b, m), b, 0)
+    prepared = (_library_pack(b, m), b, 0, threads.ALONE)
     reps = max(2, min(400, 1_000_000 // (m * k * n)))
     seconds = []
     for own in (True, False):
-        _repeat_products(a, prepared, out, own, 1)
+        _repeat_products(a, prepared, out, own, 1, threads.ALONE)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            _repeat_products(a, prepared, out, own, reps)
+            _repeat_products(a, prepared, out, own, reps, threads.ALONE)
             best = min(best, (time.perf_counter() - t0) / reps)
         seconds.append(best)
     return tuple(seconds)

@@ -155,6 +155,7 @@ class _Module:
         self.const_vars = {}  # ident -> the program's constant (an ir.Var)
         self.concatenated = {}  # ident -> the constants it joins by columns
         self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
+        self.largest_weights = 0  # elements of the largest weights of a product
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -262,17 +263,17 @@ def generate_source(program: ir.Program):
     src.append(_DECORATOR)
     # the consts its code reads, then weights concatenated by the caller for
     # merged GEMMs, the small-product rows (blas.small_rows_table), the
-    # inputs, and the output buffers the caller gives, in the order of the
-    # outputs
+    # helper's board (threads.BOARD or threads.ALONE), the inputs, and the
+    # output buffers the caller gives, in the order of the outputs
     given = set(module.given_outputs)
     consts = [v for v, ident in zip(program.consts, params) if ident not in unused]
     params = ([p for p in params[:n] if p not in unused] + list(module.concatenated)
-              + ["small_rows"] + params[n:] + [o[1] for o in outs if o[1] in given])
+              + ["small_rows", "board"] + params[n:] + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in body]
     layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
-                     sorted(module.same_lod))
+                     sorted(module.same_lod), module.largest_weights)
     return "\n".join(src) + "\n", layout
 
 
@@ -310,6 +311,7 @@ class _Layout:
     schedule: schedule.Schedule
     given: list  # per rnn output: whether program() takes its buffer (last parameters)
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
+    largest_weights: int  # elements of the largest weights of a product (0: none)
 
 
 def _program_inputs(module, program, values):
@@ -484,12 +486,13 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     weights as they are (stepnet's own loop for few rows: ``gemm_hoisted``)."""
     module = ctx.module
     module.small_gemm_dtypes.add(np.dtype(dtype).name)
+    module.largest_weights = max(module.largest_weights, k * n)
     if ctx.mode != "step":
-        return f"gemm_hoisted({left}, {weights}, {info.ident}, small_rows)"
+        return f"gemm_hoisted({left}, {weights}, {info.ident}, small_rows, board)"
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
-        module.prologue.append(f"{packed} = pack({weights}, max_rows, small_rows)")
+        module.prologue.append(f"{packed} = pack({weights}, max_rows, small_rows, board)")
         module.gargs.append(packed)
     return f"gemm_packed({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
 
@@ -1390,6 +1393,7 @@ class NumbaProgram:
         self.schedule = layout.schedule
         self.given = layout.given
         self.same_lod = layout.same_lod
+        self.largest_weights = layout.largest_weights
         self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
         body = program.eqn.attrs["body"]
@@ -1431,8 +1435,8 @@ class NumbaProgram:
 
     def signature(self, args, consts):
         """program()'s argument types for a call with ``args``."""
-        call = (self.prepare(consts, _SMALL_ROWS_TYPE) + self._call_args(args)
-                + self.output_buffers(args))
+        call = (self.prepare(consts, _SMALL_ROWS_TYPE) + [threads.ALONE]
+                + self._call_args(args) + self.output_buffers(args))
         return tuple(numba.typeof(a) for a in call)
 
     def compile(self, signature):
@@ -1470,12 +1474,14 @@ class NumbaProgram:
         groups = self._groups(args)
         buffers = self.output_buffers(args)
         if len(groups) <= 1:
-            return self._run(const_args, args, buffers)
+            board = self.board(args[self.first_sequence].num_sequences)
+            return self._run(const_args, board, args, buffers)
+        threads.dismiss_helper()  # (the groups take every thread)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
         views = [self._buffer_rows(buffers, args, a, b) for a, b in groups]
-        results = threads.run_each(lambda i: self._run(const_args, parts[i], views[i]),
-                                   range(len(groups)))
+        results = threads.run_each(
+            lambda i: self._run(const_args, threads.ALONE, parts[i], views[i]), range(len(groups)))
         outputs, given = [], iter(buffers)
         for spec, is_given, pieces in zip(self.top_outputs, self.given, zip(*results)):
             if is_given:
@@ -1554,8 +1560,17 @@ class NumbaProgram:
                 call_args.append(read_only(value))
         return call_args
 
-    def _run(self, const_args, args, buffers):
-        results = self.module.program(*const_args, *self._call_args(args), *buffers)
+    def board(self, num_sequences):
+        """The helper's board for a run of ``num_sequences`` sequences as one
+        group: where a step's product of its largest weights is worth sharing
+        with the helper thread (:mod:`stepnet.jit.blas`), ``threads.BOARD``
+        (the helper woken), else ``threads.ALONE``."""
+        if num_sequences * self.largest_weights < blas.SHARE_OWN_WORK:
+            return threads.ALONE
+        return threads.board_for_one_group()
+
+    def _run(self, const_args, board, args, buffers):
+        results = self.module.program(*const_args, board, *self._call_args(args), *buffers)
         extra = list(results[len(self.top_outputs):])
         return [self._output(spec, arr, args, extra) for spec, arr in zip(self.top_outputs, results)]
 

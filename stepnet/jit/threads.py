@@ -1,16 +1,38 @@
 """The threads stepnet runs compiled work on: a small pool of Python threads
-calling ``nogil`` kernels, each kernel single-threaded (its BLAS calls too).
+calling ``nogil`` kernels, each kernel single-threaded (its BLAS calls too),
+and one helper thread that takes a share of a single product.
 
 Nothing here uses Numba's parallel layer or a BLAS library's own thread pool,
 so no step waits on a barrier and no idle pool spins beside the kernels. The
 thread count is Numba's (``numba.set_num_threads``, ``NUMBA_NUM_THREADS``).
+
+The helper is for runs too small to split into groups of sequences (one
+sequence; a stream's few frames): a product of such a step is too short for
+Python's threads (handing work to one costs tens of microseconds), but not
+for a thread already spinning in compiled code, which picks a job up in
+well under a microsecond. A kernel claims the helper on ``BOARD`` (a
+compare-exchange: one claimant at a time), writes the job (the address of a
+C function ``void f(int64 *job)`` and its arguments), computes its own share
+and spins until the helper is done. The helper spins (``pause``) while jobs
+come, and goes back to sleep ``HELPER_LINGER`` cycles after the last one,
+or when dismissed. ``wake_helper()`` starts it; a kernel whose helper is
+asleep or busy computes the whole product itself, so no kernel ever waits
+for a helper that is not there. x86-64 only (:data:`atomics.SPINS`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import threading
 
 import numba
+import numpy as np
+from numba import njit
+
+from . import cache  # noqa: F401  (Numba's cache of _serve goes under STEPNET_CACHE_DIR)
+from .atomics import SPINS, call_address, compare_exchange, cycles, load_acquire, pause, \
+    store_release, yield_core
 
 _POOL = None
 
@@ -37,3 +59,170 @@ def run_each(fn, items):
         return [fn(item) for item in items]
     futures = [_pool(len(items) - 1).submit(fn, item) for item in items[1:]]
     return [fn(items[0])] + [f.result() for f in futures]
+
+
+# -- the helper ------------------------------------------------------------------
+
+# a board's slots: the helper's state, the jobs it has run, whether kernels
+# given the board share their products, the jobs posted that their claimant
+# took back and ran (see ``finish``), the job (from JOB: the function's
+# address, then its 8 arguments), and the addresses of the job functions the
+# helper's ``prepare`` registered (from ENTRIES, see ``entry``)
+STATE, JOBS, SHARES, TAKEN_BACK, JOB, ENTRIES = 0, 1, 2, 3, 8, 24
+# the states: asleep; spinning, free; claimed by a kernel writing a job; a job
+# to run; that job running; that job done (the claimant sets IDLE again)
+ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE = 0, 1, 2, 3, 4, 5
+BOARD = np.zeros(ENTRIES + 8, np.int64)
+BOARD[SHARES] = 1
+# the board of a kernel that computes every product whole (its run takes
+# every thread already)
+ALONE = np.zeros_like(BOARD)
+# cycles the helper spins after its last job (about half a millisecond)
+HELPER_LINGER = 1 << 21
+# cycles a kernel done with its share waits for the helper to start the job
+# before it runs the job itself (the helper's thread is not on a core: the
+# machine has more threads running than cores); a job started and not done
+# by then gets the core, yielded at each check
+PATIENCE = 1 << 14
+
+
+@njit(cache=True, nogil=True)
+def _serve(board, linger):
+    """The helper's loop: run each job posted, until ``linger`` cycles pass
+    without one or a dismissal."""
+    store_release(board, STATE, IDLE)
+    last = cycles()
+    while True:
+        state = load_acquire(board, STATE)
+        if state == POSTED and compare_exchange(board, STATE, POSTED, RUNNING):
+            call_address(board[JOB], board[JOB + 1:JOB + 9])
+            board[JOBS] += 1
+            store_release(board, STATE, DONE)
+            last = cycles()
+        elif state == ABSENT:
+            return
+        elif state == IDLE and cycles() - last > linger:
+            if compare_exchange(board, STATE, IDLE, ABSENT):
+                return
+        elif state == IDLE and cycles() - last > linger >> 4:
+            yield_core()  # (a while without a job: a thread waiting for a core goes first)
+        pause()
+
+
+@njit(cache=True, nogil=True)
+def claim(board) -> bool:
+    """Whether the calling kernel got the helper (it then posts one job)."""
+    return compare_exchange(board, STATE, IDLE, CLAIMED)
+
+
+@njit(cache=True, nogil=True)
+def post(board, entry, a, m, k, n, b, out, lo, hi):
+    """Give the claimed helper the job ``f(a, m, k, n, b, out, lo, hi)`` of
+    entry ``entry`` (see ``entry``)."""
+    job = board[JOB + 1:JOB + 9]
+    job[0], job[1], job[2], job[3] = a, m, k, n
+    job[4], job[5], job[6], job[7] = b, out, lo, hi
+    board[JOB] = board[ENTRIES + entry]
+    store_release(board, STATE, POSTED)
+
+
+@njit(cache=True, nogil=True)
+def finish(board):
+    """Wait for the posted job, then free the helper; run the job here if
+    the helper has not started it within ``PATIENCE`` cycles."""
+    start = cycles()
+    while True:
+        state = load_acquire(board, STATE)
+        if state == DONE:
+            break
+        if cycles() - start > PATIENCE:
+            if state == POSTED and compare_exchange(board, STATE, POSTED, CLAIMED):
+                call_address(board[JOB], board[JOB + 1:JOB + 9])
+                board[TAKEN_BACK] += 1
+                break
+            yield_core()
+        pause()
+    store_release(board, STATE, IDLE)
+
+
+@njit(cache=True, nogil=True)
+def _dismiss(board):
+    compare_exchange(board, STATE, IDLE, ABSENT)
+
+
+class _Helper:
+    def __init__(self):
+        self.thread = None
+        self.wake = threading.Event()
+        self.prepare = []  # callables run once on the helper thread before it serves
+        self.prepared = False
+
+    def run(self):
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if not self.prepared:
+                for prepare in self.prepare:
+                    prepare()
+                self.prepared = True
+            _serve(BOARD, HELPER_LINGER)
+
+
+_HELPER = _Helper()
+_HELPER_LOCK = threading.Lock()
+
+
+def entry(slot: int, address: int) -> None:
+    """Register the job function at ``address`` as entry ``slot`` (a kernel
+    posts ``post(board, slot, job)``); called by a ``prepare`` callable."""
+    BOARD[ENTRIES + slot] = address
+
+
+def on_helper_start(prepare) -> None:
+    """Run ``prepare()`` on the helper thread before it serves its first job
+    (where the job functions are compiled: not on a caller's thread)."""
+    _HELPER.prepare.append(prepare)
+
+
+def wake_helper() -> None:
+    """Start the helper spinning if it is asleep (where there is a second
+    thread to give it and spinning is supported); a kernel run right after
+    may find it there, or not yet."""
+    if BOARD[STATE] != ABSENT or not SPINS:
+        return
+    with _HELPER_LOCK:
+        if count() < 2:
+            return
+        if _HELPER.thread is None:
+            _HELPER.thread = threading.Thread(target=_HELPER.run, name="stepnet-helper",
+                                              daemon=True)
+            _HELPER.thread.start()
+        _HELPER.wake.set()
+
+
+def board_for_one_group():
+    """The board of a kernel run as one group of sequences: ``BOARD`` where
+    the helper can help (and woken if asleep), else ``ALONE``."""
+    if BOARD[STATE] == ABSENT:
+        if not SPINS or count() < 2:
+            return ALONE
+        wake_helper()
+    return BOARD
+
+
+def dismiss_helper() -> None:
+    """Send a spinning, free helper to sleep (before the calling thread's work
+    takes every core)."""
+    if BOARD[STATE] == IDLE:
+        _dismiss(BOARD)
+
+
+def _after_fork_in_child():
+    global _HELPER
+    BOARD[STATE] = ABSENT  # the parent's helper thread is not in this process
+    prepare = _HELPER.prepare
+    _HELPER = _Helper()
+    _HELPER.prepare = prepare
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

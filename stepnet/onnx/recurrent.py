@@ -365,6 +365,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     program's layout (``top_inputs``, ``top_outputs``, ``given``, ``module.program``), and
     is used only if its first results equal, bit for bit, those of the public
     call it replaces."""
+    from ..jit import threads
     from ..jit.numba_cpu import compiled_entry, exactly, read_only  # (loaded: numba ran)
 
     try:
@@ -403,17 +404,18 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
             outs = buffers(data.shape[0], len(offsets) - 1)
+            board = run.board(len(offsets) - 1)
             if (plain is not None and exactly(data, data_dtype, 2)
                     and exactly(offsets, np.int64, 1)
                     and all(exactly(s, data_dtype, 2) for s in states)):
-                results = plain(*const_args, data, offsets, *states, *outs)
+                results = plain(*const_args, board, data, offsets, *states, *outs)
             else:
                 args = [read_only(data), read_only(offsets)] + [read_only(s) for s in states]
-                results = entry(*const_args, *args, *outs)
+                results = entry(*const_args, board, *args, *outs)
             return list(results[:1 + n])
 
         got = call(data, offsets, states)  # compiles nothing new: the public call's types
-        sample = [read_only(np.zeros((1, features), data_dtype)),
+        sample = [threads.ALONE, read_only(np.zeros((1, features), data_dtype)),
                   read_only(np.zeros(2, np.int64))]
         sample += [read_only(np.zeros((1, width), data_dtype))] * n + buffers(1, 1)
         plain = compiled_entry(entry, const_args + sample)

@@ -1,0 +1,158 @@
+"""What compiled code on two threads needs to hand work to each other without
+the operating system: atomic loads, stores and compare-exchanges of one
+``int64`` element of an array, a pause for spin loops, a yield of the core,
+the cycle counter, a pointer from an address and a call of a C function at
+an address (Numba has none of these for the CPU).
+
+Spinning is for x86-64 (``SPINS``): there the pause is the ``pause``
+instruction and the clock ``rdtsc``; elsewhere no thread spins, and these
+compile to a plain loop and a clock of 0.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+# whether a thread may spin on this machine (and read its cycle counter)
+SPINS = platform.machine().lower() in ("x86_64", "amd64")
+_POSIX = sys.platform.startswith(("linux", "darwin", "freebsd"))
+
+
+def _element_pointer(context, builder, array_type, array, index):
+    view = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, array_type, view, [index])
+
+
+def _is_int64_array(array):
+    return isinstance(array, types.Array) and array.dtype == types.int64 and array.ndim == 1
+
+
+@intrinsic
+def load_acquire(typingctx, array, index):
+    """``array[index]`` read after every write another thread released before
+    it (``array``: 1-D int64, ``index`` in bounds)."""
+    if not _is_int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(pointer, "acquire", 8)
+
+    return types.int64(array, types.intp), codegen
+
+
+@intrinsic
+def store_release(typingctx, array, index, value):
+    """``array[index] = value``, after every write before it is visible."""
+    if not _is_int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(value, pointer, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(array, types.intp, types.int64), codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, array, index, expected, new):
+    """Atomically: if ``array[index] == expected``, set it to ``new``; whether
+    it did."""
+    if not _is_int64_array(array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        old = context.cast(builder, args[2], signature.args[2], types.int64)
+        value = context.cast(builder, args[3], signature.args[3], types.int64)
+        result = builder.cmpxchg(pointer, old, value, "acq_rel", "acquire")
+        return builder.extract_value(result, 1)
+
+    return types.boolean(array, types.intp, types.int64, types.int64), codegen
+
+
+@intrinsic
+def pause(typingctx):
+    """A spin loop's hint to the core (x86's ``pause``; nothing elsewhere)."""
+
+    def codegen(context, builder, signature, args):
+        if SPINS:
+            hint = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(hint, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def yield_core(typingctx):
+    """Let another thread have this core (``sched_yield``; nothing where
+    there is none)."""
+
+    def codegen(context, builder, signature, args):
+        if _POSIX:
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+            builder.call(function, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def cycles(typingctx):
+    """The core's time-stamp counter (0 where ``SPINS`` is false)."""
+
+    def codegen(context, builder, signature, args):
+        if not SPINS:
+            return context.get_constant(types.int64, 0)
+        clock = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(64), []), "llvm.readcyclecounter")
+        return builder.call(clock, [])
+
+    return types.int64(), codegen
+
+
+@intrinsic
+def pointer_to(typingctx, address, dtype):
+    """The address ``address`` (an integer) as a pointer to ``dtype`` (a
+    dtype or a NumPy scalar type)."""
+    if isinstance(dtype, types.DType):
+        element = dtype.dtype
+    elif isinstance(dtype, types.NumberClass):
+        element = dtype.instance_type
+    else:
+        return None
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        target = context.get_value_type(element).as_pointer()
+        return builder.inttoptr(args[0], target)
+
+    return types.CPointer(element)(address, dtype), codegen
+
+
+@intrinsic
+def call_address(typingctx, address, record):
+    """Call the C function ``void f(int64 *record)`` at ``address`` with the
+    data of ``record`` (a 1-D int64 array)."""
+    if not isinstance(address, types.Integer) or not _is_int64_array(record):
+        return None
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[1])(context, builder, args[1])
+        function_type = ir.FunctionType(ir.VoidType(), [ir.IntType(64).as_pointer()])
+        function = builder.inttoptr(args[0], function_type.as_pointer())
+        builder.call(function, [view.data])
+        return context.get_dummy_value()
+
+    return types.void(address, record), codegen

@@ -1,0 +1,169 @@
+"""The helper thread (stepnet.jit.threads): a product of a run too small for
+groups of sequences is cut in two at a place fixed by its shape, the helper
+spinning in compiled code takes the second part, and the result is the same,
+bit for bit, whoever computes which part."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from numba import njit
+
+import stepnet as sn
+from conftest import assert_close
+from stepnet.jit import atomics, blas, threads
+
+pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
+
+
+@njit(nogil=True)
+def _products(a, w, out, table, board, reps):
+    """``reps`` per-step products of ``a @ w`` (``table``: small_rows)."""
+    prepared = blas.pack(w, a.shape[0], table, board)
+    for _ in range(reps):
+        blas.gemm_packed(a, prepared, w.shape[0], w.shape[1], out)
+
+
+@njit(nogil=True)
+def _hoisted(a, w, out, table, board):
+    blas.gemm_hoisted(a, w, out, table, board)
+
+
+def _until_the_helper_helps(run, timeout=60.0):
+    """Call ``run()`` with the helper awake until the helper has run a job of
+    it; whether it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = threads.BOARD[threads.JOBS]
+        threads.wake_helper()
+        while threads.BOARD[threads.STATE] == threads.ABSENT and time.monotonic() < deadline:
+            time.sleep(0)  # (its thread starts, or compiles its jobs the first time)
+            threads.wake_helper()
+        run()
+        if threads.BOARD[threads.JOBS] > before:
+            return True
+    return False
+
+
+def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
+    """Any range of at least 32 columns equals those columns of the whole
+    product (every block's sums in order of k): the helper's cut changes
+    nothing."""
+    for m, k, n in [(1, 128, 384), (3, 40, 100), (4, 64, 64), (5, 17, 300), (9, 8, 96)]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        whole = np.empty((m, n), np.float32)
+        blas.small_gemm(a, b, whole)
+        for lo, hi in [(0, 32), (32, n), (n - 32, n), ((n // 2 + 16) // 32 * 32, n),
+                       (0, (n // 2 + 16) // 32 * 32), (7, 7 + 32)]:
+            part = np.full((m, n), np.nan, np.float32)
+            blas.small_gemm_columns(a, b, part, lo, hi)
+            np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(m, k, n, lo))
+            assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
+
+
+@pytest.mark.parametrize("m, k, n, own", [(1, 128, 384, True), (4, 64, 192, True),
+                                          (200, 64, 256, False)])
+def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n, own):
+    """stepnet's own loop cut by columns, the library's by rows: the helper
+    runs the second part (its job counter moves), and the result equals the
+    product computed whole on the calling thread (ALONE), bit for bit where
+    the cut cannot change a sum (the own loop), and equals the same cut
+    computed alone in any case."""
+    blas.register_small_gemm(np.float32)
+    table = np.array([[1 << 40], [10**6 if own else 0]], np.int64)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    alone = np.empty((m, n), np.float32)
+    _products(a, w, alone, table, threads.ALONE, 1)
+    shared = np.full((m, n), np.nan, np.float32)
+    assert _until_the_helper_helps(lambda: _products(a, w, shared, table, threads.BOARD, 20))
+    np.testing.assert_allclose(shared, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    if own:
+        np.testing.assert_array_equal(shared, alone)
+    threads.dismiss_helper()  # the cut computed by this thread alone: the same bits
+    time.sleep(0.01)
+    again = np.full((m, n), np.nan, np.float32)
+    _products(a, w, again, table, threads.BOARD, 1)
+    np.testing.assert_array_equal(again, shared)
+
+
+def test_a_hoisted_product_is_shared_by_rows(rng):
+    a = rng.standard_normal((1000, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    table = np.array([[1 << 40], [4]], np.int64)
+    out = np.full((1000, 96), np.nan, np.float32)
+    assert _until_the_helper_helps(lambda: _hoisted(a, w, out, table, threads.BOARD))
+    np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
+    """A board whose helper is free but never comes (its thread off the
+    core): the kernel waits ``PATIENCE`` cycles, takes its job back and runs
+    it; the board is free again and no job counts as the helper's."""
+    blas.register_small_gemm(np.float32)
+    assert _until_the_helper_helps(  # (the job functions are registered on the helper)
+        lambda: _products(np.ones((1, 64), np.float32), np.ones((64, 256), np.float32),
+                          np.empty((1, 256), np.float32), np.array([[1 << 40], [8]]),
+                          threads.BOARD, 4))
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    board[threads.ENTRIES:] = threads.BOARD[threads.ENTRIES:]
+    board[threads.STATE] = threads.IDLE
+    a = rng.standard_normal((1, 128)).astype(np.float32)
+    w = rng.standard_normal((128, 384)).astype(np.float32)
+    out = np.full((1, 384), np.nan, np.float32)
+    _products(a, w, out, np.array([[1 << 40], [8]]), board, 3)
+    whole = np.empty((1, 384), np.float32)
+    blas.small_gemm(a, w, whole)
+    np.testing.assert_array_equal(out, whole)
+    assert board[threads.STATE] == threads.IDLE and board[threads.JOBS] == 0
+
+
+def test_a_one_sequence_gru_shares_its_step_with_the_helper(rng):
+    """A GRU of 128 units over one sequence: its step's product [1, 128] @
+    [128, 384] goes half to the helper; the kernel equals the interpreter,
+    and a batch of many sequences (groups on threads) gives every sequence
+    the same result."""
+    H, T, features = 128, 40, 16
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((T, features)).astype(np.float32), [[T]])
+    layer = sn.nn.GRU(features, H, seed=3)
+    expected = layer(X, backend="interpreter")
+    before = threads.BOARD[threads.JOBS]
+    assert _until_the_helper_helps(lambda: layer(X, backend="numba"))
+    got = layer(X, backend="numba")
+    assert threads.BOARD[threads.JOBS] > before
+    assert_close(got, expected)
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_helper(tmp_path):
+    """After a fork the child has no helper thread: its board says so, and a
+    shared product in the child runs (and a helper of its own starts)."""
+    code = """
+import os, sys, time
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_helper import _products, _until_the_helper_helps
+from stepnet.jit import blas, threads
+blas.register_small_gemm(np.float32)
+a = np.ones((1, 128), np.float32); w = np.ones((128, 384), np.float32)
+out = np.empty((1, 384), np.float32); table = np.array([[1 << 40], [8]])
+assert _until_the_helper_helps(lambda: _products(a, w, out, table, threads.BOARD, 50))
+threads.wake_helper()
+pid = os.fork()
+if pid == 0:
+    ok = threads.BOARD[threads.STATE] == threads.ABSENT
+    _products(a, w, out, table, threads.BOARD, 50)
+    ok = ok and (out == 128).all()
+    ok = ok and _until_the_helper_helps(lambda: _products(a, w, out, table, threads.BOARD, 50))
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    proc = subprocess.run([sys.executable, "-c", code.format(tests=os.path.dirname(__file__))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0"], proc.stdout + proc.stderr
