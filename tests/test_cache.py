@@ -105,3 +105,32 @@ def test_default_cache_dir_is_per_user(monkeypatch, tmp_path):
     assert cache.cache_dir() == tmp_path / "stepnet"
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path / "mine"))
     assert cache.cache_dir() == tmp_path / "mine"
+
+
+def test_a_helper_compiled_with_another_helpers_code_is_stale_when_that_file_changes(tmp_path):
+    """blas's shared products embed threads' code (claim, post, finish):
+    Numba's cache stamps a function by its own file only, so stepnet's
+    stamps every helper file, and a change to threads.py recompiles blas's
+    functions (instead of loading the old threads code inside them)."""
+    package = tmp_path / "pkg"
+    shutil.copytree(Path(sn.__file__).parent, package / "stepnet",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(package), STEPNET_CACHE_DIR=str(tmp_path / "cache"),
+               STEPNET_BLAS="openblas")
+    script = ("import numpy as np\n"
+              "from stepnet.jit import blas, threads\n"
+              "a = np.ones((20, 4), np.float32); b = np.ones((4, 3), np.float32)\n"
+              "out = np.empty((20, 3), np.float32)\n"
+              "blas._library_rows(a, b, out, threads.ALONE, b.ctypes.data, 2)\n"
+              "assert (out == 4).all()\n"
+              "print(sum(blas._library_rows.stats.cache_hits.values()))\n")
+    hits = []
+    for change in (False, False, True):
+        if change:
+            with open(package / "stepnet" / "jit" / "threads.py", "a") as f:
+                f.write("\n# changed\n")
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                text=True, timeout=600, cwd=tmp_path)  # (not this checkout's)
+        assert result.returncode == 0, result.stderr[-3000:]
+        hits.append(int(result.stdout.split()[-1]))
+    assert hits == [0, 1, 0]

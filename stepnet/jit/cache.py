@@ -6,7 +6,8 @@ Layout (default root: ``$XDG_CACHE_HOME/stepnet``, else ``~/.cache/stepnet``)::
         stepnet_kernel_<hash>.py      generated kernels (numba_cpu), by a hash of their source
         __pycache__/                  Numba's compiled code of those kernels
         numba/<build>/jit/            Numba's compiled code of stepnet's own helpers
-                                      (numba_runtime, blas), one folder per build
+                                      (numba_runtime, blas, threads), one folder per
+                                      build, stale when any of their files changes
 
 Nothing is written into the installed package: importing this module puts a
 Numba cache locator in front of Numba's own ones for source files inside the
@@ -83,9 +84,16 @@ def helpers_fingerprint() -> str:
     on disk embeds their compiled code, so a changed helper (a new stepnet)
     must give the kernel a new key."""
     digest = hashlib.sha256(build_key().encode())
-    for name in ("numba_runtime.py", "blas.py"):
-        digest.update((_PACKAGE / "jit" / name).read_bytes())
+    for path in _helper_sources():
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _helper_sources():
+    """The source files of the compiled helpers (stepnet.jit): one calls
+    another's (blas calls threads' and atomics'), and Numba's cache of one
+    embeds the others' code."""
+    return sorted((_PACKAGE / "jit").glob("*.py"))
 
 
 class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
@@ -100,6 +108,11 @@ class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._Cache
 
     def get_cache_path(self):
         return self._cache_path
+
+    def get_source_stamp(self):
+        # Numba's stamp is the function's own file; a helper embeds the code
+        # of helpers in the other files, so any of them changing is a miss
+        return tuple((p.name, p.stat().st_mtime, p.stat().st_size) for p in _helper_sources())
 
     @classmethod
     def from_function(cls, py_func, py_file):
