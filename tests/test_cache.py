@@ -108,7 +108,7 @@ def test_default_cache_dir_is_per_user(monkeypatch, tmp_path):
 
 
 def test_a_helper_compiled_with_another_helpers_code_is_stale_when_that_file_changes(tmp_path):
-    """blas's shared products embed threads' code (claim, post, finish):
+    """blas's functions embed threads' code and constants (share, SHARES):
     Numba's cache stamps a function by its own file only, so stepnet's
     stamps every helper file, and a change to threads.py recompiles blas's
     functions (instead of loading the old threads code inside them)."""
@@ -119,11 +119,8 @@ def test_a_helper_compiled_with_another_helpers_code_is_stale_when_that_file_cha
                STEPNET_BLAS="openblas")
     script = ("import numpy as np\n"
               "from stepnet.jit import blas, threads\n"
-              "a = np.ones((20, 4), np.float32); b = np.ones((4, 3), np.float32)\n"
-              "out = np.empty((20, 3), np.float32)\n"
-              "blas._library_rows(a, b, out, threads.ALONE, b.ctypes.data, 2)\n"
-              "assert (out == 4).all()\n"
-              "print(sum(blas._library_rows.stats.cache_hits.values()))\n")
+              "blas._row_cut(20, 4, 3, threads.ALONE)\n"
+              "print(sum(blas._row_cut.stats.cache_hits.values()))\n")
     hits = []
     for change in (False, False, True):
         if change:

@@ -112,6 +112,7 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     board = np.zeros_like(threads.BOARD)
     board[threads.SHARES] = 1
     board[threads.ENTRIES:] = threads.BOARD[threads.ENTRIES:]
+    board[threads.SHARE] = threads.BOARD[threads.SHARE]
     board[threads.STATE] = threads.IDLE
     a = rng.standard_normal((1, 128)).astype(np.float32)
     w = rng.standard_normal((128, 384)).astype(np.float32)

@@ -1,8 +1,8 @@
 """What compiled code on two threads needs to hand work to each other without
 the operating system: atomic loads, stores and compare-exchanges of one
 ``int64`` element of an array, a pause for spin loops, a yield of the core,
-the cycle counter, a pointer from an address and a call of a C function at
-an address (Numba has none of these for the CPU).
+the cycle counter, a pointer from an address, a call of a C function at an
+address, and a buffer on the stack (Numba has none of these for the CPU).
 
 Spinning is for x86-64 (``SPINS``): there the pause is the ``pause``
 instruction and the clock ``rdtsc``; elsewhere no thread spins, and these
@@ -26,6 +26,15 @@ _POSIX = sys.platform.startswith(("linux", "darwin", "freebsd"))
 def _element_pointer(context, builder, array_type, array, index):
     view = context.make_array(array_type)(context, builder, array)
     return cgutils.get_item_pointer(context, builder, array_type, view, [index])
+
+
+def _element(dtype):
+    """The element type of a dtype or NumPy scalar type argument (else None)."""
+    if isinstance(dtype, types.DType):
+        return dtype.dtype
+    if isinstance(dtype, types.NumberClass):
+        return dtype.instance_type
+    return None
 
 
 def _is_int64_array(array):
@@ -125,13 +134,8 @@ def cycles(typingctx):
 def pointer_to(typingctx, address, dtype):
     """The address ``address`` (an integer) as a pointer to ``dtype`` (a
     dtype or a NumPy scalar type)."""
-    if isinstance(dtype, types.DType):
-        element = dtype.dtype
-    elif isinstance(dtype, types.NumberClass):
-        element = dtype.instance_type
-    else:
-        return None
-    if not isinstance(address, types.Integer):
+    element = _element(dtype)
+    if element is None or not isinstance(address, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
@@ -156,3 +160,19 @@ def call_address(typingctx, address, record):
         return context.get_dummy_value()
 
     return types.void(address, record), codegen
+
+
+@intrinsic
+def stack_buffer(typingctx, size, dtype):
+    """A pointer to ``size`` (a literal) elements of ``dtype`` on the stack:
+    LLVM keeps such a block in registers across a loop that reads and writes
+    only constant offsets of it."""
+    element = _element(dtype)
+    if not isinstance(size, types.IntegerLiteral) or element is None:
+        return None
+    count = size.literal_value
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, context.get_value_type(element), size=count)
+
+    return types.CPointer(element)(size, dtype), codegen

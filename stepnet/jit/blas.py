@@ -55,7 +55,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
-from .atomics import pointer_to
+from .atomics import pointer_to, stack_buffer
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, small_product_rows
 
@@ -119,21 +119,6 @@ _ACCUMULATORS = 128
 _U32 = np.uint64(32)
 
 
-@intrinsic
-def _stack_buffer(typingctx, size, dtype):
-    """A pointer to ``size`` (a literal) elements of ``dtype`` on the stack:
-    LLVM keeps such a block in registers across a loop that reads and writes
-    only constant offsets of it."""
-    if not isinstance(size, types.IntegerLiteral) or not isinstance(dtype, types.DType):
-        return None
-    count, element = size.literal_value, dtype.dtype
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, context.get_value_type(element), size=count)
-
-    return types.CPointer(element)(size, dtype), codegen
-
-
 @njit(cache=True, nogil=True)
 def small_gemm(a, b, out):
     """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous): ``small_gemm_columns``
@@ -159,7 +144,7 @@ def small_gemm_columns(a, b, out, lo, hi):
     m = a.shape[0]
     k = b.shape[0]
     zero = out.dtype.type(0)
-    acc = carray(_stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
+    acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
     if hi - lo < 32:  # narrower than a block: one sum at a time
         for i in range(m):
             for j in range(lo, hi):
@@ -405,8 +390,8 @@ def pack(b, max_rows, small_rows, board):
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
 # is compiled once (and cached on disk), not again inside every kernel
 _OWN_SYMBOLS = {"float32": "stepnet_small_sgemm", "float64": "stepnet_small_dgemm"}
-# (a, m, k, n, b, out, lo, hi): small_gemm_columns of out's columns lo:hi
-_own_calls = {name: _extern(symbol, "pzzzppzz") for name, symbol in _OWN_SYMBOLS.items()}
+# (a, m, k, n, b, out, board): _own_shared, a board's address its last argument
+_own_calls = {name: _extern(symbol, "pzzzppp") for name, symbol in _OWN_SYMBOLS.items()}
 _OWN_LOCK = threading.Lock()
 _own_entries = {}  # dtype name -> the cfunc, once its symbol is known to LLVM
 
@@ -425,9 +410,10 @@ def register_small_gemm(dtype) -> None:
         pointer = types.CPointer(element)
 
         @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer,
-                          types.int64, types.int64), cache=True)
-        def entry(a, m, k, n, b, out, lo, hi):
-            small_gemm_columns(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)), lo, hi)
+                          types.CPointer(types.int64)), cache=True)
+        def entry(a, m, k, n, b, out, board):
+            _own_shared(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)),
+                        carray(board, threads.BOARD_SIZE))
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
@@ -454,17 +440,38 @@ _SHARE_LIBRARY_WORK = 1 << 17
 # m, k, n, address of b or its packed form, address of out, lo, hi)
 _OWN_JOB, _ROWS_JOB, _PACKED_JOB = 0, 2, 4
 _JOB_SIGNATURE = types.void(types.CPointer(types.int64))
-_own_sgemm, _own_dgemm = _own_calls["float32"], _own_calls["float64"]
+
+
+@njit(cache=True, nogil=True)
+def _own_shared(a, b, out, board):
+    """out[:m] = a[:m] @ b by small_gemm, cut by columns on ``board`` (the
+    body of small_gemm's C entry: compiled once, not in every kernel)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if board[threads.SHARES] == 0 or m * k * n < SHARE_OWN_WORK or n < 64:
+        small_gemm_columns(a, b, out, 0, n)
+        return
+    cut = (n // 2 + 16) // 32 * 32  # whole blocks of 32, and at least 32 left
+    if not threads.share(board, _OWN_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k,
+                         n, b.ctypes.data, out.ctypes.data, cut, n):
+        small_gemm_columns(a, b, out, 0, n)
+
+
+@njit(cache=True, nogil=True)
+def _own_columns(job, dtype):
+    j = carray(job, 8)
+    m, k, n = j[1], j[2], j[3]
+    small_gemm_columns(carray(pointer_to(j[0], dtype), (m, k)),
+                       carray(pointer_to(j[4], dtype), (k, n)),
+                       carray(pointer_to(j[5], dtype), (m, n)), j[6], j[7])
 
 
 def _own_job(job):
-    j = carray(job, 8)
-    _own_sgemm((j[0], j[1], j[2], j[3], j[4], j[5], j[6], j[7]))
+    _own_columns(job, np.float32)
 
 
 def _own_job_64(job):
-    j = carray(job, 8)
-    _own_dgemm((j[0], j[1], j[2], j[3], j[4], j[5], j[6], j[7]))
+    _own_columns(job, np.float64)
 
 
 @njit(cache=True, nogil=True)
@@ -488,8 +495,6 @@ def _rows_job_64(job):
 def _job_functions():
     """Compile (or load) the helper's job functions and register them: on the
     helper thread, before it serves."""
-    for dtype in ("float32", "float64"):
-        register_small_gemm(dtype)
     jobs = {_OWN_JOB: _own_job, _OWN_JOB + 1: _own_job_64,
             _ROWS_JOB: _rows_job, _ROWS_JOB + 1: _rows_job_64}
     if BLAS_NAME == "mkl":
@@ -511,47 +516,24 @@ def _own_product_for(a, b, out, board):
     call = _own_calls.get(str(a.dtype))
     if call is None:
         return None
-    job = _OWN_JOB + (1 if str(a.dtype) == "float64" else 0)
 
     if a.layout == "C" and b.layout == "C" and out.layout == "C":
         def own_product(a, b, out, board):
             m, k = a.shape
-            n = b.shape[1]
-            if m == 0:
-                return
-            pa, pb, po = a.ctypes.data, b.ctypes.data, out.ctypes.data
-            if board[threads.SHARES] == 0 or m * k * n < SHARE_OWN_WORK or n < 64:
-                call((pa, m, k, n, pb, po, 0, n))
-                return
-            cut = (n // 2 + 16) // 32 * 32  # whole blocks of 32, and at least 32 left
-            if threads.claim(board):
-                threads.post(board, job, pa, m, k, n, pb, po, cut, n)
-                call((pa, m, k, n, pb, po, 0, cut))
-                threads.finish(board)
-            else:
-                call((pa, m, k, n, pb, po, 0, n))
+            if m > 0:
+                call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data,
+                      board.ctypes.data))
     else:  # (arrays not known to be C-contiguous: on C-contiguous copies)
         def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
                 a_c, b_c = np.ascontiguousarray(a), np.ascontiguousarray(b)
                 out_c = np.empty((m, b.shape[1]), out.dtype)
-                _own_product(a_c, b_c, out_c, board)
+                call((a_c.ctypes.data, m, k, b.shape[1], b_c.ctypes.data, out_c.ctypes.data,
+                      board.ctypes.data))
                 out[:m] = out_c
 
     return own_product
-
-
-def _library_part(a, b, out):
-    """out[:m] = a[:m] @ b by the library: ``b`` the weights, or ``pack``'s
-    ``prepared`` tuple."""
-
-
-@overload(_library_part)
-def _library_part_for(a, b, out):
-    if isinstance(b, types.Array):
-        return lambda a, b, out: gemm(a, b, out)
-    return lambda a, b, out: _library_product(a, b, b[1].shape[0], b[1].shape[1], out)
 
 
 if BLAS_NAME == "mkl":
@@ -577,26 +559,13 @@ if BLAS_NAME == "mkl":
 _LIBRARY_JOB = _PACKED_JOB if BLAS_NAME == "mkl" else _ROWS_JOB
 
 
-@njit(cache=True)
-def _library_rows(a, b, out, board, library_b, job):
-    """out[:m] = a[:m] @ b by the library (``b``: the weights, or ``pack``'s
-    tuple; ``job``: rows of it as a helper's job, on ``library_b``: the
-    address of the weights or of their packed form), cut by rows on
-    ``board``."""
-    m, k = a.shape
-    n = out.shape[1]
+@njit(types.int64(types.int64, types.int64, types.int64, types.int64[::1]), cache=True)
+def _row_cut(m, k, n, board):
+    """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
+    (0: not cut)."""
     if board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
-        _library_part(a, b, out)
-        return
-    cut = m // 2
-    if threads.claim(board):
-        threads.post(board, job + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k, n,
-                     library_b, out.ctypes.data, cut, m)
-        _library_part(a[:cut], b, out[:cut])
-        threads.finish(board)
-    else:
-        _library_part(a[:cut], b, out[:cut])
-        _library_part(a[cut:], b, out[cut:])
+        return 0
+    return m // 2
 
 
 @njit(cache=True)
@@ -608,8 +577,16 @@ def gemm_hoisted(a, b, out, small_rows, board):
     library's; shared with the helper on ``board``."""
     if a.shape[0] <= rows_for(small_rows, b.shape[0] * b.shape[1]):
         _own_product(a, b, out, board)
-    elif a.shape[0] > 0:
-        _library_rows(a, b, out, board, b.ctypes.data, _ROWS_JOB)
+        return
+    m, k = a.shape
+    n = b.shape[1]
+    cut = _row_cut(a.shape[0], a.shape[1], n, board)
+    if cut == 0:
+        gemm(a, b, out)
+    elif not threads.share(board, _ROWS_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m,
+                           k, n, b.ctypes.data, out.ctypes.data, cut, m):
+        gemm(a[:cut], b, out[:cut])
+        gemm(a[cut:], b, out[cut:])
 
 
 @njit(cache=True)
@@ -622,9 +599,17 @@ def gemm_packed(a, prepared, k, n, out):
     if a.shape[0] <= prepared[2]:
         _own_product(a, prepared[1], out, board)
     elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
-        _library_rows(a, prepared[1], out, board, prepared[1].ctypes.data, _ROWS_JOB)
+        gemm(a, prepared[1], out)
     else:
-        _library_rows(a, prepared, out, board, prepared[0].ctypes.data, _LIBRARY_JOB)
+        m = a.shape[0]
+        cut = _row_cut(a.shape[0], a.shape[1], n, board)
+        if cut == 0:
+            _library_product(a, prepared, k, n, out)
+        elif not threads.share(board, _LIBRARY_JOB + (1 if a.itemsize == 8 else 0),
+                               a.ctypes.data, m, k, n, prepared[0].ctypes.data,
+                               out.ctypes.data, cut, m):
+            _library_product(a[:cut], prepared, k, n, out[:cut])
+            _library_product(a[cut:], prepared, k, n, out[cut:])
 
 
 @njit(cache=True)

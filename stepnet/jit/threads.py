@@ -1,6 +1,6 @@
 """The threads stepnet runs compiled work on: a small pool of Python threads
 calling ``nogil`` kernels, each kernel single-threaded (its BLAS calls too),
-and one helper thread that takes a share of a single product.
+and one helper thread that takes a part of a single product.
 
 Nothing here uses Numba's parallel layer or a BLAS library's own thread pool,
 so no step waits on a barrier and no idle pool spins beside the kernels. The
@@ -8,16 +8,22 @@ thread count is Numba's (``numba.set_num_threads``, ``NUMBA_NUM_THREADS``).
 
 The helper is for runs too small to split into groups of sequences (one
 sequence; a stream's few frames): a product of such a step is too short for
-Python's threads (handing work to one costs tens of microseconds), but not
-for a thread already spinning in compiled code, which picks a job up in
-well under a microsecond. A kernel claims the helper on ``BOARD`` (a
+Python's threads (handing work to one costs tens of microseconds on a
+virtual machine), not for a thread already spinning in compiled code, which
+picks a job up in well under a microsecond. A kernel given ``BOARD`` calls
+``share``: if the helper is spinning and free, it claims it (a
 compare-exchange: one claimant at a time), writes the job (the address of a
-C function ``void f(int64 *job)`` and its arguments), computes its own share
-and spins until the helper is done. The helper spins (``pause``) while jobs
-come, and goes back to sleep ``HELPER_LINGER`` cycles after the last one,
-or when dismissed. ``wake_helper()`` starts it; a kernel whose helper is
-asleep or busy computes the whole product itself, so no kernel ever waits
-for a helper that is not there. x86-64 only (:data:`atomics.SPINS`).
+C function ``void f(int64 *job)`` and its arguments), runs its own part of
+the same job and waits for the helper's (``finish``: a job the helper has
+not started within ``PATIENCE`` cycles it takes back and runs itself, so a
+helper without a core never holds a kernel up); else ``share`` says no and
+the kernel computes both parts. The helper spins (``pause``) while jobs
+come, yields its core after a while without one, and goes back to sleep
+``HELPER_LINGER`` cycles after the last, or when dismissed.
+``wake_helper()`` starts it (``board_for_one_group``). The protocol
+(``_share``) and the job functions are compiled on the helper's thread when
+it first starts, so a kernel compiles none of it. x86-64 only
+(:data:`atomics.SPINS`): elsewhere kernels get ``ALONE``.
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ import threading
 
 import numba
 import numpy as np
-from numba import njit
+from numba import carray, cfunc, njit, types
 
 from . import cache  # noqa: F401  (Numba's cache of _serve goes under STEPNET_CACHE_DIR)
 from .atomics import SPINS, call_address, compare_exchange, cycles, load_acquire, pause, \
-    store_release, yield_core
+    pointer_to, stack_buffer, store_release, yield_core
 
 _POOL = None
 
@@ -65,14 +71,16 @@ def run_each(fn, items):
 
 # a board's slots: the helper's state, the jobs it has run, whether kernels
 # given the board share their products, the jobs posted that their claimant
-# took back and ran (see ``finish``), the job (from JOB: the function's
-# address, then its 8 arguments), and the addresses of the job functions the
-# helper's ``prepare`` registered (from ENTRIES, see ``entry``)
-STATE, JOBS, SHARES, TAKEN_BACK, JOB, ENTRIES = 0, 1, 2, 3, 8, 24
+# took back and ran (see ``finish``), the address of ``_share`` (0 until the
+# helper has started once), the job (from JOB: the function's address, then
+# its 8 arguments), and the addresses of the job functions the helper's
+# ``prepare`` registered (from ENTRIES, see ``entry``)
+STATE, JOBS, SHARES, TAKEN_BACK, SHARE, JOB, ENTRIES = 0, 1, 2, 3, 4, 8, 24
 # the states: asleep; spinning, free; claimed by a kernel writing a job; a job
 # to run; that job running; that job done (the claimant sets IDLE again)
 ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE = 0, 1, 2, 3, 4, 5
-BOARD = np.zeros(ENTRIES + 8, np.int64)
+BOARD_SIZE = ENTRIES + 8
+BOARD = np.zeros(BOARD_SIZE, np.int64)
 BOARD[SHARES] = 1
 # the board of a kernel that computes every product whole (its run takes
 # every thread already)
@@ -110,20 +118,19 @@ def _serve(board, linger):
 
 
 @njit(cache=True, nogil=True)
-def claim(board) -> bool:
-    """Whether the calling kernel got the helper (it then posts one job)."""
-    return compare_exchange(board, STATE, IDLE, CLAIMED)
-
-
-@njit(cache=True, nogil=True)
-def post(board, entry, a, m, k, n, b, out, lo, hi):
-    """Give the claimed helper the job ``f(a, m, k, n, b, out, lo, hi)`` of
-    entry ``entry`` (see ``entry``)."""
+def offer(board, entry, a, m, k, n, b, out, lo, hi) -> bool:
+    """Give the helper the job ``f(a, m, k, n, b, out, lo, hi)`` of entry
+    ``entry`` (see ``entry``) if it is spinning and free (claimed by a
+    compare-exchange: one kernel at a time); whether it took it (the kernel
+    then calls ``finish``)."""
+    if not compare_exchange(board, STATE, IDLE, CLAIMED):
+        return False
     job = board[JOB + 1:JOB + 9]
     job[0], job[1], job[2], job[3] = a, m, k, n
     job[4], job[5], job[6], job[7] = b, out, lo, hi
     board[JOB] = board[ENTRIES + entry]
     store_release(board, STATE, POSTED)
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -145,6 +152,47 @@ def finish(board):
     store_release(board, STATE, IDLE)
 
 
+# _share's argument: the board's address, the job's entry, its 8 values
+# (a, m, k, n, b, out, cut, hi), and the result
+_SHARE_RECORD = 11
+
+
+def _share(record):
+    """The helper takes ``cut:hi`` of a job and this thread ``0:cut``, if the
+    helper is free; the result (``record[10]``): whether it was. A C function
+    compiled on the helper's thread when it first starts, so that kernels,
+    which call it by its address on the board (``share``), need not compile
+    the helper's protocol."""
+    r = carray(record, _SHARE_RECORD)
+    board = carray(pointer_to(r[0], np.int64), BOARD_SIZE)
+    if offer(board, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]):
+        r[8], r[9] = 0, r[8]
+        call_address(board[ENTRIES + r[1]], r[2:10])
+        finish(board)
+        r[10] = 1
+    else:
+        r[10] = 0
+
+
+# (one signature: the arguments' literal and read-only types compile nothing new)
+@njit(types.boolean(types.int64[::1], types.int64, types.uint64, types.int64, types.int64,
+                    types.int64, types.uint64, types.uint64, types.int64, types.int64),
+      cache=True, nogil=True)
+def share(board, entry, a, m, k, n, b, out, cut, hi):
+    """Run the job of entry ``entry`` on ``(a, m, k, n, b, out)``, its part
+    ``0:cut`` on this thread and ``cut:hi`` on the helper, if the helper is
+    there and free; whether it was (else nothing is computed)."""
+    address = board[SHARE]
+    if address == 0:
+        return False
+    record = carray(stack_buffer(_SHARE_RECORD, np.int64), _SHARE_RECORD)
+    record[0], record[1], record[2], record[3] = board.ctypes.data, entry, a, m
+    record[4], record[5], record[6], record[7] = k, n, b, out
+    record[8], record[9], record[10] = cut, hi, 0
+    call_address(address, record)
+    return record[10] == 1
+
+
 @njit(cache=True, nogil=True)
 def _dismiss(board):
     compare_exchange(board, STATE, IDLE, ABSENT)
@@ -164,6 +212,9 @@ class _Helper:
             if not self.prepared:
                 for prepare in self.prepare:
                     prepare()
+                signature = types.void(types.CPointer(types.int64))
+                self.share = cfunc(signature, cache=True, nogil=True)(_share)  # (kept alive)
+                BOARD[SHARE] = self.share.address
                 self.prepared = True
             _serve(BOARD, HELPER_LINGER)
 
