@@ -417,6 +417,8 @@ def register_small_gemm(dtype) -> None:
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
+    if threads.helper_prepared():
+        _job_functions(name)
 
 
 # -- products shared with the helper thread (threads.wake_helper) ----------------
@@ -492,18 +494,27 @@ def _rows_job_64(job):
     _rows(job, np.float64)
 
 
-def _job_functions():
-    """Compile (or load) the helper's job functions and register them: on the
-    helper thread, before it serves."""
-    jobs = {_OWN_JOB: _own_job, _OWN_JOB + 1: _own_job_64,
-            _ROWS_JOB: _rows_job, _ROWS_JOB + 1: _rows_job_64}
+_jobs_registered = set()  # dtype names whose job functions the helper has
+
+
+def _job_functions(name):
+    """Compile (or load) the helper's job functions for dtype ``name`` and
+    register them: when the helper first starts, for the dtypes kernels use,
+    and for a dtype a kernel registers after that (a job whose function is
+    not registered is never shared: ``threads.share``)."""
+    if name in _jobs_registered:
+        return
+    wide = name == "float64"
+    jobs = {_OWN_JOB: _own_job_64 if wide else _own_job,
+            _ROWS_JOB: _rows_job_64 if wide else _rows_job}
     if BLAS_NAME == "mkl":
-        jobs.update({_PACKED_JOB: _packed_job, _PACKED_JOB + 1: _packed_job_64})
+        jobs[_PACKED_JOB] = _packed_job_64 if wide else _packed_job
     for slot, job in jobs.items():
-        threads.entry(slot, cfunc(_JOB_SIGNATURE, cache=True, nogil=True)(job).address)
+        threads.entry(slot + wide, cfunc(_JOB_SIGNATURE, cache=True, nogil=True)(job).address)
+    _jobs_registered.add(name)
 
 
-threads.on_helper_start(_job_functions)
+threads.on_helper_start(lambda: [_job_functions(name) for name in list(_own_entries)])
 
 
 def _own_product(a, b, out, board):

@@ -21,8 +21,8 @@ the kernel computes both parts. The helper spins (``pause``) while jobs
 come, yields its core after a while without one, and goes back to sleep
 ``HELPER_LINGER`` cycles after the last, or when dismissed.
 ``wake_helper()`` starts it (``board_for_one_group``). The protocol
-(``_share``) and the job functions are compiled on the helper's thread when
-it first starts, so a kernel compiles none of it. x86-64 only
+(``_share``) and the job functions are compiled when it is first woken, on
+the waking thread (cached on disk), so a kernel compiles none of it. x86-64 only
 (:data:`atomics.SPINS`): elsewhere kernels get ``ALONE``.
 """
 
@@ -160,9 +160,9 @@ _SHARE_RECORD = 11
 def _share(record):
     """The helper takes ``cut:hi`` of a job and this thread ``0:cut``, if the
     helper is free; the result (``record[10]``): whether it was. A C function
-    compiled on the helper's thread when it first starts, so that kernels,
-    which call it by its address on the board (``share``), need not compile
-    the helper's protocol."""
+    compiled when the helper is first woken, so that kernels, which call it
+    by its address on the board (``share``), need not compile the helper's
+    protocol."""
     r = carray(record, _SHARE_RECORD)
     board = carray(pointer_to(r[0], np.int64), BOARD_SIZE)
     if offer(board, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]):
@@ -183,7 +183,7 @@ def share(board, entry, a, m, k, n, b, out, cut, hi):
     ``0:cut`` on this thread and ``cut:hi`` on the helper, if the helper is
     there and free; whether it was (else nothing is computed)."""
     address = board[SHARE]
-    if address == 0:
+    if address == 0 or board[ENTRIES + entry] == 0:
         return False
     record = carray(stack_buffer(_SHARE_RECORD, np.int64), _SHARE_RECORD)
     record[0], record[1], record[2], record[3] = board.ctypes.data, entry, a, m
@@ -202,20 +202,27 @@ class _Helper:
     def __init__(self):
         self.thread = None
         self.wake = threading.Event()
-        self.prepare = []  # callables run once on the helper thread before it serves
+        self.prepare = []  # callables run once before the helper first serves
         self.prepared = False
+
+    def prepare_once(self):
+        """Compile (or load) the protocol and the job functions, on the
+        thread that first wakes the helper (a compile on the helper's thread
+        would hold the GIL against the caller's Python for its duration)."""
+        if self.prepared:
+            return
+        for prepare in self.prepare:
+            prepare()
+        _serve.compile((numba.typeof(BOARD), numba.typeof(HELPER_LINGER)))
+        signature = types.void(types.CPointer(types.int64))
+        self.share = cfunc(signature, cache=True, nogil=True)(_share)  # (kept alive)
+        BOARD[SHARE] = self.share.address
+        self.prepared = True
 
     def run(self):
         while True:
             self.wake.wait()
             self.wake.clear()
-            if not self.prepared:
-                for prepare in self.prepare:
-                    prepare()
-                signature = types.void(types.CPointer(types.int64))
-                self.share = cfunc(signature, cache=True, nogil=True)(_share)  # (kept alive)
-                BOARD[SHARE] = self.share.address
-                self.prepared = True
             _serve(BOARD, HELPER_LINGER)
 
 
@@ -230,9 +237,14 @@ def entry(slot: int, address: int) -> None:
 
 
 def on_helper_start(prepare) -> None:
-    """Run ``prepare()`` on the helper thread before it serves its first job
-    (where the job functions are compiled: not on a caller's thread)."""
+    """Run ``prepare()`` once before the helper first serves (it registers
+    job functions: ``entry``)."""
     _HELPER.prepare.append(prepare)
+
+
+def helper_prepared() -> bool:
+    """Whether the helper's functions are compiled (it has been woken)."""
+    return _HELPER.prepared
 
 
 def wake_helper() -> None:
@@ -244,6 +256,7 @@ def wake_helper() -> None:
     with _HELPER_LOCK:
         if count() < 2:
             return
+        _HELPER.prepare_once()
         if _HELPER.thread is None:
             _HELPER.thread = threading.Thread(target=_HELPER.run, name="stepnet-helper",
                                               daemon=True)
@@ -269,11 +282,11 @@ def dismiss_helper() -> None:
 
 
 def _after_fork_in_child():
-    global _HELPER
-    BOARD[STATE] = ABSENT  # the parent's helper thread is not in this process
-    prepare = _HELPER.prepare
-    _HELPER = _Helper()
-    _HELPER.prepare = prepare
+    # the parent's helper thread is not in this process (its compiled
+    # functions, and their addresses on the board, are)
+    BOARD[STATE] = ABSENT
+    _HELPER.thread = None
+    _HELPER.wake = threading.Event()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
