@@ -103,7 +103,8 @@ def test_a_hoisted_product_is_shared_by_rows(rng):
 def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     """A board whose helper is free but never comes (its thread off the
     core): the kernel waits ``PATIENCE`` cycles, takes its job back and runs
-    it; the board is free again and no job counts as the helper's."""
+    it; the board is free again and no job counts as the helper's; and the
+    kernel keeps more columns for itself the next time."""
     blas.register_small_gemm(np.float32)
     assert _until_the_helper_helps(  # (the job functions are registered on the helper)
         lambda: _products(np.ones((1, 64), np.float32), np.ones((64, 256), np.float32),
@@ -122,6 +123,12 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     blas.small_gemm(a, w, whole)
     np.testing.assert_array_equal(out, whole)
     assert board[threads.STATE] == threads.IDLE and board[threads.JOBS] == 0
+    assert board[threads.TAKEN_BACK] == 3
+    # each wait was longer than a block of columns takes: the kernel keeps a
+    # block more each time (the balance), and the result is the same bits
+    assert board[threads.BALANCE] == 3
+    _products(a, w, out, np.array([[1 << 40], [8]]), board, 1)
+    np.testing.assert_array_equal(out, whole)
 
 
 def test_a_one_sequence_gru_shares_its_step_with_the_helper(rng):
@@ -168,3 +175,18 @@ print(os.waitstatus_to_exitcode(status))
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["0"], proc.stdout + proc.stderr
+
+
+def test_one_thread_wakes_no_helper_and_shares_nothing():
+    """``numba.set_num_threads(1)`` keeps a run on one core, even while a
+    helper woken before is still spinning."""
+    import numba
+
+    threads.wake_helper()
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        assert threads.board_for_one_group() is threads.ALONE
+    finally:
+        numba.set_num_threads(before)
+    assert threads.board_for_one_group() is threads.BOARD

@@ -436,6 +436,11 @@ def register_small_gemm(dtype) -> None:
 SHARE_OWN_WORK = 1 << 14
 # a library's product with this many (and at least 16 rows), by rows
 _SHARE_LIBRARY_WORK = 1 << 17
+# cycles of waiting for the helper under which it gets a block of 32 more
+# columns of stepnet's own loop (over a block's time on this thread, one
+# fewer): each side's part takes about as long, whatever the helper's core
+# does (another machine's work on it slows it down 1.5-2x at times here)
+_WAIT_BALANCED = 100
 # the helper's job functions (threads.entry slots; + 1 for float64): the
 # columns lo:hi of small_gemm_columns, rows lo:hi of a library product, rows
 # lo:hi of a product with MKL's packed weights; a job is (address of a,
@@ -453,10 +458,19 @@ def _own_shared(a, b, out, board):
     if board[threads.SHARES] == 0 or m * k * n < SHARE_OWN_WORK or n < 64:
         small_gemm_columns(a, b, out, 0, n)
         return
-    cut = (n // 2 + 16) // 32 * 32  # whole blocks of 32, and at least 32 left
-    if not threads.share(board, _OWN_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k,
-                         n, b.ctypes.data, out.ctypes.data, cut, n):
+    # whole blocks of 32 on each side: half, moved by the blocks the balance
+    # says (a column's values do not depend on the side that computes it)
+    half = (n // 2 + 16) // 32
+    shift = board[threads.BALANCE]
+    cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
+    waited = threads.share(board, _OWN_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m,
+                           k, n, b.ctypes.data, out.ctypes.data, cut, n)
+    if waited < 0:
         small_gemm_columns(a, b, out, 0, n)
+    elif waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
+        board[threads.BALANCE] = shift + 1  # (races between kernels only move it)
+    elif waited < _WAIT_BALANCED and shift > -half:
+        board[threads.BALANCE] = shift - 1
 
 
 @njit(cache=True, nogil=True)
@@ -594,8 +608,8 @@ def gemm_hoisted(a, b, out, small_rows, board):
     cut = _row_cut(a.shape[0], a.shape[1], n, board)
     if cut == 0:
         gemm(a, b, out)
-    elif not threads.share(board, _ROWS_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m,
-                           k, n, b.ctypes.data, out.ctypes.data, cut, m):
+    elif threads.share(board, _ROWS_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k,
+                       n, b.ctypes.data, out.ctypes.data, cut, m) < 0:
         gemm(a[:cut], b, out[:cut])
         gemm(a[cut:], b, out[cut:])
 
@@ -616,9 +630,8 @@ def gemm_packed(a, prepared, k, n, out):
         cut = _row_cut(a.shape[0], a.shape[1], n, board)
         if cut == 0:
             _library_product(a, prepared, k, n, out)
-        elif not threads.share(board, _LIBRARY_JOB + (1 if a.itemsize == 8 else 0),
-                               a.ctypes.data, m, k, n, prepared[0].ctypes.data,
-                               out.ctypes.data, cut, m):
+        elif threads.share(board, _LIBRARY_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data,
+                           m, k, n, prepared[0].ctypes.data, out.ctypes.data, cut, m) < 0:
             _library_product(a[:cut], prepared, k, n, out[:cut])
             _library_product(a[cut:], prepared, k, n, out[cut:])
 

@@ -72,10 +72,11 @@ def run_each(fn, items):
 # a board's slots: the helper's state, the jobs it has run, whether kernels
 # given the board share their products, the jobs posted that their claimant
 # took back and ran (see ``finish``), the address of ``_share`` (0 until the
-# helper has started once), the job (from JOB: the function's address, then
-# its 8 arguments), and the addresses of the job functions the helper's
-# ``prepare`` registered (from ENTRIES, see ``entry``)
-STATE, JOBS, SHARES, TAKEN_BACK, SHARE, JOB, ENTRIES = 0, 1, 2, 3, 4, 8, 24
+# helper has started once), the blocks of columns of stepnet's own loop the
+# kernels keep beyond half (blas: balanced by how long they wait), the job
+# (from JOB: the function's address, then its 8 arguments), and the
+# addresses of the job functions registered (from ENTRIES, see ``entry``)
+STATE, JOBS, SHARES, TAKEN_BACK, SHARE, BALANCE, JOB, ENTRIES = 0, 1, 2, 3, 4, 5, 8, 24
 # the states: asleep; spinning, free; claimed by a kernel writing a job; a job
 # to run; that job running; that job done (the claimant sets IDLE again)
 ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE = 0, 1, 2, 3, 4, 5
@@ -136,7 +137,8 @@ def offer(board, entry, a, m, k, n, b, out, lo, hi) -> bool:
 @njit(cache=True, nogil=True)
 def finish(board):
     """Wait for the posted job, then free the helper; run the job here if
-    the helper has not started it within ``PATIENCE`` cycles."""
+    the helper has not started it within ``PATIENCE`` cycles. The cycles
+    waited."""
     start = cycles()
     while True:
         state = load_acquire(board, STATE)
@@ -150,6 +152,7 @@ def finish(board):
             yield_core()
         pause()
     store_release(board, STATE, IDLE)
+    return cycles() - start
 
 
 # _share's argument: the board's address, the job's entry, its 8 values
@@ -159,7 +162,8 @@ _SHARE_RECORD = 11
 
 def _share(record):
     """The helper takes ``cut:hi`` of a job and this thread ``0:cut``, if the
-    helper is free; the result (``record[10]``): whether it was. A C function
+    helper is free; the result (``record[10]``): the cycles this thread
+    waited for the helper, or -1 where the helper was not free. A C function
     compiled when the helper is first woken, so that kernels, which call it
     by its address on the board (``share``), need not compile the helper's
     protocol."""
@@ -168,29 +172,29 @@ def _share(record):
     if offer(board, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]):
         r[8], r[9] = 0, r[8]
         call_address(board[ENTRIES + r[1]], r[2:10])
-        finish(board)
-        r[10] = 1
+        r[10] = finish(board)
     else:
-        r[10] = 0
+        r[10] = -1
 
 
 # (one signature: the arguments' literal and read-only types compile nothing new)
-@njit(types.boolean(types.int64[::1], types.int64, types.uint64, types.int64, types.int64,
-                    types.int64, types.uint64, types.uint64, types.int64, types.int64),
+@njit(types.int64(types.int64[::1], types.int64, types.uint64, types.int64, types.int64,
+                  types.int64, types.uint64, types.uint64, types.int64, types.int64),
       cache=True, nogil=True)
 def share(board, entry, a, m, k, n, b, out, cut, hi):
     """Run the job of entry ``entry`` on ``(a, m, k, n, b, out)``, its part
     ``0:cut`` on this thread and ``cut:hi`` on the helper, if the helper is
-    there and free; whether it was (else nothing is computed)."""
+    there and free: the cycles this thread waited for the helper's part, or
+    -1 where it was not (then nothing is computed)."""
     address = board[SHARE]
     if address == 0 or board[ENTRIES + entry] == 0:
-        return False
+        return -1
     record = carray(stack_buffer(_SHARE_RECORD, np.int64), _SHARE_RECORD)
     record[0], record[1], record[2], record[3] = board.ctypes.data, entry, a, m
     record[4], record[5], record[6], record[7] = k, n, b, out
-    record[8], record[9], record[10] = cut, hi, 0
+    record[8], record[9], record[10] = cut, hi, -1
     call_address(address, record)
-    return record[10] == 1
+    return record[10]
 
 
 @njit(cache=True, nogil=True)
@@ -267,9 +271,9 @@ def wake_helper() -> None:
 def board_for_one_group():
     """The board of a kernel run as one group of sequences: ``BOARD`` where
     the helper can help (and woken if asleep), else ``ALONE``."""
+    if not SPINS or count() < 2:
+        return ALONE
     if BOARD[STATE] == ABSENT:
-        if not SPINS or count() < 2:
-            return ALONE
         wake_helper()
     return BOARD
 
