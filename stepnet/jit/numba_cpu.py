@@ -1474,8 +1474,7 @@ class NumbaProgram:
         groups = self._groups(args)
         buffers = self.output_buffers(args)
         if len(groups) <= 1:
-            board = self.board(args[self.first_sequence].num_sequences)
-            return self._run(const_args, board, args, buffers)
+            return self._run(const_args, self.board(), args, buffers)
         threads.dismiss_helper()  # (the groups take every thread)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
@@ -1560,12 +1559,16 @@ class NumbaProgram:
                 call_args.append(read_only(value))
         return call_args
 
-    def board(self, num_sequences):
-        """The helper's board for a run of ``num_sequences`` sequences as one
-        group: where a step's product of its largest weights is worth sharing
-        with the helper thread (:mod:`stepnet.jit.blas`), ``threads.BOARD``
-        (the helper woken), else ``threads.ALONE``."""
-        if num_sequences * self.largest_weights < blas.SHARE_OWN_WORK:
+    def board(self):
+        """The helper's board for a run of one group of sequences: where a
+        product of one row by its largest weights is worth sharing with the
+        helper thread (:mod:`stepnet.jit.blas`), ``threads.BOARD`` (the
+        helper woken), else ``threads.ALONE``. (Weights smaller than that
+        share nothing even over many rows: at 64 VAD streams, `[64, 32] @
+        [32, 128]` a step, sharing gained 0-10 % in quiet phases of the
+        machine of the README and lost up to 40 % where its second core was
+        slowed.)"""
+        if self.largest_weights < blas.SHARE_OWN_WORK:
             return threads.ALONE
         return threads.board_for_one_group()
 
