@@ -605,7 +605,7 @@ def gemm_hoisted(a, b, out, small_rows, board):
         return
     m, k = a.shape
     n = b.shape[1]
-    cut = _row_cut(a.shape[0], a.shape[1], n, board)
+    cut = _row_cut(m, k, n, board)
     if cut == 0:
         gemm(a, b, out)
     elif threads.share(board, _ROWS_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k,
@@ -627,7 +627,7 @@ def gemm_packed(a, prepared, k, n, out):
         gemm(a, prepared[1], out)
     else:
         m = a.shape[0]
-        cut = _row_cut(a.shape[0], a.shape[1], n, board)
+        cut = _row_cut(m, k, n, board)
         if cut == 0:
             _library_product(a, prepared, k, n, out)
         elif threads.share(board, _LIBRARY_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data,

@@ -236,7 +236,7 @@ _HELPER_LOCK = threading.Lock()
 
 def entry(slot: int, address: int) -> None:
     """Register the job function at ``address`` as entry ``slot`` (a kernel
-    posts ``post(board, slot, job)``); called by a ``prepare`` callable."""
+    shares it by ``share(board, slot, ...)``)."""
     BOARD[ENTRIES + slot] = address
 
 
@@ -287,10 +287,13 @@ def dismiss_helper() -> None:
 
 def _after_fork_in_child():
     # the parent's helper thread is not in this process (its compiled
-    # functions, and their addresses on the board, are)
+    # functions, and their addresses on the board, are), nor any thread
+    # that held the lock
+    global _HELPER_LOCK
     BOARD[STATE] = ABSENT
     _HELPER.thread = None
     _HELPER.wake = threading.Event()
+    _HELPER_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
