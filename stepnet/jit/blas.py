@@ -441,10 +441,11 @@ _SHARE_LIBRARY_WORK = 1 << 17
 # fewer): each side's part takes about as long, whatever the helper's core
 # does (another machine's work on it slows it down 1.5-2x at times here)
 _WAIT_BALANCED = 100
-# the helper's job functions (threads.entry slots; + 1 for float64): the
-# columns lo:hi of small_gemm_columns, rows lo:hi of a library product, rows
-# lo:hi of a product with MKL's packed weights; a job is (address of a,
-# m, k, n, address of b or its packed form, address of out, lo, hi)
+# the helper's job functions (threads.entry slots, float64's the next one:
+# + itemsize // 8): the columns lo:hi of small_gemm_columns, rows lo:hi of a
+# library product, rows lo:hi of a product with MKL's packed weights; a job
+# is (address of a, m, k, n, address of b or its packed form, address of
+# out, lo, hi)
 _OWN_JOB, _ROWS_JOB, _PACKED_JOB = 0, 2, 4
 _JOB_SIGNATURE = types.void(types.CPointer(types.int64))
 
@@ -463,8 +464,8 @@ def _own_shared(a, b, out, board):
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = threads.share(board, _OWN_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m,
-                           k, n, b.ctypes.data, out.ctypes.data, cut, n)
+    waited = threads.share(board, _OWN_JOB + a.itemsize // 8, a.ctypes.data, m, k, n,
+                           b.ctypes.data, out.ctypes.data, cut, n)
     if waited < 0:
         small_gemm_columns(a, b, out, 0, n)
     elif waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
@@ -608,8 +609,8 @@ def gemm_hoisted(a, b, out, small_rows, board):
     cut = _row_cut(m, k, n, board)
     if cut == 0:
         gemm(a, b, out)
-    elif threads.share(board, _ROWS_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data, m, k,
-                       n, b.ctypes.data, out.ctypes.data, cut, m) < 0:
+    elif threads.share(board, _ROWS_JOB + a.itemsize // 8, a.ctypes.data, m, k, n,
+                       b.ctypes.data, out.ctypes.data, cut, m) < 0:
         gemm(a[:cut], b, out[:cut])
         gemm(a[cut:], b, out[cut:])
 
@@ -630,8 +631,8 @@ def gemm_packed(a, prepared, k, n, out):
         cut = _row_cut(m, k, n, board)
         if cut == 0:
             _library_product(a, prepared, k, n, out)
-        elif threads.share(board, _LIBRARY_JOB + (1 if a.itemsize == 8 else 0), a.ctypes.data,
-                           m, k, n, prepared[0].ctypes.data, out.ctypes.data, cut, m) < 0:
+        elif threads.share(board, _LIBRARY_JOB + a.itemsize // 8, a.ctypes.data, m, k, n,
+                           prepared[0].ctypes.data, out.ctypes.data, cut, m) < 0:
             _library_product(a[:cut], prepared, k, n, out[:cut])
             _library_product(a[cut:], prepared, k, n, out[cut:])
 

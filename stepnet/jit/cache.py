@@ -96,6 +96,12 @@ def _helper_sources():
     return sorted((_PACKAGE / "jit").glob("*.py"))
 
 
+@functools.cache
+def _helpers_stamp():
+    """The modification times and sizes of the helper sources (read once)."""
+    return tuple((p.name, p.stat().st_mtime, p.stat().st_size) for p in _helper_sources())
+
+
 class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
     """Numba's cache of functions defined in stepnet's own source files, kept
     under ``cache_dir()/numba/<build>/`` instead of the package's __pycache__."""
@@ -112,7 +118,7 @@ class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._Cache
     def get_source_stamp(self):
         # Numba's stamp is the function's own file; a helper embeds the code
         # of helpers in the other files, so any of them changing is a miss
-        return tuple((p.name, p.stat().st_mtime, p.stat().st_size) for p in _helper_sources())
+        return _helpers_stamp()
 
     @classmethod
     def from_function(cls, py_func, py_file):

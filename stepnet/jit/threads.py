@@ -110,11 +110,13 @@ def _serve(board, linger):
             last = cycles()
         elif state == ABSENT:
             return
-        elif state == IDLE and cycles() - last > linger:
-            if compare_exchange(board, STATE, IDLE, ABSENT):
-                return
-        elif state == IDLE and cycles() - last > linger >> 4:
-            yield_core()  # (a while without a job: a thread waiting for a core goes first)
+        elif state == IDLE:
+            idle = cycles() - last
+            if idle > linger:
+                if compare_exchange(board, STATE, IDLE, ABSENT):
+                    return
+            elif idle > linger >> 4:
+                yield_core()  # (a while without a job: a thread waiting for a core goes first)
         pause()
 
 
