@@ -1,7 +1,9 @@
-"""The helper thread (stepnet.jit.threads): a product of a run too small for
-groups of sequences is cut in two at a place fixed by its shape, the helper
-spinning in compiled code takes the second part, and the result is the same,
-bit for bit, whoever computes which part."""
+"""The helper thread (stepnet.jit.threads): a run too small for groups of
+sequences on Python's threads gives about half of its sequences to the
+helper; a product of a one-sequence run is cut in two at a place fixed by
+its shape, the helper spinning in compiled code takes the second part, and
+the result is the same, bit for bit, whoever computes which part. A job is a
+compiled function and its arguments (atomics.job_of)."""
 
 import os
 import subprocess
@@ -65,7 +67,7 @@ def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
             assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
 
 
-@pytest.mark.parametrize("m, k, n, own", [(1, 128, 384, True), (4, 64, 192, True),
+@pytest.mark.parametrize("m, k, n, own", [(1, 128, 384, True), (4, 96, 192, True),
                                           (200, 64, 256, False)])
 def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n, own):
     """stepnet's own loop cut by columns, the library's by rows: the helper
@@ -106,14 +108,8 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     it; the board is free again and no job counts as the helper's; and the
     kernel keeps more columns for itself the next time."""
     blas.register_small_gemm(np.float32)
-    assert _until_the_helper_helps(  # (the job functions are registered on the helper)
-        lambda: _products(np.ones((1, 64), np.float32), np.ones((64, 256), np.float32),
-                          np.empty((1, 256), np.float32), np.array([[1 << 40], [8]]),
-                          threads.BOARD, 4))
     board = np.zeros_like(threads.BOARD)
     board[threads.SHARES] = 1
-    board[threads.ENTRIES:] = threads.BOARD[threads.ENTRIES:]
-    board[threads.SHARE] = threads.BOARD[threads.SHARE]
     board[threads.STATE] = threads.IDLE
     a = rng.standard_normal((1, 128)).astype(np.float32)
     w = rng.standard_normal((128, 384)).astype(np.float32)
@@ -145,6 +141,79 @@ def test_a_one_sequence_gru_shares_its_step_with_the_helper(rng):
     got = layer(X, backend="numba")
     assert threads.BOARD[threads.JOBS] > before
     assert_close(got, expected)
+
+
+def test_a_small_lstm_over_many_sequences_gives_half_of_them_to_the_helper(rng):
+    """64 sequences of an LSTM of 32 units (as 64 VAD streams): too few rows
+    for groups on Python's threads, enough for the helper, which runs the
+    time loop of the second half of the sequences (one job a call, not one a
+    step; the product of all steps' inputs is too small to share); the
+    kernel equals the interpreter, and the ragged lengths (some sequences
+    empty) stay each sequence's own."""
+    H, features = 32, 2
+    lengths = rng.integers(0, 9, 64)
+    lengths[[0, 40]] = 8, 0
+    X = sn.LoDTensor.from_lengths(
+        rng.standard_normal((int(lengths.sum()), features)).astype(np.float32), [lengths])
+    layer = sn.nn.LSTM(features, H, seed=5)
+    expected = layer(X, backend="interpreter")
+    layer(X, backend="numba")  # (compiled)
+    before = threads.BOARD[threads.JOBS]
+    assert _until_the_helper_helps(lambda: layer(X, backend="numba"))
+    jobs = threads.BOARD[threads.JOBS] - before
+    got = layer(X, backend="numba")
+    assert_close(got, expected)
+    one = threads.BOARD[threads.JOBS]
+    layer(X, backend="numba")
+    assert threads.BOARD[threads.JOBS] - one <= 1 <= jobs
+
+
+@njit(nogil=True)
+def _fails_on_negative(x, out):
+    if x < 0:
+        raise ValueError("negative")
+    out[0] = x
+
+
+@njit(nogil=True)
+def _two_jobs(board, a, b, out_a, out_b, both):
+    return threads.run_jobs(board, atomics.job_of(_fails_on_negative, (a, out_a)),
+                            atomics.job_of(_fails_on_negative, (b, out_b)), both)
+
+
+def test_a_job_that_raises_says_so_and_one_that_does_not_runs(rng):
+    """``run_jobs`` runs both jobs (here or on the helper) and says when one
+    raised (``RAISED``), so the caller can call the function itself to raise
+    its error."""
+    out_a, out_b = np.zeros(1), np.zeros(1)
+    assert _two_jobs(threads.ALONE, 1.0, 2.0, out_a, out_b, True) == -1  # (not shared)
+    assert out_a[0] == 1.0 and out_b[0] == 2.0
+    assert _two_jobs(threads.ALONE, 3.0, -1.0, out_a, out_b, True) == threads.RAISED
+    assert out_a[0] == 3.0
+    assert _two_jobs(threads.ALONE, -1.0, 5.0, out_a, out_b, True) == threads.RAISED
+    assert out_b[0] == 5.0
+    assert _two_jobs(threads.ALONE, 4.0, -1.0, out_a, out_b, False) == -1  # (b not run)
+    assert _until_the_helper_helps(lambda: _two_jobs(threads.BOARD, 6.0, -1.0, out_a, out_b, True)
+                                   == threads.RAISED)
+    assert out_a[0] == 6.0
+
+
+@pytest.mark.parametrize("dtype, dilation", [(np.float32, 1), (np.float64, 2)])
+def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation):
+    """``blas.taps_product``: the sum over taps of shifted rows' products
+    (an ONNX Conv of stride 1 over channels-last rows), its rows cut in two
+    and shared; float32 and float64, dilation 1 and 2."""
+    rows, C, M, K = 1500, 33, 16, 3
+    a = rng.standard_normal((rows + (K - 1) * dilation, C)).astype(dtype)
+    w = rng.standard_normal((K, C, M)).astype(dtype)
+    expected = sum(a[k * dilation:k * dilation + rows].astype(np.float64) @ w[k]
+                   for k in range(K))
+    out = np.full((rows, M), np.nan, dtype)
+    assert _until_the_helper_helps(lambda: blas.taps_product(a, w, out, dilation, threads.BOARD))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    alone = np.full((rows, M), np.nan, dtype)
+    blas.taps_product(a, w, alone, dilation, threads.ALONE)
+    np.testing.assert_allclose(alone, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_forked_child_does_not_wait_for_its_parents_helper(tmp_path):

@@ -2,7 +2,8 @@
 the operating system: atomic loads, stores and compare-exchanges of one
 ``int64`` element of an array, a pause for spin loops, a yield of the core,
 the cycle counter, a pointer from an address, a call of a C function at an
-address, and a buffer on the stack (Numba has none of these for the CPU).
+address, a buffer on the stack, and a call of a compiled function packed as
+a job another thread can run (Numba has none of these for the CPU).
 
 Spinning is for x86-64 (``SPINS``): there the pause is the ``pause``
 instruction and the clock ``rdtsc``; elsewhere no thread spins, and these
@@ -176,3 +177,65 @@ def stack_buffer(typingctx, size, dtype):
         return cgutils.alloca_once(builder, context.get_value_type(element), size=count)
 
     return types.CPointer(element)(size, dtype), codegen
+
+
+@intrinsic
+def job_of(typingctx, function, arguments):
+    """``function(*arguments)`` (a compiled function, a tuple of its
+    arguments) as a job for another thread: ``(address, record)``, the
+    address of a C function ``void f(int64 *job)`` that calls ``function``
+    with the arguments stored at the address ``job[0]``, and the address of
+    such a record: the arguments, kept on this function's stack (alive until
+    it returns), after an int64 that the call sets to 1 where ``function``
+    raised (else 0). The arrays in ``arguments`` are not referenced: the
+    caller keeps them alive until the job is done."""
+    if not isinstance(function, types.Dispatcher) or not isinstance(arguments, types.BaseTuple):
+        return None
+    # (literals as their plain types: one compile of ``function`` for both)
+    plain = tuple(types.unliteral(t) for t in arguments.types)
+    signature = typingctx.resolve_function_type(function, plain, {})
+    if signature is None:
+        return None
+    parameters = types.Tuple(tuple(signature.args))
+
+    def codegen(context, builder, sig, args):
+        result = function.dispatcher.overloads[tuple(signature.args)]
+        context.add_linking_libs([result.library])
+        record_type = ir.LiteralStructType([ir.IntType(64), context.get_value_type(parameters)])
+        caller = _job_function(context, builder.module, result.fndesc, parameters, record_type)
+        values = cgutils.unpack_tuple(builder, args[1], len(arguments))
+        values = [context.cast(builder, v, t, p)
+                  for v, t, p in zip(values, arguments.types, parameters.types)]
+        record = cgutils.alloca_once(builder, record_type)
+        builder.store(ir.Constant(ir.IntType(64), 0), cgutils.gep_inbounds(builder, record, 0, 0))
+        builder.store(context.make_tuple(builder, parameters, values),
+                      cgutils.gep_inbounds(builder, record, 0, 1))
+        address = builder.ptrtoint(caller, ir.IntType(64))
+        return context.make_tuple(builder, sig.return_type,
+                                  [address, builder.ptrtoint(record, ir.IntType(64))])
+
+    return types.UniTuple(types.int64, 2)(function, arguments), codegen
+
+
+def _job_function(context, module, fndesc, parameters, record_type):
+    """The C function of ``job_of`` for the compiled function ``fndesc`` (one
+    per module and function)."""
+    name = f"stepnet_job.{fndesc.mangled_name}"
+    if name in module.globals:
+        return module.globals[name]
+    word = ir.IntType(64)
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [word.as_pointer()]), name)
+    function.linkage = "internal"
+    builder = ir.IRBuilder(function.append_basic_block("entry"))
+    record = builder.inttoptr(builder.load(function.args[0]), record_type.as_pointer())
+    values = builder.load(cgutils.gep_inbounds(builder, record, 0, 1))
+    values = cgutils.unpack_tuple(builder, values, len(parameters))
+    callee = context.declare_function(module, fndesc)
+    status, value = context.call_conv.call_function(builder, callee, fndesc.restype,
+                                                    fndesc.argtypes, values)
+    if context.enable_nrt:  # (the function's result is not used)
+        with builder.if_then(status.is_ok):
+            context.nrt.decref(builder, fndesc.restype, value)
+    builder.store(builder.zext(status.is_error, word), cgutils.gep_inbounds(builder, record, 0, 0))
+    builder.ret_void()
+    return function

@@ -16,11 +16,13 @@ Parallelism is not in the BLAS: the Numba backend runs groups of sequences on
 stepnet's threads (:mod:`stepnet.jit.threads`), each calling these
 single-threaded GEMMs, so no step waits on a barrier and no two thread pools
 compete; ``transposed_product`` (weight gradients) splits its reduction over
-the same threads. A run too small for groups (one sequence; a stream's
-chunk) shares each big enough product with the helper thread instead: the
-product is cut in two at a place fixed by its shape, and the helper, spinning
-in compiled code, computes the second part (see *products shared with the
-helper* below).
+the same threads. A run too small for groups on Python's threads (a
+stream's chunk of many streams) gives about half of its sequences to the
+helper thread (:mod:`stepnet.jit.threads`); a run of one sequence shares
+each big enough product with it instead: the product is cut in two at a
+place fixed by its shape, and the helper, spinning in compiled code,
+computes the second part (see *products shared with the helper* below).
+``taps_product`` does the same for a convolution outside the kernels.
 
 Small products (a batch of one, the last few sequences of a batch) spend
 more time in a library's dispatch, packing or generic kernels than in
@@ -55,7 +57,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
-from .atomics import pointer_to, stack_buffer
+from .atomics import job_of, stack_buffer
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, small_product_rows
 
@@ -417,8 +419,6 @@ def register_small_gemm(dtype) -> None:
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
-    if threads.helper_prepared():
-        _job_functions(name)
 
 
 # -- products shared with the helper thread (threads.wake_helper) ----------------
@@ -429,25 +429,23 @@ def register_small_gemm(dtype) -> None:
 # (so its result does not depend on who computes what): stepnet's own loop by
 # columns (its columns do not depend on the range computed, see
 # small_gemm_columns), a library's by rows. The helper takes the second part
-# if it is spinning and free, else the kernel computes both.
+# (a job: atomics.job_of) if it is spinning and free, else the kernel
+# computes both (threads.run_jobs).
 
-# a per-step product of stepnet's own loop with this many multiply-adds
-# (and at least 64 columns) is cut by columns
+# a product whose one row takes this many multiply-adds (weights of this many
+# elements; and at least 64 columns) is cut by columns in stepnet's own loop
+# (smaller ones share nothing even over many rows: at 64 VAD streams, `[64,
+# 32] @ [32, 128]` a step, sharing gained 0-10 % in quiet phases of the
+# machine of the README and lost up to 40 % where its second core was slowed)
 SHARE_OWN_WORK = 1 << 14
-# a library's product with this many (and at least 16 rows), by rows
+# a library's product with this many multiply-adds (and at least 16 rows;
+# in a step, with weights as big as above), by rows
 _SHARE_LIBRARY_WORK = 1 << 17
 # cycles of waiting for the helper under which it gets a block of 32 more
 # columns of stepnet's own loop (over a block's time on this thread, one
 # fewer): each side's part takes about as long, whatever the helper's core
 # does (another machine's work on it slows it down 1.5-2x at times here)
 _WAIT_BALANCED = 100
-# the helper's job functions (threads.entry slots, float64's the next one:
-# + itemsize // 8): the columns lo:hi of small_gemm_columns, rows lo:hi of a
-# library product, rows lo:hi of a product with MKL's packed weights; a job
-# is (address of a, m, k, n, address of b or its packed form, address of
-# out, lo, hi)
-_OWN_JOB, _ROWS_JOB, _PACKED_JOB = 0, 2, 4
-_JOB_SIGNATURE = types.void(types.CPointer(types.int64))
 
 
 @njit(cache=True, nogil=True)
@@ -456,80 +454,22 @@ def _own_shared(a, b, out, board):
     body of small_gemm's C entry: compiled once, not in every kernel)."""
     m, k = a.shape
     n = b.shape[1]
-    if board[threads.SHARES] == 0 or m * k * n < SHARE_OWN_WORK or n < 64:
-        small_gemm_columns(a, b, out, 0, n)
-        return
+    if board[threads.SHARES] == 0 or k * n < SHARE_OWN_WORK or n < 64:
+        small_gemm_columns(a, b, out, np.int64(0), n)  # (the types of the parts' jobs:
+        return  # one compile)
     # whole blocks of 32 on each side: half, moved by the blocks the balance
     # says (a column's values do not depend on the side that computes it)
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = threads.share(board, _OWN_JOB + a.itemsize // 8, a.ctypes.data, m, k, n,
-                           b.ctypes.data, out.ctypes.data, cut, n)
-    if waited < 0:
-        small_gemm_columns(a, b, out, 0, n)
-    elif waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
+    waited = threads.run_jobs(board, job_of(small_gemm_columns, (a, b, out, 0, cut)),
+                              job_of(small_gemm_columns, (a, b, out, cut, n)), True)
+    if waited < 0:  # (not shared: both parts computed here)
+        return
+    if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
         board[threads.BALANCE] = shift + 1  # (races between kernels only move it)
     elif waited < _WAIT_BALANCED and shift > -half:
         board[threads.BALANCE] = shift - 1
-
-
-@njit(cache=True, nogil=True)
-def _own_columns(job, dtype):
-    j = carray(job, 8)
-    m, k, n = j[1], j[2], j[3]
-    small_gemm_columns(carray(pointer_to(j[0], dtype), (m, k)),
-                       carray(pointer_to(j[4], dtype), (k, n)),
-                       carray(pointer_to(j[5], dtype), (m, n)), j[6], j[7])
-
-
-def _own_job(job):
-    _own_columns(job, np.float32)
-
-
-def _own_job_64(job):
-    _own_columns(job, np.float64)
-
-
-@njit(cache=True, nogil=True)
-def _rows(job, dtype):
-    j = carray(job, 8)
-    m, k, n, lo, hi = j[1], j[2], j[3], j[6], j[7]
-    a = carray(pointer_to(j[0], dtype), (m, k))
-    b = carray(pointer_to(j[4], dtype), (k, n))
-    out = carray(pointer_to(j[5], dtype), (m, n))
-    gemm(a[lo:hi], b, out[lo:hi])
-
-
-def _rows_job(job):
-    _rows(job, np.float32)
-
-
-def _rows_job_64(job):
-    _rows(job, np.float64)
-
-
-_jobs_registered = set()  # dtype names whose job functions the helper has
-
-
-def _job_functions(name):
-    """Compile (or load) the helper's job functions for dtype ``name`` and
-    register them: when the helper first starts, for the dtypes kernels use,
-    and for a dtype a kernel registers after that (a job whose function is
-    not registered is never shared: ``threads.share``)."""
-    if name in _jobs_registered:
-        return
-    wide = name == "float64"
-    jobs = {_OWN_JOB: _own_job_64 if wide else _own_job,
-            _ROWS_JOB: _rows_job_64 if wide else _rows_job}
-    if BLAS_NAME == "mkl":
-        jobs[_PACKED_JOB] = _packed_job_64 if wide else _packed_job
-    for slot, job in jobs.items():
-        threads.entry(slot + wide, cfunc(_JOB_SIGNATURE, cache=True, nogil=True)(job).address)
-    _jobs_registered.add(name)
-
-
-threads.on_helper_start(lambda: [_job_functions(name) for name in list(_own_entries)])
 
 
 def _own_product(a, b, out, board):
@@ -562,29 +502,6 @@ def _own_product_for(a, b, out, board):
     return own_product
 
 
-if BLAS_NAME == "mkl":
-    def _packed(job, itemsize):
-        j = carray(job, 8)
-        k, n, lo, hi = j[2], j[3], j[6], j[7]
-        args = (_ROW_MAJOR, _NO_TRANS, _PACKED, hi - lo, n, k, j[0] + lo * k * itemsize, k,
-                j[4], n, 0.0, j[5] + lo * n * itemsize, n)
-        if itemsize == 4:
-            _s_compute(args)
-        else:
-            _d_compute(args)
-
-    _packed = njit(cache=True, nogil=True)(_packed)
-
-    def _packed_job(job):
-        _packed(job, 4)
-
-    def _packed_job_64(job):
-        _packed(job, 8)
-
-# the job of a per-step library product's rows (MKL: on its packed weights)
-_LIBRARY_JOB = _PACKED_JOB if BLAS_NAME == "mkl" else _ROWS_JOB
-
-
 @njit(types.int64(types.int64, types.int64, types.int64, types.int64[::1]), cache=True)
 def _row_cut(m, k, n, board):
     """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
@@ -609,10 +526,34 @@ def gemm_hoisted(a, b, out, small_rows, board):
     cut = _row_cut(m, k, n, board)
     if cut == 0:
         gemm(a, b, out)
-    elif threads.share(board, _ROWS_JOB + a.itemsize // 8, a.ctypes.data, m, k, n,
-                       b.ctypes.data, out.ctypes.data, cut, m) < 0:
-        gemm(a[:cut], b, out[:cut])
-        gemm(a[cut:], b, out[cut:])
+    else:  # (gemm raises nothing)
+        threads.run_jobs(board, job_of(gemm, (a[:cut], b, out[:cut])),
+                         job_of(gemm, (a[cut:], b, out[cut:])), True)
+
+
+@njit(cache=True, nogil=True)
+def _taps_rows(a, w, out, dilation, lo, hi):
+    """out[lo:hi] = the sum over k of a[lo + k * dilation:hi + k * dilation] @ w[k]."""
+    if hi > lo:
+        gemm(a[lo:hi], w[0], out[lo:hi])
+        for k in range(1, w.shape[0]):
+            gemm_acc(a[lo + k * dilation:hi + k * dilation], w[k], out[lo:hi])
+
+
+@njit(cache=True, nogil=True)
+def taps_product(a, w, out, dilation, board):
+    """``out[r] = sum over k of a[r + k * dilation] @ w[k]`` for every row
+    ``r`` of ``out`` (``a`` [rows + (K - 1) * dilation, C], ``w`` [K, C, M],
+    C-contiguous floats of one dtype; K = 1: ``out = a @ w[0]``): a
+    convolution by taps over rows laid out channels-last. Outside a kernel
+    (an ONNX Conv, say), on the chosen BLAS; its rows cut in two where big
+    enough (``_row_cut``), the second part on the helper where it is free on
+    ``board``."""
+    rows = out.shape[0]
+    cut = _row_cut(rows, a.shape[1] * w.shape[0], out.shape[1], board)
+    cut = cut if cut > 0 else rows
+    threads.run_jobs(board, job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
+                     job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut < rows)
 
 
 @njit(cache=True)
@@ -628,13 +569,12 @@ def gemm_packed(a, prepared, k, n, out):
         gemm(a, prepared[1], out)
     else:
         m = a.shape[0]
-        cut = _row_cut(m, k, n, board)
+        cut = _row_cut(m, k, n, board) if k * n >= SHARE_OWN_WORK else 0
         if cut == 0:
             _library_product(a, prepared, k, n, out)
-        elif threads.share(board, _LIBRARY_JOB + a.itemsize // 8, a.ctypes.data, m, k, n,
-                           prepared[0].ctypes.data, out.ctypes.data, cut, m) < 0:
-            _library_product(a[:cut], prepared, k, n, out[:cut])
-            _library_product(a[cut:], prepared, k, n, out[cut:])
+        else:  # (the library's product raises nothing)
+            threads.run_jobs(board, job_of(_library_product, (a[:cut], prepared, k, n, out[:cut])),
+                             job_of(_library_product, (a[cut:], prepared, k, n, out[cut:])), True)
 
 
 @njit(cache=True)

@@ -246,6 +246,8 @@ def generate_source(program: ir.Program):
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
         "from stepnet.jit.blas import (gemm, gemm_acc, gemm_hoisted, gemm_packed, pack,",
         "                              register_small_gemm)",
+        "from stepnet.jit.atomics import job_of",
+        "from stepnet.jit.threads import RAISED, group_cut, run_jobs",
         "from stepnet.jit.numba_runtime import (",
         *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
                        subsequent_indent="    "),
@@ -277,13 +279,14 @@ def generate_source(program: ir.Program):
     return "\n".join(src) + "\n", layout
 
 
-_RNN_CALL = re.compile(r"\s*(def )?rnn_\d+\(")
+_RNN_CALL = re.compile(r"\s*(def |\w+ = job_of\()?rnn_\d+(\(|, \()")
 
 
 def _unused_consts(idents, module, body):
     """The constants (by ident) that no generated line reads: a weight whose
     products all read the weights joined by columns, say. Every rnn function
-    takes every constant by name, so its ``def`` and its calls do not count."""
+    takes every constant by name, so its ``def``, its calls and its jobs do
+    not count."""
     lines = [line for fn in module.functions for line in fn] + body
     text = "\n".join(line for line in lines if not _RNN_CALL.match(line))
     read = set(re.findall(r"\b[A-Za-z_]\w*\b", text))
@@ -291,13 +294,15 @@ def _unused_consts(idents, module, body):
 
 
 def _without_args(line, unused):
-    """An rnn function's ``def`` or call line without the ``unused`` arguments."""
-    if not unused or not _RNN_CALL.match(line):
+    """An rnn function's ``def``, call or job (``job_of(rnn_N, (...))``) line
+    without the ``unused`` arguments."""
+    match = _RNN_CALL.match(line)
+    if not unused or not match:
         return line
-    head, args = line.split("(", 1)
-    end = args.rindex(")")
+    head, args = line[:match.end()], line[match.end():]
+    end = args.rindex(")" if match.group(2) == "(" else "))")
     kept = [a for a in args[:end].split(", ") if a not in unused]
-    return f"{head}({', '.join(kept)}){args[end + 1:]}"
+    return f"{head}{', '.join(kept)}{args[end:]}"
 
 
 @dataclass
@@ -786,9 +791,42 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     fn = [f"def {fname}({', '.join(params + gargs)}):"] + fn_lines
     fn.insert(0, _DECORATOR)
     ctx.module.functions.append(fn)
-    ctx.lines.append(f"{fname}({', '.join(args + gargs)})")
+    if ctx.mode == "program" and _sequences_apart(ctx, eqn, outs):
+        ctx.lines += _shared_call(ctx, fname, args, gargs, len_expr)
+    else:
+        ctx.lines.append(f"{fname}({', '.join(args + gargs)})")
     ctx.module.gargs.extend(hoisted_lasts)
     return outs
+
+
+def _sequences_apart(ctx, eqn, outs) -> bool:
+    """Whether the top-level rnn ``eqn`` computes each sequence from its own
+    rows only: it may run over any part of its sequences (their arguments
+    cut alike), as its outputs are the caller's buffers (rows of all steps,
+    or one per sequence) and it reads no ragged static input (whose rows it
+    finds by the sequence's index)."""
+    _, statics, _ = ir.rnn_parts(eqn)
+    return (all(o[0] in ("dense_all", "last") for o in outs)
+            and not eqn.attrs.get("ragged_memories")
+            and not any(isinstance(v, ir.Var) and ctx.values[v].kind == "ragged" for v in statics))
+
+
+def _shared_call(ctx, fname, args, gargs, len_expr):
+    """The lines calling rnn function ``fname`` over its sequences in two
+    parts, ``0:cut`` on this thread and ``cut:`` on the helper thread
+    (``threads.group_cut``, ``threads.run_jobs``): its per-sequence
+    arguments ``args`` (the sequences' starts and lengths, their initial
+    memories, static inputs and last-step outputs) cut, ``gargs`` (arrays
+    of all rows, constants) whole. (In program() itself: a function around
+    the call would compile the rnn function's machine code once more.)"""
+    work = max(ctx.module.largest_weights, 1)  # (multiply-adds of a row's products)
+    own = ", ".join([f"{a}[:cut]" for a in args] + gargs)
+    other = ", ".join([f"{a}[cut:]" for a in args] + gargs)
+    return [f"cut = group_cut(board, {len_expr}, {work})",
+            f"own = job_of({fname}, ({own}))",
+            f"other = job_of({fname}, ({other}))",
+            f"if run_jobs(board, own, other, cut < {len_expr}.shape[0]) == RAISED:",
+            f"    {fname}({', '.join(args + gargs)})"]  # (a part raised: raise it here)
 
 
 def _all_steps_arrays(ctx, eqn):
@@ -1560,16 +1598,11 @@ class NumbaProgram:
         return call_args
 
     def board(self):
-        """The helper's board for a run of one group of sequences: where a
-        product of one row by its largest weights is worth sharing with the
-        helper thread (:mod:`stepnet.jit.blas`), ``threads.BOARD`` (the
-        helper woken), else ``threads.ALONE``. (Weights smaller than that
-        share nothing even over many rows: at 64 VAD streams, `[64, 32] @
-        [32, 128]` a step, sharing gained 0-10 % in quiet phases of the
-        machine of the README and lost up to 40 % where its second core was
-        slowed.)"""
-        if self.largest_weights < blas.SHARE_OWN_WORK:
-            return threads.ALONE
+        """The helper's board for a run of one group of sequences:
+        ``threads.BOARD`` (the helper woken) where there is a helper, else
+        ``threads.ALONE``. On it the kernel shares its sequences with the
+        helper where they are enough work (``threads.group_cut``), else the
+        products of a step big enough (:mod:`stepnet.jit.blas`)."""
         return threads.board_for_one_group()
 
     def _run(self, const_args, board, args, buffers):

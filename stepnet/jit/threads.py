@@ -1,29 +1,27 @@
 """The threads stepnet runs compiled work on: a small pool of Python threads
 calling ``nogil`` kernels, each kernel single-threaded (its BLAS calls too),
-and one helper thread that takes a part of a single product.
+and one helper thread that takes a part of a kernel's work.
 
 Nothing here uses Numba's parallel layer or a BLAS library's own thread pool,
 so no step waits on a barrier and no idle pool spins beside the kernels. The
 thread count is Numba's (``numba.set_num_threads``, ``NUMBA_NUM_THREADS``).
 
-The helper is for runs too small to split into groups of sequences (one
-sequence; a stream's few frames): a product of such a step is too short for
-Python's threads (handing work to one costs tens of microseconds on a
-virtual machine), not for a thread already spinning in compiled code, which
-picks a job up in well under a microsecond. A kernel given ``BOARD`` calls
-``share``: if the helper is spinning and free, it claims it (a
-compare-exchange: one claimant at a time), writes the job (the address of a
-C function ``void f(int64 *job)`` and its arguments), runs its own part of
-the same job and waits for the helper's (``finish``: a job the helper has
-not started within ``PATIENCE`` cycles it takes back and runs itself, so a
-helper without a core never holds a kernel up); else ``share`` says no and
-the kernel computes both parts. The helper spins (``pause``) while jobs
-come, yields its core after a while without one, and goes back to sleep
-``HELPER_LINGER`` cycles after the last, or when dismissed.
-``wake_helper()`` starts it (``board_for_one_group``). The protocol
-(``_share``) and the job functions are compiled when it is first woken, on
-the waking thread (cached on disk), so a kernel compiles none of it. x86-64 only
-(:data:`atomics.SPINS`): elsewhere kernels get ``ALONE``.
+The helper is for runs too small for Python's threads (handing work to one
+costs tens of microseconds on a virtual machine), not for a thread already
+spinning in compiled code, which picks a job up in well under a microsecond:
+a run of one group of sequences (a stream's chunk of 64 streams; one
+sequence). A job is a compiled function and its arguments
+(``atomics.job_of``). A kernel given ``BOARD`` cuts its work in two (its
+sequences: ``group_cut``; a product, by rows or columns: ``blas``) and calls
+``run_jobs``: if the helper is spinning and free, it claims it (a
+compare-exchange: one claimant at a time), posts the second part, runs the
+first and waits for the helper's (``finish``: a job the helper has not
+started within ``PATIENCE`` cycles it takes back and runs itself, so a
+helper without a core never holds a kernel up); else it runs both parts.
+The helper spins (``pause``) while jobs come, yields its core after a while
+without one, and goes back to sleep ``HELPER_LINGER`` cycles after the last,
+or when dismissed. ``wake_helper()`` starts it (``board_for_one_group``).
+x86-64 only (:data:`atomics.SPINS`): elsewhere kernels get ``ALONE``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import threading
 
 import numba
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit, types
 
 from . import cache  # noqa: F401  (Numba's cache of _serve goes under STEPNET_CACHE_DIR)
 from .atomics import SPINS, call_address, compare_exchange, cycles, load_acquire, pause, \
@@ -70,17 +68,16 @@ def run_each(fn, items):
 # -- the helper ------------------------------------------------------------------
 
 # a board's slots: the helper's state, the jobs it has run, whether kernels
-# given the board share their products, the jobs posted that their claimant
-# took back and ran (see ``finish``), the address of ``_share`` (0 until the
-# helper has started once), the blocks of columns of stepnet's own loop the
-# kernels keep beyond half (blas: balanced by how long they wait), the job
-# (from JOB: the function's address, then its 8 arguments), and the
-# addresses of the job functions registered (from ENTRIES, see ``entry``)
-STATE, JOBS, SHARES, TAKEN_BACK, SHARE, BALANCE, JOB, ENTRIES = 0, 1, 2, 3, 4, 5, 8, 24
+# given the board share their work, the jobs posted that their claimant took
+# back and ran (see ``finish``), the blocks of columns of stepnet's own loop
+# the kernels keep beyond half (blas: balanced by how long they wait), and
+# the job (from JOB: the address of its C function, then of its record:
+# ``atomics.job_of``)
+STATE, JOBS, SHARES, TAKEN_BACK, BALANCE, JOB = 0, 1, 2, 3, 4, 5
 # the states: asleep; spinning, free; claimed by a kernel writing a job; a job
 # to run; that job running; that job done (the claimant sets IDLE again)
 ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE = 0, 1, 2, 3, 4, 5
-BOARD_SIZE = ENTRIES + 8
+BOARD_SIZE = 8  # (a cache line)
 BOARD = np.zeros(BOARD_SIZE, np.int64)
 BOARD[SHARES] = 1
 # the board of a kernel that computes every product whole (its run takes
@@ -104,7 +101,7 @@ def _serve(board, linger):
     while True:
         state = load_acquire(board, STATE)
         if state == POSTED and compare_exchange(board, STATE, POSTED, RUNNING):
-            call_address(board[JOB], board[JOB + 1:JOB + 9])
+            call_address(board[JOB], board[JOB + 1:JOB + 2])
             board[JOBS] += 1
             store_release(board, STATE, DONE)
             last = cycles()
@@ -120,83 +117,83 @@ def _serve(board, linger):
         pause()
 
 
-@njit(cache=True, nogil=True)
-def offer(board, entry, a, m, k, n, b, out, lo, hi) -> bool:
-    """Give the helper the job ``f(a, m, k, n, b, out, lo, hi)`` of entry
-    ``entry`` (see ``entry``) if it is spinning and free (claimed by a
-    compare-exchange: one kernel at a time); whether it took it (the kernel
-    then calls ``finish``)."""
-    if not compare_exchange(board, STATE, IDLE, CLAIMED):
-        return False
-    job = board[JOB + 1:JOB + 9]
-    job[0], job[1], job[2], job[3] = a, m, k, n
-    job[4], job[5], job[6], job[7] = b, out, lo, hi
-    board[JOB] = board[ENTRIES + entry]
-    store_release(board, STATE, POSTED)
-    return True
+# what ``run_jobs`` returns where a part raised
+RAISED = -2
 
 
-@njit(cache=True, nogil=True)
-def finish(board):
-    """Wait for the posted job, then free the helper; run the job here if
-    the helper has not started it within ``PATIENCE`` cycles. The cycles
-    waited."""
-    start = cycles()
-    while True:
-        state = load_acquire(board, STATE)
-        if state == DONE:
-            break
-        if cycles() - start > PATIENCE:
-            if state == POSTED and compare_exchange(board, STATE, POSTED, CLAIMED):
-                call_address(board[JOB], board[JOB + 1:JOB + 9])
-                board[TAKEN_BACK] += 1
+_JOB = types.UniTuple(types.int64, 2)
+
+
+# (one signature, compiled once: every caller's types)
+@njit(types.int64(types.int64[::1], _JOB, _JOB, types.boolean), cache=True, nogil=True)
+def run_jobs(board, own, other, both):
+    """Run the job ``own`` (``atomics.job_of``) on this thread and, if
+    ``both``, the job ``other``: on the helper where it is spinning and free
+    (claimed by a compare-exchange: one kernel at a time), else here after
+    ``own``. A job the helper has not started within ``PATIENCE`` cycles of
+    ``own``'s end this thread takes back and runs. The cycles this thread
+    waited for the helper (-1 where the helper did not take ``other``), or
+    ``RAISED`` where a part raised (the caller then calls its function
+    itself, to raise)."""
+    posted = both and compare_exchange(board, STATE, IDLE, CLAIMED)
+    if posted:
+        board[JOB], board[JOB + 1] = other[0], other[1]
+        store_release(board, STATE, POSTED)
+    job = carray(stack_buffer(1, np.int64), 1)
+    job[0] = own[1]
+    call_address(own[0], job)
+    waited = -1
+    if posted:
+        start = cycles()
+        while True:
+            state = load_acquire(board, STATE)
+            if state == DONE:
                 break
-            yield_core()
-        pause()
-    store_release(board, STATE, IDLE)
-    return cycles() - start
+            if cycles() - start > PATIENCE:
+                if state == POSTED and compare_exchange(board, STATE, POSTED, CLAIMED):
+                    call_address(board[JOB], board[JOB + 1:JOB + 2])
+                    board[TAKEN_BACK] += 1
+                    break
+                yield_core()  # (started, not done: the helper's thread may need this core)
+            pause()
+        store_release(board, STATE, IDLE)
+        waited = cycles() - start
+    elif both:
+        job[0] = other[1]
+        call_address(other[0], job)
+    failed = carray(pointer_to(own[1], np.int64), 1)[0]
+    if both:
+        failed |= carray(pointer_to(other[1], np.int64), 1)[0]
+    return RAISED if failed else waited
 
 
-# _share's argument: the board's address, the job's entry, its 8 values
-# (a, m, k, n, b, out, cut, hi), and the result
-_SHARE_RECORD = 11
+# a run of sequences whose rows by their work per row (the multiply-adds of
+# one row's products in a step) reach this is cut in two, one part for the
+# helper (a handover costs well under a microsecond; this is a few)
+GROUP_WORK = 1 << 18
 
 
-def _share(record):
-    """The helper takes ``cut:hi`` of a job and this thread ``0:cut``, if the
-    helper is free; the result (``record[10]``): the cycles this thread
-    waited for the helper, or -1 where the helper was not free. A C function
-    compiled when the helper is first woken, so that kernels, which call it
-    by its address on the board (``share``), need not compile the helper's
-    protocol."""
-    r = carray(record, _SHARE_RECORD)
-    board = carray(pointer_to(r[0], np.int64), BOARD_SIZE)
-    if offer(board, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]):
-        r[8], r[9] = 0, r[8]
-        call_address(board[ENTRIES + r[1]], r[2:10])
-        r[10] = finish(board)
-    else:
-        r[10] = -1
-
-
-# (one signature: the arguments' literal and read-only types compile nothing new)
-@njit(types.int64(types.int64[::1], types.int64, types.uint64, types.int64, types.int64,
-                  types.int64, types.uint64, types.uint64, types.int64, types.int64),
-      cache=True, nogil=True)
-def share(board, entry, a, m, k, n, b, out, cut, hi):
-    """Run the job of entry ``entry`` on ``(a, m, k, n, b, out)``, its part
-    ``0:cut`` on this thread and ``cut:hi`` on the helper, if the helper is
-    there and free: the cycles this thread waited for the helper's part, or
-    -1 where it was not (then nothing is computed)."""
-    address = board[SHARE]
-    if address == 0 or board[ENTRIES + entry] == 0:
-        return -1
-    record = carray(stack_buffer(_SHARE_RECORD, np.int64), _SHARE_RECORD)
-    record[0], record[1], record[2], record[3] = board.ctypes.data, entry, a, m
-    record[4], record[5], record[6], record[7] = k, n, b, out
-    record[8], record[9], record[10] = cut, hi, -1
-    call_address(address, record)
-    return record[10]
+@njit(types.int64(types.int64[::1], types.int64[::1], types.int64), cache=True, nogil=True)
+def group_cut(board, lengths, row_work):
+    """Where a run of the sequences of ``lengths`` is cut: ``0:cut`` for the
+    calling thread, ``cut:`` for the helper (``run_jobs``), about half the
+    rows each, where there are two sequences or more, their rows by
+    ``row_work`` reach ``GROUP_WORK`` and the helper is spinning and free;
+    else ``len(lengths)`` (not cut)."""
+    n = lengths.shape[0]
+    if n < 2 or board[SHARES] == 0 or load_acquire(board, STATE) != IDLE:
+        return n
+    total = 0
+    for length in lengths:
+        total += length
+    if total * row_work < GROUP_WORK:
+        return n
+    rows = 0
+    for i in range(n - 1):
+        rows += lengths[i]
+        if 2 * rows >= total:
+            return i + 1
+    return n - 1
 
 
 @njit(cache=True, nogil=True)
@@ -208,22 +205,15 @@ class _Helper:
     def __init__(self):
         self.thread = None
         self.wake = threading.Event()
-        self.prepare = []  # callables run once before the helper first serves
-        self.prepared = False
+        self.compiled = False
 
-    def prepare_once(self):
-        """Compile (or load) the protocol and the job functions, on the
-        thread that first wakes the helper (a compile on the helper's thread
-        would hold the GIL against the caller's Python for its duration)."""
-        if self.prepared:
-            return
-        for prepare in self.prepare:
-            prepare()
-        _serve.compile((numba.typeof(BOARD), numba.typeof(HELPER_LINGER)))
-        signature = types.void(types.CPointer(types.int64))
-        self.share = cfunc(signature, cache=True, nogil=True)(_share)  # (kept alive)
-        BOARD[SHARE] = self.share.address
-        self.prepared = True
+    def compile_once(self):
+        """Compile (or load) the helper's loop on the thread that first wakes
+        it (a compile on the helper's thread would hold the GIL against the
+        caller's Python for its duration)."""
+        if not self.compiled:
+            _serve.compile((numba.typeof(BOARD), numba.typeof(HELPER_LINGER)))
+            self.compiled = True
 
     def run(self):
         while True:
@@ -236,23 +226,6 @@ _HELPER = _Helper()
 _HELPER_LOCK = threading.Lock()
 
 
-def entry(slot: int, address: int) -> None:
-    """Register the job function at ``address`` as entry ``slot`` (a kernel
-    shares it by ``share(board, slot, ...)``)."""
-    BOARD[ENTRIES + slot] = address
-
-
-def on_helper_start(prepare) -> None:
-    """Run ``prepare()`` once before the helper first serves (it registers
-    job functions: ``entry``)."""
-    _HELPER.prepare.append(prepare)
-
-
-def helper_prepared() -> bool:
-    """Whether the helper's functions are compiled (it has been woken)."""
-    return _HELPER.prepared
-
-
 def wake_helper() -> None:
     """Start the helper spinning if it is asleep (where there is a second
     thread to give it and spinning is supported); a kernel run right after
@@ -262,7 +235,7 @@ def wake_helper() -> None:
     with _HELPER_LOCK:
         if count() < 2:
             return
-        _HELPER.prepare_once()
+        _HELPER.compile_once()
         if _HELPER.thread is None:
             _HELPER.thread = threading.Thread(target=_HELPER.run, name="stepnet-helper",
                                               daemon=True)

@@ -76,7 +76,7 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     K = int(np.prod(kernel))
     weights = np.ascontiguousarray(w.reshape(G, M // G, Cg * K))              # [G, Mg, CgK]
     weights_t = np.ascontiguousarray(weights[0].T) if G == 1 else None         # [CK, M]
-    per_tap = np.ascontiguousarray(w.transpose(2, 0, 1)) if nd == 1 else None  # [K, M, C]
+    per_tap = np.ascontiguousarray(w.transpose(2, 1, 0)) if nd == 1 else None  # [K, C, M]
     bias = None if len(known) < 3 or known[2] is None else np.asarray(known[2]).reshape(
         (M,) + (1,) * nd)
     plans = {}
@@ -132,7 +132,7 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
             if N == 1:  # [M, O] at once: each channel's row contiguous for the ops after
                 y = weights[0] @ rows.T
             else:
-                y = (rows @ weights_t).reshape(N, O, M).transpose(0, 2, 1)
+                y = _product(rows, weights_t[None], N * O, 0).reshape(N, O, M).transpose(0, 2, 1)
         else:
             cols = windows.reshape(G, Cg * K, N * O)
             if G == 1:  # NumPy's stacked matmul does not call BLAS: one 2-D product
@@ -149,23 +149,42 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
 
 
 def _conv_by_taps(x, per_tap, padded, shift, O):
-    """A 1-D Conv of stride 1 ([N, C, L] -> [N, M, O], ``per_tap`` [K, M, C]):
-    the samples side by side along one axis of a channels-first copy
-    ([C, N * Lp], padded), one GEMM per tap over all of it at that tap's
-    offset, and each sample's O outputs read at its columns (a view)."""
-    (N, C, L), (K, M, _) = x.shape, per_tap.shape
+    """A 1-D Conv of stride 1 ([N, C, L] -> [N, M, O], ``per_tap`` [K, C, M])
+    over a channels-last copy of the input ([N * Lp, C], padded: the samples
+    one after another): one GEMM per tap over all of its rows at that tap's
+    offset, and each sample's O outputs read at its rows (a channels-last
+    view)."""
+    (N, C, L), (K, _, M) = x.shape, per_tap.shape
     begin, dilation = shift
     Lp = L if padded is None else padded[2]
-    channels = (np.empty if padded is None else np.zeros)((C, N, Lp), x.dtype)
-    channels[:, :, begin:begin + L] = x.transpose(1, 0, 2)
-    flat = channels.reshape(C, N * Lp)
-    span = N * Lp - (K - 1) * dilation  # the columns every tap reads
-    acc = per_tap[0] @ flat[:, :span]
-    for k in range(1, K):
-        acc += per_tap[k] @ flat[:, k * dilation:k * dilation + span]
-    # sample n's output o is column n * Lp + o
+    rows = (np.empty if padded is None else np.zeros)((N, Lp, C), x.dtype)
+    rows[:, begin:begin + L] = x.transpose(0, 2, 1)
+    span = N * Lp - (K - 1) * dilation  # the rows every tap reads
+    acc = _product(rows.reshape(N * Lp, C), per_tap, span, dilation)
+    # sample n's output o is row n * Lp + o
     item = acc.itemsize
-    return np.ndarray((N, M, O), acc.dtype, buffer=acc, strides=(Lp * item, span * item, item))
+    return np.ndarray((N, M, O), acc.dtype, buffer=acc, strides=(Lp * M * item, item, M * item))
+
+
+def _product(a, w, rows, dilation):
+    """``out[r] = sum over k of a[r + k * dilation] @ w[k]`` for ``rows`` rows
+    (``a`` C-contiguous [rows + (K - 1) * dilation, C], ``w`` [K, C, M]): on
+    stepnet's BLAS (``blas.taps_product``, its rows shared with the helper
+    thread where the product is big enough) for float32 and float64, else
+    NumPy's."""
+    if a.dtype not in _ON_BLAS or w.dtype != a.dtype:
+        out = a[:rows] @ w[0]
+        for k in range(1, w.shape[0]):
+            out += a[k * dilation:k * dilation + rows] @ w[k]
+        return out
+    from ..jit import blas, threads  # (loaded here: the session may run without compiling)
+
+    out = np.empty((rows, w.shape[2]), a.dtype)
+    blas.taps_product(a, w, out, dilation, threads.board_for_one_group())
+    return out
+
+
+_ON_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _pool_args(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
