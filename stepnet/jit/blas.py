@@ -556,6 +556,13 @@ def taps_product(a, w, out, dilation, board):
                      job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut < rows)
 
 
+def board_for_product(multiply_adds):
+    """The board for ``taps_product`` called from Python: ``threads.BOARD``
+    (the helper woken) where a product of this many multiply-adds is cut,
+    else ``threads.ALONE`` (no helper spins for it)."""
+    return threads.board_for_one_group() if multiply_adds >= _SHARE_LIBRARY_WORK else threads.ALONE
+
+
 @njit(cache=True)
 def gemm_packed(a, prepared, k, n, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own

@@ -1512,7 +1512,9 @@ class NumbaProgram:
         groups = self._groups(args)
         buffers = self.output_buffers(args)
         if len(groups) <= 1:
-            return self._run(const_args, self.board(), args, buffers)
+            seq = args[self.first_sequence]
+            board = self.board(seq.data.shape[0], seq.num_sequences)
+            return self._run(const_args, board, args, buffers)
         threads.dismiss_helper()  # (the groups take every thread)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
@@ -1597,12 +1599,17 @@ class NumbaProgram:
                 call_args.append(read_only(value))
         return call_args
 
-    def board(self):
-        """The helper's board for a run of one group of sequences:
-        ``threads.BOARD`` (the helper woken) where there is a helper, else
-        ``threads.ALONE``. On it the kernel shares its sequences with the
-        helper where they are enough work (``threads.group_cut``), else the
-        products of a step big enough (:mod:`stepnet.jit.blas`)."""
+    def board(self, rows, num_sequences):
+        """The helper's board for a run of one group of ``num_sequences``
+        top-level sequences over ``rows`` data rows: ``threads.BOARD`` (the
+        helper woken) where the kernel may share work with it, else
+        ``threads.ALONE`` (no helper spins for a run that would not use it).
+        The kernel shares its sequences where they are enough work
+        (``threads.group_cut``), else the products of a step with weights
+        big enough (:mod:`stepnet.jit.blas`)."""
+        if self.largest_weights < blas.SHARE_OWN_WORK and (
+                num_sequences < 2 or rows * self.largest_weights < threads.GROUP_WORK):
+            return threads.ALONE
         return threads.board_for_one_group()
 
     def _run(self, const_args, board, args, buffers):

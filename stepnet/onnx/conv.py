@@ -177,10 +177,10 @@ def _product(a, w, rows, dilation):
         for k in range(1, w.shape[0]):
             out += a[k * dilation:k * dilation + rows] @ w[k]
         return out
-    from ..jit import blas, threads  # (loaded here: the session may run without compiling)
+    from ..jit import blas  # (loaded here: the session may run without compiling)
 
     out = np.empty((rows, w.shape[2]), a.dtype)
-    blas.taps_product(a, w, out, dilation, threads.board_for_one_group())
+    blas.taps_product(a, w, out, dilation, blas.board_for_product(rows * w.size))
     return out
 
 

@@ -404,7 +404,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
             outs = buffers(data.shape[0], len(offsets) - 1)
-            board = run.board()
+            board = run.board(data.shape[0], len(offsets) - 1)
             if (plain is not None and exactly(data, data_dtype, 2)
                     and exactly(offsets, np.int64, 1)
                     and all(exactly(s, data_dtype, 2) for s in states)):
