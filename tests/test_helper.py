@@ -16,6 +16,7 @@ from numba import njit
 
 import stepnet as sn
 from conftest import assert_close
+from nets import nested_encoder
 from stepnet.jit import atomics, blas, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
@@ -166,6 +167,34 @@ def test_a_small_lstm_over_many_sequences_gives_half_of_them_to_the_helper(rng):
     one = threads.BOARD[threads.JOBS]
     layer(X, backend="numba")
     assert threads.BOARD[threads.JOBS] - one <= 1 <= jobs
+
+
+@pytest.mark.parametrize("flags", [{}, {"static": True, "init": True},
+                                   {"inner_reads_outer": True, "reverse_outer": True},
+                                   {"start_from_outer": True, "reverse_inner": True},
+                                   {"outputs": ("h", "words", "last")}])
+def test_a_nested_net_gives_half_of_its_chapters_to_the_helper(flags):
+    """Chapters of paragraphs of words (weights of 64 x 64: too small to
+    share a product, and too few words for groups on Python's threads): the
+    helper takes half of the chapters' time loops, inner nets and all (an
+    output of every word, ragged, keeps the run on this thread); the kernel
+    equals the interpreter whoever runs which chapters, empty chapters and
+    paragraphs included."""
+    rng = np.random.default_rng(11)
+    chapters = rng.integers(0, 8, 24)
+    chapters[[0, 5]] = 0, 7
+    paragraphs = rng.integers(0, 4, int(chapters.sum())).tolist()
+    flags = {"outputs": ("h", "last"), **flags}
+    net = nested_encoder(rng, [chapters.tolist(), paragraphs], features=2, hidden=64, **flags)
+    expected = net.rnn(backend="interpreter")
+    net.rnn(backend="numba")  # (compiled)
+    shares = "words" not in flags["outputs"]
+    if shares:
+        assert _until_the_helper_helps(lambda: net.rnn(backend="numba"))
+    got = net.rnn(backend="numba")
+    assert_close(got, expected)
+    # (every chapter on this thread where an output is ragged)
+    assert ("group_cut(" in net.rnn.compile("numba").source) == shares
 
 
 @njit(nogil=True)

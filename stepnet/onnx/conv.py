@@ -168,7 +168,7 @@ def _conv_by_taps(x, per_tap, padded, shift, O):
 
 def _product(a, w, rows, dilation):
     """``out[r] = sum over k of a[r + k * dilation] @ w[k]`` for ``rows`` rows
-    (``a`` C-contiguous [rows + (K - 1) * dilation, C], ``w`` [K, C, M]): on
+    (``a`` [rows + (K - 1) * dilation, C], ``w`` [K, C, M]): on
     stepnet's BLAS (``blas.taps_product``, its rows shared with the helper
     thread where the product is big enough) for float32 and float64, else
     NumPy's."""
@@ -179,6 +179,7 @@ def _product(a, w, rows, dilation):
         return out
     from ..jit import blas  # (loaded here: the session may run without compiling)
 
+    a, w = np.ascontiguousarray(a), np.ascontiguousarray(w)  # (copies only where strided)
     out = np.empty((rows, w.shape[2]), a.dtype)
     blas.taps_product(a, w, out, dilation, blas.board_for_product(rows * w.size))
     return out
