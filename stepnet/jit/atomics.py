@@ -231,8 +231,9 @@ def _job_function(context, module, fndesc, parameters, record_type):
     values = builder.load(cgutils.gep_inbounds(builder, record, 0, 1))
     values = cgutils.unpack_tuple(builder, values, len(parameters))
     callee = context.declare_function(module, fndesc)
+    # (not inlined: the function's code once in its caller's library, not twice)
     status, value = context.call_conv.call_function(builder, callee, fndesc.restype,
-                                                    fndesc.argtypes, values)
+                                                    fndesc.argtypes, values, attrs=("noinline",))
     if context.enable_nrt:  # (the function's result is not used)
         with builder.if_then(status.is_ok):
             context.nrt.decref(builder, fndesc.restype, value)

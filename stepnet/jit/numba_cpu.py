@@ -156,6 +156,7 @@ class _Module:
         self.concatenated = {}  # ident -> the constants it joins by columns
         self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
         self.largest_weights = 0  # elements of the largest weights of a product
+        self.largest_step_weights = 0  # ... of a product in a time step
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -494,6 +495,7 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     module.largest_weights = max(module.largest_weights, k * n)
     if ctx.mode != "step":
         return f"gemm_hoisted({left}, {weights}, {info.ident}, small_rows, board)"
+    module.largest_step_weights = max(module.largest_step_weights, k * n)
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
@@ -791,12 +793,21 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     fn = [f"def {fname}({', '.join(params + gargs)}):"] + fn_lines
     fn.insert(0, _DECORATOR)
     ctx.module.functions.append(fn)
-    if ctx.mode == "program" and _sequences_apart(ctx, eqn, outs):
+    if (ctx.mode == "program" and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
+            and _sequences_apart(ctx, eqn, outs)):
         ctx.lines += _shared_call(ctx, fname, args, gargs, len_expr)
     else:
         ctx.lines.append(f"{fname}({', '.join(args + gargs)})")
     ctx.module.gargs.extend(hoisted_lasts)
     return outs
+
+
+# a top-level rnn whose step multiplies by smaller weights than this (a net
+# of a few units) never gives sequences to the helper: too few rows of it to
+# be worth a second core are too many for one group (NumbaProgram.splits
+# cuts them into groups on Python's threads first), and the lines that cut
+# them cost its kernel about a third more to compile
+_GROUP_MIN_WEIGHTS = 1024
 
 
 def _sequences_apart(ctx, eqn, outs) -> bool:
@@ -818,11 +829,12 @@ def _shared_call(ctx, fname, args, gargs, len_expr):
     arguments ``args`` (the sequences' starts and lengths, their initial
     memories, static inputs and last-step outputs) cut, ``gargs`` (arrays
     of all rows, constants) whole. (In program() itself: a function around
-    the call would compile the rnn function's machine code once more.)"""
-    work = max(ctx.module.largest_weights, 1)  # (multiply-adds of a row's products)
+    the call would compile the rnn function's machine code once more; and
+    nothing here depends on the weights' sizes, so layers whose weights
+    differ only in their input widths share one kernel.)"""
     own = ", ".join([f"{a}[:cut]" for a in args] + gargs)
     other = ", ".join([f"{a}[cut:]" for a in args] + gargs)
-    return [f"cut = group_cut(board, {len_expr}, {work})",
+    return [f"cut = group_cut(board, {len_expr})",
             f"own = job_of({fname}, ({own}))",
             f"other = job_of({fname}, ({other}))",
             f"if run_jobs(board, own, other, cut < {len_expr}.shape[0]) == RAISED:",

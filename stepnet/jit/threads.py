@@ -167,26 +167,28 @@ def run_jobs(board, own, other, both):
     return RAISED if failed else waited
 
 
-# a run of sequences whose rows by their work per row (the multiply-adds of
-# one row's products in a step) reach this is cut in two, one part for the
-# helper (a handover costs well under a microsecond; this is a few)
+# a run of sequences is cut in two, one part for the helper, from this many
+# rows by the multiply-adds of a row's products in a step (the caller gives
+# such runs BOARD: NumbaProgram.board), and from this many rows (a handover
+# costs well under a microsecond; this is a few)
 GROUP_WORK = 1 << 18
+GROUP_ROWS = 16
 
 
-@njit(types.int64(types.int64[::1], types.int64[::1], types.int64), cache=True, nogil=True)
-def group_cut(board, lengths, row_work):
+@njit(types.int64(types.int64[::1], types.int64[::1]), cache=True, nogil=True)
+def group_cut(board, lengths):
     """Where a run of the sequences of ``lengths`` is cut: ``0:cut`` for the
     calling thread, ``cut:`` for the helper (``run_jobs``), about half the
-    rows each, where there are two sequences or more, their rows by
-    ``row_work`` reach ``GROUP_WORK`` and the helper is spinning and free;
-    else ``len(lengths)`` (not cut)."""
+    rows each, where there are two sequences or more and ``GROUP_ROWS``
+    rows, the board shares and the helper is spinning and free; else
+    ``len(lengths)`` (not cut)."""
     n = lengths.shape[0]
     if n < 2 or board[SHARES] == 0 or load_acquire(board, STATE) != IDLE:
         return n
     total = 0
     for length in lengths:
         total += length
-    if total * row_work < GROUP_WORK:
+    if total < GROUP_ROWS:
         return n
     rows = 0
     for i in range(n - 1):
