@@ -15,9 +15,9 @@ sequence). A job is a compiled function and its arguments
 sequences: ``group_cut``; a product, by rows or columns: ``blas``) and calls
 ``run_jobs``: if the helper is spinning and free, it claims it (a
 compare-exchange: one claimant at a time), posts the second part, runs the
-first and waits for the helper's (``finish``: a job the helper has not
-started within ``PATIENCE`` cycles it takes back and runs itself, so a
-helper without a core never holds a kernel up); else it runs both parts.
+first and waits for the helper's (a job the helper has not started within
+``PATIENCE`` cycles it takes back and runs itself, so a helper without a
+core never holds a kernel up); else it runs both parts.
 The helper spins (``pause``) while jobs come, yields its core after a while
 without one, and goes back to sleep ``HELPER_LINGER`` cycles after the last,
 or when dismissed. ``wake_helper()`` starts it (``board_for_one_group``).
@@ -69,7 +69,7 @@ def run_each(fn, items):
 
 # a board's slots: the helper's state, the jobs it has run, whether kernels
 # given the board share their work, the jobs posted that their claimant took
-# back and ran (see ``finish``), the blocks of columns of stepnet's own loop
+# back and ran (see ``run_jobs``), the blocks of columns of stepnet's own loop
 # the kernels keep beyond half (blas: balanced by how long they wait), and
 # the job (from JOB: the address of its C function, then of its record:
 # ``atomics.job_of``)
@@ -80,12 +80,12 @@ ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE = 0, 1, 2, 3, 4, 5
 BOARD_SIZE = 8  # (a cache line)
 BOARD = np.zeros(BOARD_SIZE, np.int64)
 BOARD[SHARES] = 1
-# the board of a kernel that computes every product whole (its run takes
-# every thread already)
+# the board of a kernel that shares nothing (its run takes every thread
+# already, or would not use the helper)
 ALONE = np.zeros_like(BOARD)
 # cycles the helper spins after its last job (about half a millisecond)
 HELPER_LINGER = 1 << 21
-# cycles a kernel done with its share waits for the helper to start the job
+# cycles a kernel done with its part waits for the helper to start the job
 # before it runs the job itself (the helper's thread is not on a core: the
 # machine has more threads running than cores); a job started and not done
 # by then gets the core, yielded at each check
