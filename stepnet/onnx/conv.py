@@ -157,7 +157,9 @@ def _conv_by_taps(x, per_tap, padded, shift, O):
     (N, C, L), (K, _, M) = x.shape, per_tap.shape
     begin, dilation = shift
     Lp = L if padded is None else padded[2]
-    rows = (np.empty if padded is None else np.zeros)((N, Lp, C), x.dtype)
+    rows = np.empty((N, Lp, C), x.dtype)
+    rows[:, :begin] = 0  # (the padding only: the rest is the input's copy)
+    rows[:, begin + L:] = 0
     rows[:, begin:begin + L] = x.transpose(0, 2, 1)
     span = N * Lp - (K - 1) * dilation  # the rows every tap reads
     acc = _product(rows.reshape(N * Lp, C), per_tap, span, dilation)
