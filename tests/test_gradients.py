@@ -174,6 +174,7 @@ OP_TERMS = {
     "abs": lambda o: [sn.ops.abs(o.a), abs(o.a + o.Z)],
     "exp": _unary(sn.ops.exp),
     "log": lambda o: [sn.ops.log(sn.ops.abs(o.a)), sn.ops.log(o.a * o.a + o.P)],
+    "sqrt": lambda o: [sn.ops.sqrt(sn.ops.abs(o.a)), sn.ops.sqrt(o.a * o.a + o.P)],
     "tanh": _unary(sn.ops.tanh),
     "sigmoid": _unary(sn.ops.sigmoid),
     "softplus": _unary(sn.ops.softplus),
@@ -235,6 +236,7 @@ PARAMETER_TERMS = {
     "transpose": lambda o: sn.ops.transpose(o.M),
     "thresholded_relu": lambda o: sn.ops.thresholded_relu(o.P, 0.3),
 }
+PARAMETER_TERMS["sqrt"] = lambda o: sn.ops.sqrt(o.P)
 for _op in ["neg", "abs", "exp", "tanh", "sigmoid", "softplus", "erf", "relu", "affine",
             "leaky_relu", "scaled_tanh", "hard_sigmoid", "elu", "softsign"]:
     PARAMETER_TERMS[_op] = (lambda f: lambda o: f(o.P))(getattr(sn.ops, _op))

@@ -154,7 +154,8 @@ def check_activation_accuracy(net, backend, x):
 
 
 def test_the_tables_cover_the_elementwise_primitives():
-    must = {"add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "relu",
+    must = {"add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
+            "relu",
             "tanh", "sigmoid", "softplus", "clip", "where", "greater", "greater_equal", "less",
             "less_equal", "equal"}
     assert must <= set(NUMBA_OPS)
@@ -218,17 +219,18 @@ def test_cuda_nan_and_inf_match_the_interpreter_for_every_op(dtype):
     if _simulated():
         # fewer pairs: the simulator runs every thread in Python
         x, y = pairs(SPECIALS[[0, 1, 2, 3, 4, 5, 6, 9, 10, 15, 16, 17, 19]])
-        # the simulator computes exp and log with Python's math, which raises
-        # on overflow and outside log's domain where CUDA's expf/logf give
-        # inf and NaN: those two get inputs Python's math takes
-        main = [n for n in names if n not in ("exp", "log")]
+        # the simulator computes exp, log and sqrt with Python's math, which
+        # raises on overflow and outside log's and sqrt's domains where
+        # CUDA's expf/logf/sqrtf give inf and NaN: those get inputs Python's
+        # math takes
+        main = [n for n in names if n not in ("exp", "log", "sqrt")]
         check_specials("cuda", main, dtype, x, y)
         finite_exp = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -20.0, 100.0, -1e3,
                                -F32.max, F32.tiny, F32.smallest_subnormal])
         positive = np.array([np.nan, np.inf, 1.0, 0.5, 20.0, 1e3, F32.max, F32.tiny,
                              F32.smallest_subnormal])
         check_specials("cuda", ["exp"], dtype, finite_exp, finite_exp)
-        check_specials("cuda", ["log"], dtype, positive, positive)
+        check_specials("cuda", ["log", "sqrt"], dtype, positive, positive)
     else:
         check_specials("cuda", names, dtype, *pairs(SPECIALS))
 

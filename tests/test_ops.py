@@ -189,6 +189,7 @@ UNARY = {
     "exp": (elementwise(math.exp), lambda d: floats(d, -20.0, 20.0), False, [sn.ops.exp]),
     "log": (elementwise(math.log), lambda d: floats(d, 2.0**-10, 1000.0), False,
             [sn.ops.log]),
+    "sqrt": (elementwise(math.sqrt), lambda d: floats(d, 0.0, 1e6), False, [sn.ops.sqrt]),
     # Large |x| (past exp's overflow in float32, and in float64 for softplus):
     # the activations saturate, never inf or nan.
     "tanh": (elementwise(math.tanh), lambda d: floats(d, -200.0, 200.0), False, [sn.ops.tanh]),
@@ -949,7 +950,8 @@ def _backend_cases():
 
     def unary(x, y):
         return [sn.ops.neg(x), -x, abs(x), sn.ops.abs(x), sn.ops.relu(x), sn.ops.exp(x),
-                sn.ops.log(y), sn.ops.tanh(x), sn.ops.sigmoid(x), sn.ops.softplus(x), sn.ops.erf(x),
+                sn.ops.log(y), sn.ops.sqrt(y), sn.ops.tanh(x), sn.ops.sigmoid(x),
+                sn.ops.softplus(x), sn.ops.erf(x),
                 sn.ops.clip(x, -0.5, 0.5), sn.ops.clip(x, None, 0.2), sn.ops.clip(x, -0.1),
                 # saturation, past exp's float32 overflow
                 sn.ops.tanh(x * 50.0), sn.ops.sigmoid(x * 50.0), sn.ops.softplus(x * 50.0)]

@@ -110,7 +110,6 @@ def _unary(name, derivative):
 
 
 _unary("Softsign", lambda x, y: 1 / (1 + np.abs(x)) ** 2)
-_unary("Sqrt", lambda x, y: 0.5 / y)
 _unary("Reciprocal", lambda x, y: -y * y)
 _unary("Elu", lambda x, y, alpha=1.0: np.where(x > 0, 1, y + alpha))
 _unary("LeakyRelu", lambda x, y, alpha=0.01: np.where(x >= 0, 1, alpha))

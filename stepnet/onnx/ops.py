@@ -292,11 +292,6 @@ def _selu(x, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
 _unary("Selu", _selu, ["alpha", "gamma"])
 
 
-def _sqrt(x):
-    return sn_ops.exp(sn_ops.mul(sn_ops.log(x), 0.5))
-
-
-_unary("Sqrt", _sqrt, on_arrays=np.sqrt)
 _unary("Reciprocal", lambda x: sn_ops.div(1.0, x))
 
 

@@ -50,7 +50,7 @@ from ..registry import (
     shape_str,
 )
 
-ZERO, ONE = Literal(0.0), Literal(1.0)
+ZERO, HALF, ONE = Literal(0.0), Literal(0.5), Literal(1.0)
 TWO_OVER_SQRT_PI = Literal(2 / math.sqrt(math.pi))
 
 
@@ -211,6 +211,13 @@ def exp(x):
           numba="np.log({0})", cuda="math.log({0})", onnx="Log", onnx_import="Log")
 def log(x):
     return bind("log", [x])
+
+
+@register("sqrt", _unary_float_rule("sqrt"), np.sqrt, "elementwise", 1,
+          grad=derivative(lambda em, x, y: em.op("div", HALF, y)), numba="np.sqrt({0})",
+          cuda="math.sqrt({0})", onnx="Sqrt", onnx_import="Sqrt")
+def sqrt(x):
+    return bind("sqrt", [x])
 
 
 @register("tanh", _unary_float_rule("tanh"), np.tanh, "elementwise", 1,
