@@ -29,8 +29,11 @@ per call; the table gives the median and the minimum over all blocks, and
 the ratio of the medians and of the minimums. stepnet's worker also counts
 the programs compiled after the first call, across both batch sizes and a
 chunk of 1024 samples (the session must not compile again when only the
-batch or the sequence length changes). Printed: a markdown table with the
-ratios and the targets, and the CPU (lscpu's model name).
+batch or the sequence length changes), and the kernels new to the process
+after the first batch size's calls (programs and fused elementwise loops,
+which a session makes on a key's second call: docs/onnx.md). Printed: a
+markdown table with the ratios and the targets, and the CPU (lscpu's model
+name).
 """
 
 from __future__ import annotations
@@ -169,9 +172,10 @@ def worker(family, directory, calls, rounds, threads):
     import numpy as np
 
     directory = Path(directory)
-    counter = None
+    counter, kernels = None, None
     if family == "stepnet":
         from stepnet.backends import _module
+        from stepnet.jit.numba_cpu import _MODULES as kernels
 
         module = _module("numba")
         original = module.compile_program
@@ -182,7 +186,7 @@ def worker(family, directory, calls, rounds, threads):
             return original(program)
 
         module.compile_program = counting
-    results = {"items": [], "compiles_after_first_call": {}}
+    results = {"items": [], "compiles_after_first_call": {}, "kernels_after_first_batch": {}}
     for name in MODELS:
         start = time.perf_counter()
         session = _session(family, str(directory / f"{name}.onnx"), threads)
@@ -197,6 +201,8 @@ def worker(family, directory, calls, rounds, threads):
                 first = time.perf_counter() - start
                 compiled_before = counter[0] if counter else 0
             blocks = _time(call, calls if batch == 1 else max(calls // 10, 10), rounds)
+            if batch == BATCHES[0]:
+                kernels_before = len(kernels) if kernels is not None else 0
             results["items"].append({"model": name, "batch": batch, "blocks_us": blocks,
                                      "session_s": made, "first_call_s": first})
         long = directory / f"{name}_long.npz"
@@ -204,6 +210,7 @@ def worker(family, directory, calls, rounds, threads):
             _stream(session, name, dict(np.load(long)))
         if counter is not None:
             results["compiles_after_first_call"][name] = counter[0] - compiled_before
+            results["kernels_after_first_batch"][name] = len(kernels) - kernels_before
     print(json.dumps(results))
 
 
@@ -223,8 +230,9 @@ def _merged(runs):
         item["min_us"] = min(item["blocks_us"])
     compiles = {}
     for run in runs:
-        for name, n in run["compiles_after_first_call"].items():
-            compiles[name] = compiles.get(name, 0) + n
+        for what in ("compiles_after_first_call", "kernels_after_first_batch"):
+            for name, n in run.get(what, {}).items():
+                compiles[what, name] = compiles.get((what, name), 0) + n
     return items, compiles
 
 
@@ -251,7 +259,9 @@ def report(ours, theirs, args):
             lines.append(f"stepnet {name}: session made in {r['session_s']:.2f} s, first call "
                          f"{r['first_call_s']:.2f} s (compiles); programs compiled after it "
                          f"(batch 1, 64, 1024 samples), over {args.repeats} processes: "
-                         f"{compiles.get(name, 0)}")
+                         f"{compiles.get(('compiles_after_first_call', name), 0)}; kernels "
+                         "new after the calls of batch 1 (programs, fused loops): "
+                         f"{compiles.get(('kernels_after_first_batch', name), 0)}")
     return "\n".join(lines)
 
 

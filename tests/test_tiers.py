@@ -60,7 +60,7 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
     after = rnn()
     assert_close(after, reference)
     assert run.numba_program.module.program.signatures, "the kernel did not run"
-    assert numba_cpu._ready_marker(run.numba_program.key).exists()
+    assert numba_cpu.ready_marker(run.numba_program.key).exists()
 
 
 def test_a_training_step_answers_before_its_kernels_and_agrees_after(rng, tiered):
@@ -101,7 +101,7 @@ def test_a_worker_that_fails_leaves_the_compile_to_the_next_call(rng, tiered, mo
         def submit(self, kernel, signature, callback):
             callback("the worker failed")
 
-    monkeypatch.setattr(numba_cpu, "_compile_worker", lambda: Broken())
+    monkeypatch.setattr(numba_cpu, "compile_worker", lambda: Broken())
     rnn, X, _ = _net(rng, 3, 7)
     reference = rnn(backend="interpreter")
     first = rnn()  # the worker answered at once: this call already compiles here

@@ -5,7 +5,8 @@ While a new kernel compiles here, the process that asked for it answers on the
 NumPy interpreter (numba_cpu.TieredProgram); a separate process keeps the
 compile from taking the interpreter's share of the GIL. Requests come one a
 line on standard input (JSON: ``key``, the kernel module's ``module`` name and
-``path``, the ``blas`` it calls, and ``signature``, its argument types
+``path``, the ``function`` of it to compile (``program``, or an ONNX session's
+``fused`` loop), the ``blas`` it calls, and ``signature``, its argument types
 pickled and base64-encoded);
 each kernel is compiled into Numba's disk cache under ``STEPNET_CACHE_DIR``
 and marked ready there (``stepnet_kernel_<key>.ready``), and one line answers
@@ -34,7 +35,8 @@ def compile_kernel(request) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    module.program.compile(pickle.loads(base64.b64decode(request["signature"])))
+    function = getattr(module, request.get("function", "program"))
+    function.compile(pickle.loads(base64.b64decode(request["signature"])))
     blas.small_rows_table()  # measured here, not in the first compiled call, where it is new
     try:  # the mark numba_cpu looks for: a later process loads the kernel at once
         Path(path).with_suffix(".ready").touch()

@@ -110,6 +110,14 @@ _RUNTIME_HELPERS = sorted(name for name, f in vars(numba_runtime).items() if not
                           and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__)
 
 
+def runtime_imports() -> list:
+    """The lines of a generated module importing those helpers."""
+    return ["from stepnet.jit.numba_runtime import (",
+            *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
+                           subsequent_indent="    "),
+            ")"]
+
+
 class _Info:
     """Where the generated code finds a var.
 
@@ -249,10 +257,7 @@ def generate_source(program: ir.Program):
         "                              register_small_gemm)",
         "from stepnet.jit.atomics import job_of",
         "from stepnet.jit.threads import RAISED, group_cut, run_jobs",
-        "from stepnet.jit.numba_runtime import (",
-        *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
-                       subsequent_indent="    "),
-        ")",
+        *runtime_imports(),
         *[f"register_small_gemm({name!r})" for name in sorted(module.small_gemm_dtypes)],
         "",
     ]
@@ -1399,19 +1404,22 @@ _DECORATOR = "@njit(cache=True, error_model='numpy', nogil=True)"
 _MODULES = {}
 
 
-def _kernel_key(source: str) -> str:
+def kernel_key(source: str) -> str:
     # the key covers what a cached kernel embeds besides its own source: the
     # helpers it calls and the settings they were built with (cache.py)
     return hashlib.sha256((source + helpers_fingerprint()).encode()).hexdigest()[:24]
 
 
-def _ready_marker(key: str):
+def ready_marker(key: str):
     """The file saying that a kernel was compiled into the disk cache."""
     return cache_dir() / f"stepnet_kernel_{key}.ready"
 
 
-def _load(source: str):
-    key = _kernel_key(source)
+def load_source(source: str):
+    """The module of generated ``source``, loaded once per process from its
+    file in ``STEPNET_CACHE_DIR`` (named by a hash of it, beside Numba's disk
+    cache of its compiled functions)."""
+    key = kernel_key(source)
     if key in _MODULES:
         return _MODULES[key]
     directory = cache_dir()
@@ -1453,8 +1461,8 @@ class NumbaProgram:
                                if v.batched] + [1])
         if os.environ.get("STEPNET_DEBUG"):
             print(self.source, file=sys.stderr)
-        self.key = _kernel_key(self.source)
-        self.module = _load(self.source)
+        self.key = kernel_key(self.source)
+        self.module = load_source(self.source)
         self._marked = False
 
     def __call__(self, args, consts):
@@ -1474,12 +1482,12 @@ class NumbaProgram:
     def compiled_before(self) -> bool:
         """Whether a process compiled this kernel into the disk cache (its
         first call here then loads it, in a fraction of a second)."""
-        return _ready_marker(self.key).exists()
+        return ready_marker(self.key).exists()
 
     def _mark_ready(self):
         self._marked = True
         try:
-            _ready_marker(self.key).touch()
+            ready_marker(self.key).touch()
         except OSError:  # a read-only or removed cache directory: the next process compiles
             pass
 
@@ -1737,7 +1745,7 @@ class TieredProgram:
             if self._signature is None:
                 self._signature = self.numba_program.signature(args, consts)
                 try:
-                    _compile_worker().submit(self.numba_program, self._signature, self._answered)
+                    compile_worker().submit(self.numba_program, self._signature, self._answered)
                 except OSError as exc:  # no worker: compile here
                     self._answered(f"the compile worker did not start: {exc}")
             if not self._compiled.is_set():
@@ -1779,9 +1787,11 @@ class _CompileWorker:
             env=dict(os.environ, STEPNET_CACHE_DIR=str(root)))
         threading.Thread(target=self._read, name="stepnet-compile-worker", daemon=True).start()
 
-    def submit(self, kernel, signature, callback):
+    def submit(self, kernel, signature, callback, function="program"):
+        """Compile ``kernel.module``'s ``function`` for ``signature``; then
+        ``callback(error or None)``, on another thread."""
         request = {"key": kernel.key, "module": kernel.module.__name__,
-                   "path": kernel.module.__file__, "blas": blas.SIGNATURE,
+                   "path": kernel.module.__file__, "function": function, "blas": blas.SIGNATURE,
                    "signature": base64.b64encode(pickle.dumps(signature)).decode()}
         with self.lock:
             first = kernel.key not in self.pending
@@ -1814,7 +1824,8 @@ _WORKER = None
 _WORKER_LOCK = threading.Lock()
 
 
-def _compile_worker():
+def compile_worker():
+    """The compile worker process (started on first use)."""
     global _WORKER
     with _WORKER_LOCK:
         root = cache_dir()

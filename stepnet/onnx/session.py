@@ -17,7 +17,9 @@ constants (initializers, ``Constant``) are computed then, once.
   (:mod:`stepnet.onnx.gradient`);
 - every other op with stepnet's NumPy version where it has one
   (:mod:`stepnet.onnx.ops`, :mod:`stepnet.onnx.conv`), else with the ONNX
-  project's reference implementation (:mod:`stepnet.onnx.reference`).
+  project's reference implementation (:mod:`stepnet.onnx.reference`); on
+  the Numba backend, from a run's second call, runs of elementwise nodes as
+  one compiled loop each (:mod:`stepnet.onnx.fusion`).
 
 float16 is computed in float32 and given back as float16 (DESIGN.md §4): per
 node, the outputs typed like a float16 input are rounded to float16.
@@ -34,6 +36,7 @@ import numpy as np
 from ..backends import default_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
+from .fusion import fuse
 from .gradient import GradientNode
 from .ops import OPS, UNKNOWN, NodeContext, OnnxOp, is_step
 from .recurrent import RecurrentNode, ScanNode
@@ -505,6 +508,7 @@ class Graph:
             _read_only(value)  # shared by every run
         self.widen = True  # a node may meet float16 (_no_widening clears it)
         self.decided, self.rest, self.memo = [], self.plan, {}
+        self.fused = {}  # key -> its plan with runs of elementwise nodes fused (_fuse)
 
     def _fold(self, node, known):
         """Compute a node that reads only constants, once, now."""
@@ -521,21 +525,33 @@ class Graph:
         chosen = {id(n) for n in decided}
         self.decided = [name for n in decided for name in n.outputs if name]
         self.rest = [n for n in self.plan if id(n) not in chosen]
-        self.memo = {}
+        self.memo, self.fused = {}, {}
 
     def run(self, env, backend, step=False, rows=False, float16_as_float32=False, key=None):
         """Evaluate every node into ``env`` (name -> value), which holds the
         graph's inputs (and, for a subgraph, what it captures). ``key``: the
         fed shapes and small integer values (see ``decide``). Inside a Scan
         body being traced (``step``) values may be step values, in the layout
-        ``rows`` says (:mod:`stepnet.onnx.ops`)."""
+        ``rows`` says (:mod:`stepnet.onnx.ops`). On the Numba backend a key's
+        later runs take its plan with runs of elementwise nodes fused
+        (``_fuse``)."""
+        fusing = key is not None and backend == "numba" and not (
+            step or float16_as_float32 or self.widen)
         if key is None or not self.decided:
-            return self._run(env, backend, step, rows, float16_as_float32, self.plan, None)
+            plan = self.fused.get(key) if fusing else None
+            self._run(env, backend, step, rows, float16_as_float32, plan or self.plan, None)
+            if fusing and plan is None:
+                self._fuse(key, self.plan, env)
+            return env
         memo = self.memo.get(key)
         if memo is not None:
             known, plan, constants = memo
             env.update(known)
-            return self._run(env, backend, step, rows, float16_as_float32, plan, key, constants)
+            fused = self.fused.get(key) if fusing and not constants else None
+            self._run(env, backend, step, rows, float16_as_float32, fused or plan, key, constants)
+            if fusing and not constants and fused is None:
+                self._fuse(key, plan, env)
+            return env
         self._run(env, backend, step, rows, float16_as_float32, self.plan, key)
         if len(self.memo) >= 16:
             self.memo.clear()
@@ -551,6 +567,14 @@ class Graph:
             constants = False
         self.memo[key] = (known, plan, constants)
         return env
+
+    def _fuse(self, key, plan, env):
+        """Remember ``plan`` with its runs of elementwise nodes fused
+        (:mod:`stepnet.onnx.fusion`) for the runs of ``key``, from the values
+        of a run of it (``env``)."""
+        if len(self.fused) >= 16:
+            self.fused.clear()
+        self.fused[key] = fuse(plan, env, self.output_names)
 
     def _key_plan(self, known):
         """The nodes a run with the memoized values ``known`` computes: each
@@ -792,7 +816,10 @@ class InferenceSession:
         the shapes of all, and the values of small integer inputs."""
         graph = self.graph
         self._by_value, self._memoized = [], False
-        if any(n.kind == "gradient" for n in graph.nodes):
+        # a run's key also picks its plan with elementwise nodes fused, but
+        # not where a Gradient node reads the values of the nodes it follows
+        self._keyed = not any(n.kind == "gradient" for n in graph.nodes)
+        if not self._keyed:
             return
         status = {}
         for arg in graph.input_args:
@@ -844,10 +871,11 @@ class InferenceSession:
 
     def _run(self, env, backend):
         key = None
-        if self._memoized:
+        if self._keyed:  # the fed shapes (and small integer values, where they decide)
             key = tuple((n, v.shape, v.dtype) if type(v) is np.ndarray else (n, id(v))
                         for n, v in env.items())
-            key += tuple(env[n].tobytes() for n in self._by_value if n in env)
+            if self._memoized:
+                key += tuple(env[n].tobytes() for n in self._by_value if n in env)
         self.graph.run(env, backend, key=key)
 
     def _check_feeds(self, feeds) -> dict:

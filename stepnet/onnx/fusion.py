@@ -1,0 +1,252 @@
+"""Runs of elementwise nodes computed as one compiled loop.
+
+A model exported from PyTorch does much of its small work in elementwise
+nodes (``sqrt(re * re + im * im + eps)`` after an STFT, a bias and an
+activation after a product), each a NumPy call that reads and writes a whole
+array, often a strided view of another. :func:`fuse` replaces each run of two
+or more consecutive elementwise nodes of a key's plan (``Graph.run``) that
+compute one float dtype and one output shape by a :class:`FusedNode`: one
+loop over the output whose body is the ops' registry code (the code the
+Numba backend writes into a step), which reads each input where it lies and
+writes only the values that later nodes, or the graph's outputs, read.
+
+- The ops are stepnet's primitives that an ONNX op imports
+  (``registry.OpDef.onnx_import``): Add, Sub, Mul, Div, Neg, Abs, Exp, Log,
+  Sqrt, Relu, Sigmoid, Tanh, Softplus, Erf; float32 and float64 only, on
+  values of ``MIN_SIZE`` elements or more (on fewer, NumPy's calls cost less).
+- The loop runs over the output in the memory order NumPy gave the run's
+  first value (``order="K"``), its innermost axis the one of smallest stride,
+  and the outputs are allocated in that order. Along that axis each input
+  has unit stride or is broadcast.
+- Each call checks, in the kernel, that the inputs' shapes broadcast to the
+  output's and that their innermost strides are as planned; where not (an
+  input fed in another layout), the nodes run one by one as before.
+- The kernel's source names no sizes, so a new batch size or length reuses
+  it. It is compiled once, for arrays of any layout, and kept in
+  ``STEPNET_CACHE_DIR`` like the step-net kernels; where it is new to the
+  machine it compiles in the compile worker (``numba_cpu.tiered``) while the
+  nodes run one by one.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+from numba import from_dtype, types
+
+from .. import registry
+
+# the ONNX ops a run may hold: stepnet's elementwise primitives by the ONNX
+# op they import
+_PRIMITIVES = {op.onnx_import: op for op in registry.all_ops().values()
+               if op.onnx_import and op.kind == "elementwise" and isinstance(op.numba, str)}
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# the fewest elements of a fused run's values: below, NumPy's node-by-node
+# calls cost less than a kernel's (a microsecond or two each)
+MIN_SIZE = 1024
+
+
+def _fusable(node, env):
+    """The dtype and shape of ``node``'s output where it can join a run, else None."""
+    op = _PRIMITIVES.get(node.op)
+    if (op is None or node.kind != "op" or node.attrs or node.table is None
+            or len(node.args) != op.num_inputs or len(node.outputs) != 1):
+        return None
+    out = env.get(node.outputs[0])
+    if (type(out) is not np.ndarray or out.dtype not in _FLOATS or out.ndim == 0
+            or out.size < MIN_SIZE):
+        return None
+    for name in node.args:
+        x = env.get(name)
+        if type(x) is not np.ndarray or x.dtype != out.dtype or x.ndim > out.ndim:
+            return None
+    return out.dtype, out.shape
+
+
+def fuse(plan, env, keep):
+    """``plan`` with each run of two or more fusable nodes replaced by a
+    :class:`FusedNode`. ``env`` holds the values of a run of ``plan`` (their
+    shapes, dtypes and layouts decide); ``keep`` names values read after
+    the plan (the graph's outputs)."""
+    read_after = [set(keep)]  # read_after[i]: the names nodes i.. read, and keep
+    for node in reversed(plan):
+        read_after.append(read_after[-1] | {n for n in (*node.inputs, *node.captures) if n})
+    read_after.reverse()
+    fused, run, kind = [], [], None
+    for i, node in enumerate([*plan, None]):  # (None: the end, closing the last run)
+        this = None if node is None else _fusable(node, env)
+        if run and this == kind:
+            run.append(node)
+            continue
+        one = FusedNode.of(run, env, read_after[i]) if len(run) >= 2 else None
+        fused += [one] if one is not None else run
+        run, kind = ([node], this) if this is not None else ([], None)
+        if node is not None and this is None:
+            fused.append(node)
+    return fused
+
+
+class FusedNode:
+    """Consecutive elementwise nodes of a plan computed by one kernel: reads
+    ``inputs``, writes ``outputs`` (the values read after it)."""
+
+    kind, fast, captures = "fused", None, []
+
+    def __init__(self, nodes, inputs, outputs, shape, dtype, order, source, ranks):
+        from ..jit import numba_cpu
+
+        self.nodes, self.inputs, self.outputs = nodes, inputs, outputs
+        self.op = "+".join(node.op for node in nodes)
+        self.ctx = nodes[0].ctx
+        self.dtype, self.order = dtype, np.asarray(order, np.int64)
+        self.memory_shape = tuple(shape[a] for a in order)
+        unorder = tuple(int(a) for a in np.argsort(order))
+        self.unorder = None if unorder == tuple(range(len(order))) else unorder
+        module = numba_cpu.load_source(source)
+        self.kernel, self.ready = module.fused, False
+        # one signature for arrays of any layout (inputs may be read-only constants)
+        element = from_dtype(dtype)
+        self._signature = (types.int64[::1],
+                           *[types.Array(element, len(shape), "A")] * len(outputs),
+                           *[types.Array(element, rank, "A", readonly=True) for rank in ranks])
+        key = numba_cpu.kernel_key(source)
+        self._marker = numba_cpu.ready_marker(key)
+        self._answered = threading.Event()  # (a failed worker's kernel compiles here, raising)
+        if numba_cpu.tiered() and not self._marker.exists():
+            try:
+                numba_cpu.compile_worker().submit(
+                    SimpleNamespace(key=key, module=module), self._signature,
+                    lambda error: self._answered.set(), function="fused")
+            except OSError:  # no worker: compile at the next call
+                self._answered.set()
+        else:
+            self._answered.set()
+
+    @classmethod
+    def of(cls, nodes, env, read_after):
+        """The node computing ``nodes`` (a run of fusable nodes, ``env`` the
+        values of a run of them), or None where an input's layout rules the
+        loop out."""
+        first = env[nodes[0].outputs[0]]
+        dtype, shape, ndim = first.dtype, first.shape, first.ndim
+        # NumPy's layout of the first value: axes by stride, size-1 axes outermost
+        order = sorted(range(ndim), key=lambda a: (shape[a] != 1, -abs(first.strides[a]), a))
+        inner = order[-1]
+        made, inputs, kinds = set(), [], []
+        for node in nodes:
+            for name in node.args:
+                if name not in made and name not in inputs:
+                    inputs.append(name)
+            made.update(node.outputs)
+        for name in inputs:
+            x = env[name]
+            axis = inner - (ndim - x.ndim)
+            if axis < 0 or x.shape[axis] == 1:
+                kinds.append("broadcast")
+            elif x.strides[axis] == dtype.itemsize or shape[inner] <= 1:
+                kinds.append("unit")
+            else:
+                return None
+        outputs = [node.outputs[0] for node in nodes if node.outputs[0] in read_after]
+        if not outputs:
+            return None
+        ranks = [env[n].ndim for n in inputs]
+        source = _source(nodes, inputs, outputs, ranks, kinds, ndim, dtype)
+        return cls(nodes, inputs, outputs, shape, dtype, order, source, ranks)
+
+    def run(self, graph, env, backend, *args, **kwargs):
+        if not self.ready:
+            if not self._answered.is_set():
+                return self._node_by_node(graph, env, backend)
+            self._compile()
+        ins = [env[name] for name in self.inputs]
+        for x in ins:
+            if type(x) is not np.ndarray or x.dtype != self.dtype:
+                return self._node_by_node(graph, env, backend)
+        outs = [np.empty(self.memory_shape, self.dtype) for _ in self.outputs]
+        if self.unorder is not None:
+            outs = [y.transpose(self.unorder) for y in outs]
+        if not self.kernel(self.order, *outs, *ins):
+            return self._node_by_node(graph, env, backend)
+        for name, value in zip(self.outputs, outs):
+            env[name] = value
+
+    def _compile(self):
+        """Compile the kernel here, or load what the worker compiled."""
+        if not self.kernel.signatures:  # (not yet by another node of the same source)
+            self.kernel.compile(self._signature)
+            self.kernel.disable_compile()  # (arrays of every layout take the one signature)
+        try:
+            self._marker.touch()
+        except OSError:  # a read-only or removed cache directory: the next process compiles
+            pass
+        self.ready = True
+
+    def _node_by_node(self, graph, env, backend):
+        for node in self.nodes:
+            node.run(graph, env, backend)
+
+
+def _source(nodes, inputs, outputs, ranks, kinds, ndim, dtype):
+    """The kernel ``fused(order, *outputs, *inputs) -> bool``: False (nothing
+    written) where an input's shape or innermost stride is not as planned."""
+    from ..jit.numba_cpu import runtime_imports
+
+    dt, item = f"np.{dtype.name}", dtype.itemsize
+    ys = [f"y{k}" for k in range(len(outputs))]
+    xs = [f"x{k}" for k in range(len(inputs))]
+    body = [f"def fused(order, {', '.join(ys + xs)}):",
+            f"    inner = order[{ndim - 1}]",
+            "    n = y0.shape[inner]",
+            "    if y0.size == 0:",
+            "        return True"]
+    for y in ys:
+        body += [f"    s{y} = np.empty({ndim}, np.int64)",
+                 f"    for k in range({ndim}):",
+                 f"        s{y}[k] = {y}.strides[order[k]]"]
+    for x, rank, kind in zip(xs, ranks, kinds):
+        # byte strides along the loop's axes, 0 where broadcast
+        body += [f"    s{x} = np.zeros({ndim}, np.int64)",
+                 f"    for k in range({ndim}):",
+                 f"        a = order[k] - {ndim - rank}",
+                 "        if a >= 0:",
+                 f"            if {x}.shape[a] == y0.shape[order[k]] and {x}.shape[a] != 1:",
+                 f"                s{x}[k] = {x}.strides[a]",
+                 f"            elif {x}.shape[a] != 1:",
+                 "                return False"]
+        want = "0" if kind == "broadcast" else f"{item}"
+        body += [f"    if n > 1 and s{x}[{ndim - 1}] != {want}:", "        return False"]
+    body += [f"    b{a} = np.int64({a}.ctypes.data)" for a in ys + xs]
+    loops, depth = [], 1
+    for k in range(ndim - 1):
+        loops.append("    " * depth + f"for i{k} in range(y0.shape[order[{k}]]):")
+        depth += 1
+    pad = "    " * depth
+    row = []
+    for a, kind in [*[(y, "unit") for y in ys], *zip(xs, kinds)]:
+        offset = " + ".join([f"b{a}"] + [f"i{k} * s{a}[{k}]" for k in range(ndim - 1)])
+        if kind == "unit":
+            row.append(f"{pad}r{a} = carray(pointer_to({offset}, {dt}), n)")
+        else:
+            row.append(f"{pad}v{a} = carray(pointer_to({offset}, {dt}), 1)[0]")
+    code = {name: (f"r{x}[j]" if kind == "unit" else f"v{x}")
+            for name, x, kind in zip(inputs, xs, kinds)}
+    element = []
+    bits = "32" if dtype == np.float32 else "64"
+    for t, node in enumerate(nodes):
+        template = _PRIMITIVES[node.op].numba
+        element.append(f"t{t} = " + template.format(*[code[n] for n in node.args], bits=bits))
+        code[node.outputs[0]] = f"t{t}"
+    element += [f"r{y}[j] = {code[name]}" for y, name in zip(ys, outputs)]
+    body += loops + row + [f"{pad}for j in range(n):"] + [f"{pad}    {line}" for line in element]
+    body.append("    return True")
+    return "\n".join(["# generated by stepnet: do not edit",
+                      "import math",
+                      "import numpy as np",
+                      "from numba import carray, njit",
+                      "from stepnet.jit.atomics import pointer_to",
+                      *runtime_imports(), "", "",
+                      "@njit(cache=True, error_model='numpy', nogil=True)",
+                      *body, ""])
