@@ -8,6 +8,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from stepnet.jit import numba_cpu  # noqa: E402
 from stepnet.onnx import InferenceSession  # noqa: E402
 from stepnet.onnx import fusion  # noqa: E402
 from stepnet.onnx.fusion import FusedNode  # noqa: E402
@@ -136,13 +137,16 @@ def test_an_input_fed_in_another_layout_runs_node_by_node(rng):
     _close(got, np.tanh(x * x + np.arange(32)))
 
 
-def test_small_values_run_node_by_node(rng):
+def test_small_values_run_node_by_node_and_a_larger_batch_finds_the_loop_made(rng):
     session = InferenceSession(_spectrum_model())
     x = rng.standard_normal((1, 6, 5)).astype(np.float32)  # 15 elements a value
     first, _, third = _runs(session, {"x": x})
     assert session.graph.fused and not _fused_nodes(session)
     for unfused, got in zip(first, third):
         np.testing.assert_array_equal(got, unfused)
+    modules = len(numba_cpu._MODULES)
+    _runs(session, {"x": rng.standard_normal((4, 6, 100)).astype(np.float32)})
+    assert len(_fused_nodes(session)) == 1 and len(numba_cpu._MODULES) == modules
 
 
 def test_the_interpreter_backend_and_integer_runs_are_not_fused(rng, monkeypatch):

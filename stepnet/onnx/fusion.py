@@ -12,8 +12,9 @@ writes only the values that later nodes, or the graph's outputs, read.
 
 - The ops are stepnet's primitives that an ONNX op imports
   (``registry.OpDef.onnx_import``): Add, Sub, Mul, Div, Neg, Abs, Exp, Log,
-  Sqrt, Relu, Sigmoid, Tanh, Softplus, Erf; float32 and float64 only, on
-  values of ``MIN_SIZE`` elements or more (on fewer, NumPy's calls cost less).
+  Sqrt, Relu, Sigmoid, Tanh, Softplus, Erf; float32 and float64 only. A
+  run over fewer than ``MIN_SIZE`` elements still runs node by node (NumPy's
+  calls cost less), but its loop is made, for a larger batch's key.
 - The loop runs over the output in the memory order NumPy gave the run's
   first value (``order="K"``), its innermost axis the one of smallest stride,
   and the outputs are allocated in that order. Along that axis each input
@@ -43,8 +44,10 @@ from .. import registry
 _PRIMITIVES = {op.onnx_import: op for op in registry.all_ops().values()
                if op.onnx_import and op.kind == "elementwise" and isinstance(op.numba, str)}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-# the fewest elements of a fused run's values: below, NumPy's node-by-node
-# calls cost less than a kernel's (a microsecond or two each)
+# the fewest elements of the values of a run that its plan runs fused: below,
+# NumPy's node-by-node calls cost less than the loop's call (a microsecond
+# or two each); its loop is made all the same (compiled in the compile
+# worker), so that a larger batch's key finds it ready
 MIN_SIZE = 1024
 
 
@@ -55,8 +58,7 @@ def _fusable(node, env):
             or len(node.args) != op.num_inputs or len(node.outputs) != 1):
         return None
     out = env.get(node.outputs[0])
-    if (type(out) is not np.ndarray or out.dtype not in _FLOATS or out.ndim == 0
-            or out.size < MIN_SIZE):
+    if type(out) is not np.ndarray or out.dtype not in _FLOATS or out.ndim == 0:
         return None
     for name in node.args:
         x = env.get(name)
@@ -81,7 +83,7 @@ def fuse(plan, env, keep):
             run.append(node)
             continue
         one = FusedNode.of(run, env, read_after[i]) if len(run) >= 2 else None
-        fused += [one] if one is not None else run
+        fused += [one] if one is not None and np.prod(kind[1]) >= MIN_SIZE else run
         run, kind = ([node], this) if this is not None else ([], None)
         if node is not None and this is None:
             fused.append(node)
