@@ -138,6 +138,27 @@ def test_exported_model_matches_onnxruntime(models, name):
     assert compiles[0] == 0
 
 
+@pytest.mark.parametrize("name", sorted(SHAPES) + ["vad"])
+def test_exported_model_with_every_elementwise_run_fused_matches_onnxruntime(models, name,
+                                                                             monkeypatch):
+    """Runs of elementwise nodes run fused from a key's second call
+    (stepnet/onnx/fusion.py); here at any size, so the small test shapes fuse too."""
+    from stepnet.onnx import fusion
+
+    monkeypatch.setattr(fusion, "MIN_SIZE", 1)
+    ex = models.BUILDERS[name]()
+    session = InferenceSession(ex.model)
+    feeds = ex.feeds(**SHAPES.get(name, [{"batch": 3}])[0])
+    for _ in range(3):
+        got = session.run(None, feeds)
+    _check_against(got, _ort(ex.model, feeds), f"{name}, fused")
+    graphs = [session.graph] + [sub for node in session.graph.nodes for sub in node.subgraphs.values()]
+    fused = [node.op for graph in graphs for plan in graph.fused.values() for node in plan
+             if isinstance(node, fusion.FusedNode)]
+    if name == "vad":
+        assert "Mul+Mul+Add+Add+Sqrt" in fused, fused
+
+
 def test_exported_models_hold_the_architectures(models):
     ops = {name: models.op_counts(_exported(models, name)[0].model.graph) for name in SHAPES}
     assert {"Conv", "BatchNormalization", "MaxPool", "LSTM", "GRU", "LogSoftmax"} <= set(ops["crnn"])
