@@ -70,7 +70,7 @@ def test_a_run_of_elementwise_nodes_gives_the_values_of_the_nodes(rng, dtype):
     model = _spectrum_model(dtype)
     session = InferenceSession(model)
     feeds = {"x": rng.standard_normal((4, 6, 100)).astype(dtype)}
-    first, second, third = _runs(session, feeds)
+    first, _, third = _runs(session, feeds)
     fused = _fused_nodes(session)
     assert [node.op for node in fused] == ["Mul+Mul+Add+Add+Sqrt+Mul+Sigmoid+Sub"]
     assert fused[0].outputs == ["m", "y"]  # what is read after the run: the outputs
