@@ -181,3 +181,17 @@ def test_a_new_kernel_compiles_in_the_worker_while_the_nodes_run(rng, tmp_path, 
     (got,) = session.run(None, {"x": x})
     assert node.ready and node._marker.exists()
     _close(got, np.tanh(x * x + np.arange(32)))
+
+
+def test_threads_sharing_a_session_compile_its_loop_once(rng):
+    from concurrent.futures import ThreadPoolExecutor
+
+    session = InferenceSession(_chain_on_input_model())
+    xs = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(8)]
+    session.run(None, {"x": xs[0]})
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda x: [session.run(None, {"x": x})[0] for _ in range(3)], xs))
+    assert all(node.ready for node in _fused_nodes(session))
+    for x, runs in zip(xs, outs):
+        for got in runs:
+            _close(got, np.tanh(x * x + np.arange(32)))

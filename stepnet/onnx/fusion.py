@@ -49,6 +49,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # or two each); its loop is made all the same (compiled in the compile
 # worker), so that a larger batch's key finds it ready
 MIN_SIZE = 1024
+_COMPILING = threading.Lock()  # (sessions called from several threads compile a loop once)
 
 
 def _fusable(node, env):
@@ -177,9 +178,10 @@ class FusedNode:
 
     def _compile(self):
         """Compile the kernel here, or load what the worker compiled."""
-        if not self.kernel.signatures:  # (not yet by another node of the same source)
-            self.kernel.compile(self._signature)
-            self.kernel.disable_compile()  # (arrays of every layout take the one signature)
+        with _COMPILING:
+            if not self.kernel.signatures:  # (not yet by another node of the same source)
+                self.kernel.compile(self._signature)
+                self.kernel.disable_compile()  # (arrays of every layout take the one signature)
         try:
             self._marker.touch()
         except OSError:  # a read-only or removed cache directory: the next process compiles
