@@ -2,6 +2,8 @@
 (stepnet/onnx/fusion.py): the same values as node by node, on views,
 broadcasts, special values and fed layouts the plan did not see."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,22 @@ def test_threads_sharing_a_session_compile_its_loop_once(rng):
     for x, runs in zip(xs, outs):
         for got in runs:
             _close(got, np.tanh(x * x + np.arange(32)))
+
+
+def test_a_loop_that_does_not_compile_leaves_its_nodes_to_run(rng, monkeypatch):
+    session = InferenceSession(_chain_on_input_model())
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    session.run(None, {"x": x})  # makes the plan with the loop, which has not run yet
+    (node,) = _fused_nodes(session)
+    assert not node.ready
+
+    def broken(signature):
+        raise TypeError("a fault")
+
+    monkeypatch.setattr(node, "kernel", SimpleNamespace(signatures=[], compile=broken))
+    with pytest.warns(RuntimeWarning, match="did not compile.*a fault"):
+        (got,) = session.run(None, {"x": x})
+    _close(got, np.tanh(x * x + np.arange(32)))
+    (got,) = session.run(None, {"x": x})  # (no second warning, nor compile)
+    assert not node.ready
+    _close(got, np.tanh(x * x + np.arange(32)))

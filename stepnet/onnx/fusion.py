@@ -26,12 +26,14 @@ writes only the values that later nodes, or the graph's outputs, read.
   it. It is compiled once, for arrays of any layout, and kept in
   ``STEPNET_CACHE_DIR`` like the step-net kernels; where it is new to the
   machine it compiles in the compile worker (``numba_cpu.tiered``) while the
-  nodes run one by one.
+  nodes run one by one. A loop that does not compile leaves its nodes to run
+  one by one, with a RuntimeWarning.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -108,7 +110,7 @@ class FusedNode:
         unorder = tuple(int(a) for a in np.argsort(order))
         self.unorder = None if unorder == tuple(range(len(order))) else unorder
         module = numba_cpu.load_source(source)
-        self.kernel, self.ready = module.fused, False
+        self.kernel, self.ready, self._failed = module.fused, False, False
         # one signature for arrays of any layout (inputs may be read-only constants)
         element = from_dtype(dtype)
         self._signature = (types.int64[::1],
@@ -161,9 +163,8 @@ class FusedNode:
 
     def run(self, graph, env, backend, *args, **kwargs):
         if not self.ready:
-            if not self._answered.is_set():
+            if not self._answered.is_set() or not self._compile():
                 return self._node_by_node(graph, env, backend)
-            self._compile()
         ins = [env[name] for name in self.inputs]
         for x in ins:
             if type(x) is not np.ndarray or x.dtype != self.dtype:
@@ -176,17 +177,29 @@ class FusedNode:
         for name, value in zip(self.outputs, outs):
             env[name] = value
 
-    def _compile(self):
-        """Compile the kernel here, or load what the worker compiled."""
+    def _compile(self) -> bool:
+        """Compile the kernel here, or load what the worker compiled; whether
+        it runs. A loop that does not compile (a fault of stepnet's) leaves its
+        nodes to run one by one, with a warning: the model still runs."""
+        if self._failed:
+            return False
         with _COMPILING:
-            if not self.kernel.signatures:  # (not yet by another node of the same source)
-                self.kernel.compile(self._signature)
-                self.kernel.disable_compile()  # (arrays of every layout take the one signature)
+            try:
+                if not self.kernel.signatures:  # (not yet by another node of the same source)
+                    self.kernel.compile(self._signature)
+                    self.kernel.disable_compile()  # (arrays of every layout take the one signature)
+            except Exception as exc:  # noqa: BLE001  (Numba's errors have no common base)
+                self._failed = True
+                warnings.warn(f"stepnet: the loop fusing ONNX nodes {self.op} from "
+                              f"{self.ctx.node!r} did not compile ({type(exc).__name__}: {exc}); "
+                              "they run one by one", RuntimeWarning, stacklevel=2)
+                return False
         try:
             self._marker.touch()
         except OSError:  # a read-only or removed cache directory: the next process compiles
             pass
         self.ready = True
+        return True
 
     def _node_by_node(self, graph, env, backend):
         for node in self.nodes:
