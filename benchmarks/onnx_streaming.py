@@ -31,7 +31,7 @@ the programs compiled after the first call, across both batch sizes and a
 chunk of 1024 samples (the session must not compile again when only the
 batch or the sequence length changes), and the functions compiled after
 the first batch size's calls (programs and fused elementwise loops: a
-session makes a key's loops at its second call and, this worker not being
+session makes a key's loops after a call of it and, this worker not being
 tiered, compiles each at its first use; docs/onnx.md). Printed: a markdown
 table with the ratios and the targets, and the CPU (lscpu's model name).
 """

@@ -18,8 +18,9 @@ constants (initializers, ``Constant``) are computed then, once.
 - every other op with stepnet's NumPy version where it has one
   (:mod:`stepnet.onnx.ops`, :mod:`stepnet.onnx.conv`), else with the ONNX
   project's reference implementation (:mod:`stepnet.onnx.reference`); on
-  the Numba backend, from a run's second call, runs of elementwise nodes as
-  one compiled loop each (:mod:`stepnet.onnx.fusion`).
+  the Numba backend, once a call with the same input shapes has run them
+  node by node, runs of elementwise nodes as one compiled loop each
+  (:mod:`stepnet.onnx.fusion`).
 
 float16 is computed in float32 and given back as float16 (DESIGN.md §4): per
 node, the outputs typed like a float16 input are rounded to float16.
