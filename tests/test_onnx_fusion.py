@@ -216,3 +216,14 @@ def test_a_loop_that_does_not_compile_leaves_its_nodes_to_run(rng, monkeypatch):
     (got,) = session.run(None, {"x": x})  # (no second warning, nor compile)
     assert not node.ready
     _close(got, np.tanh(x * x + np.arange(32)))
+
+
+def test_deterministic_runs_are_never_fused(rng, monkeypatch):
+    from stepnet.jit import blas
+
+    monkeypatch.setattr(blas, "DETERMINISTIC", True)
+    session = InferenceSession(_chain_on_input_model())
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    first, _, third = _runs(session, {"x": x})
+    assert session.graph.fused and not _fused_nodes(session)
+    np.testing.assert_array_equal(third[0], first[0])

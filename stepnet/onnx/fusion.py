@@ -28,6 +28,7 @@ writes only the values that later nodes, or the graph's outputs, read.
   machine it compiles in the compile worker (``numba_cpu.tiered``) while the
   nodes run one by one. A loop that does not compile leaves its nodes to run
   one by one, with a RuntimeWarning.
+- Not under ``STEPNET_DETERMINISTIC=1`` (see :func:`fuse`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,14 @@ def fuse(plan, env, keep):
     """``plan`` with each run of two or more fusable nodes replaced by a
     :class:`FusedNode`. ``env`` holds the values of a run of ``plan`` (their
     shapes, dtypes and layouts decide); ``keep`` names values read after
-    the plan (the graph's outputs)."""
+    the plan (the graph's outputs). Under ``STEPNET_DETERMINISTIC=1`` the
+    plan as it is: a loop's sigmoid, tanh or exp may differ from NumPy's in
+    the last bit, and a call's results must not depend on which calls came
+    before it."""
+    from ..jit import blas
+
+    if blas.DETERMINISTIC:
+        return list(plan)
     read_after = [set(keep)]  # read_after[i]: the names nodes i.. read, and keep
     for node in reversed(plan):
         read_after.append(read_after[-1] | {n for n in (*node.inputs, *node.captures) if n})
