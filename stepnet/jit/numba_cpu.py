@@ -1415,6 +1415,14 @@ def ready_marker(key: str):
     return cache_dir() / f"stepnet_kernel_{key}.ready"
 
 
+def mark_ready(key: str) -> None:
+    """Say that kernel ``key`` is in the disk cache (``ready_marker``)."""
+    try:
+        ready_marker(key).touch()
+    except OSError:  # a read-only or removed cache directory: the next process compiles
+        pass
+
+
 def load_source(source: str):
     """The module of generated ``source``, loaded once per process from its
     file in ``STEPNET_CACHE_DIR`` (named by a hash of it, beside Numba's disk
@@ -1486,10 +1494,7 @@ class NumbaProgram:
 
     def _mark_ready(self):
         self._marked = True
-        try:
-            ready_marker(self.key).touch()
-        except OSError:  # a read-only or removed cache directory: the next process compiles
-            pass
+        mark_ready(self.key)
 
     def signature(self, args, consts):
         """program()'s argument types for a call with ``args``."""

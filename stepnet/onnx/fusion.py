@@ -124,10 +124,9 @@ class FusedNode:
         self._signature = (types.int64[::1],
                            *[types.Array(element, len(shape), "A")] * len(outputs),
                            *[types.Array(element, rank, "A", readonly=True) for rank in ranks])
-        key = numba_cpu.kernel_key(source)
-        self._marker = numba_cpu.ready_marker(key)
-        self._answered = threading.Event()  # (a failed worker's kernel compiles here, raising)
-        if numba_cpu.tiered() and not self._marker.exists():
+        key = self._key = numba_cpu.kernel_key(source)
+        self._answered = threading.Event()  # (a failed worker's kernel compiles here)
+        if numba_cpu.tiered() and not numba_cpu.ready_marker(key).exists():
             try:
                 numba_cpu.compile_worker().submit(
                     SimpleNamespace(key=key, module=module), self._signature,
@@ -202,10 +201,9 @@ class FusedNode:
                               f"{self.ctx.node!r} did not compile ({type(exc).__name__}: {exc}); "
                               "they run one by one", RuntimeWarning, stacklevel=2)
                 return False
-        try:
-            self._marker.touch()
-        except OSError:  # a read-only or removed cache directory: the next process compiles
-            pass
+        from ..jit import numba_cpu
+
+        numba_cpu.mark_ready(self._key)
         self.ready = True
         return True
 

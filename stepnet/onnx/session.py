@@ -536,21 +536,18 @@ class Graph:
         ``rows`` says (:mod:`stepnet.onnx.ops`). On the Numba backend a key's
         later runs take its plan with runs of elementwise nodes fused
         (``_fuse``)."""
-        fusing = key is not None and backend == "numba" and not (
-            step or float16_as_float32 or self.widen)
-        if key is None or not self.decided:
-            plan = self.fused.get(key) if fusing else None
-            self._run(env, backend, step, rows, float16_as_float32, plan or self.plan, None)
-            if fusing and plan is None:
-                self._fuse(key, self.plan, env)
-            return env
-        memo = self.memo.get(key)
-        if memo is not None:
-            known, plan, constants = memo
-            env.update(known)
-            fused = self.fused.get(key) if fusing and not constants else None
-            self._run(env, backend, step, rows, float16_as_float32, fused or plan, key, constants)
-            if fusing and not constants and fused is None:
+        plain = not (step or float16_as_float32 or self.widen)
+        memo = self.memo.get(key) if key is not None and self.decided else None
+        if key is None or not self.decided or memo is not None:
+            plan, node_key, constants = self.plan, None, True
+            if memo is not None:  # (a plain run's memo needs no constants: they are in it)
+                (known, plan, constants), node_key = memo, key
+                env.update(known)
+            fusing = key is not None and backend == "numba" and plain
+            fused = self.fused.get(key) if fusing else None
+            self._run(env, backend, step, rows, float16_as_float32, fused or plan, node_key,
+                      constants)
+            if fusing and fused is None:
                 self._fuse(key, plan, env)
             return env
         self._run(env, backend, step, rows, float16_as_float32, self.plan, key)
@@ -559,7 +556,7 @@ class Graph:
         known = {n: _read_only(env[n].copy() if isinstance(env[n], np.ndarray) else env[n])
                  for n in self.decided}
         plan, constants = self.rest, True
-        if not (step or float16_as_float32 or self.widen):
+        if plain:
             plan = self._key_plan(known)
             # the memoized values and constants that the plan and the outputs read
             read = {n for node in plan for n in (*node.inputs, *node.captures) if n}
