@@ -187,7 +187,8 @@ def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
     from stepnet.jit import blas
 
     for m, k, n in [(0, 5, 7), (1, 0, 9), (1, 3, 64), (2, 17, 130), (4, 8, 32), (5, 33, 95),
-                    (9, 64, 200), (12, 1, 1), (1, 7, 144), (1, 9, 100), (3, 5, 300), (1, 4, 96)]:
+                    (9, 64, 200), (12, 1, 1), (1, 7, 144), (1, 9, 100), (3, 5, 300), (1, 4, 96),
+                    (6, 0, 40), (6, 3, 32), (7, 20, 33), (11, 9, 70), (17, 40, 130), (64, 64, 256)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         out = np.full((m, n), 7, dtype)
@@ -204,6 +205,26 @@ def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
     np.testing.assert_array_equal(np.isinf(out), np.isinf(expected))
     fine = np.isfinite(expected)
     np.testing.assert_allclose(out[fine], expected[fine], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
+    """A row's values do not depend on the block of rows it falls in (6, 4
+    or 1) nor on the rows beside it: each sum is taken in order of k."""
+    from stepnet.jit import blas
+
+    for m, k, n in [(13, 37, 100), (64, 256, 96), (6, 5, 32), (10, 128, 384)]:
+        a = rng.standard_normal((m, k)).astype(dtype)
+        b = rng.standard_normal((k, n)).astype(dtype)
+        whole = np.empty((m, n), dtype)
+        blas.small_gemm(a, b, whole)
+        for i in range(m):
+            alone = np.empty((1, n), dtype)
+            blas.small_gemm(a[i:i + 1], b, alone)
+            np.testing.assert_array_equal(whole[i], alone[0], err_msg=(m, k, n, i))
+        tail = np.empty((m - 2, n), dtype)
+        blas.small_gemm(np.ascontiguousarray(a[2:]), b, tail)
+        np.testing.assert_array_equal(whole[2:], tail)
 
 
 def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
