@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def compile_kernel(request) -> None:
-    from stepnet.jit import blas, numba_cpu  # noqa: F401  (numba_cpu sets LLVM's vectorizer limits)
+    from stepnet.jit import blas, numba_cpu  # (numba_cpu also sets LLVM's vectorizer limits)
 
     if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this process uses {blas.SIGNATURE}, the kernel {request['blas']}")
@@ -35,6 +35,7 @@ def compile_kernel(request) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    numba_cpu.link_helpers(module)
     function = getattr(module, request.get("function", "program"))
     function.compile(pickle.loads(base64.b64decode(request["signature"])))
     blas.small_rows_table()  # measured here, not in the first compiled call, where it is new

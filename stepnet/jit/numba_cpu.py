@@ -253,12 +253,13 @@ def generate_source(program: ir.Program):
         "from numba import njit",
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
-        "from stepnet.jit.blas import (gemm, gemm_acc, gemm_hoisted, gemm_packed, pack,",
-        "                              register_small_gemm)",
+        "from stepnet.jit.blas import gemm, gemm_acc, gemm_hoisted, gemm_packed, pack",
         "from stepnet.jit.atomics import job_of",
         "from stepnet.jit.threads import RAISED, group_cut, run_jobs",
         *runtime_imports(),
-        *[f"register_small_gemm({name!r})" for name in sorted(module.small_gemm_dtypes)],
+        "",
+        "# small_gemm's C entries the kernels call (link_helpers)",
+        f"SMALL_GEMM_DTYPES = {tuple(sorted(module.small_gemm_dtypes))!r}",
         "",
     ]
     src += module.module_consts + [""]
@@ -1423,6 +1424,17 @@ def mark_ready(key: str) -> None:
         pass
 
 
+def link_helpers(module) -> None:
+    """Give LLVM the symbols a generated ``module``'s kernels call: small_gemm's
+    C entry for each dtype of its products (``blas.register_small_gemm``:
+    compiled, or loaded from the disk cache, once per process). Before its
+    program() is compiled or loaded, not when the module is loaded: a tiered
+    first call answers on the interpreter without waiting for that compile,
+    which the compile worker does (and caches) with the kernel's."""
+    for name in getattr(module, "SMALL_GEMM_DTYPES", ()):
+        blas.register_small_gemm(name)
+
+
 def load_source(source: str):
     """The module of generated ``source``, loaded once per process from its
     file in ``STEPNET_CACHE_DIR`` (named by a hash of it, beside Numba's disk
@@ -1472,6 +1484,7 @@ class NumbaProgram:
         self.key = kernel_key(self.source)
         self.module = load_source(self.source)
         self._marked = False
+        self._linked = False
 
     def __call__(self, args, consts):
         outputs = self.run_prepared(self.prepare(consts), args)
@@ -1502,8 +1515,14 @@ class NumbaProgram:
                 + self._call_args(args) + self.output_buffers(args))
         return tuple(numba.typeof(a) for a in call)
 
+    def _link(self):
+        if not self._linked:
+            link_helpers(self.module)
+            self._linked = True
+
     def compile(self, signature):
         """Compile program() for ``signature`` without running it."""
+        self._link()
         self.module.program.compile(signature)
         self._mark_ready()
 
@@ -1534,6 +1553,7 @@ class NumbaProgram:
                          if kind == "sequence" and (a in levels or b in levels)]
                 raise LoDError(f"static inputs {' and '.join(names)} are combined row by row "
                                "but have different lengths")
+        self._link()
         groups = self._groups(args)
         buffers = self.output_buffers(args)
         if len(groups) <= 1:
