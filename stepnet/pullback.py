@@ -26,17 +26,26 @@ from .autodiff import (
 from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
-from .jit.blas import transposed_product
+from .jit.blas import DETERMINISTIC, transposed_product
 from .lod import LoDTensor
 from .tracing import Parameter
 
 
-def reduce_terms(layout, outputs, inputs) -> dict:
+def _numpy_transposed_product(a, b, column_sums=False):
+    product = a.T @ b
+    return (product, b.sum(0)) if column_sums else product
+
+
+def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
     """Sum the per-row terms: ``{id(const var): gradient}``. A term's index is
     an output of the backward rnn; a Var is one of its inputs (``inputs``:
     id(var) -> value). The rows of a ``Rows`` term are summed once however many
     constants share them, and beside the product of an ``Outer`` term over
-    the same rows (a bias next to its weight) when there is one."""
+    the same rows (a bias next to its weight) when there is one. The
+    products run on stepnet's threads (``blas.transposed_product``, compiled
+    helpers), or with ``on_numpy`` on NumPy: for a backward that ran on the
+    interpreter, which must not wait for a compile."""
+    product_of = _numpy_transposed_product if on_numpy else transposed_product
     grads, sums = {}, {}
 
     def key(ref):
@@ -53,9 +62,9 @@ def reduce_terms(layout, outputs, inputs) -> dict:
         if isinstance(term, Outer):
             g_rows, g_key = rows(term.g), key(term.g)
             if g_key in summed and g_key not in sums and g_rows.ndim == 2:
-                product, sums[g_key] = transposed_product(rows(term.a), g_rows, column_sums=True)
+                product, sums[g_key] = product_of(rows(term.a), g_rows, column_sums=True)
             else:
-                product = transposed_product(rows(term.a), g_rows)
+                product = product_of(rows(term.a), g_rows)
             add(var, product)
     for var, term in layout.contribs:
         if isinstance(term, Rows):
@@ -131,6 +140,11 @@ class Pullback:
         for c, res, flag in zip(cts, self.outputs, self.flags):
             if c is not None:
                 args.append(LoDTensor(c, res.levels) if flag else c)
+        # a backward run on the interpreter (its backend, or a new kernel's
+        # first tier) sums the weight gradients on NumPy too
+        # (not under STEPNET_DETERMINISTIC, where every sum has a fixed order)
+        on_numpy = not DETERMINISTIC and (self.backend == "interpreter" or any(
+            getattr(run, "ready", True) is False for run, _ in runs))
         values = {}
         for run, prog in runs:
             if not values:
@@ -139,7 +153,7 @@ class Pullback:
             values.update((id(v), a) for v, a in zip(prog.eqn.outputs, outs))
         results = [values[id(v)] for v in layout.values]
         inputs = values
-        grads = pull_consts(program, reduce_terms(layout, results, inputs), self.consts)
+        grads = pull_consts(program, reduce_terms(layout, results, inputs, on_numpy), self.consts)
         lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))
         d_inits = []
         for i in layout.inits:
