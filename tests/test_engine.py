@@ -144,7 +144,8 @@ def test_stepnet_blas_names_the_library(tmp_path):
 def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch):
     """For each size of weights, stepnet's own loop is taken up to the rows
     where, over all rows measured, the time (each relative to the faster of
-    the two) is least; the limits are kept and read back."""
+    the two) is least (every number of rows where that is the most rows
+    measured); the limits are kept and read back."""
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
     choice = {"name": "mkl", "cpu": "a CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
@@ -164,6 +165,11 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     # another library is measured anew; a library faster everywhere gets 0 rows
     other = dict(choice, name="openblas", libraries={"openblas": "scipy"})
     assert {r for _, r in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} == {0}
+    # an own loop faster up to the most rows measured takes every product of that size
+    third = dict(choice, name="numpy", libraries={})
+    limits = blas_choice.small_product_rows(
+        third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
+    assert limits == tuple((size, (1 << 62) if size < 20000 else 64) for size in sizes)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
     assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3),)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")

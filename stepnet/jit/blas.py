@@ -34,9 +34,9 @@ at the first call (``small_rows_table``;
 :func:`stepnet.jit.blas_choice.small_product_rows`;
 ``STEPNET_SMALL_PRODUCTS`` overrides): on the AMD EPYC of the README MKL's
 packed product takes a generic kernel for one row, and stepnet's loop is
-faster up to 64 rows while the weights fit in L2; on an Intel Xeon MKL's
-packed product was faster down to one row. A product outside the time loop
-takes the same limit (``gemm_hoisted``).
+faster at every number of rows measured, so it takes every product; on an
+Intel Xeon MKL's packed product was faster down to one row. A product
+outside the time loop takes the same limit (``gemm_hoisted``).
 
 ``BLAS_NAME`` says which one is in use; it is part of the generated source,
 so kernels cached on disk never mix them. The small-product rows are a
@@ -118,6 +118,9 @@ DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", 
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
 # small_gemm's block of accumulators: 6 rows x 32 columns
 _ACCUMULATORS = 192
+# rows of a panel of small_gemm's left operand that every block of weights'
+# columns passes over before the next panel (192 x 256 floats: 192 KiB)
+_PANEL_ROWS = 192
 _U32 = np.uint64(32)
 
 
@@ -130,36 +133,40 @@ def small_gemm(a, b, out):
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _columns_outer(a, b, out, lo, hi):
-    """small_gemm_columns for 6 rows or more: each block of 32 columns (the
-    last one ending at ``hi``) in turn, over every row in blocks of 6 (the
-    last one ending at the last row: it writes the rows it shares with the
-    one before again, with the same values)."""
+    """small_gemm_columns for 6 rows or more: by panels of ``_PANEL_ROWS``
+    rows (kept in cache while the weights pass over them), each block of 32
+    columns (the last one ending at ``hi``) in turn over the panel's rows in
+    blocks of 6 (the last one ending at the panel's last row: it writes the
+    rows it shares with the one before again, with the same values)."""
     m = a.shape[0]
     k = b.shape[0]
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
-    end = lo + 32
-    while end < hi + 32:
-        j0 = np.uint64(min(end, hi) - 32)
-        for block in range(0, m, 6):
-            i = min(block, m - 6)
-            for jj in range(192):
-                acc[jj] = zero
-            for kk in range(k):
-                x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
-                x3, x4, x5 = a[i + 3, kk], a[i + 4, kk], a[i + 5, kk]
-                for jj in range(_U32):
-                    w = b[kk, j0 + jj]
-                    acc[jj] += x0 * w
-                    acc[32 + jj] += x1 * w
-                    acc[64 + jj] += x2 * w
-                    acc[96 + jj] += x3 * w
-                    acc[128 + jj] += x4 * w
-                    acc[160 + jj] += x5 * w
-            for r in range(6):
-                for jj in range(_U32):
-                    out[i + r, j0 + jj] = acc[32 * r + jj]
-        end += 32
+    for panel in range(0, m, _PANEL_ROWS):
+        last = min(panel + _PANEL_ROWS, m)
+        first = min(panel, last - 6)  # (a last panel of under 6 rows: in the one before)
+        end = lo + 32
+        while end < hi + 32:
+            j0 = np.uint64(min(end, hi) - 32)
+            for block in range(first, last, 6):
+                i = min(block, last - 6)
+                for jj in range(192):
+                    acc[jj] = zero
+                for kk in range(k):
+                    x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
+                    x3, x4, x5 = a[i + 3, kk], a[i + 4, kk], a[i + 5, kk]
+                    for jj in range(_U32):
+                        w = b[kk, j0 + jj]
+                        acc[jj] += x0 * w
+                        acc[32 + jj] += x1 * w
+                        acc[64 + jj] += x2 * w
+                        acc[96 + jj] += x3 * w
+                        acc[128 + jj] += x4 * w
+                        acc[160 + jj] += x5 * w
+                for r in range(6):
+                    for jj in range(_U32):
+                        out[i + r, j0 + jj] = acc[32 * r + jj]
+            end += 32
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)

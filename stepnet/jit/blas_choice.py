@@ -276,15 +276,19 @@ def _keep(filename, result):
 # [k, n] from 48 KiB to 4 MiB (float32; GRUs of 64, 128 and 256 units, an
 # LSTM of 256 and one of 512), batches of 1 to 64 rows
 _STEP_WEIGHTS = ((64, 192), (128, 384), (256, 768), (256, 1024), (512, 2048))
-_STEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
+_STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+# the form of stepnet's own loop measured (a measurement of another form,
+# kept in the cache, is not used)
+_OWN_LOOP = "6x32 row panels"
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62
 
 
 def small_product_rows(choice, time_both) -> tuple:
-    """Up to how many rows a per-step product runs stepnet's own loop instead
-    of the library's, by the size of its weights: ``((k * n, rows), ...)``
+    """Up to how many rows a product runs stepnet's own loop instead of the
+    library's (a per-step product, or one outside the time loop over every
+    step's rows), by the size of its weights: ``((k * n, rows), ...)``
     by size (a product takes the entry of the next larger size measured, or
     the largest). ``STEPNET_SMALL_PRODUCTS=rows`` sets one limit for every
     size; else measured once per machine and library (``time_both(m, k, n)``:
@@ -292,7 +296,9 @@ def small_product_rows(choice, time_both) -> tuple:
     ``STEPNET_CACHE_DIR/small_products.json``. For each size the limit is the
     one with the least total time over the rows measured, each counted
     relative to the faster of the two (a one-row product weighs as much as a
-    64-row one, and a near tie cannot move the limit far)."""
+    256-row one, and a near tie cannot move the limit far); where the own
+    loop is best up to the most rows measured, it takes every product of
+    that size (``EVERY_PRODUCT``)."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
         if not requested.isdigit():
@@ -304,7 +310,8 @@ def small_product_rows(choice, time_both) -> tuple:
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[])
         return limits
     library = choice["libraries"].get(choice["name"], choice["name"])
-    key = hashlib.sha256(f"{choice['cpu']};{choice['name']};{library}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{_OWN_LOOP};{choice['cpu']};{choice['name']};{library}"
+                         .encode()).hexdigest()[:16]
     saved = _kept("small_products.json", key)
     try:
         if saved is not None:
@@ -321,7 +328,10 @@ def small_product_rows(choice, time_both) -> tuple:
         def cost(rows, times=times):
             return sum((own if m <= rows else lib) / min(own, lib) for m, own, lib in times)
 
-        limits.append((k * n, min([0] + [m for m, _, _ in times], key=cost)))
+        rows = min([0] + [m for m, _, _ in times], key=cost)
+        # faster up to the most rows measured: at any number (stepnet's loop
+        # takes rows by panels, each as fast as the one before)
+        limits.append((k * n, EVERY_PRODUCT if rows == _STEP_ROWS[-1] else rows))
     limits = tuple(limits)
     result = {"key": key, "limits": limits, "points": points}
     _SMALL_PRODUCTS.update(result, reason="measured")
@@ -352,8 +362,10 @@ def describe() -> str:
         lines.append("small products: every product runs stepnet's own loop "
                      "(STEPNET_DETERMINISTIC)")
     else:
-        limits = ", ".join(f"{r} rows up to {size} weights" for size, r in zip(*table.tolist()))
-        lines.append(f"small products: stepnet's own loop up to {limits} ({small.get('reason')})")
+        limits = ", ".join(f"{'any number of' if r == EVERY_PRODUCT else f'up to {r}'} rows for "
+                           f"{'any weights' if size == EVERY_PRODUCT else f'weights up to {size}'}"
+                           for size, r in zip(*table.tolist()))
+        lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
     for k, n in _STEP_WEIGHTS:
         row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
         if row:
