@@ -182,10 +182,10 @@ def small_gemm_columns(a, b, out, lo, hi):
     again with the same values), so neither do they depend on the range of
     columns asked for: a product split by columns over threads equals the
     whole. From 6 rows on, each block of columns is taken in turn over every
-    row (``_columns_outer``): its weights (k x 32) stay in cache while the
-    rows pass, and the weights are read once (on the AMD EPYC of the README
-    103-115 GFLOP/s a core for 30-96 rows by weights of 256 x 768 or
-    256 x 1024, against MKL's 88-95).
+    row of a panel of rows (``_columns_outer``): its weights (k x 32) stay in
+    cache while the rows pass, and the weights are read once a panel (on the
+    AMD EPYC of the README 103-115 GFLOP/s a core for 30-96 rows by weights
+    of 256 x 768 or 256 x 1024, against MKL's 88-95).
     It needs no packing and no dispatch: where a product is small (a batch of
     one, the last sequences of a batch) it beats the libraries'
     (``small_rows_table``, measured)."""
