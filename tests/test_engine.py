@@ -185,6 +185,25 @@ def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():
         [8, 8, 2, 2, 1, 1]
 
 
+def test_products_of_under_32_columns_take_the_library(rng):
+    """Under 32 columns stepnet's own loop takes one sum at a time: such a
+    product runs the library's, at any rows the table gives (every product
+    under STEPNET_DETERMINISTIC, whose sums have a fixed order)."""
+    from stepnet.jit import blas, threads
+
+    blas.register_small_gemm(np.float32)
+    every = np.array([[1 << 62], [1 << 62]], np.int64)
+    assert blas.own_rows(every, 256, 32) == 1 << 62
+    assert blas.own_rows(every, 256, 31) == (1 << 62 if blas.DETERMINISTIC else 0)
+    b = rng.standard_normal((64, 10)).astype(np.float32)
+    prepared = blas.pack(b, 16, every, threads.ALONE)
+    assert prepared[2] == (1 << 62 if blas.DETERMINISTIC else 0)
+    a = rng.standard_normal((300, 64)).astype(np.float32)
+    out = np.empty((300, 10), np.float32)
+    blas.gemm_hoisted(a, b, out, every, threads.ALONE)
+    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
     """Row blocks of 4 and the rows after them, column blocks of 32 (one row:

@@ -425,6 +425,19 @@ def rows_for(small_rows, size):
 
 
 @njit(cache=True)
+def own_rows(small_rows, k, n):
+    """The rows up to which a product by weights ``[k, n]`` runs
+    ``small_gemm``: the measured limit for weights of that size
+    (``rows_for``); none under 32 columns, where the own loop takes one sum
+    at a time (7-17x the library's time at any number of rows on the AMD
+    EPYC of the README), except under ``STEPNET_DETERMINISTIC``, where it
+    takes every product."""
+    if n < 32 and not DETERMINISTIC:
+        return 0
+    return rows_for(small_rows, k * n)
+
+
+@njit(cache=True)
 def pack(b, max_rows, small_rows, board):
     """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
     rows, prepared for ``gemm_packed``: (the library's form, ``b`` itself for
@@ -434,7 +447,7 @@ def pack(b, max_rows, small_rows, board):
     takes (never under ``STEPNET_DETERMINISTIC``, where it takes every
     product): a stream's call of a few rows packs nothing."""
     k, n = b.shape
-    rows = rows_for(small_rows, k * n)
+    rows = own_rows(small_rows, k, n)
     return _library_pack(b, max_rows if max_rows > rows else 0), b, rows, board
 
 
@@ -567,7 +580,7 @@ def gemm_hoisted(a, b, out, small_rows, board):
     for a per-step product of these weights (a stream's chunk of a few
     frames; under ``STEPNET_DETERMINISTIC`` every product), else the
     library's; shared with the helper on ``board``."""
-    if a.shape[0] <= rows_for(small_rows, b.shape[0] * b.shape[1]):
+    if a.shape[0] <= own_rows(small_rows, b.shape[0], b.shape[1]):
         _own_product(a, b, out, board)
         return
     m, k = a.shape
