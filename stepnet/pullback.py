@@ -140,17 +140,17 @@ class Pullback:
         for c, res, flag in zip(cts, self.outputs, self.flags):
             if c is not None:
                 args.append(LoDTensor(c, res.levels) if flag else c)
-        # a backward run on the interpreter (its backend, or a new kernel's
-        # first tier) sums the weight gradients on NumPy too
-        # (not under STEPNET_DETERMINISTIC, where every sum has a fixed order)
-        on_numpy = not DETERMINISTIC and (self.backend == "interpreter" or any(
-            getattr(run, "ready", True) is False for run, _ in runs))
         values = {}
         for run, prog in runs:
             if not values:
                 values.update((id(v), a) for v, a in zip(prog.inputs, args))
             outs = run([values[id(v)] for v in prog.inputs], self.consts)
             values.update((id(v), a) for v, a in zip(prog.eqn.outputs, outs))
+        # a backward that ran on the interpreter (its backend, or a kernel's
+        # first tier: not ready after its call) sums the weight gradients on
+        # NumPy too (not under STEPNET_DETERMINISTIC, whose sums have a fixed order)
+        on_numpy = not DETERMINISTIC and (self.backend == "interpreter" or any(
+            getattr(run, "ready", True) is False for run, _ in runs))
         results = [values[id(v)] for v in layout.values]
         inputs = values
         grads = pull_consts(program, reduce_terms(layout, results, inputs, on_numpy), self.consts)
