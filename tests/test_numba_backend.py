@@ -27,6 +27,39 @@ def test_gru_matches_interpreter(rng, dtype, reverse):
     assert_backends_agree(rnn, output_all_steps=False, backends=["numba"])
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
+    # 40 sequences of 0-25 steps: chunks of 128 // 40 = 3 steps (or of 6 in a
+    # group of half of them), which sequences end inside of; a NaN in one
+    # token stays in its own sequence's rows
+    lengths = list(rng.integers(0, 26, 40))
+    X = lod(rng, lengths, 5)
+    X.data[int(np.sum(lengths[:7])) + 2, 1] = np.nan
+    rnn = gru_net(X, rng, hidden=40, reverse=reverse)
+    assert "if cs == 0:" in rnn.compile("numba").source
+    expected = rnn(backend="interpreter").data
+    actual = rnn(backend="numba").data
+    nan = np.isnan(expected)
+    assert 0 < nan.sum() < nan.size and np.array_equal(np.isnan(actual), nan)
+    assert_close(actual[~nan], expected[~nan])
+
+
+def test_input_product_read_outside_the_gates_stays_before_the_loop(rng):
+    # the product is an output too: computed once over every token
+    X = lod(rng, [4, 2, 5], 3)
+    W = sn.Parameter(rng.standard_normal((3, 5)).astype(np.float32))
+    rnn = sn.create_rnn_op(output_num=2)
+    with rnn.stepnet():
+        x = rnn.add_input(X)
+        h = rnn.add_memory(shape=[5])
+        xw = x @ W
+        h.update(sn.ops.tanh(xw + h.pre_state()))
+        rnn.add_outputs(h, xw)
+    source = rnn.compile("numba").source
+    assert "gemm_hoisted(" in source and "chunk" not in source
+    assert_backends_agree(rnn, backends=["numba"])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_large_batch_takes_the_blas_path_then_the_small_one(dtype):
     # with stepnet's own loop up to 8 rows, the first steps (64 rows) run the
@@ -80,9 +113,12 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     rnn = gru_net(lod(rng, [3, 2], 4), rng)
     source = rnn.compile("numba").source
     program = source[source.index("def program"):]
-    # one GEMM over every token before the time loop, one packed GEMM per step
-    assert program.count("gemm_hoisted(") == 1
-    assert source.count("gemm_packed(") == 1
+    # the input product of every token, read only by the step's gates, runs
+    # by chunks of steps (one product per chunk), and one packed GEMM per step
+    assert "gemm_hoisted(" not in source
+    assert program.count("pack(") == 2
+    assert source.count("gemm_packed(") == 2
+    assert "if cs == 0:" in source
     assert "for step in range(num_steps)" in source
     # the six weights are read only joined by columns: program() and the rnn
     # function take the four biases and the two joined weights, not them
