@@ -499,17 +499,12 @@ def _chunk_setup(chunks):
 def _chunk_products(chunks, reverse):
     """At a chunk's first step: each active sequence's left rows of the
     chunk's steps gathered, then multiplied at once."""
-    pos = "slen[b] - 1 - step - s" if reverse else "step + s"
     lines = ["cs = step % chunk", "if cs == 0:"]
     for c in chunks:
-        col = f"{c.left.offset} + q" if c.left.offset else "q"
-        gather = _nest(["for b in range(nb):", "for s in range(min(chunk, slen[b] - step)):"],
-                       [f"r = sstart[b] + {pos}"]
-                       + _nest([f"for q in range({c.k}):"],
-                               [f"{c.gathered}[b * chunk + s, q] = {c.left.ident}[r, {col}]"]))
-        lines += ["    " + line for line in gather]
-        lines.append(f"    gemm_packed({c.gathered}[:nb * chunk], {c.packed}, {c.k}, {c.n}, "
-                     f"{c.ring}[:nb * chunk])")
+        lines += [f"    gather_steps({c.left.ident}, {c.left.offset}, sstart, slen, step, chunk, nb, "
+                  f"{reverse}, {c.gathered})",
+                  f"    gemm_packed({c.gathered}[:nb * chunk], {c.packed}, {c.k}, {c.n}, "
+                  f"{c.ring}[:nb * chunk])"]
     return lines
 
 
