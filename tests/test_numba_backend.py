@@ -117,7 +117,7 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     # by chunks of steps (one product per chunk), and one packed GEMM per step
     assert "gemm_hoisted(" not in source
     assert program.count("pack(") == 2
-    assert source.count("gemm_packed(") == 2
+    assert source.count("gemm_steps(") == 1 and source.count("gemm_packed(") == 1
     assert "if cs == 0:" in source
     assert "for step in range(num_steps)" in source
     # the six weights are read only joined by columns: program() and the rnn

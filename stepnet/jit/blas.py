@@ -647,6 +647,25 @@ def gemm_packed(a, prepared, k, n, out):
 
 
 @njit(cache=True)
+def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prepared, out):
+    """A product by chunks of steps, at a chunk's first step ``step``:
+    sequence b's row of ``left`` (its columns from ``col`` on) at step
+    ``step + s`` gathered into row ``b * chunk + s`` of ``gathered`` (for the
+    ``nb`` active sequences and the steps of the chunk they have; the rows
+    past a sequence's end keep what they held), then ``out[:nb * chunk] =
+    gathered[:nb * chunk] @ b`` with ``prepared = pack(b, ...)``. Compiled
+    once, not in every kernel."""
+    k = gathered.shape[1]
+    for b in range(nb):
+        for s in range(min(chunk, slen[b] - step)):
+            r = sstart[b] + (slen[b] - 1 - step - s if reverse else step + s)
+            for q in range(k):
+                gathered[b * chunk + s, q] = left[r, col + q]
+    rows = nb * chunk
+    gemm_packed(gathered[:rows], prepared, k, out.shape[1], out[:rows])
+
+
+@njit(cache=True)
 def _repeat_products(a, prepared, out, own, reps, board):
     """``reps`` per-step products, by small_gemm's C entry or the library's."""
     k, n = prepared[1].shape

@@ -256,7 +256,7 @@ def generate_source(program: ir.Program):
         "from numba import njit",
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
-        "from stepnet.jit.blas import gemm, gemm_acc, gemm_hoisted, gemm_packed, pack",
+        "from stepnet.jit.blas import gemm, gemm_acc, gemm_hoisted, gemm_packed, gemm_steps, pack",
         "from stepnet.jit.atomics import job_of",
         "from stepnet.jit.threads import RAISED, group_cut, run_jobs",
         *runtime_imports(),
@@ -497,14 +497,12 @@ def _chunk_setup(chunks):
 
 
 def _chunk_products(chunks, reverse):
-    """At a chunk's first step: each active sequence's left rows of the
-    chunk's steps gathered, then multiplied at once."""
+    """At a chunk's first step, each product of ``chunks`` over the chunk's
+    rows (``blas.gemm_steps``)."""
     lines = ["cs = step % chunk", "if cs == 0:"]
     for c in chunks:
-        lines += [f"    gather_steps({c.left.ident}, {c.left.offset}, sstart, slen, step, chunk, nb, "
-                  f"{reverse}, {c.gathered})",
-                  f"    gemm_packed({c.gathered}[:nb * chunk], {c.packed}, {c.k}, {c.n}, "
-                  f"{c.ring}[:nb * chunk])"]
+        lines.append(f"    gemm_steps({c.left.ident}, {c.left.offset}, sstart, slen, step, chunk, nb, "
+                     f"{reverse}, {c.gathered}, {c.packed}, {c.ring})")
     return lines
 
 

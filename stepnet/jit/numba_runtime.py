@@ -197,21 +197,6 @@ def sort_by_length(seq_start, seq_len):
 
 
 @njit(cache=True)
-def gather_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered):
-    """For a product run by chunks of steps: sequence b's row of ``left``
-    (its columns from ``col`` on) at step ``step + s`` into row
-    ``b * chunk + s`` of ``gathered``, for the ``nb`` active sequences and
-    the chunk's steps they have (the rows past a sequence's end keep what
-    they held). Compiled once, not in every kernel."""
-    k = gathered.shape[1]
-    for b in range(nb):
-        for s in range(min(chunk, slen[b] - step)):
-            r = sstart[b] + (slen[b] - 1 - step - s if reverse else step + s)
-            for q in range(k):
-                gathered[b * chunk + s, q] = left[r, col + q]
-
-
-@njit(cache=True)
 def starts_and_lengths(offsets):
     """Each sequence's first entry and length, from one LoD level's offsets."""
     n = offsets.shape[0] - 1
