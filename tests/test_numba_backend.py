@@ -35,8 +35,12 @@ def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
     lengths = list(rng.integers(0, 26, 40))
     X = lod(rng, lengths, 5)
     X.data[int(np.sum(lengths[:7])) + 2, 1] = np.nan
-    rnn = gru_net(X, rng, hidden=40, reverse=reverse)
-    assert "if cs == 0:" in rnn.compile("numba").source
+    rnn = gru_net(X, rng, hidden=96, reverse=reverse)
+    source = rnn.compile("numba").source
+    # the input product of every token (3 x 96 columns), read only by the
+    # step's gates, runs by chunks of steps: one product per chunk
+    assert "gemm_hoisted(" not in source and source.count("gemm_steps(") == 1
+    assert source.count("pack(") == 2 and "if cs == 0:" in source
     expected = rnn(backend="interpreter").data
     actual = rnn(backend="numba").data
     nan = np.isnan(expected)
@@ -47,11 +51,11 @@ def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
 def test_input_product_read_outside_the_gates_stays_before_the_loop(rng):
     # the product is an output too: computed once over every token
     X = lod(rng, [4, 2, 5], 3)
-    W = sn.Parameter(rng.standard_normal((3, 5)).astype(np.float32))
+    W = sn.Parameter(rng.standard_normal((3, 256)).astype(np.float32) / 4)
     rnn = sn.create_rnn_op(output_num=2)
     with rnn.stepnet():
         x = rnn.add_input(X)
-        h = rnn.add_memory(shape=[5])
+        h = rnn.add_memory(shape=[256])
         xw = x @ W
         h.update(sn.ops.tanh(xw + h.pre_state()))
         rnn.add_outputs(h, xw)
@@ -113,12 +117,11 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     rnn = gru_net(lod(rng, [3, 2], 4), rng)
     source = rnn.compile("numba").source
     program = source[source.index("def program"):]
-    # the input product of every token, read only by the step's gates, runs
-    # by chunks of steps (one product per chunk), and one packed GEMM per step
-    assert "gemm_hoisted(" not in source
-    assert program.count("pack(") == 2
-    assert source.count("gemm_steps(") == 1 and source.count("gemm_packed(") == 1
-    assert "if cs == 0:" in source
+    # one GEMM over every token before the time loop, one packed GEMM per step
+    # (a product of 18 columns is not run by chunks of steps)
+    assert program.count("gemm_hoisted(") == 1
+    assert source.count("gemm_packed(") == 1
+    assert "gemm_steps(" not in source
     assert "for step in range(num_steps)" in source
     # the six weights are read only joined by columns: program() and the rnn
     # function take the four biases and the two joined weights, not them

@@ -411,6 +411,10 @@ def _hoist(ctx, sched):
 # chunk is this many rows of the group's sequences' steps (or one step of
 # more sequences)
 _CHUNK_ROWS = 128
+# products of fewer columns stay before the loop: their results over every
+# token (under 1 KB a token in float32) are a fraction of those the chunks
+# are for, and the chunks' code costs each kernel's compile about 0.2 s
+_CHUNK_MIN_COLUMNS = 256
 
 
 @dataclass(frozen=True)
@@ -431,7 +435,8 @@ class _Chunk:
 
 def _chunked_products(sched):
     """The top-level net's hoisted products (``x @ W`` over every token) that
-    only its step's elementwise runs read. The rnn function computes them
+    only its step's elementwise runs read (of ``_CHUNK_MIN_COLUMNS`` columns
+    or more). The rnn function computes them
     per chunk of steps for its own sequences (about ``_CHUNK_ROWS`` rows at a
     time), just before the steps that read them: the results are read back
     from the cache, where every token's results, computed before the time
@@ -449,6 +454,7 @@ def _chunked_products(sched):
     split = _split_products(sched)
     return frozenset(stage for stage in sched.hoisted
                      if stage.kind == "gemm" and stage not in split
+                     and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
                      and not read_elsewhere.intersection(stage.outputs))
 
 
