@@ -434,14 +434,14 @@ class _Chunk:
 
 
 def _chunked_products(sched):
-    """The top-level net's hoisted products (``x @ W`` over every token) that
-    only its step's elementwise runs read (of ``_CHUNK_MIN_COLUMNS`` columns
-    or more). The rnn function computes them
-    per chunk of steps for its own sequences (about ``_CHUNK_ROWS`` rows at a
-    time), just before the steps that read them: the results are read back
-    from the cache, where every token's results, computed before the time
-    loop, would be written to memory and read back from it (13-26 MB for a
-    GRU or an LSTM of 256 units over 6400 tokens)."""
+    """The top-level net's hoisted products (``x @ W`` over every token) of
+    ``_CHUNK_MIN_COLUMNS`` columns or more that only its step's elementwise
+    runs read. The rnn function computes them per chunk of steps for its
+    own sequences (about ``_CHUNK_ROWS`` rows at a time), just before the
+    steps that read them: the results are read back from the cache, where
+    every token's results, computed before the time loop, would be written
+    to memory and read back from it (20-26 MB for a GRU or an LSTM of 256
+    units over 6400 tokens)."""
     body = sched.body
     if (sched.eqn.attrs.get("ragged_memories") or any(v.lod_depth for v in body.step_inputs)
             or any(v.lod_depth for v in body.static_inputs)):
