@@ -396,10 +396,10 @@ def _hoist(ctx, sched):
         if stage in split.values():  # a concat only a split product read
             continue
         if not all(v in ctx.values for v in stage.outputs):
-            if stage in ctx.module.chunk_stages and ctx.values[stage.left].kind == "global":
-                _defer_product(ctx, stage)
-            elif stage in split:
+            if stage in split:
                 _render_split_gemm(ctx.at("hoist"), stage, split[stage])
+            elif stage in ctx.module.chunk_stages and ctx.values[stage.left].kind == "global":
+                _defer_product(ctx, stage)
             else:
                 _render_stage(ctx.at("hoist"), sched, stage)
     for stage in sched.step:
@@ -451,9 +451,8 @@ def _chunked_products(sched):
         if section != "step" or stage.kind != "elementwise":
             for e in stage.eqns:
                 read_elsewhere.update(_every_operand(e))
-    split = _split_products(sched)
     return frozenset(stage for stage in sched.hoisted
-                     if stage.kind == "gemm" and stage not in split
+                     if stage.kind == "gemm"
                      and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
                      and not read_elsewhere.intersection(stage.outputs))
 
@@ -472,24 +471,18 @@ def _defer_product(ctx, stage):
     computes it per chunk of steps (``_chunked_products``); its weights are
     packed once here, in the prologue."""
     module = ctx.module
-    eqns, dtype = stage.eqns, stage.eqns[0].outputs[0].dtype
-    weights = (_joined_weights(ctx, [e.inputs[1] for e in eqns]) if stage.merged
-               else ctx.values[eqns[0].inputs[1]].ident)
-    k, n = stage.left.shape[-1], sum(e.outputs[0].shape[-1] for e in eqns)
-    module.small_gemm_dtypes.add(np.dtype(dtype).name)
-    module.largest_weights = max(module.largest_weights, k * n)
+    dtype = np.dtype(stage.eqns[0].outputs[0].dtype).name
+    weights = _product_weights(ctx, stage)
+    k, n = stage.left.shape[-1], sum(v.shape[-1] for v in stage.outputs)
+    _count_product(module, dtype, k, n)
     packed = module.fresh("wc")
     module.prologue.append(f"{packed} = pack({weights}, max(max_rows, {_CHUNK_ROWS}), "
                            "small_rows, board)")
     module.gargs.append(packed)
-    chunk = _Chunk(ctx.values[stage.left], packed, k, n, np.dtype(dtype).name,
-                   module.fresh("ring"), module.fresh("gathered"))
+    chunk = _Chunk(ctx.values[stage.left], packed, k, n, dtype, module.fresh("ring"),
+                   module.fresh("gathered"))
     module.chunks.append(chunk)
-    offset = 0
-    for e in eqns:
-        res = e.outputs[0]
-        ctx.values[res] = _Info("chunk", chunk.ring, res, offset=offset, width=n)
-        offset += res.shape[-1]
+    _column_blocks(ctx, stage, _Info("chunk", chunk.ring, width=n))
 
 
 def _chunk_setup(chunks):
@@ -569,20 +562,31 @@ def _render_gemm(ctx, sched, stage):
     a = stage.left
     ai = ctx.values[a]
     dtype = stage.eqns[0].outputs[0].dtype
+    weights = _product_weights(ctx, stage)
     if stage.merged:
-        weights = _joined_weights(ctx, [e.inputs[1] for e in stage.eqns])
-        total = sum(e.outputs[0].shape[-1] for e in stage.eqns)
-        out = ir.Var("merged", dtype, (None, total))
+        out = ir.Var("merged", dtype, (None, sum(v.shape[-1] for v in stage.outputs)))
     else:
-        weights = ctx.values[stage.eqns[0].inputs[1]].ident
         out = stage.eqns[0].outputs[0]
     left = _contiguous(ctx, ai)
     info = _new_array(ctx, out, size=ai.size)
     ctx.lines.append(_gemm_call(ctx, left, weights, info, a.shape[-1], out.shape[-1], dtype))
+    if stage.merged:
+        _column_blocks(ctx, stage, info)
+
+
+def _product_weights(ctx, stage):
+    """The ident of a gemm stage's weights (joined by columns where merged)."""
+    if stage.merged:
+        return _joined_weights(ctx, [e.inputs[1] for e in stage.eqns])
+    return ctx.values[stage.eqns[0].inputs[1]].ident
+
+
+def _column_blocks(ctx, stage, info):
+    """Each result of the gemm stage as its column block of the product
+    ``info`` holds."""
     offset = 0
-    for e in stage.eqns if stage.merged else ():
-        res = e.outputs[0]
-        ctx.values[res] = _Info(info.kind, info.ident, res, offset=offset, width=out.shape[-1],
+    for res in stage.outputs:
+        ctx.values[res] = _Info(info.kind, info.ident, res, offset=offset, width=info.width,
                                 size=info.size)
         offset += res.shape[-1]
 
@@ -607,8 +611,7 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     """A BLAS call: inside the time loop on weights packed once, else on the
     weights as they are (stepnet's own loop for few rows: ``gemm_hoisted``)."""
     module = ctx.module
-    module.small_gemm_dtypes.add(np.dtype(dtype).name)
-    module.largest_weights = max(module.largest_weights, k * n)
+    _count_product(module, dtype, k, n)
     if ctx.mode != "step":
         return f"gemm_hoisted({left}, {weights}, {info.ident}, small_rows, board)"
     module.largest_step_weights = max(module.largest_step_weights, k * n)
@@ -618,6 +621,13 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
         module.prologue.append(f"{packed} = pack({weights}, max_rows, small_rows, board)")
         module.gargs.append(packed)
     return f"gemm_packed({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
+
+
+def _count_product(module, dtype, k, n):
+    """Note a product by weights [k, n] of ``dtype`` (small_gemm's entries to
+    link, the largest weights)."""
+    module.small_gemm_dtypes.add(np.dtype(dtype).name)
+    module.largest_weights = max(module.largest_weights, k * n)
 
 
 def _render_single(ctx, sched, stage):
