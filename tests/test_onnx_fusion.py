@@ -112,25 +112,38 @@ def test_a_new_batch_size_reuses_the_kernel(rng):
         _close(got, unfused)
 
 
-def _chain_on_input_model():
-    nodes = [helper.make_node("Mul", ["x", "x"], ["x2"]),
-             helper.make_node("Add", ["x2", "b"], ["y0"]),
-             helper.make_node("Tanh", ["y0"], ["y"])]
+def _model_of(nodes, shape, initializer=()):
+    """A float32 graph of ``nodes`` from ``x`` to ``y``, both of ``shape``."""
     graph = helper.make_graph(
-        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 32])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 32])],
-        initializer=[numpy_helper.from_array(np.arange(32, dtype=np.float32), "b")])
+        nodes, "elementwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        initializer=list(initializer))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
 
 
-def test_an_input_fed_in_another_layout_runs_node_by_node(rng):
+def _chain_on_input_model():
+    """y = tanh(x * x + b), x [64, 32]."""
+    return _model_of([helper.make_node("Mul", ["x", "x"], ["x2"]),
+                      helper.make_node("Add", ["x2", "b"], ["y0"]),
+                      helper.make_node("Tanh", ["y0"], ["y"])], [64, 32],
+                     [numpy_helper.from_array(np.arange(32, dtype=np.float32), "b")])
+
+
+def _fused_chain(rng):
+    """A session of ``_chain_on_input_model`` after the runs that fuse it:
+    (session, its loop, the input fed)."""
     session = InferenceSession(_chain_on_input_model())
     x = rng.standard_normal((64, 32)).astype(np.float32)
     _runs(session, {"x": x})
     (node,) = _fused_nodes(session)
     assert node.ready
+    return session, node, x
+
+
+def test_an_input_fed_in_another_layout_runs_node_by_node(rng):
+    session, node, x = _fused_chain(rng)
     # the same shape, columns of stride 16 bytes: the loop declines, the nodes run
     transposed = np.asarray(rng.standard_normal((32, 64)).astype(np.float32).T)
     (got,) = session.run(None, {"x": transposed})
@@ -149,6 +162,20 @@ def test_small_values_run_node_by_node_and_a_larger_batch_finds_the_loop_made(rn
     modules = len(numba_cpu._MODULES)
     _runs(session, {"x": rng.standard_normal((4, 6, 100)).astype(np.float32)})
     assert len(_fused_nodes(session)) == 1 and len(numba_cpu._MODULES) == modules
+
+
+def test_an_input_of_another_dtype_or_rank_runs_node_by_node(rng):
+    # the loop is called without Numba's dispatch: what it was not compiled
+    # for must not reach it
+    session, node, x = _fused_chain(rng)
+    b = np.arange(32, dtype=np.float32)
+    for fed in (x.astype(np.float64), x[None], np.frombuffer(b"\0" + x.tobytes(), np.float32,
+                                                             offset=1).reshape(64, 32)):
+        env = {"x": fed, "b": b}
+        node.run(session.graph, env, "numba")
+        want = np.tanh(fed * fed + b)
+        assert env["y"].dtype == want.dtype and env["y"].shape == want.shape
+        np.testing.assert_allclose(env["y"], want, rtol=1e-6)
 
 
 def test_the_interpreter_backend_and_integer_runs_are_not_fused(rng, monkeypatch):

@@ -15,6 +15,10 @@ writes only the values that later nodes, or the graph's outputs, read.
   Sqrt, Relu, Sigmoid, Tanh, Softplus, Erf; float32 and float64 only. A
   run over fewer than ``MIN_SIZE`` elements still runs node by node (NumPy's
   calls cost less), but its loop is made, for a larger batch's key.
+- The loop is called through its machine code's entry point, without
+  Numba's type dispatch (which costs more than a small loop): each call
+  checks in Python that every input is an aligned array of the planned
+  dtype and rank.
 - The loop runs over the output in the memory order NumPy gave the run's
   first value (``order="K"``), its innermost axis the one of smallest stride,
   and the outputs are allocated in that order. Along that axis each input
@@ -48,9 +52,12 @@ _PRIMITIVES = {op.onnx_import: op for op in registry.all_ops().values()
                if op.onnx_import and op.kind == "elementwise" and isinstance(op.numba, str)}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # the fewest elements of the values of a run that its plan runs fused: below,
-# NumPy's node-by-node calls cost less than the loop's call (a microsecond
-# or two each); its loop is made all the same (compiled in the compile
-# worker), so that a larger batch's key finds it ready
+# NumPy's node-by-node calls cost less than the loop's call (about 2 us from
+# Python, of which 0.3-0.5 in the kernel), and its log, exp and tanh are
+# vectorized where the loop's may not be (at one VAD stream, runs of five
+# nodes over 495-561 elements measured alike fused or not); its loop is made
+# all the same (compiled in the compile worker), so that a larger batch's key
+# finds it ready
 MIN_SIZE = 1024
 _COMPILING = threading.Lock()  # (sessions called from several threads compile a loop once)
 
@@ -110,7 +117,7 @@ class FusedNode:
     def __init__(self, nodes, inputs, outputs, shape, dtype, order, source, ranks):
         from ..jit import numba_cpu
 
-        self.nodes, self.inputs, self.outputs = nodes, inputs, outputs
+        self.nodes, self.inputs, self.outputs, self.ranks = nodes, inputs, outputs, ranks
         self.op = "+".join(node.op for node in nodes)
         self.ctx = nodes[0].ctx
         self.dtype, self.order = dtype, np.asarray(order, np.int64)
@@ -173,13 +180,15 @@ class FusedNode:
             if not self._answered.is_set() or not self._compile():
                 return self._node_by_node(graph, env, backend)
         ins = [env[name] for name in self.inputs]
-        for x in ins:
-            if type(x) is not np.ndarray or x.dtype != self.dtype:
+        dtype = self.dtype
+        for x, rank in zip(ins, self.ranks):
+            if (type(x) is not np.ndarray or x.ndim != rank or x.dtype != dtype
+                    or not x.flags.aligned):
                 return self._node_by_node(graph, env, backend)
-        outs = [np.empty(self.memory_shape, self.dtype) for _ in self.outputs]
+        outs = [np.empty(self.memory_shape, dtype) for _ in self.outputs]
         if self.unorder is not None:
             outs = [y.transpose(self.unorder) for y in outs]
-        if not self.kernel(self.order, *outs, *ins):
+        if not self.entry(self.order, *outs, *ins):
             return self._node_by_node(graph, env, backend)
         for name, value in zip(self.outputs, outs):
             env[name] = value
@@ -204,6 +213,10 @@ class FusedNode:
         from ..jit import numba_cpu
 
         numba_cpu.mark_ready(self._key)
+        # called without Numba's dispatch (a microsecond or two a call): the
+        # one signature takes arrays of any layout; run() checks dtype, rank
+        # and alignment
+        self.entry = self.kernel.overloads[self.kernel.signatures[0]].entry_point
         self.ready = True
         return True
 
