@@ -57,6 +57,11 @@ WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9")  # worklo
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
 GRAD_TOLERANCE = 1e-3  # a gradient's relative error (see grad_error) above this, too
 SGEMM_SHAPE = (6400, 128, 768)
+# stepnet / the fastest CPU peer each workload aims at (or / one family's
+# fastest where named): the speed targets of the CPU engine
+TARGETS = {"W1": (0.65, None), "W2": (0.85, None), "W3": (0.75, None), "W4": (0.6, None),
+           "W5": (0.65, None), "W6": (0.5, "torch"), "W7": (0.85, None), "W8": (0.8, None),
+           "W9": (0.6, "jax")}
 
 
 # ============================================================================
@@ -591,6 +596,7 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
                 f"{k} {g / sgemm['gflops']:.2f}" for k, g in stepnet_gflops.items()) + ".")
     else:
         out.append("sgemm ceiling: n/a (see Failures).")
+    out += targets_section(keys, recs, stepnet_gflops, sgemm)
     if compile_lines:
         out.append("")
         out.append("### stepnet compile time")
@@ -609,6 +615,37 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
     out.append("Worker wall time (import + build + compile + warm-up + timing): " + ", ".join(
         f"{f} {s:.1f} s" for f, s in worker_secs.items()) + f"; whole run {run_secs:.1f} s.")
     return "\n".join(out)
+
+
+def targets_section(keys, recs, stepnet_gflops, sgemm):
+    """stepnet's time (its first whole-workload row) over the fastest CPU
+    peer's (or the named family's), against ``TARGETS``."""
+    timed = [r for r in recs if r["status"] == "ok" and r.get("median_s") is not None
+             and _role(r) == "step" and not r["family"].endswith("-cuda")]
+    lines = []
+    for k in keys:
+        ours = next((r for r in timed if r["workload"] == k and r["family"] == "stepnet"), None)
+        target, family = TARGETS.get(k, (None, None))
+        peers = [r for r in timed if r["workload"] == k and r["family"] != "stepnet"
+                 and (family is None or r["family"] == family)]
+        if ours is None or not peers:
+            continue
+        fastest = min(peers, key=lambda r: r["median_s"])
+        ratio = ours["median_s"] / fastest["median_s"]
+        met = "n/a" if target is None else ("yes" if ratio <= target else "no")
+        share = (f"{stepnet_gflops[k] / sgemm['gflops']:.2f}"
+                 if sgemm and k in stepnet_gflops else "n/a")
+        lines.append(f"| {k} | {_fmt_ms(ours['median_s'])} | {fastest['label']} "
+                     f"{_fmt_ms(fastest['median_s'])} | {ratio:.2f} | "
+                     f"{'n/a' if target is None else target} | {met} | {share} |")
+    if not lines:
+        return []
+    return ["", "### stepnet against the fastest peer", "",
+            "Medians; stepnet's row is its first for the workload (a layer where there is one); "
+            "the peers are the CPU ones (W6: PyTorch's, W9: JAX's).", "",
+            "| workload | stepnet ms | fastest peer ms | stepnet / fastest | target | met "
+            "| share of ceiling |",
+            "|---|---:|---|---:|---:|---|---:|", *lines]
 
 
 def _role(rec):

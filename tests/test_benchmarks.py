@@ -75,6 +75,13 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
     assert int(re.search(r"workspace kept: (\d+) bytes", split).group(1)) > 0, split
     _check_w9_gradients(report)
     assert "sgemm ceiling:" in report and "GFLOP/s" in report
+    # stepnet over the fastest peer, against the targets (here the NumPy loops)
+    targets = _rows("\n".join(_section(report, "stepnet against the fastest peer")))
+    timed = {r[0].split()[0] for r in rows if r[1].startswith("numpy") and "n/a" not in r[1]}
+    assert {r[0] for r in targets} == timed - {"W6", "W9"}, report  # (W6, W9: of torch, jax)
+    for r in targets:
+        assert r[2].startswith("numpy") and r[5] in ("yes", "no")
+        assert abs(float(r[3]) - float(r[1]) / float(r[2].split()[-1])) < 0.02 * float(r[3]) + 0.01
     assert "### stepnet compile time" in report
     assert re.search(r"^\| cold .*\| warm", report, re.DOTALL | re.MULTILINE), report
 
