@@ -513,6 +513,28 @@ def test_export_a_layer_network(direction, scan, node, tmp_path):
     assert_close(actual["last_c"], expected["last_c"], what="last_c")
 
 
+@pytest.mark.parametrize("score_shape", ["[1]", "[]"])
+def test_export_an_augru_layer_network_with_its_attention_input(score_shape, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "interest.yaml"
+    path.write_text(LAYER_YAML.replace("type: lstm", "type: augru\n    attention: score")
+                    .replace("  words: {shape: [6], lod_level: 1}",
+                             "  words: {shape: [6], lod_level: 1}\n"
+                             f"  score: {{shape: {score_shape}, lod_level: 1, random: uniform}}")
+                    .replace("{direction}", "bidirectional_concat")
+                    .replace("  last_c: encoder.last.c_n\n", ""))
+    out = ok(stepnet("export", path, "-o", tmp_path / "m.onnx"))
+    assert "Scan" in out.split("nodes")[1]
+    model = sn.load_yaml(path)
+    feeds = model.random_feeds(seed=2)
+    expected = model(feeds, backend="interpreter")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["words", "score", "lengths"]
+    actual = dict(zip(["states", "last_h"], session.run(None, onnx_feeds(feeds))))
+    assert_close(actual["states"], expected["states"].to_padded()[0], what="states")
+    assert_close(actual["last_h"], expected["last_h"], what="last_h")
+
+
 def test_export_refuses_two_nets_and_names_them(tmp_path):
     path = tmp_path / "two.yaml"
     path.write_text((EXAMPLES / "custom_cell.yaml").read_text().replace(

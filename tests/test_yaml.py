@@ -517,6 +517,64 @@ def test_layers_equal_stepnet_nn_and_feed_nets(tmp_path):
     assert np.array_equal(again.layers["enc"].parameters()[0].value, value)
 
 
+AUGRU_LAYER = """
+inputs:
+  x: {shape: [5]}
+  score: {shape: [1], random: uniform}
+layers:
+  interest:
+    type: augru
+    input: x
+    attention: score
+    hidden_size: 6
+    linear_before_reset: true
+outputs:
+  y: interest.all
+  h_n: interest.last
+"""
+
+
+def test_an_augru_layer_reads_one_attention_score_per_token(tmp_path):
+    model = sn.load_yaml(write(tmp_path, AUGRU_LAYER), seed=2)
+    feeds = model.random_feeds(seed=3)
+    layer = copy_of(model.layers["interest"], sn.nn.AUGRU, linear_before_reset=True)
+    Y, h_n = layer(feeds["x"], feeds["score"], backend="interpreter")
+    out = model(feeds, backend="interpreter")
+    assert_identical(out["y"], Y, "y")
+    assert_identical(out["h_n"], h_n, "h_n")
+    out = model(feeds, backend="numba")
+    assert out["y"].lod == Y.lod
+    np.testing.assert_allclose(out["y"].data, Y.data, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["h_n"], h_n, rtol=1e-5, atol=1e-6)
+    # the scores matter: other scores, other states
+    other = dict(feeds, score=sn.LoDTensor(1 - feeds["score"].data, feeds["score"].lod))
+    assert not np.allclose(model(other, backend="interpreter")["h_n"], h_n)
+    # scores of one element per token may also be declared as scalars
+    scalar = sn.load_yaml(write(tmp_path, AUGRU_LAYER.replace("{shape: [1], random: uniform}",
+                                                              "{shape: [], random: uniform}")),
+                          seed=2)
+    flat = dict(feeds, score=sn.LoDTensor(feeds["score"].data[:, 0], feeds["score"].lod))
+    np.testing.assert_array_equal(scalar(flat, backend="interpreter")["h_n"],
+                                  model(feeds, backend="interpreter")["h_n"])
+
+
+@pytest.mark.parametrize("old, new, key, fragment", [
+    ("    attention: score\n", "", "layers.interest", "an augru layer needs 'attention'"),
+    ("score: {shape: [1], random: uniform}", "score: {shape: [2]}", "layers.interest.attention",
+     "has rows of [2]"),
+    ("score: {shape: [1], random: uniform}", "score: {shape: [1], lod_level: 2}",
+     "layers.interest.attention", "has 2 LoD level(s), the layer's input 1"),
+    ("type: augru", "type: gru", "layers.interest.attention", "a gru layer has no option 'attention'"),
+])
+def test_augru_layer_errors(tmp_path, old, new, key, fragment):
+    assert old in AUGRU_LAYER
+    path = write(tmp_path, AUGRU_LAYER.replace(old, new, 1))
+    with pytest.raises(sn.YAMLError) as info:
+        sn.load_yaml(path)
+    assert f": {key}: " in str(info.value) and fragment in str(info.value), str(info.value)
+    assert str(info.value).startswith(f"{path}:")
+
+
 @pytest.mark.parametrize("old, new, line, key, fragment", [
     ("type: gru", "type: gruu", 7, "layers.enc.type", "did you mean 'gru'?"),
     ("linear_before_reset: true", "peephole: true", 11, "layers.enc.peephole",

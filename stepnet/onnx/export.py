@@ -414,7 +414,14 @@ def _yaml_model(model, as_scan):
         outputs = {}
         for name, src in sources.items():
             outputs.setdefault(keys[src.mode, src.index], []).append(name)
-        _emit_layer(top, layer, X, top.top_lengths(), None, None, as_scan, outputs)
+        attention = None
+        if entry.attention is not None:  # an AUGRU's scores: padded as X is
+            scores = model.inputs[entry.attention.input]
+            attention = top.input(scores.name, layer.dtype, ["batch", "steps"] + list(scores.shape))
+            if scores.shape:  # rows of [1]
+                attention = top.graph.add("Squeeze", [attention, top.graph.ints([2])],
+                                          "attention")
+        _emit_layer(top, layer, X, top.top_lengths(), attention, None, as_scan, outputs)
     else:
         net = nets[0]
         check_supported(net.rnn.program(True).eqn.attrs["body"], f"{model.path}: net {net.name}")

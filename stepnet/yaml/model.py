@@ -54,12 +54,14 @@ LAYER_TYPES = {
     "rnn": _COMMON_LAYER + ("nonlinearity",),
     "gru": _COMMON_LAYER + ("linear_before_reset",),
     "lstm": _COMMON_LAYER + ("peephole", "proj_size", "input_forget"),
+    # its update gate scaled by an attention score per token of ``input``
+    "augru": _COMMON_LAYER + ("attention", "linear_before_reset"),
 }
 LAYER_KEYS = tuple(dict.fromkeys(k for keys in LAYER_TYPES.values() for k in keys))
 # a cell: one step of a layer, called inside a step (``h = cell(x, h.pre)``)
 CELL_TYPES = {kind: ("type", "description", "input_size") + tuple(
     k for k in keys if k not in ("type", "input", "description", "num_layers", "direction", "combine"))
-    for kind, keys in LAYER_TYPES.items()}
+    for kind, keys in LAYER_TYPES.items() if kind != "augru"}
 CELL_KEYS = tuple(dict.fromkeys(k for keys in CELL_TYPES.values() for k in keys))
 _REF = re.compile(r"^([A-Za-z_]\w*)(?:\.(all|last)(?:\.([A-Za-z_]\w*))?)?$")
 
@@ -115,10 +117,11 @@ class _LayerEntry:
     """A built-in layer of ``stepnet.nn``: ``.all`` is its output Y, ``.last``
     its final states (``h_n``, and ``c_n`` for an LSTM)."""
 
-    def __init__(self, name, layer, source, input_levels):
+    def __init__(self, name, layer, source, input_levels, attention=None):
         self.name = name
         self.layer = layer
         self.source = source
+        self.attention = attention  # an AUGRU's scores: a _Source, else None
         self.input_levels = input_levels
         self.last_names = ["h_n", "c_n"] if type(layer).__name__ == "LSTM" else ["h_n"]
 
@@ -129,8 +132,12 @@ class _LayerEntry:
         layer = self.layer
         return layer.output_size * (2 if layer.direction == "bidirectional_concat" else 1)
 
-    def run(self, X, backend):
-        Y, state = self.layer(X, backend=backend)
+    def run(self, X, backend, attention=None):
+        if attention is None:
+            Y, state = self.layer(X, backend=backend)
+        else:  # one score per token: [tokens] or [tokens, 1] rows
+            scores = attention.data.reshape(attention.data.shape[0], 1)
+            Y, state = self.layer(X, LoDTensor(scores, attention.lod), backend=backend)
         states = state if isinstance(state, tuple) else (state,)
         return Y, states
 
@@ -204,7 +211,9 @@ class Model:
             if progress is not None:  # a layer builds its step-nets on its first call
                 report(position, "layer", entry.name,
                        _compiled_here(list(entry.layer._nets.values()), backend_name))
-            Y, states = entry.run(self._resolve(entry.source, feeds, results), backend)
+            attention = (None if entry.attention is None
+                         else self._resolve(entry.attention, feeds, results))
+            Y, states = entry.run(self._resolve(entry.source, feeds, results), backend, attention)
             results[(entry.name, "all", 0)] = Y
             for index, value in enumerate(states):
                 results[(entry.name, "last", index)] = value
@@ -500,24 +509,45 @@ class _Builder:
         if kind not in LAYER_TYPES:
             raise self.error(path + ("type",), f"unknown layer type {kind!r}; expected one of "
                              f"{', '.join(LAYER_TYPES)}" + document.did_you_mean(kind, LAYER_TYPES))
-        options = self._options(spec, path, kind, LAYER_TYPES, "layer", ("type", "input"))
+        fixed = ("type", "input", "attention") if kind == "augru" else ("type", "input")
+        options = self._options(spec, path, kind, LAYER_TYPES, "layer", fixed)
         placeholder, source = self._top_source(spec["input"], path + ("input",), want="sequence")
         if placeholder.data.ndim != 2:
             raise self.error(path + ("input",), f"a layer reads rows of one dimension, "
                              f"{spec['input']!r} has rows of {list(placeholder.shape[1:])}")
+        attention = self._attention(spec, path, kind, placeholder)
         options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
             else np.promote_types(placeholder.dtype, np.float32)  # float16 data runs in float32
         seed = int(generator(self.seed, name).integers(2 ** 31))
-        cls = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[kind]
+        cls = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM, "augru": nn.AUGRU}[kind]
         try:
             layer = cls(placeholder.shape[1], seed=seed, **options)
         except (Error, TypeError, ValueError) as exc:
             key = next((k for k in options if k in str(exc)), None)
             raise self.error(path + ((key,) if key else ()), f"{kind} layer: {exc}") from None
         self._override_weights(name, layer)
-        entry = _LayerEntry(name, layer, source, placeholder.num_levels)
+        entry = _LayerEntry(name, layer, source, placeholder.num_levels, attention)
         self.model.layers[name] = layer
         self.model._layers.append(entry)
+
+    def _attention(self, spec, path, kind, placeholder):
+        """An AUGRU layer's ``attention``: the source of one score per token
+        of its input (the same LoD, checked at call time); None for the
+        other layers."""
+        if kind != "augru":
+            return None
+        if "attention" not in spec:
+            raise self.error(path, "an augru layer needs 'attention': an input of one score "
+                             "per token of its input (shape [] or [1], the input's lod_level)")
+        where = path + ("attention",)
+        scores, source = self._top_source(spec["attention"], where, want="sequence")
+        if scores.data.shape[1:] not in ((), (1,)):
+            raise self.error(where, f"an attention score per token has shape [] or [1], "
+                             f"{spec['attention']!r} has rows of {list(scores.data.shape[1:])}")
+        if scores.num_levels != placeholder.num_levels:
+            raise self.error(where, f"{spec['attention']!r} has {scores.num_levels} LoD "
+                             f"level(s), the layer's input {placeholder.num_levels}")
+        return source
 
     def _options(self, spec, path, kind, types, what, fixed):
         """A layer's or cell's options (its keys but ``fixed`` and the
