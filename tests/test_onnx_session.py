@@ -377,11 +377,19 @@ def test_recurrent_node_called_again_and_again(direction, layout, rng):
             assert lstm._streaming is not None, f"call {call}: the short path is not taken"
         got = ours.run(None, f)
         assert_close(got, oracle.run(None, f), what=f"call {call}")
+    # each direction's machine code called at once where every argument is exact
+    direct = []
+    for kernel in lstm._streaming[1]:
+        kernel.direct = (lambda f: lambda *args: direct.append(1) or f(*args))(kernel.direct)
+    f = {**feeds(1, 2, 12), **w}
+    assert_close(ours.run(None, f), oracle.run(None, f), what="direct")
+    assert len(direct) == D
     strided = {**feeds(2, 3, 11), **w}  # states that are views with a stride
     for name in ("h0", "c0"):
         strided[name] = np.repeat(strided[name], 2, axis=-1)[..., ::2]
     assert not strided["h0"].flags.c_contiguous
     assert_close(ours.run(None, strided), oracle.run(None, strided), what="strided states")
+    assert len(direct) == D  # (not for strided states: the prepared call takes them)
     bad = {**feeds(2, 3, 9), **w}
     bad["h0"] = bad["h0"][:1] if layout else bad["h0"][:, :1]  # one row for a batch of two
     for session in (ours, oracle):
