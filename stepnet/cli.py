@@ -112,9 +112,9 @@ def _parser():
     bench.set_defaults(func=cmd_bench)
 
     export = sub.add_parser("export", help="write a network as an ONNX model",
-                            description="Write a YAML network of one net (nested nets included) "
-                                        "or one built-in layer as an ONNX model (opset 17) that "
-                                        "onnxruntime runs; see docs/onnx-export.md.")
+                            description="Write a YAML network (its layers, then its nets, nested nets "
+                                        "included) as one ONNX model (opset 17) that onnxruntime "
+                                        "runs; see docs/onnx-export.md.")
     model_args(export)
     export.add_argument("--output", "-o", required=True, metavar="MODEL.onnx",
                         help="the ONNX file to write")

@@ -535,14 +535,71 @@ def test_export_an_augru_layer_network_with_its_attention_input(score_shape, tmp
     assert_close(actual["last_h"], expected["last_h"], what="last_h")
 
 
-def test_export_refuses_two_nets_and_names_them(tmp_path):
-    path = tmp_path / "two.yaml"
-    path.write_text((EXAMPLES / "custom_cell.yaml").read_text().replace(
-        "outputs:\n  states: mgu.all",
-        "  again:\n    inputs: {xt: x}\n    memories: {h: {shape: [32]}}\n"
-        "    step: ['h = tanh(xt @ W_c + h.pre @ U_c)']\n    outputs: [h]\n\n"
-        "outputs:\n  states: mgu.all"))
-    proc = stepnet("export", path, "-o", tmp_path / "two.onnx")
+NETWORK_YAML = """
+name: pipeline
+inputs:
+  x: {shape: [5], lod_level: 1}
+parameters:
+  V: {shape: [12, 3], init: xavier}
+  U: {shape: [3, 3], init: xavier}
+layers:
+  enc:
+    type: rnn
+    nonlinearity: relu
+    direction: bidirectional_concat
+    input: x
+    hidden_size: 6
+  top:
+    type: lstm
+    num_layers: 2
+    hidden_size: 4
+    input: enc.all
+nets:
+  head:
+    memories: {s: {shape: [3]}}
+    inputs: {y: enc.all}
+    step:
+      - s = tanh(s.pre @ U + y @ V)
+    outputs: [s]
+  tail:
+    inputs: {z: head.all}
+    memories: {t: {shape: [3], init: head.last}}
+    step:
+      - t = t.pre + z
+    outputs: [t]
+outputs:
+  y: enc.all
+  h_n: enc.last
+  c_n: top.last.c_n
+  s: head.last
+  t: tail.all
+"""
+
+
+def test_export_a_network_of_layers_and_nets(tmp_path):
+    """Layers, then nets, each reading what an earlier one gives (a layer's
+    Y, a net's all-steps and last-step outputs): one ONNX graph, its outputs
+    in the YAML's order, equal to stepnet's."""
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(NETWORK_YAML)
+    ok(stepnet("export", path, "-o", tmp_path / "m.onnx"))
+    model = sn.load_yaml(path)
+    feeds = model.random_feeds(seed=5)
+    expected = model(feeds, backend="interpreter")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == model.outputs
+    for name, actual in zip(model.outputs, session.run(None, onnx_feeds(feeds))):
+        want = expected[name]
+        want = want.to_padded()[0] if isinstance(want, sn.LoDTensor) else want
+        assert_close(actual, want, what=name)
+
+
+def test_export_refuses_a_layer_over_a_nested_input(tmp_path):
+    path = tmp_path / "nested.yaml"
+    path.write_text(LAYER_YAML.replace("{direction}", "forward").replace(
+        "words: {shape: [6], lod_level: 1}", "words: {shape: [6], lod_level: 2}"))
+    proc = stepnet("export", path, "-o", tmp_path / "nested.onnx")
     assert proc.returncode == 1
-    assert "one net or one layer" in proc.stderr and "['mgu', 'again']" in proc.stderr
-    assert not (tmp_path / "two.onnx").exists()
+    assert "layer encoder reads 'words' with lod_level 2" in proc.stderr
+    assert not (tmp_path / "nested.onnx").exists()

@@ -50,7 +50,7 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
 
     ``obj`` is a top-level step-net (``RNNOp``), a built-in layer
     (``stepnet.nn.RNN``, ``LSTM``, ``GRU``, ``AUGRU``) or a YAML network
-    (``stepnet.load_yaml(...)``) made of one net or one layer.
+    (``stepnet.load_yaml(...)``): its layers, then its nets, in one graph.
 
     - ``output_all_steps`` (step-nets): one bool, or one per output, as in
       ``rnn(output_all_steps=...)``. ``output_names``: the graph outputs'
@@ -220,28 +220,38 @@ def _default_output_names(body, modes):
     return names
 
 
-def _emit_step_net(top, rnn, input_names, outputs):
-    """The Scan of top-level step-net ``rnn`` in ``top``'s graph.
+def _emit_step_net(top, rnn, input_names, outputs, produced=None):
+    """The Scan of top-level step-net ``rnn`` in ``top``'s graph; its
+    results, per output index a dict mode -> value (``emit_rnn``).
 
-    ``input_names`` maps each binding to its graph input's name;
-    ``outputs`` maps (output index, "all" | "last") to graph output names.
+    ``input_names`` maps each binding to its graph input's name, or
+    ``produced`` to a value computed before it in the graph (a Ragged for
+    a sequence, a name for a per-sequence value); ``outputs`` maps (output
+    index, "all" | "last") to graph output names.
     """
     g = top.graph
+    produced = produced or {}
     eqn = rnn.program(True).eqn
     body = eqn.attrs["body"]
     seq_vars, static_vars, init_vars = rnn_parts(eqn)
     env = {}
     top.constants(rnn, env)
-    seqs = [top.ragged_input(input_names[v.name], v, shared_top=True) for v in seq_vars]
+    seqs = [produced[v.name] if v.name in produced else
+            top.ragged_input(input_names[v.name], v, shared_top=True) for v in seq_vars]
     statics = []
     for var in static_vars:
+        if var.name in produced:
+            statics.append(produced[var.name])
+            continue
         name = input_names[var.name]
         statics.append(top.ragged_input(name, var, shared_top=False) if var.lod_depth else
                        top.input(name, var.dtype, ["batch"] + list(var.shape[1:])))
     inits = []
     for var in init_vars:
         binding = rnn.bindings[var.name]
-        if binding.per_sequence:
+        if var.name in produced:
+            inits.append(produced[var.name])
+        elif binding.per_sequence:
             inits.append(top.input(input_names[var.name], var.dtype, ["batch"] + list(var.shape[1:])))
         else:  # one value for every sequence (zeros for a shape-only memory)
             value = np.asarray(binding.value, var.dtype)
@@ -256,6 +266,7 @@ def _emit_step_net(top, rnn, input_names, outputs):
         shape = steps + [None] * out.lod_depth + list(out.shape[1:])
         for name in names:
             top.output(results[i][mode], name, out.dtype, shape)
+    return results
 
 
 # ----------------------------------------------------------------------------
@@ -301,6 +312,21 @@ def _emit_layer(top, layer, X, lengths, attention, initial, as_scan, outputs):
     for key, names in outputs.items():
         for name in names:
             top.output(values[key], name, layer.dtype, shapes[key])
+    return Y, states
+
+
+def _layer_input(top, model, entry, produced):
+    """The padded ``[B, T, I]`` input of YAML layer ``entry``: a model input
+    of one LoD level, or an earlier layer's Y."""
+    source = entry.source
+    if source.input is None:
+        return produced[source.net, source.mode, source.index].padded
+    spec = model.inputs[source.input]
+    if spec.lod_level != 1:
+        raise UnsupportedError(
+            f"{model.path}: layer {entry.name} reads {spec.name!r} with lod_level "
+            f"{spec.lod_level}; export takes a layer over a one-level input")
+    return top.input(spec.name, entry.layer.dtype, ["batch", "steps", entry.layer.input_size])
 
 
 def _layer_nodes(top, layer, nodes, X, lengths, initial):
@@ -392,28 +418,23 @@ def _layer_scans(top, layer, X, lengths, attention, initial):
 
 
 def _yaml_model(model, as_scan):
-    nets, layers = model._nets, model._layers  # in run order, with their sources
-    if len(nets) + len(layers) != 1:
-        parts = [f"nets {[n.name for n in nets]}"] if nets else []
-        parts += [f"layers {[e.name for e in layers]}"] if layers else []
-        raise UnsupportedError(
-            f"{model.path}: export takes a network of one net or one layer; {model.name} has "
-            f"{' and '.join(parts)} (export each step-net on its own with sn.onnx.export)")
-    sources = model._output_sources
+    """A YAML network: its layers, then its nets, in run order, each reading
+    the model's inputs or what an earlier one gives (``Ragged`` values over
+    the inputs' shared top-level lengths)."""
     top = _TopGraph(model.name, taken=list(model.inputs) + list(model.outputs))
-    if layers:
-        entry = layers[0]
-        spec = model.inputs[entry.source.input]
-        if spec.lod_level != 1:
-            raise UnsupportedError(
-                f"{model.path}: layer {entry.name} reads {spec.name!r} with lod_level "
-                f"{spec.lod_level}; export takes a layer over a one-level input")
+    produced = {}  # (layer or net, "all" | "last", index) -> its value in the graph
+    wanted = {}  # the same key -> the graph outputs that name it
+    for name, src in model._output_sources.items():
+        key = (src.net, src.mode, src.index) if src.input is None else None
+        if key is None:
+            raise UnsupportedError(f"{model.path}: output {name!r} is the input {src.input!r}; "
+                                   "export takes outputs that a net or layer computes")
+        wanted.setdefault(key, []).append(name)
+    needed = {(src.net, src.mode, src.index) for net in model._nets
+              for src in net.sources.values() if src.input is None}
+    for entry in model._layers:
         layer = entry.layer
-        X = top.input(spec.name, layer.dtype, ["batch", "steps", layer.input_size])
-        keys = {("all", 0): "Y", ("last", 0): "h_n", ("last", 1): "c_n"}
-        outputs = {}
-        for name, src in sources.items():
-            outputs.setdefault(keys[src.mode, src.index], []).append(name)
+        X = _layer_input(top, model, entry, produced)
         attention = None
         if entry.attention is not None:  # an AUGRU's scores: padded as X is
             scores = model.inputs[entry.attention.input]
@@ -421,18 +442,32 @@ def _yaml_model(model, as_scan):
             if scores.shape:  # rows of [1]
                 attention = top.graph.add("Squeeze", [attention, top.graph.ints([2])],
                                           "attention")
-        _emit_layer(top, layer, X, top.top_lengths(), attention, None, as_scan, outputs)
-    else:
-        net = nets[0]
+        keys = {("all", 0): "Y", ("last", 0): "h_n", ("last", 1): "c_n"}
+        outputs = {}
+        for (producer, mode, index), names in wanted.items():
+            if producer == entry.name:
+                outputs.setdefault(keys[mode, index], []).extend(names)
+        Y, states = _emit_layer(top, layer, X, top.top_lengths(), attention, None, as_scan,
+                                outputs)
+        produced[entry.name, "all", 0] = Ragged(Y, (top.top_lengths(),))
+        for index, state in enumerate(states):
+            produced[entry.name, "last", index] = state
+    for net in model._nets:
         check_supported(net.rnn.program(True).eqn.attrs["body"], f"{model.path}: net {net.name}")
-        input_names = {}
+        input_names, earlier = {}, {}
         for binding in net.rnn.bindings:
             source = net.sources.get(binding)
-            input_names[binding] = source.input if source is not None else binding
-        outputs = {}
-        for name, src in sources.items():
-            outputs.setdefault((src.index, src.mode), []).append(name)
-        _emit_step_net(top, net.rnn, input_names, outputs)
+            if source is not None and source.input is None:
+                earlier[binding] = produced[source.net, source.mode, source.index]
+            else:
+                input_names[binding] = source.input if source is not None else binding
+        outputs = {(index, mode): wanted.get((producer, mode, index), [])
+                   for producer, mode, index in set(wanted) | needed if producer == net.name}
+        results = _emit_step_net(top, net.rnn, input_names, outputs, earlier)
+        for index, modes in enumerate(results):
+            for mode, value in modes.items():
+                produced[net.name, mode, index] = value
+    top.graph.outputs.sort(key=lambda info: model.outputs.index(info.name))  # the YAML's order
     return top.model(f"stepnet YAML network {model.name} ({model.path.name})")
 
 
