@@ -565,6 +565,9 @@ def test_an_augru_layer_reads_one_attention_score_per_token(tmp_path):
     ("score: {shape: [1], random: uniform}", "score: {shape: [1], lod_level: 2}",
      "layers.interest.attention", "has 2 LoD level(s), the layer's input 1"),
     ("type: augru", "type: gru", "layers.interest.attention", "a gru layer has no option 'attention'"),
+    ("layers:\n  interest:\n    type: augru\n    input: x\n    attention: score\n",
+     "layers:\n  first: {type: gru, input: x, hidden_size: 1}\n  interest:\n    type: augru\n"
+     "    input: x\n    attention: first.all\n", "layers.interest.attention", "is a layer's output"),
 ])
 def test_augru_layer_errors(tmp_path, old, new, key, fragment):
     assert old in AUGRU_LAYER

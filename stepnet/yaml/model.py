@@ -541,6 +541,9 @@ class _Builder:
                              "per token of its input (shape [] or [1], the input's lod_level)")
         where = path + ("attention",)
         scores, source = self._top_source(spec["attention"], where, want="sequence")
+        if source.input is None:
+            raise self.error(where, f"{spec['attention']!r} is a layer's output; an augru "
+                             "layer's attention is an input of the model")
         if scores.data.shape[1:] not in ((), (1,)):
             raise self.error(where, f"an attention score per token has shape [] or [1], "
                              f"{spec['attention']!r} has rows of {list(scores.data.shape[1:])}")
