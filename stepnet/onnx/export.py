@@ -424,12 +424,8 @@ def _yaml_model(model, as_scan):
     top = _TopGraph(model.name, taken=list(model.inputs) + list(model.outputs))
     produced = {}  # (layer or net, "all" | "last", index) -> its value in the graph
     wanted = {}  # the same key -> the graph outputs that name it
-    for name, src in model._output_sources.items():
-        key = (src.net, src.mode, src.index) if src.input is None else None
-        if key is None:
-            raise UnsupportedError(f"{model.path}: output {name!r} is the input {src.input!r}; "
-                                   "export takes outputs that a net or layer computes")
-        wanted.setdefault(key, []).append(name)
+    for name, src in model._output_sources.items():  # (never a model input: load_yaml)
+        wanted.setdefault((src.net, src.mode, src.index), []).append(name)
     needed = {(src.net, src.mode, src.index) for net in model._nets
               for src in net.sources.values() if src.input is None}
     for entry in model._layers:
