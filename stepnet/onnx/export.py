@@ -417,6 +417,10 @@ def _layer_scans(top, layer, X, lengths, attention, initial):
 # YAML networks
 
 
+# a YAML layer's results by (mode, index), as _emit_layer names them
+_LAYER_VALUES = {("all", 0): "Y", ("last", 0): "h_n", ("last", 1): "c_n"}
+
+
 def _yaml_model(model, as_scan):
     """A YAML network: its layers, then its nets, in run order, each reading
     the model's inputs or what an earlier one gives (``Ragged`` values over
@@ -438,11 +442,10 @@ def _yaml_model(model, as_scan):
             if scores.shape:  # rows of [1]
                 attention = top.graph.add("Squeeze", [attention, top.graph.ints([2])],
                                           "attention")
-        keys = {("all", 0): "Y", ("last", 0): "h_n", ("last", 1): "c_n"}
         outputs = {}
         for (producer, mode, index), names in wanted.items():
             if producer == entry.name:
-                outputs.setdefault(keys[mode, index], []).extend(names)
+                outputs.setdefault(_LAYER_VALUES[mode, index], []).extend(names)
         Y, states = _emit_layer(top, layer, X, top.top_lengths(), attention, None, as_scan,
                                 outputs)
         produced[entry.name, "all", 0] = Ragged(Y, (top.top_lengths(),))

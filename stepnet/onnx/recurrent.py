@@ -415,16 +415,20 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 # big enough for sequence groups on threads: the engine's own call
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
-            outs = buffers(data.shape[0], len(offsets) - 1)
-            board = run.board(data.shape[0], len(offsets) - 1)
             if (plain is not None and exactly(data, data_dtype, 2)
                     and exactly(offsets, np.int64, 1)
                     and all(exactly(s, data_dtype, 2) for s in states)):
-                results = plain(*const_args, board, data, offsets, *states, *outs)
-            else:
-                args = [read_only(data), read_only(offsets)] + [read_only(s) for s in states]
-                results = entry(*const_args, board, *args, *outs)
-            return list(results[:1 + n])
+                return list(run_group(plain, data, offsets, states))
+            return list(run_group(entry, read_only(data), read_only(offsets),
+                                  [read_only(s) for s in states]))
+
+        def run_group(kernel, data, offsets, states):
+            # program() (its machine code, or its dispatcher) on one group of
+            # sequences, into new output buffers
+            rows, num_sequences = data.shape[0], offsets.shape[0] - 1
+            outs = buffers(rows, num_sequences)
+            return kernel(*const_args, run.board(rows, num_sequences), data, offsets, *states,
+                          *outs)[:1 + n]
 
         def direct(data, offsets, states):
             # call's work where the caller made every argument exact: ``data``
@@ -432,12 +436,10 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             # and contiguous, ``states`` given, of the kernel's dtype and shape,
             # C-contiguous and aligned; None where call is to take the run (its
             # width is wrong, or it is split over threads)
-            rows, num_sequences = data.shape[0], offsets.shape[0] - 1
-            if data.shape[1] != features or run.splits(rows, features, num_sequences):
+            if data.shape[1] != features or run.splits(data.shape[0], features,
+                                                       offsets.shape[0] - 1):
                 return None
-            outs = buffers(rows, num_sequences)
-            return plain(*const_args, run.board(rows, num_sequences), data, offsets, *states,
-                         *outs)[:1 + n]
+            return run_group(plain, data, offsets, states)
 
         got = call(data, offsets, states)  # compiles nothing new: the public call's types
         sample = [threads.ALONE, read_only(np.zeros((1, features), data_dtype)),
