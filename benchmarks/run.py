@@ -24,10 +24,13 @@ PyTorch's, and each family's split of the step into its forward (stepnet:
 ``sn.vjp``, workspace kept) and its backward (the pullback) with the size of
 the workspace.
 
-Printed: one markdown table, the measured sgemm ceiling, stepnet's share of
-it, the compile time of stepnet's W1 kernel in a fresh process with a cold and
-then a warm STEPNET_CACHE_DIR, and the failures (a peer that is missing or
-fails shows as n/a; the run goes on).
+Printed: one markdown table; the machine's GEMM ceiling (the threads times
+the best single-thread rate of W1's per-step product, over stepnet's own
+loop, numpy's matmul and each BLAS stepnet reaches) and one core's FMA
+peak; stepnet's share of the ceiling; each target beside the GFLOP/s it
+asks for; the compile time of stepnet's W1 kernel in a fresh process with a
+cold and then a warm STEPNET_CACHE_DIR; and the failures (a peer that is
+missing or fails shows as n/a; the run goes on).
 
 Nothing at module level imports numpy or a framework: the torch worker must
 import torch before anything that starts a thread pool.
@@ -56,7 +59,9 @@ ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
 WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9")  # workloads.WORKLOADS
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
 GRAD_TOLERANCE = 1e-3  # a gradient's relative error (see grad_error) above this, too
-SGEMM_SHAPE = (6400, 128, 768)
+# the per-step product of W1 (a batch of 64, H=256, three gates) whose best
+# single-thread rate, times the threads, is the machine's GEMM ceiling
+CEILING_SHAPE = (64, 256, 768)
 # stepnet / the fastest CPU peer each workload aims at (or / one family's
 # fastest where named): the speed targets of the CPU engine
 TARGETS = {"W1": (0.65, None), "W2": (0.85, None), "W3": (0.75, None), "W4": (0.6, None),
@@ -247,31 +252,39 @@ def worker_main(args):
     _write_json(out_file, result)
 
 
-def sgemm_main(args):
-    """The sgemm ceiling: numpy (6400x128)@(128x768) float32, median of 20."""
+def ceiling_main(args):
+    """The machine's GEMM ceiling, in a child limited to one thread: the
+    single-thread rate of the per-step product ``CEILING_SHAPE`` by numpy's
+    matmul, stepnet's own loop and each BLAS library stepnet reaches (the
+    best of 5 rounds each), and one core's FMA peak (machine.py)."""
+    _setup_paths()
+    import machine
     import numpy as np
 
-    M, K, N = SGEMM_SHAPE
+    from stepnet.jit import blas
+
+    M, K, N = CEILING_SHAPE
+    flops = 2.0 * M * K * N
     rng = np.random.default_rng(0)
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal((K, N)).astype(np.float32)
     c = np.empty((M, N), np.float32)
+    numpy_best = float("inf")
     for _ in range(5):
         np.matmul(a, b, out=c)
-    times = []
-    for _ in range(20):
         t = time.perf_counter()
-        np.matmul(a, b, out=c)
-        times.append(time.perf_counter() - t)
-    med = float(np.median(times))
+        for _ in range(50):
+            np.matmul(a, b, out=c)
+        numpy_best = min(numpy_best, (time.perf_counter() - t) / 50)
     try:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
-        blas += ", OPENBLAS_CORETYPE unset"
+        numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
     except (TypeError, KeyError, AttributeError):  # older numpy: no mode="dicts"
-        blas = "unknown BLAS"
-    _write_json(Path(args.outdir) / "sgemm.json",
-                {"median_s": med, "min_s": min(times), "gflops": 2.0 * M * N * K / med / 1e9,
-                 "blas": blas, "numpy": np.__version__})
+        numpy_blas = "its BLAS"
+    seconds = blas.single_thread_seconds(M, K, N)
+    seconds[f"numpy matmul ({numpy_blas})"] = numpy_best
+    rates = {name: flops / s / 1e9 for name, s in seconds.items()}
+    _write_json(Path(args.outdir) / "ceiling.json",
+                {"rates": rates, "fma_peak": machine.fma_peak_gflops()})
 
 
 def probe_main(args):
@@ -416,7 +429,7 @@ def orchestrate(args):
 
 
 def _run_all(args, keys, fams, tmp, log):
-    """Run the workers, the sgemm probe and the compile probes; returns the report."""
+    """Run the workers, the ceiling probe and the compile probes; returns the report."""
     t_run = time.perf_counter()
     failures, results, worker_secs = [], [], {}
     runs = [(fam, None) for fam in fams]
@@ -462,15 +475,17 @@ def _run_all(args, keys, fams, tmp, log):
             failures.append(f"{fam}: worker failed before any item: {msg}")
         results.append(data)
 
-    print("[bench] sgemm ceiling ...", file=sys.stderr, flush=True)
-    sgemm = None
-    env = child_env(args.threads)
+    print("[bench] GEMM ceiling ...", file=sys.stderr, flush=True)
+    ceiling = None
+    env = child_env(1)
     env.pop("OPENBLAS_CORETYPE", None)  # the machine's ceiling: OpenBLAS's own kernels
-    ok, _, msg = run_child(["--worker", "sgemm", "--outdir", str(tmp)], env, args.timeout, log)
-    if ok and (tmp / "sgemm.json").exists():
-        sgemm = json.loads((tmp / "sgemm.json").read_text())
+    ok, _, msg = run_child(["--worker", "ceiling", "--outdir", str(tmp)], env, args.timeout, log)
+    if ok and (tmp / "ceiling.json").exists():
+        ceiling = json.loads((tmp / "ceiling.json").read_text())
+        ceiling["gflops"] = args.threads * max(ceiling["rates"].values())
+        ceiling["peak"] = args.threads * ceiling["fma_peak"]
     else:
-        failures.append(f"sgemm ceiling: {msg}")
+        failures.append(f"GEMM ceiling: {msg}")
 
     compile_lines = []
     if "stepnet" in fams and not args.no_compile:
@@ -479,11 +494,11 @@ def _run_all(args, keys, fams, tmp, log):
         failures += fails
 
     print("[bench] float64 references ...", file=sys.stderr, flush=True)
-    return build_report(args, keys, fams, results, sgemm, compile_lines, failures,
+    return build_report(args, keys, fams, results, ceiling, compile_lines, failures,
                         worker_secs, time.perf_counter() - t_run)
 
 
-def build_report(args, keys, fams, results, sgemm, compile_lines, failures, worker_secs,
+def build_report(args, keys, fams, results, ceiling, compile_lines, failures, worker_secs,
                  run_secs):
     _setup_paths()
     import numpy as np
@@ -586,17 +601,22 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
     out.append("")
     for k in trained:
         out += training_section(k, wls[k], results, disagreements, failures)
-    if sgemm:
-        M, K, N = SGEMM_SHAPE
-        out.append(f"sgemm ceiling: numpy matmul ({M}x{K})@({K}x{N}) float32, {args.threads} "
-                   f"threads ({sgemm['blas']}): {sgemm['gflops']:.1f} GFLOP/s "
-                   f"(median of 20, {sgemm['median_s'] * 1e3:.2f} ms).")
+    if ceiling:
+        M, K, N = CEILING_SHAPE
+        rates = sorted(ceiling["rates"].items(), key=lambda kv: -kv[1])
+        out.append(f"GEMM ceiling: {args.threads} x the best single-thread rate of the per-step "
+                   f"product ({M}x{K})@({K}x{N}) float32 ("
+                   + ", ".join(f"{name} {g:.1f}" for name, g in rates)
+                   + f" GFLOP/s): {ceiling['gflops']:.1f} GFLOP/s. FMA peak (one core, "
+                   f"independent multiply-adds on registers): {ceiling['fma_peak']:.1f} GFLOP/s; "
+                   f"the ceiling is {ceiling['gflops'] / ceiling['peak']:.2f} of "
+                   f"{args.threads} cores' peak.")
         if stepnet_gflops:
             out.append("stepnet GFLOP/s as a fraction of the ceiling: " + ", ".join(
-                f"{k} {g / sgemm['gflops']:.2f}" for k, g in stepnet_gflops.items()) + ".")
+                f"{k} {g / ceiling['gflops']:.2f}" for k, g in stepnet_gflops.items()) + ".")
     else:
-        out.append("sgemm ceiling: n/a (see Failures).")
-    out += targets_section(keys, recs, stepnet_gflops, sgemm)
+        out.append("GEMM ceiling: n/a (see Failures).")
+    out += targets_section(keys, wls, recs, stepnet_gflops, ceiling)
     if compile_lines:
         out.append("")
         out.append("### stepnet compile time")
@@ -617,9 +637,12 @@ def build_report(args, keys, fams, results, sgemm, compile_lines, failures, work
     return "\n".join(out)
 
 
-def targets_section(keys, recs, stepnet_gflops, sgemm):
+def targets_section(keys, wls, recs, stepnet_gflops, ceiling):
     """stepnet's time (its first whole-workload row) over the fastest CPU
-    peer's (or the named family's), against ``TARGETS``."""
+    peer's (or the named family's), against ``TARGETS``; and the GFLOP/s a
+    target asks for, beside the cores' FMA peak."""
+    import workloads
+
     timed = [r for r in recs if r["status"] == "ok" and r.get("median_s") is not None
              and _role(r) == "step" and not r["family"].endswith("-cuda")]
     lines = []
@@ -633,19 +656,27 @@ def targets_section(keys, recs, stepnet_gflops, sgemm):
         fastest = min(peers, key=lambda r: r["median_s"])
         ratio = ours["median_s"] / fastest["median_s"]
         met = "n/a" if target is None else ("yes" if ratio <= target else "no")
-        share = (f"{stepnet_gflops[k] / sgemm['gflops']:.2f}"
-                 if sgemm and k in stepnet_gflops else "n/a")
+        share = (f"{stepnet_gflops[k] / ceiling['gflops']:.2f}"
+                 if ceiling and k in stepnet_gflops else "n/a")
+        needs = peak = "n/a"
+        if target is not None:
+            asked = workloads.flops(wls[k], "step") / (target * fastest["median_s"]) / 1e9
+            needs = f"{asked:.1f}"
+            peak = f"{asked / ceiling['peak']:.2f}" if ceiling else "n/a"
         lines.append(f"| {k} | {_fmt_ms(ours['median_s'])} | {fastest['label']} "
                      f"{_fmt_ms(fastest['median_s'])} | {ratio:.2f} | "
-                     f"{'n/a' if target is None else target} | {met} | {share} |")
+                     f"{'n/a' if target is None else target} | {met} | {share} | {needs} "
+                     f"| {peak} |")
     if not lines:
         return []
     return ["", "### stepnet against the fastest peer", "",
             "Medians; stepnet's row is its first for the workload (a layer where there is one); "
-            "the peers are the CPU ones (W6: PyTorch's, W9: JAX's).", "",
+            "the peers are the CPU ones (W6: PyTorch's, W9: JAX's). *target needs*: the "
+            "workload's GFLOP/s at the target's time, and its share of the cores' FMA peak "
+            "(above 0.9 no GEMM reaches it, with the gates and the memory traffic beside).", "",
             "| workload | stepnet ms | fastest peer ms | stepnet / fastest | target | met "
-            "| share of ceiling |",
-            "|---|---:|---|---:|---:|---|---:|", *lines]
+            "| share of ceiling | target needs GFLOP/s | of FMA peak |",
+            "|---|---:|---|---:|---:|---|---:|---:|---:|", *lines]
 
 
 def _role(rec):
@@ -784,8 +815,8 @@ def main(argv=None):
     ap.add_argument("--outdir", help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker == "sgemm":
-        sgemm_main(args)
+    if args.worker == "ceiling":
+        ceiling_main(args)
     elif args.worker == "compile-probe":
         probe_main(args)
     elif args.worker:

@@ -74,14 +74,33 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
     assert re.search(r"forward [0-9.]+ ms .* \+ backward [0-9.]+ ms", split), split
     assert int(re.search(r"workspace kept: (\d+) bytes", split).group(1)) > 0, split
     _check_w9_gradients(report)
-    assert "sgemm ceiling:" in report and "GFLOP/s" in report
+    # the ceiling: 2 threads x the best single-thread rate of the per-step
+    # product, beside the FMA peak of one core
+    line = next(line for line in report.splitlines() if line.startswith("GEMM ceiling:"))
+    found = re.search(r"\(([^()]*(?:\([^()]*\)[^()]*)*) GFLOP/s\): ([0-9.]+) GFLOP/s\. FMA peak "
+                      r"[^:]*: ([0-9.]+) GFLOP/s; the ceiling is ([0-9.]+) of 2 cores", line)
+    assert found, line
+    rates = [float(part.rsplit(" ", 1)[1]) for part in found.group(1).split(", ")]
+    assert len(rates) >= 2 and "stepnet's own loop" in found.group(1), line  # (and numpy's)
+    ceiling, peak = float(found.group(2)), float(found.group(3))
+    assert abs(ceiling - 2 * max(rates)) < 0.2 and peak > 0, line
+    assert abs(float(found.group(4)) - ceiling / (2 * peak)) < 0.01, line
     # stepnet over the fastest peer, against the targets (here the NumPy loops)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import workloads
+
     targets = _rows("\n".join(_section(report, "stepnet against the fastest peer")))
     timed = {r[0].split()[0] for r in rows if r[1].startswith("numpy") and "n/a" not in r[1]}
     assert {r[0] for r in targets} == timed - {"W6", "W9"}, report  # (W6, W9: of torch, jax)
     for r in targets:
         assert r[2].startswith("numpy") and r[5] in ("yes", "no")
-        assert abs(float(r[3]) - float(r[1]) / float(r[2].split()[-1])) < 0.02 * float(r[3]) + 0.01
+        fastest_ms = float(r[2].split()[-1])
+        assert abs(float(r[3]) - float(r[1]) / fastest_ms) < 0.02 * float(r[3]) + 0.01
+        # the GFLOP/s the target asks for, and their share of 2 cores' FMA peak
+        asked = workloads.flops(workloads.make(r[0], quick=True), "step") / (
+            float(r[4]) * fastest_ms * 1e-3) / 1e9
+        assert abs(float(r[7]) - asked) < 0.02 * asked + 0.1, r
+        assert abs(float(r[8]) - float(r[7]) / (2 * peak)) < 0.01, r
     assert "### stepnet compile time" in report
     assert re.search(r"^\| cold .*\| warm", report, re.DOTALL | re.MULTILINE), report
 

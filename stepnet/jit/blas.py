@@ -59,7 +59,8 @@ from numba.extending import intrinsic, overload
 from . import threads
 from .atomics import job_of, stack_buffer
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
-from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, small_product_rows
+from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, measure, \
+    small_product_rows
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _N, _T = 78, 84  # ord("N"), ord("T"): Fortran BLAS's "no transpose", "transpose"
@@ -696,6 +697,22 @@ def _time_small_and_library(m, k, n):
             best = min(best, (time.perf_counter() - t0) / reps)
         seconds.append(best)
     return tuple(seconds)
+
+
+def single_thread_seconds(m, k, n, rounds=5):
+    """Seconds per float32 product ``[m, k] @ [k, n]`` on the calling thread,
+    by stepnet's own loop and by each BLAS library stepnet reaches (the best
+    of ``rounds`` rounds that take them in turn): ``{name: seconds}``.
+    ``benchmarks/run.py`` takes the machine's GEMM ceiling from it."""
+    libraries = [lib for lib in (find_mkl(), find_openblas()) if lib is not None]
+    reps = max(5, min(200, 50_000_000 // (m * k * n)))
+    best = {}
+    for _ in range(rounds):
+        timed = {"stepnet's own loop": _time_small_and_library(m, k, n)[0]}
+        timed.update((name, s[0]) for name, s in measure(libraries, ((m, k, n, reps, 1),)).items())
+        for name, seconds in timed.items():
+            best[name] = min(best.get(name, float("inf")), seconds)
+    return best
 
 
 _SMALL_ROWS = []  # small_rows_table(), once measured or read

@@ -194,14 +194,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(libraries) -> dict:
+def measure(libraries, shapes=_SHAPES) -> dict:
     """Seconds per product, single-threaded, the best over ``_ROUNDS``
-    rounds that take the libraries in turn: {name: [per shape]}."""
+    rounds that take the libraries in turn: {name: [per shape]} (``shapes``:
+    (m, k, n, repetitions, weight) each)."""
     timers = {"mkl": _time_mkl, "openblas": _time_openblas}
-    best = {lib.name: [float("inf")] * len(_SHAPES) for lib in libraries}
+    best = {lib.name: [float("inf")] * len(shapes) for lib in libraries}
     for _ in range(_ROUNDS):
         for lib in libraries:
-            for i, (m, k, n, reps, _) in enumerate(_SHAPES):
+            for i, (m, k, n, reps, _) in enumerate(shapes):
                 seconds = timers[lib.name](lib, m, k, n, max(1, reps // _ROUNDS))
                 best[lib.name][i] = min(best[lib.name][i], seconds)
     return best
