@@ -262,18 +262,55 @@ def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
     blas.register_small_gemm(np.float64)
 
     @njit
-    def own(a, b, out):
-        blas._own_product(a, b, out, threads.ALONE)
+    def own(a, b, out, add):
+        blas._own_product(a, b, out, threads.ALONE, add)
 
     a = rng.standard_normal((6, 20))
     b = rng.standard_normal((20, 70))
     out = np.zeros((6, 140))
-    own(a, b, out[:, :70])  # a row block of a wider array: not C-contiguous
-    own(np.asfortranarray(a), b, out[:, 70:])
+    own(a, b, out[:, :70], False)  # a row block of a wider array: not C-contiguous
+    own(np.asfortranarray(a), b, out[:, 70:], False)
     np.testing.assert_allclose(out, np.hstack([a @ b, a @ b]), rtol=1e-12, atol=1e-12)
+    own(a, b, out[:, 70:], True)  # added to what the strided block holds
+    np.testing.assert_allclose(out, np.hstack([a @ b, 2 * (a @ b)]), rtol=1e-12, atol=1e-12)
     contiguous = np.empty((6, 70))
-    own(a, b, contiguous)
+    own(a, b, contiguous, False)
     np.testing.assert_allclose(contiguous, a @ b, rtol=1e-12, atol=1e-12)
+    own(a, b, contiguous, True)
+    np.testing.assert_allclose(contiguous, 2 * (a @ b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("own_rows", [0, 1 << 20])
+def test_hoisted_products_of_joined_values_add_each_part(rng, own_rows):
+    """``gemm_hoisted`` then ``gemm_hoisted_acc`` (a product of values joined
+    by columns, ``sum a_i @ W_i``) on the library (no rows for the own loop)
+    and on stepnet's own loop (every row), alone and shared with the helper:
+    the product of the joined values."""
+    from numba import njit
+
+    from stepnet.jit import blas, threads
+
+    blas.register_small_gemm(np.float32)
+
+    @njit
+    def split_product(parts, w, out, table, board):
+        row = 0
+        for i, part in enumerate(parts):
+            k = part.shape[1]
+            if i == 0:
+                blas.gemm_hoisted(part, w[row:row + k], out, table, board)
+            else:
+                blas.gemm_hoisted_acc(part, w[row:row + k], out, table, board)
+            row += k
+
+    table = np.array([[1 << 40], [own_rows]], np.int64)
+    parts = [rng.standard_normal((300, k)).astype(np.float32) for k in (64, 32, 96)]
+    w = rng.standard_normal((192, 256)).astype(np.float32)
+    expected = np.hstack(parts).astype(np.float64) @ w
+    for board in (threads.ALONE, threads.board_for_one_group()):
+        out = np.full((300, 256), np.nan, np.float32)
+        split_product(tuple(parts), w, out, table, board)
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_packed_weights_take_any_number_of_rows(rng):
@@ -380,3 +417,38 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
                                        atol=tol * max(1, rows) ** 0.5)
     finally:
         numba.set_num_threads(previous)
+
+
+def test_input_gradients_are_the_same_bits_for_any_batch_in_deterministic_mode():
+    """STEPNET_DETERMINISTIC=1: the input's gradient of a layer (its backward
+    sums ``dgates_i @ W_i^T`` over the gates: a product of values joined by
+    columns, one part added after another) gives each sequence the same
+    bits whether it runs alone or in a batch."""
+    code = """
+import numpy as np, stepnet as sn
+from stepnet.jit import blas
+assert blas.DETERMINISTIC
+rng = np.random.default_rng(0)
+lengths = [30, 1, 25, 2, 40, 12, 33, 21]
+for layer in (sn.nn.GRU(48, 64, seed=1), sn.nn.LSTM(48, 64, seed=2)):
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 48)).astype("float32"),
+                                  [lengths])
+    dY = rng.standard_normal((sum(lengths), 64)).astype("float32")
+    def d_input(first, last):
+        rows = slice(X.levels[0][first], X.levels[0][last])
+        part = sn.LoDTensor.from_lengths(X.data[rows], [lengths[first:last]])
+        _, pullback = layer.vjp(part, backend="numba")
+        states = [None] * (len(layer.state_widths()))
+        return pullback([sn.LoDTensor.from_lengths(dY[rows], [lengths[first:last]])] + states,
+                        wrt=["X"])[0]
+    whole = d_input(0, len(lengths))
+    for first, last in ((0, 1), (1, 2), (3, 4), (1, 4), (7, 8)):
+        rows = slice(X.levels[0][first], X.levels[0][last])
+        assert np.array_equal(d_input(first, last), whole[rows]), (type(layer), first, last)
+print("bit for bit")
+"""
+    env = dict(os.environ, STEPNET_DETERMINISTIC="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bit for bit" in out.stdout

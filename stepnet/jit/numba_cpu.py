@@ -256,7 +256,7 @@ def generate_source(program: ir.Program):
         "from numba import njit",
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
-        "from stepnet.jit.blas import gemm, gemm_acc, gemm_hoisted, gemm_packed, gemm_steps, pack",
+        "from stepnet.jit.blas import gemm_hoisted, gemm_hoisted_acc, gemm_packed, gemm_steps, pack",
         "from stepnet.jit.atomics import job_of",
         "from stepnet.jit.threads import RAISED, group_cut, run_jobs",
         *runtime_imports(),
@@ -536,8 +536,8 @@ def _split_products(sched):
 
 def _render_split_gemm(ctx, stage, concat):
     """``sum a_i @ W_i`` into the product's output: the first part's product,
-    then each other part's added (``gemm_acc``); ``W_i`` are row blocks of the
-    joined weights."""
+    then each other part's added (``gemm_hoisted_acc``); ``W_i`` are row
+    blocks of the joined weights."""
     eqn = stage.eqns[0]
     out = eqn.outputs[0]
     weights = ctx.values[eqn.inputs[1]].ident
@@ -547,8 +547,10 @@ def _render_split_gemm(ctx, stage, concat):
     for i, part in enumerate(parts):
         left = _contiguous(ctx, ctx.values[part])
         k = part.shape[-1]
-        call = "gemm" if i == 0 else "gemm_acc"
-        ctx.lines.append(f"{call}({left}, {weights}[{row}:{row + k}], {info.ident})")
+        _count_product(ctx.module, out.dtype, k, out.shape[-1])
+        call = "gemm_hoisted" if i == 0 else "gemm_hoisted_acc"
+        ctx.lines.append(f"{call}({left}, {weights}[{row}:{row + k}], {info.ident}, "
+                         "small_rows, board)")
         row += k
 
 
