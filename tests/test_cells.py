@@ -103,3 +103,57 @@ def test_bad_steps_are_refused(rng):
     with pytest.raises(sn.StepNetError, match="expects a GRUCell"):
         torch = pytest.importorskip("torch")
         sn.nn.GRUCell.from_torch(torch.nn.GRU(3, 4))
+
+
+def _augru_stepping(cell, X, A):
+    """A step-net stepping ``cell(x, h, a)`` with the attention score a step input."""
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        a = rnn.add_input(A, name="a")
+        h = rnn.add_memory(shape=[cell.hidden_size], name="h")
+        cell(x, h, a)
+        rnn.add_outputs(h)
+    return rnn
+
+
+def test_an_augru_cell_is_the_augru_layer(rng):
+    """``AUGRUCell(x, h, a)`` over the tokens with their scores: the AUGRU
+    layer called on them (every backend), its gradients (weights, scores)
+    the layer's, and one eager step on arrays the same."""
+    X = _lod(rng, [3, 1, 4], 3)
+    A = sn.LoDTensor.from_lengths(rng.uniform(size=(8, 1)).astype(np.float32), [[3, 1, 4]])
+    cell = sn.nn.AUGRUCell(3, 5, seed=4, linear_before_reset=True)
+    layer = sn.nn.AUGRU(3, 5, seed=5, linear_before_reset=True)
+    for p, q in zip(layer.parameters(), cell.parameters()):
+        p.value = q.value.copy()
+    rnn = _augru_stepping(cell, X, A)
+    out = assert_backends_agree(rnn)
+    Y, _ = layer(X, A, backend="interpreter")
+    assert_close(out, Y)
+    G = rng.standard_normal((8, 5)).astype(np.float32)
+    through_cell = sn.gradients(rnn, wrt=cell.parameters() + ["a"], grad_outputs=[G])
+    _, pullback = sn.vjp(layer, X, A)
+    through_layer = pullback([G, None], wrt=layer.parameters() + ["attention"])
+    for a, b in zip(through_cell, through_layer):
+        assert_close(np.asarray(getattr(a, "data", a)), np.asarray(getattr(b, "data", b)),
+                     what="gradient")
+    h = np.zeros((1, 5), np.float32)
+    for row, score in zip(X.sequence(2), A.sequence(2)):
+        h = cell(row[None], h, score[None])
+    assert_close(Y.sequence(2)[-1], h[0])
+
+
+def test_an_augru_cell_refuses_what_it_cannot_take(rng):
+    cell = sn.nn.AUGRUCell(3, 4)
+    x, h = np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32)
+    with pytest.raises(sn.ShapeError, match=r"one score per sequence, \[B, 1\]; got shape \[2\]"):
+        cell(x, h, np.zeros(2, np.float32))
+    with pytest.raises(sn.ShapeError, match=r"got shape \[2, 4\]"):
+        cell(x, h, h)
+    with pytest.raises(sn.StepNetError, match="attention is for AUGRU only"):
+        sn.nn.GRUCell(3, 4).step(x, h, attention=np.zeros((2, 1), np.float32))
+    with pytest.raises(sn.UnsupportedError, match="PyTorch has no AUGRU"):
+        cell.to_torch()
+    with pytest.raises(sn.UnsupportedError, match="PyTorch has no AUGRU"):
+        sn.nn.AUGRUCell.from_torch(None)

@@ -152,13 +152,20 @@ def test_attention_decoder_equals_dsl_on_interpreter_and_numba():
 
 
 def test_cells_are_checked(tmp_path):
-    text = (EXAMPLES / "attention_decoder.yaml").read_text()
-    for old, new, message in [
-        ("step_cell(concat([prev, context], axis=-1), h.pre)", "step_cell(prev)",
+    decoder = (EXAMPLES / "attention_decoder.yaml").read_text()
+    for text, old, new, message in [
+        (decoder, "step_cell(concat([prev, context], axis=-1), h.pre)", "step_cell(prev)",
          r"step_cell is a gru cell, called as step_cell\(x, h\)"),
-        ("    linear_before_reset: true\n\nparameters", "    peephole: true\n\nparameters",
+        (decoder, "    linear_before_reset: true\n\nparameters", "    peephole: true\n\nparameters",
          r"cells.step_cell.peephole.*a gru cell has no option 'peephole'"),
-        ("    input_size: 75", "    input_size: 74", r"step_cell.*contracted dimensions differ"),
+        (decoder, "    input_size: 75", "    input_size: 74",
+         r"step_cell.*contracted dimensions differ"),
+        (AUGRU_CELL, "interest(x, h.pre, a)", "interest(x, h.pre)",
+         r"interest is a augru cell, called as interest\(x, h, a\)"),
+        (AUGRU_CELL, "    hidden_size: 6\nparameters", "    hidden_size: 6\n    attention: x\nparameters",
+         r"cells.interest.attention: a cell takes no 'attention' key.*interest\(x, h.pre, a\)"),
+        (AUGRU_CELL, "sigmoid(h.pre @ q)", "sigmoid(h.pre)",
+         r"attention must be one score per sequence"),
     ]:
         assert old in text, old
         with pytest.raises(sn.YAMLError, match=message):
@@ -532,6 +539,51 @@ outputs:
   y: interest.all
   h_n: interest.last
 """
+
+
+AUGRU_CELL = """
+inputs:
+  x: {shape: [5]}
+cells:
+  interest:
+    type: augru
+    input_size: 5
+    hidden_size: 6
+parameters:
+  q: {shape: [6, 1], init: xavier}
+nets:
+  evolve:
+    inputs: {x: x}
+    memories:
+      h: {shape: [6]}
+    step:
+      - a = sigmoid(h.pre @ q)
+      - h = interest(x, h.pre, a)
+    outputs: [h]
+outputs:
+  states: evolve.all
+"""
+
+
+def test_an_augru_cell_takes_the_score_its_step_computes(tmp_path):
+    """``cell(x, h.pre, a)``: the step's own attention score scales the update
+    gate, as ``sn.nn.AUGRUCell`` in the DSL (interpreter, bit for bit; Numba)."""
+    model = sn.load_yaml(write(tmp_path, AUGRU_CELL), seed=2)
+    feeds = model.random_feeds(seed=3, num_sequences=4, max_length=7)
+    cell, q = model.cells["interest"], model.parameters["q"]
+    assert isinstance(cell, sn.nn.AUGRUCell)
+    rnn = sn.create_rnn_op(name="evolve")
+    with rnn.stepnet():
+        x = rnn.add_input(feeds["x"], name="x")
+        h = rnn.add_memory(shape=[6], name="h")
+        a = sn.ops.sigmoid(h.pre_state() @ q)
+        h.update(cell(x, h.pre_state(), a))
+        rnn.add_outputs(h)
+    assert rnn.ir() == model.nets["evolve"].ir()
+    expected = rnn(backend="interpreter")
+    assert_identical(model(feeds, backend="interpreter")["states"], expected, "states")
+    got = model(feeds, backend="numba")["states"]
+    np.testing.assert_allclose(got.data, expected.data, rtol=1e-5, atol=1e-6)
 
 
 def test_an_augru_layer_reads_one_attention_score_per_token(tmp_path):

@@ -3,7 +3,7 @@
 ``RNN``, ``LSTM`` (peephole, projection, coupled input-forget gate), ``GRU``
 (``linear_before_reset``) and ``AUGRU``; forward, reverse and bidirectional
 (concat or sum), stacked per layer or per direction; PyTorch's and ONNX's
-weight layouts. See DESIGN.md §5. ``RNNCell``, ``GRUCell`` and ``LSTMCell``
+weight layouts. See DESIGN.md §5. ``RNNCell``, ``GRUCell``, ``LSTMCell`` and ``AUGRUCell``
 (and ``layer.step``) are one step of a layer inside another step-net's block.
 
 >>> import numpy as np, stepnet as sn
@@ -14,6 +14,6 @@ weight layouts. See DESIGN.md §5. ``RNNCell``, ``GRUCell`` and ``LSTMCell``
 ((5, 8), [[0, 2, 5]], (1, 2, 8))
 """
 
-from .layers import AUGRU, DIRECTIONS, GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
+from .layers import AUGRU, DIRECTIONS, GRU, LSTM, RNN, AUGRUCell, GRUCell, LSTMCell, RNNCell
 
-__all__ = ["AUGRU", "DIRECTIONS", "GRU", "GRUCell", "LSTM", "LSTMCell", "RNN", "RNNCell"]
+__all__ = ["AUGRU", "AUGRUCell", "DIRECTIONS", "GRU", "GRUCell", "LSTM", "LSTMCell", "RNN", "RNNCell"]

@@ -433,6 +433,10 @@ class _RecurrentLayer:
             raise StepNetError(f"{name}.step: " + ("an AUGRU step takes its attention score"
                                                    if attention is None else
                                                    "attention is for AUGRU only"))
+        shape = tuple(getattr(attention, "shape", None) or np.shape(attention))
+        if attention is not None and (len(shape) != 2 or shape[1] != 1):
+            raise ShapeError(f"{name}.step: attention must be one score per sequence, [B, 1]; "
+                             f"got shape {['B' if n is None else n for n in shape]}")
         params = self._params[(layer, direction)]
         if current_frame() is None:  # eager, on arrays: the Parameters' values
             params = {kind: ({g: v.value for g, v in value.items()} if isinstance(value, dict)
@@ -1034,3 +1038,21 @@ class GRUCell(_Cell, GRU):
 
 class LSTMCell(_Cell, LSTM):
     """One step of an LSTM inside a step block: ``h, c = cell(x, (h, c))``."""
+
+
+class AUGRUCell(_Cell, AUGRU):
+    """One step of an AUGRU inside a step block: ``h = cell(x, h, attention)``,
+    ``attention`` the step's score per sequence (``[B, 1]``: computed in the
+    step, e.g. from the previous state and a target, or a step input), which
+    scales the update gate, ``z' = (1 - a) * z``. PyTorch has no AUGRU: no
+    ``from_torch``/``to_torch``."""
+
+    def __call__(self, x, state, attention):
+        return self.step(x, state, attention=attention)
+
+    @classmethod
+    def from_torch(cls, module):
+        raise UnsupportedError("AUGRUCell.from_torch: PyTorch has no AUGRU")
+
+    def to_torch(self):
+        raise UnsupportedError("AUGRUCell.to_torch: PyTorch has no AUGRU")

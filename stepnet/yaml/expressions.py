@@ -313,14 +313,20 @@ class Evaluator:
         return value if isinstance(value, _Cell) else None
 
     def _call_cell(self, node, name, cell):
-        """``cell(x, h)`` -> the new state; an LSTM's ``cell(x, h, c)`` -> ``(h, c)``."""
-        states = 2 if cell.cell == "lstm" else 1
-        if len(node.args) != 1 + states or node.keywords:
-            form = f"{name}(x, h, c)" if states == 2 else f"{name}(x, h)"
-            self.fail(node, f"{name} is a {cell.cell} cell, called as {form} (the input, then "
-                            "the previous state)")
-        x, *state = [self.eval(a) for a in node.args]
-        return self._apply(node, cell.step, x, tuple(state) if states == 2 else state[0])
+        """``cell(x, h)`` -> the new state; an LSTM's ``cell(x, h, c)`` -> ``(h, c)``;
+        an AUGRU's ``cell(x, h, a)`` -> the new state (``a``: the attention score)."""
+        forms = {"lstm": (f"{name}(x, h, c)", "the input, then the previous state"),
+                 "augru": (f"{name}(x, h, a)", "the input, the previous state, then the "
+                                               "attention score, [1] per sequence")}
+        form, what = forms.get(cell.cell, (f"{name}(x, h)", "the input, then the previous state"))
+        if len(node.args) != form.count(",") + 1 or node.keywords:
+            self.fail(node, f"{name} is a {cell.cell} cell, called as {form} ({what})")
+        x, *rest = [self.eval(a) for a in node.args]
+        if cell.cell == "lstm":
+            return self._apply(node, cell.step, x, tuple(rest))
+        if cell.cell == "augru":
+            return self._apply(node, lambda x, h, a: cell.step(x, h, attention=a), x, *rest)
+        return self._apply(node, cell.step, x, rest[0])
 
     def _apply(self, node, fn, *args):
         try:

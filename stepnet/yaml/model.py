@@ -59,9 +59,11 @@ LAYER_TYPES = {
 }
 LAYER_KEYS = tuple(dict.fromkeys(k for keys in LAYER_TYPES.values() for k in keys))
 # a cell: one step of a layer, called inside a step (``h = cell(x, h.pre)``)
+# (an AUGRU cell's attention is its call's third argument: ``cell(x, h.pre, a)``)
 CELL_TYPES = {kind: ("type", "description", "input_size") + tuple(
-    k for k in keys if k not in ("type", "input", "description", "num_layers", "direction", "combine"))
-    for kind, keys in LAYER_TYPES.items() if kind != "augru"}
+    k for k in keys if k not in ("type", "input", "description", "num_layers", "direction",
+                                 "combine", "attention"))
+    for kind, keys in LAYER_TYPES.items()}
 CELL_KEYS = tuple(dict.fromkeys(k for keys in CELL_TYPES.values() for k in keys))
 _REF = re.compile(r"^([A-Za-z_]\w*)(?:\.(all|last)(?:\.([A-Za-z_]\w*))?)?$")
 
@@ -574,10 +576,14 @@ class _Builder:
 
     def _cell(self, name, spec, path):
         """A built-in cell (``stepnet.nn.GRUCell``, ...): called in a step as
-        ``cell(x, h.pre)`` (LSTM ``cell(x, h.pre, c.pre)``, giving ``h, c``)."""
+        ``cell(x, h.pre)`` (LSTM ``cell(x, h.pre, c.pre)``, giving ``h, c``;
+        AUGRU ``cell(x, h.pre, a)``, ``a`` the step's attention score)."""
         from .. import nn
 
         self._top_name(name, path)
+        if isinstance(spec, dict) and "attention" in spec:
+            raise self.error(path + ("attention",), "a cell takes no 'attention' key: an augru "
+                             f"cell is given its score in the step, {name}(x, h.pre, a)")
         spec = self.doc.mapping(spec, path, CELL_KEYS, required=("type", "input_size", "hidden_size"))
         kind = spec["type"]
         if kind not in CELL_TYPES:
@@ -587,7 +593,8 @@ class _Builder:
         options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
             else np.promote_types(self.dtype, np.float32)
         seed = int(generator(self.seed, name).integers(2 ** 31))
-        cls = {"rnn": nn.RNNCell, "gru": nn.GRUCell, "lstm": nn.LSTMCell}[kind]
+        cls = {"rnn": nn.RNNCell, "gru": nn.GRUCell, "lstm": nn.LSTMCell,
+               "augru": nn.AUGRUCell}[kind]
         try:
             cell = cls(seed=seed, **options)
         except (Error, TypeError, ValueError) as exc:
