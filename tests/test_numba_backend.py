@@ -64,6 +64,36 @@ def test_input_product_read_outside_the_gates_stays_before_the_loop(rng):
     assert_backends_agree(rnn, backends=["numba"])
 
 
+def test_values_computed_before_the_loop_are_computed_into_their_outputs(rng):
+    """An all-steps output that is a value over every token (a product, an
+    elementwise op of the step input) is computed into the output's buffer
+    before the loop, not copied there step by step; the same value given
+    twice fills the first and is copied into the second. One group and two
+    (the run split over threads, each filling its rows of the buffers)."""
+    W = sn.Parameter(rng.standard_normal((3, 64)).astype(np.float32) / 4, name="W")
+    for lengths in ([4, 0, 2, 5], list(rng.integers(20, 60, 40))):
+        X = lod(rng, lengths, 3)
+        rnn = sn.create_rnn_op(output_num=4)
+        with rnn.stepnet():
+            x = rnn.add_input(X, name="x")
+            h = rnn.add_memory(shape=[64], name="h")
+            xw, ex = x @ W, sn.ops.exp(x)  # (ex: computed before the loop, for its product)
+            h.update(sn.ops.tanh(xw + ex @ W + h.pre_state()))
+            rnn.add_outputs(h, xw, ex, xw)
+        source = rnn.compile("numba").source
+        program = source[source.index("def program("):]
+        product = re.search(r"gemm_hoisted\(x\d+, (c\d+), (o\d+), small_rows, board\)", program)
+        assert product, program
+        xw_out = product.group(2)
+        exp_out = re.search(r"\n\s+(o\d+)\[r, i1\] = (?:np|math)\.exp\(x\d+\[r, i1\]\)", program)
+        assert exp_out and f"gemm_hoisted({exp_out.group(1)}, {product.group(1)}, " in program
+        for ident in (xw_out, exp_out.group(1)):  # (not written again in the loop)
+            assert not re.search(rf"{ident}\[e, i\d\] =", source), source
+        assert source.count(f"= {xw_out}[e, ") == 1  # (the copy into the second)
+        out = assert_backends_agree(rnn, backends=["numba"])
+        assert_close(out[1], out[3])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_large_batch_takes_the_blas_path_then_the_small_one(dtype):
     # with stepnet's own loop up to 8 rows, the first steps (64 rows) run the

@@ -173,6 +173,7 @@ class _Module:
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
         self.chunk_stages = frozenset()  # the top-level net's products run by chunks of steps
         self.chunks = []  # their _Chunk, once deferred by _hoist
+        self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
 
     def fresh(self, base):
         self.counter += 1
@@ -235,6 +236,7 @@ def generate_source(program: ir.Program):
     module, values = _Module(), {}
     params, top_inputs = _program_inputs(module, program, values)
     module.chunk_stages = _chunked_products(sched)
+    module.output_rows = _outputs_over_rows(module, program, values)
     _hoist(_Ctx(module, values, "hoist", module.prologue), sched)
     seqs = ir.rnn_parts(program.eqn)[0]
     top_levels = values[seqs[0]].levels
@@ -365,6 +367,26 @@ def _program_inputs(module, program, values):
 
 # ----------------------------------------------------------------------------
 # hoisting: the const and hoisted stages of every body, in the prologue
+
+
+def _outputs_over_rows(module, program, values):
+    """``{step value: its all-steps output's buffer}`` for the top-level
+    net's dense all-steps outputs, made here (before the hoisted stages): a
+    value computed before the loop over the rows of a one-level step input
+    (every step input has its rows) is then computed into the output's
+    buffer (``_new_array``), not copied there step by step. A value given as
+    two outputs fills the first."""
+    eqn = program.eqn
+    seqs = ir.rnn_parts(eqn)[0]
+    if not all(v.lod_depth == 1 for v in seqs):
+        return {}
+    _all_steps_arrays(_Ctx(module, values, "program", []), eqn)
+    rows = {f"{values[v].data.ident}.shape[0]" for v in seqs}
+    found = {}
+    for out, res, all_steps in zip(eqn.outputs, eqn.attrs["body"].outputs, eqn.attrs["all_steps"]):
+        if all_steps and not res.lod_depth and res not in found:
+            found[res] = (values[out].data.ident, rows)
+    return found
 
 
 def _hoist(ctx, sched):
@@ -679,6 +701,9 @@ def _new_array(ctx, var, size=None):
         ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
         module.gargs.append(ident)
         info = _Info("const", ident, var)
+    elif ctx.mode == "hoist" and size in module.output_rows.get(var, ((), ()))[1]:
+        ident = module.output_rows.pop(var)[0]  # (an argument already)
+        info = _Info("global", ident, var, width=_width(var), size=size)
     elif ctx.mode == "hoist":
         ctx.lines.append(f"{ident} = np.empty({_shape(size, var.shape[1:])}, {dt})")
         module.gargs.append(ident)
@@ -975,7 +1000,7 @@ def _all_steps_arrays(ctx, eqn):
     """The global arrays of ``eqn``'s dense all-steps outputs, one row per entry."""
     body = eqn.attrs["body"]
     for out, res, all_steps in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"]):
-        if all_steps and not res.lod_depth:
+        if all_steps and not res.lod_depth and out not in ctx.values:  # (made once)
             level = _seq_levels(ctx, eqn)[0]
             ident = ctx.module.fresh("o")
             dt = f"np.{np.dtype(out.dtype).name}"
@@ -1329,6 +1354,8 @@ def _write_outputs(fctx, eqn, last_params):
             if res.lod_depth or res in fctx.fn.written:
                 continue  # written in place by the nested rnn or the fused loop
             oi = fctx.values[out].data
+            if ri.ident == oi.ident:
+                continue  # computed into the output before the loop (_outputs_over_rows)
             loops, idx = _loop_nest(res.shape, "step")
             lines += _nest(loops, [
                 f"{_ref(oi, idx, 'step', res.shape)} = {_ref(ri, idx, 'step', res.shape)}"
