@@ -262,22 +262,18 @@ def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
     blas.register_small_gemm(np.float64)
 
     @njit
-    def own(a, b, out, add):
-        blas._own_product(a, b, out, threads.ALONE, add)
+    def own(a, b, out):
+        blas._own_product(a, b, out, threads.ALONE)
 
     a = rng.standard_normal((6, 20))
     b = rng.standard_normal((20, 70))
     out = np.zeros((6, 140))
-    own(a, b, out[:, :70], False)  # a row block of a wider array: not C-contiguous
-    own(np.asfortranarray(a), b, out[:, 70:], False)
+    own(a, b, out[:, :70])  # a row block of a wider array: not C-contiguous
+    own(np.asfortranarray(a), b, out[:, 70:])
     np.testing.assert_allclose(out, np.hstack([a @ b, a @ b]), rtol=1e-12, atol=1e-12)
-    own(a, b, out[:, 70:], True)  # added to what the strided block holds
-    np.testing.assert_allclose(out, np.hstack([a @ b, 2 * (a @ b)]), rtol=1e-12, atol=1e-12)
     contiguous = np.empty((6, 70))
-    own(a, b, contiguous, False)
+    own(a, b, contiguous)
     np.testing.assert_allclose(contiguous, a @ b, rtol=1e-12, atol=1e-12)
-    own(a, b, contiguous, True)
-    np.testing.assert_allclose(contiguous, 2 * (a @ b), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("own_rows", [0, 1 << 20])

@@ -63,28 +63,9 @@ def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
         for lo, hi in [(0, 32), (32, n), (n - 32, n), ((n // 2 + 16) // 32 * 32, n),
                        (0, (n // 2 + 16) // 32 * 32), (7, 7 + 32)]:
             part = np.full((m, n), np.nan, np.float32)
-            blas.small_gemm_columns(a, b, part, lo, hi, False)
+            blas.small_gemm_columns(a, b, part, lo, hi)
             np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(m, k, n, lo))
             assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
-
-
-def test_small_gemm_columns_adding_equals_the_product_by_joined_rows_bit_for_bit(rng):
-    """With ``add``, each sum goes on from the output's value: a product
-    ``a_0 @ W_0`` then ``a_1 @ W_1`` added is ``[a_0, a_1] @ [W_0; W_1]``
-    bit for bit, on every path of the loop (1, 4, 5 and 6+ rows; a block
-    of 128, 64 or 32 columns, fewer than 32), for any range of columns."""
-    for m, k0, k1, n in [(1, 16, 40, 384), (1, 8, 8, 96), (4, 30, 10, 64), (5, 17, 3, 300),
-                         (9, 8, 24, 96), (32, 64, 64, 256), (200, 12, 20, 40), (7, 5, 6, 20)]:
-        a = rng.standard_normal((m, k0 + k1)).astype(np.float32)
-        b = rng.standard_normal((k0 + k1, n)).astype(np.float32)
-        joined = np.empty((m, n), np.float32)
-        blas.small_gemm(a, b, joined)
-        for lo, hi in [(0, n), (n - min(n, 32), n)]:
-            parts = np.full((m, n), np.nan, np.float32)
-            blas.small_gemm_columns(np.ascontiguousarray(a[:, :k0]), b[:k0], parts, lo, hi, False)
-            blas.small_gemm_columns(np.ascontiguousarray(a[:, k0:]), b[k0:], parts, lo, hi, True)
-            np.testing.assert_array_equal(parts[:, lo:hi], joined[:, lo:hi], err_msg=(m, n, lo))
-            assert np.isnan(parts[:, :lo]).all() and np.isnan(parts[:, hi:]).all()
 
 
 @pytest.mark.parametrize("m, k, n, own", [(1, 128, 384, True), (4, 96, 192, True),

@@ -129,17 +129,16 @@ _U32 = np.uint64(32)
 def small_gemm(a, b, out):
     """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous): ``small_gemm_columns``
     over every column."""
-    small_gemm_columns(a, b, out, 0, b.shape[1], False)
+    small_gemm_columns(a, b, out, 0, b.shape[1])
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _columns_outer(a, b, out, lo, hi, add):
+def _columns_outer(a, b, out, lo, hi):
     """small_gemm_columns for 6 rows or more: by panels of ``_PANEL_ROWS``
     rows (kept in cache while the weights pass over them), each block of 32
     columns (the last one ending at ``hi``) in turn over the panel's rows in
     blocks of 6 (the last one ending at the panel's last row: it writes the
-    rows it shares with the one before again, with the same values; adding,
-    it writes only its rows and columns that the blocks before did not)."""
+    rows it shares with the one before again, with the same values)."""
     m = a.shape[0]
     k = b.shape[0]
     zero = out.dtype.type(0)
@@ -152,13 +151,8 @@ def _columns_outer(a, b, out, lo, hi, add):
             j0 = np.uint64(min(end, hi) - 32)
             for block in range(first, last, 6):
                 i = min(block, last - 6)
-                if add:
-                    for r in range(6):
-                        for jj in range(_U32):
-                            acc[32 * r + jj] = out[i + r, j0 + jj]
-                else:
-                    for jj in range(192):
-                        acc[jj] = zero
+                for jj in range(192):
+                    acc[jj] = zero
                 for kk in range(k):
                     x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
                     x3, x4, x5 = a[i + 3, kk], a[i + 4, kk], a[i + 5, kk]
@@ -170,21 +164,15 @@ def _columns_outer(a, b, out, lo, hi, add):
                         acc[96 + jj] += x3 * w
                         acc[128 + jj] += x4 * w
                         acc[160 + jj] += x5 * w
-                # (adding: rows above max(block, panel) and columns before
-                # end - 32 hold their sums already)
-                skip_rows = max(block, panel) - i if add else 0
-                skip_columns = np.uint64(end - min(end, hi) if add else 0)
-                for r in range(skip_rows, 6):
-                    for jj in range(skip_columns, _U32):
+                for r in range(6):
+                    for jj in range(_U32):
                         out[i + r, j0 + jj] = acc[32 * r + jj]
             end += 32
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def small_gemm_columns(a, b, out, lo, hi, add):
-    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous), or
-    with ``add`` out[:m, lo:hi] += that (each sum starting from out's value,
-    as the one sum of a product by the weights joined by rows), as
+def small_gemm_columns(a, b, out, lo, hi):
+    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous) as
     stepnet's own loop:
     a block of 6 rows x 32 columns of ``out`` (under 6 rows, 4 x 32, then
     1 row x 128, or x 64 where no more columns are left: enough independent
@@ -209,13 +197,13 @@ def small_gemm_columns(a, b, out, lo, hi, add):
     if hi - lo < 32:  # narrower than a block: one sum at a time
         for i in range(m):
             for j in range(lo, hi):
-                s = out[i, j] if add else zero
+                s = zero
                 for kk in range(k):
                     s += a[i, kk] * b[kk, j]
                 out[i, j] = s
         return
     if m >= 6:
-        _columns_outer(a, b, out, lo, hi, add)
+        _columns_outer(a, b, out, lo, hi)
         return
     i = 0
     while i < m:
@@ -227,13 +215,9 @@ def small_gemm_columns(a, b, out, lo, hi, add):
             # rows, not gathers
             j0 = np.uint64(min(end, hi) - 32)
             j1 = np.uint64(min(end + 32, hi) - 32)
-            # adding, the columns before end - 32 hold their sums already:
-            # the first ones of a block ending at hi are not written again
-            skip0 = np.uint64(end - min(end, hi) if add else 0)
             if rows == 4:
-                for r in range(4):
-                    for jj in range(_U32):
-                        acc[32 * r + jj] = out[i + r, j0 + jj] if add else zero
+                for jj in range(128):
+                    acc[jj] = zero
                 for kk in range(k):
                     x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
                     for jj in range(_U32):
@@ -243,17 +227,14 @@ def small_gemm_columns(a, b, out, lo, hi, add):
                         acc[64 + jj] += x2 * w
                         acc[96 + jj] += x3 * w
                 for r in range(4):
-                    for jj in range(skip0, _U32):
+                    for jj in range(_U32):
                         out[i + r, j0 + jj] = acc[32 * r + jj]
                 end += 32
             elif hi - end > 32:  # more than two blocks left: four at a time
                 j2 = np.uint64(min(end + 64, hi) - 32)
                 j3 = np.uint64(min(end + 96, hi) - 32)
-                for jj in range(_U32):
-                    acc[jj] = out[i, j0 + jj] if add else zero
-                    acc[32 + jj] = out[i, j1 + jj] if add else zero
-                    acc[64 + jj] = out[i, j2 + jj] if add else zero
-                    acc[96 + jj] = out[i, j3 + jj] if add else zero
+                for jj in range(128):
+                    acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
                     for jj in range(_U32):
@@ -268,18 +249,15 @@ def small_gemm_columns(a, b, out, lo, hi, add):
                     out[i, j3 + jj] = acc[96 + jj]
                 end += 128
             else:
-                for jj in range(_U32):
-                    acc[jj] = out[i, j0 + jj] if add else zero
-                    acc[32 + jj] = out[i, j1 + jj] if add else zero
+                for jj in range(64):
+                    acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
                     for jj in range(_U32):
                         acc[jj] += x * b[kk, j0 + jj]
                         acc[32 + jj] += x * b[kk, j1 + jj]
-                skip1 = np.uint64(max(end - min(end + 32, hi), 0) if add else 0)
-                for jj in range(skip0, _U32):
+                for jj in range(_U32):
                     out[i, j0 + jj] = acc[jj]
-                for jj in range(skip1, _U32):
                     out[i, j1 + jj] = acc[32 + jj]
                 end += 64
         i += rows
@@ -477,8 +455,8 @@ def pack(b, max_rows, small_rows, board):
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
 # is compiled once (and cached on disk), not again inside every kernel
 _OWN_SYMBOLS = {"float32": "stepnet_small_sgemm", "float64": "stepnet_small_dgemm"}
-# (a, m, k, n, b, out, board, add): _own_shared, a board's address its seventh argument
-_own_calls = {name: _extern(symbol, "pzzzpppz") for name, symbol in _OWN_SYMBOLS.items()}
+# (a, m, k, n, b, out, board): _own_shared, a board's address its last argument
+_own_calls = {name: _extern(symbol, "pzzzppp") for name, symbol in _OWN_SYMBOLS.items()}
 _OWN_LOCK = threading.Lock()
 _own_entries = {}  # dtype name -> the cfunc, once its symbol is known to LLVM
 
@@ -497,10 +475,10 @@ def register_small_gemm(dtype) -> None:
         pointer = types.CPointer(element)
 
         @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer,
-                          types.CPointer(types.int64), types.int64), cache=True)
-        def entry(a, m, k, n, b, out, board, add):
+                          types.CPointer(types.int64)), cache=True)
+        def entry(a, m, k, n, b, out, board):
             _own_shared(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)),
-                        carray(board, threads.BOARD_SIZE), add != 0)
+                        carray(board, threads.BOARD_SIZE))
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
@@ -534,22 +512,21 @@ _WAIT_BALANCED = 100
 
 
 @njit(cache=True, nogil=True)
-def _own_shared(a, b, out, board, add):
-    """out[:m] = a[:m] @ b (``add``: out[:m] += that) by small_gemm, cut by
-    columns on ``board`` (the body of small_gemm's C entry: compiled once,
-    not in every kernel)."""
+def _own_shared(a, b, out, board):
+    """out[:m] = a[:m] @ b by small_gemm, cut by columns on ``board`` (the
+    body of small_gemm's C entry: compiled once, not in every kernel)."""
     m, k = a.shape
     n = b.shape[1]
     if board[threads.SHARES] == 0 or k * n < SHARE_OWN_WORK or n < 64:
-        small_gemm_columns(a, b, out, np.int64(0), n, add)  # (the types of the parts' jobs:
+        small_gemm_columns(a, b, out, np.int64(0), n)  # (the types of the parts' jobs:
         return  # one compile)
     # whole blocks of 32 on each side: half, moved by the blocks the balance
     # says (a column's values do not depend on the side that computes it)
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = threads.run_jobs(board, job_of(small_gemm_columns, (a, b, out, 0, cut, add)),
-                              job_of(small_gemm_columns, (a, b, out, cut, n, add)), True)
+    waited = threads.run_jobs(board, job_of(small_gemm_columns, (a, b, out, 0, cut)),
+                              job_of(small_gemm_columns, (a, b, out, cut, n)), True)
     if waited < 0:  # (not shared: both parts computed here)
         return
     if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
@@ -558,33 +535,31 @@ def _own_shared(a, b, out, board, add):
         board[threads.BALANCE] = shift - 1
 
 
-def _own_product(a, b, out, board, add):
-    """out[:m] = a[:m] @ b (``add``: out[:m] += that) by ``small_gemm``'s C
-    entry (``register_small_gemm``), cut by columns on ``board``."""
+def _own_product(a, b, out, board):
+    """out[:m] = a[:m] @ b by ``small_gemm``'s C entry (``register_small_gemm``),
+    cut by columns on ``board``."""
 
 
 @overload(_own_product)
-def _own_product_for(a, b, out, board, add):
+def _own_product_for(a, b, out, board):
     call = _own_calls.get(str(a.dtype))
     if call is None:
         return None
 
     if a.layout == "C" and b.layout == "C" and out.layout == "C":
-        def own_product(a, b, out, board, add):
+        def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
                 call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data,
-                      board.ctypes.data, 1 if add else 0))
+                      board.ctypes.data))
     else:  # (arrays not known to be C-contiguous: on C-contiguous copies)
-        def own_product(a, b, out, board, add):
+        def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
                 a_c, b_c = np.ascontiguousarray(a), np.ascontiguousarray(b)
                 out_c = np.empty((m, b.shape[1]), out.dtype)
-                if add:
-                    out_c[:] = out[:m]
                 call((a_c.ctypes.data, m, k, b.shape[1], b_c.ctypes.data, out_c.ctypes.data,
-                      board.ctypes.data, 1 if add else 0))
+                      board.ctypes.data))
                 out[:m] = out_c
 
     return own_product
@@ -611,7 +586,12 @@ def _library_gemm(a, b, out, beta):
 def _hoisted(a, b, out, small_rows, board, add):
     """gemm_hoisted (``add``: gemm_hoisted_acc)."""
     if a.shape[0] <= own_rows(small_rows, b.shape[0], b.shape[1]):
-        _own_product(a, b, out, board, add)
+        if add:  # (the own loop writes its product: added from a copy)
+            part = np.empty_like(out[:a.shape[0]])
+            _own_product(a, b, part, board)
+            out[:a.shape[0]] += part
+        else:
+            _own_product(a, b, out, board)
         return
     m, k = a.shape
     n = b.shape[1]
@@ -638,8 +618,7 @@ def gemm_hoisted(a, b, out, small_rows, board):
 @njit(cache=True)
 def gemm_hoisted_acc(a, b, out, small_rows, board):
     """out[:m] += a[:m] @ b, as ``gemm_hoisted`` (the parts after the first
-    of a product of joined values, ``sum a_i @ W_i``: each of stepnet's own
-    sums goes on from out's value, as the one sum over the joined rows)."""
+    of a product of values joined by columns, ``sum a_i @ W_i``)."""
     _hoisted(a, b, out, small_rows, board, True)
 
 
@@ -683,7 +662,7 @@ def gemm_packed(a, prepared, k, n, out):
     product); shared with the helper on ``board``."""
     board = prepared[3]
     if a.shape[0] <= prepared[2]:
-        _own_product(a, prepared[1], out, board, False)
+        _own_product(a, prepared[1], out, board)
     elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
         gemm(a, prepared[1], out)
     else:
@@ -721,7 +700,7 @@ def _repeat_products(a, prepared, out, own, reps, board):
     k, n = prepared[1].shape
     for _ in range(reps):
         if own:
-            _own_product(a, prepared[1], out, board, False)
+            _own_product(a, prepared[1], out, board)
         else:
             _library_product(a, prepared, k, n, out)
 
