@@ -383,22 +383,27 @@ else:
 
 
 
+@njit(cache=True, nogil=True)
+def _library_gemm(a, b, out, beta):
+    """out[:m] = a[:m] @ b + beta * out[:m] by the library (``a`` C-contiguous,
+    ``b`` rows of a C-contiguous array), on the calling thread."""
+    m, k = a.shape
+    if m > 0:
+        _row_major_gemm(_A, m, b.shape[1], k, a, k, b, out, beta)
+
+
 @njit(cache=True)
 def gemm(a, b, out):
     """out[:m] = a[:m] @ b for C-contiguous 2-D float32 or float64 arrays, on
     the calling thread."""
-    m, k = a.shape
-    if m > 0:
-        _row_major_gemm(_A, m, b.shape[1], k, a, k, b, out, 0.0)
+    _library_gemm(a, b, out, 0.0)
 
 
 @njit(cache=True)
 def gemm_acc(a, b, out):
     """out[:m] += a[:m] @ b (``a`` C-contiguous, ``b`` rows of a C-contiguous
     array), on the calling thread."""
-    m, k = a.shape
-    if m > 0:
-        _row_major_gemm(_A, m, b.shape[1], k, a, k, b, out, 1.0)
+    _library_gemm(a, b, out, 1.0)
 
 
 @njit(cache=True, nogil=True)
@@ -574,14 +579,6 @@ def _row_cut(m, k, n, board):
     return m // 2
 
 
-@njit(cache=True, nogil=True)
-def _library_gemm(a, b, out, beta):
-    """out[:m] = a[:m] @ b + beta * out[:m] by the library, on the calling thread."""
-    m, k = a.shape
-    if m > 0:
-        _row_major_gemm(_A, m, b.shape[1], k, a, k, b, out, beta)
-
-
 @njit(cache=True)
 def _hoisted(a, b, out, small_rows, board, add):
     """gemm_hoisted (``add``: gemm_hoisted_acc)."""
@@ -736,9 +733,10 @@ def single_thread_seconds(m, k, n, rounds=5):
     reps = max(5, min(200, 50_000_000 // (m * k * n)))
     best = {}
     for _ in range(rounds):
-        timed = {"stepnet's own loop": _time_small_and_library(m, k, n)[0]}
-        timed.update((name, s[0]) for name, s in measure(libraries, ((m, k, n, reps, 1),)).items())
-        for name, seconds in timed.items():
+        own, chosen = _time_small_and_library(m, k, n)  # (the chosen library's too)
+        timed = [("stepnet's own loop", own), (BLAS_NAME, chosen)]
+        timed += [(name, s[0]) for name, s in measure(libraries, ((m, k, n, reps, 1),)).items()]
+        for name, seconds in timed:
             best[name] = min(best.get(name, float("inf")), seconds)
     return best
 

@@ -174,6 +174,7 @@ class _Module:
         self.chunk_stages = frozenset()  # the top-level net's products run by chunks of steps
         self.chunks = []  # their _Chunk, once deferred by _hoist
         self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
+        self.step_rows = set()  # the row counts of the top-level step inputs (expressions)
 
     def fresh(self, base):
         self.counter += 1
@@ -236,7 +237,7 @@ def generate_source(program: ir.Program):
     module, values = _Module(), {}
     params, top_inputs = _program_inputs(module, program, values)
     module.chunk_stages = _chunked_products(sched)
-    module.output_rows = _outputs_over_rows(module, program, values)
+    _outputs_over_rows(module, program, values)
     _hoist(_Ctx(module, values, "hoist", module.prologue), sched)
     seqs = ir.rnn_parts(program.eqn)[0]
     top_levels = values[seqs[0]].levels
@@ -370,23 +371,21 @@ def _program_inputs(module, program, values):
 
 
 def _outputs_over_rows(module, program, values):
-    """``{step value: its all-steps output's buffer}`` for the top-level
-    net's dense all-steps outputs, made here (before the hoisted stages): a
-    value computed before the loop over the rows of a one-level step input
-    (every step input has its rows) is then computed into the output's
-    buffer (``_new_array``), not copied there step by step. A value given as
-    two outputs fills the first."""
+    """``module.output_rows``, ``{step value: its all-steps output's buffer}``
+    for the top-level net's dense all-steps outputs, made here (before the
+    hoisted stages), and ``module.step_rows``: a value computed before the
+    loop over the rows of a one-level step input (every step input has its
+    rows) is then computed into the output's buffer (``_new_array``), not
+    copied there step by step. A value given as two outputs fills the first."""
     eqn = program.eqn
     seqs = ir.rnn_parts(eqn)[0]
     if not all(v.lod_depth == 1 for v in seqs):
-        return {}
+        return
     _all_steps_arrays(_Ctx(module, values, "program", []), eqn)
-    rows = {f"{values[v].data.ident}.shape[0]" for v in seqs}
-    found = {}
+    module.step_rows = {f"{values[v].data.ident}.shape[0]" for v in seqs}
     for out, res, all_steps in zip(eqn.outputs, eqn.attrs["body"].outputs, eqn.attrs["all_steps"]):
-        if all_steps and not res.lod_depth and res not in found:
-            found[res] = (values[out].data.ident, rows)
-    return found
+        if all_steps and not res.lod_depth:
+            module.output_rows.setdefault(res, values[out].data.ident)
 
 
 def _hoist(ctx, sched):
@@ -701,8 +700,8 @@ def _new_array(ctx, var, size=None):
         ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
         module.gargs.append(ident)
         info = _Info("const", ident, var)
-    elif ctx.mode == "hoist" and size in module.output_rows.get(var, ((), ()))[1]:
-        ident = module.output_rows.pop(var)[0]  # (an argument already)
+    elif ctx.mode == "hoist" and var in module.output_rows and size in module.step_rows:
+        ident = module.output_rows.pop(var)  # (an argument already)
         info = _Info("global", ident, var, width=_width(var), size=size)
     elif ctx.mode == "hoist":
         ctx.lines.append(f"{ident} = np.empty({_shape(size, var.shape[1:])}, {dt})")
