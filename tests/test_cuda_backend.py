@@ -191,6 +191,21 @@ def test_source_is_printable():
     assert set().union(*stages) == set(every)
 
 
+def test_a_steps_copies_of_one_width_are_one_stage():
+    """The outputs and the memory update at the end of a step (all of the
+    memory's width) are one stage kernel: one launch a step on the per-stage
+    path, one grid-wide sync in the persistent kernel."""
+    X = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float32), [[3]])
+    source = _gated_cell(X).compile("cuda").source
+    kernels = source.split("@cuda.jit")
+    step = [k for k in kernels if k.startswith("\ndef step")]
+    copies = [k for k in step if "mem0[i, j] =" in k]
+    assert len(copies) == 1, step
+    assert "out0[off + i, j] =" in copies[0] and "out1[off + i, j] =" in copies[0]
+    persistent = next(k for k in kernels if k.startswith("\ndef persistent("))
+    assert persistent.count("grid.sync()") == len(step)
+
+
 def _three_levels(r):
     lengths = [[2, 0, 3], [2, 1, 0, 2, 1], [1, 3, 2, 0, 2, 1]]
     return sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), lengths)
