@@ -535,6 +535,35 @@ def stepnet_custom_train_inference(wl):
     return _with_info(run, role="inference")
 
 
+@peer("stepnet", ["W9"], "stepnet.jax: jax.jit(jax.grad) over the step-net")
+def stepnet_custom_train_jax(wl):
+    """W9 from JAX: the step-net as ``stepnet.jax.function``, ``loss = sum(Y *
+    dY)`` under ``jax.jit(jax.grad)``: a forward callback keeping its
+    workspace, then the backward's (the pullback)."""
+    import jax
+
+    import stepnet.jax
+
+    t = _SnCustomTraining.of(wl)
+    f = stepnet.jax.function(t.rnn, backend="numba")
+    lengths = np.asarray(wl.lengths)
+    dY = jax.numpy.asarray(wl.extra["dY"])
+
+    def loss(p, x):
+        Y = f(p, x=(x, lengths))
+        return jax.numpy.sum(Y * dY), Y
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    args = (f.params, jax.numpy.asarray(wl.x))
+
+    def run():
+        (dp, dx), Y = jax.block_until_ready(fn(*args))
+        Y = np.asarray(Y)
+        return Y, Y[np.arange(len(lengths)), lengths - 1], lambda: {**dp, "x": np.asarray(dx)}
+
+    return _with_info(run, role="step")
+
+
 # ============================================================================
 # torch
 

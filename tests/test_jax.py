@@ -1,0 +1,223 @@
+"""stepnet.jax: layers and step-nets as JAX functions under jit, grad and vmap,
+against a plain JAX loop (lax.scan) and stepnet's own pullback."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+import stepnet as sn  # noqa: E402
+from nets import nested_encoder  # noqa: E402
+import stepnet.jax as sj  # noqa: E402
+from stepnet.errors import ShapeError, StepNetError, UnsupportedError  # noqa: E402
+
+LENGTHS = np.array([5, 2, 0, 4])
+
+
+def _padded(rng, *features, steps=5):
+    return rng.standard_normal((len(LENGTHS), steps) + features).astype(np.float32)
+
+
+def _tanh_net(rng):
+    """h = tanh(x @ W + h.pre @ U + b * s): a LoD input, a static input s [B, 1],
+    an initial memory; outputs every h and the last h."""
+    W = sn.Parameter((rng.standard_normal((3, 4)) * 0.5).astype(np.float32), name="W")
+    U = sn.Parameter((rng.standard_normal((4, 4)) * 0.5).astype(np.float32), name="U")
+    b = sn.Parameter((rng.standard_normal(4) * 0.1).astype(np.float32), name="b")
+    X = sn.LoDTensor.from_padded(_padded(rng, 3), LENGTHS)
+    rnn = sn.create_rnn_op(output_num=2)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        s = rnn.add_static_input(np.ones((len(LENGTHS), 1), np.float32), name="s")
+        h = rnn.add_memory(init=np.zeros((len(LENGTHS), 4), np.float32), name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U + b * s))
+        rnn.add_outputs(h, h)
+    return rnn
+
+
+def _tanh_scan(params, x, lengths, s, h0):
+    """The same net in JAX: a masked scan over time, batch-first in and out."""
+    def step(h, inputs):
+        xt, t = inputs
+        new = jnp.tanh(xt @ params["W"] + h @ params["U"] + params["b"] * s)
+        live = (t < lengths)[:, None]
+        h = jnp.where(live, new, h)
+        return h, jnp.where(live, new, 0.0)
+    steps = jnp.arange(x.shape[1])
+    last, ys = jax.lax.scan(step, h0, (jnp.swapaxes(x, 0, 1), steps))
+    return jnp.swapaxes(ys, 0, 1), last
+
+
+def test_a_step_net_under_jit_and_grad_equals_a_jax_scan():
+    rng = np.random.default_rng(0)
+    rnn = _tanh_net(rng)
+    f = sj.function(rnn, output_all_steps=[True, False])
+    params = f.params
+    assert sorted(params) == ["U", "W", "b"]
+    x = _padded(rng, 3)
+    s = rng.standard_normal((len(LENGTHS), 1)).astype(np.float32)
+    h0 = rng.standard_normal((len(LENGTHS), 4)).astype(np.float32)
+    R = rng.standard_normal((len(LENGTHS), 5, 4)).astype(np.float32)
+    S = rng.standard_normal((len(LENGTHS), 4)).astype(np.float32)
+
+    ys, last = jax.jit(lambda p, x, s, h0: f(p, x=(x, LENGTHS), s=s, h=h0))(params, x, s, h0)
+    ys_ref, last_ref = _tanh_scan(params, x, LENGTHS, s, h0)
+    np.testing.assert_allclose(ys, ys_ref, atol=1e-5)
+    np.testing.assert_allclose(last, last_ref, atol=1e-5)
+    assert np.all(np.asarray(ys)[2] == 0) and np.all(np.asarray(ys)[1, 2:] == 0)
+
+    def loss(fn):
+        def value(p, x, s, h0):
+            ys, last = fn(p, x, s, h0)
+            return (ys * R).sum() + (last * S).sum()
+        return value
+
+    ours = jax.jit(jax.grad(loss(lambda p, x, s, h0: f(p, x=(x, LENGTHS), s=s, h=h0)),
+                            argnums=(0, 1, 2, 3)))(params, x, s, h0)
+    ref = jax.grad(loss(lambda p, x, s, h0: _tanh_scan(p, x, LENGTHS, s, h0)),
+                   argnums=(0, 1, 2, 3))(params, x, s, h0)
+    for name in params:
+        np.testing.assert_allclose(ours[0][name], ref[0][name], rtol=1e-4, atol=1e-5)
+    for got, want in zip(ours[1:], ref[1:]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_layer_equals_the_layer_and_its_pullback():
+    rng = np.random.default_rng(1)
+    layer = sn.nn.GRU(3, 4, num_layers=2, direction="bidirectional_concat", seed=2)
+    f = sj.function(layer)
+    params = f.params
+    x = _padded(rng, 3)
+    y, h_n = f(params, x, LENGTHS)
+    Y, H = layer((x, LENGTHS))
+    np.testing.assert_array_equal(y, Y)
+    np.testing.assert_array_equal(h_n, H)
+
+    R = rng.standard_normal(y.shape).astype(np.float32)
+    S = rng.standard_normal(h_n.shape).astype(np.float32)
+    h0 = rng.standard_normal(h_n.shape).astype(np.float32)
+
+    def loss(p, x, h0):
+        y, h_n = f(p, x, LENGTHS, h0)
+        return (y * R).sum() + (h_n * S).sum()
+
+    g, gx, gh0 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, h0)
+    X = sn.LoDTensor.from_padded(x, LENGTHS)
+    _, pullback = sn.vjp(layer, X, h0)
+    want = pullback([sn.LoDTensor.from_padded(R, LENGTHS).data, S],
+                    wrt=["X", "h0"] + layer.parameters())
+    np.testing.assert_allclose(gx, sn.LoDTensor(want[0], X.levels).to_padded(steps=5)[0],
+                               rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(gx)[2] == 0)  # no gradient to the padding
+    np.testing.assert_allclose(gh0, want[1], rtol=1e-5, atol=1e-6)
+    for name, w in zip(f.names, want[2:]):
+        np.testing.assert_allclose(g[name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_lstm_states_and_augru_scores_get_gradients():
+    rng = np.random.default_rng(3)
+    lstm = sn.nn.LSTM(3, 4, seed=4)
+    f = sj.function(lstm)
+    x = _padded(rng, 3)
+    h0, c0 = (rng.standard_normal((1, len(LENGTHS), 4)).astype(np.float32) for _ in range(2))
+    y, (h_n, c_n) = f(f.params, x, LENGTHS, (h0, c0))
+    Y, (H, C) = lstm((x, LENGTHS), (h0, c0))
+    np.testing.assert_array_equal(c_n, C)
+
+    def loss(h0, c0):
+        y, (h_n, c_n) = f(f.params, x, LENGTHS, (h0, c0))
+        return y.sum() + c_n.sum()
+
+    gh, gc = jax.grad(loss, argnums=(0, 1))(h0, c0)
+    _, pullback = sn.vjp(lstm, sn.LoDTensor.from_padded(x, LENGTHS), (h0, c0))
+    want = pullback([np.ones((LENGTHS.sum(), 4), np.float32), np.zeros_like(H),
+                     np.ones_like(C)], wrt=["h0", "c0"])
+    np.testing.assert_allclose(gh, want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gc, want[1], rtol=1e-5, atol=1e-6)
+
+    augru = sn.nn.AUGRU(3, 4, seed=5)
+    g = sj.function(augru)
+    scores = rng.uniform(size=(len(LENGTHS), 5)).astype(np.float32)
+    y, _ = g(g.params, x, scores, LENGTHS)
+    Y, _ = augru((x, LENGTHS), (scores, LENGTHS))
+    np.testing.assert_array_equal(y, Y)
+    da = jax.grad(lambda a: g(g.params, x, a, LENGTHS)[0].sum())(scores)
+    assert da.shape == scores.shape and np.all(np.asarray(da)[2] == 0)
+    assert np.abs(np.asarray(da)[0]).max() > 0
+
+
+def test_vmap_and_the_nets_parameters_are_left_as_they_were():
+    rng = np.random.default_rng(6)
+    layer = sn.nn.RNN(3, 4, seed=7)
+    f = sj.function(layer)
+    before = [p.value.copy() for p in layer.parameters()]
+    params = {k: v * 2 for k, v in f.params.items()}
+    xs = np.stack([_padded(rng, 3), _padded(rng, 3)])
+    batched = jax.vmap(lambda x: f(params, x, LENGTHS)[0])(xs)
+    for k in range(2):
+        np.testing.assert_array_equal(batched[k], f(params, xs[k], LENGTHS)[0])
+    for p, b in zip(layer.parameters(), before):
+        np.testing.assert_array_equal(p.value, b)
+    # lengths traced under jit: checked when the call runs, on the host
+    traced = jax.jit(lambda x, lengths: f(params, x, lengths)[0])(xs[0], LENGTHS)
+    np.testing.assert_array_equal(traced, f(params, xs[0], LENGTHS)[0])
+    assert not np.array_equal(f(params, xs[0], LENGTHS)[0], f(f.params, xs[0], LENGTHS)[0])
+
+
+def test_errors_name_what_is_wrong():
+    rng = np.random.default_rng(8)
+    layer = sn.nn.GRU(3, 4, seed=9)
+    f = sj.function(layer)
+    x = _padded(rng, 3)
+    params = f.params
+    with pytest.raises(StepNetError, match="missing.*l0_fwd_W_z"):
+        f({k: v for k, v in params.items() if k != "l0_fwd_W_z"}, x)
+    with pytest.raises(ShapeError, match=r"params\['l0_fwd_W_z'\]: has shape \[4, 4\]"):
+        f({**params, "l0_fwd_W_z": np.zeros((4, 4), np.float32)}, x)
+    with pytest.raises(ShapeError, match=r"lengths\[0\] = 6 is outside \[0, 5\]"):
+        f(params, x, np.array([6, 1, 1, 1]))
+    with pytest.raises(ShapeError, match="padded batch-first"):
+        f(params, x[0])
+    with pytest.raises(StepNetError, match="expects a stepnet.nn layer or a step-net"):
+        sj.function(object())
+    rnn = _tanh_net(rng)
+    with pytest.raises(StepNetError, match="by name"):
+        sj.function(rnn)(sj.function(rnn).params, x)
+    chapters = nested_encoder(rng)
+    with pytest.raises(UnsupportedError, match="one level"):
+        f = sj.function(chapters.rnn)
+        f(f.params, X=np.ones((1, 2, 3), np.float32))
+
+
+def test_a_backward_takes_its_forwards_pullback_or_runs_the_forward_again():
+    """The forward run for a gradient keeps its pullback until the backward
+    takes it; a backward whose pullback is gone (taken by an earlier call of
+    the same vjp, or dropped past KEPT_PULLBACKS pending forwards) runs the
+    forward again, to the same gradients."""
+    rng = np.random.default_rng(10)
+    layer = sn.nn.GRU(3, 4, seed=11)
+    f = sj.function(layer)
+    x = _padded(rng, 3)
+    R = rng.standard_normal((len(LENGTHS), 5, 4)).astype(np.float32)
+
+    def y(p, x):
+        return f(p, x, LENGTHS)[0]
+
+    _, first = jax.vjp(y, f.params, x)
+    assert len(f._kept) == 1
+    want = first(R)
+    assert len(f._kept) == 0
+    again = first(R)  # its pullback taken: the forward runs again
+    scales = [1.0] + [0.5 * k for k in range(1, sj.KEPT_PULLBACKS + 1)]
+    pending = [jax.vjp(y, f.params, x * c)[1] for c in scales]
+    assert len(f._kept) == sj.KEPT_PULLBACKS
+    dropped = pending[0](R)  # the oldest was dropped
+    kept = pending[-1](R)  # each kept pullback is its own forward's
+    fresh = jax.vjp(y, f.params, x * scales[-1])[1](R)
+    for got, expected in ((again, want), (dropped, want), (kept, fresh)):
+        for name in f.names:
+            np.testing.assert_allclose(got[0][name], expected[0][name], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(kept[1], want[1])
+    assert layer._workspace is None
