@@ -11,7 +11,7 @@ import pytest
 
 import stepnet as sn
 from conftest import assert_close
-from stepnet.jit import blas_choice, numba_cpu
+from stepnet.jit import blas_choice, numba_cpu, threads
 
 
 def _gru(rng, lengths, features=8, hidden=16, levels=None):
@@ -34,7 +34,7 @@ def _gru(rng, lengths, features=8, hidden=16, levels=None):
 @pytest.fixture
 def split_everything(monkeypatch):
     """Every run with two or more sequences splits into groups."""
-    monkeypatch.setattr(numba_cpu, "_SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
     previous = numba.get_num_threads()
     yield
     numba.set_num_threads(previous)
@@ -448,3 +448,67 @@ print("bit for bit")
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bit for bit" in out.stdout
+
+
+def test_run_apart_gives_each_item_its_share_of_the_threads():
+    """threads.run_apart: the items at the same time, each seeing its share
+    of Numba's (per-thread) thread count, the results in order, the count
+    restored; with fewer threads than items, one after the other."""
+    previous = numba.get_num_threads()
+    try:
+        for count, share in ((2, 1), (1, 1)):
+            if count > numba.config.NUMBA_NUM_THREADS:
+                continue
+            numba.set_num_threads(count)
+            seen = threads.run_apart(lambda i: (i, numba.get_num_threads()), range(2))
+            assert seen == [(0, share), (1, share)]
+            assert numba.get_num_threads() == count
+        if numba.config.NUMBA_NUM_THREADS >= 2:
+            numba.set_num_threads(2)
+
+            def fails(i):
+                if i == 1:
+                    raise ValueError("direction 1")
+                return i
+
+            with pytest.raises(ValueError, match="direction 1"):
+                threads.run_apart(fails, range(2))
+            assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("combine", ["per_layer", "final"])
+def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, combine):
+    """On a compiled backend a bidirectional layer's two directions run at
+    once (threads.run_apart), forward and backward, to the interpreter's
+    results, where its rows are worth a thread (threads.SPLIT_MIN_WORK, set to
+    0 here, then above them); on the interpreter one after the other."""
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
+    calls = []
+    run_apart = threads.run_apart
+
+    def spy(fn, items):
+        items = list(items)
+        calls.append(items)
+        return run_apart(fn, items)
+
+    monkeypatch.setattr(threads, "run_apart", spy)
+    layer = sn.nn.LSTM(3, 4, num_layers=2, direction="bidirectional_concat", combine=combine,
+                       seed=1)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 3)).astype(np.float32), [[4, 0, 5]])
+    dY = rng.standard_normal((9, 8)).astype(np.float32)
+    results = {}
+    for backend in ("interpreter", "numba"):
+        calls.clear()
+        (Y, (h, c)), pullback = sn.vjp(layer, X, backend=backend)
+        grads = pullback([dY, None, None], wrt=["X"] + layer.parameters())
+        results[backend] = [Y.data, h, c] + list(grads)
+        expected = {"interpreter": 0, "numba": 2 if combine == "final" else 4}[backend]
+        assert len(calls) == expected and all(items == [0, 1] for items in calls)
+    for a, b in zip(results["numba"], results["interpreter"]):
+        assert_close(a, b, what="numba against the interpreter")
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 10 ** 9)  # too few rows: no thread handoff
+    calls.clear()
+    layer(X, backend="numba")
+    assert calls == []

@@ -1695,7 +1695,7 @@ class NumbaProgram:
         """Whether a run of ``num_sequences`` top-level sequences over ``rows``
         data rows of ``width`` elements runs on more than one thread (the work
         per row: the widest of that and of the values a step computes)."""
-        return num_sequences >= 2 and rows * max(width, self.work_width) >= _SPLIT_MIN_WORK \
+        return num_sequences >= 2 and rows * max(width, self.work_width) >= threads.SPLIT_MIN_WORK \
             and threads.count() >= 2  # (asking Numba for its threads costs microseconds)
 
     def run_prepared(self, const_args, args):
@@ -1847,8 +1847,6 @@ class NumbaProgram:
         return LoDTensor.concat(pieces)
 
 
-# a run with fewer data elements than this stays on one thread
-_SPLIT_MIN_WORK = 1 << 16
 # a stand-in of blas.small_rows_table()'s type, where only the kernel's
 # argument types are asked for (a call before the rows are measured)
 _SMALL_ROWS_TYPE = np.zeros((2, 1), np.int64)

@@ -65,6 +65,33 @@ def run_each(fn, items):
     return [fn(items[0])] + [f.result() for f in futures]
 
 
+# a run of fewer data elements (rows by the widest value a step computes) than
+# this stays on one Python thread: handing work to another costs tens of
+# microseconds on a virtual machine (NumbaProgram.splits; a layer's directions)
+SPLIT_MIN_WORK = 1 << 16
+
+
+def run_apart(fn, items):
+    """``[fn(item) for item in items]`` at the same time, each on its own
+    share of the threads (``count() // len(items)``: Numba's thread count is
+    per thread, and kernels read it), where there are as many threads as
+    items; else one after the other, each with every thread."""
+    items = list(items)
+    if len(items) <= 1 or count() < len(items):
+        return [fn(item) for item in items]
+    share = count() // len(items)
+
+    def on_share(item):
+        before = numba.get_num_threads()
+        numba.set_num_threads(share)
+        try:
+            return fn(item)
+        finally:
+            numba.set_num_threads(before)
+
+    return run_each(on_share, items)
+
+
 # -- the helper ------------------------------------------------------------------
 
 # a board's slots: the helper's state, the jobs it has run, whether kernels

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dsl
+from ..backends import default_backend
+from ..jit import threads
 from ..pullback import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
 from ..lod import LoDTensor
@@ -532,28 +534,37 @@ class _RecurrentLayer:
                 return ys[0].data + ys[1].data
             return np.concatenate([ys[0].data, ys[1].data], axis=1)
 
-        Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels))
+        apart = (backend or default_backend()) != "interpreter" and \
+            X.data.shape[0] * self.hidden_size >= threads.SPLIT_MIN_WORK
+        Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels), apart)
         return Y.data, states
 
-    def stack(self, X, run, combine):
+    def stack(self, X, run, combine, apart=False):
         """Run the stack on ``X``: ``run(layer, d, input)`` is one (layer,
         direction) step-net, ``combine(outputs)`` joins the directions.
         ``combine="per_layer"``: each layer reads the previous layer's combined
         directions; ``"final"``: each direction's whole stack runs on its own
-        and only the tops are combined."""
+        and only the tops are combined. With ``apart`` (compiled kernels, which
+        release the GIL, over enough rows to be worth a Python thread) the
+        directions run at the same time, each on half of the threads
+        (``threads.run_apart``): each kernel's products then take every
+        sequence's row, which runs them faster than half of them."""
         L, D = self.num_layers, self.num_directions
+        directions = (lambda fn: threads.run_apart(fn, range(D))) if apart else \
+            (lambda fn: [fn(d) for d in range(D)])
         if self.combine == "per_layer" or D == 1:
             inp = X
             for layer in range(L):
-                inp = combine([run(layer, d, inp) for d in range(D)])
+                inp = combine(directions(lambda d, layer=layer, inp=inp: run(layer, d, inp)))
             return inp
-        tops = []
-        for d in range(D):
+
+        def whole_stack(d):
             inp = X
             for layer in range(L):
                 inp = run(layer, d, inp)
-            tops.append(inp)
-        return combine(tops)
+            return inp
+
+        return combine(directions(whole_stack))
 
     def state_widths(self):
         """The width of each recurrent state: ``(H,)``; LSTM ``(H or proj, H)``."""
@@ -713,7 +724,7 @@ class LayerPullback:
             d_states.append(g)
         param_grads = {}
         d_init = [np.zeros((L * D, B, w), layer.dtype) for w in widths]
-        d_attention = []
+        d_attention = [0] * (L * D)  # (summed in this order: the same bits on every run)
         feeds = ["x"] + (["a"] if self.has_attention else []) + list(names)
 
         def pull(i, d, dy):
@@ -725,7 +736,7 @@ class LayerPullback:
                 param_grads[id(p)] = param_grads[id(p)] + g if id(p) in param_grads else g
             rest = grads[len(params):]
             if self.has_attention:
-                d_attention.append(rest.pop(1))
+                d_attention[i * D + d] = rest.pop(1)
             for s in range(len(widths)):
                 d_init[s][i * D + d] = rest[1 + s]
             return rest[0]
@@ -738,17 +749,28 @@ class LayerPullback:
             H = layer.output_size
             return [np.ascontiguousarray(dy[:, :H]), np.ascontiguousarray(dy[:, H:])]
 
+        # the directions at the same time, as the forward ran them (layer.stack)
+        apart = all((pb.backend or default_backend()) != "interpreter"
+                    for pb in self.tape.values()) and \
+            self.flat.data.shape[0] * layer.hidden_size >= threads.SPLIT_MIN_WORK
+        directions = (lambda fn: threads.run_apart(fn, range(D))) if apart else \
+            (lambda fn: [fn(d) for d in range(D)])
         dy = self._rows(grad_outputs[0])
         if layer.combine == "per_layer" or D == 1:
             for i in reversed(range(L)):
-                dy = sum(pull(i, d, part) for d, part in enumerate(split(dy)))
+                parts = split(dy)
+                dy = sum(directions(lambda d, i=i, parts=parts: pull(i, d, parts[d])))
             dX = dy
         else:
-            dX = 0
-            for d, part in enumerate(split(dy)):
+            parts = split(dy)
+
+            def whole_stack(d):
+                part = parts[d]
                 for i in reversed(range(L)):
                     part = pull(i, d, part)
-                dX = dX + part
+                return part
+
+            dX = sum(directions(whole_stack))
         found = []
         own = {id(p) for p in layer.parameters()}
         for item in wrt:
