@@ -480,7 +480,7 @@ def test_run_apart_gives_each_item_its_share_of_the_threads():
 
 @pytest.mark.parametrize("combine", ["per_layer", "final"])
 def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, combine):
-    """On a compiled backend a bidirectional layer's two directions run at
+    """On the Numba backend a bidirectional layer's two directions run at
     once (threads.run_apart), forward and backward, to the interpreter's
     results, where its rows are worth a thread (threads.SPLIT_MIN_WORK, set to
     0 here, then above them); on the interpreter one after the other."""

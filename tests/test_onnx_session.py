@@ -233,6 +233,36 @@ def test_random_recurrent_node_numba(op, seed):
     _check_random_node(op, seed, "numba")
 
 
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_a_bidirectional_nodes_directions_run_apart(op, monkeypatch):
+    """A bidirectional node over enough rows (threads.SPLIT_MIN_WORK, 0
+    here) runs its two directions at once (threads.run_apart), to
+    onnxruntime's results."""
+    from stepnet.jit import threads
+
+    calls = []
+    run_apart = threads.run_apart
+
+    def spy(fn, items):
+        calls.append(list(items))
+        return run_apart(fn, calls[-1])
+
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(threads, "run_apart", spy)
+    seeds = []
+    for seed in range(40):
+        node = random_recurrent_node(op, seed)[0].graph.node[0]
+        if any(a.name == "direction" and a.s == b"bidirectional" for a in node.attribute):
+            seeds.append(seed)
+        if len(seeds) == 2:
+            break
+    assert len(seeds) == 2
+    for seed in seeds:
+        calls.clear()
+        _check_random_node(op, seed, "numba")
+        assert calls == [[0, 1]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("op", ["GRU", "LSTM", "RNN"])
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)

@@ -534,7 +534,7 @@ class _RecurrentLayer:
                 return ys[0].data + ys[1].data
             return np.concatenate([ys[0].data, ys[1].data], axis=1)
 
-        apart = (backend or default_backend()) != "interpreter" and \
+        apart = (backend or default_backend()) == "numba" and \
             X.data.shape[0] * self.hidden_size >= threads.SPLIT_MIN_WORK
         Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels), apart)
         return Y.data, states
@@ -544,7 +544,7 @@ class _RecurrentLayer:
         direction) step-net, ``combine(outputs)`` joins the directions.
         ``combine="per_layer"``: each layer reads the previous layer's combined
         directions; ``"final"``: each direction's whole stack runs on its own
-        and only the tops are combined. With ``apart`` (compiled kernels, which
+        and only the tops are combined. With ``apart`` (Numba's kernels, which
         release the GIL, over enough rows to be worth a Python thread) the
         directions run at the same time, each on half of the threads
         (``threads.run_apart``): each kernel's products then take every
@@ -750,8 +750,7 @@ class LayerPullback:
             return [np.ascontiguousarray(dy[:, :H]), np.ascontiguousarray(dy[:, H:])]
 
         # the directions at the same time, as the forward ran them (layer.stack)
-        apart = all((pb.backend or default_backend()) != "interpreter"
-                    for pb in self.tape.values()) and \
+        apart = all((pb.backend or default_backend()) == "numba" for pb in self.tape.values()) and \
             self.flat.data.shape[0] * layer.hidden_size >= threads.SPLIT_MIN_WORK
         directions = (lambda fn: threads.run_apart(fn, range(D))) if apart else \
             (lambda fn: [fn(d) for d in range(D)])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dsl, nn
+from ..jit import threads
 from ..pullback import vjp
 from .. import ops as sn_ops
 from ..errors import Error, ShapeError
@@ -155,9 +156,15 @@ class RecurrentNode:
         if ctx.op != "LSTM":
             initial = initial[:1]
         directions = [self._direction(d, backend) for d in range(D)]
-        try:
-            results = [run(data, offsets, [None if s is None else s[d] for s in initial])
-                       for d, run in enumerate(directions)]
+
+        def run(d):
+            return directions[d](data, offsets, [None if s is None else s[d] for s in initial])
+
+        try:  # both directions at once where worth a thread, as a layer's (layers.stack)
+            if backend == "numba" and data.shape[0] * H >= threads.SPLIT_MIN_WORK:
+                results = threads.run_apart(run, range(D))
+            else:
+                results = [run(d) for d in range(D)]
         except Error as e:
             raise _reraise(ctx, e) from e
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
