@@ -224,6 +224,8 @@ class Function:
         token = jax.ShapeDtypeStruct((), np.int64 if jax.config.jax_enable_x64 else np.int32)
 
         def forward(values, arrays, lengths, keep=False):
+            if keep:  # the pullback outlives the callback: its own copies of what it reads
+                values, arrays = ([np.array(a) for a in group] for group in (values, arrays))
             with self._bound(values):
                 got = self._run(spec, arrays, lengths, self.backend, keep)
                 if keep:

@@ -460,9 +460,13 @@ def test_run_apart_gives_each_item_its_share_of_the_threads():
             if count > numba.config.NUMBA_NUM_THREADS:
                 continue
             numba.set_num_threads(count)
-            seen = threads.run_apart(lambda i: (i, numba.get_num_threads()), range(2))
+            seen = threads.run_apart(lambda i: (i, numba.get_num_threads()), range(2),
+                                     threads.SPLIT_MIN_WORK)
             assert seen == [(0, share), (1, share)]
             assert numba.get_num_threads() == count
+            small = threads.run_apart(lambda i: (i, numba.get_num_threads()), range(2),
+                                      threads.SPLIT_MIN_WORK - 1)
+            assert small == [(0, count), (1, count)]  # one after the other
         if numba.config.NUMBA_NUM_THREADS >= 2:
             numba.set_num_threads(2)
 
@@ -472,7 +476,7 @@ def test_run_apart_gives_each_item_its_share_of_the_threads():
                 return i
 
             with pytest.raises(ValueError, match="direction 1"):
-                threads.run_apart(fails, range(2))
+                threads.run_apart(fails, range(2), threads.SPLIT_MIN_WORK)
             assert numba.get_num_threads() == 2
     finally:
         numba.set_num_threads(previous)
@@ -488,10 +492,11 @@ def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, combi
     calls = []
     run_apart = threads.run_apart
 
-    def spy(fn, items):
+    def spy(fn, items, work):
         items = list(items)
-        calls.append(items)
-        return run_apart(fn, items)
+        if work > 0 and work >= threads.SPLIT_MIN_WORK:
+            calls.append(items)
+        return run_apart(fn, items, work)
 
     monkeypatch.setattr(threads, "run_apart", spy)
     layer = sn.nn.LSTM(3, 4, num_layers=2, direction="bidirectional_concat", combine=combine,

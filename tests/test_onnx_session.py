@@ -243,9 +243,11 @@ def test_a_bidirectional_nodes_directions_run_apart(op, monkeypatch):
     calls = []
     run_apart = threads.run_apart
 
-    def spy(fn, items):
-        calls.append(list(items))
-        return run_apart(fn, calls[-1])
+    def spy(fn, items, work):
+        items = list(items)
+        if work > 0 and work >= threads.SPLIT_MIN_WORK:
+            calls.append(items)
+        return run_apart(fn, items, work)
 
     monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
     monkeypatch.setattr(threads, "run_apart", spy)

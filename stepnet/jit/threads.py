@@ -71,13 +71,15 @@ def run_each(fn, items):
 SPLIT_MIN_WORK = 1 << 16
 
 
-def run_apart(fn, items):
-    """``[fn(item) for item in items]`` at the same time, each on its own
+def run_apart(fn, items, work):
+    """``[fn(item) for item in items]``: at the same time, each on its own
     share of the threads (``count() // len(items)``: Numba's thread count is
-    per thread, and kernels read it), where there are as many threads as
-    items; else one after the other, each with every thread."""
+    per thread, and kernels read it), where each runs over ``work`` elements
+    (0: Python code, or a backend that stays on the calling thread) of at
+    least ``SPLIT_MIN_WORK`` and there are as many threads as items; else
+    one after the other, each with every thread."""
     items = list(items)
-    if len(items) <= 1 or count() < len(items):
+    if len(items) <= 1 or work <= 0 or work < SPLIT_MIN_WORK or count() < len(items):
         return [fn(item) for item in items]
     share = count() // len(items)
 

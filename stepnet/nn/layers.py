@@ -534,24 +534,31 @@ class _RecurrentLayer:
                 return ys[0].data + ys[1].data
             return np.concatenate([ys[0].data, ys[1].data], axis=1)
 
-        apart = (backend or default_backend()) == "numba" and \
-            X.data.shape[0] * self.hidden_size >= threads.SPLIT_MIN_WORK
-        Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels), apart)
+        Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels),
+                       self._direction_work(X.data.shape[0], [backend]))
         return Y.data, states
 
-    def stack(self, X, run, combine, apart=False):
+    def _direction_work(self, rows, backends):
+        """The elements a direction's step-net runs over, as
+        ``threads.run_apart`` weighs them: 0 unless every run is on Numba,
+        whose kernels release the GIL (its directions then run at the same
+        time, each on half of the threads: each kernel's products take every
+        sequence's row, which runs them faster than half of them)."""
+        numba = all((b or default_backend()) == "numba" for b in backends)
+        return rows * self.hidden_size if numba else 0
+
+    def stack(self, X, run, combine, work=0):
         """Run the stack on ``X``: ``run(layer, d, input)`` is one (layer,
         direction) step-net, ``combine(outputs)`` joins the directions.
         ``combine="per_layer"``: each layer reads the previous layer's combined
         directions; ``"final"``: each direction's whole stack runs on its own
-        and only the tops are combined. With ``apart`` (Numba's kernels, which
-        release the GIL, over enough rows to be worth a Python thread) the
-        directions run at the same time, each on half of the threads
-        (``threads.run_apart``): each kernel's products then take every
-        sequence's row, which runs them faster than half of them."""
+        and only the tops are combined. The directions run at the same time
+        where their ``work`` is worth it (``threads.run_apart``)."""
         L, D = self.num_layers, self.num_directions
-        directions = (lambda fn: threads.run_apart(fn, range(D))) if apart else \
-            (lambda fn: [fn(d) for d in range(D)])
+
+        def directions(fn):
+            return threads.run_apart(fn, range(D), work)
+
         if self.combine == "per_layer" or D == 1:
             inp = X
             for layer in range(L):
@@ -750,10 +757,12 @@ class LayerPullback:
             return [np.ascontiguousarray(dy[:, :H]), np.ascontiguousarray(dy[:, H:])]
 
         # the directions at the same time, as the forward ran them (layer.stack)
-        apart = all((pb.backend or default_backend()) == "numba" for pb in self.tape.values()) and \
-            self.flat.data.shape[0] * layer.hidden_size >= threads.SPLIT_MIN_WORK
-        directions = (lambda fn: threads.run_apart(fn, range(D))) if apart else \
-            (lambda fn: [fn(d) for d in range(D)])
+        work = layer._direction_work(self.flat.data.shape[0],
+                                     [pb.backend for pb in self.tape.values()])
+
+        def directions(fn):
+            return threads.run_apart(fn, range(D), work)
+
         dy = self._rows(grad_outputs[0])
         if layer.combine == "per_layer" or D == 1:
             for i in reversed(range(L)):

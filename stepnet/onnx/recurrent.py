@@ -161,10 +161,8 @@ class RecurrentNode:
             return directions[d](data, offsets, [None if s is None else s[d] for s in initial])
 
         try:  # both directions at once where worth a thread, as a layer's (layers.stack)
-            if backend == "numba" and data.shape[0] * H >= threads.SPLIT_MIN_WORK:
-                results = threads.run_apart(run, range(D))
-            else:
-                results = [run(d) for d in range(D)]
+            results = threads.run_apart(run, range(D), layer._direction_work(data.shape[0],
+                                                                            [backend]))
         except Error as e:
             raise _reraise(ctx, e) from e
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
