@@ -221,3 +221,17 @@ def test_a_backward_takes_its_forwards_pullback_or_runs_the_forward_again():
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-6, atol=1e-7)
     assert not np.allclose(kept[1], want[1])
     assert layer._workspace is None
+
+
+def test_the_example_learns_a_short_version():
+    """examples/jax_custom_cell.py: embedding -> the stepnet cell -> a linear
+    head, Adam in JAX, to its target accuracy on a short version."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "jax_custom_cell.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    accuracy = example.main(["--steps", "250", "--max-length", "12", "--log-every", "0"])
+    assert accuracy >= example.TARGET_ACCURACY
