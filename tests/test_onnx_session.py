@@ -234,10 +234,9 @@ def test_random_recurrent_node_numba(op, seed):
 
 
 @pytest.mark.parametrize("op", ["GRU", "LSTM"])
-def test_a_bidirectional_nodes_directions_run_apart(op, monkeypatch):
-    """A bidirectional node over enough rows (threads.SPLIT_MIN_WORK, 0
-    here) runs its two directions at once (threads.run_apart), to
-    onnxruntime's results."""
+def _run_apart_spy(monkeypatch):
+    """The calls of threads.run_apart that run their items at the same time
+    (SPLIT_MIN_WORK set to 0: any work does)."""
     from stepnet.jit import threads
 
     calls = []
@@ -251,6 +250,15 @@ def test_a_bidirectional_nodes_directions_run_apart(op, monkeypatch):
 
     monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
     monkeypatch.setattr(threads, "run_apart", spy)
+    return calls
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_a_bidirectional_nodes_directions_run_apart(op, monkeypatch):
+    """A bidirectional node over enough rows (threads.SPLIT_MIN_WORK, 0
+    here) runs its two directions at once (threads.run_apart), to
+    onnxruntime's results."""
+    calls = _run_apart_spy(monkeypatch)
     seeds = []
     for seed in range(40):
         node = random_recurrent_node(op, seed)[0].graph.node[0]
@@ -357,14 +365,10 @@ def test_zero_length_sequence(rng):
     assert_close(Y[:, :, [0, 2]], expected[0][:, :, [0, 2]])
 
 
-@pytest.mark.parametrize("direction, layout", [("forward", 0), ("bidirectional", 1)])
-def test_recurrent_node_called_again_and_again(direction, layout, rng):
-    """A streaming model's calls (same weights, states fed back) take the
-    node's short path on numba (its kernel's machine code called directly);
-    new weights, another batch, states that are strided views, a wrong
-    state shape, a wrong width of X and sequence_lens still get what the
-    interpreter gives."""
-    D, I, H = (2 if direction == "bidirectional" else 1), 3, 4
+def _streaming_lstm(direction, layout, I, H):
+    """An LSTM node model with sequence_lens ``L`` and the same without it
+    (a streaming model), ``weights(seed)`` and ``feeds(batch, steps, seed)``."""
+    D = 2 if direction == "bidirectional" else 1
     node = helper.make_node("LSTM", ["X", "W", "R", "B", "L", "h0", "c0"], ["Y", "Y_h", "Y_c"],
                             hidden_size=H, direction=direction, layout=layout, name="lstm")
     dims = ["B", D, H] if layout else [D, "B", H]
@@ -392,6 +396,48 @@ def test_recurrent_node_called_again_and_again(direction, layout, rng):
         state = (batch, D, H) if layout else (D, batch, H)
         return {"X": x.astype(np.float32), "h0": r.standard_normal(state).astype(np.float32),
                 "c0": r.standard_normal(state).astype(np.float32)}
+
+    return model, without_lengths, weights, feeds
+
+
+def test_a_streaming_bidirectional_nodes_directions_run_apart(monkeypatch):
+    """A node without sequence_lens, called again with the same weights,
+    takes its streaming path; there too its directions run at once over
+    enough rows (SPLIT_MIN_WORK 0 here), to the interpreter's results."""
+    from stepnet.onnx import recurrent
+
+    calls = _run_apart_spy(monkeypatch)
+    streamed = []
+    run_streaming = recurrent.RecurrentNode._run_streaming
+
+    def streaming(self, *args):
+        out = run_streaming(self, *args)
+        streamed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(recurrent.RecurrentNode, "_run_streaming", streaming)
+    _, model, weights, feeds = _streaming_lstm("bidirectional", 0, 3, 4)
+    ours = InferenceSession(model, backend="numba")
+    oracle = InferenceSession(model, backend="interpreter")
+    f = {**feeds(3, 5, 0), **weights(0)}
+    for _ in range(4):
+        for g, e in zip(ours.run(None, f), oracle.run(None, f)):
+            assert_close(g, e, what="streaming LSTM")
+    # the kernels are prepared once they have answered (the first call
+    # compiles them): from then on the calls stream
+    assert streamed[-2:] == [True, True], streamed
+    assert calls == [[0, 1]] * 4
+
+
+@pytest.mark.parametrize("direction, layout", [("forward", 0), ("bidirectional", 1)])
+def test_recurrent_node_called_again_and_again(direction, layout, rng):
+    """A streaming model's calls (same weights, states fed back) take the
+    node's short path on numba (its kernel's machine code called directly);
+    new weights, another batch, states that are strided views, a wrong
+    state shape, a wrong width of X and sequence_lens still get what the
+    interpreter gives."""
+    D, I, H = (2 if direction == "bidirectional" else 1), 3, 4
+    model, without_lengths, weights, feeds = _streaming_lstm(direction, layout, I, H)
 
     ours = InferenceSession(without_lengths, backend="numba")
     oracle = InferenceSession(without_lengths, backend="interpreter")

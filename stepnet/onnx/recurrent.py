@@ -244,9 +244,10 @@ class RecurrentNode:
                            for d, kernel in enumerate(kernels)]
                 if any(r is None for r in results):
                     results = None
-            if results is None:
-                results = [kernel(data, offsets, [None if s is None else s[d] for s in states])
-                           for d, kernel in enumerate(kernels)]
+            if results is None:  # (both directions at once where worth a thread, as in run)
+                results = threads.run_apart(
+                    lambda d: kernels[d](data, offsets, [None if s is None else s[d] for s in states]),
+                    range(len(kernels)), self.layer._direction_work(data.shape[0], ["numba"]))
         except Error as e:
             raise _reraise(self.ctx, e) from e
         return self._outputs(results, Bsz, T, dtype)
