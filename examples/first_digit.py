@@ -13,6 +13,7 @@ unit with a learned per-unit scale, not one of stepnet's built-in layers).
 """
 
 import argparse
+import time
 
 import numpy as np
 
@@ -20,6 +21,7 @@ import stepnet as sn
 
 VOCAB, DIGITS, CLASSES = 12, 4, 4
 TEST_SEED, TEST_SIZE = 20_261_126, 2000
+TARGET_ACCURACY = 0.95
 
 
 def make_batch(rng, batch, max_length):
@@ -76,3 +78,26 @@ def parse_args(argv, description):
     if args.max_length < 4:
         parser.error("--max-length must be at least 4")
     return args
+
+
+def train(args, where, step, test_accuracy):
+    """The examples' loop: ``args.steps`` calls of ``step(rng)`` (one training
+    step on a batch it draws from ``rng``; it returns the step's loss), the
+    mean loss printed every ``args.log_every`` steps, then the accuracy on
+    the test set (``test_accuracy()``: ``TEST_SIZE`` sequences drawn from
+    ``TEST_SEED``) printed against ``TARGET_ACCURACY``; returns it."""
+    rng = np.random.default_rng(args.seed)
+    print(f"remember the first digit: sequences of 4-{args.max_length} tokens, stepnet cell of "
+          f"{args.hidden} {where}, batch {args.batch}, {args.steps} Adam steps (lr {args.lr}); "
+          f"guessing scores 0.25")
+    start, running = time.perf_counter(), []
+    for k in range(1, args.steps + 1):
+        running.append(step(rng))
+        if args.log_every and k % args.log_every == 0:
+            print(f"step {k:6d}  loss {np.mean(running):.4f}")
+            running = []
+    seconds = time.perf_counter() - start
+    acc = test_accuracy()
+    print(f"trained in {seconds:.1f} s; test accuracy {acc:.3f} on {TEST_SIZE} sequences "
+          f"(target >= {TARGET_ACCURACY}: {'met' if acc >= TARGET_ACCURACY else 'NOT met'})")
+    return acc

@@ -26,7 +26,6 @@ Run it: ``python examples/jax_custom_cell.py`` (``--help`` lists the flags).
 
 import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -34,11 +33,10 @@ import numpy as np
 import stepnet.jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from first_digit import CLASSES, TEST_SEED, TEST_SIZE, VOCAB, gated_cell, make_batch, \
-    parse_args  # noqa: E402
+from first_digit import (CLASSES, TARGET_ACCURACY, TEST_SEED, TEST_SIZE, VOCAB,  # noqa: E402
+                         gated_cell, make_batch, parse_args, train)
 
 jnp = jax.numpy
-TARGET_ACCURACY = 0.95
 EMBED = 16
 
 
@@ -102,25 +100,19 @@ def main(argv=None):
     value_and_grad = jax.jit(jax.value_and_grad(loss))
     init, update = adam(args.lr)
     state = init(params)
-    rng = np.random.default_rng(args.seed)
-    print(f"remember the first digit: sequences of 4-{args.max_length} tokens, stepnet cell of "
-          f"{args.hidden} inside JAX, batch {args.batch}, {args.steps} Adam steps (lr {args.lr}); "
-          f"guessing scores 0.25")
-    start, running = time.perf_counter(), []
-    for step in range(1, args.steps + 1):
+
+    def step(rng):
+        nonlocal params, state
         value, grads = value_and_grad(params, *padded_batch(rng, args.batch, args.max_length))
         params, state = update(grads, state, params)
-        running.append(float(value))
-        if args.log_every and step % args.log_every == 0:
-            print(f"step {step:6d}  loss {np.mean(running):.4f}")
-            running = []
-    seconds = time.perf_counter() - start
-    tokens, lengths, labels = padded_batch(np.random.default_rng(TEST_SEED), TEST_SIZE,
-                                           args.max_length)
-    acc = float(np.mean(np.asarray(forward(params, tokens, lengths)).argmax(1) == labels))
-    print(f"trained in {seconds:.1f} s; test accuracy {acc:.3f} on {TEST_SIZE} sequences "
-          f"(target >= {TARGET_ACCURACY}: {'met' if acc >= TARGET_ACCURACY else 'NOT met'})")
-    return acc
+        return float(value)
+
+    def test_accuracy():
+        tokens, lengths, labels = padded_batch(np.random.default_rng(TEST_SEED), TEST_SIZE,
+                                               args.max_length)
+        return float(np.mean(np.asarray(forward(params, tokens, lengths)).argmax(1) == labels))
+
+    return train(args, "inside JAX", step, test_accuracy)
 
 
 if __name__ == "__main__":

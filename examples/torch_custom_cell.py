@@ -26,7 +26,6 @@ Run it: ``python examples/torch_custom_cell.py`` (``--help`` lists the flags).
 
 import os
 import sys
-import time
 
 # torch's and Numba's OpenMP pools share the cores: threads that sleep when
 # idle instead of spinning let each run at full speed (docs/torch.md). It must
@@ -39,10 +38,9 @@ import torch  # noqa: E402
 import stepnet.torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from first_digit import CLASSES, TEST_SEED, TEST_SIZE, VOCAB, gated_cell, parse_args  # noqa: E402
+from first_digit import (CLASSES, TARGET_ACCURACY, TEST_SEED, TEST_SIZE, VOCAB,  # noqa: E402
+                         gated_cell, parse_args, train)
 from first_digit import make_batch as make_arrays  # noqa: E402
-
-TARGET_ACCURACY = 0.95
 
 
 def make_batch(rng, batch, max_length):
@@ -76,27 +74,17 @@ def main(argv=None):
     args = parse_args(argv, __doc__.split("\n\n")[0])
     model = Classifier(args.hidden, args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    rng = np.random.default_rng(args.seed)
-    print(f"remember the first digit: sequences of 4-{args.max_length} tokens, stepnet cell of "
-          f"{args.hidden}, batch {args.batch}, {args.steps} Adam steps (lr {args.lr}); guessing "
-          f"scores 0.25")
-    start, running = time.perf_counter(), []
-    for step in range(1, args.steps + 1):
+
+    def step(rng):
         tokens, lengths, labels = make_batch(rng, args.batch, args.max_length)
         loss = torch.nn.functional.cross_entropy(model(tokens, lengths), labels)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        running.append(loss.item())
-        if args.log_every and step % args.log_every == 0:
-            print(f"step {step:6d}  loss {np.mean(running):.4f}")
-            running = []
-    seconds = time.perf_counter() - start
-    acc = accuracy(model, args.max_length)
-    print(f"trained in {seconds:.1f} s; test accuracy {acc:.3f} on {TEST_SIZE} sequences "
-          f"(target >= {TARGET_ACCURACY}: {'met' if acc >= TARGET_ACCURACY else 'NOT met'})")
-    return acc
+        return loss.item()
+
+    return train(args, "in PyTorch", step, lambda: accuracy(model, args.max_length))
 
 
 if __name__ == "__main__":

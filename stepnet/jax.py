@@ -92,6 +92,9 @@ class Function:
             raise StepNetError(f"stepnet.jax.function: expects a stepnet.nn layer or a step-net, "
                                f"got {type(net).__name__}")
         self.net, self.backend = net, backend
+        # per output, whether it holds every step (a layer: Y, then its final states)
+        self.all_steps = self.flags if self.flags is not None else \
+            (True,) + (False,) * len(net.state_widths())
         self._parameters = net.parameters()
         self.names = _unique_names(self._parameters)
         self._calls = {}  # (spec, shapes) -> the differentiable function of that call
@@ -316,10 +319,9 @@ class Function:
         """A run's outputs as a list, each with whether it holds every step."""
         if self.flags is None:
             Y, finals = outs
-            finals = finals if isinstance(finals, tuple) else (finals,)
-            return [(Y, True)] + [(f, False) for f in finals]
+            outs = (Y,) + (finals if isinstance(finals, tuple) else (finals,))
         outs = outs if isinstance(outs, tuple) else (outs,)
-        return list(zip(outs, self.flags))
+        return list(zip(outs, self.all_steps))
 
     def _outputs(self, outs, spec, arrays, lengths):
         """All-steps outputs padded like the first LoD input."""
@@ -385,10 +387,9 @@ class Function:
         the forward's ``pullback``, or (None: not kept) the forward run again."""
         if pullback is None:
             pullback = self._run(spec, arrays, lengths, self.backend, keep=True)[1]
-        all_steps = self.flags if self.flags is not None else [True] + [False] * (len(cts) - 1)
         offsets = offsets_from_lengths(np.asarray(lengths[0]))
         rows = []
-        for every, ct in zip(all_steps, cts):
+        for every, ct in zip(self.all_steps, cts):
             ct = np.asarray(ct)
             rows.append(LoDTensor.from_padded(ct, np.diff(offsets)).data if every else ct)
         wrt = [name for name, _ in spec] + list(self._parameters)

@@ -130,3 +130,24 @@ def assert_backends_agree(rnn, output_all_steps=True, backends=None, dtype=None,
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def run_apart_calls(monkeypatch):
+    """The items of each call of ``threads.run_apart`` that ran them at the
+    same time (``SPLIT_MIN_WORK`` set to 0: any work does), in a list the test
+    reads."""
+    from stepnet.jit import threads
+
+    calls = []
+    run_apart = threads.run_apart
+
+    def spy(fn, items, work):
+        items = list(items)
+        if work > 0 and work >= threads.SPLIT_MIN_WORK:
+            calls.append(items)
+        return run_apart(fn, items, work)
+
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(threads, "run_apart", spy)
+    return calls

@@ -483,22 +483,13 @@ def test_run_apart_gives_each_item_its_share_of_the_threads():
 
 
 @pytest.mark.parametrize("combine", ["per_layer", "final"])
-def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, combine):
+def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, run_apart_calls,
+                                                        combine):
     """On the Numba backend a bidirectional layer's two directions run at
     once (threads.run_apart), forward and backward, to the interpreter's
     results, where its rows are worth a thread (threads.SPLIT_MIN_WORK, set to
     0 here, then above them); on the interpreter one after the other."""
-    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
-    calls = []
-    run_apart = threads.run_apart
-
-    def spy(fn, items, work):
-        items = list(items)
-        if work > 0 and work >= threads.SPLIT_MIN_WORK:
-            calls.append(items)
-        return run_apart(fn, items, work)
-
-    monkeypatch.setattr(threads, "run_apart", spy)
+    calls = run_apart_calls
     layer = sn.nn.LSTM(3, 4, num_layers=2, direction="bidirectional_concat", combine=combine,
                        seed=1)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 3)).astype(np.float32), [[4, 0, 5]])

@@ -234,31 +234,11 @@ def test_random_recurrent_node_numba(op, seed):
 
 
 @pytest.mark.parametrize("op", ["GRU", "LSTM"])
-def _run_apart_spy(monkeypatch):
-    """The calls of threads.run_apart that run their items at the same time
-    (SPLIT_MIN_WORK set to 0: any work does)."""
-    from stepnet.jit import threads
-
-    calls = []
-    run_apart = threads.run_apart
-
-    def spy(fn, items, work):
-        items = list(items)
-        if work > 0 and work >= threads.SPLIT_MIN_WORK:
-            calls.append(items)
-        return run_apart(fn, items, work)
-
-    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
-    monkeypatch.setattr(threads, "run_apart", spy)
-    return calls
-
-
-@pytest.mark.parametrize("op", ["GRU", "LSTM"])
-def test_a_bidirectional_nodes_directions_run_apart(op, monkeypatch):
+def test_a_bidirectional_nodes_directions_run_apart(op, run_apart_calls):
     """A bidirectional node over enough rows (threads.SPLIT_MIN_WORK, 0
     here) runs its two directions at once (threads.run_apart), to
     onnxruntime's results."""
-    calls = _run_apart_spy(monkeypatch)
+    calls = run_apart_calls
     seeds = []
     for seed in range(40):
         node = random_recurrent_node(op, seed)[0].graph.node[0]
@@ -400,13 +380,13 @@ def _streaming_lstm(direction, layout, I, H):
     return model, without_lengths, weights, feeds
 
 
-def test_a_streaming_bidirectional_nodes_directions_run_apart(monkeypatch):
+def test_a_streaming_bidirectional_nodes_directions_run_apart(monkeypatch, run_apart_calls):
     """A node without sequence_lens, called again with the same weights,
     takes its streaming path; there too its directions run at once over
     enough rows (SPLIT_MIN_WORK 0 here), to the interpreter's results."""
     from stepnet.onnx import recurrent
 
-    calls = _run_apart_spy(monkeypatch)
+    calls = run_apart_calls
     streamed = []
     run_streaming = recurrent.RecurrentNode._run_streaming
 

@@ -157,12 +157,12 @@ class RecurrentNode:
             initial = initial[:1]
         directions = [self._direction(d, backend) for d in range(D)]
 
-        def run(d):
+        def one_direction(d):
             return directions[d](data, offsets, [None if s is None else s[d] for s in initial])
 
         try:  # both directions at once where worth a thread, as a layer's (layers.stack)
-            results = threads.run_apart(run, range(D), layer._direction_work(data.shape[0],
-                                                                            [backend]))
+            results = threads.run_apart(one_direction, range(D),
+                                        layer._direction_work(data.shape[0], [backend]))
         except Error as e:
             raise _reraise(ctx, e) from e
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
