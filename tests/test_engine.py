@@ -206,14 +206,18 @@ def test_products_of_under_32_columns_take_the_library(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
-    """Row blocks of 4 and the rows after them, column blocks of 32 (one row:
-    128 or 64) and the columns after them, an empty reduction; NaN and inf
-    reach only their row."""
+    """Row blocks of 6 and 4 (every remainder of a panel of rows: 8 = 4 + 4,
+    10 = 6 + 4, 13 = 6 + 4 + 4 overlapping by one, 32, a last panel of 8 or
+    of 5 rows after 192), a few rows by 4 and 1, column blocks of 32 (one
+    row: 128 or 64) and the columns after them, an empty reduction; NaN and
+    inf reach only their row."""
     from stepnet.jit import blas
 
     for m, k, n in [(0, 5, 7), (1, 0, 9), (1, 3, 64), (2, 17, 130), (4, 8, 32), (5, 33, 95),
                     (9, 64, 200), (12, 1, 1), (1, 7, 144), (1, 9, 100), (3, 5, 300), (1, 4, 96),
-                    (6, 0, 40), (6, 3, 32), (7, 20, 33), (11, 9, 70), (17, 40, 130), (64, 64, 256)]:
+                    (6, 0, 40), (6, 3, 32), (7, 20, 33), (11, 9, 70), (17, 40, 130), (64, 64, 256),
+                    (8, 9, 64), (10, 6, 40), (13, 7, 70), (15, 5, 33), (32, 20, 96),
+                    (200, 6, 40), (197, 9, 64)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         out = np.full((m, n), 7, dtype)
@@ -238,7 +242,8 @@ def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
     or 1) nor on the rows beside it: each sum is taken in order of k."""
     from stepnet.jit import blas
 
-    for m, k, n in [(13, 37, 100), (64, 256, 96), (6, 5, 32), (10, 128, 384)]:
+    for m, k, n in [(13, 37, 100), (64, 256, 96), (6, 5, 32), (10, 128, 384), (32, 64, 96),
+                    (200, 16, 64)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         whole = np.empty((m, n), dtype)
