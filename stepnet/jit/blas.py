@@ -132,6 +132,26 @@ def small_gemm(a, b, out):
     small_gemm_columns(a, b, out, 0, b.shape[1])
 
 
+@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def _four_rows(a, b, out, acc, i, j0):
+    """out[i:i + 4, j0:j0 + 32] = a[i:i + 4] @ b[:, j0:j0 + 32], summed in
+    ``acc`` (registers) in order of k (inlined into its callers)."""
+    zero = out.dtype.type(0)
+    for jj in range(128):
+        acc[jj] = zero
+    for kk in range(b.shape[0]):
+        x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
+        for jj in range(_U32):
+            w = b[kk, j0 + jj]
+            acc[jj] += x0 * w
+            acc[32 + jj] += x1 * w
+            acc[64 + jj] += x2 * w
+            acc[96 + jj] += x3 * w
+    for r in range(4):
+        for jj in range(_U32):
+            out[i + r, j0 + jj] = acc[32 * r + jj]
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _columns_outer(a, b, out, lo, hi):
     """small_gemm_columns for 6 rows or more: by panels of ``_PANEL_ROWS``
@@ -159,19 +179,7 @@ def _columns_outer(a, b, out, lo, hi):
                 left = last - i
                 if left <= 4 or left == 7 or left == 8:
                     i = min(i, last - 4)
-                    for jj in range(128):
-                        acc[jj] = zero
-                    for kk in range(k):
-                        x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
-                        for jj in range(_U32):
-                            w = b[kk, j0 + jj]
-                            acc[jj] += x0 * w
-                            acc[32 + jj] += x1 * w
-                            acc[64 + jj] += x2 * w
-                            acc[96 + jj] += x3 * w
-                    for r in range(4):
-                        for jj in range(_U32):
-                            out[i + r, j0 + jj] = acc[32 * r + jj]
+                    _four_rows(a, b, out, acc, i, j0)
                     i += 4
                     continue
                 i = min(i, last - 6)
@@ -241,19 +249,7 @@ def small_gemm_columns(a, b, out, lo, hi):
             j0 = np.uint64(min(end, hi) - 32)
             j1 = np.uint64(min(end + 32, hi) - 32)
             if rows == 4:
-                for jj in range(128):
-                    acc[jj] = zero
-                for kk in range(k):
-                    x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
-                    for jj in range(_U32):
-                        w = b[kk, j0 + jj]
-                        acc[jj] += x0 * w
-                        acc[32 + jj] += x1 * w
-                        acc[64 + jj] += x2 * w
-                        acc[96 + jj] += x3 * w
-                for r in range(4):
-                    for jj in range(_U32):
-                        out[i + r, j0 + jj] = acc[32 * r + jj]
+                _four_rows(a, b, out, acc, i, j0)
                 end += 32
             elif hi - end > 32:  # more than two blocks left: four at a time
                 j2 = np.uint64(min(end + 64, hi) - 32)
