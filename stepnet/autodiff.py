@@ -166,20 +166,47 @@ class _EagerEmitter:
 # building the backward step-net
 
 
+# ops whose gradient reads none of their operands' values: a kept product
+# moves to the end of a chain of them (``kept_values``)
+_SUMS = ("add", "sub")
+
+
 def kept_values(body: Block) -> tuple:
     """What the forward keeps per step for the backward (the workspace): each
-    memory's previous state, and the result of each ``h @ U`` with constant
-    weights that depends on a memory (a per-step product in the forward). The
-    backward recomputes the rest: products of the step inputs alone (``x @ W``)
-    are one hoisted GEMM there, cheaper than storing them step by step."""
+    memory's previous state, and for each ``h @ U`` with constant weights that
+    depends on a memory (a per-step product in the forward) the sum it is the
+    start of: while a value's one use is an ``add`` or ``sub`` of its shape
+    and LoD depth (``x @ W + h @ U + b``), that use's result is kept
+    instead. The gradients
+    of sums read no values, so the backward needs only the sum (a gate's
+    pre-activation), and recomputes neither ``h @ U`` nor the products of the
+    step inputs alone (``x @ W``) that were added to it. It recomputes the
+    rest: other products of the step inputs alone as one hoisted GEMM, the
+    elementwise ops inside its step."""
     pres = tuple(m.pre for m in body.memories)
     dependent = {id(v) for v in ir.memory_dependent(body)}
-    products = tuple(
-        e.outputs[0] for e in body.eqns
-        if e.op == "matmul" and id(e.outputs[0]) in dependent and isinstance(e.inputs[1], Var)
-        and not e.inputs[1].batched and not e.outputs[0].lod_depth
-    )
-    return pres + products
+    uses = {}
+    for e in body.eqns:
+        for v in e.inputs:
+            uses.setdefault(id(v), []).append(e)
+    results = {id(v) for v in body.outputs} | {id(m.post) for m in body.memories}
+    kept, seen = [], set()
+    for e in body.eqns:
+        v = e.outputs[0]
+        if (e.op != "matmul" or id(v) not in dependent or not isinstance(e.inputs[1], Var)
+                or e.inputs[1].batched or v.lod_depth):
+            continue
+        while id(v) not in results and len(uses.get(id(v), ())) == 1:
+            use = uses[id(v)][0]
+            total = use.outputs[0]
+            if (use.op not in _SUMS or total.shape != v.shape or total.dtype != v.dtype
+                    or total.lod_depth != v.lod_depth):  # (a sum over ragged rows: larger)
+                break
+            v = total
+        if id(v) not in seen:
+            seen.add(id(v))
+            kept.append(v)
+    return pres + tuple(kept)
 
 
 def augment(eqn: Eqn):

@@ -1281,3 +1281,60 @@ def test_float16_input_to_a_layer():
         np.testing.assert_array_equal(a, e)
     assert g16[-1].shape == (5, 2)
     assert_close(g16[-1].astype(np.float32), g32[-1], np.float16)
+
+
+def _gated_net(rng):
+    """W5's cell of benchmarks/workloads.py in float64 (a gate's input
+    products and recurrent product summed with its bias; ``0.1 * (x @ P)``),
+    and a recurrent product read twice."""
+    I, Hd = 3, 4
+    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (6, I)), [[3, 1, 2]])
+    p = {name: sn.Parameter(rng.uniform(-0.5, 0.5, shape), name=name)
+         for name, shape in [("Wz", (I, Hd)), ("Uz", (Hd, Hd)), ("bz", (Hd,)),
+                             ("Wr", (I, Hd)), ("Ur", (Hd, Hd)), ("br", (Hd,)),
+                             ("Wx", (I, Hd)), ("Wh", (Hd, Hd)), ("b", (Hd,)),
+                             ("s", (Hd,)), ("P", (I, Hd)), ("V", (Hd, Hd))]}
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[Hd], name="h")
+        hp = h.pre_state()
+        z = sn.ops.sigmoid(x @ p["Wz"] + hp @ p["Uz"] + p["bz"])
+        r = sn.ops.sigmoid(x @ p["Wr"] + hp @ p["Ur"] + p["br"])
+        cand = p["s"] * sn.ops.tanh(x @ p["Wx"] + (r * hp) @ p["Wh"] + p["b"])
+        twice = hp @ p["V"]
+        h.update((1 - z) * hp + z * cand + 0.1 * (x @ p["P"]) + twice * sn.ops.tanh(twice))
+        rnn.add_outputs(h)
+    return rnn, X
+
+
+def test_the_workspace_keeps_the_sums_that_recurrent_products_start():
+    """A recurrent product's one use an ``add`` of its shape: the forward
+    keeps the sum (a gate's pre-activation), so the backward recomputes no
+    input product ``x @ W`` that went into it; a product read twice is kept
+    itself. The gradients stay right (finite differences, both backends)."""
+    from stepnet import autodiff, ir
+
+    rnn, X = _gated_net(np.random.default_rng(11))
+    program = rnn.program(rnn.all_steps_flags(True))
+    body = program.eqn.attrs["body"]
+    kept = autodiff.kept_values(body)
+    made_by = {id(e.outputs[0]): e for e in body.eqns}
+    assert kept[0] is body.memories[0].pre
+    kinds = sorted(made_by[id(v)].op for v in kept[1:])
+    assert kinds == ["add", "add", "add", "matmul"]  # three pre-activations, hp @ V
+    backward, _ = autodiff.backward_program(program, (True,))
+    weights = {id(c) for c in program.consts if c.name in ("Wz", "Wr", "Wx")}
+    assert len(weights) == 3
+    recomputed = [e for prog in backward for e in ir.iter_eqns(prog.eqn.attrs["body"])
+                  if e.op == "matmul" and id(e.inputs[1]) in weights]
+    assert recomputed == []
+
+    rng = np.random.default_rng(12)
+    feeds = {"x": X}
+    cots = random_cotangents(rng, as_tuple(rnn(backend="interpreter", x=X)))
+    wrt = rnn.parameters() + ["x"]
+    expected = fd_gradients(rnn, wrt, cots, True, feeds)
+    for backend in ["interpreter"] + (["numba"] if HAS_NUMBA else []):
+        got = gradients(rnn, wrt, cots, True, feeds, backend)
+        assert_fd_close(got, expected, wrt, what=backend)
