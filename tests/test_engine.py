@@ -236,31 +236,6 @@ def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
     np.testing.assert_allclose(out[fine], expected[fine], rtol=1e-5, atol=1e-5)
 
 
-def test_small_gemm_columns_adds_each_product_once(rng):
-    """With ``add`` the product is added to ``out``: once in every element,
-    where the blocks at the last rows and columns overlap the ones before
-    (odd rows, a last panel of under 6 rows, columns not a multiple of 32,
-    a row's blocks of 128 and 64 columns), and a product added by parts of
-    its columns equals it added whole, bit for bit."""
-    from stepnet.jit import blas
-
-    for m in (1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 32, 33, 194, 197):
-        for n in (7, 32, 33, 65, 96, 100, 129, 200):
-            k = int(rng.integers(0, 20))
-            a = rng.standard_normal((m, k)).astype(np.float32)
-            b = rng.standard_normal((k, n)).astype(np.float32)
-            before = rng.standard_normal((m, n)).astype(np.float32)
-            out = before.copy()
-            blas.small_gemm_columns(a, b, out, 0, n, True)
-            np.testing.assert_allclose(out, before.astype(np.float64) + a.astype(np.float64) @ b,
-                                       rtol=1e-5, atol=1e-5, err_msg=str((m, k, n)))
-            if n > 32:
-                parts = before.copy()
-                blas.small_gemm_columns(a, b, parts, 0, 32, True)
-                blas.small_gemm_columns(a, b, parts, 32, n, True)
-                np.testing.assert_array_equal(parts, out, err_msg=str((m, k, n)))
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
     """A row's values do not depend on the block of rows it falls in (6, 4
@@ -293,7 +268,7 @@ def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
 
     @njit
     def own(a, b, out):
-        blas._own_product(a, b, out, threads.ALONE, False)
+        blas._own_product(a, b, out, threads.ALONE)
 
     a = rng.standard_normal((6, 20))
     b = rng.standard_normal((20, 70))

@@ -63,7 +63,7 @@ def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
         for lo, hi in [(0, 32), (32, n), (n - 32, n), ((n // 2 + 16) // 32 * 32, n),
                        (0, (n // 2 + 16) // 32 * 32), (7, 7 + 32)]:
             part = np.full((m, n), np.nan, np.float32)
-            blas.small_gemm_columns(a, b, part, lo, hi, False)
+            blas.small_gemm_columns(a, b, part, lo, hi)
             np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(m, k, n, lo))
             assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
 

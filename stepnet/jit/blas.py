@@ -129,29 +129,12 @@ _U32 = np.uint64(32)
 def small_gemm(a, b, out):
     """out[:m] = a[:m] @ b (``b`` [k, n] C-contiguous): ``small_gemm_columns``
     over every column."""
-    small_gemm_columns(a, b, out, 0, b.shape[1], False)
-
-
-@njit(inline="always", error_model="numpy")
-def _put(out, acc, offset, i, j0, rows, r0, c0, add):
-    """A block's sums ``acc[offset:]`` (``rows`` x 32) into ``out[i:, j0:]``:
-    written, or with ``add`` added to rows from ``r0`` and columns from
-    ``c0`` on (those before are an earlier block's, which a block ending at
-    the last row or column overlaps: added once)."""
-    if add:  # (every index of acc a constant once unrolled: acc stays in registers)
-        for r in range(rows):
-            for jj in range(_U32):
-                if r >= r0 and jj >= c0:
-                    out[i + r, j0 + jj] += acc[offset + 32 * r + jj]
-    else:
-        for r in range(rows):
-            for jj in range(_U32):
-                out[i + r, j0 + jj] = acc[offset + 32 * r + jj]
+    small_gemm_columns(a, b, out, 0, b.shape[1])
 
 
 @njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _four_rows(a, b, out, acc, i, j0, r0, c0, add):
-    """a[i:i + 4] @ b[:, j0:j0 + 32] into ``out`` (``_put``), summed in
+def _four_rows(a, b, out, acc, i, j0):
+    """out[i:i + 4, j0:j0 + 32] = a[i:i + 4] @ b[:, j0:j0 + 32], summed in
     ``acc`` (registers) in order of k (inlined into its callers)."""
     zero = out.dtype.type(0)
     for jj in range(128):
@@ -164,11 +147,13 @@ def _four_rows(a, b, out, acc, i, j0, r0, c0, add):
             acc[32 + jj] += x1 * w
             acc[64 + jj] += x2 * w
             acc[96 + jj] += x3 * w
-    _put(out, acc, 0, i, j0, 4, r0, c0, add)
+    for r in range(4):
+        for jj in range(_U32):
+            out[i + r, j0 + jj] = acc[32 * r + jj]
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _columns_outer(a, b, out, lo, hi, add):
+def _columns_outer(a, b, out, lo, hi):
     """small_gemm_columns for 6 rows or more: by panels of ``_PANEL_ROWS``
     rows (kept in cache while the weights pass over them), each block of 32
     columns (the last one ending at ``hi``) in turn over the panel's rows in
@@ -176,28 +161,28 @@ def _columns_outer(a, b, out, lo, hi, add):
     left, or 4 and fewer): 32 rows are 5 blocks of 6 and 2 of 4, where
     blocks of 6 alone computed 36 (a multiple of 6, 111-113 GFLOP/s a core
     on the AMD EPYC of the README, and 32 rows 101 before, 110-112 now). A
-    block past the last row ends at it instead: it computes the rows it
-    shares with the one before again (at most one row twice, where the rows
-    left are odd; or the rows of a last panel under 6)."""
+    block past the panel's last row ends at it instead: it writes the rows
+    it shares with the one before again, with the same values (at most one
+    row computed twice, where the panel's rows are odd)."""
     m = a.shape[0]
     k = b.shape[0]
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
     for panel in range(0, m, _PANEL_ROWS):
         last = min(panel + _PANEL_ROWS, m)
+        first = min(panel, last - 6)  # (a last panel of under 6 rows: in the one before)
         end = lo + 32
         while end < hi + 32:
             j0 = np.uint64(min(end, hi) - 32)
-            c0 = np.uint64(end - 32) - j0  # (the columns before: an earlier block's)
-            start = panel
-            while start < last:
-                left = last - start
+            i = first
+            while i < last:
+                left = last - i
                 if left <= 4 or left == 7 or left == 8:
-                    i = min(start, last - 4)
-                    _four_rows(a, b, out, acc, i, j0, start - i, c0, add)
-                    start = i + 4
+                    i = min(i, last - 4)
+                    _four_rows(a, b, out, acc, i, j0)
+                    i += 4
                     continue
-                i = min(start, last - 6)
+                i = min(i, last - 6)
                 for jj in range(192):
                     acc[jj] = zero
                 for kk in range(k):
@@ -211,34 +196,33 @@ def _columns_outer(a, b, out, lo, hi, add):
                         acc[96 + jj] += x3 * w
                         acc[128 + jj] += x4 * w
                         acc[160 + jj] += x5 * w
-                _put(out, acc, 0, i, j0, 6, start - i, c0, add)
-                start = i + 6
+                for r in range(6):
+                    for jj in range(_U32):
+                        out[i + r, j0 + jj] = acc[32 * r + jj]
+                i += 6
             end += 32
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def small_gemm_columns(a, b, out, lo, hi, add):
-    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous; with
-    ``add``, +=) as stepnet's own loop:
+def small_gemm_columns(a, b, out, lo, hi):
+    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous) as
+    stepnet's own loop:
     a block of 6 rows x 32 columns of ``out`` (under 6 rows, 4 x 32, then
     1 row x 128, or x 64 where no more columns are left: enough independent
     sums to keep the FMA units busy) is summed in registers over k, each
     weight row loaded once per block and every sum taken in order of k (so a
     row's values do not depend on the block it falls in); the last block of
-    a row ends at column ``hi`` (it overlaps the one before, whose columns
-    it writes again with the same values, or with ``add`` leaves), so
-    neither do they depend on the range of columns asked for: a product
-    split by columns over threads equals the whole. From 6 rows on, each
-    block of columns is taken in turn over every row of a panel of rows
-    (``_columns_outer``): its weights (k x 32) stay in cache while the rows
-    pass, and the weights are read once a panel (on the AMD EPYC of the
-    README 103-115 GFLOP/s a core for 30-96 rows by weights of 256 x 768 or
-    256 x 1024, against MKL's 88-95).
+    a row ends at column ``hi`` (it overlaps the one before, which it writes
+    again with the same values), so neither do they depend on the range of
+    columns asked for: a product split by columns over threads equals the
+    whole. From 6 rows on, each block of columns is taken in turn over every
+    row of a panel of rows (``_columns_outer``): its weights (k x 32) stay in
+    cache while the rows pass, and the weights are read once a panel (on the
+    AMD EPYC of the README 103-115 GFLOP/s a core for 30-96 rows by weights
+    of 256 x 768 or 256 x 1024, against MKL's 88-95).
     It needs no packing and no dispatch: where a product is small (a batch of
     one, the last sequences of a batch) it beats the libraries'
-    (``small_rows_table``, measured). With ``add`` each sum is taken from 0
-    and added to ``out`` once (a split product's parts, gemm_hoisted_acc:
-    no copy)."""
+    (``small_rows_table``, measured)."""
     m = a.shape[0]
     k = b.shape[0]
     zero = out.dtype.type(0)
@@ -249,26 +233,23 @@ def small_gemm_columns(a, b, out, lo, hi, add):
                 s = zero
                 for kk in range(k):
                     s += a[i, kk] * b[kk, j]
-                out[i, j] = out[i, j] + s if add else s
+                out[i, j] = s
         return
     if m >= 6:
-        _columns_outer(a, b, out, lo, hi, add)
+        _columns_outer(a, b, out, lo, hi)
         return
     i = 0
     while i < m:
         rows = 4 if i + 4 <= m else 1
         end = lo + 32
         while end < hi + 32:
-            # the block's columns (one row: up to four blocks), as unsigned
-            # integers: Numba then adds no negative-index handling, and LLVM
-            # loads rows, not gathers; c0..c3: the columns before each block
-            # that an earlier one has
+            # the block's columns (one row: two blocks), as unsigned integers:
+            # Numba then adds no negative-index handling, and LLVM loads
+            # rows, not gathers
             j0 = np.uint64(min(end, hi) - 32)
             j1 = np.uint64(min(end + 32, hi) - 32)
-            c0 = np.uint64(end - 32) - j0
-            c1 = np.uint64(end) - j1
             if rows == 4:
-                _four_rows(a, b, out, acc, i, j0, 0, c0, add)
+                _four_rows(a, b, out, acc, i, j0)
                 end += 32
             elif hi - end > 32:  # more than two blocks left: four at a time
                 j2 = np.uint64(min(end + 64, hi) - 32)
@@ -282,10 +263,11 @@ def small_gemm_columns(a, b, out, lo, hi, add):
                         acc[32 + jj] += x * b[kk, j1 + jj]
                         acc[64 + jj] += x * b[kk, j2 + jj]
                         acc[96 + jj] += x * b[kk, j3 + jj]
-                _put(out, acc, 0, i, j0, 1, 0, c0, add)
-                _put(out, acc, 32, i, j1, 1, 0, c1, add)
-                _put(out, acc, 64, i, j2, 1, 0, np.uint64(end + 32) - j2, add)
-                _put(out, acc, 96, i, j3, 1, 0, np.uint64(end + 64) - j3, add)
+                for jj in range(_U32):
+                    out[i, j0 + jj] = acc[jj]
+                    out[i, j1 + jj] = acc[32 + jj]
+                    out[i, j2 + jj] = acc[64 + jj]
+                    out[i, j3 + jj] = acc[96 + jj]
                 end += 128
             else:
                 for jj in range(64):
@@ -295,8 +277,9 @@ def small_gemm_columns(a, b, out, lo, hi, add):
                     for jj in range(_U32):
                         acc[jj] += x * b[kk, j0 + jj]
                         acc[32 + jj] += x * b[kk, j1 + jj]
-                _put(out, acc, 0, i, j0, 1, 0, c0, add)
-                _put(out, acc, 32, i, j1, 1, 0, c1, add)
+                for jj in range(_U32):
+                    out[i, j0 + jj] = acc[jj]
+                    out[i, j1 + jj] = acc[32 + jj]
                 end += 64
         i += rows
 
@@ -498,9 +481,8 @@ def pack(b, max_rows, small_rows, board):
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
 # is compiled once (and cached on disk), not again inside every kernel
 _OWN_SYMBOLS = {"float32": "stepnet_small_sgemm", "float64": "stepnet_small_dgemm"}
-# (a, m, k, n, b, out, board, add): _own_shared, a board's address its
-# second-last argument
-_own_calls = {name: _extern(symbol, "pzzzpppz") for name, symbol in _OWN_SYMBOLS.items()}
+# (a, m, k, n, b, out, board): _own_shared, a board's address its last argument
+_own_calls = {name: _extern(symbol, "pzzzppp") for name, symbol in _OWN_SYMBOLS.items()}
 _OWN_LOCK = threading.Lock()
 _own_entries = {}  # dtype name -> the cfunc, once its symbol is known to LLVM
 
@@ -519,10 +501,10 @@ def register_small_gemm(dtype) -> None:
         pointer = types.CPointer(element)
 
         @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer,
-                          types.CPointer(types.int64), types.int64), cache=True)
-        def entry(a, m, k, n, b, out, board, add):
+                          types.CPointer(types.int64)), cache=True)
+        def entry(a, m, k, n, b, out, board):
             _own_shared(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)),
-                        carray(board, threads.BOARD_SIZE), add != 0)
+                        carray(board, threads.BOARD_SIZE))
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
@@ -556,21 +538,21 @@ _WAIT_BALANCED = 100
 
 
 @njit(cache=True, nogil=True)
-def _own_shared(a, b, out, board, add):
+def _own_shared(a, b, out, board):
     """out[:m] = a[:m] @ b by small_gemm, cut by columns on ``board`` (the
     body of small_gemm's C entry: compiled once, not in every kernel)."""
     m, k = a.shape
     n = b.shape[1]
     if board[threads.SHARES] == 0 or k * n < SHARE_OWN_WORK or n < 64:
-        small_gemm_columns(a, b, out, np.int64(0), n, add)  # (the types of the parts' jobs:
+        small_gemm_columns(a, b, out, np.int64(0), n)  # (the types of the parts' jobs:
         return  # one compile)
     # whole blocks of 32 on each side: half, moved by the blocks the balance
     # says (a column's values do not depend on the side that computes it)
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = threads.run_jobs(board, job_of(small_gemm_columns, (a, b, out, 0, cut, add)),
-                              job_of(small_gemm_columns, (a, b, out, cut, n, add)), True)
+    waited = threads.run_jobs(board, job_of(small_gemm_columns, (a, b, out, 0, cut)),
+                              job_of(small_gemm_columns, (a, b, out, cut, n)), True)
     if waited < 0:  # (not shared: both parts computed here)
         return
     if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
@@ -579,32 +561,31 @@ def _own_shared(a, b, out, board, add):
         board[threads.BALANCE] = shift - 1
 
 
-def _own_product(a, b, out, board, add):
-    """out[:m] = a[:m] @ b (``add``: +=) by ``small_gemm``'s C entry
-    (``register_small_gemm``), cut by columns on ``board``."""
+def _own_product(a, b, out, board):
+    """out[:m] = a[:m] @ b by ``small_gemm``'s C entry (``register_small_gemm``),
+    cut by columns on ``board``."""
 
 
 @overload(_own_product)
-def _own_product_for(a, b, out, board, add):
+def _own_product_for(a, b, out, board):
     call = _own_calls.get(str(a.dtype))
     if call is None:
         return None
 
     if a.layout == "C" and b.layout == "C" and out.layout == "C":
-        def own_product(a, b, out, board, add):
+        def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
                 call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data,
-                      board.ctypes.data, 1 if add else 0))
+                      board.ctypes.data))
     else:  # (arrays not known to be C-contiguous: on C-contiguous copies)
-        def own_product(a, b, out, board, add):
+        def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
                 a_c, b_c = np.ascontiguousarray(a), np.ascontiguousarray(b)
-                out_c = np.ascontiguousarray(out[:m]) if add else np.empty((m, b.shape[1]),
-                                                                           out.dtype)
+                out_c = np.empty((m, b.shape[1]), out.dtype)
                 call((a_c.ctypes.data, m, k, b.shape[1], b_c.ctypes.data, out_c.ctypes.data,
-                      board.ctypes.data, 1 if add else 0))
+                      board.ctypes.data))
                 out[:m] = out_c
 
     return own_product
@@ -623,7 +604,12 @@ def _row_cut(m, k, n, board):
 def _hoisted(a, b, out, small_rows, board, add):
     """gemm_hoisted (``add``: gemm_hoisted_acc)."""
     if a.shape[0] <= own_rows(small_rows, b.shape[0], b.shape[1]):
-        _own_product(a, b, out, board, add)
+        if add:  # (the own loop writes its product: added from a copy)
+            part = np.empty_like(out[:a.shape[0]])
+            _own_product(a, b, part, board)
+            out[:a.shape[0]] += part
+        else:
+            _own_product(a, b, out, board)
         return
     m, k = a.shape
     n = b.shape[1]
@@ -694,7 +680,7 @@ def gemm_packed(a, prepared, k, n, out):
     product); shared with the helper on ``board``."""
     board = prepared[3]
     if a.shape[0] <= prepared[2]:
-        _own_product(a, prepared[1], out, board, False)
+        _own_product(a, prepared[1], out, board)
     elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
         gemm(a, prepared[1], out)
     else:
@@ -732,7 +718,7 @@ def _repeat_products(a, prepared, out, own, reps, board):
     k, n = prepared[1].shape
     for _ in range(reps):
         if own:
-            _own_product(a, prepared[1], out, board, False)
+            _own_product(a, prepared[1], out, board)
         else:
             _library_product(a, prepared, k, n, out)
 
