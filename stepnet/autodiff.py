@@ -176,13 +176,12 @@ def kept_values(body: Block) -> tuple:
     memory's previous state, and for each ``h @ U`` with constant weights that
     depends on a memory (a per-step product in the forward) the sum it is the
     start of: while a value's one use is an ``add`` or ``sub`` of its shape
-    and LoD depth (``x @ W + h @ U + b``), that use's result is kept
-    instead. The gradients
-    of sums read no values, so the backward needs only the sum (a gate's
-    pre-activation), and recomputes neither ``h @ U`` nor the products of the
-    step inputs alone (``x @ W``) that were added to it. It recomputes the
-    rest: other products of the step inputs alone as one hoisted GEMM, the
-    elementwise ops inside its step."""
+    and LoD depth (``x @ W + h @ U + b``), that use's result is kept instead.
+    The gradients of sums read no values, so the backward needs only the sum
+    (a gate's pre-activation), and recomputes neither ``h @ U`` nor the
+    products of the step inputs alone (``x @ W``) that were added to it. It
+    recomputes the rest: other products of the step inputs alone as one
+    hoisted GEMM, the elementwise ops inside its step."""
     pres = tuple(m.pre for m in body.memories)
     dependent = {id(v) for v in ir.memory_dependent(body)}
     uses = {}

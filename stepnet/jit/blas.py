@@ -159,11 +159,12 @@ def _columns_outer(a, b, out, lo, hi):
     columns (the last one ending at ``hi``) in turn over the panel's rows in
     blocks of 6, and of 4 where 6 would leave rows over (the 7 or 8 rows
     left, or 4 and fewer): 32 rows are 5 blocks of 6 and 2 of 4, where
-    blocks of 6 alone computed 36 (a multiple of 6, 111-113 GFLOP/s a core
-    on the AMD EPYC of the README, and 32 rows 101 before, 110-112 now). A
-    block past the panel's last row ends at it instead: it writes the rows
-    it shares with the one before again, with the same values (at most one
-    row computed twice, where the panel's rows are odd)."""
+    blocks of 6 alone would compute 36 (on the AMD EPYC of the README, 32
+    rows by 256 x 768 weights: 110-112 GFLOP/s a core, 101 in blocks of 6
+    alone; 36 rows 111-113). A block past the panel's last row ends at it
+    instead: it writes the rows it shares with the one before again, with
+    the same values (at most one row computed twice, where the panel's rows
+    are odd)."""
     m = a.shape[0]
     k = b.shape[0]
     zero = out.dtype.type(0)
