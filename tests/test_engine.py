@@ -196,8 +196,9 @@ def test_products_of_under_32_columns_take_the_library(rng):
     assert blas.own_rows(every, 256, 32) == 1 << 62
     assert blas.own_rows(every, 256, 31) == (1 << 62 if blas.DETERMINISTIC else 0)
     b = rng.standard_normal((64, 10)).astype(np.float32)
-    prepared = blas.pack(b, 16, every, threads.ALONE)
+    prepared = blas.pack(b, 16, 1000, every, threads.ALONE)
     assert prepared[2] == (1 << 62 if blas.DETERMINISTIC else 0)
+    assert prepared[4].shape[0] == (1 if blas.DETERMINISTIC else 0)  # (no panels for no own loop)
     a = rng.standard_normal((300, 64)).astype(np.float32)
     out = np.empty((300, 10), np.float32)
     blas.gemm_hoisted(a, b, out, every, threads.ALONE)
@@ -316,8 +317,10 @@ def test_hoisted_products_of_joined_values_add_each_part(rng, own_rows):
 
 def test_packed_weights_take_any_number_of_rows(rng):
     """``pack`` makes the library's form only for products of more rows than
-    the own loop takes; a product of more rows than it was told still gets
-    ``a @ b`` (the library's plain product), and so does one under the limit."""
+    the own loop takes, and the own loop's panels only for a call of
+    ``PANEL_MIN_ROWS`` rows; a product of more rows than it was told still
+    gets ``a @ b`` (the library's plain product), and so does one under the
+    limit, from the panels or from the weights as they are."""
     from numba import njit
 
     from stepnet.jit import blas, threads
@@ -325,19 +328,61 @@ def test_packed_weights_take_any_number_of_rows(rng):
     blas.register_small_gemm(np.float32)
 
     @njit
-    def packed_product(a, b, max_rows, table, out):
-        prepared = blas.pack(b, max_rows, table, threads.ALONE)
+    def packed_product(a, b, max_rows, call_rows, table, out):
+        prepared = blas.pack(b, max_rows, call_rows, table, threads.ALONE)
         blas.gemm_packed(a, prepared, b.shape[0], b.shape[1], out)
-        return prepared[0].shape[0]
+        return prepared[0].shape[0], prepared[4].shape[0]
 
     b = rng.standard_normal((24, 40)).astype(np.float32)
     table = np.array([[1 << 40], [4]], np.int64)  # the own loop up to 4 rows, any weights
     for m, max_rows, library_form in ((3, 4, False), (9, 4, False), (9, 16, True), (3, 16, True)):
-        a = rng.standard_normal((m, 24)).astype(np.float32)
-        out = np.empty((m, 40), np.float32)
-        size = packed_product(a, b, max_rows, table, out)
-        assert (size > 0) == library_form or blas.BLAS_NAME != "mkl", (m, max_rows, size)
-        np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5, err_msg=f"{m} rows")
+        for call_rows in (blas.PANEL_MIN_ROWS - 1, blas.PANEL_MIN_ROWS):
+            a = rng.standard_normal((m, 24)).astype(np.float32)
+            out = np.empty((m, 40), np.float32)
+            size, count = packed_product(a, b, max_rows, call_rows, table, out)
+            assert (size > 0) == library_form or blas.BLAS_NAME != "mkl", (m, max_rows, size)
+            assert count == (2 if call_rows >= blas.PANEL_MIN_ROWS else 0)
+            np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5, err_msg=f"{m} rows")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_own_loop_on_panels_equals_it_on_the_weights_bit_for_bit(rng, dtype):
+    """The weights' ``panels`` (32 columns each, the last overlapping the one
+    before where 32 does not divide n; one padded panel under 32 columns)
+    give the same bits as the weights as they are, for every block shape of
+    rows and columns, any range of whole blocks of columns, and the C entry
+    (both layouts, cut with the helper's board or not)."""
+    from numba import njit
+
+    from stepnet.jit import blas, threads
+
+    blas.register_small_gemm(dtype)
+
+    @njit
+    def own(a, w, out, board):
+        blas._own_product(a, w, out, board)
+
+    for m, k, n in [(1, 7, 5), (3, 16, 31), (1, 9, 32), (1, 9, 100), (2, 17, 130), (4, 8, 64),
+                    (5, 33, 95), (9, 64, 200), (13, 7, 70), (32, 64, 256), (200, 6, 40),
+                    (7, 0, 40), (33, 128, 1024)]:
+        a = rng.standard_normal((m, k)).astype(dtype)
+        b = rng.standard_normal((k, n)).astype(dtype)
+        p = blas.panels(b)
+        assert p.shape == (max(1, -(-n // 32)), k, 32)
+        whole = np.empty((m, n), dtype)
+        blas.small_gemm(a, b, whole)
+        np.testing.assert_allclose(whole, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+        ld, panel = 32, 32 * k
+        for lo, hi in [(0, n)] + ([(32, n), (0, 32 * (n // 64))] if n >= 64 else []):
+            part = np.full((m, n), np.nan, dtype)
+            blas._own_columns(a, p.reshape(-1), ld, panel, part, lo, hi)
+            np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(m, k, n, lo))
+            assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
+        for board in (threads.ALONE, threads.board_for_one_group()):
+            for weights in (b, p):
+                out = np.full((m, n), np.nan, dtype)
+                own(a, weights, out, board)
+                np.testing.assert_array_equal(out, whole, err_msg=(m, k, n, weights.ndim))
 
 
 def test_stepnet_info_prints_the_choice(tmp_path):

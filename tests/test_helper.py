@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x
 
 @njit(nogil=True)
 def _products(a, w, out, table, board, reps):
-    """``reps`` per-step products of ``a @ w`` (``table``: small_rows)."""
-    prepared = blas.pack(w, a.shape[0], table, board)
+    """``reps`` per-step products of ``a @ w`` (``table``: small_rows), the
+    own loop on the weights' panels."""
+    prepared = blas.pack(w, a.shape[0], blas.PANEL_MIN_ROWS, table, board)
     for _ in range(reps):
         blas.gemm_packed(a, prepared, w.shape[0], w.shape[1], out)
 

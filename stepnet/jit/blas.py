@@ -26,9 +26,9 @@ computes the second part (see *products shared with the helper* below).
 
 Small products (a batch of one, the last few sequences of a batch) spend
 more time in a library's dispatch, packing or generic kernels than in
-arithmetic: there a step runs ``small_gemm``, stepnet's own loop (a block
-of ``out`` summed in registers, the weights read in place, once per 4 rows),
-through a C entry compiled once (``register_small_gemm``). Up to how many
+arithmetic: there a step runs stepnet's own loop (a block of ``out`` summed
+in registers, the weights read once per 6 or 4 rows, from their ``panels``
+made once a call), through a C entry compiled once (``register_small_gemm``). Up to how many
 rows, for weights of each size, is measured once per machine and library,
 at the first call (``small_rows_table``;
 :func:`stepnet.jit.blas_choice.small_product_rows`;
@@ -132,34 +132,78 @@ def small_gemm(a, b, out):
     small_gemm_columns(a, b, out, 0, b.shape[1])
 
 
+@njit(cache=True, nogil=True)
+def small_gemm_columns(a, b, out, lo, hi):
+    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous) by
+    stepnet's own loop (``_own_columns``) on ``b`` as it is."""
+    _own_columns(a, b.reshape(b.size), b.shape[1], 0, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def panels(b):
+    """Weights ``b`` [k, n] as stepnet's own loop reads them fastest: panels
+    [P, k, 32] of 32 columns each, panel p holding columns 32p to 32p + 31,
+    the last one the last 32 columns (it overlaps the one before where 32
+    does not divide n; a single panel of under 32 columns is padded with
+    zeros). Each panel is contiguous: the 32 columns of 256 rows are 32 KiB
+    read in order, where in ``b`` they are 256 pieces of 128 bytes, one a
+    row of ``b`` apart, which fall into the same few sets of the core's
+    first-level cache (on the AMD EPYC of the README, ``[32, 256] @ [256,
+    1024]`` on both cores at once: 108-110 GFLOP/s a core from panels,
+    88-99 from ``b``)."""
+    k, n = b.shape
+    count = max(1, (n + 31) // 32)
+    out = np.zeros((count, k, 32), b.dtype)
+    for p in range(count):
+        first = max(0, min(32 * p, n - 32))
+        for kk in range(k):
+            for jj in range(min(32, n)):
+                out[p, kk, jj] = b[kk, first + jj]
+    return out
+
+
+@njit(inline="always")
+def _block_start(j0, ld, panel):
+    """Where the weights of the block of 32 columns from column ``j0`` start
+    in the flat weights ``w`` of ``_own_columns``: ``b`` itself (``panel``
+    0: row ``kk`` of the block at ``j0 + kk * ld``, ``ld`` = n), or its
+    ``panels`` (``panel`` = 32 k, ``ld`` = 32: the panel holding the block,
+    ``j0`` a multiple of 32 or n - 32)."""
+    if panel == 0:
+        return j0
+    return (j0 + 31) // 32 * panel
+
+
 @njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _four_rows(a, b, out, acc, i, j0):
-    """out[i:i + 4, j0:j0 + 32] = a[i:i + 4] @ b[:, j0:j0 + 32], summed in
-    ``acc`` (registers) in order of k (inlined into its callers). The block
-    of 6 rows in ``_columns_outer`` is the same loop written out for 6: one
-    helper over ``rows`` rows (a constant at each call, its loop innermost)
-    ran 2-10 % slower on the AMD EPYC of the README (32 rows by 256 x 768
-    weights 108 GFLOP/s against 111, 8 rows 97 against 107)."""
+def _four_rows(a, w, ld, start, out, acc, i, j0):
+    """out[i:i + 4, j0:j0 + 32] = a[i:i + 4] @ the block of weights at
+    ``start`` (``_block_start``), summed in ``acc`` (registers) in order of
+    k (inlined into its callers). The block of 6 rows in ``_columns_outer``
+    is the same loop written out for 6: one helper over ``rows`` rows (a
+    constant at each call, its loop innermost) ran 2-10 % slower on the AMD
+    EPYC of the README (32 rows by 256 x 768 weights 108 GFLOP/s against
+    111, 8 rows 97 against 107)."""
     zero = out.dtype.type(0)
     for jj in range(128):
         acc[jj] = zero
-    for kk in range(b.shape[0]):
+    for kk in range(a.shape[1]):
         x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
+        row = np.uint64(start + kk * ld)
         for jj in range(_U32):
-            w = b[kk, j0 + jj]
-            acc[jj] += x0 * w
-            acc[32 + jj] += x1 * w
-            acc[64 + jj] += x2 * w
-            acc[96 + jj] += x3 * w
+            wk = w[row + jj]
+            acc[jj] += x0 * wk
+            acc[32 + jj] += x1 * wk
+            acc[64 + jj] += x2 * wk
+            acc[96 + jj] += x3 * wk
     for r in range(4):
         for jj in range(_U32):
             out[i + r, j0 + jj] = acc[32 * r + jj]
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _columns_outer(a, b, out, lo, hi):
-    """small_gemm_columns for 6 rows or more: by panels of ``_PANEL_ROWS``
-    rows (kept in cache while the weights pass over them), each block of 32
+def _columns_outer(a, w, ld, panel, out, lo, hi):
+    """_own_columns for 6 rows or more: by panels of ``_PANEL_ROWS`` rows
+    (kept in cache while the weights pass over them), each block of 32
     columns (the last one ending at ``hi``) in turn over the panel's rows in
     blocks of 6, and of 4 where 6 would leave rows over (the 7 or 8 rows
     left, or 4 and fewer): 32 rows are 5 blocks of 6 and 2 of 4, where
@@ -169,22 +213,22 @@ def _columns_outer(a, b, out, lo, hi):
     instead: it writes the rows it shares with the one before again, with
     the same values (at most one row computed twice, where the panel's rows
     are odd)."""
-    m = a.shape[0]
-    k = b.shape[0]
+    m, k = a.shape
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
-    for panel in range(0, m, _PANEL_ROWS):
-        last = min(panel + _PANEL_ROWS, m)
-        first = min(panel, last - 6)  # (a last panel of under 6 rows: in the one before)
+    for rows in range(0, m, _PANEL_ROWS):
+        last = min(rows + _PANEL_ROWS, m)
+        first = min(rows, last - 6)  # (a last panel of under 6 rows: in the one before)
         end = lo + 32
         while end < hi + 32:
             j0 = np.uint64(min(end, hi) - 32)
+            start = _block_start(min(end, hi) - 32, ld, panel)
             i = first
             while i < last:
                 left = last - i
                 if left <= 4 or left == 7 or left == 8:
                     i = min(i, last - 4)
-                    _four_rows(a, b, out, acc, i, j0)
+                    _four_rows(a, w, ld, start, out, acc, i, j0)
                     i += 4
                     continue
                 i = min(i, last - 6)
@@ -193,14 +237,15 @@ def _columns_outer(a, b, out, lo, hi):
                 for kk in range(k):
                     x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
                     x3, x4, x5 = a[i + 3, kk], a[i + 4, kk], a[i + 5, kk]
+                    row = np.uint64(start + kk * ld)
                     for jj in range(_U32):
-                        w = b[kk, j0 + jj]
-                        acc[jj] += x0 * w
-                        acc[32 + jj] += x1 * w
-                        acc[64 + jj] += x2 * w
-                        acc[96 + jj] += x3 * w
-                        acc[128 + jj] += x4 * w
-                        acc[160 + jj] += x5 * w
+                        wk = w[row + jj]
+                        acc[jj] += x0 * wk
+                        acc[32 + jj] += x1 * wk
+                        acc[64 + jj] += x2 * wk
+                        acc[96 + jj] += x3 * wk
+                        acc[128 + jj] += x4 * wk
+                        acc[160 + jj] += x5 * wk
                 for r in range(6):
                     for jj in range(_U32):
                         out[i + r, j0 + jj] = acc[32 * r + jj]
@@ -209,39 +254,42 @@ def _columns_outer(a, b, out, lo, hi):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def small_gemm_columns(a, b, out, lo, hi):
-    """out[:m, lo:hi] = a[:m] @ b[:, lo:hi] (``b`` [k, n] C-contiguous) as
+def _own_columns(a, w, ld, panel, out, lo, hi):
+    """out[:m, lo:hi] = a[:m] @ the weights ``w`` (flat: ``b`` [k, n]
+    C-contiguous, ``ld`` = n, ``panel`` = 0; or its ``panels``, ``ld`` = 32,
+    ``panel`` = 32 k, ``lo`` a multiple of 32 and ``hi`` one or n) as
     stepnet's own loop:
     a block of 6 rows x 32 columns of ``out`` (under 6 rows, 4 x 32, then
     1 row x 128, or x 64 where no more columns are left: enough independent
     sums to keep the FMA units busy) is summed in registers over k, each
     weight row loaded once per block and every sum taken in order of k (so a
-    row's values do not depend on the block it falls in); the last block of
-    a row ends at column ``hi`` (it overlaps the one before, which it writes
-    again with the same values), so neither do they depend on the range of
-    columns asked for: a product split by columns over threads equals the
-    whole. From 6 rows on, each block of columns is taken in turn over every
-    row of a panel of rows (``_columns_outer``): its weights (k x 32) stay in
-    cache while the rows pass, and the weights are read once a panel (on the
-    AMD EPYC of the README 103-115 GFLOP/s a core for 30-96 rows by weights
-    of 256 x 768 or 256 x 1024, against MKL's 88-95).
-    It needs no packing and no dispatch: where a product is small (a batch of
-    one, the last sequences of a batch) it beats the libraries'
+    row's values do not depend on the block it falls in, nor on the weights'
+    layout); the last block of a row ends at column ``hi`` (it overlaps the
+    one before, which it writes again with the same values), so neither do
+    they depend on the range of columns asked for: a product split by
+    columns over threads equals the whole. From 6 rows on, each block of
+    columns is taken in turn over every row of a panel of rows
+    (``_columns_outer``): its weights (k x 32) stay in cache while the rows
+    pass, and the weights are read once a panel (on the AMD EPYC of the
+    README 103-115 GFLOP/s a core for 30-96 rows by weights of 256 x 768 or
+    256 x 1024, against MKL's 88-95).
+    It needs no dispatch, and no packing but the ``panels`` of the weights of
+    a call's per-step products (``pack``): where a product is small (a batch
+    of one, the last sequences of a batch) it beats the libraries'
     (``small_rows_table``, measured)."""
-    m = a.shape[0]
-    k = b.shape[0]
+    m, k = a.shape
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
-    if hi - lo < 32:  # narrower than a block: one sum at a time
+    if hi - lo < 32:  # narrower than a block (n < 32): one sum at a time
         for i in range(m):
             for j in range(lo, hi):
                 s = zero
                 for kk in range(k):
-                    s += a[i, kk] * b[kk, j]
+                    s += a[i, kk] * w[kk * ld + j]
                 out[i, j] = s
         return
     if m >= 6:
-        _columns_outer(a, b, out, lo, hi)
+        _columns_outer(a, w, ld, panel, out, lo, hi)
         return
     i = 0
     while i < m:
@@ -253,21 +301,27 @@ def small_gemm_columns(a, b, out, lo, hi):
             # rows, not gathers
             j0 = np.uint64(min(end, hi) - 32)
             j1 = np.uint64(min(end + 32, hi) - 32)
+            s0 = _block_start(min(end, hi) - 32, ld, panel)
+            s1 = _block_start(min(end + 32, hi) - 32, ld, panel)
             if rows == 4:
-                _four_rows(a, b, out, acc, i, j0)
+                _four_rows(a, w, ld, s0, out, acc, i, j0)
                 end += 32
             elif hi - end > 32:  # more than two blocks left: four at a time
                 j2 = np.uint64(min(end + 64, hi) - 32)
                 j3 = np.uint64(min(end + 96, hi) - 32)
+                s2 = _block_start(min(end + 64, hi) - 32, ld, panel)
+                s3 = _block_start(min(end + 96, hi) - 32, ld, panel)
                 for jj in range(128):
                     acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
+                    r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
+                    r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
                     for jj in range(_U32):
-                        acc[jj] += x * b[kk, j0 + jj]
-                        acc[32 + jj] += x * b[kk, j1 + jj]
-                        acc[64 + jj] += x * b[kk, j2 + jj]
-                        acc[96 + jj] += x * b[kk, j3 + jj]
+                        acc[jj] += x * w[r0 + jj]
+                        acc[32 + jj] += x * w[r1 + jj]
+                        acc[64 + jj] += x * w[r2 + jj]
+                        acc[96 + jj] += x * w[r3 + jj]
                 for jj in range(_U32):
                     out[i, j0 + jj] = acc[jj]
                     out[i, j1 + jj] = acc[32 + jj]
@@ -279,9 +333,10 @@ def small_gemm_columns(a, b, out, lo, hi):
                     acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
+                    r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
                     for jj in range(_U32):
-                        acc[jj] += x * b[kk, j0 + jj]
-                        acc[32 + jj] += x * b[kk, j1 + jj]
+                        acc[jj] += x * w[r0 + jj]
+                        acc[32 + jj] += x * w[r1 + jj]
                 for jj in range(_U32):
                     out[i, j0 + jj] = acc[jj]
                     out[i, j1 + jj] = acc[32 + jj]
@@ -469,25 +524,36 @@ def own_rows(small_rows, k, n):
     return rows_for(small_rows, k * n)
 
 
+# a call whose per-step products by some weights take this many rows in all
+# (its sequences' items) reads them from ``panels``: 4-20 % faster a product,
+# for one copy of the weights (a stream's call of a few frames copies nothing)
+PANEL_MIN_ROWS = 128
+
+
 @njit(cache=True)
-def pack(b, max_rows, small_rows, board):
+def pack(b, max_rows, call_rows, small_rows, board):
     """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
-    rows, prepared for ``gemm_packed``: (the library's form, ``b`` itself for
-    ``small_gemm``, the rows up to which ``small_gemm`` runs, the helper's
-    ``board``). The library's
-    form is made only where a product can have more rows than ``small_gemm``
-    takes (never under ``STEPNET_DETERMINISTIC``, where it takes every
-    product): a stream's call of a few rows packs nothing."""
+    rows a step and ``call_rows`` in the call, prepared for ``gemm_packed``:
+    (the library's form, ``b`` itself, the rows up to which stepnet's own
+    loop runs, the helper's ``board``, ``b``'s ``panels`` for the own loop).
+    The library's form is made only where a product can have more rows than
+    the own loop takes (never under ``STEPNET_DETERMINISTIC``, where it
+    takes every product), the panels only where the own loop takes some
+    and the call has ``PANEL_MIN_ROWS`` (else no panel: the own loop reads
+    ``b``): a stream's call of a few rows packs nothing."""
     k, n = b.shape
     rows = own_rows(small_rows, k, n)
-    return _library_pack(b, max_rows if max_rows > rows else 0), b, rows, board
+    library = _library_pack(b, max_rows if max_rows > rows else 0)
+    if rows > 0 and call_rows >= PANEL_MIN_ROWS:
+        return library, b, rows, board, panels(b)
+    return library, b, rows, board, np.zeros((0, k, 32), b.dtype)
 
 
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
 # is compiled once (and cached on disk), not again inside every kernel
 _OWN_SYMBOLS = {"float32": "stepnet_small_sgemm", "float64": "stepnet_small_dgemm"}
-# (a, m, k, n, b, out, board): _own_shared, a board's address its last argument
-_own_calls = {name: _extern(symbol, "pzzzppp") for name, symbol in _OWN_SYMBOLS.items()}
+# (a, m, k, n, w, ld, panel, out, board): _own_shared, a board's address last
+_own_calls = {name: _extern(symbol, "pzzzpzzpp") for name, symbol in _OWN_SYMBOLS.items()}
 _OWN_LOCK = threading.Lock()
 _own_entries = {}  # dtype name -> the cfunc, once its symbol is known to LLVM
 
@@ -505,11 +571,12 @@ def register_small_gemm(dtype) -> None:
         element = types.float32 if name == "float32" else types.float64
         pointer = types.CPointer(element)
 
-        @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, pointer,
-                          types.CPointer(types.int64)), cache=True)
-        def entry(a, m, k, n, b, out, board):
-            _own_shared(carray(a, (m, k)), carray(b, (k, n)), carray(out, (m, n)),
-                        carray(board, threads.BOARD_SIZE))
+        @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, types.int64,
+                          types.int64, pointer, types.CPointer(types.int64)), cache=True)
+        def entry(a, m, k, n, w, ld, panel, out, board):
+            size = max(1, (n + 31) // 32) * panel if panel > 0 else k * n
+            _own_shared(carray(a, (m, k)), carray(w, size), ld, panel,
+                        carray(out, (m, n)), carray(board, threads.BOARD_SIZE))
 
         llvm_binding.add_symbol(_OWN_SYMBOLS[name], entry.address)
         _own_entries[name] = entry
@@ -543,21 +610,22 @@ _WAIT_BALANCED = 100
 
 
 @njit(cache=True, nogil=True)
-def _own_shared(a, b, out, board):
-    """out[:m] = a[:m] @ b by small_gemm, cut by columns on ``board`` (the
-    body of small_gemm's C entry: compiled once, not in every kernel)."""
+def _own_shared(a, w, ld, panel, out, board):
+    """out[:m] = a[:m] @ the weights ``w`` by stepnet's own loop
+    (``_own_columns``), cut by columns on ``board`` (the body of its C entry:
+    compiled once, not in every kernel)."""
     m, k = a.shape
-    n = b.shape[1]
+    n = out.shape[1]
     if board[threads.SHARES] == 0 or k * n < SHARE_OWN_WORK or n < 64:
-        small_gemm_columns(a, b, out, np.int64(0), n)  # (the types of the parts' jobs:
+        _own_columns(a, w, ld, panel, out, np.int64(0), n)  # (the types of the parts' jobs:
         return  # one compile)
     # whole blocks of 32 on each side: half, moved by the blocks the balance
     # says (a column's values do not depend on the side that computes it)
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = threads.run_jobs(board, job_of(small_gemm_columns, (a, b, out, 0, cut)),
-                              job_of(small_gemm_columns, (a, b, out, cut, n)), True)
+    waited = threads.run_jobs(board, job_of(_own_columns, (a, w, ld, panel, out, 0, cut)),
+                              job_of(_own_columns, (a, w, ld, panel, out, cut, n)), True)
     if waited < 0:  # (not shared: both parts computed here)
         return
     if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
@@ -566,9 +634,19 @@ def _own_shared(a, b, out, board):
         board[threads.BALANCE] = shift - 1
 
 
+@njit(inline="always")
+def _own_strides(b, k):
+    """``_own_columns``' ``(ld, panel)`` for weights ``b``: [k, n], or their
+    ``panels`` [P, k, 32]."""
+    if b.ndim == 3:
+        return 32, 32 * k
+    return b.shape[1], 0
+
+
 def _own_product(a, b, out, board):
-    """out[:m] = a[:m] @ b by ``small_gemm``'s C entry (``register_small_gemm``),
-    cut by columns on ``board``."""
+    """out[:m] = a[:m] @ b by stepnet's own loop's C entry
+    (``register_small_gemm``), cut by columns on ``board``; ``b`` is the
+    weights [k, n] or their ``panels`` (n is ``out``'s width)."""
 
 
 @overload(_own_product)
@@ -581,16 +659,18 @@ def _own_product_for(a, b, out, board):
         def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
-                call((a.ctypes.data, m, k, b.shape[1], b.ctypes.data, out.ctypes.data,
-                      board.ctypes.data))
+                ld, panel = _own_strides(b, k)
+                call((a.ctypes.data, m, k, out.shape[1], b.ctypes.data, ld, panel,
+                      out.ctypes.data, board.ctypes.data))
     else:  # (arrays not known to be C-contiguous: on C-contiguous copies)
         def own_product(a, b, out, board):
             m, k = a.shape
             if m > 0:
+                ld, panel = _own_strides(b, k)
                 a_c, b_c = np.ascontiguousarray(a), np.ascontiguousarray(b)
-                out_c = np.empty((m, b.shape[1]), out.dtype)
-                call((a_c.ctypes.data, m, k, b.shape[1], b_c.ctypes.data, out_c.ctypes.data,
-                      board.ctypes.data))
+                out_c = np.empty((m, out.shape[1]), out.dtype)
+                call((a_c.ctypes.data, m, k, out.shape[1], b_c.ctypes.data, ld, panel,
+                      out_c.ctypes.data, board.ctypes.data))
                 out[:m] = out_c
 
     return own_product
@@ -680,12 +760,16 @@ def board_for_product(multiply_adds):
 @njit(cache=True)
 def gemm_packed(a, prepared, k, n, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
-    loop up to the rows measured for weights of this size, the library's
-    product above (its packed form, or, where ``pack`` made none, its plain
-    product); shared with the helper on ``board``."""
+    loop up to the rows measured for weights of this size (on the weights'
+    panels where ``pack`` made them), the library's product above (its
+    packed form, or, where ``pack`` made none, its plain product); shared
+    with the helper on ``board``."""
     board = prepared[3]
     if a.shape[0] <= prepared[2]:
-        _own_product(a, prepared[1], out, board)
+        if prepared[4].shape[0] > 0:
+            _own_product(a, prepared[4], out, board)
+        else:
+            _own_product(a, prepared[1], out, board)
     elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
         gemm(a, prepared[1], out)
     else:
@@ -719,11 +803,12 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
 
 @njit(cache=True)
 def _repeat_products(a, prepared, out, own, reps, board):
-    """``reps`` per-step products, by small_gemm's C entry or the library's."""
+    """``reps`` per-step products, by stepnet's own loop's C entry (on the
+    weights' panels) or the library's."""
     k, n = prepared[1].shape
     for _ in range(reps):
         if own:
-            _own_product(a, prepared[1], out, board)
+            _own_product(a, prepared[4], out, board)
         else:
             _library_product(a, prepared, k, n, out)
 
@@ -736,7 +821,7 @@ def _time_small_and_library(m, k, n):
     a = rng.standard_normal((m, k), np.float32)
     b = rng.standard_normal((k, n), np.float32)
     out = np.empty((m, n), np.float32)
-    prepared = (_library_pack(b, m), b, 0, threads.ALONE)
+    prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
     reps = max(2, min(400, 1_000_000 // (m * k * n)))
     seconds = []
     for own in (True, False):

@@ -249,6 +249,8 @@ def generate_source(program: ir.Program):
     body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
             "num_seq = lengths.shape[0]"]
     body += [f"max_rows = max({max_rows})" if len(top_levels) > 1 else "max_rows = num_seq"]
+    # the rows of the call: its sequences' items (its words, in a nested net)
+    body.append(f"call_rows = {top_levels[-1]}[-1] - {top_levels[-1]}[0]")
     body += module.prologue + ctx.lines
     ret = ", ".join([o[1] for o in outs] + module.extra_returns)
     body.append(f"return ({ret},)")
@@ -498,7 +500,7 @@ def _defer_product(ctx, stage):
     _count_product(module, dtype, k, n)
     packed = module.fresh("wc")
     module.prologue.append(f"{packed} = pack({weights}, max(max_rows, {_CHUNK_ROWS}), "
-                           "small_rows, board)")
+                           "call_rows, small_rows, board)")
     module.gargs.append(packed)
     chunk = _Chunk(ctx.values[stage.left], packed, k, n, dtype, module.fresh("ring"),
                    module.fresh("gathered"))
@@ -641,7 +643,8 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
-        module.prologue.append(f"{packed} = pack({weights}, max_rows, small_rows, board)")
+        module.prologue.append(f"{packed} = pack({weights}, max_rows, call_rows, small_rows, "
+                               "board)")
         module.gargs.append(packed)
     return f"gemm_packed({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
 
