@@ -558,3 +558,42 @@ def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, run_a
     calls.clear()
     layer(X, backend="numba")
     assert calls == []
+
+
+def test_stepnet_loops_are_vectorized_with_the_widest_vectors(rng):
+    """A function that calls ``wide_vectors`` carries LLVM's
+    ``prefer-vector-width`` of 512 (and, on a CPU with AVX-512, its loop
+    uses 512-bit registers); a function that does not keeps LLVM's choice;
+    the generated kernels and the own loop call it."""
+    import llvmlite.binding as llvm_binding
+
+    from stepnet.jit import atomics, blas
+
+    def scale(x, y):
+        for i in range(x.shape[0]):
+            y[i] = 2.0 * x[i] + 1.0
+
+    def wide_scale(x, y):
+        atomics.wide_vectors()
+        scale_loop(x, y)
+
+    scale_loop = numba.njit(inline="always")(scale)
+    plain, wide = numba.njit(scale), numba.njit(wide_scale)
+    x = rng.standard_normal(1000).astype(np.float32)
+    y1, y2 = np.empty_like(x), np.empty_like(x)
+    plain(x, y1)
+    wide(x, y2)
+    np.testing.assert_array_equal(y1, y2)
+    np.testing.assert_array_equal(y2, 2 * x + 1)
+    attribute = '"prefer-vector-width"="512"'
+    assert attribute in wide.inspect_llvm(wide.signatures[0])
+    assert attribute not in plain.inspect_llvm(plain.signatures[0])
+    if llvm_binding.get_host_cpu_features().get("avx512f"):
+        assert "zmm" in wide.inspect_asm(wide.signatures[0])
+    own = numba.njit(blas._own_columns.py_func)  # (compiled here, not read from the cache)
+    b = rng.standard_normal((8, 64)).astype(np.float32)
+    out = np.empty((6, 64), np.float32)
+    own(b[:6, :8], b.reshape(b.size), 64, 0, out, 0, 64)
+    assert attribute in own.inspect_llvm(own.signatures[0])
+    source = _gru(rng, [[3, 2]]).compile("numba").source
+    assert source.count("    wide_vectors()\n") == source.count("@njit")

@@ -3,7 +3,9 @@ the operating system: atomic loads, stores and compare-exchanges of one
 ``int64`` element of an array, a pause for spin loops, a yield of the core,
 the cycle counter, a pointer from an address, a call of a C function at an
 address, a buffer on the stack, and a call of a compiled function packed as
-a job another thread can run (Numba has none of these for the CPU).
+a job another thread can run (Numba has none of these for the CPU); and
+``wide_vectors``, which lets LLVM vectorize a function with the CPU's widest
+vectors.
 
 Spinning is for x86-64 (``SPINS``): there the pause is the ``pause``
 instruction and the clock ``rdtsc``; elsewhere no thread spins, and these
@@ -161,6 +163,27 @@ def call_address(typingctx, address, record):
         return context.get_dummy_value()
 
     return types.void(address, record), codegen
+
+
+# LLVM's X86 attribute for the width of the vectors its vectorizers make
+_VECTOR_WIDTH = '"prefer-vector-width"="512"'
+
+
+@intrinsic
+def wide_vectors(typingctx):
+    """Vectorize the calling function with the widest vectors the CPU has
+    (512 bits with AVX-512; where it has narrower ones, those). LLVM's tuning
+    for Intel's AVX-512 cores (Skylake-SP to Emerald Rapids) prefers 256-bit
+    vectors for every function, which halves the multiply-adds a cycle of
+    stepnet's products and gate loops there; the attribute is the calling
+    function's only (llvmlite knows no string attributes: it is added to the
+    function's set as written in LLVM IR)."""
+
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, _VECTOR_WIDTH)
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @intrinsic

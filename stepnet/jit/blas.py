@@ -57,7 +57,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
-from .atomics import job_of, stack_buffer
+from .atomics import job_of, stack_buffer, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, measure, \
     small_product_rows
@@ -213,6 +213,7 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
     instead: it writes the rows it shares with the one before again, with
     the same values (at most one row computed twice, where the panel's rows
     are odd)."""
+    wide_vectors()
     m, k = a.shape
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
@@ -277,6 +278,7 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     a call's per-step products (``pack``): where a product is small (a batch
     of one, the last sequences of a batch) it beats the libraries'
     (``small_rows_table``, measured)."""
+    wide_vectors()
     m, k = a.shape
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
@@ -574,6 +576,7 @@ def register_small_gemm(dtype) -> None:
         @cfunc(types.void(pointer, types.int64, types.int64, types.int64, pointer, types.int64,
                           types.int64, pointer, types.CPointer(types.int64)), cache=True)
         def entry(a, m, k, n, w, ld, panel, out, board):
+            wide_vectors()
             size = max(1, (n + 31) // 32) * panel if panel > 0 else k * n
             _own_shared(carray(a, (m, k)), carray(w, size), ld, panel,
                         carray(out, (m, n)), carray(board, threads.BOARD_SIZE))
@@ -614,6 +617,7 @@ def _own_shared(a, w, ld, panel, out, board):
     """out[:m] = a[:m] @ the weights ``w`` by stepnet's own loop
     (``_own_columns``), cut by columns on ``board`` (the body of its C entry:
     compiled once, not in every kernel)."""
+    wide_vectors()
     m, k = a.shape
     n = out.shape[1]
     if board[threads.SHARES] == 0 or k * n < SHARE_OWN_WORK or n < 64:

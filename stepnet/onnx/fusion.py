@@ -234,6 +234,7 @@ def _source(nodes, inputs, outputs, ranks, kinds, ndim, dtype):
     ys = [f"y{k}" for k in range(len(outputs))]
     xs = [f"x{k}" for k in range(len(inputs))]
     body = [f"def fused(order, {', '.join(ys + xs)}):",
+            "    wide_vectors()",
             f"    inner = order[{ndim - 1}]",
             "    n = y0.shape[inner]",
             "    if y0.size == 0:",
@@ -282,7 +283,7 @@ def _source(nodes, inputs, outputs, ranks, kinds, ndim, dtype):
                       "import math",
                       "import numpy as np",
                       "from numba import carray, njit",
-                      "from stepnet.jit.atomics import pointer_to",
+                      "from stepnet.jit.atomics import pointer_to, wide_vectors",
                       *runtime_imports(), "", "",
                       "@njit(cache=True, error_model='numpy', nogil=True)",
                       *body, ""])
