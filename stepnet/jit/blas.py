@@ -819,7 +819,8 @@ def _repeat_products(a, prepared, out, own, reps, board):
 
 def _time_small_and_library(m, k, n):
     """Seconds per product of ``small_gemm`` and of the library's, one
-    thread (best of three runs of the same products in a compiled loop)."""
+    thread (best of three runs of the same products in a compiled loop, the
+    two taken in turn: a busy phase of the machine slows both)."""
     register_small_gemm(np.float32)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
@@ -827,15 +828,14 @@ def _time_small_and_library(m, k, n):
     out = np.empty((m, n), np.float32)
     prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
     reps = max(2, min(400, 1_000_000 // (m * k * n)))
-    seconds = []
     for own in (True, False):
         _repeat_products(a, prepared, out, own, 1, threads.ALONE)
-        best = float("inf")
-        for _ in range(3):
+    seconds = [float("inf"), float("inf")]
+    for _ in range(3):
+        for side, own in enumerate((True, False)):
             t0 = time.perf_counter()
             _repeat_products(a, prepared, out, own, reps, threads.ALONE)
-            best = min(best, (time.perf_counter() - t0) / reps)
-        seconds.append(best)
+            seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
     return tuple(seconds)
 
 
