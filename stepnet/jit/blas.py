@@ -139,6 +139,12 @@ def small_gemm_columns(a, b, out, lo, hi):
     _own_columns(a, b.reshape(b.size), b.shape[1], 0, out, lo, hi)
 
 
+@njit(inline="always")
+def _panel_count(n):
+    """How many ``panels`` weights of ``n`` columns make (one at least)."""
+    return max(1, (n + 31) // 32)
+
+
 @njit(cache=True, nogil=True)
 def panels(b):
     """Weights ``b`` [k, n] as stepnet's own loop reads them fastest: panels
@@ -152,7 +158,7 @@ def panels(b):
     1024]`` on both cores at once: 108-110 GFLOP/s a core from panels,
     88-99 from ``b``)."""
     k, n = b.shape
-    count = max(1, (n + 31) // 32)
+    count = _panel_count(n)
     out = np.zeros((count, k, 32), b.dtype)
     for p in range(count):
         first = max(0, min(32 * p, n - 32))
@@ -577,7 +583,7 @@ def register_small_gemm(dtype) -> None:
                           types.int64, pointer, types.CPointer(types.int64)), cache=True)
         def entry(a, m, k, n, w, ld, panel, out, board):
             wide_vectors()
-            size = max(1, (n + 31) // 32) * panel if panel > 0 else k * n
+            size = _panel_count(n) * panel if panel > 0 else k * n
             _own_shared(carray(a, (m, k)), carray(w, size), ld, panel,
                         carray(out, (m, n)), carray(board, threads.BOARD_SIZE))
 
