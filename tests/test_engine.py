@@ -145,36 +145,78 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     """For each size of weights, stepnet's own loop is taken up to the rows
     where, over all rows measured, the time (each relative to the faster of
     the two) is least (every number of rows where that is the most rows
-    measured); the limits are kept and read back."""
+    measured), and shared with the helper where a one-row product took less
+    time cut with it than alone (or where not measured); the limits are
+    kept and read back."""
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
     choice = {"name": "mkl", "cpu": "a CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
-    asked = []
+    asked, asked_shared = [], []
 
     def time_both(m, k, n):  # the own loop is faster up to 4 rows, 16 for the smallest weights
         asked.append((m, k, n))
         return (1.0, 2.0) if m <= (16 if k * n < 20000 else 4) else (2.0, 1.0)
 
-    limits = blas_choice.small_product_rows(choice, time_both)
+    def time_shared(m, k, n):  # never cut under 20000; cut is slower up to 200000
+        asked_shared.append((m, k, n))
+        return None if k * n < 20000 else (1.0, 1.5) if k * n <= 200000 else (2.0, 1.0)
+
+    limits = blas_choice.small_product_rows(choice, time_both, time_shared)
     sizes = [k * n for k, n in blas_choice._STEP_WEIGHTS]
-    assert limits == tuple((size, 16 if size < 20000 else 4) for size in sizes)
+    assert limits == tuple((size, 16 if size < 20000 else 4, int(not 20000 <= size <= 200000))
+                           for size in sizes)
     assert len(asked) == len(blas_choice._STEP_WEIGHTS) * len(blas_choice._STEP_ROWS)
+    assert asked_shared == [(1, k, n) for k, n in blas_choice._STEP_WEIGHTS]
     saved = json.loads((tmp_path / "small_products.json").read_text())
     assert [tuple(x) for x in saved["limits"]] == list(limits)
     assert blas_choice.small_product_rows(choice, None) == limits  # cached: nothing timed
     # another library is measured anew; a library faster everywhere gets 0 rows
     other = dict(choice, name="openblas", libraries={"openblas": "scipy"})
-    assert {r for _, r in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} == {0}
-    # an own loop faster up to the most rows measured takes every product of that size
+    assert {r for _, r, _ in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} \
+        == {0}
+    # an own loop faster up to the most rows measured takes every product of
+    # that size; nothing measured about the helper: every size shares
     third = dict(choice, name="numpy", libraries={})
     limits = blas_choice.small_product_rows(
         third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
-    assert limits == tuple((size, (1 << 62) if size < 20000 else 64) for size in sizes)
+    assert limits == tuple((size, (1 << 62) if size < 20000 else 64, 1) for size in sizes)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
-    assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3),)
+    assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
         blas_choice.small_product_rows(choice, None)
+
+
+def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):
+    """``pack`` gives the own loop the kernel's board for weights whose size
+    shares (the table's third row, or a table of two rows), and a board that
+    shares nothing for the others; the library's products keep the board."""
+    from stepnet.jit import blas, threads
+
+    blas.register_small_gemm(np.float32)
+    board = threads.BOARD.copy()  # (a stand-in: only its SHARES slot is read here)
+    table = np.array([[100, 1000, 1 << 62], [1 << 62] * 3, [1, 0, 1]], np.int64)
+    assert [blas.shares_with_helper(table, size) for size in (50, 100, 101, 1000, 10**6)] == \
+        [True, True, False, False, True]
+    assert blas.shares_with_helper(table[:2], 500)
+    for (k, n), shares in [((5, 10), True), ((10, 64), False), ((40, 64), True)]:
+        prepared = blas.pack(rng.standard_normal((k, n)).astype(np.float32), 4, 1000, table, board)
+        assert prepared[3][threads.SHARES] == 1
+        assert prepared[5][threads.SHARES] == int(shares)
+        assert (prepared[5] == board).all() if shares else not prepared[5].any()
+
+
+def test_panels_start_on_a_cache_line(rng):
+    """The own loop's panels (and MKL's packed weights) are 64-byte aligned,
+    whatever the allocator gave (``aligned_empty``)."""
+    from stepnet.jit import blas
+
+    for k, n in [(1, 5), (3, 40), (128, 384), (7, 33)]:
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        assert blas.panels(b).ctypes.data % 64 == 0
+        for size in range(1, 40):
+            assert blas.aligned_empty(size, b).ctypes.data % 64 == 0
+            assert blas.aligned_empty(size, b.astype(np.float64)).ctypes.data % 64 == 0
 
 
 def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():

@@ -145,6 +145,24 @@ def _panel_count(n):
     return max(1, (n + 31) // 32)
 
 
+# bytes: a cache line, and a 512-bit vector
+_ALIGN = 64
+
+
+@njit(cache=True, nogil=True)
+def aligned_empty(size, like):
+    """A new 1-D array of ``size`` elements of ``like``'s dtype starting on a
+    64-byte boundary. Numba aligns its arrays to 32 bytes and NumPy to 16,
+    and a 64-byte vector read across two cache lines takes two loads: on
+    the Intel Xeon of the README stepnet's own loop took 3.2-5.7 us for
+    ``[1, 128] @ [128, 384]`` from panels 16, 32 or 48 bytes off a line,
+    2.2-2.4 us from aligned ones."""
+    extra = _ALIGN // like.itemsize
+    buffer = np.empty(size + extra, like.dtype)
+    start = (-buffer.ctypes.data) % _ALIGN // like.itemsize
+    return buffer[start:start + size]
+
+
 @njit(cache=True, nogil=True)
 def panels(b):
     """Weights ``b`` [k, n] as stepnet's own loop reads them fastest: panels
@@ -156,10 +174,12 @@ def panels(b):
     row of ``b`` apart, which fall into the same few sets of the core's
     first-level cache (on the AMD EPYC of the README, ``[32, 256] @ [256,
     1024]`` on both cores at once: 108-110 GFLOP/s a core from panels,
-    88-99 from ``b``)."""
+    88-99 from ``b``). They start on a cache line (``aligned_empty``)."""
     k, n = b.shape
     count = _panel_count(n)
-    out = np.zeros((count, k, 32), b.dtype)
+    flat = aligned_empty(count * k * 32, b)
+    flat[:] = 0
+    out = flat.reshape((count, k, 32))
     for p in range(count):
         first = max(0, min(32 * p, n - 32))
         for kk in range(k):
@@ -388,7 +408,7 @@ if BLAS_NAME == "mkl":
         k, n = b.shape
         shape = (_B_MATRIX, max(max_rows, 1), n, k)
         size = _s_pack_size(shape) if b.itemsize == 4 else _d_pack_size(shape)
-        packed = np.empty(size // b.itemsize + 1, b.dtype)
+        packed = aligned_empty(size // b.itemsize + 1, b)  # (as mkl_malloc's)
         args = (_ROW_MAJOR, _B_MATRIX, _NO_TRANS, max(max_rows, 1), n, k, 1.0,
                 b.ctypes.data, n, packed.ctypes.data)
         if b.itemsize == 4:
@@ -506,17 +526,37 @@ def gemm_tn(a, b, out):
 
 
 @njit(cache=True)
-def rows_for(small_rows, size):
-    """The rows up to which a product with weights of ``size`` elements runs
-    ``small_gemm``: ``small_rows`` [2, L] holds the weight sizes measured
-    (ascending) over their rows; the entry of the next larger size measured
-    is taken, or of the largest."""
+def _entry(small_rows, size):
+    """The column of ``small_rows`` for weights of ``size`` elements: the
+    next larger size measured, or the largest."""
     last = small_rows.shape[1] - 1
     index = last
     for i in range(last, -1, -1):
         if size <= small_rows[0, i]:
             index = i
-    return small_rows[1, index]
+    return index
+
+
+@njit(cache=True)
+def rows_for(small_rows, size):
+    """The rows up to which a product with weights of ``size`` elements runs
+    ``small_gemm``: ``small_rows`` [2 or 3, L] holds the weight sizes
+    measured (ascending) over their rows (and whether the own loop shares
+    them with the helper: ``shares_with_helper``); the entry of the next
+    larger size measured is taken, or of the largest."""
+    return small_rows[1, _entry(small_rows, size)]
+
+
+@njit(cache=True)
+def shares_with_helper(small_rows, size):
+    """Whether stepnet's own loop cuts a product by weights of ``size``
+    elements with the helper (where the kernel's board lets it): the third
+    row of ``small_rows``, measured per machine (a one-row product alone
+    against shared: handing half of it to another core and taking the result
+    back can cost more than it saves), or yes for a table without it."""
+    if small_rows.shape[0] < 3:
+        return True
+    return small_rows[2, _entry(small_rows, size)] != 0
 
 
 @njit(cache=True)
@@ -543,7 +583,9 @@ def pack(b, max_rows, call_rows, small_rows, board):
     """Weights ``b`` [k, n] of a per-step product over at most ``max_rows``
     rows a step and ``call_rows`` in the call, prepared for ``gemm_packed``:
     (the library's form, ``b`` itself, the rows up to which stepnet's own
-    loop runs, the helper's ``board``, ``b``'s ``panels`` for the own loop).
+    loop runs, the helper's ``board``, ``b``'s ``panels`` for the own loop,
+    the own loop's board: ``board`` where it shares products of this size,
+    ``shares_with_helper``, else one that shares nothing).
     The library's form is made only where a product can have more rows than
     the own loop takes (never under ``STEPNET_DETERMINISTIC``, where it
     takes every product), the panels only where the own loop takes some
@@ -552,9 +594,11 @@ def pack(b, max_rows, call_rows, small_rows, board):
     k, n = b.shape
     rows = own_rows(small_rows, k, n)
     library = _library_pack(b, max_rows if max_rows > rows else 0)
+    # the own loop's board: ``board``, or one that shares nothing (ALONE's)
+    own_board = board if shares_with_helper(small_rows, k * n) else np.zeros_like(board)
     if rows > 0 and call_rows >= PANEL_MIN_ROWS:
-        return library, b, rows, board, panels(b)
-    return library, b, rows, board, np.zeros((0, k, 32), b.dtype)
+        return library, b, rows, board, panels(b), own_board
+    return library, b, rows, board, np.zeros((0, k, 32), b.dtype), own_board
 
 
 # small_gemm as a C function per dtype, which kernels call by its symbol: it
@@ -771,15 +815,16 @@ def board_for_product(multiply_adds):
 def gemm_packed(a, prepared, k, n, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
     loop up to the rows measured for weights of this size (on the weights'
-    panels where ``pack`` made them), the library's product above (its
-    packed form, or, where ``pack`` made none, its plain product); shared
-    with the helper on ``board``."""
+    panels where ``pack`` made them; shared with the helper where measured
+    faster), the library's product above (its packed form, or, where
+    ``pack`` made none, its plain product; shared with the helper on
+    ``board``)."""
     board = prepared[3]
     if a.shape[0] <= prepared[2]:
         if prepared[4].shape[0] > 0:
-            _own_product(a, prepared[4], out, board)
+            _own_product(a, prepared[4], out, prepared[5])
         else:
-            _own_product(a, prepared[1], out, board)
+            _own_product(a, prepared[1], out, prepared[5])
     elif prepared[0].shape[0] == 0:  # more rows than ``pack`` was told (a safety net)
         gemm(a, prepared[1], out)
     else:
@@ -833,7 +878,7 @@ def _time_small_and_library(m, k, n):
     b = rng.standard_normal((k, n), np.float32)
     out = np.empty((m, n), np.float32)
     prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
-    reps = max(2, min(400, 1_000_000 // (m * k * n)))
+    reps = max(2, min(2000, 8_000_000 // (m * k * n)))  # (0.1 ms and more a run)
     for own in (True, False):
         _repeat_products(a, prepared, out, own, 1, threads.ALONE)
     seconds = [float("inf"), float("inf")]
@@ -841,6 +886,46 @@ def _time_small_and_library(m, k, n):
         for side, own in enumerate((True, False)):
             t0 = time.perf_counter()
             _repeat_products(a, prepared, out, own, reps, threads.ALONE)
+            seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
+    return tuple(seconds)
+
+
+def _spinning_helper():
+    """``threads.BOARD`` once the helper spins on it (woken; at most 50 ms:
+    its thread may start late), or ``threads.ALONE`` where no helper spins."""
+    board = threads.board_for_one_group()
+    deadline = time.perf_counter() + 0.05
+    while board[threads.STATE] == threads.ABSENT and time.perf_counter() < deadline:
+        time.sleep(0)
+        board = threads.board_for_one_group()
+    return board
+
+
+def _time_alone_and_shared(m, k, n):
+    """Seconds per product of ``small_gemm`` on the calling thread alone and
+    cut by columns with the helper (best of three runs of each, in turn; the
+    helper woken before each shared run, as it sleeps after half a
+    millisecond without a job), or None where it is never cut (weights
+    under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper spins (one
+    thread; not x86-64)."""
+    if k * n < SHARE_OWN_WORK or n < 64:  # (never cut: _own_shared)
+        return None
+    if _spinning_helper()[threads.SHARES] == 0:
+        return None
+    register_small_gemm(np.float32)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), np.float32)
+    b = rng.standard_normal((k, n), np.float32)
+    out = np.empty((m, n), np.float32)
+    prepared = (b, b, 0, threads.ALONE, panels(b))
+    reps = max(20, min(2000, 4_000_000 // (m * k * n)))
+    seconds = [float("inf"), float("inf")]
+    for _ in range(3):
+        for side in (0, 1):
+            board = _spinning_helper() if side else threads.ALONE
+            _repeat_products(a, prepared, out, True, 3, board)  # (the balance of the cut settles)
+            t0 = time.perf_counter()
+            _repeat_products(a, prepared, out, True, reps, board)
             seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
     return tuple(seconds)
 
@@ -867,16 +952,17 @@ _SMALL_ROWS_LOCK = threading.Lock()
 
 
 def small_rows_table():
-    """The ``small_rows`` argument of ``pack``: for weights of each size, the
-    rows up to which per-step products run ``small_gemm`` (measured at the
-    first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
+    """The ``small_rows`` argument of ``pack``: [3, L], for weights of each
+    size (row 0), the rows up to which per-step products run ``small_gemm``
+    (row 1) and whether it shares them with the helper (row 2; measured at
+    the first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
     A run-time argument, so a kernel's code does not depend on it; under
     ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``."""
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
-                limits = ((EVERY_PRODUCT, EVERY_PRODUCT),) if DETERMINISTIC else \
-                    small_product_rows(_choice, _time_small_and_library)
+                limits = ((EVERY_PRODUCT, EVERY_PRODUCT, 1),) if DETERMINISTIC else \
+                    small_product_rows(_choice, _time_small_and_library, _time_alone_and_shared)
                 table = np.array(limits, np.int64).T.copy()
                 table.flags.writeable = False
                 _SMALL_ROWS.append(table)

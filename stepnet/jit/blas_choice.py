@@ -280,26 +280,34 @@ _STEP_WEIGHTS = ((64, 192), (128, 384), (256, 768), (256, 1024), (512, 2048))
 _STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # the form of stepnet's own loop measured (a measurement of another form,
 # kept in the cache, is not used)
-_OWN_LOOP = "6x32 and 4x32 row blocks on 32-column weight panels, the widest vectors"
+_OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, the widest vectors; "
+             "shared with the helper where measured faster")
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62
 
 
-def small_product_rows(choice, time_both) -> tuple:
+def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     """Up to how many rows a product runs stepnet's own loop instead of the
     library's (a per-step product, or one outside the time loop over every
-    step's rows), by the size of its weights: ``((k * n, rows), ...)``
-    by size (a product takes the entry of the next larger size measured, or
-    the largest). ``STEPNET_SMALL_PRODUCTS=rows`` sets one limit for every
-    size; else measured once per machine and library (``time_both(m, k, n)``:
-    the seconds of each, one thread) and kept in
+    step's rows), and whether the own loop shares it with the helper, by
+    the size of its weights: ``((k * n, rows, shares), ...)`` by size (a
+    product takes the entry of the next larger size measured, or the
+    largest). ``STEPNET_SMALL_PRODUCTS=rows`` sets one limit for every size
+    (shared as the kernel's board allows); else measured once per machine
+    and library (``time_both(m, k, n)``: the seconds of each, one thread;
+    ``time_shared(m, k, n)``: the own loop's seconds alone and cut with the
+    helper, or None where it is never cut) and kept in
     ``STEPNET_CACHE_DIR/small_products.json``. For each size the limit is the
     one with the least total time over the rows measured, each counted
     relative to the faster of the two (a one-row product weighs as much as a
     256-row one, and a near tie cannot move the limit far); where the own
     loop is best up to the most rows measured, it takes every product of
-    that size (``EVERY_PRODUCT``)."""
+    that size (``EVERY_PRODUCT``). A size is shared where a one-row product
+    cut with the helper took less time than alone (the cut pays for two
+    handoffs between cores: on the Intel Xeon of the README a one-row
+    product by 128 x 384 weights took 1.9-2.0 us alone and 2.2-2.3 shared,
+    on the AMD EPYC sharing gained); where not measured, it is shared."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
         if not requested.isdigit():
@@ -307,8 +315,9 @@ def small_product_rows(choice, time_both) -> tuple:
 
             raise UnsupportedError(f"STEPNET_SMALL_PRODUCTS={requested!r}: expected a number of "
                                    "rows (an integer >= 0)")
-        limits = ((EVERY_PRODUCT, int(requested)),)
-        _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[])
+        limits = ((EVERY_PRODUCT, int(requested), 1),)
+        _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
+                               shared=[])
         return limits
     library = choice["libraries"].get(choice["name"], choice["name"])
     key = hashlib.sha256(f"{_OWN_LOOP};{choice['cpu']};{choice['name']};{library}"
@@ -316,12 +325,18 @@ def small_product_rows(choice, time_both) -> tuple:
     saved = _kept("small_products.json", key)
     try:
         if saved is not None:
-            limits = tuple((int(size), int(rows)) for size, rows in saved["limits"])
+            limits = tuple((int(size), int(rows), int(shares))
+                           for size, rows, shares in saved["limits"])
             _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
             return limits
     except (ValueError, TypeError, KeyError):
         pass  # a file of another form: measured again
     points = [(m, k, n, *time_both(m, k, n)) for k, n in _STEP_WEIGHTS for m in _STEP_ROWS]
+    shared = []
+    for k, n in _STEP_WEIGHTS:
+        seconds = time_shared(1, k, n) if time_shared is not None else None
+        if seconds is not None:
+            shared.append((1, k, n, *seconds))
     limits = []
     for k, n in _STEP_WEIGHTS:
         times = [(m, own, lib) for m, kk, nn, own, lib in points if (kk, nn) == (k, n)]
@@ -330,11 +345,12 @@ def small_product_rows(choice, time_both) -> tuple:
             return sum((own if m <= rows else lib) / min(own, lib) for m, own, lib in times)
 
         rows = min([0] + [m for m, _, _ in times], key=cost)
+        shares = all(cut < alone for _, kk, nn, alone, cut in shared if (kk, nn) == (k, n))
         # faster up to the most rows measured: at any number (stepnet's loop
         # takes rows by panels, each as fast as the one before)
-        limits.append((k * n, EVERY_PRODUCT if rows == _STEP_ROWS[-1] else rows))
+        limits.append((k * n, EVERY_PRODUCT if rows == _STEP_ROWS[-1] else rows, int(shares)))
     limits = tuple(limits)
-    result = {"key": key, "limits": limits, "points": points}
+    result = {"key": key, "limits": limits, "points": points, "shared": shared}
     _SMALL_PRODUCTS.update(result, reason="measured")
     _keep("small_products.json", result)
     return limits
@@ -365,11 +381,16 @@ def describe() -> str:
     else:
         limits = ", ".join(f"{'any number of' if r == EVERY_PRODUCT else f'up to {r}'} rows for "
                            f"{'any weights' if size == EVERY_PRODUCT else f'weights up to {size}'}"
-                           for size, r in zip(*table.tolist()))
+                           f"{'' if shares else ' (not shared with the helper)'}"
+                           for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
     for k, n in _STEP_WEIGHTS:
         row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
         if row:
             figures = ", ".join(f"{m}: {own * 1e6:.1f}/{lib * 1e6:.1f}" for m, own, lib in row)
             lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{c['name']}: {figures}")
+        for m, kk, nn, alone, cut in small.get("shared", ()):
+            if (kk, nn) == (k, n):
+                lines.append(f"    {m} row, us own loop alone/shared with the helper: "
+                             f"{alone * 1e6:.1f}/{cut * 1e6:.1f}")
     return "\n".join(lines)

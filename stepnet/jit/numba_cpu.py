@@ -1855,7 +1855,7 @@ class NumbaProgram:
 
 # a stand-in of blas.small_rows_table()'s type, where only the kernel's
 # argument types are asked for (a call before the rows are measured)
-_SMALL_ROWS_TYPE = np.zeros((2, 1), np.int64)
+_SMALL_ROWS_TYPE = np.zeros((3, 1), np.int64)
 _SMALL_ROWS_TYPE.flags.writeable = False
 
 
