@@ -6,14 +6,19 @@
     python benchmarks/run.py --markdown results.md
     python benchmarks/run.py --check              # one call per item: accuracy only
 
-Each peer family runs in its own subprocess (``run.py --worker FAMILY``), one
-after another, so thread pools never mix; the children get
-OMP/MKL/OPENBLAS/NUMBA_NUM_THREADS = ``--threads`` (2). A worker builds every
-item, calls it once (``setup s`` = build + first call, JIT compile included;
-stepnet's kernel cache is a fresh empty directory unless ``--stepnet-cache``
-says otherwise), warms it up, then times ``--rounds`` rounds (items shuffled per
-round, one untimed call before each block) of blocks of >= 2 calls and >= 0.2 s;
-median and min are over every timed call. The final hidden states go to .npy
+Each peer family runs in its own subprocess (``run.py --worker FAMILY``),
+only one of them working at a time, so thread pools never mix; the children
+get OMP/MKL/OPENBLAS/NUMBA_NUM_THREADS = ``--threads`` (2). A worker builds
+every item, calls it once (``setup s`` = build + first call, JIT compile
+included; stepnet's kernel cache is a fresh empty directory unless
+``--stepnet-cache`` says otherwise) and warms it up, one worker after
+another; then the workers stay alive and their ``--rounds`` timing rounds
+are interleaved: round r of every worker (in an order shuffled per round,
+0.2 s apart) before round r + 1, so a slow phase of a shared machine falls
+on every peer alike rather than on the one timed while it lasts. A round
+times each item (shuffled per round, one untimed call before each block) in
+a block of >= 2 calls and >= 0.2 s; median and min are over every timed
+call. The final hidden states go to .npy
 files and are compared here with a float64 NumPy reference (workloads.py).
 W8 (a GRU training step: forward, then the gradients of every parameter and of
 X) and W9 (the same for W5's custom cell, given the gradient of its all-steps
@@ -100,6 +105,12 @@ def _timing_params(args):
             "warmup_calls": 2}
 
 
+# the key of the note of stepnet's small-products table (a line of its own)
+_SMALL_NOTE = "stepnet-small-products"
+# the lines a worker answers the orchestrator with (its other output is logged)
+_READY, _DONE = "[bench-worker] ready", "[bench-worker] done"
+
+
 def _write_json(path, obj):
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -131,6 +142,9 @@ def _family_notes(family, threads):
 
             blas_note = f"{blas.BLAS_NAME} ({blas_choice.choose()['reason']})"
             notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}, BLAS {blas_note}"
+            small = [line for line in blas_choice.describe().splitlines()
+                     if line.startswith("small products: ")]
+            notes[_SMALL_NOTE] = small[0][len("small products: "):] if small else "unknown"
         elif family == "numpy":
             import numpy
 
@@ -222,27 +236,17 @@ def worker_main(args):
                 rec["reason"] = _reason(exc)
     result["notes"] = {k + tag: v for k, v in _family_notes(family, args.threads).items()}
     _write_json(out_file, result)
-
-    for r in range(tp["rounds"]):
-        order = list(range(len(items)))
-        random.Random(r).shuffle(order)
-        for j in order:
-            rec, fn = items[j]
-            if rec["status"] != "ok":
-                continue
-            try:
-                fn()  # untimed: caches back in after the previous item
-                times = []
-                start = time.perf_counter()
-                while len(times) < tp["min_calls"] or time.perf_counter() - start < tp["min_block_s"]:
-                    t = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t)
-                rec["times"].extend(times)
-            except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
-                rec["status"] = "failed"
-                rec["reason"] = f"during timing: {_reason(exc)}"
-        _write_json(out_file, result)
+    # the rounds, as the orchestrator asks for them: "round R" (answered by
+    # READY/DONE lines on stdout), then "finish"
+    print(_READY, flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if command[:1] == ["round"]:
+            _time_round(items, int(command[1]), tp)
+            _write_json(out_file, result)
+            print(f"{_DONE} {command[1]}", flush=True)
+        elif command[:1] == ["finish"]:
+            break
     for rec, _ in items:
         if rec["status"] == "ok":
             ts = sorted(rec.pop("times"))
@@ -250,6 +254,30 @@ def worker_main(args):
             rec["median_s"] = float(np.median(ts)) if ts else None  # None: --check
             rec["min_s"] = ts[0] if ts else None
     _write_json(out_file, result)
+
+
+def _time_round(items, r, tp):
+    """One timing round of a worker's items (shuffled by ``r``): for each,
+    an untimed call, then a block of >= ``min_calls`` calls and
+    ``min_block_s`` seconds."""
+    order = list(range(len(items)))
+    random.Random(r).shuffle(order)
+    for j in order:
+        rec, fn = items[j]
+        if rec["status"] != "ok":
+            continue
+        try:
+            fn()  # untimed: caches back in after the previous item
+            times = []
+            start = time.perf_counter()
+            while len(times) < tp["min_calls"] or time.perf_counter() - start < tp["min_block_s"]:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            rec["times"].extend(times)
+        except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
+            rec["status"] = "failed"
+            rec["reason"] = f"during timing: {_reason(exc)}"
 
 
 def ceiling_main(args):
@@ -347,6 +375,102 @@ def run_child(argv, env, timeout, log):
     return True, secs, ""
 
 
+# seconds between one worker's round and the next's
+_SETTLE_S = 0.2
+
+
+class Worker:
+    """A worker child (``run.py --worker FAMILY``) kept alive between its
+    timing rounds: its stdout read line by line on a thread (the lines that
+    answer the orchestrator, the rest logged), its stderr into a file."""
+
+    def __init__(self, name, argv, env, tmp, log):
+        import queue
+        import threading
+
+        self.name, self.log, self.busy = name, log, 0.0
+        self.cmd = [sys.executable, str(Path(__file__).resolve())] + argv
+        self.err_path = tmp / f"worker_{len(list(tmp.glob('worker_*')))}.stderr"
+        self.err = open(self.err_path, "w")
+        self.proc = subprocess.Popen(self.cmd, env=env, cwd=str(ROOT), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1)
+        self.lines = queue.Queue()
+        self.output = []
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.put(line.rstrip("\n"))
+            self.lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def wait_for(self, answer, timeout):
+        """Read the worker's lines until ``answer``: (ok, message)."""
+        import queue
+
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    line = self.lines.get(timeout=max(0.0, start + timeout - time.perf_counter()))
+                except queue.Empty:
+                    return False, f"timed out after {timeout} s"
+                if line is None:
+                    self.proc.wait()
+                    return False, self.message()
+                if line == answer:
+                    return True, ""
+                self.output.append(line)
+        finally:
+            self.busy += time.perf_counter() - start
+
+    def send(self, command, answer, timeout):
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.proc.wait()
+            return False, self.message()
+        return self.wait_for(answer, timeout)
+
+    def finish(self, timeout):
+        """Tell the worker to write its medians and exit; whether it did."""
+        try:
+            self.proc.stdin.write("finish\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self.stop()
+            return False
+        self.wait_for(None, 10)  # (the rest of its output, to the log)
+        self._close()
+        return self.proc.returncode == 0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._close()
+
+    def _close(self):
+        if not self.err.closed:
+            self.err.close()
+            if self.log is not None:
+                self.log.write(f"$ {' '.join(self.cmd)}\n" + "\n".join(self.output) + "\n"
+                               + self.err_path.read_text() + "\n")
+
+    def seconds(self):
+        """The seconds the orchestrator waited on this worker (its build,
+        first calls and rounds; not the other workers' rounds)."""
+        return self.busy
+
+    def message(self):
+        if self.proc.returncode in (0, None):
+            return ""
+        lines = self.err_path.read_text().strip().splitlines() if self.err_path.exists() else []
+        return f"exit status {self.proc.returncode}: " + " | ".join(lines[-3:])
+
+
 def _fmt_ms(s):
     if s is None:
         return "n/a"
@@ -437,6 +561,7 @@ def _run_all(args, keys, fams, tmp, log):
         # stepnet's GEMMs are OpenBLAS's: run it again with OpenBLAS choosing
         # its kernels for this CPU (the other peers do not use OpenBLAS)
         runs.insert(fams.index("stepnet") + 1, ("stepnet", "auto"))
+    workers = []  # (name, Worker or None, message)
     for fam, variant in runs:
         extra, remove = {}, []
         if fam == "stepnet":
@@ -458,17 +583,40 @@ def _run_all(args, keys, fams, tmp, log):
         if args.check:
             argv.append("--check")
         name = fam + (f" ({variant})" if variant else "")
-        print(f"[bench] worker {name} ...", file=sys.stderr, flush=True)
+        print(f"[bench] worker {name}: build, first calls, warm-up ...", file=sys.stderr,
+              flush=True)
         env = child_env(args.threads, extra)
         for var in remove:
             env.pop(var, None)
-        ok, secs, msg = run_child(argv, env, args.timeout, log)
-        worker_secs[name] = secs
+        worker = Worker(name, argv, env, tmp, log)
+        ok, msg = worker.wait_for(_READY, args.timeout)
+        workers.append((fam, variant, worker if ok else None, msg))
+        if not ok:
+            worker.stop()
+    rounds = _timing_params(args)["rounds"]
+    for r in range(rounds):
+        print(f"[bench] timing round {r + 1} of {rounds} ...", file=sys.stderr, flush=True)
+        order = [w for w in workers if w[2] is not None]
+        random.Random(r).shuffle(order)
+        for entry in order:
+            worker = entry[2]
+            time.sleep(_SETTLE_S)  # (the last worker's thread pools stop spinning)
+            ok, msg = worker.send(f"round {r}", f"{_DONE} {r}", args.timeout)
+            if not ok:
+                workers[workers.index(entry)] = entry[:2] + (None, msg)
+                worker.stop()
+    for fam, variant, worker, msg in workers:
+        name = fam + (f" ({variant})" if variant else "")
+        ok = worker is not None and worker.finish(args.timeout)
+        if worker is not None:
+            msg = worker.message()
+        worker_secs[name] = worker.seconds() if worker is not None else 0.0
         f = tmp / f"{fam}{'_' + variant if variant else ''}.json"
         data = json.loads(f.read_text()) if f.exists() else {"items": [], "notes": {}}
         for rec in data["items"]:
             if not ok and rec["status"] == "ok" and "median_s" not in rec:
                 rec["status"], rec["reason"] = "failed", f"worker died: {msg}"
+                rec.pop("times", None)
             elif not ok and rec["status"] == "failed" and "reason" not in rec:
                 rec["reason"] = f"worker died: {msg}"
         if not ok and not data["items"]:
@@ -538,8 +686,12 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
                f"Rounds: {_timing_params(args)['rounds']}, blocks of >= 2 calls and >= "
                f"{_timing_params(args)['min_block_s']} s; median/min over every timed call.")
     notes = {k: v for data in results for k, v in data.get("notes", {}).items()}
+    small = {k: notes.pop(k) for k in list(notes) if k.startswith(_SMALL_NOTE)}
     if notes:
         out.append("Versions: " + "; ".join(f"{k} {v}" for k, v in notes.items()) + ".")
+    for k, v in small.items():
+        out.append(f"{k.replace(_SMALL_NOTE, 'stepnet', 1)}'s small products (measured at its first "
+                   f"call of this run, or read from its cache): {v}.")
     out.append("")
     out.append("| workload | peer | median ms | min ms | n | GFLOP/s | ratio | max\\|dh\\| | setup s |")
     out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
