@@ -19,8 +19,9 @@ figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU and the
 libraries. ``stepnet info`` prints them.
 
 Up to how many rows a per-step product runs stepnet's own loop instead of
-the chosen library (:func:`small_product_rows`) is measured the same way, at
-the first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``.
+the chosen library, and whether the own loop shares a product with the
+helper thread (:func:`small_product_rows`), is measured the same way, at the
+first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``.
 """
 
 from __future__ import annotations
@@ -306,8 +307,9 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     that size (``EVERY_PRODUCT``). A size is shared where a one-row product
     cut with the helper took less time than alone (the cut pays for two
     handoffs between cores: on the Intel Xeon of the README a one-row
-    product by 128 x 384 weights took 1.9-2.0 us alone and 2.2-2.3 shared,
-    on the AMD EPYC sharing gained); where not measured, it is shared."""
+    product by 128 x 384 weights took about as long either way, by 512 x
+    2048 weights a third of the time cut); where not measured, it is
+    shared."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
         if not requested.isdigit():
