@@ -47,11 +47,13 @@ import argparse
 import json
 import os
 import platform
+import queue
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -385,9 +387,6 @@ class Worker:
     answer the orchestrator, the rest logged), its stderr into a file."""
 
     def __init__(self, name, argv, env, tmp, log):
-        import queue
-        import threading
-
         self.name, self.log, self.busy = name, log, 0.0
         self.cmd = [sys.executable, str(Path(__file__).resolve())] + argv
         self.err_path = tmp / f"worker_{len(list(tmp.glob('worker_*')))}.stderr"
@@ -406,8 +405,6 @@ class Worker:
 
     def wait_for(self, answer, timeout):
         """Read the worker's lines until ``answer``: (ok, message)."""
-        import queue
-
         start = time.perf_counter()
         try:
             while True:
@@ -561,7 +558,7 @@ def _run_all(args, keys, fams, tmp, log):
         # stepnet's GEMMs are OpenBLAS's: run it again with OpenBLAS choosing
         # its kernels for this CPU (the other peers do not use OpenBLAS)
         runs.insert(fams.index("stepnet") + 1, ("stepnet", "auto"))
-    workers = []  # (name, Worker or None, message)
+    workers = []  # (family, variant, its Worker or None where it failed, why)
     for fam, variant in runs:
         extra, remove = {}, []
         if fam == "stepnet":
