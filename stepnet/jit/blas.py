@@ -870,26 +870,39 @@ def _repeat_products(a, prepared, out, own, reps, board):
             _library_product(a, prepared, k, n, out)
 
 
-def _time_small_and_library(m, k, n):
-    """Seconds per product of ``small_gemm`` and of the library's, one
-    thread (best of three runs of the same products in a compiled loop, the
-    two taken in turn: a busy phase of the machine slows both)."""
+def _products_in_turn(m, k, n, sides, reps, settle):
+    """Seconds per float32 product ``[m, k] @ [k, n]`` on the calling thread
+    of each side ``(own, board_of)``: stepnet's own loop (on the weights'
+    panels) or the library's, on the board ``board_of()`` gives before each
+    run. The best of three runs of ``reps`` products of each, the sides
+    taken in turn (a busy phase of the machine slows them alike), each run
+    after ``settle`` products untimed."""
     register_small_gemm(np.float32)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
     b = rng.standard_normal((k, n), np.float32)
     out = np.empty((m, n), np.float32)
     prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
-    reps = max(2, min(2000, 8_000_000 // (m * k * n)))  # (0.1 ms and more a run)
-    for own in (True, False):
-        _repeat_products(a, prepared, out, own, 1, threads.ALONE)
-    seconds = [float("inf"), float("inf")]
+    seconds = [float("inf")] * len(sides)
     for _ in range(3):
-        for side, own in enumerate((True, False)):
+        for side, (own, board_of) in enumerate(sides):
+            board = board_of()
+            _repeat_products(a, prepared, out, own, settle, board)
             t0 = time.perf_counter()
-            _repeat_products(a, prepared, out, own, reps, threads.ALONE)
+            _repeat_products(a, prepared, out, own, reps, board)
             seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
     return tuple(seconds)
+
+
+def _alone():
+    return threads.ALONE
+
+
+def _time_small_and_library(m, k, n):
+    """Seconds per product of ``small_gemm`` and of the library's, one
+    thread (``_products_in_turn``)."""
+    reps = max(2, min(2000, 8_000_000 // (m * k * n)))  # (0.1 ms and more a run)
+    return _products_in_turn(m, k, n, ((True, _alone), (False, _alone)), reps, 1)
 
 
 def _spinning_helper():
@@ -905,31 +918,17 @@ def _spinning_helper():
 
 def _time_alone_and_shared(m, k, n):
     """Seconds per product of ``small_gemm`` on the calling thread alone and
-    cut by columns with the helper (best of three runs of each, in turn; the
-    helper woken before each shared run, as it sleeps after half a
-    millisecond without a job), or None where it is never cut (weights
-    under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper spins (one
-    thread; not x86-64)."""
+    cut by columns with the helper (``_products_in_turn``; the helper woken
+    before each shared run, as it sleeps after half a millisecond without a
+    job, and the balance of the cut settled), or None where it is never cut
+    (weights under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper
+    spins (one thread; not x86-64)."""
     if k * n < SHARE_OWN_WORK or n < 64:  # (never cut: _own_shared)
         return None
     if _spinning_helper()[threads.SHARES] == 0:
         return None
-    register_small_gemm(np.float32)
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), np.float32)
-    b = rng.standard_normal((k, n), np.float32)
-    out = np.empty((m, n), np.float32)
-    prepared = (b, b, 0, threads.ALONE, panels(b))
     reps = max(20, min(2000, 4_000_000 // (m * k * n)))
-    seconds = [float("inf"), float("inf")]
-    for _ in range(3):
-        for side in (0, 1):
-            board = _spinning_helper() if side else threads.ALONE
-            _repeat_products(a, prepared, out, True, 3, board)  # (the balance of the cut settles)
-            t0 = time.perf_counter()
-            _repeat_products(a, prepared, out, True, reps, board)
-            seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
-    return tuple(seconds)
+    return _products_in_turn(m, k, n, ((True, _alone), (True, _spinning_helper)), reps, 3)
 
 
 def single_thread_seconds(m, k, n, rounds=5):
