@@ -372,7 +372,7 @@ def test_packed_weights_take_any_number_of_rows(rng):
     @njit
     def packed_product(a, b, max_rows, call_rows, table, out):
         prepared = blas.pack(b, max_rows, call_rows, table, threads.ALONE)
-        blas.gemm_packed(a, prepared, b.shape[0], b.shape[1], out)
+        blas.gemm_packed(a, prepared, out)
         return prepared[0].shape[0], prepared[4].shape[0]
 
     b = rng.standard_normal((24, 40)).astype(np.float32)

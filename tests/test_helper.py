@@ -28,7 +28,7 @@ def _products(a, w, out, table, board, reps):
     own loop on the weights' panels."""
     prepared = blas.pack(w, a.shape[0], blas.PANEL_MIN_ROWS, table, board)
     for _ in range(reps):
-        blas.gemm_packed(a, prepared, w.shape[0], w.shape[1], out)
+        blas.gemm_packed(a, prepared, out)
 
 
 @njit(nogil=True)

@@ -814,13 +814,16 @@ def board_for_product(multiply_adds):
 
 
 @njit(cache=True)
-def gemm_packed(a, prepared, k, n, out):
+def gemm_packed(a, prepared, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own
     loop up to the rows measured for weights of this size (on the weights'
     panels where ``pack`` made them; shared with the helper where measured
     faster), the library's product above (its packed form, or, where
     ``pack`` made none, its plain product; shared with the helper on
-    ``board``)."""
+    ``board``). The weights' shape is read from ``prepared``, not passed as
+    the kernel's constants: Numba compiles a function once per literal
+    argument, and every new width would compile this one again."""
+    k, n = prepared[1].shape
     board = prepared[3]
     if a.shape[0] <= prepared[2]:
         if prepared[4].shape[0] > 0:
@@ -855,7 +858,7 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
             for q in range(k):
                 gathered[b * chunk + s, q] = left[r, col + q]
     rows = nb * chunk
-    gemm_packed(gathered[:rows], prepared, k, out.shape[1], out[:rows])
+    gemm_packed(gathered[:rows], prepared, out[:rows])
 
 
 @njit(cache=True)

@@ -646,7 +646,7 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
         module.prologue.append(f"{packed} = pack({weights}, max_rows, call_rows, small_rows, "
                                "board)")
         module.gargs.append(packed)
-    return f"gemm_packed({left}, {packed}, {k}, {n}, {info.ident}[:nb])"
+    return f"gemm_packed({left}, {packed}, {info.ident}[:nb])"
 
 
 def _count_product(module, dtype, k, n):
