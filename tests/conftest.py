@@ -1,6 +1,7 @@
 """Shared test helpers: every backend is judged against the interpreter."""
 
 import os
+import shutil
 
 # Without a GPU the CUDA backend runs on Numba's CUDA simulator (it must be
 # chosen before numba is imported); tests/test_cuda_backend.py tests it.
@@ -151,3 +152,32 @@ def run_apart_calls(monkeypatch):
     monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
     monkeypatch.setattr(threads, "run_apart", spy)
     return calls
+
+
+def cache_with_helpers(path):
+    """A new ``STEPNET_CACHE_DIR`` at ``path`` with no kernel in it but the
+    compiled helpers and the BLAS measurements of this process's cache
+    directory (those a small net's
+    run and gradients link, in both float dtypes, compiled there first): for
+    tests of how kernels are compiled, cached and loaded, which need every
+    kernel new but not stepnet's own helpers (about 20 s of compiles in a
+    process of its own). A test of an empty cache uses an empty directory."""
+    from stepnet.jit import cache
+
+    for dtype in (np.float32, np.float64):
+        rnn = sn.create_rnn_op()
+        X = sn.LoDTensor.from_lengths(np.ones((3, 2), dtype), [[2, 1]])
+        with rnn.stepnet():
+            x = rnn.add_input(X)
+            h = rnn.add_memory(shape=[2])
+            W = sn.Parameter(np.eye(2, dtype=dtype), name="W")
+            h.update(sn.ops.tanh(x @ W + h.pre_state()))
+            rnn.add_outputs(h)
+        sn.gradients(rnn, wrt=[W], grad_outputs=[np.ones((3, 2), dtype)], backend="numba")
+    source = cache.cache_dir()
+    path.mkdir(parents=True)
+    for found in source.glob("*.json"):
+        shutil.copy2(found, path / found.name)
+    if (source / "numba").is_dir():  # (files are written by atomic renames: each copy is whole)
+        shutil.copytree(source / "numba", path / "numba", ignore=shutil.ignore_patterns("*.tmp*"))
+    return path

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
-from conftest import assert_close
+from conftest import assert_close, cache_with_helpers
 from stepnet.jit import numba_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +39,12 @@ def _net(rng, features, hidden, lengths=((3, 1, 4),)):
 
 @pytest.fixture
 def tiered(monkeypatch, tmp_path):
-    """Tiers on, and an empty cache directory: every kernel is new."""
+    """Tiers on, and a cache directory with no kernel (the compiled helpers
+    only: ``cache_with_helpers``): every kernel is new."""
+    cache = cache_with_helpers(tmp_path / "cache")
     monkeypatch.setenv("STEPNET_TIERED", "1")
-    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(cache))
+    return cache
 
 
 def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
@@ -97,12 +99,13 @@ def test_a_kernel_compiled_before_is_not_tiered_in_a_new_process(rng, tiered):
 
 
 def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
-    """On an empty cache, the answer of a new kernel's first call does not
-    wait for the helpers it links (small_gemm's C entry): the compile worker
-    compiles them with the kernel, and this process loads them from the cache
-    when the kernel first runs here. Nor does a first training step wait for
-    the compiled sums of the weight gradients (NumPy sums them while the
-    backward runs on the interpreter)."""
+    """The answer of a new kernel's first call does not wait for the helpers
+    it links (small_gemm's C entry), which on an empty cache take longer to
+    compile than the kernel: the compile worker compiles them with the
+    kernel, and this process neither compiles nor loads them until the
+    kernel first runs here (then from the cache). Nor does a first training
+    step wait for the compiled sums of the weight gradients (NumPy sums them
+    while the backward runs on the interpreter)."""
     script = textwrap.dedent(f"""
         import numpy as np, sys
         sys.path.insert(0, {str(ROOT / 'tests')!r})
@@ -178,6 +181,7 @@ def _finish(proc):
 
 
 def test_two_processes_compile_the_same_net_at_once(tmp_path):
+    cache_with_helpers(tmp_path / "cache")
     procs = [_run_script(tmp_path / "cache", 3, 6) for _ in range(2)]
     results = [_finish(p) for p in procs]
     assert results[0] == results[1]
@@ -185,9 +189,9 @@ def test_two_processes_compile_the_same_net_at_once(tmp_path):
 
 
 def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
-    cache = tmp_path / "cache"
+    cache = cache_with_helpers(tmp_path / "cache")
     first = _finish(_run_script(cache, 4, 6))
-    files = [p for p in cache.rglob("*") if p.is_file()]
+    files = [p for p in cache.rglob("*") if p.is_file()]  # the helpers' too
     assert any(p.suffix == ".nbi" for p in files) and any(p.suffix == ".nbc" for p in files)
     for p in files:
         p.write_bytes(b"\x80\x04not what stepnet or Numba wrote\xff" * 3)
@@ -210,7 +214,8 @@ def test_the_command_says_which_tier_answered(tmp_path):
     """``stepnet run`` on a new kernel answers on the interpreter; ``stepnet
     bench`` waits for the kernels before it times them and says when they
     were ready."""
-    env = dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path / "cache"), STEPNET_TIERED="1")
+    env = dict(os.environ, STEPNET_CACHE_DIR=str(cache_with_helpers(tmp_path / "cache")),
+               STEPNET_TIERED="1")
     example = str(ROOT / "examples" / "custom_cell.yaml")
     run = subprocess.run([sys.executable, "-m", "stepnet.cli", "run", example], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
@@ -222,7 +227,7 @@ def test_the_command_says_which_tier_answered(tmp_path):
     while not any((tmp_path / "cache").glob("stepnet_kernel_*.ready")):
         assert time.monotonic() < deadline, "the worker left no compiled kernel behind"
         time.sleep(0.2)
-    env["STEPNET_CACHE_DIR"] = str(tmp_path / "other")
+    env["STEPNET_CACHE_DIR"] = str(cache_with_helpers(tmp_path / "other"))
     bench = subprocess.run([sys.executable, "-m", "stepnet.cli", "bench", example, "--repeat", "2"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert bench.returncode == 0, bench.stderr
