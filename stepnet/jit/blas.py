@@ -479,10 +479,7 @@ else:
     def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
         """out [m, n] = op(a) @ b + beta * out with NumPy's dot."""
         product = np.dot(a.T, b) if trans_a == _A_T else np.dot(a, b)
-        if beta == 0.0:
-            out[:m] = product
-        else:
-            out[:m] += product
+        _store_rows(product, out, beta != 0.0)
 
     @njit(cache=True)
     def _library_pack(b, max_rows):
@@ -492,6 +489,16 @@ else:
     def _library_product(a, prepared, k, n, out):
         np.dot(a, prepared[0], out)
 
+
+
+@njit(cache=True, nogil=True)
+def _store_rows(part, out, add):
+    """out[:m] = part (``add``: +=) for ``part`` [m, n], by loops: an array
+    assignment compiles Numba's shape-mismatch error with its formatted
+    message, about 3.5 s of every cold compile of its caller."""
+    for i in range(part.shape[0]):
+        for j in range(part.shape[1]):
+            out[i, j] = out[i, j] + part[i, j] if add else part[i, j]
 
 
 @njit(cache=True, nogil=True)
@@ -748,7 +755,7 @@ def _hoisted(a, b, out, small_rows, board, add):
         if add:  # (the own loop writes its product: added from a copy)
             part = np.empty_like(out[:a.shape[0]])
             _own_product(a, b, part, board)
-            out[:a.shape[0]] += part
+            _store_rows(part, out, True)
         else:
             _own_product(a, b, out, board)
         return
