@@ -157,11 +157,11 @@ def run_apart_calls(monkeypatch):
 def cache_with_helpers(path):
     """A new ``STEPNET_CACHE_DIR`` at ``path`` with no kernel in it but the
     compiled helpers and the BLAS measurements of this process's cache
-    directory (those a small net's
-    run and gradients link, in both float dtypes, compiled there first): for
-    tests of how kernels are compiled, cached and loaded, which need every
-    kernel new but not stepnet's own helpers (about 20 s of compiles in a
-    process of its own). A test of an empty cache uses an empty directory."""
+    directory (those that a small net's run and gradients link, in both
+    float dtypes, compiled there first): for tests of how kernels are
+    compiled, cached and loaded, which need every kernel new but not
+    stepnet's own helpers (about 20 s of compiles in a process of its own).
+    A test of an empty cache uses an empty directory."""
     from stepnet.jit import cache
 
     for dtype in (np.float32, np.float64):

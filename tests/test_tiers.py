@@ -181,11 +181,11 @@ def _finish(proc):
 
 
 def test_two_processes_compile_the_same_net_at_once(tmp_path):
-    cache_with_helpers(tmp_path / "cache")
-    procs = [_run_script(tmp_path / "cache", 3, 6) for _ in range(2)]
+    cache = cache_with_helpers(tmp_path / "cache")
+    procs = [_run_script(cache, 3, 6) for _ in range(2)]
     results = [_finish(p) for p in procs]
     assert results[0] == results[1]
-    assert _finish(_run_script(tmp_path / "cache", 3, 6)) == results[0]  # and loads it after
+    assert _finish(_run_script(cache, 3, 6)) == results[0]  # and loads it after
 
 
 def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
