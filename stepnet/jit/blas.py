@@ -420,9 +420,10 @@ if BLAS_NAME == "mkl":
         return packed
 
     @njit(cache=True)
-    def _library_product(a, prepared, k, n, out):
+    def _library_product(a, prepared, out):
         """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: MKL's packed
         product."""
+        k, n = prepared[1].shape
         m = a.shape[0]
         if m == 0:
             return
@@ -468,7 +469,7 @@ elif BLAS_NAME == "openblas":
         return b  # OpenBLAS packs per call
 
     @njit(cache=True)
-    def _library_product(a, prepared, k, n, out):
+    def _library_product(a, prepared, out):
         gemm(a, prepared[0], out)
 
 else:
@@ -486,7 +487,7 @@ else:
         return b
 
     @njit(cache=True)
-    def _library_product(a, prepared, k, n, out):
+    def _library_product(a, prepared, out):
         np.dot(a, prepared[0], out)
 
 
@@ -830,7 +831,6 @@ def gemm_packed(a, prepared, out):
     ``board``). The weights' shape is read from ``prepared``, not passed as
     the kernel's constants: Numba compiles a function once per literal
     argument, and every new width would compile this one again."""
-    k, n = prepared[1].shape
     board = prepared[3]
     if a.shape[0] <= prepared[2]:
         if prepared[4].shape[0] > 0:
@@ -841,12 +841,13 @@ def gemm_packed(a, prepared, out):
         gemm(a, prepared[1], out)
     else:
         m = a.shape[0]
+        k, n = prepared[1].shape
         cut = _row_cut(m, k, n, board) if k * n >= SHARE_OWN_WORK else 0
         if cut == 0:
-            _library_product(a, prepared, k, n, out)
+            _library_product(a, prepared, out)
         else:  # (the library's product raises nothing)
-            threads.run_jobs(board, job_of(_library_product, (a[:cut], prepared, k, n, out[:cut])),
-                             job_of(_library_product, (a[cut:], prepared, k, n, out[cut:])), True)
+            threads.run_jobs(board, job_of(_library_product, (a[:cut], prepared, out[:cut])),
+                             job_of(_library_product, (a[cut:], prepared, out[cut:])), True)
 
 
 @njit(cache=True)
@@ -872,12 +873,11 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
 def _repeat_products(a, prepared, out, own, reps, board):
     """``reps`` per-step products, by stepnet's own loop's C entry (on the
     weights' panels) or the library's."""
-    k, n = prepared[1].shape
     for _ in range(reps):
         if own:
             _own_product(a, prepared[4], out, board)
         else:
-            _library_product(a, prepared, k, n, out)
+            _library_product(a, prepared, out)
 
 
 def _products_in_turn(m, k, n, sides, reps, settle):
