@@ -10,6 +10,7 @@ data dependence.
 from __future__ import annotations
 
 import numbers
+import threading
 
 import numpy as np
 
@@ -159,20 +160,31 @@ class ProgramState:
         return var
 
 
-_FRAMES: list = []
+class _Frames(threading.local):
+    """The step-nets being traced, innermost last: one stack per thread, so
+    threads may build step-nets at the same time (a layer's directions build
+    theirs on the threads that run them)."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_FRAMES = _Frames()
 
 
 def current_frame():
-    return _FRAMES[-1] if _FRAMES else None
+    stack = _FRAMES.stack
+    return stack[-1] if stack else None
 
 
 def push_frame(frame):
-    _FRAMES.append(frame)
+    _FRAMES.stack.append(frame)
 
 
 def pop_frame(frame):
-    assert _FRAMES and _FRAMES[-1] is frame
-    _FRAMES.pop()
+    stack = _FRAMES.stack
+    assert stack and stack[-1] is frame
+    stack.pop()
 
 
 class Value:

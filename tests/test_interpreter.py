@@ -6,6 +6,9 @@ through ``assert_backends_agree``, so every other backend is compared with the
 interpreter on them too.
 """
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from conftest import assert_backends_agree, assert_close
@@ -446,6 +449,40 @@ def test_rebinding_broadcast_init_follows_the_new_batch():
     got = rnn(X=sn.LoDTensor.from_lengths(x2, [lengths]), c=c2, S=S2)
     all_steps, _ = elman_oracle(x2, lengths, *args[2:5], S2, h0, c2, True)
     assert_close(got, lod_outputs(all_steps, lengths))
+
+
+def test_threads_build_step_nets_at_the_same_time():
+    """Each thread traces its own step-net (a layer's directions build theirs
+    on the threads that run them): two step-nets built in lockstep, each call
+    of one between two calls of the other, come out as if built alone."""
+    rng = np.random.default_rng(11)
+    lengths = [3, 1, 2]
+    cases = [(rng.standard_normal((6, IN)).astype(np.float32),
+              *weights(rng, np.float32, (IN, HID), (HID, HID))) for _ in range(2)]
+    turns = threading.Barrier(2, timeout=30)
+
+    def build(x, W, U):
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            turns.wait()
+            xt = rnn.add_input(sn.LoDTensor.from_lengths(x, [lengths]), name="x")
+            turns.wait()
+            h = rnn.add_memory(shape=[HID], dtype=np.float32, name="h")
+            turns.wait()
+            h.update(sn.ops.tanh(xt @ W + h.pre_state() @ U))
+            turns.wait()
+            rnn.add_outputs(h)
+        turns.wait()
+        return rnn
+
+    with ThreadPoolExecutor(2) as pool:
+        nets = list(pool.map(lambda case: build(*case), cases))
+    for rnn, (x, W, U) in zip(nets, cases):
+        zeros = np.zeros((len(lengths), HID), np.float32)
+        expected = elman_oracle(x, lengths, W, U, np.zeros(HID, np.float32),
+                                zeros, zeros, zeros, False)[1][0]
+        # (the oracle's cell with b and S zero: its h is tanh(x W + h U))
+        assert_close(rnn(output_all_steps=False, backend="interpreter"), expected)
 
 
 def test_compile_interpreter_returns_the_same():
