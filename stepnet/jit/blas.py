@@ -870,23 +870,34 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
 
 
 @njit(cache=True)
-def _repeat_products(a, prepared, out, own, reps, board):
+def _repeat_products(a, prepared, out, own, reps, board, recur):
     """``reps`` per-step products, by stepnet's own loop's C entry (on the
-    weights' panels) or the library's."""
+    weights' panels) or the library's. ``recur``: as in a time loop, each
+    product's left rows are made from the last one's every column on this
+    thread (where the product is cut, the helper's columns come to this
+    core and the new rows go to the helper's)."""
+    m, k = a.shape
+    n = out.shape[1]
+    scale = a.dtype.type(1.0 / np.sqrt(k))  # (the rows keep their size)
     for _ in range(reps):
         if own:
             _own_product(a, prepared[4], out, board)
         else:
             _library_product(a, prepared, out)
+        if recur:
+            for i in range(m):
+                for j0 in range(0, n, k):
+                    for j in range(j0, min(n, j0 + k)):
+                        a[i, j - j0] = out[i, j] * scale
 
 
-def _products_in_turn(m, k, n, sides, reps, settle):
+def _products_in_turn(m, k, n, sides, reps, settle, recur=False, rounds=3):
     """Seconds per float32 product ``[m, k] @ [k, n]`` on the calling thread
     of each side ``(own, board_of)``: stepnet's own loop (on the weights'
     panels) or the library's, on the board ``board_of()`` gives before each
-    run. The best of three runs of ``reps`` products of each, the sides
+    run. The best of ``rounds`` runs of ``reps`` products of each, the sides
     taken in turn (a busy phase of the machine slows them alike), each run
-    after ``settle`` products untimed."""
+    after ``settle`` products untimed (``recur``: ``_repeat_products``)."""
     register_small_gemm(np.float32)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
@@ -894,12 +905,12 @@ def _products_in_turn(m, k, n, sides, reps, settle):
     out = np.empty((m, n), np.float32)
     prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
     seconds = [float("inf")] * len(sides)
-    for _ in range(3):
+    for _ in range(rounds):
         for side, (own, board_of) in enumerate(sides):
             board = board_of()
-            _repeat_products(a, prepared, out, own, settle, board)
+            _repeat_products(a, prepared, out, own, settle, board, recur)
             t0 = time.perf_counter()
-            _repeat_products(a, prepared, out, own, reps, board)
+            _repeat_products(a, prepared, out, own, reps, board, recur)
             seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
     return tuple(seconds)
 
@@ -928,7 +939,12 @@ def _spinning_helper():
 
 def _time_alone_and_shared(m, k, n):
     """Seconds per product of ``small_gemm`` on the calling thread alone and
-    cut by columns with the helper (``_products_in_turn``; the helper woken
+    cut by columns with the helper, each product's rows made from the last
+    one's on the calling thread as in a time loop (``_products_in_turn``
+    with ``recur``: the data that crosses between the cores in a step
+    crosses here too; without it, the cut of a one-row product by 128 x 384
+    weights measured 10 % faster than alone on the Intel Xeon of the README
+    and ran W3's steps 20 % slower); the helper woken
     before each shared run, as it sleeps after half a millisecond without a
     job, and the balance of the cut settled), or None where it is never cut
     (weights under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper
@@ -937,8 +953,9 @@ def _time_alone_and_shared(m, k, n):
         return None
     if _spinning_helper()[threads.SHARES] == 0:
         return None
-    reps = max(20, min(2000, 4_000_000 // (m * k * n)))
-    return _products_in_turn(m, k, n, ((True, _alone), (True, _spinning_helper)), reps, 3)
+    reps = max(50, min(5000, 40_000_000 // (m * k * n)))  # (2-10 ms a run)
+    return _products_in_turn(m, k, n, ((True, _alone), (True, _spinning_helper)), reps, 3,
+                             recur=True, rounds=5)
 
 
 def single_thread_seconds(m, k, n, rounds=5):

@@ -282,7 +282,7 @@ _STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # the form of stepnet's own loop measured (a measurement of another form,
 # kept in the cache, is not used)
 _OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, the widest vectors; "
-             "shared with the helper where measured faster")
+             "shared with the helper where measured faster in a time loop")
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62
@@ -305,11 +305,10 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     256-row one, and a near tie cannot move the limit far); where the own
     loop is best up to the most rows measured, it takes every product of
     that size (``EVERY_PRODUCT``). A size is shared where a one-row product
-    cut with the helper took less time than alone (the cut pays for two
-    handoffs between cores: on the Intel Xeon of the README a one-row
-    product by 128 x 384 weights took about as long either way, by 512 x
-    2048 weights a third of the time cut); where not measured, it is
-    shared."""
+    cut with the helper took less time than alone, in a time loop (the cut
+    pays for two handoffs between cores: on the Intel Xeon of the README a
+    one-row product by 128 x 384 weights took 20 % longer cut, by 512 x
+    2048 weights a third of the time); where not measured, it is shared."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
         if not requested.isdigit():
