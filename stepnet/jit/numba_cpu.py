@@ -56,6 +56,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import pickle
 import re
@@ -1769,8 +1770,10 @@ class NumbaProgram:
         by data rows; one range when the run is too small to split."""
         seq = args[self.first_sequence]
         n = seq.num_sequences
+        if n < 2:
+            return [(0, n)]
         rows = seq.data.shape[0]
-        width = int(np.prod(seq.data.shape[1:], dtype=np.int64)) or 1
+        width = math.prod(seq.data.shape[1:]) or 1
         if not self.splits(rows, width, n):
             return [(0, n)]
         # data rows before each top-level sequence
