@@ -943,8 +943,8 @@ def _time_alone_and_shared(m, k, n):
     one's on the calling thread as in a time loop (``_products_in_turn``
     with ``recur``: the data that crosses between the cores in a step
     crosses here too; without it, the cut of a one-row product by 128 x 384
-    weights measured 10 % faster than alone on the Intel Xeon of the README
-    and ran W3's steps 20 % slower); the helper woken
+    weights measured up to 10 % faster than alone on the Intel Xeon of the
+    README and ran W3's kernel 15-25 % slower); the helper woken
     before each shared run, as it sleeps after half a millisecond without a
     job, and the balance of the cut settled), or None where it is never cut
     (weights under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper

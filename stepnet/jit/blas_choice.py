@@ -307,7 +307,7 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     that size (``EVERY_PRODUCT``). A size is shared where a one-row product
     cut with the helper took less time than alone, in a time loop (the cut
     pays for two handoffs between cores: on the Intel Xeon of the README a
-    one-row product by 128 x 384 weights took 20 % longer cut, by 512 x
+    one-row product by 128 x 384 weights took a quarter longer cut, by 512 x
     2048 weights a third of the time); where not measured, it is shared."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
