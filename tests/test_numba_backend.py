@@ -48,6 +48,30 @@ def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
     assert_close(actual[~nan], expected[~nan])
 
 
+
+@pytest.mark.parametrize("reverse_inner", [False, True])
+def test_independent_nested_net_runs_its_input_product_by_chunks(rng, reverse_inner):
+    # chapters of 0-4 paragraphs of 0-9 words; the word-level net reads only
+    # its words (it runs once over every paragraph before the chapters' loop)
+    # and its x @ W (256 columns) only its gates: by chunks of steps; a NaN
+    # word stays in its paragraph's rows and its chapter's
+    paragraphs = list(rng.integers(0, 5, 12))
+    lengths = [paragraphs, list(rng.integers(0, 10, int(np.sum(paragraphs))))]
+    net = nested_encoder(rng, lengths, features=6, hidden=256, reverse_inner=reverse_inner)
+    source = net.rnn.compile("numba").source
+    # (the step calls the word-level net twice: for its every step and its last)
+    assert source.count("gemm_steps(") == 2 and "if cs == 0:" in source
+    assert_backends_agree(net.rnn, backends=["numba"])
+    net.X.data[int(np.sum(lengths[1][:5])) + 1, 2] = np.nan  # a word of paragraph 5 (or later)
+    expected = net.rnn(backend="interpreter")
+    actual = net.rnn(backend="numba")
+    for e, a in zip(expected, actual):
+        e, a = np.asarray(getattr(e, "data", e)), np.asarray(getattr(a, "data", a))
+        nan = np.isnan(e)
+        assert 0 < nan.sum() < nan.size and np.array_equal(np.isnan(a), nan)
+        assert_close(a[~nan], e[~nan])
+
+
 def test_input_product_read_outside_the_gates_stays_before_the_loop(rng):
     # the product is an output too: computed once over every token
     X = lod(rng, [4, 2, 5], 3)

@@ -172,8 +172,7 @@ class _Module:
         self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)
         self.segment_outputs = {}  # all-steps outputs over a static's rows: (data, pl, level)
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
-        self.chunk_stages = frozenset()  # the top-level net's products run by chunks of steps
-        self.chunks = []  # their _Chunk, once deferred by _hoist
+        self.chunks = {}  # body -> the _Chunk of each product its rnn function runs by chunks
         self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
         self.step_rows = set()  # the row counts of the top-level step inputs (expressions)
 
@@ -237,9 +236,8 @@ def generate_source(program: ir.Program):
     sched = schedule.schedule(program)
     module, values = _Module(), {}
     params, top_inputs = _program_inputs(module, program, values)
-    module.chunk_stages = _chunked_products(sched)
     _outputs_over_rows(module, program, values)
-    _hoist(_Ctx(module, values, "hoist", module.prologue), sched)
+    _hoist(_Ctx(module, values, "hoist", module.prologue), sched, chunked=True)
     seqs = ir.rnn_parts(program.eqn)[0]
     top_levels = values[seqs[0]].levels
     ctx = _Ctx(module, values, "program", [])
@@ -391,13 +389,17 @@ def _outputs_over_rows(module, program, values):
             module.output_rows.setdefault(res, values[out].data.ident)
 
 
-def _hoist(ctx, sched):
+def _hoist(ctx, sched, chunked=False):
     """Emit ``sched``'s const and hoisted stages into the prologue, then those
-    of the nested bodies whose sequences are known (once per body)."""
+    of the nested bodies whose sequences are known (once per body).
+    ``chunked``: the net runs once over all of its sequences (the top level,
+    or a nested net that reads nothing of the enclosing step): its products
+    of ``_chunked_products`` run by chunks of steps in its rnn function."""
     body = sched.body
     if body in ctx.module.hoisted_bodies:
         return
     ctx.module.hoisted_bodies.add(body)
+    chunk_stages = _chunked_products(sched) if chunked else frozenset()
     seqs = ir.rnn_parts(sched.eqn)[0]
     for step_var, outer in zip(body.step_inputs, seqs):
         oi = ctx.values[outer]
@@ -422,8 +424,8 @@ def _hoist(ctx, sched):
         if not all(v in ctx.values for v in stage.outputs):
             if stage in split:
                 _render_split_gemm(ctx.at("hoist"), stage, split[stage])
-            elif stage in ctx.module.chunk_stages and ctx.values[stage.left].kind == "global":
-                _defer_product(ctx, stage)
+            elif stage in chunk_stages and ctx.values[stage.left].kind == "global":
+                _defer_product(ctx, stage, body)
             else:
                 _render_stage(ctx.at("hoist"), sched, stage)
     for stage in sched.step:
@@ -458,14 +460,15 @@ class _Chunk:
 
 
 def _chunked_products(sched):
-    """The top-level net's hoisted products (``x @ W`` over every token) of
+    """A net's hoisted products (``x @ W`` over every token) of
     ``_CHUNK_MIN_COLUMNS`` columns or more that only its step's elementwise
-    runs read. The rnn function computes them per chunk of steps for its
-    own sequences (about ``_CHUNK_ROWS`` rows at a time), just before the
-    steps that read them: the results are read back from the cache, where
-    every token's results, computed before the time loop, would be written
-    to memory and read back from it (20-26 MB for a GRU or an LSTM of 256
-    units over 6400 tokens)."""
+    runs read, where its step values are dense. The rnn function computes
+    them per chunk of steps for its own sequences (about ``_CHUNK_ROWS``
+    rows at a time), just before the steps that read them: the results are
+    read back from the cache, where every token's results, computed before
+    the time loop, would be written to memory and read back from it (20-26
+    MB for a GRU or an LSTM of 256 units over 6400 tokens; 11 MB for W6's
+    words)."""
     body = sched.body
     if (sched.eqn.attrs.get("ragged_memories") or any(v.lod_depth for v in body.step_inputs)
             or any(v.lod_depth for v in body.static_inputs)):
@@ -490,8 +493,8 @@ def _every_operand(e):
     return found
 
 
-def _defer_product(ctx, stage):
-    """Record the product ``stage`` for the top-level rnn function, which
+def _defer_product(ctx, stage, body):
+    """Record the product ``stage`` for the rnn function of ``body``, which
     computes it per chunk of steps (``_chunked_products``); its weights are
     packed once here, in the prologue."""
     module = ctx.module
@@ -505,7 +508,7 @@ def _defer_product(ctx, stage):
     module.gargs.append(packed)
     chunk = _Chunk(ctx.values[stage.left], packed, k, n, dtype, module.fresh("ring"),
                    module.fresh("gathered"))
-    module.chunks.append(chunk)
+    module.chunks.setdefault(body, []).append(chunk)
     _column_blocks(ctx, stage, _Info("chunk", chunk.ring, width=n))
 
 
@@ -675,7 +678,7 @@ def _render_rnn(ctx, sched, stage):
         _emit_nested(ctx, inner)
         return
     # independent: once over every entry of its space, before any time loop
-    _hoist(ctx, inner)
+    _hoist(ctx, inner, chunked=True)
     level = ctx.values[ir.rnn_parts(e)[0][0]].levels[0]
     st, ln = ctx.module.fresh("st"), ctx.module.fresh("ln")
     ctx.lines.append(f"{st}, {ln} = starts_and_lengths({level})")
@@ -1077,10 +1080,11 @@ def _rnn_function(ctx, sched):
     params = ["seq_start", "seq_len"]
     top = ctx.mode == "program"
     setup = _function_setup(fctx, eqn, params, top=top)
-    if top and ctx.module.chunks:
-        setup += _chunk_setup(ctx.module.chunks)
+    chunks = ctx.module.chunks.get(sched.body, ())
+    if chunks:
+        setup += _chunk_setup(chunks)
     last_params = _last_step_params(fctx, eqn, params, setup)
-    step = _step_body(fctx, sched, last_params, ctx.module.chunks if top else ())
+    step = _step_body(fctx, sched, last_params, chunks)
     lines = ["    " + line for line in setup + fn.allocs]
     lines += ["    nb = num_seq", "    for step in range(num_steps):"]
     lines += ["        " + line for line in step]
