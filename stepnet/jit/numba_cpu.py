@@ -1774,8 +1774,6 @@ class NumbaProgram:
         by data rows; one range when the run is too small to split."""
         seq = args[self.first_sequence]
         n = seq.num_sequences
-        if n < 2:
-            return [(0, n)]
         rows = seq.data.shape[0]
         width = math.prod(seq.data.shape[1:]) or 1
         if not self.splits(rows, width, n):
