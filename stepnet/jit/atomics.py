@@ -219,31 +219,39 @@ def job_of(typingctx, function, arguments):
     signature = typingctx.resolve_function_type(function, plain, {})
     if signature is None:
         return None
-    parameters = types.Tuple(tuple(signature.args))
 
     def codegen(context, builder, sig, args):
         result = function.dispatcher.overloads[tuple(signature.args)]
         context.add_linking_libs([result.library])
-        record_type = ir.LiteralStructType([ir.IntType(64), context.get_value_type(parameters)])
-        caller = _job_function(context, builder.module, result.fndesc, parameters, record_type)
-        values = cgutils.unpack_tuple(builder, args[1], len(arguments))
-        values = [context.cast(builder, v, t, p)
-                  for v, t, p in zip(values, arguments.types, parameters.types)]
-        record = cgutils.alloca_once(builder, record_type)
-        builder.store(ir.Constant(ir.IntType(64), 0), cgutils.gep_inbounds(builder, record, 0, 0))
-        builder.store(context.make_tuple(builder, parameters, values),
-                      cgutils.gep_inbounds(builder, record, 0, 1))
-        address = builder.ptrtoint(caller, ir.IntType(64))
-        return context.make_tuple(builder, sig.return_type,
-                                  [address, builder.ptrtoint(record, ir.IntType(64))])
+        callee = context.declare_function(builder.module, result.fndesc)
+        return job_record(context, builder, sig, args, arguments, signature, callee, result.fndesc)
 
     return types.UniTuple(types.int64, 2)(function, arguments), codegen
 
 
-def _job_function(context, module, fndesc, parameters, record_type):
-    """The C function of ``job_of`` for the compiled function ``fndesc`` (one
-    per module and function)."""
-    name = f"stepnet_job.{fndesc.mangled_name}"
+def job_record(context, builder, sig, args, arguments, signature, callee, fndesc):
+    """``job_of``'s ``(address, record)`` for ``callee`` (``fndesc``'s native
+    function, declared in the caller's module) called with ``args[1]`` (of
+    types ``arguments``) as ``signature``'s arguments."""
+    parameters = types.Tuple(tuple(signature.args))
+    record_type = ir.LiteralStructType([ir.IntType(64), context.get_value_type(parameters)])
+    caller = _job_function(context, builder.module, callee, fndesc, parameters, record_type)
+    values = cgutils.unpack_tuple(builder, args[1], len(arguments))
+    values = [context.cast(builder, v, t, p)
+              for v, t, p in zip(values, arguments.types, parameters.types)]
+    record = cgutils.alloca_once(builder, record_type)
+    builder.store(ir.Constant(ir.IntType(64), 0), cgutils.gep_inbounds(builder, record, 0, 0))
+    builder.store(context.make_tuple(builder, parameters, values),
+                  cgutils.gep_inbounds(builder, record, 0, 1))
+    address = builder.ptrtoint(caller, ir.IntType(64))
+    return context.make_tuple(builder, sig.return_type,
+                              [address, builder.ptrtoint(record, ir.IntType(64))])
+
+
+def _job_function(context, module, callee, fndesc, parameters, record_type):
+    """The C function of a job calling ``callee`` (``fndesc``'s native
+    function, declared in ``module``): one per module and callee."""
+    name = f"stepnet_job.{callee.name}"
     if name in module.globals:
         return module.globals[name]
     word = ir.IntType(64)
@@ -253,7 +261,6 @@ def _job_function(context, module, fndesc, parameters, record_type):
     record = builder.inttoptr(builder.load(function.args[0]), record_type.as_pointer())
     values = builder.load(cgutils.gep_inbounds(builder, record, 0, 1))
     values = cgutils.unpack_tuple(builder, values, len(parameters))
-    callee = context.declare_function(module, fndesc)
     # (not inlined: the function's code once in its caller's library, not twice)
     status, value = context.call_conv.call_function(builder, callee, fndesc.restype,
                                                     fndesc.argtypes, values, attrs=("noinline",))

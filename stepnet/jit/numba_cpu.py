@@ -107,8 +107,10 @@ _keep_freed_memory()
 
 # the scalar helpers an op's numba code may call (relu, tanh32, ...): every
 # public function of numba_runtime, imported by the generated code
+# (the elementwise ones: a kernel calls the others apart, stepnet.jit.apart)
 _RUNTIME_HELPERS = sorted(name for name, f in vars(numba_runtime).items() if not name.startswith("_")
-                          and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__)
+                          and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__
+                          and name not in ("sort_by_length", "starts_and_lengths"))
 
 
 def runtime_imports() -> list:
@@ -260,9 +262,12 @@ def generate_source(program: ir.Program):
         "from numba import njit",
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
-        "from stepnet.jit.blas import gemm_hoisted, gemm_hoisted_acc, gemm_packed, gemm_steps, pack",
-        "from stepnet.jit.atomics import job_of, wide_vectors",
-        "from stepnet.jit.threads import RAISED, group_cut, run_jobs",
+        "from stepnet.jit.apart import (",
+        "    call_apart, gemm_hoisted, gemm_hoisted_acc, gemm_packed, gemm_steps, group_cut, job_apart,",
+        "    pack, run_jobs, sort_by_length, starts_and_lengths,",
+        ")",
+        "from stepnet.jit.atomics import wide_vectors",
+        "from stepnet.jit.threads import RAISED",
         *runtime_imports(),
         "",
         "# small_gemm's C entries the kernels call (link_helpers)",
@@ -293,7 +298,7 @@ def generate_source(program: ir.Program):
     return "\n".join(src) + "\n", layout
 
 
-_RNN_CALL = re.compile(r"\s*(def |\w+ = job_of\()?rnn_\d+(\(|, \()")
+_RNN_CALL = re.compile(r"\s*(?:def |(?:\w+ = )?(?:job|call)_apart\()?rnn_\d+(\(|, \()")
 
 
 def _unused_consts(idents, module, body):
@@ -308,13 +313,13 @@ def _unused_consts(idents, module, body):
 
 
 def _without_args(line, unused):
-    """An rnn function's ``def``, call or job (``job_of(rnn_N, (...))``) line
-    without the ``unused`` arguments."""
+    """An rnn function's ``def``, call (``call_apart(rnn_N, (...))``) or job
+    (``job_apart(rnn_N, (...))``) line without the ``unused`` arguments."""
     match = _RNN_CALL.match(line)
     if not unused or not match:
         return line
     head, args = line[:match.end()], line[match.end():]
-    end = args.rindex(")" if match.group(2) == "(" else "))")
+    end = args.rindex(")" if match.group(1) == "(" else "))")
     kept = [a for a in args[:end].split(", ") if a not in unused]
     return f"{head}{', '.join(kept)}{args[end:]}"
 
@@ -952,13 +957,13 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     # hoisted values, packed weights, output buffers) by name.
     gargs = list(ctx.module.gargs)
     fn = [f"def {fname}({', '.join(params + gargs)}):", "    " + _WIDE_VECTORS] + fn_lines
-    fn.insert(0, _DECORATOR)
+    fn.insert(0, _RNN_DECORATOR)
     ctx.module.functions.append(fn)
     if (ctx.mode == "program" and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
             and _sequences_apart(ctx, eqn, outs)):
         ctx.lines += _shared_call(ctx, fname, args, gargs, len_expr)
     else:
-        ctx.lines.append(f"{fname}({', '.join(args + gargs)})")
+        ctx.lines.append(f"call_apart({fname}, ({', '.join(args + gargs)}))")
     ctx.module.gargs.extend(hoisted_lasts)
     return outs
 
@@ -989,17 +994,18 @@ def _shared_call(ctx, fname, args, gargs, len_expr):
     (``threads.group_cut``, ``threads.run_jobs``): its per-sequence
     arguments ``args`` (the sequences' starts and lengths, their initial
     memories, static inputs and last-step outputs) cut, ``gargs`` (arrays
-    of all rows, constants) whole. (In program() itself: a function around
-    the call would compile the rnn function's machine code once more; and
-    nothing here depends on the weights' sizes, so layers whose weights
-    differ only in their input widths share one kernel.)"""
+    of all rows, constants) whole; the rnn function called apart
+    (``apart.job_apart``, ``apart.call_apart``: its code is compiled once,
+    not again into program()'s). (Nothing here depends on the weights'
+    sizes, so layers whose weights differ only in their input widths share
+    one kernel.)"""
     own = ", ".join([f"{a}[:cut]" for a in args] + gargs)
     other = ", ".join([f"{a}[cut:]" for a in args] + gargs)
     return [f"cut = group_cut(board, {len_expr})",
-            f"own = job_of({fname}, ({own}))",
-            f"other = job_of({fname}, ({other}))",
+            f"own = job_apart({fname}, ({own}))",
+            f"other = job_apart({fname}, ({other}))",
             f"if run_jobs(board, own, other, cut < {len_expr}.shape[0]) == RAISED:",
-            f"    {fname}({', '.join(args + gargs)})"]  # (a part raised: raise it here)
+            f"    call_apart({fname}, ({', '.join(args + gargs)}))"]  # (a part raised: raise it here)
 
 
 def _all_steps_arrays(ctx, eqn):
@@ -1558,7 +1564,12 @@ def _nest(head, body):
 
 # Generated kernels are serial and release the GIL: parallelism comes from
 # running groups of sequences on threads (NumbaProgram), not from parfors.
-_DECORATOR = "@njit(cache=True, error_model='numpy', nogil=True)"
+_DECORATOR = "@njit(cache=True, error_model='numpy', nogil=True, no_cfunc_wrapper=True)"
+# an rnn function: called apart (stepnet.jit.apart) by program() and by
+# other rnn functions, never from Python (it has no entry Python can call;
+# neither has program() one for C, which nothing needs)
+_RNN_DECORATOR = ("@njit(cache=True, error_model='numpy', nogil=True, no_cfunc_wrapper=True, "
+                  "no_cpython_wrapper=True)")
 # the first statement of each: LLVM vectorizes it with the CPU's widest
 # vectors (atomics.wide_vectors: 512 bits on Intel's AVX-512 cores too)
 _WIDE_VECTORS = "wide_vectors()"

@@ -1,0 +1,205 @@
+"""Calls of compiled functions *apart*: by the address of their machine code,
+their code not linked into the caller's.
+
+Numba links the code of every compiled function a function calls into the
+caller's own, optimizes the whole again and makes machine code of it again:
+a generated kernel's program() carried its rnn functions and every helper
+they call (``blas.pack``, ``gemm_packed``, ``numba_runtime.sort_by_length``
+...), each compiled anew in every kernel. The generated kernels call those
+apart instead (``call_apart``, ``job_apart``, and the helpers this module
+exports under their own names), so each is compiled once (and kept on disk)
+and a new kernel compiles its own code only.
+
+A call apart names the callee by a symbol of its own (``stepnet_entry_``
+and a hash of the function's module, name and argument types), given to
+LLVM (``llvmlite.binding.add_symbol``) as the callee's address before the
+caller's machine code is linked: when the caller is compiled, and, when it
+is loaded from Numba's disk cache in another process, by a hook Numba runs
+first (the library's ``reload_init``, kept with the cached code), which
+compiles or loads the callee there.
+
+Only functions no other compiled function links call apart (the generated
+kernels' functions): a hook is kept with the code of the function whose
+code calls apart, and a caller linking that code from Numba's disk cache
+would not have it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+
+import llvmlite.binding as llvm_binding
+from numba.core import cgutils, types
+from numba.core.compiler_lock import global_compiler_lock
+from numba.extending import intrinsic
+
+from . import blas, numba_runtime, threads
+from .atomics import job_record
+
+_ENTRIES = {}  # symbol -> (compiled function, its address), for this process
+
+
+class _Entry:
+    """The hook giving LLVM the symbol of ``qualname`` (a compiled function
+    of module ``module``) for ``argtypes``: compiled or loaded from the disk
+    cache if it is not yet. Kept with the caller's cached code (picklable)."""
+
+    __slots__ = ("module", "qualname", "argtypes")
+
+    def __init__(self, module, qualname, argtypes):
+        self.module, self.qualname, self.argtypes = module, qualname, tuple(argtypes)
+
+    def key(self):
+        return (self.module, self.qualname, self.argtypes)
+
+    def __eq__(self, other):
+        return isinstance(other, _Entry) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def __reduce__(self):
+        return (_Entry, self.key())
+
+    def symbol(self) -> str:
+        text = f"{self.module}.{self.qualname}{tuple(str(t) for t in self.argtypes)}"
+        return "stepnet_entry_" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def __call__(self):
+        module = sys.modules.get(self.module) or importlib.import_module(self.module)
+        return _register(getattr(module, self.qualname), self)
+
+
+def _register(dispatcher, entry):
+    """``dispatcher`` compiled (or loaded) for ``entry.argtypes``, its
+    native function's address given to LLVM as ``entry.symbol()``: the
+    compiled function (Numba's result)."""
+    symbol = entry.symbol()
+    # (Numba's compiler lock, which a compile of the callee takes: held while
+    # compiling a caller, and reentrant for the hooks of a callee's callees)
+    with global_compiler_lock:
+        if symbol not in _ENTRIES:
+            result = dispatcher.overloads.get(entry.argtypes)
+            if result is None:
+                dispatcher.compile(entry.argtypes)
+                result = dispatcher.overloads[entry.argtypes]
+            address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+            if not address:
+                raise RuntimeError(f"stepnet: no machine code for {entry.qualname}{entry.argtypes}")
+            llvm_binding.add_symbol(symbol, address)
+            _ENTRIES[symbol] = (result, address)
+        return _ENTRIES[symbol][0]
+
+
+def _signature(typingctx, function, arguments):
+    """The signature ``function`` (a compiled function's type) is compiled
+    for, called with ``arguments`` (types; literals as their plain types:
+    one compile for both); None where it cannot be called so."""
+    if not isinstance(function, types.Dispatcher):
+        return None
+    plain = tuple(types.unliteral(t) for t in arguments)
+    return typingctx.resolve_function_type(function, plain, {})
+
+
+def _tuple_signature(typingctx, function, arguments):
+    """``_signature`` for ``arguments`` given as a tuple (its type)."""
+    if not isinstance(arguments, types.BaseTuple):
+        return None
+    return _signature(typingctx, function, arguments.types)
+
+
+def _declare(context, builder, dispatcher, signature):
+    """The callee's native function in the caller's module, by its entry
+    symbol (registered now, and on every load of the caller's cached code):
+    ``(function, fndesc)``."""
+    py_func = dispatcher.py_func
+    entry = _Entry(py_func.__module__, py_func.__qualname__, signature.args)
+    result = _register(dispatcher, entry)
+    context.active_code_library._reload_init.add(entry)
+    fndesc = result.fndesc
+    function_type = context.call_conv.get_function_type(fndesc.restype, fndesc.argtypes)
+    return cgutils.get_or_insert_function(builder.module, function_type, entry.symbol()), fndesc
+
+
+def _call(context, builder, dispatcher, signature, values):
+    """Call ``dispatcher`` for ``signature`` apart, raising what it raised."""
+    function, fndesc = _declare(context, builder, dispatcher, signature)
+    status, result = context.call_conv.call_function(builder, function, fndesc.restype,
+                                                     fndesc.argtypes, values)
+    with cgutils.if_unlikely(builder, status.is_error):
+        context.call_conv.return_status_propagate(builder, status)
+    return result
+
+
+def _cast_all(context, builder, values, from_types, to_types):
+    return [context.cast(builder, v, t, p) for v, t, p in zip(values, from_types, to_types)]
+
+
+@intrinsic
+def call_apart(typingctx, function, arguments):
+    """``function(*arguments)`` (a compiled function, a tuple of its
+    arguments), called apart."""
+    signature = _tuple_signature(typingctx, function, arguments)
+    if signature is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        values = _cast_all(context, builder, cgutils.unpack_tuple(builder, args[1], len(arguments)),
+                           arguments.types, signature.args)
+        return _call(context, builder, function.dispatcher, signature, values)
+
+    return signature.return_type(function, arguments), codegen
+
+
+@intrinsic
+def job_apart(typingctx, function, arguments):
+    """``atomics.job_of(function, arguments)`` with ``function`` called
+    apart."""
+    signature = _tuple_signature(typingctx, function, arguments)
+    if signature is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        callee, fndesc = _declare(context, builder, function.dispatcher, signature)
+        return job_record(context, builder, sig, args, arguments, signature, callee, fndesc)
+
+    return types.UniTuple(types.int64, 2)(function, arguments), codegen
+
+
+def _helper(dispatcher):
+    """An njit-callable calling the helper ``dispatcher`` apart, under its
+    name."""
+
+    def call(typingctx, *arguments):
+        function = typingctx.resolve_value_type(dispatcher)
+        signature = _signature(typingctx, function, arguments)
+        if signature is None:
+            return None
+
+        packed = types.StarArgTuple(arguments)  # (how Numba passes ``*arguments``)
+
+        def codegen(context, builder, sig, args):
+            values = _cast_all(context, builder, cgutils.unpack_tuple(builder, args[0], len(arguments)),
+                               arguments, signature.args)
+            return _call(context, builder, dispatcher, signature, values)
+
+        return signature.return_type(packed), codegen
+
+    call.__name__ = call.__qualname__ = dispatcher.py_func.__name__
+    call.__doc__ = f"``{dispatcher.py_func.__module__}.{call.__name__}``, called apart."
+    return intrinsic(call)
+
+
+# the helpers a generated kernel calls apart (elementwise ones, such as
+# numba_runtime.sigmoid32, are linked: LLVM inlines and vectorizes them)
+gemm_hoisted = _helper(blas.gemm_hoisted)
+gemm_hoisted_acc = _helper(blas.gemm_hoisted_acc)
+gemm_packed = _helper(blas.gemm_packed)
+gemm_steps = _helper(blas.gemm_steps)
+pack = _helper(blas.pack)
+group_cut = _helper(threads.group_cut)
+run_jobs = _helper(threads.run_jobs)
+sort_by_length = _helper(numba_runtime.sort_by_length)
+starts_and_lengths = _helper(numba_runtime.starts_and_lengths)
