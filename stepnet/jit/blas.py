@@ -902,6 +902,7 @@ def _products_in_turn(m, k, n, sides, reps, settle, recur=False, rounds=3):
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
     b = rng.standard_normal((k, n), np.float32)
+    b.flags.writeable = False  # (as a kernel's weights: the packing compiled once for both)
     out = np.empty((m, n), np.float32)
     prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
     seconds = [float("inf")] * len(sides)
