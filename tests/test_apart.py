@@ -114,3 +114,23 @@ def test_a_kernel_cached_by_one_process_loads_its_callees_in_another(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         said.append(result.stdout.strip().splitlines()[-1])
     assert said == ["kernels loaded from the cache: 0", "kernels loaded from the cache: 1"]
+
+
+def test_weights_a_kernel_computes_share_the_helpers_compiled_for_given_ones(rng, monkeypatch,
+                                                                            tmp_path):
+    """A backward transposes the weights in its program(); typed read-only
+    (``atomics.as_read_only``) they take the ``pack`` compiled for the
+    forward's read-only weights, not one of their own (and its
+    ``gemm_packed``)."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(cache_with_helpers(tmp_path / "cache")))
+    monkeypatch.setenv("STEPNET_TIERED", "0")
+    before = set(blas.pack.signatures) | set(blas.gemm_hoisted.signatures)
+    layer = sn.nn.GRU(8, 40, seed=1)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((17, 8)).astype(np.float32), [[9, 8]])
+    Y, _ = layer(X)
+    _, pullback = sn.vjp(layer, X)
+    pullback([np.ones_like(Y.data), None])
+    new = (set(blas.pack.signatures) | set(blas.gemm_hoisted.signatures)) - before
+    assert all(args[1 if function is blas.gemm_hoisted else 0].readonly
+               for function in (blas.pack, blas.gemm_hoisted)
+               for args in function.signatures if args in new), new

@@ -106,11 +106,13 @@ def test_values_computed_before_the_loop_are_computed_into_their_outputs(rng):
             rnn.add_outputs(h, xw, ex, xw)
         source = rnn.compile("numba").source
         program = source[source.index("def program("):]
-        product = re.search(r"gemm_hoisted\(x\d+, (c\d+), (o\d+), small_rows, board\)", program)
+        product = re.search(r"gemm_hoisted\(as_read_only\(x\d+\), as_read_only\((c\d+)\), (o\d+), "
+                            r"small_rows, board\)", program)
         assert product, program
         xw_out = product.group(2)
         exp_out = re.search(r"\n\s+(o\d+)\[r, i1\] = (?:np|math)\.exp\(x\d+\[r, i1\]\)", program)
-        assert exp_out and f"gemm_hoisted({exp_out.group(1)}, {product.group(1)}, " in program
+        assert exp_out and (f"gemm_hoisted(as_read_only({exp_out.group(1)}), "
+                            f"as_read_only({product.group(1)}), ") in program
         for ident in (xw_out, exp_out.group(1)):  # (not written again in the loop)
             assert not re.search(rf"{ident}\[e, i\d\] =", source), source
         assert source.count(f"= {xw_out}[e, ") == 1  # (the copy into the second)

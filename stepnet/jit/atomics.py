@@ -19,6 +19,7 @@ import sys
 
 from llvmlite import ir
 from numba.core import cgutils, types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 # whether a thread may spin on this machine (and read its cycle counter)
@@ -163,6 +164,21 @@ def call_address(typingctx, address, record):
         return context.get_dummy_value()
 
     return types.void(address, record), codegen
+
+
+@intrinsic
+def as_read_only(typingctx, array):
+    """``array`` itself, typed read-only: a helper called with weights a
+    kernel computed (a transpose, a join) and with weights given read-only
+    compiles once, not once for each."""
+    if not isinstance(array, types.Array):
+        return None
+    result = array.copy(readonly=True)
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, result, args[0])
+
+    return result(array), codegen
 
 
 # LLVM's X86 attribute for the width of the vectors its vectorizers make

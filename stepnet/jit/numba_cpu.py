@@ -266,7 +266,7 @@ def generate_source(program: ir.Program):
         "    call_apart, gemm_hoisted, gemm_hoisted_acc, gemm_packed, gemm_steps, group_cut, job_apart,",
         "    pack, run_jobs, sort_by_length, starts_and_lengths,",
         ")",
-        "from stepnet.jit.atomics import wide_vectors",
+        "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.threads import RAISED",
         *runtime_imports(),
         "",
@@ -508,7 +508,7 @@ def _defer_product(ctx, stage, body):
     k, n = stage.left.shape[-1], sum(v.shape[-1] for v in stage.outputs)
     _count_product(module, dtype, k, n)
     packed = module.fresh("wc")
-    module.prologue.append(f"{packed} = pack({weights}, max(max_rows, {_CHUNK_ROWS}), "
+    module.prologue.append(f"{packed} = pack(as_read_only({weights}), max(max_rows, {_CHUNK_ROWS}), "
                            "call_rows, small_rows, board)")
     module.gargs.append(packed)
     chunk = _Chunk(ctx.values[stage.left], packed, k, n, dtype, module.fresh("ring"),
@@ -581,8 +581,8 @@ def _render_split_gemm(ctx, stage, concat):
         k = part.shape[-1]
         _count_product(ctx.module, out.dtype, k, out.shape[-1])
         call = "gemm_hoisted" if i == 0 else "gemm_hoisted_acc"
-        ctx.lines.append(f"{call}({left}, {weights}[{row}:{row + k}], {info.ident}, "
-                         "small_rows, board)")
+        ctx.lines.append(f"{call}(as_read_only({left}), as_read_only({weights}[{row}:{row + k}]), "
+                         f"{info.ident}, small_rows, board)")
         row += k
 
 
@@ -647,13 +647,14 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     module = ctx.module
     _count_product(module, dtype, k, n)
     if ctx.mode != "step":
-        return f"gemm_hoisted({left}, {weights}, {info.ident}, small_rows, board)"
+        return (f"gemm_hoisted(as_read_only({left}), as_read_only({weights}), {info.ident}, "
+                "small_rows, board)")
     module.largest_step_weights = max(module.largest_step_weights, k * n)
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
-        module.prologue.append(f"{packed} = pack({weights}, max_rows, call_rows, small_rows, "
-                               "board)")
+        module.prologue.append(f"{packed} = pack(as_read_only({weights}), max_rows, call_rows, "
+                               "small_rows, board)")
         module.gargs.append(packed)
     return f"gemm_packed({left}, {packed}, {info.ident}[:nb])"
 
