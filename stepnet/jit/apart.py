@@ -192,8 +192,11 @@ def _helper(dispatcher):
     return intrinsic(call)
 
 
-# the helpers a generated kernel calls apart (elementwise ones, such as
-# numba_runtime.sigmoid32, are linked: LLVM inlines and vectorizes them)
+# the helpers a generated kernel calls apart, under their own names
+# (elementwise ones, such as numba_runtime.sigmoid32, are linked: LLVM
+# inlines and vectorizes them)
+HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack", "group_cut",
+           "run_jobs", "sort_by_length", "starts_and_lengths")
 gemm_hoisted = _helper(blas.gemm_hoisted)
 gemm_hoisted_acc = _helper(blas.gemm_hoisted_acc)
 gemm_packed = _helper(blas.gemm_packed)

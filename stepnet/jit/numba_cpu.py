@@ -73,7 +73,7 @@ import numpy as np
 from .. import interpreter, ir, registry, schedule
 from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
-from . import blas, numba_runtime, threads
+from . import apart, blas, numba_runtime, threads
 from .cache import cache_dir, helpers_fingerprint
 
 LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
@@ -106,11 +106,11 @@ _keep_freed_memory()
 # code generation
 
 # the scalar helpers an op's numba code may call (relu, tanh32, ...): every
-# public function of numba_runtime, imported by the generated code
-# (the elementwise ones: a kernel calls the others apart, stepnet.jit.apart)
+# public function of numba_runtime but those a kernel calls apart
+# (apart.HELPERS), imported by the generated code
 _RUNTIME_HELPERS = sorted(name for name, f in vars(numba_runtime).items() if not name.startswith("_")
                           and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__
-                          and name not in ("sort_by_length", "starts_and_lengths"))
+                          and name not in apart.HELPERS)
 
 
 def runtime_imports() -> list:
@@ -263,8 +263,8 @@ def generate_source(program: ir.Program):
         f"# BLAS: {blas.SIGNATURE}",
         f"# LLVM: {' '.join(LLVM_VECTORIZER_OPTIONS)}",
         "from stepnet.jit.apart import (",
-        "    call_apart, gemm_hoisted, gemm_hoisted_acc, gemm_packed, gemm_steps, group_cut, job_apart,",
-        "    pack, run_jobs, sort_by_length, starts_and_lengths,",
+        *textwrap.wrap(", ".join(sorted(("call_apart", "job_apart") + apart.HELPERS)) + ",", 90,
+                       initial_indent="    ", subsequent_indent="    "),
         ")",
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.threads import RAISED",
