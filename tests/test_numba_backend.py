@@ -48,7 +48,6 @@ def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
     assert_close(actual[~nan], expected[~nan])
 
 
-
 @pytest.mark.parametrize("reverse_inner", [False, True])
 def test_independent_nested_net_runs_its_input_product_by_chunks(rng, reverse_inner):
     # chapters of 0-4 paragraphs of 0-9 words; the word-level net reads only

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import sys
+from dataclasses import dataclass
 
 import llvmlite.binding as llvm_binding
 from numba.core import cgutils, types
@@ -36,32 +37,20 @@ from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
 from . import blas, numba_runtime, threads
-from .atomics import job_record
+from .atomics import call_signature, job_record
 
-_ENTRIES = {}  # symbol -> (compiled function, its address), for this process
+_ENTRIES = {}  # symbol -> the compiled function whose address LLVM has, for this process
 
 
+@dataclass(frozen=True)
 class _Entry:
     """The hook giving LLVM the symbol of ``qualname`` (a compiled function
     of module ``module``) for ``argtypes``: compiled or loaded from the disk
     cache if it is not yet. Kept with the caller's cached code (picklable)."""
 
-    __slots__ = ("module", "qualname", "argtypes")
-
-    def __init__(self, module, qualname, argtypes):
-        self.module, self.qualname, self.argtypes = module, qualname, tuple(argtypes)
-
-    def key(self):
-        return (self.module, self.qualname, self.argtypes)
-
-    def __eq__(self, other):
-        return isinstance(other, _Entry) and self.key() == other.key()
-
-    def __hash__(self):
-        return hash(self.key())
-
-    def __reduce__(self):
-        return (_Entry, self.key())
+    module: str
+    qualname: str
+    argtypes: tuple
 
     def symbol(self) -> str:
         text = f"{self.module}.{self.qualname}{tuple(str(t) for t in self.argtypes)}"
@@ -89,25 +78,8 @@ def _register(dispatcher, entry):
             if not address:
                 raise RuntimeError(f"stepnet: no machine code for {entry.qualname}{entry.argtypes}")
             llvm_binding.add_symbol(symbol, address)
-            _ENTRIES[symbol] = (result, address)
-        return _ENTRIES[symbol][0]
-
-
-def _signature(typingctx, function, arguments):
-    """The signature ``function`` (a compiled function's type) is compiled
-    for, called with ``arguments`` (types; literals as their plain types:
-    one compile for both); None where it cannot be called so."""
-    if not isinstance(function, types.Dispatcher):
-        return None
-    plain = tuple(types.unliteral(t) for t in arguments)
-    return typingctx.resolve_function_type(function, plain, {})
-
-
-def _tuple_signature(typingctx, function, arguments):
-    """``_signature`` for ``arguments`` given as a tuple (its type)."""
-    if not isinstance(arguments, types.BaseTuple):
-        return None
-    return _signature(typingctx, function, arguments.types)
+            _ENTRIES[symbol] = result
+        return _ENTRIES[symbol]
 
 
 def _declare(context, builder, dispatcher, signature):
@@ -115,7 +87,7 @@ def _declare(context, builder, dispatcher, signature):
     symbol (registered now, and on every load of the caller's cached code):
     ``(function, fndesc)``."""
     py_func = dispatcher.py_func
-    entry = _Entry(py_func.__module__, py_func.__qualname__, signature.args)
+    entry = _Entry(py_func.__module__, py_func.__qualname__, tuple(signature.args))
     result = _register(dispatcher, entry)
     context.active_code_library._reload_init.add(entry)
     fndesc = result.fndesc
@@ -123,9 +95,13 @@ def _declare(context, builder, dispatcher, signature):
     return cgutils.get_or_insert_function(builder.module, function_type, entry.symbol()), fndesc
 
 
-def _call(context, builder, dispatcher, signature, values):
-    """Call ``dispatcher`` for ``signature`` apart, raising what it raised."""
+def _call(context, builder, dispatcher, signature, arguments, values):
+    """Call ``dispatcher`` for ``signature`` apart with the tuple ``values``
+    (of type ``arguments``), raising what it raised."""
     function, fndesc = _declare(context, builder, dispatcher, signature)
+    values = [context.cast(builder, v, t, p) for v, t, p in
+              zip(cgutils.unpack_tuple(builder, values, len(arguments)), arguments.types,
+                  signature.args)]
     status, result = context.call_conv.call_function(builder, function, fndesc.restype,
                                                      fndesc.argtypes, values)
     with cgutils.if_unlikely(builder, status.is_error):
@@ -133,22 +109,16 @@ def _call(context, builder, dispatcher, signature, values):
     return result
 
 
-def _cast_all(context, builder, values, from_types, to_types):
-    return [context.cast(builder, v, t, p) for v, t, p in zip(values, from_types, to_types)]
-
-
 @intrinsic
 def call_apart(typingctx, function, arguments):
     """``function(*arguments)`` (a compiled function, a tuple of its
     arguments), called apart."""
-    signature = _tuple_signature(typingctx, function, arguments)
+    signature = call_signature(typingctx, function, arguments)
     if signature is None:
         return None
 
     def codegen(context, builder, sig, args):
-        values = _cast_all(context, builder, cgutils.unpack_tuple(builder, args[1], len(arguments)),
-                           arguments.types, signature.args)
-        return _call(context, builder, function.dispatcher, signature, values)
+        return _call(context, builder, function.dispatcher, signature, arguments, args[1])
 
     return signature.return_type(function, arguments), codegen
 
@@ -157,7 +127,7 @@ def call_apart(typingctx, function, arguments):
 def job_apart(typingctx, function, arguments):
     """``atomics.job_of(function, arguments)`` with ``function`` called
     apart."""
-    signature = _tuple_signature(typingctx, function, arguments)
+    signature = call_signature(typingctx, function, arguments)
     if signature is None:
         return None
 
@@ -174,16 +144,13 @@ def _helper(dispatcher):
 
     def call(typingctx, *arguments):
         function = typingctx.resolve_value_type(dispatcher)
-        signature = _signature(typingctx, function, arguments)
+        packed = types.StarArgTuple(arguments)  # (how Numba passes ``*arguments``)
+        signature = call_signature(typingctx, function, packed)
         if signature is None:
             return None
 
-        packed = types.StarArgTuple(arguments)  # (how Numba passes ``*arguments``)
-
         def codegen(context, builder, sig, args):
-            values = _cast_all(context, builder, cgutils.unpack_tuple(builder, args[0], len(arguments)),
-                               arguments, signature.args)
-            return _call(context, builder, dispatcher, signature, values)
+            return _call(context, builder, dispatcher, signature, packed, args[0])
 
         return signature.return_type(packed), codegen
 

@@ -218,6 +218,16 @@ def stack_buffer(typingctx, size, dtype):
     return types.CPointer(element)(size, dtype), codegen
 
 
+def call_signature(typingctx, function, arguments):
+    """The signature of the compiled function ``function`` (its type) called
+    with ``arguments`` (a tuple's type; literals as their plain types: one
+    compile for both); None where it cannot be called so."""
+    if not isinstance(function, types.Dispatcher) or not isinstance(arguments, types.BaseTuple):
+        return None
+    plain = tuple(types.unliteral(t) for t in arguments.types)
+    return typingctx.resolve_function_type(function, plain, {})
+
+
 @intrinsic
 def job_of(typingctx, function, arguments):
     """``function(*arguments)`` (a compiled function, a tuple of its
@@ -228,11 +238,7 @@ def job_of(typingctx, function, arguments):
     it returns), after an int64 that the call sets to 1 where ``function``
     raised (else 0). The arrays in ``arguments`` are not referenced: the
     caller keeps them alive until the job is done."""
-    if not isinstance(function, types.Dispatcher) or not isinstance(arguments, types.BaseTuple):
-        return None
-    # (literals as their plain types: one compile of ``function`` for both)
-    plain = tuple(types.unliteral(t) for t in arguments.types)
-    signature = typingctx.resolve_function_type(function, plain, {})
+    signature = call_signature(typingctx, function, arguments)
     if signature is None:
         return None
 

@@ -581,8 +581,7 @@ def _render_split_gemm(ctx, stage, concat):
         k = part.shape[-1]
         _count_product(ctx.module, out.dtype, k, out.shape[-1])
         call = "gemm_hoisted" if i == 0 else "gemm_hoisted_acc"
-        ctx.lines.append(f"{call}(as_read_only({left}), as_read_only({weights}[{row}:{row + k}]), "
-                         f"{info.ident}, small_rows, board)")
+        ctx.lines.append(_hoisted_product(call, left, f"{weights}[{row}:{row + k}]", info.ident))
         row += k
 
 
@@ -641,14 +640,20 @@ def _joined_weights(ctx, weights):
     return joined
 
 
+def _hoisted_product(call, left, weights, out):
+    """A product outside the time loop (``call``: ``gemm_hoisted``, or
+    ``gemm_hoisted_acc`` to add it), its operands typed read-only: one
+    compiled helper for weights given and weights the kernel made."""
+    return f"{call}(as_read_only({left}), as_read_only({weights}), {out}, small_rows, board)"
+
+
 def _gemm_call(ctx, left, weights, info, k, n, dtype):
     """A BLAS call: inside the time loop on weights packed once, else on the
     weights as they are (stepnet's own loop for few rows: ``gemm_hoisted``)."""
     module = ctx.module
     _count_product(module, dtype, k, n)
     if ctx.mode != "step":
-        return (f"gemm_hoisted(as_read_only({left}), as_read_only({weights}), {info.ident}, "
-                "small_rows, board)")
+        return _hoisted_product("gemm_hoisted", left, weights, info.ident)
     module.largest_step_weights = max(module.largest_step_weights, k * n)
     packed = module.packed.get(weights)
     if packed is None:
