@@ -231,6 +231,74 @@ def test_a_job_that_raises_says_so_and_one_that_does_not_runs(rng):
     assert out_a[0] == 6.0
 
 
+@njit(nogil=True)
+def _posted_then_finished(board, x, out):
+    """A job posted (``post_job``), then finished (``finish_job``): what
+    each returned."""
+    job = atomics.job_of(_fails_on_negative, (x, out))
+    posted = threads.post_job(board, job)
+    finished = threads.finish_job(board, job) if posted else 0
+    return posted, finished
+
+
+def test_a_job_posted_ahead_is_done_by_the_helper_or_taken_back(rng):
+    """``post_job`` posts only on a board that shares and whose helper is
+    free; ``finish_job`` waits for the helper, or, where the helper never
+    started the job (a board no helper serves), takes it back and runs it
+    at once; the board is free again after, and a job that raised says so."""
+    out = np.zeros(1)
+    assert _posted_then_finished(threads.ALONE, 1.0, out) == (False, 0)
+    assert out[0] == 0.0  # (not posted: the caller runs it)
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    board[threads.STATE] = threads.IDLE
+    assert _posted_then_finished(board, 2.0, out) == (True, 0)
+    assert out[0] == 2.0 and board[threads.TAKEN_BACK] == 1
+    assert board[threads.STATE] == threads.IDLE and board[threads.JOBS] == 0
+    assert _posted_then_finished(board, -1.0, out) == (True, threads.RAISED)
+    assert board[threads.STATE] == threads.IDLE
+    assert _until_the_helper_helps(lambda: _posted_then_finished(threads.BOARD, 3.0, out)
+                                   == (True, 0))
+    assert out[0] == 3.0
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng, direction):
+    """A GRU of 96 units over one sequence of 300 steps: its input product
+    [300, 16] @ [16, 288] runs by chunks of 128 steps, each posted to the
+    helper a chunk ahead; the kernel equals the interpreter, and gives the
+    same bits call after call, whoever computes which chunk."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((300, 16)).astype(np.float32), [[300]])
+    layer = sn.nn.GRU(16, 96, direction=direction, seed=4)
+    assert "post_job(" in layer.step_net(0, 0).compile("numba").source
+    expected = layer(X, backend="interpreter")
+    first = layer(X, backend="numba")
+    assert_close(first, expected)
+    assert _until_the_helper_helps(lambda: layer(X, backend="numba"))
+    for _ in range(20):
+        got = layer(X, backend="numba")
+        np.testing.assert_array_equal(got[0].data, first[0].data)
+        np.testing.assert_array_equal(got[1], first[1])
+
+
+def test_ragged_sequences_run_their_input_products_a_chunk_ahead(rng):
+    """One chapter of 12 paragraphs of 0-40 words, 256 units: the word-level
+    net runs once over every paragraph (one group of ragged sequences: a
+    chunk is 10 steps of each, fewer paragraphs every few chunks), its input
+    product a chunk ahead on the helper; the kernel equals the interpreter
+    call after call."""
+    paragraphs = rng.integers(0, 41, 12)
+    paragraphs[[0, 3]] = 40, 0
+    net = nested_encoder(rng, [[12], paragraphs.tolist()], features=3, hidden=256,
+                         outputs=("h", "last"))
+    source = net.rnn.compile("numba").source
+    assert source.count("post_job(") == 1  # (the word-level net's; the outer one calls it)
+    expected = net.rnn(backend="interpreter")
+    assert _until_the_helper_helps(lambda: net.rnn(backend="numba"))
+    for _ in range(10):
+        assert_close(net.rnn(backend="numba"), expected)
+
+
 @pytest.mark.parametrize("dtype, dilation", [(np.float32, 1), (np.float64, 2)])
 def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation):
     """``blas.taps_product``: the sum over taps of shifted rows' products

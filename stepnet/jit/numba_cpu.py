@@ -266,6 +266,7 @@ def generate_source(program: ir.Program):
         *textwrap.wrap(", ".join(sorted(("call_apart", "job_apart") + apart.HELPERS)) + ",", 90,
                        initial_indent="    ", subsequent_indent="    "),
         ")",
+        "from stepnet.jit import blas",
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.threads import RAISED",
         *runtime_imports(),
@@ -517,23 +518,60 @@ def _defer_product(ctx, stage, body):
     _column_blocks(ctx, stage, _Info("chunk", chunk.ring, width=n))
 
 
-def _chunk_setup(chunks):
-    """The rnn function's chunk length and buffers for ``chunks``."""
+def _chunk_setup(chunks, ahead):
+    """The rnn function's chunk length and buffers for ``chunks`` (``ahead``:
+    the first one's product is computed a chunk ahead, ``_chunk_products``)."""
     lines = [f"chunk = max(1, min(num_steps, {_CHUNK_ROWS} // max(num_seq, 1)))"]
-    for c in chunks:
-        lines += [f"{c.ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})",
-                  # (rows past a sequence's end keep what they held: zeros at first)
-                  f"{c.gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
+    for i, c in enumerate(chunks):
+        for ring, gathered in [(c.ring, c.gathered)] + [_ahead(c)] * (ahead and i == 0):
+            lines += [f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})",
+                      # (rows past a sequence's end keep what they held: zeros at first)
+                      f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
+    if ahead:
+        lines += ["posted = False", "job = (np.int64(0), np.int64(0))"]
     return lines
 
 
-def _chunk_products(chunks, reverse):
+def _ahead(chunk):
+    """The buffers of ``chunk``'s product for the chunk ahead."""
+    return chunk.ring + "_ahead", chunk.gathered + "_ahead"
+
+
+def _chunk_products(chunks, reverse, ahead):
     """At a chunk's first step, each product of ``chunks`` over the chunk's
-    rows (``blas.gemm_steps``)."""
+    rows (``blas.gemm_steps``). With ``ahead``, the first product of the
+    next chunk is then posted to the helper (``threads.post_job``), which
+    computes it while this thread runs the chunk's steps, into buffers of
+    its own that the two swap at the next chunk (its job finished, or taken
+    back, first: ``threads.finish_job``); a one-group run's input products
+    (W3's: 14 % of its kernel) then take no time of the time loop. Only
+    where nothing in the step can raise: the job writes into the function's
+    buffers until it is finished."""
+    def arguments(c, step, gathered, ring):
+        return (f"{c.left.ident}, {c.left.offset}, sstart, slen, {step}, chunk, nb, {reverse}, "
+                f"{gathered}, {c.packed}, {ring}")
+
+    def product(c, step, gathered, ring):
+        return f"gemm_steps({arguments(c, step, gathered, ring)})"
+
     lines = ["cs = step % chunk", "if cs == 0:"]
-    for c in chunks:
-        lines.append(f"    gemm_steps({c.left.ident}, {c.left.offset}, sstart, slen, step, chunk, nb, "
-                     f"{reverse}, {c.gathered}, {c.packed}, {c.ring})")
+    for i, c in enumerate(chunks):
+        if not (ahead and i == 0):
+            lines.append("    " + product(c, "step", c.gathered, c.ring))
+            continue
+        ring, gathered = _ahead(c)
+        lines += ["    if posted:",
+                  f"        if finish_job({c.packed}[3], job) == RAISED:",
+                  "            " + product(c, "step", gathered, ring),  # (to raise here)
+                  f"        {c.ring}, {ring} = {ring}, {c.ring}",
+                  f"        {c.gathered}, {gathered} = {gathered}, {c.gathered}",
+                  "    else:",
+                  "        " + product(c, "step", c.gathered, c.ring),
+                  "    posted = False",
+                  "    if step + chunk < num_steps:",
+                  "        job = job_apart(blas.gemm_steps, "
+                  f"({arguments(c, 'step + chunk', gathered, ring)}))",
+                  f"        posted = post_job({c.packed}[3], job)"]
     return lines
 
 
@@ -1093,10 +1131,12 @@ def _rnn_function(ctx, sched):
     top = ctx.mode == "program"
     setup = _function_setup(fctx, eqn, params, top=top)
     chunks = ctx.module.chunks.get(sched.body, ())
+    # (a nested net's call in the step may raise: its allocations)
+    ahead = bool(chunks) and not any(e.op == "rnn" for e in sched.body.eqns)
     if chunks:
-        setup += _chunk_setup(chunks)
+        setup += _chunk_setup(chunks, ahead)
     last_params = _last_step_params(fctx, eqn, params, setup)
-    step = _step_body(fctx, sched, last_params, chunks)
+    step = _step_body(fctx, sched, last_params, chunks, ahead)
     lines = ["    " + line for line in setup + fn.allocs]
     lines += ["    nb = num_seq", "    for step in range(num_steps):"]
     lines += ["        " + line for line in step]
@@ -1219,7 +1259,7 @@ def _last_step_params(fctx, eqn, params, setup):
 _MEMORY_BUFFER = "memory buffer"  # a last-step output that is a ragged memory's buffer
 
 
-def _step_body(fctx, sched, last_params, chunks=()):
+def _step_body(fctx, sched, last_params, chunks=(), ahead=False):
     """One time step: the active prefix, the products of ``chunks`` at a
     chunk's first step, the step's stages, the outputs, the memory updates."""
     eqn, body = sched.eqn, sched.body
@@ -1227,7 +1267,7 @@ def _step_body(fctx, sched, last_params, chunks=()):
     pos = "slen[b] - 1 - step" if eqn.attrs["reverse"] else "step"
     step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + {pos}"])
     if chunks:
-        step += _chunk_products(chunks, eqn.attrs["reverse"])
+        step += _chunk_products(chunks, eqn.attrs["reverse"], ahead)
     for res, out, p in zip(body.outputs, eqn.outputs, last_params):
         if p is None and not res.lod_depth:  # one value may be several outputs
             fctx.fn.direct.setdefault(res, []).append(fctx.values[out].data)

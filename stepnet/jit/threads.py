@@ -196,6 +196,42 @@ def run_jobs(board, own, other, both):
     return RAISED if failed else waited
 
 
+@njit(types.boolean(types.int64[::1], _JOB), cache=True, nogil=True)
+def post_job(board, job):
+    """Post ``job`` (``atomics.job_of``) to the helper where it is spinning
+    and free (claimed as in ``run_jobs``) and return at once: whether it was
+    posted (if not, the caller runs it). A job posted must be finished
+    (``finish_job``) before its record, or what it writes, is used again or
+    freed, and before anything else is posted on ``board``."""
+    if board[SHARES] == 0 or not compare_exchange(board, STATE, IDLE, CLAIMED):
+        return False
+    board[JOB], board[JOB + 1] = job[0], job[1]
+    store_release(board, STATE, POSTED)
+    return True
+
+
+@njit(types.int64(types.int64[::1], _JOB), cache=True, nogil=True)
+def finish_job(board, job):
+    """Wait for ``job``, which ``post_job`` posted, to be done: by the
+    helper, or here where the helper has not started it yet (its thread off
+    the core); the board is free again after. ``RAISED`` where the job
+    raised (the caller then calls its function itself, to raise), else 0."""
+    start = cycles()
+    while True:
+        state = load_acquire(board, STATE)
+        if state == DONE:
+            break
+        if state == POSTED and compare_exchange(board, STATE, POSTED, CLAIMED):
+            call_address(board[JOB], board[JOB + 1:JOB + 2])
+            board[TAKEN_BACK] += 1
+            break
+        if cycles() - start > PATIENCE:
+            yield_core()  # (started, not done: the helper's thread may need this core)
+        pause()
+    store_release(board, STATE, IDLE)
+    return RAISED if carray(pointer_to(job[1], np.int64), 1)[0] else 0
+
+
 # a run of sequences is cut in two, one part for the helper, from this many
 # rows by the multiply-adds of a row's products in a step (the caller gives
 # such runs BOARD: NumbaProgram.board), and from this many rows (a handover
