@@ -270,7 +270,7 @@ def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng,
     same bits call after call, whoever computes which chunk."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((300, 16)).astype(np.float32), [[300]])
     layer = sn.nn.GRU(16, 96, direction=direction, seed=4)
-    assert "post_job(" in layer.step_net(0, 0).compile("numba").source
+    assert "gemm_steps_ahead(" in layer.step_net(0, 0).compile("numba").source
     expected = layer(X, backend="interpreter")
     first = layer(X, backend="numba")
     assert_close(first, expected)
@@ -292,7 +292,7 @@ def test_ragged_sequences_run_their_input_products_a_chunk_ahead(rng):
     net = nested_encoder(rng, [[12], paragraphs.tolist()], features=3, hidden=256,
                          outputs=("h", "last"))
     source = net.rnn.compile("numba").source
-    assert source.count("post_job(") == 1  # (the word-level net's; the outer one calls it)
+    assert source.count("gemm_steps_ahead(") == 1  # (the word-level net's; the outer one calls it)
     expected = net.rnn(backend="interpreter")
     assert _until_the_helper_helps(lambda: net.rnn(backend="numba"))
     for _ in range(10):

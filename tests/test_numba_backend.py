@@ -38,11 +38,9 @@ def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
     rnn = gru_net(X, rng, hidden=96, reverse=reverse)
     source = rnn.compile("numba").source
     # the input product of every token (3 x 96 columns), read only by the
-    # step's gates, runs by chunks of steps: one product per chunk (posted to
-    # the helper a chunk ahead; computed here where it was not posted, or
-    # again where the helper's raised, to raise here)
-    assert "gemm_hoisted(" not in source and source.count("job_apart(blas.gemm_steps") == 1
-    assert source.count("gemm_steps(") == 2 and source.count("post_job(") == 1
+    # step's gates, runs by chunks of steps: one product per chunk (on the
+    # helper a chunk ahead where it is free: blas.gemm_steps_ahead)
+    assert "gemm_hoisted(" not in source and source.count("gemm_steps_ahead(") == 1
     assert source.count("pack(") == 2 and "if cs == 0:" in source
     expected = rnn(backend="interpreter").data
     actual = rnn(backend="numba").data
@@ -61,9 +59,8 @@ def test_independent_nested_net_runs_its_input_product_by_chunks(rng, reverse_in
     lengths = [paragraphs, list(rng.integers(0, 10, int(np.sum(paragraphs))))]
     net = nested_encoder(rng, lengths, features=6, hidden=256, reverse_inner=reverse_inner)
     source = net.rnn.compile("numba").source
-    # (the step calls the word-level net twice: for its every step and its
-    # last; each posts its chunks ahead, test_input_product_by_chunks_...)
-    assert source.count("job_apart(blas.gemm_steps") == 2 and "if cs == 0:" in source
+    # (the step calls the word-level net twice: for its every step and its last)
+    assert source.count("gemm_steps_ahead(") == 2 and "if cs == 0:" in source
     assert_backends_agree(net.rnn, backends=["numba"])
     net.X.data[int(np.sum(lengths[1][:5])) + 1, 2] = np.nan  # a word of paragraph 5 (or later)
     expected = net.rnn(backend="interpreter")

@@ -162,16 +162,15 @@ def _helper(dispatcher):
 # the helpers a generated kernel calls apart, under their own names
 # (elementwise ones, such as numba_runtime.sigmoid32, are linked: LLVM
 # inlines and vectorizes them)
-HELPERS = ("finish_job", "gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack",
-           "group_cut", "post_job", "run_jobs", "sort_by_length", "starts_and_lengths")
+HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "gemm_steps_ahead",
+           "pack", "group_cut", "run_jobs", "sort_by_length", "starts_and_lengths")
 gemm_hoisted = _helper(blas.gemm_hoisted)
 gemm_hoisted_acc = _helper(blas.gemm_hoisted_acc)
 gemm_packed = _helper(blas.gemm_packed)
 gemm_steps = _helper(blas.gemm_steps)
+gemm_steps_ahead = _helper(blas.gemm_steps_ahead)
 pack = _helper(blas.pack)
 group_cut = _helper(threads.group_cut)
-post_job = _helper(threads.post_job)
-finish_job = _helper(threads.finish_job)
 run_jobs = _helper(threads.run_jobs)
 sort_by_length = _helper(numba_runtime.sort_by_length)
 starts_and_lengths = _helper(numba_runtime.starts_and_lengths)

@@ -19,6 +19,7 @@ import sys
 
 from llvmlite import ir
 from numba.core import cgutils, types
+from numba.core.errors import TypingError
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
@@ -251,17 +252,49 @@ def job_of(typingctx, function, arguments):
     return types.UniTuple(types.int64, 2)(function, arguments), codegen
 
 
-def job_record(context, builder, sig, args, arguments, signature, callee, fndesc):
+# the int64 words a record of ``job_in`` may take
+JOB_WORDS = 128
+
+
+@intrinsic
+def job_in(typingctx, words, function, arguments):
+    """``job_of(function, arguments)`` with its record kept in ``words`` (a
+    1-D int64 array of at least ``JOB_WORDS``) instead of on this function's
+    stack: a job that outlives the function posting it (its caller keeps
+    ``words``, and the arrays in ``arguments``, until the job is done)."""
+    signature = call_signature(typingctx, function, arguments)
+    if signature is None or not _is_int64_array(words):
+        return None
+
+    def codegen(context, builder, sig, args):
+        result = function.dispatcher.overloads[tuple(signature.args)]
+        context.add_linking_libs([result.library])
+        callee = context.declare_function(builder.module, result.fndesc)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return job_record(context, builder, sig, args[1:], arguments, signature, callee,
+                          result.fndesc, words=data)
+
+    return types.UniTuple(types.int64, 2)(words, function, arguments), codegen
+
+
+def job_record(context, builder, sig, args, arguments, signature, callee, fndesc, words=None):
     """``job_of``'s ``(address, record)`` for ``callee`` (``fndesc``'s native
     function, declared in the caller's module) called with ``args[1]`` (of
-    types ``arguments``) as ``signature``'s arguments."""
+    types ``arguments``) as ``signature``'s arguments; the record on the
+    caller's stack, or at ``words`` (a pointer to ``JOB_WORDS`` int64)."""
     parameters = types.Tuple(tuple(signature.args))
     record_type = ir.LiteralStructType([ir.IntType(64), context.get_value_type(parameters)])
     caller = _job_function(context, builder.module, callee, fndesc, parameters, record_type)
     values = cgutils.unpack_tuple(builder, args[1], len(arguments))
     values = [context.cast(builder, v, t, p)
               for v, t, p in zip(values, arguments.types, parameters.types)]
-    record = cgutils.alloca_once(builder, record_type)
+    if words is None:
+        record = cgutils.alloca_once(builder, record_type)
+    else:
+        if context.get_abi_sizeof(record_type) > 8 * JOB_WORDS:
+            raise TypingError(f"stepnet: a job's record of {context.get_abi_sizeof(record_type)} "
+                              f"bytes does not fit in JOB_WORDS ({JOB_WORDS})")
+        record = builder.bitcast(words, record_type.as_pointer())
     builder.store(ir.Constant(ir.IntType(64), 0), cgutils.gep_inbounds(builder, record, 0, 0))
     builder.store(context.make_tuple(builder, parameters, values),
                   cgutils.gep_inbounds(builder, record, 0, 1))

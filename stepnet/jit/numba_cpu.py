@@ -523,55 +523,41 @@ def _chunk_setup(chunks, ahead):
     the first one's product is computed a chunk ahead, ``_chunk_products``)."""
     lines = [f"chunk = max(1, min(num_steps, {_CHUNK_ROWS} // max(num_seq, 1)))"]
     for i, c in enumerate(chunks):
-        for ring, gathered in [(c.ring, c.gathered)] + [_ahead(c)] * (ahead and i == 0):
+        for ring, gathered in [(c.ring, c.gathered)] + [_ahead(c)[:2]] * (ahead and i == 0):
             lines += [f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})",
                       # (rows past a sequence's end keep what they held: zeros at first)
                       f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
     if ahead:
-        lines += ["posted = False", "job = (np.int64(0), np.int64(0))"]
+        lines.append(f"{_ahead(chunks[0])[2]} = np.zeros(blas.AHEAD_WORDS, np.int64)")
     return lines
 
 
 def _ahead(chunk):
-    """The buffers of ``chunk``'s product for the chunk ahead."""
-    return chunk.ring + "_ahead", chunk.gathered + "_ahead"
+    """The buffers of ``chunk``'s product for the chunk ahead, and the state
+    of ``blas.gemm_steps_ahead``."""
+    return chunk.ring + "_ahead", chunk.gathered + "_ahead", chunk.ring + "_state"
 
 
 def _chunk_products(chunks, reverse, ahead):
     """At a chunk's first step, each product of ``chunks`` over the chunk's
-    rows (``blas.gemm_steps``). With ``ahead``, the first product of the
-    next chunk is then posted to the helper (``threads.post_job``), which
-    computes it while this thread runs the chunk's steps, into buffers of
-    its own that the two swap at the next chunk (its job finished, or taken
-    back, first: ``threads.finish_job``); a one-group run's input products
+    rows (``blas.gemm_steps``). With ``ahead``, the first one's next chunk
+    is posted to the helper, which computes it while this thread runs the
+    chunk's steps, into buffers of its own that the two swap at the next
+    chunk (``blas.gemm_steps_ahead``): a one-group run's input products
     (W3's: 14 % of its kernel) then take no time of the time loop. Only
     where nothing in the step can raise: the job writes into the function's
-    buffers until it is finished."""
-    def arguments(c, step, gathered, ring):
-        return (f"{c.left.ident}, {c.left.offset}, sstart, slen, {step}, chunk, nb, {reverse}, "
-                f"{gathered}, {c.packed}, {ring}")
-
-    def product(c, step, gathered, ring):
-        return f"gemm_steps({arguments(c, step, gathered, ring)})"
-
+    buffers until it is done."""
     lines = ["cs = step % chunk", "if cs == 0:"]
     for i, c in enumerate(chunks):
+        arguments = (f"{c.left.ident}, {c.left.offset}, sstart, slen, step, chunk, nb, {reverse}, "
+                     f"{c.gathered}, {c.packed}, {c.ring}")
         if not (ahead and i == 0):
-            lines.append("    " + product(c, "step", c.gathered, c.ring))
+            lines.append(f"    gemm_steps({arguments})")
             continue
-        ring, gathered = _ahead(c)
-        lines += ["    if posted:",
-                  f"        if finish_job({c.packed}[3], job) == RAISED:",
-                  "            " + product(c, "step", gathered, ring),  # (to raise here)
+        ring, gathered, state = _ahead(c)
+        lines += [f"    if gemm_steps_ahead({arguments}, {gathered}, {ring}, {state}):",
                   f"        {c.ring}, {ring} = {ring}, {c.ring}",
-                  f"        {c.gathered}, {gathered} = {gathered}, {c.gathered}",
-                  "    else:",
-                  "        " + product(c, "step", c.gathered, c.ring),
-                  "    posted = False",
-                  "    if step + chunk < num_steps:",
-                  "        job = job_apart(blas.gemm_steps, "
-                  f"({arguments(c, 'step + chunk', gathered, ring)}))",
-                  f"        posted = post_job({c.packed}[3], job)"]
+                  f"        {c.gathered}, {gathered} = {gathered}, {c.gathered}"]
     return lines
 
 
