@@ -39,7 +39,7 @@ def test_input_product_by_chunks_of_steps_matches_interpreter(rng, reverse):
     source = rnn.compile("numba").source
     # the input product of every token (3 x 96 columns), read only by the
     # step's gates, runs by chunks of steps: one product per chunk (on the
-    # helper a chunk ahead where it is free: blas.gemm_steps_ahead)
+    # helper a chunk ahead where it is free: ahead.gemm_steps_ahead)
     assert "gemm_hoisted(" not in source and source.count("gemm_steps_ahead(") == 1
     assert source.count("pack(") == 2 and "if cs == 0:" in source
     expected = rnn(backend="interpreter").data

@@ -138,6 +138,26 @@ def job_apart(typingctx, function, arguments):
     return types.UniTuple(types.int64, 2)(function, arguments), codegen
 
 
+@intrinsic
+def job_apart_in(typingctx, words, function, arguments):
+    """``job_apart`` with the job's record kept in ``words`` (a 1-D int64
+    array of at least ``atomics.JOB_WORDS``) instead of on this function's
+    stack: a job that outlives the function posting it (its caller keeps
+    ``words``, and the arrays in ``arguments``, until the job is done)."""
+    signature = call_signature(typingctx, function, arguments)
+    if signature is None or not (isinstance(words, types.Array) and words.ndim == 1
+                                 and words.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        callee, fndesc = _declare(context, builder, function.dispatcher, signature)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return job_record(context, builder, sig, args[1:], arguments, signature, callee, fndesc,
+                          words=data)
+
+    return types.UniTuple(types.int64, 2)(words, function, arguments), codegen
+
+
 def _helper(dispatcher):
     """An njit-callable calling the helper ``dispatcher`` apart, under its
     name."""
@@ -162,13 +182,12 @@ def _helper(dispatcher):
 # the helpers a generated kernel calls apart, under their own names
 # (elementwise ones, such as numba_runtime.sigmoid32, are linked: LLVM
 # inlines and vectorizes them)
-HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "gemm_steps_ahead",
-           "pack", "group_cut", "run_jobs", "sort_by_length", "starts_and_lengths")
+HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack", "group_cut",
+           "run_jobs", "sort_by_length", "starts_and_lengths")
 gemm_hoisted = _helper(blas.gemm_hoisted)
 gemm_hoisted_acc = _helper(blas.gemm_hoisted_acc)
 gemm_packed = _helper(blas.gemm_packed)
 gemm_steps = _helper(blas.gemm_steps)
-gemm_steps_ahead = _helper(blas.gemm_steps_ahead)
 pack = _helper(blas.pack)
 group_cut = _helper(threads.group_cut)
 run_jobs = _helper(threads.run_jobs)

@@ -252,29 +252,8 @@ def job_of(typingctx, function, arguments):
     return types.UniTuple(types.int64, 2)(function, arguments), codegen
 
 
-# the int64 words a record of ``job_in`` may take
+# the int64 words a job's record kept in an array may take (``apart.job_apart_in``)
 JOB_WORDS = 128
-
-
-@intrinsic
-def job_in(typingctx, words, function, arguments):
-    """``job_of(function, arguments)`` with its record kept in ``words`` (a
-    1-D int64 array of at least ``JOB_WORDS``) instead of on this function's
-    stack: a job that outlives the function posting it (its caller keeps
-    ``words``, and the arrays in ``arguments``, until the job is done)."""
-    signature = call_signature(typingctx, function, arguments)
-    if signature is None or not _is_int64_array(words):
-        return None
-
-    def codegen(context, builder, sig, args):
-        result = function.dispatcher.overloads[tuple(signature.args)]
-        context.add_linking_libs([result.library])
-        callee = context.declare_function(builder.module, result.fndesc)
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return job_record(context, builder, sig, args[1:], arguments, signature, callee,
-                          result.fndesc, words=data)
-
-    return types.UniTuple(types.int64, 2)(words, function, arguments), codegen
 
 
 def job_record(context, builder, sig, args, arguments, signature, callee, fndesc, words=None):

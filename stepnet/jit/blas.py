@@ -59,7 +59,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
-from .atomics import JOB_WORDS, job_in, job_of, stack_buffer, wide_vectors
+from .atomics import job_of, stack_buffer, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, measure, \
     small_product_rows
@@ -867,46 +867,6 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
                 gathered[b * chunk + s, q] = left[r, col + q]
     rows = nb * chunk
     gemm_packed(gathered[:rows], prepared, out[:rows])
-
-
-# the words of the state of ``gemm_steps_ahead`` (whether a job is posted, the
-# job, its record: ``atomics.job_in``), which a caller allocates once, zeros
-AHEAD_WORDS = 3 + JOB_WORDS
-
-
-@njit(cache=True)
-def gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prepared, out,
-                     gathered_ahead, out_ahead, state):
-    """``gemm_steps`` computed a chunk ahead on the helper, at a chunk's
-    first step: the chunk's product into ``out`` (computed here; or, where
-    the last chunk posted it, by the helper into ``out_ahead``, its job
-    finished or taken back first: ``threads.finish_job``), then the next
-    chunk's posted to the helper (``threads.post_job``) while the caller
-    runs this chunk's steps. Whether the caller swaps ``out`` and
-    ``out_ahead`` (and ``gathered`` and ``gathered_ahead``): the chunk's
-    product is in ``out_ahead``. ``state``: ``AHEAD_WORDS`` int64 the caller
-    keeps, zeros at first, with the buffers, until the last chunk: a posted
-    job writes into them until it is done (so nothing else may raise in
-    between)."""
-    board = prepared[3]
-    swap = state[0] != 0
-    if swap:
-        job = (state[1], state[2])
-        if threads.finish_job(board, job) == threads.RAISED:  # (raised there: raise here)
-            gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered_ahead,
-                       prepared, out_ahead)
-    else:
-        gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prepared, out)
-    state[0] = 0
-    if step + chunk < slen[0] and board[threads.SHARES] != 0:
-        # into the buffers that are the caller's ahead ones after its swap
-        next_gathered = gathered if swap else gathered_ahead
-        next_out = out if swap else out_ahead
-        job = job_in(state[3:], gemm_steps, (left, col, sstart, slen, step + chunk, chunk, nb,
-                                             reverse, next_gathered, prepared, next_out))
-        state[1], state[2] = job[0], job[1]
-        state[0] = threads.post_job(board, job)
-    return swap
 
 
 @njit(cache=True)

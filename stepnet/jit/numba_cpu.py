@@ -266,7 +266,7 @@ def generate_source(program: ir.Program):
         *textwrap.wrap(", ".join(sorted(("call_apart", "job_apart") + apart.HELPERS)) + ",", 90,
                        initial_indent="    ", subsequent_indent="    "),
         ")",
-        "from stepnet.jit import blas",
+        "from stepnet.jit.ahead import AHEAD_WORDS, gemm_steps_ahead",
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.threads import RAISED",
         *runtime_imports(),
@@ -528,13 +528,13 @@ def _chunk_setup(chunks, ahead):
                       # (rows past a sequence's end keep what they held: zeros at first)
                       f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
     if ahead:
-        lines.append(f"{_ahead(chunks[0])[2]} = np.zeros(blas.AHEAD_WORDS, np.int64)")
+        lines.append(f"{_ahead(chunks[0])[2]} = np.zeros(AHEAD_WORDS, np.int64)")
     return lines
 
 
 def _ahead(chunk):
     """The buffers of ``chunk``'s product for the chunk ahead, and the state
-    of ``blas.gemm_steps_ahead``."""
+    of ``ahead.gemm_steps_ahead``."""
     return chunk.ring + "_ahead", chunk.gathered + "_ahead", chunk.ring + "_state"
 
 
@@ -543,7 +543,7 @@ def _chunk_products(chunks, reverse, ahead):
     rows (``blas.gemm_steps``). With ``ahead``, the first one's next chunk
     is posted to the helper, which computes it while this thread runs the
     chunk's steps, into buffers of its own that the two swap at the next
-    chunk (``blas.gemm_steps_ahead``): a one-group run's input products
+    chunk (``ahead.gemm_steps_ahead``): a one-group run's input products
     (W3's: 14 % of its kernel) then take no time of the time loop. Only
     where nothing in the step can raise: the job writes into the function's
     buffers until it is done."""
