@@ -62,4 +62,4 @@ def _gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathere
 
 
 # what the generated kernels call (apart)
-gemm_steps_ahead = apart._helper(_gemm_steps_ahead)
+gemm_steps_ahead = apart.called_apart(_gemm_steps_ahead)

@@ -158,7 +158,7 @@ def job_apart_in(typingctx, words, function, arguments):
     return types.UniTuple(types.int64, 2)(words, function, arguments), codegen
 
 
-def _helper(dispatcher):
+def called_apart(dispatcher):
     """An njit-callable calling the helper ``dispatcher`` apart, under its
     name."""
 
@@ -184,12 +184,12 @@ def _helper(dispatcher):
 # inlines and vectorizes them)
 HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack", "group_cut",
            "run_jobs", "sort_by_length", "starts_and_lengths")
-gemm_hoisted = _helper(blas.gemm_hoisted)
-gemm_hoisted_acc = _helper(blas.gemm_hoisted_acc)
-gemm_packed = _helper(blas.gemm_packed)
-gemm_steps = _helper(blas.gemm_steps)
-pack = _helper(blas.pack)
-group_cut = _helper(threads.group_cut)
-run_jobs = _helper(threads.run_jobs)
-sort_by_length = _helper(numba_runtime.sort_by_length)
-starts_and_lengths = _helper(numba_runtime.starts_and_lengths)
+gemm_hoisted = called_apart(blas.gemm_hoisted)
+gemm_hoisted_acc = called_apart(blas.gemm_hoisted_acc)
+gemm_packed = called_apart(blas.gemm_packed)
+gemm_steps = called_apart(blas.gemm_steps)
+pack = called_apart(blas.pack)
+group_cut = called_apart(threads.group_cut)
+run_jobs = called_apart(threads.run_jobs)
+sort_by_length = called_apart(numba_runtime.sort_by_length)
+starts_and_lengths = called_apart(numba_runtime.starts_and_lengths)
