@@ -37,7 +37,7 @@ from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
 from . import blas, numba_runtime, threads
-from .atomics import call_signature, job_record
+from .atomics import call_signature, is_int64_array, job_record
 
 _ENTRIES = {}  # symbol -> the compiled function whose address LLVM has, for this process
 
@@ -123,6 +123,14 @@ def call_apart(typingctx, function, arguments):
     return signature.return_type(function, arguments), codegen
 
 
+def _job(context, builder, sig, function, signature, arguments, values, words=None):
+    """``job_record`` for ``function`` called apart (its record at ``words``
+    where given, else on the stack)."""
+    callee, fndesc = _declare(context, builder, function.dispatcher, signature)
+    return job_record(context, builder, sig, (function, values), arguments, signature, callee,
+                      fndesc, words=words)
+
+
 @intrinsic
 def job_apart(typingctx, function, arguments):
     """``atomics.job_of(function, arguments)`` with ``function`` called
@@ -132,8 +140,7 @@ def job_apart(typingctx, function, arguments):
         return None
 
     def codegen(context, builder, sig, args):
-        callee, fndesc = _declare(context, builder, function.dispatcher, signature)
-        return job_record(context, builder, sig, args, arguments, signature, callee, fndesc)
+        return _job(context, builder, sig, function, signature, arguments, args[1])
 
     return types.UniTuple(types.int64, 2)(function, arguments), codegen
 
@@ -145,15 +152,12 @@ def job_apart_in(typingctx, words, function, arguments):
     stack: a job that outlives the function posting it (its caller keeps
     ``words``, and the arrays in ``arguments``, until the job is done)."""
     signature = call_signature(typingctx, function, arguments)
-    if signature is None or not (isinstance(words, types.Array) and words.ndim == 1
-                                 and words.dtype == types.int64):
+    if signature is None or not is_int64_array(words):
         return None
 
     def codegen(context, builder, sig, args):
-        callee, fndesc = _declare(context, builder, function.dispatcher, signature)
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return job_record(context, builder, sig, args[1:], arguments, signature, callee, fndesc,
-                          words=data)
+        return _job(context, builder, sig, function, signature, arguments, args[2], words=data)
 
     return types.UniTuple(types.int64, 2)(words, function, arguments), codegen
 

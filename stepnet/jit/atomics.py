@@ -42,7 +42,7 @@ def _element(dtype):
     return None
 
 
-def _is_int64_array(array):
+def is_int64_array(array):
     return isinstance(array, types.Array) and array.dtype == types.int64 and array.ndim == 1
 
 
@@ -50,7 +50,7 @@ def _is_int64_array(array):
 def load_acquire(typingctx, array, index):
     """``array[index]`` read after every write another thread released before
     it (``array``: 1-D int64, ``index`` in bounds)."""
-    if not _is_int64_array(array):
+    if not is_int64_array(array):
         return None
 
     def codegen(context, builder, signature, args):
@@ -63,7 +63,7 @@ def load_acquire(typingctx, array, index):
 @intrinsic
 def store_release(typingctx, array, index, value):
     """``array[index] = value``, after every write before it is visible."""
-    if not _is_int64_array(array):
+    if not is_int64_array(array):
         return None
 
     def codegen(context, builder, signature, args):
@@ -79,7 +79,7 @@ def store_release(typingctx, array, index, value):
 def compare_exchange(typingctx, array, index, expected, new):
     """Atomically: if ``array[index] == expected``, set it to ``new``; whether
     it did."""
-    if not _is_int64_array(array):
+    if not is_int64_array(array):
         return None
 
     def codegen(context, builder, signature, args):
@@ -154,7 +154,7 @@ def pointer_to(typingctx, address, dtype):
 def call_address(typingctx, address, record):
     """Call the C function ``void f(int64 *record)`` at ``address`` with the
     data of ``record`` (a 1-D int64 array)."""
-    if not isinstance(address, types.Integer) or not _is_int64_array(record):
+    if not isinstance(address, types.Integer) or not is_int64_array(record):
         return None
 
     def codegen(context, builder, signature, args):

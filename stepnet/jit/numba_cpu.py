@@ -521,14 +521,18 @@ def _defer_product(ctx, stage, body):
 def _chunk_setup(chunks, ahead):
     """The rnn function's chunk length and buffers for ``chunks`` (``ahead``:
     the first one's product is computed a chunk ahead, ``_chunk_products``)."""
+    def buffers(c, ring, gathered):
+        return [f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})",
+                # (rows past a sequence's end keep what they held: zeros at first)
+                f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
+
     lines = [f"chunk = max(1, min(num_steps, {_CHUNK_ROWS} // max(num_seq, 1)))"]
-    for i, c in enumerate(chunks):
-        for ring, gathered in [(c.ring, c.gathered)] + [_ahead(c)[:2]] * (ahead and i == 0):
-            lines += [f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})",
-                      # (rows past a sequence's end keep what they held: zeros at first)
-                      f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
+    for c in chunks:
+        lines += buffers(c, c.ring, c.gathered)
     if ahead:
-        lines.append(f"{_ahead(chunks[0])[2]} = np.zeros(AHEAD_WORDS, np.int64)")
+        ring, gathered, state = _ahead(chunks[0])
+        lines += buffers(chunks[0], ring, gathered)
+        lines.append(f"{state} = np.zeros(AHEAD_WORDS, np.int64)")
     return lines
 
 
