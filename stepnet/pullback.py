@@ -153,6 +153,11 @@ class Pullback:
             getattr(run, "ready", True) is False for run, _ in runs))
         results = [values[id(v)] for v in layout.values]
         inputs = values
+        if on_numpy and self.backend == "numba":  # the compiled calls' weight gradients:
+            from .jit.numba_cpu import prepare_weight_gradients  # compiled meanwhile
+
+            for dtype in {np.asarray(getattr(r, "data", r)).dtype for r in results}:
+                prepare_weight_gradients(dtype)
         grads = pull_consts(program, reduce_terms(layout, results, inputs, on_numpy), self.consts)
         lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))
         d_inits = []

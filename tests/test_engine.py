@@ -471,40 +471,64 @@ def test_the_numba_backend_keeps_freed_memory_unless_told_not_to(monkeypatch, en
     assert calls == (list(numba_cpu.GLIBC_MALLOC_OPTIONS.items()) if tuned else [])
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["library", "own-loop"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rows", [0, 1, 7, 5000])
-def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, rows):
+def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, rows, own):
     """Weight gradients ``a.T @ b``: the reduction split over stepnet's threads
-    (every split forced) on the chosen BLAS agrees with NumPy's product."""
+    (every split forced), on the chosen BLAS or stepnet's own loop (by chunks
+    of rows; under 6 columns of ``a``, and a last block of ``b``'s columns
+    that overlaps the one before), agrees with NumPy's product."""
     from stepnet.jit import blas
 
     monkeypatch.setattr(blas, "_SPLIT_TN_WORK", 1)
+    monkeypatch.setattr(blas, "_TN_OWN", [own])
     previous = numba.get_num_threads()
+    tol = 1e-4 if dtype == np.float32 else 1e-11
     try:
         for threads in (1, 2):
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-            a = rng.standard_normal((rows, 13)).astype(dtype)
-            b = rng.standard_normal((rows, 21)).astype(dtype)
-            got = blas.transposed_product(a, b)
-            want = a.astype(np.float64).T @ b.astype(np.float64)
-            assert got.dtype == dtype and got.shape == (13, 21)
-            tol = 1e-4 if dtype == np.float32 else 1e-11
-            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
+            for m, n in ((13, 21), (13, 45), (4, 70), (7, 32)):
+                a = rng.standard_normal((rows, m)).astype(dtype)
+                b = rng.standard_normal((rows, n)).astype(dtype)
+                got = blas.transposed_product(a, b)
+                want = a.astype(np.float64).T @ b.astype(np.float64)
+                assert got.dtype == dtype and got.shape == (m, n)
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
+                # with the column sums of b (a bias's gradient), over several blocks of rows
+                monkeypatch.setattr(blas, "_SUM_BLOCK", 3)
+                got, sums = blas.transposed_product(a, b, column_sums=True)
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
+                assert sums.dtype == dtype and sums.shape == (n,)
+                np.testing.assert_allclose(sums, b.astype(np.float64).sum(0), rtol=tol,
+                                           atol=tol * max(1, rows) ** 0.5)
             # strided operands (a column slice) are read correctly too
             wide = rng.standard_normal((rows, 30)).astype(dtype)
             got = blas.transposed_product(wide[:, 3:16], b)
             want = wide[:, 3:16].astype(np.float64).T @ b.astype(np.float64)
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
-            # with the column sums of b (a bias's gradient), over several blocks of rows
-            monkeypatch.setattr(blas, "_SUM_BLOCK", 3)
-            got, sums = blas.transposed_product(a, b, column_sums=True)
-            np.testing.assert_allclose(got, a.astype(np.float64).T @ b.astype(np.float64),
-                                       rtol=tol, atol=tol * max(1, rows) ** 0.5)
-            assert sums.dtype == dtype and sums.shape == (21,)
-            np.testing.assert_allclose(sums, b.astype(np.float64).sum(0), rtol=tol,
-                                       atol=tol * max(1, rows) ** 0.5)
     finally:
         numba.set_num_threads(previous)
+
+
+def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkeypatch):
+    """Whether weight gradients run stepnet's own loop is the faster of the
+    two on this machine, measured once and read back from the cache."""
+    from stepnet.jit import blas, blas_choice
+
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    for own_s, lib_s in ((1.0, 2.0), (2.0, 1.0)):
+        calls = []
+
+        def time_both(rows, m, n, own_s=own_s, lib_s=lib_s, calls=calls):
+            calls.append((rows, m, n))
+            return own_s, lib_s
+
+        for f in tmp_path.glob("transposed_products.json"):
+            f.unlink()
+        assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
+        assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
+        assert calls == [blas_choice._TN_SHAPE]  # (the second from the cache)
 
 
 def test_input_gradients_are_the_same_bits_for_any_batch_in_deterministic_mode():

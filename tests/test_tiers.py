@@ -78,6 +78,37 @@ def test_a_training_step_answers_before_its_kernels_and_agrees_after(rng, tiered
         assert_close(b, w, what="gradient after the switch")
 
 
+def test_a_first_training_step_has_the_worker_prepare_the_weight_gradients(rng, tiered,
+                                                                          monkeypatch):
+    """While a new backward answers on the interpreter, the compile worker
+    measures and compiles the weight gradients' product for its dtype
+    (``blas.prepare_transposed_products``), so that the first compiled
+    backward does not compile it on the caller's thread."""
+    (tiered / "transposed_products.json").unlink(missing_ok=True)
+    monkeypatch.setattr(numba_cpu, "_PREPARED", set())
+    answers = {}
+    send = numba_cpu._CompileWorker.send
+
+    def recorded(self, request, callback):
+        def answered(error):
+            answers[request["key"]] = error
+            callback(error)
+
+        send(self, request, answered)
+
+    monkeypatch.setattr(numba_cpu._CompileWorker, "send", recorded)
+    rnn, X, params = _net(rng, 7, 9)
+    sn.gradients(rnn, wrt=list(params), grad_outputs=[np.ones((X.data.shape[0], 9))])
+    deadline = time.time() + 300
+    while "transposed products float64" not in answers and time.time() < deadline:
+        time.sleep(0.1)
+    assert answers.get("transposed products float64", "no answer") is None, answers
+    assert (tiered / "transposed_products.json").exists()
+    # asked for once per cache directory and dtype
+    sn.gradients(rnn, wrt=list(params), grad_outputs=[np.ones((X.data.shape[0], 9))])
+    assert numba_cpu._PREPARED == {(tiered, "float64")}
+
+
 def test_a_kernel_compiled_before_is_not_tiered_in_a_new_process(rng, tiered):
     rnn, X, _ = _net(rng, 4, 9)
     rnn()
@@ -119,7 +150,8 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
         run = rnn.compile("numba")._runner(True)
         dY = np.ones((X.data.shape[0], 12))
         sn.gradients(rnn, wrt=list(params), grad_outputs=[dY])
-        sums = blas.gemm_tn.signatures + blas._gemm_tn_column_sums.signatures
+        sums = (blas.gemm_tn.signatures + blas._gemm_tn_column_sums.signatures
+                + blas._own_tn.signatures)
         print(run.ready, sorted(blas._own_entries), len(sums))
         assert rnn.compile("numba").wait(timeout=300)
         rnn()

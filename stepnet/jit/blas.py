@@ -62,7 +62,7 @@ from . import threads
 from .atomics import job_of, stack_buffer, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, measure, \
-    small_product_rows
+    small_product_rows, transposed_by_own_loop
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _N, _T = 78, 84  # ord("N"), ord("T"): Fortran BLAS's "no transpose", "transpose"
@@ -179,15 +179,22 @@ def panels(b):
     88-99 from ``b``). They start on a cache line (``aligned_empty``)."""
     k, n = b.shape
     count = _panel_count(n)
-    flat = aligned_empty(count * k * 32, b)
-    flat[:] = 0
-    out = flat.reshape((count, k, 32))
-    for p in range(count):
+    out = aligned_empty(count * k * 32, b).reshape((count, k, 32))
+    fill_panels(b, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def fill_panels(b, out):
+    """``out`` [P, k, 32] = the ``panels`` of ``b`` [k, n] (P of them)."""
+    k, n = b.shape
+    if n < 32:
+        out[:] = 0
+    for p in range(out.shape[0]):
         first = max(0, min(32 * p, n - 32))
         for kk in range(k):
             for jj in range(min(32, n)):
                 out[p, kk, jj] = b[kk, first + jj]
-    return out
 
 
 @njit(inline="always")
@@ -1031,10 +1038,104 @@ def _gemm_tn_column_sums(a, b, out, sums, block):
                 sums[j] += b[i, j]
 
 
+# rows of a.T @ b that stepnet's own loop takes at a time: the chunk's rows
+# of a and its panels of b (256 x 256 floats each, 256 KiB) stay in the
+# second-level cache while every block of the product passes over them (on
+# the AMD EPYC of the README, [3200, 256].T @ [3200, 256]: chunks of 128
+# rows 225 GFLOP/s a core, 256 232, 512 211)
+_TN_ROWS = 256
+
+
+@njit(cache=True, nogil=True)
+def _own_tn(a, b, out, sums, column_sums):
+    """out = a.T @ b (``column_sums``: and sums = b.sum(0)) for C-contiguous
+    2-D a [r, m >= 6], b [r, n >= 32] of one dtype by stepnet's own loop
+    (``_columns_outer``: its blocks of 6 and 4 rows, none of the paths for
+    fewer rows, which would add 2 s to its cold compile), ``_TN_ROWS`` rows
+    at a time: the chunk of ``b`` as ``panels``, the chunk of ``a`` read
+    transposed (a block's 6 values of a step are side by side in a row of
+    ``a``: no copy), its product added to ``out`` and its rows of ``b``
+    summed while they are in cache. Every element a sum in order of the
+    rows, by chunks."""
+    rows, m = a.shape
+    n = b.shape[1]
+    out[:] = 0
+    sums[:] = 0
+    if rows == 0 or m == 0 or n == 0:
+        return
+    chunk = min(rows, _TN_ROWS)
+    count = _panel_count(n)
+    flat = aligned_empty(count * chunk * 32, b)
+    part = np.empty((m, n), out.dtype)
+    for start in range(0, rows, chunk):
+        stop = min(start + chunk, rows)
+        k = stop - start
+        fill_panels(b[start:stop], flat[:count * k * 32].reshape((count, k, 32)))
+        _columns_outer(a[start:stop].T, flat, 32, 32 * k, part, 0, n)
+        for i in range(m):
+            for j in range(n):
+                out[i, j] += part[i, j]
+        if column_sums:
+            for i in range(start, stop):
+                for j in range(n):
+                    sums[j] += b[i, j]
+
+
+def _time_transposed(rows, m, n, rounds=3):
+    """Seconds per float32 product ``[rows, m].T @ [rows, n]`` on the calling
+    thread by stepnet's own loop (``_own_tn``) and by the library's
+    (``gemm_tn``): the best of ``rounds`` runs of each, taken in turn."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((rows, m), np.float32)
+    b = rng.standard_normal((rows, n), np.float32)
+    out = np.empty((m, n), np.float32)
+    sums = np.empty(n, np.float32)
+    sides = (lambda: _own_tn(a, b, out, sums, False), lambda: gemm_tn(a, b, out))
+    seconds = [float("inf")] * len(sides)
+    for _ in range(rounds + 1):  # (the first round untimed: compiles, warms up)
+        for side, run in enumerate(sides):
+            t0 = time.perf_counter()
+            run()
+            seconds[side] = min(seconds[side], time.perf_counter() - t0)
+    return tuple(seconds)
+
+
+_TN_OWN = []  # transposed_by_own_loop(), once measured or read
+_TN_LOCK = threading.Lock()
+
+
+def _tn_by_own_loop():
+    """Whether ``transposed_product`` runs stepnet's own loop: measured once
+    per machine and library (:func:`stepnet.jit.blas_choice.transposed_by_own_loop`)."""
+    if not _TN_OWN:
+        with _TN_LOCK:
+            if not _TN_OWN:
+                _TN_OWN.append(transposed_by_own_loop(_choice, _time_transposed))
+    return _TN_OWN[0]
+
+
+def prepare_transposed_products(dtype) -> None:
+    """Measure (``_tn_by_own_loop``) and compile the ``transposed_product``
+    of ``dtype`` into the disk cache, on tiny operands (the compile worker
+    does this while a new backward's first calls run on the interpreter)."""
+    if DETERMINISTIC:  # (transposed_product takes small_gemm)
+        return
+    a = np.ones((8, 8), dtype)
+    b = np.ones((8, 32), dtype)
+    out, sums = np.empty((8, 32), dtype), np.empty(32, dtype)
+    if _tn_by_own_loop():
+        _own_tn(a, b, out, sums, True)
+    else:
+        gemm_tn(a, b, out)
+        _gemm_tn_column_sums(a, b, out, sums, _SUM_BLOCK)
+
+
 def transposed_product(a, b, column_sums=False):
     """``a.T @ b`` (weight gradients: a long reduction over every token) on
-    stepnet's threads, each reducing its share of the rows on the chosen BLAS;
-    under ``STEPNET_DETERMINISTIC=1`` every element a sequential sum
+    stepnet's threads, each reducing its share of the rows by stepnet's own
+    loop (``_own_tn``) or the chosen BLAS, whichever was measured faster on
+    this machine (``_tn_by_own_loop``; the library for a product under 6 x
+    32); under ``STEPNET_DETERMINISTIC=1`` every element a sequential sum
     (``small_gemm``). With ``column_sums``, ``(a.T @ b, b.sum(0))``: the sums
     (a bias's gradient beside its weight's) read each block of ``b`` while the
     product has it in cache."""
@@ -1053,9 +1154,14 @@ def transposed_product(a, b, column_sums=False):
         return (product, np.zeros(n, b.dtype)) if column_sums else product
     parts = max(1, min(threads.count(), rows * m * n // _SPLIT_TN_WORK))
     cuts = [rows * i // parts for i in range(parts + 1)]
+    own = m >= 6 and n >= 32 and _tn_by_own_loop()
 
     def part(i):
         out = np.empty((m, n), a.dtype)
+        if own:
+            sums = np.empty(n, b.dtype)
+            _own_tn(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]], out, sums, column_sums)
+            return out, sums
         if column_sums:
             sums = np.empty(n, b.dtype)
             _gemm_tn_column_sums(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]], out, sums,

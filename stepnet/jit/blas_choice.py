@@ -21,7 +21,10 @@ libraries. ``stepnet info`` prints them.
 Up to how many rows a per-step product runs stepnet's own loop instead of
 the chosen library, and whether the own loop shares a product with the
 helper thread (:func:`small_product_rows`), is measured the same way, at the
-first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``.
+first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``;
+whether the weight gradients' products (``a.T @ b`` over every token) run
+stepnet's own loop or the library (:func:`transposed_by_own_loop`), at the
+first compiled backward, kept in ``STEPNET_CACHE_DIR/transposed_products.json``.
 """
 
 from __future__ import annotations
@@ -274,6 +277,14 @@ def _keep(filename, result):
         pass
 
 
+def _measured_key(form, choice) -> str:
+    """The key of a measurement of stepnet's own loop in the ``form`` named
+    against the library ``choice`` names, on this CPU."""
+    library = choice["libraries"].get(choice["name"], choice["name"])
+    return hashlib.sha256(f"{form};{choice['cpu']};{choice['name']};{library}"
+                          .encode()).hexdigest()[:16]
+
+
 # the per-step products that set the small-product limits: recurrent weights
 # [k, n] from 48 KiB to 4 MiB (float32; GRUs of 64, 128 and 256 units, an
 # LSTM of 256 and one of 512), batches of 1 to 64 rows
@@ -320,9 +331,7 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
-    library = choice["libraries"].get(choice["name"], choice["name"])
-    key = hashlib.sha256(f"{_OWN_LOOP};{choice['cpu']};{choice['name']};{library}"
-                         .encode()).hexdigest()[:16]
+    key = _measured_key(_OWN_LOOP, choice)
     saved = _kept("small_products.json", key)
     try:
         if saved is not None:
@@ -357,6 +366,36 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     return limits
 
 
+# the weight gradients' product measured: a.T @ b over the rows of a chunk
+# of steps of a batch (1024 rows) by a GRU of 256 units' gate gradients
+_TN_SHAPE = (1024, 256, 768)
+# the form of stepnet's own loop for a.T @ b measured
+_OWN_TN = "own loop on 256-row chunks: b's panels, a read transposed"
+_TRANSPOSED = {}  # what transposed_by_own_loop found, for describe()
+
+
+def transposed_by_own_loop(choice, time_both) -> bool:
+    """Whether the weight gradients' products ``a.T @ b`` (long reductions
+    over every token: ``blas.transposed_product``) run stepnet's own loop
+    rather than the library's: the faster one on ``_TN_SHAPE``, one thread
+    (``time_both(rows, m, n)``: the seconds of each), measured once per
+    machine and library and kept in
+    ``STEPNET_CACHE_DIR/transposed_products.json``."""
+    key = _measured_key(_OWN_TN, choice)
+    saved = _kept("transposed_products.json", key)
+    try:
+        if saved is not None:
+            own, lib = float(saved["seconds"][0]), float(saved["seconds"][1])
+            _TRANSPOSED.update(seconds=(own, lib), reason="measured (cached)")
+            return own < lib
+    except (ValueError, TypeError, KeyError, IndexError):
+        pass  # a file of another form: measured again
+    own, lib = time_both(*_TN_SHAPE)
+    _TRANSPOSED.update(seconds=(own, lib), reason="measured")
+    _keep("transposed_products.json", {"key": key, "shape": _TN_SHAPE, "seconds": [own, lib]})
+    return own < lib
+
+
 def _what(name):
     return {"mkl": "MKL (libmkl_rt; pip install mkl)",
             "openblas": "scipy.linalg.cython_blas"}[name]
@@ -385,6 +424,16 @@ def describe() -> str:
                            f"{'' if shares else ' (not shared with the helper)'}"
                            for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
+    by_own = blas._tn_by_own_loop()  # measured here if it is not known yet
+    if blas.DETERMINISTIC:
+        lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
+    elif "seconds" in _TRANSPOSED:
+        own, lib = _TRANSPOSED["seconds"]
+        rows, m, n = _TN_SHAPE
+        lines.append(f"weight gradients (a.T @ b): {'stepnet own loop' if by_own else c['name']} "
+                     f"({_TRANSPOSED['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "
+                     f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
+                     f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
     for k, n in _STEP_WEIGHTS:
         row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
         if row:

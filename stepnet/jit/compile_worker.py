@@ -7,7 +7,9 @@ compile from taking the interpreter's share of the GIL. Requests come one a
 line on standard input (JSON: ``key``, the kernel module's ``module`` name and
 ``path``, the ``function`` of it to compile (``program``, or an ONNX session's
 ``fused`` loop), the ``blas`` it calls, and ``signature``, its argument types
-pickled and base64-encoded);
+pickled and base64-encoded; or, with ``function`` ``transposed_products``
+and a ``dtype``, the weight gradients' product, measured and compiled:
+``blas.prepare_transposed_products``);
 each kernel is compiled into Numba's disk cache under ``STEPNET_CACHE_DIR``
 and marked ready there (``stepnet_kernel_<key>.ready``), and one line answers
 on standard output: ``{"key": ..., "ok": true}`` or ``{"key": ..., "error":
@@ -30,6 +32,9 @@ def compile_kernel(request) -> None:
 
     if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this process uses {blas.SIGNATURE}, the kernel {request['blas']}")
+    if request.get("function") == "transposed_products":  # not a kernel: the weight
+        blas.prepare_transposed_products(request["dtype"])  # gradients' product
+        return
     name, path = request["module"], request["path"]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

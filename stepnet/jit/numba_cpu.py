@@ -2026,12 +2026,17 @@ class _CompileWorker:
     def submit(self, kernel, signature, callback, function="program"):
         """Compile ``kernel.module``'s ``function`` for ``signature``; then
         ``callback(error or None)``, on another thread."""
-        request = {"key": kernel.key, "module": kernel.module.__name__,
+        self.send({"key": kernel.key, "module": kernel.module.__name__,
                    "path": kernel.module.__file__, "function": function, "blas": blas.SIGNATURE,
-                   "signature": base64.b64encode(pickle.dumps(signature)).decode()}
+                   "signature": base64.b64encode(pickle.dumps(signature)).decode()}, callback)
+
+    def send(self, request, callback):
+        """Send ``request`` (a kernel's, or another job of
+        :mod:`stepnet.jit.compile_worker`) unless one with its key is pending;
+        then ``callback(error or None)``, on another thread."""
         with self.lock:
-            first = kernel.key not in self.pending
-            self.pending.setdefault(kernel.key, []).append(callback)
+            first = request["key"] not in self.pending
+            self.pending.setdefault(request["key"], []).append(callback)
         if first:
             try:
                 self.process.stdin.write(json.dumps(request) + "\n")
@@ -2068,6 +2073,28 @@ def compile_worker():
         if _WORKER is None or _WORKER.process.poll() is not None or _WORKER.root != root:
             _WORKER = _CompileWorker(root)
         return _WORKER
+
+
+_PREPARED = set()  # (cache directory, dtype) whose weight gradients' product was asked for
+
+
+def prepare_weight_gradients(dtype) -> None:
+    """Have the compile worker measure and compile the weight gradients'
+    product for ``dtype`` (``blas.prepare_transposed_products``), once per
+    cache directory: a backward's first calls, on the interpreter, sum its
+    weight gradients on NumPy; its first compiled call then finds the
+    product in the disk cache, instead of compiling it (1-2 s) on the
+    caller's thread."""
+    name = np.dtype(dtype).name
+    if (cache_dir(), name) in _PREPARED or name not in ("float32", "float64"):
+        return
+    _PREPARED.add((cache_dir(), name))
+    try:
+        compile_worker().send({"key": f"transposed products {name}",
+                               "function": "transposed_products", "dtype": name,
+                               "blas": blas.SIGNATURE}, lambda error: None)
+    except OSError:  # no worker: the first compiled call compiles it
+        pass
 
 
 def tiered() -> bool:
