@@ -867,11 +867,12 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
     gathered[:nb * chunk] @ b`` with ``prepared = pack(b, ...)``. Compiled
     once, not in every kernel."""
     k = gathered.shape[1]
+    first = np.uint64(col)  # (unsigned: no wraparound, and the copy vectorizes)
     for b in range(nb):
         for s in range(min(chunk, slen[b] - step)):
             r = sstart[b] + (slen[b] - 1 - step - s if reverse else step + s)
-            for q in range(k):
-                gathered[b * chunk + s, q] = left[r, col + q]
+            for q in range(np.uint64(k)):
+                gathered[b * chunk + s, q] = left[r, first + q]
     rows = nb * chunk
     gemm_packed(gathered[:rows], prepared, out[:rows])
 
