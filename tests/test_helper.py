@@ -6,6 +6,7 @@ the result is the same, bit for bit, whoever computes which part. A job is a
 compiled function and its arguments (atomics.job_of)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from numba import njit
 import stepnet as sn
 from conftest import assert_close
 from nets import nested_encoder
-from stepnet.jit import atomics, blas, threads
+from stepnet.jit import ahead, atomics, blas, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
@@ -34,6 +35,21 @@ def _products(a, w, out, table, board, reps):
 @njit(nogil=True)
 def _hoisted(a, w, out, table, board):
     blas.gemm_hoisted(a, w, out, table, board)
+
+
+@pytest.fixture
+def per_step_shared(monkeypatch):
+    """``set(flag)``: the small-product table (a kernel's run-time argument)
+    with every size's per-step products shared with the helper (``flag``) or
+    never, whatever this machine measured."""
+    table = blas.small_rows_table().copy()
+
+    def set_sharing(flag):
+        table[2] = int(flag)
+        table.flags.writeable = False
+        monkeypatch.setattr(blas, "_SMALL_ROWS", [table])
+
+    return set_sharing
 
 
 def _until_the_helper_helps(run, timeout=60.0):
@@ -262,15 +278,23 @@ def test_a_job_posted_ahead_is_done_by_the_helper_or_taken_back(rng):
     assert out[0] == 3.0
 
 
-@pytest.mark.parametrize("direction", ["forward", "reverse"])
-def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng, direction):
+@pytest.mark.parametrize("direction, shared", [("forward", False), ("reverse", False),
+                                               ("forward", True)])
+def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng, direction, shared,
+                                                                          per_step_shared):
     """A GRU of 96 units over one sequence of 300 steps: its input product
     [300, 16] @ [16, 288] runs by chunks of 128 steps, each posted to the
-    helper a chunk ahead; the kernel equals the interpreter, and gives the
-    same bits call after call, whoever computes which chunk."""
+    helper a chunk ahead where its per-step products are not shared with
+    the helper (``ahead_posts``, from its per-step weights' boards: where
+    they are, the two took turns on the helper and lost); the helper helps,
+    the kernel equals the interpreter, and gives the same bits call after
+    call, whoever computes which chunk or part of a product."""
+    per_step_shared(shared)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((300, 16)).astype(np.float32), [[300]])
     layer = sn.nn.GRU(16, 96, direction=direction, seed=4)
-    assert "gemm_steps_ahead(" in layer.step_net(0, 0).compile("numba").source
+    source = layer.step_net(0, 0).compile("numba").source
+    assert "gemm_steps_ahead(" in source
+    assert re.search(r"ahead_posts = wp\w+\[5\]\[SHARES\] == 0", source)
     expected = layer(X, backend="interpreter")
     first = layer(X, backend="numba")
     assert_close(first, expected)
@@ -279,6 +303,41 @@ def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng,
         got = layer(X, backend="numba")
         np.testing.assert_array_equal(got[0].data, first[0].data)
         np.testing.assert_array_equal(got[1], first[1])
+
+
+@njit
+def _chunk_ahead(left, sstart, slen, step, gathered, out, gathered_ahead, out_ahead, state, posts,
+                 prepared):
+    """A kernel's call of ``gemm_steps_ahead`` (chunks of 4 steps, one sequence)."""
+    return ahead.gemm_steps_ahead(left, 0, sstart, slen, step, 4, 1, False, gathered, prepared,
+                                  out, gathered_ahead, out_ahead, state, posts)
+
+
+def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
+    """``gemm_steps_ahead`` on a board that shares and whose helper is free
+    (none serves it here: a posted job is taken back) posts the next chunk
+    where ``posts`` says so, and not otherwise; both give each chunk's
+    product."""
+    left = rng.standard_normal((40, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    sstart, slen = np.zeros(1, np.int64), np.array([40])
+    for posts in (False, True):
+        board = np.zeros_like(threads.BOARD)
+        board[threads.SHARES] = 1
+        board[threads.STATE] = threads.IDLE
+        prepared = blas.pack(w, 16, 40, blas.small_rows_table(), board)
+        buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]
+        ahead_buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]
+        state = np.zeros(ahead.AHEAD_WORDS, np.int64)
+        assert not _chunk_ahead(left, sstart, slen, 0, *buffers, *ahead_buffers, state, posts, prepared)
+        assert (state[0] != 0) == posts  # (the next chunk posted)
+        np.testing.assert_allclose(buffers[1], left[:4] @ w, rtol=1e-5, atol=1e-5)
+        # the next chunk: the posted one taken back, in the ahead buffers
+        assert _chunk_ahead(left, sstart, slen, 4, *buffers, *ahead_buffers, state, False, prepared) == posts
+        np.testing.assert_allclose((ahead_buffers if posts else buffers)[1], left[4:8] @ w,
+                                   rtol=1e-5, atol=1e-5)
+        assert state[0] == 0 and board[threads.TAKEN_BACK] == int(posts)
+        assert board[threads.STATE] == threads.IDLE
 
 
 def test_ragged_sequences_run_their_input_products_a_chunk_ahead(rng):

@@ -28,7 +28,7 @@ AHEAD_WORDS = 3 + JOB_WORDS
 
 @njit(cache=True)
 def _gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prepared, out,
-                      gathered_ahead, out_ahead, state):
+                      gathered_ahead, out_ahead, state, posts):
     """``gemm_steps`` at a chunk's first step, a chunk ahead: the chunk's
     product into ``out`` (computed here; or, where the last chunk posted it,
     by the helper into ``out_ahead``, its job finished or taken back first:
@@ -38,7 +38,9 @@ def _gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathere
     ``gathered`` and ``gathered_ahead``): the chunk's product is in
     ``out_ahead``. ``state``: ``AHEAD_WORDS`` int64 the caller keeps, zeros
     at first, with the buffers, until its last chunk: a posted job writes
-    into them until it is done (so nothing else may raise in between)."""
+    into them until it is done (so nothing else may raise in between).
+    ``posts``: whether the next chunk goes to the helper at all (not where
+    the kernel's per-step products share with it)."""
     board = prepared[3]
     swap = state[0] != 0
     if swap:
@@ -49,7 +51,7 @@ def _gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathere
         apart.call_apart(blas.gemm_steps, (left, col, sstart, slen, step, chunk, nb, reverse,
                                            gathered, prepared, out))
     state[0] = 0
-    if step + chunk < slen[0] and board[threads.SHARES] != 0:
+    if posts and step + chunk < slen[0] and board[threads.SHARES] != 0:
         # into the buffers that are the caller's ahead ones after its swap
         next_gathered = gathered if swap else gathered_ahead
         next_out = out if swap else out_ahead

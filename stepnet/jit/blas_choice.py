@@ -292,8 +292,9 @@ _STEP_WEIGHTS = ((64, 192), (128, 384), (256, 768), (256, 1024), (512, 2048))
 _STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # the form of stepnet's own loop measured (a measurement of another form,
 # kept in the cache, is not used)
-_OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, the widest vectors; "
-             "shared with the helper where measured faster in a time loop")
+_OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, one row by 192, 128 or 64 "
+             "columns, the widest vectors; shared with the helper where measured faster in a "
+             "time loop")
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62

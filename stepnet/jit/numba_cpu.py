@@ -268,7 +268,7 @@ def generate_source(program: ir.Program):
         ")",
         "from stepnet.jit.ahead import AHEAD_WORDS, gemm_steps_ahead",
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
-        "from stepnet.jit.threads import RAISED",
+        "from stepnet.jit.threads import RAISED, SHARES",
         *runtime_imports(),
         "",
         "# small_gemm's C entries the kernels call (link_helpers)",
@@ -542,6 +542,16 @@ def _ahead(chunk):
     return chunk.ring + "_ahead", chunk.gathered + "_ahead", chunk.ring + "_state"
 
 
+def _ahead_posts(module):
+    """The line setting ``ahead_posts``: whether the chunk ahead goes to the
+    helper, only where no per-step product shares with it (the two took turns
+    on the helper and lost: W3's kernel on the AMD EPYC of the README,
+    products shared and the chunk ahead 1.48-1.88 ms, products shared alone
+    1.17, the chunk ahead alone 1.44)."""
+    alone = " and ".join(f"{packed}[5][SHARES] == 0" for packed in module.packed.values())
+    return f"ahead_posts = {alone or 'True'}"
+
+
 def _chunk_products(chunks, reverse, ahead):
     """At a chunk's first step, each product of ``chunks`` over the chunk's
     rows (``blas.gemm_steps``). With ``ahead``, the first one's next chunk
@@ -559,7 +569,8 @@ def _chunk_products(chunks, reverse, ahead):
             lines.append(f"    gemm_steps({arguments})")
             continue
         ring, gathered, state = _ahead(c)
-        lines += [f"    if gemm_steps_ahead({arguments}, {gathered}, {ring}, {state}):",
+        lines += [f"    if gemm_steps_ahead({arguments}, {gathered}, {ring}, {state}, "
+                  "ahead_posts):",
                   f"        {c.ring}, {ring} = {ring}, {c.ring}",
                   f"        {c.gathered}, {gathered} = {gathered}, {c.gathered}"]
     return lines
@@ -1127,6 +1138,8 @@ def _rnn_function(ctx, sched):
         setup += _chunk_setup(chunks, ahead)
     last_params = _last_step_params(fctx, eqn, params, setup)
     step = _step_body(fctx, sched, last_params, chunks, ahead)
+    if ahead:  # (after the step: its per-step products' weights are packed)
+        setup.append(_ahead_posts(ctx.module))
     lines = ["    " + line for line in setup + fn.allocs]
     lines += ["    nb = num_seq", "    for step in range(num_steps):"]
     lines += ["        " + line for line in step]
