@@ -146,9 +146,10 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     where, over all rows measured, the time (each relative to the faster of
     the two) is least (every number of rows where that is the most rows
     measured), and shared with the helper where a one-row product took less
-    time cut with it than alone (or where not measured); the limits are
-    kept and read back."""
+    time cut with it than alone (or where not measured; a cut that lost is
+    measured twice); the limits are kept and read back."""
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_choice.time, "sleep", lambda s: None)
     monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
     choice = {"name": "mkl", "cpu": "a CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
     asked, asked_shared = [], []
@@ -166,7 +167,8 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     assert limits == tuple((size, 16 if size < 20000 else 4, int(not 20000 <= size <= 200000))
                            for size in sizes)
     assert len(asked) == len(blas_choice._STEP_WEIGHTS) * len(blas_choice._STEP_ROWS)
-    assert asked_shared == [(1, k, n) for k, n in blas_choice._STEP_WEIGHTS]
+    assert asked_shared == [(1, k, n) for k, n in blas_choice._STEP_WEIGHTS
+                            for _ in range(2 if 20000 <= k * n <= 200000 else 1)]
     saved = json.loads((tmp_path / "small_products.json").read_text())
     assert [tuple(x) for x in saved["limits"]] == list(limits)
     assert blas_choice.small_product_rows(choice, None) == limits  # cached: nothing timed
@@ -185,6 +187,32 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
         blas_choice.small_product_rows(choice, None)
+
+
+def test_a_cut_is_not_measured_beside_another_process(tmp_path, monkeypatch):
+    """A product cut with the helper is measured only while no other process
+    keeps a core busy (its cut would lose however fast it is on a free
+    core): where every try had company, it is not measured, the sizes share
+    by default for this process, and nothing is kept (measured again next
+    time)."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
+    monkeypatch.setattr(blas_choice.time, "sleep", lambda s: None)
+    clock = iter(range(0, 10**6, 5))  # another process: 5 busy seconds a reading
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: float(next(clock)))
+    assert blas_choice.measured_on_free_cores(lambda: 1.0, tries=2) == (None, False)
+    choice = {"name": "mkl", "cpu": "a crowded CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
+    limits = blas_choice.small_product_rows(choice, lambda m, k, n: (1.0, 2.0),
+                                            lambda m, k, n: (1.0, 2.0))
+    assert all(shares == 1 for _, _, shares in limits)
+    assert not (tmp_path / "small_products.json").exists()
+    # a quiet machine: measured, and kept
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: 0.0)
+    assert blas_choice.measured_on_free_cores(lambda: 1.0) == (1.0, True)
+    limits = blas_choice.small_product_rows(choice, lambda m, k, n: (1.0, 2.0),
+                                            lambda m, k, n: (1.0, 2.0))
+    assert all(shares == 0 for _, _, shares in limits)
+    assert (tmp_path / "small_products.json").exists()
 
 
 def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):
