@@ -508,6 +508,14 @@ class _RecurrentLayer:
         L, D = self.num_layers, self.num_directions
         B = X.num_sequences
         states = [np.zeros((L * D, B, w), self.dtype) for w in self.state_widths()]
+        # a concat's joined output, per layer whose directions are combined:
+        # each direction copies its columns in on its own thread, right after
+        # its run (while the other may still run), not both after both
+        width = self.state_widths()[0]
+        joined = {layer: np.empty((X.data.shape[0], D * width), self.dtype) for layer in range(L)
+                  if D == 2 and self.direction == "bidirectional_concat"
+                  and (self.combine == "per_layer" or layer == L - 1)}
+        layer_of = {}  # id of a direction's output -> its layer
 
         def run_one(layer, d, inp):
             feeds = {"x": inp}
@@ -525,6 +533,9 @@ class _RecurrentLayer:
                 outs, tape[layer, d] = forward_with_workspace(rnn, flags, backend, **feeds)
             for s in range(len(states)):
                 states[s][layer * D + d] = outs[1 + s]
+            if layer in joined:
+                joined[layer][:, d * width:(d + 1) * width] = outs[0].data
+                layer_of[id(outs[0])] = layer
             return outs[0]
 
         def combined(ys):
@@ -532,7 +543,7 @@ class _RecurrentLayer:
                 return ys[0].data
             if self.direction == "bidirectional_sum":
                 return ys[0].data + ys[1].data
-            return np.concatenate([ys[0].data, ys[1].data], axis=1)
+            return joined[layer_of[id(ys[0])]]
 
         Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels),
                        self._direction_work(X.data.shape[0], [backend]))
