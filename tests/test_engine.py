@@ -192,9 +192,8 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
 def test_a_cut_is_not_measured_beside_another_process(tmp_path, monkeypatch):
     """A product cut with the helper is measured only while no other process
     keeps a core busy (its cut would lose however fast it is on a free
-    core): where every try had company, it is not measured, the sizes share
-    by default for this process, and nothing is kept (measured again next
-    time)."""
+    core): where every try had company, it is not measured, and the sizes
+    share by default; the file says how many were not measured."""
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
     monkeypatch.setattr(blas_choice.time, "sleep", lambda s: None)
@@ -205,14 +204,16 @@ def test_a_cut_is_not_measured_beside_another_process(tmp_path, monkeypatch):
     limits = blas_choice.small_product_rows(choice, lambda m, k, n: (1.0, 2.0),
                                             lambda m, k, n: (1.0, 2.0))
     assert all(shares == 1 for _, _, shares in limits)
-    assert not (tmp_path / "small_products.json").exists()
-    # a quiet machine: measured, and kept
+    saved = json.loads((tmp_path / "small_products.json").read_text())
+    assert saved["crowded"] == len(blas_choice._STEP_WEIGHTS) and saved["shared"] == []
+    # a quiet machine: measured (another CPU's key: not the file above)
     monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: 0.0)
     assert blas_choice.measured_on_free_cores(lambda: 1.0) == (1.0, True)
-    limits = blas_choice.small_product_rows(choice, lambda m, k, n: (1.0, 2.0),
+    quiet = dict(choice, cpu="a quiet CPU")
+    limits = blas_choice.small_product_rows(quiet, lambda m, k, n: (1.0, 2.0),
                                             lambda m, k, n: (1.0, 2.0))
     assert all(shares == 0 for _, _, shares in limits)
-    assert (tmp_path / "small_products.json").exists()
+    assert json.loads((tmp_path / "small_products.json").read_text())["crowded"] == 0
 
 
 def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):

@@ -363,8 +363,8 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     one-row product by 128 x 384 weights took a quarter longer cut, by 512 x
     2048 weights a third of the time); where not measured, it is shared. The
     cut is measured only while no other process keeps a core busy
-    (``measured_on_free_cores``): where one did, the limits serve this
-    process and are not kept."""
+    (``measured_on_free_cores``): where one did, it is not measured (so
+    shared), and the file says so."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
         if not requested.isdigit():
@@ -415,12 +415,11 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
         # takes rows by panels, each as fast as the one before)
         limits.append((k * n, EVERY_PRODUCT if rows == _STEP_ROWS[-1] else rows, int(shares)))
     limits = tuple(limits)
-    result = {"key": key, "limits": limits, "points": points, "shared": shared}
-    if crowded:  # (shared where not measured: this process only, measured again next time)
-        _SMALL_PRODUCTS.update(result, reason=f"measured; the cut with the helper not for "
-                                              f"{crowded} sizes: other processes kept the cores busy")
-        return limits
-    _SMALL_PRODUCTS.update(result, reason="measured")
+    result = {"key": key, "limits": limits, "points": points, "shared": shared,
+              "crowded": crowded}
+    _SMALL_PRODUCTS.update(result, reason="measured" + (
+        f"; the cut with the helper not for {crowded} sizes, shared: other processes kept the "
+        "cores busy (remove the file to measure again)" if crowded else ""))
     _keep("small_products.json", result)
     return limits
 
