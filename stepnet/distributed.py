@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
@@ -199,16 +200,25 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
         bounds = partition_bounds(tokens_per_sequence(X), partitions)
         if not bounds:  # no sequence at all: nothing to distribute
             return _run_part(obj, kind, feeds, backend, output_all_steps)
-        shared = client.scatter(obj, broadcast=True, hash=False)
-        # Each partition's data travels inside its task: the scheduler keeps it,
-        # so a task whose worker dies runs again elsewhere (data scattered to
-        # that worker alone would be lost with it).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
-            futures = [client.submit(_run_part, shared, kind, _split(feeds, batch_axis, a, b),
-                                     backend, output_all_steps, pure=False)
-                       for a, b in bounds]
-            return _join_layer(kind, client.gather(futures))
+        for attempt in range(2):
+            shared = client.scatter(obj, broadcast=True, hash=False)
+            # Each partition's data travels inside its task: the scheduler keeps
+            # it, so a task whose worker dies runs again elsewhere (data
+            # scattered to that worker alone would be lost with it).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Sending large graph",
+                                        category=UserWarning)
+                futures = [client.submit(_run_part, shared, kind, _split(feeds, batch_axis, a, b),
+                                         backend, output_all_steps, pure=False)
+                           for a, b in bounds]
+                try:
+                    return _join_layer(kind, client.gather(futures))
+                except CancelledError:
+                    # a worker died before the model reached the others (Dask:
+                    # "lost scattered data"): its tasks are cancelled, not
+                    # rerun; the run is sent again, once
+                    if attempt:
+                        raise
     finally:
         if own:
             client.close()

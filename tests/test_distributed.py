@@ -138,6 +138,37 @@ print("bit for bit")
     assert "bit for bit" in out.stdout
 
 
+def test_a_run_whose_tasks_were_cancelled_is_sent_again_once(monkeypatch):
+    """A worker that dies before the scattered model reached the other
+    workers takes it with it (Dask: "lost scattered data"), and the tasks
+    that read it are cancelled, not rerun: ``run`` sends the run again, once
+    (a second cancellation is raised)."""
+    from concurrent.futures import CancelledError
+
+    lengths = [[5] * 4, [3] * 20]
+    rnn = _nested_net(lengths, 3)
+    expected = rnn(backend="interpreter")
+    with sd.local_client(1) as c:
+        gather = c.gather
+        calls = []
+
+        def cancelled_first(futures, **kwargs):
+            calls.append(len(futures))
+            if len(calls) == 1:
+                raise CancelledError("lost scattered data")
+            return gather(futures, **kwargs)
+
+        monkeypatch.setattr(c, "gather", cancelled_first)
+        assert_close(sd.run(rnn, client=c, partitions=2, backend="interpreter"), expected)
+        assert calls == [2, 2]
+        def cancelled(futures, **kwargs):
+            raise CancelledError("again")
+
+        monkeypatch.setattr(c, "gather", cancelled)
+        with pytest.raises(CancelledError):
+            sd.run(rnn, client=c, partitions=2, backend="interpreter")
+
+
 def test_a_worker_killed_mid_run_is_retried():
     """Dask reruns the tasks of a worker that dies; the result is complete and
     in order (no lost or duplicated sequence)."""
