@@ -281,15 +281,16 @@ def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
     """Row blocks of 6 and 4 (every remainder of a panel of rows: 8 = 4 + 4,
     10 = 6 + 4, 13 = 6 + 4 + 4 overlapping by one, 32, a last panel of 8 or
     of 5 rows after 192), a few rows by 4 and 1, column blocks of 32 (one
-    row: 128 or 64) and the columns after them, an empty reduction; NaN and
-    inf reach only their row."""
+    row: 192, 128 or 64, the last overlapping the one before) and the
+    columns after them, an empty reduction; NaN and inf reach only their
+    row."""
     from stepnet.jit import blas
 
     for m, k, n in [(0, 5, 7), (1, 0, 9), (1, 3, 64), (2, 17, 130), (4, 8, 32), (5, 33, 95),
                     (9, 64, 200), (12, 1, 1), (1, 7, 144), (1, 9, 100), (3, 5, 300), (1, 4, 96),
                     (6, 0, 40), (6, 3, 32), (7, 20, 33), (11, 9, 70), (17, 40, 130), (64, 64, 256),
                     (8, 9, 64), (10, 6, 40), (13, 7, 70), (15, 5, 33), (32, 20, 96),
-                    (200, 6, 40), (197, 9, 64)]:
+                    (200, 6, 40), (197, 9, 64), (1, 11, 390), (1, 5, 161)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         out = np.full((m, n), 7, dtype)
