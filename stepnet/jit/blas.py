@@ -1086,12 +1086,12 @@ def _own_tn(a, b, out, sums, column_sums):
     """out = a.T @ b (``column_sums``: and sums = b.sum(0)) for C-contiguous
     2-D a [r, m >= 6], b [r, n >= 32] of one dtype by stepnet's own loop
     (``_columns_outer``: its blocks of 6 and 4 rows, none of the paths for
-    fewer rows, which made its cold compile 2.46 s against 1.37), ``_TN_ROWS`` rows
-    at a time: the chunk of ``b`` as ``panels``, the chunk of ``a`` read
-    transposed (a block's 6 values of a step are side by side in a row of
-    ``a``: no copy), its product added to ``out`` and its rows of ``b``
-    summed while they are in cache. Every element a sum in order of the
-    rows, by chunks."""
+    fewer rows, which made its cold compile 2.46 s against 1.37),
+    ``_TN_ROWS`` rows at a time: the chunk of ``b`` as ``panels``, the
+    chunk of ``a`` read transposed (a block's 6 values of a step are side
+    by side in a row of ``a``: no copy), its product added to ``out`` and
+    its rows of ``b`` summed while they are in cache. Every element a sum
+    in order of the rows, by chunks."""
     rows, m = a.shape
     n = b.shape[1]
     out[:] = 0
@@ -1153,16 +1153,9 @@ def prepare_transposed_products(dtype) -> None:
     """Measure (``_tn_by_own_loop``) and compile the ``transposed_product``
     of ``dtype`` into the disk cache, on tiny operands (the compile worker
     does this while a new backward's first calls run on the interpreter)."""
-    if DETERMINISTIC:  # (transposed_product takes small_gemm)
-        return
-    a = np.ones((8, 8), dtype)
-    b = np.ones((8, 32), dtype)
-    out, sums = np.empty((8, 32), dtype), np.empty(32, dtype)
-    if _tn_by_own_loop():
-        _own_tn(a, b, out, sums, True)
-    else:
-        gemm_tn(a, b, out)
-        _gemm_tn_column_sums(a, b, out, sums, _SUM_BLOCK)
+    a, b = np.ones((8, 8), dtype), np.ones((8, 32), dtype)  # (big enough for the own loop)
+    transposed_product(a, b)
+    transposed_product(a, b, column_sums=True)
 
 
 def transposed_product(a, b, column_sums=False):

@@ -319,9 +319,9 @@ _FOREIGN_CORES = 0.25
 
 def measured_on_free_cores(measure, tries=3):
     """``(measure(), True)`` where no other process took more than
-    ``_FOREIGN_CORES`` of the machine while it ran and 50 ms
-    before (the busy time of every core, ``/proc/stat``, less this
-    process's own), tried up to ``tries`` times; ``(None, False)`` where every try had
+    ``_FOREIGN_CORES`` of the machine while it ran and 50 ms before (the
+    busy time of every core, ``/proc/stat``, less this process's own),
+    tried up to ``tries`` times; ``(None, False)`` where every try had
     company. A cut measured while another process keeps the second core
     busy (a first call's interpreter beside the compile worker that
     measures) loses to the product alone however fast it is on a free core.
@@ -390,15 +390,14 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     shared, crowded = [], 0
     for k, n in _STEP_WEIGHTS:
         seconds, free = None, True
-        for _ in range(2 if time_shared is not None else 0):
-            timed, free = measured_on_free_cores(lambda k=k, n=n: time_shared(1, k, n))
-            if timed is not None:
-                seconds = timed if seconds is None else tuple(map(min, seconds, timed))
+        if time_shared is not None:
+            seconds, free = measured_on_free_cores(lambda k=k, n=n: time_shared(1, k, n))
+        if seconds is not None and seconds[1] >= seconds[0]:
             # a cut that lost is measured again, the best of each side kept: on
             # the AMD EPYC of the README one measurement in a few ran the cut at
             # 2-4x its time in others and in the kernels
-            if not free or seconds is None or seconds[1] < seconds[0]:
-                break
+            again, _ = measured_on_free_cores(lambda k=k, n=n: time_shared(1, k, n))
+            seconds = seconds if again is None else tuple(map(min, seconds, again))
         crowded += not free
         if seconds is not None:
             shared.append((1, k, n, *seconds))
