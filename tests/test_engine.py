@@ -512,7 +512,7 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
     from stepnet.jit import blas
 
     monkeypatch.setattr(blas, "_SPLIT_TN_WORK", 1)
-    monkeypatch.setattr(blas, "_TN_OWN", [own])
+    monkeypatch.setattr(blas, "_TN_OWN", {"float32": own, "float64": own})
     previous = numba.get_num_threads()
     tol = 1e-4 if dtype == np.float32 else 1e-11
     try:
@@ -543,22 +543,35 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
 
 def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkeypatch):
     """Whether weight gradients run stepnet's own loop is the faster of the
-    two on this machine, measured once and read back from the cache."""
+    two on this machine, measured once for each dtype and read back from
+    the cache (both dtypes' records in one file)."""
     from stepnet.jit import blas, blas_choice
 
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
     for own_s, lib_s in ((1.0, 2.0), (2.0, 1.0)):
         calls = []
 
-        def time_both(rows, m, n, own_s=own_s, lib_s=lib_s, calls=calls):
-            calls.append((rows, m, n))
-            return own_s, lib_s
+        def time_both(rows, m, n, dtype, own_s=own_s, lib_s=lib_s, calls=calls):
+            calls.append((rows, m, n, dtype))
+            # float64: the other way round
+            return (own_s, lib_s) if dtype == "float32" else (lib_s, own_s)
 
         for f in tmp_path.glob("transposed_products.json"):
             f.unlink()
-        assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
-        assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
-        assert calls == [blas_choice._TN_SHAPE]  # (the second from the cache)
+        for _ in range(2):  # (the second from the cache)
+            assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
+            assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
+                (lib_s < own_s)
+        assert calls == [(*blas_choice._TN_SHAPE, "float32"), (*blas_choice._TN_SHAPE, "float64")]
+        kept = json.loads((tmp_path / "transposed_products.json").read_text())
+        assert kept["seconds"] == {"float32": [own_s, lib_s], "float64": [lib_s, own_s]}
+    # a file of the earlier form (one pair of seconds): measured again
+    (tmp_path / "transposed_products.json").write_text(json.dumps(
+        {**kept, "seconds": [1.0, 2.0]}))
+    calls.clear()
+    assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
+        (lib_s < own_s)
+    assert calls == [(*blas_choice._TN_SHAPE, "float64")]
 
 
 def test_input_gradients_are_the_same_bits_for_any_batch_in_deterministic_mode():

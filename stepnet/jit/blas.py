@@ -1116,15 +1116,15 @@ def _own_tn(a, b, out, sums, column_sums):
                     sums[j] += b[i, j]
 
 
-def _time_transposed(rows, m, n, rounds=3):
-    """Seconds per float32 product ``[rows, m].T @ [rows, n]`` on the calling
-    thread by stepnet's own loop (``_own_tn``) and by the library's
+def _time_transposed(rows, m, n, dtype, rounds=3):
+    """Seconds per product ``[rows, m].T @ [rows, n]`` of ``dtype`` on the
+    calling thread by stepnet's own loop (``_own_tn``) and by the library's
     (``gemm_tn``): the best of ``rounds`` runs of each, taken in turn."""
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((rows, m), np.float32)
-    b = rng.standard_normal((rows, n), np.float32)
-    out = np.empty((m, n), np.float32)
-    sums = np.empty(n, np.float32)
+    a = rng.standard_normal((rows, m)).astype(dtype)
+    b = rng.standard_normal((rows, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+    sums = np.empty(n, dtype)
     sides = (lambda: _own_tn(a, b, out, sums, False), lambda: gemm_tn(a, b, out))
     seconds = [float("inf")] * len(sides)
     for _ in range(rounds + 1):  # (the first round untimed: compiles, warms up)
@@ -1135,18 +1135,20 @@ def _time_transposed(rows, m, n, rounds=3):
     return tuple(seconds)
 
 
-_TN_OWN = []  # transposed_by_own_loop(), once measured or read
+_TN_OWN = {}  # dtype name -> transposed_by_own_loop(), once measured or read
 _TN_LOCK = threading.Lock()
 
 
-def _tn_by_own_loop():
-    """Whether ``transposed_product`` runs stepnet's own loop: measured once
-    per machine and library (:func:`stepnet.jit.blas_choice.transposed_by_own_loop`)."""
-    if not _TN_OWN:
+def _tn_by_own_loop(dtype):
+    """Whether ``transposed_product`` runs stepnet's own loop on ``dtype``:
+    measured once per machine, library and dtype
+    (:func:`stepnet.jit.blas_choice.transposed_by_own_loop`)."""
+    name = np.dtype(dtype).name
+    if name not in _TN_OWN:
         with _TN_LOCK:
-            if not _TN_OWN:
-                _TN_OWN.append(transposed_by_own_loop(_choice, _time_transposed))
-    return _TN_OWN[0]
+            if name not in _TN_OWN:
+                _TN_OWN[name] = transposed_by_own_loop(_choice, _time_transposed, name)
+    return _TN_OWN[name]
 
 
 def prepare_transposed_products(dtype) -> None:
@@ -1162,8 +1164,8 @@ def transposed_product(a, b, column_sums=False):
     """``a.T @ b`` (weight gradients: a long reduction over every token) on
     stepnet's threads, each reducing its share of the rows by stepnet's own
     loop (``_own_tn``) or the chosen BLAS, whichever was measured faster on
-    this machine (``_tn_by_own_loop``, measured on float32 and taken for
-    float64 too; the library for a product under 6 x 32); under
+    this machine (``_tn_by_own_loop``, measured for each dtype; the
+    library for a product under 6 x 32); under
     ``STEPNET_DETERMINISTIC=1`` every element a sequential sum
     (``small_gemm``). With ``column_sums``, ``(a.T @ b, b.sum(0))``: the sums
     (a bias's gradient beside its weight's) read each block of ``b`` while the
@@ -1183,7 +1185,7 @@ def transposed_product(a, b, column_sums=False):
         return (product, np.zeros(n, b.dtype)) if column_sums else product
     parts = max(1, min(threads.count(), rows * m * n // _SPLIT_TN_WORK))
     cuts = [rows * i // parts for i in range(parts + 1)]
-    own = m >= 6 and n >= 32 and _tn_by_own_loop()
+    own = m >= 6 and n >= 32 and _tn_by_own_loop(a.dtype)
 
     def part(i):
         out = np.empty((m, n), a.dtype)

@@ -428,28 +428,35 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
 _TN_SHAPE = (1024, 256, 768)
 # the form of stepnet's own loop for a.T @ b measured
 _OWN_TN = "own loop on 256-row chunks: b's panels, a read transposed"
-_TRANSPOSED = {}  # what transposed_by_own_loop found, for describe()
+_TRANSPOSED = {}  # dtype -> what transposed_by_own_loop found, for describe()
 
 
-def transposed_by_own_loop(choice, time_both) -> bool:
-    """Whether the weight gradients' products ``a.T @ b`` (long reductions
-    over every token: ``blas.transposed_product``) run stepnet's own loop
-    rather than the library's: the faster one on ``_TN_SHAPE``, one thread
-    (``time_both(rows, m, n)``: the seconds of each), measured once per
-    machine and library and kept in
-    ``STEPNET_CACHE_DIR/transposed_products.json``."""
+def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
+    """Whether the weight gradients' products ``a.T @ b`` of ``dtype``
+    (long reductions over every token: ``blas.transposed_product``) run
+    stepnet's own loop rather than the library's: the faster one on
+    ``_TN_SHAPE``, one thread (``time_both(rows, m, n, dtype)``: the seconds
+    of each), measured once per machine, library and dtype and kept in
+    ``STEPNET_CACHE_DIR/transposed_products.json`` (a record per dtype)."""
     key = _measured_key(_OWN_TN, choice)
     saved = _kept("transposed_products.json", key)
+    measured = {}
     try:
         if saved is not None:
-            own, lib = float(saved["seconds"][0]), float(saved["seconds"][1])
-            _TRANSPOSED.update(seconds=(own, lib), reason="measured (cached)")
-            return own < lib
-    except (ValueError, TypeError, KeyError, IndexError):
-        pass  # a file of another form: measured again
-    own, lib = time_both(*_TN_SHAPE)
-    _TRANSPOSED.update(seconds=(own, lib), reason="measured")
-    _keep("transposed_products.json", {"key": key, "shape": _TN_SHAPE, "seconds": [own, lib]})
+            measured = {name: [float(own), float(lib)]
+                        for name, (own, lib) in saved["seconds"].items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        measured = {}  # a file of another form: measured again
+    if dtype in measured:
+        reason = "measured (cached)"
+    else:
+        measured[dtype] = [float(s) for s in time_both(*_TN_SHAPE, dtype)]
+        reason = "measured"
+        _keep("transposed_products.json", {"key": key, "shape": _TN_SHAPE, "seconds": measured})
+    for name, seconds in measured.items():
+        _TRANSPOSED[name] = {"seconds": tuple(seconds),
+                             "reason": reason if name == dtype else "measured (cached)"}
+    own, lib = measured[dtype]
     return own < lib
 
 
@@ -481,16 +488,18 @@ def describe() -> str:
                            f"{'' if shares else ' (not shared with the helper)'}"
                            for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
-    by_own = blas._tn_by_own_loop()  # measured here if it is not known yet
+    blas._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
-    elif "seconds" in _TRANSPOSED:
-        own, lib = _TRANSPOSED["seconds"]
-        rows, m, n = _TN_SHAPE
-        lines.append(f"weight gradients (a.T @ b): {'stepnet own loop' if by_own else c['name']} "
-                     f"({_TRANSPOSED['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "
-                     f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
-                     f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
+    else:
+        for dtype, found in sorted(_TRANSPOSED.items()):
+            own, lib = found["seconds"]
+            rows, m, n = _TN_SHAPE
+            lines.append(f"weight gradients (a.T @ b), {dtype}: "
+                         f"{'stepnet own loop' if own < lib else c['name']} "
+                         f"({found['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "
+                         f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
+                         f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
     for k, n in _STEP_WEIGHTS:
         row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
         if row:
