@@ -45,7 +45,11 @@ def set_default_backend(name) -> None:
 def default_backend() -> str:
     global _default
     if _default is None:
-        _default = "numba" if "numba" in backends() else "interpreter"
+        try:  # (numba alone: the others are not imported for it, numba.cuda least of all)
+            _module("numba")
+            _default = "numba"
+        except BackendError:
+            _default = "interpreter"
     return _default
 
 

@@ -706,3 +706,35 @@ def test_stepnet_loops_are_vectorized_with_the_widest_vectors(rng):
     assert attribute in own.inspect_llvm(own.signatures[0])
     source = _gru(rng, [[3, 2]]).compile("numba").source
     assert source.count("    wide_vectors()\n") == source.count("@njit")
+
+
+def test_the_default_backend_is_numba_and_imports_no_other_backend(tmp_path):
+    """A call without ``backend=`` runs on Numba where it is available, and
+    choosing it imports no other backend (numba.cuda takes a tenth of a
+    second to seconds to import, and a CPU user never needs it)."""
+    code = """
+import sys, numpy as np, stepnet as sn
+layer = sn.nn.GRU(4, 8, seed=0)
+layer(sn.LoDTensor.from_lengths(np.ones((5, 4), np.float32), [[2, 3]]))
+print(sn.default_backend(), "numba.cuda" in sys.modules)
+"""
+    out = _python(code, tmp_path, STEPNET_TIERED="0")
+    assert out.split() == ["numba", "False"], out
+
+
+def test_the_default_backend_is_the_interpreter_without_numba(monkeypatch):
+    from stepnet import errors
+    backends_module = sys.modules["stepnet.backends"]
+    real = backends_module._module
+
+    def without_numba(name):
+        if name == "numba":
+            raise errors.BackendError("backend 'numba' is not available here: (test)")
+        return real(name)
+
+    monkeypatch.setattr(backends_module, "_module", without_numba)
+    monkeypatch.setattr(backends_module, "_default", None)
+    assert sn.default_backend() == "interpreter"
+    monkeypatch.setattr(backends_module, "_default", None)
+    monkeypatch.setattr(backends_module, "_module", real)
+    assert sn.default_backend() == "numba"
