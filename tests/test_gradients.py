@@ -365,6 +365,24 @@ def test_op_on_a_parameter_alone_reads_the_parameter():
     fd_check(rnn, [P], (True,))
 
 
+@needs_numba
+def test_a_reduction_of_a_parameter_alone_compiles_and_agrees():
+    """``sum(P)`` of a parameter is a 0-d value the compiled program computes
+    once from its constants; its backward writes it too (the generated code
+    once wrote ``v.item() = ...`` there: a SyntaxError at the first
+    compiled backward)."""
+    rng = np.random.default_rng(7)
+    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (6, H)), [[4, 2]])
+    P = sn.Parameter(rng.uniform(-1, 1, H), name="P")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[H], name="h")
+        h.update(sn.ops.tanh(x * sn.ops.sum(P) + h.pre_state()))
+        rnn.add_outputs(h)
+    fd_check(rnn, [P], (True,), backends=("interpreter", "numba"))
+
+
 # ---------------------------------------------------------------------------
 # 2. step-net features
 

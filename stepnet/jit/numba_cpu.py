@@ -878,8 +878,8 @@ def _ref(info, idx, mode, loop_shape, row="b"):
         if d == len(shape) - 1 and info.offset:
             i = f"{info.offset} + {i}"
         parts.append(i)
-    if not parts:
-        return f"{info.ident}.item()" if info.kind == "const" else info.ident
+    if not parts:  # a 0-d array (a value computed once from constants): read and written at ()
+        return f"{info.ident}[()]" if info.kind == "const" else info.ident
     return f"{info.ident}[{', '.join(parts)}]"
 
 
