@@ -344,19 +344,26 @@ def test_op_gradients_on_numba(op):
     backends_agree(rnn, op_wrt(rnn), flags)
 
 
-def test_op_on_a_parameter_alone_reads_the_parameter():
-    """``tanh(P)`` inside a step reads P like ``x @ P`` does: a run sees
-    P's current value (an optimizer changes it in place), and the gradient
-    reaches P through it."""
-    rng = np.random.default_rng(6)
-    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (4, H)), [[3, 1]])
+def _net_of_a_parameter(of_p, seed, lengths):
+    """``h = tanh(x * of_p(P) + h_prev)``: a step reading a parameter ``P``
+    [H] only through ``of_p``. Returns ``(rnn, P)``."""
+    rng = np.random.default_rng(seed)
+    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (sum(lengths), H)), [lengths])
     P = sn.Parameter(rng.uniform(-1, 1, H), name="P")
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x = rnn.add_input(X, name="X")
         h = rnn.add_memory(shape=[H], name="h")
-        h.update(sn.ops.tanh(x * sn.ops.tanh(P) + h.pre_state()))
+        h.update(sn.ops.tanh(x * of_p(P) + h.pre_state()))
         rnn.add_outputs(h)
+    return rnn, P
+
+
+def test_op_on_a_parameter_alone_reads_the_parameter():
+    """``tanh(P)`` inside a step reads P like ``x @ P`` does: a run sees
+    P's current value (an optimizer changes it in place), and the gradient
+    reaches P through it."""
+    rnn, P = _net_of_a_parameter(sn.ops.tanh, 6, [3, 1])
     before = rnn(backend="interpreter").data.copy()
     P.value += 0.5
     after = rnn(backend="interpreter").data
@@ -371,15 +378,7 @@ def test_a_reduction_of_a_parameter_alone_compiles_and_agrees():
     once from its constants; its backward writes it too (the generated code
     once wrote ``v.item() = ...`` there: a SyntaxError at the first
     compiled backward)."""
-    rng = np.random.default_rng(7)
-    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (6, H)), [[4, 2]])
-    P = sn.Parameter(rng.uniform(-1, 1, H), name="P")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="X")
-        h = rnn.add_memory(shape=[H], name="h")
-        h.update(sn.ops.tanh(x * sn.ops.sum(P) + h.pre_state()))
-        rnn.add_outputs(h)
+    rnn, P = _net_of_a_parameter(sn.ops.sum, 7, [4, 2])
     fd_check(rnn, [P], (True,), backends=("interpreter", "numba"))
 
 
