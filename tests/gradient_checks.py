@@ -127,6 +127,32 @@ def fd_gradients(rnn, wrt, cotangents, flags, feeds, eps=EPS, backend="interpret
     return grads
 
 
+def smooth_at(rnn, wrt, cotangents, flags, feeds, eps=EPS, tol=1e-3):
+    """Whether the functional has one slope through every element of
+    ``wrt`` where it is bound: its one-sided differences agree (within
+    ``tol`` times the slope's scale). At a kink (``relu``, ``where(x >= 0,
+    ...)`` at exactly 0: a memory that starts at zero) the central
+    difference is the mean of two slopes, which no gradient is."""
+    feeds = dict(feeds)
+    base = functional(rnn, cotangents, flags, feeds)
+    for w in wrt:
+        inp = _Input(rnn, w, feeds)
+        try:
+            for i in np.ndindex(inp.array.shape):
+                old = inp.array[i]
+                steps = []
+                for sign in (1.0, -1.0):
+                    inp.array[i] = old + sign * eps
+                    inp.bind()
+                    steps.append(sign * (functional(rnn, cotangents, flags, feeds) - base) / eps)
+                inp.array[i] = old
+                if abs(steps[0] - steps[1]) > tol * max(1.0, abs(steps[0]), abs(steps[1])):
+                    return False
+        finally:
+            inp.restore()
+    return True
+
+
 def assert_directional_fd(rnn, wrt, grads, cotangents, flags, feeds, backend, seed=0,
                           eps=EPS, rtol=1e-6, atol=1e-8, what=""):
     """For each ``wrt``, ``<gradient, d>`` against the central difference of
