@@ -492,9 +492,9 @@ def describe() -> str:
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
     else:
+        rows, m, n = _TN_SHAPE
         for dtype, found in sorted(_TRANSPOSED.items()):
             own, lib = found["seconds"]
-            rows, m, n = _TN_SHAPE
             lines.append(f"weight gradients (a.T @ b), {dtype}: "
                          f"{'stepnet own loop' if own < lib else c['name']} "
                          f"({found['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "

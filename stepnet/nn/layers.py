@@ -515,7 +515,6 @@ class _RecurrentLayer:
         joined = {layer: np.empty((X.data.shape[0], D * width), self.dtype) for layer in range(L)
                   if D == 2 and self.direction == "bidirectional_concat"
                   and (self.combine == "per_layer" or layer == L - 1)}
-        layer_of = {}  # id of a direction's output -> its layer
 
         def run_one(layer, d, inp):
             feeds = {"x": inp}
@@ -535,17 +534,17 @@ class _RecurrentLayer:
                 states[s][layer * D + d] = outs[1 + s]
             if layer in joined:
                 joined[layer][:, d * width:(d + 1) * width] = outs[0].data
-                layer_of[id(outs[0])] = layer
             return outs[0]
 
-        def combined(ys):
+        def combined(ys, layer):
             if len(ys) == 1:
                 return ys[0].data
             if self.direction == "bidirectional_sum":
                 return ys[0].data + ys[1].data
-            return joined[layer_of[id(ys[0])]]
+            return joined[layer]
 
-        Y = self.stack(X, run_one, lambda ys: LoDTensor._trusted(combined(ys), X.levels),
+        Y = self.stack(X, run_one,
+                       lambda ys, layer: LoDTensor._trusted(combined(ys, layer), X.levels),
                        self._direction_work(X.data.shape[0], [backend]))
         return Y.data, states
 
@@ -560,7 +559,8 @@ class _RecurrentLayer:
 
     def stack(self, X, run, combine, work=0):
         """Run the stack on ``X``: ``run(layer, d, input)`` is one (layer,
-        direction) step-net, ``combine(outputs)`` joins the directions.
+        direction) step-net, ``combine(outputs, layer)`` joins the directions'
+        outputs of ``layer`` (the top one's, for ``"final"``).
         ``combine="per_layer"``: each layer reads the previous layer's combined
         directions; ``"final"``: each direction's whole stack runs on its own
         and only the tops are combined. The directions run at the same time
@@ -573,7 +573,8 @@ class _RecurrentLayer:
         if self.combine == "per_layer" or D == 1:
             inp = X
             for layer in range(L):
-                inp = combine(directions(lambda d, layer=layer, inp=inp: run(layer, d, inp)))
+                inp = combine(directions(lambda d, layer=layer, inp=inp: run(layer, d, inp)),
+                              layer)
             return inp
 
         def whole_stack(d):
@@ -582,7 +583,7 @@ class _RecurrentLayer:
                 inp = run(layer, d, inp)
             return inp
 
-        return combine(directions(whole_stack))
+        return combine(directions(whole_stack), L - 1)
 
     def state_widths(self):
         """The width of each recurrent state: ``(H,)``; LSTM ``(H or proj, H)``."""

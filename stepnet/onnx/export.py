@@ -400,7 +400,7 @@ def _layer_scans(top, layer, X, lengths, attention, initial):
             finals[s][index * D + d] = results[1 + s]["last"]
         return results[0]["all"].padded
 
-    def combined(ys):
+    def combined(ys, _layer):
         if len(ys) == 1:
             return ys[0]
         if layer.direction == "bidirectional_sum":
