@@ -126,6 +126,7 @@ class RNNOp:
         self.bindings = {}  # name -> _Binding (top level only)
         self.output_memory = ()
         self._programs = {}
+        self._has_nested_nets = False  # whether the block calls a nested step-net
         self.step_scopes = None
         self._workspace = None  # kept by rnn(keep_workspace=True) for sn.gradients
 
@@ -391,6 +392,7 @@ class RNNOp:
             eqns=tuple(frame.eqns),
             outputs=tuple(outputs),
         )
+        self._has_nested_nets = any(e.op == "rnn" for e in self.block.eqns)
         # For empty sequences: a memory's output is its initial value, others zeros.
         mem_index = {}
         for i, m in enumerate(memories):
@@ -528,8 +530,9 @@ class RNNOp:
                     f"step inputs {first} and {name} have different LoD at level 0; "
                     "every step input of one step-net must have the same sequence lengths"
                 )
-        if bindings:
-            # nested step inputs must agree too, before any backend runs
+        if bindings and self._has_nested_nets:
+            # nested step inputs must agree too, before any backend runs (the
+            # top-level ones were compared above)
             _check_lod_agreement(self.program(True), values)
         args = []
         for name, b in self.bindings.items():
@@ -591,6 +594,8 @@ class RNNOp:
 
 
 def _broadcasts(shape, target) -> bool:
+    if tuple(shape) == tuple(target):
+        return True
     try:
         return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
     except ValueError:
@@ -631,7 +636,7 @@ def _bind_init(name, b, v, num_seq, rebound, sequence_input):
     if v.shape == (num_seq,) + shape and (b.per_sequence or rebound or v.shape != shape):
         full = v
     elif _broadcasts(v.shape, shape) and not (b.per_sequence and not rebound):
-        full = np.broadcast_to(v, (num_seq,) + shape)
+        full = None  # one value for every sequence
     elif b.per_sequence and not rebound:
         raise ShapeError(
             f"memory {name}: its initial value has {v.shape[0]} rows (one per sequence) but "
@@ -644,6 +649,10 @@ def _bind_init(name, b, v, num_seq, rebound, sequence_input):
         )
     if v.dtype.kind not in "iubf":
         raise ShapeError(f"memory {name}: init dtype {v.dtype} is not numeric")
+    if full is None:
+        full = np.empty((num_seq,) + shape, b.var.dtype)
+        full[...] = v
+        return full
     return np.ascontiguousarray(full, dtype=b.var.dtype)
 
 
