@@ -11,6 +11,7 @@ import pytest
 
 import stepnet as sn
 from conftest import assert_close
+from nets import nested_encoder
 from stepnet.jit import blas_choice, numba_cpu, threads
 
 
@@ -86,6 +87,31 @@ def test_a_split_run_equals_one_group(rng, split_everything, lengths):
     for all_steps in (True, False):
         expected = rnn(output_all_steps=all_steps, backend="interpreter")
         assert_close(rnn(output_all_steps=all_steps, backend="numba"), expected)
+
+
+def test_a_flat_net_whose_kernel_cuts_its_sequences_runs_as_one_group_on_two_threads(
+        rng, split_everything):
+    """A GRU of 64 units (weights big enough for its kernel to give half of
+    its sequences to the helper): on two threads a run is one group and the
+    kernel cuts it, on three it is groups on Python's threads; a net whose
+    step runs a nested net is groups on two threads too. Every way equals
+    the interpreter."""
+    lengths = [[12, 3, 7, 0, 9, 5, 11, 2]]
+    rnn = _gru(rng, lengths, hidden=64)
+    program = _program_of(rnn)
+    assert program.cuts_sequences
+    rows, width = sum(lengths[0]), 8
+    expected = rnn(backend="interpreter")
+    for count in (2, 3):
+        if count > numba.config.NUMBA_NUM_THREADS:
+            continue
+        numba.set_num_threads(count)
+        splits = program.splits(rows, width, len(lengths[0]))
+        assert splits == (count == 3 or not threads.SPINS)
+        assert len(program._groups(rnn.bind())) == (count if splits else 1)
+        assert_close(rnn(backend="numba"), expected)
+    nested = _program_of(nested_encoder(rng, hidden=64, outputs=("h",)).rnn)
+    assert "cut = group_cut(board" in nested.source and not nested.cuts_sequences
 
 
 def test_gradients_of_a_split_run(rng, split_everything):

@@ -247,6 +247,42 @@ def test_a_job_that_raises_says_so_and_one_that_does_not_runs(rng):
     assert out_a[0] == 6.0
 
 
+def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
+    """A helper woken but not spinning yet (``WAKING``: its thread is on its
+    way) may be given a job: where it never comes (a board no helper serves)
+    the kernel takes the job back after ``PATIENCE`` cycles and the board is
+    free after; the real helper, woken from sleep right before, runs it or
+    has it taken back, and the results are the same. A dismissal sends a
+    woken helper back to sleep."""
+    out_a, out_b = np.zeros(1), np.zeros(1)
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    board[threads.STATE] = threads.WAKING
+    assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 2
+    assert _two_jobs(board, 1.0, 2.0, out_a, out_b, True) >= 0  # (posted, then taken back)
+    assert (out_a[0], out_b[0]) == (1.0, 2.0)
+    assert board[threads.TAKEN_BACK] == 1 and board[threads.JOBS] == 0
+    assert board[threads.STATE] == threads.IDLE
+    board[threads.STATE] = threads.WAKING
+    threads._dismiss(board)
+    assert board[threads.STATE] == threads.ABSENT
+    assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 4
+    if not atomics.SPINS or threads.count() < 2:
+        return
+    for x in (3.0, 4.0, 5.0):
+        threads.dismiss_helper()
+        deadline = time.monotonic() + 10
+        while threads.BOARD[threads.STATE] != threads.ABSENT and time.monotonic() < deadline:
+            time.sleep(0.001)
+        before = threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK]
+        threads.wake_helper()
+        assert threads.BOARD[threads.STATE] != threads.ABSENT
+        assert _two_jobs(threads.BOARD, x, x + 10, out_a, out_b, True) >= 0
+        assert (out_a[0], out_b[0]) == (x, x + 10)
+        assert threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK] == before + 1
+        assert threads.BOARD[threads.STATE] in (threads.IDLE, threads.ABSENT)
+
+
 @njit(nogil=True)
 def _posted_then_finished(board, x, out):
     """A job posted (``post_job``), then finished (``finish_job``): what

@@ -974,7 +974,7 @@ def _spinning_helper():
     its thread may start late), or ``threads.ALONE`` where no helper spins."""
     board = threads.board_for_one_group()
     deadline = time.perf_counter() + 0.05
-    while board[threads.STATE] == threads.ABSENT and time.perf_counter() < deadline:
+    while board[threads.STATE] in (threads.ABSENT, threads.WAKING) and time.perf_counter() < deadline:
         time.sleep(0)
         board = threads.board_for_one_group()
     return board

@@ -168,6 +168,7 @@ class _Module:
         self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
         self.largest_weights = 0  # elements of the largest weights of a product
         self.largest_step_weights = 0  # ... of a product in a time step
+        self.cuts_sequences = False  # program() gives a part of its sequences to the helper
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -295,7 +296,7 @@ def generate_source(program: ir.Program):
     src += ["    " + line for line in [_WIDE_VECTORS] + body]
     layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
-                     sorted(module.same_lod), module.largest_weights)
+                     sorted(module.same_lod), module.largest_weights, module.cuts_sequences)
     return "\n".join(src) + "\n", layout
 
 
@@ -337,6 +338,7 @@ class _Layout:
     given: list  # per rnn output: whether program() takes its buffer (last parameters)
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
     largest_weights: int  # elements of the largest weights of a product (0: none)
+    cuts_sequences: bool  # program() cuts its sequences in two with the helper (group_cut)
 
 
 def _program_inputs(module, program, values):
@@ -1007,6 +1009,7 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     if (ctx.mode == "program" and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
             and _sequences_apart(ctx, eqn, outs)):
         ctx.lines += _shared_call(ctx, fname, args, gargs, len_expr)
+        ctx.module.cuts_sequences = True
     else:
         ctx.lines.append(f"call_apart({fname}, ({', '.join(args + gargs)}))")
     ctx.module.gargs.extend(hoisted_lasts)
@@ -1698,9 +1701,12 @@ class NumbaProgram:
         self.given = layout.given
         self.same_lod = layout.same_lod
         self.largest_weights = layout.largest_weights
+        body = program.eqn.attrs["body"]
+        # program() cuts its sequences in two with the helper, and its step
+        # runs no nested net (which would run before the cut, on one core)
+        self.cuts_sequences = layout.cuts_sequences and not any(e.op == "rnn" for e in body.eqns)
         self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
-        body = program.eqn.attrs["body"]
         # the widest value a step computes: the work per token, for splitting
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
                                for v in (*body.step_inputs, *(o for e in body.eqns for o in e.outputs))
@@ -1764,10 +1770,16 @@ class NumbaProgram:
 
     def splits(self, rows, width, num_sequences):
         """Whether a run of ``num_sequences`` top-level sequences over ``rows``
-        data rows of ``width`` elements runs on more than one thread (the work
-        per row: the widest of that and of the values a step computes)."""
-        return num_sequences >= 2 and rows * max(width, self.work_width) >= threads.SPLIT_MIN_WORK \
-            and threads.count() >= 2  # (asking Numba for its threads costs microseconds)
+        data rows of ``width`` elements runs as groups on Python threads (the
+        work per row: the widest of that and of the values a step computes).
+        Not where the helper is the one other thread and program() cuts its
+        sequences with it: handing a group to a Python thread and joining it
+        costs a few hundred microseconds on a virtual machine, the helper's
+        handover well under one (README, *How the Numba backend works*)."""
+        if num_sequences < 2 or rows * max(width, self.work_width) < threads.SPLIT_MIN_WORK:
+            return False
+        count = threads.count()  # (asking Numba for its threads costs microseconds)
+        return count >= 2 and not (count == 2 and self.cuts_sequences and threads.SPINS)
 
     def run_prepared(self, const_args, args):
         """The outputs for ``args`` (one value per top-level input), with
@@ -1786,7 +1798,6 @@ class NumbaProgram:
             seq = args[self.first_sequence]
             board = self.board(seq.data.shape[0], seq.num_sequences)
             return self._run(const_args, board, args, buffers)
-        threads.dismiss_helper()  # (the groups take every thread)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
         views = [self._buffer_rows(buffers, args, a, b) for a, b in groups]

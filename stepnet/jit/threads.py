@@ -57,10 +57,12 @@ def _pool(workers):
 def run_each(fn, items):
     """``[fn(item) for item in items]``, the first on the calling thread and
     the others at the same time on the pool (``fn`` must release the GIL for
-    its heavy part)."""
+    its heavy part); a spinning helper is sent to sleep first (the pool's
+    threads take its core)."""
     items = list(items)
     if len(items) <= 1:
         return [fn(item) for item in items]
+    dismiss_helper()
     futures = [_pool(len(items) - 1).submit(fn, item) for item in items[1:]]
     return [fn(items[0])] + [f.result() for f in futures]
 
@@ -104,8 +106,10 @@ def run_apart(fn, items, work):
 # ``atomics.job_of``)
 STATE, JOBS, SHARES, TAKEN_BACK, BALANCE, JOB = 0, 1, 2, 3, 4, 5
 # the states: asleep; spinning, free; claimed by a kernel writing a job; a job
-# to run; that job running; that job done (the claimant sets IDLE again)
-ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE = 0, 1, 2, 3, 4, 5
+# to run; that job running; that job done (the claimant sets IDLE again);
+# woken, not spinning yet (a kernel may claim it and post a job: the helper
+# runs it when it comes, or the claimant takes it back)
+ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE, WAKING = 0, 1, 2, 3, 4, 5, 6
 BOARD_SIZE = 8  # (a cache line)
 BOARD = np.zeros(BOARD_SIZE, np.int64)
 BOARD[SHARES] = 1
@@ -125,11 +129,13 @@ PATIENCE = 1 << 14
 def _serve(board, linger):
     """The helper's loop: run each job posted, until ``linger`` cycles pass
     without one or a dismissal."""
-    store_release(board, STATE, IDLE)
+    compare_exchange(board, STATE, WAKING, IDLE)  # (unless a job was posted already)
     last = cycles()
     while True:
         state = load_acquire(board, STATE)
-        if state == POSTED and compare_exchange(board, STATE, POSTED, RUNNING):
+        if state == WAKING:  # (woken again before this loop saw its dismissal)
+            compare_exchange(board, STATE, WAKING, IDLE)
+        elif state == POSTED and compare_exchange(board, STATE, POSTED, RUNNING):
             call_address(board[JOB], board[JOB + 1:JOB + 2])
             board[JOBS] += 1
             store_release(board, STATE, DONE)
@@ -150,6 +156,13 @@ def _serve(board, linger):
 RAISED = -2
 
 
+@njit(inline="always")
+def _claim(board):
+    """Claim the helper for a job: spinning and free, or woken and on its way."""
+    return (compare_exchange(board, STATE, IDLE, CLAIMED)
+            or compare_exchange(board, STATE, WAKING, CLAIMED))
+
+
 _JOB = types.UniTuple(types.int64, 2)
 
 
@@ -158,13 +171,13 @@ _JOB = types.UniTuple(types.int64, 2)
 def run_jobs(board, own, other, both):
     """Run the job ``own`` (``atomics.job_of``) on this thread and, if
     ``both``, the job ``other``: on the helper where it is spinning and free
-    (claimed by a compare-exchange: one kernel at a time), else here after
-    ``own``. A job the helper has not started within ``PATIENCE`` cycles of
+    or woken (claimed by a compare-exchange: one kernel at a time), else here
+    after ``own``. A job the helper has not started within ``PATIENCE`` cycles of
     ``own``'s end this thread takes back and runs. The cycles this thread
     waited for the helper (-1 where the helper did not take ``other``), or
     ``RAISED`` where a part raised (the caller then calls its function
     itself, to raise)."""
-    posted = both and compare_exchange(board, STATE, IDLE, CLAIMED)
+    posted = both and _claim(board)
     if posted:
         board[JOB], board[JOB + 1] = other[0], other[1]
         store_release(board, STATE, POSTED)
@@ -203,7 +216,7 @@ def post_job(board, job):
     posted (if not, the caller runs it). A job posted must be finished
     (``finish_job``) before its record, or what it writes, is used again or
     freed, and before anything else is posted on ``board``."""
-    if board[SHARES] == 0 or not compare_exchange(board, STATE, IDLE, CLAIMED):
+    if board[SHARES] == 0 or not _claim(board):
         return False
     board[JOB], board[JOB + 1] = job[0], job[1]
     store_release(board, STATE, POSTED)
@@ -245,10 +258,13 @@ def group_cut(board, lengths):
     """Where a run of the sequences of ``lengths`` is cut: ``0:cut`` for the
     calling thread, ``cut:`` for the helper (``run_jobs``), about half the
     rows each, where there are two sequences or more and ``GROUP_ROWS``
-    rows, the board shares and the helper is spinning and free; else
-    ``len(lengths)`` (not cut)."""
+    rows, the board shares and the helper is spinning and free or woken;
+    else ``len(lengths)`` (not cut)."""
     n = lengths.shape[0]
-    if n < 2 or board[SHARES] == 0 or load_acquire(board, STATE) != IDLE:
+    if n < 2 or board[SHARES] == 0:
+        return n
+    state = load_acquire(board, STATE)
+    if state != IDLE and state != WAKING:
         return n
     total = 0
     for length in lengths:
@@ -265,7 +281,8 @@ def group_cut(board, lengths):
 
 @njit(cache=True, nogil=True)
 def _dismiss(board):
-    compare_exchange(board, STATE, IDLE, ABSENT)
+    if not compare_exchange(board, STATE, IDLE, ABSENT):
+        compare_exchange(board, STATE, WAKING, ABSENT)
 
 
 class _Helper:
@@ -300,13 +317,14 @@ def wake_helper() -> None:
     if BOARD[STATE] != ABSENT or not SPINS:
         return
     with _HELPER_LOCK:
-        if count() < 2:
+        if BOARD[STATE] != ABSENT or count() < 2:  # (woken meanwhile: only here leaves ABSENT)
             return
         _HELPER.compile_once()
         if _HELPER.thread is None:
             _HELPER.thread = threading.Thread(target=_HELPER.run, name="stepnet-helper",
                                               daemon=True)
             _HELPER.thread.start()
+        BOARD[STATE] = WAKING  # (before the thread can come: it then sets IDLE)
         _HELPER.wake.set()
 
 
@@ -323,7 +341,7 @@ def board_for_one_group():
 def dismiss_helper() -> None:
     """Send a spinning, free helper to sleep (before the calling thread's work
     takes every core)."""
-    if BOARD[STATE] == IDLE:
+    if BOARD[STATE] == IDLE or BOARD[STATE] == WAKING:
         _dismiss(BOARD)
 
 
