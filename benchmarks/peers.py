@@ -1,7 +1,9 @@
 """The peers: one builder per (peer, workload).
 
 A builder takes a :class:`workloads.Workload` and returns a zero-argument
-callable that runs the forward on inputs built beforehand and returns
+callable that runs the forward on inputs built beforehand (each call is
+given them, as a user's call on new data is: a stepnet step-net is called
+with its input bound again, ``f(x=X)``) and returns
 ``(outputs, final_state)``: all steps' outputs in the peer's own layout, and
 the final hidden state per sequence (W6: ``(paragraph_vectors,
 chapter_last_states)``). ``final_state_numpy`` turns the latter into one
@@ -202,7 +204,7 @@ def stepnet_gru(wl):
     last = _sn_last_rows(X.lod[-1])
 
     def run():
-        out = f()
+        out = f(x=X)
         return out, out.data[last]
 
     return run
@@ -228,7 +230,7 @@ def stepnet_gru_padded(wl):
     last = np.arange(B) * T + wl.lengths - 1
 
     def run():
-        out = f()
+        out = f(x=X)
         return out, out.data[last]
 
     return run
@@ -261,7 +263,7 @@ def stepnet_lstm(wl):
     last = _sn_last_rows(X.lod[-1])
 
     def run():
-        out = f()
+        out = f(x=X)
         return out, out.data[last]
 
     return run
@@ -291,7 +293,7 @@ def _sn_custom_run(sn, wl, backend):
     last = _sn_last_rows(X.lod[-1])
 
     def run():
-        out = f()
+        out = f(x=X)
         return out, out.data[last]
 
     return run
@@ -331,7 +333,7 @@ def stepnet_nested(wl):
     last = _sn_last_rows(chapters.lod[0])
 
     def run():
-        chapter_states, pvecs = f()
+        chapter_states, pvecs = f(chapters=chapters)
         return (chapter_states, pvecs), (pvecs.data, chapter_states.data[last])
 
     return run
@@ -529,7 +531,7 @@ def stepnet_custom_train_inference(wl):
     f = t.rnn.compile("numba")
 
     def run():
-        out = f()
+        out = f(x=t.X)
         return out, out.data[t.last]
 
     return _with_info(run, role="inference")

@@ -594,7 +594,7 @@ class RNNOp:
 
 
 def _broadcasts(shape, target) -> bool:
-    if tuple(shape) == tuple(target):
+    if not shape or tuple(shape) == tuple(target):  # (a scalar, or the shape itself)
         return True
     try:
         return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
