@@ -276,10 +276,12 @@ def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
             time.sleep(0.001)
         before = threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK]
         threads.wake_helper()
-        assert threads.BOARD[threads.STATE] != threads.ABSENT
-        assert _two_jobs(threads.BOARD, x, x + 10, out_a, out_b, True) >= 0
-        assert (out_a[0], out_b[0]) == (x, x + 10)
-        assert threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK] == before + 1
+        # (posted: the helper, woken or spinning, was claimed; not posted only
+        # where this thread lost its core for longer than the helper lingers)
+        waited = _two_jobs(threads.BOARD, x, x + 10, out_a, out_b, True)
+        assert waited != threads.RAISED and (out_a[0], out_b[0]) == (x, x + 10)
+        posted = waited >= 0
+        assert threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK] == before + posted
         assert threads.BOARD[threads.STATE] in (threads.IDLE, threads.ABSENT)
 
 
