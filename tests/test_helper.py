@@ -52,9 +52,17 @@ def per_step_shared(monkeypatch):
     return set_sharing
 
 
+# a test of the helper thread itself: there is none with one thread or off x86-64
+needs_helper = pytest.mark.skipif(not atomics.SPINS or threads.count() < 2,
+                                  reason="no helper thread: one thread, or not x86-64")
+
+
 def _until_the_helper_helps(run, timeout=60.0):
     """Call ``run()`` with the helper awake until the helper has run a job of
-    it; whether it did."""
+    it; whether it did. Skips the test where no helper can run (one thread,
+    ``NUMBA_NUM_THREADS=1``; not x86-64)."""
+    if not atomics.SPINS or threads.count() < 2:
+        pytest.skip("no helper thread: one thread, or not x86-64")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         before = threads.BOARD[threads.JOBS]
@@ -414,6 +422,7 @@ def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation)
     np.testing.assert_allclose(alone, expected, rtol=1e-4, atol=1e-4)
 
 
+@needs_helper
 def test_a_forked_child_does_not_wait_for_its_parents_helper(tmp_path):
     """After a fork the child has no helper thread: its board says so, and a
     shared product in the child runs (and a helper of its own starts)."""
@@ -444,6 +453,7 @@ print(os.waitstatus_to_exitcode(status))
     assert proc.stdout.split() == ["0"], proc.stdout + proc.stderr
 
 
+@needs_helper
 def test_one_thread_wakes_no_helper_and_shares_nothing():
     """``numba.set_num_threads(1)`` keeps a run on one core, even while a
     helper woken before is still spinning."""
