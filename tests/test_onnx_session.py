@@ -406,7 +406,11 @@ def test_a_streaming_bidirectional_nodes_directions_run_apart(monkeypatch, run_a
     # the kernels are prepared once they have answered (the first call
     # compiles them): from then on the calls stream
     assert streamed[-2:] == [True, True], streamed
-    assert calls == [[0, 1]] * 4
+    # (with one thread the streaming calls run each direction's kernel
+    # directly, one after the other, not through run_apart)
+    from stepnet.jit import threads
+
+    assert calls == [[0, 1]] * (4 if threads.count() >= 2 else 2)
 
 
 @pytest.mark.parametrize("direction, layout", [("forward", 0), ("bidirectional", 1)])
