@@ -10,17 +10,19 @@ The helper is for runs too small for Python's threads (handing work to one
 costs tens of microseconds on a virtual machine), not for a thread already
 spinning in compiled code, which picks a job up in well under a microsecond:
 a run of one group of sequences (a stream's chunk of 64 streams; one
-sequence). A job is a compiled function and its arguments
+sequence; with two threads, any run of a net without nested nets:
+``NumbaProgram.splits``). A job is a compiled function and its arguments
 (``atomics.job_of``). A kernel given ``BOARD`` cuts its work in two (its
 sequences: ``group_cut``; a product, by rows or columns: ``blas``) and calls
-``run_jobs``: if the helper is spinning and free, it claims it (a
-compare-exchange: one claimant at a time), posts the second part, runs the
-first and waits for the helper's (a job the helper has not started within
-``PATIENCE`` cycles it takes back and runs itself, so a helper without a
-core never holds a kernel up); else it runs both parts.
+``run_jobs``: if the helper is spinning and free, or woken and on its way,
+it claims it (a compare-exchange: one claimant at a time), posts the second
+part, runs the first and waits for the helper's (a job the helper has not
+started within ``PATIENCE`` cycles it takes back and runs itself, so a
+helper without a core never holds a kernel up); else it runs both parts.
 The helper spins (``pause``) while jobs come, yields its core after a while
 without one, and goes back to sleep ``HELPER_LINGER`` cycles after the last,
-or when dismissed. ``wake_helper()`` starts it (``board_for_one_group``).
+or when dismissed (``run_each`` dismisses it: Python's threads then take its
+core). ``wake_helper()`` starts it (``board_for_one_group``).
 x86-64 only (:data:`atomics.SPINS`): elsewhere kernels get ``ALONE``.
 """
 
