@@ -50,10 +50,9 @@ def functional(rnn, cotangents, flags, feeds, backend="interpreter"):
                      for o, r in zip(outs, cotangents)))
 
 
-def numeric_gradient(f, array, eps=EPS):
-    """Central differences of ``f()`` with respect to every element of
-    ``array`` (changed in place and restored)."""
-    grad = np.zeros(array.shape, np.float64)
+def _moved(f, array, eps):
+    """``(index, f() above, f() below)`` for each element of ``array`` moved
+    by ``+-eps`` in place (and restored)."""
     for i in np.ndindex(array.shape):
         old = array[i]
         array[i] = old + eps
@@ -61,6 +60,14 @@ def numeric_gradient(f, array, eps=EPS):
         array[i] = old - eps
         minus = f()
         array[i] = old
+        yield i, plus, minus
+
+
+def numeric_gradient(f, array, eps=EPS):
+    """Central differences of ``f()`` with respect to every element of
+    ``array`` (changed in place and restored)."""
+    grad = np.zeros(array.shape, np.float64)
+    for i, plus, minus in _moved(f, array, eps):
         grad[i] = (plus - minus) / (2 * eps)
     return grad
 
@@ -137,16 +144,15 @@ def smooth_at(rnn, wrt, cotangents, flags, feeds, eps=EPS, tol=1e-3):
     base = functional(rnn, cotangents, flags, feeds)
     for w in wrt:
         inp = _Input(rnn, w, feeds)
+
+        def f(inp=inp):
+            inp.bind()
+            return functional(rnn, cotangents, flags, feeds)
+
         try:
-            for i in np.ndindex(inp.array.shape):
-                old = inp.array[i]
-                steps = []
-                for sign in (1.0, -1.0):
-                    inp.array[i] = old + sign * eps
-                    inp.bind()
-                    steps.append(sign * (functional(rnn, cotangents, flags, feeds) - base) / eps)
-                inp.array[i] = old
-                if abs(steps[0] - steps[1]) > tol * max(1.0, abs(steps[0]), abs(steps[1])):
+            for _, plus, minus in _moved(f, inp.array, eps):
+                up, down = (plus - base) / eps, (base - minus) / eps
+                if abs(up - down) > tol * max(1.0, abs(up), abs(down)):
                     return False
         finally:
             inp.restore()

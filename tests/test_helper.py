@@ -52,17 +52,17 @@ def per_step_shared(monkeypatch):
     return set_sharing
 
 
-# a test of the helper thread itself: there is none with one thread or off x86-64
-needs_helper = pytest.mark.skipif(not atomics.SPINS or threads.count() < 2,
-                                  reason="no helper thread: one thread, or not x86-64")
+# one thread (NUMBA_NUM_THREADS=1): no helper thread runs (this module needs
+# x86-64 already, pytestmark)
+ONE_THREAD = threads.count() < 2
+needs_helper = pytest.mark.skipif(ONE_THREAD, reason="one thread: no helper thread")
 
 
 def _until_the_helper_helps(run, timeout=60.0):
     """Call ``run()`` with the helper awake until the helper has run a job of
-    it; whether it did. Skips the test where no helper can run (one thread,
-    ``NUMBA_NUM_THREADS=1``; not x86-64)."""
-    if not atomics.SPINS or threads.count() < 2:
-        pytest.skip("no helper thread: one thread, or not x86-64")
+    it; whether it did. Skips the test where no helper runs (``ONE_THREAD``)."""
+    if ONE_THREAD:
+        pytest.skip("one thread: no helper thread")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         before = threads.BOARD[threads.JOBS]
@@ -275,7 +275,7 @@ def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
     threads._dismiss(board)
     assert board[threads.STATE] == threads.ABSENT
     assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 4
-    if not atomics.SPINS or threads.count() < 2:
+    if ONE_THREAD:
         return
     for x in (3.0, 4.0, 5.0):
         threads.dismiss_helper()
