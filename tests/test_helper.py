@@ -128,21 +128,29 @@ def test_a_hoisted_product_is_shared_by_rows(rng):
     np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
-def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
+def _helper_never_comes(rng):
     """A board whose helper is free but never comes (its thread off the
-    core): the kernel waits ``PATIENCE`` cycles, takes its job back and runs
-    it; the board is free again and no job counts as the helper's; and the
-    kernel keeps more columns for itself the next time."""
+    core), a product's row and weights ``[1, 128] @ [128, 384]`` (cut by
+    columns), and their product computed whole."""
     blas.register_small_gemm(np.float32)
     board = np.zeros_like(threads.BOARD)
     board[threads.SHARES] = 1
     board[threads.STATE] = threads.IDLE
     a = rng.standard_normal((1, 128)).astype(np.float32)
     w = rng.standard_normal((128, 384)).astype(np.float32)
-    out = np.full((1, 384), np.nan, np.float32)
-    _products(a, w, out, np.array([[1 << 40], [8]]), board, 3)
     whole = np.empty((1, 384), np.float32)
     blas.small_gemm(a, w, whole)
+    return board, a, w, whole
+
+
+def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
+    """A board whose helper is free but never comes (its thread off the
+    core): the kernel waits ``PATIENCE`` cycles, takes its job back and runs
+    it; the board is free again and no job counts as the helper's; and the
+    kernel keeps more columns for itself the next time."""
+    board, a, w, whole = _helper_never_comes(rng)
+    out = np.full((1, 384), np.nan, np.float32)
+    _products(a, w, out, np.array([[1 << 40], [8]]), board, 3)
     np.testing.assert_array_equal(out, whole)
     assert board[threads.STATE] == threads.IDLE and board[threads.JOBS] == 0
     assert board[threads.TAKEN_BACK] == 3
@@ -150,6 +158,88 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     # block more each time (the balance), and the result is the same bits
     assert board[threads.BALANCE] == 3
     _products(a, w, out, np.array([[1 << 40], [8]]), board, 1)
+    np.testing.assert_array_equal(out, whole)
+
+
+@njit
+def _judge(board, work, own_cycles, waited, own_part, whole):
+    threads.judge_sharing(board, work, own_cycles, waited, own_part, whole)
+
+
+@njit
+def _paused(board, work):
+    return threads.sharing_paused(board, work)
+
+
+@njit
+def _now():
+    return atomics.cycles()
+
+
+def _handovers_for(board, cycles, work, waited, losses_every=0):
+    """Judge handovers of a product of ``work`` multiply-adds cut in half
+    (the calling thread's half took 1000 cycles; the wait ``waited``, or 10**6
+    every ``losses_every``-th) until ``cycles`` have passed, where its class
+    is not paused."""
+    _judge(np.zeros_like(board), work, 0, 0, 1, 2)  # (compiled before the clock starts)
+    end, i = _now() + cycles, 0
+    while _now() < end:
+        i += 1
+        lost = losses_every and i % losses_every == 0
+        if not _paused(board, work):  # (as blas._shared: a paused class is not judged)
+            _judge(board, work, 1000, 10**6 if lost else waited, 1, 2)
+        time.sleep(0.0001)
+
+
+def test_a_class_of_products_whose_handovers_lose_runs_alone_for_a_while():
+    """Sharing is judged per class of products (the log2 of their
+    multiply-adds) over windows of cycles: a window that won more handovers
+    than it lost changes nothing, even with a handover that waited a
+    thousand times longer than the rest would have taken (a helper off its
+    core once); one that lost more pauses its class (not the others) for
+    ``PAUSE`` cycles; losing again right after the pause pauses twice as
+    long; a long good spell between pauses starts them over at ``PAUSE``."""
+    board = np.zeros_like(threads.BOARD)
+    work, other_work = 1 << 16, 1 << 20
+    _handovers_for(board, 3 * threads.WINDOW, work, 900, losses_every=5)
+    assert board[threads.PAUSES] == 0 and not _paused(board, work)
+    _handovers_for(board, 2 * threads.WINDOW, work, 1100)  # (each waited longer than 1000)
+    assert board[threads.PAUSES] == 1 and _paused(board, work) and not _paused(board, other_work)
+    until = board[threads.PAUSED_UNTIL + 4]  # (2**16: class 4)
+    assert 0 < until - _now() <= threads.PAUSE
+    while _paused(board, work):
+        time.sleep(0.001)
+    _handovers_for(board, 2 * threads.WINDOW, work, 1100)
+    assert board[threads.PAUSES] == 2 and board[threads.PAUSE_LEVEL + 4] == 1
+    assert board[threads.PAUSED_UNTIL + 4] - _now() > threads.PAUSE
+    while _paused(board, work):
+        time.sleep(0.001)
+    _handovers_for(board, 3 * threads.PAUSE, work, 0)  # (a long good spell)
+    _handovers_for(board, 2 * threads.WINDOW, work, 1100)
+    assert board[threads.PAUSES] == 3 and board[threads.PAUSE_LEVEL + 4] == 0
+
+
+def test_a_product_whose_helper_never_comes_stops_posting_to_it(rng):
+    """A board whose helper is free but never comes: each handover waits
+    ``PATIENCE`` cycles and is taken back, a loss; after a window of them
+    the product's class runs both parts here (no job posted: taken back
+    stops counting) and the result stays the same bits."""
+    board, a, w, whole = _helper_never_comes(rng)
+    out = np.full((1, 384), np.nan, np.float32)
+    table = np.array([[1 << 40], [8]])
+    _products(a, w, out, table, board, 0)  # (compiled before the clock starts)
+    end = _now() + 3 * threads.WINDOW
+    calls = 0
+    while _now() < end:
+        _products(a, w, out, table, board, 10)
+        calls += 10
+    np.testing.assert_array_equal(out, whole)
+    assert board[threads.PAUSES] >= 1 and board[threads.STATE] == threads.IDLE
+    taken = board[threads.TAKEN_BACK]
+    assert 0 < taken < calls
+    board[threads.PAUSED_UNTIL:threads.PAUSE_LEVEL] = 0  # (every pause over)
+    _products(a, w, out, table, board, 1)
+    assert board[threads.TAKEN_BACK] == taken + 1
     np.testing.assert_array_equal(out, whole)
 
 

@@ -59,7 +59,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from . import threads
-from .atomics import job_of, stack_buffer, wide_vectors
+from .atomics import cycles, job_of, stack_buffer, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, measure, \
     small_product_rows, transposed_by_own_loop
@@ -713,6 +713,22 @@ _SHARE_LIBRARY_WORK = 1 << 17
 _WAIT_BALANCED = 100
 
 
+@njit(inline="always")
+def _shared(board, work, own, other, own_part, whole):
+    """``threads.run_jobs(board, own, other, True)`` for a product of
+    ``work`` multiply-adds cut at ``own_part`` of its ``whole`` (columns,
+    rows), judged (``threads.judge_sharing``): where the helper's handovers
+    cost more than they save, its class runs both parts here for a while
+    (the same cut: the same bits)."""
+    if threads.sharing_paused(board, work):
+        return threads.run_here(own, other)
+    start = cycles()
+    waited = threads.run_jobs(board, own, other, True)
+    if waited >= 0:
+        threads.judge_sharing(board, work, cycles() - start - waited, waited, own_part, whole)
+    return waited
+
+
 @njit(cache=True, nogil=True)
 def _own_shared(a, w, ld, panel, out, board):
     """out[:m] = a[:m] @ the weights ``w`` by stepnet's own loop
@@ -729,8 +745,8 @@ def _own_shared(a, w, ld, panel, out, board):
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = threads.run_jobs(board, job_of(_own_columns, (a, w, ld, panel, out, 0, cut)),
-                              job_of(_own_columns, (a, w, ld, panel, out, cut, n)), True)
+    waited = _shared(board, m * k * n, job_of(_own_columns, (a, w, ld, panel, out, 0, cut)),
+                     job_of(_own_columns, (a, w, ld, panel, out, cut, n)), cut, n)
     if waited < 0:  # (not shared: both parts computed here)
         return
     if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
@@ -808,8 +824,8 @@ def _hoisted(a, b, out, small_rows, board, add):
     if cut == 0:
         _library_gemm(a, b, out, beta)
     else:  # (the library raises nothing)
-        threads.run_jobs(board, job_of(_library_gemm, (a[:cut], b, out[:cut], beta)),
-                         job_of(_library_gemm, (a[cut:], b, out[cut:], beta)), True)
+        _shared(board, m * k * n, job_of(_library_gemm, (a[:cut], b, out[:cut], beta)),
+                job_of(_library_gemm, (a[cut:], b, out[cut:], beta)), cut, m)
 
 
 @njit(cache=True)
@@ -850,9 +866,12 @@ def taps_product(a, w, out, dilation, board):
     ``board``."""
     rows = out.shape[0]
     cut = _row_cut(rows, a.shape[1] * w.shape[0], out.shape[1], board)
-    cut = cut if cut > 0 else rows
-    threads.run_jobs(board, job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
-                     job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut < rows)
+    if cut == 0:
+        _taps_rows(a, w, out, dilation, 0, rows)
+    else:
+        _shared(board, rows * a.shape[1] * w.shape[0] * out.shape[1],
+                job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
+                job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut, rows)
 
 
 def board_for_product(multiply_adds):
@@ -887,8 +906,8 @@ def gemm_packed(a, prepared, out):
         if cut == 0:
             _library_product(a, prepared, out)
         else:  # (the library's product raises nothing)
-            threads.run_jobs(board, job_of(_library_product, (a[:cut], prepared, out[:cut])),
-                             job_of(_library_product, (a[cut:], prepared, out[cut:])), True)
+            _shared(board, m * k * n, job_of(_library_product, (a[:cut], prepared, out[:cut])),
+                    job_of(_library_product, (a[cut:], prepared, out[cut:])), cut, m)
 
 
 @njit(cache=True)

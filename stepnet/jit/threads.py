@@ -103,21 +103,42 @@ def run_apart(fn, items, work):
 # a board's slots: the helper's state, the jobs it has run, whether kernels
 # given the board share their work, the jobs posted that their claimant took
 # back and ran (see ``run_jobs``), the blocks of columns of stepnet's own loop
-# the kernels keep beyond half (blas: balanced by how long they wait), and
-# the job (from JOB: the address of its C function, then of its record:
-# ``atomics.job_of``)
-STATE, JOBS, SHARES, TAKEN_BACK, BALANCE, JOB = 0, 1, 2, 3, 4, 5
+# the kernels keep beyond half (blas: balanced by how long they wait), the
+# job (from JOB: the address of its C function, then of its record:
+# ``atomics.job_of``), and the pauses of sharing (``judge_sharing``)
+STATE, JOBS, SHARES, TAKEN_BACK, BALANCE, JOB, PAUSES = 0, 1, 2, 3, 4, 5, 7
 # the states: asleep; spinning, free; claimed by a kernel writing a job; a job
 # to run; that job running; that job done (the claimant sets IDLE again);
 # woken, not spinning yet (a kernel may claim it and post a job: the helper
 # runs it when it comes, or the claimant takes it back)
 ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE, WAKING = 0, 1, 2, 3, 4, 5, 6
-BOARD_SIZE = 8  # (a cache line)
-BOARD = np.zeros(BOARD_SIZE, np.int64)
+# the lines after the first (written by the kernels only, so the helper's
+# line changes only at a handover): per class of products (by the log2 of
+# their multiply-adds), the cycle its window of judgment started, its
+# handovers won less those lost in that window, the cycle until which such
+# products are not shared, and the log2 of that pause's length in PAUSEs
+# (``sharing_paused``, ``judge_sharing``)
+CLASSES = 16
+WINDOW_START = 8
+NET = WINDOW_START + CLASSES
+PAUSED_UNTIL = NET + CLASSES
+PAUSE_LEVEL = PAUSED_UNTIL + CLASSES
+BOARD_SIZE = PAUSE_LEVEL + CLASSES
+
+
+def _board():
+    """A board's zeros, its first slot at the start of a cache line (the
+    helper spins reading that line; a job's two slots are on it too)."""
+    raw = np.zeros(BOARD_SIZE + 8, np.int64)
+    start = (-raw.ctypes.data % 64) // 8
+    return raw[start:start + BOARD_SIZE]
+
+
+BOARD = _board()
 BOARD[SHARES] = 1
 # the board of a kernel that shares nothing (its run takes every thread
 # already, or would not use the helper)
-ALONE = np.zeros_like(BOARD)
+ALONE = _board()
 # cycles the helper spins after its last job (about half a millisecond)
 HELPER_LINGER = 1 << 21
 # cycles a kernel done with its part waits for the helper to start the job
@@ -152,6 +173,69 @@ def _serve(board, linger):
             elif idle > linger >> 4:
                 yield_core()  # (a while without a job: a thread waiting for a core goes first)
         pause()
+
+
+# a class of products that lost more handovers than it won over a WINDOW of
+# cycles (1-2 ms) runs both parts on the kernel's thread for PAUSE cycles
+# (4 WINDOWs), then is shared again; one that loses again right after its
+# pause pauses twice as long, up to 2**MAX_PAUSE_LEVEL times (a helper's
+# core busy with another program's thread). A count, not a sum of cycles:
+# a helper's thread off its core for a millisecond once in a while costs
+# more than the window's handovers gain, and pausing would not help
+WINDOW = 1 << 22
+PAUSE = 1 << 24
+MAX_PAUSE_LEVEL = 6
+
+
+@njit(inline="always")
+def _work_class(work):
+    """A product's class on a board: the log2 of its multiply-adds (from
+    2**12: smaller ones are never shared)."""
+    c = 0
+    while work >= 1 << 13 and c < CLASSES - 1:
+        work >>= 1
+        c += 1
+    return c
+
+
+@njit(inline="always")
+def sharing_paused(board, work):
+    """Whether a product of ``work`` multiply-adds runs alone now, its class
+    having lost too many handovers lately (``judge_sharing``)."""
+    return cycles() < board[PAUSED_UNTIL + _work_class(work)]
+
+
+@njit(inline="always")
+def judge_sharing(board, work, own_cycles, waited, own_part, whole):
+    """After a shared product (``run_jobs``): the calling thread took
+    ``own_cycles`` for ``own_part`` of the ``whole`` (columns, rows), then
+    ``waited`` for the rest. The handover is lost where the wait was longer
+    than the rest would have taken here: a helper whose core is far (a
+    virtual machine's two cores placed apart: a handover costs a
+    microsecond) or busy with another program's thread. A class that lost
+    more handovers than it won over a ``WINDOW`` pauses
+    (``sharing_paused``): PAUSE cycles, or twice its last pause where that
+    ended less than its length ago."""
+    c = _work_class(work)
+    now = cycles()
+    won = waited * own_part <= own_cycles * (whole - own_part)
+    net = board[NET + c] + (1 if won else -1)
+    start = board[WINDOW_START + c]
+    if start > 0 and now - start < WINDOW:
+        board[NET + c] = net
+        return
+    if start > 0 and net < 0:
+        level = board[PAUSE_LEVEL + c]
+        if now - board[PAUSED_UNTIL + c] > PAUSE << level:
+            level = 0
+        elif level < MAX_PAUSE_LEVEL:
+            level += 1
+        board[PAUSE_LEVEL + c] = level
+        board[PAUSED_UNTIL + c] = now + (PAUSE << level)
+        board[PAUSES] += 1
+        now += PAUSE << level  # (the next window: from the pause's end)
+    board[NET + c] = 0 if start > 0 else net
+    board[WINDOW_START + c] = now
 
 
 # what ``run_jobs`` returns where a part raised
@@ -209,6 +293,19 @@ def run_jobs(board, own, other, both):
     if both:
         failed |= carray(pointer_to(other[1], np.int64), 1)[0]
     return RAISED if failed else waited
+
+
+@njit(types.int64(_JOB, _JOB), cache=True, nogil=True)
+def run_here(own, other):
+    """Run the jobs ``own`` and ``other`` on this thread, as ``run_jobs``
+    does where the helper is not free: -1, or ``RAISED``."""
+    job = carray(stack_buffer(1, np.int64), 1)
+    failed = 0
+    for part in (own, other):
+        job[0] = part[1]
+        call_address(part[0], job)
+        failed |= carray(pointer_to(part[1], np.int64), 1)[0]
+    return RAISED if failed else -1
 
 
 @njit(types.boolean(types.int64[::1], _JOB), cache=True, nogil=True)
