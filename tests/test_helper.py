@@ -120,6 +120,7 @@ def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n
 
 
 def test_a_hoisted_product_is_shared_by_rows(rng):
+    blas.register_small_gemm(np.float32)  # (the own loop's symbol, before a caller compiles)
     a = rng.standard_normal((1000, 64)).astype(np.float32)
     w = rng.standard_normal((64, 96)).astype(np.float32)
     table = np.array([[1 << 40], [4]], np.int64)
@@ -454,6 +455,7 @@ def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
     (none serves it here: a posted job is taken back) posts the next chunk
     where ``posts`` says so, and not otherwise; both give each chunk's
     product."""
+    blas.register_small_gemm(np.float32)  # (the own loop's symbol, before a caller compiles)
     left = rng.standard_normal((40, 8)).astype(np.float32)
     w = rng.standard_normal((8, 64)).astype(np.float32)
     sstart, slen = np.zeros(1, np.int64), np.array([40])

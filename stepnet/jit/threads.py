@@ -19,6 +19,9 @@ it claims it (a compare-exchange: one claimant at a time), posts the second
 part, runs the first and waits for the helper's (a job the helper has not
 started within ``PATIENCE`` cycles it takes back and runs itself, so a
 helper without a core never holds a kernel up); else it runs both parts.
+A product cut so is judged after it (``judge_sharing``): a class of
+products whose handovers lose more than they win over a window of cycles
+runs both parts on the kernel's thread for a while (``sharing_paused``).
 The helper spins (``pause``) while jobs come, yields its core after a while
 without one, and goes back to sleep ``HELPER_LINGER`` cycles after the last,
 or when dismissed (``run_each`` dismisses it: Python's threads then take its
