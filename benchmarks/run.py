@@ -50,6 +50,7 @@ import platform
 import queue
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -277,6 +278,7 @@ def _time_round(items, r, tp):
                 fn()
                 times.append(time.perf_counter() - t)
             rec["times"].extend(times)
+            rec.setdefault("round_medians", []).append(statistics.median(times))
         except Exception as exc:  # noqa: BLE001 - reported as n/a, never a crash
             rec["status"] = "failed"
             rec["reason"] = f"during timing: {_reason(exc)}"
@@ -690,8 +692,9 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
         out.append(f"{k.replace(_SMALL_NOTE, 'stepnet', 1)}'s small products (measured at its first "
                    f"call of this run, or read from its cache): {v}.")
     out.append("")
-    out.append("| workload | peer | median ms | min ms | n | GFLOP/s | ratio | max\\|dh\\| | setup s |")
-    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    out.append("| workload | peer | median ms | min ms | n | GFLOP/s | ratio | max\\|dh\\| | setup s "
+               "| rounds ms |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     disagreements = []
     stepnet_gflops = {}
     for k in keys:
@@ -707,19 +710,19 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
             name = f"{k} {wl.name}"
             if r["status"] == "na":
                 out.append(f"| {name} | {r['family']}: n/a ({r['reason']}) | n/a | n/a | n/a "
-                           "| n/a | n/a | n/a | n/a |")
+                           "| n/a | n/a | n/a | n/a | n/a |")
                 continue
             if r["status"] == "ok" and r.get("median_s") is None:  # --check: no timing
                 dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
                 if r["dh"] is not None and r["dh"] > TOLERANCE:
                     disagreements.append(f"{k} {r['label']}: max|dh| {r['dh']:.2e} vs float64")
                 out.append(f"| {name} | {r['label']} | - | - | 0 | - | - | {dh} | "
-                           f"{r['setup_s']:.2f} |")
+                           f"{r['setup_s']:.2f} | - |")
                 continue
             if r["status"] != "ok" or r.get("median_s") is None:
                 setup = f"{r['setup_s']:.2f}" if r.get("setup_s") is not None else "n/a"
                 out.append(f"| {name} | {r['label']}: n/a (failed, see Failures) | n/a | n/a "
-                           f"| n/a | n/a | n/a | n/a | {setup} |")
+                           f"| n/a | n/a | n/a | n/a | {setup} | n/a |")
                 continue
             med, mn = r["median_s"], r["min_s"]
             gfl = workloads.flops(wl, _role(r)) / med / 1e9
@@ -729,10 +732,12 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
             dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
             if r["dh"] is not None and r["dh"] > TOLERANCE:
                 disagreements.append(f"{k} {r['label']}: max|dh| {r['dh']:.2e} vs float64")
+            rounds = r.get("round_medians") or [med]
             out.append(f"| {name} | {r['label']} | {_fmt_ms(med)} | {_fmt_ms(mn)} | {r['n']} | "
-                       f"{gfl:.1f} | {ratio} | {dh} | {_fmt_s(r['setup_s'])} |")
+                       f"{gfl:.1f} | {ratio} | {dh} | {_fmt_s(r['setup_s'])} | "
+                       f"{_fmt_ms(min(rounds))}-{_fmt_ms(max(rounds))} |")
         if not rows:
-            out.append(f"| {k} {wl.name} | (no peer selected) | | | | | | | |")
+            out.append(f"| {k} {wl.name} | (no peer selected) | | | | | | | | |")
     out.append("")
     out.append("ratio = peer median / stepnet median (> 1: stepnet is faster; GPU rows: / stepnet "
                "cuda median). GFLOP/s = sum of "
@@ -740,7 +745,9 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
                "difference of the final hidden state (W6: every paragraph vector and every "
                "chapter's last state) from a float64 NumPy loop. setup s = build + first call "
                "(JIT compile included; stepnet with STEPNET_CACHE_DIR "
-               f"{'= a fresh empty dir' if args.stepnet_cache == 'fresh' else args.stepnet_cache}).")
+               f"{'= a fresh empty dir' if args.stepnet_cache == 'fresh' else args.stepnet_cache}). "
+               "rounds ms = the lowest and the highest of the rounds' medians (a shared "
+               "machine's slow phases show as a wide range).")
     trained = [k for k in keys if k in workloads.TRAINS]
     if trained:
         out.append(f"{', '.join(trained)} (training steps): GFLOP/s counts the backward's matmuls "

@@ -203,8 +203,9 @@ def _work_class(work):
 
 @njit(inline="always")
 def sharing_paused(board, work):
-    """Whether a product of ``work`` multiply-adds runs alone now, its class
-    having lost too many handovers lately (``judge_sharing``)."""
+    """Whether a product of ``work`` multiply-adds runs both parts on the
+    calling thread now, its class having lost too many handovers lately
+    (``judge_sharing``)."""
     return cycles() < board[PAUSED_UNTIL + _work_class(work)]
 
 
@@ -213,12 +214,14 @@ def judge_sharing(board, work, own_cycles, waited, own_part, whole):
     """After a shared product (``run_jobs``): the calling thread took
     ``own_cycles`` for ``own_part`` of the ``whole`` (columns, rows), then
     ``waited`` for the rest. The handover is lost where the wait was longer
-    than the rest would have taken here: a helper whose core is far (a
-    virtual machine's two cores placed apart: a handover costs a
-    microsecond) or busy with another program's thread. A class that lost
-    more handovers than it won over a ``WINDOW`` pauses
+    than the rest would have taken here (a helper whose core is busy with
+    another program's thread: its job started late or taken back). A class
+    that lost more handovers than it won over a ``WINDOW`` pauses
     (``sharing_paused``): PAUSE cycles, or twice its last pause where that
-    ended less than its length ago."""
+    ended less than its length ago. What a handover costs beyond the wait
+    (the lines each core then reads from the other's, a microsecond a step
+    where a virtual machine's two cores are placed apart) is not seen
+    here (README, *Products whose handovers lose*)."""
     c = _work_class(work)
     now = cycles()
     won = waited * own_part <= own_cycles * (whole - own_part)
