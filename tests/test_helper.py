@@ -168,8 +168,8 @@ def _judge(board, work, own_cycles, waited, own_part, whole):
 
 
 @njit
-def _paused(board, work):
-    return threads.sharing_paused(board, work)
+def _count(board, c, won, now):
+    threads._count_handover(board, c, won, now)
 
 
 @njit
@@ -177,47 +177,68 @@ def _now():
     return atomics.cycles()
 
 
-def _handovers_for(board, cycles, work, waited, losses_every=0):
-    """Judge handovers of a product of ``work`` multiply-adds cut in half
-    (the calling thread's half took 1000 cycles; the wait ``waited``, or 10**6
-    every ``losses_every``-th) until ``cycles`` have passed, where its class
-    is not paused."""
-    _judge(np.zeros_like(board), work, 0, 0, 1, 2)  # (compiled before the clock starts)
-    end, i = _now() + cycles, 0
-    while _now() < end:
+def _handovers(board, c, start, end, lost_every=0, step=1000):
+    """Count handovers of class ``c`` every ``step`` cycles from ``start`` to
+    ``end`` (each ``lost_every``-th lost, or every one where -1), where the
+    class is not paused at that cycle (as ``blas._shared``); the cycle
+    after."""
+    i, now = 0, start
+    while now < end:
         i += 1
-        lost = losses_every and i % losses_every == 0
-        if not _paused(board, work):  # (as blas._shared: a paused class is not judged)
-            _judge(board, work, 1000, 10**6 if lost else waited, 1, 2)
-        time.sleep(0.0001)
+        if now >= board[threads.PAUSED_UNTIL + c]:
+            _count(board, c, not (lost_every == -1 or (lost_every and i % lost_every == 0)), now)
+        now += step
+    return now
+
+
+def test_a_handover_is_lost_where_the_wait_is_longer_than_the_rest_here():
+    """``judge_sharing`` counts a handover won where the kernel waited no
+    longer than the helper's part would have taken on its own thread (its
+    own part's cycles scaled by the parts' sizes), lost otherwise; it finds
+    a product's class by the log2 of its multiply-adds."""
+    for waited, own_part, whole, won in [(900, 1, 2, True), (1100, 1, 2, False),
+                                        (2900, 1, 4, True), (3100, 1, 4, False),
+                                        (0, 3, 4, True), (400, 3, 4, False)]:
+        board = np.zeros_like(threads.BOARD)
+        _judge(board, 1 << 16, 1000, waited, own_part, whole)  # (a window's first: it starts it)
+        assert board[threads.NET + 4] == (1 if won else -1), (waited, own_part, whole)
+        assert board[threads.WINDOW_START + 4] > 0 and board[threads.PAUSED_UNTIL + 4] == 0
+    for work, c in [(1 << 12, 0), ((1 << 14) - 1, 1), (1 << 14, 2), (49152, 3), (1 << 40, 15)]:
+        board = np.zeros_like(threads.BOARD)
+        _judge(board, work, 1000, 0, 1, 2)
+        assert board[threads.NET + c] == 1, (work, c)
 
 
 def test_a_class_of_products_whose_handovers_lose_runs_alone_for_a_while():
-    """Sharing is judged per class of products (the log2 of their
-    multiply-adds) over windows of cycles: a window that won more handovers
-    than it lost changes nothing, even with a handover that waited a
-    thousand times longer than the rest would have taken (a helper off its
-    core once); one that lost more pauses its class (not the others) for
-    ``PAUSE`` cycles; losing again right after the pause pauses twice as
-    long; a long good spell between pauses starts them over at ``PAUSE``."""
+    """Sharing is counted per class of products over windows of
+    ``WINDOW`` cycles: a window that won more handovers than it lost
+    changes nothing, even with one lost in five; one that lost more pauses
+    its class (not the others) for ``PAUSE`` cycles; losing again right
+    after the pause pauses twice as long, up to ``2**MAX_PAUSE_LEVEL``
+    times; a long good spell between pauses starts them over at ``PAUSE``.
+    (The clock is the test's: ``_count_handover`` takes the cycle.)"""
+    W, P = threads.WINDOW, threads.PAUSE
     board = np.zeros_like(threads.BOARD)
-    work, other_work = 1 << 16, 1 << 20
-    _handovers_for(board, 3 * threads.WINDOW, work, 900, losses_every=5)
-    assert board[threads.PAUSES] == 0 and not _paused(board, work)
-    _handovers_for(board, 2 * threads.WINDOW, work, 1100)  # (each waited longer than 1000)
-    assert board[threads.PAUSES] == 1 and _paused(board, work) and not _paused(board, other_work)
-    until = board[threads.PAUSED_UNTIL + 4]  # (2**16: class 4)
-    assert 0 < until - _now() <= threads.PAUSE
-    while _paused(board, work):
-        time.sleep(0.001)
-    _handovers_for(board, 2 * threads.WINDOW, work, 1100)
-    assert board[threads.PAUSES] == 2 and board[threads.PAUSE_LEVEL + 4] == 1
-    assert board[threads.PAUSED_UNTIL + 4] - _now() > threads.PAUSE
-    while _paused(board, work):
-        time.sleep(0.001)
-    _handovers_for(board, 3 * threads.PAUSE, work, 0)  # (a long good spell)
-    _handovers_for(board, 2 * threads.WINDOW, work, 1100)
-    assert board[threads.PAUSES] == 3 and board[threads.PAUSE_LEVEL + 4] == 0
+    now = _handovers(board, 4, 10**12, 10**12 + 3 * W, lost_every=5)
+    assert board[threads.PAUSES] == 0 and board[threads.PAUSED_UNTIL + 4] == 0
+    start = now
+    now = _handovers(board, 4, now, now + 3 * W, lost_every=-1)
+    assert board[threads.PAUSES] == 1 and board[threads.PAUSE_LEVEL + 4] == 0
+    until = board[threads.PAUSED_UNTIL + 4]
+    assert start + W <= until - P <= start + 2 * W  # (at the end of the first window lost)
+    assert board[threads.PAUSED_UNTIL + 8] == 0  # (another class: not paused)
+    for level in range(1, threads.MAX_PAUSE_LEVEL + 2):  # (losing right after each pause)
+        now = _handovers(board, 4, until, until + 3 * W, lost_every=-1)
+        expected = min(level, threads.MAX_PAUSE_LEVEL)
+        assert board[threads.PAUSE_LEVEL + 4] == expected
+        assert board[threads.PAUSED_UNTIL + 4] - until <= W + (P << expected) + 1000
+        until = board[threads.PAUSED_UNTIL + 4]
+    pauses = board[threads.PAUSES]
+    now = _handovers(board, 4, until, until + (P << threads.MAX_PAUSE_LEVEL) + 2 * P,
+                     step=100_000)  # (a long good spell)
+    assert board[threads.PAUSES] == pauses
+    _handovers(board, 4, now, now + 3 * W, lost_every=-1)
+    assert board[threads.PAUSES] == pauses + 1 and board[threads.PAUSE_LEVEL + 4] == 0
 
 
 def test_a_product_whose_helper_never_comes_stops_posting_to_it(rng):

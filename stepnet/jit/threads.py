@@ -222,9 +222,15 @@ def judge_sharing(board, work, own_cycles, waited, own_part, whole):
     (the lines each core then reads from the other's, a microsecond a step
     where a virtual machine's two cores are placed apart) is not seen
     here (README, *Products whose handovers lose*)."""
-    c = _work_class(work)
-    now = cycles()
-    won = waited * own_part <= own_cycles * (whole - own_part)
+    _count_handover(board, _work_class(work), waited * own_part <= own_cycles * (whole - own_part),
+                    cycles())
+
+
+@njit(inline="always")
+def _count_handover(board, c, won, now):
+    """Count a handover of class ``c``, ``won`` or lost, at cycle ``now``
+    (``judge_sharing``); at the end of a window, pause the class where it
+    lost more than it won."""
     net = board[NET + c] + (1 if won else -1)
     start = board[WINDOW_START + c]
     if start > 0 and now - start < WINDOW:
