@@ -150,6 +150,7 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     it; the board is free again and no job counts as the helper's; and the
     kernel keeps more columns for itself the next time."""
     board, a, w, whole = _helper_never_comes(rng)
+    board[threads.WINDOW_START + 3] = 1 << 62  # (no window of its class ends here: no pause)
     out = np.full((1, 384), np.nan, np.float32)
     _products(a, w, out, np.array([[1 << 40], [8]]), board, 3)
     np.testing.assert_array_equal(out, whole)
@@ -244,22 +245,24 @@ def test_a_class_of_products_whose_handovers_lose_runs_alone_for_a_while():
 def test_a_product_whose_helper_never_comes_stops_posting_to_it(rng):
     """A board whose helper is free but never comes: each handover waits
     ``PATIENCE`` cycles and is taken back, a loss; after a window of them
-    the product's class runs both parts here (no job posted: taken back
-    stops counting) and the result stays the same bits."""
+    the product's class (``[1, 128] @ [128, 384]``: class 3) pauses, and
+    while paused runs both parts here (no job posted: taken back stops
+    counting); the result stays the same bits."""
     board, a, w, whole = _helper_never_comes(rng)
     out = np.full((1, 384), np.nan, np.float32)
     table = np.array([[1 << 40], [8]])
-    _products(a, w, out, table, board, 0)  # (compiled before the clock starts)
-    end = _now() + 3 * threads.WINDOW
-    calls = 0
-    while _now() < end:
+    deadline = time.monotonic() + 30
+    while board[threads.PAUSES] == 0 and time.monotonic() < deadline:
         _products(a, w, out, table, board, 10)
-        calls += 10
     np.testing.assert_array_equal(out, whole)
-    assert board[threads.PAUSES] >= 1 and board[threads.STATE] == threads.IDLE
+    assert board[threads.PAUSES] == 1 and board[threads.STATE] == threads.IDLE
     taken = board[threads.TAKEN_BACK]
-    assert 0 < taken < calls
-    board[threads.PAUSED_UNTIL:threads.PAUSE_LEVEL] = 0  # (every pause over)
+    assert taken >= 1
+    board[threads.PAUSED_UNTIL + 3] = 1 << 62  # (the pause held while these run)
+    _products(a, w, out, table, board, 10)
+    assert board[threads.TAKEN_BACK] == taken
+    np.testing.assert_array_equal(out, whole)
+    board[threads.PAUSED_UNTIL + 3] = 0  # (the pause over: posted, taken back)
     _products(a, w, out, table, board, 1)
     assert board[threads.TAKEN_BACK] == taken + 1
     np.testing.assert_array_equal(out, whole)
