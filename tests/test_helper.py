@@ -165,7 +165,8 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
 
 @njit
 def _judge(board, work, own_cycles, waited, own_part, whole):
-    threads.judge_sharing(board, work, own_cycles, waited, own_part, whole)
+    threads.judge_sharing(board, threads.work_class(work), own_cycles, waited, own_part, whole,
+                          atomics.cycles())
 
 
 @njit

@@ -720,12 +720,14 @@ def _shared(board, work, own, other, own_part, whole):
     rows), judged (``threads.judge_sharing``): where the helper's handovers
     cost more than they save, its class runs both parts here for a while
     (the same cut: the same bits)."""
-    if threads.sharing_paused(board, work):
-        return threads.run_here(own, other)
+    c = threads.work_class(work)
     start = cycles()
+    if threads.sharing_paused(board, c, start):
+        return threads.run_here(own, other)
     waited = threads.run_jobs(board, own, other, True)
     if waited >= 0:
-        threads.judge_sharing(board, work, cycles() - start - waited, waited, own_part, whole)
+        end = cycles()
+        threads.judge_sharing(board, c, end - start - waited, waited, own_part, whole, end)
     return waited
 
 

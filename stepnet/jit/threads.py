@@ -191,7 +191,7 @@ MAX_PAUSE_LEVEL = 6
 
 
 @njit(inline="always")
-def _work_class(work):
+def work_class(work):
     """A product's class on a board: the log2 of its multiply-adds (from
     2**12: smaller ones are never shared)."""
     c = 0
@@ -202,16 +202,17 @@ def _work_class(work):
 
 
 @njit(inline="always")
-def sharing_paused(board, work):
-    """Whether a product of ``work`` multiply-adds runs both parts on the
-    calling thread now, its class having lost too many handovers lately
-    (``judge_sharing``)."""
-    return cycles() < board[PAUSED_UNTIL + _work_class(work)]
+def sharing_paused(board, c, now):
+    """Whether products of class ``c`` (``work_class``) run both parts on the
+    calling thread at cycle ``now``, the class having lost too many
+    handovers lately (``judge_sharing``)."""
+    return now < board[PAUSED_UNTIL + c]
 
 
 @njit(inline="always")
-def judge_sharing(board, work, own_cycles, waited, own_part, whole):
-    """After a shared product (``run_jobs``): the calling thread took
+def judge_sharing(board, c, own_cycles, waited, own_part, whole, now):
+    """After a shared product of class ``c`` (``run_jobs``), at cycle
+    ``now``: the calling thread took
     ``own_cycles`` for ``own_part`` of the ``whole`` (columns, rows), then
     ``waited`` for the rest. The handover is lost where the wait was longer
     than the rest would have taken here (a helper whose core is busy with
@@ -222,8 +223,7 @@ def judge_sharing(board, work, own_cycles, waited, own_part, whole):
     (the lines each core then reads from the other's, a microsecond a step
     where a virtual machine's two cores are placed apart) is not seen
     here (README, *Products whose handovers lose*)."""
-    _count_handover(board, _work_class(work), waited * own_part <= own_cycles * (whole - own_part),
-                    cycles())
+    _count_handover(board, c, waited * own_part <= own_cycles * (whole - own_part), now)
 
 
 @njit(inline="always")
@@ -264,6 +264,20 @@ def _claim(board):
 _JOB = types.UniTuple(types.int64, 2)
 
 
+@njit(inline="always")
+def _run(job):
+    """Run ``job`` (``atomics.job_of``) on this thread."""
+    record = carray(stack_buffer(1, np.int64), 1)
+    record[0] = job[1]
+    call_address(job[0], record)
+
+
+@njit(inline="always")
+def _raised(job):
+    """Whether ``job``, run, raised (its record's first word)."""
+    return carray(pointer_to(job[1], np.int64), 1)[0] != 0
+
+
 # (one signature, compiled once: every caller's types)
 @njit(types.int64(types.int64[::1], _JOB, _JOB, types.boolean), cache=True, nogil=True)
 def run_jobs(board, own, other, both):
@@ -279,9 +293,7 @@ def run_jobs(board, own, other, both):
     if posted:
         board[JOB], board[JOB + 1] = other[0], other[1]
         store_release(board, STATE, POSTED)
-    job = carray(stack_buffer(1, np.int64), 1)
-    job[0] = own[1]
-    call_address(own[0], job)
+    _run(own)
     waited = -1
     if posted:
         start = cycles()
@@ -299,25 +311,17 @@ def run_jobs(board, own, other, both):
         store_release(board, STATE, IDLE)
         waited = cycles() - start
     elif both:
-        job[0] = other[1]
-        call_address(other[0], job)
-    failed = carray(pointer_to(own[1], np.int64), 1)[0]
-    if both:
-        failed |= carray(pointer_to(other[1], np.int64), 1)[0]
-    return RAISED if failed else waited
+        _run(other)
+    return RAISED if _raised(own) or (both and _raised(other)) else waited
 
 
 @njit(types.int64(_JOB, _JOB), cache=True, nogil=True)
 def run_here(own, other):
     """Run the jobs ``own`` and ``other`` on this thread, as ``run_jobs``
     does where the helper is not free: -1, or ``RAISED``."""
-    job = carray(stack_buffer(1, np.int64), 1)
-    failed = 0
-    for part in (own, other):
-        job[0] = part[1]
-        call_address(part[0], job)
-        failed |= carray(pointer_to(part[1], np.int64), 1)[0]
-    return RAISED if failed else -1
+    _run(own)
+    _run(other)
+    return RAISED if _raised(own) or _raised(other) else -1
 
 
 @njit(types.boolean(types.int64[::1], _JOB), cache=True, nogil=True)
@@ -353,7 +357,7 @@ def finish_job(board, job):
             yield_core()  # (started, not done: the helper's thread may need this core)
         pause()
     store_release(board, STATE, IDLE)
-    return RAISED if carray(pointer_to(job[1], np.int64), 1)[0] else 0
+    return RAISED if _raised(job) else 0
 
 
 # a run of sequences is cut in two, one part for the helper, from this many
