@@ -98,9 +98,10 @@ def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
 def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n, own):
     """stepnet's own loop cut by columns, the library's by rows: the helper
     runs the second part (its job counter moves), and the result equals the
-    product computed whole on the calling thread (ALONE), bit for bit where
-    the cut cannot change a sum (the own loop), and equals the same cut
-    computed alone in any case."""
+    product computed whole on the calling thread, bit for bit: on a board
+    that does not share (ALONE), and on the helper's board with the helper
+    asleep (``run_parts_or_whole``: the whole product here; a library
+    computes each row alike in any part of 8 rows or more)."""
     blas.register_small_gemm(np.float32)
     table = np.array([[1 << 40], [10**6 if own else 0]], np.int64)
     a = rng.standard_normal((m, k)).astype(np.float32)
@@ -110,9 +111,8 @@ def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n
     shared = np.full((m, n), np.nan, np.float32)
     assert _until_the_helper_helps(lambda: _products(a, w, shared, table, threads.BOARD, 20))
     np.testing.assert_allclose(shared, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
-    if own:
-        np.testing.assert_array_equal(shared, alone)
-    threads.dismiss_helper()  # the cut computed by this thread alone: the same bits
+    np.testing.assert_array_equal(shared, alone)
+    threads.dismiss_helper()  # the whole product computed here: the same bits
     time.sleep(0.01)
     again = np.full((m, n), np.nan, np.float32)
     _products(a, w, again, table, threads.BOARD, 1)
@@ -247,7 +247,7 @@ def test_a_product_whose_helper_never_comes_stops_posting_to_it(rng):
     """A board whose helper is free but never comes: each handover waits
     ``PATIENCE`` cycles and is taken back, a loss; after a window of them
     the product's class (``[1, 128] @ [128, 384]``: class 3) pauses, and
-    while paused runs both parts here (no job posted: taken back stops
+    while paused runs the whole product here (no job posted: taken back stops
     counting); the result stays the same bits."""
     board, a, w, whole = _helper_never_comes(rng)
     out = np.full((1, 384), np.nan, np.float32)
@@ -369,6 +369,37 @@ def test_a_job_that_raises_says_so_and_one_that_does_not_runs(rng):
     assert _until_the_helper_helps(lambda: _two_jobs(threads.BOARD, 6.0, -1.0, out_a, out_b, True)
                                    == threads.RAISED)
     assert out_a[0] == 6.0
+
+
+@njit(nogil=True)
+def _parts_or_whole(board, a, b, whole, out):
+    """``run_parts_or_whole`` of three jobs writing ``out[0]``, ``out[1]``
+    and ``out[2]`` (the whole)."""
+    return threads.run_parts_or_whole(board, atomics.job_of(_fails_on_negative, (a, out[0:1])),
+                                      atomics.job_of(_fails_on_negative, (b, out[1:2])),
+                                      atomics.job_of(_fails_on_negative, (whole, out[2:3])))
+
+
+def test_a_product_whose_helper_is_busy_runs_whole_here():
+    """``run_parts_or_whole``: where the helper is not free (asleep, claimed,
+    running another job: the other half of a run's sequences, say) the whole
+    job runs here and neither part (-1, or ``RAISED``); where it is free the
+    two parts run (a helper that never comes: posted, taken back after
+    ``PATIENCE``) and not the whole."""
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    for state in (threads.ABSENT, threads.CLAIMED, threads.POSTED, threads.RUNNING, threads.DONE):
+        board[threads.STATE] = state
+        out = np.zeros(3)
+        assert _parts_or_whole(board, 1.0, 2.0, 3.0, out) == -1
+        assert out.tolist() == [0.0, 0.0, 3.0] and board[threads.STATE] == state
+        assert _parts_or_whole(board, 1.0, 2.0, -3.0, out) == threads.RAISED
+    board[threads.STATE] = threads.IDLE
+    out = np.zeros(3)
+    assert _parts_or_whole(board, 1.0, 2.0, 3.0, out) >= 0
+    assert out.tolist() == [1.0, 2.0, 0.0]
+    assert board[threads.TAKEN_BACK] == 1 and board[threads.STATE] == threads.IDLE
+    assert _parts_or_whole(board, 1.0, -2.0, 3.0, out) == threads.RAISED
 
 
 def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():

@@ -714,17 +714,21 @@ _WAIT_BALANCED = 100
 
 
 @njit(inline="always")
-def _shared(board, work, own, other, own_part, whole):
-    """``threads.run_jobs(board, own, other, True)`` for a product of
-    ``work`` multiply-adds cut at ``own_part`` of its ``whole`` (columns,
-    rows), judged (``threads.judge_sharing``): where the helper's handovers
-    cost more than they save, its class runs both parts here for a while
-    (the same cut: the same bits)."""
+def _shared(board, work, own, other, both, own_part, whole):
+    """A product of ``work`` multiply-adds cut at ``own_part`` of its
+    ``whole`` (columns, rows): the job ``own`` here and ``other`` on the
+    helper where it is free (``threads.run_parts_or_whole``), judged
+    (``threads.judge_sharing``); else the job ``both``, the whole product,
+    here. Where the helper's handovers cost more than they save, its class
+    runs the whole product here for a while. The bits are the same either
+    way: stepnet's own loop computes each column, a library each row, alike
+    in any part (a row of a library's product by its rows alone is a
+    vector product, another kernel: the cut leaves 8 rows or more a part)."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
-        return threads.run_here(own, other)
-    waited = threads.run_jobs(board, own, other, True)
+        return threads.run_here(both)
+    waited = threads.run_parts_or_whole(board, own, other, both)
     if waited >= 0:
         end = cycles()
         threads.judge_sharing(board, c, end - start - waited, waited, own_part, whole, end)
@@ -748,8 +752,9 @@ def _own_shared(a, w, ld, panel, out, board):
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
     waited = _shared(board, m * k * n, job_of(_own_columns, (a, w, ld, panel, out, 0, cut)),
-                     job_of(_own_columns, (a, w, ld, panel, out, cut, n)), cut, n)
-    if waited < 0:  # (not shared: both parts computed here)
+                     job_of(_own_columns, (a, w, ld, panel, out, cut, n)),
+                     job_of(_own_columns, (a, w, ld, panel, out, 0, n)), cut, n)
+    if waited < 0:  # (not shared: the whole computed here)
         return
     if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
         board[threads.BALANCE] = shift + 1  # (races between kernels only move it)
@@ -827,7 +832,8 @@ def _hoisted(a, b, out, small_rows, board, add):
         _library_gemm(a, b, out, beta)
     else:  # (the library raises nothing)
         _shared(board, m * k * n, job_of(_library_gemm, (a[:cut], b, out[:cut], beta)),
-                job_of(_library_gemm, (a[cut:], b, out[cut:], beta)), cut, m)
+                job_of(_library_gemm, (a[cut:], b, out[cut:], beta)),
+                job_of(_library_gemm, (a, b, out, beta)), cut, m)
 
 
 @njit(cache=True)
@@ -873,7 +879,8 @@ def taps_product(a, w, out, dilation, board):
     else:
         _shared(board, rows * a.shape[1] * w.shape[0] * out.shape[1],
                 job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
-                job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut, rows)
+                job_of(_taps_rows, (a, w, out, dilation, cut, rows)),
+                job_of(_taps_rows, (a, w, out, dilation, 0, rows)), cut, rows)
 
 
 def board_for_product(multiply_adds):
@@ -909,7 +916,8 @@ def gemm_packed(a, prepared, out):
             _library_product(a, prepared, out)
         else:  # (the library's product raises nothing)
             _shared(board, m * k * n, job_of(_library_product, (a[:cut], prepared, out[:cut])),
-                    job_of(_library_product, (a[cut:], prepared, out[cut:])), cut, m)
+                    job_of(_library_product, (a[cut:], prepared, out[cut:])),
+                    job_of(_library_product, (a, prepared, out)), cut, m)
 
 
 @njit(cache=True)
