@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -400,6 +401,51 @@ def test_a_product_whose_helper_is_busy_runs_whole_here():
     assert out.tolist() == [1.0, 2.0, 0.0]
     assert board[threads.TAKEN_BACK] == 1 and board[threads.STATE] == threads.IDLE
     assert _parts_or_whole(board, 1.0, -2.0, 3.0, out) == threads.RAISED
+
+
+@njit
+def _now():
+    return atomics.cycles()
+
+
+def _serving(board, linger):
+    """``threads._serve(board, linger)`` on a thread of its own (started)."""
+    thread = threading.Thread(target=threads._serve, args=(board, linger), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_kernel_holds_the_helper_awake_through_its_first_work():
+    """The helper goes back to sleep ``linger`` cycles after its last job,
+    but not before the hold a kernel given the board sets at its start
+    (``hold_helper``, from ``board_for_one_group``): a kernel whose work
+    before its first handover outlasts the linger still finds it spinning
+    (a training step's backward right after its forward cut nothing and ran
+    on one core)."""
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    board[threads.STATE] = threads.WAKING
+    start = _now()
+    threads.hold_helper(board)
+    assert board[threads.HELD_UNTIL] >= start + threads.HOLD
+    board[threads.HELD_UNTIL] = _now() + (1 << 50)  # (held for good, until released below)
+    serving = _serving(board, 1 << 10)  # (a linger of well under a microsecond)
+    deadline = time.monotonic() + 60
+    while board[threads.STATE] == threads.WAKING and time.monotonic() < deadline:
+        time.sleep(0.001)  # (its loop compiled or loaded on its thread, the first time)
+    time.sleep(0.05)
+    assert serving.is_alive() and board[threads.STATE] == threads.IDLE
+    board[threads.HELD_UNTIL] = 0
+    serving.join(10)
+    assert not serving.is_alive() and board[threads.STATE] == threads.ABSENT
+    board[threads.STATE] = threads.WAKING  # not held: asleep once the linger passes
+    serving = _serving(board, 1 << 10)
+    serving.join(10)
+    assert not serving.is_alive() and board[threads.STATE] == threads.ABSENT
+    if not ONE_THREAD:
+        start = _now()
+        assert threads.board_for_one_group() is threads.BOARD
+        assert threads.BOARD[threads.HELD_UNTIL] >= start + threads.HOLD
 
 
 def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():

@@ -127,7 +127,11 @@ WINDOW_START = 8
 NET = WINDOW_START + CLASSES
 PAUSED_UNTIL = NET + CLASSES
 PAUSE_LEVEL = PAUSED_UNTIL + CLASSES
-BOARD_SIZE = PAUSE_LEVEL + CLASSES
+# the cycle before which the helper does not go back to sleep however long
+# it has been without a job (``hold_helper``: a kernel given the board holds
+# it from its start through the work before its first handover)
+HELD_UNTIL = PAUSE_LEVEL + CLASSES
+BOARD_SIZE = HELD_UNTIL + 1
 
 
 def _board():
@@ -145,6 +149,13 @@ BOARD[SHARES] = 1
 ALONE = _board()
 # cycles the helper spins after its last job (about half a millisecond)
 HELPER_LINGER = 1 << 21
+# cycles a kernel given the board holds the helper awake from its start
+# (about 3 ms): the work a kernel does before its first handover (its
+# weights transposed and packed, the products before its time loop) took
+# longer than HELPER_LINGER in the backward of a training step right after
+# its forward (the helper spinning from the forward's job went to sleep
+# before the backward's cut of its sequences, which then ran on one core)
+HOLD = 1 << 23
 # cycles a kernel done with its part waits for the helper to start the job
 # before it runs the job itself (the helper's thread is not on a core: the
 # machine has more threads running than cores); a job started and not done
@@ -155,7 +166,7 @@ PATIENCE = 1 << 14
 @njit(cache=True, nogil=True)
 def _serve(board, linger):
     """The helper's loop: run each job posted, until ``linger`` cycles pass
-    without one or a dismissal."""
+    without one (and the hold, ``hold_helper``, has passed) or a dismissal."""
     compare_exchange(board, STATE, WAKING, IDLE)  # (unless a job was posted already)
     last = cycles()
     while True:
@@ -170,8 +181,9 @@ def _serve(board, linger):
         elif state == ABSENT:
             return
         elif state == IDLE:
-            idle = cycles() - last
-            if idle > linger:
+            now = cycles()
+            idle = now - last
+            if idle > linger and now > board[HELD_UNTIL]:
                 if compare_exchange(board, STATE, IDLE, ABSENT):
                     return
             elif idle > linger >> 4:
@@ -464,12 +476,21 @@ def wake_helper() -> None:
 
 def board_for_one_group():
     """The board of a kernel run as one group of sequences: ``BOARD`` where
-    the helper can help (and woken if asleep), else ``ALONE``."""
+    the helper can help (woken if asleep, and held awake for the kernel's
+    first ``HOLD`` cycles: ``hold_helper``), else ``ALONE``."""
     if not SPINS or count() < 2:
         return ALONE
     if BOARD[STATE] == ABSENT:
         wake_helper()
+    hold_helper(BOARD)
     return BOARD
+
+
+@njit(types.void(types.int64[::1]), cache=True, nogil=True)
+def hold_helper(board):
+    """Keep the helper of ``board`` from going back to sleep for the next
+    ``HOLD`` cycles, jobs or none (``_serve``)."""
+    board[HELD_UNTIL] = max(board[HELD_UNTIL], cycles() + HOLD)
 
 
 def dismiss_helper() -> None:
