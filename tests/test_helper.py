@@ -19,7 +19,7 @@ from numba import njit
 import stepnet as sn
 from conftest import assert_close
 from nets import nested_encoder
-from stepnet.jit import ahead, atomics, blas, threads
+from stepnet.jit import ahead, atomics, blas, numba_cpu, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
@@ -322,7 +322,8 @@ def test_a_nested_net_gives_half_of_its_chapters_to_the_helper(flags):
     """Chapters of paragraphs of words (weights of 64 x 64: too small to
     share a product, and too few words for groups on Python's threads): the
     helper takes half of the chapters' time loops, inner nets and all (an
-    output of every word, ragged, keeps the run on this thread); the kernel
+    output of every word, ragged, keeps the chapters on this thread; a
+    word-level net run before their time loop is cut apart); the kernel
     equals the interpreter whoever runs which chapters, empty chapters and
     paragraphs included."""
     rng = np.random.default_rng(11)
@@ -338,8 +339,11 @@ def test_a_nested_net_gives_half_of_its_chapters_to_the_helper(flags):
         assert _until_the_helper_helps(lambda: net.rnn(backend="numba"))
     got = net.rnn(backend="numba")
     assert_close(got, expected)
-    # (every chapter on this thread where an output is ragged)
-    assert ("group_cut(" in net.rnn.compile("numba").source) == shares
+    # every chapter on this thread where an output is ragged (a nested net
+    # run before the chapters' time loop is cut all the same), else every
+    # net program() runs cut: no groups on Python's threads
+    assert numba_cpu.generate_source(net.rnn.program(True))[1].cuts_sequences == shares
+    assert "group_cut(" in net.rnn.compile("numba").source
 
 
 @njit(nogil=True)

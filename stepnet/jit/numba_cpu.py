@@ -169,6 +169,7 @@ class _Module:
         self.largest_weights = 0  # elements of the largest weights of a product
         self.largest_step_weights = 0  # ... of a product in a time step
         self.cuts_sequences = False  # program() gives a part of its sequences to the helper
+        self.runs_uncut = False  # ... and runs a net over all of its sequences (not cut)
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -296,7 +297,8 @@ def generate_source(program: ir.Program):
     src += ["    " + line for line in [_WIDE_VECTORS] + body]
     layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
-                     sorted(module.same_lod), module.largest_weights, module.cuts_sequences)
+                     sorted(module.same_lod), module.largest_weights,
+                     module.cuts_sequences and not module.runs_uncut)
     return "\n".join(src) + "\n", layout
 
 
@@ -338,7 +340,7 @@ class _Layout:
     given: list  # per rnn output: whether program() takes its buffer (last parameters)
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
     largest_weights: int  # elements of the largest weights of a product (0: none)
-    cuts_sequences: bool  # program() cuts its sequences in two with the helper (group_cut)
+    cuts_sequences: bool  # program() cuts the sequences of each of its nets with the helper
 
 
 def _program_inputs(module, program, values):
@@ -1006,12 +1008,16 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     fn = [f"def {fname}({', '.join(params + gargs)}):", "    " + _WIDE_VECTORS] + fn_lines
     fn.insert(0, _RNN_DECORATOR)
     ctx.module.functions.append(fn)
-    if (ctx.mode == "program" and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
+    # program()'s own nets (the top-level one, and the nested ones that need
+    # nothing of its steps, run before its time loop: ``_render_rnn``)
+    at_program = ctx.mode in ("program", "hoist")
+    if (at_program and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
             and _sequences_apart(ctx, eqn, outs)):
         ctx.lines += _shared_call(ctx, fname, args, gargs, len_expr)
         ctx.module.cuts_sequences = True
     else:
         ctx.lines.append(f"call_apart({fname}, ({', '.join(args + gargs)}))")
+        ctx.module.runs_uncut |= at_program
     ctx.module.gargs.extend(hoisted_lasts)
     return outs
 
@@ -1702,9 +1708,9 @@ class NumbaProgram:
         self.same_lod = layout.same_lod
         self.largest_weights = layout.largest_weights
         body = program.eqn.attrs["body"]
-        # program() cuts its sequences in two with the helper, and its step
-        # runs no nested net (which would run before the cut, on one core)
-        self.cuts_sequences = layout.cuts_sequences and not any(e.op == "rnn" for e in body.eqns)
+        # program() cuts the sequences of each net it runs (a nested net run
+        # before its time loop as well) in two with the helper
+        self.cuts_sequences = layout.cuts_sequences
         self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
         # the widest value a step computes: the work per token, for splitting
@@ -1772,8 +1778,8 @@ class NumbaProgram:
         """Whether a run of ``num_sequences`` top-level sequences over ``rows``
         data rows of ``width`` elements runs as groups on Python threads (the
         work per row: the widest of that and of the values a step computes).
-        Not where the helper is the one other thread and program() cuts its
-        sequences with it: handing a group to a Python thread and joining it
+        Not where the helper is the one other thread and program() cuts the
+        sequences of each of its nets with it: handing a group to a Python thread and joining it
         costs a few hundred microseconds on a virtual machine, the helper's
         handover well under one (README, *How the Numba backend works*)."""
         if num_sequences < 2 or rows * max(width, self.work_width) < threads.SPLIT_MIN_WORK:

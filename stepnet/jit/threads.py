@@ -10,7 +10,7 @@ The helper is for runs too small for Python's threads (handing work to one
 costs tens of microseconds on a virtual machine), not for a thread already
 spinning in compiled code, which picks a job up in well under a microsecond:
 a run of one group of sequences (a stream's chunk of 64 streams; one
-sequence; with two threads, any run of a net without nested nets:
+sequence; with two threads, any run whose nets all cut their sequences:
 ``NumbaProgram.splits``). A job is a compiled function and its arguments
 (``atomics.job_of``). A kernel given ``BOARD`` cuts its work in two (its
 sequences: ``group_cut``; a product, by rows or columns: ``blas``) and calls
