@@ -1779,9 +1779,10 @@ class NumbaProgram:
         data rows of ``width`` elements runs as groups on Python threads (the
         work per row: the widest of that and of the values a step computes).
         Not where the helper is the one other thread and program() cuts the
-        sequences of each of its nets with it: handing a group to a Python thread and joining it
-        costs a few hundred microseconds on a virtual machine, the helper's
-        handover well under one (README, *How the Numba backend works*)."""
+        sequences of each of its nets with it: handing a group to a Python
+        thread and joining it costs a few hundred microseconds on a virtual
+        machine, the helper's handover well under one (README, *How the
+        Numba backend works*)."""
         if num_sequences < 2 or rows * max(width, self.work_width) < threads.SPLIT_MIN_WORK:
             return False
         count = threads.count()  # (asking Numba for its threads costs microseconds)
