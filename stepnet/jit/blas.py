@@ -714,12 +714,12 @@ _WAIT_BALANCED = 100
 
 
 @njit(inline="always")
-def _shared(board, work, own, other, both, own_part, whole):
+def _shared(board, work, own, other, whole_job, own_part, whole):
     """A product of ``work`` multiply-adds cut at ``own_part`` of its
     ``whole`` (columns, rows): the job ``own`` here and ``other`` on the
     helper where it is free (``threads.run_parts_or_whole``), judged
-    (``threads.judge_sharing``); else the job ``both``, the whole product,
-    here. Where the helper's handovers cost more than they save, its class
+    (``threads.judge_sharing``); else the job ``whole_job``, the whole
+    product, here. Where the helper's handovers cost more than they save, its class
     runs the whole product here for a while. The bits are the same either
     way: stepnet's own loop computes each column, a library each row, alike
     in any part (a row of a library's product by its rows alone is a
@@ -727,8 +727,8 @@ def _shared(board, work, own, other, both, own_part, whole):
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
-        return threads.run_here(both)
-    waited = threads.run_parts_or_whole(board, own, other, both)
+        return threads.run_here(whole_job)
+    waited = threads.run_parts_or_whole(board, own, other, whole_job)
     if waited >= 0:
         end = cycles()
         threads.judge_sharing(board, c, end - start - waited, waited, own_part, whole, end)
