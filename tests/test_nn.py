@@ -636,6 +636,43 @@ def test_parameters_are_stepnet_parameters_of_the_layer_dtype(layer_kind):
     assert held >= matrices
 
 
+@pytest.mark.parametrize("layer_kind, options", [
+    ("GRU", {"linear_before_reset": True}), ("LSTM", {}),
+    ("LSTM", {"num_layers": 2, "direction": "bidirectional_concat"})])
+def test_a_layers_joined_weights_are_its_parameters_memory(rng, layer_kind, options):
+    """The Numba kernel's products join the gates' weights by columns; a
+    layer keeps them so joined, and the join is its Parameters' memory: no
+    copy a call, and a change made in place (an optimizer's) is seen."""
+    from stepnet.backends import compiled
+
+    layer = getattr(nn(), layer_kind)(4, 6, seed=0, **options)
+    joins = 0
+    for key in layer._params:
+        rnn = layer.step_net(*key)
+        flags = (True,) + (False,) * len(layer.state_widths())
+        run = compiled(rnn, "numba")._runner(flags)
+        run = getattr(run, "numba_program", run)
+        consts = rnn.const_values()
+        prepared = run.prepare(consts)[len(run.consts):-1]  # (then the small-products rows)
+        for gates, joined in zip(run.concatenated.values(), prepared, strict=True):
+            parts = [consts[v] for v in gates]
+            np.testing.assert_array_equal(joined, np.concatenate(parts, axis=1))
+            assert joined.flags.c_contiguous and all(np.shares_memory(joined, p) for p in parts)
+            joins += 1
+    assert joins == 2 * len(layer._params)  # x @ W and h @ R, in every step-net
+    X = make_lod(rng, LENGTHS, 4, np.float32)
+    before = call(layer, X, backend="numba")[0].data
+    for p in layer.parameters():
+        p.value[...] = p.value * 0.5  # in place, as stepnet.optim
+    copy = getattr(nn(), layer_kind)(4, 6, seed=0, **options)
+    for p, q in zip(copy.parameters(), layer.parameters()):
+        p.value[...] = q.value
+    after = call(layer, X, backend="numba")[0].data
+    expected = call(copy, X, backend="numba")[0].data
+    assert not np.allclose(after, before)
+    np.testing.assert_array_equal(after, expected)
+
+
 def test_seed_makes_weights_reproducible():
     a = nn().LSTM(4, 6, seed=1).onnx_weights(0)
     b = nn().LSTM(4, 6, seed=1).onnx_weights(0)

@@ -186,6 +186,25 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     assert [len([p for p in ps if re.fullmatch(r"c\d+", p)]) for ps in params] == [4, 4]
 
 
+def test_weights_side_by_side_are_joined_as_a_view_of_them(rng):
+    from stepnet.jit.numba_cpu import side_by_side
+
+    base = rng.standard_normal((5, 12)).astype(np.float32)
+    a, b, c = base[:, :4], base[:, 4:9], base[:, 9:]
+    for parts, view in [([a, b, c], True), ([a, b], True), ([b, c], True),
+                        ([b, a, c], False), ([a, c], False),
+                        ([a, b.copy(), c], False), ([base[1:, :4], base[1:, 4:]], True),
+                        ([base[:, :4][:, ::2], base[:, 4:9]], False),
+                        ([np.ascontiguousarray(a), np.ascontiguousarray(b)], False),
+                        ([np.asfortranarray(base)[:, :4], np.asfortranarray(base)[:, 4:]], False)]:
+        joined = side_by_side(parts)
+        assert (joined is not None) == view
+        if view:
+            np.testing.assert_array_equal(joined, np.concatenate(parts, axis=1))
+            assert all(np.shares_memory(joined, p) for p in parts)
+            assert joined.flags.c_contiguous == (joined.shape[1] == base.shape[1])
+
+
 def test_rebinding_never_recompiles(rng):
     X = lod(rng, [3, 2], 4)
     rnn = gru_net(X, rng)

@@ -1703,6 +1703,7 @@ class NumbaProgram:
         self.top_inputs = layout.top_inputs
         self.top_outputs = layout.top_outputs
         self.concatenated = layout.concatenated
+        self._views = {}  # a join's ident -> (its parts, their view): NumbaProgram._joined
         self.schedule = layout.schedule
         self.given = layout.given
         self.same_lod = layout.same_lod
@@ -1769,10 +1770,23 @@ class NumbaProgram:
         small-product rows: ``blas.small_rows_table()`` unless given), laid
         out once for any number of :meth:`run_prepared` calls."""
         const_args = [read_only(consts[v]) for v in self.consts]
-        const_args += [read_only(np.concatenate([consts[v] for v in joined], axis=1))
-                       for joined in self.concatenated.values()]
+        const_args += [self._joined(ident, [consts[v] for v in joined])
+                       for ident, joined in self.concatenated.items()]
         const_args.append(blas.small_rows_table() if small_rows is None else small_rows)
         return const_args
+
+    def _joined(self, ident, parts):
+        """The weights ``parts`` joined by columns for the kernel: a copy a
+        call, or where the parts are already side by side (:func:`side_by_side`)
+        a view of them, kept for the next call with the same arrays."""
+        kept = self._views.get(ident)
+        if kept is not None and all(a is b for a, b in zip(kept[0], parts)):
+            return kept[1]
+        view = side_by_side(parts)
+        if view is not None and view.flags.c_contiguous:
+            self._views[ident] = (parts, view)  # (the parts kept: their ids stay theirs)
+            return view
+        return read_only(np.concatenate(parts, axis=1))
 
     def splits(self, rows, width, num_sequences):
         """Whether a run of ``num_sequences`` top-level sequences over ``rows``
@@ -1940,6 +1954,27 @@ class NumbaProgram:
 # argument types are asked for (a call before the rows are measured)
 _SMALL_ROWS_TYPE = np.zeros((3, 1), np.int64)
 _SMALL_ROWS_TYPE.flags.writeable = False
+
+
+def side_by_side(parts):
+    """``parts`` joined by columns as one view of their memory, where they
+    are already side by side: views of one array, each row of each part
+    right after the same row of the part before (a layer's gate weights:
+    ``stepnet.nn``); else None. The view sees a change made in place to a
+    part, as the parts do."""
+    first = parts[0]
+    base, rows, itemsize = first.base, first.shape[0], first.itemsize
+    if base is None or first.ndim != 2 or first.strides[1] != itemsize:
+        return None
+    address = first.__array_interface__["data"][0]
+    for p in parts:
+        if not (p.base is base and p.ndim == 2 and p.dtype == first.dtype
+                and p.shape[0] == rows and p.strides == first.strides
+                and p.__array_interface__["data"][0] == address):
+            return None
+        address += p.shape[1] * itemsize
+    width = sum(p.shape[1] for p in parts)
+    return np.lib.stride_tricks.as_strided(first, (rows, width), first.strides, writeable=False)
 
 
 def read_only(array):

@@ -25,6 +25,16 @@ GATES = {
     "lstm": ("i", "o", "f", "c"),
 }
 PEEPHOLES = ("i", "o", "f")
+# the order in which a step reads each gate's ``x @ W`` and ``h @ R``: the
+# Numba backend joins a step's products with one left operand by columns in
+# this order, and a layer keeps each kind of its gate weights as one array
+# so ordered (``stepnet.nn``: the join is then a view, not a copy a call)
+READ_ORDER = {
+    "rnn": ("i",),
+    "gru": ("z", "r", "h"),
+    "augru": ("z", "r", "h"),
+    "lstm": ("i", "f", "c", "o"),
+}
 
 # ONNX's activation functions: name -> (callable(x, alpha, beta), default alpha,
 # default beta); a default of None means the function takes no such argument.

@@ -153,7 +153,19 @@ class _RecurrentLayer:
         prefix = f"l{layer}_{self._direction_name(d)}"
         params = {}
         for kind, value in arrays.items():
-            if isinstance(value, dict):
+            if kind in ("W", "R"):  # one array, the gates' Parameters views of it
+                order = cells.READ_ORDER[self.cell]
+                joined = np.ascontiguousarray(
+                    np.concatenate([np.asarray(value[g], self.dtype) for g in order], axis=1))
+                columns, start = {}, 0
+                for g in order:
+                    columns[g] = joined[:, start:start + value[g].shape[1]]
+                    start += value[g].shape[1]
+                params[kind] = {}
+                for g in value:  # (in the given order: parameters()' order)
+                    params[kind][g] = Parameter(columns[g], name=f"{prefix}_{kind}_{g}")
+                    params[kind][g].value = columns[g]  # (Parameter copies what it is given)
+            elif isinstance(value, dict):
                 params[kind] = {g: Parameter(np.ascontiguousarray(v, self.dtype),
                                              name=f"{prefix}_{kind}_{g}")
                                 for g, v in value.items()}
