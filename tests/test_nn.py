@@ -14,6 +14,8 @@ Every stepnet run happens on the interpreter and on Numba; the two must also
 agree with each other within ``conftest.assert_close``'s tolerance.
 """
 
+import copy
+
 import numpy as np
 import pytest
 from conftest import assert_close
@@ -639,13 +641,17 @@ def test_parameters_are_stepnet_parameters_of_the_layer_dtype(layer_kind):
 @pytest.mark.parametrize("layer_kind, options", [
     ("GRU", {"linear_before_reset": True}), ("LSTM", {}),
     ("LSTM", {"num_layers": 2, "direction": "bidirectional_concat"})])
-def test_a_layers_joined_weights_are_its_parameters_memory(rng, layer_kind, options):
+@pytest.mark.parametrize("copied", [False, True], ids=["layer", "deepcopy"])
+def test_a_layers_joined_weights_are_its_parameters_memory(rng, layer_kind, options, copied):
     """The Numba kernel's products join the gates' weights by columns; a
-    layer keeps them so joined, and the join is its Parameters' memory: no
-    copy a call, and a change made in place (an optimizer's) is seen."""
+    layer keeps them so joined (a deep copy too), and the join is its
+    Parameters' memory: no copy a call, and a change made in place (an
+    optimizer's) is seen."""
     from stepnet.backends import compiled
 
     layer = getattr(nn(), layer_kind)(4, 6, seed=0, **options)
+    if copied:
+        layer = copy.deepcopy(layer)
     joins = 0
     for key in layer._params:
         rnn = layer.step_net(*key)
@@ -664,11 +670,11 @@ def test_a_layers_joined_weights_are_its_parameters_memory(rng, layer_kind, opti
     before = call(layer, X, backend="numba")[0].data
     for p in layer.parameters():
         p.value[...] = p.value * 0.5  # in place, as stepnet.optim
-    copy = getattr(nn(), layer_kind)(4, 6, seed=0, **options)
-    for p, q in zip(copy.parameters(), layer.parameters()):
+    twin = getattr(nn(), layer_kind)(4, 6, seed=0, **options)
+    for p, q in zip(twin.parameters(), layer.parameters()):
         p.value[...] = q.value
     after = call(layer, X, backend="numba")[0].data
-    expected = call(copy, X, backend="numba")[0].data
+    expected = call(twin, X, backend="numba")[0].data
     assert not np.allclose(after, before)
     np.testing.assert_array_equal(after, expected)
 

@@ -82,6 +82,13 @@ class _RecurrentLayer:
         """Pickled without a kept workspace (its step-nets drop their kernels)."""
         return dict(self.__dict__, _workspace=None)
 
+    def __setstate__(self, state):
+        """A copy's gate weights side by side again (a copy of a view is an
+        array of its own): the same Parameters, given views of new arrays."""
+        self.__dict__.update(state)
+        for params in self._params.values():
+            self._join_gate_weights(params)
+
     # -- configuration ----------------------------------------------------------
 
     @property
@@ -153,27 +160,32 @@ class _RecurrentLayer:
         prefix = f"l{layer}_{self._direction_name(d)}"
         params = {}
         for kind, value in arrays.items():
-            if kind in ("W", "R"):  # one array, the gates' Parameters views of it
-                order = cells.READ_ORDER[self.cell]
-                joined = np.ascontiguousarray(
-                    np.concatenate([np.asarray(value[g], self.dtype) for g in order], axis=1))
-                columns, start = {}, 0
-                for g in order:
-                    columns[g] = joined[:, start:start + value[g].shape[1]]
-                    start += value[g].shape[1]
-                params[kind] = {}
-                for g in value:  # (in the given order: parameters()' order)
-                    params[kind][g] = Parameter(columns[g], name=f"{prefix}_{kind}_{g}")
-                    params[kind][g].value = columns[g]  # (Parameter copies what it is given)
-            elif isinstance(value, dict):
+            if isinstance(value, dict):
                 params[kind] = {g: Parameter(np.ascontiguousarray(v, self.dtype),
                                              name=f"{prefix}_{kind}_{g}")
                                 for g, v in value.items()}
             else:
                 params[kind] = Parameter(np.ascontiguousarray(value, self.dtype),
                                          name=f"{prefix}_{kind}")
+        self._join_gate_weights(params)
         self._params[(layer, d)] = params
         self._nets.pop((layer, d), None)  # rebuilt with the new Parameters
+
+    def _join_gate_weights(self, params):
+        """Each kind of gate weights (``W``, ``R``) as one array, the gates
+        side by side in the order a step reads them (``cells.READ_ORDER``),
+        each gate's Parameter given its columns (a view): the Numba kernel's
+        join of them is then that array, not a copy a call."""
+        for kind in ("W", "R"):
+            gates = params[kind]
+            order = cells.READ_ORDER[self.cell]
+            joined = np.ascontiguousarray(
+                np.concatenate([gates[g].value for g in order], axis=1))
+            start = 0
+            for g in order:
+                width = gates[g].value.shape[1]
+                gates[g].value = joined[:, start:start + width]
+                start += width
 
     def parameters(self):
         """Every weight, layer by layer and direction by direction."""
