@@ -677,6 +677,13 @@ def test_a_layers_joined_weights_are_its_parameters_memory(rng, layer_kind, opti
     expected = call(twin, X, backend="numba")[0].data
     assert not np.allclose(after, before)
     np.testing.assert_array_equal(after, expected)
+    # a Parameter given a new array: its join is a copy of the new values
+    first, twin_first = layer.parameters()[0], twin.parameters()[0]
+    first.value = np.array(first.value) * 2
+    twin_first.value[...] = first.value
+    renewed = call(layer, X, backend="numba")[0].data
+    assert not np.allclose(renewed, after)
+    np.testing.assert_array_equal(renewed, call(twin, X, backend="numba")[0].data)
 
 
 def test_seed_makes_weights_reproducible():
