@@ -171,9 +171,18 @@ class RecurrentNode:
             sizes = [widths[min(s, len(widths) - 1)] for s in range(len(initial))]
             self._streaming = (backend, kernels, sizes) if None not in kernels else None
             return self._outputs(results, Bsz, T, out_dtype)
-        Y = np.zeros((Bsz, T, D, H), dtype)
-        for d, r in enumerate(results):
-            Y[:, :, d][mask] = r[0]
+        # Y made in the node's layout at once: each row of a direction's output
+        # at its (step, sequence), zero past each length
+        steps = np.arange(data.shape[0]) - np.repeat(offsets[:-1], lengths)
+        seqs = np.repeat(np.arange(Bsz), lengths)
+        if self.layout:
+            Y = np.zeros((Bsz, T, D, H), dtype)
+            for d, r in enumerate(results):
+                Y[seqs, steps, d] = r[0]
+        else:
+            Y = np.zeros((T, D, Bsz, H), dtype)
+            for d, r in enumerate(results):
+                Y[steps, d, seqs] = r[0]
         return self._outputs(results, Bsz, T, out_dtype, Y)
 
     def _offsets(self, Bsz, T):
@@ -189,13 +198,13 @@ class RecurrentNode:
 
     def _outputs(self, results, Bsz, T, out_dtype, Y=None):
         """``[Y, Y_h(, Y_c)]`` in the node's layout from each direction's
-        ``[Y data, h_n(, c_n)]``; ``Y`` [B, T, D, H] given where sequences
-        are ragged."""
+        ``[Y data, h_n(, c_n)]``; ``Y`` given (in the node's layout) where
+        sequences are ragged."""
         D, H = len(results), self.layer.hidden_size
         if Y is None:
             Y = (results[0][0].reshape(Bsz, T, 1, H) if D == 1
                  else np.stack([r[0].reshape(Bsz, T, H) for r in results], axis=2))
-        Y = Y if self.layout else Y.transpose(1, 2, 0, 3)
+            Y = Y if self.layout else Y.transpose(1, 2, 0, 3)
         outs = [np.ascontiguousarray(Y, out_dtype)]
         for s in range(len(results[0]) - 1):
             state = (results[0][1 + s][None] if D == 1
