@@ -639,7 +639,8 @@ def test_parameters_are_stepnet_parameters_of_the_layer_dtype(layer_kind):
 
 
 @pytest.mark.parametrize("layer_kind, options", [
-    ("GRU", {"linear_before_reset": True}), ("LSTM", {}),
+    ("GRU", {"linear_before_reset": True}), ("GRU", {}), ("LSTM", {}),
+    ("LSTM", {"input_forget": True}),
     ("LSTM", {"num_layers": 2, "direction": "bidirectional_concat"})])
 @pytest.mark.parametrize("copied", [False, True], ids=["layer", "deepcopy"])
 def test_a_layers_joined_weights_are_its_parameters_memory(rng, layer_kind, options, copied):

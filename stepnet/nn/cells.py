@@ -27,14 +27,29 @@ GATES = {
 PEEPHOLES = ("i", "o", "f")
 # the order in which a step reads each gate's ``x @ W`` and ``h @ R``: the
 # Numba backend joins a step's products with one left operand by columns in
-# this order, and a layer keeps each kind of its gate weights as one array
-# so ordered (``stepnet.nn``: the join is then a view, not a copy a call)
+# this order, and a layer keeps the gate weights it joins as one array so
+# ordered (``stepnet.nn``: the join is then a view, not a copy a call)
 READ_ORDER = {
     "rnn": ("i",),
     "gru": ("z", "r", "h"),
     "augru": ("z", "r", "h"),
     "lstm": ("i", "f", "c", "o"),
 }
+
+
+def read_groups(cell, kind, linear_before_reset=False, input_forget=False):
+    """The gates whose weights of ``kind`` (``"W"``: ``x @ W``, ``"R"``:
+    ``h @ R``) a step of ``cell`` reads as one product, in the order it
+    reads them; then, one by one, the gates it reads apart (a GRU's
+    ``(r * h) @ R_h`` without ``linear_before_reset``) or not at all (an
+    LSTM's forget gate with ``input_forget``)."""
+    apart = set()
+    if cell in ("gru", "augru") and kind == "R" and not linear_before_reset:
+        apart.add("h")
+    if cell == "lstm" and input_forget:
+        apart.add("f")
+    order = READ_ORDER[cell]
+    return [tuple(g for g in order if g not in apart)] + [(g,) for g in order if g in apart]
 
 # ONNX's activation functions: name -> (callable(x, alpha, beta), default alpha,
 # default beta); a default of None means the function takes no such argument.

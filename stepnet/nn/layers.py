@@ -172,17 +172,19 @@ class _RecurrentLayer:
         self._nets.pop((layer, d), None)  # rebuilt with the new Parameters
 
     def _join_gate_weights(self, params):
-        """Each kind of gate weights (``W``, ``R``) as one array, the gates
-        side by side in the order a step reads them (``cells.READ_ORDER``),
-        each gate's Parameter given its columns (a view): the Numba kernel's
-        join of them is then that array, not a copy a call."""
+        """The gate weights of each kind (``W``, ``R``) that a step reads as
+        one product as one array, side by side in the order it reads them
+        (``cells.read_groups``), each gate's Parameter given its columns (a
+        view): the Numba kernel's join of them is then that array, not a
+        copy a call."""
         for kind in ("W", "R"):
             gates = params[kind]
-            order = cells.READ_ORDER[self.cell]
+            group = cells.read_groups(self.cell, kind, self.linear_before_reset,
+                                      self.input_forget)[0]
             joined = np.ascontiguousarray(
-                np.concatenate([gates[g].value for g in order], axis=1))
+                np.concatenate([gates[g].value for g in group], axis=1))
             start = 0
-            for g in order:
+            for g in group:
                 width = gates[g].value.shape[1]
                 gates[g].value = joined[:, start:start + width]
                 start += width
