@@ -105,10 +105,13 @@ def fd_check(rnn, wrt, flags, feeds=None, seed=0, backends=("interpreter",),
     return results
 
 
-def backends_agree(rnn, wrt, flags, feeds=None, seed=0):
+def backends_agree(rnn, wrt, flags, feeds=None, seed=0, kinks_possible=False):
     """numba's gradients against the interpreter's (any dtype); in float64
     also against central differences of numba's own forward along random
-    directions."""
+    directions: with ``kinks_possible`` (a random net, whose memory may start
+    at exactly 0 under a ``where``, ``relu`` or ``clip``) only where the
+    functional is smooth (``smooth_at``), as no gradient equals the central
+    difference at a kink."""
     feeds = dict(feeds or {})
     rng = np.random.default_rng(seed)
     outs = as_tuple(rnn(output_all_steps=flags, backend="interpreter", **feeds))
@@ -120,7 +123,8 @@ def backends_agree(rnn, wrt, flags, feeds=None, seed=0):
     # value gives a float64 gradient of a float32 computation)
     dtype = min((data_of(o).dtype for o in outs), key=lambda d: d.itemsize)
     assert_grads_agree(got, expected, wrt, dtype, what="numba vs interpreter")
-    if all(np.asarray(g).dtype == F64 for g in got):
+    if all(np.asarray(g).dtype == F64 for g in got) and (
+            not kinks_possible or smooth_at(rnn, wrt, cots, flags, feeds)):
         assert_directional_fd(rnn, wrt, got, cots, flags, feeds, "numba", seed=seed,
                               what="numba")
     return got, expected
@@ -822,7 +826,8 @@ def _random_backends_agree(data):
     assume(not has_one_dimensional_matmul(rnn))
     outs = as_tuple(rnn(output_all_steps=flags, backend="interpreter", **feeds))
     assume(all(np.all(np.isfinite(data_of(o))) for o in outs))
-    backends_agree(rnn, wrt_of(rnn), flags, feeds, seed=data.draw(st.integers(0, 2**16)))
+    backends_agree(rnn, wrt_of(rnn), flags, feeds, seed=data.draw(st.integers(0, 2**16)),
+                   kinks_possible=True)
 
 
 _MANY = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
