@@ -37,19 +37,19 @@ READ_ORDER = {
 }
 
 
-def read_groups(cell, kind, linear_before_reset=False, input_forget=False):
+def joined_gates(cell, kind, linear_before_reset=False, input_forget=False):
     """The gates whose weights of ``kind`` (``"W"``: ``x @ W``, ``"R"``:
     ``h @ R``) a step of ``cell`` reads as one product, in the order it
-    reads them; then, one by one, the gates it reads apart (a GRU's
-    ``(r * h) @ R_h`` without ``linear_before_reset``) or not at all (an
-    LSTM's forget gate with ``input_forget``)."""
+    reads them: every gate but those it reads apart (a GRU's ``(r * h) @
+    R_h`` without ``linear_before_reset``) or not at all (an LSTM's forget
+    gate with ``input_forget``)."""
     apart = set()
     if cell in ("gru", "augru") and kind == "R" and not linear_before_reset:
         apart.add("h")
     if cell == "lstm" and input_forget:
         apart.add("f")
-    order = READ_ORDER[cell]
-    return [tuple(g for g in order if g not in apart)] + [(g,) for g in order if g in apart]
+    return tuple(g for g in READ_ORDER[cell] if g not in apart)
+
 
 # ONNX's activation functions: name -> (callable(x, alpha, beta), default alpha,
 # default beta); a default of None means the function takes no such argument.

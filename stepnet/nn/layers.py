@@ -174,13 +174,13 @@ class _RecurrentLayer:
     def _join_gate_weights(self, params):
         """The gate weights of each kind (``W``, ``R``) that a step reads as
         one product as one array, side by side in the order it reads them
-        (``cells.read_groups``), each gate's Parameter given its columns (a
+        (``cells.joined_gates``), each gate's Parameter given its columns (a
         view): the Numba kernel's join of them is then that array, not a
         copy a call."""
         for kind in ("W", "R"):
             gates = params[kind]
-            group = cells.read_groups(self.cell, kind, self.linear_before_reset,
-                                      self.input_forget)[0]
+            group = cells.joined_gates(self.cell, kind, self.linear_before_reset,
+                                       self.input_forget)
             joined = np.ascontiguousarray(
                 np.concatenate([gates[g].value for g in group], axis=1))
             start = 0
