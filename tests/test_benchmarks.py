@@ -98,11 +98,13 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
         assert r[2].startswith("numpy") and r[5] in ("yes", "no")
         fastest_ms = float(r[2].split()[-1])
         assert abs(float(r[3]) - float(r[1]) / fastest_ms) < 0.02 * float(r[3]) + 0.01
-        # the GFLOP/s the target asks for, and their share of 2 cores' FMA peak
+        # the GFLOP/s the target asks for, and their share of 2 cores' FMA
+        # peak and of the ceiling
         asked = workloads.flops(workloads.make(r[0], quick=True), "step") / (
             float(r[4]) * fastest_ms * 1e-3) / 1e9
         assert abs(float(r[7]) - asked) < 0.02 * asked + 0.1, r
         assert abs(float(r[8]) - float(r[7]) / (2 * peak)) < 0.01, r
+        assert abs(float(r[9]) - float(r[7]) / ceiling) < 0.01, r
     assert "### stepnet compile time" in report
     assert re.search(r"^\| cold .*\| warm", report, re.DOTALL | re.MULTILINE), report
 
