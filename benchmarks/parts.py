@@ -106,11 +106,11 @@ def main(argv=None):
         times = {name: [] for name in modules}
         for _ in range(args.rounds):  # (the variants in turn: a slow phase hits them alike)
             for name, mod in modules.items():
-                mod.program(*const_args, threads.ALONE, *call_args, *buffers)
+                mod.program(*const_args, threads.ALONE, numba_cpu.ROWS_IN_ORDER, *call_args, *buffers)
                 end = time.perf_counter() + args.seconds
                 while time.perf_counter() < end or len(times[name]) < 3:
                     t = time.perf_counter()
-                    mod.program(*const_args, threads.ALONE, *call_args, *buffers)
+                    mod.program(*const_args, threads.ALONE, numba_cpu.ROWS_IN_ORDER, *call_args, *buffers)
                     times[name].append(time.perf_counter() - t)
     whole = float(np.median(times["whole kernel"]))
     print(f"{key} {label}: one group's kernel on one thread, median (min) ms")

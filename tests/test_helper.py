@@ -552,8 +552,8 @@ def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng,
 def _chunk_ahead(left, sstart, slen, step, gathered, out, gathered_ahead, out_ahead, state, posts,
                  prepared):
     """A kernel's call of ``gemm_steps_ahead`` (chunks of 4 steps, one sequence)."""
-    return ahead.gemm_steps_ahead(left, 0, sstart, slen, step, 4, 1, False, gathered, prepared,
-                                  out, gathered_ahead, out_ahead, state, posts)
+    return ahead.gemm_steps_ahead(left, 0, sstart, slen, 1, step, 4, 1, False, gathered,
+                                  prepared, out, gathered_ahead, out_ahead, state, posts)
 
 
 def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):

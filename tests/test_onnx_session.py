@@ -468,6 +468,103 @@ def test_recurrent_node_called_again_and_again(direction, layout, rng):
                  InferenceSession(model, backend="interpreter").run(None, f), what="lengths")
 
 
+def _full_sequences_node(op, direction, seed, B=3, T=5, I=4, H=5):
+    """A time-major (layout 0) node without sequence_lens, its weights as
+    initializers, and ``feeds(seed)``: X and the initial states."""
+    r = np.random.default_rng(seed)
+    D, G = (2 if direction == "bidirectional" else 1), _GATES[op]
+    weights = {"W": (r.standard_normal((D, G * H, I)) * 0.6).astype(np.float32),
+               "R": (r.standard_normal((D, G * H, H)) * 0.6).astype(np.float32),
+               "B": (r.standard_normal((D, 2 * G * H)) * 0.3).astype(np.float32)}
+    states = ["initial_h"] + (["initial_c"] if op == "LSTM" else [])
+    outputs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    node = helper.make_node(op, ["X", "W", "R", "B", ""] + states, outputs, hidden_size=H,
+                            direction=direction, layout=0)
+    model = _model([node], [_float("X", ["T", "B", I])] + [_float(n, [D, "B", H]) for n in states],
+                   [_float(o) for o in outputs],
+                   [numpy_helper.from_array(v, k) for k, v in weights.items()])
+
+    def feeds(seed):
+        r = np.random.default_rng(seed)
+        f = {"X": r.standard_normal((T, B, I)).astype(np.float32)}
+        f.update({n: r.standard_normal((D, B, H)).astype(np.float32) for n in states})
+        return f
+
+    return model, feeds
+
+
+@pytest.mark.parametrize("op, direction", [("GRU", "forward"), ("LSTM", "reverse"),
+                                           ("RNN", "bidirectional"), ("LSTM", "bidirectional")])
+def test_a_time_major_node_reads_x_and_writes_y_by_steps(op, direction):
+    """A node of layout 0 over full sequences gives its prepared kernels X's
+    rows as they are, by steps (step t of sequence b at row t * B + b), and
+    takes Y's back so: nothing copied to the sequences' order and back. The
+    first such call is checked bit for bit against the sequences' order;
+    every call equals the interpreter's results."""
+    model, feeds = _full_sequences_node(op, direction, 0)
+    ours = InferenceSession(model, backend="numba")
+    oracle = InferenceSession(model, backend="interpreter")
+    node = ours.graph.nodes[0].impl
+    rows = []
+    for call in range(5):
+        if call == 2:  # (the kernels are prepared: they answered the first calls)
+            for run in node.compiled.values():
+                run.kernel.by_steps = (lambda by_steps: lambda data, *args: rows.append(data)
+                                       or by_steps(data, *args))(run.kernel.by_steps)
+        f = feeds(call)
+        assert_close(ours.run(None, f), oracle.run(None, f), what=f"{op} {direction} call {call}")
+        if call >= 2:
+            assert rows and np.shares_memory(rows[-1], f["X"]), f"call {call}: X was copied"
+    assert node._by_steps is True
+    assert len(rows) == 3 * len(node.compiled)
+
+
+def test_a_time_major_node_whose_rows_by_steps_disagree_takes_the_sequences_order(monkeypatch):
+    """Where the first call by steps does not give, bit for bit, what the
+    sequences' order gives, the node never calls by steps again: its results
+    stay right."""
+    from stepnet.onnx import recurrent
+
+    calls = []
+    prepared_kernel = recurrent._prepared_kernel
+
+    def prepare(*args):
+        call = prepared_kernel(*args)
+
+        def wrong(data, offsets, states, by_steps=call.by_steps):
+            calls.append(1)
+            y, *last = by_steps(data, offsets, states)
+            return [y[::-1].copy()] + last  # (rows in the wrong order)
+
+        call.by_steps = wrong
+        return call
+
+    monkeypatch.setattr(recurrent, "_prepared_kernel", prepare)
+    model, feeds = _full_sequences_node("GRU", "bidirectional", 1)
+    ours = InferenceSession(model, backend="numba")
+    oracle = InferenceSession(model, backend="interpreter")
+    node = ours.graph.nodes[0].impl
+    for call in range(5):
+        f = feeds(call)
+        assert_close(ours.run(None, f), oracle.run(None, f), what=f"call {call}")
+    assert node._by_steps is False and len(calls) == 2  # (once a direction)
+
+
+def test_rows_by_steps_are_only_for_sequences_of_one_length():
+    """``rows_by_steps``: each sequence starts at its index, where every
+    sequence is as long and the row step is their number; else it raises
+    (no row outside the data is ever read)."""
+    from stepnet.jit import numba_runtime
+
+    starts = np.array([0, 5, 10], np.int64)
+    numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 3)
+    assert starts.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="not all as long"):
+        numba_runtime.rows_by_steps(starts, np.array([5, 4, 5], np.int64), 3)
+    with pytest.raises(ValueError, match="not the number of sequences"):
+        numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 5)
+
+
 # ----------------------------------------------------------------------------
 # Scan: custom bodies, against onnxruntime
 

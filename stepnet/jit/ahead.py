@@ -27,8 +27,8 @@ AHEAD_WORDS = 3 + JOB_WORDS
 
 
 @njit(cache=True)
-def _gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prepared, out,
-                      gathered_ahead, out_ahead, state, posts):
+def _gemm_steps_ahead(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gathered,
+                      prepared, out, gathered_ahead, out_ahead, state, posts):
     """``gemm_steps`` at a chunk's first step, a chunk ahead: the chunk's
     product into ``out`` (computed here; or, where the last chunk posted it,
     by the helper into ``out_ahead``, its job finished or taken back first:
@@ -45,19 +45,19 @@ def _gemm_steps_ahead(left, col, sstart, slen, step, chunk, nb, reverse, gathere
     swap = state[0] != 0
     if swap:
         if threads.finish_job(board, (state[1], state[2])) == threads.RAISED:  # (raise here)
-            apart.call_apart(blas.gemm_steps, (left, col, sstart, slen, step, chunk, nb, reverse,
-                                               gathered_ahead, prepared, out_ahead))
+            apart.call_apart(blas.gemm_steps, (left, col, sstart, slen, row_step, step, chunk,
+                                               nb, reverse, gathered_ahead, prepared, out_ahead))
     else:
-        apart.call_apart(blas.gemm_steps, (left, col, sstart, slen, step, chunk, nb, reverse,
-                                           gathered, prepared, out))
+        apart.call_apart(blas.gemm_steps, (left, col, sstart, slen, row_step, step, chunk, nb,
+                                           reverse, gathered, prepared, out))
     state[0] = 0
     if posts and step + chunk < slen[0] and board[threads.SHARES] != 0:
         # into the buffers that are the caller's ahead ones after its swap
         next_gathered = gathered if swap else gathered_ahead
         next_out = out if swap else out_ahead
         job = apart.job_apart_in(state[3:], blas.gemm_steps,
-                                 (left, col, sstart, slen, step + chunk, chunk, nb, reverse,
-                                  next_gathered, prepared, next_out))
+                                 (left, col, sstart, slen, row_step, step + chunk, chunk, nb,
+                                  reverse, next_gathered, prepared, next_out))
         state[1], state[2] = job[0], job[1]
         state[0] = threads.post_job(board, job)
     return swap

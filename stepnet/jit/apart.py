@@ -187,7 +187,7 @@ def called_apart(dispatcher):
 # (elementwise ones, such as numba_runtime.sigmoid32, are linked: LLVM
 # inlines and vectorizes them)
 HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack", "group_cut",
-           "run_jobs", "sort_by_length", "starts_and_lengths")
+           "rows_by_steps", "run_jobs", "sort_by_length", "starts_and_lengths")
 gemm_hoisted = called_apart(blas.gemm_hoisted)
 gemm_hoisted_acc = called_apart(blas.gemm_hoisted_acc)
 gemm_packed = called_apart(blas.gemm_packed)
@@ -197,3 +197,4 @@ group_cut = called_apart(threads.group_cut)
 run_jobs = called_apart(threads.run_jobs)
 sort_by_length = called_apart(numba_runtime.sort_by_length)
 starts_and_lengths = called_apart(numba_runtime.starts_and_lengths)
+rows_by_steps = called_apart(numba_runtime.rows_by_steps)

@@ -921,10 +921,12 @@ def gemm_packed(a, prepared, out):
 
 
 @njit(cache=True)
-def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prepared, out):
+def gemm_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gathered, prepared,
+               out):
     """A product by chunks of steps, at a chunk's first step ``step``:
     sequence b's row of ``left`` (its columns from ``col`` on) at step
-    ``step + s`` gathered into row ``b * chunk + s`` of ``gathered`` (for the
+    ``step + s`` (row ``sstart[b] + (step + s) * row_step``; from its end
+    where ``reverse``) gathered into row ``b * chunk + s`` of ``gathered`` (for the
     ``nb`` active sequences and the steps of the chunk they have; the rows
     past a sequence's end keep what they held), then ``out[:nb * chunk] =
     gathered[:nb * chunk] @ b`` with ``prepared = pack(b, ...)``. Compiled
@@ -933,7 +935,7 @@ def gemm_steps(left, col, sstart, slen, step, chunk, nb, reverse, gathered, prep
     first = np.uint64(col)  # (unsigned: no wraparound, and the copy vectorizes)
     for b in range(nb):
         for s in range(min(chunk, slen[b] - step)):
-            r = sstart[b] + (slen[b] - 1 - step - s if reverse else step + s)
+            r = sstart[b] + (slen[b] - 1 - step - s if reverse else step + s) * row_step
             for q in range(np.uint64(k)):
                 gathered[b * chunk + s, q] = left[r, first + q]
     rows = nb * chunk

@@ -170,6 +170,7 @@ class _Module:
         self.largest_step_weights = 0  # ... of a product in a time step
         self.cuts_sequences = False  # program() gives a part of its sequences to the helper
         self.runs_uncut = False  # ... and runs a net over all of its sequences (not cut)
+        self.rows_by_steps = False  # its top-level net may take its rows by steps (row_step)
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
@@ -245,12 +246,15 @@ def generate_source(program: ir.Program):
     seqs = ir.rnn_parts(program.eqn)[0]
     top_levels = values[seqs[0]].levels
     ctx = _Ctx(module, values, "program", [])
+    module.rows_by_steps = len(top_levels) == 1
     outs = _rnn_call(ctx, sched, "starts", "lengths", "num_seq")
     # a per-step product has at most one row per sequence of its net's level
     # (an inner net may run once over all of its level's sequences)
     max_rows = ", ".join(["num_seq"] + [f"{level}.shape[0] - 1" for level in top_levels[1:]])
     body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
             "num_seq = lengths.shape[0]"]
+    if module.rows_by_steps:  # (``ROWS_IN_ORDER``; a nested net's rows are in order)
+        body += ["if row_step != 1:", "    rows_by_steps(starts, lengths, row_step)"]
     body += [f"max_rows = max({max_rows})" if len(top_levels) > 1 else "max_rows = num_seq"]
     # the rows of the call: its sequences' items (its words, in a nested net)
     body.append(f"call_rows = {top_levels[-1]}[-1] - {top_levels[-1]}[0]")
@@ -287,12 +291,14 @@ def generate_source(program: ir.Program):
     src.append(_DECORATOR)
     # the consts its code reads, then weights concatenated by the caller for
     # merged GEMMs, the small-product rows (blas.small_rows_table), the
-    # helper's board (threads.BOARD or threads.ALONE), the inputs, and the
-    # output buffers the caller gives, in the order of the outputs
+    # helper's board (threads.BOARD or threads.ALONE), the data rows' step
+    # (``ROWS_IN_ORDER``), the inputs, and the output buffers the caller gives,
+    # in the order of the outputs
     given = set(module.given_outputs)
     consts = [v for v, ident in zip(program.consts, params) if ident not in unused]
     params = ([p for p in params[:n] if p not in unused] + list(module.concatenated)
-              + ["small_rows", "board"] + params[n:] + [o[1] for o in outs if o[1] in given])
+              + ["small_rows", "board", "row_step"] + params[n:]
+              + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in [_WIDE_VECTORS] + body]
     layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
@@ -567,8 +573,8 @@ def _chunk_products(chunks, reverse, ahead):
     buffers until it is done."""
     lines = ["cs = step % chunk", "if cs == 0:"]
     for i, c in enumerate(chunks):
-        arguments = (f"{c.left.ident}, {c.left.offset}, sstart, slen, step, chunk, nb, {reverse}, "
-                     f"{c.gathered}, {c.packed}, {c.ring}")
+        arguments = (f"{c.left.ident}, {c.left.offset}, sstart, slen, row_step, step, chunk, nb, "
+                     f"{reverse}, {c.gathered}, {c.packed}, {c.ring}")
         if not (ahead and i == 0):
             lines.append(f"    gemm_steps({arguments})")
             continue
@@ -977,6 +983,9 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     _all_steps_arrays(ctx, eqn)
     fname, params, fn_lines, result_infos = _rnn_function(ctx, sched)
     args, outs, hoisted_lasts = [start_expr, len_expr], [], []
+    # the top-level net's rows may be by steps (program()'s ``row_step``); a
+    # nested net's are its level's, a sequence's one after another
+    row_step = "row_step" if start_expr == "starts" and ctx.module.rows_by_steps else "1"
     for v in list(inits) + list(statics):
         if isinstance(v, ir.Var) and ctx.values[v].kind not in ("const", "ragged"):
             args.append(_batched_arg(ctx, ctx.values[v]))  # (a ragged static is a global)
@@ -1005,7 +1014,8 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     # The function takes every array defined before its call (consts, data,
     # hoisted values, packed weights, output buffers) by name.
     gargs = list(ctx.module.gargs)
-    fn = [f"def {fname}({', '.join(params + gargs)}):", "    " + _WIDE_VECTORS] + fn_lines
+    fn = [f"def {fname}({', '.join(params + ['row_step'] + gargs)}):",
+          "    " + _WIDE_VECTORS] + fn_lines
     fn.insert(0, _RNN_DECORATOR)
     ctx.module.functions.append(fn)
     # program()'s own nets (the top-level one, and the nested ones that need
@@ -1013,10 +1023,10 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     at_program = ctx.mode in ("program", "hoist")
     if (at_program and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
             and _sequences_apart(ctx, eqn, outs)):
-        ctx.lines += _shared_call(ctx, fname, args, gargs, len_expr)
+        ctx.lines += _shared_call(ctx, fname, args, [row_step] + gargs, len_expr)
         ctx.module.cuts_sequences = True
     else:
-        ctx.lines.append(f"call_apart({fname}, ({', '.join(args + gargs)}))")
+        ctx.lines.append(f"call_apart({fname}, ({', '.join(args + [row_step] + gargs)}))")
         ctx.module.runs_uncut |= at_program
     ctx.module.gargs.extend(hoisted_lasts)
     return outs
@@ -1277,7 +1287,7 @@ def _step_body(fctx, sched, last_params, chunks=(), ahead=False):
     eqn, body = sched.eqn, sched.body
     step = ["while nb > 0 and slen[nb - 1] <= step:", "    nb -= 1"]
     pos = "slen[b] - 1 - step" if eqn.attrs["reverse"] else "step"
-    step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + {pos}"])
+    step += _nest(["for b in range(nb):"], [f"entries[b] = sstart[b] + ({pos}) * row_step"])
     if chunks:
         step += _chunk_products(chunks, eqn.attrs["reverse"], ahead)
     for res, out, p in zip(body.outputs, eqn.outputs, last_params):
@@ -1750,7 +1760,7 @@ class NumbaProgram:
 
     def signature(self, args, consts):
         """program()'s argument types for a call with ``args``."""
-        call = (self.prepare(consts, _SMALL_ROWS_TYPE) + [threads.ALONE]
+        call = (self.prepare(consts, _SMALL_ROWS_TYPE) + [threads.ALONE, ROWS_IN_ORDER]
                 + self._call_args(args) + self.output_buffers(args))
         return tuple(numba.typeof(a) for a in call)
 
@@ -1916,7 +1926,8 @@ class NumbaProgram:
         return threads.board_for_one_group()
 
     def _run(self, const_args, board, args, buffers):
-        results = self.module.program(*const_args, board, *self._call_args(args), *buffers)
+        results = self.module.program(*const_args, board, ROWS_IN_ORDER, *self._call_args(args),
+                                      *buffers)
         extra = list(results[len(self.top_outputs):])
         return [self._output(spec, arr, args, extra) for spec, arr in zip(self.top_outputs, results)]
 
@@ -1948,6 +1959,14 @@ class NumbaProgram:
         if not pieces:
             return LoDTensor(empty.data, [[0]] + [[0]] * (len(levels) - 1))
         return LoDTensor.concat(pieces)
+
+
+# program()'s ``row_step`` where the data rows are in the LoD's order: step t
+# of a top-level sequence at its first row + t. A net of one level over
+# sequences of the same length may take its rows by steps instead (ONNX's
+# time-major X and Y: step t of sequence b at row t * row_step + b, row_step
+# the number of sequences; ``onnx.recurrent``)
+ROWS_IN_ORDER = np.int64(1)
 
 
 # a stand-in of blas.small_rows_table()'s type, where only the kernel's

@@ -197,6 +197,21 @@ def sort_by_length(seq_start, seq_len):
 
 
 @njit(cache=True)
+def rows_by_steps(starts, lengths, row_step):
+    """``starts`` of a call whose data rows are by steps (step t of sequence
+    b at row ``t * row_step + b``: ONNX's time-major X): each sequence's
+    index; every sequence must have the same length and ``row_step`` be
+    their number (so that every row is the data's)."""
+    n = lengths.shape[0]
+    if row_step != n:
+        raise ValueError("rows by steps: row_step is not the number of sequences")
+    for b in range(n):
+        if lengths[b] != lengths[0]:
+            raise ValueError("rows by steps: the sequences are not all as long")
+        starts[b] = b
+
+
+@njit(cache=True)
 def starts_and_lengths(offsets):
     """Each sequence's first entry and length, from one LoD level's offsets."""
     n = offsets.shape[0] - 1

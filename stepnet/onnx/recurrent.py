@@ -67,6 +67,7 @@ class RecurrentNode:
         self.compiled = {}  # (direction, backend) -> its step-net compiled
         self._full_offsets = {}  # (batch, length) -> the offsets of full sequences
         self._streaming = None  # (backend, each direction's prepared kernel): _run_streaming
+        self._by_steps = None  # whether the prepared kernels' rows by steps agree (_run_by_steps)
 
     def _layer(self, W, R, B, P):
         ctx = self.ctx
@@ -137,14 +138,6 @@ class RecurrentNode:
         D, H, dtype = layer.num_directions, layer.hidden_size, layer.dtype
         if X.dtype.kind != "f":
             raise ctx.unsupported(f"X has dtype {X.dtype}, not floating point")
-        if lengths is None:
-            data = X.reshape(Bsz * T, X.shape[2])
-            offsets = self._offsets(Bsz, T)
-        else:
-            mask = np.arange(T) < lengths[:, None]
-            data = X[mask]
-            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        data = np.ascontiguousarray(data, dtype)
         widths = layer.state_widths()
         initial = []
         for s, (state, name) in enumerate(zip((h0, c0), ("initial_h", "initial_c"))):
@@ -156,6 +149,20 @@ class RecurrentNode:
         if ctx.op != "LSTM":
             initial = initial[:1]
         directions = [self._direction(d, backend) for d in range(D)]
+        out_dtype = np.float16 if X.dtype == np.float16 else dtype
+        if lengths is None and not self.layout:
+            outs = self._run_by_steps(X, [run.kernel for run in directions], initial, dtype,
+                                      out_dtype)
+            if outs is not None:
+                return outs
+        if lengths is None:
+            data = X.reshape(Bsz * T, X.shape[2])
+            offsets = self._offsets(Bsz, T)
+        else:
+            mask = np.arange(T) < lengths[:, None]
+            data = X[mask]
+            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        data = np.ascontiguousarray(data, dtype)
 
         def one_direction(d):
             return directions[d](data, offsets, [None if s is None else s[d] for s in initial])
@@ -165,7 +172,6 @@ class RecurrentNode:
                                         layer._direction_work(data.shape[0], [backend]))
         except Error as e:
             raise _reraise(ctx, e) from e
-        out_dtype = np.float16 if X.dtype == np.float16 else dtype
         if lengths is None:
             kernels = [run.kernel for run in directions]
             sizes = [widths[min(s, len(widths) - 1)] for s in range(len(initial))]
@@ -183,6 +189,48 @@ class RecurrentNode:
             Y = np.zeros((T, D, Bsz, H), dtype)
             for d, r in enumerate(results):
                 Y[steps, d, seqs] = r[0]
+        return self._outputs(results, Bsz, T, out_dtype, Y)
+
+    def _run_by_steps(self, X, kernels, states, dtype, out_dtype):
+        """The outputs of a time-major node over full sequences (``X`` the
+        batch-first view of ``[T, B, I]``, ``states`` ``[D, B, H]`` each or
+        None) from each direction's prepared kernel (``kernels``) reading
+        X's rows and writing Y's by steps (``numba_cpu.ROWS_IN_ORDER``):
+        neither is copied to the sequences' order and back. None where a
+        direction has no prepared kernel, or its run is split over threads,
+        or a batch of one sequence or one step (its rows are in order); the
+        first time, only if its results equal the sequences' order's bit for
+        bit (else never again)."""
+        Bsz, T, width = X.shape
+        if self._by_steps is False or T == 1 or Bsz == 1 or None in kernels:
+            return None
+        rows = np.ascontiguousarray(X.transpose(1, 0, 2), dtype).reshape(T * Bsz, width)
+        offsets = self._offsets(Bsz, T)
+
+        def one_direction(d):
+            return kernels[d].by_steps(rows, offsets, [None if s is None else s[d] for s in states])
+
+        try:
+            results = threads.run_apart(one_direction, range(len(kernels)),
+                                        self.layer._direction_work(rows.shape[0], ["numba"]))
+        except Error as e:
+            raise _reraise(self.ctx, e) from e
+        if any(r is None for r in results):
+            return None
+        H = self.layer.hidden_size
+        Y = (results[0][0].reshape(T, 1, Bsz, H) if len(results) == 1
+             else np.stack([r[0].reshape(T, Bsz, H) for r in results], axis=1))
+        if self._by_steps is None:  # checked once against the sequences' order
+            data = np.ascontiguousarray(X.reshape(Bsz * T, width), dtype)
+            expected = [kernels[d](data, offsets, [None if s is None else s[d] for s in states])
+                        for d in range(len(kernels))]
+            self._by_steps = all(
+                np.array_equal(r[0].reshape(T, Bsz, H), e[0].reshape(Bsz, T, H).transpose(1, 0, 2),
+                               equal_nan=True)
+                and all(np.array_equal(a, b, equal_nan=True) for a, b in zip(r[1:], e[1:]))
+                for r, e in zip(results, expected))
+            if not self._by_steps:
+                return None
         return self._outputs(results, Bsz, T, out_dtype, Y)
 
     def _offsets(self, Bsz, T):
@@ -242,6 +290,10 @@ class RecurrentNode:
                 if state.shape != (len(kernels), Bsz, size):
                     return None
             states.append(state)
+        if not self.layout:
+            outs = self._run_by_steps(X, kernels, states, dtype, dtype)
+            if outs is not None:
+                return outs
         data = np.ascontiguousarray(X.reshape(Bsz * T, width))
         offsets = self._offsets(Bsz, T)
         results = None
@@ -393,7 +445,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     streaming node's call (``RecurrentNode._run_streaming``), 3-7 us less a
     chunk of audio than ``call``'s."""
     from ..jit import threads
-    from ..jit.numba_cpu import compiled_entry, exactly, read_only  # (loaded: numba ran)
+    from ..jit.numba_cpu import ROWS_IN_ORDER, compiled_entry, exactly, read_only  # (loaded)
 
     try:
         run = compiled._runner(flags)
@@ -437,13 +489,27 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             return list(run_group(entry, read_only(data), read_only(offsets),
                                   [read_only(s) for s in states]))
 
-        def run_group(kernel, data, offsets, states):
+        def run_group(kernel, data, offsets, states, row_step=ROWS_IN_ORDER):
             # program() (its machine code, or its dispatcher) on one group of
             # sequences, into new output buffers
             rows, num_sequences = data.shape[0], offsets.shape[0] - 1
             outs = buffers(rows, num_sequences)
-            return kernel(*const_args, run.board(rows, num_sequences), data, offsets, *states,
-                          *outs)[:1 + n]
+            return kernel(*const_args, run.board(rows, num_sequences), row_step, data, offsets,
+                          *states, *outs)[:1 + n]
+
+        def by_steps(data, offsets, states):
+            # call's work for full sequences whose rows are by steps (ONNX's
+            # time-major X; Y's rows come back so): None where the run is
+            # split over threads (its groups are ranges of rows)
+            num_sequences = offsets.shape[0] - 1
+            if data.shape[1] != features or run.splits(data.shape[0], features, num_sequences):
+                return None
+            states = [np.zeros((num_sequences, width), data.dtype) if s is None else s
+                      for s in states]
+            kernel = plain if plain is not None and exactly(offsets, np.int64, 1) and all(
+                exactly(a, data_dtype, 2) for a in [data] + states) else entry
+            return list(run_group(kernel, read_only(data), read_only(offsets),
+                                  [read_only(s) for s in states], np.int64(num_sequences)))
 
         def direct(data, offsets, states):
             # call's work where the caller made every argument exact: ``data``
@@ -457,7 +523,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             return run_group(plain, data, offsets, states)
 
         got = call(data, offsets, states)  # compiles nothing new: the public call's types
-        sample = [threads.ALONE, read_only(np.zeros((1, features), data_dtype)),
+        sample = [threads.ALONE, ROWS_IN_ORDER, read_only(np.zeros((1, features), data_dtype)),
                   read_only(np.zeros(2, np.int64))]
         sample += [read_only(np.zeros((1, width), data_dtype))] * n + buffers(1, 1)
         plain = compiled_entry(entry, const_args + sample)
@@ -467,6 +533,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
                 a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
                 for a, b in zip(got, expected)):
             call.direct = direct if plain is not None else (lambda data, offsets, states: None)
+            call.by_steps = by_steps
             return call
     except Exception:  # noqa: BLE001  (any mismatch of layout: the public call stays)
         pass
