@@ -550,6 +550,22 @@ def test_a_time_major_node_whose_rows_by_steps_disagree_takes_the_sequences_orde
     assert node._by_steps is False and len(calls) == 2  # (once a direction)
 
 
+def test_a_time_major_view_of_batch_first_rows_keeps_the_sequences_order():
+    """X given as a time-major view of a batch-first array (as a Transpose
+    node gives) is already in the sequences' order: the node reads it so,
+    without copying it by steps."""
+    model, feeds = _full_sequences_node("LSTM", "forward", 2)
+    ours = InferenceSession(model, backend="numba")
+    oracle = InferenceSession(model, backend="interpreter")
+    node = ours.graph.nodes[0].impl
+    for call in range(4):
+        f = feeds(call)
+        f["X"] = np.ascontiguousarray(f["X"].transpose(1, 0, 2)).transpose(1, 0, 2)
+        assert not f["X"].flags.c_contiguous
+        assert_close(ours.run(None, f), oracle.run(None, f), what=f"call {call}")
+    assert node._by_steps is None and node._streaming is not None
+
+
 def test_rows_by_steps_are_only_for_sequences_of_one_length():
     """``rows_by_steps``: each sequence starts at its index, where every
     sequence is as long and the row step is their number; else it raises

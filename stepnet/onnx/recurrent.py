@@ -198,13 +198,18 @@ class RecurrentNode:
         X's rows and writing Y's by steps (``numba_cpu.ROWS_IN_ORDER``):
         neither is copied to the sequences' order and back. None where a
         direction has no prepared kernel, or its run is split over threads,
-        or a batch of one sequence or one step (its rows are in order); the
-        first time, only if its results equal the sequences' order's bit for
-        bit (else never again)."""
+        or a batch of one sequence or one step (its rows are in order), or
+        where X is not a C-contiguous ``[T, B, I]`` array of the layer's
+        dtype (a view of a batch-first array, as a Transpose node gives: the
+        sequences' order is then the copy-free one); the first time, only if
+        its results equal the sequences' order's bit for bit (else never
+        again)."""
         Bsz, T, width = X.shape
-        if self._by_steps is False or T == 1 or Bsz == 1 or None in kernels:
+        time_major = X.transpose(1, 0, 2)
+        if (self._by_steps is False or T == 1 or Bsz == 1 or None in kernels
+                or time_major.dtype != dtype or not time_major.flags.c_contiguous):
             return None
-        rows = np.ascontiguousarray(X.transpose(1, 0, 2), dtype).reshape(T * Bsz, width)
+        rows = time_major.reshape(T * Bsz, width)
         offsets = self._offsets(Bsz, T)
 
         def one_direction(d):
