@@ -493,6 +493,12 @@ def _full_sequences_node(op, direction, seed, B=3, T=5, I=4, H=5):
     return model, feeds
 
 
+def _numba_and_interpreter(model):
+    """The model's numba session, its interpreter session, the numba node."""
+    ours = InferenceSession(model, backend="numba")
+    return ours, InferenceSession(model, backend="interpreter"), ours.graph.nodes[0].impl
+
+
 @pytest.mark.parametrize("op, direction", [("GRU", "forward"), ("LSTM", "reverse"),
                                            ("RNN", "bidirectional"), ("LSTM", "bidirectional")])
 def test_a_time_major_node_reads_x_and_writes_y_by_steps(op, direction):
@@ -502,9 +508,7 @@ def test_a_time_major_node_reads_x_and_writes_y_by_steps(op, direction):
     first such call is checked bit for bit against the sequences' order;
     every call equals the interpreter's results."""
     model, feeds = _full_sequences_node(op, direction, 0)
-    ours = InferenceSession(model, backend="numba")
-    oracle = InferenceSession(model, backend="interpreter")
-    node = ours.graph.nodes[0].impl
+    ours, oracle, node = _numba_and_interpreter(model)
     rows = []
     for call in range(5):
         if call == 2:  # (the kernels are prepared: they answered the first calls)
@@ -541,9 +545,7 @@ def test_a_time_major_node_whose_rows_by_steps_disagree_takes_the_sequences_orde
 
     monkeypatch.setattr(recurrent, "_prepared_kernel", prepare)
     model, feeds = _full_sequences_node("GRU", "bidirectional", 1)
-    ours = InferenceSession(model, backend="numba")
-    oracle = InferenceSession(model, backend="interpreter")
-    node = ours.graph.nodes[0].impl
+    ours, oracle, node = _numba_and_interpreter(model)
     for call in range(5):
         f = feeds(call)
         assert_close(ours.run(None, f), oracle.run(None, f), what=f"call {call}")
@@ -555,9 +557,7 @@ def test_a_time_major_view_of_batch_first_rows_keeps_the_sequences_order():
     node gives) is already in the sequences' order: the node reads it so,
     without copying it by steps."""
     model, feeds = _full_sequences_node("LSTM", "forward", 2)
-    ours = InferenceSession(model, backend="numba")
-    oracle = InferenceSession(model, backend="interpreter")
-    node = ours.graph.nodes[0].impl
+    ours, oracle, node = _numba_and_interpreter(model)
     for call in range(4):
         f = feeds(call)
         f["X"] = np.ascontiguousarray(f["X"].transpose(1, 0, 2)).transpose(1, 0, 2)
