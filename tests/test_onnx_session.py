@@ -468,9 +468,10 @@ def test_recurrent_node_called_again_and_again(direction, layout, rng):
                  InferenceSession(model, backend="interpreter").run(None, f), what="lengths")
 
 
-def _full_sequences_node(op, direction, seed, B=3, T=5, I=4, H=5):
-    """A time-major (layout 0) node without sequence_lens, its weights as
-    initializers, and ``feeds(seed)``: X and the initial states."""
+def _full_sequences_node(op, direction, seed, B=3, T=5, I=4, H=5, lengths=None):
+    """A time-major (layout 0) node, without sequence_lens unless
+    ``lengths`` are given (fed as ``L``), its weights as initializers, and
+    ``feeds(seed)``: X (NaN past each length) and the initial states."""
     r = np.random.default_rng(seed)
     D, G = (2 if direction == "bidirectional" else 1), _GATES[op]
     weights = {"W": (r.standard_normal((D, G * H, I)) * 0.6).astype(np.float32),
@@ -478,16 +479,21 @@ def _full_sequences_node(op, direction, seed, B=3, T=5, I=4, H=5):
                "B": (r.standard_normal((D, 2 * G * H)) * 0.3).astype(np.float32)}
     states = ["initial_h"] + (["initial_c"] if op == "LSTM" else [])
     outputs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
-    node = helper.make_node(op, ["X", "W", "R", "B", ""] + states, outputs, hidden_size=H,
-                            direction=direction, layout=0)
-    model = _model([node], [_float("X", ["T", "B", I])] + [_float(n, [D, "B", H]) for n in states],
-                   [_float(o) for o in outputs],
+    node = helper.make_node(op, ["X", "W", "R", "B", "" if lengths is None else "L"] + states,
+                            outputs, hidden_size=H, direction=direction, layout=0)
+    inputs = [_float("X", ["T", "B", I])] + [_float(n, [D, "B", H]) for n in states]
+    if lengths is not None:
+        inputs.append(helper.make_tensor_value_info("L", TensorProto.INT32, ["B"]))
+    model = _model([node], inputs, [_float(o) for o in outputs],
                    [numpy_helper.from_array(v, k) for k, v in weights.items()])
 
     def feeds(seed):
         r = np.random.default_rng(seed)
         f = {"X": r.standard_normal((T, B, I)).astype(np.float32)}
         f.update({n: r.standard_normal((D, B, H)).astype(np.float32) for n in states})
+        if lengths is not None:
+            f["L"] = np.asarray(lengths, np.int32)
+            f["X"][np.arange(T)[:, None] >= f["L"][None, :]] = np.nan  # (never read)
         return f
 
     return model, feeds
@@ -499,22 +505,40 @@ def _numba_and_interpreter(model):
     return ours, InferenceSession(model, backend="interpreter"), ours.graph.nodes[0].impl
 
 
-@pytest.mark.parametrize("op, direction", [("GRU", "forward"), ("LSTM", "reverse"),
-                                           ("RNN", "bidirectional"), ("LSTM", "bidirectional")])
-def test_a_time_major_node_reads_x_and_writes_y_by_steps(op, direction):
-    """A node of layout 0 over full sequences gives its prepared kernels X's
-    rows as they are, by steps (step t of sequence b at row t * B + b), and
-    takes Y's back so: nothing copied to the sequences' order and back. The
-    first such call is checked bit for bit against the sequences' order;
-    every call equals the interpreter's results."""
-    model, feeds = _full_sequences_node(op, direction, 0)
+@pytest.mark.parametrize("op, direction, lengths", [
+    ("GRU", "forward", None), ("LSTM", "reverse", None), ("RNN", "bidirectional", None),
+    ("LSTM", "bidirectional", None), ("GRU", "forward", [5, 2, 0]),
+    ("LSTM", "reverse", [3, 5, 1]), ("GRU", "bidirectional", [4, 5, 2])])
+def test_a_time_major_node_reads_x_and_writes_y_by_steps(op, direction, lengths, monkeypatch):
+    """A node of layout 0 gives its prepared kernels X's rows as they are,
+    by steps (step t of sequence b at row t * B + b; with sequence_lens,
+    the rows past each length never read, Y zero there), and takes Y's back
+    so: nothing copied to the sequences' order and back. The first such call
+    is checked bit for bit against the sequences' order; every call equals
+    the interpreter's results (the node's new arrays filled with NaN where
+    it asks for empty ones: Y's zeros are its own)."""
+    from stepnet.onnx import recurrent
+
+    class Poisoned:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(shape, dtype=float, **kwargs):
+            array = np.empty(shape, dtype, **kwargs)
+            if array.dtype.kind == "f":
+                array.fill(np.nan)
+            return array
+
+    monkeypatch.setattr(recurrent, "np", Poisoned())
+    model, feeds = _full_sequences_node(op, direction, 0, lengths=lengths)
     ours, oracle, node = _numba_and_interpreter(model)
     rows = []
     for call in range(5):
         if call == 2:  # (the kernels are prepared: they answered the first calls)
             for run in node.compiled.values():
-                run.kernel.by_steps = (lambda by_steps: lambda data, *args: rows.append(data)
-                                       or by_steps(data, *args))(run.kernel.by_steps)
+                run.kernel.by_steps = (lambda by_steps: lambda data, *args, **kw: rows.append(data)
+                                       or by_steps(data, *args, **kw))(run.kernel.by_steps)
         f = feeds(call)
         assert_close(ours.run(None, f), oracle.run(None, f), what=f"{op} {direction} call {call}")
         if call >= 2:
@@ -535,9 +559,9 @@ def test_a_time_major_node_whose_rows_by_steps_disagree_takes_the_sequences_orde
     def prepare(*args):
         call = prepared_kernel(*args)
 
-        def wrong(data, offsets, states, by_steps=call.by_steps):
+        def wrong(data, offsets, states, padded=False, by_steps=call.by_steps):
             calls.append(1)
-            y, *last = by_steps(data, offsets, states)
+            y, *last = by_steps(data, offsets, states, padded)
             return [y[::-1].copy()] + last  # (rows in the wrong order)
 
         call.by_steps = wrong
@@ -566,19 +590,25 @@ def test_a_time_major_view_of_batch_first_rows_keeps_the_sequences_order():
     assert node._by_steps is None and node._streaming is not None
 
 
-def test_rows_by_steps_are_only_for_sequences_of_one_length():
-    """``rows_by_steps``: each sequence starts at its index, where every
-    sequence is as long and the row step is their number; else it raises
-    (no row outside the data is ever read)."""
+def test_rows_by_steps_stay_within_the_rows():
+    """``rows_by_steps``: each sequence starts at its index, where the row
+    step is their number and every step of every sequence is within the
+    rows; else it raises (no row outside the arrays is ever read or
+    written)."""
     from stepnet.jit import numba_runtime
 
     starts = np.array([0, 5, 10], np.int64)
-    numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 3)
+    numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 3, 15)
     assert starts.tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="not all as long"):
-        numba_runtime.rows_by_steps(starts, np.array([5, 4, 5], np.int64), 3)
+    starts = np.array([0, 5, 7], np.int64)
+    numba_runtime.rows_by_steps(starts, np.array([5, 2, 0], np.int64), 3, 15)
+    assert starts.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="more steps than the rows hold"):
+        numba_runtime.rows_by_steps(starts, np.array([5, 6, 5], np.int64), 3, 15)
+    with pytest.raises(ValueError, match="more steps than the rows hold"):
+        numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 3, 14)
     with pytest.raises(ValueError, match="not the number of sequences"):
-        numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 5)
+        numba_runtime.rows_by_steps(starts, np.array([5, 5, 5], np.int64), 5, 25)
 
 
 # ----------------------------------------------------------------------------

@@ -254,7 +254,11 @@ def generate_source(program: ir.Program):
     body = [f"starts, lengths = starts_and_lengths({top_levels[0]})",
             "num_seq = lengths.shape[0]"]
     if module.rows_by_steps:  # (``ROWS_IN_ORDER``; a nested net's rows are in order)
-        body += ["if row_step != 1:", "    rows_by_steps(starts, lengths, row_step)"]
+        arrays = [data for kind, _, data, levels in top_inputs
+                  if kind == "sequence" and levels[0] == top_levels[0]]
+        arrays += [o[1] for o in outs if o[0] == "dense_all" and o[1] in module.given_outputs]
+        rows = " ".join(f"{a}.shape[0]," for a in arrays)
+        body += ["if row_step != 1:", f"    rows_by_steps(starts, lengths, row_step, min(({rows})))"]
     body += [f"max_rows = max({max_rows})" if len(top_levels) > 1 else "max_rows = num_seq"]
     # the rows of the call: its sequences' items (its words, in a nested net)
     body.append(f"call_rows = {top_levels[-1]}[-1] - {top_levels[-1]}[0]")

@@ -197,17 +197,18 @@ def sort_by_length(seq_start, seq_len):
 
 
 @njit(cache=True)
-def rows_by_steps(starts, lengths, row_step):
+def rows_by_steps(starts, lengths, row_step, rows):
     """``starts`` of a call whose data rows are by steps (step t of sequence
-    b at row ``t * row_step + b``: ONNX's time-major X): each sequence's
-    index; every sequence must have the same length and ``row_step`` be
-    their number (so that every row is the data's)."""
+    b at row ``t * row_step + b``: ONNX's time-major X, padded past each
+    length): each sequence's index; ``row_step`` must be the number of
+    sequences and every step of every sequence within the ``rows`` of each
+    array of rows (the inputs' and the all-steps outputs' fewest)."""
     n = lengths.shape[0]
     if row_step != n:
         raise ValueError("rows by steps: row_step is not the number of sequences")
     for b in range(n):
-        if lengths[b] != lengths[0]:
-            raise ValueError("rows by steps: the sequences are not all as long")
+        if lengths[b] * row_step > rows:
+            raise ValueError("rows by steps: a sequence has more steps than the rows hold")
         starts[b] = b
 
 

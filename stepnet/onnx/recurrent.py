@@ -150,9 +150,9 @@ class RecurrentNode:
             initial = initial[:1]
         directions = [self._direction(d, backend) for d in range(D)]
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
-        if lengths is None and not self.layout:
+        if not self.layout:
             outs = self._run_by_steps(X, [run.kernel for run in directions], initial, dtype,
-                                      out_dtype)
+                                      out_dtype, lengths)
             if outs is not None:
                 return outs
         if lengths is None:
@@ -191,12 +191,14 @@ class RecurrentNode:
                 Y[steps, d, seqs] = r[0]
         return self._outputs(results, Bsz, T, out_dtype, Y)
 
-    def _run_by_steps(self, X, kernels, states, dtype, out_dtype):
-        """The outputs of a time-major node over full sequences (``X`` the
-        batch-first view of ``[T, B, I]``, ``states`` ``[D, B, H]`` each or
-        None) from each direction's prepared kernel (``kernels``) reading
-        X's rows and writing Y's by steps (``numba_cpu.ROWS_IN_ORDER``):
-        neither is copied to the sequences' order and back. None where a
+    def _run_by_steps(self, X, kernels, states, dtype, out_dtype, lengths=None):
+        """The outputs of a time-major node (``X`` the batch-first view of
+        ``[T, B, I]``, ``states`` ``[D, B, H]`` each or None, ``lengths``
+        the sequences' lengths or None where every one is full) from each
+        direction's prepared kernel (``kernels``) reading X's rows and
+        writing Y's by steps (``numba_cpu.ROWS_IN_ORDER``; Y zero past each
+        length): neither is copied to the sequences' order and back, nor Y
+        scattered from it. None where a
         direction has no prepared kernel, or its run is split over threads,
         or a batch of one sequence or one step (its rows are in order), or
         where X is not a C-contiguous ``[T, B, I]`` array of the layer's
@@ -210,10 +212,14 @@ class RecurrentNode:
                 or time_major.dtype != dtype or not time_major.flags.c_contiguous):
             return None
         rows = time_major.reshape(T * Bsz, width)
-        offsets = self._offsets(Bsz, T)
+        if lengths is None:
+            offsets = self._offsets(Bsz, T)
+        else:
+            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
 
         def one_direction(d):
-            return kernels[d].by_steps(rows, offsets, [None if s is None else s[d] for s in states])
+            return kernels[d].by_steps(rows, offsets, [None if s is None else s[d] for s in states],
+                                       padded=lengths is not None)
 
         try:
             results = threads.run_apart(one_direction, range(len(kernels)),
@@ -226,12 +232,20 @@ class RecurrentNode:
         Y = (results[0][0].reshape(T, 1, Bsz, H) if len(results) == 1
              else np.stack([r[0].reshape(T, Bsz, H) for r in results], axis=1))
         if self._by_steps is None:  # checked once against the sequences' order
-            data = np.ascontiguousarray(X.reshape(Bsz * T, width), dtype)
+            full = np.full(Bsz, T, np.int64) if lengths is None else lengths
+            data = np.ascontiguousarray(X[np.arange(T) < full[:, None]], dtype)
             expected = [kernels[d](data, offsets, [None if s is None else s[d] for s in states])
                         for d in range(len(kernels))]
+            steps = np.arange(data.shape[0]) - np.repeat(offsets[:-1], full)
+            at = steps * Bsz + np.repeat(np.arange(Bsz), full)  # (rows by steps, in order)
+
+            def by_steps_rows(y):
+                rows = np.zeros((T * Bsz,) + y.shape[1:], y.dtype)
+                rows[at] = y
+                return rows
+
             self._by_steps = all(
-                np.array_equal(r[0].reshape(T, Bsz, H), e[0].reshape(Bsz, T, H).transpose(1, 0, 2),
-                               equal_nan=True)
+                np.array_equal(r[0], by_steps_rows(e[0]), equal_nan=True)
                 and all(np.array_equal(a, b, equal_nan=True) for a, b in zip(r[1:], e[1:]))
                 for r, e in zip(results, expected))
             if not self._by_steps:
@@ -468,8 +482,8 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
         last_shapes = [(e.shape[1:], e.dtype) for e in expected[1:]]
         data_dtype, plain = data.dtype, None  # plain: the kernel without Numba's dispatch
 
-        def buffers(rows, num_sequences):  # the output buffers program() takes
-            return [np.empty((rows,) + y_shape, y_dtype)] + [
+        def buffers(rows, num_sequences, padded=False):  # the output buffers program() takes
+            return [(np.zeros if padded else np.empty)((rows,) + y_shape, y_dtype)] + [
                 np.empty((num_sequences,) + shape, dtype) for shape, dtype in last_shapes]
 
         def call(data, offsets, states):
@@ -494,17 +508,19 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             return list(run_group(entry, read_only(data), read_only(offsets),
                                   [read_only(s) for s in states]))
 
-        def run_group(kernel, data, offsets, states, row_step=ROWS_IN_ORDER):
+        def run_group(kernel, data, offsets, states, row_step=ROWS_IN_ORDER, padded=False):
             # program() (its machine code, or its dispatcher) on one group of
-            # sequences, into new output buffers
+            # sequences, into new output buffers (Y zeros where rows are
+            # padded: those no step writes)
             rows, num_sequences = data.shape[0], offsets.shape[0] - 1
-            outs = buffers(rows, num_sequences)
+            outs = buffers(rows, num_sequences, padded)
             return kernel(*const_args, run.board(rows, num_sequences), row_step, data, offsets,
                           *states, *outs)[:1 + n]
 
-        def by_steps(data, offsets, states):
-            # call's work for full sequences whose rows are by steps (ONNX's
-            # time-major X; Y's rows come back so): None where the run is
+        def by_steps(data, offsets, states, padded=False):
+            # call's work for sequences whose rows are by steps (ONNX's
+            # time-major X, ``padded`` past lengths under its T; Y's rows
+            # come back so, zero past each length): None where the run is
             # split over threads (its groups are ranges of rows)
             num_sequences = offsets.shape[0] - 1
             if data.shape[1] != features or run.splits(data.shape[0], features, num_sequences):
@@ -514,7 +530,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             kernel = plain if plain is not None and exactly(offsets, np.int64, 1) and all(
                 exactly(a, data_dtype, 2) for a in [data] + states) else entry
             return list(run_group(kernel, read_only(data), read_only(offsets),
-                                  [read_only(s) for s in states], np.int64(num_sequences)))
+                                  [read_only(s) for s in states], np.int64(num_sequences), padded))
 
         def direct(data, offsets, states):
             # call's work where the caller made every argument exact: ``data``
