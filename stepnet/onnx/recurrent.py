@@ -155,14 +155,7 @@ class RecurrentNode:
                                       out_dtype, lengths)
             if outs is not None:
                 return outs
-        if lengths is None:
-            data = X.reshape(Bsz * T, X.shape[2])
-            offsets = self._offsets(Bsz, T)
-        else:
-            mask = np.arange(T) < lengths[:, None]
-            data = X[mask]
-            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        data = np.ascontiguousarray(data, dtype)
+        data, offsets = self._in_order(X, lengths, dtype)
 
         def one_direction(d):
             return directions[d](data, offsets, [None if s is None else s[d] for s in initial])
@@ -179,8 +172,7 @@ class RecurrentNode:
             return self._outputs(results, Bsz, T, out_dtype)
         # Y made in the node's layout at once: each row of a direction's output
         # at its (step, sequence), zero past each length
-        steps = np.arange(data.shape[0]) - np.repeat(offsets[:-1], lengths)
-        seqs = np.repeat(np.arange(Bsz), lengths)
+        steps, seqs = _places(offsets)
         if self.layout:
             Y = np.zeros((Bsz, T, D, H), dtype)
             for d, r in enumerate(results):
@@ -212,10 +204,7 @@ class RecurrentNode:
                 or time_major.dtype != dtype or not time_major.flags.c_contiguous):
             return None
         rows = time_major.reshape(T * Bsz, width)
-        if lengths is None:
-            offsets = self._offsets(Bsz, T)
-        else:
-            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        offsets = self._lod(Bsz, T, lengths)
 
         def one_direction(d):
             return kernels[d].by_steps(rows, offsets, [None if s is None else s[d] for s in states],
@@ -232,12 +221,11 @@ class RecurrentNode:
         Y = (results[0][0].reshape(T, 1, Bsz, H) if len(results) == 1
              else np.stack([r[0].reshape(T, Bsz, H) for r in results], axis=1))
         if self._by_steps is None:  # checked once against the sequences' order
-            full = np.full(Bsz, T, np.int64) if lengths is None else lengths
-            data = np.ascontiguousarray(X[np.arange(T) < full[:, None]], dtype)
+            data, _ = self._in_order(X, lengths, dtype)
             expected = [kernels[d](data, offsets, [None if s is None else s[d] for s in states])
                         for d in range(len(kernels))]
-            steps = np.arange(data.shape[0]) - np.repeat(offsets[:-1], full)
-            at = steps * Bsz + np.repeat(np.arange(Bsz), full)  # (rows by steps, in order)
+            steps, seqs = _places(offsets)
+            at = steps * Bsz + seqs  # (rows by steps, in the sequences' order)
 
             def by_steps_rows(y):
                 rows = np.zeros((T * Bsz,) + y.shape[1:], y.dtype)
@@ -251,6 +239,22 @@ class RecurrentNode:
             if not self._by_steps:
                 return None
         return self._outputs(results, Bsz, T, out_dtype, Y)
+
+    def _in_order(self, X, lengths, dtype):
+        """The rows of ``X`` (batch-first) in the sequences' order, each
+        sequence's steps up to its length (``lengths``; None: every step),
+        in ``dtype``, and their offsets."""
+        Bsz, T = X.shape[:2]
+        data = (X.reshape(Bsz * T, X.shape[2]) if lengths is None
+                else X[np.arange(T) < lengths[:, None]])
+        return np.ascontiguousarray(data, dtype), self._lod(Bsz, T, lengths)
+
+    def _lod(self, Bsz, T, lengths):
+        """The offsets of ``Bsz`` sequences of ``lengths`` (None: all ``T``
+        long, ``_offsets``)."""
+        if lengths is None:
+            return self._offsets(Bsz, T)
+        return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
 
     def _offsets(self, Bsz, T):
         """The offsets of ``Bsz`` full sequences of ``T`` steps: one read-only
@@ -313,8 +317,7 @@ class RecurrentNode:
             outs = self._run_by_steps(X, kernels, states, dtype, dtype)
             if outs is not None:
                 return outs
-        data = np.ascontiguousarray(X.reshape(Bsz * T, width))
-        offsets = self._offsets(Bsz, T)
+        data, offsets = self._in_order(X, None, dtype)
         results = None
         try:
             if data.flags.aligned and all(s is not None and s.flags.c_contiguous
@@ -448,6 +451,14 @@ class _Direction:
         return outs
 
 
+def _places(offsets):
+    """Each row of sequences laid out by ``offsets``: its step and its
+    sequence."""
+    lengths = np.diff(offsets)
+    return (np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths),
+            np.repeat(np.arange(lengths.shape[0]), lengths))
+
+
 def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     """``call(data, offsets, states)`` running the Numba program of ``rnn``
     with its constant arguments laid out once, or None.
@@ -486,27 +497,33 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             return [(np.zeros if padded else np.empty)((rows,) + y_shape, y_dtype)] + [
                 np.empty((num_sequences,) + shape, dtype) for shape, dtype in last_shapes]
 
+        def given(states, num_sequences, dtype):
+            # the initial states, zeros (one array) where None
+            if all(s is not None for s in states):
+                return list(states)
+            zeros = np.zeros((num_sequences, width), dtype)
+            return [zeros if s is None else s for s in states]
+
         def call(data, offsets, states):
             if data.shape[1] != features:  # (the public call checks this, and more)
                 raise ShapeError(f"X has {data.shape[1]} features per step, the node's weights "
                                  f"take {features}")
-            zeros = None
-            states = list(states)
-            for i, state in enumerate(states):
-                if state is None:
-                    if zeros is None:
-                        zeros = np.zeros((len(offsets) - 1, width), data.dtype)
-                    states[i] = zeros
+            states = given(states, len(offsets) - 1, data.dtype)
             if run.splits(data.shape[0], data.shape[1], len(offsets) - 1):
                 # big enough for sequence groups on threads: the engine's own call
                 results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
                 return [results[0].data] + list(results[1:1 + n])
+            return one_group(data, offsets, states)
+
+        def one_group(data, offsets, states, row_step=ROWS_IN_ORDER, padded=False):
+            # run_group with the kernel's machine code where every argument
+            # is exact, else through its dispatcher
             if (plain is not None and exactly(data, data_dtype, 2)
                     and exactly(offsets, np.int64, 1)
                     and all(exactly(s, data_dtype, 2) for s in states)):
-                return list(run_group(plain, data, offsets, states))
+                return list(run_group(plain, data, offsets, states, row_step, padded))
             return list(run_group(entry, read_only(data), read_only(offsets),
-                                  [read_only(s) for s in states]))
+                                  [read_only(s) for s in states], row_step, padded))
 
         def run_group(kernel, data, offsets, states, row_step=ROWS_IN_ORDER, padded=False):
             # program() (its machine code, or its dispatcher) on one group of
@@ -525,12 +542,8 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
             num_sequences = offsets.shape[0] - 1
             if data.shape[1] != features or run.splits(data.shape[0], features, num_sequences):
                 return None
-            states = [np.zeros((num_sequences, width), data.dtype) if s is None else s
-                      for s in states]
-            kernel = plain if plain is not None and exactly(offsets, np.int64, 1) and all(
-                exactly(a, data_dtype, 2) for a in [data] + states) else entry
-            return list(run_group(kernel, read_only(data), read_only(offsets),
-                                  [read_only(s) for s in states], np.int64(num_sequences), padded))
+            return one_group(data, offsets, given(states, num_sequences, data.dtype),
+                             np.int64(num_sequences), padded)
 
         def direct(data, offsets, states):
             # call's work where the caller made every argument exact: ``data``
