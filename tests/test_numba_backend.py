@@ -72,6 +72,35 @@ def test_independent_nested_net_runs_its_input_product_by_chunks(rng, reverse_in
         assert_close(a[~nan], e[~nan])
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_step_loop_writing_many_per_token_arrays_asks_for_the_next_rows(rng, reverse):
+    # three all-steps outputs written by one loop: it asks for the next
+    # sequence's rows (a hint: the same results, NaN kept in its own rows);
+    # a loop writing fewer asks for none
+    lengths = [5, 0, 1, 7, 3, 6]
+    X = lod(rng, lengths, 4)
+    X.data[7, 2] = np.nan  # (the sequence of 7 steps)
+    W = sn.Parameter(rng.standard_normal((4, 32)).astype(np.float32) / 4)
+    U = sn.Parameter(rng.standard_normal((32, 32)).astype(np.float32) / 4)
+    rnn = sn.create_rnn_op(output_num=3, reverse=reverse)
+    with rnn.stepnet():
+        x = rnn.add_input(X)
+        h = rnn.add_memory(shape=[32])
+        pre = x @ W + h.pre_state() @ U
+        new = sn.ops.tanh(pre)
+        h.update(new)
+        rnn.add_outputs(new, sn.ops.sigmoid(pre), pre * new)
+    source = rnn.compile("numba").source
+    asks = re.findall(r"\n(\s+)e = entries\[b\]\n((?:\1prefetch_row\w*\(\w+, entries, b \+ 1, nb\)\n)+)",
+                      source)
+    assert len(asks) == 1 and asks[0][1].count("prefetch_row_for_write(o") == 3, source
+    for expected, actual in zip(rnn(backend="interpreter"), rnn(backend="numba")):
+        nan = np.isnan(expected.data)
+        assert 0 < nan.sum() < nan.size and np.array_equal(np.isnan(actual.data), nan)
+        assert_close(actual.data[~nan], expected.data[~nan])
+    assert "entries, b + 1, nb)" not in gru_net(X, rng, reverse=reverse).compile("numba").source
+
+
 def test_input_product_read_outside_the_gates_stays_before_the_loop(rng):
     # the product is an output too: computed once over every token
     X = lod(rng, [4, 2, 5], 3)

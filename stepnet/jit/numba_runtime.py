@@ -34,6 +34,7 @@ GPUs, so none is used here).
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
@@ -210,6 +211,60 @@ def rows_by_steps(starts, lengths, row_step, rows):
         if lengths[b] * row_step > rows:
             raise ValueError("rows by steps: a sequence has more steps than the rows hold")
         starts[b] = b
+
+
+def _prefetch_intrinsic(write):
+    """An intrinsic asking the cache for the line at an address (an
+    integer): to read it, or (``write``) to write it. A prefetch never
+    faults, whatever the address."""
+
+    @intrinsic
+    def prefetch(typingctx, address):
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i8p, i32 = llvm_ir.IntType(8).as_pointer(), llvm_ir.IntType(32)
+            hint = cgutils.get_or_insert_function(
+                builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0i8")
+            # (rw, locality 3: keep in every level, 1: a data cache)
+            builder.call(hint, [builder.inttoptr(args[0], i8p), i32(int(write)), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(address), codegen
+
+    return prefetch
+
+
+_prefetch_read = _prefetch_intrinsic(False)
+_prefetch_write = _prefetch_intrinsic(True)
+# the most of a row that ``prefetch_row`` asks for
+_PREFETCH_BYTES = 4096
+
+
+@njit(inline="always")
+def prefetch_row(rows, entries, k, n):
+    """Ask the cache for row ``entries[k]`` of ``rows`` (a per-token array)
+    where ``k < n``: a step's loop over its sequences (``entries[b]``, b <
+    ``nb``) asks for the next sequence's row while it computes this one's.
+    A sequence's rows lie a sequence apart from the others' (the LoD's
+    order), so each step reads and writes one row in as many places as it
+    has sequences and arrays: more than the cores' prefetchers follow."""
+    if k < n:
+        start = rows.ctypes.data + entries[k] * rows.strides[0]
+        for offset in range(0, min(rows.strides[0], _PREFETCH_BYTES), 64):
+            _prefetch_read(start + offset)
+
+
+@njit(inline="always")
+def prefetch_row_for_write(rows, entries, k, n):
+    """``prefetch_row`` for a row the loop writes: its lines asked for in
+    the state a write needs."""
+    if k < n:
+        start = rows.ctypes.data + entries[k] * rows.strides[0]
+        for offset in range(0, min(rows.strides[0], _PREFETCH_BYTES), 64):
+            _prefetch_write(start + offset)
 
 
 @njit(cache=True)
