@@ -26,14 +26,13 @@ from .autodiff import (
 from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
-from .jit.blas import DETERMINISTIC, transposed_product
+from .jit.blas import DETERMINISTIC, transposed_products
 from .lod import LoDTensor
 from .tracing import Parameter
 
 
-def _numpy_transposed_product(a, b, column_sums=False):
-    product = a.T @ b
-    return (product, b.sum(0)) if column_sums else product
+def _numpy_transposed_products(products):
+    return [(a.T @ b, b.sum(0)) if column_sums else a.T @ b for a, b, column_sums in products]
 
 
 def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
@@ -42,10 +41,10 @@ def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
     id(var) -> value). The rows of a ``Rows`` term are summed once however many
     constants share them, and beside the product of an ``Outer`` term over
     the same rows (a bias next to its weight) when there is one. The
-    products run on stepnet's threads (``blas.transposed_product``, compiled
-    helpers), or with ``on_numpy`` on NumPy: for a backward that ran on the
-    interpreter, which must not wait for a compile."""
-    product_of = _numpy_transposed_product if on_numpy else transposed_product
+    products run together on stepnet's threads (``blas.transposed_products``,
+    compiled helpers), or with ``on_numpy`` on NumPy: for a backward that ran
+    on the interpreter, which must not wait for a compile."""
+    products_of = _numpy_transposed_products if on_numpy else transposed_products
     grads, sums = {}, {}
 
     def key(ref):
@@ -58,14 +57,19 @@ def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
         grads[id(var)] = grads[id(var)] + g if id(var) in grads else g
 
     summed = {key(term.value) for _, term in layout.contribs if isinstance(term, Rows)}
+    products, owners, sums_of = [], [], set()
     for var, term in layout.contribs:
         if isinstance(term, Outer):
             g_rows, g_key = rows(term.g), key(term.g)
-            if g_key in summed and g_key not in sums and g_rows.ndim == 2:
-                product, sums[g_key] = product_of(rows(term.a), g_rows, column_sums=True)
-            else:
-                product = product_of(rows(term.a), g_rows)
-            add(var, product)
+            column_sums = g_key in summed and g_key not in sums_of and g_rows.ndim == 2
+            if column_sums:
+                sums_of.add(g_key)
+            products.append((rows(term.a), g_rows, column_sums))
+            owners.append((var, g_key if column_sums else None))
+    for (var, g_key), product in zip(owners, products_of(products)):
+        if g_key is not None:
+            product, sums[g_key] = product
+        add(var, product)
     for var, term in layout.contribs:
         if isinstance(term, Rows):
             k = key(term.value)

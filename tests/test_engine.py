@@ -570,6 +570,45 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
         numba.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["library", "own-loop"])
+def test_transposed_products_together_equal_numpy(rng, monkeypatch, own):
+    """Several weight gradients at once (``blas.transposed_products``): their
+    work cut between the threads wherever it falls (inside a product, at
+    its start, with the cut rows rounded; a product of no rows or no
+    columns; column sums), each result equals NumPy's, in its order."""
+    from stepnet.jit import blas
+
+    monkeypatch.setattr(blas, "_TN_OWN", {"float32": own, "float64": own})
+    previous = numba.get_num_threads()
+    shapes = [(2000, 13, 40, True), (0, 8, 32, True), (7, 13, 45, False), (513, 6, 33, True),
+              (64, 0, 32, True), (129, 9, 64, False)]
+    try:
+        for threads in (1, 2):
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            for split in (1, 1 << 30):  # (every product shared out; none)
+                monkeypatch.setattr(blas, "_SPLIT_TN_WORK", split)
+                products = [(rng.standard_normal((r, m)).astype(np.float32),
+                             rng.standard_normal((r, n)).astype(np.float32), sums)
+                            for r, m, n, sums in shapes]
+                results = blas.transposed_products(products)
+                assert len(results) == len(products)
+                for (a, b, sums), got in zip(products, results):
+                    want = a.astype(np.float64).T @ b.astype(np.float64)
+                    product = got[0] if sums else got
+                    assert product.dtype == np.float32 and product.shape == want.shape
+                    np.testing.assert_allclose(product, want, rtol=1e-4, atol=1e-3)
+                    if sums:
+                        np.testing.assert_allclose(got[1], b.astype(np.float64).sum(0),
+                                                   rtol=1e-4, atol=1e-3)
+    finally:
+        numba.set_num_threads(previous)
+    # the pieces: each product whole on one thread but where a cut falls in it
+    pieces = blas._tn_pieces([6400 * 128 * 256] * 4 + [6400 * 256 * 256] * 3,
+                             [128 * 256] * 4 + [256 * 256] * 3, 2)
+    assert pieces == [[(0, 0, 6400), (1, 0, 6400), (2, 0, 6400), (3, 0, 6400), (4, 0, 3200)],
+                      [(4, 3200, 6400), (5, 0, 6400), (6, 0, 6400)]]
+
+
 def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkeypatch):
     """Whether weight gradients run stepnet's own loop is the faster of the
     two on this machine, measured once for each dtype and read back from
