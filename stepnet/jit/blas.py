@@ -1236,8 +1236,9 @@ def transposed_products(products):
     end and cut in as many equal spans as threads (``_tn_pieces``), so each
     product is whole on one thread but one at a cut, whose parts are summed
     after (one handover for them all, and each thread's products as long
-    as the whole ones; on the Intel Xeon of *Performance*, W9's seven
-    products 12.3 ms against 13.3 each cut in two). Each piece by stepnet's
+    as the whole ones; on the Intel Xeon of *Performance*, in a backward,
+    W9's seven products 16.27 ms against 17.43 each cut in two, W8's six
+    13.11 against 14.09). Each piece by stepnet's
     own loop (``_own_tn``) or the chosen BLAS, whichever was measured faster
     on this machine (``_tn_by_own_loop``, for each dtype; the library for a
     product under 6 x 32); under ``STEPNET_DETERMINISTIC=1`` every element
