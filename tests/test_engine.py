@@ -446,6 +446,50 @@ def test_packed_weights_take_any_number_of_rows(rng):
             np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5, err_msg=f"{m} rows")
 
 
+def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
+    """Where stepnet's own loop takes one row a product (float32, 384 columns
+    or more), ``pack`` gives it the weights as one panel of every column
+    (``b`` on a cache line) and the row runs 384 columns at a time
+    (``_one_row_384``): the same bits as six blocks of ``panels`` at a time,
+    for any range of columns and through the C entry; elsewhere the panels
+    are made as before."""
+    from numba import njit
+
+    from stepnet.jit import blas, threads
+
+    blas.register_small_gemm(np.float32)
+
+    @njit
+    def own(a, w, out, board):
+        blas._own_product(a, w, out, board)
+
+    one_row = np.array([[1 << 40], [1]], np.int64)  # (the own loop: one row, any size)
+    for k, n in [(128, 384), (64, 400), (256, 1024), (7, 769), (1, 383)]:
+        a = rng.standard_normal((1, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        p = blas.panels(b)
+        whole = np.empty((1, n), np.float32)
+        blas._own_columns(a, p.reshape(-1), 32, 32 * k, whole, 0, n)
+        prepared = blas.pack(b, 1, blas.PANEL_MIN_ROWS, one_row, threads.ALONE)
+        rows_of_b = prepared[4]
+        assert rows_of_b.shape == ((1, k, n) if n >= 384 else (-(-n // 32), k, 32)), (k, n)
+        assert rows_of_b.ctypes.data % 64 == 0
+        got = np.full((1, n), np.nan, np.float32)
+        own(a, rows_of_b, got, threads.ALONE)
+        np.testing.assert_array_equal(got, whole, err_msg=(k, n))
+        for lo, hi in [(0, n), (32, n), (0, 32 * (n // 64)), (n - 32 * (n // 32), n)]:
+            part = np.full((1, n), np.nan, np.float32)
+            blas._own_columns(a, b.reshape(-1), n, 0, part, lo, hi)
+            np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(k, n, lo, hi))
+            assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
+    # float64, or an own loop of two rows: panels
+    b = rng.standard_normal((16, 400))
+    assert blas.pack(b, 1, blas.PANEL_MIN_ROWS, one_row, threads.ALONE)[4].shape == (13, 16, 32)
+    two_rows = np.array([[1 << 40], [2]], np.int64)
+    b32 = b.astype(np.float32)
+    assert blas.pack(b32, 2, blas.PANEL_MIN_ROWS, two_rows, threads.ALONE)[4].shape == (13, 16, 32)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_own_loop_on_panels_equals_it_on_the_weights_bit_for_bit(rng, dtype):
     """The weights' ``panels`` (32 columns each, the last overlapping the one

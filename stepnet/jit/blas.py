@@ -121,6 +121,9 @@ DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", 
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
 # small_gemm's block of accumulators: 6 rows x 32 columns
 _ACCUMULATORS = 192
+# one row's sums in float32 at once where the weights are rows of b: 24
+# vectors of 16
+_WIDE_ACCUMULATORS = 384
 # rows of a panel of small_gemm's left operand that every block of weights'
 # columns passes over before the next panel (192 x 256 floats: 192 KiB)
 _PANEL_ROWS = 192
@@ -290,14 +293,41 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def _one_row_384(a, w, ld, out, i, j0):
+    """out[i, j0:j0 + 384] = a[i] @ the weights ``w`` (flat: ``b`` [k, n]
+    C-contiguous, ``ld`` = n) at those columns, float32: 384 sums in
+    registers over k, in order of k as every block of ``_own_columns``
+    (the same bits), the weights read as one stream of 1536 bytes a row.
+    On the Intel Xeon of the README, W3's call (``[1, 128] @ [128, 384]``
+    a step, its weights 192 KiB from the second-level cache): 1.66-1.69 ms
+    at best in fresh processes, against 1.71-1.73 with its ``panels`` six
+    blocks at a time (``[1, 128] @ [128, 384]`` alone: 1.10 us against
+    1.25); twelve blocks of ``panels`` at a time ran no faster than six in
+    the kernel."""
+    wide_vectors()
+    acc = carray(stack_buffer(_WIDE_ACCUMULATORS, out.dtype), _WIDE_ACCUMULATORS)
+    zero = out.dtype.type(0)
+    for jj in range(_WIDE_ACCUMULATORS):
+        acc[jj] = zero
+    for kk in range(a.shape[1]):
+        x = a[i, kk]
+        row = np.uint64(kk * ld) + j0
+        for jj in range(np.uint64(_WIDE_ACCUMULATORS)):
+            acc[jj] += x * w[row + jj]
+    for jj in range(np.uint64(_WIDE_ACCUMULATORS)):
+        out[i, j0 + jj] = acc[jj]
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _own_columns(a, w, ld, panel, out, lo, hi):
     """out[:m, lo:hi] = a[:m] @ the weights ``w`` (flat: ``b`` [k, n]
     C-contiguous, ``ld`` = n, ``panel`` = 0; or its ``panels``, ``ld`` = 32,
     ``panel`` = 32 k, ``lo`` a multiple of 32 and ``hi`` one or n) as
     stepnet's own loop:
     a block of 6 rows x 32 columns of ``out`` (under 6 rows, 4 x 32, then
-    1 row x 192 where more than 128 columns are left, x 128, or x 64 where
-    no more are: enough independent sums to keep the FMA units busy, and
+    1 row x 384 in float32 from the rows of ``b`` (``_one_row_384``), or x
+    192 where more than 128 columns are left, x 128, or x 64 where no more
+    are: enough independent sums to keep the FMA units busy, and
     for one row enough streams of weights from the second-level cache: on
     the AMD EPYC (Zen 5) of the README ``[1, 128] @ [128, 384]`` 1.01 us by
     192 columns against 1.43 by 128) is summed in registers over k, each
@@ -346,6 +376,10 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
             if rows == 4:
                 _four_rows(a, w, ld, s0, out, acc, i, j0)
                 end += 32
+            elif panel == 0 and out.itemsize == 4 and hi - end >= _WIDE_ACCUMULATORS - 32:
+                # (float32 rows of b, twelve whole blocks left: side by side)
+                _one_row_384(a, w, ld, out, i, j0)
+                end += _WIDE_ACCUMULATORS
             elif hi - end > 96:  # more than four blocks left: six at a time
                 j2 = np.uint64(min(end + 64, hi) - 32)
                 j3 = np.uint64(min(end + 96, hi) - 32)
@@ -641,12 +675,21 @@ def pack(b, max_rows, call_rows, small_rows, board):
     the own loop takes (never under ``STEPNET_DETERMINISTIC``, where it
     takes every product), the panels only where the own loop takes some
     and the call has ``PANEL_MIN_ROWS`` (else no panel: the own loop reads
-    ``b``): a stream's call of a few rows packs nothing."""
+    ``b``): a stream's call of a few rows packs nothing. Where the own loop
+    takes one row only (float32, 384 columns or more), its "panels" are
+    one panel of every column: ``b`` on a cache line, whose rows
+    ``_one_row_384`` reads."""
     k, n = b.shape
     rows = own_rows(small_rows, k, n)
     library = _library_pack(b, max_rows if max_rows > rows else 0)
     # the own loop's board: ``board``, or one that shares nothing (ALONE's)
     own_board = board if shares_with_helper(small_rows, k * n) else np.zeros_like(board)
+    if rows == 1 and b.itemsize == 4 and n >= _WIDE_ACCUMULATORS and call_rows >= PANEL_MIN_ROWS:
+        # one row a product (``_one_row_384``): b as one panel of all its
+        # columns, starting on a cache line
+        whole = aligned_empty(k * n, b).reshape((1, k, n))
+        whole[0] = b
+        return library, b, rows, board, whole, own_board
     if rows > 0 and call_rows >= PANEL_MIN_ROWS:
         return library, b, rows, board, panels(b), own_board
     return library, b, rows, board, np.zeros((0, k, 32), b.dtype), own_board
@@ -764,11 +807,13 @@ def _own_shared(a, w, ld, panel, out, board):
 
 @njit(inline="always")
 def _own_strides(b, k):
-    """``_own_columns``' ``(ld, panel)`` for weights ``b``: [k, n], or their
-    ``panels`` [P, k, 32]."""
-    if b.ndim == 3:
+    """``_own_columns``' ``(ld, panel)`` for weights ``b``: [k, n], their
+    ``panels`` [P, k, 32], or one panel of all of them [1, k, n] (``pack``:
+    ``b``'s rows)."""
+    width = b.shape[-1]
+    if b.ndim == 3 and width == 32:
         return 32, 32 * k
-    return b.shape[1], 0
+    return width, 0
 
 
 def _own_product(a, b, out, board):
