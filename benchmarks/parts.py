@@ -40,7 +40,7 @@ from stepnet.jit import numba_cpu, threads  # noqa: E402
 
 # a part: the calls left out (the first name of each line's call)
 PARTS = {
-    "per-step products": ("gemm_packed",),
+    "per-step products": ("gemm_own", "gemm_packed"),
     "input products by chunks": ("gemm_steps", "gemm_steps_ahead"),
     "products over every step": ("gemm_hoisted", "gemm_hoisted_acc"),
 }
@@ -48,10 +48,15 @@ PARTS = {
 
 def _without(source, calls):
     """``source`` with every statement calling one of ``calls`` left out (a
-    call that is an ``if``'s condition, the chunk ahead's, taken as false)."""
+    call that is an ``if``'s condition, the chunk ahead's, taken as false;
+    a per-step product's ``if not gemm_own(...): gemm_packed(...)`` line
+    left out whole)."""
     for call in calls:
         source = re.sub(rf"^(\s+){call}\(", rf"\1pass  # {call}(", source, flags=re.M)
         source = re.sub(rf"^(\s+)if {call}\(", rf"\1if False and {call}(", source, flags=re.M)
+        # (a product by the own loop, else the library's: the whole line)
+        source = re.sub(rf"^(\s+)if not {call}\((.*)$", rf"\1pass  # if not {call}(\2", source,
+                        flags=re.M)
     return source
 
 
@@ -90,7 +95,7 @@ def main(argv=None):
     source = Path(module.__file__).read_text()
     variants = {"whole kernel": source}
     for name, calls in PARTS.items():
-        if any(re.search(rf"^\s+(if )?{call}\(", source, flags=re.M) for call in calls):
+        if any(re.search(rf"^\s+(if (not )?)?{call}\(", source, flags=re.M) for call in calls):
             variants[f"without {name}"] = _without(source, calls)
     variants["without any product"] = _without(source, [c for cs in PARTS.values() for c in cs])
     modules = {}

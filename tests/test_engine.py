@@ -491,6 +491,47 @@ def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_kernel_s_own_loop_call_takes_what_gemm_packed_would(rng, dtype):
+    """``blas.gemm_own`` (the call of the own loop's C entry a kernel's
+    product makes first) computes, bit for bit, what ``gemm_packed`` does
+    where the own loop takes the rows and ``pack`` made panels (of 32
+    columns, or one of every column), and leaves ``out`` alone (False)
+    where it has more rows or no panels."""
+    from numba import njit
+
+    from stepnet.jit import blas, threads
+
+    blas.register_small_gemm(dtype)
+
+    @njit
+    def own(a, prepared, out):
+        return blas.gemm_own(a, prepared[4], prepared[2], prepared[5], out)
+
+    @njit
+    def packed(a, prepared, out):
+        blas.gemm_packed(a, prepared, out)
+
+    for own_rows in (3, 1):  # (the own loop up to 3 rows, or one: b's rows as one panel)
+        table = np.array([[1 << 40], [own_rows]], np.int64)
+        for k, n in [(16, 40), (24, 384), (8, 70)]:
+            b = rng.standard_normal((k, n)).astype(dtype)
+            for call_rows in (blas.PANEL_MIN_ROWS, 1):  # (panels, and none: a stream's call)
+                prepared = blas.pack(b, 5, call_rows, table, threads.ALONE)
+                for m in (0, 1, 3, 4):
+                    a = rng.standard_normal((m, k)).astype(dtype)
+                    want = np.full((m, n), np.nan, dtype)
+                    packed(a, prepared, want)
+                    got = np.full((m, n), np.nan, dtype)
+                    taken = own(a, prepared, got)
+                    assert taken == (m <= own_rows and prepared[4].shape[0] > 0), (
+                        k, n, call_rows, m)
+                    if taken:
+                        np.testing.assert_array_equal(got, want)
+                    else:
+                        assert np.isnan(got).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_own_loop_on_panels_equals_it_on_the_weights_bit_for_bit(rng, dtype):
     """The weights' ``panels`` (32 columns each, the last overlapping the one
     before where 32 does not divide n; one padded panel under 32 columns)

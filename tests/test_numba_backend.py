@@ -206,6 +206,9 @@ def test_generated_source_merges_matmuls_and_hoists(rng):
     # (a product of 18 columns is not run by chunks of steps)
     assert program.count("gemm_hoisted(") == 1
     assert source.count("gemm_packed(") == 1
+    # (the own loop's C entry first, in the kernel; the packed product apart where it declines)
+    assert re.search(r"\n\s+if not gemm_own\((\w+\[:nb\]), (wp\d+)\[4\], \2\[2\], \2\[5\], "
+                     r"(\w+\[:nb\])\): gemm_packed\(\1, \2, \3\)\n", source), source
     assert "gemm_steps(" not in source
     assert "for step in range(num_steps)" in source
     # the six weights are read only joined by columns: program() and the rnn

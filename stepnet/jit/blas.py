@@ -935,6 +935,55 @@ def board_for_product(multiply_adds):
     return threads.board_for_one_group() if multiply_adds >= _SHARE_LIBRARY_WORK else threads.ALONE
 
 
+@intrinsic
+def gemm_own(typingctx, a, panels, rows, board, out):
+    """``gemm_own(a, panels, rows, board, out)``: out[:m] = a[:m] @ b by
+    stepnet's own loop on ``panels`` where ``pack`` made them and the own
+    loop takes ``a``'s m rows (``pack``'s items: ``panels``, its 4th;
+    ``rows``, its 2nd; the own loop's ``board``, its 5th; ``a``, ``out``
+    C-contiguous): True; else nothing, and False (the kernel then calls
+    ``gemm_packed``, apart, which reads ``b`` where there are no panels).
+    A kernel's per-step product calls this first: a call of the own loop's
+    C entry written into the kernel (it keeps the loop itself out of the
+    kernel's compile), where passing ``pack``'s tuple of six arrays to a
+    function, or a call apart, took about a tenth of a one-row product on
+    the Intel Xeon of the README (W3's call, one process: 1.537 ms with the
+    C entry's call in the kernel, 1.619 through a function called apart
+    with these items, 1.65-1.69 through ``gemm_packed``). An intrinsic, not
+    a function inlined by Numba: that cost each new kernel 0.23 s of
+    compile, a function linked into it 0.06 s and 2 % of W3's time."""
+    arrays = (a, panels, out, board)
+    if not (all(isinstance(x, types.Array) and x.layout == "C" for x in arrays)
+            and a.ndim == 2 and out.ndim == 2 and panels.ndim == 3 and board.ndim == 1
+            and str(a.dtype) in _OWN_SYMBOLS and isinstance(rows, types.Integer)):
+        return None
+    symbol = _OWN_SYMBOLS[str(a.dtype)]
+
+    def codegen(context, builder, signature, args):
+        i64, i8p = llvm_ir.IntType(64), llvm_ir.IntType(8).as_pointer()
+        a_v, p_v, _, b_v, o_v = (context.make_array(t)(context, builder, v) if i != 2 else None
+                                 for i, (t, v) in enumerate(zip(signature.args, args)))
+        m, k = cgutils.unpack_tuple(builder, a_v.shape, 2)
+        count, _, width = cgutils.unpack_tuple(builder, p_v.shape, 3)
+        n = cgutils.unpack_tuple(builder, o_v.shape, 2)[1]
+        rows_v = context.cast(builder, args[2], signature.args[2], types.int64)
+        taken = builder.and_(builder.icmp_signed("<=", m, rows_v),
+                             builder.icmp_signed(">", count, i64(0)))
+        with builder.if_then(builder.and_(taken, builder.icmp_signed(">", m, i64(0)))):
+            in_panels = builder.icmp_signed("==", width, i64(32))
+            ld = builder.select(in_panels, i64(32), width)
+            panel = builder.select(in_panels, builder.mul(k, i64(32)), i64(0))
+            fn = cgutils.get_or_insert_function(
+                builder.module, llvm_ir.FunctionType(
+                    llvm_ir.VoidType(), [i8p, i64, i64, i64, i8p, i64, i64, i8p, i8p]), symbol)
+            builder.call(fn, [builder.bitcast(a_v.data, i8p), m, k, n,
+                              builder.bitcast(p_v.data, i8p), ld, panel,
+                              builder.bitcast(o_v.data, i8p), builder.bitcast(b_v.data, i8p)])
+        return taken
+
+    return types.boolean(a, panels, rows, board, out), codegen
+
+
 @njit(cache=True)
 def gemm_packed(a, prepared, out):
     """out[:m] = a[:m] @ b, with ``prepared = pack(b, ...)``: stepnet's own

@@ -278,6 +278,7 @@ def generate_source(program: ir.Program):
         ")",
         "from stepnet.jit.ahead import AHEAD_WORDS, gemm_steps_ahead",
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
+        "from stepnet.jit.blas import gemm_own",
         "from stepnet.jit.threads import RAISED, SHARES",
         *runtime_imports(),
         "",
@@ -714,7 +715,11 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
         module.prologue.append(f"{packed} = pack(as_read_only({weights}), max_rows, call_rows, "
                                "small_rows, board)")
         module.gargs.append(packed)
-    return f"gemm_packed({left}, {packed}, {info.ident}[:nb])"
+    # (the own loop's product first, inlined: passing the tuple to a
+    # function costs a tenth of a one-row product, see blas.gemm_own)
+    out = f"{info.ident}[:nb]"
+    return (f"if not gemm_own({left}, {packed}[4], {packed}[2], {packed}[5], {out}): "
+            f"gemm_packed({left}, {packed}, {out})")
 
 
 def _count_product(module, dtype, k, n):
