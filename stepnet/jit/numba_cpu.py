@@ -715,8 +715,8 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
         module.prologue.append(f"{packed} = pack(as_read_only({weights}), max_rows, call_rows, "
                                "small_rows, board)")
         module.gargs.append(packed)
-    # (the own loop's product first, inlined: passing the tuple to a
-    # function costs a tenth of a one-row product, see blas.gemm_own)
+    # (the own loop's C entry called in the kernel first: passing the
+    # tuple to a function costs a tenth of a one-row product, blas.gemm_own)
     out = f"{info.ident}[:nb]"
     return (f"if not gemm_own({left}, {packed}[4], {packed}[2], {packed}[5], {out}): "
             f"gemm_packed({left}, {packed}, {out})")
