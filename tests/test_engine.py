@@ -211,11 +211,34 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     limits = blas_choice.small_product_rows(
         third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
     assert limits == tuple((size, (1 << 62) if size < 20000 else 64, 1) for size in sizes)
+    # a library whose rows differ by part: the own loop takes every product
+    # (the limits kept for the library, the sharing as measured)
+    apart = dict(third, rows_alike=False)
+    assert blas_choice.small_product_rows(apart, None) == tuple(
+        (size, 1 << 62, shares) for size, _, shares in limits)
+    assert "every product" in blas_choice._SMALL_PRODUCTS["reason"]
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
     assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)
+    assert blas_choice.small_product_rows(apart, None) == ((1 << 62, 3, 1),)  # as asked
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
         blas_choice.small_product_rows(choice, None)
+
+
+def test_a_library_is_checked_for_computing_each_row_alike_in_any_part():
+    """``rows_alike``: a product whose rows are each computed by the same
+    call holds; one whose rows depend on how many are computed with them
+    does not; the chosen library is checked in every process."""
+    def by_rows(a, b, c):
+        for i in range(a.shape[0]):
+            c[i] = a[i] @ b
+
+    def by_count(a, b, c):
+        c[...] = a @ b + np.float32(1e-3) * a.shape[0]
+
+    assert blas_choice.rows_alike(by_rows)
+    assert not blas_choice.rows_alike(by_count)
+    assert isinstance(blas_choice.choose()["rows_alike"], bool)
 
 
 def test_a_cut_is_not_measured_beside_another_process(tmp_path, monkeypatch):

@@ -451,7 +451,12 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
 
 _choice = choose()
 BLAS_NAME = _choice["name"]
-cache.note_blas(BLAS_NAME)  # the helpers below are compiled, and cached, per choice
+# whether the library computes each row alike in any part of 8 rows or more
+# (blas_choice.rows_alike): else its products are not cut by rows, and the
+# own loop takes every product (small_rows_table)
+ROWS_ALIKE = _choice["rows_alike"]
+# the helpers below are compiled, and cached, per choice
+cache.note_blas(BLAS_NAME if ROWS_ALIKE else f"{BLAS_NAME}, rows by parts")
 
 if BLAS_NAME == "mkl":
     llvm_binding.load_library_permanently(find_mkl().path)
@@ -852,8 +857,9 @@ def _own_product_for(a, b, out, board):
 @njit(types.int64(types.int64, types.int64, types.int64, types.int64[::1]), cache=True)
 def _row_cut(m, k, n, board):
     """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
-    (0: not cut)."""
-    if board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
+    (0: not cut; never where the library's rows differ by part,
+    ``ROWS_ALIKE``)."""
+    if not ROWS_ALIKE or board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
         return 0
     return m // 2
 
@@ -1153,7 +1159,11 @@ def small_rows_table():
     (row 1) and whether it shares them with the helper (row 2; measured at
     the first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
     A run-time argument, so a kernel's code does not depend on it; under
-    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``."""
+    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``, and where
+    the library's rows differ by part (``ROWS_ALIKE``) every product but
+    where ``STEPNET_SMALL_PRODUCTS`` says otherwise (the sharing measured
+    as usual): a run cut into groups of sequences has products of other
+    rows than one not cut."""
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
@@ -1172,7 +1182,8 @@ if DETERMINISTIC:
         small_gemm(a, np.ascontiguousarray(b), out)
 
 # what a kernel's code depends on here (written into its generated source)
-SIGNATURE = BLAS_NAME + (" (deterministic)" if DETERMINISTIC else "")
+SIGNATURE = (BLAS_NAME + ("" if ROWS_ALIKE else ", rows by parts")
+             + (" (deterministic)" if DETERMINISTIC else ""))
 
 
 # a.T @ b over at least this many multiply-adds is split over threads

@@ -15,8 +15,14 @@ The candidates:
 ``STEPNET_BLAS`` names one. Unset, stepnet measures the ones it can reach
 once per machine, single-threaded, on a per-step product (64 rows) and a
 hoisted one (every token), picks the faster and keeps the choice and the
-figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU and the
-libraries. ``stepnet info`` prints them.
+figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU, the
+libraries and ``OPENBLAS_CORETYPE``. ``stepnet info`` prints them.
+
+In every process the chosen library is checked for computing each row of
+a product alike whatever rows are computed with it (:func:`rows_alike`):
+where it does not, its products are never cut by rows for the helper
+thread and stepnet's own loop takes every product of the kernels (not only
+the small ones), so that no result depends on which thread was free.
 
 Up to how many rows a per-step product runs stepnet's own loop instead of
 the chosen library, and whether the own loop shares a product with the
@@ -129,41 +135,61 @@ def _openblas_thread_setter():
     return None, None
 
 
-def _time_mkl(lib, m, k, n, reps):
+def _mkl_sgemm(lib):
+    """``gemm(a, b, c)``: c = a @ b (row-major float32) by MKL's CBLAS."""
     f = lib.handle.cblas_sgemm
     f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
                                        ctypes.c_void_p, ctypes.c_int]
-    a, b, c = _operands(m, k, n)
 
-    def call():
+    def gemm(a, b, c):
+        (m, k), n = a.shape, b.shape[1]
         f(101, 111, 111, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n, 0.0, c.ctypes.data, n)
-    return _best(call, reps)
+    return gemm
 
 
-def _time_openblas(lib, m, k, n, reps):
+def _openblas_sgemm(lib):
+    """``gemm(a, b, c)``: c = a @ b (row-major float32) by scipy's OpenBLAS,
+    as column-major C^T = B^T A^T, on the calling thread."""
     ref_i, ref_f = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
     proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ref_i, ref_i, ref_i, ref_f,
                              ctypes.c_void_p, ref_i, ctypes.c_void_p, ref_i, ref_f,
                              ctypes.c_void_p, ref_i)
     f = proto(lib.sgemm)
-    a, b, c = _operands(m, k, n)
-    im, ik, i_n = ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(n)
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    previous = None
-    if lib.set_threads_local is not None:
-        previous = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lib.set_threads_local)
-    old = previous(1) if previous else None
 
-    def call():  # row-major C = A B as column-major C^T = B^T A^T
+    def gemm(a, b, c):
+        im, ik, i_n = (ctypes.c_int(x) for x in (a.shape[0], a.shape[1], b.shape[1]))
         f(b"N", b"N", ctypes.byref(i_n), ctypes.byref(im), ctypes.byref(ik), ctypes.byref(one),
           b.ctypes.data, ctypes.byref(i_n), a.ctypes.data, ctypes.byref(ik), ctypes.byref(zero),
           c.ctypes.data, ctypes.byref(i_n))
-    try:
-        return _best(call, reps)
-    finally:
-        if previous:
-            previous(old)
+    return gemm
+
+
+class _one_openblas_thread:
+    """OpenBLAS on one thread (its thread-local count) within the block."""
+
+    def __init__(self, lib):
+        setter = getattr(lib, "set_threads_local", None)
+        self.setter = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(setter) if setter else None
+
+    def __enter__(self):
+        self.old = self.setter(1) if self.setter else None
+
+    def __exit__(self, *exc):
+        if self.setter:
+            self.setter(self.old)
+
+
+def _time_mkl(lib, m, k, n, reps):
+    gemm, (a, b, c) = _mkl_sgemm(lib), _operands(m, k, n)
+    return _best(lambda: gemm(a, b, c), reps)
+
+
+def _time_openblas(lib, m, k, n, reps):
+    gemm, (a, b, c) = _openblas_sgemm(lib), _operands(m, k, n)
+    with _one_openblas_thread(lib):
+        return _best(lambda: gemm(a, b, c), reps)
 
 
 def _time_numpy(m, k, n, reps):
@@ -212,9 +238,62 @@ def measure(libraries, shapes=_SHAPES) -> dict:
     return best
 
 
+# the products on which the chosen library is checked for computing each
+# row alike whatever rows are computed with it (m, k, n), and the parts of
+# their rows checked (first, end): a cut by rows in half, a group of
+# sequences, all parts of 8 rows or more
+_ROWS_SHAPES = ((200, 64, 256), (64, 256, 1024), (128, 128, 1024), (100, 128, 384))
+
+
+def _row_parts(m):
+    return ((0, m // 2), (m // 2, m), (8, m // 3 + 8))
+
+
+def rows_alike(gemm) -> bool:
+    """Whether ``gemm(a, b, c)`` (c = a @ b, row-major float32) computes
+    every row of a part of ``a``'s rows (8 or more) to the same bits as
+    the whole product does, on ``_ROWS_SHAPES``. A library's product is
+    cut by rows for the helper thread, and a run's sequences into groups,
+    only where this holds: else a result would depend on which thread was
+    free. MKL and OpenBLAS on the kernels it picks for the CPU hold it;
+    OpenBLAS made to run older kernels (``OPENBLAS_CORETYPE=Haswell`` on an
+    AMD Zen 5) did not, at most cuts."""
+    rng = np.random.default_rng(0)
+    for m, k, n in _ROWS_SHAPES:
+        a = rng.standard_normal((m, k), np.float32)
+        b = rng.standard_normal((k, n), np.float32)
+        whole = np.empty((m, n), np.float32)
+        gemm(a, b, whole)
+        for first, end in _row_parts(m):
+            part = np.empty((end - first, n), np.float32)
+            gemm(np.ascontiguousarray(a[first:end]), b, part)
+            if not np.array_equal(part, whole[first:end]):
+                return False
+    return True
+
+
+def _library_rows_alike(name, found) -> bool:
+    """``rows_alike`` of the library ``name`` (one of ``found``, or numpy)."""
+    if name == "mkl":
+        return rows_alike(_mkl_sgemm(found["mkl"]))
+    if name == "openblas":
+        with _one_openblas_thread(found["openblas"]):
+            return rows_alike(_openblas_sgemm(found["openblas"]))
+    return rows_alike(lambda a, b, c: np.dot(a, b, c))
+
+
 @functools.cache
 def choose() -> dict:
-    """The BLAS to use: ``{"name", "reason", "seconds", "cpu", "libraries"}``."""
+    """The BLAS to use: ``{"name", "reason", "seconds", "cpu", "libraries",
+    "rows_alike"}`` (``rows_alike``: checked in every process, as it
+    depends on the library's settings, ``OPENBLAS_CORETYPE`` among them)."""
+    choice, found = _choose()
+    return dict(choice, rows_alike=_library_rows_alike(choice["name"], found))
+
+
+def _choose():
+    """``choose``'s choice, before its rows are checked, and the libraries
+    found (name: Library or None)."""
     requested = os.environ.get("STEPNET_BLAS", "").strip().lower()
     if requested and requested not in CHOICES:
         from ..errors import UnsupportedError
@@ -231,27 +310,28 @@ def choose() -> dict:
     if requested:
         if requested != "numpy" and found.get(requested) is None:
             warnings.warn(f"stepnet: STEPNET_BLAS={requested} but {_what(requested)} was not "
-                          "found; the kernels call np.dot instead", RuntimeWarning, stacklevel=2)
-            return dict(info, name="numpy", reason=f"STEPNET_BLAS={requested}, not found")
-        return dict(info, name=requested, reason="STEPNET_BLAS")
+                          "found; the kernels call np.dot instead", RuntimeWarning, stacklevel=3)
+            return dict(info, name="numpy", reason=f"STEPNET_BLAS={requested}, not found"), found
+        return dict(info, name=requested, reason="STEPNET_BLAS"), found
     if not reachable:
         warnings.warn("stepnet: no BLAS found (tried MKL's libmkl_rt in the Python prefix and "
                       "scipy.linalg.cython_blas); the kernels call np.dot, and run slower",
-                      RuntimeWarning, stacklevel=2)
-        return dict(info, name="numpy", reason="no BLAS found")
+                      RuntimeWarning, stacklevel=3)
+        return dict(info, name="numpy", reason="no BLAS found"), found
     if len(reachable) == 1:
-        return dict(info, name=reachable[0].name, reason="the only one found")
-    key = hashlib.sha256(";".join([cpu] + sorted(lib.fingerprint() for lib in reachable))
+        return dict(info, name=reachable[0].name, reason="the only one found"), found
+    key = hashlib.sha256(";".join([cpu, _library_settings()]
+                                  + sorted(lib.fingerprint() for lib in reachable))
                          .encode()).hexdigest()[:16]
     saved = _kept("blas.json", key)
     if saved is not None and saved.get("name") in found:
         return dict(info, name=saved["name"], reason="measured (cached)",
-                    seconds=saved.get("seconds", {}))
+                    seconds=saved.get("seconds", {})), found
     seconds = measure(reachable)
     name = min(seconds, key=lambda n: sum(s * shape[-1] for s, shape in zip(seconds[n], _SHAPES)))
     result = dict(info, name=name, reason="measured", seconds=seconds)
     _keep("blas.json", dict(result, key=key))
-    return result
+    return result, found
 
 
 def _kept(filename, key):
@@ -281,8 +361,14 @@ def _measured_key(form, choice) -> str:
     """The key of a measurement of stepnet's own loop in the ``form`` named
     against the library ``choice`` names, on this CPU."""
     library = choice["libraries"].get(choice["name"], choice["name"])
-    return hashlib.sha256(f"{form};{choice['cpu']};{choice['name']};{library}"
-                          .encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{form};{choice['cpu']};{choice['name']};{library};"
+                          f"{_library_settings()}".encode()).hexdigest()[:16]
+
+
+def _library_settings() -> str:
+    """The settings that change which kernels a library runs (measurements
+    taken under others are not used)."""
+    return f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '')}"
 
 
 # the per-step products that set the small-product limits: recurrent weights
@@ -364,7 +450,9 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     2048 weights a third of the time); where not measured, it is shared. The
     cut is measured only while no other process keeps a core busy
     (``measured_on_free_cores``): where one did, it is not measured (so
-    shared), and the file says so."""
+    shared), and the file says so. Where the library's rows differ by part
+    (``choice["rows_alike"]``), the own loop takes every product but as
+    ``STEPNET_SMALL_PRODUCTS`` says."""
     requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
     if requested:
         if not requested.isdigit():
@@ -376,6 +464,16 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
+    limits = _measured_small_rows(choice, time_both, time_shared)
+    if not choice.get("rows_alike", True):  # (the sharing as measured)
+        limits = tuple((size, EVERY_PRODUCT, shares) for size, _, shares in limits)
+        _SMALL_PRODUCTS["reason"] += (f"; every product: {choice['name']} computes a row "
+                                      "apart from the rows beside it otherwise")
+    return limits
+
+
+def _measured_small_rows(choice, time_both, time_shared):
+    """``small_product_rows``' limits as measured, or as kept."""
     key = _measured_key(_OWN_LOOP, choice)
     saved = _kept("small_products.json", key)
     try:
@@ -468,7 +566,12 @@ def _what(name):
 def describe() -> str:
     """What ``stepnet info`` prints about the BLAS."""
     c = choose()
-    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}"]
+    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}",
+             f"  {c['name']}'s rows: " + ("each computed alike in any part of 8 rows or more"
+                                         if c["rows_alike"] else
+                                         "computed apart by part (rows_alike): its products "
+                                         "are not cut by rows, stepnet's own loop takes every "
+                                         "product of the kernels")]
     for name, path in c["libraries"].items():
         lines.append(f"  {name}: {path}")
     for name, secs in c.get("seconds", {}).items():
