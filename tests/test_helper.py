@@ -19,7 +19,7 @@ from numba import njit
 import stepnet as sn
 from conftest import assert_close
 from nets import nested_encoder
-from stepnet.jit import ahead, atomics, blas, numba_cpu, threads
+from stepnet.jit import ahead, atomics, blas, blas_choice, numba_cpu, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
@@ -111,9 +111,10 @@ def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n
     alone = np.empty((m, n), np.float32)
     _products(a, w, alone, table, threads.ALONE, 1)
     shared = np.full((m, n), np.nan, np.float32)
-    helped = _until_the_helper_helps(lambda: _products(a, w, shared, table, threads.BOARD, 20),
-                                     timeout=60.0 if own or blas.ROWS_ALIKE else 1.0)
-    assert helped == (own or blas.ROWS_ALIKE)
+    if own or blas.ROWS_ALIKE:  # (else the library's product is never cut: the next test)
+        assert _until_the_helper_helps(lambda: _products(a, w, shared, table, threads.BOARD, 20))
+    else:
+        _products(a, w, shared, table, threads.BOARD, 20)
     np.testing.assert_allclose(shared, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(shared, alone)
     threads.dismiss_helper()  # the whole product computed here: the same bits
@@ -123,15 +124,29 @@ def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n
     np.testing.assert_array_equal(again, shared)
 
 
+def test_a_library_product_is_cut_by_rows_only_where_its_rows_are_alike():
+    """``blas._row_cut``: a library's product big enough is cut in half on a
+    board that shares, where the chosen library computes each row alike in
+    any part (``blas.ROWS_ALIKE``, checked at import); else never, so that
+    no result depends on whether the helper was free."""
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    assert blas._row_cut(200, 64, 256, board) == (100 if blas.ROWS_ALIKE else 0)
+    assert blas._row_cut(200, 64, 256, threads.ALONE) == 0
+    assert blas.ROWS_ALIKE == blas_choice.choose()["rows_alike"]
+    assert blas.SIGNATURE.startswith(blas.BLAS_NAME + ("" if blas.ROWS_ALIKE else ", rows by parts"))
+
+
 def test_a_hoisted_product_is_shared_by_rows(rng):
     blas.register_small_gemm(np.float32)  # (the own loop's symbol, before a caller compiles)
     a = rng.standard_normal((1000, 64)).astype(np.float32)
     w = rng.standard_normal((64, 96)).astype(np.float32)
     table = np.array([[1 << 40], [4]], np.int64)
     out = np.full((1000, 96), np.nan, np.float32)
-    # (a library whose rows differ by part, blas.ROWS_ALIKE: not cut)
-    assert _until_the_helper_helps(lambda: _hoisted(a, w, out, table, threads.BOARD),
-                                   timeout=60.0 if blas.ROWS_ALIKE else 1.0) == blas.ROWS_ALIKE
+    if blas.ROWS_ALIKE:  # (else the library's product is never cut)
+        assert _until_the_helper_helps(lambda: _hoisted(a, w, out, table, threads.BOARD))
+    else:
+        _hoisted(a, w, out, table, threads.BOARD)
     np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
@@ -618,9 +633,11 @@ def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation)
     expected = sum(a[k * dilation:k * dilation + rows].astype(np.float64) @ w[k]
                    for k in range(K))
     out = np.full((rows, M), np.nan, dtype)
-    # (a library whose rows differ by part, blas.ROWS_ALIKE: not cut)
-    assert _until_the_helper_helps(lambda: blas.taps_product(a, w, out, dilation, threads.BOARD),
-                                   timeout=60.0 if blas.ROWS_ALIKE else 1.0) == blas.ROWS_ALIKE
+    if blas.ROWS_ALIKE:  # (else the library's product is never cut)
+        assert _until_the_helper_helps(
+            lambda: blas.taps_product(a, w, out, dilation, threads.BOARD))
+    else:
+        blas.taps_product(a, w, out, dilation, threads.BOARD)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     alone = np.full((rows, M), np.nan, dtype)
     blas.taps_product(a, w, alone, dilation, threads.ALONE)
