@@ -77,6 +77,15 @@ def _until_the_helper_helps(run, timeout=60.0):
     return False
 
 
+def _shared_if_cut(run, cut):
+    """``run()`` where the product is cut (``cut``), with the helper running
+    a job of it; else once, computed whole here."""
+    if cut:
+        assert _until_the_helper_helps(run)
+    else:
+        run()
+
+
 def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
     """Any range of at least 32 columns equals those columns of the whole
     product (every block's sums in order of k): the helper's cut changes
@@ -111,10 +120,9 @@ def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n
     alone = np.empty((m, n), np.float32)
     _products(a, w, alone, table, threads.ALONE, 1)
     shared = np.full((m, n), np.nan, np.float32)
-    if own or blas.ROWS_ALIKE:  # (else the library's product is never cut: the next test)
-        assert _until_the_helper_helps(lambda: _products(a, w, shared, table, threads.BOARD, 20))
-    else:
-        _products(a, w, shared, table, threads.BOARD, 20)
+    # (a library whose rows differ by part is never cut: the next test)
+    _shared_if_cut(lambda: _products(a, w, shared, table, threads.BOARD, 20),
+                   own or blas.ROWS_ALIKE)
     np.testing.assert_allclose(shared, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(shared, alone)
     threads.dismiss_helper()  # the whole product computed here: the same bits
@@ -143,10 +151,7 @@ def test_a_hoisted_product_is_shared_by_rows(rng):
     w = rng.standard_normal((64, 96)).astype(np.float32)
     table = np.array([[1 << 40], [4]], np.int64)
     out = np.full((1000, 96), np.nan, np.float32)
-    if blas.ROWS_ALIKE:  # (else the library's product is never cut)
-        assert _until_the_helper_helps(lambda: _hoisted(a, w, out, table, threads.BOARD))
-    else:
-        _hoisted(a, w, out, table, threads.BOARD)
+    _shared_if_cut(lambda: _hoisted(a, w, out, table, threads.BOARD), blas.ROWS_ALIKE)
     np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
@@ -633,11 +638,8 @@ def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation)
     expected = sum(a[k * dilation:k * dilation + rows].astype(np.float64) @ w[k]
                    for k in range(K))
     out = np.full((rows, M), np.nan, dtype)
-    if blas.ROWS_ALIKE:  # (else the library's product is never cut)
-        assert _until_the_helper_helps(
-            lambda: blas.taps_product(a, w, out, dilation, threads.BOARD))
-    else:
-        blas.taps_product(a, w, out, dilation, threads.BOARD)
+    _shared_if_cut(lambda: blas.taps_product(a, w, out, dilation, threads.BOARD),
+                   blas.ROWS_ALIKE)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     alone = np.full((rows, M), np.nan, dtype)
     blas.taps_product(a, w, alone, dilation, threads.ALONE)

@@ -455,8 +455,10 @@ BLAS_NAME = _choice["name"]
 # (blas_choice.rows_alike): else its products are not cut by rows, and the
 # own loop takes every product (small_rows_table)
 ROWS_ALIKE = _choice["rows_alike"]
-# the helpers below are compiled, and cached, per choice
-cache.note_blas(BLAS_NAME if ROWS_ALIKE else f"{BLAS_NAME}, rows by parts")
+# the library as the compiled helpers depend on it: they are compiled, and
+# cached, per choice (and written into every kernel's source: SIGNATURE)
+_LIBRARY = BLAS_NAME if ROWS_ALIKE else f"{BLAS_NAME}, rows by parts"
+cache.note_blas(_LIBRARY)
 
 if BLAS_NAME == "mkl":
     llvm_binding.load_library_permanently(find_mkl().path)
@@ -1182,8 +1184,7 @@ if DETERMINISTIC:
         small_gemm(a, np.ascontiguousarray(b), out)
 
 # what a kernel's code depends on here (written into its generated source)
-SIGNATURE = (BLAS_NAME + ("" if ROWS_ALIKE else ", rows by parts")
-             + (" (deterministic)" if DETERMINISTIC else ""))
+SIGNATURE = _LIBRARY + (" (deterministic)" if DETERMINISTIC else "")
 
 
 # a.T @ b over at least this many multiply-adds is split over threads
