@@ -1,0 +1,160 @@
+"""The README and docs/: no measurement logs (dates, commit hashes), a short
+README, relative links that resolve, and the documentation site builds."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+# the page where benchmarks/run.py's reports go, each naming its run
+REPORTS = DOCS / "benchmarks.md"
+README_MAX_LINES = 300
+
+_MONTH = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
+          r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b"             # 2026-11-29
+                  r"|\b\d{4}/\d{2}/\d{2}\b"             # 2026/11/29
+                  rf"|\b{_MONTH}\.? \d{{1,2}}\b"        # Nov 29, November 29
+                  rf"|\b\d{{1,2}} {_MONTH}\b")          # 29 Nov
+# 7 to 40 lowercase hex digits as a whole word, with a letter and a digit in it
+# (so neither a number nor a word like "deadbeef" or "facade")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+
+
+def log_marks(text: str) -> list[str]:
+    """The dates and commit hashes in ``text``."""
+    return [m.group() for pattern in (DATE, COMMIT) for m in pattern.finditer(text)]
+
+
+def prose(text: str) -> str:
+    """``text`` without its fenced code blocks."""
+    return FENCE.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor, as GitHub and MkDocs make it."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path):
+    """The anchors of the headings of the markdown file ``path``."""
+    seen: dict[str, int] = {}
+    for line in prose(path.read_text()).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            yield base if n == 0 else f"{base}-{n}"
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of the markdown file ``path`` whose file, or whose
+    anchor in a markdown file, does not exist."""
+    broken = []
+    for target in LINK.findall(prose(path.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto: ...
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in set(anchors(dest)):
+            broken.append(target)
+    return broken
+
+
+def checked_for_logs() -> list[Path]:
+    return [ROOT / "README.md"] + sorted(p for p in DOCS.rglob("*.md") if p != REPORTS)
+
+
+def linked_pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted(DOCS.rglob("*.md"))
+
+
+# ---------------------------------------------------------------------------
+# the checks themselves
+
+
+@pytest.mark.parametrize("text", [
+    "measured 2026-11-29 on the machine", "run of Nov 29, 04:17", "on 29 Nov", "2026/11/29",
+    "September 3", "code 3c523aa", "at a2e3c79,", "(72c732a)", "commit 0123456789abcdef0123456789abcdef01234567",
+])
+def test_a_date_or_a_commit_hash_is_found(text):
+    assert log_marks(text)
+
+
+@pytest.mark.parametrize("text", [
+    "deadbeef", "facade", "1234567", "0x7fffffff", "float32 and float64", "sha256",
+    "W1 to W9, 1e-5", "may 3 rows", "(1 << 17)", "a 0.1.0 release", "[64, 256] @ [256, 768]",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa1",
+])
+def test_ordinary_words_are_not_taken_for_dates_or_hashes(text):
+    assert not log_marks(text)
+
+
+def test_a_missing_file_or_anchor_is_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("# Title\n\n## The `x` part: one\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](a.md) [ok](a.md#the-x-part-one) [ok](#here) [web](https://example.org/x)\n"
+                    "## Here\n```\n[in code](nowhere.md)\n```\n"
+                    "[gone](missing.md) [no anchor](a.md#nope)\n")
+    assert broken_links(page) == ["missing.md", "a.md#nope"]
+
+
+# ---------------------------------------------------------------------------
+# the files
+
+
+@pytest.mark.parametrize("path", checked_for_logs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_dates_or_commit_hashes(path):
+    """README.md and docs/ describe stepnet, not runs: measurement logs
+    (dates, commits) belong in git's history; benchmark reports go to
+    docs/benchmarks.md only."""
+    found = [(n, mark) for n, line in enumerate(path.read_text().splitlines(), 1)
+             for mark in log_marks(line)]
+    assert not found, f"{path.relative_to(ROOT)}: dates or commit hashes at (line, text) {found}"
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+
+
+@pytest.mark.parametrize("path", linked_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    assert not broken_links(path), f"{path.relative_to(ROOT)}: broken links {broken_links(path)}"
+
+
+def test_the_documentation_site_builds(tmp_path):
+    """``mkdocs build --strict`` (the ``docs`` extra): every page in the nav,
+    the API reference generated from the docstrings, no warning."""
+    missing = [m for m in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+               if _missing(m)]
+    if missing:
+        pytest.skip(f"the docs extra is not installed (pip install -e '.[docs]'): no {', '.join(missing)}")
+    if not (ROOT / "mkdocs.yml").exists():
+        pytest.skip("no mkdocs.yml")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                             str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "site" / "index.html").exists()
+    shutil.rmtree(tmp_path / "site", ignore_errors=True)
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:
+        return True
