@@ -137,28 +137,70 @@ def _python(code, tmp_path, **env):
     return proc.stdout
 
 
-def test_the_choice_is_measured_once_and_kept(tmp_path):
-    code = ("from stepnet.jit import blas_choice as b; c = b.choose(); "
-            "print(c['name'], '|', c['reason'])")
-    env = {k: v for k, v in os.environ.items() if k != "STEPNET_BLAS"}
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=dict(env, STEPNET_CACHE_DIR=str(tmp_path)), timeout=300)
-    assert first.returncode == 0, first.stderr
-    name, reason = first.stdout.strip().split(" | ")
-    assert name in blas_choice.CHOICES
-    if reason != "measured":  # fewer than two libraries here: nothing to measure or keep
-        assert not (tmp_path / "blas.json").exists()
-        return
+@pytest.fixture
+def libraries(monkeypatch, tmp_path):
+    """``blas_choice._choose`` over the libraries a test names (found, or
+    not), whatever this machine has, with a fresh cache directory and
+    measurements a test sets (``seconds``; each call of ``measure`` is
+    counted in ``measured``)."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STEPNET_BLAS", raising=False)
+    state = {"found": {}, "seconds": {}, "measured": 0}
+    for name in ("mkl", "openblas"):
+        monkeypatch.setattr(blas_choice, f"find_{name}",
+                            lambda name=name: state["found"].get(name))
+
+    def measure(reachable):
+        state["measured"] += 1
+        return {lib.name: state["seconds"][lib.name] for lib in reachable}
+
+    monkeypatch.setattr(blas_choice, "measure", measure)
+    return state
+
+
+def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
+    """With two libraries the faster is measured once, kept, read back,
+    and measured again where the kept file is corrupt or the library it
+    names is gone."""
+    libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
+                          for name in ("mkl", "openblas")}
+    libraries["seconds"] = {"mkl": [2.0, 2.0], "openblas": [1.0, 1.0]}
+    first, _ = blas_choice._choose()
+    assert (first["name"], first["reason"]) == ("openblas", "measured")
     saved = json.loads((tmp_path / "blas.json").read_text())
-    assert saved["name"] == name and set(saved["seconds"]) == {"mkl", "openblas"}
-    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=dict(env, STEPNET_CACHE_DIR=str(tmp_path)), timeout=300)
-    assert second.stdout.strip() == f"{name} | measured (cached)"
-    # a corrupted file is measured again, never a crash
-    (tmp_path / "blas.json").write_text("{not json")
-    third = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=dict(env, STEPNET_CACHE_DIR=str(tmp_path)), timeout=300)
-    assert third.returncode == 0 and third.stdout.strip().endswith("| measured")
+    assert saved["name"] == "openblas" and set(saved["seconds"]) == {"mkl", "openblas"}
+    libraries["seconds"] = {"mkl": [1.0, 1.0], "openblas": [2.0, 2.0]}  # (not asked again)
+    second, _ = blas_choice._choose()
+    assert (second["name"], second["reason"]) == ("openblas", "measured (cached)")
+    assert libraries["measured"] == 1
+    (tmp_path / "blas.json").write_text("{not json")  # measured again, never a crash
+    third, _ = blas_choice._choose()
+    assert (third["name"], third["reason"]) == ("mkl", "measured")
+    assert libraries["measured"] == 2
+
+
+def test_one_library_or_none_is_taken_without_measuring(libraries, tmp_path):
+    libraries["found"] = {"openblas": blas_choice.Library("openblas", "/lib/openblas.so", None)}
+    choice, _ = blas_choice._choose()
+    assert (choice["name"], choice["reason"]) == ("openblas", "the only one found")
+    libraries["found"] = {}
+    with pytest.warns(RuntimeWarning, match="no BLAS found"):
+        choice, _ = blas_choice._choose()
+    assert (choice["name"], choice["reason"]) == ("numpy", "no BLAS found")
+    assert libraries["measured"] == 0 and not (tmp_path / "blas.json").exists()
+
+
+def test_a_requested_library_is_taken_or_warned_about(libraries, monkeypatch):
+    libraries["found"] = {"mkl": blas_choice.Library("mkl", "/lib/mkl.so", None)}
+    monkeypatch.setenv("STEPNET_BLAS", "mkl")
+    assert blas_choice._choose()[0]["name"] == "mkl"
+    monkeypatch.setenv("STEPNET_BLAS", "openblas")
+    with pytest.warns(RuntimeWarning, match="STEPNET_BLAS=openblas but"):
+        assert blas_choice._choose()[0]["name"] == "numpy"
+    monkeypatch.setenv("STEPNET_BLAS", "atlas")
+    with pytest.raises(sn.UnsupportedError, match="STEPNET_BLAS='atlas'"):
+        blas_choice._choose()
+    assert libraries["measured"] == 0
 
 
 def test_stepnet_blas_names_the_library(tmp_path):
