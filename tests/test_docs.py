@@ -158,3 +158,14 @@ def _missing(module: str) -> bool:
         return importlib.util.find_spec(module) is None
     except ModuleNotFoundError:
         return True
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """The README opens with two commands, the second installing the test
+    dependencies and running the tests; CI runs that command, no other."""
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2 and commands[0].startswith("pip install") and "stepnet run" in commands[0]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [commands[1]]
