@@ -10,6 +10,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from conftest import cache_with_helpers  # noqa: E402
 from stepnet.jit import numba_cpu  # noqa: E402
 from stepnet.onnx import InferenceSession  # noqa: E402
 from stepnet.onnx import fusion  # noqa: E402
@@ -199,8 +200,10 @@ def test_the_interpreter_backend_and_integer_runs_are_not_fused(rng, monkeypatch
 
 
 def test_a_new_kernel_compiles_in_the_worker_while_the_nodes_run(rng, tmp_path, monkeypatch):
+    """A cache with no kernel (stepnet's compiled helpers only:
+    ``cache_with_helpers``): the loop is new, and the worker compiles it."""
     monkeypatch.setenv("STEPNET_TIERED", "1")
-    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(cache_with_helpers(tmp_path / "cache")))
     session = InferenceSession(_chain_on_input_model())
     x = rng.standard_normal((64, 32)).astype(np.float32)
     _runs(session, {"x": x}, times=2)
