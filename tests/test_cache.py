@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import stepnet as sn
+from conftest import cache_with_helpers
 from stepnet.jit import blas_choice, cache
 
 _SCRIPT = textwrap.dedent(
@@ -76,27 +77,35 @@ def test_helpers_compiled_for_one_blas_are_not_loaded_for_another(tmp_path):
     """Two processes that measured different BLAS libraries (close on some
     machines; two processes measuring at once can differ) keep their
     compiled helpers apart: the second would otherwise load helpers that
-    call the first's library and crash (LLVM: symbol not found)."""
+    call the first's library and crash (LLVM: symbol not found). The first
+    starts on this process's compiled helpers and measurements
+    (``cache_with_helpers``); the second, told the other library was
+    measured, keeps its helpers in a build of its own."""
     if blas_choice.find_mkl() is None or blas_choice.find_openblas() is None:
         pytest.skip("needs both MKL and scipy's OpenBLAS")
+    cache_root = cache_with_helpers(tmp_path / "cache")
     env = {k: v for k, v in os.environ.items() if k != "STEPNET_BLAS"}
-    env.update(STEPNET_CACHE_DIR=str(tmp_path), STEPNET_TIERED="0",
+    env.update(STEPNET_CACHE_DIR=str(cache_root), STEPNET_TIERED="0",
                STEPNET_SMALL_PRODUCTS="0")  # every product on the library
     script = _SCRIPT.replace("x + h.pre_state()", "x @ W + h.pre_state() @ W").replace(
         "rnn = sn.create_rnn_op()", "W = sn.Parameter(np.eye(2, dtype=np.float32) / 2)\n"
-        "rnn = sn.create_rnn_op()")
-    names = []
+        "rnn = sn.create_rnn_op()") + (
+        "from stepnet.jit import cache\nprint('build', cache.build_key())\n")
+    names, keys = [], []
     for _ in range(2):
         result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                                 text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
-        saved = json.loads((tmp_path / "blas.json").read_text())
+        keys.append(result.stdout.split()[-1])
+        saved = json.loads((cache_root / "blas.json").read_text())
         names.append(saved["name"])
         saved["name"] = "openblas" if saved["name"] == "mkl" else "mkl"  # measured otherwise
-        (tmp_path / "blas.json").write_text(json.dumps(saved))
+        (cache_root / "blas.json").write_text(json.dumps(saved))
     assert names[0] != names[1]
-    builds = {p.parent.parent.name for p in tmp_path.glob("numba/*/jit/blas.gemm_hoisted-*.nbi")}
-    assert len(builds) == 2  # one per library
+    # (the copied cache may hold other builds too: this process's other settings)
+    builds = {p.parent.parent.name
+              for p in cache_root.glob("numba/*/jit/blas.gemm_hoisted-*.nbi")}
+    assert keys[0] != keys[1] and set(keys) <= builds, (keys, builds)  # one per library
 
 
 def test_default_cache_dir_is_per_user(monkeypatch, tmp_path):
