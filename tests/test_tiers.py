@@ -136,15 +136,24 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
     kernel, and this process neither compiles nor loads them until the
     kernel first runs here (then from the cache). Nor does a first training
     step wait for the compiled sums of the weight gradients (NumPy sums them
-    while the backward runs on the interpreter)."""
+    while the backward runs on the interpreter). The worker's answers are
+    held until then, so that the calls answer on the interpreter however
+    fast it compiles."""
     script = textwrap.dedent(f"""
-        import numpy as np, sys
+        import numpy as np, sys, threading
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_tiers import _net
         import os
         os.environ["STEPNET_TIERED"] = "1"  # (conftest, imported above, turns it off)
         import stepnet as sn
-        from stepnet.jit import blas
+        from stepnet.jit import blas, numba_cpu
+        answered, release = numba_cpu.TieredProgram._answered, threading.Event()
+
+        def held(self, error):  # (on the thread reading the worker's answers)
+            release.wait(300)
+            answered(self, error)
+
+        numba_cpu.TieredProgram._answered = held
         rnn, X, params = _net(np.random.default_rng(5), 7, 12)
         rnn()
         run = rnn.compile("numba")._runner(True)
@@ -153,6 +162,7 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
         sums = (blas.gemm_tn.signatures + blas._gemm_tn_column_sums.signatures
                 + blas._own_tn.signatures)
         print(run.ready, sorted(blas._own_entries), len(sums))
+        release.set()
         assert rnn.compile("numba").wait(timeout=300)
         rnn()
         print(run.ready, sorted(blas._own_entries))
