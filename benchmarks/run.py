@@ -3,7 +3,7 @@
     python benchmarks/run.py                      # full run, every workload and peer
     python benchmarks/run.py --quick              # tiny sizes, 1 round: a smoke test
     python benchmarks/run.py --workloads W1,W3 --peers stepnet,torch --rounds 7
-    python benchmarks/run.py --markdown results.md
+    python benchmarks/run.py --markdown docs/benchmarks.md   # this machine's section of the page
     python benchmarks/run.py --check              # one call per item: accuracy only
 
 Each peer family runs in its own subprocess (``run.py --worker FAMILY``),
@@ -49,6 +49,7 @@ import os
 import platform
 import queue
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -482,13 +483,50 @@ def _fmt_s(s):
 
 
 def _cpu_model():
+    """The CPU as ``lscpu`` names it, with its family and whether it has
+    AVX-512 (``avx512f``): what a figure depends on."""
+    name, family, flags = None, None, None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and name is None:
+                name = value
+            elif key == "cpu family" and family is None:
+                family = value
+            elif key == "flags" and flags is None:
+                flags = value.split()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    if name is None:
+        return platform.processor() or "unknown CPU"
+    details = ([f"family {family}"] if family else []) + (
+        [f"avx512f {'yes' if 'avx512f' in flags else 'no'}"] if flags is not None else [])
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def write_markdown(path, report):
+    """``report`` into ``path``. Where the file is a benchmarks page (it has
+    a ``## Results`` section, as docs/benchmarks.md), the report becomes
+    this machine's section of it, headed by the CPU, replacing the section
+    an earlier run on the same CPU wrote and keeping the others; any other
+    file is replaced by the report."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    marker = "\n## Results\n"
+    if marker not in text:
+        path.write_text(report + "\n")
+        return
+    head, rest = text.split(marker, 1)
+    end = rest.find("\n## ")
+    results, tail = (rest, "") if end < 0 else (rest[:end + 1], rest[end + 1:])
+    intro, *sections = re.split(r"(?m)^(?=### )", results)
+    cpu = _cpu_model()
+    # (the report's own headings two levels down, under the machine's)
+    body = re.sub(r"(?m)^(#{2,3}) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", report.strip())
+    sections = [s for s in sections if not s.startswith(f"### {cpu}\n")]
+    sections = sorted(sections + [f"### {cpu}\n\n{body}\n\n"])
+    intro = intro.replace("No table has been recorded yet.\n\n", "")
+    path.write_text(head + marker + intro + "".join(sections) + tail)
 
 
 def compile_section(args, tmp, log):
@@ -544,7 +582,7 @@ def orchestrate(args):
         report = _run_all(args, keys, fams, tmp, log)
     print(report)
     if args.markdown:
-        Path(args.markdown).write_text(report + "\n")
+        write_markdown(args.markdown, report)
     if args.keep:
         print(f"\n(worker files kept in {tmp})", file=sys.stderr)
     else:
@@ -960,7 +998,9 @@ def main(argv=None):
                     help="timing rounds (default 7; 1 with --quick)")
     ap.add_argument("--check", action="store_true",
                     help="accuracy only: build and call every item once, no timing")
-    ap.add_argument("--markdown", metavar="FILE", help="also write the report to FILE")
+    ap.add_argument("--markdown", metavar="FILE",
+                    help="also write the report to FILE; into a page with a '## Results' "
+                         "section (docs/benchmarks.md) as this machine's section of it")
     ap.add_argument("--threads", type=int, default=2, help="threads per peer (default 2)")
     ap.add_argument("--stepnet-cache", default="fresh", metavar="fresh|default|DIR",
                     help="STEPNET_CACHE_DIR of the stepnet worker: a new empty dir (fresh, the "

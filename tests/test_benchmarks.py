@@ -257,3 +257,31 @@ def test_the_parts_of_a_kernel_are_timed_by_subtraction():
                           "without products over every step", "without any product"}, proc.stdout
     assert all(float(t) > 0 for t in times.values()), proc.stdout
     assert proc.stdout.count("the part:") == len(times) - 1, proc.stdout
+
+
+def test_a_report_becomes_its_machines_section_of_the_benchmarks_page(tmp_path, monkeypatch):
+    """``--markdown docs/benchmarks.md`` puts the report under its CPU in the
+    page's Results, replacing that CPU's earlier one and keeping the others';
+    any other file gets the report alone."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import run
+
+    page = tmp_path / "benchmarks.md"
+    page.write_text((ROOT / "docs" / "benchmarks.md").read_text())
+    report = "## stepnet benchmark: full sizes\n\n| workload |\n|---|\n| W1 |\n\n### Failures\n\nnone"
+    for cpu, cell in (("CPU A (family 25, avx512f no)", "W1"), ("CPU B (family 6, avx512f yes)", "W1"),
+                      ("CPU A (family 25, avx512f no)", "W2")):
+        monkeypatch.setattr(run, "_cpu_model", lambda cpu=cpu: cpu)
+        run.write_markdown(page, report.replace("| W1 |", f"| {cell} |"))
+    text = page.read_text()
+    results = text[text.index("\n## Results\n"):]
+    results = results[:results.index("\n## ", 5)]
+    assert [line for line in results.splitlines() if line.startswith("### ")] == [
+        "### CPU A (family 25, avx512f no)", "### CPU B (family 6, avx512f yes)"]
+    a = results[results.index("### CPU A"):results.index("### CPU B")]
+    assert "| W2 |" in a and "| W1 |" not in a and "#### stepnet benchmark" in a
+    assert "##### Failures" in a and "No table has been recorded" not in text
+    assert text.startswith("# Benchmarks") and "\n## Other benchmarks\n" in text
+    other = tmp_path / "results.md"
+    run.write_markdown(other, report)
+    assert other.read_text() == report + "\n"
