@@ -89,7 +89,8 @@ def linked_pages() -> list[Path]:
 
 @pytest.mark.parametrize("text", [
     "measured 2026-11-29 on the machine", "run of Nov 29, 04:17", "on 29 Nov", "2026/11/29",
-    "September 3", "code 3c523aa", "at a2e3c79,", "(72c732a)", "commit 0123456789abcdef0123456789abcdef01234567",
+    "September 3", "code 3c523aa", "at a2e3c79,", "(72c732a)",
+    "commit 0123456789abcdef0123456789abcdef01234567",
 ])
 def test_a_date_or_a_commit_hash_is_found(text):
     assert log_marks(text)
