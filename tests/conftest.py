@@ -181,3 +181,24 @@ def cache_with_helpers(path):
     if (source / "numba").is_dir():  # (files are written by atomic renames: each copy is whole)
         shutil.copytree(source / "numba", path / "numba", ignore=shutil.ignore_patterns("*.tmp*"))
     return path
+
+
+def _kernels_in_cache():
+    from stepnet.jit import cache
+
+    return {p.name for p in cache.cache_dir().glob("stepnet_kernel_*.py")}
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # (the main process, under xdist too)
+        session.config._stepnet_kernels = _kernels_in_cache()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many kernels the run compiled into ``STEPNET_CACHE_DIR``: the
+    suite's time with a cold cache is mostly theirs."""
+    before = getattr(config, "_stepnet_kernels", None)
+    if before is not None:
+        now = _kernels_in_cache()
+        terminalreporter.write_line(f"stepnet: {len(now - before)} new kernels in the cache "
+                                    f"({len(now)} in all)")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
-from conftest import assert_close
+from conftest import assert_close, cache_with_helpers
 from nets import nested_encoder
 from stepnet.jit import blas_choice, numba_cpu, threads
 
@@ -130,8 +130,11 @@ def test_gradients_of_a_split_run(rng, split_everything):
 
 
 def _python(code, tmp_path, **env):
+    """``code``'s output in a new process, on a cache of no kernel but this
+    process's helpers and measurements (``cache_with_helpers``)."""
+    cache = cache_with_helpers(tmp_path / "cache")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path), **env),
+                          env=dict(os.environ, STEPNET_CACHE_DIR=str(cache), **env),
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -637,8 +640,9 @@ def test_the_own_loop_on_panels_equals_it_on_the_weights_bit_for_bit(rng, dtype)
 
 
 def test_stepnet_info_prints_the_choice(tmp_path):
+    cache = cache_with_helpers(tmp_path / "cache")
     proc = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
-                          text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(tmp_path)),
+                          text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(cache)),
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout

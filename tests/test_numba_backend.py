@@ -404,7 +404,7 @@ def test_output_all_steps_per_output(rng):
 
 
 @pytest.mark.parametrize("choice", ["openblas", "mkl", "numpy"])
-def test_each_blas_choice_gives_the_interpreters_results(tmp_path, choice):
+def test_each_blas_choice_gives_the_interpreters_results(choice):
     # STEPNET_BLAS picks the GEMMs (blas.py); "mkl" falls back to "numpy"
     # where the mkl wheel is missing. The product crosses the small-product
     # limit: 16 rows run the library's product, the last 8 rows stepnet's loop.
@@ -421,7 +421,11 @@ def test_each_blas_choice_gives_the_interpreters_results(tmp_path, choice):
         print(blas.BLAS_NAME, np.abs(Y.data - Yi.data).max(), np.abs(h - hi).max())
         """
     )
-    env = dict(os.environ, STEPNET_BLAS=choice, STEPNET_CACHE_DIR=str(tmp_path),
+    from stepnet.jit import cache
+
+    # (this process's cache: helpers compiled for each library are kept
+    # apart there, and a later run finds them)
+    env = dict(os.environ, STEPNET_BLAS=choice, STEPNET_CACHE_DIR=str(cache.cache_dir()),
                STEPNET_SMALL_PRODUCTS="8")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
