@@ -66,11 +66,18 @@ def test_a_run_writes_only_under_the_cache_dir(tmp_path):
 
 
 def test_build_settings_give_separate_helper_caches(monkeypatch):
+    """Deterministic mode and the library chosen each have helpers of their
+    own; the library asked for by name does not: asked for or measured,
+    the same library calls the same code."""
     plain = cache.build_key()
     monkeypatch.setenv("STEPNET_DETERMINISTIC", "1")
     assert cache.build_key() != plain
     monkeypatch.setenv("STEPNET_DETERMINISTIC", "0")
     assert cache.build_key() == plain
+    monkeypatch.setenv("STEPNET_BLAS", "numpy")
+    assert cache.build_key() == plain
+    monkeypatch.setattr(cache, "_CHOSEN_BLAS", ["another library"])
+    assert cache.build_key() != plain
 
 
 def test_helpers_compiled_for_one_blas_are_not_loaded_for_another(tmp_path):

@@ -67,11 +67,13 @@ def note_blas(name) -> None:
 def build_key() -> str:
     """The settings baked into compiled helpers that Numba's cache does not key
     by (see the module docstring)."""
+    # (the library chosen, not the one ``STEPNET_BLAS`` asked for: helpers
+    # compiled before the choice call no library, and a library asked for
+    # calls the same code as the same library measured)
     settings = [
         f"numba={numba.__version__}",
         f"boundscheck={bool(numba_config.BOUNDSCHECK)}",
         f"threads={int(numba_config.NUMBA_NUM_THREADS)}",
-        f"blas={os.environ.get('STEPNET_BLAS', '').strip().lower()}",
         f"chosen={''.join(_CHOSEN_BLAS)}",
         f"deterministic={os.environ.get('STEPNET_DETERMINISTIC', '').strip() not in ('', '0')}",
     ]
