@@ -20,7 +20,7 @@ _BACKEND_MODULES = {
     "numba": "stepnet.jit.numba_cpu",
     "cuda": "stepnet.jit.numba_cuda",
 }
-_default = None  # the first call picks "numba" when it is available (DESIGN.md §4)
+_default = None  # the first call picks "numba" when it is available (docs/design.md §4)
 
 
 def backends() -> list:

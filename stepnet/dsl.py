@@ -265,7 +265,7 @@ class RNNOp:
         return Value(step, frame)
 
     def add_memory(self, init=None, shape=None, name=None, dtype=None):
-        """A recurrent state; see DESIGN.md §2 for the forms of ``init``.
+        """A recurrent state; see docs/design.md §2 for the forms of ``init``.
 
         With ``shape`` omitted, an array ``init`` of two or more dimensions whose
         first dimension is the number of sequences is per-sequence; any other

@@ -314,7 +314,7 @@ def vjp(obj, *args, output_all_steps=True, backend=None, **inputs):
 def gradients(obj, wrt, grad_outputs, output_all_steps=True, backend=None, accumulate=False,
               out=None, **inputs):
     """Gradients of ``obj``'s outputs, weighted by ``grad_outputs``, with respect
-    to each entry of ``wrt`` (DESIGN.md §6, docs/gradients.md)."""
+    to each entry of ``wrt`` (docs/design.md §6, docs/gradients.md)."""
     kept = getattr(obj, "_workspace", None)
     if _is_step_net(obj):
         flags = obj.all_steps_flags(output_all_steps) if obj.block is not None else None

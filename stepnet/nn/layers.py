@@ -618,7 +618,7 @@ class _RecurrentLayer:
     def _check_input(self, X):
         """``X`` as (one-level LoDTensor over the finest sequences, how to give
         Y back: its layout and dtype). float16 input is computed in the
-        layer's dtype and given back as float16 (DESIGN.md §4)."""
+        layer's dtype and given back as float16 (docs/design.md §4)."""
         name = type(self).__name__
         if isinstance(X, tuple) and len(X) == 2:
             padded, lengths = X
@@ -892,7 +892,7 @@ class RNN(_RecurrentLayer):
                             bidirectional=self.num_directions == 2)
 
     def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5."""
         Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
@@ -933,7 +933,7 @@ class GRU(_RecurrentLayer):
                             bidirectional=self.num_directions == 2)
 
     def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5."""
         Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
@@ -1030,7 +1030,7 @@ class LSTM(_RecurrentLayer):
                              bidirectional=self.num_directions == 2, proj_size=self.proj_size)
 
     def __call__(self, X, initial=None, backend=None, keep_workspace=False):
-        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see DESIGN.md §5."""
+        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see docs/design.md §5."""
         if initial is None:
             h0 = c0 = None
         elif isinstance(initial, (tuple, list)) and len(initial) == 2:

@@ -8,7 +8,7 @@ the same network written in Python gives, and both run to the same numbers.
 The DSL traces with data in hand; a YAML file declares shapes only. Each net
 is therefore traced on a placeholder (one sequence of one element per LoD
 level, with the declared feature shape and dtype), and every call rebinds the
-real arrays by name, which never re-traces (DESIGN.md §2).
+real arrays by name, which never re-traces (docs/design.md §2).
 """
 
 from __future__ import annotations
