@@ -1,7 +1,7 @@
 """stepnet: recurrent step-nets over nested variable-length (LoD) sequences.
 
 Write what happens in one time step; stepnet runs it over every step of every
-sequence of a batch. See DESIGN.md and README.md.
+sequence of a batch. See docs/design.md and README.md.
 """
 
 from . import errors, nn, onnx, ops, optim

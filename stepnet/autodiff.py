@@ -1,4 +1,4 @@
-"""Reverse mode: the backward of a step-net is a step-net (DESIGN.md §6).
+"""Reverse mode: the backward of a step-net is a step-net (docs/design.md §6).
 
 For a forward ``rnn`` equation, :func:`backward_eqn` builds an ``rnn``
 equation that runs the other way in time over the same LoD. Its step:

@@ -20,11 +20,20 @@ _BACKEND_MODULES = {
     "numba": "stepnet.jit.numba_cpu",
     "cuda": "stepnet.jit.numba_cuda",
 }
-_default = None  # the first call picks "numba" when it is available (DESIGN.md §4)
+_default = None  # the first call picks "numba" when it is available (docs/design.md §4)
 
 
 def backends() -> list:
-    """The backends available on this machine."""
+    """The backends available on this machine.
+
+    Importing each backend's module (Numba's, and Numba's CUDA support) is how
+    it is checked.
+
+    Returns
+    -------
+    list of str
+        In ``["interpreter", "numba", "cuda"]``, the ones that work here.
+    """
     out = []
     for name in _BACKEND_MODULES:
         try:
@@ -36,13 +45,33 @@ def backends() -> list:
 
 
 def set_default_backend(name) -> None:
-    """Make ``name`` the backend used when a call passes no ``backend=``."""
+    """Make ``name`` the backend used when a call passes no ``backend=``.
+
+    Parameters
+    ----------
+    name : str
+        ``"interpreter"``, ``"numba"`` or ``"cuda"``.
+
+    Raises
+    ------
+    BackendError
+        ``name`` is unknown or not available on this machine.
+    """
     global _default
     _module(name)
     _default = name
 
 
 def default_backend() -> str:
+    """The backend used when a call passes no ``backend=``.
+
+    Returns
+    -------
+    str
+        The name given to :func:`set_default_backend`; else, chosen at the
+        first call and kept, ``"numba"`` where Numba's backend imports, or
+        ``"interpreter"``. The CUDA backend is never chosen by default.
+    """
     global _default
     if _default is None:
         try:  # (numba alone: the others are not imported for it, numba.cuda least of all)

@@ -265,7 +265,7 @@ class RNNOp:
         return Value(step, frame)
 
     def add_memory(self, init=None, shape=None, name=None, dtype=None):
-        """A recurrent state; see DESIGN.md §2 for the forms of ``init``.
+        """A recurrent state; see docs/design.md §2 for the forms of ``init``.
 
         With ``shape`` omitted, an array ``init`` of two or more dimensions whose
         first dimension is the number of sequences is per-sequence; any other
@@ -548,6 +548,67 @@ class RNNOp:
 
     def __call__(self, output_all_steps=True, backend=None, keep_scopes=False,
                  keep_workspace=False, **bindings):
+        """Run the step-net: ``rnn(**inputs)``, the entry point.
+
+        At the top level it runs the step-net over every step of every
+        sequence on a backend; inside the block of the step-net it is nested
+        in, it adds the nested step-net to that step and returns step values.
+
+        Parameters
+        ----------
+        output_all_steps : bool or sequence of bool, default True
+            Per output (one flag for all): True gives every step's value, a
+            LoDTensor with the stepped input's LoD (the finest level
+            dropped for a nested input); False gives each sequence's last
+            step, an ndarray ``[num_seq, ...]`` (a sequence of length 0 gives
+            the memory's initial value).
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        keep_scopes : bool, default False
+            Keep every step's values in ``rnn.step_scopes`` (the interpreter
+            only).
+        keep_workspace : bool, default False
+            Keep the forward's workspace, so that the next
+            ``sn.gradients(rnn, ...)`` without inputs runs only the backward.
+        **bindings
+            New values for the inputs, by the names given to ``add_input``,
+            ``add_static_input`` and ``add_memory``; unnamed ones keep the
+            values bound when the step-net was defined. A nested call takes
+            none.
+
+        Returns
+        -------
+        LoDTensor, ndarray or tuple of them
+            One per output of ``add_outputs`` (a tuple for two or more); in a
+            nested call, step values.
+
+        Raises
+        ------
+        StepNetError
+            The step-net is not defined yet; ``keep_scopes`` on another
+            backend; a nested step-net called outside its block or given
+            arrays.
+        BackendError
+            The backend is unknown or not available.
+        LoDError, ShapeError
+            Inputs whose LoD or shapes do not fit the step-net.
+
+        Examples
+        --------
+        >>> import numpy as np, stepnet as sn
+        >>> X = sn.LoDTensor.from_lengths(np.ones((5, 3), np.float32), [[2, 3]])
+        >>> rnn = sn.create_rnn_op()
+        >>> with rnn.stepnet():
+        ...     x = rnn.add_input(X, name="X")
+        ...     h = rnn.add_memory(shape=[3], name="h")
+        ...     h.update(sn.ops.tanh(x + h.pre_state()))
+        ...     rnn.add_outputs(h)
+        >>> rnn(backend="interpreter").lod
+        [[0, 2, 5]]
+        >>> rnn(output_all_steps=False, backend="interpreter").shape
+        (2, 3)
+        """
         if self.block is None:
             raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
         if not self._top:

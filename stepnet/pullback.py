@@ -301,7 +301,37 @@ def _is_step_net(obj) -> bool:
 def vjp(obj, *args, output_all_steps=True, backend=None, **inputs):
     """Run ``obj`` (a step-net or a ``stepnet.nn`` layer) once, keeping its
     workspace: returns ``(outputs, pullback)``; ``pullback(grad_outputs,
-    wrt=None)`` gives one gradient per ``wrt`` (default: the Parameters)."""
+    wrt=None)`` gives one gradient per ``wrt`` (default: the Parameters).
+
+    Parameters
+    ----------
+    obj : RNNOp or stepnet.nn layer
+        A top-level step-net or a built-in layer.
+    *args
+        A layer's positional arguments (``X``, then its initial state or
+        attention); a step-net takes none.
+    output_all_steps : bool or sequence of bool, default True
+        As in ``rnn(output_all_steps=...)``; for step-nets only.
+    backend : str, optional
+        The backend; None: ``default_backend()``.
+    **inputs
+        A step-net's inputs by name; a layer's keyword arguments.
+
+    Returns
+    -------
+    outputs
+        What ``obj(...)`` returns.
+    pullback : Pullback
+        ``pullback(grad_outputs, wrt=None, accumulate=False, out=None)``: one
+        gradient per ``wrt`` (as :func:`gradients`); it may be called any
+        number of times.
+
+    Raises
+    ------
+    StepNetError
+        ``obj`` is neither a step-net nor a layer, or a step-net is given
+        positional arguments.
+    """
     if _is_step_net(obj):
         if args:
             raise StepNetError("vjp of a step-net takes its inputs by name: vjp(rnn, X=...)")
@@ -314,7 +344,63 @@ def vjp(obj, *args, output_all_steps=True, backend=None, **inputs):
 def gradients(obj, wrt, grad_outputs, output_all_steps=True, backend=None, accumulate=False,
               out=None, **inputs):
     """Gradients of ``obj``'s outputs, weighted by ``grad_outputs``, with respect
-    to each entry of ``wrt`` (DESIGN.md §6, docs/gradients.md)."""
+    to each entry of ``wrt`` (docs/design.md §6, docs/gradients.md).
+
+    Runs the forward with its workspace kept, then the backward (a step-net
+    itself, on the same backend). Without ``inputs``, a workspace kept by the
+    last call with ``keep_workspace=True`` is used instead of a new forward
+    (for a step-net: when its output flags and backend match).
+
+    Parameters
+    ----------
+    obj : RNNOp or stepnet.nn layer
+        A top-level step-net (``sn.create_rnn_op()``) or a built-in layer.
+    wrt : sequence
+        What to differentiate with respect to, one gradient each: a
+        ``Parameter`` (or its array); for a step-net the name of an input bound
+        by ``add_input``, ``add_memory`` or ``add_static_input`` (or the bound
+        array itself); for a layer ``"X"``, ``"h0"``, ``"c0"`` or a parameter.
+    grad_outputs : sequence of array or None
+        One cotangent per output, shaped like its data (all-steps outputs
+        ``[N, ...]``, a LoDTensor accepted; last-step outputs ``[num_seq,
+        ...]``); None stands for zeros. For a layer ``[dY, dh_n]`` (LSTM
+        ``[dY, dh_n, dc_n]``).
+    output_all_steps : bool or sequence of bool, default True
+        As in ``rnn(output_all_steps=...)``; layers ignore it.
+    backend : str, optional
+        The backend; None: ``default_backend()``.
+    accumulate : bool, default False
+        Add the gradients into ``out`` (oneDNN's accumulate mode); needs ``out``.
+    out : list of ndarray, optional
+        One array per ``wrt`` the gradients are written (or added) into.
+    **inputs
+        The inputs by name, as in ``rnn(**inputs)``; for a layer ``X=``,
+        ``h0=`` (LSTM ``initial=(h0, c0)``) and ``attention=`` (AUGRU). A layer
+        needs them unless it kept a workspace.
+
+    Returns
+    -------
+    list of ndarray
+        One gradient per ``wrt`` entry, shaped and typed like it (``out``
+        itself when given).
+
+    Raises
+    ------
+    StepNetError
+        ``obj`` is neither a step-net nor a layer, is a nested step-net, or
+        is a layer given no input and holding no workspace; a ``wrt`` entry
+        that ``obj`` does not read; ``accumulate`` without ``out``.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> gru = sn.nn.GRU(2, 4, seed=0)
+    >>> X = sn.LoDTensor.from_lengths(np.ones((5, 2), np.float32), [[2, 3]])
+    >>> dX, = sn.gradients(gru, ["X"], [None, np.ones((1, 2, 4), np.float32)], X=X,
+    ...                    backend="interpreter")
+    >>> dX.shape
+    (5, 2)
+    """
     kept = getattr(obj, "_workspace", None)
     if _is_step_net(obj):
         flags = obj.all_steps_flags(output_all_steps) if obj.block is not None else None

@@ -4,6 +4,7 @@ README, relative links that resolve, and the documentation site builds."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -170,3 +171,156 @@ def test_ci_runs_exactly_the_readmes_test_command():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert ci == [commands[1]]
+
+
+# ---------------------------------------------------------------------------
+# the reference pages: the environment variables, the command line, the ops
+
+ENVIRONMENT = DOCS / "environment.md"
+CLI_PAGE = DOCS / "cli.md"
+OPS_PAGE = DOCS / "ops.md"
+ENV_NAME = re.compile(r"\bSTEPNET_[A-Z_]+\b")
+REGENERATE = "regenerate it with `python tests/test_docs.py --write`"
+
+
+def environment_variables_in_code() -> dict[str, list[str]]:
+    """Every ``STEPNET_*`` name in stepnet's source, with the files that name it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "stepnet").rglob("*.py")):
+        for name in set(ENV_NAME.findall(path.read_text())):
+            found.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+def environment_table_names() -> set[str]:
+    """The variables of docs/environment.md's table (its rows' first cells)."""
+    return {m.group(1) for m in re.finditer(r"^\|\s*`(STEPNET_[A-Z_]+)`", ENVIRONMENT.read_text(), re.M)}
+
+
+def test_every_environment_variable_is_documented():
+    missing = {name: files for name, files in environment_variables_in_code().items()
+               if name not in environment_table_names()}
+    assert not missing, f"docs/environment.md's table lacks (variable: files reading it) {missing}"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def cli_markdown() -> str:
+    """docs/cli.md, from ``stepnet.cli``'s argument parser."""
+    import argparse
+
+    from stepnet import cli
+
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {choice.dest: choice.help for choice in commands._choices_actions}
+    lines = ["# Command line", "",
+             "<!-- generated from stepnet/cli.py's argument parser by tests/test_docs.py; "
+             "regenerate: python tests/test_docs.py --write -->", "",
+             f"{parser.description}", "",
+             "```text", "stepnet COMMAND [OPTIONS]", "stepnet --version     # print stepnet's version",
+             "stepnet COMMAND --help", "```", "",
+             "| command | what it does |", "|---|---|"]
+    lines += [f"| [`{name}`](#stepnet-{name}) | {_cell(helps[name])} |" for name in commands.choices]
+    for name, sub in commands.choices.items():
+        lines += ["", f"## stepnet {name}", "", _cell(sub.description or helps[name]), ""]
+        positional = " ".join(a.metavar or a.dest for a in sub._actions if not a.option_strings)
+        lines += ["```text", f"stepnet {name} {positional} [OPTIONS]".replace("  ", " "), "```", ""]
+        rows = []
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            metavar = "" if action.nargs == 0 else " " + (action.metavar or action.dest.upper())
+            if action.option_strings:
+                flags = sorted(action.option_strings, key=lambda s: (not s.startswith("--"), s))
+                what = ", ".join(f"`{flag}{metavar if i == 0 else ''}`" for i, flag in enumerate(flags))
+            else:
+                what = f"`{action.metavar or action.dest}`"
+            required = " (required)" if action.required and action.option_strings else ""
+            rows.append(f"- {what}: {' '.join((action.help or '').split())}{required}")
+        if rows:
+            lines += rows
+        else:
+            lines += ["No arguments."]
+    return "\n".join(lines) + "\n"
+
+
+def _first_line(doc: str | None) -> str:
+    """A docstring's first sentence, on one line."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return text
+
+
+def ops_markdown() -> str:
+    """docs/ops.md, from the op registry and ``stepnet.ops.composites``."""
+    from stepnet import ops, registry
+
+    lines = ["# Op table", "",
+             "<!-- generated from the op registry (stepnet/registry.py) by tests/test_docs.py; "
+             "regenerate: python tests/test_docs.py --write -->", "",
+             "Every op is `sn.ops.NAME`. The primitives are the entries of the op registry "
+             "(`sn.ops.registry.all_ops()`), each defined once in `stepnet/ops/primitives.py`; "
+             "[adding-an-op.md](adding-an-op.md) says how to add one. *kind*: how the backends "
+             "compile it (`elementwise` ops fuse into one loop; `segment` ops reduce each batch "
+             "row's own rows of a ragged value). *operands*: how many (`any`: variadic). "
+             "*gradient*: whether it has a gradient rule. *ONNX export*: the ONNX operator it "
+             "exports as, or `nodes` where it exports as a few nodes.", "",
+             "## Primitives", "",
+             "| op | kind | operands | gradient | ONNX export | what it computes |",
+             "|---|---|---|---|---|---|"]
+    for name, op in sorted(registry.all_ops().items()):
+        onnx = f"`{op.onnx}`" if isinstance(op.onnx, str) else ("nodes" if op.onnx else "—")
+        operands = "any" if op.num_inputs is None else str(op.num_inputs)
+        lines.append(f"| `{name}` | {op.kind} | {operands} | {'yes' if op.grad else 'no'} | {onnx} "
+                     f"| {_cell(_first_line(op.function.__doc__))} |")
+    lines += ["", "## Composites", "",
+              "Built from the primitives (`stepnet/ops/composites.py`), so they need no backend "
+              "code of their own.", "",
+              "| op | what it computes |", "|---|---|"]
+    for name in sorted(ops.composites.__all__):
+        lines.append(f"| `{name}` | {_cell(_first_line(getattr(ops, name).__doc__))} |")
+    return "\n".join(lines) + "\n"
+
+
+GENERATED = {CLI_PAGE: cli_markdown, OPS_PAGE: ops_markdown}
+
+
+@pytest.mark.parametrize("path", list(GENERATED), ids=lambda p: str(p.relative_to(ROOT)))
+def test_generated_page_is_up_to_date(path):
+    expected = GENERATED[path]()
+    actual = path.read_text() if path.exists() else ""
+    assert actual == expected, f"{path.relative_to(ROOT)} is out of date: {REGENERATE}"
+
+
+# ---------------------------------------------------------------------------
+# the tutorial runs
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return PYTHON_BLOCK.findall(path.read_text())
+
+
+def test_getting_started_runs(tmp_path):
+    """docs/index.md's ``python`` blocks run, in order, in one namespace, in a
+    new process, on the interpreter where a call names no backend."""
+    blocks = python_blocks(DOCS / "index.md")
+    assert blocks, "docs/index.md has no python block"
+    script = "import stepnet\nstepnet.set_default_backend('interpreter')\n" + "\n".join(
+        f"# block {i}\n{block}" for i, block in enumerate(blocks, 1))
+    env = dict(os.environ, STEPNET_TIERED="0", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"docs/index.md's python blocks fail:\n{result.stderr}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_docs.py --write   (regenerates docs/cli.md and docs/ops.md)")
+    sys.path.insert(0, str(ROOT))
+    for page, render in GENERATED.items():
+        page.write_text(render())
+        print(f"wrote {page.relative_to(ROOT)}")

@@ -3,7 +3,7 @@
 ``RNN``, ``LSTM`` (peephole, projection, coupled input-forget gate), ``GRU``
 (``linear_before_reset``) and ``AUGRU``; forward, reverse and bidirectional
 (concat or sum), stacked per layer or per direction; PyTorch's and ONNX's
-weight layouts. See DESIGN.md §5. ``RNNCell``, ``GRUCell``, ``LSTMCell`` and ``AUGRUCell``
+weight layouts. See docs/design.md §5. ``RNNCell``, ``GRUCell``, ``LSTMCell`` and ``AUGRUCell``
 (and ``layer.step``) are one step of a layer inside another step-net's block.
 
 >>> import numpy as np, stepnet as sn

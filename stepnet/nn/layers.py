@@ -618,7 +618,7 @@ class _RecurrentLayer:
     def _check_input(self, X):
         """``X`` as (one-level LoDTensor over the finest sequences, how to give
         Y back: its layout and dtype). float16 input is computed in the
-        layer's dtype and given back as float16 (DESIGN.md §4)."""
+        layer's dtype and given back as float16 (docs/design.md §4)."""
         name = type(self).__name__
         if isinstance(X, tuple) and len(X) == 2:
             padded, lengths = X
@@ -858,17 +858,69 @@ def _positive(value, what):
 
 class RNN(_RecurrentLayer):
     """Elman RNN: ``h = f(x Wi + Wbi + Rbi + h_prev Ri)``, ``f`` from
-    ``nonlinearity`` ("tanh", "relu", "sigmoid") unless ``activations`` names it."""
+    ``nonlinearity`` ("tanh", "relu", "sigmoid") unless ``activations`` names it.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of each token of the input.
+    hidden_size : int
+        Width of the recurrent state.
+    num_layers : int, default 1
+        Layers stacked, each reading the previous one's output.
+    nonlinearity : {"tanh", "relu", "sigmoid"}, default "tanh"
+        The activation ``f``.
+    direction : {"forward", "reverse", "bidirectional_concat", "bidirectional_sum"}, default "forward"
+        Which way each layer runs; the bidirectional ones run both ways and
+        concatenate or add the two directions' outputs.
+    combine : {"per_layer", "final"}, default "per_layer"
+        How a bidirectional stack is combined: after every layer (each
+        layer reads both directions' combined outputs, as PyTorch and ONNX
+        stack), or at the end (each direction's whole stack runs on its own).
+    activations : list of str, optional
+        ONNX activation names (1 per direction, ``["Tanh"]``, or ``nonlinearity``'s by default); a
+        list for one direction serves both.
+    activation_alpha, activation_beta : list of float, optional
+        The activations' alpha and beta, as ONNX's attributes.
+    clip : float, optional
+        Bounds every activation's input to ``[-clip, clip]`` (ONNX's cell
+        clip); positive. None: no clipping.
+    dtype : dtype, default float32
+        The weights' and computation's dtype: float32 or float64 (float16
+        computes in float32).
+    seed : int, optional
+        Seed of the initialization (PyTorch's: every weight and bias drawn
+        from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+
+    Raises
+    ------
+    StepNetError
+        An option out of range (a size that is not a positive integer, an
+        unknown direction, a wrong number of activations, ...).
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> rnn = sn.nn.RNN(4, 8, nonlinearity="relu", seed=0)
+    >>> X = sn.LoDTensor.from_lengths(np.ones((5, 4), np.float32), [[2, 3]])
+    >>> Y, h_n = rnn(X, backend="interpreter")
+    >>> Y.data.shape, h_n.shape
+    ((5, 8), (1, 2, 8))
+    """
 
     cell = "rnn"
 
-    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", **kwargs):
+    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", *,
+                 direction="forward", combine="per_layer", activations=None, activation_alpha=None,
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None):
         names = {"tanh": "Tanh", "relu": "Relu", "sigmoid": "Sigmoid"}
         if nonlinearity not in names:
             raise StepNetError(f"RNN: nonlinearity {nonlinearity!r} is not tanh, relu or sigmoid")
         self.nonlinearity = nonlinearity
         self._nonlinearity_name = names[nonlinearity]
-        super().__init__(input_size, hidden_size, num_layers, **kwargs)
+        super().__init__(input_size, hidden_size, num_layers, direction=direction, combine=combine,
+                         activations=activations, activation_alpha=activation_alpha,
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
 
     def _default_activations(self):
         return (self._nonlinearity_name,)
@@ -892,20 +944,73 @@ class RNN(_RecurrentLayer):
                             bidirectional=self.num_directions == 2)
 
     def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5."""
         Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
 
 class GRU(_RecurrentLayer):
     """ONNX's GRU (gates z, r, h); ``linear_before_reset=True`` is PyTorch's
-    GRU (the candidate's recurrent bias kept separate, inside ``r * (...)``)."""
+    GRU (the candidate's recurrent bias kept separate, inside ``r * (...)``).
+
+    Parameters
+    ----------
+    input_size : int
+        Width of each token of the input.
+    hidden_size : int
+        Width of the recurrent state.
+    num_layers : int, default 1
+        Layers stacked, each reading the previous one's output.
+    linear_before_reset : bool, default False
+        Apply the reset gate after the candidate's recurrent product
+        (PyTorch's GRU) rather than before it (ONNX's default).
+    direction : {"forward", "reverse", "bidirectional_concat", "bidirectional_sum"}, default "forward"
+        Which way each layer runs; the bidirectional ones run both ways and
+        concatenate or add the two directions' outputs.
+    combine : {"per_layer", "final"}, default "per_layer"
+        How a bidirectional stack is combined: after every layer (each
+        layer reads both directions' combined outputs, as PyTorch and ONNX
+        stack), or at the end (each direction's whole stack runs on its own).
+    activations : list of str, optional
+        ONNX activation names (2 per direction, ``["Sigmoid", "Tanh"]`` by default); a
+        list for one direction serves both.
+    activation_alpha, activation_beta : list of float, optional
+        The activations' alpha and beta, as ONNX's attributes.
+    clip : float, optional
+        Bounds every activation's input to ``[-clip, clip]`` (ONNX's cell
+        clip); positive. None: no clipping.
+    dtype : dtype, default float32
+        The weights' and computation's dtype: float32 or float64 (float16
+        computes in float32).
+    seed : int, optional
+        Seed of the initialization (PyTorch's: every weight and bias drawn
+        from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+
+    Raises
+    ------
+    StepNetError
+        An option out of range (a size that is not a positive integer, an
+        unknown direction, a wrong number of activations, ...).
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> gru = sn.nn.GRU(4, 8, direction="bidirectional_concat", seed=0)
+    >>> X = sn.LoDTensor.from_lengths(np.ones((5, 4), np.float32), [[2, 3]])
+    >>> Y, h_n = gru(X, backend="interpreter")
+    >>> Y.data.shape, h_n.shape
+    ((5, 16), (2, 2, 8))
+    """
 
     cell = "gru"
 
-    def __init__(self, input_size, hidden_size, num_layers=1, linear_before_reset=False, **kwargs):
+    def __init__(self, input_size, hidden_size, num_layers=1, linear_before_reset=False, *,
+                 direction="forward", combine="per_layer", activations=None, activation_alpha=None,
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None):
         super().__init__(input_size, hidden_size, num_layers,
-                         linear_before_reset=linear_before_reset, **kwargs)
+                         linear_before_reset=linear_before_reset, direction=direction, combine=combine,
+                         activations=activations, activation_alpha=activation_alpha,
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
 
     def _step(self, x, memories, p, acts, attention):
         cells.gru_step(x, memories[0], p, acts, self.clip, self.linear_before_reset, attention)
@@ -933,7 +1038,7 @@ class GRU(_RecurrentLayer):
                             bidirectional=self.num_directions == 2)
 
     def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see DESIGN.md §5."""
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5."""
         Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
@@ -979,14 +1084,72 @@ class AUGRU(GRU):
 
 class LSTM(_RecurrentLayer):
     """ONNX's LSTM (gates i, o, f, c; ``peephole`` weights i, o, f;
-    ``input_forget`` couples f = 1 - i) with PyTorch's ``proj_size``."""
+    ``input_forget`` couples f = 1 - i) with PyTorch's ``proj_size``.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of each token of the input.
+    hidden_size : int
+        Width of the recurrent state.
+    num_layers : int, default 1
+        Layers stacked, each reading the previous one's output.
+    peephole : bool, default False
+        Peephole weights: the input, output and forget gates also read the
+        cell state.
+    proj_size : int, default 0
+        PyTorch's projection: ``h`` is projected to this width (in ``[0,
+        hidden_size)``; 0: none).
+    input_forget : bool, default False
+        Couple the forget gate to the input gate, ``f = 1 - i``.
+    direction : {"forward", "reverse", "bidirectional_concat", "bidirectional_sum"}, default "forward"
+        Which way each layer runs; the bidirectional ones run both ways and
+        concatenate or add the two directions' outputs.
+    combine : {"per_layer", "final"}, default "per_layer"
+        How a bidirectional stack is combined: after every layer (each
+        layer reads both directions' combined outputs, as PyTorch and ONNX
+        stack), or at the end (each direction's whole stack runs on its own).
+    activations : list of str, optional
+        ONNX activation names (3 per direction, ``["Sigmoid", "Tanh", "Tanh"]`` by default); a
+        list for one direction serves both.
+    activation_alpha, activation_beta : list of float, optional
+        The activations' alpha and beta, as ONNX's attributes.
+    clip : float, optional
+        Bounds every activation's input to ``[-clip, clip]`` (ONNX's cell
+        clip); positive. None: no clipping.
+    dtype : dtype, default float32
+        The weights' and computation's dtype: float32 or float64 (float16
+        computes in float32).
+    seed : int, optional
+        Seed of the initialization (PyTorch's: every weight and bias drawn
+        from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+
+    Raises
+    ------
+    StepNetError
+        An option out of range (a size that is not a positive integer, an
+        unknown direction, a wrong number of activations, ...).
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> lstm = sn.nn.LSTM(4, 8, num_layers=2, seed=0)
+    >>> X = sn.LoDTensor.from_lengths(np.ones((5, 4), np.float32), [[2, 3]])
+    >>> Y, (h_n, c_n) = lstm(X, backend="interpreter")
+    >>> Y.data.shape, h_n.shape, c_n.shape
+    ((5, 8), (2, 2, 8), (2, 2, 8))
+    """
 
     cell = "lstm"
 
     def __init__(self, input_size, hidden_size, num_layers=1, peephole=False, proj_size=0,
-                 input_forget=False, **kwargs):
+                 input_forget=False, *, direction="forward", combine="per_layer", activations=None,
+                 activation_alpha=None, activation_beta=None, clip=None, dtype=np.float32, seed=None):
         super().__init__(input_size, hidden_size, num_layers, peephole=peephole,
-                         proj_size=proj_size, input_forget=input_forget, **kwargs)
+                         proj_size=proj_size, input_forget=input_forget,
+                         direction=direction, combine=combine,
+                         activations=activations, activation_alpha=activation_alpha,
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
 
     def _step(self, x, memories, p, acts, attention):
         h, c = memories
@@ -1030,7 +1193,7 @@ class LSTM(_RecurrentLayer):
                              bidirectional=self.num_directions == 2, proj_size=self.proj_size)
 
     def __call__(self, X, initial=None, backend=None, keep_workspace=False):
-        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see DESIGN.md §5."""
+        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see docs/design.md §5."""
         if initial is None:
             h0 = c0 = None
         elif isinstance(initial, (tuple, list)) and len(initial) == 2:

@@ -645,7 +645,7 @@ class ScanNode:
         scans = [np.asarray(x) for x in scans]
         given = (states, scans)
         float16 = any(a.dtype == np.float16 for a in states + scans)
-        if float16:  # computed in float32, given back as float16 (DESIGN.md §4)
+        if float16:  # computed in float32, given back as float16 (docs/design.md §4)
             states, scans = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
                              for arrays in (states, scans))
         if ctx.opset == 8:

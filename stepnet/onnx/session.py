@@ -22,7 +22,7 @@ constants (initializers, ``Constant``) are computed then, once.
   node by node, runs of elementwise nodes as one compiled loop each
   (:mod:`stepnet.onnx.fusion`).
 
-float16 is computed in float32 and given back as float16 (DESIGN.md §4): per
+float16 is computed in float32 and given back as float16 (docs/design.md §4): per
 node, the outputs typed like a float16 input are rounded to float16.
 """
 
@@ -676,7 +676,7 @@ class Graph:
         if node.types is not None and node.op not in _MOVES:
             half = {j for j, x in enumerate(inputs)
                     if isinstance(x, np.ndarray) and x.dtype == np.float16}
-            if half:  # float16 is computed in float32 (DESIGN.md §4)
+            if half:  # float16 is computed in float32 (docs/design.md §4)
                 inputs = [x.astype(np.float32) if j in half else x for j, x in enumerate(inputs)]
         out = NotImplemented
         if node.table is not None:

@@ -116,6 +116,25 @@ def _select(em, cond, g):
 @register("add", _binary_rule("add"), np.add, "elementwise", 2,
           grad=lambda em, e, g: [g, g], numba="({0} + {1})", onnx="Add", onnx_import="Add")
 def add(a, b):
+    """Elementwise ``a + b``, with NumPy broadcasting; also ``a + b`` on step values.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands (a Python scalar takes the other operand's dtype).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return bind("add", [a, b])
 
 
@@ -123,6 +142,25 @@ def add(a, b):
           grad=lambda em, e, g: [g, em.op("neg", g)], numba="({0} - {1})",
           onnx="Sub", onnx_import="Sub")
 def sub(a, b):
+    """Elementwise ``a - b``, with NumPy broadcasting; also ``a - b`` on step values.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands (a Python scalar takes the other operand's dtype).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return bind("sub", [a, b])
 
 
@@ -134,6 +172,25 @@ def _mul_grad(em, e, g):
 @register("mul", _binary_rule("mul"), np.multiply, "elementwise", 2,
           grad=_mul_grad, numba="({0} * {1})", onnx="Mul", onnx_import="Mul")
 def mul(a, b):
+    """Elementwise ``a * b``, with NumPy broadcasting; also ``a * b`` on step values.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands (a Python scalar takes the other operand's dtype).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return bind("mul", [a, b])
 
 
@@ -145,6 +202,25 @@ def _div_grad(em, e, g):
 @register("div", _binary_rule("div"), np.divide, "elementwise", 2,
           grad=_div_grad, numba="({0} / {1})", onnx="Div", onnx_import="Div")
 def div(a, b):
+    """Elementwise ``a / b``, with NumPy broadcasting; also ``a / b`` on step values.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands (a Python scalar takes the other operand's dtype).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return bind("div", [a, b])
 
 
@@ -155,6 +231,28 @@ def div(a, b):
           grad=lambda em, e, g: _select(em, em.op("greater_equal", *_vals(em, e)), g),
           numba="({0} if ({0} >= {1}) | ({0} != {0}) else {1})", onnx="Max")
 def maximum(a, b):
+    """Elementwise ``max(a, b)``, with NumPy broadcasting.
+
+    A NaN operand gives NaN, as in NumPy; the gradient goes to ``a`` where
+    ``a >= b``, else to ``b``.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands (a Python scalar takes the other operand's dtype).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return bind("maximum", [a, b])
 
 
@@ -162,12 +260,48 @@ def maximum(a, b):
           grad=lambda em, e, g: _select(em, em.op("less_equal", *_vals(em, e)), g),
           numba="({0} if ({0} <= {1}) | ({0} != {0}) else {1})", onnx="Min")
 def minimum(a, b):
+    """Elementwise ``min(a, b)``, with NumPy broadcasting.
+
+    A NaN operand gives NaN, as in NumPy; the gradient goes to ``a`` where
+    ``a <= b``, else to ``b``.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands (a Python scalar takes the other operand's dtype).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return bind("minimum", [a, b])
 
 
 @register("neg", _unary_rule, np.negative, "elementwise", 1,
           grad=lambda em, e, g: [em.op("neg", g)], numba="(-{0})", onnx="Neg", onnx_import="Neg")
 def neg(x):
+    """Elementwise ``-x``; also ``-x`` on step values.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+    """
     return bind("neg", [x])
 
 
@@ -181,6 +315,20 @@ def _abs_grad(em, e, g):
 @register("abs", _unary_rule, np.abs, "elementwise", 1,
           grad=_abs_grad, numba="abs({0})", onnx="Abs", onnx_import="Abs")
 def abs(x):
+    """Elementwise ``|x|``; also ``abs(x)`` on step values.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+    """
     return bind("abs", [x])
 
 
@@ -203,6 +351,25 @@ _SIGMOID_CUDA = (f"({{one}} / ({{one}} + {_EXP_NEG_ABS})"
           grad=derivative(lambda em, x, y: y), numba="np.exp({0})", cuda="math.exp({0})",
           onnx="Exp", onnx_import="Exp")
 def exp(x):
+    """Elementwise ``exp(x)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("exp", [x])
 
 
@@ -210,6 +377,25 @@ def exp(x):
           grad=lambda em, e, g: [em.op("div", g, em.val(e.inputs[0]))],
           numba="np.log({0})", cuda="math.log({0})", onnx="Log", onnx_import="Log")
 def log(x):
+    """Elementwise ``log(x)`` (natural logarithm).
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("log", [x])
 
 
@@ -217,6 +403,25 @@ def log(x):
           grad=derivative(lambda em, x, y: em.op("div", HALF, y)), numba="np.sqrt({0})",
           cuda="math.sqrt({0})", onnx="Sqrt", onnx_import="Sqrt")
 def sqrt(x):
+    """Elementwise ``sqrt(x)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("sqrt", [x])
 
 
@@ -224,6 +429,25 @@ def sqrt(x):
           grad=derivative(lambda em, x, y: em.op("sub", ONE, em.op("mul", y, y))),
           numba="tanh{bits}({0})", cuda="math.tanh({0})", onnx="Tanh", onnx_import="Tanh")
 def tanh(x):
+    """Elementwise ``tanh(x)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("tanh", [x])
 
 
@@ -231,6 +455,25 @@ def tanh(x):
           grad=derivative(lambda em, x, y: em.op("mul", y, em.op("sub", ONE, y))),
           numba="sigmoid{bits}({0})", cuda=_SIGMOID_CUDA, onnx="Sigmoid", onnx_import="Sigmoid")
 def sigmoid(x):
+    """Elementwise ``1 / (1 + exp(-x))``, the logistic function.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("sigmoid", [x])
 
 
@@ -250,7 +493,25 @@ def _softplus_onnx(g, e, operand):
           numba="softplus{bits}({0})", cuda=f"({_RELU_CUDA} + math.log1p({_EXP_NEG_ABS}))",
           onnx=_softplus_onnx, onnx_import="Softplus")
 def softplus(x):
-    """ONNX Softplus: ``log(1 + exp(x))``, computed without overflow."""
+    """ONNX Softplus: ``log(1 + exp(x))``, computed without overflow.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("softplus", [x])
 
 
@@ -261,7 +522,25 @@ def softplus(x):
 def erf(x):
     """The Gauss error function ``2/sqrt(pi) * integral of exp(-t*t) from 0 to x``
     (``gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))``). Exports as ONNX Erf,
-    which onnxruntime runs in float32 only."""
+    which onnxruntime runs in float32 only.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` is not floating-point.
+    """
     return bind("erf", [x])
 
 
@@ -269,6 +548,20 @@ def erf(x):
           grad=lambda em, e, g: [em.op("where", em.op("greater", em.val(e.inputs[0]), ZERO), g, ZERO)],
           numba="relu({0})", cuda=_RELU_CUDA, onnx="Relu", onnx_import="Relu")
 def relu(x):
+    """Elementwise ``max(x, 0)``, the rectifier.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+    """
     return bind("relu", [x])
 
 
@@ -283,6 +576,27 @@ def _comparison(name, numpy, symbol, onnx):
         return bind(name, [a, b])
 
     compare.__name__ = compare.__qualname__ = name
+    operator = "" if symbol == "==" else f"; also ``a {symbol} b`` on step values"
+    compare.__doc__ = f"""Elementwise ``a {symbol} b``: a boolean mask (no gradient), with NumPy
+    broadcasting{operator}.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter, array or Python scalar
+        The operands.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        The shapes do not broadcast.
+    """
     return compare
 
 
@@ -310,7 +624,27 @@ def _where_onnx(g, e, operand):
           grad=lambda em, e, g: [None] + _select(em, em.val(e.inputs[0]), g),
           numba="({1} if {0} else {2})", onnx=_where_onnx, onnx_import="Where")
 def where(cond, a, b):
-    """Per element: ``a`` where ``cond`` holds, else ``b``."""
+    """Per element: ``a`` where ``cond`` holds, else ``b``.
+
+    Parameters
+    ----------
+    cond : boolean step value or array
+        The condition (no gradient flows to it).
+    a, b : step value, Parameter, array or Python scalar
+        The values chosen from; the three shapes broadcast.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``cond`` is not boolean, or the shapes do not broadcast.
+    """
     return bind("where", [cond, a, b])
 
 
@@ -362,7 +696,28 @@ def _clip_onnx(g, e, operand):
 @register("clip", _clip_rule, _clip, "elementwise", 1, grad=_clip_grad, numba=_clip_code,
           onnx=_clip_onnx)
 def clip(x, lo=None, hi=None):
-    """Clip to ``[lo, hi]``; either bound may be None."""
+    """Clip to ``[lo, hi]``; either bound may be None.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    lo, hi : float, optional
+        The bounds (weak scalars: the result keeps ``x``'s dtype); at least
+        one is given.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        Neither bound is given, or ``lo > hi``.
+    """
     return bind("clip", [x], lo=None if lo is None else float(lo),
                 hi=None if hi is None else float(hi))
 
@@ -439,6 +794,30 @@ def _matmul_reduction(index, shapes):
 @register("matmul", _matmul_rule, np.matmul, "matmul", 2, grad=_matmul_grad, onnx="MatMul",
           reduction=_matmul_reduction)
 def matmul(a, b):
+    """Matrix product ``a @ b``, as ``np.matmul`` (1-D operands promoted, stacked
+    dimensions broadcast); also ``a @ b`` on step values.
+
+    Parameters
+    ----------
+    a, b : step value, Parameter or array
+        The operands; a ragged value (an attention memory) may only be
+        multiplied by a constant (``rows @ W``).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        A Python scalar operand, a 0-d operand, contracted dimensions that
+        differ, or a product that would move the batch axis.
+    UnsupportedError
+        A ragged value multiplied by a step value.
+    """
     return bind("matmul", [a, b])
 
 
@@ -485,6 +864,29 @@ def _sum_reduction(index, shapes, axis, keepdims=False):
 @register("sum", _sum_rule, lambda x, axis, keepdims=False: np.sum(x, axis, keepdims=keepdims),
           "reduce", 1, grad=_sum_grad, onnx=_sum_onnx, reduction=_sum_reduction)
 def sum(x, axis=-1, keepdims=False):
+    """Sum over one axis.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    axis : int, default -1
+        The axis summed (negative counts from the end); not the batch axis.
+    keepdims : bool, default False
+        Keep the summed axis, of size 1.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``axis`` is out of range or the batch axis.
+    """
     return bind("sum", [x], axis=int(axis), keepdims=bool(keepdims))
 
 
@@ -543,6 +945,29 @@ def _concat_gather(index, shapes, axis):
 @register("concat", _concat_rule, lambda *xs, axis: np.concatenate(xs, axis), "shape",
           grad=_concat_grad, onnx=_concat_onnx, gather=_concat_gather)
 def concat(values, axis=-1):
+    """Join arrays along one axis, as ``np.concatenate``.
+
+    Parameters
+    ----------
+    values : sequence of step values, Parameters or arrays
+        The operands: their shapes are equal but along ``axis``; no Python
+        scalars.
+    axis : int, default -1
+        The axis joined along (negative counts from the end); not the batch axis.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        No operand, a scalar operand, shapes that differ off ``axis``, or
+        ``axis`` out of range or the batch axis.
+    """
     return bind("concat", list(values), axis=int(axis))
 
 
@@ -587,6 +1012,31 @@ def _slice_gather(index, shapes, axis, start, stop):
 @register("slice", _slice_rule, _slice, "shape", 1, grad=_slice_grad, onnx=_slice_onnx,
           gather=_slice_gather)
 def slice(x, start, stop, axis=-1):
+    """``x[..., start:stop]`` along one axis (Python slice bounds: negative
+    counts from the end, out-of-range bounds are clipped); also ``x[...]``
+    on step values.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    start, stop : int
+        The bounds, as a Python slice's (no step).
+    axis : int, default -1
+        The axis sliced; not the batch axis.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``axis`` is out of range or the batch axis.
+    """
     size = shape_of(x)[axis]
     if size is None:  # the batch axis: the rule refuses it with a clear error
         return bind("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
@@ -612,7 +1062,25 @@ def _transpose_onnx(g, e, operand):
           grad=lambda em, e, g: [em.op("transpose", g)], onnx=_transpose_onnx,
           gather=lambda index, shapes: [Case(0, tuple(index[:-2]) + (index[-1], index[-2]))])
 def transpose(x):
-    """Swap the last two feature axes (``W.T`` for a matrix)."""
+    """Swap the last two feature axes (``W.T`` for a matrix).
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (at least 2-D; the last two axes are not the batch axis).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``x`` has fewer than two feature axes.
+    """
     return bind("transpose", [x])
 
 
@@ -665,7 +1133,32 @@ def _broadcast_axis_gather(index, shapes, axis, size, insert):
           elementwise_when=lambda axis, size, insert: not insert)
 def broadcast_axis(x, axis, size, insert=True):
     """Repeat ``x`` ``size`` times along ``axis``: a new axis (``insert=True``)
-    or one of size 1."""
+    or one of size 1.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    axis : int
+        Where the new axis goes (``insert=True``), or the axis of size 1 that
+        grows; counted from 0 with the batch axis included, not negative.
+    size : int
+        The length of that axis (not negative).
+    insert : bool, default True
+        Insert a new axis, or grow an existing one of size 1.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        ``size`` is negative, or ``axis`` is out of range (or not of size 1).
+    """
     return bind("broadcast_axis", [x], axis=int(axis), size=int(size), insert=bool(insert))
 
 
@@ -711,7 +1204,29 @@ def _pad_gather(index, shapes, axis, before, after):
 
 @register("pad", _pad_rule, _pad, "shape", 1, grad=_pad_grad, onnx=_pad_onnx, gather=_pad_gather)
 def pad(x, before, after, axis=-1):
-    """Zero-pad ``axis`` with ``before`` and ``after`` elements."""
+    """Zero-pad ``axis`` with ``before`` and ``after`` elements.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    before, after : int
+        The number of zeros put before and after (not negative).
+    axis : int, default -1
+        The axis padded (negative counts from the end); not the batch axis.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the op is traced into the IR);
+        on plain arrays and Parameters outside a block, the result computed
+        with the op's NumPy reference.
+
+    Raises
+    ------
+    ShapeError
+        A negative width, or ``axis`` out of range or the batch axis.
+    """
     return bind("pad", [x], axis=int(axis), before=int(before), after=int(after))
 
 
@@ -758,7 +1273,19 @@ def _segment_reduce(ufunc, empty):
           segment=("{acc} + {x}", 0.0), takes_lod=True)
 def seq_sum(x):
     """Each batch row's sum over its own rows of the ragged value ``x``
-    (``[B, ...]``; zeros for a row with none)."""
+    (``[B, ...]``; zeros for a row with none).
+
+    Parameters
+    ----------
+    x : step value
+        A ragged step value of one level (e.g. a memory given to
+        ``add_static_input`` as a LoDTensor, or arithmetic on it).
+
+    Returns
+    -------
+    step value
+        A dense value ``[B, ...]``.
+    """
     return bind("seq_sum", [x])
 
 
@@ -772,7 +1299,19 @@ def _seq_max_grad(em, e, g):
           segment=("({acc} if {acc} >= {x} or {acc} != {acc} else {x})", -np.inf))  # NaN wins
 def seq_max(x):
     """Each batch row's maximum over its own rows of the ragged value ``x``
-    (``[B, ...]``; -inf for a row with none)."""
+    (``[B, ...]``; -inf for a row with none).
+
+    Parameters
+    ----------
+    x : step value
+        A ragged step value of one level (e.g. a memory given to
+        ``add_static_input`` as a LoDTensor, or arithmetic on it).
+
+    Returns
+    -------
+    step value
+        A dense value ``[B, ...]``.
+    """
     return bind("seq_max", [x])
 
 
@@ -796,5 +1335,18 @@ def _seq_expand(x, like):
 def seq_expand(x, like):
     """The dense step value ``x`` (``[B, ...]``) repeated over each batch row's
     rows of the ragged value ``like``: a ragged value. (Arithmetic between a
-    ragged and a dense value does this by itself.)"""
+    ragged and a dense value does this by itself.)
+
+    Parameters
+    ----------
+    x : step value
+        The dense value.
+    like : step value
+        The ragged value whose rows ``x`` is repeated over.
+
+    Returns
+    -------
+    step value
+        A ragged value, with ``like``'s rows.
+    """
     return bind("seq_expand", [x, like])

@@ -8,7 +8,7 @@ the same network written in Python gives, and both run to the same numbers.
 The DSL traces with data in hand; a YAML file declares shapes only. Each net
 is therefore traced on a placeholder (one sequence of one element per LoD
 level, with the declared feature shape and dtype), and every call rebinds the
-real arrays by name, which never re-traces (DESIGN.md §2).
+real arrays by name, which never re-traces (docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -337,9 +337,31 @@ def _random_rows(rng, spec, rows):
 def load_yaml(path, params=None, seed=0) -> Model:
     """Load a YAML network (see docs/yaml.md) into a :class:`Model`.
 
-    ``params`` overrides parameter values: a dict or the path of an ``.npz``
-    file whose keys are parameter names. ``seed`` seeds the initializers.
-    Every error is a ``stepnet.YAMLError`` naming the file, line and key.
+    Parameters
+    ----------
+    path : str or path-like
+        The YAML file.
+    params : dict or str or path-like, optional
+        Parameter values that override the file's initializers: a dict, or
+        the path of an ``.npz`` file, keyed by parameter name.
+    seed : int, default 0
+        Seed of the parameter initializers.
+
+    Returns
+    -------
+    Model
+        The network, built with the step-net DSL; ``model(feeds)`` runs it.
+
+    Raises
+    ------
+    YAMLError
+        Any error in the file or the overrides, naming the file, line and key.
+
+    Examples
+    --------
+    >>> import stepnet as sn
+    >>> model = sn.load_yaml("examples/char_gru.yaml")   # doctest: +SKIP
+    >>> outputs = model(model.random_feeds(seed=1))       # doctest: +SKIP
     """
     doc = document.read(path)
     return _Builder(doc, params, seed).build()
