@@ -40,7 +40,20 @@ from .tracing import (
 
 class MemoryHandle(Value):
     """A memory of a step-net: ``pre_state()`` is its value at t-1; after
-    ``update(v)`` the handle itself stands for the value at t."""
+    ``update(v)`` the handle itself stands for the value at t.
+
+    Made by :meth:`RNNOp.add_memory`, not directly.
+
+    Parameters
+    ----------
+    name : str
+        The memory's name: the binding name that rebinds its initial value
+        (``rnn(h=...)``).
+    pre : stepnet.ir.Var
+        The step value that stands for the memory at t-1.
+    frame : stepnet.tracing.Frame
+        The block of the step-net that the memory belongs to.
+    """
 
     def __init__(self, name, pre, frame):
         super().__init__(None, frame)
@@ -50,6 +63,14 @@ class MemoryHandle(Value):
 
     @property
     def var(self):
+        """The IR variable of the updated value (at t).
+
+        Raises
+        ------
+        StepNetError
+            The memory is used before its ``update``: use ``pre_state()``
+            for the previous step's value.
+        """
         if self.post is None:
             raise StepNetError(
                 f"memory {self.memory_name!r} is used before its update; "
@@ -65,7 +86,25 @@ class MemoryHandle(Value):
         return Value(self.pre, self.frame)
 
     def update(self, value):
-        """Set the memory's value at this step; call it once per step-net."""
+        """Set the memory's value at this step; call it once per step-net.
+
+        After the update the handle itself stands for the new value, as an
+        operand or in ``add_outputs``.
+
+        Parameters
+        ----------
+        value : Value
+            A step value of this step-net's block with the memory's shape and
+            dtype (no LoD).
+
+        Raises
+        ------
+        StepNetError
+            Called outside the memory's own ``stepnet()`` block, a second
+            time, or with something that is not a step value.
+        ShapeError
+            ``value``'s shape, LoD depth or dtype differs from the memory's.
+        """
         frame = self.frame
         if frame.closed or current_frame() is not frame:
             raise StepNetError(
@@ -104,7 +143,33 @@ class _Binding:
 
 
 def create_rnn_op(output_num=None, reverse=False, name=None):
-    """A new step-net; define its step in ``with rnn.stepnet():``."""
+    """A new step-net; define its step in ``with rnn.stepnet():``.
+
+    PaddlePaddle's spelling of ``RNNOp(...)``.
+
+    Parameters
+    ----------
+    output_num : int, optional
+        How many outputs ``add_outputs`` must declare; checked when the block
+        ends. None: any number (at least one).
+    reverse : bool, default False
+        Step each sequence from its end. All-steps outputs stay at their
+        original positions; the "last step" is the last one processed,
+        position 0.
+    name : str, optional
+        The step-net's name in the IR and in error messages (made unique);
+        None: ``"rnn"``.
+
+    Returns
+    -------
+    RNNOp
+        Not defined yet: open its block with ``with rnn.stepnet():``.
+
+    Examples
+    --------
+    >>> import stepnet as sn
+    >>> rnn = sn.create_rnn_op(output_num=1, reverse=True)
+    """
     return RNNOp(output_num=output_num, reverse=reverse, name=name)
 
 
@@ -114,6 +179,19 @@ class RNNOp:
     Declared inside another step-net's block, it is a nested RNN: its inputs
     are the enclosing step's ragged values, and calling it inside that block
     returns symbolic values of the enclosing step.
+
+    Parameters
+    ----------
+    output_num : int, optional
+        How many outputs ``add_outputs`` must declare; checked when the block
+        ends. None: any number (at least one).
+    reverse : bool, default False
+        Step each sequence from its end. All-steps outputs stay at their
+        original positions; the "last step" is the last one processed,
+        position 0 (ONNX's ``Y_h`` and PyTorch's ``h_n`` convention).
+    name : str, optional
+        The step-net's name in the IR and in error messages (made unique
+        within its program when the block opens); None: ``"rnn"``.
     """
 
     def __init__(self, output_num=None, reverse=False, name=None):
@@ -192,9 +270,36 @@ class RNNOp:
     def add_input(self, X, name=None):
         """Step over the coarsest level of ``X``; returns this step's element.
 
-        ``X`` is a LoDTensor (at the top level) or a ragged value of the
-        enclosing step (nested). Each step gives ``[batch, ...]`` for a
-        one-level X, and a ragged value one level shallower otherwise.
+        Call it inside ``with rnn.stepnet():``. Every step input of one
+        step-net must have the same sequence lengths at the level stepped
+        over.
+
+        Parameters
+        ----------
+        X : LoDTensor or Value
+            At the top level, a LoDTensor with at least one level (float16,
+            float32 or float64; float16 is computed in float32). In a nested
+            step-net, a ragged value of the enclosing step (e.g. the
+            enclosing ``add_input`` of a multi-level LoDTensor).
+        name : str, optional
+            A Python identifier, unique in the step-net: the keyword that
+            rebinds this input (``rnn(name=...)``). None: a fresh name.
+
+        Returns
+        -------
+        Value
+            This step's element: ``[batch, ...]`` for a one-level ``X``, a
+            ragged value one level shallower otherwise.
+
+        Raises
+        ------
+        StepNetError
+            Called outside the block; ``X`` is of the wrong kind, has no
+            level to step over, or has other sequence lengths than the
+            step-net's other inputs; ``name`` is not an identifier or is
+            taken.
+        ShapeError
+            ``X``'s dtype is not a float dtype.
         """
         frame = self._own_frame("add_input")
         name = self._binding_name(name, "x")
@@ -234,8 +339,32 @@ class RNNOp:
         return Value(step, frame)
 
     def add_static_input(self, value, name=None):
-        """A per-sequence constant: ``[num_seq, ...]`` array or a LoDTensor with
-        one sequence per sequence of the step inputs (caller's order)."""
+        """A per-sequence constant, the same at every step (e.g. attention memory).
+
+        Parameters
+        ----------
+        value : array_like, LoDTensor or Value
+            At the top level, a ``[num_seq, ...]`` array or a LoDTensor with
+            one sequence per sequence of the step inputs, in the caller's
+            order. In a nested step-net, a value of the enclosing step (read
+            arrays and Parameters directly instead).
+        name : str, optional
+            A Python identifier, unique in the step-net: the keyword that
+            rebinds this input. None: a fresh name.
+
+        Returns
+        -------
+        Value
+            Each active sequence's row (or sub-sequence, for a LoDTensor).
+
+        Raises
+        ------
+        StepNetError
+            Called outside the block; a nested step-net given something
+            other than a step value; ``name`` is not an identifier or is taken.
+        ShapeError
+            A scalar ``value``, or one whose dtype is not a float dtype.
+        """
         frame = self._own_frame("add_static_input")
         name = self._binding_name(name, "static")
         if self._top:
@@ -270,6 +399,42 @@ class RNNOp:
         With ``shape`` omitted, an array ``init`` of two or more dimensions whose
         first dimension is the number of sequences is per-sequence; any other
         array is one value for every sequence. Pass ``shape`` to disambiguate.
+
+        Parameters
+        ----------
+        init : array_like, Parameter, scalar or Value, optional
+            The value at the first step: a ``[num_seq, *shape]`` array (one
+            row per sequence, caller's order), an array or scalar that
+            broadcasts to ``shape`` (one value for every sequence), or, in a
+            nested step-net, a ``[batch, ...]`` value of the enclosing step.
+            None: zeros (``shape`` is then required).
+        shape : sequence of int, optional
+            The memory's feature shape, without the batch axis (``[64]``).
+            None: taken from ``init``.
+        name : str, optional
+            A Python identifier, unique in the step-net: the keyword that
+            rebinds the initial value (``rnn(h=...)``). None: a fresh name.
+        dtype : data-type, optional
+            float32 or float64 (float16 is computed in float32). None:
+            ``init``'s float dtype; for a Python scalar, an integer or boolean
+            array, or no ``init``, the dtype of the first step input (float32
+            if there is none yet).
+
+        Returns
+        -------
+        MemoryHandle
+            ``pre_state()`` gives the value at t-1; set the value at t with
+            ``update`` exactly once.
+
+        Raises
+        ------
+        StepNetError
+            Called outside the block; neither ``init`` nor ``shape`` given;
+            a scalar ``init`` without ``shape``; a step value starting a
+            top-level memory; ``name`` is not an identifier or is taken.
+        ShapeError
+            ``init`` fits neither ``[num_seq, *shape]`` nor ``shape``, or has
+            another number of rows than the step inputs have sequences.
         """
         frame = self._own_frame("add_memory")
         name = self._binding_name(name, "h")
@@ -350,7 +515,22 @@ class RNNOp:
         return handle
 
     def add_outputs(self, *values):
-        """Declare the step's outputs (each step's values are gathered)."""
+        """Declare the step's outputs (each step's values are gathered).
+
+        Call it inside the block; the outputs of ``rnn()`` come in this order.
+
+        Parameters
+        ----------
+        *values : Value or MemoryHandle
+            Step values of this block (a memory stands for its updated
+            value), or one list or tuple of them. Constants are refused.
+
+        Raises
+        ------
+        StepNetError
+            Called outside the block, given something other than a step
+            value, or given a constant.
+        """
         frame = self._own_frame("add_outputs")
         if len(values) == 1 and isinstance(values[0], (list, tuple)):
             values = tuple(values[0])
@@ -411,7 +591,23 @@ class RNNOp:
         return seqs, statics, inits
 
     def all_steps_flags(self, output_all_steps) -> tuple:
-        """``output_all_steps`` (one bool, or one per output) as one bool per output."""
+        """``output_all_steps`` (one bool, or one per output) as one bool per output.
+
+        Parameters
+        ----------
+        output_all_steps : bool or sequence of bool
+            One flag for every output, or one per output.
+
+        Returns
+        -------
+        tuple of bool
+            One per output of ``add_outputs``.
+
+        Raises
+        ------
+        StepNetError
+            A sequence whose length is not the number of outputs.
+        """
         count = len(self.block.outputs)
         if isinstance(output_all_steps, (bool, int, np.bool_, np.integer)):
             return (bool(output_all_steps),) * count
@@ -441,7 +637,26 @@ class RNNOp:
         return ir.Eqn("rnn", seqs + statics + inits, tuple(outs), attrs)
 
     def program(self, all_steps=True) -> ir.Program:
-        """The top-level program (IR) of this step-net."""
+        """The top-level program (IR) of this step-net.
+
+        Built once per set of output flags and checked, then kept.
+
+        Parameters
+        ----------
+        all_steps : bool or sequence of bool, default True
+            As ``output_all_steps`` of ``rnn()``: per output, whether it
+            gathers every step or each sequence's last.
+
+        Returns
+        -------
+        stepnet.ir.Program
+
+        Raises
+        ------
+        StepNetError
+            The step-net is not defined yet, or is nested (its program is
+            part of the enclosing one).
+        """
         if self.block is None:
             raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
         if not self._top:
@@ -485,17 +700,53 @@ class RNNOp:
         return {name: b.value for name, b in self.bindings.items()}
 
     def float16_input(self, bindings) -> bool:
-        """Whether a step input of this run (``bindings`` over the bound values)
-        is float16: the run computes in float32 and gives float16 back."""
+        """Whether a step input of this run is float16.
+
+        Such a run computes in float32 and gives its outputs back as float16.
+
+        Parameters
+        ----------
+        bindings : dict
+            The run's new input values by name; inputs not in it keep their
+            bound values.
+
+        Returns
+        -------
+        bool
+        """
         return any(
             b.kind == "sequence" and np.dtype(bindings.get(name, b.value).dtype) == np.float16
             for name, b in self.bindings.items()
         )
 
     def bind(self, **bindings) -> list:
-        """Validate new arrays for the named inputs; returns the program's
-        arguments in order (each LoD input as a LoDTensor, each static input and
-        initial memory as an array with one row per sequence)."""
+        """Validate new arrays for the named inputs.
+
+        Parameters
+        ----------
+        **bindings
+            New values by the names given to ``add_input``,
+            ``add_static_input`` and ``add_memory``; the others keep the
+            values bound when the step-net was defined.
+
+        Returns
+        -------
+        list
+            The program's arguments in order: each LoD input as a LoDTensor
+            in the computing dtype, each static input and initial memory as
+            an array with one row per sequence.
+
+        Raises
+        ------
+        StepNetError
+            An unknown name, or step inputs (top-level or nested) whose
+            sequence lengths differ.
+        ShapeError
+            A value whose kind, LoD depth, feature shape, dtype or number of
+            sequences does not fit the input; a per-sequence initial memory
+            left bound while the step inputs change their number of
+            sequences.
+        """
         unknown = set(bindings) - set(self.bindings)
         if unknown:
             raise StepNetError(
@@ -627,7 +878,27 @@ class RNNOp:
         return runner.run_rnn_op(self, bindings, output_all_steps, keep_scopes=keep_scopes)
 
     def compile(self, backend=None):
-        """A callable ``f(**inputs, output_all_steps=True)`` for one backend."""
+        """A callable ``f(**inputs, output_all_steps=True)`` for one backend.
+
+        It returns what ``rnn()`` does. Kernels are polymorphic in the number
+        of rows, batch size, sequence lengths and LoD: rebinding inputs never
+        recompiles. The callable is made once per step-net and backend.
+
+        Parameters
+        ----------
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+
+        Returns
+        -------
+        stepnet.backends.CompiledStepNet
+
+        Raises
+        ------
+        BackendError
+            The backend is unknown or not available.
+        """
         from .backends import get_backend
 
         runner = get_backend(backend)

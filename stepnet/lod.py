@@ -208,12 +208,31 @@ def _format_level(offsets, limit=8):
 class LoDTensor:
     """A dense array ``[N, ...]`` with a LoD of offset levels, coarsest first.
 
-    ``LoDTensor(data, lod=None)``: ``data`` is converted with ``np.asarray``
-    (no copy when it already is an ndarray) and must have at least one
-    dimension.  ``lod`` is a list of offset levels (see the module docstring);
-    ``None`` or ``[]`` means no levels, which is a valid tensor but not a
-    batch of sequences: the sequence methods raise LoDError on it.
+    Parameters
+    ----------
+    data : array_like
+        The rows ``[N, ...]``, converted with ``np.asarray`` (no copy when it
+        already is an ndarray); at least one dimension. Not a LoDTensor:
+        pass its ``.data`` (and its ``.lod``).
+    lod : list of sequence of int, optional
+        The offset levels, coarsest first (see the module docstring): each
+        starts at 0 and never decreases, each level ends at the number of
+        entries of the next, and the last ends at ``N``. ``None`` or ``[]``
+        means no levels, which is a valid tensor but not a batch of
+        sequences: the sequence methods raise LoDError on it.
 
+    Raises
+    ------
+    LoDError
+        ``data`` is 0-d, or a level is malformed (not 1-D integers, empty,
+        negative, not starting at 0, decreasing, or not ending where the
+        next level or the data does); the message names the level and the
+        offset at fault.
+    TypeError
+        ``data`` is a LoDTensor.
+
+    Notes
+    -----
     The levels are stored as read-only int64 arrays (``.levels``); ``.lod``
     returns them as fresh lists of Python ints.  ``len(t)`` is the number of
     top-level sequences (``t.num_sequences``), not the number of data rows
@@ -291,10 +310,31 @@ class LoDTensor:
     def from_lengths(cls, data, lengths):
         """Build from per-level lengths (Paddle's recursive sequence lengths).
 
-        Level ``k`` of ``lengths`` has one length per entry of level ``k``;
-        its sum must equal the number of entries of level ``k + 1`` (for the
-        last level: the number of data rows).
+        Parameters
+        ----------
+        data : array_like
+            The rows ``[N, ...]``.
+        lengths : list of sequence of int
+            One level per LoD level, coarsest first. Level ``k`` has one
+            non-negative length per entry of level ``k``; its sum must equal
+            the number of entries of level ``k + 1`` (for the last level: the
+            number of data rows ``N``).
 
+        Returns
+        -------
+        LoDTensor
+            ``data`` with the offsets that the lengths give.
+
+        Raises
+        ------
+        LoDError
+            A length is negative or not an integer, or a level's lengths do
+            not sum to the size of the next level (or of the data).
+        TypeError
+            ``data`` is a LoDTensor.
+
+        Examples
+        --------
         >>> t = LoDTensor.from_lengths(np.zeros((14, 2)), [[2, 3], [3, 2, 4, 1, 4]])
         >>> t.lod
         [[0, 2, 5], [0, 3, 5, 9, 10, 14]]
@@ -330,9 +370,30 @@ class LoDTensor:
     def from_padded(cls, padded, lengths):
         """Build a 1-level LoDTensor from ``padded [B, T, ...]`` and ``lengths [B]``.
 
-        Sequence ``b`` is ``padded[b, :lengths[b]]``; every length must lie in
-        ``[0, T]``.  The data is a fresh array.
+        The inverse of :meth:`to_padded`.
 
+        Parameters
+        ----------
+        padded : array_like
+            ``[B, T, ...]``: ``B`` sequences of up to ``T`` steps each.
+        lengths : sequence of int
+            ``[B]``: sequence ``b`` is ``padded[b, :lengths[b]]``; every length
+            must lie in ``[0, T]``.
+
+        Returns
+        -------
+        LoDTensor
+            One level, ``B`` sequences; its data is a fresh array
+            ``[sum(lengths), ...]``.
+
+        Raises
+        ------
+        LoDError
+            ``padded`` has fewer than 2 dimensions, ``lengths`` does not have
+            ``B`` entries, or a length lies outside ``[0, T]``.
+
+        Examples
+        --------
         >>> padded = np.array([[1, 2, 0], [3, 0, 0]])
         >>> t = LoDTensor.from_padded(padded, [2, 1])
         >>> t.data.tolist(), t.lod
@@ -358,9 +419,28 @@ class LoDTensor:
     def concat(cls, tensors):
         """Join LoDTensors: the top-level sequences of each, in order.
 
-        All must have the same number of levels (at least 1), the same feature
-        shape ``data.shape[1:]`` and the same dtype.
+        Parameters
+        ----------
+        tensors : iterable of LoDTensor
+            At least one; all with the same number of levels (at least 1),
+            the same feature shape ``data.shape[1:]`` and the same dtype.
 
+        Returns
+        -------
+        LoDTensor
+            The sequences of ``tensors[0]``, then those of ``tensors[1]``, and
+            so on; its data is a fresh array.
+
+        Raises
+        ------
+        LoDError
+            ``tensors`` is empty, or the tensors differ in number of levels,
+            feature shape or dtype (or have no levels).
+        TypeError
+            An element is not a LoDTensor.
+
+        Examples
+        --------
         >>> a = LoDTensor.from_lengths(np.arange(3), [[1, 2]])
         >>> b = LoDTensor.from_lengths(np.arange(2), [[2]])
         >>> LoDTensor.concat([a, b]).lod
@@ -450,18 +530,51 @@ class LoDTensor:
             raise LoDError(f"{what}: this LoDTensor has no LoD levels")
 
     def astype(self, dtype):
-        """A copy with data cast to ``dtype`` and the same LoD."""
+        """A copy with data cast to ``dtype`` and the same LoD.
+
+        Parameters
+        ----------
+        dtype : data-type
+            Anything ``np.ndarray.astype`` takes, e.g. ``np.float32``.
+
+        Returns
+        -------
+        LoDTensor
+            A new tensor with the same LoD, whose data is a cast copy (a copy
+            even when the dtype already is ``dtype``).
+        """
         return LoDTensor(self._data.astype(dtype), self._levels)
 
     def to_padded(self, pad_value=0, steps=None):
         """Pad the sequences of the last level into ``[B, T, ...]``.
 
-        Returns ``(padded, lengths)``: ``B`` is the number of sequences of the
-        last level, ``T`` the longest of them (0 if there are none) or
-        ``steps`` when given (at least the longest), and
-        ``lengths`` an int64 array ``[B]``.  Positions past a sequence's end
-        hold ``pad_value``.
+        The inverse of :meth:`from_padded` for a 1-level tensor; with more
+        levels, the coarser ones are dropped.
 
+        Parameters
+        ----------
+        pad_value : scalar, default 0
+            What positions past a sequence's end hold.
+        steps : int, optional
+            ``T``, the padded length; at least the longest sequence. None: the
+            longest sequence (0 if there are none).
+
+        Returns
+        -------
+        padded : ndarray
+            ``[B, T, ...]`` with the tensor's dtype; ``B`` is the number of
+            sequences of the last level.
+        lengths : ndarray
+            ``[B]`` int64, each sequence's length.
+
+        Raises
+        ------
+        LoDError
+            The tensor has no levels, or ``steps`` is shorter than the longest
+            sequence.
+
+        Examples
+        --------
         >>> t = LoDTensor(np.array([1, 2, 3]), [[0, 2, 3]])
         >>> padded, lengths = t.to_padded(pad_value=-1)
         >>> padded.tolist(), lengths.tolist()
@@ -484,12 +597,29 @@ class LoDTensor:
         return padded, lens
 
     def sequence(self, i):
-        """Top-level sequence ``i`` (negative counts from the end).
+        """Top-level sequence ``i``.
 
-        With one level: an ndarray, a view of its data rows.  With ``k > 1``
-        levels: a ``(k - 1)``-level LoDTensor whose offsets start at 0 (its
-        data is a view).  Out of range raises IndexError.
+        Parameters
+        ----------
+        i : int
+            Its index; negative counts from the end.
 
+        Returns
+        -------
+        ndarray or LoDTensor
+            With one level: an ndarray, a view of the sequence's data rows.
+            With ``k > 1`` levels: a ``(k - 1)``-level LoDTensor whose offsets
+            start at 0 (its data is a view).
+
+        Raises
+        ------
+        IndexError
+            ``i`` is out of range.
+        LoDError
+            The tensor has no levels.
+
+        Examples
+        --------
         >>> t = LoDTensor(np.arange(5), [[0, 2, 5]])
         >>> t.sequence(-1).tolist()
         [2, 3, 4]
@@ -514,9 +644,31 @@ class LoDTensor:
     def select(self, indices):
         """A new LoDTensor of the given top-level sequences, in the given order.
 
-        Keeps every level; indices may repeat and may be negative.  Used to
-        reorder a batch (e.g. by decreasing length).  The data is a copy.
+        Used to reorder a batch (e.g. by decreasing length) or to take a part
+        of it.
 
+        Parameters
+        ----------
+        indices : sequence of int
+            1-D; top-level sequence indices, which may repeat and may be
+            negative (counting from the end).
+
+        Returns
+        -------
+        LoDTensor
+            Every level kept; its data is a copy.
+
+        Raises
+        ------
+        TypeError
+            ``indices`` is not a 1-D sequence of integers.
+        IndexError
+            An index is out of range.
+        LoDError
+            The tensor has no levels.
+
+        Examples
+        --------
         >>> t = LoDTensor(np.arange(5), [[0, 2, 5]])
         >>> s = t.select([1, 0])
         >>> s.data.tolist(), s.lod

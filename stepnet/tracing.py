@@ -34,6 +34,24 @@ def compute_dtype(dtype, what) -> np.dtype:
 class Parameter:
     """A named array that a step-net reads; identified by the object itself.
 
+    A step-net's parameters are found by data dependence: every Parameter
+    its step reads. A run reads ``value`` as it is then, so assigning a new
+    array to ``value`` (or updating it in place) changes the next run.
+
+    Parameters
+    ----------
+    value : array_like
+        Copied; float16, float32 or float64.
+    name : str, optional
+        The name of its constant in the IR (never used to identify it).
+
+    Raises
+    ------
+    ShapeError
+        ``value``'s dtype is not a float dtype.
+
+    Examples
+    --------
     >>> import numpy as np, stepnet as sn
     >>> W = sn.Parameter(np.ones((3, 2), np.float32), name="W")
     >>> W.shape
@@ -50,10 +68,12 @@ class Parameter:
 
     @property
     def shape(self):
+        """``value.shape``."""
         return self.value.shape
 
     @property
     def dtype(self):
+        """``value.dtype``."""
         return self.value.dtype
 
     def __array__(self, dtype=None, copy=None):
@@ -188,7 +208,19 @@ def pop_frame(frame):
 
 
 class Value:
-    """A symbolic step value: stands for ``[batch, ...]`` arrays while tracing."""
+    """A symbolic step value: stands for ``[batch, ...]`` arrays while tracing.
+
+    Made by the step-net's methods and the ops applied inside its block, not
+    directly. Operators ``+ - * / @``, unary ``-``, ``abs``, comparisons,
+    basic slicing of feature axes and ``sn.ops.*`` apply to it.
+
+    Parameters
+    ----------
+    var : stepnet.ir.Var
+        The IR variable it stands for.
+    frame : stepnet.tracing.Frame
+        The step-net block it belongs to.
+    """
 
     __array_ufunc__ = None  # numpy defers to our reflected operators
 
@@ -198,6 +230,7 @@ class Value:
 
     @property
     def var(self):
+        """The IR variable (:class:`stepnet.ir.Var`) this value stands for."""
         return self._var
 
     @property
@@ -207,10 +240,12 @@ class Value:
 
     @property
     def dtype(self):
+        """The dtype (float32 or float64)."""
         return self.var.dtype
 
     @property
     def name(self):
+        """The name of its IR variable."""
         return self.var.name
 
     def __repr__(self):
