@@ -124,7 +124,20 @@ class _RecurrentLayer:
         return _DEFAULT_ACTIVATIONS[self.cell]
 
     def layer_input_size(self, layer):
-        """Width of the input that ``layer`` reads."""
+        """Width of the input that ``layer`` reads.
+
+        Parameters
+        ----------
+        layer : int
+            A layer index, 0 the first.
+
+        Returns
+        -------
+        int
+            ``input_size`` for layer 0; above it, the width of one direction's
+            output (``output_size``), twice that for a ``bidirectional_concat``
+            stack combined per layer.
+        """
         if layer == 0:
             return self.input_size
         if self.combine == "per_layer" and self.direction == "bidirectional_concat":
@@ -200,11 +213,35 @@ class _RecurrentLayer:
     # -- ONNX layout --------------------------------------------------------------
 
     def onnx_weights(self, layer, value=None):
-        """Layer ``layer`` in ONNX's layout: ``W [D, G*H, I]``, ``R [D, G*H, Hr]``,
-        ``B [D, 2*G*H]`` (and ``P [D, 3*H]`` with peepholes, ``proj [D, P, H]``,
-        PyTorch's ``weight_hr``, with a projection). ``value(parameter)`` gives
-        what to lay out for each Parameter (default: its value; gradients by
-        Parameter give the gradients in ONNX's layout)."""
+        """Layer ``layer``'s weights in ONNX's layout.
+
+        ``D`` is the number of directions, ``G`` of gates (RNN 1, GRU and
+        AUGRU 3, LSTM 4, in ONNX's gate order), ``H`` is ``hidden_size``,
+        ``I`` the layer's input width and ``Hr`` the state's width
+        (``proj_size`` with a projection, else ``H``).
+
+        Parameters
+        ----------
+        layer : int
+            The layer, in ``[0, num_layers)``.
+        value : callable, optional
+            ``value(parameter) -> array``: what to lay out for each of the
+            layer's Parameters. None: its value. A lookup of gradients by
+            Parameter gives the gradients in ONNX's layout.
+
+        Returns
+        -------
+        dict of str to ndarray
+            ``"W"`` ``[D, G*H, I]``, ``"R"`` ``[D, G*H, Hr]``, ``"B"``
+            ``[D, 2*G*H]`` (the input biases, then the recurrent ones); with
+            peepholes ``"P"`` ``[D, 3*H]`` (gates i, o, f); with a projection
+            ``"proj"`` ``[D, Hr, H]`` (PyTorch's ``weight_hr``).
+
+        Raises
+        ------
+        StepNetError
+            ``layer`` is out of range.
+        """
         if not 0 <= layer < self.num_layers:
             raise StepNetError(f"layer {layer} is not in [0, {self.num_layers})")
         value = value or (lambda p: p.value)
@@ -224,7 +261,34 @@ class _RecurrentLayer:
         return {k: np.stack(v) for k, v in out.items()}
 
     def set_onnx_weights(self, layer, W, R, B=None, P=None, proj=None):
-        """Set layer ``layer``'s weights from ONNX's layout (see ``onnx_weights``)."""
+        """Set layer ``layer``'s weights from ONNX's layout (see ``onnx_weights``).
+
+        The layer gets new Parameters (copies, in its dtype); its step-nets
+        are rebuilt on their next use.
+
+        Parameters
+        ----------
+        layer : int
+            The layer, in ``[0, num_layers)``.
+        W : array_like
+            ``[D, G*H, I]``, the input weights of each direction.
+        R : array_like
+            ``[D, G*H, Hr]``, the recurrent weights.
+        B : array_like, optional
+            ``[D, 2*G*H]``, the input biases then the recurrent ones. None:
+            zeros.
+        P : array_like, optional
+            ``[D, 3*H]``, the peephole weights (gates i, o, f); read only with
+            ``peephole``. None: zeros.
+        proj : array_like, optional
+            ``[D, Hr, H]``, the projection (PyTorch's ``weight_hr``); required
+            with ``proj_size``, ignored without.
+
+        Raises
+        ------
+        ShapeError
+            An array whose shape is not the one expected.
+        """
         gates = cells.GATES[self.cell]
         G, H, D = len(gates), self.hidden_size, self.num_directions
         I, Hr = self.layer_input_size(layer), self.output_size
@@ -256,9 +320,43 @@ class _RecurrentLayer:
     @classmethod
     def from_onnx(cls, W, R, B=None, P=None, **attrs):
         """A one-layer layer from an ONNX GRU/LSTM/RNN node's inputs and
-        attributes (``hidden_size``, ``direction``, ``activations``,
-        ``activation_alpha``, ``activation_beta``, ``clip``,
-        ``linear_before_reset``, ``input_forget``, ``layout``)."""
+        attributes.
+
+        Parameters
+        ----------
+        W : array_like
+            ``[D, G*H, I]``, the node's input weights; ``I`` is the layer's
+            ``input_size``. Its dtype is the layer's when it is float32 or
+            float64, else float32.
+        R : array_like
+            ``[D, G*H, H]``, the recurrent weights; ``H`` is ``hidden_size``
+            unless the attributes give it.
+        B : array_like, optional
+            ``[D, 2*G*H]``, the biases. None: zeros.
+        P : array_like, optional
+            ``[D, 3*H]``, the peephole weights: LSTM only (it turns
+            ``peephole`` on).
+        **attrs
+            The node's attributes: ``hidden_size``, ``direction``
+            (``"forward"``, ``"reverse"`` or ``"bidirectional"``, str or
+            bytes), ``activations``, ``activation_alpha``,
+            ``activation_beta``, ``clip``, ``linear_before_reset`` (GRU),
+            ``input_forget`` (LSTM); ``layout`` is accepted and ignored (it is
+            the layout of X and Y, not of the weights).
+
+        Returns
+        -------
+        layer
+            An instance of this class with ``num_layers=1``.
+
+        Raises
+        ------
+        ShapeError
+            ``W`` or ``R`` is not 3-D, or a weight's shape does not fit.
+        StepNetError
+            An unknown direction or attribute, or ``P`` given to a layer
+            other than an LSTM.
+        """
         W, R = np.asarray(W), np.asarray(R)
         if W.ndim != 3 or R.ndim != 3:
             raise ShapeError(f"{cls.__name__}.from_onnx: W and R must be 3-D, got "
@@ -333,7 +431,31 @@ class _RecurrentLayer:
     @classmethod
     def from_torch(cls, module):
         """A layer with the weights (and dtype) of a ``torch.nn.RNN``, ``LSTM``
-        or ``GRU``."""
+        or ``GRU``.
+
+        The gates are reordered from PyTorch's order to ONNX's; a GRU comes
+        with ``linear_before_reset=True`` (PyTorch's GRU), an LSTM with its
+        ``proj_size``.
+
+        Parameters
+        ----------
+        module : torch.nn.RNN, torch.nn.GRU or torch.nn.LSTM
+            Exactly the class that matches this layer's (not a subclass);
+            float32 or float64; any number of layers, one or two directions,
+            with or without biases.
+
+        Returns
+        -------
+        layer
+            An instance of this class.
+
+        Raises
+        ------
+        StepNetError
+            ``module`` is of another class, or of another dtype.
+        UnsupportedError
+            PyTorch is not installed.
+        """
         torch = _torch(f"{cls.__name__}.from_torch")
 
         expected = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
@@ -388,7 +510,22 @@ class _RecurrentLayer:
 
     def to_torch(self):
         """The same weights in a ``torch.nn.RNN``, ``LSTM`` or ``GRU``
-        (``batch_first=False``, PyTorch's default)."""
+        (``batch_first=False``, PyTorch's default).
+
+        Returns
+        -------
+        torch.nn.Module
+            In the layer's dtype.
+
+        Raises
+        ------
+        UnsupportedError
+            PyTorch is not installed, or the layer uses what PyTorch lacks: a
+            reverse or summed direction, ``combine="final"`` on a
+            bidirectional stack, ``clip``, other activations, a sigmoid RNN,
+            a GRU without ``linear_before_reset``, an LSTM's peepholes or
+            ``input_forget``.
+        """
         torch = _torch(f"{type(self).__name__}.to_torch")
 
         name = type(self).__name__
@@ -441,14 +578,44 @@ class _RecurrentLayer:
         return "rev" if self._is_reverse(d) else "fwd"
 
     def step(self, x, state, layer=0, direction=0, attention=None):
-        """One step of this layer's recurrence (layer ``layer``, direction
-        ``direction``'s weights) inside another step-net's block: ``x`` the
-        step's input ``[B, input]``, ``state`` the previous state (LSTM: a
-        pair ``(h, c)``), each a memory handle (``add_memory``: it is updated,
-        as ``h.update`` would) or a step value. Returns the new state (LSTM:
-        ``(h, c)``). The weights are the layer's Parameters, so training the
-        enclosing step-net trains them, and its PyTorch/ONNX conversions hold.
-        On NumPy arrays it computes one step eagerly."""
+        """One step of this layer's recurrence inside another step-net's block.
+
+        The weights are the layer's Parameters, so training the enclosing
+        step-net trains them, and its PyTorch/ONNX conversions hold. Outside
+        a block, on NumPy arrays, it computes one step eagerly.
+
+        Parameters
+        ----------
+        x : Value or ndarray
+            The step's input ``[B, layer_input_size(layer)]``.
+        state : MemoryHandle, Value or ndarray, or a pair of them
+            The previous state ``[B, output_size]`` (LSTM: a pair ``(h, c)``,
+            ``c`` ``[B, hidden_size]``). A memory handle (from ``add_memory``)
+            is updated, as ``h.update`` would; a step value or array is only
+            read.
+        layer : int, default 0
+            Whose weights: a layer in ``[0, num_layers)``.
+        direction : int, default 0
+            Whose weights: 0 the first direction, 1 the reverse one of a
+            bidirectional layer.
+        attention : Value or ndarray, optional
+            AUGRU only, and required there: the step's score per sequence,
+            ``[B, 1]``, which scales the update gate (``z' = (1 - a) * z``).
+
+        Returns
+        -------
+        Value, MemoryHandle or ndarray, or a pair of them
+            The new state (LSTM: ``(h, c)``); a memory handle given as the
+            state comes back, standing for its updated value.
+
+        Raises
+        ------
+        StepNetError
+            No such layer or direction; an LSTM state that is not a pair;
+            ``attention`` missing for an AUGRU or given to another layer.
+        ShapeError
+            ``attention`` is not ``[B, 1]``.
+        """
         name = type(self).__name__
         if not 0 <= layer < self.num_layers or not 0 <= direction < self.num_directions:
             raise StepNetError(f"{name}.step: no layer {layer}, direction {direction} (the layer "
@@ -474,8 +641,27 @@ class _RecurrentLayer:
         return new if pair else new[0]
 
     def step_net(self, layer, d):
-        """The step-net of layer ``layer``, direction ``d`` (0 forward, 1
-        reverse), built on first use with this layer's Parameters."""
+        """The step-net of layer ``layer``, direction ``d``.
+
+        Built on first use with this layer's Parameters and kept (until
+        ``set_onnx_weights`` replaces them). Its inputs are ``x`` (and ``a``,
+        the attention, for an AUGRU) and its memories ``h`` (and ``c`` for an
+        LSTM); its outputs are ``h`` at every step, then each memory's last
+        value.
+
+        Parameters
+        ----------
+        layer : int
+            The layer, in ``[0, num_layers)``.
+        d : int
+            The direction: 0 the first (forward, or reverse for
+            ``direction="reverse"``), 1 the reverse one of a bidirectional
+            layer.
+
+        Returns
+        -------
+        RNNOp
+        """
         key = (layer, d)
         if key not in self._nets:
             I = self.layer_input_size(layer)
@@ -584,13 +770,34 @@ class _RecurrentLayer:
         return rows * self.hidden_size if numba else 0
 
     def stack(self, X, run, combine, work=0):
-        """Run the stack on ``X``: ``run(layer, d, input)`` is one (layer,
-        direction) step-net, ``combine(outputs, layer)`` joins the directions'
-        outputs of ``layer`` (the top one's, for ``"final"``).
-        ``combine="per_layer"``: each layer reads the previous layer's combined
-        directions; ``"final"``: each direction's whole stack runs on its own
-        and only the tops are combined. The directions run at the same time
-        where their ``work`` is worth it (``threads.run_apart``)."""
+        """Run the stack on ``X`` in the order of ``self.combine``.
+
+        ``combine="per_layer"``: each layer reads the previous layer's
+        combined directions; ``"final"``: each direction's whole stack runs on
+        its own and only the tops are combined. The directions run at the
+        same time where their ``work`` is worth it (``threads.run_apart``).
+
+        Parameters
+        ----------
+        X : LoDTensor
+            The input of layer 0.
+        run : callable
+            ``run(layer, d, input) -> output``: runs one (layer, direction)
+            step-net on ``input``.
+        combine : callable
+            ``combine(outputs, layer) -> output``: joins the directions'
+            outputs (a list, one per direction) of ``layer`` (the top one's,
+            for ``"final"``) into the next layer's input.
+        work : int, default 0
+            The elements one direction's run covers, as
+            ``threads.run_apart`` weighs them; 0 runs the directions one after
+            the other.
+
+        Returns
+        -------
+        object
+            What ``combine`` returns for the top layer.
+        """
         L, D = self.num_layers, self.num_directions
 
         def directions(fn):
@@ -680,7 +887,33 @@ class _RecurrentLayer:
 
     def vjp(self, *args, backend=None, **kwargs):
         """``(outputs, pullback)``: the layer's outputs as a call returns them,
-        and the pullback of that run (see ``stepnet.vjp``)."""
+        and the pullback of that run (see ``stepnet.vjp``).
+
+        The pullback is also kept as the layer's workspace, as a call with
+        ``keep_workspace=True`` keeps it.
+
+        Parameters
+        ----------
+        *args
+            The call's positional arguments: ``X``, then the initial state
+            (AUGRU: the attention, then the initial state).
+        backend : str, optional
+            The backend; None: ``default_backend()``.
+        **kwargs
+            The call's keyword arguments (``h0=``, ``initial=``,
+            ``attention=``).
+
+        Returns
+        -------
+        outputs
+            What the call returns.
+        pullback : LayerPullback
+            ``pullback(grad_outputs, wrt=None, accumulate=False, out=None)``:
+            ``grad_outputs`` is ``[dY, dh_n]`` (LSTM ``[dY, dh_n, dc_n]``,
+            None for zeros); ``wrt`` holds the layer's Parameters and
+            ``"X"``, ``"h0"``, ``"c0"``, ``"attention"`` (default: the
+            Parameters).
+        """
         outputs = self(*args, backend=backend, keep_workspace=True, **kwargs)
         return outputs, self._workspace
 
@@ -944,7 +1177,45 @@ class RNN(_RecurrentLayer):
                             bidirectional=self.num_directions == 2)
 
     def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5."""
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5.
+
+        Parameters
+        ----------
+        X : LoDTensor or tuple
+            A LoDTensor ``[N, input_size]`` with at least one level (the
+            layer runs over the sequences of its finest level), or
+            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
+            ``lengths`` ``[B]``. Floating point; float16 is computed in the
+            layer's dtype and given back as float16.
+        h0 : array_like, optional
+            The initial state ``[num_layers * num_directions, B,
+            hidden_size]``, indexed ``layer * num_directions + direction``.
+            None: zeros.
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        keep_workspace : bool, default False
+            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
+            without inputs runs only the backward.
+
+        Returns
+        -------
+        Y : LoDTensor or ndarray
+            Every step's output, ``num_directions * hidden_size`` wide for
+            ``bidirectional_concat``, else ``hidden_size``: a LoDTensor with
+            X's LoD, or ``[B, T, width]`` padded with zeros when X was padded.
+        h_n : ndarray
+            Each sequence's last state, ``[num_layers * num_directions, B,
+            hidden_size]``, indexed as ``h0``.
+
+        Raises
+        ------
+        ShapeError
+            ``X`` is not a LoDTensor with a level or a padded pair, or its
+            width or dtype does not fit; ``h0`` has another shape.
+        BackendError
+            The backend is unknown or not available.
+        """
         Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
@@ -1038,7 +1309,45 @@ class GRU(_RecurrentLayer):
                             bidirectional=self.num_directions == 2)
 
     def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5."""
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5.
+
+        Parameters
+        ----------
+        X : LoDTensor or tuple
+            A LoDTensor ``[N, input_size]`` with at least one level (the
+            layer runs over the sequences of its finest level), or
+            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
+            ``lengths`` ``[B]``. Floating point; float16 is computed in the
+            layer's dtype and given back as float16.
+        h0 : array_like, optional
+            The initial state ``[num_layers * num_directions, B,
+            hidden_size]``, indexed ``layer * num_directions + direction``.
+            None: zeros.
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        keep_workspace : bool, default False
+            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
+            without inputs runs only the backward.
+
+        Returns
+        -------
+        Y : LoDTensor or ndarray
+            Every step's output, ``num_directions * hidden_size`` wide for
+            ``bidirectional_concat``, else ``hidden_size``: a LoDTensor with
+            X's LoD, or ``[B, T, width]`` padded with zeros when X was padded.
+        h_n : ndarray
+            Each sequence's last state, ``[num_layers * num_directions, B,
+            hidden_size]``, indexed as ``h0``.
+
+        Raises
+        ------
+        ShapeError
+            ``X`` is not a LoDTensor with a level or a padded pair, or its
+            width or dtype does not fit; ``h0`` has another shape.
+        BackendError
+            The backend is unknown or not available.
+        """
         Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
         return Y, h_n
 
@@ -1046,19 +1355,132 @@ class GRU(_RecurrentLayer):
 class AUGRU(GRU):
     """oneDNN's attention-update GRU: the update gate is scaled by each
     token's attention score, ``z' = (1 - a) * z``. Called as
-    ``layer(X, attention)``, ``attention`` one score per token of X."""
+    ``layer(X, attention)``, ``attention`` one score per token of X.
+
+    ONNX and PyTorch have no AUGRU: ``to_onnx``, ``from_torch`` and
+    ``to_torch`` raise UnsupportedError; ``from_onnx`` reads a GRU node's
+    weights.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of each token of the input.
+    hidden_size : int
+        Width of the recurrent state.
+    num_layers : int, default 1
+        Layers stacked, each reading the previous one's output.
+    linear_before_reset : bool, default False
+        Apply the reset gate after the candidate's recurrent product
+        (PyTorch's GRU) rather than before it (ONNX's default).
+    direction : {"forward", "reverse", "bidirectional_concat", "bidirectional_sum"}, default "forward"
+        Which way each layer runs; the bidirectional ones run both ways and
+        concatenate or add the two directions' outputs. Both directions read
+        the same attention scores.
+    combine : {"per_layer", "final"}, default "per_layer"
+        How a bidirectional stack is combined: after every layer, or at the
+        end (each direction's whole stack runs on its own).
+    activations : list of str, optional
+        ONNX activation names (2 per direction, ``["Sigmoid", "Tanh"]`` by
+        default); a list for one direction serves both.
+    activation_alpha, activation_beta : list of float, optional
+        The activations' alpha and beta, as ONNX's attributes.
+    clip : float, optional
+        Bounds every activation's input to ``[-clip, clip]`` (ONNX's cell
+        clip); positive. None: no clipping.
+    dtype : dtype, default float32
+        The weights' and computation's dtype: float32 or float64 (float16
+        computes in float32).
+    seed : int, optional
+        Seed of the initialization (PyTorch's: every weight and bias drawn
+        from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+
+    Raises
+    ------
+    StepNetError
+        An option out of range (a size that is not a positive integer, an
+        unknown direction, a wrong number of activations, ...).
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> augru = sn.nn.AUGRU(4, 8, seed=0)
+    >>> X = sn.LoDTensor.from_lengths(np.ones((5, 4), np.float32), [[2, 3]])
+    >>> A = sn.LoDTensor(np.full((5, 1), 0.5, np.float32), X.lod)
+    >>> Y, h_n = augru(X, A, backend="interpreter")
+    >>> Y.data.shape, h_n.shape
+    ((5, 8), (1, 2, 8))
+    """
 
     cell = "augru"
 
     @classmethod
     def from_torch(cls, module):
+        """Not available: PyTorch has no AUGRU.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+            Not read.
+
+        Raises
+        ------
+        UnsupportedError
+            Always.
+        """
         raise UnsupportedError("AUGRU.from_torch: PyTorch has no AUGRU")
 
     def to_torch(self):
+        """Not available: PyTorch has no AUGRU.
+
+        Raises
+        ------
+        UnsupportedError
+            Always.
+        """
         raise UnsupportedError("AUGRU.to_torch: PyTorch has no AUGRU")
 
     def __call__(self, X, attention, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, attention, h0=None)``."""
+        """``Y, h_n = layer(X, attention, h0=None)``.
+
+        Parameters
+        ----------
+        X : LoDTensor or tuple
+            A LoDTensor ``[N, input_size]`` with at least one level (the
+            layer runs over the sequences of its finest level), or
+            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
+            ``lengths`` ``[B]``. Floating point; float16 is computed in the
+            layer's dtype and given back as float16.
+        attention : LoDTensor or tuple
+            One score per token of X: a LoDTensor ``[N]`` or ``[N, 1]`` whose
+            finest level is X's, or, when X is padded, ``(padded, lengths)``
+            with ``padded`` ``[B, T]`` or ``[B, T, 1]``.
+        h0 : array_like, optional
+            The initial state ``[num_layers * num_directions, B,
+            hidden_size]``, indexed ``layer * num_directions + direction``.
+            None: zeros.
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        keep_workspace : bool, default False
+            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
+            without inputs runs only the backward.
+
+        Returns
+        -------
+        Y : LoDTensor or ndarray
+            Every step's output, as for :class:`GRU`.
+        h_n : ndarray
+            Each sequence's last state, ``[num_layers * num_directions, B,
+            hidden_size]``.
+
+        Raises
+        ------
+        ShapeError
+            ``X``, ``attention`` or ``h0`` does not fit (attention's LoD must
+            be X's, one score per token).
+        BackendError
+            The backend is unknown or not available.
+        """
         Y, (h_n,) = self._forward(X, attention, [h0], backend, keep_workspace)
         return Y, h_n
 
@@ -1193,7 +1615,47 @@ class LSTM(_RecurrentLayer):
                              bidirectional=self.num_directions == 2, proj_size=self.proj_size)
 
     def __call__(self, X, initial=None, backend=None, keep_workspace=False):
-        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see docs/design.md §5."""
+        """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see docs/design.md §5.
+
+        Parameters
+        ----------
+        X : LoDTensor or tuple
+            A LoDTensor ``[N, input_size]`` with at least one level (the
+            layer runs over the sequences of its finest level), or
+            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
+            ``lengths`` ``[B]``. Floating point; float16 is computed in the
+            layer's dtype and given back as float16.
+        initial : tuple, optional
+            ``(h0, c0)``, either of which may be None (zeros): ``h0``
+            ``[num_layers * num_directions, B, output_size]`` (``proj_size``
+            or ``hidden_size``), ``c0`` ``[num_layers * num_directions, B,
+            hidden_size]``, indexed ``layer * num_directions + direction``.
+            None: both zeros.
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        keep_workspace : bool, default False
+            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
+            without inputs runs only the backward.
+
+        Returns
+        -------
+        Y : LoDTensor or ndarray
+            Every step's ``h``, ``num_directions * output_size`` wide for
+            ``bidirectional_concat``, else ``output_size``: a LoDTensor with
+            X's LoD, or ``[B, T, width]`` padded with zeros when X was padded.
+        (h_n, c_n) : tuple of ndarray
+            Each sequence's last states, shaped and indexed as ``h0`` and
+            ``c0``.
+
+        Raises
+        ------
+        ShapeError
+            ``X`` does not fit, ``initial`` is not a pair, or ``h0`` or ``c0``
+            has another shape.
+        BackendError
+            The backend is unknown or not available.
+        """
         if initial is None:
             h0 = c0 = None
         elif isinstance(initial, (tuple, list)) and len(initial) == 2:
@@ -1223,10 +1685,48 @@ class _Cell:
         super().__init__(input_size, hidden_size, **kwargs)
 
     def __call__(self, x, state):
+        """One step: ``cell.step(x, state)``.
+
+        Parameters
+        ----------
+        x : Value or ndarray
+            The step's input ``[B, input_size]``.
+        state : MemoryHandle, Value or ndarray, or a pair of them
+            The previous state ``[B, output_size]`` (LSTMCell: a pair
+            ``(h, c)``, ``c`` ``[B, hidden_size]``). A memory handle is updated, as ``h.update`` would; a
+            step value or array is only read.
+
+        Returns
+        -------
+        Value, MemoryHandle or ndarray, or a pair of them
+            The new state (LSTMCell: ``(h, c)``). Outside a step block, on
+            arrays, computed eagerly.
+        """
         return self.step(x, state)
 
     @classmethod
     def from_torch(cls, module):
+        """A cell with the weights (and dtype) of a ``torch.nn.RNNCell``,
+        ``GRUCell`` or ``LSTMCell``.
+
+        Parameters
+        ----------
+        module : torch.nn.RNNCell, torch.nn.GRUCell or torch.nn.LSTMCell
+            Exactly the class that matches this cell's; float32 or float64.
+
+        Returns
+        -------
+        cell
+            An instance of this class (a ``GRUCell`` with
+            ``linear_before_reset=True``, PyTorch's GRU).
+
+        Raises
+        ------
+        StepNetError
+            ``module`` is of another class or dtype.
+        UnsupportedError
+            PyTorch is not installed.
+        """
         torch = _torch(f"{cls.__name__}.from_torch")
         expected = {"rnn": torch.nn.RNNCell, "gru": torch.nn.GRUCell,
                     "lstm": torch.nn.LSTMCell}[cls.cell]
@@ -1240,6 +1740,19 @@ class _Cell:
         return super().from_torch(layer.to(module.weight_ih.dtype))
 
     def to_torch(self):
+        """The same weights in a ``torch.nn.RNNCell``, ``GRUCell`` or ``LSTMCell``.
+
+        Returns
+        -------
+        torch.nn.Module
+            In the cell's dtype.
+
+        Raises
+        ------
+        UnsupportedError
+            PyTorch is not installed, or the cell uses what PyTorch lacks (as
+            for the layers' ``to_torch``).
+        """
         torch = _torch(f"{type(self).__name__}.to_torch")
         layer = super().to_torch()
         kind = {"rnn": torch.nn.RNNCell, "gru": torch.nn.GRUCell, "lstm": torch.nn.LSTMCell}
@@ -1259,16 +1772,80 @@ class _Cell:
 
 
 class RNNCell(_Cell, RNN):
-    """One step of an Elman RNN inside a step block: ``h = cell(x, h)``."""
+    """One step of an Elman RNN inside a step block: ``h = cell(x, h)``.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of the step's input ``x``.
+    hidden_size : int
+        Width of the state.
+    **kwargs
+        The keyword options of :class:`RNN` (``nonlinearity``, ``activations``,
+        ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
+        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        defaults (1, ``"forward"``, ``"per_layer"``).
+
+    Raises
+    ------
+    StepNetError
+        Another number of layers, direction or combination, or an option out
+        of range.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> cell = sn.nn.RNNCell(4, 8, seed=0)
+    >>> cell(np.ones((2, 4), np.float32), np.zeros((2, 8), np.float32)).shape
+    (2, 8)
+    """
 
 
 class GRUCell(_Cell, GRU):
     """One step of a GRU inside a step block: ``h = cell(x, h)``
-    (``linear_before_reset=True`` is PyTorch's ``GRUCell``)."""
+    (``linear_before_reset=True`` is PyTorch's ``GRUCell``).
+
+    Parameters
+    ----------
+    input_size : int
+        Width of the step's input ``x``.
+    hidden_size : int
+        Width of the state.
+    **kwargs
+        The keyword options of :class:`GRU` (``linear_before_reset``, ``activations``,
+        ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
+        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        defaults (1, ``"forward"``, ``"per_layer"``).
+
+    Raises
+    ------
+    StepNetError
+        Another number of layers, direction or combination, or an option out
+        of range.
+    """
 
 
 class LSTMCell(_Cell, LSTM):
-    """One step of an LSTM inside a step block: ``h, c = cell(x, (h, c))``."""
+    """One step of an LSTM inside a step block: ``h, c = cell(x, (h, c))``.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of the step's input ``x``.
+    hidden_size : int
+        Width of the state.
+    **kwargs
+        The keyword options of :class:`LSTM` (``peephole``, ``proj_size``, ``input_forget``, ``activations``,
+        ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
+        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        defaults (1, ``"forward"``, ``"per_layer"``).
+
+    Raises
+    ------
+    StepNetError
+        Another number of layers, direction or combination, or an option out
+        of range.
+    """
 
 
 class AUGRUCell(_Cell, AUGRU):
@@ -1276,14 +1853,75 @@ class AUGRUCell(_Cell, AUGRU):
     ``attention`` the step's score per sequence (``[B, 1]``: computed in the
     step, e.g. from the previous state and a target, or a step input), which
     scales the update gate, ``z' = (1 - a) * z``. PyTorch has no AUGRU: no
-    ``from_torch``/``to_torch``."""
+    ``from_torch``/``to_torch``.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of the step's input ``x``.
+    hidden_size : int
+        Width of the state.
+    **kwargs
+        The keyword options of :class:`AUGRU` (``linear_before_reset``, ``activations``,
+        ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
+        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        defaults (1, ``"forward"``, ``"per_layer"``).
+
+    Raises
+    ------
+    StepNetError
+        Another number of layers, direction or combination, or an option out
+        of range.
+    """
 
     def __call__(self, x, state, attention):
+        """One step: ``cell.step(x, state, attention=attention)``.
+
+        Parameters
+        ----------
+        x : Value or ndarray
+            The step's input ``[B, input_size]``.
+        state : MemoryHandle, Value or ndarray
+            The previous state ``[B, hidden_size]``. A memory handle is
+            updated, as ``h.update`` would; a step value or array is only
+            read.
+        attention : Value or ndarray
+            The step's score per sequence, ``[B, 1]``.
+
+        Returns
+        -------
+        Value, MemoryHandle or ndarray
+            The new state.
+
+        Raises
+        ------
+        ShapeError
+            ``attention`` is not ``[B, 1]``.
+        """
         return self.step(x, state, attention=attention)
 
     @classmethod
     def from_torch(cls, module):
+        """Not available: PyTorch has no AUGRU.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+            Not read.
+
+        Raises
+        ------
+        UnsupportedError
+            Always.
+        """
         raise UnsupportedError("AUGRUCell.from_torch: PyTorch has no AUGRU")
 
     def to_torch(self):
+        """Not available: PyTorch has no AUGRU.
+
+        Raises
+        ------
+        UnsupportedError
+            Always.
+        """
         raise UnsupportedError("AUGRUCell.to_torch: PyTorch has no AUGRU")
