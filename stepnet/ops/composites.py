@@ -30,14 +30,65 @@ __all__ = ["affine", "attention", "elu", "hard_sigmoid", "leaky_relu", "mean", "
 
 
 def mean(x, axis=-1, keepdims=False):
-    """Mean over ``axis``: ``sum(x, axis) * (1 / n)``."""
+    """Mean over ``axis``: ``sum(x, axis) * (1 / n)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    axis : int, default -1
+        The axis averaged (negative counts from the end); not the batch axis.
+    keepdims : bool, default False
+        Keep the averaged axis, of size 1.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+
+    Raises
+    ------
+    ShapeError
+        ``axis`` is out of range or the batch axis.
+    """
     n = shape_of(x)[axis]
     return mul(sum(x, axis, keepdims), 1.0 / n)
 
 
 def split(x, sections, axis=-1):
     """Split ``x`` along ``axis`` into ``sections`` equal parts, or at the
-    sizes listed in ``sections`` (a list). Returns a list of slices."""
+    sizes listed in ``sections`` (a list). Returns a list of slices.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand.
+    sections : int or list of int
+        A number of equal parts that divides the axis's size, or the sizes
+        of the parts, in order, which must add up to the axis's size.
+    axis : int, default -1
+        The axis split (negative counts from the end); not the batch axis.
+
+    Returns
+    -------
+    list
+        The parts, in order: step values inside a step-net block, arrays
+        outside.
+
+    Raises
+    ------
+    ShapeError
+        ``axis`` is the batch axis, the axis does not split into
+        ``sections`` equal parts, or the sizes do not add up to it.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> [part.shape for part in sn.ops.split(np.zeros((2, 6)), [2, 4])]
+    [(2, 2), (2, 4)]
+    """
     size = shape_of(x)[axis]
     if size is None:
         raise ShapeError(f"split: cannot split the batch axis (axis {axis}) of a step value")
@@ -57,37 +108,148 @@ def split(x, sections, axis=-1):
 
 
 def affine(x, alpha=1.0, beta=0.0):
-    """ONNX Affine: ``alpha * x + beta``."""
+    """ONNX Affine: ``alpha * x + beta``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+    alpha : float, default 1.0
+        The scale.
+    beta : float, default 0.0
+        The offset.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return add(mul(x, alpha), beta)
 
 
 def leaky_relu(x, alpha=0.01):
-    """ONNX LeakyRelu: ``x if x >= 0 else alpha * x``."""
+    """ONNX LeakyRelu: ``x if x >= 0 else alpha * x``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+    alpha : float, default 0.01
+        The slope below 0.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return where(greater_equal(x, 0.0), x, mul(x, alpha))
 
 
 def thresholded_relu(x, alpha=1.0):
-    """ONNX ThresholdedRelu: ``x if x > alpha else 0``."""
+    """ONNX ThresholdedRelu: ``x if x > alpha else 0``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+    alpha : float, default 1.0
+        The threshold.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return where(greater(x, alpha), x, 0.0)
 
 
 def scaled_tanh(x, alpha=1.0, beta=1.0):
-    """ONNX ScaledTanh: ``alpha * tanh(beta * x)``."""
+    """ONNX ScaledTanh: ``alpha * tanh(beta * x)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+    alpha : float, default 1.0
+        The output's scale.
+    beta : float, default 1.0
+        The input's scale.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return mul(tanh(mul(x, beta)), alpha)
 
 
 def hard_sigmoid(x, alpha=0.2, beta=0.5):
-    """ONNX HardSigmoid: ``clip(alpha * x + beta, 0, 1)``."""
+    """ONNX HardSigmoid: ``clip(alpha * x + beta, 0, 1)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+    alpha : float, default 0.2
+        The slope.
+    beta : float, default 0.5
+        The offset.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return clip(add(mul(x, alpha), beta), 0.0, 1.0)
 
 
 def elu(x, alpha=1.0):
-    """ONNX Elu: ``x if x >= 0 else alpha * (exp(x) - 1)``."""
+    """ONNX Elu: ``x if x >= 0 else alpha * (exp(x) - 1)``.
+
+    ``exp`` reads ``min(x, 0)``, so large positive inputs do not overflow.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+    alpha : float, default 1.0
+        The scale below 0.
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return where(greater_equal(x, 0.0), x, mul(sub(exp(clip(x, None, 0.0)), 1.0), alpha))
 
 
 def softsign(x):
-    """ONNX Softsign: ``x / (1 + |x|)``."""
+    """ONNX Softsign: ``x / (1 + |x|)``.
+
+    Parameters
+    ----------
+    x : step value, Parameter or array
+        The operand (floating-point).
+
+    Returns
+    -------
+    step value or ndarray
+        A step value inside a step-net block (the ops are traced into the
+        IR); on plain arrays and Parameters outside a block, the result
+        computed with the ops' NumPy references.
+    """
     return div(x, add(abs(x), 1.0))
 
 
@@ -97,7 +259,20 @@ def softsign(x):
 
 def seq_softmax(x):
     """Softmax over each batch row's own rows of the ragged value ``x``
-    (each feature apart): ``exp(x - seq_max(x)) / seq_sum(...)``."""
+    (each feature apart): ``exp(x - seq_max(x)) / seq_sum(...)``.
+
+    Parameters
+    ----------
+    x : step value
+        A ragged step value of one level (e.g. scores over a memory given to
+        ``add_static_input`` as a LoDTensor).
+
+    Returns
+    -------
+    step value
+        Ragged like ``x``: each batch row's rows sum to 1, feature by
+        feature.
+    """
     e = exp(sub(x, seq_max(x)))
     return div(e, seq_sum(e))
 
@@ -108,7 +283,33 @@ def attention(query, memory, keys=None):
     ``seq_softmax`` of ``keys_j . query`` (``keys`` defaults to ``memory``),
     the result ``[B, F]`` the weighted sum of the memory rows. A batch row with
     no memory rows gets zeros. For additive (Bahdanau) scores, write them out:
-    ``w = seq_softmax(tanh(keys + query @ Wq) @ v)``, ``seq_sum(w * memory)``."""
+    ``w = seq_softmax(tanh(keys + query @ Wq) @ v)``, ``seq_sum(w * memory)``.
+
+    Parameters
+    ----------
+    query : step value
+        ``[B, D]``, one query per batch row.
+    memory : step value
+        Ragged, one level, ``[rows, F]``: each batch row's own memory rows
+        (e.g. a LoDTensor given to ``add_static_input``).
+    keys : step value, optional
+        Ragged like ``memory``, ``[rows, D]``: what the query is compared
+        with. None: ``memory`` itself (then ``F == D``).
+
+    Returns
+    -------
+    step value
+        ``[B, F]``, the attention-weighted sum of each batch row's memory
+        rows.
+
+    Examples
+    --------
+    Inside a step block, with ``M`` a LoDTensor of one sequence of rows per
+    sequence of the step input::
+
+        mem = rnn.add_static_input(M, name="memory")
+        context = sn.ops.attention(h.pre_state(), mem)
+    """
     keys = memory if keys is None else keys
     weights = seq_softmax(sum(mul(keys, query), axis=-1, keepdims=True))
     return seq_sum(mul(weights, memory))
