@@ -48,6 +48,22 @@ class Optimizer:
 
     Subclasses implement ``_update(i, p, g)``, which changes ``p.value`` in place
     from the gradient ``g`` (an ndarray of ``p``'s shape and dtype).
+
+    Parameters
+    ----------
+    params : iterable of Parameter
+        The parameters to train, each once (e.g. ``layer.parameters()`` or
+        ``rnn.parameters()``); floating-point and writable, since they are
+        updated in place. Not a single Parameter: pass ``[p]``.
+    lr : float
+        The learning rate, ``>= 0``.
+
+    Raises
+    ------
+    StepNetError
+        ``params`` is a single Parameter, is empty, holds something other
+        than a Parameter or one Parameter twice, or holds one that is not a
+        writable float array; ``lr`` is negative or NaN.
     """
 
     def __init__(self, params, lr):
@@ -105,10 +121,22 @@ class Optimizer:
     def step(self, grads):
         """Update every parameter from its gradient.
 
-        ``grads`` holds one ndarray per parameter, in the order the parameters
-        were given, each shaped like ``Parameter.value``; ``None`` leaves that
-        parameter (and its state) unchanged, as a missing ``.grad`` does in
-        PyTorch. The arrays are not modified.
+        Parameters
+        ----------
+        grads : sequence of array_like or None
+            One gradient per parameter, in the order the parameters were
+            given, each shaped like ``Parameter.value`` (cast to its dtype);
+            ``None`` leaves that parameter (and its state) unchanged, as a
+            missing ``.grad`` does in PyTorch. The arrays are not modified.
+
+        Raises
+        ------
+        StepNetError
+            ``grads`` is a single array, or does not hold one entry per
+            parameter.
+        ShapeError
+            A gradient's shape is not its parameter's, or its dtype is not a
+            real number type.
         """
         grads = self._check(grads)
         for i, (p, g) in enumerate(zip(self.params, grads)):
@@ -131,6 +159,28 @@ class SGD(Optimizer):
         buf = momentum * buf + (1 - dampening) * g   (later steps)
         g = g + momentum * buf if nesterov else buf  (when momentum != 0)
         p = p - lr * g
+
+    Parameters
+    ----------
+    params : iterable of Parameter
+        The parameters to train, each once; floating-point and writable.
+    lr : float
+        The learning rate, ``>= 0``.
+    momentum : float, default 0.0
+        The momentum factor, ``>= 0``; 0: plain gradient descent, no state.
+    nesterov : bool, default False
+        Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``.
+    weight_decay : float, default 0.0
+        L2 penalty added to the gradient, ``>= 0``.
+    dampening : float, default 0.0
+        Dampening of the momentum's later steps.
+
+    Raises
+    ------
+    StepNetError
+        A parameter list that ``Optimizer`` refuses, a negative ``lr``,
+        ``momentum`` or ``weight_decay``, or ``nesterov`` without momentum
+        or with dampening.
     """
 
     def __init__(self, params, lr, momentum=0.0, nesterov=False, weight_decay=0.0, dampening=0.0):
@@ -167,6 +217,27 @@ class Adam(Optimizer):
 
     with ``t`` counting that parameter's updates from 1. ``weight_decay`` is
     L2 added to the gradient (PyTorch's Adam, not AdamW).
+
+    Parameters
+    ----------
+    params : iterable of Parameter
+        The parameters to train, each once; floating-point and writable.
+    lr : float, default 1e-3
+        The learning rate, ``>= 0``.
+    betas : tuple of float, default (0.9, 0.999)
+        ``(beta1, beta2)``, the decay rates of the moment estimates ``m`` and
+        ``v``, each in ``[0, 1)``.
+    eps : float, default 1e-8
+        Added to the denominator, ``>= 0``.
+    weight_decay : float, default 0.0
+        L2 penalty added to the gradient, ``>= 0``.
+
+    Raises
+    ------
+    StepNetError
+        A parameter list that ``Optimizer`` refuses, ``betas`` that are not
+        two numbers in ``[0, 1)``, or a negative ``lr``, ``eps`` or
+        ``weight_decay``.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
@@ -207,6 +278,28 @@ def clip_grad_norm(grads, max_norm, norm_type=2.0):
     ``None`` entries are skipped. The arrays must be writable float arrays.
     A NaN norm leaves the gradients as they are (PyTorch's would turn them all
     into NaN); the returned norm says so.
+
+    Parameters
+    ----------
+    grads : ndarray or sequence of ndarray or None
+        The gradients, scaled in place: writable float arrays; ``None``
+        entries are skipped.
+    max_norm : float
+        The largest joint norm kept, ``>= 0``.
+    norm_type : float, default 2.0
+        The norm's order ``p`` (``(sum |g|**p) ** (1/p)``), positive, or
+        ``float("inf")``.
+
+    Returns
+    -------
+    float
+        The joint norm before clipping (0.0 when there is no gradient).
+
+    Raises
+    ------
+    StepNetError
+        ``max_norm`` is negative, ``norm_type`` is not positive, or a
+        gradient is not a float ndarray.
     """
     max_norm = _nonnegative(max_norm, "clip_grad_norm: max_norm")
     norm_type = float(norm_type)
@@ -245,20 +338,56 @@ def _epoch_batches(batches, epoch, epochs):
 def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log=print):
     """Run a training loop; returns the list of every step's loss.
 
-    - ``step_fn(batch) -> (loss, grads)``: computes the loss of one batch and
-      the gradients of the optimizer's parameters (one array each, in the
-      optimizer's order), e.g. with ``sn.gradients`` or ``sn.vjp``. It may clip
-      them (:func:`clip_grad_norm`) before returning them.
-    - ``optimizer``: applies ``optimizer.step(grads)`` after each batch.
-    - ``batches``: a list (or other re-iterable) run through once per epoch, or
-      a function ``batches(epoch)`` returning that epoch's batches (fresh
-      random batches each epoch, say). A one-shot iterator is accepted only
-      with ``epochs=1``.
-    - ``log_every``: every that many steps, ``log`` (``print`` by default) gets
-      a line ``step N  epoch E  loss L`` with the mean loss over those steps;
-      0 logs nothing.
-    - ``callback(step, loss)``: called after every step (``step`` counts from
-      1 over all epochs); returning ``True`` stops training there.
+    Each batch: ``loss, grads = step_fn(batch)``, then
+    ``optimizer.step(grads)``; ``step_fn`` may clip the gradients
+    (:func:`clip_grad_norm`) before returning them.
+
+    Parameters
+    ----------
+    step_fn : callable
+        ``step_fn(batch) -> (loss, grads)``: the loss of one batch (anything
+        ``float()`` takes) and the gradients of the optimizer's parameters,
+        one array each in the optimizer's order, e.g. from ``sn.gradients``
+        or ``sn.vjp``.
+    optimizer : Optimizer
+        Its ``step(grads)`` runs after each batch.
+    batches : iterable or callable
+        A list (or other re-iterable) run through once per epoch, or a
+        function ``batches(epoch)`` (epoch counting from 0) giving that
+        epoch's batches (fresh random batches each epoch, say). A one-shot
+        iterator is accepted only with ``epochs=1``.
+    epochs : int, default 1
+        How many times to run through the batches, ``>= 0``.
+    log_every : int, default 0
+        Every that many steps, ``log`` gets a line ``step N  epoch E  loss L``
+        with the mean loss over those steps; 0 logs nothing.
+    callback : callable, optional
+        ``callback(step, loss)``, called after every step (``step`` counts
+        from 1 over all epochs); returning ``True`` (the object itself, not
+        any true value) stops training there.
+    log : callable, default print
+        Takes each log line, a str.
+
+    Returns
+    -------
+    list of float
+        Every step's loss, in order.
+
+    Raises
+    ------
+    StepNetError
+        ``epochs`` or ``log_every`` is negative, ``batches`` is an iterator
+        with ``epochs > 1``, or ``step_fn`` does not return a pair.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> W = sn.Parameter(np.array([4.0], np.float32))
+    >>> opt = sn.optim.SGD([W], lr=0.25)
+    >>> def step_fn(batch):  # loss = W**2, gradient 2 W
+    ...     return float(W.value[0] ** 2), [2 * W.value]
+    >>> sn.optim.train(step_fn, opt, [None, None])
+    [16.0, 4.0]
     """
     if epochs < 0:
         raise StepNetError(f"train: epochs must be >= 0, got {epochs}")
