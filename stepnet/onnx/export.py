@@ -52,19 +52,50 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
     (``stepnet.nn.RNN``, ``LSTM``, ``GRU``, ``AUGRU``) or a YAML network
     (``stepnet.load_yaml(...)``): its layers, then its nets, in one graph.
 
-    - ``output_all_steps`` (step-nets): one bool, or one per output, as in
-      ``rnn(output_all_steps=...)``. ``output_names``: the graph outputs'
-      names (default: the memory's name, or ``output<i>``, plus ``_all`` or
-      ``_last``).
-    - ``initial_states`` (layers): add ``h0`` (LSTM also ``c0``) inputs,
-      ``[num_layers * num_directions, B, H]``; without it states start at 0.
-    - ``as_scan`` (layers): ``Scan`` nodes even where ONNX has a GRU, LSTM or
-      RNN operator. Layers ONNX has no operator for (AUGRU,
-      ``bidirectional_sum``, ``combine="final"`` stacks, ``proj_size``) are
-      always exported as ``Scan``.
+    Options that do not apply to ``obj``'s kind are refused, not ignored.
+    The model's layout (batch-first, right-padded inputs with ``lengths``) is
+    described in docs/onnx-export.md.
 
-    Raises a ``stepnet.errors`` exception naming what is not supported
-    before anything is written.
+    Parameters
+    ----------
+    obj : RNNOp, stepnet.nn layer or stepnet.yaml.Model
+        A top-level step-net, a built-in layer (``stepnet.nn.RNN``,
+        ``LSTM``, ``GRU``, ``AUGRU``) or a YAML network
+        (``stepnet.load_yaml(...)``): its layers, then its nets, in one graph.
+    path : str or os.PathLike, optional
+        Where to write the model; its folder must exist. None: nothing is
+        written.
+    output_all_steps : bool or sequence of bool, default True
+        Step-nets only: one bool, or one per output, as in
+        ``rnn(output_all_steps=...)``.
+    output_names : sequence of str, optional
+        Step-nets only: the graph outputs' names. None: the memory's name,
+        or ``output<i>``, plus ``_all`` or ``_last``.
+    initial_states : bool, default False
+        Layers only: add ``h0`` (LSTM also ``c0``) inputs,
+        ``[num_layers * num_directions, B, H]``; without them states start
+        at 0.
+    as_scan : bool, default False
+        Layers and YAML networks: ``Scan`` nodes even where ONNX has a GRU,
+        LSTM or RNN operator. Layers ONNX has no operator for (AUGRU,
+        ``bidirectional_sum``, ``combine="final"`` stacks, ``proj_size``)
+        are always exported as ``Scan``.
+
+    Returns
+    -------
+    onnx.ModelProto
+        Opset 17, checked with ``onnx.checker.check_model(...,
+        full_check=True)``.
+
+    Raises
+    ------
+    UnsupportedError
+        ``obj`` is of another kind, uses what the export does not support,
+        or ONNX is not installed; the message names what.
+    StepNetError
+        An option given that does not apply to ``obj``'s kind.
+    Error
+        ``path`` cannot be written.
     """
     from ..nn.layers import _RecurrentLayer
     from ..yaml.model import Model

@@ -90,7 +90,21 @@ _BLAS_THREADS = []  # [set_local or None], found on the first session
 
 @dataclass(frozen=True)
 class NodeArg:
-    """A graph input or output as onnxruntime describes it."""
+    """A graph input or output as onnxruntime describes it.
+
+    What ``InferenceSession.get_inputs()`` and ``get_outputs()`` list.
+
+    Parameters
+    ----------
+    name : str
+        The input's or output's name in the graph.
+    type : str
+        Its type as onnxruntime writes it, e.g. ``"tensor(float)"`` or
+        ``"seq(tensor(int64))"``.
+    shape : list or None
+        Its declared shape: per axis an int, a dimension name (str) or None
+        (unknown).
+    """
 
     name: str
     type: str  # e.g. "tensor(float)", "seq(tensor(int64))"
@@ -787,8 +801,41 @@ def _no_widening(graph):
 class InferenceSession:
     """Run an ONNX model with stepnet, shaped like ``onnxruntime.InferenceSession``.
 
-    ``model`` is a path, bytes or an ``onnx.ModelProto``; ``backend`` is any of
-    ``stepnet.backends()`` (default: the default backend)."""
+    Every node is checked when the session is made, before any data is
+    seen; nodes that compute only from constants are computed then, once.
+
+    Parameters
+    ----------
+    model : str, os.PathLike, bytes or onnx.ModelProto
+        The model: a file's path, its serialized bytes, or the proto. Local
+        functions are inlined.
+    backend : str, optional
+        Where recurrent nodes run as step-nets: any of ``stepnet.backends()``.
+        None: ``default_backend()`` at each run.
+
+    Raises
+    ------
+    UnsupportedError
+        ONNX is not installed; the model imports no version of the default
+        domain, or has an op outside it or one its opset lacks.
+    StepNetError
+        ``model`` is a path that does not exist, or of another type.
+    Error
+        A node is malformed (its inputs, outputs or attributes do not fit
+        its operator's schema); the message names the node.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> model = sn.onnx.export(sn.nn.GRU(3, 4, seed=0))
+    >>> session = sn.onnx.InferenceSession(model, backend="interpreter")
+    >>> [arg.name for arg in session.get_inputs()]
+    ['X', 'lengths']
+    >>> X, lengths = np.ones((2, 5, 3), np.float32), np.array([5, 2])
+    >>> Y, h_n = session.run(None, {"X": X, "lengths": lengths})
+    >>> Y.shape, h_n.shape
+    ((2, 5, 4), (1, 2, 4))
+    """
 
     def __init__(self, model, backend=None):
         model = load_model(model)
@@ -832,13 +879,60 @@ class InferenceSession:
         self._memoized = _has_decided(graph)
 
     def get_inputs(self) -> list:
+        """The model's inputs, as onnxruntime lists them.
+
+        Returns
+        -------
+        list of NodeArg
+            The graph's inputs in order, without those that an initializer
+            gives a value to.
+        """
         return list(self._inputs)
 
     def get_outputs(self) -> list:
+        """The model's outputs, as onnxruntime lists them.
+
+        Returns
+        -------
+        list of NodeArg
+            The graph's outputs in order.
+        """
         return list(self.graph.output_args)
 
     def run(self, output_names, input_feed, run_options=None):
-        """The outputs named (all when ``output_names`` is None or empty), in order."""
+        """The outputs named (all when ``output_names`` is None or empty), in order.
+
+        Parameters
+        ----------
+        output_names : sequence of str or None
+            Names of graph outputs; None or empty: every output.
+        input_feed : dict
+            A value for every input of ``get_inputs()`` by name: arrays (or
+            anything ``np.asarray`` takes) of the declared dtype and rank, and
+            of the declared size on each fixed axis. float16 inputs are
+            computed in float32 and the outputs typed like them given back as
+            float16.
+        run_options : object, optional
+            Accepted for onnxruntime's signature; not read.
+
+        Returns
+        -------
+        list
+            One value per name, in order: ndarrays (the caller's own, never
+            a view of the session's constants), or lists for sequence
+            outputs.
+
+        Raises
+        ------
+        StepNetError
+            An unknown output or input name, an input without a value, or an
+            ``input_feed`` that is not a dict.
+        ShapeError
+            An input of another dtype or shape than the model declares.
+        BackendError
+            The session's backend is unknown or not available (found when a
+            recurrent node runs).
+        """
         graph = self.graph
         names = list(output_names) if output_names else graph.output_names
         for name in names:
