@@ -246,6 +246,30 @@ class Module(torch.nn.Module):
     output_all_steps=True, batch_first=True, backend=None)`` (a top-level
     step-net) is a :class:`StepNetModule`.
 
+    The module's torch parameters share memory with the stepnet Parameters,
+    so ``torch.optim`` updates what stepnet computes with; the module stays
+    on the CPU (``.to("cuda")`` is refused) and changes dtype only where the
+    wrapped object can (a layer: float32 or float64).
+
+    Parameters
+    ----------
+    net : stepnet.nn layer or RNNOp
+        A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a top-level step-net
+        (defined).
+    batch_first : bool, default True
+        Padded tensors are ``[B, T, ...]``; False: ``[T, B, ...]``, as in
+        torch.
+    backend : str, optional
+        The stepnet backend the forward runs on; None:
+        ``default_backend()``.
+
+    Raises
+    ------
+    StepNetError
+        ``net`` is neither a layer nor a step-net.
+
+    Examples
+    --------
     >>> import torch, stepnet as sn, stepnet.torch
     >>> m = stepnet.torch.Module(sn.nn.GRU(3, 5, seed=0))
     >>> y, h_n = m(torch.zeros(2, 4, 3))
@@ -292,7 +316,24 @@ class Module(torch.nn.Module):
             self._links.append((name, p, p.value.dtype))
 
     def stepnet_parameter(self, name):
-        """The stepnet ``Parameter`` behind the torch parameter ``name``."""
+        """The stepnet ``Parameter`` behind the torch parameter ``name``.
+
+        Parameters
+        ----------
+        name : str
+            A name of ``module.named_parameters()``: the stepnet
+            Parameter's name with ``.`` replaced by ``_`` (``param<i>`` for
+            an unnamed one), made unique with a suffix.
+
+        Returns
+        -------
+        Parameter
+
+        Raises
+        ------
+        StepNetError
+            ``name`` is not a parameter of this module.
+        """
         for torch_name, p, _ in self._links:
             if torch_name == name:
                 return p
@@ -360,6 +401,22 @@ class LayerModule(Module):
     c_0)``), ``[L*D, H]`` for one sequence. Returns ``output, h_n`` (LSTM:
     ``output, (h_n, c_n)``), ``output`` a ``PackedSequence`` when one came in.
     As in torch, a padded tensor is run over all its T steps.
+
+    Parameters
+    ----------
+    layer : stepnet.nn.RNN, GRU, LSTM or AUGRU
+        The layer; it is rebuilt (as ``module.layer``) when the module
+        changes dtype.
+    batch_first : bool, default True
+        Input and output are ``[B, T, ...]``; False: ``[T, B, ...]``.
+    backend : str, optional
+        The stepnet backend the forward runs on; None:
+        ``default_backend()``.
+
+    Raises
+    ------
+    StepNetError
+        ``layer`` is not a ``stepnet.nn`` layer.
     """
 
     def __init__(self, layer, *, batch_first=True, backend=None):
@@ -369,6 +426,8 @@ class LayerModule(Module):
 
     @property
     def layer(self):
+        """The ``stepnet.nn`` layer this module runs (a new one after a change
+        of dtype)."""
         return self.wrapped
 
     def extra_repr(self):
@@ -402,6 +461,40 @@ class LayerModule(Module):
 
     @torch.compiler.disable  # a model under torch.compile runs the bridge as it is
     def forward(self, input, *args, **kwargs):
+        """Run the layer, as the matching torch module's forward does.
+
+        Parameters
+        ----------
+        input : torch.Tensor or PackedSequence
+            ``[B, T, input_size]`` (``[T, B, input_size]`` without
+            ``batch_first``), ``[T, input_size]`` for one sequence, or a
+            ``PackedSequence``; a CPU tensor of the layer's dtype.
+        *args
+            ``hx`` (AUGRU: ``attention``, then ``hx``).
+        **kwargs
+            The same by name: ``hx=`` (AUGRU also ``attention=``). ``hx`` is
+            ``[num_layers * num_directions, B, H]`` (LSTM: a pair ``(h_0,
+            c_0)``), ``[L*D, H]`` for one sequence; None: zeros. An AUGRU's
+            ``attention`` is one score per step, laid out as ``input``
+            (``[B, T]`` or ``[B, T, 1]``, or a PackedSequence packed as it).
+
+        Returns
+        -------
+        output : torch.Tensor or PackedSequence
+            Every step's output, in ``input``'s layout (padded with zeros
+            past each length).
+        h_n : torch.Tensor or tuple of torch.Tensor
+            The last states, shaped as ``hx`` (LSTM: ``(h_n, c_n)``).
+
+        Raises
+        ------
+        StepNetError
+            Other arguments than the call takes.
+        ShapeError
+            A tensor of another shape or dtype than the layer's.
+        UnsupportedError
+            A tensor that is not on the CPU.
+        """
         layer = self.wrapped
         if isinstance(layer, AUGRU):
             attention, hx = _augru_arguments(args, kwargs)
@@ -625,6 +718,25 @@ class StepNetModule(Module):
     ``(rows, lod)``; a last-step output is ``[num_seq, ...]`` in the caller's
     sequence order. ``output_all_steps`` (one flag or one per output) is fixed
     when the module is made.
+
+    Parameters
+    ----------
+    rnn : RNNOp
+        A defined, top-level step-net.
+    output_all_steps : bool or sequence of bool, default True
+        As in ``rnn(output_all_steps=...)``, for every call of the module.
+    batch_first : bool, default True
+        Padded tensors are ``[B, T, ...]``; False: ``[T, B, ...]``.
+    backend : str, optional
+        The stepnet backend the forward runs on; None:
+        ``default_backend()``.
+
+    Raises
+    ------
+    StepNetError
+        ``rnn`` is not a step-net, is not defined yet, is nested, or
+        ``output_all_steps`` has another number of flags than it has
+        outputs.
     """
 
     def __init__(self, rnn, output_all_steps=True, *, batch_first=True, backend=None):
@@ -640,6 +752,7 @@ class StepNetModule(Module):
 
     @property
     def rnn(self):
+        """The step-net this module runs."""
         return self.wrapped
 
     def _check_retype(self, dtype):
@@ -654,6 +767,38 @@ class StepNetModule(Module):
 
     @torch.compiler.disable  # a model under torch.compile runs the bridge as it is
     def forward(self, **inputs):
+        """Run the step-net on torch tensors.
+
+        Parameters
+        ----------
+        **inputs
+            The step-net's inputs by name; those not given keep the values
+            bound when it was defined. A LoD input is a ``PackedSequence``,
+            ``(padded, lengths)`` (lengths None: every sequence ``T`` steps)
+            or ``(rows, lod)`` (the only form for several levels); an initial
+            memory or static input is a tensor, or a number or ndarray taken
+            as a constant (no gradient). CPU tensors of the dtype the
+            step-net computes in.
+
+        Returns
+        -------
+        torch.Tensor, PackedSequence, tuple
+            One per output, a tuple of them for two or more. An all-steps
+            output is in the layout of the first LoD input given (a
+            PackedSequence, or a padded tensor with zeros past each length)
+            where its LoD is that input's, else ``(rows, lod)``; a last-step
+            output is ``[num_seq, ...]`` in the caller's sequence order.
+
+        Raises
+        ------
+        StepNetError
+            An unknown input name.
+        ShapeError
+            An input of another form, LoD depth, feature shape or dtype than
+            the step-net was defined with.
+        UnsupportedError
+            A tensor that is not on the CPU.
+        """
         rnn = self.wrapped
         unknown = set(inputs) - set(rnn.bindings)
         if unknown:
