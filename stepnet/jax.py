@@ -48,7 +48,40 @@ KEPT_PULLBACKS = 4
 
 def function(net, output_all_steps=True, *, backend=None) -> Function:
     """``net`` (a ``stepnet.nn`` layer or a top-level step-net) as a JAX
-    function: see :class:`Function`."""
+    function: see :class:`Function`.
+
+    Parameters
+    ----------
+    net : stepnet.nn layer or RNNOp
+        A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a defined, top-level
+        step-net.
+    output_all_steps : bool or sequence of bool, default True
+        Step-nets only: as in ``rnn(output_all_steps=...)``, for every call.
+    backend : str, optional
+        The stepnet backend the host callback runs on; None:
+        ``default_backend()``.
+
+    Returns
+    -------
+    Function
+        ``f(params, ...)``, which ``jax.jit``, ``jax.grad`` and ``jax.vmap``
+        take.
+
+    Raises
+    ------
+    StepNetError
+        ``net`` is neither a layer nor a step-net; a step-net not defined
+        yet or nested; ``output_all_steps`` given for a layer, or with
+        another number of flags than the step-net has outputs.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn, stepnet.jax
+    >>> f = stepnet.jax.function(sn.nn.GRU(3, 4, seed=0), backend="interpreter")
+    >>> y, h_n = f(f.params, np.ones((2, 5, 3), np.float32), np.array([5, 2]))
+    >>> y.shape, h_n.shape
+    ((2, 5, 4), (1, 2, 4))
+    """
     return Function(net, output_all_steps, backend=backend)
 
 
@@ -74,6 +107,24 @@ class Function:
 
     Gradients flow to ``params`` and to every float input; lengths are
     integers and get none.
+
+    Parameters
+    ----------
+    net : stepnet.nn layer or RNNOp
+        A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a defined, top-level
+        step-net.
+    output_all_steps : bool or sequence of bool, default True
+        Step-nets only: as in ``rnn(output_all_steps=...)``, for every call.
+    backend : str, optional
+        The stepnet backend the host callback runs on; None:
+        ``default_backend()``.
+
+    Raises
+    ------
+    StepNetError
+        ``net`` is neither a layer nor a step-net; a step-net not defined
+        yet or nested; ``output_all_steps`` given for a layer, or with
+        another number of flags than the step-net has outputs.
     """
 
     def __init__(self, net, output_all_steps=True, *, backend=None):
@@ -109,6 +160,39 @@ class Function:
         return {n: jax.numpy.asarray(p.value) for n, p in zip(self.names, self._parameters)}
 
     def __call__(self, params, *args, **inputs):
+        """Run the net with these parameter values (see the class docstring).
+
+        Parameters
+        ----------
+        params : dict
+            Every one of the net's parameters by name (the keys of
+            ``f.params``) and no other, each of its Parameter's shape.
+        *args
+            A layer's positional arguments: ``x``, then (AUGRU:
+            ``attention``, then) ``lengths`` and ``hx``. A step-net takes
+            none.
+        **inputs
+            A layer's ``lengths=`` and ``hx=``; a step-net's inputs by name,
+            those not given keeping the values bound when it was defined.
+
+        Returns
+        -------
+        jax.Array or tuple
+            A layer: ``(y, h_n)`` (LSTM: ``(y, (h_n, c_n))``). A step-net:
+            its output, or a tuple of them.
+
+        Raises
+        ------
+        StepNetError
+            ``params`` is not a dict of exactly the net's names; a step-net
+            given positional arguments, or an unknown input name; a layer
+            given too many arguments, or an AUGRU no attention.
+        ShapeError
+            A parameter or input whose shape or dtype does not fit, or
+            lengths outside ``[0, T]``.
+        UnsupportedError
+            A step-net's LoD input of more than one level.
+        """
         values = self._param_values(params)
         if self.flags is None:
             slots = self._layer_slots(*args, **inputs)
