@@ -11,12 +11,14 @@ data-parallel training across workers.
   each worker computes the loss and gradient *sums* of its shard with the
   current parameters, the sums are added up and divided by the batch size, so
   the step equals the single-process one up to float rounding.
-- :func:`read_shards` streams a directory of ``.npz`` shards, one partition
-  each, for input larger than memory.
+- :func:`run_shards` runs a YAML model on every ``.npz`` shard of a
+  directory, one task per shard, each worker reading its own shard, for
+  input larger than memory.
 
-Without ``client=``, a ``LocalCluster`` of one worker process per core is
-started (``local_client``). ``stepnet run MODEL.yaml --cluster local:N`` (or
-``--cluster tcp://HOST:8786``) uses this module from the command line.
+Without ``client=``, :func:`run` starts a ``LocalCluster`` of one worker
+process per core (``local_client``) and stops it when done. ``stepnet run
+MODEL.yaml --cluster local:N`` (or ``--cluster tcp://HOST:8786``) uses this
+module from the command line.
 """
 
 from __future__ import annotations
