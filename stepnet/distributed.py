@@ -41,7 +41,25 @@ def _dask():
 
 def local_client(n_workers=None, threads_per_worker=1):
     """A client of a new ``LocalCluster`` of worker processes (one per core by
-    default, one thread each); closing the client stops the cluster."""
+    default, one thread each); closing the client stops the cluster.
+
+    Parameters
+    ----------
+    n_workers : int, optional
+        How many worker processes; None (or 0): one per core.
+    threads_per_worker : int, default 1
+        Threads of each worker.
+
+    Returns
+    -------
+    distributed.Client
+        Usable as a context manager; its dashboard is on a free port.
+
+    Raises
+    ------
+    UnsupportedError
+        Dask's ``distributed`` is not installed.
+    """
     distributed = _dask()
     n = n_workers or os.cpu_count() or 1
     # the client starts the cluster, so closing the client stops it too
@@ -51,7 +69,27 @@ def local_client(n_workers=None, threads_per_worker=1):
 
 def connect(spec):
     """A client for ``"local:N"`` (a new LocalCluster of N workers) or a
-    scheduler address (``"tcp://host:8786"``)."""
+    scheduler address (``"tcp://host:8786"``).
+
+    What ``stepnet run --cluster SPEC`` calls.
+
+    Parameters
+    ----------
+    spec : str
+        ``"local"`` (one worker per core), ``"local:N"``, or the address of
+        a running scheduler, which ``distributed.Client`` connects to.
+
+    Returns
+    -------
+    distributed.Client
+
+    Raises
+    ------
+    StepNetError
+        ``local:N`` with ``N`` not a number.
+    UnsupportedError
+        Dask's ``distributed`` is not installed.
+    """
     distributed = _dask()
     if spec.startswith("local"):
         _, _, n = spec.partition(":")
@@ -66,7 +104,26 @@ def connect(spec):
 
 
 def tokens_per_sequence(X: LoDTensor) -> np.ndarray:
-    """The number of data rows under each top-level sequence of ``X``."""
+    """The number of data rows under each top-level sequence of ``X``.
+
+    Parameters
+    ----------
+    X : LoDTensor
+        With at least one level.
+
+    Returns
+    -------
+    ndarray
+        int64 ``[num_sequences]``.
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> from stepnet.distributed import tokens_per_sequence
+    >>> X = sn.LoDTensor(np.zeros(14), [[0, 2, 5], [0, 3, 5, 9, 10, 14]])
+    >>> tokens_per_sequence(X).tolist()
+    [5, 9]
+    """
     bounds = np.asarray(X.levels[0])
     for level in X.levels[1:]:
         bounds = np.asarray(level)[bounds]
@@ -75,7 +132,29 @@ def tokens_per_sequence(X: LoDTensor) -> np.ndarray:
 
 def partition_bounds(tokens, partitions) -> list:
     """Contiguous ranges ``(start, stop)`` of sequences with about the same
-    number of tokens each; never an empty range, at most ``partitions``."""
+    number of tokens each; never an empty range, at most ``partitions``.
+
+    Parameters
+    ----------
+    tokens : array_like of int
+        The tokens of each sequence, in order (e.g.
+        :func:`tokens_per_sequence`).
+    partitions : int
+        How many ranges are wanted; fewer come back where there are fewer
+        sequences (and at least one when there is one).
+
+    Returns
+    -------
+    list of tuple of int
+        ``(start, stop)`` sequence indices, covering every sequence in
+        order; empty when there are no sequences.
+
+    Examples
+    --------
+    >>> from stepnet.distributed import partition_bounds
+    >>> partition_bounds([5, 1, 1, 1, 1, 1], 2)
+    [(0, 1), (1, 6)]
+    """
     tokens = np.asarray(tokens, np.int64)
     n = len(tokens)
     if n == 0:
@@ -189,9 +268,45 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
     across the workers of ``client``; returns what ``obj`` returns on the
     whole batch, in the caller's order with the original LoD.
 
-    ``feeds``: a step-net's inputs by name (those not given: their bound values); a
-    layer's ``{"X": LoDTensor, "h0": ..., "c0": ...}``; a YAML model's
-    inputs. ``partitions``: how many pieces (default: one per worker)."""
+    The batch is split by whole top-level sequences into partitions of
+    about the same number of tokens; per-sequence arrays (static inputs,
+    per-sequence initial memories, a layer's ``h0``/``c0``) are split with
+    them, other values go whole to every partition.
+
+    Parameters
+    ----------
+    obj : RNNOp, stepnet.nn layer or stepnet.yaml.Model
+        What to run; sent to each worker once.
+    feeds : dict, optional
+        A step-net's inputs by name (those not given: their bound values); a
+        layer's ``{"X": LoDTensor, "h0": ..., "c0": ...}``; a YAML model's
+        inputs. At least one LoDTensor, the one split by sequences.
+    client : distributed.Client, optional
+        The cluster's client. None: a ``LocalCluster`` of one worker per
+        core, started for this call and stopped after it.
+    partitions : int, optional
+        How many pieces; None: one per worker.
+    backend : str, optional
+        The backend each worker runs on; None: the worker's
+        ``default_backend()``.
+    output_all_steps : bool or sequence of bool, default True
+        Step-nets only: as in ``rnn(output_all_steps=...)``.
+
+    Returns
+    -------
+    object
+        What ``obj`` returns on the whole batch (outputs joined in the
+        caller's sequence order, with the original LoD).
+
+    Raises
+    ------
+    StepNetError
+        ``obj`` is of another kind, the feeds hold no LoDTensor, a layer's
+        ``X`` is not a LoDTensor, or a feed name is not an input; raised
+        before any cluster starts.
+    UnsupportedError
+        Dask's ``distributed`` is not installed.
+    """
     kind, feeds, batch_axis = _describe(obj, feeds)  # bad input fails before any cluster starts
     _, X = _num_sequences(feeds)
     own = client is None
@@ -256,6 +371,31 @@ def data_parallel(model, shard_fn, client, partitions=None):
     tuple of arrays with one row per example, split by rows. The step sends the
     current parameter values with each shard, adds the sums up and returns the
     mean loss and mean gradients: the single-process step, up to rounding.
+
+    Parameters
+    ----------
+    model : object
+        What ``shard_fn`` computes with, with a ``parameters()`` method (a
+        ``stepnet.nn`` layer, a step-net, a YAML model); sent to each worker
+        once, now. Its Parameters on the driver are the ones the optimizer
+        updates.
+    shard_fn : callable
+        ``shard_fn(model, shard) -> (loss_sum, grad_sums, count)``, run on a
+        worker: ``shard`` is a tuple of the batch's arrays cut to the
+        shard's rows, ``grad_sums`` one array per ``model.parameters()``.
+        Must be picklable.
+    client : distributed.Client
+        The cluster's client.
+    partitions : int, optional
+        How many shards a batch is cut into; None: one per worker at the
+        time ``data_parallel`` is called.
+
+    Returns
+    -------
+    callable
+        ``step(batch) -> (loss, grads)``: ``batch`` a tuple of arrays with
+        one row per example, ``loss`` the mean loss and ``grads`` the mean
+        gradients, in ``model.parameters()``'s order.
     """
     shared = client.scatter(model, broadcast=True, hash=False)
     workers = partitions or max(1, len(client.scheduler_info()["workers"]))
@@ -296,7 +436,42 @@ def run_shards(model, directory, client, out_dir=None, backend=None):
     """Run a YAML ``model`` on every ``.npz`` shard of ``directory``, one task
     per shard: each worker reads its shard itself (the driver never holds the
     whole input) and writes ``out_dir/<shard name>`` when ``out_dir`` is given.
-    Yields ``(shard path, tokens, outputs or None)`` in shard order."""
+    Yields ``(shard path, tokens, outputs or None)`` in shard order.
+
+    A generator: nothing is submitted until it is first iterated.
+
+    Parameters
+    ----------
+    model : stepnet.yaml.Model
+        The model; sent to each worker once. Each shard holds its inputs as
+        ``stepnet.npz`` writes them (``x``, ``x.lod.K`` or ``x.lengths.K``).
+    directory : str or os.PathLike
+        The folder whose ``*.npz`` files are the shards, run in name order.
+    client : distributed.Client
+        The cluster's client; its workers must see ``directory`` (and
+        ``out_dir``) at the same path.
+    out_dir : str or os.PathLike, optional
+        Where each shard's outputs are written, under the shard's file
+        name; made if missing. None: the outputs come back to the driver.
+    backend : str, optional
+        The backend each worker runs on; None: the worker's
+        ``default_backend()``.
+
+    Yields
+    ------
+    tuple
+        ``(path, tokens, outputs)``: the shard's path (str), the data rows
+        of its LoD inputs, and the model's outputs, or None when they were
+        written to ``out_dir``.
+
+    Raises
+    ------
+    StepNetError
+        ``directory`` holds no ``.npz`` shard.
+    Error
+        A shard that cannot be read or lacks an input, or an output that
+        cannot be written (raised where the shard's result is taken).
+    """
     files = shard_files(directory)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
