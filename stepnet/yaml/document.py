@@ -18,7 +18,28 @@ from ..errors import YAMLError
 
 
 def format_key(path) -> str:
-    """``("nets", "gru", "step", 2)`` -> ``"nets.gru.step[2]"``."""
+    """``("nets", "gru", "step", 2)`` -> ``"nets.gru.step[2]"``.
+
+    How error messages name a key of a YAML file.
+
+    Parameters
+    ----------
+    path : iterable of str or int
+        The keys from the document's root: mapping keys (str) and list
+        indices (int).
+
+    Returns
+    -------
+    str
+        Keys joined with ``.``, indices as ``[i]``; ``"(document)"`` for the
+        empty path.
+
+    Examples
+    --------
+    >>> from stepnet.yaml import format_key
+    >>> format_key(("nets", "gru", "step", 2))
+    'nets.gru.step[2]'
+    """
     text = ""
     for part in path:
         if isinstance(part, int):

@@ -71,7 +71,25 @@ _REF = re.compile(r"^([A-Za-z_]\w*)(?:\.(all|last)(?:\.([A-Za-z_]\w*))?)?$")
 @dataclass(frozen=True)
 class InputSpec:
     """A declared model input: rows of ``shape`` with ``lod_level`` LoD levels
-    (0: a dense ``[num_sequences, *shape]`` array)."""
+    (0: a dense ``[num_sequences, *shape]`` array).
+
+    One entry of the file's ``inputs:`` (``model.inputs[name]``).
+
+    Parameters
+    ----------
+    name : str
+        The input's name, the key of ``feeds``.
+    shape : tuple of int
+        The shape of one row, without the rows axis.
+    dtype : numpy.dtype
+        float16, float32 or float64; fed values are cast to it.
+    lod_level : int
+        How many LoD levels a fed LoDTensor has; 0: a dense array.
+    random : {"normal", "uniform", "onehot"}, default "normal"
+        What ``Model.random_feeds`` (and ``stepnet run`` without data) draws
+        for it: standard normal values, uniform in ``[-1, 1]``, or one-hot
+        rows over the last axis.
+    """
 
     name: str
     shape: tuple
@@ -152,6 +170,19 @@ class Model:
     ``inputs`` (name -> InputSpec), ``parameters`` (name -> Parameter),
     ``nets`` (name -> the top-level RNNOp), ``outputs`` (names in order).
 
+    Made by :func:`stepnet.load_yaml`, which fills it.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The YAML file it was loaded from.
+    name : str
+        The model's name (the file's ``name:``, else the file's stem).
+    description : str
+        The file's ``description:`` ("" without one).
+
+    Examples
+    --------
     >>> import stepnet as sn
     >>> model = sn.load_yaml("examples/custom_cell.yaml")          # doctest: +SKIP
     >>> outs = model(model.random_feeds(seed=0), backend="interpreter")  # doctest: +SKIP
@@ -183,11 +214,41 @@ class Model:
     def __call__(self, feeds=None, backend=None, progress=None):
         """Run the network; returns ``{output name: LoDTensor or ndarray}``.
 
-        ``progress``, if given, is called with a short text before each layer
-        and net runs, in run order: ``"compiling net 'encoder' (1/2)"`` before
-        a call that compiles first (that net is not compiled yet in this
-        process for this backend; the call then runs it), ``"running net
-        'encoder' (1/2)"`` otherwise.
+        The built-in layers run first, then the top-level nets, in the
+        file's order.
+
+        Parameters
+        ----------
+        feeds : dict, optional
+            Every declared input by name, no other: a LoDTensor with
+            ``lod_level`` levels, or for ``lod_level: 0`` an array
+            ``[num_sequences, *shape]``; rows of the declared shape, numeric,
+            cast to the declared dtype.
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        progress : callable, optional
+            Called with a short text before each layer and net runs, in run
+            order: ``"compiling net 'encoder' (1/2)"`` before a call that
+            compiles first (that net is not compiled yet in this process for
+            this backend; the call then runs it; on a tiered Numba backend
+            ``"running on the interpreter while compiling ..."``), ``"running
+            net 'encoder' (1/2)"`` otherwise.
+
+        Returns
+        -------
+        dict
+            ``{output name: LoDTensor or ndarray}`` in the file's
+            ``outputs`` order.
+
+        Raises
+        ------
+        StepNetError
+            An unknown or missing input; a net's own error, its message
+            prefixed with the net's name.
+        ShapeError
+            An input of another kind, number of levels, row shape or a
+            non-numeric dtype.
         """
         feeds = self._check_feeds(dict(feeds or {}))
         results = {}
@@ -291,6 +352,21 @@ class Model:
         ``lod_level`` k takes its first k levels, so every input of the model
         agrees with every other. Top-level sequences have 1..max_length
         elements, deeper ones 0..max_length (empty sub-sequences included).
+
+        Parameters
+        ----------
+        seed : int, default 0
+            Seed of the draws.
+        num_sequences : int, default 4
+            Top-level sequences (the rows of a ``lod_level: 0`` input).
+        max_length : int, default 6
+            The longest a sequence may be, at every level.
+
+        Returns
+        -------
+        dict
+            Feeds for ``model(feeds)``: each input's values drawn as its
+            ``random`` says, in its dtype.
         """
         rng = np.random.default_rng(seed)
         depth = max([s.lod_level for s in self.inputs.values()] + [1])
