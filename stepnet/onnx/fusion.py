@@ -52,12 +52,12 @@ _PRIMITIVES = {op.onnx_import: op for op in registry.all_ops().values()
                if op.onnx_import and op.kind == "elementwise" and isinstance(op.numba, str)}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # the fewest elements of the values of a run that its plan runs fused: below,
-# NumPy's node-by-node calls cost less than the loop's call (about 2 us from
-# Python, of which 0.3-0.5 in the kernel), and its log, exp and tanh are
-# vectorized where the loop's may not be (at one VAD stream, runs of five
-# nodes over 495-561 elements measured alike fused or not); its loop is made
-# all the same (compiled in the compile worker), so that a larger batch's key
-# finds it ready
+# NumPy's node-by-node calls cost less than the loop's call from Python (most
+# of which is the call, not the kernel), and its log, exp and tanh are
+# vectorized where the loop's may not be (at one VAD stream's sizes, a run
+# fused is no faster than node by node); its loop is made all the same
+# (compiled in the compile worker), so that a larger batch's key finds it
+# ready
 MIN_SIZE = 1024
 _COMPILING = threading.Lock()  # (sessions called from several threads compile a loop once)
 

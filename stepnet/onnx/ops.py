@@ -4,9 +4,10 @@ The session runs a node with its entry here when there is one, and on the
 ONNX reference implementation (:mod:`stepnet.onnx.reference`) otherwise. An
 entry is kept for one of three reasons: it traces the op on step values
 inside a Scan body (which the reference cannot), it is measurably faster on
-arrays than the reference's per-node call (about 0.5-2 us against 6-10 us
-on small arrays; Conv and the pools, :mod:`stepnet.onnx.conv`, by 50x or
-more), or the Gradient operator's rule for the op lives on it
+arrays than the reference's per-node call (whose overhead dominates on small
+arrays; Conv and the pools, :mod:`stepnet.onnx.conv`, vectorized where the
+reference loops in Python, by far more), or the Gradient operator's rule for
+the op lives on it
 (:mod:`stepnet.onnx.gradient`).
 
 An entry's ``run(ctx, *inputs, **attrs)`` computes the node; it returns

@@ -423,7 +423,7 @@ class _Direction:
     call, it calls the kernel's entry point itself with the weights prepared
     once (:func:`_prepared_kernel`): stepnet's call binds and checks every
     input and lays out the weights again on each call, which costs more than
-    the kernel itself for a chunk of audio (about 60 us against 17 us)."""
+    the kernel itself for a chunk of audio."""
 
     def __init__(self, rnn, backend, states):
         self.rnn = rnn
@@ -472,7 +472,7 @@ def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
     is used only if its first results equal, bit for bit, those of the public
     call it replaces. ``call.direct(data, offsets, states)`` is the same for
     arguments the caller made exact (no checks of layout, no copies): the
-    streaming node's call (``RecurrentNode._run_streaming``), 3-7 us less a
+    streaming node's call (``RecurrentNode._run_streaming``), cheaper per
     chunk of audio than ``call``'s."""
     from ..jit import threads
     from ..jit.numba_cpu import ROWS_IN_ORDER, compiled_entry, exactly, read_only  # (loaded)

@@ -69,8 +69,9 @@ def _numpy_blas_threads():
     for calls from this thread, or None where it cannot be set.
 
     A run keeps it at one: the GEMMs the session leaves to NumPy (Conv,
-    MatMul) are small, and OpenBLAS's pool spinning after them next to
-    Numba's threads made a 64-stream VAD run 10x slower on two cores."""
+    MatMul) are small, and OpenBLAS's pool spinning after them takes the
+    cores Numba's threads need, which slows a many-stream model down
+    severalfold where cores are few."""
     import ctypes
     import glob
 
