@@ -190,8 +190,8 @@ _VECTOR_WIDTH = '"prefer-vector-width"="512"'
 def wide_vectors(typingctx):
     """Vectorize the calling function with the widest vectors the CPU has
     (512 bits with AVX-512; where it has narrower ones, those). LLVM's tuning
-    for Intel's AVX-512 cores (Skylake-SP to Emerald Rapids) prefers 256-bit
-    vectors for every function, which halves the multiply-adds a cycle of
+    for some AVX-512 server cores prefers 256-bit vectors for every
+    function, which halves the multiply-adds a cycle of
     stepnet's products and gate loops there; the attribute is the calling
     function's only (llvmlite knows no string attributes: it is added to the
     function's set as written in LLVM IR)."""

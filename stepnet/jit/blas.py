@@ -34,10 +34,10 @@ made once a call), through a C entry compiled once (``register_small_gemm``). Up
 rows, for weights of each size, is measured once per machine and library,
 at the first call (``small_rows_table``;
 :func:`stepnet.jit.blas_choice.small_product_rows`;
-``STEPNET_SMALL_PRODUCTS`` overrides): on the AMD EPYC of the README MKL's
-packed product takes a generic kernel for one row, and stepnet's loop is
-faster at every number of rows measured, so it takes every product; on an
-Intel Xeon MKL's packed product was faster down to one row. A product
+``STEPNET_SMALL_PRODUCTS`` overrides), as it differs widely between CPUs:
+where MKL's packed product takes a generic kernel for one row, stepnet's
+loop is faster at every number of rows and takes every product; where MKL's
+packed product is fast down to one row, the library keeps them. A product
 outside the time loop takes the same limit (``gemm_hoisted``).
 
 ``BLAS_NAME`` says which one is in use; it is part of the generated source,
@@ -158,10 +158,9 @@ _ALIGN = 64
 def aligned_empty(size, like):
     """A new 1-D array of ``size`` elements of ``like``'s dtype starting on a
     64-byte boundary. Numba aligns its arrays to 32 bytes and NumPy to 16,
-    and a 64-byte vector read across two cache lines takes two loads: on
-    the Intel Xeon of the README stepnet's own loop took 3.2-5.7 us for
-    ``[1, 128] @ [128, 384]`` from panels 16, 32 or 48 bytes off a line,
-    2.2-2.4 us from aligned ones."""
+    and a 64-byte vector read across two cache lines takes two loads:
+    stepnet's own loop is markedly slower on panels 16, 32 or 48 bytes off
+    a line than on aligned ones."""
     extra = _ALIGN // like.itemsize
     buffer = np.empty(size + extra, like.dtype)
     start = (-buffer.ctypes.data) % _ALIGN // like.itemsize
@@ -177,9 +176,9 @@ def panels(b):
     zeros). Each panel is contiguous: the 32 columns of 256 rows are 32 KiB
     read in order, where in ``b`` they are 256 pieces of 128 bytes, one a
     row of ``b`` apart, which fall into the same few sets of the core's
-    first-level cache (on the AMD EPYC of the README, ``[32, 256] @ [256,
-    1024]`` on both cores at once: 108-110 GFLOP/s a core from panels,
-    88-99 from ``b``). They start on a cache line (``aligned_empty``)."""
+    first-level cache (a product reads its weights faster from panels than
+    from ``b``, most of all with every core busy). They start on a cache
+    line (``aligned_empty``)."""
     k, n = b.shape
     count = _panel_count(n)
     out = aligned_empty(count * k * 32, b).reshape((count, k, 32))
@@ -218,9 +217,8 @@ def _four_rows(a, w, ld, start, out, acc, i, j0):
     ``start`` (``_block_start``), summed in ``acc`` (registers) in order of
     k (inlined into its callers). The block of 6 rows in ``_columns_outer``
     is the same loop written out for 6: one helper over ``rows`` rows (a
-    constant at each call, its loop innermost) ran 2-10 % slower on the AMD
-    EPYC of the README (32 rows by 256 x 768 weights 108 GFLOP/s against
-    111, 8 rows 97 against 107)."""
+    constant at each call, its loop innermost) ran slower than the two
+    written out."""
     zero = out.dtype.type(0)
     for jj in range(128):
         acc[jj] = zero
@@ -245,9 +243,9 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
     columns (the last one ending at ``hi``) in turn over the panel's rows in
     blocks of 6, and of 4 where 6 would leave rows over (the 7 or 8 rows
     left, or 4 and fewer): 32 rows are 5 blocks of 6 and 2 of 4, where
-    blocks of 6 alone would compute 36 (on the AMD EPYC of the README, 32
-    rows by 256 x 768 weights: 110-112 GFLOP/s a core, 101 in blocks of 6
-    alone; 36 rows 111-113). A block past the panel's last row ends at it
+    blocks of 6 alone would compute 36, rows thrown away (the mix runs
+    faster than blocks of 6 alone, and as fast as they do on rows that
+    they fill). A block past the panel's last row ends at it
     instead: it writes the rows it shares with the one before again, with
     the same values (at most one row computed twice, where the panel's rows
     are odd)."""
@@ -298,12 +296,11 @@ def _one_row_384(a, w, ld, out, i, j0):
     C-contiguous, ``ld`` = n) at those columns, float32: 384 sums in
     registers over k, in order of k as every block of ``_own_columns``
     (the same bits), the weights read as one stream of 1536 bytes a row.
-    On the Intel Xeon of the README, W3's call (``[1, 128] @ [128, 384]``
-    a step, its weights 192 KiB from the second-level cache): 1.66-1.69 ms
-    at best in fresh processes, against 1.71-1.73 with its ``panels`` six
-    blocks at a time (``[1, 128] @ [128, 384]`` alone: 1.10 us against
-    1.25); twelve blocks of ``panels`` at a time ran no faster than six in
-    the kernel."""
+    For a one-row product whose weights come from the second-level cache
+    (W3's call, ``[1, 128] @ [128, 384]`` a step, weights of 192 KiB) it
+    runs faster than reading the weights' ``panels`` six blocks at a time;
+    twelve blocks of ``panels`` at a time ran no faster than six in the
+    kernel."""
     wide_vectors()
     acc = carray(stack_buffer(_WIDE_ACCUMULATORS, out.dtype), _WIDE_ACCUMULATORS)
     zero = out.dtype.type(0)
@@ -328,9 +325,9 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     1 row x 384 in float32 from the rows of ``b`` (``_one_row_384``), or x
     192 where more than 128 columns are left, x 128, or x 64 where no more
     are: enough independent sums to keep the FMA units busy, and
-    for one row enough streams of weights from the second-level cache: on
-    the AMD EPYC (Zen 5) of the README ``[1, 128] @ [128, 384]`` 1.01 us by
-    192 columns against 1.43 by 128) is summed in registers over k, each
+    for one row enough streams of weights from the second-level cache: a
+    one-row product runs markedly faster by 192 columns than by 128) is
+    summed in registers over k, each
     weight row loaded once per block and every sum taken in order of k (so a
     row's values do not depend on the block it falls in, nor on the weights'
     layout); the last block of a row ends at column ``hi`` (it overlaps the
@@ -339,9 +336,9 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     columns over threads equals the whole. From 6 rows on, each block of
     columns is taken in turn over every row of a panel of rows
     (``_columns_outer``): its weights (k x 32) stay in cache while the rows
-    pass, and the weights are read once a panel (on the AMD EPYC of the
-    README 103-115 GFLOP/s a core for 30-96 rows by weights of 256 x 768 or
-    256 x 1024, against MKL's 88-95).
+    pass, and the weights are read once a panel (faster than MKL's product
+    for tens of rows by weights of 256 x 768 or 256 x 1024, where
+    measured).
     It needs no dispatch, and no packing but the ``panels`` of the weights of
     a call's per-step products (``pack``): where a product is small (a batch
     of one, the last sequences of a batch) it beats the libraries'
@@ -578,7 +575,7 @@ else:
 def _store_rows(part, out, add):
     """out[:m] = part (``add``: +=) for ``part`` [m, n], by loops: an array
     assignment compiles Numba's shape-mismatch error with its formatted
-    message, about 3.5 s of every cold compile of its caller."""
+    message, which adds seconds to every cold compile of its caller."""
     for i in range(part.shape[0]):
         for j in range(part.shape[1]):
             out[i, j] = out[i, j] + part[i, j] if add else part[i, j]
@@ -656,17 +653,17 @@ def own_rows(small_rows, k, n):
     """The rows up to which a product by weights ``[k, n]`` runs
     ``small_gemm``: the measured limit for weights of that size
     (``rows_for``); none under 32 columns, where the own loop takes one sum
-    at a time (7-17x the library's time at any number of rows on the AMD
-    EPYC of the README), except under ``STEPNET_DETERMINISTIC``, where it
-    takes every product."""
+    at a time (many times the library's time at any number of rows), except
+    under ``STEPNET_DETERMINISTIC``, where it takes every product."""
     if n < 32 and not DETERMINISTIC:
         return 0
     return rows_for(small_rows, k * n)
 
 
 # a call whose per-step products by some weights take this many rows in all
-# (its sequences' items) reads them from ``panels``: 4-20 % faster a product,
-# for one copy of the weights (a stream's call of a few frames copies nothing)
+# (its sequences' items) reads them from ``panels``, which each product reads
+# faster, for the price of one copy of the weights (a stream's call of a few
+# frames copies nothing)
 PANEL_MIN_ROWS = 128
 
 
@@ -749,9 +746,9 @@ def register_small_gemm(dtype) -> None:
 
 # a product whose one row takes this many multiply-adds (weights of this many
 # elements; and at least 64 columns) is cut by columns in stepnet's own loop
-# (smaller ones share nothing even over many rows: at 64 VAD streams, `[64,
-# 32] @ [32, 128]` a step, sharing gained 0-10 % in quiet phases of the
-# machine of the README and lost up to 40 % where its second core was slowed)
+# (smaller ones share nothing even over many rows: for a VAD's products,
+# `[64, 32] @ [32, 128]` a step over 64 streams, sharing gained little while
+# the other core was free and lost much more while it was slowed)
 SHARE_OWN_WORK = 1 << 14
 # a library's product with this many multiply-adds (and at least 16 rows;
 # in a step, with weights as big as above), by rows
@@ -759,7 +756,8 @@ _SHARE_LIBRARY_WORK = 1 << 17
 # cycles of waiting for the helper under which it gets a block of 32 more
 # columns of stepnet's own loop (over a block's time on this thread, one
 # fewer): each side's part takes about as long, whatever the helper's core
-# does (another machine's work on it slows it down 1.5-2x at times here)
+# does (the work of other programs, or of other virtual machines, on its
+# core can slow it down at times)
 _WAIT_BALANCED = 100
 
 
@@ -954,12 +952,11 @@ def gemm_own(typingctx, a, panels, rows, board, out):
     A kernel's per-step product calls this first: a call of the own loop's
     C entry written into the kernel (it keeps the loop itself out of the
     kernel's compile), where passing ``pack``'s tuple of six arrays to a
-    function, or a call apart, took about a tenth of a one-row product on
-    the Intel Xeon of the README (W3's call, one process: 1.537 ms with the
-    C entry's call in the kernel, 1.619 through a function called apart
-    with these items, 1.65-1.69 through ``gemm_packed``). An intrinsic, not
-    a function inlined by Numba: that cost each new kernel 0.23 s of
-    compile, a function linked into it 0.06 s and 2 % of W3's time."""
+    function, or a call apart, costs a noticeable share of a one-row
+    product's time (W3's call), more through ``gemm_packed``. An intrinsic,
+    not a function inlined by Numba: that lengthened each new kernel's
+    compile, and a function linked into it both the compile and W3's
+    run."""
     arrays = (a, panels, out, board)
     if not (all(isinstance(x, types.Array) and x.layout == "C" for x in arrays)
             and a.ndim == 2 and out.ndim == 2 and panels.ndim == 3 and board.ndim == 1
@@ -1098,7 +1095,7 @@ def _alone():
 def _time_small_and_library(m, k, n):
     """Seconds per product of ``small_gemm`` and of the library's, one
     thread (``_products_in_turn``)."""
-    reps = max(2, min(2000, 8_000_000 // (m * k * n)))  # (0.1 ms and more a run)
+    reps = max(2, min(2000, 8_000_000 // (m * k * n)))  # (runs long enough for the clock)
     return _products_in_turn(m, k, n, ((True, _alone), (False, _alone)), reps, 1)
 
 
@@ -1119,8 +1116,8 @@ def _time_alone_and_shared(m, k, n):
     one's on the calling thread as in a time loop (``_products_in_turn``
     with ``recur``: the data that crosses between the cores in a step
     crosses here too; without it, the cut of a one-row product by 128 x 384
-    weights measured up to 10 % faster than alone on the Intel Xeon of the
-    README and ran W3's kernel 15-25 % slower); the helper woken
+    weights timed faster than alone where it ran W3's kernel markedly
+    slower); the helper woken
     before each shared run, as it sleeps after half a millisecond without a
     job, and the balance of the cut settled), or None where it is never cut
     (weights under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper
@@ -1129,7 +1126,7 @@ def _time_alone_and_shared(m, k, n):
         return None
     if _spinning_helper()[threads.SHARES] == 0:
         return None
-    reps = max(50, min(5000, 40_000_000 // (m * k * n)))  # (2-10 ms a run)
+    reps = max(50, min(5000, 40_000_000 // (m * k * n)))  # (runs of a few milliseconds)
     return _products_in_turn(m, k, n, ((True, _alone), (True, _spinning_helper)), reps, 3,
                              recur=True, rounds=5)
 
@@ -1212,9 +1209,9 @@ def _gemm_tn_column_sums(a, b, out, sums, block):
 
 # rows of a.T @ b that stepnet's own loop takes at a time: the chunk's rows
 # of a and its panels of b (256 x 256 floats each, 256 KiB) stay in the
-# second-level cache while every block of the product passes over them (on
-# the AMD EPYC of the README, [3200, 256].T @ [3200, 256]: chunks of 128
-# rows 225 GFLOP/s a core, 256 232, 512 211)
+# second-level cache while every block of the product passes over them
+# (chunks of 256 rows ran a long reduction by 256 x 256 weights faster than
+# chunks of 128 or 512)
 _TN_ROWS = 256
 
 
@@ -1223,7 +1220,7 @@ def _own_tn(a, b, out, sums, column_sums):
     """out = a.T @ b (``column_sums``: and sums = b.sum(0)) for C-contiguous
     2-D a [r, m >= 6], b [r, n >= 32] of one dtype by stepnet's own loop
     (``_columns_outer``: its blocks of 6 and 4 rows, none of the paths for
-    fewer rows, which made its cold compile 2.46 s against 1.37),
+    fewer rows, which nearly doubled its cold compile),
     ``_TN_ROWS`` rows at a time: the chunk of ``b`` as ``panels``, the
     chunk of ``a`` read transposed (a block's 6 values of a step are side
     by side in a row of ``a``: no copy), its product added to ``out`` and
@@ -1342,9 +1339,8 @@ def transposed_products(products):
     end and cut in as many equal spans as threads (``_tn_pieces``), so each
     product is whole on one thread but one at a cut, whose parts are summed
     after (one handover for them all, and each thread's products as long
-    as the whole ones; on the Intel Xeon of *Performance*, in a backward,
-    W9's seven products 16.27 ms against 17.43 each cut in two, W8's six
-    13.11 against 14.09). Each piece by stepnet's
+    as the whole ones: in the backwards of W8 and W9, faster than cutting
+    each product in two). Each piece by stepnet's
     own loop (``_own_tn``) or the chosen BLAS, whichever was measured faster
     on this machine (``_tn_by_own_loop``, for each dtype; the library for a
     product under 6 x 32); under ``STEPNET_DETERMINISTIC=1`` every element

@@ -256,8 +256,8 @@ def rows_alike(gemm) -> bool:
     cut by rows for the helper thread, and a run's sequences into groups,
     only where this holds: else a result would depend on which thread was
     free. MKL and OpenBLAS on the kernels it picks for the CPU hold it;
-    OpenBLAS made to run older kernels (``OPENBLAS_CORETYPE=Haswell`` on an
-    AMD Zen 5) did not, at most cuts."""
+    OpenBLAS made to run older kernels than the CPU's
+    (``OPENBLAS_CORETYPE=Haswell`` on a newer CPU) did not, at most cuts."""
     rng = np.random.default_rng(0)
     for m, k, n in _ROWS_SHAPES:
         a = rng.standard_normal((m, k), np.float32)
@@ -445,9 +445,9 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     loop is best up to the most rows measured, it takes every product of
     that size (``EVERY_PRODUCT``). A size is shared where a one-row product
     cut with the helper took less time than alone, in a time loop (the cut
-    pays for two handoffs between cores: on the Intel Xeon of the README a
-    one-row product by 128 x 384 weights took a quarter longer cut, by 512 x
-    2048 weights a third of the time); where not measured, it is shared. The
+    pays for two handoffs between cores: a one-row product by weights as
+    small as 128 x 384 can take longer cut, one by weights as large as 512 x
+    2048 far less time); where not measured, it is shared. The
     cut is measured only while no other process keeps a core busy
     (``measured_on_free_cores``): where one did, it is not measured (so
     shared), and the file says so. Where the library's rows differ by part
@@ -491,9 +491,9 @@ def _measured_small_rows(choice, time_both, time_shared):
         if time_shared is not None:
             seconds, free = measured_on_free_cores(lambda k=k, n=n: time_shared(1, k, n))
         if seconds is not None and seconds[1] >= seconds[0]:
-            # a cut that lost is measured again, the best of each side kept: on
-            # the AMD EPYC of the README one measurement in a few ran the cut at
-            # 2-4x its time in others and in the kernels
+            # a cut that lost is measured again, the best of each side kept: an
+            # occasional measurement runs the cut far slower than the others
+            # do, and than the kernels run it
             again, _ = measured_on_free_cores(lambda k=k, n=n: time_shared(1, k, n))
             seconds = seconds if again is None else tuple(map(min, seconds, again))
         crowded += not free

@@ -64,8 +64,9 @@ except ImportError:  # pragma: no cover - numba always ships cuda
 # num_seq * widest step value up to which the whole loop is one persistent
 # kernel; above it a stage has enough work for the GPU's threads that a
 # launch per stage and step costs less than looping on one block per
-# multiprocessor (on an H200: the persistent kernel 2.2-2.5x faster at 49K
-# and 65K elements, 10 % slower at 393K)
+# multiprocessor (where measured, the persistent kernel was clearly faster
+# below this bound and slower well above it: docs/cuda.md, *The persistent
+# kernel's bound*)
 PERSISTENT_MAX_ELEMENTS = 1 << 17
 THREADS = 128  # threads per block of a stage kernel, and of a persistent kernel over few elements
 # threads per block of a persistent kernel over more elements than one block of

@@ -7,8 +7,8 @@ so no step waits on a barrier and no idle pool spins beside the kernels. The
 thread count is Numba's (``numba.set_num_threads``, ``NUMBA_NUM_THREADS``).
 
 The helper is for runs too small for Python's threads (handing work to one
-costs tens of microseconds on a virtual machine), not for a thread already
-spinning in compiled code, which picks a job up in well under a microsecond:
+costs far more than such a run's work), not for a thread already spinning
+in compiled code, which picks a job up almost at once:
 a run of one group of sequences (a stream's chunk of 64 streams; one
 sequence; with two threads, any run whose nets all cut their sequences:
 ``NumbaProgram.splits``). A job is a compiled function and its arguments
@@ -74,8 +74,8 @@ def run_each(fn, items):
 
 
 # a run of fewer data elements (rows by the widest value a step computes) than
-# this stays on one Python thread: handing work to another costs tens of
-# microseconds on a virtual machine (NumbaProgram.splits; a layer's directions)
+# this stays on one Python thread: handing work to another costs more than
+# a smaller run gains from it (NumbaProgram.splits; a layer's directions)
 SPLIT_MIN_WORK = 1 << 16
 
 
@@ -147,10 +147,11 @@ BOARD[SHARES] = 1
 # the board of a kernel that shares nothing (its run takes every thread
 # already, or would not use the helper)
 ALONE = _board()
-# cycles the helper spins after its last job (about half a millisecond)
+# cycles the helper spins after its last job (under a millisecond at usual
+# clock rates)
 HELPER_LINGER = 1 << 21
 # cycles a kernel given the board holds the helper awake from its start
-# (about 3 ms): the work a kernel does before its first handover (its
+# (a few milliseconds): the work a kernel does before its first handover (its
 # weights transposed and packed, the products before its time loop) took
 # longer than HELPER_LINGER in the backward of a training step right after
 # its forward (the helper spinning from the forward's job went to sleep
@@ -192,7 +193,7 @@ def _serve(board, linger):
 
 
 # a class of products that lost more handovers than it won over a WINDOW of
-# cycles (1-2 ms) runs whole on the kernel's thread for PAUSE cycles
+# cycles (a millisecond or two) runs whole on the kernel's thread for PAUSE cycles
 # (4 WINDOWs), then is shared again; one that loses again right after its
 # pause pauses twice as long, up to 2**MAX_PAUSE_LEVEL times (a helper's
 # core busy with another program's thread). A count, not a sum of cycles:
@@ -233,9 +234,8 @@ def judge_sharing(board, c, own_cycles, waited, own_part, whole, now):
     that lost more handovers than it won over a ``WINDOW`` pauses
     (``sharing_paused``): PAUSE cycles, or twice its last pause where that
     ended less than its length ago. What a handover costs beyond the wait
-    (the lines each core then reads from the other's, a microsecond a step
-    where a virtual machine's two cores are placed apart) is not seen
-    here (README, *Products whose handovers lose*)."""
+    (the lines each core then reads from the other's, dearest where the two
+    cores share no cache) is not seen here."""
     _count_handover(board, c, waited * own_part <= own_cycles * (whole - own_part), now)
 
 
