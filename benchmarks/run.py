@@ -807,6 +807,10 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
                    f"independent multiply-adds on registers): {ceiling['fma_peak']:.1f} GFLOP/s; "
                    f"the ceiling is {ceiling['gflops'] / ceiling['peak']:.2f} of "
                    f"{args.threads} cores' peak.")
+        best = max(ceiling["rates"].values())
+        if best > 1.05 * ceiling["fma_peak"]:  # no product outruns the multiply-adds it is made of
+            failures.append(f"FMA peak probe: {ceiling['fma_peak']:.1f} GFLOP/s, below the "
+                            f"{best:.1f} of a product on the same core (a noisy machine?)")
         if stepnet_gflops:
             out.append("stepnet GFLOP/s as a fraction of the ceiling: " + ", ".join(
                 f"{k} {g / ceiling['gflops']:.2f}" for k, g in stepnet_gflops.items()) + ".")

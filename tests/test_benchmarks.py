@@ -86,7 +86,11 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
     assert len(rates) >= 2 and "stepnet's own loop" in found.group(1), line  # (and numpy's)
     ceiling, peak = float(found.group(2)), float(found.group(3))
     assert abs(ceiling - 2 * max(rates)) < 0.2 and peak > 0, line
-    assert abs(float(found.group(4)) - ceiling / (2 * peak)) < 0.01, line
+    # (the share printed from the unrounded figures; the figures to 0.1)
+    share = float(found.group(4))
+    assert abs(share - ceiling / (2 * peak)) < 0.006 + share * (0.05 / ceiling + 0.05 / peak), line
+    # the peak fitted to the register file: no product outruns it
+    assert max(rates) <= 1.05 * peak, line
     # stepnet over the fastest peer, against the targets (here the NumPy loops)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import workloads
