@@ -32,18 +32,25 @@ def _rows(table_text):
     return rows
 
 
-def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
+def _quick_report(tmp_path, *options):
+    """benchmarks/run.py --quick with ``options``: its markdown report."""
     md = tmp_path / "bench.md"
-    # (the stepnet worker on the tests' cache: its helpers are compiled; the
-    # compile probe still starts from an empty one)
+    # (the stepnet worker on the tests' cache: its helpers are compiled)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
-         "--peers", "stepnet,numpy", "--stepnet-cache", "default", "--markdown", str(md)],
+         "--stepnet-cache", "default", "--markdown", str(md), *options],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = md.read_text()
     assert report.strip() in proc.stdout
+    return report
+
+
+def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
+    # (the compile probe, which compiles stepnet's helpers into an empty
+    # cache: test_the_compile_probe_times_a_cold_and_a_warm_first_call)
+    report = _quick_report(tmp_path, "--peers", "stepnet,numpy", "--no-compile")
     header = next(line for line in report.splitlines() if line.startswith("| workload"))
     assert "max\\|dh\\|" in header
     rows = _rows(report)
@@ -109,8 +116,20 @@ def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
         assert abs(float(r[7]) - asked) < 0.02 * asked + 0.1, r
         assert abs(float(r[8]) - float(r[7]) / (2 * peak)) < 0.01, r
         assert abs(float(r[9]) - float(r[7]) / ceiling) < 0.01, r
+    assert "### stepnet compile time" not in report
+
+
+@pytest.mark.slow
+def test_the_compile_probe_times_a_cold_and_a_warm_first_call(tmp_path):
+    report = _quick_report(tmp_path, "--peers", "stepnet", "--workloads", "W1")
     assert "### stepnet compile time" in report
-    assert re.search(r"^\| cold .*\| warm", report, re.DOTALL | re.MULTILINE), report
+    cold, warm = (re.search(rf"^\| {probe} \((\d+) files in the cache dir after\) \|(.*)\|$",
+                            report, re.MULTILINE) for probe in ("cold", "warm"))
+    assert cold and warm, report
+    assert int(cold.group(1)) > 0 and int(warm.group(1)) >= int(cold.group(1)), report
+    for m in (cold, warm):  # import, build, first call, their sum, second call, wall
+        figures = [float(c) for c in m.group(2).split("|")]
+        assert len(figures) == 6 and min(figures) >= 0 and figures[3] > 0, report
 
 
 def _check_w9_gradients(report):

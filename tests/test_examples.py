@@ -74,6 +74,7 @@ def test_train_nested_beats_the_one_level_bound():
     assert accuracy >= 0.9 and accuracy > bound + 0.1
 
 
+@pytest.mark.slow  # (attention: test_attention.py; a training example: the adding problem)
 def test_train_attention_learns_a_short_version():
     """250 steps of the attention seq2seq already reverse most digits."""
     assert _load_example("train_attention.py").main(
