@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 
 import numpy as np
 
@@ -129,6 +130,33 @@ class MemoryHandle(Value):
                 f"memory is {np.dtype(self.pre.dtype)}"
             )
         self.post = var
+
+
+def _feature_shape(shape, where):
+    """``shape`` as a tuple of non-negative ints; an int ``n`` is ``(n,)``, as
+    in NumPy. Anything else (a bool, a float, a string, a negative size) is a
+    StepNetError naming ``where``."""
+
+    def dim(d):
+        if isinstance(d, (bool, np.bool_, str)):
+            raise TypeError
+        n = operator.index(d)  # an int, a NumPy integer, a 0-d integer array
+        if n < 0:
+            raise TypeError
+        return n
+
+    try:
+        return (dim(shape),)
+    except TypeError:
+        pass
+    try:
+        if isinstance(shape, str):
+            raise TypeError
+        return tuple(dim(d) for d in shape)
+    except TypeError:
+        raise StepNetError(
+            f"{where}: shape must be an int or a sequence of non-negative ints, got {shape!r}"
+        ) from None
 
 
 class _Binding:
@@ -408,9 +436,10 @@ class RNNOp:
             broadcasts to ``shape`` (one value for every sequence), or, in a
             nested step-net, a ``[batch, ...]`` value of the enclosing step.
             None: zeros (``shape`` is then required).
-        shape : sequence of int, optional
-            The memory's feature shape, without the batch axis (``[64]``).
-            None: taken from ``init``.
+        shape : int or sequence of int, optional
+            The memory's feature shape, without the batch axis (``[64]``). An
+            int ``n`` means ``[n]``, as in NumPy; ``[]`` is one number per
+            sequence. None: taken from ``init``.
         name : str, optional
             A Python identifier, unique in the step-net: the keyword that
             rebinds the initial value (``rnn(h=...)``). None: a fresh name.
@@ -430,8 +459,9 @@ class RNNOp:
         ------
         StepNetError
             Called outside the block; neither ``init`` nor ``shape`` given;
-            a scalar ``init`` without ``shape``; a step value starting a
-            top-level memory; ``name`` is not an identifier or is taken.
+            a scalar ``init`` without ``shape``; ``shape`` is not an int or a
+            sequence of non-negative ints; a step value starting a top-level
+            memory; ``name`` is not an identifier or is taken.
         ShapeError
             ``init`` fits neither ``[num_seq, *shape]`` nor ``shape``, or has
             another number of rows than the step inputs have sequences.
@@ -439,7 +469,7 @@ class RNNOp:
         frame = self._own_frame("add_memory")
         name = self._binding_name(name, "h")
         if shape is not None:
-            shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else ()
+            shape = _feature_shape(shape, f"add_memory({name})")
         per_sequence = False
         init_operand = None
         if isinstance(init, Value):
