@@ -54,6 +54,13 @@ class MemoryHandle(Value):
         The step value that stands for the memory at t-1.
     frame : stepnet.tracing.Frame
         The block of the step-net that the memory belongs to.
+
+    Attributes
+    ----------
+    memory_name : str
+        The memory's own name, as given to ``add_memory`` (``"h"``): the
+        keyword that rebinds its initial value. Not :attr:`name`, which
+        names an IR variable as on every step value.
     """
 
     def __init__(self, name, pre, frame):
@@ -78,6 +85,24 @@ class MemoryHandle(Value):
                 f"use {self.memory_name}.pre_state() for the previous step's value"
             )
         return self.post
+
+    @property
+    def name(self):
+        """The name of the IR variable the handle stands for, as on every step
+        value: after ``update(v)``, ``v``'s name (``"t2"``), not the memory's.
+
+        It is the key of the updated value in each of ``rnn.step_scopes``
+        (``keep_scopes=True``), as ``x.name`` (``"x_t"``) is a step input's.
+        The memory's own name (``"h"``, the keyword of ``rnn(h=...)``) is
+        :attr:`memory_name`; ``pre_state().name`` names the value at t-1
+        (``"h_prev"``).
+
+        Raises
+        ------
+        StepNetError
+            Read before ``update``, like any use of the handle.
+        """
+        return self.var.name
 
     def __repr__(self):
         return f"<memory {self.memory_name} {self.pre.type_str()}>"
