@@ -1812,6 +1812,19 @@ class _Cell:
         return kind(module.input_size, module.hidden_size, bias=module.bias, **options)
 
 
+def _refuse_cell(net, where):
+    """Raise a StepNetError if ``net`` is a cell: ``where`` (a wrapper that
+    runs a layer over sequences) cannot take one step of a recurrence."""
+    if isinstance(net, _Cell):
+        layer = next(c for c in type(net).__mro__
+                     if issubclass(c, _RecurrentLayer) and not issubclass(c, _Cell))
+        raise StepNetError(
+            f"{where}: {type(net).__name__} is a cell, one step of a recurrence called "
+            f"inside a step block (h = cell(x, h)), not a layer over sequences; pass the "
+            f"layer sn.nn.{layer.__name__}(...) instead, or a step-net (sn.create_rnn_op) "
+            f"whose step calls the cell")
+
+
 class RNNCell(_Cell, RNN):
     """One step of an Elman RNN inside a step block: ``h = cell(x, h)``.
 
