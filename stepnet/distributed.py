@@ -68,16 +68,18 @@ def local_client(n_workers=None, threads_per_worker=1):
 
 
 def connect(spec):
-    """A client for ``"local:N"`` (a new LocalCluster of N workers) or a
-    scheduler address (``"tcp://host:8786"``).
+    """A client for ``"local"`` or ``"local:N"`` (a new LocalCluster) or a
+    scheduler address (``"tcp://host:8786"``, ``"localhost:8786"``).
 
     What ``stepnet run --cluster SPEC`` calls.
 
     Parameters
     ----------
     spec : str
-        ``"local"`` (one worker per core), ``"local:N"``, or the address of
-        a running scheduler, which ``distributed.Client`` connects to.
+        Exactly ``"local"`` (one worker per core) or ``"local:N"`` (``N``
+        worker processes, ``N`` a positive integer); anything else is the
+        address of a running scheduler, which ``distributed.Client``
+        connects to (so ``"localhost:8786"`` is an address, not a cluster).
 
     Returns
     -------
@@ -86,16 +88,23 @@ def connect(spec):
     Raises
     ------
     StepNetError
-        ``local:N`` with ``N`` not a number.
+        ``spec`` is not a string, or is ``"local:N"`` with ``N`` not a
+        positive integer; nothing is started.
     UnsupportedError
         Dask's ``distributed`` is not installed.
     """
+    if not isinstance(spec, str):
+        raise StepNetError(f"cluster spec must be a string ('local', 'local:N' or a scheduler "
+                           f"address), got {type(spec).__name__}")
     distributed = _dask()
-    if spec.startswith("local"):
-        _, _, n = spec.partition(":")
-        if n and not n.isdigit():
-            raise StepNetError(f"--cluster {spec!r}: expected local:N with N a number of workers")
-        return local_client(int(n) if n else None)
+    if spec == "local":
+        return local_client()
+    if spec.startswith("local:"):
+        n = spec[len("local:"):]
+        if not (n.isascii() and n.isdigit() and int(n) > 0):
+            raise StepNetError(f"cluster {spec!r}: expected local:N with N a positive number "
+                               f"of workers")
+        return local_client(int(n))
     return distributed.Client(spec)
 
 

@@ -31,6 +31,47 @@ def client():
 
 
 # ----------------------------------------------------------------------------
+# connect: which specs start a local cluster (nothing is started here)
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """What ``connect`` starts, recorded instead: ("local", n) or ("address", spec)."""
+    calls = []
+    monkeypatch.setattr(sd, "local_client", lambda n_workers=None: calls.append(("local", n_workers)))
+    monkeypatch.setattr(distributed, "Client", lambda address: calls.append(("address", address)))
+    return calls
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("local", ("local", None)),
+    ("local:3", ("local", 3)),
+    ("localhost:8786", ("address", "localhost:8786")),
+    ("localhost", ("address", "localhost")),
+    ("tcp://localhost:8786", ("address", "tcp://localhost:8786")),
+    ("tcp://10.0.0.1:8786", ("address", "tcp://10.0.0.1:8786")),
+])
+def test_connect_starts_a_local_cluster_only_for_local_or_local_n(started, spec, expected):
+    sd.connect(spec)
+    assert started == [expected]
+
+
+@pytest.mark.parametrize("spec", ["local:", "local:x", "local:0", "local:-2", "local:2.5"])
+def test_connect_refuses_a_malformed_local_spec_before_starting_anything(started, spec):
+    with pytest.raises(sn.StepNetError, match=rf"cluster '{spec}': expected local:N with N a "
+                                              r"positive number of workers"):
+        sd.connect(spec)
+    assert started == []
+
+
+def test_connect_refuses_a_spec_that_is_not_a_string(started):
+    with pytest.raises(sn.StepNetError, match=r"cluster spec must be a string \('local', "
+                                              r"'local:N' or a scheduler address\), got int"):
+        sd.connect(8786)
+    assert started == []
+
+
+# ----------------------------------------------------------------------------
 # partitions
 
 
