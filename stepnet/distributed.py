@@ -404,14 +404,25 @@ def data_parallel(model, shard_fn, client, partitions=None):
     callable
         ``step(batch) -> (loss, grads)``: ``batch`` a tuple of arrays with
         one row per example, ``loss`` the mean loss and ``grads`` the mean
-        gradients, in ``model.parameters()``'s order.
+        gradients, in ``model.parameters()``'s order. ``step`` raises
+        StepNetError, before anything is sent to the workers, for a batch
+        without examples (the mean over none is undefined) or whose arrays
+        have different numbers of rows; and if the shards' counts add up to
+        zero.
     """
     shared = client.scatter(model, broadcast=True, hash=False)
     workers = partitions or max(1, len(client.scheduler_info()["workers"]))
 
     def step(batch):
         arrays = [np.asarray(a) for a in batch]
-        n = len(arrays[0])
+        rows = [a.shape[0] if a.ndim else None for a in arrays]
+        if not arrays or None in rows or len(set(rows)) > 1:
+            raise StepNetError(f"data_parallel step: the batch must be a tuple of arrays with "
+                               f"one row per example each, got rows {rows}")
+        n = rows[0]
+        if n == 0:
+            raise StepNetError("data_parallel step: the batch has no examples (0 rows); the mean "
+                               "loss and gradients over no examples are undefined")
         bounds = partition_bounds(np.ones(n), workers)
         values = [p.value for p in model.parameters()]
         futures = [client.submit(_shard_sums, shared, shard_fn, values,
@@ -422,6 +433,9 @@ def data_parallel(model, shard_fn, client, partitions=None):
             loss += part_loss
             count += part_count
             grads = list(part_grads) if grads is None else [g + h for g, h in zip(grads, part_grads)]
+        if count <= 0:
+            raise StepNetError(f"data_parallel step: shard_fn counted {count} examples in a "
+                               f"batch of {n} rows; the means need at least one")
         return loss / count, [g / count for g in grads]
 
     return step

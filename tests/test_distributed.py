@@ -271,6 +271,69 @@ def test_adding_problem_trains_the_same_on_two_workers(client):
     assert curves[0][-1] < curves[0][0]
 
 
+class InlineClient:
+    """A client of two workers that runs each task at once, in this process."""
+
+    def __init__(self):
+        self.submitted = 0
+
+    def scatter(self, value, **kwargs):
+        return value
+
+    def scheduler_info(self):
+        return {"workers": {"a": {}, "b": {}}}
+
+    def submit(self, fn, *args, **kwargs):
+        self.submitted += 1
+        return fn(*args)
+
+    def gather(self, futures):
+        return list(futures)
+
+
+class Linear:
+    """A model as data_parallel takes one: something with parameters()."""
+
+    def __init__(self, W):
+        self.W = W
+
+    def parameters(self):
+        return [self.W]
+
+
+def _squared_error_sums(model, shard):
+    """Sum over the shard of (x @ W - y)^2, its gradient, and the count."""
+    (W,) = model.parameters()
+    x, y = shard
+    r = x @ W.value - y
+    return float((r ** 2).sum()), [2 * x.T @ r], len(x)
+
+
+def test_data_parallel_mean_and_a_batch_without_examples():
+    W = sn.Parameter(np.array([[2.0], [-1.0]]), name="W")
+    model = Linear(W)
+    c = InlineClient()
+    step = sd.data_parallel(model, _squared_error_sums, c)
+    x, y = np.arange(10.0).reshape(5, 2), np.ones((5, 1))
+    loss, (grad,) = step((x, y))
+    r = x @ W.value - y
+    np.testing.assert_allclose(loss, (r ** 2).mean())
+    np.testing.assert_allclose(grad, 2 * x.T @ r / 5)
+    assert c.submitted == 2
+    with pytest.raises(sn.StepNetError, match=r"data_parallel step: the batch has no examples "
+                                              r"\(0 rows\); the mean loss and gradients over "
+                                              r"no examples are undefined"):
+        step((x[:0], y[:0]))
+    with pytest.raises(sn.StepNetError, match=r"one row per example each, got rows \[5, 4\]"):
+        step((x, y[:4]))
+    with pytest.raises(sn.StepNetError, match=r"one row per example each, got rows \[\]"):
+        step(())
+    assert c.submitted == 2  # nothing was sent for those
+    uncounted = sd.data_parallel(model, lambda m, s: (0.0, [np.zeros((2, 1))], 0), c)
+    with pytest.raises(sn.StepNetError, match=r"shard_fn counted 0 examples in a batch of 5 rows"):
+        uncounted((x, y))
+
+
 def test_cli_run_on_a_local_cluster_and_shards(tmp_path):
     from stepnet.cli import save_npz
 
