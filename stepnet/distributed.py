@@ -68,16 +68,18 @@ def local_client(n_workers=None, threads_per_worker=1):
 
 
 def connect(spec):
-    """A client for ``"local:N"`` (a new LocalCluster of N workers) or a
-    scheduler address (``"tcp://host:8786"``).
+    """A client for ``"local"`` or ``"local:N"`` (a new LocalCluster) or a
+    scheduler address (``"tcp://host:8786"``, ``"localhost:8786"``).
 
     What ``stepnet run --cluster SPEC`` calls.
 
     Parameters
     ----------
     spec : str
-        ``"local"`` (one worker per core), ``"local:N"``, or the address of
-        a running scheduler, which ``distributed.Client`` connects to.
+        Exactly ``"local"`` (one worker per core) or ``"local:N"`` (``N``
+        worker processes, ``N`` a positive integer); anything else is the
+        address of a running scheduler, which ``distributed.Client``
+        connects to (so ``"localhost:8786"`` is an address, not a cluster).
 
     Returns
     -------
@@ -86,16 +88,23 @@ def connect(spec):
     Raises
     ------
     StepNetError
-        ``local:N`` with ``N`` not a number.
+        ``spec`` is not a string, or is ``"local:N"`` with ``N`` not a
+        positive integer; nothing is started.
     UnsupportedError
         Dask's ``distributed`` is not installed.
     """
+    if not isinstance(spec, str):
+        raise StepNetError(f"cluster spec must be a string ('local', 'local:N' or a scheduler "
+                           f"address), got {type(spec).__name__}")
     distributed = _dask()
-    if spec.startswith("local"):
-        _, _, n = spec.partition(":")
-        if n and not n.isdigit():
-            raise StepNetError(f"--cluster {spec!r}: expected local:N with N a number of workers")
-        return local_client(int(n) if n else None)
+    if spec == "local":
+        return local_client()
+    if spec.startswith("local:"):
+        n = spec[len("local:"):]
+        if not (n.isascii() and n.isdigit() and int(n) > 0):
+            raise StepNetError(f"cluster {spec!r}: expected local:N with N a positive number "
+                               f"of workers")
+        return local_client(int(n))
     return distributed.Client(spec)
 
 
@@ -395,14 +404,25 @@ def data_parallel(model, shard_fn, client, partitions=None):
     callable
         ``step(batch) -> (loss, grads)``: ``batch`` a tuple of arrays with
         one row per example, ``loss`` the mean loss and ``grads`` the mean
-        gradients, in ``model.parameters()``'s order.
+        gradients, in ``model.parameters()``'s order. ``step`` raises
+        StepNetError, before anything is sent to the workers, for a batch
+        without examples (the mean over none is undefined) or whose arrays
+        have different numbers of rows; and if the shards' counts add up to
+        zero.
     """
     shared = client.scatter(model, broadcast=True, hash=False)
     workers = partitions or max(1, len(client.scheduler_info()["workers"]))
 
     def step(batch):
         arrays = [np.asarray(a) for a in batch]
-        n = len(arrays[0])
+        rows = [a.shape[0] if a.ndim else None for a in arrays]
+        if not arrays or None in rows or len(set(rows)) > 1:
+            raise StepNetError(f"data_parallel step: the batch must be a tuple of arrays with "
+                               f"one row per example each, got rows {rows}")
+        n = rows[0]
+        if n == 0:
+            raise StepNetError("data_parallel step: the batch has no examples (0 rows); the mean "
+                               "loss and gradients over no examples are undefined")
         bounds = partition_bounds(np.ones(n), workers)
         values = [p.value for p in model.parameters()]
         futures = [client.submit(_shard_sums, shared, shard_fn, values,
@@ -413,6 +433,9 @@ def data_parallel(model, shard_fn, client, partitions=None):
             loss += part_loss
             count += part_count
             grads = list(part_grads) if grads is None else [g + h for g, h in zip(grads, part_grads)]
+        if count <= 0:
+            raise StepNetError(f"data_parallel step: shard_fn counted {count} examples in a "
+                               f"batch of {n} rows; the means need at least one")
         return loss / count, [g / count for g in grads]
 
     return step

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 
 import numpy as np
 
@@ -53,6 +54,13 @@ class MemoryHandle(Value):
         The step value that stands for the memory at t-1.
     frame : stepnet.tracing.Frame
         The block of the step-net that the memory belongs to.
+
+    Attributes
+    ----------
+    memory_name : str
+        The memory's own name, as given to ``add_memory`` (``"h"``): the
+        keyword that rebinds its initial value. Not :attr:`name`, which
+        names an IR variable as on every step value.
     """
 
     def __init__(self, name, pre, frame):
@@ -77,6 +85,24 @@ class MemoryHandle(Value):
                 f"use {self.memory_name}.pre_state() for the previous step's value"
             )
         return self.post
+
+    @property
+    def name(self):
+        """The name of the IR variable the handle stands for, as on every step
+        value: after ``update(v)``, ``v``'s name (``"t2"``), not the memory's.
+
+        It is the key of the updated value in each of ``rnn.step_scopes``
+        (``keep_scopes=True``), as ``x.name`` (``"x_t"``) is a step input's.
+        The memory's own name (``"h"``, the keyword of ``rnn(h=...)``) is
+        :attr:`memory_name`; ``pre_state().name`` names the value at t-1
+        (``"h_prev"``).
+
+        Raises
+        ------
+        StepNetError
+            Read before ``update``, like any use of the handle.
+        """
+        return self.var.name
 
     def __repr__(self):
         return f"<memory {self.memory_name} {self.pre.type_str()}>"
@@ -129,6 +155,33 @@ class MemoryHandle(Value):
                 f"memory is {np.dtype(self.pre.dtype)}"
             )
         self.post = var
+
+
+def _feature_shape(shape, where):
+    """``shape`` as a tuple of non-negative ints; an int ``n`` is ``(n,)``, as
+    in NumPy. Anything else (a bool, a float, a string, a negative size) is a
+    StepNetError naming ``where``."""
+
+    def dim(d):
+        if isinstance(d, (bool, np.bool_, str)):
+            raise TypeError
+        n = operator.index(d)  # an int, a NumPy integer, a 0-d integer array
+        if n < 0:
+            raise TypeError
+        return n
+
+    try:
+        return (dim(shape),)
+    except TypeError:
+        pass
+    try:
+        if isinstance(shape, str):
+            raise TypeError
+        return tuple(dim(d) for d in shape)
+    except TypeError:
+        raise StepNetError(
+            f"{where}: shape must be an int or a sequence of non-negative ints, got {shape!r}"
+        ) from None
 
 
 class _Binding:
@@ -408,9 +461,10 @@ class RNNOp:
             broadcasts to ``shape`` (one value for every sequence), or, in a
             nested step-net, a ``[batch, ...]`` value of the enclosing step.
             None: zeros (``shape`` is then required).
-        shape : sequence of int, optional
-            The memory's feature shape, without the batch axis (``[64]``).
-            None: taken from ``init``.
+        shape : int or sequence of int, optional
+            The memory's feature shape, without the batch axis (``[64]``). An
+            int ``n`` means ``[n]``, as in NumPy; ``[]`` is one number per
+            sequence. None: taken from ``init``.
         name : str, optional
             A Python identifier, unique in the step-net: the keyword that
             rebinds the initial value (``rnn(h=...)``). None: a fresh name.
@@ -430,8 +484,9 @@ class RNNOp:
         ------
         StepNetError
             Called outside the block; neither ``init`` nor ``shape`` given;
-            a scalar ``init`` without ``shape``; a step value starting a
-            top-level memory; ``name`` is not an identifier or is taken.
+            a scalar ``init`` without ``shape``; ``shape`` is not an int or a
+            sequence of non-negative ints; a step value starting a top-level
+            memory; ``name`` is not an identifier or is taken.
         ShapeError
             ``init`` fits neither ``[num_seq, *shape]`` nor ``shape``, or has
             another number of rows than the step inputs have sequences.
@@ -439,7 +494,7 @@ class RNNOp:
         frame = self._own_frame("add_memory")
         name = self._binding_name(name, "h")
         if shape is not None:
-            shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else ()
+            shape = _feature_shape(shape, f"add_memory({name})")
         per_sequence = False
         init_operand = None
         if isinstance(init, Value):

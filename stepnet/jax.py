@@ -36,6 +36,7 @@ jax = optional_import("jax", "stepnet.jax", "pip install jax")
 from . import dsl  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
+from .nn.layers import _refuse_cell  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
 __all__ = ["Function", "function"]
@@ -54,7 +55,8 @@ def function(net, output_all_steps=True, *, backend=None) -> Function:
     ----------
     net : stepnet.nn layer or RNNOp
         A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a defined, top-level
-        step-net.
+        step-net. Not a cell (``GRUCell``...): a cell is one step, called
+        inside a step-net's block.
     output_all_steps : bool or sequence of bool, default True
         Step-nets only: as in ``rnn(output_all_steps=...)``, for every call.
     backend : str, optional
@@ -70,9 +72,9 @@ def function(net, output_all_steps=True, *, backend=None) -> Function:
     Raises
     ------
     StepNetError
-        ``net`` is neither a layer nor a step-net; a step-net not defined
-        yet or nested; ``output_all_steps`` given for a layer, or with
-        another number of flags than the step-net has outputs.
+        ``net`` is neither a layer nor a step-net, or is a cell; a step-net
+        not defined yet or nested; ``output_all_steps`` given for a layer, or
+        with another number of flags than the step-net has outputs.
 
     Examples
     --------
@@ -112,7 +114,8 @@ class Function:
     ----------
     net : stepnet.nn layer or RNNOp
         A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a defined, top-level
-        step-net.
+        step-net. Not a cell (``GRUCell``...): a cell is one step, called
+        inside a step-net's block.
     output_all_steps : bool or sequence of bool, default True
         Step-nets only: as in ``rnn(output_all_steps=...)``, for every call.
     backend : str, optional
@@ -122,12 +125,13 @@ class Function:
     Raises
     ------
     StepNetError
-        ``net`` is neither a layer nor a step-net; a step-net not defined
-        yet or nested; ``output_all_steps`` given for a layer, or with
-        another number of flags than the step-net has outputs.
+        ``net`` is neither a layer nor a step-net, or is a cell; a step-net
+        not defined yet or nested; ``output_all_steps`` given for a layer, or
+        with another number of flags than the step-net has outputs.
     """
 
     def __init__(self, net, output_all_steps=True, *, backend=None):
+        _refuse_cell(net, "stepnet.jax.function")
         if isinstance(net, dsl.RNNOp):
             if net.block is None:
                 raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")

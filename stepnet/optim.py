@@ -335,6 +335,16 @@ def _epoch_batches(batches, epoch, epochs):
     return batches
 
 
+def _stops(answer, step):
+    """Whether a callback's answer stops training: its truth value."""
+    try:
+        return bool(answer)
+    except (TypeError, ValueError) as exc:  # an array of several elements, say
+        raise StepNetError(f"train: callback returned {type(answer).__name__} at step {step}, "
+                           f"which has no truth value ({exc}); return True to stop, "
+                           f"False or None to go on") from None
+
+
 def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log=print):
     """Run a training loop; returns the list of every step's loss.
 
@@ -363,8 +373,9 @@ def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log
         with the mean loss over those steps; 0 logs nothing.
     callback : callable, optional
         ``callback(step, loss)``, called after every step (``step`` counts
-        from 1 over all epochs); returning ``True`` (the object itself, not
-        any true value) stops training there.
+        from 1 over all epochs); a truthy return (``True``, ``np.True_``, a
+        nonzero number...) stops training there, and ``None`` (no
+        ``return``) or any falsy value goes on.
     log : callable, default print
         Takes each log line, a str.
 
@@ -377,7 +388,9 @@ def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log
     ------
     StepNetError
         ``epochs`` or ``log_every`` is negative, ``batches`` is an iterator
-        with ``epochs > 1``, or ``step_fn`` does not return a pair.
+        with ``epochs > 1``, ``step_fn`` does not return a pair, or
+        ``callback`` returns something without a truth value (an array of
+        several elements).
 
     Examples
     --------
@@ -408,7 +421,7 @@ def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log
             if log_every and step % log_every == 0:
                 mean = sum(losses[-log_every:]) / log_every
                 log(f"step {step:6d}  epoch {epoch + 1}  loss {mean:.6f}")
-            if callback is not None and callback(step, loss) is True:
+            if callback is not None and _stops(callback(step, loss), step):
                 return losses
     return losses
 

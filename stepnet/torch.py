@@ -35,6 +35,7 @@ from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 from . import dsl  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
+from .nn.layers import _refuse_cell  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
 __all__ = ["LayerModule", "Module", "StepNetModule"]
@@ -255,7 +256,8 @@ class Module(torch.nn.Module):
     ----------
     net : stepnet.nn layer or RNNOp
         A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a top-level step-net
-        (defined).
+        (defined). Not a cell (``GRUCell``...): a cell is one step, called
+        inside a step-net's block.
     batch_first : bool, default True
         Padded tensors are ``[B, T, ...]``; False: ``[T, B, ...]``, as in
         torch.
@@ -266,7 +268,7 @@ class Module(torch.nn.Module):
     Raises
     ------
     StepNetError
-        ``net`` is neither a layer nor a step-net.
+        ``net`` is neither a layer nor a step-net, or is a cell.
 
     Examples
     --------
@@ -279,6 +281,7 @@ class Module(torch.nn.Module):
 
     def __new__(cls, net=None, *args, **kwargs):
         if cls is Module:
+            _refuse_cell(net, "stepnet.torch.Module")
             if isinstance(net, _LAYERS):
                 cls = LayerModule
             elif isinstance(net, dsl.RNNOp):
@@ -416,10 +419,11 @@ class LayerModule(Module):
     Raises
     ------
     StepNetError
-        ``layer`` is not a ``stepnet.nn`` layer.
+        ``layer`` is not a ``stepnet.nn`` layer, or is a cell.
     """
 
     def __init__(self, layer, *, batch_first=True, backend=None):
+        _refuse_cell(layer, "LayerModule")
         if not isinstance(layer, _LAYERS):
             raise StepNetError(f"LayerModule: expects a stepnet.nn layer, got {type(layer).__name__}")
         super().__init__(layer, batch_first=batch_first, backend=backend)

@@ -31,6 +31,47 @@ def client():
 
 
 # ----------------------------------------------------------------------------
+# connect: which specs start a local cluster (nothing is started here)
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """What ``connect`` starts, recorded instead: ("local", n) or ("address", spec)."""
+    calls = []
+    monkeypatch.setattr(sd, "local_client", lambda n_workers=None: calls.append(("local", n_workers)))
+    monkeypatch.setattr(distributed, "Client", lambda address: calls.append(("address", address)))
+    return calls
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("local", ("local", None)),
+    ("local:3", ("local", 3)),
+    ("localhost:8786", ("address", "localhost:8786")),
+    ("localhost", ("address", "localhost")),
+    ("tcp://localhost:8786", ("address", "tcp://localhost:8786")),
+    ("tcp://10.0.0.1:8786", ("address", "tcp://10.0.0.1:8786")),
+])
+def test_connect_starts_a_local_cluster_only_for_local_or_local_n(started, spec, expected):
+    sd.connect(spec)
+    assert started == [expected]
+
+
+@pytest.mark.parametrize("spec", ["local:", "local:x", "local:0", "local:-2", "local:2.5"])
+def test_connect_refuses_a_malformed_local_spec_before_starting_anything(started, spec):
+    with pytest.raises(sn.StepNetError, match=rf"cluster '{spec}': expected local:N with N a "
+                                              r"positive number of workers"):
+        sd.connect(spec)
+    assert started == []
+
+
+def test_connect_refuses_a_spec_that_is_not_a_string(started):
+    with pytest.raises(sn.StepNetError, match=r"cluster spec must be a string \('local', "
+                                              r"'local:N' or a scheduler address\), got int"):
+        sd.connect(8786)
+    assert started == []
+
+
+# ----------------------------------------------------------------------------
 # partitions
 
 
@@ -228,6 +269,69 @@ def test_adding_problem_trains_the_same_on_two_workers(client):
             curves.append(sn.optim.train(model.loss_and_grads, optimizer, batches))
     np.testing.assert_allclose(curves[1], curves[0], rtol=1e-5)
     assert curves[0][-1] < curves[0][0]
+
+
+class InlineClient:
+    """A client of two workers that runs each task at once, in this process."""
+
+    def __init__(self):
+        self.submitted = 0
+
+    def scatter(self, value, **kwargs):
+        return value
+
+    def scheduler_info(self):
+        return {"workers": {"a": {}, "b": {}}}
+
+    def submit(self, fn, *args, **kwargs):
+        self.submitted += 1
+        return fn(*args)
+
+    def gather(self, futures):
+        return list(futures)
+
+
+class Linear:
+    """A model as data_parallel takes one: something with parameters()."""
+
+    def __init__(self, W):
+        self.W = W
+
+    def parameters(self):
+        return [self.W]
+
+
+def _squared_error_sums(model, shard):
+    """Sum over the shard of (x @ W - y)^2, its gradient, and the count."""
+    (W,) = model.parameters()
+    x, y = shard
+    r = x @ W.value - y
+    return float((r ** 2).sum()), [2 * x.T @ r], len(x)
+
+
+def test_data_parallel_mean_and_a_batch_without_examples():
+    W = sn.Parameter(np.array([[2.0], [-1.0]]), name="W")
+    model = Linear(W)
+    c = InlineClient()
+    step = sd.data_parallel(model, _squared_error_sums, c)
+    x, y = np.arange(10.0).reshape(5, 2), np.ones((5, 1))
+    loss, (grad,) = step((x, y))
+    r = x @ W.value - y
+    np.testing.assert_allclose(loss, (r ** 2).mean())
+    np.testing.assert_allclose(grad, 2 * x.T @ r / 5)
+    assert c.submitted == 2
+    with pytest.raises(sn.StepNetError, match=r"data_parallel step: the batch has no examples "
+                                              r"\(0 rows\); the mean loss and gradients over "
+                                              r"no examples are undefined"):
+        step((x[:0], y[:0]))
+    with pytest.raises(sn.StepNetError, match=r"one row per example each, got rows \[5, 4\]"):
+        step((x, y[:4]))
+    with pytest.raises(sn.StepNetError, match=r"one row per example each, got rows \[\]"):
+        step(())
+    assert c.submitted == 2  # nothing was sent for those
+    uncounted = sd.data_parallel(model, lambda m, s: (0.0, [np.zeros((2, 1))], 0), c)
+    with pytest.raises(sn.StepNetError, match=r"shard_fn counted 0 examples in a batch of 5 rows"):
+        uncounted((x, y))
 
 
 def test_cli_run_on_a_local_cluster_and_shards(tmp_path):

@@ -144,6 +144,37 @@ def test_per_sequence_init_with_the_wrong_number_of_rows():
         rnn.add_memory(init=np.zeros((3, 4)), shape=[4], name="state")
 
 
+def elman_with_shape(shape):
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=shape, name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state()))
+        rnn.add_outputs(h)
+    return rnn
+
+
+@pytest.mark.parametrize("shape", [4, np.int64(4), np.array(4)])
+def test_memory_shape_given_as_an_int_is_one_dimensional(shape):
+    got = elman_with_shape(shape)(backend="interpreter")
+    want = elman_with_shape([4])(backend="interpreter")
+    assert got.data.shape == (8, 4)
+    np.testing.assert_array_equal(got.data, want.data)
+    assert got.lod == want.lod
+
+
+@pytest.mark.parametrize("shape", [-1, [4, -2], [2.5], 4.0, True, [True], "4", [[4]]])
+def test_memory_shape_that_is_not_ints(shape):
+    rnn = sn.create_rnn_op()
+    with (
+        pytest.raises(StepNetError, match=r"add_memory\(state\): shape must be an int or a "
+                                          r"sequence of non-negative ints, got "),
+        rnn.stepnet(),
+    ):
+        rnn.add_input(X)
+        rnn.add_memory(shape=shape, name="state")
+
+
 # -- ops -----------------------------------------------------------------------
 
 

@@ -513,6 +513,27 @@ def test_keep_scopes_one_dict_per_step():
         assert scope["h_prev"].shape == (len(rows), HID)
 
 
+def test_memory_handle_name_is_its_updated_value_and_memory_name_its_own():
+    X = sn.LoDTensor.from_lengths(np.arange(10.0).reshape(5, 2), [[2, 3]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[2], name="h")
+        with pytest.raises(sn.StepNetError, match=r"memory 'h' is used before its update; "
+                                                  r"use h.pre_state\(\)"):
+            _ = h.name
+        h.update(h.pre_state() + x)
+        rnn.add_outputs(h)
+    assert h.memory_name == "h" and h.pre_state().name == "h_prev"
+    assert h.name == rnn.block.memories[0].post.name != "h"
+    out = rnn(backend="interpreter", keep_scopes=True)
+    np.testing.assert_array_equal(out.data, [[0, 1], [2, 4], [4, 5], [10, 12], [18, 21]])
+    for t, scope in enumerate(rnn.step_scopes):  # the running sums of each sequence at step t
+        np.testing.assert_array_equal(scope[h.name], out.data[[[0, 2][s] + t for s in scope["__rows__"]]])
+    rebound = rnn(backend="interpreter", **{h.memory_name: np.ones((2, 2))})
+    np.testing.assert_array_equal(rebound.data, out.data + 1)
+
+
 def test_keep_scopes_nested_keeps_inner_scopes():
     outer, _, _ = nested_case(CHAPTERS, False, False, np.float64, seed=5)
     outer(keep_scopes=True)

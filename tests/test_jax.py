@@ -190,6 +190,15 @@ def test_errors_name_what_is_wrong():
         f(f.params, X=np.ones((1, 2, 3), np.float32))
 
 
+@pytest.mark.parametrize("cell, layer", [("RNNCell", "RNN"), ("GRUCell", "GRU"),
+                                         ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU")])
+def test_a_cell_is_refused_with_what_to_pass_instead(cell, layer):
+    with pytest.raises(StepNetError, match=rf"stepnet.jax.function: {cell} is a cell, one step "
+                                           rf"of a recurrence .* pass the layer "
+                                           rf"sn.nn.{layer}\(...\) instead, or a step-net"):
+        sj.function(getattr(sn.nn, cell)(3, 4, seed=0), backend="interpreter")
+
+
 def test_a_backward_takes_its_forwards_pullback_or_runs_the_forward_again():
     """The forward run for a gradient keeps its pullback until the backward
     takes it; a backward whose pullback is gone (taken by an earlier call of

@@ -741,6 +741,34 @@ def test_attention_with_another_lod_is_refused(rng, backend):
             layer(X, attention, backend=backend)
 
 
+def test_a_layer_or_direction_index_out_of_range_is_refused(rng):
+    gru = nn().GRU(4, 4, seed=0)
+    X = make_lod(rng, [2, 3], 4, np.float32)
+    before = gru(X, backend="interpreter")
+    w = gru.onnx_weights(0)
+    with pytest.raises(sn.StepNetError, match=r"GRU.set_onnx_weights: layer 4 is out of range "
+                                              r"\[0, 1\) \(num_layers=1\)"):
+        gru.set_onnx_weights(4, 2 * w["W"], w["R"], w["B"])
+    with pytest.raises(sn.StepNetError, match=r"GRU.set_onnx_weights: layer -1 is out of range"):
+        gru.set_onnx_weights(-1, 2 * w["W"], w["R"], w["B"])
+    assert len(gru.parameters()) == len(nn().GRU(4, 4).parameters())  # nothing was added
+    assert_close(gru(X, backend="interpreter"), before)
+    with pytest.raises(sn.StepNetError, match=r"GRU.step_net: layer 7 is out of range \[0, 1\)"):
+        gru.step_net(7, 0)
+    with pytest.raises(sn.StepNetError, match=r"GRU.step_net: direction 1 is out of range "
+                                              r"\[0, 1\) \(direction='forward'\)"):
+        gru.step_net(0, 1)
+    with pytest.raises(sn.StepNetError, match=r"GRU.step_net: layer must be an int, got 0.5"):
+        gru.step_net(0.5, 0)
+    lstm = nn().LSTM(4, 6, num_layers=2, direction="bidirectional_concat", seed=0)
+    with pytest.raises(sn.StepNetError, match=r"LSTM.onnx_weights: layer 2 is out of range "
+                                              r"\[0, 2\) \(num_layers=2\)"):
+        lstm.onnx_weights(2)
+    with pytest.raises(sn.StepNetError, match=r"LSTM.layer_input_size: layer 2 is out of range"):
+        lstm.layer_input_size(2)
+    assert lstm.step_net(np.int64(1), 1) is lstm.step_net(1, 1)
+
+
 def test_unknown_options_are_refused():
     with pytest.raises(sn.Error, match="sideways"):
         nn().GRU(4, 6, direction="sideways")

@@ -896,6 +896,17 @@ def test_bad_feeds_are_refused(rng):
         session.run(["nope"], {"X": arrays["X"]})
 
 
+def test_an_unknown_backend_is_refused_when_the_session_is_made(rng):
+    arrays = _gru_arrays(rng)
+    with pytest.raises(sn.BackendError) as made:
+        InferenceSession(_gru_model(arrays, 22), backend="bogus")
+    assert str(made.value) == "unknown backend 'bogus'; known: cuda, interpreter, numba"
+    X = sn.LoDTensor.from_lengths(np.ones((2, 3), np.float32), [[2]])
+    with pytest.raises(sn.BackendError) as called:  # as a layer's call says it
+        sn.nn.GRU(3, 4)(X, backend="bogus")
+    assert str(called.value) == str(made.value)
+
+
 def test_bad_sequence_lens_is_refused(rng):
     arrays = _gru_arrays(rng)
     node = helper.make_node("GRU", ["X", "W", "R", "B", "L"], ["Y"], hidden_size=6, name="g")

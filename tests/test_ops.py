@@ -774,6 +774,33 @@ def test_clip_and_split_refuse_bad_arguments():
     _raises_naming(lambda x: sn.ops.split(x, [2, 2]), [X], "split")
 
 
+@pytest.mark.parametrize("sections, cuts", [(np.int64(3), [2, 4]), (np.int32(2), [3]),
+                                            (np.array(3), [2, 4]), (np.array([2, 4]), [2]),
+                                            ([np.int64(1), np.int64(5)], [1])])
+def test_split_takes_numpy_integers(sections, cuts):
+    X = _lod(F64, 6)
+    rnn, traced = step_net([X], lambda x: sn.ops.split(x, sections))
+    got = rnn(backend="interpreter")
+    expected = np.split(X.data, cuts, axis=-1)
+    assert len(got) == len(traced) == len(expected)
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g.data, e)
+    for g, e in zip(sn.ops.split(X.data, sections), expected):  # eager, on an array
+        np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("sections", [2.0, True, np.True_, [2.0, 4], "24", None])
+def test_split_sections_that_are_not_integers_are_refused(sections):
+    with pytest.raises(sn.StepNetError, match=r"split: sections must be an int or a list of "
+                                              r"ints, got "):
+        step_net([_lod(F32, 6)], lambda x: sn.ops.split(x, sections))
+
+
+def test_split_with_a_negative_size_is_refused():
+    message = _raises_naming(lambda x: sn.ops.split(x, [4, -1, 3]), [_lod(F32, 6)], "split")
+    assert "sizes [4, -1, 3] include a negative size" in message
+
+
 # ----------------------------------------------------------------------------
 # composites: the ONNX activation formulas, alpha/beta defaults included
 

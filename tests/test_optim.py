@@ -237,6 +237,23 @@ def test_train_minimizes_logs_and_stops_on_callback():
     assert len(losses) == 3 and epochs_seen == [0, 1]
 
 
+def test_train_stops_on_any_truthy_callback_return():
+    def run(callback):
+        w = sn.Parameter(np.array([4.0]), name="w")
+        return train(lambda b: (float(w.value[0] ** 2), [2 * w.value]), SGD([w], lr=0.25),
+                     [None] * 6, callback=callback)
+
+    # NumPy comparisons give np.True_: it stops as True does
+    assert run(lambda s, loss: np.float64(loss) < 1.0) == [16.0, 4.0, 1.0, 0.25]
+    assert run(lambda s, loss: np.array(s) == 2) == [16.0, 4.0]
+    assert run(lambda s, loss: 1 if s == 3 else 0) == [16.0, 4.0, 1.0]
+    assert len(run(lambda s, loss: np.False_)) == 6
+    assert len(run(lambda s, loss: None)) == 6
+    with pytest.raises(sn.StepNetError, match=r"train: callback returned ndarray at step 1, which "
+                                              r"has no truth value .*; return True to stop"):
+        run(lambda s, loss: np.array([True, False]))
+
+
 def test_train_errors():
     w = sn.Parameter(np.zeros(1), name="w")
     opt = SGD([w], lr=0.1)

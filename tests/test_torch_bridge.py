@@ -329,6 +329,34 @@ def test_bad_layer_input_gets_a_clear_error(gru_pair):
         st.Module(torch.nn.GRU(2, 2))
 
 
+@pytest.mark.parametrize("cell, layer", [("RNNCell", "RNN"), ("GRUCell", "GRU"),
+                                         ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU")])
+def test_a_cell_is_refused_and_a_step_net_calling_it_runs(cell, layer):
+    c = getattr(sn.nn, cell)(I, H, seed=0)
+    for wrap, where in [(st.Module, "stepnet.torch.Module"), (st.LayerModule, "LayerModule")]:
+        with pytest.raises(sn.StepNetError, match=rf"{where}: {cell} is a cell, one step of a "
+                                                  rf"recurrence .* pass the layer "
+                                                  rf"sn.nn.{layer}\(...\) instead, or a step-net"):
+            wrap(c)
+    if cell != "GRUCell":
+        return
+    # what the message offers: a step-net whose step calls the cell
+    X = sn.LoDTensor.from_lengths(np.zeros((3, I), np.float32), [[1, 2]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        h = rnn.add_memory(shape=H, name="h")
+        rnn.add_outputs(c(rnn.add_input(X, name="x"), h))
+    m = st.Module(rnn, output_all_steps=False, backend="interpreter")
+    x, h0, lengths = torch.randn(2, T, I), torch.randn(2, H), [4, 2]
+    want = []
+    for i, n in enumerate(lengths):  # the cell called directly, step by step
+        h = h0[i:i + 1].numpy()
+        for t in range(n):
+            h = c(x[i, t:t + 1].numpy(), h)
+        want.append(h[0])
+    close(m(x=(x, lengths), h=h0), torch.from_numpy(np.stack(want)), torch.float32, "last h")
+
+
 # ----------------------------------------------------------------------------
 # step-nets
 

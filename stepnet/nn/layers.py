@@ -16,6 +16,8 @@ GRU is ONNX's ``linear_before_reset=1``; its LSTM gates are i, f, g, o).
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from .. import dsl
@@ -137,12 +139,28 @@ class _RecurrentLayer:
             ``input_size`` for layer 0; above it, the width of one direction's
             output (``output_size``), twice that for a ``bidirectional_concat``
             stack combined per layer.
+
+        Raises
+        ------
+        StepNetError
+            ``layer`` is not an int in ``[0, num_layers)``.
         """
+        layer = self._layer_index(layer, "layer_input_size")
         if layer == 0:
             return self.input_size
         if self.combine == "per_layer" and self.direction == "bidirectional_concat":
             return 2 * self.output_size
         return self.output_size
+
+    def _layer_index(self, layer, method):
+        """``layer`` as an int in ``[0, num_layers)``, or a StepNetError that
+        names ``method`` and the valid range."""
+        return _index(layer, self.num_layers, f"{type(self).__name__}.{method}: layer",
+                      f"num_layers={self.num_layers}")
+
+    def _direction_index(self, d, method):
+        return _index(d, self.num_directions, f"{type(self).__name__}.{method}: direction",
+                      f"direction={self.direction!r}")
 
     def _init_parameters(self, rng):
         """PyTorch's initialization: every weight and bias ``U(-k, k)``,
@@ -240,10 +258,9 @@ class _RecurrentLayer:
         Raises
         ------
         StepNetError
-            ``layer`` is out of range.
+            ``layer`` is not an int in ``[0, num_layers)``.
         """
-        if not 0 <= layer < self.num_layers:
-            raise StepNetError(f"layer {layer} is not in [0, {self.num_layers})")
+        layer = self._layer_index(layer, "onnx_weights")
         value = value or (lambda p: p.value)
         gates = cells.GATES[self.cell]
         out = {"W": [], "R": [], "B": []}
@@ -286,9 +303,12 @@ class _RecurrentLayer:
 
         Raises
         ------
+        StepNetError
+            ``layer`` is not an int in ``[0, num_layers)``.
         ShapeError
             An array whose shape is not the one expected.
         """
+        layer = self._layer_index(layer, "set_onnx_weights")
         gates = cells.GATES[self.cell]
         G, H, D = len(gates), self.hidden_size, self.num_directions
         I, Hr = self.layer_input_size(layer), self.output_size
@@ -661,8 +681,15 @@ class _RecurrentLayer:
         Returns
         -------
         RNNOp
+
+        Raises
+        ------
+        StepNetError
+            ``layer`` is not an int in ``[0, num_layers)``, or ``d`` not one
+            in ``[0, num_directions)``.
         """
-        key = (layer, d)
+        key = (self._layer_index(layer, "step_net"), self._direction_index(d, "step_net"))
+        layer, d = key
         if key not in self._nets:
             I = self.layer_input_size(layer)
             X = LoDTensor.from_lengths(np.zeros((1, I), self.dtype), [[1]])
@@ -1081,6 +1108,20 @@ def _gate_blocks(a, H, order):
 def _torch(what):
     """PyTorch, an optional dependency of the layout converters."""
     return optional_import("torch", what, "pip install torch==2.13.0")
+
+
+def _index(i, n, what, why):
+    """``i`` as an int in ``[0, n)``; else a StepNetError: ``{what} {i} is out
+    of range [0, n) ({why})``."""
+    try:
+        if isinstance(i, (bool, np.bool_)):
+            raise TypeError
+        index = operator.index(i)
+    except TypeError:
+        raise StepNetError(f"{what} must be an int, got {i!r}") from None
+    if not 0 <= index < n:
+        raise StepNetError(f"{what} {index} is out of range [0, {n}) ({why})")
+    return index
 
 
 def _positive(value, what):
@@ -1769,6 +1810,19 @@ class _Cell:
         kind = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
         options = {"nonlinearity": module.nonlinearity} if cls.cell == "rnn" else {}
         return kind(module.input_size, module.hidden_size, bias=module.bias, **options)
+
+
+def _refuse_cell(net, where):
+    """Raise a StepNetError if ``net`` is a cell: ``where`` (a wrapper that
+    runs a layer over sequences) cannot take one step of a recurrence."""
+    if isinstance(net, _Cell):
+        layer = next(c for c in type(net).__mro__
+                     if issubclass(c, _RecurrentLayer) and not issubclass(c, _Cell))
+        raise StepNetError(
+            f"{where}: {type(net).__name__} is a cell, one step of a recurrence called "
+            f"inside a step block (h = cell(x, h)), not a layer over sequences; pass the "
+            f"layer sn.nn.{layer.__name__}(...) instead, or a step-net (sn.create_rnn_op) "
+            f"whose step calls the cell")
 
 
 class RNNCell(_Cell, RNN):

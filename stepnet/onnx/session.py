@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends import default_backend
+from ..backends import default_backend, get_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from .fusion import fuse
@@ -816,6 +816,9 @@ class InferenceSession:
 
     Raises
     ------
+    BackendError
+        ``backend`` is unknown or not available on this machine (checked
+        first, before the model is read).
     UnsupportedError
         ONNX is not installed; the model imports no version of the default
         domain, or has an op outside it or one its opset lacks.
@@ -839,6 +842,8 @@ class InferenceSession:
     """
 
     def __init__(self, model, backend=None):
+        if backend is not None:
+            get_backend(backend)  # an unknown or unavailable name: BackendError, now
         model = load_model(model)
         opsets = {}
         for imp in model.opset_import:
@@ -930,9 +935,6 @@ class InferenceSession:
             ``input_feed`` that is not a dict.
         ShapeError
             An input of another dtype or shape than the model declares.
-        BackendError
-            The session's backend is unknown or not available (found when a
-            recurrent node runs).
         """
         graph = self.graph
         names = list(output_names) if output_names else graph.output_names

@@ -5,7 +5,11 @@ RNN/GRU/LSTM operator specs, alpha and beta included.
 
 from __future__ import annotations
 
-from ..errors import ShapeError
+import operator
+
+import numpy as np
+
+from ..errors import ShapeError, StepNetError
 from .primitives import (
     abs,
     add,
@@ -67,7 +71,8 @@ def split(x, sections, axis=-1):
         The operand.
     sections : int or list of int
         A number of equal parts that divides the axis's size, or the sizes
-        of the parts, in order, which must add up to the axis's size.
+        of the parts, in order, which must add up to the axis's size. Any
+        integer will do (a NumPy integer too), not a bool.
     axis : int, default -1
         The axis split (negative counts from the end); not the batch axis.
 
@@ -81,7 +86,10 @@ def split(x, sections, axis=-1):
     ------
     ShapeError
         ``axis`` is the batch axis, the axis does not split into
-        ``sections`` equal parts, or the sizes do not add up to it.
+        ``sections`` equal parts, or the sizes are negative or do not add
+        up to it.
+    StepNetError
+        ``sections`` is neither an integer nor a list of integers.
 
     Examples
     --------
@@ -92,12 +100,17 @@ def split(x, sections, axis=-1):
     size = shape_of(x)[axis]
     if size is None:
         raise ShapeError(f"split: cannot split the batch axis (axis {axis}) of a step value")
-    if isinstance(sections, int):
-        if sections <= 0 or size % sections:
-            raise ShapeError(f"split: axis of size {size} does not split into {sections} parts")
-        sizes = [size // sections] * sections
+    count = _integer(sections)
+    if count is not None:
+        if count <= 0 or size % count:
+            raise ShapeError(f"split: axis of size {size} does not split into {count} parts")
+        sizes = [size // count] * count
     else:
-        sizes = list(sections)
+        sizes = None if isinstance(sections, str) else _integers(sections)
+        if sizes is None:
+            raise StepNetError(f"split: sections must be an int or a list of ints, got {sections!r}")
+        if any(n < 0 for n in sizes):
+            raise ShapeError(f"split: sizes {sizes} include a negative size")
     parts, start = [], 0
     for n in sizes:
         parts.append(slice(x, start, start + n, axis))
@@ -105,6 +118,25 @@ def split(x, sections, axis=-1):
     if start != size:
         raise ShapeError(f"split: sizes {sizes} do not add up to the axis size {size}")
     return parts
+
+
+def _integer(n):
+    """``n`` as an int if it is an integer (int, NumPy integer), not a bool; else None."""
+    if isinstance(n, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
+def _integers(items):
+    """A list of ints from an iterable of integers; else None."""
+    try:
+        sizes = [_integer(n) for n in items]
+    except TypeError:  # not iterable
+        return None
+    return None if None in sizes else sizes
 
 
 def affine(x, alpha=1.0, beta=0.0):
