@@ -129,6 +129,42 @@ def test_no_dates_or_commit_hashes(path):
     assert not found, f"{path.relative_to(ROOT)}: dates or commit hashes at (line, text) {found}"
 
 
+# a measured figure (a time with decimals, a rate) or a machine's name: what
+# a log says, not why code is as it is (``literals`` are output samples)
+_MEASURED = re.compile(r"\b\d+\.\d+ ?(ms|us|µs|s)\b|\b\d+(\.\d+)? ?GFLOP/s|\b(Xeon|EPYC|Zen ?\d|"
+                       r"Skylake|Sapphire Rapids|Emerald Rapids|Cascade Lake|Ice Lake)\b")
+
+
+def _comments_and_docstrings(path):
+    """(line, text) of each comment and docstring line of a Python file."""
+    import ast
+    import io
+    import tokenize
+
+    source = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            for offset, text in enumerate((doc or "").splitlines()):
+                yield node.body[0].lineno + offset, text
+
+
+def test_no_comment_in_stepnet_logs_a_measurement():
+    found = [f"{path.relative_to(ROOT)}:{line}: {text.strip()}"
+             for path in sorted((ROOT / "stepnet").rglob("*.py"))
+             for line, text in _comments_and_docstrings(path)
+             if _MEASURED.search(re.sub(r"``[^`]*``", "", text))]
+    assert not found, "comments say why, figures go to docs/benchmarks.md:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("text", ["# 1.48-1.88 ms on the AMD EPYC", "on a Xeon", "110 GFLOP/s a core"])
+def test_a_logged_measurement_is_found(text):
+    assert _MEASURED.search(text)
+
+
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"

@@ -48,19 +48,15 @@ which encodes the graph and its dtypes but no sizes.
 
 from __future__ import annotations
 
-import base64
 import collections
 import ctypes
 import dataclasses
 import hashlib
 import importlib.util
 import itertools
-import json
 import math
 import os
-import pickle
 import re
-import subprocess
 import sys
 import textwrap
 import threading
@@ -74,6 +70,7 @@ from .. import interpreter, ir, registry, schedule
 from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
 from . import apart, blas, numba_runtime, threads
+from . import compile_worker as compile_worker_module
 from .cache import cache_dir, helpers_fingerprint
 
 LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
@@ -460,7 +457,7 @@ def _hoist(ctx, sched, chunked=False):
 _CHUNK_ROWS = 128
 # products of fewer columns stay before the loop: their results over every
 # token (under 1 KB a token in float32) are a fraction of those the chunks
-# are for, and the chunks' code costs each kernel's compile about 0.2 s
+# are for, and the chunks' code adds to each kernel's compile time
 _CHUNK_MIN_COLUMNS = 256
 
 
@@ -559,10 +556,9 @@ def _ahead(chunk):
 
 def _ahead_posts(module):
     """The line setting ``ahead_posts``: whether the chunk ahead goes to the
-    helper, only where no per-step product shares with it (the two took turns
-    on the helper and lost: W3's kernel on the AMD EPYC of the README,
-    products shared and the chunk ahead 1.48-1.88 ms, products shared alone
-    1.17, the chunk ahead alone 1.44)."""
+    helper, only where no per-step product shares with it (the two take
+    turns on the helper, and W3's kernel ran slower with both than with
+    either alone)."""
     alone = " and ".join(f"{packed}[5][SHARES] == 0" for packed in module.packed.values())
     return f"ahead_posts = {alone or 'True'}"
 
@@ -573,7 +569,7 @@ def _chunk_products(chunks, reverse, ahead):
     is posted to the helper, which computes it while this thread runs the
     chunk's steps, into buffers of its own that the two swap at the next
     chunk (``ahead.gemm_steps_ahead``): a one-group run's input products
-    (W3's: 14 % of its kernel) then take no time of the time loop. Only
+    (a large part of W3's kernel) then take no time of the time loop. Only
     where nothing in the step can raise: the job writes into the function's
     buffers until it is done."""
     lines = ["cs = step % chunk", "if cs == 0:"]
@@ -1578,11 +1574,9 @@ def _emit_fused(ctx, group, epilogues=()):
 
 
 # per-token arrays a step's loop writes from which it asks for the next
-# sequence's rows ahead (``_prefetching``). On the Intel Xeon of
-# *Performance*, one thread, W9's training step's backward loop (its first
-# loop reads 5 per-token arrays and writes 6): 24.5-24.9 ms against 28.9
-# (the whole step on two threads 43.2-47.3 against 47.4-51.7); loops
-# writing 2 (W1's, W2's and W4's forward): alike or up to 3 % slower
+# sequence's rows ahead (``_prefetching``): W9's backward loop, which reads
+# 5 per-token arrays and writes 6, runs faster with it; loops writing 2
+# (W1's, W2's and W4's forward) run no faster, sometimes slower
 _PREFETCH_MIN_WRITTEN = 3
 
 
@@ -2141,73 +2135,10 @@ class TieredProgram:
         return self._done
 
 
-class _CompileWorker:
-    """The compile worker process, started on first use, and the requests it
-    has not answered yet."""
-
-    def __init__(self, root):
-        self.root = root  # the cache directory it compiles into
-        self.lock = threading.Lock()
-        self.pending = {}  # kernel key -> callbacks taking an error (None: compiled)
-        # stderr is not inherited: a caller reading this process's output to
-        # its end (a pipe, subprocess.run) must not wait for the worker, which
-        # finishes the kernel it is compiling after this process ends
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stepnet.jit.compile_worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
-            env=dict(os.environ, STEPNET_CACHE_DIR=str(root)))
-        threading.Thread(target=self._read, name="stepnet-compile-worker", daemon=True).start()
-
-    def submit(self, kernel, signature, callback, function="program"):
-        """Compile ``kernel.module``'s ``function`` for ``signature``; then
-        ``callback(error or None)``, on another thread."""
-        self.send({"key": kernel.key, "module": kernel.module.__name__,
-                   "path": kernel.module.__file__, "function": function, "blas": blas.SIGNATURE,
-                   "signature": base64.b64encode(pickle.dumps(signature)).decode()}, callback)
-
-    def send(self, request, callback):
-        """Send ``request`` (a kernel's, or another job of
-        :mod:`stepnet.jit.compile_worker`) unless one with its key is pending;
-        then ``callback(error or None)``, on another thread."""
-        with self.lock:
-            first = request["key"] not in self.pending
-            self.pending.setdefault(request["key"], []).append(callback)
-        if first:
-            try:
-                self.process.stdin.write(json.dumps(request) + "\n")
-                self.process.stdin.flush()
-            except (OSError, ValueError):
-                self._fail("the compile worker has ended")
-
-    def _read(self):
-        for line in self.process.stdout:
-            reply = json.loads(line)
-            with self.lock:
-                callbacks = self.pending.pop(reply["key"], [])
-            for callback in callbacks:
-                callback(reply.get("error"))
-        self._fail("the compile worker has ended")
-
-    def _fail(self, why):
-        with self.lock:
-            pending, self.pending = self.pending, {}
-        for callbacks in pending.values():
-            for callback in callbacks:
-                callback(why)
-
-
-_WORKER = None
-_WORKER_LOCK = threading.Lock()
-
-
 def compile_worker():
-    """The compile worker process (started on first use)."""
-    global _WORKER
-    with _WORKER_LOCK:
-        root = cache_dir()
-        if _WORKER is None or _WORKER.process.poll() is not None or _WORKER.root != root:
-            _WORKER = _CompileWorker(root)
-        return _WORKER
+    """The compile worker of this process's cache directory (started on first
+    use; one per directory for every process: :mod:`stepnet.jit.compile_worker`)."""
+    return compile_worker_module.worker(cache_dir())
 
 
 _PREPARED = set()  # (cache directory, dtype) whose weight gradients' product was asked for
