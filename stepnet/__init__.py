@@ -6,7 +6,7 @@ sequence of a batch. See docs/design.md and README.md.
 
 from . import errors, nn, onnx, ops, optim
 from .pullback import gradients, vjp
-from .backends import backends, default_backend, set_default_backend
+from .backends import backends, compile_ahead, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
 from .errors import (
     BackendError,
@@ -37,6 +37,7 @@ __all__ = [
     "Value",
     "YAMLError",
     "backends",
+    "compile_ahead",
     "create_rnn_op",
     "default_backend",
     "errors",

@@ -232,6 +232,73 @@ def wait_for_kernels(timeout=None) -> bool:
     return all(results)
 
 
+def compile_ahead(model, *args, timeout=None, **kwargs) -> int:
+    """Compile the Numba kernels of ``model`` into the disk cache ahead of
+    use (for a deployment's image, or a CI step before the tests), so that
+    a later process, given inputs of the same dtypes and nesting, loads them
+    at its first call instead of compiling them.
+
+    ``model(*args, **kwargs)`` is called once on the Numba backend, then
+    this waits until every kernel it met is compiled. A kernel depends on
+    the step-net, the dtypes and LoD levels of its inputs and the weights'
+    shapes, not on the number or lengths of the sequences: random inputs of
+    the right kind build the same kernels as real ones. For a backward's
+    kernels, pass a function that runs a training step.
+
+    Parameters
+    ----------
+    model : callable
+        A step-net (:class:`~stepnet.RNNOp`), a layer of :mod:`stepnet.nn`,
+        a :class:`stepnet.yaml.Model` (with no ``args``: on its
+        ``random_feeds()``), an ONNX :class:`~stepnet.onnx.InferenceSession`'s
+        ``run``, or any function that runs stepnet's step-nets.
+    *args, **kwargs
+        What to call it with (a ``backend=`` keyword other than ``"numba"``
+        is refused).
+    timeout : float, optional
+        Seconds to wait for the kernels at most; None: until they are
+        compiled.
+
+    Returns
+    -------
+    int
+        How many kernels this compiled into the cache (those found there
+        already are not counted).
+
+    Raises
+    ------
+    BackendError
+        ``backend=`` names another backend, or Numba's is not available.
+    TimeoutError
+        The kernels were not compiled within ``timeout`` seconds.
+
+    Examples
+    --------
+    >>> import stepnet as sn
+    >>> model = sn.load_yaml("examples/custom_cell.yaml")
+    >>> sn.compile_ahead(model) >= 0
+    True
+    """
+    from .jit.cache import cache_dir
+    from .yaml import Model
+
+    if kwargs.get("backend", "numba") != "numba":
+        raise BackendError(f"compile_ahead compiles Numba kernels, not backend="
+                           f"{kwargs['backend']!r}")
+    _module("numba")
+    if isinstance(model, Model):
+        if not args and "feeds" not in kwargs:
+            args = (model.random_feeds(),)
+        kwargs["backend"] = "numba"
+    elif hasattr(model, "all_steps_flags") or hasattr(model, "step_net"):  # a step-net, a layer
+        kwargs["backend"] = "numba"
+    before = set(cache_dir().glob("stepnet_kernel_*.ready"))
+    model(*args, **kwargs)
+    if not wait_for_kernels(timeout):
+        raise TimeoutError(f"compile_ahead: the kernels were not compiled in {timeout} s")
+    return len(set(cache_dir().glob("stepnet_kernel_*.ready")) - before)
+
+
 def get_backend(name=None):
     return _Runner(name or default_backend())
 
@@ -254,5 +321,5 @@ class _Runner:
         return compiled(output_all_steps, **bindings)
 
 
-__all__ = ["CompiledStepNet", "backends", "default_backend", "set_default_backend",
-           "kernels_ready", "wait_for_kernels"]
+__all__ = ["CompiledStepNet", "backends", "compile_ahead", "default_backend",
+           "set_default_backend", "kernels_ready", "wait_for_kernels"]

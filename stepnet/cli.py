@@ -26,6 +26,7 @@ import io
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -97,6 +98,15 @@ def _parser():
                      help="with --cluster: pieces of the batch (default: one per worker)")
     run.set_defaults(func=cmd_run)
 
+    compile_ = sub.add_parser(
+        "compile", help="compile a network's kernels into the cache ahead of use",
+        description="Compile a YAML network's Numba kernels into STEPNET_CACHE_DIR (for a "
+                    "deployment or CI), running it once on random inputs of its declared kinds "
+                    "(or --input); a later process loads them at its first call.")
+    model_args(compile_)
+    data_args(compile_)
+    compile_.set_defaults(func=cmd_compile)
+
     check = sub.add_parser("check", help="validate a network and print its IR",
                            description="Load a YAML network, validate it and print its IR.")
     model_args(check)
@@ -126,7 +136,11 @@ def _parser():
                           description="Print stepnet's and Numba's versions, the cache directory, "
                                       "the backends, the BLAS the Numba backend calls (chosen by "
                                       "measurement unless STEPNET_BLAS names one, with the "
-                                      "figures) and the number of threads.")
+                                      "figures), the number of threads and what the compile "
+                                      "worker is compiling.")
+    info.add_argument("--measure", action="store_true",
+                      help="measure the BLAS choice and stepnet's own loop again (they are kept "
+                           "in the cache directory) and print what changed")
     info.set_defaults(func=cmd_info)
     return parser
 
@@ -135,20 +149,81 @@ def _parser():
 # commands
 
 
+# the measurements `stepnet info --measure` takes again (blas_choice keeps them)
+MEASUREMENTS = ("blas.json", "small_products.json", "transposed_products.json")
+
+
 def cmd_info(args) -> int:
     import numba
 
     from . import __version__
     from .backends import backends
-    from .jit import blas_choice
+    from .jit import blas_choice, compile_worker
     from .jit.cache import cache_dir
 
+    if args.measure:
+        return _measure_again(cache_dir())
     print(f"stepnet {__version__}, numba {numba.__version__}, numpy {np.__version__}")
     print(f"cache: {cache_dir()}")
     print(f"backends: {', '.join(backends())}")
     print(blas_choice.describe())
     print(f"threads: {numba.get_num_threads()} (sequence groups run in parallel; "
           "NUMBA_NUM_THREADS or numba.set_num_threads changes it)")
+    print(_compiling(compile_worker.status(cache_dir())))
+    return 0
+
+
+def _measure_again(cache) -> int:
+    """``stepnet info --measure``: this process's measurements (kept in
+    ``cache``), removed and taken again by a new process (the BLAS is chosen
+    when stepnet is imported), whose ``stepnet info`` is printed, then what
+    changed."""
+    import difflib
+
+    from .jit import blas_choice
+
+    before = blas_choice.describe().splitlines()
+    for name in MEASUREMENTS:
+        (cache / name).unlink(missing_ok=True)
+    child = subprocess.run(
+        [sys.executable, "-c", "from stepnet.jit import blas_choice; print(blas_choice.describe())"],
+        capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        sys.stderr.write(child.stderr)
+        return child.returncode
+    sys.stdout.write(child.stdout)
+    after = child.stdout.splitlines()
+    changed = [line for line in difflib.unified_diff(before, after, "before", "measured again",
+                                                     n=0, lineterm="")
+               if not line.startswith(("---", "+++", "@@"))]
+    print("changed by measuring again:" if changed else "measured again: nothing changed")
+    for line in changed:
+        print(f"  {line}")
+    return 0
+
+
+def _compiling(found) -> str:
+    """The compile worker's line of ``stepnet info``."""
+    if found is None:
+        return "compile worker: none running"
+    lines = [f"compile worker: process {found['pid']}, "
+             + ("compiling " + found["compiling"]["what"] if found["compiling"] else "idle")]
+    lines += [f"  queued: {item['what']}" for item in found["queued"]]
+    return "\n".join(lines)
+
+
+def cmd_compile(args) -> int:
+    from .backends import compile_ahead
+    from .jit.cache import cache_dir
+
+    model = _load(args)
+    feeds = _feeds(model, args)
+    start = time.perf_counter()
+    with Progress(enabled=not args.quiet) as progress:
+        progress.stage("compiling the kernels")
+        new = compile_ahead(model, feeds, backend=args.backend or "numba")
+    print(f"compiled {new} new kernel{'s' * (new != 1)} of {args.model} into {cache_dir()} "
+          f"in {_seconds(time.perf_counter() - start)}")
     return 0
 
 

@@ -36,13 +36,13 @@ def ok(proc):
     return proc.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["check"], ["bench"], ["export"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["check"], ["bench"], ["compile"], ["export"]])
 def test_help_on_every_command(command):
     out = ok(stepnet(*command, "--help"))
     assert out.startswith("usage: stepnet")
-    expected = {(): ["run", "check", "bench", "export"], ("run",): ["--input", "--params", "--output",
-                "--backend", "--seed", "--quiet"], ("check",): ["MODEL.yaml"],
-                ("bench",): ["--repeat", "--backend"],
+    expected = {(): ["run", "check", "bench", "compile", "export"], ("run",): ["--input", "--params",
+                "--output", "--backend", "--seed", "--quiet"], ("check",): ["MODEL.yaml"],
+                ("bench",): ["--repeat", "--backend"], ("compile",): ["MODEL.yaml", "--input"],
                 ("export",): ["--output", "--scan", "--params"]}[tuple(command)]
     for word in expected:
         assert word in out
@@ -106,6 +106,23 @@ def test_input_file_by_lengths_and_missing_arrays(tmp_path):
     proc = stepnet("run", EXAMPLES / "hierarchical.yaml", "--input", tmp_path / "nolod.npz")
     assert proc.returncode == 1
     assert "chapters.lod.0, chapters.lod.1" in proc.stderr
+
+
+def test_compile_builds_the_kernels_a_later_run_loads(tmp_path):
+    """``stepnet compile`` compiles a network's kernels into the cache; a later
+    process, tiered, on other data of the same kinds, runs them from its
+    first call (none on the interpreter)."""
+    env = {"STEPNET_CACHE_DIR": str(cache_with_helpers(tmp_path / "cache")), "STEPNET_TIERED": "1"}
+    example = EXAMPLES / "custom_cell.yaml"
+    out = ok(stepnet("compile", example, env=env))
+    found = re.search(r"^compiled (\d+) new kernels? of .*custom_cell.yaml into (.*) in ", out, re.M)
+    assert found and int(found.group(1)) >= 1 and found.group(2) == env["STEPNET_CACHE_DIR"], out
+    assert "compiled 0 new kernels" in ok(stepnet("compile", example, env=env))  # all there
+    bench = ok(stepnet("bench", example, "--sequences", "7", "--max-length", "9", "--seed", "3",
+                       "--repeat", "1", env=env))
+    assert "compile  " in bench and "answered on the interpreter" not in bench, bench
+    refused = stepnet("compile", example, "--backend", "interpreter", env=env)
+    assert refused.returncode == 1 and "compile_ahead compiles Numba kernels" in refused.stderr
 
 
 def test_check_prints_the_ir():

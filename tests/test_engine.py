@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
+from stepnet import cli
 from conftest import assert_close, cache_with_helpers
 from nets import nested_encoder
 from stepnet.jit import blas_choice, numba_cpu, threads
@@ -153,9 +154,11 @@ def libraries(monkeypatch, tmp_path):
         monkeypatch.setattr(blas_choice, f"find_{name}",
                             lambda name=name: state["found"].get(name))
 
-    def measure(reachable):
+    def measure(reachable, shapes=None):
         state["measured"] += 1
-        return {lib.name: state["seconds"][lib.name] for lib in reachable}
+        seconds = state["seconds"]  # (a list: one call's figures each)
+        seconds = seconds.pop(0) if isinstance(seconds, list) else seconds
+        return {lib.name: seconds[lib.name] for lib in reachable}
 
     monkeypatch.setattr(blas_choice, "measure", measure)
     return state
@@ -175,11 +178,35 @@ def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
     libraries["seconds"] = {"mkl": [1.0, 1.0], "openblas": [2.0, 2.0]}  # (not asked again)
     second, _ = blas_choice._choose()
     assert (second["name"], second["reason"]) == ("openblas", "measured (cached)")
-    assert libraries["measured"] == 1
+    assert libraries["measured"] == 2  # (twice: the same figures, steady)
     (tmp_path / "blas.json").write_text("{not json")  # measured again, never a crash
     third, _ = blas_choice._choose()
     assert (third["name"], third["reason"]) == ("mkl", "measured")
-    assert libraries["measured"] == 2
+    assert libraries["measured"] == 4
+
+
+def test_a_measurement_is_taken_again_until_steady_or_said_to_be_noisy(libraries, tmp_path):
+    libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
+                          for name in ("mkl", "openblas")}
+    mkl = [2.0, 2.0]
+    # the second measurement far from the first, the third close to it: steady
+    libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
+                            {"mkl": mkl, "openblas": [1.6, 1.0]},
+                            {"mkl": mkl, "openblas": [1.05, 1.0]}]
+    choice, _ = blas_choice._choose()
+    assert (choice["name"], choice["reason"]) == ("openblas", "measured")
+    assert choice["seconds"]["openblas"] == [1.0, 1.0] and libraries["measured"] == 3
+    # never two close: chosen on the best figures, and said to be noisy, kept so
+    (tmp_path / "blas.json").unlink()
+    libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
+                            {"mkl": mkl, "openblas": [1.6, 1.0]},
+                            {"mkl": mkl, "openblas": [1.3, 1.0]}]
+    choice, _ = blas_choice._choose()
+    assert choice["name"] == "openblas" and libraries["measured"] == 6
+    assert "noisy" in choice["reason"] and "openblas 64x256 @ 256x768" in choice["reason"]
+    assert "stepnet info --measure" in choice["reason"]
+    again, _ = blas_choice._choose()
+    assert again["reason"] == choice["reason"] + " (cached)"
 
 
 def test_one_library_or_none_is_taken_without_measuring(libraries, tmp_path):
@@ -646,6 +673,20 @@ def test_stepnet_info_prints_the_choice(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout
+    assert "compile worker: none running" in proc.stdout
+    # --measure: the kept measurements taken again, and what changed said
+    kept = {name: (cache / name).read_text() for name in cli.MEASUREMENTS if (cache / name).exists()}
+    assert "small_products.json" in kept
+    (cache / "small_products.json").write_text(  # a point no measurement gives
+        kept["small_products.json"].replace('"points": [', '"points": [[7777, 64, 192, 1, 1], ', 1))
+    proc = subprocess.run([sys.executable, "-m", "stepnet", "info", "--measure"],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, STEPNET_CACHE_DIR=str(cache)))
+    assert proc.returncode == 0, proc.stderr
+    assert "BLAS: " in proc.stdout and "changed by measuring again:" in proc.stdout, proc.stdout
+    changed = proc.stdout.split("changed by measuring again:")[1]
+    assert "-  rows x 64 @ 64x192" in changed and "7777: 1000000.0/1000000.0" in changed, changed
+    assert "7777" not in (cache / "small_products.json").read_text()
 
 
 def test_importing_stepnet_leaves_numbas_threading_alone(tmp_path):

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 import stepnet as sn
 from conftest import assert_close, cache_with_helpers
-from stepnet.jit import numba_cpu
+from stepnet.jit import compile_worker, numba_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,7 @@ def test_a_first_training_step_has_the_worker_prepare_the_weight_gradients(rng, 
     (tiered / "transposed_products.json").unlink(missing_ok=True)
     monkeypatch.setattr(numba_cpu, "_PREPARED", set())
     answers = {}
-    send = numba_cpu._CompileWorker.send
+    send = compile_worker.Client.send
 
     def recorded(self, request, callback):
         def answered(error):
@@ -96,7 +97,7 @@ def test_a_first_training_step_has_the_worker_prepare_the_weight_gradients(rng, 
 
         send(self, request, answered)
 
-    monkeypatch.setattr(numba_cpu._CompileWorker, "send", recorded)
+    monkeypatch.setattr(compile_worker.Client, "send", recorded)
     rnn, X, params = _net(rng, 7, 9)
     sn.gradients(rnn, wrt=list(params), grad_outputs=[np.ones((X.data.shape[0], 9))])
     deadline = time.time() + 300
@@ -280,3 +281,151 @@ def test_the_command_says_which_tier_answered(tmp_path):
     assert bench.returncode == 0, bench.stderr
     assert "waiting for the compiled kernels" in bench.stderr
     assert "kernels  compiled" in bench.stdout
+
+
+# ----------------------------------------------------------------------------
+# one compile worker per cache directory
+
+
+def _alive(pid) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+needs_unix = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
+                                reason="the worker's tests read /proc (Linux)")
+
+
+@needs_unix
+def test_one_worker_per_cache_directory_below_its_callers_priority(rng, tiered):
+    rnn, X, _ = _net(rng, 5, 7)
+    rnn()  # a new kernel: asked of the worker
+    pid = numba_cpu.compile_worker().pid(timeout=300)
+    assert _alive(pid)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + compile_worker.NICENESS)
+    # another process using the same cache directory asks the same worker
+    out = subprocess.run(
+        [sys.executable, "-c", "from stepnet.jit import numba_cpu; "
+                               "print(numba_cpu.compile_worker().pid(timeout=300))"],
+        capture_output=True, text=True, env=dict(os.environ), cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == pid
+    assert rnn.compile("numba").wait(timeout=300)
+    # gone within seconds once its queue is empty
+    deadline = time.monotonic() + compile_worker.IDLE_SECONDS + 60
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the idle worker did not exit"
+        time.sleep(0.2)
+    assert compile_worker.status(tiered) is None
+    # a process asking after that starts the next one
+    rnn2, _, _ = _net(rng, 6, 7)
+    rnn2()
+    assert numba_cpu.compile_worker().pid(timeout=300) != pid
+    assert rnn2.compile("numba").wait(timeout=300)
+
+
+@needs_unix
+def test_info_lists_what_the_worker_compiles(rng, tiered):
+    import signal
+
+    rnn, X, _ = _net(rng, 4, 13)
+    rnn()
+    pid = numba_cpu.compile_worker().pid(timeout=300)
+    deadline = time.monotonic() + 300
+    while not (compile_worker.status(tiered) or {}).get("compiling"):
+        assert time.monotonic() < deadline, "the worker never said it was compiling"
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGSTOP)  # (held at the kernel it compiles while info runs)
+    try:
+        found = compile_worker.status(tiered)
+        info = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
+                              text=True, env=dict(os.environ), cwd=ROOT, timeout=300)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert found["compiling"], "the kernel compiled in under 5 ms"
+    assert info.returncode == 0, info.stderr
+    kernel = rnn.compile("numba")._runner(True).numba_program.module.__file__
+    assert f"compile worker: process {pid}, compiling program of {kernel}" in info.stdout, (
+        info.stdout)
+    assert rnn.compile("numba").wait(timeout=300)
+
+
+def _serving(monkeypatch, tmp_path, compile_kernel):
+    """A worker's server in a thread of this process, compiling with
+    ``compile_kernel``: (server, thread, a function connecting a client)."""
+    import socket
+
+    monkeypatch.setattr(compile_worker, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(compile_worker, "IDLE_SECONDS", 0.5)
+    path = str(tmp_path / "worker.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    server = compile_worker._Server(tmp_path, listener)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+
+    def connect():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        connection = compile_worker._Connection(sock)
+        lines = connection.lines()
+        assert next(lines) == {"worker": os.getpid()}
+        return connection, lines
+
+    return server, thread, connect
+
+
+@needs_unix
+def test_a_kernel_two_processes_ask_for_is_compiled_once(monkeypatch, tmp_path):
+    import socket
+
+    compiled, release = [], threading.Event()
+
+    def compile_kernel(request):
+        assert release.wait(60)
+        compiled.append(request["key"])
+
+    server, thread, connect = _serving(monkeypatch, tmp_path, compile_kernel)
+    (a, a_lines), (b, b_lines), (c, _) = connect(), connect(), connect()
+    a.send({"key": "k"})
+    _until(lambda: server.current is not None)
+    b.send({"key": "k"})  # being compiled: b waits for that compile
+    c.send({"key": "orphan"})
+    _until(lambda: len(server.current[2]) == 2 and "orphan" in server.queue)
+    c.sock.shutdown(socket.SHUT_RDWR)  # its process ended: its request waits behind b's
+    _until(lambda: server.queue["orphan"][1] == [])
+    b.send({"key": "other"})
+    _until(lambda: "other" in server.queue)
+    release.set()
+    assert next(a_lines) == {"key": "k", "ok": True}
+    assert next(b_lines) == {"key": "k", "ok": True}
+    assert next(b_lines) == {"key": "other", "ok": True}
+    _until(lambda: len(compiled) == 3)
+    assert compiled == ["k", "other", "orphan"]
+    thread.join(30)  # and it ends once idle
+    assert not thread.is_alive() and server.closing
+
+
+@needs_unix
+def test_a_failed_compile_is_answered_to_every_process_that_asked(monkeypatch, tmp_path):
+    def compile_kernel(request):
+        raise RuntimeError(f"cannot compile {request['key']}")
+
+    server, thread, connect = _serving(monkeypatch, tmp_path, compile_kernel)
+    (a, a_lines) = connect()
+    a.send({"key": "k"})
+    assert next(a_lines) == {"key": "k", "error": "RuntimeError: cannot compile k"}
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def _until(condition, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -238,6 +238,33 @@ def measure(libraries, shapes=_SHAPES) -> dict:
     return best
 
 
+# how far apart two measurements of a product may be for either to hold
+# (a load on the machine while one ran); measurements taken at most
+_STEADY = 1.1
+_MEASURES = 3
+
+
+def measure_steadily(libraries, shapes=_SHAPES):
+    """``measure`` repeated until its two best results for every product are
+    within ``_STEADY`` of each other (``_MEASURES`` times at most): ``(the
+    best seconds, noisy)``, ``noisy`` naming the products that were not
+    steady (a figure measured while the machine was busy)."""
+    runs = [measure(libraries, shapes)]
+    while True:
+        runs.append(measure(libraries, shapes))
+        noisy = [f"{name} {m}x{k} @ {k}x{n}"
+                 for name in runs[0] for i, (m, k, n, _, _) in enumerate(shapes)
+                 if _spread(sorted(run[name][i] for run in runs)) > _STEADY]
+        if not noisy or len(runs) == _MEASURES:
+            best = {name: [min(run[name][i] for run in runs) for i in range(len(shapes))]
+                    for name in runs[0]}
+            return best, noisy
+
+
+def _spread(seconds):
+    return seconds[1] / seconds[0] if seconds[0] > 0 else float("inf")
+
+
 # the products on which the chosen library is checked for computing each
 # row alike whatever rows are computed with it (m, k, n), and the parts of
 # their rows checked (first, end): a cut by rows in half, a group of
@@ -325,11 +352,14 @@ def _choose():
                          .encode()).hexdigest()[:16]
     saved = _kept("blas.json", key)
     if saved is not None and saved.get("name") in found:
-        return dict(info, name=saved["name"], reason="measured (cached)",
+        return dict(info, name=saved["name"], reason=saved.get("reason", "measured") + " (cached)",
                     seconds=saved.get("seconds", {})), found
-    seconds = measure(reachable)
+    seconds, noisy = measure_steadily(reachable)
     name = min(seconds, key=lambda n: sum(s * shape[-1] for s, shape in zip(seconds[n], _SHAPES)))
-    result = dict(info, name=name, reason="measured", seconds=seconds)
+    reason = "measured" + (f"; noisy, the machine was busy ({', '.join(noisy)} not steady over "
+                           f"{_MEASURES} measurements): `stepnet info --measure` measures again"
+                           if noisy else "")
+    result = dict(info, name=name, reason=reason, seconds=seconds)
     _keep("blas.json", dict(result, key=key))
     return result, found
 
