@@ -8,6 +8,9 @@ Layout (default root: ``$XDG_CACHE_HOME/stepnet``, else ``~/.cache/stepnet``)::
         numba/<build>/jit/            Numba's compiled code of stepnet's own helpers
                                       (numba_runtime, blas, threads), one folder per
                                       build, stale when any of their files changes
+        compile_worker.lock, .sock, .json
+                                      the compile worker serving this directory
+                                      (stepnet.jit.compile_worker)
 
 Nothing is written into the installed package: importing this module puts a
 Numba cache locator in front of Numba's own ones for source files inside the
