@@ -34,6 +34,7 @@ from .errors import ShapeError, StepNetError, UnsupportedError, optional_import
 jax = optional_import("jax", "stepnet.jax", "pip install jax")
 
 from . import dsl  # noqa: E402
+from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
 from .nn.layers import _refuse_cell  # noqa: E402
@@ -146,6 +147,8 @@ class Function:
         else:
             raise StepNetError(f"stepnet.jax.function: expects a stepnet.nn layer or a step-net, "
                                f"got {type(net).__name__}")
+        if backend is not None:
+            get_backend(backend)  # an unknown or unavailable name: BackendError, now
         self.net, self.backend = net, backend
         # per output, whether it holds every step (a layer: Y, then its final states)
         self.all_steps = self.flags if self.flags is not None else \

@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 
 from . import dsl  # noqa: E402
+from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
 from .nn.layers import _refuse_cell  # noqa: E402
@@ -295,6 +296,8 @@ class Module(torch.nn.Module):
         super().__init__()
         self.wrapped = net
         self.batch_first = bool(batch_first)
+        if backend is not None:
+            get_backend(backend)  # an unknown or unavailable name: BackendError, now
         self.backend = backend
         self._register_stepnet_parameters()
 

@@ -190,6 +190,11 @@ def test_errors_name_what_is_wrong():
         f(f.params, X=np.ones((1, 2, 3), np.float32))
 
 
+def test_an_unknown_backend_is_refused_when_the_function_is_made():
+    with pytest.raises(sn.BackendError, match="unknown backend 'bogus'"):
+        sj.function(sn.nn.GRU(3, 4, seed=0), backend="bogus")
+
+
 @pytest.mark.parametrize("cell, layer", [("RNNCell", "RNN"), ("GRUCell", "GRU"),
                                          ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU")])
 def test_a_cell_is_refused_with_what_to_pass_instead(cell, layer):

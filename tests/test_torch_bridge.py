@@ -327,6 +327,8 @@ def test_bad_layer_input_gets_a_clear_error(gru_pair):
         m(torch.empty(B, T, I, device="meta"))
     with pytest.raises(sn.StepNetError, match="expects a stepnet.nn layer or a step-net"):
         st.Module(torch.nn.GRU(2, 2))
+    with pytest.raises(sn.BackendError, match="unknown backend 'bogus'"):  # when it is made
+        st.Module(sn.nn.GRU(I, H, seed=0), backend="bogus")
 
 
 @pytest.mark.parametrize("cell, layer", [("RNNCell", "RNN"), ("GRUCell", "GRU"),
