@@ -237,6 +237,7 @@ def test_a_backward_takes_its_forwards_pullback_or_runs_the_forward_again():
     assert layer._workspace is None
 
 
+@pytest.mark.slow  # (a step-net under jit and grad: the first test; an example learning: the adding problem)
 def test_the_example_learns_a_short_version():
     """examples/jax_custom_cell.py: embedding -> the stepnet cell -> a linear
     head, Adam in JAX, to its target accuracy on a short version."""
