@@ -1566,7 +1566,7 @@ def _emit_fused(ctx, group, epilogues=()):
                 written.append(target.ident)
         if out in ctx.fn.unbuffered:  # read from where it was stored, should anything ask
             ctx.values[out] = ctx.fn.direct[out][0]
-    loops = _prefetching(loops, read, written)
+    loops = _prefetching(ctx, loops, read, written)
     if before or after:
         inner = before + [loops[-1]] + ["    " + line for line in inner] + after
         loops = loops[:-1]
@@ -1580,20 +1580,25 @@ def _emit_fused(ctx, group, epilogues=()):
 _PREFETCH_MIN_WRITTEN = 3
 
 
-def _prefetching(loops, read, written):
+def _prefetching(ctx, loops, read, written):
     """A step's loop nest over its sequences (``_loop_nest``) that writes
     ``_PREFETCH_MIN_WRITTEN`` per-token arrays or more, asking at each
     sequence for the next one's rows of the per-token arrays it reads
-    (``read``) and writes (``written``; for writing:
-    ``numba_runtime.prefetch_row``). Each of them is a row in another place
-    for every sequence, and a row written is read first: such a loop stalls
-    on its stores. Other loops as they are."""
+    (``read``) and writes (``written``): one call of
+    ``numba_runtime.prefetch_rows`` on a table of their addresses and row
+    strides made before the steps (one call, not one per array: each call
+    site is code Numba and LLVM compile). Each of them is a row in another
+    place for every sequence, and a row written is read first: such a loop
+    stalls on its stores. Other loops as they are."""
     if "e = entries[b]" not in loops[:-1] or len(written) < _PREFETCH_MIN_WRITTEN:
         return loops
     at = loops.index("e = entries[b]") + 1
-    asks = [f"prefetch_row({ident}, entries, b + 1, nb)" for ident in read if ident not in written]
-    asks += [f"prefetch_row_for_write({ident}, entries, b + 1, nb)" for ident in written]
-    return loops[:at] + asks + loops[at:]
+    rows = [ident for ident in read if ident not in written] + list(written)
+    table = ctx.module.fresh("rows")
+    entries = ", ".join(f"(np.int64({ident}.ctypes.data), {ident}.strides[0])" for ident in rows)
+    ctx.fn.allocs.append(f"{table} = np.array(({entries},), np.int64)")
+    reads = len(rows) - len(written)
+    return loops[:at] + [f"prefetch_rows({table}, {reads}, entries, b + 1, nb)"] + loops[at:]
 
 
 def _per_token(info):

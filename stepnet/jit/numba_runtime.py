@@ -239,32 +239,33 @@ def _prefetch_intrinsic(write):
 
 _prefetch_read = _prefetch_intrinsic(False)
 _prefetch_write = _prefetch_intrinsic(True)
-# the most of a row that ``prefetch_row`` asks for
+# the most of a row that ``prefetch_rows`` asks for
 _PREFETCH_BYTES = 4096
 
 
-@njit(inline="always")
-def prefetch_row(rows, entries, k, n):
-    """Ask the cache for row ``entries[k]`` of ``rows`` (a per-token array)
-    where ``k < n``: a step's loop over its sequences (``entries[b]``, b <
-    ``nb``) asks for the next sequence's row while it computes this one's.
-    A sequence's rows lie a sequence apart from the others' (the LoD's
-    order), so each step reads and writes one row in as many places as it
-    has sequences and arrays: more than the cores' prefetchers follow."""
+@njit(cache=True, nogil=True)
+def prefetch_rows(rows, reads, entries, k, n):
+    """Ask the cache for row ``entries[k]`` of some per-token arrays where
+    ``k < n``: ``rows`` [arrays, 2] holds each array's address and row
+    stride, the first ``reads`` of them arrays the loop reads, the others
+    arrays it writes (their lines asked for in the state a write needs).
+    A step's loop over its sequences (``entries[b]``, b < ``nb``) asks for
+    the next sequence's rows while it computes this one's. A sequence's
+    rows lie a sequence apart from the others' (the LoD's order), so each
+    step reads and writes one row in as many places as it has sequences
+    and arrays: more than the cores' prefetchers follow. (A prefetch never
+    faults: an empty array's address is asked for harmlessly.)"""
     if k < n:
-        start = rows.ctypes.data + entries[k] * rows.strides[0]
-        for offset in range(0, min(rows.strides[0], _PREFETCH_BYTES), 64):
-            _prefetch_read(start + offset)
-
-
-@njit(inline="always")
-def prefetch_row_for_write(rows, entries, k, n):
-    """``prefetch_row`` for a row the loop writes: its lines asked for in
-    the state a write needs."""
-    if k < n:
-        start = rows.ctypes.data + entries[k] * rows.strides[0]
-        for offset in range(0, min(rows.strides[0], _PREFETCH_BYTES), 64):
-            _prefetch_write(start + offset)
+        e = entries[k]
+        for a in range(rows.shape[0]):
+            start = rows[a, 0] + e * rows[a, 1]
+            size = min(rows[a, 1], _PREFETCH_BYTES)
+            if a < reads:
+                for offset in range(0, size, 64):
+                    _prefetch_read(start + offset)
+            else:
+                for offset in range(0, size, 64):
+                    _prefetch_write(start + offset)
 
 
 @njit(cache=True)
