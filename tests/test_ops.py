@@ -1079,12 +1079,21 @@ def _check_backend_case(group, dtype, X, Y, backends, flags=(True, False)):
                            rows.dtype, what=what)
 
 
-# the last step's outputs (a kernel of their own) in float32; in float64
-# under -m slow
-@pytest.mark.parametrize("group", sorted(BACKEND_CASES))
-@pytest.mark.parametrize("dtype,flags", [
-    (F32, (True, False)), (F64, (True,)),
-    pytest.param(F64, (False,), marks=pytest.mark.slow)], ids=["float32", "float64", "float64-last"])
+# every step's outputs of every group in both dtypes; the last step's
+# outputs (a kernel of their own, the same code whatever the op) of one
+# group in float32, the others' under -m slow
+_LAST_GROUP = "composites"
+
+
+@pytest.mark.parametrize("group,dtype,flags", [
+    pytest.param(group, dtype, flags, id=f"{name}-{group}",
+                 marks=() if default else pytest.mark.slow)
+    for group in sorted(BACKEND_CASES)
+    for dtype, flags, name, default in [
+        (F32, (True,), "float32", True),
+        (F32, (False,), "float32-last", group == _LAST_GROUP),
+        (F64, (True,), "float64", True),
+        (F64, (False,), "float64-last", False)]])
 @SETTINGS
 @given(data=st.data())
 def test_ops_agree_on_every_backend(group, dtype, flags, data):

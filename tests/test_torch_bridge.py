@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import stepnet as sn  # noqa: E402
 import stepnet.torch as st  # noqa: E402
+from pairwise import pairwise_params  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,10 +93,11 @@ def test_the_module_file_imports_the_top_level_torch():
 # layers against torch.nn.GRU / LSTM
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
-@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+# every pair of a cell, a direction, a layer count and a dtype (six cases);
+# the whole product under -m slow
+@pytest.mark.parametrize("cell,bidirectional,num_layers,dtype", pairwise_params(
+    [["GRU", "LSTM"], [False, True], [1, 2], [torch.float32, torch.float64]],
+    ids=[str, lambda bi: "bi" if bi else "uni", str, lambda d: {torch.float32: "f32"}.get(d, "f64")]))
 def test_layer_matches_torch_outputs_and_gradients(cell, bidirectional, num_layers, dtype):
     torch.manual_seed(0)
     g = getattr(torch.nn, cell)(I, H, num_layers, batch_first=True,
