@@ -85,7 +85,7 @@ def test_a_step_net_under_jit_and_grad_equals_a_jax_scan():
 
 def test_a_layer_equals_the_layer_and_its_pullback():
     rng = np.random.default_rng(1)
-    layer = sn.nn.GRU(3, 4, num_layers=2, direction="bidirectional_concat", seed=2)
+    layer = sn.nn.GRU(3, 4, direction="bidirectional_concat", seed=2)
     f = sj.function(layer)
     params = f.params
     x = _padded(rng, 3)
