@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -541,11 +542,67 @@ def test_packed_weights_take_any_number_of_rows(rng):
             np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5, err_msg=f"{m} rows")
 
 
+@pytest.mark.parametrize("cols", [16, 32], ids=["avx2", "avx512"])
+def test_each_block_of_the_own_loop_reads_its_columns_of_the_panels(monkeypatch, cols):
+    """The own loop's blocks are sized to the CPU's vector registers
+    (``_COLS``: 16 float32 columns with AVX2, 32 with AVX-512); for either
+    size, every block it takes over a range of columns (from a multiple of
+    32 to one, or to n) reads from the weights' ``panels`` exactly the
+    columns it computes (``_block_start``; here on the host whatever its
+    registers: the arithmetic of the offsets, not the vectors)."""
+    from stepnet.jit import blas
+
+    monkeypatch.setattr(blas, "_COLS", cols)
+    start = blas._block_start.py_func
+    k = 2
+    for n in range(cols, 200):
+        b = np.arange(k * n, dtype=np.float32).reshape(k, n)
+        flat = blas.panels(b).reshape(-1)
+        for lo in range(0, n - cols + 1, 32):
+            for hi in sorted({n} | set(range(lo + 32, n, 32))):
+                if hi - lo < cols:
+                    continue
+                end = lo + cols
+                while end < hi + cols:
+                    j0 = min(end, hi) - cols
+                    s = start(j0, 32, 32 * k, n)
+                    for kk in range(k):
+                        np.testing.assert_array_equal(flat[s + 32 * kk:s + 32 * kk + cols],
+                                                      b[kk, j0:j0 + cols], err_msg=(n, lo, hi, j0))
+                    end += cols
+
+
+def test_the_own_loop_is_sized_to_the_registers_of_the_cpu_numba_compiles_for(monkeypatch):
+    """AVX-512's 32 registers of 64 bytes where the CPU Numba compiles for
+    has ``avx512f`` (the host, or ``NUMBA_CPU_FEATURES`` / ``NUMBA_CPU_NAME``
+    where set), AVX2's 16 of 32 elsewhere; the own loop's blocks are two
+    float32 vectors wide."""
+    import llvmlite.binding as llvm_binding
+    from numba.core import config as numba_config
+
+    from stepnet.jit import blas
+
+    host = llvm_binding.get_host_cpu_features().get("avx512f", False)
+    if not (numba_config.CPU_NAME or numba_config.CPU_FEATURES):
+        assert blas.vector_registers() == ((64, 32) if host else (32, 16))
+    assert blas._COLS == 2 * blas.vector_registers()[0] // 4
+    for name, expected in [("haswell", (32, 16)), ("znver3", (32, 16)),
+                           ("skylake-avx512", (64, 32)), ("znver5", (64, 32))]:
+        monkeypatch.setattr(numba_config, "CPU_FEATURES", None)
+        monkeypatch.setattr(numba_config, "CPU_NAME", name)
+        assert blas.vector_registers() == expected, name
+    monkeypatch.setattr(numba_config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert blas.vector_registers() == (32, 16)
+    monkeypatch.setattr(numba_config, "CPU_FEATURES", "+avx2,+avx512f")
+    assert blas.vector_registers() == (64, 32)
+
+
 def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
-    """Where stepnet's own loop takes one row a product (float32, 384 columns
-    or more), ``pack`` gives it the weights as one panel of every column
-    (``b`` on a cache line) and the row runs 384 columns at a time
-    (``_one_row_384``): the same bits as six blocks of ``panels`` at a time,
+    """Where stepnet's own loop takes one row a product (float32,
+    ``_WIDE_ACCUMULATORS`` columns or more: 384 with AVX-512, 96 with AVX2),
+    ``pack`` gives it the weights as one panel of every column (``b`` on a
+    cache line) and the row runs that many columns at a time
+    (``_one_row_wide``): the same bits as six blocks of ``panels`` at a time,
     for any range of columns and through the C entry; elsewhere the panels
     are made as before."""
     from numba import njit
@@ -567,7 +624,8 @@ def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
         blas._own_columns(a, p.reshape(-1), 32, 32 * k, whole, 0, n)
         prepared = blas.pack(b, 1, blas.PANEL_MIN_ROWS, one_row, threads.ALONE)
         rows_of_b = prepared[4]
-        assert rows_of_b.shape == ((1, k, n) if n >= 384 else (-(-n // 32), k, 32)), (k, n)
+        wide = n >= blas._WIDE_ACCUMULATORS
+        assert rows_of_b.shape == ((1, k, n) if wide else (-(-n // 32), k, 32)), (k, n)
         assert rows_of_b.ctypes.data % 64 == 0
         got = np.full((1, n), np.nan, np.float32)
         own(a, rows_of_b, got, threads.ALONE)
@@ -674,6 +732,7 @@ def test_stepnet_info_prints_the_choice(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout
     assert "compile worker: none running" in proc.stdout
+    assert re.search(r"stepnet's own loop: blocks of 6 rows x (16|32) columns", proc.stdout)
     # --measure: the kept measurements taken again, and what changed said
     kept = {name: (cache / name).read_text() for name in cli.MEASUREMENTS if (cache / name).exists()}
     assert "small_products.json" in kept

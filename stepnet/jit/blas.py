@@ -56,6 +56,7 @@ import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import carray, cfunc, njit
 from numba.core import cgutils, types
+from numba.core import config as numba_config
 from numba.extending import intrinsic, overload
 
 from . import threads
@@ -112,6 +113,30 @@ def _extern(symbol, argspec, returns_size=False, returns_int=False):
     return call
 
 
+# LLVM's names of the x86-64 CPUs with AVX-512F, as ``NUMBA_CPU_NAME`` may
+# name one (the host's features are asked for instead where it is not set)
+_AVX512_CPUS = frozenset({
+    "knl", "knm", "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake",
+    "icelake-client", "icelake-server", "tigerlake", "rocketlake", "sapphirerapids",
+    "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5",
+    "x86-64-v4"})
+
+
+def vector_registers() -> tuple:
+    """``(bytes, count)`` of the vector registers of the CPU that Numba
+    compiles stepnet's kernels for: (64, 32) with AVX-512 (``avx512f``),
+    else (32, 16), AVX2's (and, narrower, older x86-64's). The CPU is the
+    host, or ``NUMBA_CPU_FEATURES`` / ``NUMBA_CPU_NAME`` where set (how a
+    machine without AVX-512 has code compiled as for one, or the reverse)."""
+    if numba_config.CPU_FEATURES:
+        wide = "+avx512f" in numba_config.CPU_FEATURES.split(",")
+    elif numba_config.CPU_NAME and numba_config.CPU_NAME != "host":
+        wide = numba_config.CPU_NAME in _AVX512_CPUS
+    else:
+        wide = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
+    return (64, 32) if wide else (32, 16)
+
+
 # STEPNET_DETERMINISTIC=1: every product runs small_gemm without reassociation,
 # so each row's result is a fixed sequential sum, whatever the other rows of the
 # batch (a distributed run equals a single-process one bit for bit). Slower.
@@ -119,15 +144,27 @@ DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", 
 # stepnet's own loop multiplies-adds in order, vectorized across columns: no
 # reassociation is needed, only FMAs (none under STEPNET_DETERMINISTIC)
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
-# small_gemm's block of accumulators: 6 rows x 32 columns
-_ACCUMULATORS = 192
+# the widest vectors of the CPU kernels are compiled for: AVX-512 (32
+# registers of 64 bytes) or AVX2 (16 of 32 bytes), which the blocks of
+# stepnet's own loop are sized to (``vector_registers``)
+_AVX512 = vector_registers()[0] == 64
+# the columns of one block of small_gemm's accumulators: two vectors of
+# float32 a row (and four of float64: 6 rows of them fit AVX-512's 32
+# registers, not AVX2's 16)
+_COLS = 32 if _AVX512 else 16
+_UCOLS = np.uint64(_COLS)
+# small_gemm's block of accumulators: 6 rows x _COLS columns with AVX-512;
+# with AVX2, 4 rows (6 rows' 12 vectors of sums, their 6 values of a and the
+# weights' 2 vectors outgrow 16 registers: LLVM spills sums to the stack)
+_SIX_ROWS = _AVX512
+_ACCUMULATORS = 6 * _COLS
 # one row's sums in float32 at once where the weights are rows of b: 24
-# vectors of 16
-_WIDE_ACCUMULATORS = 384
+# vectors of 16 on AVX-512, 12 of 8 on AVX2 (with the weights' vector and
+# the row's value, what the registers hold)
+_WIDE_ACCUMULATORS = 384 if _AVX512 else 96
 # rows of a panel of small_gemm's left operand that every block of weights'
 # columns passes over before the next panel (192 x 256 floats: 192 KiB)
 _PANEL_ROWS = 192
-_U32 = np.uint64(32)
 
 
 @njit(cache=True, nogil=True)
@@ -200,102 +237,105 @@ def fill_panels(b, out):
 
 
 @njit(inline="always")
-def _block_start(j0, ld, panel):
-    """Where the weights of the block of 32 columns from column ``j0`` start
-    in the flat weights ``w`` of ``_own_columns``: ``b`` itself (``panel``
-    0: row ``kk`` of the block at ``j0 + kk * ld``, ``ld`` = n), or its
-    ``panels`` (``panel`` = 32 k, ``ld`` = 32: the panel holding the block,
-    ``j0`` a multiple of 32 or n - 32)."""
+def _block_start(j0, ld, panel, n):
+    """Where the weights of the block of ``_COLS`` columns from column ``j0``
+    start in the flat weights ``w`` of ``_own_columns``: ``b`` itself
+    (``panel`` 0: row ``kk`` of the block at ``j0 + kk * ld``, ``ld`` = n),
+    or its ``panels`` (``panel`` = 32 k, ``ld`` = 32; ``j0`` a multiple of
+    ``_COLS`` or n - ``_COLS``): in the panel holding the block's last
+    column, whose first column is 32 p (n - 32 for the last panel)."""
     if panel == 0:
         return j0
-    return (j0 + 31) // 32 * panel
+    p = min((j0 + _COLS - 1) // 32, _panel_count(n) - 1)
+    return p * panel + j0 - max(0, min(32 * p, n - 32))
 
 
 @njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _four_rows(a, w, ld, start, out, acc, i, j0):
-    """out[i:i + 4, j0:j0 + 32] = a[i:i + 4] @ the block of weights at
+    """out[i:i + 4, j0:j0 + _COLS] = a[i:i + 4] @ the block of weights at
     ``start`` (``_block_start``), summed in ``acc`` (registers) in order of
     k (inlined into its callers). The block of 6 rows in ``_columns_outer``
     is the same loop written out for 6: one helper over ``rows`` rows (a
     constant at each call, its loop innermost) ran slower than the two
     written out."""
     zero = out.dtype.type(0)
-    for jj in range(128):
+    for jj in range(4 * _COLS):
         acc[jj] = zero
     for kk in range(a.shape[1]):
         x0, x1, x2, x3 = a[i, kk], a[i + 1, kk], a[i + 2, kk], a[i + 3, kk]
         row = np.uint64(start + kk * ld)
-        for jj in range(_U32):
+        for jj in range(_UCOLS):
             wk = w[row + jj]
             acc[jj] += x0 * wk
-            acc[32 + jj] += x1 * wk
-            acc[64 + jj] += x2 * wk
-            acc[96 + jj] += x3 * wk
+            acc[_COLS + jj] += x1 * wk
+            acc[2 * _COLS + jj] += x2 * wk
+            acc[3 * _COLS + jj] += x3 * wk
     for r in range(4):
-        for jj in range(_U32):
-            out[i + r, j0 + jj] = acc[32 * r + jj]
+        for jj in range(_UCOLS):
+            out[i + r, j0 + jj] = acc[_COLS * r + jj]
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _columns_outer(a, w, ld, panel, out, lo, hi):
     """_own_columns for 6 rows or more: by panels of ``_PANEL_ROWS`` rows
-    (kept in cache while the weights pass over them), each block of 32
-    columns (the last one ending at ``hi``) in turn over the panel's rows in
-    blocks of 6, and of 4 where 6 would leave rows over (the 7 or 8 rows
-    left, or 4 and fewer): 32 rows are 5 blocks of 6 and 2 of 4, where
-    blocks of 6 alone would compute 36, rows thrown away (the mix runs
-    faster than blocks of 6 alone, and as fast as they do on rows that
-    they fill). A block past the panel's last row ends at it
-    instead: it writes the rows it shares with the one before again, with
-    the same values (at most one row computed twice, where the panel's rows
-    are odd)."""
+    (kept in cache while the weights pass over them), each block of
+    ``_COLS`` columns (the last one ending at ``hi``) in turn over the
+    panel's rows in blocks of 6, and of 4 where 6 would leave rows over
+    (the 7 or 8 rows left, or 4 and fewer): 32 rows are 5 blocks of 6 and
+    2 of 4, where blocks of 6 alone would compute 36, rows thrown away (the
+    mix runs faster than blocks of 6 alone, and as fast as they do on rows
+    that they fill). A block past the panel's last row ends at it instead:
+    it writes the rows it shares with the one before again, with the same
+    values (at most one row computed twice, where the panel's rows are
+    odd)."""
     wide_vectors()
     m, k = a.shape
+    n = out.shape[1]
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
     for rows in range(0, m, _PANEL_ROWS):
         last = min(rows + _PANEL_ROWS, m)
         first = min(rows, last - 6)  # (a last panel of under 6 rows: in the one before)
-        end = lo + 32
-        while end < hi + 32:
-            j0 = np.uint64(min(end, hi) - 32)
-            start = _block_start(min(end, hi) - 32, ld, panel)
+        end = lo + _COLS
+        while end < hi + _COLS:
+            j0 = np.uint64(min(end, hi) - _COLS)
+            start = _block_start(min(end, hi) - _COLS, ld, panel, n)
             i = first
             while i < last:
                 left = last - i
-                if left <= 4 or left == 7 or left == 8:
+                if not _SIX_ROWS or left <= 4 or left == 7 or left == 8:
                     i = min(i, last - 4)
                     _four_rows(a, w, ld, start, out, acc, i, j0)
                     i += 4
                     continue
                 i = min(i, last - 6)
-                for jj in range(192):
+                for jj in range(_ACCUMULATORS):
                     acc[jj] = zero
                 for kk in range(k):
                     x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
                     x3, x4, x5 = a[i + 3, kk], a[i + 4, kk], a[i + 5, kk]
                     row = np.uint64(start + kk * ld)
-                    for jj in range(_U32):
+                    for jj in range(_UCOLS):
                         wk = w[row + jj]
                         acc[jj] += x0 * wk
-                        acc[32 + jj] += x1 * wk
-                        acc[64 + jj] += x2 * wk
-                        acc[96 + jj] += x3 * wk
-                        acc[128 + jj] += x4 * wk
-                        acc[160 + jj] += x5 * wk
+                        acc[_COLS + jj] += x1 * wk
+                        acc[2 * _COLS + jj] += x2 * wk
+                        acc[3 * _COLS + jj] += x3 * wk
+                        acc[4 * _COLS + jj] += x4 * wk
+                        acc[5 * _COLS + jj] += x5 * wk
                 for r in range(6):
-                    for jj in range(_U32):
-                        out[i + r, j0 + jj] = acc[32 * r + jj]
+                    for jj in range(_UCOLS):
+                        out[i + r, j0 + jj] = acc[_COLS * r + jj]
                 i += 6
-            end += 32
+            end += _COLS
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
-def _one_row_384(a, w, ld, out, i, j0):
-    """out[i, j0:j0 + 384] = a[i] @ the weights ``w`` (flat: ``b`` [k, n]
-    C-contiguous, ``ld`` = n) at those columns, float32: 384 sums in
-    registers over k, in order of k as every block of ``_own_columns``
-    (the same bits), the weights read as one stream of 1536 bytes a row.
+def _one_row_wide(a, w, ld, out, i, j0):
+    """out[i, j0:j0 + _WIDE_ACCUMULATORS] = a[i] @ the weights ``w`` (flat:
+    ``b`` [k, n] C-contiguous, ``ld`` = n) at those columns, float32: the
+    sums in registers over k, in order of k as every block of
+    ``_own_columns`` (the same bits), the weights read as one stream a row.
     For a one-row product whose weights come from the second-level cache
     (W3's call, ``[1, 128] @ [128, 384]`` a step, weights of 192 KiB) it
     runs faster than reading the weights' ``panels`` six blocks at a time;
@@ -320,24 +360,25 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     """out[:m, lo:hi] = a[:m] @ the weights ``w`` (flat: ``b`` [k, n]
     C-contiguous, ``ld`` = n, ``panel`` = 0; or its ``panels``, ``ld`` = 32,
     ``panel`` = 32 k, ``lo`` a multiple of 32 and ``hi`` one or n) as
-    stepnet's own loop:
-    a block of 6 rows x 32 columns of ``out`` (under 6 rows, 4 x 32, then
-    1 row x 384 in float32 from the rows of ``b`` (``_one_row_384``), or x
-    192 where more than 128 columns are left, x 128, or x 64 where no more
-    are: enough independent sums to keep the FMA units busy, and
-    for one row enough streams of weights from the second-level cache: a
-    one-row product runs markedly faster by 192 columns than by 128) is
-    summed in registers over k, each
+    stepnet's own loop, in blocks sized to the vector registers (``_COLS``
+    columns: two vectors of float32):
+    a block of 6 rows x ``_COLS`` columns of ``out`` (under 6 rows, 4 x
+    ``_COLS``; then one row x ``_WIDE_ACCUMULATORS`` in float32 from the
+    rows of ``b`` (``_one_row_wide``), or x 6 blocks where more than four
+    are left, x 4, or x 2 where no more are: enough independent sums to
+    keep the FMA units busy, and for one row enough streams of weights
+    from the second-level cache: a one-row product runs markedly faster by
+    six blocks than by four) is summed in registers over k, each
     weight row loaded once per block and every sum taken in order of k (so a
     row's values do not depend on the block it falls in, nor on the weights'
-    layout); the last block of a row ends at column ``hi`` (it overlaps the
-    one before, which it writes again with the same values), so neither do
-    they depend on the range of columns asked for: a product split by
-    columns over threads equals the whole. From 6 rows on, each block of
-    columns is taken in turn over every row of a panel of rows
-    (``_columns_outer``): its weights (k x 32) stay in cache while the rows
-    pass, and the weights are read once a panel (faster than MKL's product
-    for tens of rows by weights of 256 x 768 or 256 x 1024, where
+    layout, nor on the blocks' size); the last block of a row ends at column
+    ``hi`` (it overlaps the one before, which it writes again with the same
+    values), so neither do they depend on the range of columns asked for: a
+    product split by columns over threads equals the whole. From 6 rows on,
+    each block of columns is taken in turn over every row of a panel of rows
+    (``_columns_outer``): its weights (k x ``_COLS``) stay in cache while
+    the rows pass, and the weights are read once a panel (faster than MKL's
+    product for tens of rows by weights of 256 x 768 or 256 x 1024, where
     measured).
     It needs no dispatch, and no packing but the ``panels`` of the weights of
     a call's per-step products (``pack``): where a product is small (a batch
@@ -345,9 +386,10 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     (``small_rows_table``, measured)."""
     wide_vectors()
     m, k = a.shape
+    n = out.shape[1]
     zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
-    if hi - lo < 32:  # narrower than a block (n < 32): one sum at a time
+    if hi - lo < _COLS:  # narrower than a block: one sum at a time
         for i in range(m):
             for j in range(lo, hi):
                 s = zero
@@ -358,91 +400,92 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     if m >= 6:
         _columns_outer(a, w, ld, panel, out, lo, hi)
         return
+    C = _COLS
     i = 0
     while i < m:
         rows = 4 if i + 4 <= m else 1
-        end = lo + 32
-        while end < hi + 32:
+        end = lo + C
+        while end < hi + C:
             # the block's columns (one row: two blocks), as unsigned integers:
             # Numba then adds no negative-index handling, and LLVM loads
             # rows, not gathers
-            j0 = np.uint64(min(end, hi) - 32)
-            j1 = np.uint64(min(end + 32, hi) - 32)
-            s0 = _block_start(min(end, hi) - 32, ld, panel)
-            s1 = _block_start(min(end + 32, hi) - 32, ld, panel)
+            j0 = np.uint64(min(end, hi) - C)
+            j1 = np.uint64(min(end + C, hi) - C)
+            s0 = _block_start(min(end, hi) - C, ld, panel, n)
+            s1 = _block_start(min(end + C, hi) - C, ld, panel, n)
             if rows == 4:
                 _four_rows(a, w, ld, s0, out, acc, i, j0)
-                end += 32
-            elif panel == 0 and out.itemsize == 4 and hi - end >= _WIDE_ACCUMULATORS - 32:
-                # (float32 rows of b, twelve whole blocks left: side by side)
-                _one_row_384(a, w, ld, out, i, j0)
+                end += C
+            elif panel == 0 and out.itemsize == 4 and hi - end >= _WIDE_ACCUMULATORS - C:
+                # (float32 rows of b, enough whole blocks left: side by side)
+                _one_row_wide(a, w, ld, out, i, j0)
                 end += _WIDE_ACCUMULATORS
-            elif hi - end > 96:  # more than four blocks left: six at a time
-                j2 = np.uint64(min(end + 64, hi) - 32)
-                j3 = np.uint64(min(end + 96, hi) - 32)
-                j4 = np.uint64(min(end + 128, hi) - 32)
-                j5 = np.uint64(min(end + 160, hi) - 32)
-                s2 = _block_start(min(end + 64, hi) - 32, ld, panel)
-                s3 = _block_start(min(end + 96, hi) - 32, ld, panel)
-                s4 = _block_start(min(end + 128, hi) - 32, ld, panel)
-                s5 = _block_start(min(end + 160, hi) - 32, ld, panel)
-                for jj in range(192):
+            elif hi - end > 3 * C:  # more than four blocks left: six at a time
+                j2 = np.uint64(min(end + 2 * C, hi) - C)
+                j3 = np.uint64(min(end + 3 * C, hi) - C)
+                j4 = np.uint64(min(end + 4 * C, hi) - C)
+                j5 = np.uint64(min(end + 5 * C, hi) - C)
+                s2 = _block_start(min(end + 2 * C, hi) - C, ld, panel, n)
+                s3 = _block_start(min(end + 3 * C, hi) - C, ld, panel, n)
+                s4 = _block_start(min(end + 4 * C, hi) - C, ld, panel, n)
+                s5 = _block_start(min(end + 5 * C, hi) - C, ld, panel, n)
+                for jj in range(6 * C):
                     acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
                     r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
                     r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
                     r4, r5 = np.uint64(s4 + kk * ld), np.uint64(s5 + kk * ld)
-                    for jj in range(_U32):
+                    for jj in range(_UCOLS):
                         acc[jj] += x * w[r0 + jj]
-                        acc[32 + jj] += x * w[r1 + jj]
-                        acc[64 + jj] += x * w[r2 + jj]
-                        acc[96 + jj] += x * w[r3 + jj]
-                        acc[128 + jj] += x * w[r4 + jj]
-                        acc[160 + jj] += x * w[r5 + jj]
-                for jj in range(_U32):
+                        acc[C + jj] += x * w[r1 + jj]
+                        acc[2 * C + jj] += x * w[r2 + jj]
+                        acc[3 * C + jj] += x * w[r3 + jj]
+                        acc[4 * C + jj] += x * w[r4 + jj]
+                        acc[5 * C + jj] += x * w[r5 + jj]
+                for jj in range(_UCOLS):
                     out[i, j0 + jj] = acc[jj]
-                    out[i, j1 + jj] = acc[32 + jj]
-                    out[i, j2 + jj] = acc[64 + jj]
-                    out[i, j3 + jj] = acc[96 + jj]
-                    out[i, j4 + jj] = acc[128 + jj]
-                    out[i, j5 + jj] = acc[160 + jj]
-                end += 192
-            elif hi - end > 32:  # three or four blocks left: four at a time
-                j2 = np.uint64(min(end + 64, hi) - 32)
-                j3 = np.uint64(min(end + 96, hi) - 32)
-                s2 = _block_start(min(end + 64, hi) - 32, ld, panel)
-                s3 = _block_start(min(end + 96, hi) - 32, ld, panel)
-                for jj in range(128):
+                    out[i, j1 + jj] = acc[C + jj]
+                    out[i, j2 + jj] = acc[2 * C + jj]
+                    out[i, j3 + jj] = acc[3 * C + jj]
+                    out[i, j4 + jj] = acc[4 * C + jj]
+                    out[i, j5 + jj] = acc[5 * C + jj]
+                end += 6 * C
+            elif hi - end > C:  # three or four blocks left: four at a time
+                j2 = np.uint64(min(end + 2 * C, hi) - C)
+                j3 = np.uint64(min(end + 3 * C, hi) - C)
+                s2 = _block_start(min(end + 2 * C, hi) - C, ld, panel, n)
+                s3 = _block_start(min(end + 3 * C, hi) - C, ld, panel, n)
+                for jj in range(4 * C):
                     acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
                     r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
                     r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
-                    for jj in range(_U32):
+                    for jj in range(_UCOLS):
                         acc[jj] += x * w[r0 + jj]
-                        acc[32 + jj] += x * w[r1 + jj]
-                        acc[64 + jj] += x * w[r2 + jj]
-                        acc[96 + jj] += x * w[r3 + jj]
-                for jj in range(_U32):
+                        acc[C + jj] += x * w[r1 + jj]
+                        acc[2 * C + jj] += x * w[r2 + jj]
+                        acc[3 * C + jj] += x * w[r3 + jj]
+                for jj in range(_UCOLS):
                     out[i, j0 + jj] = acc[jj]
-                    out[i, j1 + jj] = acc[32 + jj]
-                    out[i, j2 + jj] = acc[64 + jj]
-                    out[i, j3 + jj] = acc[96 + jj]
-                end += 128
+                    out[i, j1 + jj] = acc[C + jj]
+                    out[i, j2 + jj] = acc[2 * C + jj]
+                    out[i, j3 + jj] = acc[3 * C + jj]
+                end += 4 * C
             else:
-                for jj in range(64):
+                for jj in range(2 * C):
                     acc[jj] = zero
                 for kk in range(k):
                     x = a[i, kk]
                     r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
-                    for jj in range(_U32):
+                    for jj in range(_UCOLS):
                         acc[jj] += x * w[r0 + jj]
-                        acc[32 + jj] += x * w[r1 + jj]
-                for jj in range(_U32):
+                        acc[C + jj] += x * w[r1 + jj]
+                for jj in range(_UCOLS):
                     out[i, j0 + jj] = acc[jj]
-                    out[i, j1 + jj] = acc[32 + jj]
-                end += 64
+                    out[i, j1 + jj] = acc[C + jj]
+                end += 2 * C
         i += rows
 
 
@@ -682,14 +725,14 @@ def pack(b, max_rows, call_rows, small_rows, board):
     ``b``): a stream's call of a few rows packs nothing. Where the own loop
     takes one row only (float32, 384 columns or more), its "panels" are
     one panel of every column: ``b`` on a cache line, whose rows
-    ``_one_row_384`` reads."""
+    ``_one_row_wide`` reads."""
     k, n = b.shape
     rows = own_rows(small_rows, k, n)
     library = _library_pack(b, max_rows if max_rows > rows else 0)
     # the own loop's board: ``board``, or one that shares nothing (ALONE's)
     own_board = board if shares_with_helper(small_rows, k * n) else np.zeros_like(board)
     if rows == 1 and b.itemsize == 4 and n >= _WIDE_ACCUMULATORS and call_rows >= PANEL_MIN_ROWS:
-        # one row a product (``_one_row_384``): b as one panel of all its
+        # one row a product (``_one_row_wide``): b as one panel of all its
         # columns, starting on a cache line
         whole = aligned_empty(k * n, b).reshape((1, k, n))
         whole[0] = b

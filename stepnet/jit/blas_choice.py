@@ -621,6 +621,10 @@ def describe() -> str:
                            f"{'' if shares else ' (not shared with the helper)'}"
                            for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
+    size, count = blas.vector_registers()
+    lines.append(f"  stepnet's own loop: blocks of 6 rows x {blas._COLS} columns, one row x "
+                 f"{blas._WIDE_ACCUMULATORS} in float32, for {count} vector registers of {size} "
+                 f"bytes ({'AVX-512' if size == 64 else 'AVX2'})")
     blas._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
