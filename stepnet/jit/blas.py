@@ -284,10 +284,10 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
     of 4 where 6 would leave rows over (the 7 or 8 rows left, or 4 and
     fewer): 32 rows are 5 blocks of 6 and 2 of 4, where blocks of 6 alone
     would compute 36, rows thrown away (the mix runs faster than blocks of
-    6 alone, and as fast as they do on rows that they fill). A block past the panel's last row ends at it instead:
-    it writes the rows it shares with the one before again, with the same
-    values (at most one row computed twice, where the panel's rows are
-    odd)."""
+    6 alone, and as fast as they do on rows that they fill). A block past
+    the panel's last row ends at it instead: it writes the rows it shares
+    with the one before again, with the same values (at most one row
+    computed twice, where the panel's rows are odd)."""
     wide_vectors()
     m, k = a.shape
     n = out.shape[1]
