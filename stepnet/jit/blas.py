@@ -153,10 +153,11 @@ _AVX512 = vector_registers()[0] == 64
 # registers, not AVX2's 16)
 _COLS = 32 if _AVX512 else 16
 _UCOLS = np.uint64(_COLS)
-# small_gemm's block of accumulators: 6 rows x _COLS columns with AVX-512;
-# with AVX2, 4 rows (6 rows' 12 vectors of sums, their 6 values of a and the
+# the rows of a block of small_gemm's sums (from 6 rows on): 6 with AVX-512;
+# with AVX2, 4 (6 rows' 12 vectors of sums, their 6 values of a and the
 # weights' 2 vectors outgrow 16 registers: LLVM spills sums to the stack)
-_SIX_ROWS = _AVX512
+_BLOCK_ROWS = 6 if _AVX512 else 4
+# small_gemm's buffer of sums: 6 blocks of _COLS (6 rows, or one row's 6 blocks)
 _ACCUMULATORS = 6 * _COLS
 # one row's sums in float32 at once where the weights are rows of b: 24
 # vectors of 16 on AVX-512, 12 of 8 on AVX2 (with the weights' vector and
@@ -280,7 +281,7 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
     """_own_columns for 6 rows or more: by panels of ``_PANEL_ROWS`` rows
     (kept in cache while the weights pass over them), each block of
     ``_COLS`` columns (the last one ending at ``hi``) in turn over the
-    panel's rows in blocks of 4 (``_SIX_ROWS`` false: AVX2), or of 6 and
+    panel's rows in blocks of 4 (``_BLOCK_ROWS``, AVX2), or of 6 and
     of 4 where 6 would leave rows over (the 7 or 8 rows left, or 4 and
     fewer): 32 rows are 5 blocks of 6 and 2 of 4, where blocks of 6 alone
     would compute 36, rows thrown away (the mix runs faster than blocks of
@@ -303,7 +304,7 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
             i = first
             while i < last:
                 left = last - i
-                if not _SIX_ROWS or left <= 4 or left == 7 or left == 8:
+                if _BLOCK_ROWS == 4 or left <= 4 or left == 7 or left == 8:
                     i = min(i, last - 4)
                     _four_rows(a, w, ld, start, out, acc, i, j0)
                     i += 4
@@ -362,8 +363,8 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
     ``panel`` = 32 k, ``lo`` a multiple of 32 and ``hi`` one or n) as
     stepnet's own loop, in blocks sized to the vector registers (``_COLS``
     columns: two vectors of float32):
-    a block of 6 rows x ``_COLS`` columns of ``out`` (under 6 rows, 4 x
-    ``_COLS``; then one row x ``_WIDE_ACCUMULATORS`` in float32 from the
+    a block of ``_BLOCK_ROWS`` rows x ``_COLS`` columns of ``out`` (under 6
+    rows, 4 x ``_COLS``; then one row x ``_WIDE_ACCUMULATORS`` in float32 from the
     rows of ``b`` (``_one_row_wide``), or x 6 blocks where more than four
     are left, x 4, or x 2 where no more are: enough independent sums to
     keep the FMA units busy, and for one row enough streams of weights

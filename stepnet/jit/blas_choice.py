@@ -622,10 +622,9 @@ def describe() -> str:
                            for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
     size, count = blas.vector_registers()
-    lines.append(f"  stepnet's own loop: blocks of {6 if blas._SIX_ROWS else 4} rows x {blas._COLS} "
-                 f"columns, one row x "
-                 f"{blas._WIDE_ACCUMULATORS} in float32, for {count} vector registers of {size} "
-                 f"bytes ({'AVX-512' if size == 64 else 'AVX2'})")
+    lines.append(f"  stepnet's own loop: blocks of {blas._BLOCK_ROWS} rows x {blas._COLS} columns, "
+                 f"one row x {blas._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
+                 f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
     blas._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")

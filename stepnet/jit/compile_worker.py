@@ -429,24 +429,9 @@ def worker(root) -> Client:
     with _CLIENTS_LOCK:
         _STARTED[:] = [p for p in _STARTED if p.poll() is None]
         client = _CLIENTS.get(root)
-        if client is None or client.closed or _ended(client._pid):
-            # (a worker that has just ended: its client may not have read the
-            # end of its connection yet; what it had pending goes to the next)
+        if client is None or client.closed:
             client = _CLIENTS[root] = Client(root)
         return client
-
-
-def _ended(pid) -> bool:
-    """Whether the worker process ``pid`` (None: not known yet) has ended."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # (alive, another user's)
-        return False
-    return False
 
 
 if __name__ == "__main__":
