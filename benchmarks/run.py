@@ -142,11 +142,11 @@ def _family_notes(family, threads):
             import numba
 
             import stepnet
-            from stepnet.jit import blas, blas_choice
+            from stepnet.jit import blas, blas_choice, blas_info
 
             blas_note = f"{blas.BLAS_NAME} ({blas_choice.choose()['reason']})"
             notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}, BLAS {blas_note}"
-            small = [line for line in blas_choice.describe().splitlines()
+            small = [line for line in blas_info.describe().splitlines()
                      if line.startswith("small products: ")]
             notes[_SMALL_NOTE] = small[0][len("small products: "):] if small else "unknown"
         elif family == "numpy":

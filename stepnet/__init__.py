@@ -6,6 +6,7 @@ sequence of a batch. See docs/design.md and README.md.
 
 from . import errors, nn, onnx, ops, optim
 from .pullback import gradients, vjp
+from .config import config
 from .backends import backends, compile_ahead, default_backend, set_default_backend
 from .dsl import MemoryHandle, RNNOp, create_rnn_op
 from .errors import (
@@ -38,6 +39,7 @@ __all__ = [
     "YAMLError",
     "backends",
     "compile_ahead",
+    "config",
     "create_rnn_op",
     "default_backend",
     "errors",

@@ -26,7 +26,7 @@ from .autodiff import (
 from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
-from .jit.blas import DETERMINISTIC, transposed_products
+from .config import config
 from .lod import LoDTensor
 from .tracing import Parameter
 
@@ -44,7 +44,10 @@ def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
     products run together on stepnet's threads (``blas.transposed_products``,
     compiled helpers), or with ``on_numpy`` on NumPy: for a backward that ran
     on the interpreter, which must not wait for a compile."""
-    products_of = _numpy_transposed_products if on_numpy else transposed_products
+    if on_numpy:
+        products_of = _numpy_transposed_products
+    else:
+        from .jit.blas import transposed_products as products_of  # (loaded: a kernel ran)
     grads, sums = {}, {}
 
     def key(ref):
@@ -153,7 +156,7 @@ class Pullback:
         # a backward that ran on the interpreter (its backend, or a kernel's
         # first tier: not ready after its call) sums the weight gradients on
         # NumPy too (not under STEPNET_DETERMINISTIC, whose sums have a fixed order)
-        on_numpy = not DETERMINISTIC and (self.backend == "interpreter" or any(
+        on_numpy = not config.engine("deterministic") and (self.backend == "interpreter" or any(
             getattr(run, "ready", True) is False for run, _ in runs))
         results = [values[id(v)] for v in layout.values]
         inputs = values

@@ -70,9 +70,10 @@ def test_build_settings_give_separate_helper_caches(monkeypatch):
     own; the library asked for by name does not: asked for or measured,
     the same library calls the same code."""
     plain = cache.build_key()
-    monkeypatch.setenv("STEPNET_DETERMINISTIC", "1")
+    started = sn.config._started  # (the settings this process's engine started with)
+    monkeypatch.setitem(started, "deterministic", not started["deterministic"])
     assert cache.build_key() != plain
-    monkeypatch.setenv("STEPNET_DETERMINISTIC", "0")
+    monkeypatch.setitem(started, "deterministic", not started["deterministic"])
     assert cache.build_key() == plain
     monkeypatch.setenv("STEPNET_BLAS", "numpy")
     assert cache.build_key() == plain

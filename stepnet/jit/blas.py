@@ -47,7 +47,6 @@ run-time argument of the kernels.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -59,6 +58,7 @@ from numba.core import cgutils, types
 from numba.core import config as numba_config
 from numba.extending import intrinsic, overload
 
+from ..config import config
 from . import threads
 from .atomics import cycles, job_of, stack_buffer, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
@@ -140,7 +140,7 @@ def vector_registers() -> tuple:
 # STEPNET_DETERMINISTIC=1: every product runs small_gemm without reassociation,
 # so each row's result is a fixed sequential sum, whatever the other rows of the
 # batch (a distributed run equals a single-process one bit for bit). Slower.
-DETERMINISTIC = os.environ.get("STEPNET_DETERMINISTIC", "").strip() not in ("", "0")
+DETERMINISTIC = config.start_engine("deterministic")
 # stepnet's own loop multiplies-adds in order, vectorized across columns: no
 # reassociation is needed, only FMAs (none under STEPNET_DETERMINISTIC)
 _SMALL_GEMM_FASTMATH = False if DETERMINISTIC else {"contract"}
@@ -490,6 +490,7 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
         i += rows
 
 
+config.start_engine("blas")
 _choice = choose()
 BLAS_NAME = _choice["name"]
 # whether the library computes each row alike in any part of 8 rows or more
@@ -1210,6 +1211,7 @@ def small_rows_table():
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
+                config.start_engine("small_products")
                 limits = ((EVERY_PRODUCT, EVERY_PRODUCT, 1),) if DETERMINISTIC else \
                     small_product_rows(_choice, _time_small_and_library, _time_alone_and_shared)
                 table = np.array(limits, np.int64).T.copy()

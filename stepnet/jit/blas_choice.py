@@ -47,9 +47,9 @@ import warnings
 
 import numpy as np
 
+from ..config import config
 from .cache import cache_dir
 
-CHOICES = ("openblas", "mkl", "numpy")
 
 # the products measured (m, k, n), repetitions, and the weight of each in the
 # score: a per-step product of a 64-row batch (H=256, three gates), run 100
@@ -321,11 +321,7 @@ def choose() -> dict:
 def _choose():
     """``choose``'s choice, before its rows are checked, and the libraries
     found (name: Library or None)."""
-    requested = os.environ.get("STEPNET_BLAS", "").strip().lower()
-    if requested and requested not in CHOICES:
-        from ..errors import UnsupportedError
-
-        raise UnsupportedError(f"STEPNET_BLAS={requested!r}: expected one of {', '.join(CHOICES)}")
+    requested = config.blas or ""
     cpu = _cpu_name()
     found = {}
     if requested in ("", "mkl"):
@@ -483,14 +479,9 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     shared), and the file says so. Where the library's rows differ by part
     (``choice["rows_alike"]``), the own loop takes every product but as
     ``STEPNET_SMALL_PRODUCTS`` says."""
-    requested = os.environ.get("STEPNET_SMALL_PRODUCTS", "").strip()
-    if requested:
-        if not requested.isdigit():
-            from ..errors import UnsupportedError
-
-            raise UnsupportedError(f"STEPNET_SMALL_PRODUCTS={requested!r}: expected a number of "
-                                   "rows (an integer >= 0)")
-        limits = ((EVERY_PRODUCT, int(requested), 1),)
+    requested = config.small_products
+    if requested is not None:
+        limits = ((EVERY_PRODUCT, requested, 1),)
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
@@ -591,59 +582,3 @@ def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
 def _what(name):
     return {"mkl": "MKL (libmkl_rt; pip install mkl)",
             "openblas": "scipy.linalg.cython_blas"}[name]
-
-
-def describe() -> str:
-    """What ``stepnet info`` prints about the BLAS."""
-    c = choose()
-    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}",
-             f"  {c['name']}'s rows: " + ("each computed alike in any part of 8 rows or more"
-                                         if c["rows_alike"] else
-                                         "computed apart by part (rows_alike): its products "
-                                         "are not cut by rows, stepnet's own loop takes every "
-                                         "product of the kernels")]
-    for name, path in c["libraries"].items():
-        lines.append(f"  {name}: {path}")
-    for name, secs in c.get("seconds", {}).items():
-        rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
-                          for (m, k, n, _, _), s in zip(_SHAPES, secs))
-        lines.append(f"  {name}, one thread: {rates}")
-    from . import blas
-
-    table = blas.small_rows_table()  # measured here if it is not known yet
-    small = _SMALL_PRODUCTS
-    if blas.DETERMINISTIC:
-        lines.append("small products: every product runs stepnet's own loop "
-                     "(STEPNET_DETERMINISTIC)")
-    else:
-        limits = ", ".join(f"{'any number of' if r == EVERY_PRODUCT else f'up to {r}'} rows for "
-                           f"{'any weights' if size == EVERY_PRODUCT else f'weights up to {size}'}"
-                           f"{'' if shares else ' (not shared with the helper)'}"
-                           for size, r, shares in zip(*table.tolist()))
-        lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
-    size, count = blas.vector_registers()
-    lines.append(f"  stepnet's own loop: blocks of {blas._BLOCK_ROWS} rows x {blas._COLS} columns, "
-                 f"one row x {blas._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
-                 f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
-    blas._tn_by_own_loop("float32")  # measured here if it is not known yet
-    if blas.DETERMINISTIC:
-        lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
-    else:
-        rows, m, n = _TN_SHAPE
-        for dtype, found in sorted(_TRANSPOSED.items()):
-            own, lib = found["seconds"]
-            lines.append(f"weight gradients (a.T @ b), {dtype}: "
-                         f"{'stepnet own loop' if own < lib else c['name']} "
-                         f"({found['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "
-                         f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
-                         f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
-    for k, n in _STEP_WEIGHTS:
-        row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
-        if row:
-            figures = ", ".join(f"{m}: {own * 1e6:.1f}/{lib * 1e6:.1f}" for m, own, lib in row)
-            lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{c['name']}: {figures}")
-        for m, kk, nn, alone, cut in small.get("shared", ()):
-            if (kk, nn) == (k, n):
-                lines.append(f"    {m} row, us own loop alone/shared with the helper: "
-                             f"{alone * 1e6:.1f}/{cut * 1e6:.1f}")
-    return "\n".join(lines)

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from pathlib import Path
 
 import numba
 from numba import config as numba_config
 from numba.core import caching
+
+from ..config import config
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # the stepnet package directory
 # public names since Numba 0.61, private before
@@ -48,11 +49,7 @@ _USER_WIDE_LOCATOR = (getattr(caching, "UserWideCacheLocator", None)
 def cache_dir() -> Path:
     """The root of everything stepnet writes: ``STEPNET_CACHE_DIR`` or the
     per-user cache directory."""
-    path = os.environ.get("STEPNET_CACHE_DIR")
-    if not path:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "stepnet")
-    return Path(path)
+    return config.cache_dir
 
 
 _CHOSEN_BLAS = []  # the BLAS stepnet.jit.blas chose (measured, or STEPNET_BLAS), once it has
@@ -78,7 +75,7 @@ def build_key() -> str:
         f"boundscheck={bool(numba_config.BOUNDSCHECK)}",
         f"threads={int(numba_config.NUMBA_NUM_THREADS)}",
         f"chosen={''.join(_CHOSEN_BLAS)}",
-        f"deterministic={os.environ.get('STEPNET_DETERMINISTIC', '').strip() not in ('', '0')}",
+        f"deterministic={config.engine('deterministic')}",
     ]
     return hashlib.sha256(";".join(settings).encode()).hexdigest()[:16]
 

@@ -237,7 +237,7 @@ class _Connection:
 def main() -> int:
     import fcntl
 
-    root = Path(os.environ.get("STEPNET_CACHE_DIR") or _default_root())
+    root = Path(_default_root())
     root.mkdir(parents=True, exist_ok=True)
     lock = open(root / _LOCK_NAME, "a")  # noqa: SIM115  (held for the process's life)
     try:

@@ -67,6 +67,7 @@ import numba
 import numpy as np
 
 from .. import interpreter, ir, registry, schedule
+from ..config import config
 from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
 from . import apart, blas, numba_runtime, threads
@@ -84,7 +85,7 @@ GLIBC_MALLOC_OPTIONS = {-3: 32 << 20, -1: 256 << 20}
 
 def _keep_freed_memory():
     """glibc's malloc keeps freed blocks for the next call (see above)."""
-    if os.environ.get("STEPNET_MALLOC_TUNING", "1") == "0" or "GLIBC_TUNABLES" in os.environ \
+    if not config.malloc_tuning or "GLIBC_TUNABLES" in os.environ \
             or any(k.startswith("MALLOC_") for k in os.environ):
         return
     try:
@@ -97,6 +98,7 @@ def _keep_freed_memory():
         mallopt(option, value)
 
 
+config.start_engine("malloc_tuning")
 _keep_freed_memory()
 
 # ----------------------------------------------------------------------------
@@ -1777,7 +1779,7 @@ class NumbaProgram:
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
                                for v in (*body.step_inputs, *(o for e in body.eqns for o in e.outputs))
                                if v.batched] + [1])
-        if os.environ.get("STEPNET_DEBUG"):
+        if config.debug:
             print(self.source, file=sys.stderr)
         self.key = kernel_key(self.source)
         self.module = load_source(self.source)
@@ -2173,7 +2175,7 @@ def tiered() -> bool:
     ``STEPNET_TIERED`` (``0`` waits for the compiled kernel; on by default).
     Never under ``STEPNET_DETERMINISTIC=1``, whose results must not depend on
     which tier ran."""
-    return os.environ.get("STEPNET_TIERED", "1").strip() != "0" and not blas.DETERMINISTIC
+    return config.tiered and not blas.DETERMINISTIC
 
 
 def compile_program(program: ir.Program):

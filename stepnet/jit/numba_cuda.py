@@ -46,12 +46,14 @@ step-net (stepnet.autodiff).
 from __future__ import annotations
 
 import hashlib
+import sys
 import os
 import re
 
 import numpy as np
 
 from .. import ir, schedule
+from ..config import config
 from ..errors import BackendError, LoDError, UnsupportedError
 from ..lod import LoDTensor
 from .. import registry
@@ -531,8 +533,8 @@ def compile_program(program: ir.Program):
         namespace = {"__name__": f"stepnet_cuda_{key[:12]}"}
         exec(compile(source, f"<stepnet cuda {key[:12]}>", "exec"), namespace)  # noqa: S102
         _MODULES[key] = namespace
-    if os.environ.get("STEPNET_DEBUG"):
-        print(source)
+    if config.debug:
+        print(source, file=sys.stderr)
     run = _Run(program, kernels, _MODULES[key])
     run.source = source
     run.schedule = kernels.schedule

@@ -22,7 +22,6 @@ import numpy as np
 
 from .. import dsl
 from ..backends import default_backend
-from ..jit import threads
 from ..pullback import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
 from ..lod import LoDTensor
@@ -828,6 +827,8 @@ class _RecurrentLayer:
         L, D = self.num_layers, self.num_directions
 
         def directions(fn):
+            from ..jit import threads  # (at the first run: importing stepnet starts no engine)
+
             return threads.run_apart(fn, range(D), work)
 
         if self.combine == "per_layer" or D == 1:
@@ -1059,6 +1060,8 @@ class LayerPullback:
                                      [pb.backend for pb in self.tape.values()])
 
         def directions(fn):
+            from ..jit import threads  # (at the first run: importing stepnet starts no engine)
+
             return threads.run_apart(fn, range(D), work)
 
         dy = self._rows(grad_outputs[0])

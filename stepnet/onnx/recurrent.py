@@ -24,7 +24,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dsl, nn
-from ..jit import threads
 from ..pullback import vjp
 from .. import ops as sn_ops
 from ..errors import Error, ShapeError
@@ -160,6 +159,8 @@ class RecurrentNode:
         def one_direction(d):
             return directions[d](data, offsets, [None if s is None else s[d] for s in initial])
 
+        from ..jit import threads  # (at the first run: importing stepnet starts no engine)
+
         try:  # both directions at once where worth a thread, as a layer's (layers.stack)
             results = threads.run_apart(one_direction, range(D),
                                         layer._direction_work(data.shape[0], [backend]))
@@ -209,6 +210,8 @@ class RecurrentNode:
         def one_direction(d):
             return kernels[d].by_steps(rows, offsets, [None if s is None else s[d] for s in states],
                                        padded=lengths is not None)
+
+        from ..jit import threads
 
         try:
             results = threads.run_apart(one_direction, range(len(kernels)),
@@ -328,6 +331,8 @@ class RecurrentNode:
                 if any(r is None for r in results):
                     results = None
             if results is None:  # (both directions at once where worth a thread, as in run)
+                from ..jit import threads
+
                 results = threads.run_apart(
                     lambda d: kernels[d](data, offsets, [None if s is None else s[d] for s in states]),
                     range(len(kernels)), self.layer._direction_work(data.shape[0], ["numba"]))

@@ -1,0 +1,62 @@
+"""What ``stepnet info`` prints about the BLAS and stepnet's own product
+loop: the choice (:mod:`stepnet.jit.blas_choice`) and what the engine
+(:mod:`stepnet.jit.blas`) measured from it. Importing this starts the engine."""
+
+from __future__ import annotations
+
+from . import blas, blas_choice
+from .blas_choice import EVERY_PRODUCT
+
+
+def describe() -> str:
+    """What ``stepnet info`` prints about the BLAS."""
+    c = blas_choice.choose()
+    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}",
+             f"  {c['name']}'s rows: " + ("each computed alike in any part of 8 rows or more"
+                                         if c["rows_alike"] else
+                                         "computed apart by part (rows_alike): its products "
+                                         "are not cut by rows, stepnet's own loop takes every "
+                                         "product of the kernels")]
+    for name, path in c["libraries"].items():
+        lines.append(f"  {name}: {path}")
+    for name, secs in c.get("seconds", {}).items():
+        rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
+                          for (m, k, n, _, _), s in zip(blas_choice._SHAPES, secs))
+        lines.append(f"  {name}, one thread: {rates}")
+    table = blas.small_rows_table()  # measured here if it is not known yet
+    small = blas_choice._SMALL_PRODUCTS
+    if blas.DETERMINISTIC:
+        lines.append("small products: every product runs stepnet's own loop "
+                     "(STEPNET_DETERMINISTIC)")
+    else:
+        limits = ", ".join(f"{'any number of' if r == EVERY_PRODUCT else f'up to {r}'} rows for "
+                           f"{'any weights' if size == EVERY_PRODUCT else f'weights up to {size}'}"
+                           f"{'' if shares else ' (not shared with the helper)'}"
+                           for size, r, shares in zip(*table.tolist()))
+        lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
+    size, count = blas.vector_registers()
+    lines.append(f"  stepnet's own loop: blocks of {blas._BLOCK_ROWS} rows x {blas._COLS} columns, "
+                 f"one row x {blas._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
+                 f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
+    blas._tn_by_own_loop("float32")  # measured here if it is not known yet
+    if blas.DETERMINISTIC:
+        lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
+    else:
+        rows, m, n = blas_choice._TN_SHAPE
+        for dtype, found in sorted(blas_choice._TRANSPOSED.items()):
+            own, lib = found["seconds"]
+            lines.append(f"weight gradients (a.T @ b), {dtype}: "
+                         f"{'stepnet own loop' if own < lib else c['name']} "
+                         f"({found['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "
+                         f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
+                         f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
+    for k, n in blas_choice._STEP_WEIGHTS:
+        row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
+        if row:
+            figures = ", ".join(f"{m}: {own * 1e6:.1f}/{lib * 1e6:.1f}" for m, own, lib in row)
+            lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{c['name']}: {figures}")
+        for m, kk, nn, alone, cut in small.get("shared", ()):
+            if (kk, nn) == (k, n):
+                lines.append(f"    {m} row, us own loop alone/shared with the helper: "
+                             f"{alone * 1e6:.1f}/{cut * 1e6:.1f}")
+    return "\n".join(lines)
