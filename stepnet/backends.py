@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,11 +15,38 @@ from . import schedule as _schedule
 from .autodiff import backward_program, forward_program
 from .errors import BackendError
 
-# name -> module implementing ``compile_program(program) -> run(args, consts)``
-_BACKEND_MODULES = {
-    "interpreter": "stepnet.interpreter",
-    "numba": "stepnet.jit.numba_cpu",
-    "cuda": "stepnet.jit.numba_cuda",
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: the module that compiles for it and what it can do.
+
+    Front ends ask these, never a backend's name. ``module`` implements
+    ``compile_program(program) -> run`` with ``run(args, consts) -> outputs``
+    (``available()`` and ``why_unavailable()`` where it may be missing, and
+    ``tiered()`` where it tiers); a ``run`` may have ``source``,
+    ``schedule``, ``ready`` and ``wait``, which :class:`CompiledStepNet`
+    reads.
+    """
+    name: str
+    module: str
+    compiles: bool  # runs code generated for the step-net (a first call may compile it)
+    tiers: bool  # a new kernel may answer on the interpreter while it compiles (``tiered()``)
+    releases_gil: bool  # two calls run at once on two threads (a layer's directions)
+    host_code: bool  # machine code in this process, called directly by front ends (ONNX
+    # streaming nodes and fused elementwise runs) and beside stepnet's host products
+    device_memory: bool  # computes in a device's memory (inputs and outputs are copied)
+    keeps_scopes: bool = False  # a call may keep each step's scope (``keep_scopes=True``)
+
+
+BACKENDS = {
+    "interpreter": Backend("interpreter", "stepnet.interpreter", compiles=False, tiers=False,
+                           releases_gil=False, host_code=False, device_memory=False,
+                           keeps_scopes=True),
+    "numba": Backend("numba", "stepnet.jit.numba_cpu", compiles=True, tiers=True,
+                     releases_gil=True, host_code=True, device_memory=False),
+    "cuda": Backend("cuda", "stepnet.jit.numba_cuda", compiles=True, tiers=False,
+                    releases_gil=False, host_code=False, device_memory=True),
 }
 _default = None  # the first call picks "numba" when it is available (docs/design.md §4)
 
@@ -35,7 +63,7 @@ def backends() -> list:
         In ``["interpreter", "numba", "cuda"]``, the ones that work here.
     """
     out = []
-    for name in _BACKEND_MODULES:
+    for name in BACKENDS:
         try:
             _module(name)
         except BackendError:
@@ -82,13 +110,42 @@ def default_backend() -> str:
     return _default
 
 
+def backend(name=None) -> Backend:
+    """What backend ``name`` can do.
+
+    Parameters
+    ----------
+    name : str or None
+        A backend's name; None: :func:`default_backend`.
+
+    Returns
+    -------
+    Backend
+        Its record (its module is not imported for it).
+
+    Raises
+    ------
+    BackendError
+        ``name`` is not a backend's.
+    """
+    name = name or default_backend()
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name]
+
+
+def answers_while_compiling(name=None) -> bool:
+    """Whether a new kernel of backend ``name`` (None: the default) answers
+    its first calls on the interpreter while it compiles (``sn.config.tiered``
+    and the backend's tiers)."""
+    info = backend(name)
+    return info.tiers and _module(info.name).tiered()
+
+
 def _module(name):
-    if name not in _BACKEND_MODULES:
-        raise BackendError(
-            f"unknown backend {name!r}; known: {', '.join(sorted(_BACKEND_MODULES))}"
-        )
+    info = backend(name)
     try:
-        module = importlib.import_module(_BACKEND_MODULES[name])
+        module = importlib.import_module(info.module)
     except ImportError as exc:
         raise BackendError(f"backend {name!r} is not available here: {exc}") from exc
     available = getattr(module, "available", None)
@@ -110,6 +167,7 @@ class CompiledStepNet:
     def __init__(self, rnn, backend):
         self.rnn = rnn
         self.backend = backend
+        self.capabilities = BACKENDS[backend]  # (what it can do: Backend)
         self._module = _module(backend)
         self._runs = {}  # output flags -> run
         self._gradient_runs = {}  # ("forward", flags) / ("backward", flags, present) -> runs

@@ -257,11 +257,10 @@ def cmd_run(args) -> int:
 
 def _first_run(backend) -> str:
     """What a first run's time includes on ``backend``."""
-    if backend == "numba":
-        from .jit.numba_cpu import tiered
+    from .backends import answers_while_compiling
 
-        if tiered():
-            return "on a first run, new kernels answer on the interpreter while they compile"
+    if answers_while_compiling(backend):
+        return "on a first run, new kernels answer on the interpreter while they compile"
     return "compilation included on a first run"
 
 
@@ -393,8 +392,10 @@ def cmd_bench(args) -> int:
 
 def _compile_line(backend, first, median) -> str:
     """What the first call's extra time says about compiling (never a negative figure)."""
-    if backend == "interpreter":
-        return f"none (the interpreter compiles nothing; first call {_seconds(first)})"
+    from .backends import backend as backend_info
+
+    if not backend_info(backend).compiles:
+        return f"none (the {backend} compiles nothing; first call {_seconds(first)})"
     extra = first - median
     if extra <= 0:
         return (f"none measured (first call {_seconds(first)}, no slower than the median run: "
@@ -460,9 +461,9 @@ def _feeds(model, args):
 
 def _backend_names() -> str:
     """stepnet's backends as a phrase: ``"interpreter, numba or cuda"``."""
-    from .backends import _BACKEND_MODULES
+    from .backends import BACKENDS
 
-    names = list(_BACKEND_MODULES)
+    names = list(BACKENDS)
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 

@@ -925,9 +925,9 @@ class RNNOp:
             outputs, self._workspace = forward_with_workspace(
                 self, output_all_steps, backend, **bindings)
             return outputs
-        from .backends import get_backend
+        from .backends import backend as backend_info, get_backend
 
-        if keep_scopes and backend not in (None, "interpreter"):
+        if keep_scopes and backend is not None and not backend_info(backend).keeps_scopes:
             raise StepNetError("keep_scopes=True needs backend='interpreter'")
         runner = get_backend("interpreter" if keep_scopes else backend)
         return runner.run_rnn_op(self, bindings, output_all_steps, keep_scopes=keep_scopes)

@@ -23,6 +23,7 @@ from .autodiff import (
     grad_rule,
     sum_to_shape,
 )
+from .backends import backend as backend_info
 from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
@@ -156,11 +157,12 @@ class Pullback:
         # a backward that ran on the interpreter (its backend, or a kernel's
         # first tier: not ready after its call) sums the weight gradients on
         # NumPy too (not under STEPNET_DETERMINISTIC, whose sums have a fixed order)
-        on_numpy = not config.engine("deterministic") and (self.backend == "interpreter" or any(
+        capabilities = backend_info(self.backend)
+        on_numpy = not config.engine("deterministic") and (not capabilities.compiles or any(
             getattr(run, "ready", True) is False for run, _ in runs))
         results = [values[id(v)] for v in layout.values]
         inputs = values
-        if on_numpy and self.backend == "numba":  # the compiled calls' weight gradients:
+        if on_numpy and capabilities.host_code:  # the compiled calls' weight gradients:
             from .jit.numba_cpu import prepare_weight_gradients  # compiled meanwhile
 
             for dtype in {np.asarray(getattr(r, "data", r)).dtype for r in results}:

@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import subprocess
+import sys
 
 # Without a GPU the CUDA backend runs on Numba's CUDA simulator (it must be
 # chosen before numba is imported); tests/test_cuda_backend.py tests it.
@@ -202,3 +204,14 @@ def pytest_terminal_summary(terminalreporter, config):
         now = _kernels_in_cache()
         terminalreporter.write_line(f"stepnet: {len(now - before)} new kernels in the cache "
                                     f"({len(now)} in all)")
+
+
+def run_python(code, tmp_path, **env):
+    """``code``'s output in a new process, on a cache of no kernel but this
+    process's helpers and measurements (``cache_with_helpers``)."""
+    cache = cache_with_helpers(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, STEPNET_CACHE_DIR=str(cache), **env),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

@@ -4,6 +4,7 @@
   random LoDTensor of given lengths.
 * :func:`tanh_cell` and :func:`gru_net`: a one-product cell and a
   PyTorch-style GRU written in the DSL.
+* :func:`small_gru`: a one-gate GRU-like cell on random data of given lengths.
 * :func:`nested_encoder`: the README's two-level encoder (chapters of
   paragraphs of words), with the variations the tests use.
 """
@@ -122,3 +123,22 @@ def nested_encoder(rng, lengths=CHAPTERS, features=3, hidden=4, dtype=np.float32
         h.update(sn.ops.tanh(named["last"] @ V + hp @ R))
         rnn.add_outputs(*(named[name] for name in outputs))
     return SimpleNamespace(rnn=rnn, X=X, x=x, lengths=lengths, G=G, H0=H0, **arrays)
+
+
+def small_gru(rng, lengths, features=8, hidden=16):
+    """A GRU-like cell (one gate) on random inputs of ``lengths`` and a
+    random initial state."""
+    rows = sum(lengths[-1])
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((rows, features)).astype(np.float32),
+                                  lengths)
+    W = sn.Parameter(rng.standard_normal((features, hidden)).astype(np.float32) * 0.3, name="W")
+    U = sn.Parameter(rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.3, name="U")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(init=rng.standard_normal((len(lengths[0]), hidden)).astype(np.float32),
+                           name="h")
+        z = sn.ops.sigmoid(x @ W + h.pre_state() @ U)
+        h.update(z * h.pre_state() + (1 - z) * sn.ops.tanh(x @ W))
+        rnn.add_outputs(h)
+    return rnn

@@ -45,7 +45,6 @@ FUNCTIONS_OVER = {
     "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
     "stepnet/torch.py:LayerModule.forward": 87,
     "stepnet/pullback.py:gradients": 83,
-    "stepnet/yaml/model.py:Model.__call__": 82,
 }
 CPU_ENGINE_NOW = 6271
 

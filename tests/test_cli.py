@@ -166,9 +166,9 @@ def test_errors_exit_1_with_file_line_and_key(tmp_path):
 
 
 def test_backend_help_lists_stepnets_own_backends():
-    from stepnet.backends import _BACKEND_MODULES
+    from stepnet.backends import BACKENDS
 
-    names = list(_BACKEND_MODULES)
+    names = list(BACKENDS)
     assert "cuda" in names
     phrase = ", ".join(names[:-1]) + " or " + names[-1]  # "interpreter, numba or cuda"
     for command in ("run", "bench"):

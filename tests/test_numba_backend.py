@@ -8,10 +8,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
-from conftest import assert_backends_agree, assert_close
-from nets import gru_net, lod, nested_encoder
+from conftest import assert_backends_agree, assert_close, run_python
+from nets import gru_net, lod, nested_encoder, small_gru
 
 import stepnet as sn
 
@@ -464,3 +465,78 @@ def test_bounds_checked_code_is_never_cached_with_the_fast_code():
     plain_build, plain_kernels = plain.stdout.split()
     assert checked_build != plain_build
     assert checked_kernels != plain_kernels
+
+
+def test_importing_stepnet_leaves_numbas_threading_alone(tmp_path):
+    out = run_python("import numba; before = numba.config.THREADING_LAYER_PRIORITY; "
+                  "import stepnet; from stepnet.jit import blas; "
+                  "print(numba.config.THREADING_LAYER_PRIORITY == before)", tmp_path)
+    assert out.strip() == "True"
+
+
+@pytest.mark.parametrize("env, tuned", [
+    ({}, True),
+    ({"STEPNET_MALLOC_TUNING": "0"}, False),
+    ({"MALLOC_ARENA_MAX": "2"}, False),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, False),
+])
+def test_the_numba_backend_keeps_freed_memory_unless_told_not_to(monkeypatch, env, tuned):
+    """glibc's mmap and trim thresholds are set (the next call reuses freed
+    pages), except under STEPNET_MALLOC_TUNING=0 or the user's own malloc
+    settings."""
+    if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        pytest.skip("not glibc")
+    calls = []
+
+    class Libc:
+        @staticmethod
+        def mallopt(option, value):
+            calls.append((option, value))
+            return 1
+
+    for k in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(numba_cpu.ctypes, "CDLL", lambda name: Libc)
+    numba_cpu._keep_freed_memory()
+    assert calls == (list(numba_cpu.GLIBC_MALLOC_OPTIONS.items()) if tuned else [])
+
+
+def test_stepnet_loops_are_vectorized_with_the_widest_vectors(rng):
+    """A function that calls ``wide_vectors`` carries LLVM's
+    ``prefer-vector-width`` of 512 (and, on a CPU with AVX-512, its loop
+    uses 512-bit registers); a function that does not keeps LLVM's choice;
+    the generated kernels and the own loop call it."""
+    import llvmlite.binding as llvm_binding
+
+    from stepnet.jit import atomics, blas
+
+    def scale(x, y):
+        for i in range(x.shape[0]):
+            y[i] = 2.0 * x[i] + 1.0
+
+    def wide_scale(x, y):
+        atomics.wide_vectors()
+        scale_loop(x, y)
+
+    scale_loop = numba.njit(inline="always")(scale)
+    plain, wide = numba.njit(scale), numba.njit(wide_scale)
+    x = rng.standard_normal(1000).astype(np.float32)
+    y1, y2 = np.empty_like(x), np.empty_like(x)
+    plain(x, y1)
+    wide(x, y2)
+    np.testing.assert_array_equal(y1, y2)
+    np.testing.assert_array_equal(y2, 2 * x + 1)
+    attribute = '"prefer-vector-width"="512"'
+    assert attribute in wide.inspect_llvm(wide.signatures[0])
+    assert attribute not in plain.inspect_llvm(plain.signatures[0])
+    if llvm_binding.get_host_cpu_features().get("avx512f"):
+        assert "zmm" in wide.inspect_asm(wide.signatures[0])
+    own = numba.njit(blas._own_columns.py_func)  # (compiled here, not read from the cache)
+    b = rng.standard_normal((8, 64)).astype(np.float32)
+    out = np.empty((6, 64), np.float32)
+    own(b[:6, :8], b.reshape(b.size), 64, 0, out, 0, 64)
+    assert attribute in own.inspect_llvm(own.signatures[0])
+    source = small_gru(rng, [[3, 2]]).compile("numba").source
+    assert source.count("    wide_vectors()\n") == source.count("@njit")

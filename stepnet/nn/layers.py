@@ -21,7 +21,7 @@ import operator
 import numpy as np
 
 from .. import dsl
-from ..backends import default_backend
+from ..backends import backend as backend_info
 from ..pullback import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
 from ..lod import LoDTensor
@@ -792,8 +792,8 @@ class _RecurrentLayer:
         whose kernels release the GIL (its directions then run at the same
         time, each on half of the threads: each kernel's products take every
         sequence's row, which runs them faster than half of them)."""
-        numba = all((b or default_backend()) == "numba" for b in backends)
-        return rows * self.hidden_size if numba else 0
+        apart = all(backend_info(b).releases_gil for b in backends)
+        return rows * self.hidden_size if apart else 0
 
     def stack(self, X, run, combine, work=0):
         """Run the stack on ``X`` in the order of ``self.combine``.

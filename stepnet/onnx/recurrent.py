@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dsl, nn
+from ..backends import backend as backend_info
 from ..pullback import vjp
 from .. import ops as sn_ops
 from ..errors import Error, ShapeError
@@ -212,7 +213,6 @@ class RecurrentNode:
                                        padded=lengths is not None)
 
         from ..jit import threads
-
         try:
             results = threads.run_apart(one_direction, range(len(kernels)),
                                         self.layer._direction_work(rows.shape[0], ["numba"]))
@@ -435,7 +435,7 @@ class _Direction:
         self.flags = (True,) + (False,) * states
         self.compiled = rnn.compile(backend)
         self.kernel = None
-        self.tried = backend != "numba"
+        self.tried = not backend_info(backend).host_code
 
     def __call__(self, data, offsets, states):
         if self.kernel is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends import default_backend, get_backend
+from ..backends import backend as backend_info, default_backend, get_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from .fusion import fuse
@@ -558,7 +558,7 @@ class Graph:
             if memo is not None:  # (a plain run's memo needs no constants: they are in it)
                 (known, plan, constants), node_key = memo, key
                 env.update(known)
-            fusing = key is not None and backend == "numba" and plain
+            fusing = key is not None and backend_info(backend).host_code and plain
             fused = self.fused.get(key) if fusing else None
             self._run(env, backend, step, rows, float16_as_float32, fused or plan, node_key,
                       constants)

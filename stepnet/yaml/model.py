@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends import backend as backend_info
 from ..backends import is_compiled
 from ..dsl import MemoryHandle, create_rnn_op
 from ..errors import Error, ShapeError, StepNetError, YAMLError
@@ -255,15 +256,12 @@ class Model:
         nets = [net for net in self._nets if net.runs()]
         total = len(self._layers) + len(nets)
         if progress is not None:
-            from ..backends import default_backend
+            from ..backends import answers_while_compiling, default_backend
 
             backend_name = backend or default_backend()
             first_tier = "compiling"
-            if backend_name == "numba":
-                from ..jit.numba_cpu import tiered
-
-                if tiered():  # a new kernel's first calls run on the interpreter
-                    first_tier = "running on the interpreter while compiling"
+            if answers_while_compiling(backend_name):  # a new kernel's first calls run on the interpreter
+                first_tier = "running on the interpreter while compiling"
 
         def report(position, kind, name, compiled):
             if progress is not None:
@@ -387,7 +385,7 @@ def _compiled_here(rnns, backend, flags=None) -> bool:
     ``output_all_steps`` flags; any, if None) runs code already compiled in
     this process. The interpreter compiles nothing; no step-nets yet (a layer
     not called yet) means a compile to come."""
-    if backend == "interpreter":
+    if not backend_info(backend).compiles:
         return True
     return bool(rnns) and all(is_compiled(rnn, backend, flags) for rnn in rnns)
 

@@ -1,0 +1,272 @@
+"""The BLAS chosen by measurement, and the measured limits of stepnet's own
+loop (stepnet.jit.blas_choice)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import stepnet as sn
+from stepnet import cli
+from conftest import cache_with_helpers, run_python
+from stepnet.jit import blas, blas_choice
+
+
+@pytest.fixture
+def libraries(monkeypatch, tmp_path):
+    """``blas_choice._choose`` over the libraries a test names (found, or
+    not), whatever this machine has, with a fresh cache directory and
+    measurements a test sets (``seconds``; each call of ``measure`` is
+    counted in ``measured``)."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STEPNET_BLAS", raising=False)
+    state = {"found": {}, "seconds": {}, "measured": 0}
+    for name in ("mkl", "openblas"):
+        monkeypatch.setattr(blas_choice, f"find_{name}",
+                            lambda name=name: state["found"].get(name))
+
+    def measure(reachable, shapes=None):
+        state["measured"] += 1
+        seconds = state["seconds"]  # (a list: one call's figures each)
+        seconds = seconds.pop(0) if isinstance(seconds, list) else seconds
+        return {lib.name: seconds[lib.name] for lib in reachable}
+
+    monkeypatch.setattr(blas_choice, "measure", measure)
+    return state
+
+
+def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
+    """With two libraries the faster is measured once, kept, read back,
+    and measured again where the kept file is corrupt or the library it
+    names is gone."""
+    libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
+                          for name in ("mkl", "openblas")}
+    libraries["seconds"] = {"mkl": [2.0, 2.0], "openblas": [1.0, 1.0]}
+    first, _ = blas_choice._choose()
+    assert (first["name"], first["reason"]) == ("openblas", "measured")
+    saved = json.loads((tmp_path / "blas.json").read_text())
+    assert saved["name"] == "openblas" and set(saved["seconds"]) == {"mkl", "openblas"}
+    libraries["seconds"] = {"mkl": [1.0, 1.0], "openblas": [2.0, 2.0]}  # (not asked again)
+    second, _ = blas_choice._choose()
+    assert (second["name"], second["reason"]) == ("openblas", "measured (cached)")
+    assert libraries["measured"] == 2  # (twice: the same figures, steady)
+    (tmp_path / "blas.json").write_text("{not json")  # measured again, never a crash
+    third, _ = blas_choice._choose()
+    assert (third["name"], third["reason"]) == ("mkl", "measured")
+    assert libraries["measured"] == 4
+
+
+def test_a_measurement_is_taken_again_until_steady_or_said_to_be_noisy(libraries, tmp_path):
+    libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
+                          for name in ("mkl", "openblas")}
+    mkl = [2.0, 2.0]
+    # the second measurement far from the first, the third close to it: steady
+    libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
+                            {"mkl": mkl, "openblas": [1.6, 1.0]},
+                            {"mkl": mkl, "openblas": [1.05, 1.0]}]
+    choice, _ = blas_choice._choose()
+    assert (choice["name"], choice["reason"]) == ("openblas", "measured")
+    assert choice["seconds"]["openblas"] == [1.0, 1.0] and libraries["measured"] == 3
+    # never two close: chosen on the best figures, and said to be noisy, kept so
+    (tmp_path / "blas.json").unlink()
+    libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
+                            {"mkl": mkl, "openblas": [1.6, 1.0]},
+                            {"mkl": mkl, "openblas": [1.3, 1.0]}]
+    choice, _ = blas_choice._choose()
+    assert choice["name"] == "openblas" and libraries["measured"] == 6
+    assert "noisy" in choice["reason"] and "openblas 64x256 @ 256x768" in choice["reason"]
+    assert "stepnet info --measure" in choice["reason"]
+    again, _ = blas_choice._choose()
+    assert again["reason"] == choice["reason"] + " (cached)"
+
+
+def test_one_library_or_none_is_taken_without_measuring(libraries, tmp_path):
+    libraries["found"] = {"openblas": blas_choice.Library("openblas", "/lib/openblas.so", None)}
+    choice, _ = blas_choice._choose()
+    assert (choice["name"], choice["reason"]) == ("openblas", "the only one found")
+    libraries["found"] = {}
+    with pytest.warns(RuntimeWarning, match="no BLAS found"):
+        choice, _ = blas_choice._choose()
+    assert (choice["name"], choice["reason"]) == ("numpy", "no BLAS found")
+    assert libraries["measured"] == 0 and not (tmp_path / "blas.json").exists()
+
+
+def test_a_requested_library_is_taken_or_warned_about(libraries, monkeypatch):
+    libraries["found"] = {"mkl": blas_choice.Library("mkl", "/lib/mkl.so", None)}
+    monkeypatch.setenv("STEPNET_BLAS", "mkl")
+    assert blas_choice._choose()[0]["name"] == "mkl"
+    monkeypatch.setenv("STEPNET_BLAS", "openblas")
+    with pytest.warns(RuntimeWarning, match="STEPNET_BLAS=openblas but"):
+        assert blas_choice._choose()[0]["name"] == "numpy"
+    monkeypatch.setenv("STEPNET_BLAS", "atlas")
+    with pytest.raises(sn.UnsupportedError, match="STEPNET_BLAS='atlas'"):
+        blas_choice._choose()
+    assert libraries["measured"] == 0
+
+
+def test_stepnet_blas_names_the_library(tmp_path):
+    out = run_python("from stepnet.jit import blas; print(blas.BLAS_NAME)", tmp_path,
+                  STEPNET_BLAS="numpy")
+    assert out.strip() == "numpy"
+
+
+def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch):
+    """For each size of weights, stepnet's own loop is taken up to the rows
+    where, over all rows measured, the time (each relative to the faster of
+    the two) is least (every number of rows where that is the most rows
+    measured), and shared with the helper where a one-row product took less
+    time cut with it than alone (or where not measured; a cut that lost is
+    measured twice); the limits are kept and read back."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_choice.time, "sleep", lambda s: None)
+    # the machine's load unread: every cut counts (the other test processes
+    # would otherwise make some of them crowded; that rule has its own test)
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: None)
+    monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
+    choice = {"name": "mkl", "cpu": "a CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
+    asked, asked_shared = [], []
+
+    def time_both(m, k, n):  # the own loop is faster up to 4 rows, 16 for the smallest weights
+        asked.append((m, k, n))
+        return (1.0, 2.0) if m <= (16 if k * n < 20000 else 4) else (2.0, 1.0)
+
+    def time_shared(m, k, n):  # never cut under 20000; cut is slower up to 200000
+        asked_shared.append((m, k, n))
+        return None if k * n < 20000 else (1.0, 1.5) if k * n <= 200000 else (2.0, 1.0)
+
+    limits = blas_choice.small_product_rows(choice, time_both, time_shared)
+    sizes = [k * n for k, n in blas_choice._STEP_WEIGHTS]
+    assert limits == tuple((size, 16 if size < 20000 else 4, int(not 20000 <= size <= 200000))
+                           for size in sizes)
+    assert len(asked) == len(blas_choice._STEP_WEIGHTS) * len(blas_choice._STEP_ROWS)
+    assert asked_shared == [(1, k, n) for k, n in blas_choice._STEP_WEIGHTS
+                            for _ in range(2 if 20000 <= k * n <= 200000 else 1)]
+    saved = json.loads((tmp_path / "small_products.json").read_text())
+    assert [tuple(x) for x in saved["limits"]] == list(limits)
+    assert blas_choice.small_product_rows(choice, None) == limits  # cached: nothing timed
+    # another library is measured anew; a library faster everywhere gets 0 rows
+    other = dict(choice, name="openblas", libraries={"openblas": "scipy"})
+    assert {r for _, r, _ in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} \
+        == {0}
+    # an own loop faster up to the most rows measured takes every product of
+    # that size; nothing measured about the helper: every size shares
+    third = dict(choice, name="numpy", libraries={})
+    limits = blas_choice.small_product_rows(
+        third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
+    assert limits == tuple((size, (1 << 62) if size < 20000 else 64, 1) for size in sizes)
+    # a library whose rows differ by part: the own loop takes every product
+    # (the limits kept for the library, the sharing as measured)
+    apart = dict(third, rows_alike=False)
+    assert blas_choice.small_product_rows(apart, None) == tuple(
+        (size, 1 << 62, shares) for size, _, shares in limits)
+    assert "every product" in blas_choice._SMALL_PRODUCTS["reason"]
+    monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
+    assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)
+    assert blas_choice.small_product_rows(apart, None) == ((1 << 62, 3, 1),)  # as asked
+    monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
+    with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
+        blas_choice.small_product_rows(choice, None)
+
+
+def test_a_library_is_checked_for_computing_each_row_alike_in_any_part():
+    """``rows_alike``: a product whose rows are each computed by the same
+    call holds; one whose rows depend on how many are computed with them
+    does not; the chosen library is checked in every process."""
+    def by_rows(a, b, c):
+        for i in range(a.shape[0]):
+            c[i] = a[i] @ b
+
+    def by_count(a, b, c):
+        c[...] = a @ b + np.float32(1e-3) * a.shape[0]
+
+    assert blas_choice.rows_alike(by_rows)
+    assert not blas_choice.rows_alike(by_count)
+    assert isinstance(blas_choice.choose()["rows_alike"], bool)
+
+
+def test_a_cut_is_not_measured_beside_another_process(tmp_path, monkeypatch):
+    """A product cut with the helper is measured only while no other process
+    keeps a core busy (its cut would lose however fast it is on a free
+    core): where every try had company, it is not measured, and the sizes
+    share by default; the file says how many were not measured."""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
+    monkeypatch.setattr(blas_choice.time, "sleep", lambda s: None)
+    clock = iter(range(0, 10**6, 5))  # another process: 5 busy seconds a reading
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: float(next(clock)))
+    assert blas_choice.measured_on_free_cores(lambda: 1.0, tries=2) == (None, False)
+    choice = {"name": "mkl", "cpu": "a crowded CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
+    limits = blas_choice.small_product_rows(choice, lambda m, k, n: (1.0, 2.0),
+                                            lambda m, k, n: (1.0, 2.0))
+    assert all(shares == 1 for _, _, shares in limits)
+    saved = json.loads((tmp_path / "small_products.json").read_text())
+    assert saved["crowded"] == len(blas_choice._STEP_WEIGHTS) and saved["shared"] == []
+    # a quiet machine: measured (another CPU's key: not the file above)
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: 0.0)
+    assert blas_choice.measured_on_free_cores(lambda: 1.0) == (1.0, True)
+    quiet = dict(choice, cpu="a quiet CPU")
+    limits = blas_choice.small_product_rows(quiet, lambda m, k, n: (1.0, 2.0),
+                                            lambda m, k, n: (1.0, 2.0))
+    assert all(shares == 0 for _, _, shares in limits)
+    assert json.loads((tmp_path / "small_products.json").read_text())["crowded"] == 0
+
+
+def test_stepnet_info_prints_the_choice(tmp_path):
+    cache = cache_with_helpers(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-m", "stepnet", "info"], capture_output=True,
+                          text=True, env=dict(os.environ, STEPNET_CACHE_DIR=str(cache)),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout
+    assert "compile worker: none running" in proc.stdout
+    assert re.search(r"stepnet's own loop: blocks of (6 rows x 32|4 rows x 16) columns", proc.stdout)
+    # --measure: the kept measurements taken again, and what changed said
+    kept = {name: (cache / name).read_text() for name in cli.MEASUREMENTS if (cache / name).exists()}
+    assert "small_products.json" in kept
+    (cache / "small_products.json").write_text(  # a point no measurement gives
+        kept["small_products.json"].replace('"points": [', '"points": [[7777, 64, 192, 1, 1], ', 1))
+    proc = subprocess.run([sys.executable, "-m", "stepnet", "info", "--measure"],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, STEPNET_CACHE_DIR=str(cache)))
+    assert proc.returncode == 0, proc.stderr
+    assert "BLAS: " in proc.stdout and "changed by measuring again:" in proc.stdout, proc.stdout
+    changed = proc.stdout.split("changed by measuring again:")[1]
+    assert "-  rows x 64 @ 64x192" in changed and "7777: 1000000.0/1000000.0" in changed, changed
+    assert "7777" not in (cache / "small_products.json").read_text()
+
+
+def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkeypatch):
+    """Whether weight gradients run stepnet's own loop is the faster of the
+    two on this machine, measured once for each dtype and read back from
+    the cache (both dtypes' records in one file)."""
+    from stepnet.jit import blas_choice
+
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    for own_s, lib_s in ((1.0, 2.0), (2.0, 1.0)):
+        calls = []
+
+        def time_both(rows, m, n, dtype, own_s=own_s, lib_s=lib_s, calls=calls):
+            calls.append((rows, m, n, dtype))
+            # float64: the other way round
+            return (own_s, lib_s) if dtype == "float32" else (lib_s, own_s)
+
+        for f in tmp_path.glob("transposed_products.json"):
+            f.unlink()
+        for _ in range(2):  # (the second from the cache)
+            assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
+            assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
+                (lib_s < own_s)
+        assert calls == [(*blas_choice._TN_SHAPE, "float32"), (*blas_choice._TN_SHAPE, "float64")]
+        kept = json.loads((tmp_path / "transposed_products.json").read_text())
+        assert kept["seconds"] == {"float32": [own_s, lib_s], "float64": [lib_s, own_s]}
+    # a file of the earlier form (one pair of seconds): measured again
+    (tmp_path / "transposed_products.json").write_text(json.dumps(
+        {**kept, "seconds": [1.0, 2.0]}))
+    calls.clear()
+    assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
+        (lib_s < own_s)
+    assert calls == [(*blas_choice._TN_SHAPE, "float64")]

@@ -1,0 +1,165 @@
+"""Sequence groups on threads, and a layer's directions at once (stepnet.jit.threads)."""
+
+
+import numba
+import numpy as np
+import pytest
+
+import stepnet as sn
+from conftest import assert_close
+from nets import nested_encoder, small_gru
+from stepnet.jit import threads
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Every run with two or more sequences splits into groups."""
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
+    previous = numba.get_num_threads()
+    yield
+    numba.set_num_threads(previous)
+
+
+def program_of(rnn):
+    return rnn.compile("numba")._runner(rnn.all_steps_flags(True))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_groups_cover_the_sequences_in_order_balanced_by_rows(rng, split_everything, threads):
+    lengths = [[9, 1, 1, 1, 1, 1, 8, 0, 2]]
+    rnn = small_gru(rng, lengths)
+    program = program_of(rnn)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    groups = program._groups(rnn.bind())
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths[0])
+    assert all(a < b and b == c for (a, b), (c, _) in zip(groups, groups[1:]))
+    assert len(groups) == numba.get_num_threads()
+    if len(groups) == 2:  # 24 rows: the first cut falls after the 12th row
+        assert groups == [(0, 4), (4, 9)]
+
+
+@pytest.mark.parametrize("lengths", [[[5, 0, 4, 7, 1]], [[2, 3, 0], [3, 2, 5, 4, 1]],
+                                     [[0, 0, 3]], [[4]]])
+def test_a_split_run_equals_one_group(rng, split_everything, lengths):
+    """Sequence groups on threads give the interpreter's results, LoD
+    included, for flat and nested batches, all-steps and last-step outputs."""
+    if len(lengths) == 1:
+        rnn = small_gru(rng, lengths)
+    else:
+        rows = sum(lengths[1])
+        X = sn.LoDTensor.from_lengths(rng.standard_normal((rows, 4)).astype(np.float32), lengths)
+        W = sn.Parameter(rng.standard_normal((4, 5)).astype(np.float32), name="W")
+        U = sn.Parameter(rng.standard_normal((5, 5)).astype(np.float32) * 0.3, name="U")
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            x = rnn.add_input(X, name="X")
+            h = rnn.add_memory(shape=[5], name="h")
+            inner = sn.create_rnn_op()
+            with inner.stepnet():
+                w = inner.add_input(x, name="w")
+                g = inner.add_memory(init=h.pre_state(), name="g")
+                g.update(sn.ops.tanh(w @ W + g.pre_state() @ U))
+                inner.add_outputs(g)
+            h.update(inner(output_all_steps=False) + h.pre_state() @ U)
+            rnn.add_outputs(h, inner())
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    for all_steps in (True, False):
+        expected = rnn(output_all_steps=all_steps, backend="interpreter")
+        assert_close(rnn(output_all_steps=all_steps, backend="numba"), expected)
+
+
+def test_a_flat_net_whose_kernel_cuts_its_sequences_runs_as_one_group_on_two_threads(
+        rng, split_everything):
+    """A GRU of 64 units (weights big enough for its kernel to give half of
+    its sequences to the helper): on two threads a run is one group and the
+    kernel cuts it, on three it is groups on Python's threads; a net whose
+    step runs a nested net cuts the sequences of both (the nested one's run
+    before the time loop). Every way equals the interpreter."""
+    lengths = [[12, 3, 7, 0, 9, 5, 11, 2]]
+    rnn = small_gru(rng, lengths, hidden=64)
+    program = program_of(rnn)
+    assert program.cuts_sequences
+    rows, width = sum(lengths[0]), 8
+    expected = rnn(backend="interpreter")
+    for count in (2, 3):
+        if count > numba.config.NUMBA_NUM_THREADS:
+            continue
+        numba.set_num_threads(count)
+        splits = program.splits(rows, width, len(lengths[0]))
+        assert splits == (count == 3 or not threads.SPINS)
+        assert len(program._groups(rnn.bind())) == (count if splits else 1)
+        assert_close(rnn(backend="numba"), expected)
+    nested = program_of(nested_encoder(rng, hidden=64, outputs=("h",)).rnn)
+    assert nested.source.count("cut = group_cut(board") == 2 and nested.cuts_sequences
+
+
+def test_gradients_of_a_split_run(rng, split_everything):
+    rnn = small_gru(rng, [[6, 2, 0, 5, 3]])
+    W, U = rnn.parameters()
+    dY = rng.standard_normal((16, 16)).astype(np.float32)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    got = sn.gradients(rnn, wrt=[W, U], grad_outputs=[dY], backend="numba")
+    want = sn.gradients(rnn, wrt=[W, U], grad_outputs=[dY], backend="interpreter")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_run_apart_gives_each_item_its_share_of_the_threads():
+    """threads.run_apart: the items at the same time, each seeing its share
+    of Numba's (per-thread) thread count, the results in order, the count
+    restored; with fewer threads than items, one after the other."""
+    previous = numba.get_num_threads()
+    try:
+        for count, share in ((2, 1), (1, 1)):
+            if count > numba.config.NUMBA_NUM_THREADS:
+                continue
+            numba.set_num_threads(count)
+            seen = threads.run_apart(lambda i: (i, numba.get_num_threads()), range(2),
+                                     threads.SPLIT_MIN_WORK)
+            assert seen == [(0, share), (1, share)]
+            assert numba.get_num_threads() == count
+            small = threads.run_apart(lambda i: (i, numba.get_num_threads()), range(2),
+                                      threads.SPLIT_MIN_WORK - 1)
+            assert small == [(0, count), (1, count)]  # one after the other
+        if numba.config.NUMBA_NUM_THREADS >= 2:
+            numba.set_num_threads(2)
+
+            def fails(i):
+                if i == 1:
+                    raise ValueError("direction 1")
+                return i
+
+            with pytest.raises(ValueError, match="direction 1"):
+                threads.run_apart(fails, range(2), threads.SPLIT_MIN_WORK)
+            assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("combine", ["per_layer", "final"])
+def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, run_apart_calls,
+                                                        combine):
+    """On the Numba backend a bidirectional layer's two directions run at
+    once (threads.run_apart), forward and backward, to the interpreter's
+    results, where its rows are worth a thread (threads.SPLIT_MIN_WORK, set to
+    0 here, then above them); on the interpreter one after the other."""
+    calls = run_apart_calls
+    # (8 features, as the second layer of per_layer takes: both layers run one kernel)
+    layer = sn.nn.LSTM(8, 4, num_layers=2, direction="bidirectional_concat", combine=combine,
+                       seed=1)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 8)).astype(np.float32), [[4, 0, 5]])
+    dY = rng.standard_normal((9, 8)).astype(np.float32)
+    results = {}
+    for backend in ("interpreter", "numba"):
+        calls.clear()
+        (Y, (h, c)), pullback = sn.vjp(layer, X, backend=backend)
+        grads = pullback([dY, None, None], wrt=["X"] + layer.parameters())
+        results[backend] = [Y.data, h, c] + list(grads)
+        expected = {"interpreter": 0, "numba": 2 if combine == "final" else 4}[backend]
+        assert len(calls) == expected and all(items == [0, 1] for items in calls)
+    for a, b in zip(results["numba"], results["interpreter"]):
+        assert_close(a, b, what="numba against the interpreter")
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 10 ** 9)  # too few rows: no thread handoff
+    calls.clear()
+    layer(X, backend="numba")
+    assert calls == []
