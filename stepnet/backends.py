@@ -237,6 +237,41 @@ class CompiledStepNet:
         run = self._runner(True)
         return getattr(run, "schedule", None) or _schedule.schedule(self.rnn.program(True))
 
+    def explain(self, output_all_steps=True, **inputs):
+        """Print, and return, the parallel plan of a call on ``inputs``: which
+        top-level sequences run on which thread, and what the helper thread
+        may take (:mod:`stepnet.jit.plan`). Nothing runs.
+
+        Parameters
+        ----------
+        output_all_steps : bool or sequence of bool
+            As for a call: which program's plan.
+        **inputs
+            The step-net's inputs by name, as for a call; those not given
+            keep the values bound when it was defined.
+
+        Returns
+        -------
+        stepnet.jit.plan.RunPlan or None
+            The plan (``print`` shows it), or None on a backend without one
+            (the interpreter runs the sequences on the calling thread, the
+            CUDA backend in its launches).
+        """
+        rnn = self.rnn
+        args = rnn.bind(**inputs)
+        run = self._runner(rnn.all_steps_flags(output_all_steps))
+        kernel = getattr(run, "numba_program", run)  # (a tiered run's kernel)
+        if not hasattr(kernel, "plan"):
+            print(f"{self.backend}: every sequence in one call of the calling thread"
+                  if not self.capabilities.device_memory else
+                  f"{self.backend}: every sequence in the device's launches")
+            return None
+        from .jit import threads
+
+        found = kernel.plan(args, threads.count()).check()
+        print(found)
+        return found
+
     def __call__(self, output_all_steps=True, scopes=None, **inputs):
         rnn = self.rnn
         all_steps = rnn.all_steps_flags(output_all_steps)

@@ -30,12 +30,12 @@ def test_groups_cover_the_sequences_in_order_balanced_by_rows(rng, split_everyth
     rnn = small_gru(rng, lengths)
     program = program_of(rnn)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    groups = program._groups(rnn.bind())
+    groups = program.plan(rnn.bind()).groups
     assert groups[0][0] == 0 and groups[-1][1] == len(lengths[0])
     assert all(a < b and b == c for (a, b), (c, _) in zip(groups, groups[1:]))
     assert len(groups) == numba.get_num_threads()
     if len(groups) == 2:  # 24 rows: the first cut falls after the 12th row
-        assert groups == [(0, 4), (4, 9)]
+        assert groups == ((0, 4), (4, 9))
 
 
 @pytest.mark.parametrize("lengths", [[[5, 0, 4, 7, 1]], [[2, 3, 0], [3, 2, 5, 4, 1]],
@@ -87,7 +87,7 @@ def test_a_flat_net_whose_kernel_cuts_its_sequences_runs_as_one_group_on_two_thr
         numba.set_num_threads(count)
         splits = program.splits(rows, width, len(lengths[0]))
         assert splits == (count == 3 or not threads.SPINS)
-        assert len(program._groups(rnn.bind())) == (count if splits else 1)
+        assert len(program.plan(rnn.bind()).groups) == (count if splits else 1)
         assert_close(rnn(backend="numba"), expected)
     nested = program_of(nested_encoder(rng, hidden=64, outputs=("h",)).rnn)
     assert nested.source.count("cut = group_cut(board") == 2 and nested.cuts_sequences
@@ -163,3 +163,36 @@ def test_a_bidirectional_layer_runs_its_directions_apart(rng, monkeypatch, run_a
     calls.clear()
     layer(X, backend="numba")
     assert calls == []
+
+
+def test_explain_prints_the_plan_a_call_runs(rng, split_everything, capsys, monkeypatch):
+    """``compiled.explain(**inputs)`` prints the plan a call on those inputs
+    runs (and returns it); the call itself takes the same groups."""
+    rnn = small_gru(rng, [[9, 1, 1, 1, 1, 1, 8, 0, 2]])
+    compiled = rnn.compile("numba")
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    found = compiled.explain()
+    assert str(found) in capsys.readouterr().out
+    assert found.sequences == 9 and found.rows == 24 and found.threads == numba.get_num_threads()
+    assert found.groups == (((0, 4), (4, 9)) if found.threads == 2 else ((0, 9),))
+    taken = []
+    run_each = threads.run_each
+    monkeypatch.setattr(threads, "run_each", lambda fn, items: taken.append(list(items))
+                        or run_each(fn, items))
+    assert_close(compiled(), rnn(backend="interpreter"))
+    assert taken == ([[0, 1]] if len(found.groups) == 2 else [])
+    one = small_gru(rng, [[5]]).compile("numba").explain()
+    assert one.groups == ((0, 1),) and "one sequence" in str(one)
+    assert rnn.compile("interpreter").explain() is None
+    assert "interpreter: every sequence in one call" in capsys.readouterr().out
+
+
+def test_a_plan_that_a_kernel_cannot_run_is_refused():
+    from stepnet.jit.plan import RunPlan
+
+    good = RunPlan(2, 5, 20, ((0, 2), (2, 5)), False, False, "test")
+    assert good.check() is good
+    for groups, helper in ((((0, 2), (3, 5)), False), (((0, 2), (2, 4)), False),
+                           (((0, 1), (1, 2), (2, 5)), False), (((0, 2), (2, 5)), True)):
+        with pytest.raises(AssertionError):
+            RunPlan(2, 5, 20, groups, helper, False, "test").check()

@@ -192,11 +192,6 @@ def _time_openblas(lib, m, k, n, reps):
         return _best(lambda: gemm(a, b, c), reps)
 
 
-def _time_numpy(m, k, n, reps):
-    a, b, c = _operands(m, k, n)
-    return _best(lambda: np.dot(a, b, c), reps)
-
-
 def _operands(m, k, n):
     rng = np.random.default_rng(0)
     return (rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32),

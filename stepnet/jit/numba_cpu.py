@@ -53,8 +53,6 @@ import ctypes
 import dataclasses
 import hashlib
 import importlib.util
-import itertools
-import math
 import os
 import re
 import sys
@@ -70,7 +68,7 @@ from .. import interpreter, ir, registry, schedule
 from ..config import config
 from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
-from . import apart, blas, numba_runtime, threads
+from . import apart, blas, numba_runtime, plan, threads
 from . import compile_worker as compile_worker_module
 from .cache import cache_dir, helpers_fingerprint
 
@@ -1850,18 +1848,12 @@ class NumbaProgram:
         return read_only(np.concatenate(parts, axis=1))
 
     def splits(self, rows, width, num_sequences):
-        """Whether a run of ``num_sequences`` top-level sequences over ``rows``
-        data rows of ``width`` elements runs as groups on Python threads (the
-        work per row: the widest of that and of the values a step computes).
-        Not where the helper is the one other thread and program() cuts the
-        sequences of each of its nets with it: handing a group to a Python
-        thread and joining it costs a few hundred microseconds on a virtual
-        machine, the helper's handover well under one (README, *How the
-        Numba backend works*)."""
-        if num_sequences < 2 or rows * max(width, self.work_width) < threads.SPLIT_MIN_WORK:
-            return False
-        count = threads.count()  # (asking Numba for its threads costs microseconds)
-        return count >= 2 and not (count == 2 and self.cuts_sequences and threads.SPINS)
+        """Whether such a run is groups on Python threads (:func:`plan.splits`)."""
+        return plan.splits(self, rows, width, num_sequences)
+
+    def plan(self, args, count=None) -> plan.RunPlan:
+        """The parallel plan of a call on ``args`` (:mod:`stepnet.jit.plan`)."""
+        return plan.plan(self, args[self.first_sequence], count)
 
     def run_prepared(self, const_args, args):
         """The outputs for ``args`` (one value per top-level input), with
@@ -1874,11 +1866,11 @@ class NumbaProgram:
                 raise LoDError(f"static inputs {' and '.join(names)} are combined row by row "
                                "but have different lengths")
         self._link()
-        groups = self._groups(args)
+        run_plan = self.plan(args)
+        groups = run_plan.groups
         buffers = self.output_buffers(args)
         if len(groups) <= 1:
-            seq = args[self.first_sequence]
-            board = self.board(seq.data.shape[0], seq.num_sequences)
+            board = threads.board_for_one_group() if run_plan.helper else threads.ALONE
             return self._run(const_args, board, args, buffers)
         parts = [[self._slice(spec, value, a, b) for spec, value in zip(self.top_inputs, args)]
                  for a, b in groups]
@@ -1922,24 +1914,6 @@ class NumbaProgram:
                     views.append(buffer[a:b])
         return views
 
-    def _groups(self, args):
-        """Contiguous ranges of top-level sequences, one per thread, balanced
-        by data rows; one range when the run is too small to split."""
-        seq = args[self.first_sequence]
-        n = seq.num_sequences
-        rows = seq.data.shape[0]
-        width = math.prod(seq.data.shape[1:]) or 1
-        if not self.splits(rows, width, n):
-            return [(0, n)]
-        # data rows before each top-level sequence
-        cum = np.asarray(seq.levels[0], np.int64)
-        for level in seq.levels[1:]:
-            cum = np.asarray(level, np.int64)[cum]
-        groups = min(threads.count(), n)
-        cuts = np.searchsorted(cum, [rows * g / groups for g in range(1, groups)])
-        bounds = [0] + sorted({int(min(max(c, 1), n - 1)) for c in cuts}) + [n]
-        return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-
     @staticmethod
     def _slice(spec, value, a, b):
         """Top-level sequences ``a:b`` of one program input (a view)."""
@@ -1964,17 +1938,11 @@ class NumbaProgram:
         return call_args
 
     def board(self, rows, num_sequences):
-        """The helper's board for a run of one group of ``num_sequences``
-        top-level sequences over ``rows`` data rows: ``threads.BOARD`` (the
-        helper woken) where the kernel may share work with it, else
-        ``threads.ALONE`` (no helper spins for a run that would not use it).
-        The kernel shares its sequences where they are enough work
-        (``threads.group_cut``), else the products of a step with weights
-        big enough (:mod:`stepnet.jit.blas`)."""
-        if self.largest_weights < blas.SHARE_OWN_WORK and (
-                num_sequences < 2 or rows * self.largest_weights < threads.GROUP_WORK):
-            return threads.ALONE
-        return threads.board_for_one_group()
+        """The helper's board for a run of one group (:func:`plan.shares`):
+        ``threads.BOARD``, the helper woken, or ``threads.ALONE``."""
+        if plan.shares(self, rows, num_sequences):
+            return threads.board_for_one_group()
+        return threads.ALONE
 
     def _run(self, const_args, board, args, buffers):
         results = self.module.program(*const_args, board, ROWS_IN_ORDER, *self._call_args(args),
