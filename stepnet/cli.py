@@ -53,6 +53,23 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("stepnet: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001  (never a traceback, unless asked for)
+        if getattr(args, "debug", False):
+            raise
+        what = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
+        print(f"stepnet: error: {what}: {exc} (--debug shows where)", file=sys.stderr)
+        return 1
+
+
+def _model_args(p):
+    """The arguments of every command that reads a network file."""
+    p.add_argument("model", metavar="MODEL.yaml", help="the network file")
+    p.add_argument("--params", metavar="PARAMS.npz",
+                   help="parameter values by name (override the file's initializers)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the parameter initializers and of random data (default 0)")
+    p.add_argument("--debug", action="store_true",
+                   help="on an unexpected error, show Python's traceback (else one line)")
 
 
 def _parser():
@@ -64,13 +81,6 @@ def _parser():
     )
     parser.add_argument("--version", action="version", version=f"stepnet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    def model_args(p):
-        p.add_argument("model", metavar="MODEL.yaml", help="the network file")
-        p.add_argument("--params", metavar="PARAMS.npz",
-                       help="parameter values by name (override the file's initializers)")
-        p.add_argument("--seed", type=int, default=0,
-                       help="seed of the parameter initializers and of random data (default 0)")
 
     def data_args(p):
         p.add_argument("--input", metavar="DATA.npz",
@@ -87,7 +97,7 @@ def _parser():
     run = sub.add_parser("run", help="run a network and print a summary of its outputs",
                          description="Run a YAML network once and print its outputs' shapes, LoD "
                                      "and a summary of their values.")
-    model_args(run)
+    _model_args(run)
     data_args(run)
     run.add_argument("--output", "-o", metavar="OUT.npz",
                      help="write the outputs to an .npz file (a directory of them for a directory "
@@ -103,19 +113,19 @@ def _parser():
         description="Compile a YAML network's Numba kernels into STEPNET_CACHE_DIR (for a "
                     "deployment or CI), running it once on random inputs of its declared kinds "
                     "(or --input); a later process loads them at its first call.")
-    model_args(compile_)
+    _model_args(compile_)
     data_args(compile_)
     compile_.set_defaults(func=cmd_compile)
 
     check = sub.add_parser("check", help="validate a network and print its IR",
                            description="Load a YAML network, validate it and print its IR.")
-    model_args(check)
+    _model_args(check)
     check.set_defaults(func=cmd_check)
 
     bench = sub.add_parser("bench", help="time compilation and runs",
                            description="Time the first call (compilation included) and the median "
                                        "of repeated runs.")
-    model_args(bench)
+    _model_args(bench)
     data_args(bench)
     bench.add_argument("--repeat", type=int, default=10, metavar="N",
                        help="timed runs after the first call (default 10)")
@@ -125,7 +135,7 @@ def _parser():
                             description="Write a YAML network (its layers, then its nets, nested nets "
                                         "included) as one ONNX model (opset 17) that onnxruntime "
                                         "runs; see docs/onnx-export.md.")
-    model_args(export)
+    _model_args(export)
     export.add_argument("--output", "-o", required=True, metavar="MODEL.onnx",
                         help="the ONNX file to write")
     export.add_argument("--scan", action="store_true",

@@ -62,6 +62,37 @@ def _rows(raw, where):
     raise UnsupportedError(f"{where}: expected a number of rows (an integer >= 0)")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def machine_memory() -> int:
+    """The machine's physical memory in bytes (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def _bytes(raw, where):
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
+        return raw
+    if isinstance(raw, str):
+        text = raw.strip().replace(" ", "").lower()
+        number = text.rstrip("kmgtib")
+        unit = text[len(number):]
+        try:
+            value = float(number) * _UNITS[unit]
+        except (KeyError, ValueError):
+            value = 0
+        if value >= 1:
+            return int(value)
+    raise UnsupportedError(f"{where}: expected a number of bytes > 0, or one with a unit "
+                           "(512MiB, 8GiB, 1.5GB)")
+
+
 def _directory(raw, where):
     if raw is None or raw == "":
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -120,6 +151,11 @@ FLAGS = (
          "mmap threshold to 32 MiB and its trim threshold to 256 MiB, so that freed arrays are "
          "reused by the next call; it does so only where glibc is the C library and neither "
          "`GLIBC_TUNABLES` nor any `MALLOC_*` variable is set."),
+    Flag("max_memory", "STEPNET_MAX_MEMORY", "the machine's memory", _bytes, "use",
+         "The most memory one array stepnet makes for a model or a call may take (a "
+         "parameter, an input made from a model's declared kinds, an output): bytes, or with a "
+         "unit (`512MiB`, `8GiB`, `1.5GB`). Larger ones raise `SizeError` before anything is "
+         "allocated, naming the array and the amount."),
     Flag("debug", "STEPNET_DEBUG", "off", _switch(False), "use",
          "Any value other than empty or `0`: print the generated source of each kernel to "
          "stderr when it is made (every backend)."),

@@ -33,6 +33,12 @@ class UnsupportedError(Error):
     """A feature, op or attribute that stepnet does not support."""
 
 
+class SizeError(Error, MemoryError):
+    """An array would take more memory than the machine has, or than
+    ``sn.config.max_memory`` allows; raised before it is allocated, the
+    message names the array and the amount."""
+
+
 def optional_import(module: str, what: str, install: str):
     """Import one of stepnet's optional dependencies, or say what needs it and
     how to install it: ``optional_import("onnx", "stepnet.onnx", "pip install

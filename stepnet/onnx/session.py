@@ -36,6 +36,7 @@ import numpy as np
 
 from ..backends import backend as backend_info, default_backend, get_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
+from .reading import load_model
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from .fusion import fuse
 from .gradient import GradientNode
@@ -110,25 +111,6 @@ class NodeArg:
     name: str
     type: str  # e.g. "tensor(float)", "seq(tensor(int64))"
     shape: list  # ints, dimension names (str) or None
-
-
-def load_model(model):
-    """A ModelProto from a path, bytes or a ModelProto, its local functions inlined."""
-    onnx = _onnx()
-    if isinstance(model, (bytes, bytearray)):
-        model = onnx.load_from_string(bytes(model))
-    elif isinstance(model, (str, os.PathLike)):
-        if not os.path.exists(model):
-            raise StepNetError(f"ONNX model {os.fspath(model)!r} does not exist")
-        model = onnx.load(os.fspath(model))
-    elif not isinstance(model, onnx.ModelProto):
-        raise StepNetError(f"InferenceSession: expects a path, bytes or an onnx.ModelProto, got "
-                           f"{type(model).__name__}")
-    if len(model.functions):
-        from onnx.inliner import inline_local_functions
-
-        model = inline_local_functions(model)
-    return model
 
 
 def attributes(node) -> dict:

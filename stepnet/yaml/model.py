@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backends import backend as backend_info
-from ..backends import is_compiled
+from ..backends import backend as backend_info, is_compiled
 from ..dsl import MemoryHandle, create_rnn_op
-from ..errors import Error, ShapeError, StepNetError, YAMLError
+from ..errors import Error, ShapeError, SizeError, StepNetError, YAMLError
 from ..lod import LoDTensor
 from ..tracing import Parameter, Value
 from . import document
@@ -533,10 +532,10 @@ class _Builder:
                 options = {k: v for k, v in spec.items()
                            if k not in ("shape", "dtype", "init", "description")}
                 try:
-                    value = initialize(kind, shape, dtype, options, generator(self.seed, name))
-                except InitError as exc:
-                    key = exc.key or ("init" if "init" in spec else "shape")
-                    raise self.error(path + (key,), str(exc)) from None
+                    value = initialize(kind, shape, dtype, options, generator(self.seed, name), name)
+                except InitError as exc:  # (a size that cannot fit: SizeError, before it is made)
+                    error = self.error(path + (exc.key or ("init" if "init" in spec else "shape"),), str(exc))
+                    raise (SizeError(*error.args) if exc.size else error) from None
             self.model.parameters[name] = Parameter(value.astype(dtype, copy=False), name=name)
         self._overrides = overrides
         self._used_overrides = set(overrides) & set(params)

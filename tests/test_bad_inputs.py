@@ -1,0 +1,128 @@
+"""Broken and hostile inputs: a named stepnet error before anything is
+allocated or compiled, never a third-party exception or a traceback."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import stepnet as sn
+from stepnet import cli
+from stepnet.yaml.initializers import generator, initialize
+
+YAML = textwrap.dedent("""\
+    name: huge
+    inputs:
+      x: {{shape: [4], lod_level: 1}}
+    parameters:
+      HUGE: {{shape: [{rows}, {cols}], init: {init}}}
+    nets:
+      cell:
+        inputs: {{xt: x}}
+        memories:
+          h: {{shape: [{cols}]}}
+        step:
+          - h = tanh(xt @ HUGE + h.pre)
+        outputs: [h]
+    outputs:
+      final: cell.last
+    """)
+
+
+def _yaml(tmp_path, rows, cols, init="normal"):
+    path = tmp_path / "huge.yaml"
+    path.write_text(YAML.format(rows=rows, cols=cols, init=init))
+    return path
+
+
+def test_a_parameter_that_cannot_fit_is_refused_before_it_is_made(tmp_path):
+    path = _yaml(tmp_path, 200000, 200000)
+    with pytest.raises(sn.SizeError, match=r"huge.yaml.*parameter 'HUGE' \[200000, 200000\] "
+                                           r"float32 needs 149 GiB, more than this machine's"):
+        sn.load_yaml(path)
+    with pytest.raises(MemoryError):  # (what code catching NumPy's MemoryError sees)
+        sn.load_yaml(path)
+
+
+def test_max_memory_sets_the_limit(tmp_path):
+    path = _yaml(tmp_path, 4, 1000)  # 16 KB
+    with sn.config(max_memory="8KiB"):
+        with pytest.raises(sn.SizeError, match=r"needs 16 KiB, more than sn.config.max_memory "
+                                               r"\(8.0 KiB; STEPNET_MAX_MEMORY\)"):
+            sn.load_yaml(path)
+    assert sn.load_yaml(path).parameters["HUGE"].value.shape == (4, 1000)
+    for text, size in (("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096)):
+        with sn.config(max_memory=text):
+            assert sn.config.max_memory == size
+    with pytest.raises(sn.UnsupportedError, match=r"max_memory='lots'\): expected a number"):
+        sn.config(max_memory="lots")
+
+
+@pytest.mark.parametrize("init", ["normal", "uniform", "xavier", "zeros", "ones"])
+def test_float32_parameters_are_made_in_float32_with_the_same_values(init):
+    """Drawn by blocks straight into float32: the values of one float64 draw
+    of the whole shape, rounded."""
+    shape = (300, 4000)  # (more than one block of draws)
+    got = initialize(init, shape, np.float32, {}, generator(3, "W"))
+    rng = generator(3, "W")
+    scale = 1 / np.sqrt(shape[0])
+    limit = np.sqrt(6.0 / sum(shape))
+    expected = {"normal": lambda: rng.normal(0.0, scale, size=shape),
+                "uniform": lambda: rng.uniform(-scale, scale, size=shape),
+                "xavier": lambda: rng.uniform(-limit, limit, size=shape),
+                "zeros": lambda: np.zeros(shape), "ones": lambda: np.ones(shape)}[init]()
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    assert np.array_equal(got, expected.astype(np.float32))
+
+
+def test_the_command_prints_one_line_for_a_size_that_cannot_fit(tmp_path):
+    path = _yaml(tmp_path, 200000, 200000)
+    proc = subprocess.run([sys.executable, "-m", "stepnet", "run", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("stepnet: error: ") and "needs 149 GiB" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_command_never_prints_a_traceback_unless_asked(tmp_path, monkeypatch, capsys):
+    path = _yaml(tmp_path, 4, 3)
+
+    def broken(args):
+        raise RuntimeError("something inside broke")
+
+    monkeypatch.setattr(cli, "cmd_check", broken)
+    assert cli.main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err == ("stepnet: error: RuntimeError: something inside broke "
+                   "(--debug shows where)\n")
+    with pytest.raises(RuntimeError, match="something inside broke"):
+        cli.main(["check", str(path), "--debug"])
+
+
+@pytest.fixture(scope="module")
+def onnx_file(tmp_path_factory):
+    pytest.importorskip("onnx")
+    path = tmp_path_factory.mktemp("onnx") / "gru.onnx"
+    sn.onnx.export(sn.nn.GRU(3, 4, seed=0), str(path))
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty-name"])
+def test_a_damaged_onnx_file_is_a_stepnet_error_that_names_it(onnx_file, tmp_path, damage):
+    data = onnx_file.read_bytes()
+    bad = tmp_path / f"{damage}.onnx"
+    if damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "random":
+        bad.write_bytes(np.random.default_rng(0).bytes(4096))
+    else:
+        bad.write_bytes(b"\x0a\xff\xff\xff\xff\x0f")  # a field longer than the file
+    with pytest.raises(sn.Error, match=rf"ONNX model '{bad}' cannot be read: .* \(a truncated or "
+                                       r"damaged file, or not an ONNX model\)"):
+        sn.onnx.InferenceSession(str(bad))
+    with pytest.raises(sn.Error, match=r"ONNX model 'given as bytes' cannot be read"):
+        sn.onnx.InferenceSession(bad.read_bytes())
+    assert os.path.exists(bad)
