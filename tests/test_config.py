@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
+from nets import tanh_cell
 from stepnet.config import FLAGS, describe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,12 +108,7 @@ def test_engine_settings_hold_once_the_engine_started(tmp_path):
 def test_debug_prints_the_source_to_stderr(capsys):
     X = sn.LoDTensor.from_lengths(np.zeros((3, 2), np.float32), [[3]])
     with sn.config(debug=True, tiered=False):
-        rnn = sn.create_rnn_op()
-        with rnn.stepnet():
-            x = rnn.add_input(X, name="x")
-            h = rnn.add_memory(shape=[2], name="h")
-            h.update(sn.ops.tanh(x + h.pre_state()))
-            rnn.add_outputs(h)
+        rnn = tanh_cell(X, sn.Parameter(np.eye(2, dtype=np.float32)))
         source = rnn.compile("numba").source  # (generated: compiled at the first call)
     captured = capsys.readouterr()
     assert source in captured.err and "def program(" in captured.err

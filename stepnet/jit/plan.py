@@ -25,8 +25,7 @@ from . import blas, threads
 
 
 class RunPlan(NamedTuple):
-    """What a call runs where: see the module docstring. (A named tuple:
-    a call makes one, and a dataclass's frozen fields cost microseconds.)"""
+    """What a call runs where (a named tuple: a call makes one, cheaply)."""
     threads: int  # the threads the call may use (Numba's count; None: not needed to decide)
     sequences: int  # top-level sequences of the call
     rows: int  # their data rows (of the finest level)
@@ -64,18 +63,26 @@ class RunPlan(NamedTuple):
         return "\n".join(lines)
 
 
-def splits(kernel, rows, width, sequences, count=None) -> bool:
-    """Whether ``sequences`` top-level sequences over ``rows`` data rows of
-    ``width`` elements run as groups on Python threads (the work per row:
-    the widest of that and of the values a step computes, ``kernel.work_width``).
-    Not where the helper is the one other thread and the kernel cuts the
-    sequences of each of its nets with it: handing a group to a Python
-    thread and joining it costs a few hundred microseconds on a virtual
-    machine, the helper's handover well under one."""
-    if sequences < 2 or rows * max(width, kernel.work_width) < threads.SPLIT_MIN_WORK:
-        return False
+def _one_group(kernel, rows, width, sequences, count):
+    """``(count, why)``: why such a run is one group, or None where it is groups
+    on Python threads (work per row: the widest of ``width``, ``kernel.work_width``).
+    Not where the kernel cuts its sequences with the helper, the one other
+    thread: its handover costs under a microsecond, a Python thread's hundreds."""
+    if sequences < 2:
+        return count, "one sequence"
+    if rows * max(width, kernel.work_width) < threads.SPLIT_MIN_WORK:
+        return count, "too little work for Python's threads"
     count = count or threads.count()
-    return count >= 2 and not (count == 2 and kernel.cuts_sequences and threads.SPINS)
+    if count < 2:
+        return count, "one thread"
+    if count == 2 and kernel.cuts_sequences and threads.SPINS:
+        return count, "the kernel cuts its sequences with the helper"
+    return count, None
+
+
+def splits(kernel, rows, width, sequences, count=None) -> bool:
+    """Whether such a run is groups on Python threads (:func:`_one_group`)."""
+    return _one_group(kernel, rows, width, sequences, count)[1] is None
 
 
 def shares(kernel, rows, sequences, count=None) -> bool:
@@ -90,19 +97,12 @@ def shares(kernel, rows, sequences, count=None) -> bool:
 
 def plan(kernel, sequence, count=None) -> RunPlan:
     """The plan of a call of ``kernel`` whose first sequence input is the
-    LoDTensor ``sequence``, on ``count`` threads (None: Numba's count, asked
-    only where it decides something: a call asks it in microseconds)."""
+    LoDTensor ``sequence``, on ``count`` threads (None: Numba's count)."""
     n, rows = sequence.num_sequences, sequence.data.shape[0]
-    width = math.prod(sequence.data.shape[1:]) or 1
-    if n < 2 or rows * max(width, kernel.work_width) < threads.SPLIT_MIN_WORK:
+    count, why = _one_group(kernel, rows, math.prod(sequence.data.shape[1:]) or 1, n, count)
+    if why is not None:
         return RunPlan(count, n, rows, ((0, n),), shares(kernel, rows, n, count),
-                       kernel.cuts_sequences, "one sequence" if n < 2 else
-                       "too little work for Python's threads")
-    count = count or threads.count()
-    if not splits(kernel, rows, width, n, count):
-        return RunPlan(count, n, rows, ((0, n),), shares(kernel, rows, n, count),
-                       kernel.cuts_sequences, "one thread" if count < 2 else
-                       "the kernel cuts its sequences with the helper")
+                       kernel.cuts_sequences, why)
     starts = np.asarray(sequence.levels[0], np.int64)  # data rows before each sequence
     for level in sequence.levels[1:]:
         starts = np.asarray(level, np.int64)[starts]
