@@ -36,8 +36,7 @@ jax = optional_import("jax", "stepnet.jax", "pip install jax")
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
-from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
-from .nn.layers import _refuse_cell  # noqa: E402
+from .nn.layers import LAYERS, _refuse_cell  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
 __all__ = ["Function", "function"]
@@ -55,7 +54,7 @@ def function(net, output_all_steps=True, *, backend=None) -> Function:
     Parameters
     ----------
     net : stepnet.nn layer or RNNOp
-        A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a defined, top-level
+        A ``stepnet.nn`` RNN, GRU, LSTM, AUGRU or MGU, or a defined, top-level
         step-net. Not a cell (``GRUCell``...): a cell is one step, called
         inside a step-net's block.
     output_all_steps : bool or sequence of bool, default True
@@ -114,7 +113,7 @@ class Function:
     Parameters
     ----------
     net : stepnet.nn layer or RNNOp
-        A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a defined, top-level
+        A ``stepnet.nn`` RNN, GRU, LSTM, AUGRU or MGU, or a defined, top-level
         step-net. Not a cell (``GRUCell``...): a cell is one step, called
         inside a step-net's block.
     output_all_steps : bool or sequence of bool, default True
@@ -139,7 +138,7 @@ class Function:
             if not net._top:
                 raise StepNetError(f"{net.name} is a nested step-net; wrap its enclosing one")
             self.flags = net.all_steps_flags(output_all_steps)
-        elif isinstance(net, (RNN, GRU, LSTM)):
+        elif isinstance(net, tuple(LAYERS.values())):
             if output_all_steps is not True:
                 raise StepNetError("a layer gives every step's output and its final states; "
                                    "output_all_steps is for step-nets")
@@ -216,7 +215,7 @@ class Function:
             self._calls[key] = self._differentiable(spec, values, arrays)
         out = self._calls[key](values, arrays, lengths)
         if self.flags is None:  # (y, h_n) or (y, (h_n, c_n))
-            return (out[0], tuple(out[1:])) if isinstance(self.net, LSTM) else tuple(out)
+            return (out[0], tuple(out[1:])) if len(out) > 2 else tuple(out)
         return out[0] if len(out) == 1 else tuple(out)
 
     # -- the call's inputs --------------------------------------------------------
@@ -242,7 +241,7 @@ class Function:
     def _layer_slots(self, x, *args, lengths=None, hx=None):
         """(name, kind, array, lengths) of a layer's call; the names are the
         pullback's (``X``, ``attention``, ``h0``, ``c0``)."""
-        augru = isinstance(self.net, AUGRU)
+        augru = self.net.kind.attention
         if augru:
             if not args:
                 raise StepNetError("an AUGRU is called f(params, x, attention, lengths=None, "
@@ -267,7 +266,7 @@ class Function:
                 raise ShapeError(f"attention: has shape {list(a.shape)}, expected "
                                  f"{list(x.shape[:2])} or {list(x.shape[:2]) + [1]}")
             slots.append(("attention", "sequence", a, lens))
-        if isinstance(self.net, LSTM):
+        if len(self.net.kind.states) > 1:
             if hx is not None:
                 if not (isinstance(hx, (tuple, list)) and len(hx) == 2):
                     raise ShapeError("hx: an LSTM takes (h0, c0)")
@@ -385,7 +384,7 @@ class Function:
         if self.flags is not None:
             return [], given
         args = [given["X"]] + ([given["attention"]] if "attention" in given else [])
-        if isinstance(self.net, LSTM):
+        if len(self.net.kind.states) > 1:
             args.append((given["h0"], given["c0"]) if "h0" in given else None)
         else:
             args.append(given.get("h0"))

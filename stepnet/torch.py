@@ -35,8 +35,7 @@ from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
-from .nn import AUGRU, GRU, LSTM, RNN  # noqa: E402
-from .nn.layers import _refuse_cell  # noqa: E402
+from .nn.layers import LAYERS, _refuse_cell  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
 __all__ = ["LayerModule", "Module", "StepNetModule"]
@@ -44,7 +43,7 @@ __all__ = ["LayerModule", "Module", "StepNetModule"]
 _TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
                  np.dtype(np.float64): torch.float64}
 _NUMPY_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
-_LAYERS = (RNN, GRU, LSTM)  # AUGRU is a GRU
+_LAYERS = tuple(LAYERS.values())
 
 
 # ----------------------------------------------------------------------------
@@ -256,7 +255,7 @@ class Module(torch.nn.Module):
     Parameters
     ----------
     net : stepnet.nn layer or RNNOp
-        A ``stepnet.nn`` RNN, GRU, LSTM or AUGRU, or a top-level step-net
+        A ``stepnet.nn`` RNN, GRU, LSTM, AUGRU or MGU, or a top-level step-net
         (defined). Not a cell (``GRUCell``...): a cell is one step, called
         inside a step-net's block.
     batch_first : bool, default True
@@ -410,7 +409,7 @@ class LayerModule(Module):
 
     Parameters
     ----------
-    layer : stepnet.nn.RNN, GRU, LSTM or AUGRU
+    layer : stepnet.nn.RNN, GRU, LSTM, AUGRU or MGU
         The layer; it is rebuilt (as ``module.layer``) when the module
         changes dtype.
     batch_first : bool, default True
@@ -503,7 +502,7 @@ class LayerModule(Module):
             A tensor that is not on the CPU.
         """
         layer = self.wrapped
-        if isinstance(layer, AUGRU):
+        if layer.kind.attention:
             attention, hx = _augru_arguments(args, kwargs)
         else:
             if len(args) > 1 or set(kwargs) - {"hx"} or (args and "hx" in kwargs):
@@ -553,7 +552,7 @@ class LayerModule(Module):
             output, finals = output.squeeze(0), [f.squeeze(1) for f in finals]
         elif not self.batch_first:
             output = output.transpose(0, 1).contiguous()
-        return (output, tuple(finals)) if isinstance(layer, LSTM) else (output, finals[0])
+        return (output, tuple(finals)) if len(finals) > 1 else (output, finals[0])
 
     def _check_hx(self, hx, B, unbatched, dtype):
         layer = self.wrapped
@@ -561,7 +560,7 @@ class LayerModule(Module):
         widths = layer.state_widths()
         if hx is None:
             return [None] * len(widths)
-        if isinstance(layer, LSTM):
+        if len(widths) > 1:
             if not isinstance(hx, (tuple, list)) or len(hx) != 2:
                 raise ShapeError(f"{name}: hx must be a pair (h_0, c_0), got {type(hx).__name__}")
             given = list(hx)
@@ -636,13 +635,7 @@ def _layer_options(layer, dtype):
         "clip": layer.clip,
         "dtype": dtype,
     }
-    if isinstance(layer, RNN):
-        options["nonlinearity"] = layer.nonlinearity
-    elif isinstance(layer, GRU):
-        options["linear_before_reset"] = layer.linear_before_reset
-    else:
-        options.update(peephole=layer.peephole, proj_size=layer.proj_size,
-                       input_forget=layer.input_forget)
+    options.update({key: getattr(layer, key) for key in layer.kind.options})
     return options
 
 
@@ -658,7 +651,7 @@ class _LayerCall:
         self.pullback = None
 
     def _arguments(self):
-        layer, layout = self.module.wrapped, self.layout
+        layout = self.layout
         X = LoDTensor(layout.gather(_array(self.data)), layout.levels)
         args = [X]
         if self.attention is not None:  # one score per token: [tokens, 1]
@@ -666,7 +659,7 @@ class _LayerCall:
             steps = a.shape[:2] if layout.kind == "padded" else a.shape[:1]
             args.append(LoDTensor(layout.gather(a.reshape(steps + (1,))), layout.levels))
         states = [None if s is None else _array(s) for s in self.states]
-        if isinstance(layer, LSTM):
+        if len(states) > 1:
             args.append(tuple(states) if any(s is not None for s in states) else None)
         else:
             args.append(states[0])

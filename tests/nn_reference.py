@@ -27,12 +27,13 @@ at the end build single-node (or chained) ONNX models for the same layers.
 
 import numpy as np
 
-GATES = {"rnn": 1, "gru": 3, "augru": 3, "lstm": 4}
+GATES = {"rnn": 1, "gru": 3, "augru": 3, "lstm": 4, "mgu": 2}
 DEFAULT_ACTIVATIONS = {
     "rnn": ["Tanh"],
     "gru": ["Sigmoid", "Tanh"],
     "augru": ["Sigmoid", "Tanh"],
     "lstm": ["Sigmoid", "Tanh", "Tanh"],
+    "mgu": ["Sigmoid", "Tanh"],
 }
 
 
@@ -142,6 +143,11 @@ def run_direction(kind, x, W, R, B, h0, c0=None, P=None, proj=None, acts=None, c
             if kind == "augru":
                 z = (1.0 - attention[t]) * z
             h = (1.0 - z) * cand + z * h
+        elif kind == "mgu":  # the minimal gated unit: gates f, h
+            fg = f(cl(gate(0, x_t, h)))
+            s = slice(H, 2 * H)
+            cand = acts[1](cl(x_t @ W[s].T + Wb[s] + (fg * h) @ R[s].T + Rb[s]))
+            h = (1.0 - fg) * h + fg * cand
         else:
             g, hact = acts[1], acts[2]
             Pi, Po, Pf = (np.zeros(H),) * 3 if P is None else np.split(np.asarray(P, np.float64), 3)

@@ -24,13 +24,13 @@ MODULES_OVER = {
     "stepnet/dsl.py": 1081,
     "stepnet/jit/blas.py": 1449,
     "stepnet/jit/numba_cpu.py": 2196,
-    "stepnet/nn/layers.py": 1984,
+    "stepnet/nn/layers.py": 1954,
     "stepnet/onnx/ops.py": 801,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 1010,
     "stepnet/ops/primitives.py": 1352,
-    "stepnet/torch.py": 976,
-    "stepnet/yaml/model.py": 1066,
+    "stepnet/torch.py": 969,
+    "stepnet/yaml/model.py": 1057,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,

@@ -1,6 +1,9 @@
 """A built-in layer as one step inside another step-net's block: ``layer.step``
 and ``sn.nn.RNNCell``/``GRUCell``/``LSTMCell``."""
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import assert_backends_agree, assert_close
@@ -28,7 +31,7 @@ def _stepping(layer, X, layer_index=0, direction=0):
     return rnn
 
 
-@pytest.mark.parametrize("kind", [sn.nn.RNN, sn.nn.GRU, sn.nn.LSTM])
+@pytest.mark.parametrize("kind", [sn.nn.RNN, sn.nn.GRU, sn.nn.LSTM, sn.nn.MGU])
 def test_a_layer_step_inside_a_block_is_the_layer(rng, kind):
     X = _lod(rng, [3, 1, 4], 3)
     layer = kind(3, 5, seed=1)
@@ -89,6 +92,18 @@ def test_cells_convert_to_and_from_torch(rng, name):
         for a, b in zip(ours if name == "LSTMCell" else [ours],
                         theirs if name == "LSTMCell" else [theirs]):
             assert_close(a, b.detach().numpy())
+
+
+@pytest.mark.parametrize("name", ["MGU", "MGUCell", "AUGRU", "AUGRUCell"])
+def test_cells_pytorch_or_onnx_lacks_are_refused_there(name):
+    cls = getattr(sn.nn, name)
+    title = name.removesuffix("Cell")
+    with pytest.raises(sn.UnsupportedError, match=rf"{name}.from_torch: PyTorch has no {title}"):
+        cls.from_torch(None)
+    with pytest.raises(sn.UnsupportedError, match=rf"{name}.to_torch: PyTorch has no {title}"):
+        cls(3, 4).to_torch()
+    with pytest.raises(sn.UnsupportedError, match=rf"{name}: ONNX has no {title} operator"):
+        cls(3, 4).to_onnx()
 
 
 def test_bad_steps_are_refused(rng):
@@ -157,3 +172,21 @@ def test_an_augru_cell_refuses_what_it_cannot_take(rng):
         cell.to_torch()
     with pytest.raises(sn.UnsupportedError, match="PyTorch has no AUGRU"):
         sn.nn.AUGRUCell.from_torch(None)
+
+
+def test_no_front_end_names_a_cell_kind():
+    """The cells' names are written in their records (``cells.CELLS``) and
+    the classes' ``cell = ...`` only: every front end reads the record."""
+    root = Path(sn.__file__).parent
+    names = set(sn.nn.cells.CELLS) - {"rnn"}  # ("rnn" is also the op of a step-net)
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "nn" / "cells.py":
+            continue
+        tree = ast.parse(path.read_text())
+        declared = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                    and [getattr(t, "id", None) for t in node.targets] == ["cell"]}
+        found += [f"{path.relative_to(root)}:{node.lineno} {node.value!r}"
+                  for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                  and node.value in names and id(node) not in declared]
+    assert not found, found

@@ -1032,6 +1032,34 @@ def test_gru_without_linear_before_reset_matches_finite_differences(backend):
     assert_fd_close(grads, expected, wrt, what=f"GRU {backend}")
 
 
+def test_mgu_matches_finite_differences():
+    """MGU (no PyTorch counterpart): central differences of its outputs with
+    respect to its weights, X and h0, two layers both ways."""
+    rng = np.random.default_rng(9)
+    layer = sn.nn.MGU(2, 3, num_layers=2, direction="bidirectional_concat", dtype=np.float64,
+                      seed=9)
+    lengths = [3, 0, 2]
+    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (5, 2)), [lengths])
+    h0 = rng.uniform(-1, 1, (4, 3, 3))
+    Y, h_n = layer(X, h0, backend="interpreter")
+    dY, dh = rng.uniform(-1, 1, Y.data.shape), rng.uniform(-1, 1, h_n.shape)
+    Xd, h0v = X.data.copy(), h0.copy()
+
+    def loss():
+        Y, h_n = layer(sn.LoDTensor(Xd.copy(), X.levels), h0v, backend="interpreter")
+        return float(np.sum(Y.data * dY) + np.sum(h_n * dh))
+
+    from gradient_checks import numeric_gradient
+
+    params = layer.parameters()
+    expected = [numeric_gradient(loss, p.value) for p in params]
+    expected += [numeric_gradient(loss, Xd), numeric_gradient(loss, h0v)]
+    wrt = params + ["X", "h0"]
+    grads = sn.gradients(layer, wrt=wrt, grad_outputs=[dY, dh], X=X, h0=h0,
+                         backend="interpreter")
+    assert_fd_close(grads, expected, wrt, what="MGU")
+
+
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("numba", marks=[
     needs_numba, pytest.mark.slow])])
 def test_augru_matches_finite_differences(backend):

@@ -115,7 +115,7 @@ def test_a_layer_equals_the_layer_and_its_pullback():
         np.testing.assert_allclose(g[name], w, rtol=1e-5, atol=1e-6)
 
 
-def test_lstm_states_and_augru_scores_get_gradients():
+def test_lstm_states_augru_scores_and_an_mgu_get_gradients():
     rng = np.random.default_rng(3)
     lstm = sn.nn.LSTM(3, 4, seed=4)
     f = sj.function(lstm)
@@ -145,6 +145,17 @@ def test_lstm_states_and_augru_scores_get_gradients():
     da = jax.grad(lambda a: g(g.params, x, a, LENGTHS)[0].sum())(scores)
     assert da.shape == scores.shape and np.all(np.asarray(da)[2] == 0)
     assert np.abs(np.asarray(da)[0]).max() > 0
+
+    mgu = sn.nn.MGU(3, 4, seed=6)  # a layer PyTorch and ONNX lack
+    m = sj.function(mgu)
+    y, h_n = m(m.params, x, LENGTHS, h0)
+    Y, H = mgu((x, LENGTHS), h0)
+    np.testing.assert_array_equal(y, Y)
+    np.testing.assert_array_equal(h_n, H)
+    gh = jax.grad(lambda h: m(m.params, x, LENGTHS, h)[1].sum())(h0)
+    _, pullback = sn.vjp(mgu, sn.LoDTensor.from_padded(x, LENGTHS), h0)
+    want = pullback([np.zeros((LENGTHS.sum(), 4), np.float32), np.ones_like(H)], wrt=["h0"])
+    np.testing.assert_allclose(gh, want[0], rtol=1e-5, atol=1e-6)
 
 
 def test_vmap_and_the_nets_parameters_are_left_as_they_were():
@@ -196,7 +207,8 @@ def test_an_unknown_backend_is_refused_when_the_function_is_made():
 
 
 @pytest.mark.parametrize("cell, layer", [("RNNCell", "RNN"), ("GRUCell", "GRU"),
-                                         ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU")])
+                                         ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU"),
+                                         ("MGUCell", "MGU")])
 def test_a_cell_is_refused_with_what_to_pass_instead(cell, layer):
     with pytest.raises(StepNetError, match=rf"stepnet.jax.function: {cell} is a cell, one step "
                                            rf"of a recurrence .* pass the layer "

@@ -544,12 +544,17 @@ REFERENCE_CASES = {
                 "activations": ["HardSigmoid", "Softsign", "Sigmoid", "ScaledTanh"],
                 "activation_alpha": [0.3, 1.1], "activation_beta": [0.45, 0.9], "clip": 2.0}, 2,
         np.float32),
+    "mgu-bidirectional_concat-L2": ("MGU", {"direction": "bidirectional_concat"}, 2,
+                                    np.float32),
+    "mgu-activations-clip-reverse": (
+        "MGU", {"direction": "reverse", "activations": ["HardSigmoid", "Softsign"],
+                "activation_alpha": [0.3], "activation_beta": [0.45], "clip": 1.5}, 1, np.float64),
     "lstm-activations-input_forget-clip": (
         "LSTM", {"activations": ["HardSigmoid", "Elu", "Softplus"], "activation_alpha": [0.25, 0.7],
                  "activation_beta": [0.5], "clip": 1.5, "input_forget": True}, 1, np.float64),
 }
 
-REFERENCE_KIND = {"RNN": "rnn", "GRU": "gru", "LSTM": "lstm", "AUGRU": "augru"}
+REFERENCE_KIND = {"RNN": "rnn", "GRU": "gru", "LSTM": "lstm", "AUGRU": "augru", "MGU": "mgu"}
 
 
 def reference_run(layer_kind, kwargs, weights, X, h0, c0, attention=None):
@@ -594,6 +599,30 @@ def run_reference_case(rng, layer_kind, kwargs, num_layers, dtype, lengths, inpu
 def test_matches_the_numpy_reference(rng, case):
     layer_kind, kwargs, num_layers, dtype = REFERENCE_CASES[case]
     run_reference_case(rng, layer_kind, kwargs, num_layers, dtype, [5, 0, 7, 3, 1])
+
+
+def test_mgu_is_the_gru_whose_update_gate_is_one_minus_its_reset_gate(rng):
+    """An outside check of the MGU (no library has one): sigmoid(-v) is
+    1 - sigmoid(v), so a GRU whose z weights are minus the MGU's f weights,
+    whose r weights are f's and whose candidate is the MGU's computes the
+    MGU; the GRU is checked against PyTorch and onnxruntime above."""
+    mgu = nn().MGU(4, 6, direction="bidirectional_concat", seed=3)
+    w = mgu.onnx_weights(0)
+
+    def as_gru(a):  # gate blocks (f, h) -> (z, r, h) along axis 1
+        f, h = np.split(a, 2, axis=1)
+        return np.concatenate([-f, f, h], axis=1)
+
+    Wb, Rb = np.split(w["B"], 2, axis=1)
+    gru = nn().GRU.from_onnx(as_gru(w["W"]), as_gru(w["R"]),
+                             np.concatenate([as_gru(Wb), as_gru(Rb)], axis=1),
+                             direction="bidirectional")
+    X = make_lod(rng, [4, 0, 3], 4, np.float32)
+    Y, h_n = gru(X, backend="interpreter")
+    for backend in BACKENDS:
+        got = mgu(X, backend=backend)
+        assert_close(got[0].data, Y.data, what=f"{backend} Y")
+        assert_close(got[1], h_n, what=f"{backend} h_n")
 
 
 def test_augru_output_width_and_dtype(rng):

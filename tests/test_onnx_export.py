@@ -128,6 +128,12 @@ def test_layers_onnx_has_no_operator_for_export_as_scan(layer, rng):
     assert "Scan" in node_types(model) and not node_types(model) & {"RNN", "GRU", "LSTM"}
 
 
+def test_a_layer_onnx_has_no_operator_for_exports_as_scan(rng):
+    layer = sn.nn.MGU(3, 4, num_layers=2, direction="bidirectional_concat", seed=5)
+    model = check_layer(layer, rng, initial_states=True)
+    assert "Scan" in node_types(model) and not node_types(model) & {"RNN", "GRU", "LSTM"}
+
+
 def test_augru_exports_as_scan_with_attention_input(rng):
     layer = sn.nn.AUGRU(3, 4, num_layers=2, direction="bidirectional_concat", seed=4)
     X = lod(rng, [LENGTHS], 3)

@@ -61,6 +61,7 @@ LAYERS = [
     lambda: sn.nn.LSTM(5, 7, peephole=True, proj_size=3),
     lambda: sn.nn.RNN(5, 7, direction="reverse"),
     lambda: sn.nn.AUGRU(5, 7),
+    lambda: sn.nn.MGU(5, 7),
 ]
 
 

@@ -207,6 +207,18 @@ def test_augru_attention_gradcheck():
     assert torch.autograd.gradcheck(lambda x, a, *ps: m(x, a), (x, a, *m.parameters()))
 
 
+def test_a_layer_pytorch_lacks_runs_and_trains_in_a_module():
+    layer = sn.nn.MGU(2, 3, seed=0, dtype=np.float64)
+    m = st.Module(layer, backend="interpreter")
+    x = torch.randn(2, 3, 2, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True)
+    y, h_n = m(x, h0)
+    Y, h_ref = layer((x.detach().numpy(), [3, 3]), h0.detach().numpy())
+    np.testing.assert_allclose(y.detach().numpy(), Y, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(h_n.detach().numpy(), h_ref, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, h0, *ps: m(x, h0), (x, h0, *m.parameters()))
+
+
 # ----------------------------------------------------------------------------
 # parameters: shared memory, optimizers, state dicts, dtypes
 
@@ -334,7 +346,8 @@ def test_bad_layer_input_gets_a_clear_error(gru_pair):
 
 
 @pytest.mark.parametrize("cell, layer", [("RNNCell", "RNN"), ("GRUCell", "GRU"),
-                                         ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU")])
+                                         ("LSTMCell", "LSTM"), ("AUGRUCell", "AUGRU"),
+                                         ("MGUCell", "MGU")])
 def test_a_cell_is_refused_and_a_step_net_calling_it_runs(cell, layer):
     c = getattr(sn.nn, cell)(I, H, seed=0)
     for wrap, where in [(st.Module, "stepnet.torch.Module"), (st.LayerModule, "LayerModule")]:

@@ -524,6 +524,52 @@ def test_layers_equal_stepnet_nn_and_feed_nets(tmp_path):
     assert np.array_equal(again.layers["enc"].parameters()[0].value, value)
 
 
+MGU = """
+inputs:
+  x: {shape: [5]}
+cells:
+  step_cell:
+    type: mgu
+    input_size: 5
+    hidden_size: 4
+layers:
+  enc:
+    type: mgu
+    input: x
+    hidden_size: 4
+    direction: reverse
+nets:
+  stepper:
+    inputs: {x: x}
+    memories:
+      h: {shape: [4]}
+    step:
+      - h = step_cell(x, h.pre)
+    outputs: [h]
+outputs:
+  y: enc.all
+  h_n: enc.last
+  stepped: stepper.all
+"""
+
+
+def test_an_mgu_layer_and_cell_are_stepnet_nn_s(tmp_path):
+    model = sn.load_yaml(write(tmp_path, MGU), seed=5)
+    feeds = model.random_feeds(seed=6)
+    out = model(feeds, backend="interpreter")
+    layer = copy_of(model.layers["enc"], sn.nn.MGU, direction="reverse")
+    Y, h_n = layer(feeds["x"], backend="interpreter")
+    assert_identical(out["y"], Y, "y")
+    assert_identical(out["h_n"], h_n, "h_n")
+    cell = model.cells["step_cell"]
+    assert isinstance(cell, sn.nn.MGUCell)
+    forward = copy_of(cell, sn.nn.MGU)  # the cell stepped over x is the layer
+    assert_identical(out["stepped"], forward(feeds["x"], backend="interpreter")[0], "stepped")
+    with pytest.raises(sn.YAMLError, match="a mgu layer has no option 'linear_before_reset'"):
+        sn.load_yaml(write(tmp_path, MGU.replace("direction: reverse",
+                                                 "linear_before_reset: true")))
+
+
 AUGRU_LAYER = """
 inputs:
   x: {shape: [5]}

@@ -1,55 +1,28 @@
-"""One time step of each built-in cell, written in the step-net DSL.
+"""The built-in cells: one :class:`Cell` record each in ``CELLS``, its step
+written in the step-net DSL.
 
 The equations are the ONNX RNN, GRU and LSTM operators' (the oneDNN RNN
-primitive's), in ONNX's gate orders: RNN ``i``; GRU ``z, r, h``; LSTM
-``i, o, f, c`` with peepholes ``i, o, f``. Weights are per gate, in the DSL's
+primitive's; AUGRU is oneDNN's, MGU the minimal gated unit's), in ONNX's gate
+orders: RNN ``i``; GRU ``z, r, h``; LSTM ``i, o, f, c`` with peepholes ``i, o,
+f``; MGU ``f, h``. Weights are per gate, in the DSL's
 orientation (``x @ W``: ``W[g]`` is ``[input, hidden]``); the Numba backend
 merges the gates' matmuls into one GEMM over all tokens for the input and one
 per step for the recurrence.
 
-``acts`` holds the cell's activations (ONNX's f, g, h) as one-argument
-callables; ``clip`` bounds every activation's input to ``[-clip, clip]``
-(ONNX's cell clip).
+A step ``step(x, states, p, acts, layer, attention)`` updates its memory
+handles ``states``; ``acts`` holds the cell's activations (ONNX's f, g, h) as
+one-argument callables; it reads its options from ``layer`` (``clip`` bounds
+every activation's input to ``[-clip, clip]``, ONNX's cell clip).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import ops
-
-GATES = {
-    "rnn": ("i",),
-    "gru": ("z", "r", "h"),
-    "augru": ("z", "r", "h"),
-    "lstm": ("i", "o", "f", "c"),
-}
-PEEPHOLES = ("i", "o", "f")
-# the order in which a step reads each gate's ``x @ W`` and ``h @ R``: the
-# Numba backend joins a step's products with one left operand by columns in
-# this order, and a layer keeps the gate weights it joins as one array so
-# ordered (``stepnet.nn``: the join is then a view, not a copy a call)
-READ_ORDER = {
-    "rnn": ("i",),
-    "gru": ("z", "r", "h"),
-    "augru": ("z", "r", "h"),
-    "lstm": ("i", "f", "c", "o"),
-}
-
-
-def joined_gates(cell, kind, linear_before_reset=False, input_forget=False):
-    """The gates whose weights of ``kind`` (``"W"``: ``x @ W``, ``"R"``:
-    ``h @ R``) a step of ``cell`` reads as one product, in the order it
-    reads them: every gate but those it reads apart (a GRU's ``(r * h) @
-    R_h`` without ``linear_before_reset``) or not at all (an LSTM's forget
-    gate with ``input_forget``)."""
-    apart = set()
-    if cell in ("gru", "augru") and kind == "R" and not linear_before_reset:
-        apart.add("h")
-    if cell == "lstm" and input_forget:
-        apart.add("f")
-    return tuple(g for g in READ_ORDER[cell] if g not in apart)
-
 
 # ONNX's activation functions: name -> (callable(x, alpha, beta), default alpha,
 # default beta); a default of None means the function takes no such argument.
@@ -81,20 +54,19 @@ def _gate_input(x, hp, p, g, peephole=None):
     return v if peephole is None else v + peephole
 
 
-def rnn_step(x, h, p, acts, clip):
+def rnn_step(x, states, p, acts, layer, attention=None):
     """``h = f(x Wi + Wbi + Rbi + h_prev Ri)``."""
-    (f,) = acts
-    hp = h.pre_state()
-    h.update(f(_clipped(_gate_input(x, hp, p, "i"), clip)))
+    (h,), (f,) = states, acts
+    h.update(f(_clipped(_gate_input(x, h.pre_state(), p, "i"), layer.clip)))
 
 
-def gru_step(x, h, p, acts, clip, linear_before_reset, attention=None):
+def gru_step(x, states, p, acts, layer, attention=None):
     """ONNX GRU; with ``attention`` oneDNN's AUGRU (``z' = (1 - a) * z``)."""
-    f, g = acts
+    (h,), (f, g), clip = states, acts, layer.clip
     hp = h.pre_state()
     z = f(_clipped(_gate_input(x, hp, p, "z"), clip))
     r = f(_clipped(_gate_input(x, hp, p, "r"), clip))
-    if linear_before_reset:
+    if layer.linear_before_reset:
         pre = x @ p["W"]["h"] + p["Wb"]["h"] + r * (hp @ p["R"]["h"] + p["Rb"]["h"])
     else:
         pre = x @ p["W"]["h"] + p["Wb"]["h"] + p["Rb"]["h"] + (r * hp) @ p["R"]["h"]
@@ -104,16 +76,28 @@ def gru_step(x, h, p, acts, clip, linear_before_reset, attention=None):
     h.update((1.0 - z) * candidate + z * hp)
 
 
-def lstm_step(x, h, c, p, acts, clip, peephole, input_forget, proj):
+def mgu_step(x, states, p, acts, layer, attention=None):
+    """The minimal gated unit (Zhou et al., 2016): one forget gate ``f``
+    serves as both of a GRU's gates, ``h~ = g(x Wh + (f * h_prev) Rh + b)``,
+    ``h = (1 - f) * h_prev + f * h~``."""
+    (h,), (fa, g), clip = states, acts, layer.clip
+    hp = h.pre_state()
+    forget = fa(_clipped(_gate_input(x, hp, p, "f"), clip))
+    pre = x @ p["W"]["h"] + p["Wb"]["h"] + p["Rb"]["h"] + (forget * hp) @ p["R"]["h"]
+    h.update((1.0 - forget) * hp + forget * g(_clipped(pre, clip)))
+
+
+def lstm_step(x, states, p, acts, layer, attention=None):
     """ONNX LSTM (peepholes, coupled input-forget gate) with PyTorch's
     projection of the hidden state (``h = (o * h(c)) @ proj``)."""
-    f, g, hact = acts
+    (h, c), (f, g, hact), clip = states, acts, layer.clip
     hp, cp = h.pre_state(), c.pre_state()
+
     def peep(gate, state):
-        return state * p["P"][gate] if peephole else None
+        return state * p["P"][gate] if layer.peephole else None
 
     i = f(_clipped(_gate_input(x, hp, p, "i", peep("i", cp)), clip))
-    if input_forget:
+    if layer.input_forget:
         forget = 1.0 - i
     else:
         forget = f(_clipped(_gate_input(x, hp, p, "f", peep("f", cp)), clip))
@@ -122,9 +106,75 @@ def lstm_step(x, h, c, p, acts, clip, peephole, input_forget, proj):
     c.update(c_new)
     o = f(_clipped(_gate_input(x, hp, p, "o", peep("o", c_new)), clip))
     h_new = o * hact(c_new)
-    if proj is not None:
-        h_new = h_new @ proj
+    if layer.proj_size:
+        h_new = h_new @ p["proj"]
     h.update(h_new)
+
+
+class Cell(NamedTuple):
+    """One built-in recurrent cell: everything the front ends read of it.
+
+    The layer classes (``stepnet.nn.<title>`` and ``<title>Cell``), YAML's
+    ``type: <name>``, ONNX import and export and the PyTorch and JAX bridges
+    all work from this record; docs/adding-a-layer.md is the recipe."""
+
+    name: str  # YAML's type, and the prefix of the layer's step-nets' names
+    title: str  # the classes stepnet.nn.<title> and stepnet.nn.<title>Cell
+    gates: tuple  # its gates in ONNX's order: the blocks of ONNX's W, R and B
+    # the order a step reads its gates' x @ W and h @ R: the Numba backend
+    # joins a step's products with one left operand by columns in this
+    # order, and a layer keeps the gate weights it joins as one array so
+    # ordered (the join is then a view, not a copy a call)
+    read_order: tuple
+    # the gates whose h @ R a step reads on a gated state ((r * h) @ R_h),
+    # apart from the others' joined product (unless linear_before_reset)
+    gated_state: tuple
+    activations: tuple  # ONNX's default activations (f, g, h)
+    states: tuple  # its memories: the output state first
+    attention: bool  # its step also reads a score per sequence (AUGRU)
+    options: tuple  # the layer's own keyword options (and YAML keys)
+    onnx: str | None  # ONNX's operator; None: a layer exports as a Scan of its step
+    onnx_attrs: tuple  # the operator's attributes that are layer options
+    torch: str | None  # torch.nn.<torch> and <torch>Cell; None: PyTorch has none
+    torch_gates: tuple  # PyTorch's gate order
+    step: Callable  # step(x, states, p, acts, layer, attention): the equations
+
+
+CELLS = {c.name: c for c in (
+    Cell(name="rnn", title="RNN", gates=("i",), read_order=("i",), gated_state=(),
+         activations=("Tanh",), states=("h",), attention=False, options=("nonlinearity",),
+         onnx="RNN", onnx_attrs=(), torch="RNN", torch_gates=("i",), step=rnn_step),
+    Cell(name="gru", title="GRU", gates=("z", "r", "h"), read_order=("z", "r", "h"),
+         gated_state=("h",), activations=("Sigmoid", "Tanh"), states=("h",), attention=False,
+         options=("linear_before_reset",), onnx="GRU", onnx_attrs=("linear_before_reset",),
+         torch="GRU", torch_gates=("r", "z", "h"), step=gru_step),
+    Cell(name="augru", title="AUGRU", gates=("z", "r", "h"), read_order=("z", "r", "h"),
+         gated_state=("h",), activations=("Sigmoid", "Tanh"), states=("h",), attention=True,
+         options=("linear_before_reset",), onnx=None, onnx_attrs=(), torch=None, torch_gates=(),
+         step=gru_step),
+    Cell(name="lstm", title="LSTM", gates=("i", "o", "f", "c"), read_order=("i", "f", "c", "o"),
+         gated_state=(), activations=("Sigmoid", "Tanh", "Tanh"), states=("h", "c"),
+         attention=False, options=("peephole", "proj_size", "input_forget"), onnx="LSTM",
+         onnx_attrs=("input_forget",), torch="LSTM", torch_gates=("i", "f", "c", "o"),
+         step=lstm_step),
+    Cell(name="mgu", title="MGU", gates=("f", "h"), read_order=("f", "h"), gated_state=("h",),
+         activations=("Sigmoid", "Tanh"), states=("h",), attention=False, options=(), onnx=None,
+         onnx_attrs=(), torch=None, torch_gates=(), step=mgu_step),
+)}
+PEEPHOLES = ("i", "o", "f")  # an LSTM's peephole weights, in ONNX's order
+ONNX_LAYERS = {c.onnx: c for c in CELLS.values() if c.onnx}
+
+
+def joined_gates(cell, kind, linear_before_reset=False, input_forget=False):
+    """The gates whose weights of ``kind`` (``"W"``: ``x @ W``, ``"R"``:
+    ``h @ R``) a step of ``cell`` reads as one product, in the order it
+    reads them: every gate but those it reads apart (a GRU's ``(r * h) @
+    R_h`` without ``linear_before_reset``) or not at all (an LSTM's forget
+    gate with ``input_forget``)."""
+    apart = set(CELLS[cell].gated_state) if kind == "R" and not linear_before_reset else set()
+    if input_forget:
+        apart.add("f")
+    return tuple(g for g in CELLS[cell].read_order if g not in apart)
 
 
 def resolve_activations(names, alphas, betas):

@@ -1,4 +1,5 @@
-"""The built-in recurrent layers: RNN, LSTM, GRU and AUGRU over LoD batches.
+"""The built-in recurrent layers: RNN, LSTM, GRU, AUGRU and MGU over LoD
+batches; each reads its cell's record (``cells.CELLS``).
 
 Each (layer, direction) of a layer is one step-net (``cells.py`` writes its
 step), built on the first call and run on any backend; nothing here has a
@@ -33,20 +34,23 @@ _ONNX_DIRECTION = {"forward": "forward", "reverse": "reverse",
                    "bidirectional_concat": "bidirectional"}
 _FROM_ONNX_DIRECTION = {"forward": "forward", "reverse": "reverse",
                         "bidirectional": "bidirectional_concat"}
-_DEFAULT_ACTIVATIONS = {
-    "rnn": ("Tanh",),
-    "gru": ("Sigmoid", "Tanh"),
-    "augru": ("Sigmoid", "Tanh"),
-    "lstm": ("Sigmoid", "Tanh", "Tanh"),
-}
-# PyTorch's gate order, as indices into ONNX's
-_TORCH_GATES = {"gru": ("r", "z", "h"), "lstm": ("i", "f", "c", "o"), "rnn": ("i",)}
+# cell name -> its layer class and its cell class (each registers itself)
+LAYERS, CELLS = {}, {}
 
 
 class _RecurrentLayer:
-    """What every built-in layer shares; see the module docstring."""
+    """What every built-in layer shares; see the module docstring. A
+    subclass names its cell (``cell = "gru"``, a key of ``cells.CELLS``)
+    and reads everything else of it from that record, ``kind``."""
 
-    cell = None  # "rnn" | "gru" | "augru" | "lstm"
+    cell = None
+    kind = None
+    _one_step = False  # a cell class (``_Cell``): one step, not a layer over sequences
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.kind = cells.CELLS[cls.cell]
+        (CELLS if cls._one_step else LAYERS).setdefault(cls.cell, cls)
 
     def __init__(self, input_size, hidden_size, num_layers=1, direction="forward",
                  combine="per_layer", activations=None, activation_alpha=None,
@@ -99,7 +103,7 @@ class _RecurrentLayer:
 
     def _set_activations(self, names, alphas, betas):
         where = type(self).__name__
-        per_direction = len(_DEFAULT_ACTIVATIONS[self.cell])
+        per_direction = len(self.kind.activations)
         if names is None:
             names = list(self._default_activations()) * self.num_directions
         names = [cells.canonical_activation(n, where) for n in names]
@@ -111,7 +115,7 @@ class _RecurrentLayer:
         if len(names) != per_direction * self.num_directions:
             raise StepNetError(
                 f"{where}: activations lists {len(names)} functions; a {self.direction} "
-                f"{self.cell.upper()} takes {per_direction} per direction"
+                f"{self.kind.title} takes {per_direction} per direction"
             )
         self.activations = names
         self.activation_alpha = None if alphas is None else [float(a) for a in alphas]
@@ -122,7 +126,7 @@ class _RecurrentLayer:
                       for d in range(self.num_directions)]
 
     def _default_activations(self):
-        return _DEFAULT_ACTIVATIONS[self.cell]
+        return self.kind.activations
 
     def layer_input_size(self, layer):
         """Width of the input that ``layer`` reads.
@@ -175,10 +179,10 @@ class _RecurrentLayer:
                     return rng.uniform(-k, k, shape).astype(self.dtype)
 
                 arrays = {
-                    "W": {g: draw(I, H) for g in cells.GATES[self.cell]},
-                    "R": {g: draw(P, H) for g in cells.GATES[self.cell]},
-                    "Wb": {g: draw(H) for g in cells.GATES[self.cell]},
-                    "Rb": {g: draw(H) for g in cells.GATES[self.cell]},
+                    "W": {g: draw(I, H) for g in self.kind.gates},
+                    "R": {g: draw(P, H) for g in self.kind.gates},
+                    "Wb": {g: draw(H) for g in self.kind.gates},
+                    "Rb": {g: draw(H) for g in self.kind.gates},
                 }
                 if self.peephole:
                     arrays["P"] = {g: draw(H) for g in cells.PEEPHOLES}
@@ -232,8 +236,8 @@ class _RecurrentLayer:
     def onnx_weights(self, layer, value=None):
         """Layer ``layer``'s weights in ONNX's layout.
 
-        ``D`` is the number of directions, ``G`` of gates (RNN 1, GRU and
-        AUGRU 3, LSTM 4, in ONNX's gate order), ``H`` is ``hidden_size``,
+        ``D`` is the number of directions, ``G`` of gates (RNN 1, MGU 2,
+        GRU and AUGRU 3, LSTM 4, in ONNX's gate order), ``H`` is ``hidden_size``,
         ``I`` the layer's input width and ``Hr`` the state's width
         (``proj_size`` with a projection, else ``H``).
 
@@ -261,7 +265,7 @@ class _RecurrentLayer:
         """
         layer = self._layer_index(layer, "onnx_weights")
         value = value or (lambda p: p.value)
-        gates = cells.GATES[self.cell]
+        gates = self.kind.gates
         out = {"W": [], "R": [], "B": []}
         for d in range(self.num_directions):
             p = self._params[(layer, d)]
@@ -308,7 +312,7 @@ class _RecurrentLayer:
             An array whose shape is not the one expected.
         """
         layer = self._layer_index(layer, "set_onnx_weights")
-        gates = cells.GATES[self.cell]
+        gates = self.kind.gates
         G, H, D = len(gates), self.hidden_size, self.num_directions
         I, Hr = self.layer_input_size(layer), self.output_size
         W, R = np.asarray(W), np.asarray(R)
@@ -409,9 +413,11 @@ class _RecurrentLayer:
 
     @classmethod
     def _onnx_options(cls, attrs, P):
-        if P is not None:
+        """The layer options an ONNX node's attributes and peepholes give."""
+        if P is not None and "peephole" not in cls.kind.options:
             raise StepNetError(f"{cls.__name__}.from_onnx: P (peepholes) is an LSTM input")
-        return {}
+        options = {a: bool(attrs.pop(a, 0)) for a in cls.kind.onnx_attrs}
+        return dict(options, peephole=P is not None) if "peephole" in cls.kind.options else options
 
     def to_onnx(self):
         """The ONNX node's inputs and attributes: a dict (W, R, B, P with
@@ -419,8 +425,8 @@ class _RecurrentLayer:
         activation_beta, clip, and linear_before_reset or input_forget), or a
         list of such dicts, one per layer, for a stack."""
         name = type(self).__name__
-        if self.cell == "augru":
-            raise UnsupportedError(f"{name}: ONNX has no AUGRU operator")
+        if self.kind.onnx is None:
+            raise UnsupportedError(f"{name}: ONNX has no {self.kind.title} operator")
         if self.direction not in _ONNX_DIRECTION:
             raise UnsupportedError(f"{name}: ONNX has no {self.direction} direction")
         if self.proj_size:
@@ -438,12 +444,9 @@ class _RecurrentLayer:
                 activation_beta=[b for _, _, b in self._activation_specs if b is not None],
                 clip=self.clip,
             )
-            node.update(self._onnx_attrs())
+            node.update({a: int(getattr(self, a)) for a in self.kind.onnx_attrs})
             nodes.append(node)
         return nodes[0] if self.num_layers == 1 else nodes
-
-    def _onnx_attrs(self):
-        return {}
 
     # -- PyTorch layout -----------------------------------------------------------
 
@@ -475,9 +478,8 @@ class _RecurrentLayer:
         UnsupportedError
             PyTorch is not installed.
         """
-        torch = _torch(f"{cls.__name__}.from_torch")
-
-        expected = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
+        torch = _torch_of(cls, "from_torch")
+        expected = getattr(torch.nn, cls.kind.torch)
         if type(module) is not expected:
             raise StepNetError(f"{cls.__name__}.from_torch expects a {expected.__name__}, "
                                f"got {type(module).__name__}")
@@ -493,7 +495,7 @@ class _RecurrentLayer:
         }
         kwargs.update(cls._torch_options(module))
         layer = cls(module.input_size, module.hidden_size, **kwargs)
-        order = _TORCH_GATES[cls.cell]
+        order = cls.kind.torch_gates
         H = module.hidden_size
         for l in range(module.num_layers):
             arrays = {"W": [], "R": [], "B": [], "proj": []}
@@ -508,7 +510,7 @@ class _RecurrentLayer:
                 b_ih = get("bias_ih") if module.bias else np.zeros(len(order) * H, dtype)
                 b_hh = get("bias_hh") if module.bias else np.zeros(len(order) * H, dtype)
                 # PyTorch's gate blocks in ONNX's gate order
-                rows = [order.index(g) for g in cells.GATES[cls.cell]]
+                rows = [order.index(g) for g in cls.kind.gates]
 
                 def reorder(a, rows=rows):
                     return _gate_blocks(a, H, rows)
@@ -545,8 +547,7 @@ class _RecurrentLayer:
             a GRU without ``linear_before_reset``, an LSTM's peepholes or
             ``input_forget``.
         """
-        torch = _torch(f"{type(self).__name__}.to_torch")
-
+        torch = _torch_of(self, "to_torch")
         name = type(self).__name__
         reasons = self._torch_unsupported()
         if self.direction not in ("forward", "bidirectional_concat"):
@@ -559,8 +560,10 @@ class _RecurrentLayer:
             reasons.append(f"activations {self.activations}")
         if reasons:
             raise UnsupportedError(f"{name}.to_torch: PyTorch has no {', '.join(reasons)}")
-        module = self._torch_module(torch)
-        order = _TORCH_GATES[self.cell]
+        module = getattr(torch.nn, self.kind.torch)(
+            self.input_size, self.hidden_size, self.num_layers,
+            bidirectional=self.num_directions == 2, **self._torch_kwargs())
+        order = self.kind.torch_gates
         H = self.hidden_size
         tdtype = {np.float32: torch.float32, np.float64: torch.float64}[self.dtype.type]
         module = module.to(tdtype)
@@ -570,7 +573,7 @@ class _RecurrentLayer:
                 G = len(order)
                 for d in range(self.num_directions):
                     sfx = f"_l{l}" + ("_reverse" if d else "")
-                    rows = [cells.GATES[self.cell].index(g) for g in order]
+                    rows = [self.kind.gates.index(g) for g in order]
 
                     def reorder(a, rows=rows):
                         return _gate_blocks(a, H, rows)
@@ -586,6 +589,10 @@ class _RecurrentLayer:
 
     def _torch_unsupported(self):
         return []
+
+    def _torch_kwargs(self):
+        """The keywords of this layer's ``torch.nn`` constructor beyond the sizes."""
+        return {}
 
     # -- the step-nets ------------------------------------------------------------
 
@@ -639,13 +646,16 @@ class _RecurrentLayer:
         if not 0 <= layer < self.num_layers or not 0 <= direction < self.num_directions:
             raise StepNetError(f"{name}.step: no layer {layer}, direction {direction} (the layer "
                                f"has {self.num_layers} layer(s), {self.num_directions} direction(s))")
-        pair = self.cell == "lstm"
-        if pair and not (isinstance(state, (tuple, list)) and len(state) == 2):
-            raise StepNetError(f"{name}.step: the state of an LSTM is a pair (h, c)")
+        kind = self.kind
+        pair = len(kind.states) > 1
+        if pair and not (isinstance(state, (tuple, list)) and len(state) == len(kind.states)):
+            many = "a pair" if len(kind.states) == 2 else f"{len(kind.states)} states"
+            raise StepNetError(f"{name}.step: the state of an {kind.title} is {many} "
+                               f"({', '.join(kind.states)})")
         states = [_StepState.of(v) for v in (state if pair else (state,))]
-        if (attention is None) != (self.cell != "augru"):
-            raise StepNetError(f"{name}.step: " + ("an AUGRU step takes its attention score"
-                                                   if attention is None else
+        if (attention is None) == kind.attention:
+            raise StepNetError(f"{name}.step: " + (f"an {kind.title} step takes its attention "
+                                                   "score" if attention is None else
                                                    "attention is for AUGRU only"))
         shape = tuple(getattr(attention, "shape", None) or np.shape(attention))
         if attention is not None and (len(shape) != 2 or shape[1] != 1):
@@ -653,9 +663,9 @@ class _RecurrentLayer:
                              f"got shape {['B' if n is None else n for n in shape]}")
         params = self._params[(layer, direction)]
         if current_frame() is None:  # eager, on arrays: the Parameters' values
-            params = {kind: ({g: v.value for g, v in value.items()} if isinstance(value, dict)
-                             else value.value) for kind, value in params.items()}
-        self._step(x, states, params, self._acts[direction], attention)
+            params = {key: ({g: v.value for g, v in value.items()} if isinstance(value, dict)
+                            else value.value) for key, value in params.items()}
+        kind.step(x, states, params, self._acts[direction], self, attention)
         new = tuple(v.new if isinstance(v, _StepState) else v for v in states)
         return new if pair else new[0]
 
@@ -664,8 +674,8 @@ class _RecurrentLayer:
 
         Built on first use with this layer's Parameters and kept (until
         ``set_onnx_weights`` replaces them). Its inputs are ``x`` (and ``a``,
-        the attention, for an AUGRU) and its memories ``h`` (and ``c`` for an
-        LSTM); its outputs are ``h`` at every step, then each memory's last
+        the attention, for an AUGRU) and its memories (``kind.states``: ``h``,
+        and ``c`` for an LSTM); its outputs are ``h`` at every step, then each memory's last
         value.
 
         Parameters
@@ -697,17 +707,13 @@ class _RecurrentLayer:
             with rnn.stepnet():
                 x = rnn.add_input(X, name="x")
                 attention = None
-                if self.cell == "augru":
+                if self.kind.attention:
                     A = LoDTensor.from_lengths(np.zeros((1, 1), self.dtype), [[1]])
                     attention = rnn.add_input(A, name="a")
-                h = rnn.add_memory(shape=[self.output_size], dtype=self.dtype, name="h")
-                if self.cell == "lstm":
-                    c = rnn.add_memory(shape=[self.hidden_size], dtype=self.dtype, name="c")
-                    self._step(x, (h, c), self._params[key], self._acts[d], attention)
-                    rnn.add_outputs(h, h, c)
-                else:
-                    self._step(x, (h,), self._params[key], self._acts[d], attention)
-                    rnn.add_outputs(h, h)
+                memories = [rnn.add_memory(shape=[w], dtype=self.dtype, name=name)
+                            for name, w in zip(self.kind.states, self.state_widths())]
+                self.kind.step(x, memories, self._params[key], self._acts[d], self, attention)
+                rnn.add_outputs(memories[0], *memories)
             self._nets[key] = rnn
         return self._nets[key]
 
@@ -735,6 +741,49 @@ class _RecurrentLayer:
 
     def _repr_options(self):
         return []
+
+    def __call__(self, X, h0=None, backend=None, keep_workspace=False):
+        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5.
+
+        Parameters
+        ----------
+        X : LoDTensor or tuple
+            A LoDTensor ``[N, input_size]`` with at least one level (the
+            layer runs over the sequences of its finest level), or
+            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
+            ``lengths`` ``[B]``. Floating point; float16 is computed in the
+            layer's dtype and given back as float16.
+        h0 : array_like, optional
+            The initial state ``[num_layers * num_directions, B,
+            hidden_size]``, indexed ``layer * num_directions + direction``.
+            None: zeros.
+        backend : str, optional
+            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
+            ``default_backend()``.
+        keep_workspace : bool, default False
+            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
+            without inputs runs only the backward.
+
+        Returns
+        -------
+        Y : LoDTensor or ndarray
+            Every step's output, ``num_directions * hidden_size`` wide for
+            ``bidirectional_concat``, else ``hidden_size``: a LoDTensor with
+            X's LoD, or ``[B, T, width]`` padded with zeros when X was padded.
+        h_n : ndarray
+            Each sequence's last state, ``[num_layers * num_directions, B,
+            hidden_size]``, indexed as ``h0``.
+
+        Raises
+        ------
+        ShapeError
+            ``X`` is not a LoDTensor with a level or a padded pair, or its
+            width or dtype does not fit; ``h0`` has another shape.
+        BackendError
+            The backend is unknown or not available.
+        """
+        Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
+        return Y, h_n
 
     # -- running ------------------------------------------------------------------
 
@@ -848,7 +897,7 @@ class _RecurrentLayer:
 
     def state_widths(self):
         """The width of each recurrent state: ``(H,)``; LSTM ``(H or proj, H)``."""
-        return (self.output_size,)
+        return (self.output_size,) + (self.hidden_size,) * (len(self.kind.states) - 1)
 
     def _check_input(self, X):
         """``X`` as (one-level LoDTensor over the finest sequences, how to give
@@ -1108,9 +1157,13 @@ def _gate_blocks(a, H, order):
     return np.concatenate([a[j * H:(j + 1) * H] for j in order], 0)
 
 
-def _torch(what):
-    """PyTorch, an optional dependency of the layout converters."""
-    return optional_import("torch", what, "pip install torch==2.13.0")
+def _torch_of(layer, method):
+    """PyTorch for ``layer.method`` (a layer or its class), which converts to
+    or from ``torch.nn``: UnsupportedError when PyTorch has no such layer."""
+    name = f"{getattr(layer, '__name__', type(layer).__name__)}.{method}"
+    if layer.kind.torch is None:
+        raise UnsupportedError(f"{name}: PyTorch has no {layer.kind.title}")
+    return optional_import("torch", name, "pip install torch==2.13.0")
 
 
 def _index(i, n, what, why):
@@ -1202,9 +1255,6 @@ class RNN(_RecurrentLayer):
     def _default_activations(self):
         return (self._nonlinearity_name,)
 
-    def _step(self, x, memories, p, acts, attention):
-        cells.rnn_step(x, memories[0], p, acts, self.clip)
-
     def _repr_options(self):
         return [] if self.nonlinearity == "tanh" else [f"nonlinearity={self.nonlinearity!r}"]
 
@@ -1215,53 +1265,8 @@ class RNN(_RecurrentLayer):
     def _torch_unsupported(self):
         return ["sigmoid RNN"] if self.nonlinearity == "sigmoid" else []
 
-    def _torch_module(self, torch):
-        return torch.nn.RNN(self.input_size, self.hidden_size, self.num_layers,
-                            nonlinearity=self.nonlinearity,
-                            bidirectional=self.num_directions == 2)
-
-    def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5.
-
-        Parameters
-        ----------
-        X : LoDTensor or tuple
-            A LoDTensor ``[N, input_size]`` with at least one level (the
-            layer runs over the sequences of its finest level), or
-            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
-            ``lengths`` ``[B]``. Floating point; float16 is computed in the
-            layer's dtype and given back as float16.
-        h0 : array_like, optional
-            The initial state ``[num_layers * num_directions, B,
-            hidden_size]``, indexed ``layer * num_directions + direction``.
-            None: zeros.
-        backend : str, optional
-            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
-            ``default_backend()``.
-        keep_workspace : bool, default False
-            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
-            without inputs runs only the backward.
-
-        Returns
-        -------
-        Y : LoDTensor or ndarray
-            Every step's output, ``num_directions * hidden_size`` wide for
-            ``bidirectional_concat``, else ``hidden_size``: a LoDTensor with
-            X's LoD, or ``[B, T, width]`` padded with zeros when X was padded.
-        h_n : ndarray
-            Each sequence's last state, ``[num_layers * num_directions, B,
-            hidden_size]``, indexed as ``h0``.
-
-        Raises
-        ------
-        ShapeError
-            ``X`` is not a LoDTensor with a level or a padded pair, or its
-            width or dtype does not fit; ``h0`` has another shape.
-        BackendError
-            The backend is unknown or not available.
-        """
-        Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
-        return Y, h_n
+    def _torch_kwargs(self):
+        return {"nonlinearity": self.nonlinearity}
 
 
 class GRU(_RecurrentLayer):
@@ -1327,19 +1332,8 @@ class GRU(_RecurrentLayer):
                          activations=activations, activation_alpha=activation_alpha,
                          activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
 
-    def _step(self, x, memories, p, acts, attention):
-        cells.gru_step(x, memories[0], p, acts, self.clip, self.linear_before_reset, attention)
-
     def _repr_options(self):
         return ["linear_before_reset=True"] if self.linear_before_reset else []
-
-    @classmethod
-    def _onnx_options(cls, attrs, P):
-        super()._onnx_options(attrs, P)
-        return {"linear_before_reset": bool(attrs.pop("linear_before_reset", 0))}
-
-    def _onnx_attrs(self):
-        return {"linear_before_reset": int(self.linear_before_reset)}
 
     @classmethod
     def _torch_options(cls, module):
@@ -1347,53 +1341,6 @@ class GRU(_RecurrentLayer):
 
     def _torch_unsupported(self):
         return [] if self.linear_before_reset else ["GRU with linear_before_reset=False"]
-
-    def _torch_module(self, torch):
-        return torch.nn.GRU(self.input_size, self.hidden_size, self.num_layers,
-                            bidirectional=self.num_directions == 2)
-
-    def __call__(self, X, h0=None, backend=None, keep_workspace=False):
-        """``Y, h_n = layer(X, h0=None)``; see docs/design.md §5.
-
-        Parameters
-        ----------
-        X : LoDTensor or tuple
-            A LoDTensor ``[N, input_size]`` with at least one level (the
-            layer runs over the sequences of its finest level), or
-            ``(padded, lengths)`` with ``padded`` ``[B, T, input_size]`` and
-            ``lengths`` ``[B]``. Floating point; float16 is computed in the
-            layer's dtype and given back as float16.
-        h0 : array_like, optional
-            The initial state ``[num_layers * num_directions, B,
-            hidden_size]``, indexed ``layer * num_directions + direction``.
-            None: zeros.
-        backend : str, optional
-            ``"interpreter"``, ``"numba"`` or ``"cuda"``; None:
-            ``default_backend()``.
-        keep_workspace : bool, default False
-            Keep this run's workspace, so that ``sn.gradients(layer, ...)``
-            without inputs runs only the backward.
-
-        Returns
-        -------
-        Y : LoDTensor or ndarray
-            Every step's output, ``num_directions * hidden_size`` wide for
-            ``bidirectional_concat``, else ``hidden_size``: a LoDTensor with
-            X's LoD, or ``[B, T, width]`` padded with zeros when X was padded.
-        h_n : ndarray
-            Each sequence's last state, ``[num_layers * num_directions, B,
-            hidden_size]``, indexed as ``h0``.
-
-        Raises
-        ------
-        ShapeError
-            ``X`` is not a LoDTensor with a level or a padded pair, or its
-            width or dtype does not fit; ``h0`` has another shape.
-        BackendError
-            The backend is unknown or not available.
-        """
-        Y, (h_n,) = self._forward(X, None, [h0], backend, keep_workspace)
-        return Y, h_n
 
 
 class AUGRU(GRU):
@@ -1457,31 +1404,6 @@ class AUGRU(GRU):
 
     cell = "augru"
 
-    @classmethod
-    def from_torch(cls, module):
-        """Not available: PyTorch has no AUGRU.
-
-        Parameters
-        ----------
-        module : torch.nn.Module
-            Not read.
-
-        Raises
-        ------
-        UnsupportedError
-            Always.
-        """
-        raise UnsupportedError("AUGRU.from_torch: PyTorch has no AUGRU")
-
-    def to_torch(self):
-        """Not available: PyTorch has no AUGRU.
-
-        Raises
-        ------
-        UnsupportedError
-            Always.
-        """
-        raise UnsupportedError("AUGRU.to_torch: PyTorch has no AUGRU")
 
     def __call__(self, X, attention, h0=None, backend=None, keep_workspace=False):
         """``Y, h_n = layer(X, attention, h0=None)``.
@@ -1617,14 +1539,6 @@ class LSTM(_RecurrentLayer):
                          activations=activations, activation_alpha=activation_alpha,
                          activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
 
-    def _step(self, x, memories, p, acts, attention):
-        h, c = memories
-        cells.lstm_step(x, h, c, p, acts, self.clip, self.peephole, self.input_forget,
-                        p.get("proj"))
-
-    def state_widths(self):
-        return (self.output_size, self.hidden_size)
-
     def _repr_options(self):
         opts = []
         if self.peephole:
@@ -1634,13 +1548,6 @@ class LSTM(_RecurrentLayer):
         if self.input_forget:
             opts.append("input_forget=True")
         return opts
-
-    @classmethod
-    def _onnx_options(cls, attrs, P):
-        return {"input_forget": bool(attrs.pop("input_forget", 0)), "peephole": P is not None}
-
-    def _onnx_attrs(self):
-        return {"input_forget": int(self.input_forget)}
 
     @classmethod
     def _torch_options(cls, module):
@@ -1654,9 +1561,8 @@ class LSTM(_RecurrentLayer):
             reasons.append("input_forget")
         return reasons
 
-    def _torch_module(self, torch):
-        return torch.nn.LSTM(self.input_size, self.hidden_size, self.num_layers,
-                             bidirectional=self.num_directions == 2, proj_size=self.proj_size)
+    def _torch_kwargs(self):
+        return {"proj_size": self.proj_size}
 
     def __call__(self, X, initial=None, backend=None, keep_workspace=False):
         """``Y, (h_n, c_n) = layer(X, (h0, c0)=None)``; see docs/design.md §5.
@@ -1711,6 +1617,72 @@ class LSTM(_RecurrentLayer):
         return Y, (h_n, c_n)
 
 
+class MGU(_RecurrentLayer):
+    """The minimal gated unit (Zhou et al., 2016): a GRU whose one gate
+    ``f`` serves as both update and reset gate, ``f = sigmoid(x Wf + h_prev
+    Rf + b)``, ``h~ = tanh(x Wh + (f * h_prev) Rh + b)``, ``h = (1 - f) *
+    h_prev + f * h~``: two gates' weights where a GRU has three.
+
+    ONNX and PyTorch have no MGU: ``to_onnx``, ``from_torch`` and
+    ``to_torch`` raise UnsupportedError; ``sn.onnx.export`` writes it as a
+    Scan of its step.
+
+    Parameters
+    ----------
+    input_size : int
+        Width of each token of the input.
+    hidden_size : int
+        Width of the recurrent state.
+    num_layers : int, default 1
+        Layers stacked, each reading the previous one's output.
+    direction : {"forward", "reverse", "bidirectional_concat", "bidirectional_sum"}, default "forward"
+        Which way each layer runs; the bidirectional ones run both ways and
+        concatenate or add the two directions' outputs.
+    combine : {"per_layer", "final"}, default "per_layer"
+        How a bidirectional stack is combined: after every layer, or at the
+        end (each direction's whole stack runs on its own).
+    activations : list of str, optional
+        ONNX activation names (2 per direction: the gate's and the
+        candidate's, ``["Sigmoid", "Tanh"]`` by default); a list for one
+        direction serves both.
+    activation_alpha, activation_beta : list of float, optional
+        The activations' alpha and beta, as ONNX's attributes.
+    clip : float, optional
+        Bounds every activation's input to ``[-clip, clip]``; positive.
+        None: no clipping.
+    dtype : dtype, default float32
+        The weights' and computation's dtype: float32 or float64 (float16
+        computes in float32).
+    seed : int, optional
+        Seed of the initialization (every weight and bias drawn from
+        ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+
+    Raises
+    ------
+    StepNetError
+        An option out of range (a size that is not a positive integer, an
+        unknown direction, a wrong number of activations, ...).
+
+    Examples
+    --------
+    >>> import numpy as np, stepnet as sn
+    >>> mgu = sn.nn.MGU(4, 8, seed=0)
+    >>> X = sn.LoDTensor.from_lengths(np.ones((5, 4), np.float32), [[2, 3]])
+    >>> Y, h_n = mgu(X, backend="interpreter")
+    >>> Y.data.shape, h_n.shape
+    ((5, 8), (1, 2, 8))
+    """
+
+    cell = "mgu"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, *, direction="forward",
+                 combine="per_layer", activations=None, activation_alpha=None,
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None):
+        super().__init__(input_size, hidden_size, num_layers, direction=direction, combine=combine,
+                         activations=activations, activation_alpha=activation_alpha,
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
+
+
 # ----------------------------------------------------------------------------
 # one step of a layer, as a cell inside another step-net's block
 
@@ -1721,6 +1693,8 @@ class _Cell:
     :meth:`_RecurrentLayer.step`). ``from_torch``/``to_torch`` convert
     ``torch.nn.RNNCell``/``GRUCell``/``LSTMCell``; ``onnx_weights`` and
     ``set_onnx_weights`` are the layer's."""
+
+    _one_step = True
 
     def __init__(self, input_size, hidden_size, **kwargs):
         for key in ("num_layers", "direction", "combine"):
@@ -1771,13 +1745,15 @@ class _Cell:
         UnsupportedError
             PyTorch is not installed.
         """
-        torch = _torch(f"{cls.__name__}.from_torch")
-        expected = {"rnn": torch.nn.RNNCell, "gru": torch.nn.GRUCell,
-                    "lstm": torch.nn.LSTMCell}[cls.cell]
+        torch = _torch_of(cls, "from_torch")
+        expected = getattr(torch.nn, cls.kind.torch + "Cell")
         if type(module) is not expected:
             raise StepNetError(f"{cls.__name__}.from_torch expects a {expected.__name__}, "
                                f"got {type(module).__name__}")
-        layer = cls._torch_layer(torch, module)
+        # (a torch.nn.RNNCell's nonlinearity is its only option beyond the sizes)
+        options = {"nonlinearity": module.nonlinearity} if hasattr(module, "nonlinearity") else {}
+        layer = getattr(torch.nn, cls.kind.torch)(module.input_size, module.hidden_size,
+                                                  bias=module.bias, **options)
         with torch.no_grad():
             for name, value in module.named_parameters():
                 getattr(layer, name + "_l0").copy_(value)
@@ -1797,22 +1773,18 @@ class _Cell:
             PyTorch is not installed, or the cell uses what PyTorch lacks (as
             for the layers' ``to_torch``).
         """
-        torch = _torch(f"{type(self).__name__}.to_torch")
+        torch = _torch_of(self, "to_torch")
+        if self.proj_size:
+            raise UnsupportedError(f"{type(self).__name__}.to_torch: PyTorch's "
+                                   f"{self.kind.torch}Cell has no proj_size")
         layer = super().to_torch()
-        kind = {"rnn": torch.nn.RNNCell, "gru": torch.nn.GRUCell, "lstm": torch.nn.LSTMCell}
-        options = {"nonlinearity": layer.nonlinearity} if self.cell == "rnn" else {}
-        module = kind[self.cell](self.input_size, self.hidden_size, **options).to(
-            layer.weight_ih_l0.dtype)
+        options = {k: v for k, v in self._torch_kwargs().items() if k == "nonlinearity"}
+        module = getattr(torch.nn, self.kind.torch + "Cell")(
+            self.input_size, self.hidden_size, **options).to(layer.weight_ih_l0.dtype)
         with torch.no_grad():
             for name, value in module.named_parameters():
                 value.copy_(getattr(layer, name + "_l0"))
         return module
-
-    @classmethod
-    def _torch_layer(cls, torch, module):
-        kind = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cls.cell]
-        options = {"nonlinearity": module.nonlinearity} if cls.cell == "rnn" else {}
-        return kind(module.input_size, module.hidden_size, bias=module.bias, **options)
 
 
 def _refuse_cell(net, where):
@@ -1957,28 +1929,26 @@ class AUGRUCell(_Cell, AUGRU):
         """
         return self.step(x, state, attention=attention)
 
-    @classmethod
-    def from_torch(cls, module):
-        """Not available: PyTorch has no AUGRU.
 
-        Parameters
-        ----------
-        module : torch.nn.Module
-            Not read.
+class MGUCell(_Cell, MGU):
+    """One step of a minimal gated unit inside a step block: ``h = cell(x, h)``.
+    PyTorch has no MGU: no ``from_torch``/``to_torch``.
 
-        Raises
-        ------
-        UnsupportedError
-            Always.
-        """
-        raise UnsupportedError("AUGRUCell.from_torch: PyTorch has no AUGRU")
+    Parameters
+    ----------
+    input_size : int
+        Width of the step's input ``x``.
+    hidden_size : int
+        Width of the state.
+    **kwargs
+        The keyword options of :class:`MGU` (``activations``,
+        ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
+        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        defaults (1, ``"forward"``, ``"per_layer"``).
 
-    def to_torch(self):
-        """Not available: PyTorch has no AUGRU.
-
-        Raises
-        ------
-        UnsupportedError
-            Always.
-        """
-        raise UnsupportedError("AUGRUCell.to_torch: PyTorch has no AUGRU")
+    Raises
+    ------
+    StepNetError
+        Another number of layers, direction or combination, or an option out
+        of range.
+    """

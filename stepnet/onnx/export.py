@@ -39,9 +39,6 @@ from .export_graph import (
     tensor_type,
 )
 
-_NODE_TYPES = {"rnn": "RNN", "gru": "GRU", "lstm": "LSTM"}
-
-
 def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_states=False,
            as_scan=False):
     """Write ``obj`` as an ONNX model to ``path`` (if given) and return it
@@ -49,7 +46,7 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
     full_check=True)``).
 
     ``obj`` is a top-level step-net (``RNNOp``), a built-in layer
-    (``stepnet.nn.RNN``, ``LSTM``, ``GRU``, ``AUGRU``) or a YAML network
+    (``stepnet.nn.RNN``, ``LSTM``, ``GRU``, ``AUGRU``, ``MGU``) or a YAML network
     (``stepnet.load_yaml(...)``): its layers, then its nets, in one graph.
 
     Options that do not apply to ``obj``'s kind are refused, not ignored.
@@ -60,7 +57,7 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
     ----------
     obj : RNNOp, stepnet.nn layer or stepnet.yaml.Model
         A top-level step-net, a built-in layer (``stepnet.nn.RNN``,
-        ``LSTM``, ``GRU``, ``AUGRU``) or a YAML network
+        ``LSTM``, ``GRU``, ``AUGRU``, ``MGU``) or a YAML network
         (``stepnet.load_yaml(...)``): its layers, then its nets, in one graph.
     path : str or os.PathLike, optional
         Where to write the model; its folder must exist. None: nothing is
@@ -77,7 +74,7 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
         at 0.
     as_scan : bool, default False
         Layers and YAML networks: ``Scan`` nodes even where ONNX has a GRU,
-        LSTM or RNN operator. Layers ONNX has no operator for (AUGRU,
+        LSTM or RNN operator. Layers ONNX has no operator for (AUGRU, MGU,
         ``bidirectional_sum``, ``combine="final"`` stacks, ``proj_size``)
         are always exported as ``Scan``.
 
@@ -310,7 +307,7 @@ def _layer_model(layer, initial_states, as_scan):
     X = top.input("X", layer.dtype, ["batch", "steps", layer.input_size])
     lengths = top.input("lengths", np.int64, ["batch"])
     attention = None
-    if layer.cell == "augru":
+    if layer.kind.attention:
         attention = top.input("attention", layer.dtype, ["batch", "steps"])
     initial = [top.input(name, layer.dtype, [layer.num_layers * layer.num_directions, "batch", w])
                for name, w in zip(("h0", "c0"), layer.state_widths())] if initial_states else None
@@ -363,7 +360,7 @@ def _layer_input(top, model, entry, produced):
 def _layer_nodes(top, layer, nodes, X, lengths, initial):
     """One ONNX GRU / LSTM / RNN node per layer, time-major between them."""
     g, builder = top.graph, top.builder
-    op = _NODE_TYPES[layer.cell]
+    op = layer.kind.onnx
     D = layer.num_directions
     x = g.add("Transpose", [X], "x_time_major", perm=[1, 0, 2])  # [T, B, I]
     sequence_lens = g.add("Cast", [lengths], "sequence_lens", to=tensor_type(np.int32))
@@ -378,7 +375,7 @@ def _layer_nodes(top, layer, nodes, X, lengths, initial):
                 states[s] = g.add("Slice", [initial[s], g.ints([index * D]), g.ints([(index + 1) * D]),
                                             g.ints([0])], f"l{index}_initial")
         inputs = [x, weight("W"), weight("R"), weight("B"), sequence_lens, states[0]]
-        if layer.cell == "lstm":
+        if op == "LSTM":
             inputs += [states[1], weight("P") if "P" in node else ""]
         while inputs[-1] == "":
             inputs.pop()

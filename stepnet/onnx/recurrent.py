@@ -31,11 +31,11 @@ from ..errors import Error, ShapeError
 from ..lod import LoDTensor
 from .ops import NotRowWise, is_step
 
-_LAYERS = {"GRU": nn.GRU, "LSTM": nn.LSTM, "RNN": nn.RNN}
 _COMMON = {"activation_alpha", "activation_beta", "activations", "clip", "direction",
            "hidden_size", "layout", "output_sequence"}
-_ATTRS = {"GRU": _COMMON | {"linear_before_reset"}, "LSTM": _COMMON | {"input_forget"},
-          "RNN": _COMMON}
+# the ONNX operators that are built-in layers, and the attributes each accepts
+_LAYERS = {op: nn.layers.LAYERS[cell.name] for op, cell in nn.cells.ONNX_LAYERS.items()}
+_ATTRS = {op: _COMMON | set(cell.onnx_attrs) for op, cell in nn.cells.ONNX_LAYERS.items()}
 
 
 def _reraise(ctx, error):

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..backends import backend as backend_info, default_backend, get_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
+from ..nn.cells import ONNX_LAYERS
 from .reading import load_model
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from .fusion import fuse
@@ -273,7 +274,7 @@ class Node:
                 self.captures += [c for c in graph.captures if c not in self.captures]
                 self.dynamic_captures += [c for c in graph.dynamic_captures
                                           if c not in self.dynamic_captures]
-        if self.op in ("GRU", "LSTM", "RNN"):
+        if self.op in ONNX_LAYERS:
             self.kind = "recurrent"
             self.impl = RecurrentNode(self.ctx, self.attrs)
         elif self.op == "Scan":

@@ -315,18 +315,19 @@ class Evaluator:
     def _call_cell(self, node, name, cell):
         """``cell(x, h)`` -> the new state; an LSTM's ``cell(x, h, c)`` -> ``(h, c)``;
         an AUGRU's ``cell(x, h, a)`` -> the new state (``a``: the attention score)."""
-        forms = {"lstm": (f"{name}(x, h, c)", "the input, then the previous state"),
-                 "augru": (f"{name}(x, h, a)", "the input, the previous state, then the "
-                                               "attention score, [1] per sequence")}
-        form, what = forms.get(cell.cell, (f"{name}(x, h)", "the input, then the previous state"))
+        kind = cell.kind
+        form = f"{name}(x, {', '.join(kind.states)}{', a' if kind.attention else ''})"
+        what = "the input, then the previous state" + (
+            ", then the attention score, [1] per sequence" if kind.attention else "")
         if len(node.args) != form.count(",") + 1 or node.keywords:
-            self.fail(node, f"{name} is a {cell.cell} cell, called as {form} ({what})")
-        x, *rest = [self.eval(a) for a in node.args]
-        if cell.cell == "lstm":
-            return self._apply(node, cell.step, x, tuple(rest))
-        if cell.cell == "augru":
-            return self._apply(node, lambda x, h, a: cell.step(x, h, attention=a), x, *rest)
-        return self._apply(node, cell.step, x, rest[0])
+            self.fail(node, f"{name} is a {kind.name} cell, called as {form} ({what})")
+
+        def call(x, *rest):
+            states = rest[:len(kind.states)]
+            return cell.step(x, states if len(states) > 1 else states[0],
+                             attention=rest[-1] if kind.attention else None)
+
+        return self._apply(node, call, *[self.eval(a) for a in node.args])
 
     def _apply(self, node, fn, *args):
         try:

@@ -23,6 +23,7 @@ from ..backends import backend as backend_info, is_compiled
 from ..dsl import MemoryHandle, create_rnn_op
 from ..errors import Error, ShapeError, SizeError, StepNetError, YAMLError
 from ..lod import LoDTensor
+from ..nn import cells
 from ..tracing import Parameter, Value
 from . import document
 from .expressions import (
@@ -50,13 +51,9 @@ RANDOM_KINDS = ("normal", "uniform", "onehot")
 DTYPES = ("float16", "float32", "float64")
 _COMMON_LAYER = ("type", "input", "description", "hidden_size", "num_layers", "direction",
                  "combine", "activations", "activation_alpha", "activation_beta", "clip", "dtype")
-LAYER_TYPES = {
-    "rnn": _COMMON_LAYER + ("nonlinearity",),
-    "gru": _COMMON_LAYER + ("linear_before_reset",),
-    "lstm": _COMMON_LAYER + ("peephole", "proj_size", "input_forget"),
-    # its update gate scaled by an attention score per token of ``input``
-    "augru": _COMMON_LAYER + ("attention", "linear_before_reset"),
-}
+# a cell that reads a score per token (AUGRU) takes it as ``attention``
+LAYER_TYPES = {c.name: _COMMON_LAYER + ("attention",) * c.attention + c.options
+               for c in cells.CELLS.values()}
 LAYER_KEYS = tuple(dict.fromkeys(k for keys in LAYER_TYPES.values() for k in keys))
 # a cell: one step of a layer, called inside a step (``h = cell(x, h.pre)``)
 # (an AUGRU cell's attention is its call's third argument: ``cell(x, h.pre, a)``)
@@ -143,7 +140,7 @@ class _LayerEntry:
         self.source = source
         self.attention = attention  # an AUGRU's scores: a _Source, else None
         self.input_levels = input_levels
-        self.last_names = ["h_n", "c_n"] if type(layer).__name__ == "LSTM" else ["h_n"]
+        self.last_names = [f"{s}_n" for s in layer.kind.states]
 
     def outputs(self, mode):
         return ["y"] if mode == "all" else self.last_names
@@ -606,7 +603,7 @@ class _Builder:
         if kind not in LAYER_TYPES:
             raise self.error(path + ("type",), f"unknown layer type {kind!r}; expected one of "
                              f"{', '.join(LAYER_TYPES)}" + document.did_you_mean(kind, LAYER_TYPES))
-        fixed = ("type", "input", "attention") if kind == "augru" else ("type", "input")
+        fixed = ("type", "input") + ("attention",) * cells.CELLS[kind].attention
         options = self._options(spec, path, kind, LAYER_TYPES, "layer", fixed)
         placeholder, source = self._top_source(spec["input"], path + ("input",), want="sequence")
         if placeholder.data.ndim != 2:
@@ -616,9 +613,8 @@ class _Builder:
         options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
             else np.promote_types(placeholder.dtype, np.float32)  # float16 data runs in float32
         seed = int(generator(self.seed, name).integers(2 ** 31))
-        cls = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM, "augru": nn.AUGRU}[kind]
         try:
-            layer = cls(placeholder.shape[1], seed=seed, **options)
+            layer = nn.layers.LAYERS[kind](placeholder.shape[1], seed=seed, **options)
         except (Error, TypeError, ValueError) as exc:
             key = next((k for k in options if k in str(exc)), None)
             raise self.error(path + ((key,) if key else ()), f"{kind} layer: {exc}") from None
@@ -631,15 +627,15 @@ class _Builder:
         """An AUGRU layer's ``attention``: the source of one score per token
         of its input (the same LoD, checked at call time); None for the
         other layers."""
-        if kind != "augru":
+        if not cells.CELLS[kind].attention:
             return None
         if "attention" not in spec:
-            raise self.error(path, "an augru layer needs 'attention': an input of one score "
+            raise self.error(path, f"an {kind} layer needs 'attention': an input of one score "
                              "per token of its input (shape [] or [1], the input's lod_level)")
         where = path + ("attention",)
         scores, source = self._top_source(spec["attention"], where, want="sequence")
         if source.input is None:
-            raise self.error(where, f"{spec['attention']!r} is a layer's output; an augru "
+            raise self.error(where, f"{spec['attention']!r} is a layer's output; an {kind} "
                              "layer's attention is an input of the model")
         if scores.data.shape[1:] not in ((), (1,)):
             raise self.error(where, f"an attention score per token has shape [] or [1], "
@@ -688,10 +684,8 @@ class _Builder:
         options["dtype"] = self._dtype(options["dtype"], path + ("dtype",)) if "dtype" in options \
             else np.promote_types(self.dtype, np.float32)
         seed = int(generator(self.seed, name).integers(2 ** 31))
-        cls = {"rnn": nn.RNNCell, "gru": nn.GRUCell, "lstm": nn.LSTMCell,
-               "augru": nn.AUGRUCell}[kind]
         try:
-            cell = cls(seed=seed, **options)
+            cell = nn.layers.CELLS[kind](seed=seed, **options)
         except (Error, TypeError, ValueError) as exc:
             key = next((k for k in options if k in str(exc)), None)
             raise self.error(path + ((key,) if key else ()), f"{kind} cell: {exc}") from None
