@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import Error, LoDError, StepNetError
+from . import sizes
+from .errors import Error, LoDError, ShapeError, StepNetError
 from .lod import LoDTensor
 
 
@@ -26,9 +27,14 @@ def load_npz(path, model, warn=None):
     its ``lod_level`` count as read)."""
     try:
         with np.load(path) as npz:
+            for key in npz.files:
+                _check_size(path, npz, key)
             arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise Error(f"cannot read input data {str(path)!r}: {exc}") from None
+    except Error:
+        raise
+    except Exception as exc:  # noqa: BLE001  (zipfile's, zlib's and NumPy's own errors, named here)
+        raise Error(f"cannot read input data {str(path)!r}: {type(exc).__name__}: {exc} (a "
+                    "truncated or damaged file, or not an .npz file)") from None
     feeds = {}
     read = set()
     for name, spec in model.inputs.items():
@@ -36,7 +42,7 @@ def load_npz(path, model, warn=None):
             raise Error(f"{path}: no array {name!r} for input {name!r} "
                         f"(it has {', '.join(sorted(arrays)) or 'nothing'})")
         read.add(name)
-        data = arrays[name]
+        data = _rows(path, name, arrays[name], spec)
         if spec.lod_level == 0:
             feeds[name] = data
             continue
@@ -61,6 +67,31 @@ def load_npz(path, model, warn=None):
         warn(f"{path}: the model does not read array(s) {', '.join(unread)} "
              f"(its inputs: {', '.join(model.inputs)})")
     return feeds
+
+
+def _check_size(path, npz, key):
+    """Refuse an array of the file that would not fit before it is read:
+    its header says its shape and dtype (a few bytes of a compressed file
+    can declare terabytes)."""
+    with npz.zip.open(key + ".npy") as stream:
+        version = np.lib.format.read_magic(stream)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(stream)
+    sizes.check(f"{path}: array {key!r}", shape, dtype)
+
+
+def _rows(path, name, data, spec):
+    """The array ``name`` of ``path`` if it holds rows of input ``spec``:
+    numbers of its row shape, else a ShapeError in the file's terms."""
+    if data.dtype.kind not in "biuf":
+        raise ShapeError(f"{path}: array {name!r} has dtype {data.dtype}; input {name!r} takes "
+                         f"numbers ({spec.dtype})")
+    if data.shape[1:] != tuple(spec.shape) or data.ndim == 0:
+        rows = ", ".join(["rows", *map(str, spec.shape)])
+        raise ShapeError(f"{path}: array {name!r} has shape {list(data.shape)}; input {name!r} "
+                         f"takes [{rows}]")
+    return data
 
 
 def _lod_error(path, name, kind, num_levels, message) -> str:

@@ -33,9 +33,26 @@ def limit() -> tuple:
 
 def check(what: str, shape, dtype) -> None:
     """Raise :class:`SizeError` if an array ``what`` of ``shape`` and
-    ``dtype`` would take more than :func:`limit`."""
-    need = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    ``dtype`` would take more than :func:`limit`. ``dtype`` None: of an
+    unknown type, so at least a byte an element."""
+    size = np.dtype(dtype).itemsize if dtype is not None else 1
+    need = math.prod(int(d) for d in shape) * size
     most, said = limit()
     if most is not None and need > most:
-        raise SizeError(f"{what} {[int(d) for d in shape]} {np.dtype(dtype)} needs {human(need)}, "
+        kind = np.dtype(dtype) if dtype is not None else "(a byte an element at least)"
+        raise SizeError(f"{what} {[int(d) for d in shape]} {kind} needs {human(need)}, "
                         f"more than {said}")
+
+
+def check_all(what: str, arrays) -> None:
+    """Raise :class:`SizeError` if the arrays ``[(name, shape, dtype)]``
+    that one call makes (``what``: ``"the outputs of step-net 'gru'"``)
+    would take more than :func:`limit` together, naming the largest."""
+    needs = [(math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize, name, shape, dtype)
+             for name, shape, dtype in arrays]
+    most, said = limit()
+    total = sum(n for n, *_ in needs)
+    if most is not None and total > most:
+        need, name, shape, dtype = max(needs, key=lambda n: n[0])
+        raise SizeError(f"{what} need {human(total)}, more than {said}; the largest, {name} "
+                        f"{[int(d) for d in shape]} {np.dtype(dtype)}, {human(need)}")

@@ -28,6 +28,7 @@ node, the outputs typed like a float16 input are rounded to float16.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 from ..backends import backend as backend_info, default_backend, get_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError, optional_import
 from ..nn.cells import ONNX_LAYERS
+from . import tensors
 from .reading import load_model
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from .fusion import fuse
@@ -117,8 +119,6 @@ class NodeArg:
 def attributes(node) -> dict:
     """A node's attributes as Python values (strings decoded, tensors as arrays)."""
     onnx = _onnx()
-    from onnx import numpy_helper
-
     out = {}
     for attr in node.attribute:
         value = onnx.helper.get_attribute_value(attr)
@@ -127,18 +127,18 @@ def attributes(node) -> dict:
         elif isinstance(value, list) and value and isinstance(value[0], bytes):
             value = [v.decode() for v in value]
         elif isinstance(value, onnx.TensorProto):
-            value = numpy_helper.to_array(value)
+            value = tensors.to_array(value, f"ONNX node {node.name or node.op_type!r} attribute "
+                                     f"{attr.name!r}")
         out[attr.name] = value
     return out
 
 
-def _type_string(type_proto) -> tuple:
+def _type_string(type_proto, what="") -> tuple:
     """(onnxruntime's name of a type, its NumPy dtype for a tensor, its shape)."""
-    onnx = _onnx()
     kind = type_proto.WhichOneof("value")
     if kind == "tensor_type":
         t = type_proto.tensor_type
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type) if t.elem_type else None
+        dtype = tensors.dtype_of(t.elem_type, what) if t.elem_type else None
         shape = None
         if t.HasField("shape"):
             shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
@@ -146,29 +146,15 @@ def _type_string(type_proto) -> tuple:
         name = _TYPE_NAMES.get(np.dtype(dtype), str(dtype)) if dtype is not None else "unknown"
         return f"tensor({name})", dtype, shape
     if kind == "sequence_type":
-        return f"seq({_type_string(type_proto.sequence_type.elem_type)[0]})", None, None
+        return f"seq({_type_string(type_proto.sequence_type.elem_type, what)[0]})", None, None
     if kind == "optional_type":
-        return f"optional({_type_string(type_proto.optional_type.elem_type)[0]})", None, None
+        return f"optional({_type_string(type_proto.optional_type.elem_type, what)[0]})", None, None
     return "unknown", None, None
 
 
-def _value_info(info):
-    name, dtype, shape = _type_string(info.type)
+def _value_info(info, where):
+    name, dtype, shape = _type_string(info.type, f"ONNX {where}: {info.name!r}")
     return NodeArg(info.name, name, shape), dtype
-
-
-def _dense(sparse):
-    """A SparseTensorProto as a dense array (indices: flat, or one row per value)."""
-    from onnx import numpy_helper
-
-    values = numpy_helper.to_array(sparse.values)
-    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
-    dense = np.zeros(tuple(sparse.dims), values.dtype)
-    if indices.ndim == 1:
-        dense.reshape(-1)[indices] = values
-    else:
-        dense[tuple(indices.T)] = values
-    return dense
 
 
 def _schema(proto, ctx):
@@ -176,7 +162,7 @@ def _schema(proto, ctx):
     onnx = _onnx()
     try:
         schema = onnx.defs.get_schema(ctx.op, ctx.opset, "")
-    except onnx.defs.SchemaError:
+    except (onnx.defs.SchemaError, TypeError):  # (TypeError: a name that is not text)
         raise ctx.unsupported(f"{ctx.op} is not an operator of the default ONNX domain at "
                               f"opset {ctx.opset}") from None
     if schema.deprecated:
@@ -431,19 +417,19 @@ class Graph:
     taken from the enclosing graph (``captures``)."""
 
     def __init__(self, proto, opsets, where="graph", outer=False, outer_constants=None):
-        from onnx import numpy_helper
-
         self.where = where
-        self.initializers = {t.name: numpy_helper.to_array(t) for t in proto.initializer}
+        self.initializers = {t.name: tensors.to_array(t, f"ONNX {where}: initializer")
+                             for t in proto.initializer}
         for sparse in proto.sparse_initializer:
-            self.initializers[sparse.values.name] = _dense(sparse)
+            self.initializers[sparse.values.name] = tensors.dense(sparse, f"ONNX {where}: sparse "
+                                                                  "initializer")
         self.input_args, self.input_dtypes = [], {}
         for info in proto.input:
-            arg, dtype = _value_info(info)
+            arg, dtype = _value_info(info, f"{where} input")
             self.input_args.append(arg)
             self.input_dtypes[info.name] = dtype
         self.input_names = [i.name for i in proto.input]
-        outputs = [_value_info(o) for o in proto.output]
+        outputs = [_value_info(o, f"{where} output") for o in proto.output]
         self.output_args = [a for a, _ in outputs]
         self.output_dtypes = [d for _, d in outputs]
         self.output_names = [o.name for o in proto.output]
@@ -827,14 +813,20 @@ class InferenceSession:
     def __init__(self, model, backend=None):
         if backend is not None:
             get_backend(backend)  # an unknown or unavailable name: BackendError, now
-        model = load_model(model)
-        opsets = {}
-        for imp in model.opset_import:
-            opsets["" if imp.domain in ("", "ai.onnx") else imp.domain] = imp.version
-        if "" not in opsets:
-            raise UnsupportedError("ONNX model imports no version of the default (ai.onnx) domain")
         self.backend = backend
-        self.graph = Graph(model.graph, opsets)
+        self._path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        model = load_model(model)
+        with self._naming():
+            opsets = {}
+            for imp in model.opset_import:
+                if not 1 <= imp.version < 2**31:
+                    raise Error(f"ONNX model imports version {imp.version} of domain "
+                                f"{imp.domain or 'ai.onnx'!r}, which is no opset version")
+                opsets["" if imp.domain in ("", "ai.onnx") else imp.domain] = imp.version
+            if "" not in opsets:
+                raise UnsupportedError("ONNX model imports no version of the default (ai.onnx) "
+                                       "domain")
+            self.graph = Graph(model.graph, opsets)
         if not _mentions_float16(model.graph):
             _no_widening(self.graph)
         self._inputs = [a for a in self.graph.input_args if a.name not in self.graph.initializers]
@@ -919,24 +911,35 @@ class InferenceSession:
         ShapeError
             An input of another dtype or shape than the model declares.
         """
-        graph = self.graph
-        names = list(output_names) if output_names else graph.output_names
-        for name in names:
-            if name not in graph.output_names:
-                raise StepNetError(f"InferenceSession.run: {name!r} is not an output of the model "
-                                   f"(outputs: {graph.output_names})")
-        env = self._check_feeds(input_feed)
-        backend = self.backend or default_backend()
-        if not _BLAS_THREADS:
-            _BLAS_THREADS.append(_numpy_blas_threads())
-        set_threads = _BLAS_THREADS[0]
-        previous = set_threads(1) if set_threads is not None else None
-        try:
-            self._run(env, backend)
-        finally:
-            if set_threads is not None:
-                set_threads(previous)
+        with self._naming():
+            graph = self.graph
+            names = list(output_names) if output_names else graph.output_names
+            for name in names:
+                if name not in graph.output_names:
+                    raise StepNetError(f"InferenceSession.run: {name!r} is not an output of the "
+                                       f"model (outputs: {graph.output_names})")
+            env = self._check_feeds(input_feed)
+            backend = self.backend or default_backend()
+            if not _BLAS_THREADS:
+                _BLAS_THREADS.append(_numpy_blas_threads())
+            set_threads = _BLAS_THREADS[0]
+            previous = set_threads(1) if set_threads is not None else None
+            try:
+                self._run(env, backend)
+            finally:
+                if set_threads is not None:
+                    set_threads(previous)
         return [self._output(env[n]) for n in names]
+
+    @contextlib.contextmanager
+    def _naming(self):
+        """A stepnet error of the model's own, raised with its file named."""
+        try:
+            yield
+        except Error as exc:
+            if self._path is None or str(exc).startswith(self._path):
+                raise
+            raise type(exc)(f"{self._path}: {exc}") from None
 
     @staticmethod
     def _output(value):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import YAMLError
+from .. import sizes
+from ..errors import SizeError, YAMLError
 
 
 def format_key(path) -> str:
@@ -115,6 +116,11 @@ class Document:
             isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
         ):
             raise self.error(path, f"a shape is a list of positive integers, e.g. [64]; got {value!r}")
+        if path[:1] != ("parameters",):  # (a parameter is checked with its dtype where it is made)
+            try:
+                sizes.check("one row", value, None)
+            except SizeError as exc:
+                raise SizeError(*self.error(path, str(exc)).args) from None
         return tuple(value)
 
     def name(self, value, path):
@@ -137,18 +143,29 @@ def read(path) -> Document:
     """Parse ``path``; malformed YAML raises a YAMLError with file, line, key."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
-        err = YAMLError(f"{path}:1: (document): cannot read the file: {exc.strerror or exc}")
-        err.file, err.line, err.key = str(path), 1, "(document)"
-        raise err from None
+        raise Document(path, None, {}).error((), "cannot read the file: "
+                                             f"{exc.strerror or exc}", line=1) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise Document(path, None, {}).error((), f"byte {data[exc.start]:#04x} at offset "
+                                             f"{exc.start} is not UTF-8 text", line=line) from None
     return parse(text, path)
 
 
 def parse(text, path="<string>") -> Document:
-    loader = yaml.SafeLoader(text)
     lines = {}
     doc = Document(path, None, lines)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:  # (a character YAML refuses; the reader checks all first)
+        line = text[:exc.position].count("\n") + 1
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise doc.error(_key_before(text, line), f"bad YAML: character U+{code:04X}: {exc.reason}",
+                        line=line) from None
     try:
         node = loader.get_single_node()
         if node is None:

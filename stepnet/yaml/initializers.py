@@ -44,7 +44,7 @@ def generator(seed, name):
 def initialize(kind, shape, dtype, options, rng, name=None):
     """An array of ``shape`` and ``dtype`` drawn by initializer ``kind`` with
     ``options`` (its size is checked by the caller first)."""
-    if kind not in INITIALIZERS:
+    if not isinstance(kind, str) or kind not in INITIALIZERS:
         raise InitError(f"unknown initializer {kind!r}; expected one of {', '.join(INITIALIZERS)}")
     allowed = INITIALIZERS[kind]
     for key, value in options.items():
