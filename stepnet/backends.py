@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import schedule as _schedule
+from . import ir, schedule as _schedule, sizes
 from .autodiff import backward_program, forward_program
 from .errors import BackendError
+from .lod import LoDTensor
 
 
 
@@ -276,6 +277,7 @@ class CompiledStepNet:
         rnn = self.rnn
         all_steps = rnn.all_steps_flags(output_all_steps)
         args = rnn.bind(**inputs)
+        check_output_sizes(rnn.program(all_steps), args)
         run = self._runner(all_steps)
         if scopes is not None:
             outputs = run(args, rnn.const_values(), scopes=scopes)
@@ -284,6 +286,23 @@ class CompiledStepNet:
         if rnn.float16_input(inputs):
             outputs = [o.astype(np.float16) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def check_output_sizes(program, args):
+    """Refuse a call whose outputs would not fit, before any backend makes
+    them (:mod:`stepnet.sizes`): an all-steps output has a row per step of
+    the top-level sequences, a last-step output a row per sequence. (A LoD
+    may declare billions of steps over a few broadcast rows.)"""
+    eqn = program.eqn
+    first = dict(zip(program.inputs, args)).get(ir.rnn_parts(eqn)[0][0])
+    if not isinstance(first, LoDTensor):
+        return
+    steps, num_seq = int(first.levels[0][-1]), first.num_sequences
+    sizes.check_all(f"the outputs of step-net {eqn.attrs['name']!r}", [
+        (f"output {k} ({out.name})", (steps if all_steps else num_seq,) + tuple(out.shape[1:]),
+         out.dtype)
+        for k, (out, all_steps) in enumerate(zip(eqn.attrs["body"].outputs, eqn.attrs["all_steps"]))
+        if not out.lod_depth])
 
 
 # step-net -> {backend name: CompiledStepNet}: compiled code lives here, not on

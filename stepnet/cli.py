@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import sizes
 from .errors import Error
 from .lod import LoDTensor
 from .npz import load_npz, save_npz, shard_files, shard_output_path
@@ -465,6 +466,10 @@ def _feeds(model, args):
         return load_npz(args.input, model, warn=_warn)
     if args.sequences < 1 or args.max_length < 1:
         raise Error("--sequences and --max-length must be at least 1")
+    for name, spec in model.inputs.items():  # (drawn as float64, at most this many rows)
+        rows = args.sequences * args.max_length ** spec.lod_level
+        sizes.check(f"{args.model}: random input {name!r} of up to", (rows, *spec.shape),
+                    np.float64)
     return model.random_feeds(seed=args.seed, num_sequences=args.sequences,
                               max_length=args.max_length)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import sizes
 from ..errors import Error, ShapeError
 
 
@@ -78,6 +79,9 @@ class ReferenceOp:
     def __call__(self, *inputs):
         impl = self.impl if self.by_types is None else self._typed(inputs)
         try:
+            if self.ctx.op in _SIZED:
+                shape, dtype = _SIZED[self.ctx.op](*inputs)
+                sizes.check(f"ONNX node {self.ctx.node!r} ({self.ctx.op}): its output", shape, dtype)
             outs = impl.run(*inputs)
         except Error:
             raise
@@ -118,6 +122,16 @@ def _renamed(proto, op_type):
     return copy
 
 
+# ops whose output's shape is read from their inputs' values: (shape, dtype or
+# None), checked (stepnet.sizes) before they run; a few bytes of a file can ask
+# for terabytes
+_SIZED = {
+    "ConstantOfShape": lambda shape: (np.asarray(shape).tolist(), None),
+    "Expand": lambda x, shape: (np.broadcast_shapes(np.shape(x), tuple(shape)), np.asarray(x).dtype),
+    "Tile": lambda x, repeats: (np.multiply(np.shape(x), repeats).tolist(), np.asarray(x).dtype),
+    "Range": lambda start, limit, delta: ([max(int(np.ceil((limit - start) / delta)), 0)],
+                                          np.asarray(start).dtype),
+}
 _NEEDS = {"ImageDecoder": ("PIL", "Pillow")}  # what the reference imports to run the op
 _ALIASES = {("DequantizeLinear", v): ("DequantizeLinear", 19) for v in range(10, 19)}
 _ALIASES.update({("Scatter", v): ("ScatterElements", 11) for v in range(9, 23)})
