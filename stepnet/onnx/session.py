@@ -250,6 +250,7 @@ class Node:
                                        "the default ONNX domain)")
         schema = _schema(proto, self.ctx)
         _check_node(proto, schema, self.ctx)
+        tensors.check_constant_types(proto, schema, constants or {}, f"ONNX node {name!r} ({self.op})")
         self.types = _type_params(schema)
         self.widen = self.op not in _MOVES
         for key in ("body", "then_branch", "else_branch"):

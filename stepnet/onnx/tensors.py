@@ -60,3 +60,26 @@ def dense(sparse, what):
     except (IndexError, ValueError) as exc:
         raise Error(f"{what}: its indices do not fit dims {list(sparse.dims)}: {exc}") from None
     return dense
+
+
+def check_constant_types(proto, schema, known, where):
+    """A constant input (an initializer, what constants compute) of a type
+    the node's operator does not take: Error naming the node and the input,
+    before anything reads it (a damaged file may give a float shape)."""
+    from onnx import TensorProto, helper
+
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    formals = list(schema.inputs)
+    for i, name in enumerate(proto.input):
+        value = known.get(name) if name else None
+        if not isinstance(value, np.ndarray) or not formals:
+            continue
+        formal = formals[min(i, len(formals) - 1)]  # (the last one may repeat)
+        try:
+            given = f"tensor({TensorProto.DataType.Name(helper.np_dtype_to_tensor_dtype(value.dtype)).lower()})"
+        except (KeyError, TypeError, ValueError):  # a dtype with no ONNX name: left to the op
+            continue
+        takes = allowed.get(formal.type_str, {formal.type_str})
+        if given not in takes:
+            raise Error(f"{where}: input {i} ({formal.name}) {name!r} is a {given}, it takes "
+                        f"{', '.join(sorted(takes))}")
