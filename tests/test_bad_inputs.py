@@ -126,3 +126,91 @@ def test_a_damaged_onnx_file_is_a_stepnet_error_that_names_it(onnx_file, tmp_pat
     with pytest.raises(sn.Error, match=r"ONNX model 'given as bytes' cannot be read"):
         sn.onnx.InferenceSession(bad.read_bytes())
     assert os.path.exists(bad)
+
+
+def _broadcast_lod(rows, features=3):
+    """A LoDTensor of ``rows`` rows in one sequence that takes no memory: one
+    row broadcast (a LoD can declare billions of steps)."""
+    data = np.broadcast_to(np.zeros((1, features), np.float32), (rows, features))
+    return sn.LoDTensor(data, [[0, rows]])
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_a_call_whose_outputs_cannot_fit_is_refused_before_they_are_made(backend):
+    gru = sn.nn.GRU(3, 128, seed=0)
+    with pytest.raises(sn.SizeError, match=r"^the outputs of step-net 'gru_l0_fwd' need 1.4 TiB, "
+                                           r"more than this machine's memory \(.*\); the largest, "
+                                           r"output 0 \(\w+\) \[3000000000, 128\] float32, 1.4 TiB$"):
+        gru(_broadcast_lod(3_000_000_000), backend=backend)
+    with sn.config(max_memory="64KiB"):  # 200 steps of 128 float32: 100 KiB
+        with pytest.raises(sn.SizeError, match=r"need 100 KiB, more than sn.config.max_memory"):
+            gru(_broadcast_lod(200), backend="interpreter")
+    out, _ = gru(_broadcast_lod(100), backend="interpreter")  # 50 KiB: it fits
+    assert out.data.shape == (100, 128)
+
+
+def test_onnx_sizes_are_checked_before_arrays_are_made(tmp_path):
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    shape = numpy_helper.from_array(np.array([200000, 200000], np.int64), "shape")
+    huge = TensorProto(name="HUGE", data_type=TensorProto.FLOAT, dims=[200000, 200000])
+    for name, nodes, inits, message in (
+            ("initializer", [helper.make_node("Identity", ["HUGE"], ["y"])], [huge],
+             r"ONNX graph: initializer 'HUGE' \[200000, 200000\] float32 needs 149 GiB"),
+            ("constant_of_shape", [helper.make_node("ConstantOfShape", ["shape"], ["y"],
+                                                    name="zeros")], [shape],
+             r"ONNX node 'zeros' \(ConstantOfShape\): its output \[200000, 200000\] \(a byte an "
+             r"element at least\) needs 37 GiB"),
+            ("expand", [helper.make_node("Expand", ["x", "shape"], ["y"], name="wide")], [shape],
+             r"ONNX node 'wide' \(Expand\): its output \[200000, 200000\] float32 needs 149 GiB")):
+        graph = helper.make_graph(
+            nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+        path = tmp_path / f"{name}.onnx"
+        path.write_bytes(helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+        with pytest.raises(sn.SizeError, match=rf"^{path}: {message}, more than this machine's"):
+            sn.onnx.InferenceSession(str(path), backend="interpreter").run(
+                None, {"x": np.ones((1, 1), np.float32)})
+
+
+def test_rows_and_random_inputs_of_declared_shapes_are_checked(tmp_path, capsys):
+    text = textwrap.dedent("""\
+        name: wide
+        inputs:
+          x: {{shape: [{width}], lod_level: 1}}
+        parameters:
+          W: {{shape: [4, 4]}}
+        nets:
+          cell:
+            inputs: {{xt: x}}
+            memories:
+              h: {{shape: [4]}}
+            step:
+              - h = tanh(h.pre @ W)
+            outputs: [h]
+        outputs:
+          final: cell.last
+        """)
+    wide = tmp_path / "wide.yaml"
+    wide.write_text(text.format(width=10**12))
+    with pytest.raises(sn.SizeError, match=rf"^{wide}:3: inputs.x.shape: one row \[1000000000000\] "
+                                           r"\(a byte an element at least\) needs 931 GiB"):
+        sn.load_yaml(wide)
+    rows = tmp_path / "rows.yaml"  # a row fits; `stepnet run`'s random rows would not
+    rows.write_text(text.format(width=10**8))
+    with sn.config(max_memory="1GiB"):
+        assert cli.main(["run", str(rows), "--backend", "interpreter", "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"stepnet: error: {rows}: random input 'x' of up to [24, 100000000] float64 needs 18 GiB, "
+        "more than sn.config.max_memory (1.0 GiB; STEPNET_MAX_MEMORY)\n")
+
+
+@pytest.mark.xfail(strict=True, raises=MemoryError,
+                   reason="needs the size check in stepnet/nn/layers.py _init_parameters")
+def test_a_hidden_size_typed_with_extra_zeros_is_refused_naming_the_parameter():
+    with pytest.raises(sn.SizeError, match=r"^the parameters of GRU\(hidden_size=2560000000\) "
+                                           r"need .* TiB, more than .*; the largest, l0_fwd_R "
+                                           r"\[2560000000, 7680000000\] float32"):
+        sn.nn.GRU(128, 2560000000)
