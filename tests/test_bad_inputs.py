@@ -163,7 +163,11 @@ def test_onnx_sizes_are_checked_before_arrays_are_made(tmp_path):
              r"ONNX node 'zeros' \(ConstantOfShape\): its output \[200000, 200000\] \(a byte an "
              r"element at least\) needs 37 GiB"),
             ("expand", [helper.make_node("Expand", ["x", "shape"], ["y"], name="wide")], [shape],
-             r"ONNX node 'wide' \(Expand\): its output \[200000, 200000\] float32 needs 149 GiB")):
+             r"ONNX node 'wide' \(Expand\): its output \[200000, 200000\] float32 needs 149 GiB"),
+            ("range", [helper.make_node("Range", ["zero", "far", "one"], ["y"], name="count")],
+             [numpy_helper.from_array(np.array(v, np.int64), n)
+              for n, v in (("zero", 0), ("far", 10**11), ("one", 1))],
+             r"ONNX node 'count' \(Range\): its output \[100000000000\] int64 needs 745 GiB")):
         graph = helper.make_graph(
             nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)

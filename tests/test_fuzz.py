@@ -408,19 +408,19 @@ def _onnx_changes(model):
         yield f"initializer {t.name} deleted", changed
     for i, node in enumerate(graph.node):
         for what, change in (
-                ("deleted", lambda g: g.node.__delitem__(i)),
-                ("duplicated", lambda g: g.node.add().CopyFrom(g.node[i])),
-                ("op Nope", lambda g: setattr(g.node[i], "op_type", "Nope")),
-                ("reads an unknown name", lambda g: g.node[i].input.__setitem__(0, "nowhere")),
-                ("first input left out", lambda g: g.node[i].input.__setitem__(0, "")),
-                ("output renamed to an input", lambda g: g.node[i].output.__setitem__(
+                ("deleted", lambda g, n: g.node.remove(n)),
+                ("duplicated", lambda g, n: g.node.add().CopyFrom(n)),
+                ("op Nope", lambda g, n: setattr(n, "op_type", "Nope")),
+                ("reads an unknown name", lambda g, n: n.input.__setitem__(0, "nowhere")),
+                ("first input left out", lambda g, n: n.input.__setitem__(0, "")),
+                ("output renamed to an input", lambda g, n: n.output.__setitem__(
                     0, g.input[0].name)),
-                ("attributes as strings", lambda g: [setattr(a, "type", 3) for a in
-                                                     g.node[i].attribute]),
-                ("hidden_size 0", lambda g: [setattr(a, "i", 0) for a in g.node[i].attribute
-                                             if a.name == "hidden_size"])):
+                ("attributes as strings", lambda g, n: [setattr(a, "type", 3)
+                                                        for a in n.attribute]),
+                ("hidden_size 0", lambda g, n: [setattr(a, "i", 0) for a in n.attribute
+                                                if a.name == "hidden_size"])):
             changed = copy.deepcopy(model)
-            change(changed.graph)
+            change(changed.graph, changed.graph.node[i])
             yield f"node {node.name or node.op_type} {what}", changed
     for i, arg in enumerate(graph.input):
         for what, change in (

@@ -80,8 +80,7 @@ class ReferenceOp:
         impl = self.impl if self.by_types is None else self._typed(inputs)
         try:
             if self.ctx.op in _SIZED:
-                shape, dtype = _SIZED[self.ctx.op](*inputs)
-                sizes.check(f"ONNX node {self.ctx.node!r} ({self.ctx.op}): its output", shape, dtype)
+                _check_size(self.ctx, inputs)
             outs = impl.run(*inputs)
         except Error:
             raise
@@ -129,9 +128,20 @@ _SIZED = {
     "ConstantOfShape": lambda shape: (np.asarray(shape).tolist(), None),
     "Expand": lambda x, shape: (np.broadcast_shapes(np.shape(x), tuple(shape)), np.asarray(x).dtype),
     "Tile": lambda x, repeats: (np.multiply(np.shape(x), repeats).tolist(), np.asarray(x).dtype),
-    "Range": lambda start, limit, delta: ([max(int(np.ceil((limit - start) / delta)), 0)],
+    "Range": lambda start, limit, delta: ([max(int(np.ceil((np.ravel(limit)[0] - np.ravel(start)[0])
+                                                          / np.ravel(delta)[0])), 0)],
                                           np.asarray(start).dtype),
 }
+
+
+def _check_size(ctx, inputs):
+    """SizeError naming the node if its output would not fit; inputs the
+    estimate cannot read are left to the op to refuse."""
+    try:
+        shape, dtype = _SIZED[ctx.op](*inputs)
+    except (ArithmeticError, IndexError, TypeError, ValueError):
+        return
+    sizes.check(f"ONNX node {ctx.node!r} ({ctx.op}): its output", shape, dtype)
 _NEEDS = {"ImageDecoder": ("PIL", "Pillow")}  # what the reference imports to run the op
 _ALIASES = {("DequantizeLinear", v): ("DequantizeLinear", 19) for v in range(10, 19)}
 _ALIASES.update({("Scatter", v): ("ScatterElements", 11) for v in range(9, 23)})

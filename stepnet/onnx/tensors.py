@@ -76,7 +76,8 @@ def check_constant_types(proto, schema, known, where):
             continue
         formal = formals[min(i, len(formals) - 1)]  # (the last one may repeat)
         try:
-            given = f"tensor({TensorProto.DataType.Name(helper.np_dtype_to_tensor_dtype(value.dtype)).lower()})"
+            elem_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+            given = f"tensor({TensorProto.DataType.Name(elem_type).lower()})"
         except (KeyError, TypeError, ValueError):  # a dtype with no ONNX name: left to the op
             continue
         takes = allowed.get(formal.type_str, {formal.type_str})
