@@ -211,8 +211,6 @@ def test_rows_and_random_inputs_of_declared_shapes_are_checked(tmp_path, capsys)
         "more than sn.config.max_memory (1.0 GiB; STEPNET_MAX_MEMORY)\n")
 
 
-@pytest.mark.xfail(strict=True, raises=MemoryError,
-                   reason="needs the size check in stepnet/nn/layers.py _init_parameters")
 def test_a_hidden_size_typed_with_extra_zeros_is_refused_naming_the_parameter():
     with pytest.raises(sn.SizeError, match=r"^the parameters of GRU\(hidden_size=2560000000\) "
                                            r"need .* TiB, more than .*; the largest, l0_fwd_R "

@@ -24,7 +24,7 @@ MODULES_OVER = {
     "stepnet/dsl.py": 1081,
     "stepnet/jit/blas.py": 1449,
     "stepnet/jit/numba_cpu.py": 2196,
-    "stepnet/nn/layers.py": 1954,
+    "stepnet/nn/layers.py": 1953,
     "stepnet/onnx/ops.py": 801,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 1010,

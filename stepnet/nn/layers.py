@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from .. import dsl
+from .. import dsl, sizes
 from ..backends import backend as backend_info
 from ..pullback import _deliver, forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
@@ -170,6 +170,12 @@ class _RecurrentLayer:
         ``k = 1/sqrt(hidden_size)``."""
         k = 1.0 / np.sqrt(self.hidden_size)
         H, P = self.hidden_size, self.output_size
+        gates = len(self.kind.gates)
+        sizes.check_all(f"the parameters of {type(self).__name__}(hidden_size={H})", [
+            (f"l{layer}_{self._direction_name(d)}_{kind}", shape, self.dtype)
+            for layer in range(self.num_layers) for d in range(self.num_directions)
+            for kind, shape in (("W", (self.layer_input_size(layer), gates * H)),
+                                ("R", (P, gates * H)), ("proj", (H, P if self.proj_size else 0)))])
         self._params = {}
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
@@ -1540,14 +1546,7 @@ class LSTM(_RecurrentLayer):
                          activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
 
     def _repr_options(self):
-        opts = []
-        if self.peephole:
-            opts.append("peephole=True")
-        if self.proj_size:
-            opts.append(f"proj_size={self.proj_size}")
-        if self.input_forget:
-            opts.append("input_forget=True")
-        return opts
+        return [f"{key}={getattr(self, key)!r}" for key in self.kind.options if getattr(self, key)]
 
     @classmethod
     def _torch_options(cls, module):

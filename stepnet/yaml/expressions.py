@@ -337,6 +337,8 @@ class Evaluator:
         except TypeError:
             kinds = " and ".join(_operand_kind(a) for a in args)
             self.fail(node, f"{ast.unparse(node)!r} is not defined for {kinds}")
+        except ArithmeticError as exc:  # (constants: 1/0, or a power that overflows)
+            self.fail(node, f"{ast.unparse(node)!r}: {exc}")
         if result is NotImplemented:
             self.fail(node, f"{ast.unparse(node)!r} is not defined for these operands")
         return result

@@ -492,9 +492,9 @@ class _Builder:
             shape = doc.shape(spec["shape"], path + ("shape",))
             dtype = self._dtype(spec["dtype"], path + ("dtype",)) if "dtype" in spec else self.dtype
             lod_level = spec.get("lod_level", 1)
-            if isinstance(lod_level, bool) or not isinstance(lod_level, int) or lod_level < 0:
+            if isinstance(lod_level, bool) or not isinstance(lod_level, int) or not 0 <= lod_level <= 32:
                 raise self.error(path + ("lod_level",),
-                                 f"lod_level is a count of LoD levels (0, 1, 2, ...), got {lod_level!r}")
+                                 f"lod_level is a count of LoD levels (0, 1, 2, ... 32), got {lod_level!r}")
             random = spec.get("random", "normal")
             if random not in RANDOM_KINDS:
                 raise self.error(path + ("random",), f"random must be one of {', '.join(RANDOM_KINDS)}, "
@@ -600,7 +600,7 @@ class _Builder:
         self._top_name(name, path)
         spec = doc.mapping(spec, path, LAYER_KEYS, required=("type", "input", "hidden_size"))
         kind = spec["type"]
-        if kind not in LAYER_TYPES:
+        if not isinstance(kind, str) or kind not in LAYER_TYPES:
             raise self.error(path + ("type",), f"unknown layer type {kind!r}; expected one of "
                              f"{', '.join(LAYER_TYPES)}" + document.did_you_mean(kind, LAYER_TYPES))
         fixed = ("type", "input") + ("attention",) * cells.CELLS[kind].attention
@@ -677,7 +677,7 @@ class _Builder:
                              f"cell is given its score in the step, {name}(x, h.pre, a)")
         spec = self.doc.mapping(spec, path, CELL_KEYS, required=("type", "input_size", "hidden_size"))
         kind = spec["type"]
-        if kind not in CELL_TYPES:
+        if not isinstance(kind, str) or kind not in CELL_TYPES:
             raise self.error(path + ("type",), f"unknown cell type {kind!r}; expected one of "
                              f"{', '.join(CELL_TYPES)}" + document.did_you_mean(kind, CELL_TYPES))
         options = self._options(spec, path, kind, CELL_TYPES, "cell", ("type",))
@@ -979,7 +979,7 @@ class _Builder:
 
     def _op_entry(self, scope, item, path, memories):
         op = item["op"]
-        if op not in FUNCTIONS:
+        if not isinstance(op, str) or op not in FUNCTIONS:
             raise self.error(path + ("op",), f"unknown op {op!r}" + document.did_you_mean(op, FUNCTIONS))
         for key in ("in", "out"):
             if key not in item:
