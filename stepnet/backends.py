@@ -6,8 +6,10 @@ inputs, calls it, and shapes the results (the same for every backend).
 from __future__ import annotations
 
 import importlib
+import math
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -172,6 +174,7 @@ class CompiledStepNet:
         self._module = _module(backend)
         self._runs = {}  # output flags -> run
         self._gradient_runs = {}  # ("forward", flags) / ("backward", flags, present) -> runs
+        self._outputs = {}  # output flags -> _Outputs
 
     def _runner(self, all_steps):
         all_steps = self.rnn.all_steps_flags(all_steps)
@@ -277,7 +280,9 @@ class CompiledStepNet:
         rnn = self.rnn
         all_steps = rnn.all_steps_flags(output_all_steps)
         args = rnn.bind(**inputs)
-        check_output_sizes(rnn.program(all_steps), args)
+        if all_steps not in self._outputs:
+            self._outputs[all_steps] = _Outputs.of(rnn.program(all_steps))
+        self._outputs[all_steps].check(args)
         run = self._runner(all_steps)
         if scopes is not None:
             outputs = run(args, rnn.const_values(), scopes=scopes)
@@ -288,21 +293,43 @@ class CompiledStepNet:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-def check_output_sizes(program, args):
-    """Refuse a call whose outputs would not fit, before any backend makes
-    them (:mod:`stepnet.sizes`): an all-steps output has a row per step of
-    the top-level sequences, a last-step output a row per sequence. (A LoD
-    may declare billions of steps over a few broadcast rows.)"""
-    eqn = program.eqn
-    first = dict(zip(program.inputs, args)).get(ir.rnn_parts(eqn)[0][0])
-    if not isinstance(first, LoDTensor):
-        return
-    steps, num_seq = int(first.levels[0][-1]), first.num_sequences
-    sizes.check_all(f"the outputs of step-net {eqn.attrs['name']!r}", [
-        (f"output {k} ({out.name})", (steps if all_steps else num_seq,) + tuple(out.shape[1:]),
-         out.dtype)
-        for k, (out, all_steps) in enumerate(zip(eqn.attrs["body"].outputs, eqn.attrs["all_steps"]))
-        if not out.lod_depth])
+class _Outputs(NamedTuple):
+    """What a call's outputs take, to refuse one that would not fit before any
+    backend makes them (:mod:`stepnet.sizes`): an all-steps output has a row
+    per step of the top-level sequences, a last-step output a row per
+    sequence (a LoD may declare billions of steps over a few broadcast rows)."""
+
+    name: str  # the step-net's
+    first: int  # the index among the call's arguments of its first sequence input
+    rows: tuple  # (what, all_steps, row shape, dtype, bytes a row) per output of rows
+
+    @classmethod
+    def of(cls, program):
+        eqn = program.eqn
+        rows = tuple((f"output {k} ({out.name})", all_steps, tuple(out.shape[1:]), out.dtype,
+                      math.prod(out.shape[1:]) * np.dtype(out.dtype).itemsize)
+                     for k, (out, all_steps) in enumerate(zip(eqn.attrs["body"].outputs,
+                                                              eqn.attrs["all_steps"]))
+                     if not out.lod_depth)
+        return cls(eqn.attrs["name"], list(program.inputs).index(ir.rnn_parts(eqn)[0][0]), rows)
+
+    def check(self, args):
+        first = args[self.first]
+        if not isinstance(first, LoDTensor):
+            return
+        steps, num_seq = int(first.levels[0][-1]), first.num_sequences
+        need = sum((steps if all_steps else num_seq) * size
+                   for _, all_steps, _, _, size in self.rows)
+        if need < _CHECKED_FROM:
+            return
+        sizes.check_all(f"the outputs of step-net {self.name!r}", [
+            (what, ((steps if all_steps else num_seq),) + shape, dtype)
+            for what, all_steps, shape, dtype, _ in self.rows])
+
+
+# a call's outputs under this many bytes in all are not checked against the
+# limit (it would cost a call microseconds; no machine has so little memory)
+_CHECKED_FROM = 1 << 24
 
 
 # step-net -> {backend name: CompiledStepNet}: compiled code lives here, not on
