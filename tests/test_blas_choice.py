@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import stepnet as sn
@@ -46,16 +45,16 @@ def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
     libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
                           for name in ("mkl", "openblas")}
     libraries["seconds"] = {"mkl": [2.0, 2.0], "openblas": [1.0, 1.0]}
-    first, _ = blas_choice._choose()
+    first = blas_choice._choose()
     assert (first["name"], first["reason"]) == ("openblas", "measured")
     saved = json.loads((tmp_path / "blas.json").read_text())
     assert saved["name"] == "openblas" and set(saved["seconds"]) == {"mkl", "openblas"}
     libraries["seconds"] = {"mkl": [1.0, 1.0], "openblas": [2.0, 2.0]}  # (not asked again)
-    second, _ = blas_choice._choose()
+    second = blas_choice._choose()
     assert (second["name"], second["reason"]) == ("openblas", "measured (cached)")
     assert libraries["measured"] == 2  # (twice: the same figures, steady)
     (tmp_path / "blas.json").write_text("{not json")  # measured again, never a crash
-    third, _ = blas_choice._choose()
+    third = blas_choice._choose()
     assert (third["name"], third["reason"]) == ("mkl", "measured")
     assert libraries["measured"] == 4
 
@@ -68,7 +67,7 @@ def test_a_measurement_is_taken_again_until_steady_or_said_to_be_noisy(libraries
     libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
                             {"mkl": mkl, "openblas": [1.6, 1.0]},
                             {"mkl": mkl, "openblas": [1.05, 1.0]}]
-    choice, _ = blas_choice._choose()
+    choice = blas_choice._choose()
     assert (choice["name"], choice["reason"]) == ("openblas", "measured")
     assert choice["seconds"]["openblas"] == [1.0, 1.0] and libraries["measured"] == 3
     # never two close: chosen on the best figures, and said to be noisy, kept so
@@ -76,21 +75,21 @@ def test_a_measurement_is_taken_again_until_steady_or_said_to_be_noisy(libraries
     libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
                             {"mkl": mkl, "openblas": [1.6, 1.0]},
                             {"mkl": mkl, "openblas": [1.3, 1.0]}]
-    choice, _ = blas_choice._choose()
+    choice = blas_choice._choose()
     assert choice["name"] == "openblas" and libraries["measured"] == 6
     assert "noisy" in choice["reason"] and "openblas 64x256 @ 256x768" in choice["reason"]
     assert "stepnet info --measure" in choice["reason"]
-    again, _ = blas_choice._choose()
+    again = blas_choice._choose()
     assert again["reason"] == choice["reason"] + " (cached)"
 
 
 def test_one_library_or_none_is_taken_without_measuring(libraries, tmp_path):
     libraries["found"] = {"openblas": blas_choice.Library("openblas", "/lib/openblas.so", None)}
-    choice, _ = blas_choice._choose()
+    choice = blas_choice._choose()
     assert (choice["name"], choice["reason"]) == ("openblas", "the only one found")
     libraries["found"] = {}
     with pytest.warns(RuntimeWarning, match="no BLAS found"):
-        choice, _ = blas_choice._choose()
+        choice = blas_choice._choose()
     assert (choice["name"], choice["reason"]) == ("numpy", "no BLAS found")
     assert libraries["measured"] == 0 and not (tmp_path / "blas.json").exists()
 
@@ -98,10 +97,10 @@ def test_one_library_or_none_is_taken_without_measuring(libraries, tmp_path):
 def test_a_requested_library_is_taken_or_warned_about(libraries, monkeypatch):
     libraries["found"] = {"mkl": blas_choice.Library("mkl", "/lib/mkl.so", None)}
     monkeypatch.setenv("STEPNET_BLAS", "mkl")
-    assert blas_choice._choose()[0]["name"] == "mkl"
+    assert blas_choice._choose()["name"] == "mkl"
     monkeypatch.setenv("STEPNET_BLAS", "openblas")
     with pytest.warns(RuntimeWarning, match="STEPNET_BLAS=openblas but"):
-        assert blas_choice._choose()[0]["name"] == "numpy"
+        assert blas_choice._choose()["name"] == "numpy"
     monkeypatch.setenv("STEPNET_BLAS", "atlas")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_BLAS='atlas'"):
         blas_choice._choose()
@@ -158,34 +157,11 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     limits = blas_choice.small_product_rows(
         third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
     assert limits == tuple((size, (1 << 62) if size < 20000 else 64, 1) for size in sizes)
-    # a library whose rows differ by part: the own loop takes every product
-    # (the limits kept for the library, the sharing as measured)
-    apart = dict(third, rows_alike=False)
-    assert blas_choice.small_product_rows(apart, None) == tuple(
-        (size, 1 << 62, shares) for size, _, shares in limits)
-    assert "every product" in blas_choice._SMALL_PRODUCTS["reason"]
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
     assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)
-    assert blas_choice.small_product_rows(apart, None) == ((1 << 62, 3, 1),)  # as asked
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
         blas_choice.small_product_rows(choice, None)
-
-
-def test_a_library_is_checked_for_computing_each_row_alike_in_any_part():
-    """``rows_alike``: a product whose rows are each computed by the same
-    call holds; one whose rows depend on how many are computed with them
-    does not; the chosen library is checked in every process."""
-    def by_rows(a, b, c):
-        for i in range(a.shape[0]):
-            c[i] = a[i] @ b
-
-    def by_count(a, b, c):
-        c[...] = a @ b + np.float32(1e-3) * a.shape[0]
-
-    assert blas_choice.rows_alike(by_rows)
-    assert not blas_choice.rows_alike(by_count)
-    assert isinstance(blas_choice.choose()["rows_alike"], bool)
 
 
 def test_a_cut_is_not_measured_beside_another_process(tmp_path, monkeypatch):

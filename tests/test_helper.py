@@ -19,7 +19,7 @@ from numba import njit
 import stepnet as sn
 from conftest import assert_close
 from nets import nested_encoder
-from stepnet.jit import ahead, atomics, blas, blas_choice, numba_cpu, threads
+from stepnet.jit import ahead, atomics, blas, numba_cpu, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
@@ -105,14 +105,13 @@ def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
 
 @pytest.mark.parametrize("m, k, n, own", [(1, 128, 384, True), (4, 96, 192, True),
                                           (200, 64, 256, False)])
-def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n, own):
+def test_a_shared_product_is_the_same_whoever_computes_its_parts(rng, m, k, n, own):
     """stepnet's own loop cut by columns, the library's by rows: the helper
-    runs the second part (its job counter moves), and the result equals the
-    product computed whole on the calling thread, bit for bit: on a board
-    that does not share (ALONE), and on the helper's board with the helper
-    asleep (``run_parts_or_whole``: the whole product here; the library was
-    checked for computing each row alike in any part of 8 rows or more,
-    ``blas.ROWS_ALIKE``: where it does not, its product is never cut)."""
+    runs the second part (its job counter moves); with the helper asleep
+    the calling thread computes both parts, to the same bits (any library:
+    the cut is the product's shape's, not the helper's). stepnet's own loop
+    also equals the product computed whole (ALONE: not cut), its columns
+    being computed alike in any part."""
     blas.register_small_gemm(np.float32)
     table = np.array([[1 << 40], [10**6 if own else 0]], np.int64)
     a = rng.standard_normal((m, k)).astype(np.float32)
@@ -120,29 +119,28 @@ def test_a_shared_product_equals_the_whole_and_the_helper_runs_jobs(rng, m, k, n
     alone = np.empty((m, n), np.float32)
     _products(a, w, alone, table, threads.ALONE, 1)
     shared = np.full((m, n), np.nan, np.float32)
-    # (a library whose rows differ by part is never cut: the next test)
-    _shared_if_cut(lambda: _products(a, w, shared, table, threads.BOARD, 20),
-                   own or blas.ROWS_ALIKE)
+    _shared_if_cut(lambda: _products(a, w, shared, table, threads.BOARD, 20), True)
     np.testing.assert_allclose(shared, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(shared, alone)
-    threads.dismiss_helper()  # the whole product computed here: the same bits
+    if own:
+        np.testing.assert_array_equal(shared, alone)
+    threads.dismiss_helper()  # both parts computed here: the same bits
     time.sleep(0.01)
     again = np.full((m, n), np.nan, np.float32)
     _products(a, w, again, table, threads.BOARD, 1)
     np.testing.assert_array_equal(again, shared)
 
 
-def test_a_library_product_is_cut_by_rows_only_where_its_rows_are_alike():
+def test_a_library_product_is_cut_by_rows_by_its_shape_only():
     """``blas._row_cut``: a library's product big enough is cut in half on a
-    board that shares, where the chosen library computes each row alike in
-    any part (``blas.ROWS_ALIKE``, checked at import); else never, so that
-    no result depends on whether the helper was free."""
+    board that shares, whatever the helper's state and whatever the
+    library; never on ALONE, nor under 16 rows."""
     board = np.zeros_like(threads.BOARD)
     board[threads.SHARES] = 1
-    assert blas._row_cut(200, 64, 256, board) == (100 if blas.ROWS_ALIKE else 0)
+    for state in (threads.ABSENT, threads.IDLE, threads.RUNNING):
+        board[threads.STATE] = state
+        assert blas._row_cut(200, 64, 256, board) == 100
+    assert blas._row_cut(15, 1024, 1024, board) == 0
     assert blas._row_cut(200, 64, 256, threads.ALONE) == 0
-    assert blas.ROWS_ALIKE == blas_choice.choose()["rows_alike"]
-    assert blas.SIGNATURE.startswith(blas.BLAS_NAME + ("" if blas.ROWS_ALIKE else ", rows by parts"))
 
 
 def test_a_hoisted_product_is_shared_by_rows(rng):
@@ -151,7 +149,7 @@ def test_a_hoisted_product_is_shared_by_rows(rng):
     w = rng.standard_normal((64, 96)).astype(np.float32)
     table = np.array([[1 << 40], [4]], np.int64)
     out = np.full((1000, 96), np.nan, np.float32)
-    _shared_if_cut(lambda: _hoisted(a, w, out, table, threads.BOARD), blas.ROWS_ALIKE)
+    _shared_if_cut(lambda: _hoisted(a, w, out, table, threads.BOARD), True)
     np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
@@ -402,6 +400,35 @@ def test_a_job_that_raises_says_so_and_one_that_does_not_runs(rng):
 
 
 @njit(nogil=True)
+def _parts(board, a, b, out):
+    """``run_jobs`` of two jobs writing ``out[0]`` and ``out[1]``."""
+    return threads.run_jobs(board, atomics.job_of(_fails_on_negative, (a, out[0:1])),
+                            atomics.job_of(_fails_on_negative, (b, out[1:2])), True)
+
+
+def test_a_product_whose_helper_is_busy_runs_both_parts_here():
+    """``run_jobs``: where the helper is not free (asleep, claimed, running
+    another job: the other half of a run's sequences, say) both parts run
+    here (-1, or ``RAISED``), the board left as it was; where it is free
+    they run too (a helper that never comes: posted, taken back after
+    ``PATIENCE``). ``run_both_here`` runs both here, whatever the board."""
+    board = np.zeros_like(threads.BOARD)
+    board[threads.SHARES] = 1
+    for state in (threads.ABSENT, threads.CLAIMED, threads.POSTED, threads.RUNNING, threads.DONE):
+        board[threads.STATE] = state
+        out = np.zeros(2)
+        assert _parts(board, 1.0, 2.0, out) == -1
+        assert out.tolist() == [1.0, 2.0] and board[threads.STATE] == state
+        assert _parts(board, 1.0, -2.0, out) == threads.RAISED
+    board[threads.STATE] = threads.IDLE
+    out = np.zeros(2)
+    assert _parts(board, 1.0, 2.0, out) >= 0
+    assert out.tolist() == [1.0, 2.0]
+    assert board[threads.TAKEN_BACK] == 1 and board[threads.STATE] == threads.IDLE
+    assert _parts(board, 1.0, -2.0, out) == threads.RAISED
+
+
+@njit(nogil=True)
 def _parts_or_whole(board, a, b, whole, out):
     """``run_parts_or_whole`` of three jobs writing ``out[0]``, ``out[1]``
     and ``out[2]`` (the whole)."""
@@ -430,11 +457,6 @@ def test_a_product_whose_helper_is_busy_runs_whole_here():
     assert out.tolist() == [1.0, 2.0, 0.0]
     assert board[threads.TAKEN_BACK] == 1 and board[threads.STATE] == threads.IDLE
     assert _parts_or_whole(board, 1.0, -2.0, 3.0, out) == threads.RAISED
-
-
-@njit
-def _now():
-    return atomics.cycles()
 
 
 def _serving(board, linger):
@@ -496,7 +518,8 @@ def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
     board[threads.STATE] = threads.WAKING
     threads._dismiss(board)
     assert board[threads.STATE] == threads.ABSENT
-    assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 4
+    # (the cut is the lengths', asleep or not: the caller then runs both parts)
+    assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 2
     if ONE_THREAD:
         return
     for x in (3.0, 4.0, 5.0):
@@ -638,8 +661,7 @@ def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation)
     expected = sum(a[k * dilation:k * dilation + rows].astype(np.float64) @ w[k]
                    for k in range(K))
     out = np.full((rows, M), np.nan, dtype)
-    _shared_if_cut(lambda: blas.taps_product(a, w, out, dilation, threads.BOARD),
-                   blas.ROWS_ALIKE)
+    _shared_if_cut(lambda: blas.taps_product(a, w, out, dilation, threads.BOARD), True)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     alone = np.full((rows, M), np.nan, dtype)
     blas.taps_product(a, w, alone, dilation, threads.ALONE)

@@ -493,14 +493,9 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
 config.start_engine("blas")
 _choice = choose()
 BLAS_NAME = _choice["name"]
-# whether the library computes each row alike in any part of 8 rows or more
-# (blas_choice.rows_alike): else its products are not cut by rows, and the
-# own loop takes every product (small_rows_table)
-ROWS_ALIKE = _choice["rows_alike"]
-# the library as the compiled helpers depend on it: they are compiled, and
-# cached, per choice (and written into every kernel's source: SIGNATURE)
-_LIBRARY = BLAS_NAME if ROWS_ALIKE else f"{BLAS_NAME}, rows by parts"
-cache.note_blas(_LIBRARY)
+# the compiled helpers are compiled, and cached, per library (and it is
+# written into every kernel's source: SIGNATURE)
+cache.note_blas(BLAS_NAME)
 
 if BLAS_NAME == "mkl":
     llvm_binding.load_library_permanently(find_mkl().path)
@@ -787,7 +782,9 @@ def register_small_gemm(dtype) -> None:
 # columns (its columns do not depend on the range computed, see
 # small_gemm_columns), a library's by rows. The helper takes the second part
 # (a job: atomics.job_of) if it is spinning and free, else the kernel
-# computes both (threads.run_jobs).
+# computes both, one after the other (threads.run_jobs): the same calls, so
+# the same bits, even from a library whose rows differ by the rows beside
+# them; stepnet's own loop, whose columns do not, runs the whole in one call.
 
 # a product whose one row takes this many multiply-adds (weights of this many
 # elements; and at least 64 columns) is cut by columns in stepnet's own loop
@@ -807,21 +804,39 @@ _WAIT_BALANCED = 100
 
 
 @njit(inline="always")
-def _shared(board, work, own, other, whole_job, own_part, whole):
-    """A product of ``work`` multiply-adds cut at ``own_part`` of its
-    ``whole`` (columns, rows): the job ``own`` here and ``other`` on the
-    helper where it is free (``threads.run_parts_or_whole``), judged
-    (``threads.judge_sharing``); else the job ``whole_job``, the whole
-    product, here. Where the helper's handovers cost more than they save, its class
-    runs the whole product here for a while. The bits are the same either
-    way: stepnet's own loop computes each column, a library each row, alike
-    in any part (a row of a library's product by its rows alone is a
-    vector product, another kernel: the cut leaves 8 rows or more a part)."""
+def _shared(board, work, own, other, own_part, whole):
+    """A library's product of ``work`` multiply-adds cut by rows at
+    ``own_part`` of its ``whole``: the job ``own`` here and ``other`` on the
+    helper where it is free, judged (``threads.judge_sharing``); else both
+    here (``threads.run_jobs``), and so while its class is paused (the
+    helper's handovers cost more than they saved). The same calls either
+    way, so the same bits: a library may compute a row differently with
+    other rows beside it."""
+    c = threads.work_class(work)
+    start = cycles()
+    if threads.sharing_paused(board, c, start):
+        return threads.run_both_here(own, other)
+    return _judged(board, c, start, threads.run_jobs(board, own, other, True), own_part, whole)
+
+
+@njit(inline="always")
+def _shared_columns(board, work, own, other, whole_job, own_part, whole):
+    """stepnet's own loop's product cut by columns, as ``_shared``, but run
+    whole in one call (``whole_job``) where the helper is not free or the
+    class is paused: its columns are computed alike in any range
+    (``small_gemm_columns``), so the bits are the parts'."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
         return threads.run_here(whole_job)
     waited = threads.run_parts_or_whole(board, own, other, whole_job)
+    return _judged(board, c, start, waited, own_part, whole)
+
+
+@njit(inline="always")
+def _judged(board, c, start, waited, own_part, whole):
+    """``waited`` (the cycles a shared product waited for the helper, since
+    cycle ``start``), judged where it was shared."""
     if waited >= 0:
         end = cycles()
         threads.judge_sharing(board, c, end - start - waited, waited, own_part, whole, end)
@@ -844,9 +859,10 @@ def _own_shared(a, w, ld, panel, out, board):
     half = (n // 2 + 16) // 32
     shift = board[threads.BALANCE]
     cut = 32 * min(max(half + shift, 1), (n - 32) // 32)
-    waited = _shared(board, m * k * n, job_of(_own_columns, (a, w, ld, panel, out, 0, cut)),
-                     job_of(_own_columns, (a, w, ld, panel, out, cut, n)),
-                     job_of(_own_columns, (a, w, ld, panel, out, 0, n)), cut, n)
+    waited = _shared_columns(board, m * k * n,
+                             job_of(_own_columns, (a, w, ld, panel, out, 0, cut)),
+                             job_of(_own_columns, (a, w, ld, panel, out, cut, n)),
+                             job_of(_own_columns, (a, w, ld, panel, out, 0, n)), cut, n)
     if waited < 0:  # (not shared: the whole computed here)
         return
     if waited > 4 * m * k and shift < half:  # longer than a block of 32 takes here
@@ -902,9 +918,8 @@ def _own_product_for(a, b, out, board):
 @njit(types.int64(types.int64, types.int64, types.int64, types.int64[::1]), cache=True)
 def _row_cut(m, k, n, board):
     """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
-    (0: not cut; never where the library's rows differ by part,
-    ``ROWS_ALIKE``)."""
-    if not ROWS_ALIKE or board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
+    (0: not cut)."""
+    if board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
         return 0
     return m // 2
 
@@ -928,8 +943,7 @@ def _hoisted(a, b, out, small_rows, board, add):
         _library_gemm(a, b, out, beta)
     else:  # (the library raises nothing)
         _shared(board, m * k * n, job_of(_library_gemm, (a[:cut], b, out[:cut], beta)),
-                job_of(_library_gemm, (a[cut:], b, out[cut:], beta)),
-                job_of(_library_gemm, (a, b, out, beta)), cut, m)
+                job_of(_library_gemm, (a[cut:], b, out[cut:], beta)), cut, m)
 
 
 @njit(cache=True)
@@ -975,8 +989,7 @@ def taps_product(a, w, out, dilation, board):
     else:
         _shared(board, rows * a.shape[1] * w.shape[0] * out.shape[1],
                 job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
-                job_of(_taps_rows, (a, w, out, dilation, cut, rows)),
-                job_of(_taps_rows, (a, w, out, dilation, 0, rows)), cut, rows)
+                job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut, rows)
 
 
 def board_for_product(multiply_adds):
@@ -1060,8 +1073,7 @@ def gemm_packed(a, prepared, out):
             _library_product(a, prepared, out)
         else:  # (the library's product raises nothing)
             _shared(board, m * k * n, job_of(_library_product, (a[:cut], prepared, out[:cut])),
-                    job_of(_library_product, (a[cut:], prepared, out[cut:])),
-                    job_of(_library_product, (a, prepared, out)), cut, m)
+                    job_of(_library_product, (a[cut:], prepared, out[cut:])), cut, m)
 
 
 @njit(cache=True)
@@ -1203,11 +1215,7 @@ def small_rows_table():
     (row 1) and whether it shares them with the helper (row 2; measured at
     the first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
     A run-time argument, so a kernel's code does not depend on it; under
-    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``, and where
-    the library's rows differ by part (``ROWS_ALIKE``) every product but
-    where ``STEPNET_SMALL_PRODUCTS`` says otherwise (the sharing measured
-    as usual): a run cut into groups of sequences has products of other
-    rows than one not cut."""
+    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``."""
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
@@ -1227,7 +1235,7 @@ if DETERMINISTIC:
         small_gemm(a, np.ascontiguousarray(b), out)
 
 # what a kernel's code depends on here (written into its generated source)
-SIGNATURE = _LIBRARY + (" (deterministic)" if DETERMINISTIC else "")
+SIGNATURE = BLAS_NAME + (" (deterministic)" if DETERMINISTIC else "")
 
 
 # a.T @ b over at least this many multiply-adds is split over threads

@@ -18,12 +18,6 @@ hoisted one (every token), picks the faster and keeps the choice and the
 figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU, the
 libraries and ``OPENBLAS_CORETYPE``. ``stepnet info`` prints them.
 
-In every process the chosen library is checked for computing each row of
-a product alike whatever rows are computed with it (:func:`rows_alike`):
-where it does not, its products are never cut by rows for the helper
-thread and stepnet's own loop takes every product of the kernels (not only
-the small ones), so that no result depends on which thread was free.
-
 Up to how many rows a per-step product runs stepnet's own loop instead of
 the chosen library, and whether the own loop shares a product with the
 helper thread (:func:`small_product_rows`), is measured the same way, at the
@@ -260,62 +254,14 @@ def _spread(seconds):
     return seconds[1] / seconds[0] if seconds[0] > 0 else float("inf")
 
 
-# the products on which the chosen library is checked for computing each
-# row alike whatever rows are computed with it (m, k, n), and the parts of
-# their rows checked (first, end): a cut by rows in half, a group of
-# sequences, all parts of 8 rows or more
-_ROWS_SHAPES = ((200, 64, 256), (64, 256, 1024), (128, 128, 1024), (100, 128, 384))
-
-
-def _row_parts(m):
-    return ((0, m // 2), (m // 2, m), (8, m // 3 + 8))
-
-
-def rows_alike(gemm) -> bool:
-    """Whether ``gemm(a, b, c)`` (c = a @ b, row-major float32) computes
-    every row of a part of ``a``'s rows (8 or more) to the same bits as
-    the whole product does, on ``_ROWS_SHAPES``. A library's product is
-    cut by rows for the helper thread, and a run's sequences into groups,
-    only where this holds: else a result would depend on which thread was
-    free. MKL and OpenBLAS on the kernels it picks for the CPU hold it;
-    OpenBLAS made to run older kernels than the CPU's
-    (``OPENBLAS_CORETYPE=Haswell`` on a newer CPU) did not, at most cuts."""
-    rng = np.random.default_rng(0)
-    for m, k, n in _ROWS_SHAPES:
-        a = rng.standard_normal((m, k), np.float32)
-        b = rng.standard_normal((k, n), np.float32)
-        whole = np.empty((m, n), np.float32)
-        gemm(a, b, whole)
-        for first, end in _row_parts(m):
-            part = np.empty((end - first, n), np.float32)
-            gemm(np.ascontiguousarray(a[first:end]), b, part)
-            if not np.array_equal(part, whole[first:end]):
-                return False
-    return True
-
-
-def _library_rows_alike(name, found) -> bool:
-    """``rows_alike`` of the library ``name`` (one of ``found``, or numpy)."""
-    if name == "mkl":
-        return rows_alike(_mkl_sgemm(found["mkl"]))
-    if name == "openblas":
-        with _one_openblas_thread(found["openblas"]):
-            return rows_alike(_openblas_sgemm(found["openblas"]))
-    return rows_alike(lambda a, b, c: np.dot(a, b, c))
-
-
 @functools.cache
 def choose() -> dict:
-    """The BLAS to use: ``{"name", "reason", "seconds", "cpu", "libraries",
-    "rows_alike"}`` (``rows_alike``: checked in every process, as it
-    depends on the library's settings, ``OPENBLAS_CORETYPE`` among them)."""
-    choice, found = _choose()
-    return dict(choice, rows_alike=_library_rows_alike(choice["name"], found))
+    """The BLAS to use: ``{"name", "reason", "seconds", "cpu", "libraries"}``."""
+    return _choose()
 
 
 def _choose():
-    """``choose``'s choice, before its rows are checked, and the libraries
-    found (name: Library or None)."""
+    """``choose``'s choice, made (or read from the cache) again."""
     requested = config.blas or ""
     cpu = _cpu_name()
     found = {}
@@ -329,22 +275,22 @@ def _choose():
         if requested != "numpy" and found.get(requested) is None:
             warnings.warn(f"stepnet: STEPNET_BLAS={requested} but {_what(requested)} was not "
                           "found; the kernels call np.dot instead", RuntimeWarning, stacklevel=3)
-            return dict(info, name="numpy", reason=f"STEPNET_BLAS={requested}, not found"), found
-        return dict(info, name=requested, reason="STEPNET_BLAS"), found
+            return dict(info, name="numpy", reason=f"STEPNET_BLAS={requested}, not found")
+        return dict(info, name=requested, reason="STEPNET_BLAS")
     if not reachable:
         warnings.warn("stepnet: no BLAS found (tried MKL's libmkl_rt in the Python prefix and "
                       "scipy.linalg.cython_blas); the kernels call np.dot, and run slower",
                       RuntimeWarning, stacklevel=3)
-        return dict(info, name="numpy", reason="no BLAS found"), found
+        return dict(info, name="numpy", reason="no BLAS found")
     if len(reachable) == 1:
-        return dict(info, name=reachable[0].name, reason="the only one found"), found
+        return dict(info, name=reachable[0].name, reason="the only one found")
     key = hashlib.sha256(";".join([cpu, _library_settings()]
                                   + sorted(lib.fingerprint() for lib in reachable))
                          .encode()).hexdigest()[:16]
     saved = _kept("blas.json", key)
     if saved is not None and saved.get("name") in found:
         return dict(info, name=saved["name"], reason=saved.get("reason", "measured") + " (cached)",
-                    seconds=saved.get("seconds", {})), found
+                    seconds=saved.get("seconds", {}))
     seconds, noisy = measure_steadily(reachable)
     name = min(seconds, key=lambda n: sum(s * shape[-1] for s, shape in zip(seconds[n], _SHAPES)))
     reason = "measured" + (f"; noisy, the machine was busy ({', '.join(noisy)} not steady over "
@@ -352,7 +298,7 @@ def _choose():
                            if noisy else "")
     result = dict(info, name=name, reason=reason, seconds=seconds)
     _keep("blas.json", dict(result, key=key))
-    return result, found
+    return result
 
 
 def _kept(filename, key):
@@ -471,21 +417,14 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     2048 far less time); where not measured, it is shared. The
     cut is measured only while no other process keeps a core busy
     (``measured_on_free_cores``): where one did, it is not measured (so
-    shared), and the file says so. Where the library's rows differ by part
-    (``choice["rows_alike"]``), the own loop takes every product but as
-    ``STEPNET_SMALL_PRODUCTS`` says."""
+    shared), and the file says so."""
     requested = config.small_products
     if requested is not None:
         limits = ((EVERY_PRODUCT, requested, 1),)
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
-    limits = _measured_small_rows(choice, time_both, time_shared)
-    if not choice.get("rows_alike", True):  # (the sharing as measured)
-        limits = tuple((size, EVERY_PRODUCT, shares) for size, _, shares in limits)
-        _SMALL_PRODUCTS["reason"] += (f"; every product: {choice['name']} computes a row "
-                                      "apart from the rows beside it otherwise")
-    return limits
+    return _measured_small_rows(choice, time_both, time_shared)
 
 
 def _measured_small_rows(choice, time_both, time_shared):

@@ -11,12 +11,7 @@ from .blas_choice import EVERY_PRODUCT
 def describe() -> str:
     """What ``stepnet info`` prints about the BLAS."""
     c = blas_choice.choose()
-    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}",
-             f"  {c['name']}'s rows: " + ("each computed alike in any part of 8 rows or more"
-                                         if c["rows_alike"] else
-                                         "computed apart by part (rows_alike): its products "
-                                         "are not cut by rows, stepnet's own loop takes every "
-                                         "product of the kernels")]
+    lines = [f"BLAS: {c['name']} ({c['reason']})", f"CPU: {c['cpu']}"]
     for name, path in c["libraries"].items():
         lines.append(f"  {name}: {path}")
     for name, secs in c.get("seconds", {}).items():

@@ -8,9 +8,10 @@ releasing the GIL, none sharing with the helper), or as one group on the
 calling thread. One group may share its work with the helper thread
 (``threads``): part of its sequences where the kernel cuts them
 (``threads.group_cut``), else part of each step's products where the
-small-product table shares products of their size (``blas``). Whether a
-given step does is the kernel's, at run time (the helper may be busy); that
-it may, and why, is the plan's.
+small-product table shares products of their size (``blas``). Where the
+work is cut follows from the plan and the shapes only; whether the helper
+or the calling thread computes the second part is decided at run time (the
+helper may be busy), and changes no bit of the result.
 """
 
 from __future__ import annotations

@@ -18,11 +18,16 @@ sequences: ``group_cut``; a product, by rows or columns: ``blas``) and calls
 it claims it (a compare-exchange: one claimant at a time), posts the second
 part, runs the first and waits for the helper's (a job the helper has not
 started within ``PATIENCE`` cycles it takes back and runs itself, so a
-helper without a core never holds a kernel up); else it runs both parts
-(a product: ``run_parts_or_whole``, the whole product in one call). A
-product cut so is judged after it (``judge_sharing``): a class of products
-whose handovers lose more than they win over a window of cycles runs whole
-on the kernel's thread for a while (``sharing_paused``).
+helper without a core never holds a kernel up); else it runs both parts,
+one after the other (stepnet's own loop, whose columns are computed alike
+in any range, runs the whole product in one call: ``run_parts_or_whole``).
+Where the work is cut depends on its shape only, never on whether the
+helper was free, so a call gives the same bits whoever computes which part
+(another call running beside it, the helper asleep): a library that
+computes a row differently with other rows beside it is cut too. A product
+cut so is judged after it (``judge_sharing``): a class of products whose
+handovers lose more than they win over a window of cycles runs on the
+kernel's thread alone for a while (``sharing_paused``).
 The helper spins (``pause``) while jobs come, yields its core after a while
 without one, and goes back to sleep ``HELPER_LINGER`` cycles after the last,
 or when dismissed (``run_each`` dismisses it: Python's threads then take its
@@ -193,7 +198,7 @@ def _serve(board, linger):
 
 
 # a class of products that lost more handovers than it won over a WINDOW of
-# cycles (a millisecond or two) runs whole on the kernel's thread for PAUSE cycles
+# cycles (a millisecond or two) runs on the kernel's thread alone for PAUSE cycles
 # (4 WINDOWs), then is shared again; one that loses again right after its
 # pause pauses twice as long, up to 2**MAX_PAUSE_LEVEL times (a helper's
 # core busy with another program's thread). A count, not a sum of cycles:
@@ -323,6 +328,14 @@ def run_here(job):
     return RAISED if _raised(job) else -1
 
 
+@njit(types.int64(_JOB, _JOB), cache=True, nogil=True)
+def run_both_here(own, other):
+    """Run ``own``, then ``other``, on this thread: -1, or ``RAISED``."""
+    _run(own)
+    _run(other)
+    return RAISED if _raised(own) or _raised(other) else -1
+
+
 # (one signature, compiled once: every caller's types)
 @njit(types.int64(types.int64[::1], _JOB, _JOB, types.boolean), cache=True, nogil=True)
 def run_jobs(board, own, other, both):
@@ -346,10 +359,9 @@ def run_jobs(board, own, other, both):
 def run_parts_or_whole(board, own, other, whole):
     """``own`` here and ``other`` on the helper where it is spinning and free
     or woken, as ``run_jobs`` (the cycles waited, or ``RAISED``); else the
-    job ``whole``, the work of both at once, here (-1, or ``RAISED``): a
-    product whose helper is busy (with the other half of a run's sequences,
-    say) runs as one call, not as its two parts one after the other (a
-    library's product of 32 rows takes 10 % less than two of 16)."""
+    job ``whole``, the work of both at once, here (-1, or ``RAISED``): only
+    for work whose whole gives the bits of its parts (stepnet's own loop cut
+    by columns), which then runs as one call, not two."""
     if _claim(board):
         return _post_and_wait(board, own, other)
     return run_here(whole)
@@ -402,15 +414,14 @@ GROUP_ROWS = 16
 @njit(types.int64(types.int64[::1], types.int64[::1]), cache=True, nogil=True)
 def group_cut(board, lengths):
     """Where a run of the sequences of ``lengths`` is cut: ``0:cut`` for the
-    calling thread, ``cut:`` for the helper (``run_jobs``), about half the
-    rows each, where there are two sequences or more and ``GROUP_ROWS``
-    rows, the board shares and the helper is spinning and free or woken;
-    else ``len(lengths)`` (not cut)."""
+    calling thread, ``cut:`` for the helper where it is free (``run_jobs``;
+    else both here, one after the other), about half the rows each, where
+    there are two sequences or more and ``GROUP_ROWS`` rows and the board
+    shares; else ``len(lengths)`` (not cut). Never by whether the helper is
+    free: each part's products have the same rows whoever runs it, so their
+    bits are the same."""
     n = lengths.shape[0]
     if n < 2 or board[SHARES] == 0:
-        return n
-    state = load_acquire(board, STATE)
-    if state != IDLE and state != WAKING:
         return n
     total = 0
     for length in lengths:
