@@ -347,7 +347,7 @@ _STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # kept in the cache, is not used)
 _OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, one row by 192, 128 or 64 "
              "columns, the widest vectors; shared with the helper where measured faster in a "
-             "time loop")
+             "time loop by a tenth")
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62
@@ -411,10 +411,11 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     256-row one, and a near tie cannot move the limit far); where the own
     loop is best up to the most rows measured, it takes every product of
     that size (``EVERY_PRODUCT``). A size is shared where a one-row product
-    cut with the helper took less time than alone, in a time loop (the cut
-    pays for two handoffs between cores: a one-row product by weights as
-    small as 128 x 384 can take longer cut, one by weights as large as 512 x
-    2048 far less time); where not measured, it is shared. The
+    cut with the helper took at most ``SHARE_WINS`` of its time alone, in a
+    time loop (the cut pays for two handoffs between cores: a one-row
+    product by weights as small as 128 x 384 can take longer cut, one by
+    weights as large as 512 x 2048 far less time); where not measured, it is
+    shared. The
     cut is measured only while no other process keeps a core busy
     (``measured_on_free_cores``): where one did, it is not measured (so
     shared), and the file says so."""
@@ -425,6 +426,15 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
                                shared=[])
         return limits
     return _measured_small_rows(choice, time_both, time_shared)
+
+
+# a size of weights is shared with the helper where its one-row product cut
+# took at most this share of its time alone: a near tie flips with the
+# machine's noise from one measurement to the next, and in a kernel the cut
+# costs more than in the time loop (the lines each core then reads from the
+# other's): a GRU of 128 units over one sequence ran markedly slower shared
+# than alone where the time loop had measured the cut barely faster
+SHARE_WINS = 0.9
 
 
 def _measured_small_rows(choice, time_both, time_shared):
@@ -445,7 +455,7 @@ def _measured_small_rows(choice, time_both, time_shared):
         seconds, free = None, True
         if time_shared is not None:
             seconds, free = measured_on_free_cores(lambda k=k, n=n: time_shared(1, k, n))
-        if seconds is not None and seconds[1] >= seconds[0]:
+        if seconds is not None and seconds[1] > SHARE_WINS * seconds[0]:
             # a cut that lost is measured again, the best of each side kept: an
             # occasional measurement runs the cut far slower than the others
             # do, and than the kernels run it
@@ -462,7 +472,8 @@ def _measured_small_rows(choice, time_both, time_shared):
             return sum((own if m <= rows else lib) / min(own, lib) for m, own, lib in times)
 
         rows = min([0] + [m for m, _, _ in times], key=cost)
-        shares = all(cut < alone for _, kk, nn, alone, cut in shared if (kk, nn) == (k, n))
+        shares = all(cut <= SHARE_WINS * alone for _, kk, nn, alone, cut in shared
+                     if (kk, nn) == (k, n))
         # faster up to the most rows measured: at any number (stepnet's loop
         # takes rows by panels, each as fast as the one before)
         limits.append((k * n, EVERY_PRODUCT if rows == _STEP_ROWS[-1] else rows, int(shares)))
