@@ -239,7 +239,7 @@ def _describe(obj, feeds):
     YAML model; ``batch_axis`` is the axis of a per-sequence array, or None
     for a value every partition gets whole."""
     from .dsl import RNNOp
-    from .nn.layers import _RecurrentLayer
+    from .nn.base import _RecurrentLayer
     from .yaml.model import Model
 
     if isinstance(obj, RNNOp):

@@ -94,7 +94,7 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
     Error
         ``path`` cannot be written.
     """
-    from ..nn.layers import _RecurrentLayer
+    from ..nn.base import _RecurrentLayer
     from ..yaml.model import Model
 
     if isinstance(obj, RNNOp):
