@@ -22,11 +22,10 @@ CPU_ENGINE_LINES = 3500
 # over budget today: their line counts may only go down
 MODULES_OVER = {
     "stepnet/dsl.py": 1081,
-    "stepnet/jit/blas.py": 1449,
-    "stepnet/jit/numba_cpu.py": 2196,
-    "stepnet/onnx/ops.py": 801,
+    "stepnet/jit/blas.py": 1448,
+    "stepnet/jit/numba_cpu.py": 2164,
     "stepnet/onnx/recurrent.py": 973,
-    "stepnet/onnx/session.py": 1010,
+    "stepnet/onnx/session.py": 997,
     "stepnet/ops/primitives.py": 1352,
     "stepnet/torch.py": 969,
     "stepnet/yaml/model.py": 1057,
@@ -45,7 +44,7 @@ FUNCTIONS_OVER = {
     "stepnet/torch.py:LayerModule.forward": 87,
     "stepnet/pullback.py:gradients": 83,
 }
-CPU_ENGINE_NOW = 6348
+CPU_ENGINE_NOW = 6304
 
 # a figure of a measurement: a time with decimals, a rate, a speed-up
 _MEASUREMENT = re.compile(r"\d+\.\d+ ?(ms|us|µs)\b|\d+(\.\d+)? ?(GFLOP/s|GB/s|Gflops)"

@@ -777,14 +777,12 @@ def register_small_gemm(dtype) -> None:
 #
 # A kernel gets a board: threads.BOARD where its run may share products (one
 # group of sequences, more than one thread), else threads.ALONE. On BOARD a
-# product big enough is cut in two at a place that depends only on its shape
-# (so its result does not depend on who computes what): stepnet's own loop by
-# columns (its columns do not depend on the range computed, see
-# small_gemm_columns), a library's by rows. The helper takes the second part
-# (a job: atomics.job_of) if it is spinning and free, else the kernel
-# computes both, one after the other (threads.run_jobs): the same calls, so
-# the same bits, even from a library whose rows differ by the rows beside
-# them; stepnet's own loop, whose columns do not, runs the whole in one call.
+# product big enough is cut in two where its shape says: stepnet's own loop by
+# columns (computed alike in any range: small_gemm_columns), a library's by
+# rows. The helper takes the second part (a job: atomics.job_of) where it is
+# spinning and free; else the kernel computes both parts, the same calls, so
+# the same bits even from a library whose rows differ by the rows beside them
+# (the own loop, the whole in one call: the same bits too).
 
 # a product whose one row takes this many multiply-adds (weights of this many
 # elements; and at least 64 columns) is cut by columns in stepnet's own loop
@@ -806,12 +804,8 @@ _WAIT_BALANCED = 100
 @njit(inline="always")
 def _shared(board, work, own, other, own_part, whole):
     """A library's product of ``work`` multiply-adds cut by rows at
-    ``own_part`` of its ``whole``: the job ``own`` here and ``other`` on the
-    helper where it is free, judged (``threads.judge_sharing``); else both
-    here (``threads.run_jobs``), and so while its class is paused (the
-    helper's handovers cost more than they saved). The same calls either
-    way, so the same bits: a library may compute a row differently with
-    other rows beside it."""
+    ``own_part`` of ``whole``: ``own`` here, ``other`` on the helper where
+    it is free (judged), else here too, as while its class is paused."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
@@ -821,10 +815,8 @@ def _shared(board, work, own, other, own_part, whole):
 
 @njit(inline="always")
 def _shared_columns(board, work, own, other, whole_job, own_part, whole):
-    """stepnet's own loop's product cut by columns, as ``_shared``, but run
-    whole in one call (``whole_job``) where the helper is not free or the
-    class is paused: its columns are computed alike in any range
-    (``small_gemm_columns``), so the bits are the parts'."""
+    """The own loop's product cut by columns, as ``_shared``, but computed
+    whole in one call (``whole_job``) where the helper is not free."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
@@ -835,8 +827,7 @@ def _shared_columns(board, work, own, other, whole_job, own_part, whole):
 
 @njit(inline="always")
 def _judged(board, c, start, waited, own_part, whole):
-    """``waited`` (the cycles a shared product waited for the helper, since
-    cycle ``start``), judged where it was shared."""
+    """``waited`` (cycles waited for the helper since ``start``), judged."""
     if waited >= 0:
         end = cycles()
         threads.judge_sharing(board, c, end - start - waited, waited, own_part, whole, end)

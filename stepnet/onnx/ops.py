@@ -193,8 +193,7 @@ def _aligned(ctx, xs):
 
 
 def _int_div(a, b):
-    q = np.abs(a) // np.abs(b)
-    return (np.sign(a) * np.sign(b) * q).astype(np.result_type(a, b))
+    return (np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))).astype(np.result_type(a, b))
 
 
 def _primitive(name, entry):
