@@ -12,6 +12,7 @@ Models run on the interpreter: nothing here compiles a kernel.
 import copy
 import random
 import re
+import signal
 import zipfile
 from pathlib import Path
 
@@ -36,16 +37,31 @@ WRONG = [None, "x", -1, 0, 1.5, True, [], {"a": 1}, [0], [-3], [1, 2, 3], 10**12
 HUGE = [10**12, 2**63, [10**12], [200000, 200000], [2**40, 2**40]]
 
 
+# a damaged case still running after this many seconds hangs (each takes
+# well under one): it fails with a TimeoutError instead of holding the suite
+HANG_SECONDS = 60
+
+
+def _hung(signum, frame):
+    raise TimeoutError(f"still running after {HANG_SECONDS} s: a hang")
+
+
 def _fails_well(path, call):
     """``call()``'s result, or None where it raised a stepnet error naming
     ``path``; any other exception, or an error that does not name the file,
-    propagates or fails."""
+    propagates or fails; so does a call still running after
+    ``HANG_SECONDS``."""
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(HANG_SECONDS)
     try:
         return call()
     except sn.Error as exc:
         if str(path) not in str(exc):
             raise AssertionError(f"{type(exc).__name__} does not name {path}: {exc}") from exc
         return None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _same(got, expected, what):
