@@ -211,6 +211,11 @@ def test_rows_and_random_inputs_of_declared_shapes_are_checked(tmp_path, capsys)
     assert capsys.readouterr().err == (
         f"stepnet: error: {rows}: random input 'x' of up to [24, 100000000] float64 needs 18 GiB, "
         "more than sn.config.max_memory (1.0 GiB; STEPNET_MAX_MEMORY)\n")
+    model = sn.load_yaml(rows)  # and from Python, the rows it draws
+    with sn.config(max_memory="1GiB"):
+        with pytest.raises(sn.SizeError, match=r"^random input 'x' \[\d+, 100000000\] float64 "
+                                               r"needs \d+ GiB, more than sn.config.max_memory"):
+            model.random_feeds(num_sequences=4, max_length=6)
 
 
 def test_a_hidden_size_typed_with_extra_zeros_is_refused_naming_the_parameter():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import sizes
 from ..backends import backend as backend_info, is_compiled
 from ..dsl import MemoryHandle, create_rnn_op
 from ..errors import Error, ShapeError, SizeError, StepNetError, YAMLError
@@ -370,8 +371,7 @@ class Model:
         feeds = {}
         for name, spec in self.inputs.items():
             k = spec.lod_level
-            rows = sum(lengths[k - 1]) if k else num_sequences
-            data = _random_rows(rng, spec, rows)
+            data = _random_rows(rng, spec, sum(lengths[k - 1]) if k else num_sequences)
             feeds[name] = LoDTensor.from_lengths(data, lengths[:k]) if k else data
         return feeds
 
@@ -388,10 +388,10 @@ def _compiled_here(rnns, backend, flags=None) -> bool:
 
 def _random_rows(rng, spec, rows):
     shape = (rows,) + spec.shape
+    sizes.check(f"random input {spec.name!r}", shape, np.float64)  # (drawn in float64)
     if spec.random == "onehot":
         data = np.zeros(shape)
-        width = spec.shape[-1] if spec.shape else 1
-        index = rng.integers(0, width, size=shape[:-1])
+        index = rng.integers(0, spec.shape[-1] if spec.shape else 1, size=shape[:-1])
         np.put_along_axis(data, index[..., None], 1.0, axis=-1)
     elif spec.random == "uniform":
         data = rng.uniform(-1.0, 1.0, size=shape)
