@@ -174,7 +174,7 @@ class CompiledStepNet:
         self._module = _module(backend)
         self._runs = {}  # output flags -> run
         self._gradient_runs = {}  # ("forward", flags) / ("backward", flags, present) -> runs
-        self._outputs = {}  # output flags -> _Outputs
+        self._outputs = {}  # (output flags, with the workspace) -> _Outputs
 
     def _runner(self, all_steps):
         all_steps = self.rnn.all_steps_flags(all_steps)
@@ -187,6 +187,17 @@ class CompiledStepNet:
         if all_steps is None:
             return bool(self._runs)
         return self.rnn.all_steps_flags(all_steps) in self._runs
+
+    def check_sizes(self, flags, args, workspace=False):
+        """Refuse a call (bound ``args``) whose outputs, and with ``workspace``
+        the values a training call keeps for its backward, would not fit
+        (``_Outputs``), before the backend makes them."""
+        key = (flags, workspace)
+        if key not in self._outputs:
+            program = self.rnn.program(flags)
+            self._outputs[key] = _Outputs.of(forward_program(program) if workspace else program,
+                                             "outputs and workspace" if workspace else "outputs")
+        self._outputs[key].check(args)
 
     def forward_with_workspace(self, flags):
         """The forward program that also returns its workspace, compiled."""
@@ -280,9 +291,7 @@ class CompiledStepNet:
         rnn = self.rnn
         all_steps = rnn.all_steps_flags(output_all_steps)
         args = rnn.bind(**inputs)
-        if all_steps not in self._outputs:
-            self._outputs[all_steps] = _Outputs.of(rnn.program(all_steps))
-        self._outputs[all_steps].check(args)
+        self.check_sizes(all_steps, args)
         run = self._runner(all_steps)
         if scopes is not None:
             outputs = run(args, rnn.const_values(), scopes=scopes)
@@ -300,18 +309,20 @@ class _Outputs(NamedTuple):
     sequence (a LoD may declare billions of steps over a few broadcast rows)."""
 
     name: str  # the step-net's
+    what: str  # "outputs", or "outputs and workspace"
     first: int  # the index among the call's arguments of its first sequence input
     rows: tuple  # (what, all_steps, row shape, dtype, bytes a row) per output of rows
 
     @classmethod
-    def of(cls, program):
+    def of(cls, program, what):
         eqn = program.eqn
         rows = tuple((f"output {k} ({out.name})", all_steps, tuple(out.shape[1:]), out.dtype,
                       math.prod(out.shape[1:]) * np.dtype(out.dtype).itemsize)
                      for k, (out, all_steps) in enumerate(zip(eqn.attrs["body"].outputs,
                                                               eqn.attrs["all_steps"]))
                      if not out.lod_depth)
-        return cls(eqn.attrs["name"], list(program.inputs).index(ir.rnn_parts(eqn)[0][0]), rows)
+        return cls(eqn.attrs["name"], what, list(program.inputs).index(ir.rnn_parts(eqn)[0][0]),
+                   rows)
 
     def check(self, args):
         first = args[self.first]
@@ -322,7 +333,7 @@ class _Outputs(NamedTuple):
                    for _, all_steps, _, _, size in self.rows)
         if need < _CHECKED_FROM:
             return
-        sizes.check_all(f"the outputs of step-net {self.name!r}", [
+        sizes.check_all(f"the {self.what} of step-net {self.name!r}", [
             (what, ((steps if all_steps else num_seq),) + shape, dtype)
             for what, all_steps, shape, dtype, _ in self.rows])
 

@@ -151,6 +151,20 @@ def test_a_call_whose_outputs_cannot_fit_is_refused_before_they_are_made(backend
     assert out.data.shape == (100, 128)
 
 
+def test_a_training_call_whose_workspace_cannot_fit_is_refused_before_it_runs():
+    """The values a training call keeps for its backward count with its
+    outputs: 20000 steps of a GRU of 128 units give 10 MiB of outputs (it
+    runs) and several times that kept."""
+    gru = sn.nn.GRU(3, 128, seed=0)
+    X = _broadcast_lod(20000)
+    with sn.config(max_memory="32MiB"):
+        gru(X, backend="interpreter")
+        with pytest.raises(sn.SizeError, match=r"^the outputs and workspace of step-net "
+                                               r"'gru_l0_fwd' need \d+ MiB, more than "
+                                               r"sn.config.max_memory \(32 MiB"):
+            sn.vjp(gru, X, backend="interpreter")
+
+
 def test_onnx_sizes_are_checked_before_arrays_are_made(tmp_path):
     pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper
