@@ -331,16 +331,11 @@ class _Outputs(NamedTuple):
         steps, num_seq = int(first.levels[0][-1]), first.num_sequences
         need = sum((steps if all_steps else num_seq) * size
                    for _, all_steps, _, _, size in self.rows)
-        if need < _CHECKED_FROM:
+        if need < sizes.CHECKED_FROM:
             return
         sizes.check_all(f"the {self.what} of step-net {self.name!r}", [
             (what, ((steps if all_steps else num_seq),) + shape, dtype)
             for what, all_steps, shape, dtype, _ in self.rows])
-
-
-# a call's outputs under this many bytes in all are not checked against the
-# limit (it would cost a call microseconds; no machine has so little memory)
-_CHECKED_FROM = 1 << 24
 
 
 # step-net -> {backend name: CompiledStepNet}: compiled code lives here, not on

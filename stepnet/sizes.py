@@ -44,6 +44,20 @@ def check(what: str, shape, dtype) -> None:
                         f"more than {said}")
 
 
+# arrays under this many bytes are not checked where a check would cost every
+# call (a call's outputs, an ONNX op's): microseconds saved, and no machine
+# has so little memory
+CHECKED_FROM = 1 << 24
+
+
+def check_large(what: str, shape, dtype) -> None:
+    """:func:`check` where the array would take ``CHECKED_FROM`` bytes or
+    more (what a value read from a file asks for: a few bytes of it can
+    ask for terabytes)."""
+    if math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize >= CHECKED_FROM:
+        check(what, shape, dtype)
+
+
 def check_all(what: str, arrays) -> None:
     """Raise :class:`SizeError` if the arrays ``[(name, shape, dtype)]``
     that one call makes (``what``: ``"the outputs of step-net 'gru'"``)

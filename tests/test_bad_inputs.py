@@ -183,7 +183,10 @@ def test_onnx_sizes_are_checked_before_arrays_are_made(tmp_path):
             ("range", [helper.make_node("Range", ["zero", "far", "one"], ["y"], name="count")],
              [numpy_helper.from_array(np.array(v, np.int64), n)
               for n, v in (("zero", 0), ("far", 10**11), ("one", 1))],
-             r"ONNX node 'count' \(Range\): its output \[100000000000\] int64 needs 745 GiB")):
+             r"ONNX node 'count' \(Range\): its output \[100000000000\] int64 needs 745 GiB"),
+            ("pad", [helper.make_node("Pad", ["x", "pads"], ["y"], name="wider")],
+             [numpy_helper.from_array(np.array([0, 0, 0, 10**11], np.int64), "pads")],
+             r"ONNX node 'wider' \(Pad\): its output \[1, 100000000001\] float32 needs 373 GiB")):
         graph = helper.make_graph(
             nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)

@@ -42,9 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops as sn_ops
+from .. import ops as sn_ops, registry, sizes
 from ..errors import UnsupportedError
-from .. import registry
 from ..tracing import Value
 
 OPS: dict = {}
@@ -738,21 +737,22 @@ def _bind_pad(ctx, known, mode="constant"):
         return widths
 
     def pad(x, *rest):
+        widths = widths_of(x.ndim)
+        shape = tuple(d + b + e for d, (b, e) in zip(x.shape, widths))
+        sizes.check_large(f"ONNX node {ctx.node!r} (Pad): its output", shape, x.dtype)
         if mode != "constant":
             parts = plans.get(x.shape)
             if parts is None:
                 if len(plans) > 64:
                     plans.clear()
-                parts = plans[x.shape] = _pad_parts(x.shape, widths_of(x.ndim), mode)
+                parts = plans[x.shape] = _pad_parts(x.shape, widths, mode)
             if parts is NotImplemented:  # wider than the axis: NumPy's rule
-                return np.pad(x, widths_of(x.ndim), mode="reflect")
+                return np.pad(x, widths, mode="reflect")
             for a, before, after in parts:
                 x = np.concatenate([x[before], x, x[after]], axis=a)
             return x
-        widths = widths_of(x.ndim)
         fill = rest[1] if len(rest) > 1 and rest[1] is not None and np.size(rest[1]) else 0
-        fill = np.asarray(fill).reshape(-1)[0]
-        out = np.full(tuple(d + b + e for d, (b, e) in zip(x.shape, widths)), fill, x.dtype)
+        out = np.full(shape, np.asarray(fill).reshape(-1)[0], x.dtype)
         out[tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, widths))] = x
         return out
 
