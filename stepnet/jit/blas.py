@@ -803,9 +803,8 @@ _WAIT_BALANCED = 100
 
 @njit(inline="always")
 def _shared(board, work, own, other, own_part, whole):
-    """A library's product of ``work`` multiply-adds cut by rows at
-    ``own_part`` of ``whole``: ``own`` here, ``other`` on the helper where
-    it is free (judged), else here too, as while its class is paused."""
+    """A library's product (``work`` multiply-adds) cut by rows at ``own_part``:
+    ``own`` here, ``other`` on the helper where it is free, else here too."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
@@ -815,8 +814,7 @@ def _shared(board, work, own, other, own_part, whole):
 
 @njit(inline="always")
 def _shared_columns(board, work, own, other, whole_job, own_part, whole):
-    """The own loop's product cut by columns, as ``_shared``, but computed
-    whole in one call (``whole_job``) where the helper is not free."""
+    """The own loop's product cut by columns: as ``_shared``, but whole here."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):

@@ -297,8 +297,9 @@ def _choose():
                            f"{_MEASURES} measurements): `stepnet info --measure` measures again"
                            if noisy else "")
     result = dict(info, name=name, reason=reason, seconds=seconds)
-    _keep("blas.json", dict(result, key=key))
-    return result
+    kept = _keep("blas.json", dict(result, key=key), first=True)  # (another's, measured at once)
+    return result if kept["name"] == name or kept.get("name") not in found else dict(
+        info, name=kept["name"], reason=kept.get("reason") + " (cached)", seconds=kept["seconds"])
 
 
 def _kept(filename, key):
@@ -311,17 +312,27 @@ def _kept(filename, key):
     return saved if isinstance(saved, dict) and saved.get("key") == key else None
 
 
-def _keep(filename, result):
-    """``result`` (with its key) to ``STEPNET_CACHE_DIR/filename``, whole or
-    not at all; an unwritable cache is measured again next time."""
+def _keep(filename, result, first=False):
+    """``result`` (with its key) to ``STEPNET_CACHE_DIR/filename``, whole or not at all;
+    ``first``: unless another process kept one under its key meanwhile, then what
+    is kept (processes that measured at once share one choice, and a worker)."""
     path = cache_dir() / filename
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, path)
+        try:
+            os.link(tmp, path)  # (only where no file is there)
+        except FileExistsError:
+            kept = _kept(filename, result["key"]) if first else None
+            if kept is not None:
+                return kept
+            os.replace(tmp, path)  # (another key's, or unreadable: replaced)
     except OSError:
-        pass
+        pass  # (an unwritable cache is measured again next time)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
 
 
 def _measured_key(form, choice) -> str:
@@ -429,11 +440,9 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
 
 
 # a size of weights is shared with the helper where its one-row product cut
-# took at most this share of its time alone: a near tie flips with the
-# machine's noise from one measurement to the next, and in a kernel the cut
-# costs more than in the time loop (the lines each core then reads from the
-# other's): a GRU of 128 units over one sequence ran markedly slower shared
-# than alone where the time loop had measured the cut barely faster
+# took at most this share of its time alone: a near tie flips with noise, and
+# a kernel's handoffs cost more than the time loop's (a one-sequence GRU of
+# 128 units ran markedly slower shared where the cut measured barely faster)
 SHARE_WINS = 0.9
 
 

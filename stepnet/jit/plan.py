@@ -9,9 +9,8 @@ calling thread. One group may share its work with the helper thread
 (``threads``): part of its sequences where the kernel cuts them
 (``threads.group_cut``), else part of each step's products where the
 small-product table shares products of their size (``blas``). Where the
-work is cut follows from the plan and the shapes only; whether the helper
-or the calling thread computes the second part is decided at run time (the
-helper may be busy), and changes no bit of the result.
+work is cut follows from the plan and the shapes only; who computes the
+second part (the helper may be busy) changes no bit of the result.
 """
 
 from __future__ import annotations

@@ -18,14 +18,11 @@ sequences: ``group_cut``; a product, by rows or columns: ``blas``) and calls
 it claims it (a compare-exchange: one claimant at a time), posts the second
 part, runs the first and waits for the helper's (a job the helper has not
 started within ``PATIENCE`` cycles it takes back and runs itself, so a
-helper without a core never holds a kernel up); else it runs both parts,
-one after the other (stepnet's own loop, whose columns are computed alike
-in any range, runs the whole product in one call: ``run_parts_or_whole``).
-Where the work is cut depends on its shape only, never on whether the
-helper was free, so a call gives the same bits whoever computes which part
-(another call running beside it, the helper asleep): a library that
-computes a row differently with other rows beside it is cut too. A product
-cut so is judged after it (``judge_sharing``): a class of products whose
+helper without a core never holds a kernel up); else it runs both parts
+(the own loop's product whole: ``run_parts_or_whole``). The cut depends on
+the work's shape only, never on whether the helper was free: a call gives
+the same bits whoever computes which part, with any library. A product cut
+so is judged after it (``judge_sharing``): a class of products whose
 handovers lose more than they win over a window of cycles runs on the
 kernel's thread alone for a while (``sharing_paused``).
 The helper spins (``pause``) while jobs come, yields its core after a while
@@ -359,9 +356,8 @@ def run_jobs(board, own, other, both):
 def run_parts_or_whole(board, own, other, whole):
     """``own`` here and ``other`` on the helper where it is spinning and free
     or woken, as ``run_jobs`` (the cycles waited, or ``RAISED``); else the
-    job ``whole``, the work of both at once, here (-1, or ``RAISED``): only
-    for work whose whole gives the bits of its parts (stepnet's own loop cut
-    by columns), which then runs as one call, not two."""
+    job ``whole``, the work of both at once, here (-1, or ``RAISED``): for
+    work whose whole gives its parts' bits (the own loop cut by columns)."""
     if _claim(board):
         return _post_and_wait(board, own, other)
     return run_here(whole)
@@ -415,11 +411,9 @@ GROUP_ROWS = 16
 def group_cut(board, lengths):
     """Where a run of the sequences of ``lengths`` is cut: ``0:cut`` for the
     calling thread, ``cut:`` for the helper where it is free (``run_jobs``;
-    else both here, one after the other), about half the rows each, where
-    there are two sequences or more and ``GROUP_ROWS`` rows and the board
-    shares; else ``len(lengths)`` (not cut). Never by whether the helper is
-    free: each part's products have the same rows whoever runs it, so their
-    bits are the same."""
+    else both here), about half the rows each, where there are two sequences
+    or more and ``GROUP_ROWS`` rows and the board shares; else
+    ``len(lengths)``. Never by whether the helper is free: the same bits."""
     n = lengths.shape[0]
     if n < 2 or board[SHARES] == 0:
         return n
