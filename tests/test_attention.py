@@ -136,17 +136,18 @@ def test_gradients_against_finite_differences(rng, backend):
 
 
 def test_gradients_against_torch_autograd(rng):
+    # (the sizes and dtype of the finite differences' decoder: its kernels)
     torch = pytest.importorskip("torch")
-    X = _memory(rng, [3, 2], 2)
-    M = _memory(rng, [4, 2], 4)
-    rnn, p = _decoder(rng, X, M, H=4, additive=True)
-    G = rng.standard_normal((X.shape[0], 4)).astype(np.float32)
+    X = _memory(rng, [3, 2], 2).astype(np.float64)
+    M = _memory(rng, [4, 2], 3).astype(np.float64)
+    rnn, p = _decoder(rng, X, M, H=3, additive=True, dtype=np.float64)
+    G = rng.standard_normal((X.shape[0], 3))
     grads = sn.gradients(rnn, wrt=[*p.values(), "M"], grad_outputs=[G], backend="numba")
     t = {n: torch.tensor(v.value, requires_grad=True) for n, v in p.items()}
     mem = torch.tensor(M.data, requires_grad=True)
     outs, offsets = [], M.levels[0]
     for s in range(X.num_sequences):
-        m, h = mem[offsets[s]:offsets[s + 1]], torch.zeros(4)
+        m, h = mem[offsets[s]:offsets[s + 1]], torch.zeros(3, dtype=torch.float64)
         for x in torch.tensor(X.sequence(s)):
             w = torch.softmax(torch.tanh(m + h @ t["Wq"]) @ t["v"], dim=0)
             h = torch.tanh(torch.cat([x, (w * m).sum(0)]) @ t["Wx"] + h @ t["U"])

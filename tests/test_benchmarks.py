@@ -1,5 +1,5 @@
 """The benchmark harness must keep working: a --quick run of stepnet and numpy
-lists every workload, stepnet's final states match the float64 reference, and
+lists its workloads, stepnet's final states match the float64 reference, and
 its W8 and W9 gradients match the float64 gradients, which match PyTorch's
 autograd."""
 
@@ -47,14 +47,25 @@ def _quick_report(tmp_path, *options):
     return report
 
 
-def test_quick_run_lists_every_workload_and_stepnet_is_accurate(tmp_path):
+# every kind of row of the report: a layer, a DSL cell and an ONNX session
+# (W1), a nested net (W6), gradients (W8, W9), a peer that cannot run one (W9);
+# the other workloads' kernels (about a minute of compiles) under -m slow
+DEFAULT_WORKLOADS = ["W1 gru-std", "W6 nested", "W8 gru-train", "W9 custom-train"]
+
+
+@pytest.mark.parametrize("workloads", [
+    DEFAULT_WORKLOADS, pytest.param(WORKLOADS, marks=pytest.mark.slow)], ids=["some", "all"])
+def test_quick_run_lists_its_workloads_and_stepnet_is_accurate(tmp_path, workloads):
     # (the compile probe, which compiles stepnet's helpers into an empty
     # cache: test_the_compile_probe_times_a_cold_and_a_warm_first_call)
-    report = _quick_report(tmp_path, "--peers", "stepnet,numpy", "--no-compile")
+    chosen = ",".join(wl.split()[0] for wl in workloads)
+    report = _quick_report(tmp_path, "--peers", "stepnet,numpy", "--no-compile",
+                           "--workloads", chosen)
     header = next(line for line in report.splitlines() if line.startswith("| workload"))
     assert "max\\|dh\\|" in header
     rows = _rows(report)
-    for wl in WORKLOADS:
+    assert {r[0] for r in rows if " " in r[0]} == set(workloads), report  # (and no other)
+    for wl in workloads:
         stepnet = [r for r in rows if r[0] == wl and r[1].startswith("stepnet")]
         assert stepnet, f"{wl}: no stepnet row in\n{report}"
         r = stepnet[0]

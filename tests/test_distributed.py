@@ -350,16 +350,13 @@ def test_cli_run_on_a_local_cluster_and_shards(tmp_path):
            "--input", str(shards), "--output", str(out_dir), "--cluster", "local:2", "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rows/s" in done.stdout
+    assert "rows/s" in done.stdout and "on 2 Dask worker(s) (local:2)" in done.stdout
     for name, outputs in expected.items():
         with np.load(out_dir / name) as npz:
             for key, value in outputs.items():
                 data = value.data if isinstance(value, sn.LoDTensor) else value
                 assert_close(npz[key], data, what=f"{name} {key}")
-    done = subprocess.run(cmd[:5] + ["--cluster", "local:2", "--sequences", "6", "-q"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "on 2 Dask worker(s)" in done.stdout
+    # (random inputs on a cluster: test_cli_run_on_a_scheduler_address)
 
 
 def test_cli_run_on_a_scheduler_address(client):

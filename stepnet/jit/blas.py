@@ -732,7 +732,9 @@ def pack(b, max_rows, call_rows, small_rows, board):
         # one row a product (``_one_row_wide``): b as one panel of all its
         # columns, starting on a cache line
         whole = aligned_empty(k * n, b).reshape((1, k, n))
-        whole[0] = b
+        for i in range(k):  # (a loop: Numba's slice assignment compiles its error message)
+            for j in range(n):
+                whole[0, i, j] = b[i, j]
         return library, b, rows, board, whole, own_board
     if rows > 0 and call_rows >= PANEL_MIN_ROWS:
         return library, b, rows, board, panels(b), own_board
@@ -899,7 +901,9 @@ def _own_product_for(a, b, out, board):
                 out_c = np.empty((m, out.shape[1]), out.dtype)
                 call((a_c.ctypes.data, m, k, out.shape[1], b_c.ctypes.data, ld, panel,
                       out_c.ctypes.data, board.ctypes.data))
-                out[:m] = out_c
+                for i in range(m):
+                    for j in range(out.shape[1]):
+                        out[i, j] = out_c[i, j]
 
     return own_product
 
