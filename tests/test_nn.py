@@ -85,18 +85,19 @@ def assert_matches_oracle(actual, expected, dtype, what):
     assert np.all(err <= bound), f"{what}: max error {worst:.3g} (tolerance {tol})"
 
 
-def check_layer(layer, X, expected, state=None, attention=None, dtype=np.float32):
-    """Run ``layer`` on every backend against ``expected = (Y, h_n, c_n)``,
-    and Numba against the interpreter."""
+def check_layer(layer, X, expected, state=None, attention=None, dtype=np.float32,
+                backends=BACKENDS):
+    """Run ``layer`` on ``backends`` (every one) against ``expected = (Y,
+    h_n, c_n)``, and the others against the interpreter."""
     results = {}
-    for backend in BACKENDS:
+    for backend in backends:
         got = call(layer, X, state, backend=backend, attention=attention)
         for name, a, e in zip(("Y", "h_n", "c_n"), got, expected):
             if e is None:
                 continue
             assert_matches_oracle(a, e, dtype, f"{backend} {name}")
         results[backend] = got
-    for backend in BACKENDS[1:]:
+    for backend in backends[1:]:
         for name, a, e in zip(("Y", "h_n", "c_n"), results[backend], results["interpreter"]):
             if e is not None:
                 assert_close(a, e, what=f"{backend} {name} vs interpreter")
@@ -424,8 +425,20 @@ def test_to_torch_refuses_what_torch_cannot_express():
 ONNX_CLASSES = {"rnn": "RNN", "gru": "GRU", "lstm": "LSTM"}
 
 
-@pytest.mark.parametrize("name", sorted(ONNX_CASES))
-def test_matches_onnxruntime(rng, name):
+# the cases whose layer also runs compiled by default: one per cell kind (the
+# compiled kernels of the other options are judged against the NumPy
+# reference in test_matches_the_numpy_reference, each activation as an op in
+# tests/test_ops.py; what is judged here is the layer read from ONNX's arrays
+# and attributes, on the interpreter), every case compiled under -m slow
+ONNX_COMPILED = ("gru-lbr1-reverse-clip", "lstm-peephole-input_forget-bidirectional",
+                 "rnn-affine-elu-bidirectional")
+
+
+@pytest.mark.parametrize("name, compiled", [
+    *[(name, name in ONNX_COMPILED) for name in sorted(ONNX_CASES)],
+    *[pytest.param(name, True, marks=pytest.mark.slow) for name in sorted(ONNX_CASES)
+      if name not in ONNX_COMPILED]])
+def test_matches_onnxruntime(rng, name, compiled):
     pytest.importorskip("onnxruntime")
     kind, arrays, attrs = onnx_case(rng, name)
     D = arrays["W"].shape[0]
@@ -434,7 +447,8 @@ def test_matches_onnxruntime(rng, name):
     h0, c0 = initial_state(rng, kind, D, len(LENGTHS), 5, np.float32)
     ys, h_n, c_n = ref.run_onnx_layers(kind, [arrays | attrs], sequences(X), h0, c0)
     expected = (as_lod(ys, LENGTHS, np.float32, D * 5), h_n, c_n)
-    check_layer(layer, X, expected, state=(h0, c0) if kind == "lstm" else h0)
+    check_layer(layer, X, expected, state=(h0, c0) if kind == "lstm" else h0,
+                backends=BACKENDS if compiled else BACKENDS[:1])
 
 
 @pytest.mark.parametrize("name", ["gru-lbr0-bidirectional",
