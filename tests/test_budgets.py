@@ -22,7 +22,7 @@ CPU_ENGINE_LINES = 3500
 # over budget today: their line counts may only go down
 MODULES_OVER = {
     "stepnet/dsl.py": 1081,
-    "stepnet/jit/blas.py": 1448,
+    "stepnet/jit/blas.py": 1445,
     "stepnet/jit/numba_cpu.py": 2164,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 997,
@@ -44,7 +44,7 @@ FUNCTIONS_OVER = {
     "stepnet/torch.py:LayerModule.forward": 87,
     "stepnet/pullback.py:gradients": 83,
 }
-CPU_ENGINE_NOW = 6304
+CPU_ENGINE_NOW = 6303
 
 # a figure of a measurement: a time with decimals, a rate, a speed-up
 _MEASUREMENT = re.compile(r"\d+\.\d+ ?(ms|us|µs)\b|\d+(\.\d+)? ?(GFLOP/s|GB/s|Gflops)"

@@ -701,9 +701,7 @@ def own_rows(small_rows, k, n):
 
 
 # a call whose per-step products by some weights take this many rows in all
-# (its sequences' items) reads them from ``panels``, which each product reads
-# faster, for the price of one copy of the weights (a stream's call of a few
-# frames copies nothing)
+# reads them from ``panels`` (faster), for one copy of the weights
 PANEL_MIN_ROWS = 128
 
 
@@ -731,11 +729,11 @@ def pack(b, max_rows, call_rows, small_rows, board):
     if rows == 1 and b.itemsize == 4 and n >= _WIDE_ACCUMULATORS and call_rows >= PANEL_MIN_ROWS:
         # one row a product (``_one_row_wide``): b as one panel of all its
         # columns, starting on a cache line
-        whole = aligned_empty(k * n, b).reshape((1, k, n))
-        for i in range(k):  # (a loop: Numba's slice assignment compiles its error message)
+        whole = aligned_empty(k * n, b)
+        for i in range(k):  # (loops: a slice assignment compiles its error message)
             for j in range(n):
-                whole[0, i, j] = b[i, j]
-        return library, b, rows, board, whole, own_board
+                whole[i * n + j] = b[i, j]
+        return library, b, rows, board, whole.reshape((1, k, n)), own_board
     if rows > 0 and call_rows >= PANEL_MIN_ROWS:
         return library, b, rows, board, panels(b), own_board
     return library, b, rows, board, np.zeros((0, k, 32), b.dtype), own_board
@@ -780,11 +778,9 @@ def register_small_gemm(dtype) -> None:
 # A kernel gets a board: threads.BOARD where its run may share products (one
 # group of sequences, more than one thread), else threads.ALONE. On BOARD a
 # product big enough is cut in two where its shape says: stepnet's own loop by
-# columns (computed alike in any range: small_gemm_columns), a library's by
-# rows. The helper takes the second part (a job: atomics.job_of) where it is
-# spinning and free; else the kernel computes both parts, the same calls, so
-# the same bits even from a library whose rows differ by the rows beside them
-# (the own loop, the whole in one call: the same bits too).
+# columns (alike in any range: small_gemm_columns), a library's by rows. The
+# helper takes the second part (a job: atomics.job_of) where it is free; else
+# the kernel computes both parts, the same calls: the same bits, from any library.
 
 # a product whose one row takes this many multiply-adds (weights of this many
 # elements; and at least 64 columns) is cut by columns in stepnet's own loop
@@ -901,9 +897,8 @@ def _own_product_for(a, b, out, board):
                 out_c = np.empty((m, out.shape[1]), out.dtype)
                 call((a_c.ctypes.data, m, k, out.shape[1], b_c.ctypes.data, ld, panel,
                       out_c.ctypes.data, board.ctypes.data))
-                for i in range(m):
-                    for j in range(out.shape[1]):
-                        out[i, j] = out_c[i, j]
+                for i in np.ndindex(out_c.shape):  # (a loop, as in pack)
+                    out[i] = out_c[i]
 
     return own_product
 
