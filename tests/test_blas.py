@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from stepnet.jit import blas, threads
+from stepnet.jit import blas, own_loop, threads
 
 
 def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):
@@ -35,10 +35,10 @@ def test_panels_start_on_a_cache_line(rng):
 
     for k, n in [(1, 5), (3, 40), (128, 384), (7, 33)]:
         b = rng.standard_normal((k, n)).astype(np.float32)
-        assert blas.panels(b).ctypes.data % 64 == 0
+        assert own_loop.panels(b).ctypes.data % 64 == 0
         for size in range(1, 40):
-            assert blas.aligned_empty(size, b).ctypes.data % 64 == 0
-            assert blas.aligned_empty(size, b.astype(np.float64)).ctypes.data % 64 == 0
+            assert own_loop.aligned_empty(size, b).ctypes.data % 64 == 0
+            assert own_loop.aligned_empty(size, b.astype(np.float64)).ctypes.data % 64 == 0
 
 
 def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():
@@ -84,13 +84,13 @@ def test_small_gemm_equals_numpy_on_every_block_shape(rng, dtype):
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         out = np.full((m, n), 7, dtype)
-        blas.small_gemm(a, b, out)
+        own_loop.small_gemm(a, b, out)
         np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
     a = rng.standard_normal((6, 8)).astype(dtype)
     b = rng.standard_normal((8, 70)).astype(dtype)
     a[1, 3], a[4, 0] = np.nan, np.inf
     out = np.empty((6, 70), dtype)
-    blas.small_gemm(a, b, out)
+    own_loop.small_gemm(a, b, out)
     with np.errstate(invalid="ignore"):
         expected = a @ b
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
@@ -109,13 +109,13 @@ def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         whole = np.empty((m, n), dtype)
-        blas.small_gemm(a, b, whole)
+        own_loop.small_gemm(a, b, whole)
         for i in range(m):
             alone = np.empty((1, n), dtype)
-            blas.small_gemm(a[i:i + 1], b, alone)
+            own_loop.small_gemm(a[i:i + 1], b, alone)
             np.testing.assert_array_equal(whole[i], alone[0], err_msg=(m, k, n, i))
         tail = np.empty((m - 2, n), dtype)
-        blas.small_gemm(np.ascontiguousarray(a[2:]), b, tail)
+        own_loop.small_gemm(np.ascontiguousarray(a[2:]), b, tail)
         np.testing.assert_array_equal(whole[2:], tail)
 
 
@@ -212,12 +212,12 @@ def test_each_block_of_the_own_loop_reads_its_columns_of_the_panels(monkeypatch,
     columns it computes (``_block_start``; here on the host whatever its
     registers: the arithmetic of the offsets, not the vectors)."""
 
-    monkeypatch.setattr(blas, "_COLS", cols)
-    start = blas._block_start.py_func
+    monkeypatch.setattr(own_loop, "_COLS", cols)
+    start = own_loop._block_start.py_func
     k = 2
     for n in range(cols, 200):
         b = np.arange(k * n, dtype=np.float32).reshape(k, n)
-        flat = blas.panels(b).reshape(-1)
+        flat = own_loop.panels(b).reshape(-1)
         for lo in range(0, n - cols + 1, 32):
             for hi in sorted({n} | set(range(lo + 32, n, 32))):
                 if hi - lo < cols:
@@ -243,17 +243,17 @@ def test_the_own_loop_is_sized_to_the_registers_of_the_cpu_numba_compiles_for(mo
 
     host = llvm_binding.get_host_cpu_features().get("avx512f", False)
     if not (numba_config.CPU_NAME or numba_config.CPU_FEATURES):
-        assert blas.vector_registers() == ((64, 32) if host else (32, 16))
-    assert blas._COLS == 2 * blas.vector_registers()[0] // 4
+        assert own_loop.vector_registers() == ((64, 32) if host else (32, 16))
+    assert own_loop._COLS == 2 * own_loop.vector_registers()[0] // 4
     for name, expected in [("haswell", (32, 16)), ("znver3", (32, 16)),
                            ("skylake-avx512", (64, 32)), ("znver5", (64, 32))]:
         monkeypatch.setattr(numba_config, "CPU_FEATURES", None)
         monkeypatch.setattr(numba_config, "CPU_NAME", name)
-        assert blas.vector_registers() == expected, name
+        assert own_loop.vector_registers() == expected, name
     monkeypatch.setattr(numba_config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
-    assert blas.vector_registers() == (32, 16)
+    assert own_loop.vector_registers() == (32, 16)
     monkeypatch.setattr(numba_config, "CPU_FEATURES", "+avx2,+avx512f")
-    assert blas.vector_registers() == (64, 32)
+    assert own_loop.vector_registers() == (64, 32)
 
 
 def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
@@ -277,12 +277,12 @@ def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
     for k, n in [(128, 384), (64, 400), (256, 1024), (7, 769), (1, 383)]:
         a = rng.standard_normal((1, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
-        p = blas.panels(b)
+        p = own_loop.panels(b)
         whole = np.empty((1, n), np.float32)
-        blas._own_columns(a, p.reshape(-1), 32, 32 * k, whole, 0, n)
+        own_loop._own_columns(a, p.reshape(-1), 32, 32 * k, whole, 0, n)
         prepared = blas.pack(b, 1, blas.PANEL_MIN_ROWS, one_row, threads.ALONE)
         rows_of_b = prepared[4]
-        wide = n >= blas._WIDE_ACCUMULATORS
+        wide = n >= own_loop._WIDE_ACCUMULATORS
         assert rows_of_b.shape == ((1, k, n) if wide else (-(-n // 32), k, 32)), (k, n)
         assert rows_of_b.ctypes.data % 64 == 0
         got = np.full((1, n), np.nan, np.float32)
@@ -290,7 +290,7 @@ def test_one_row_on_the_weights_rows_equals_the_panels_bit_for_bit(rng):
         np.testing.assert_array_equal(got, whole, err_msg=(k, n))
         for lo, hi in [(0, n), (32, n), (0, 32 * (n // 64)), (n - 32 * (n // 32), n)]:
             part = np.full((1, n), np.nan, np.float32)
-            blas._own_columns(a, b.reshape(-1), n, 0, part, lo, hi)
+            own_loop._own_columns(a, b.reshape(-1), n, 0, part, lo, hi)
             np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(k, n, lo, hi))
             assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
     # float64, or an own loop of two rows: panels
@@ -362,15 +362,15 @@ def test_the_own_loop_on_panels_equals_it_on_the_weights_bit_for_bit(rng, dtype)
                     (7, 0, 40), (33, 128, 1024)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
-        p = blas.panels(b)
+        p = own_loop.panels(b)
         assert p.shape == (max(1, -(-n // 32)), k, 32)
         whole = np.empty((m, n), dtype)
-        blas.small_gemm(a, b, whole)
+        own_loop.small_gemm(a, b, whole)
         np.testing.assert_allclose(whole, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
         ld, panel = 32, 32 * k
         for lo, hi in [(0, n)] + ([(32, n), (0, 32 * (n // 64))] if n >= 64 else []):
             part = np.full((m, n), np.nan, dtype)
-            blas._own_columns(a, p.reshape(-1), ld, panel, part, lo, hi)
+            own_loop._own_columns(a, p.reshape(-1), ld, panel, part, lo, hi)
             np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(m, k, n, lo))
             assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
         for board in (threads.ALONE, threads.board_for_one_group()):

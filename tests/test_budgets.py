@@ -22,7 +22,7 @@ CPU_ENGINE_LINES = 3500
 # over budget today: their line counts may only go down
 MODULES_OVER = {
     "stepnet/dsl.py": 1081,
-    "stepnet/jit/blas.py": 1445,
+    "stepnet/jit/blas.py": 1064,
     "stepnet/jit/numba_cpu.py": 2164,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 997,
@@ -32,7 +32,7 @@ MODULES_OVER = {
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
-    "stepnet/jit/blas.py:_own_columns": 131,
+    "stepnet/jit/own_loop.py:_own_columns": 131,
     "stepnet/interpreter.py:run_rnn": 123,
     "stepnet/dsl.py:RNNOp.add_memory": 122,
     "stepnet/onnx/export_graph.py:emit_rnn": 120,

@@ -19,7 +19,7 @@ from numba import njit
 import stepnet as sn
 from conftest import assert_close
 from nets import nested_encoder
-from stepnet.jit import ahead, atomics, blas, numba_cpu, threads
+from stepnet.jit import ahead, atomics, blas, numba_cpu, own_loop, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
@@ -94,11 +94,11 @@ def test_small_gemm_columns_equal_the_whole_product_bit_for_bit(rng):
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         whole = np.empty((m, n), np.float32)
-        blas.small_gemm(a, b, whole)
+        own_loop.small_gemm(a, b, whole)
         for lo, hi in [(0, 32), (32, n), (n - 32, n), ((n // 2 + 16) // 32 * 32, n),
                        (0, (n // 2 + 16) // 32 * 32), (7, 7 + 32)]:
             part = np.full((m, n), np.nan, np.float32)
-            blas.small_gemm_columns(a, b, part, lo, hi)
+            own_loop.small_gemm_columns(a, b, part, lo, hi)
             np.testing.assert_array_equal(part[:, lo:hi], whole[:, lo:hi], err_msg=(m, k, n, lo))
             assert np.isnan(part[:, :lo]).all() and np.isnan(part[:, hi:]).all()
 
@@ -164,7 +164,7 @@ def _helper_never_comes(rng):
     a = rng.standard_normal((1, 128)).astype(np.float32)
     w = rng.standard_normal((128, 384)).astype(np.float32)
     whole = np.empty((1, 384), np.float32)
-    blas.small_gemm(a, w, whole)
+    own_loop.small_gemm(a, w, whole)
     return board, a, w, whole
 
 

@@ -510,7 +510,7 @@ def test_stepnet_loops_are_vectorized_with_the_widest_vectors(rng):
     the generated kernels and the own loop call it."""
     import llvmlite.binding as llvm_binding
 
-    from stepnet.jit import atomics, blas
+    from stepnet.jit import atomics, own_loop
 
     def scale(x, y):
         for i in range(x.shape[0]):
@@ -533,7 +533,7 @@ def test_stepnet_loops_are_vectorized_with_the_widest_vectors(rng):
     assert attribute not in plain.inspect_llvm(plain.signatures[0])
     if llvm_binding.get_host_cpu_features().get("avx512f"):
         assert "zmm" in wide.inspect_asm(wide.signatures[0])
-    own = numba.njit(blas._own_columns.py_func)  # (compiled here, not read from the cache)
+    own = numba.njit(own_loop._own_columns.py_func)  # (compiled here, not read from the cache)
     b = rng.standard_normal((8, 64)).astype(np.float32)
     out = np.empty((6, 64), np.float32)
     own(b[:6, :8], b.reshape(b.size), 64, 0, out, 0, 64)

@@ -4,7 +4,7 @@ loop: the choice (:mod:`stepnet.jit.blas_choice`) and what the engine
 
 from __future__ import annotations
 
-from . import blas, blas_choice
+from . import blas, blas_choice, own_loop
 from .blas_choice import EVERY_PRODUCT
 
 
@@ -29,9 +29,9 @@ def describe() -> str:
                            f"{'' if shares else ' (not shared with the helper)'}"
                            for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
-    size, count = blas.vector_registers()
-    lines.append(f"  stepnet's own loop: blocks of {blas._BLOCK_ROWS} rows x {blas._COLS} columns, "
-                 f"one row x {blas._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
+    size, count = own_loop.vector_registers()
+    lines.append(f"  stepnet's own loop: blocks of {own_loop._BLOCK_ROWS} rows x {own_loop._COLS} columns, "
+                 f"one row x {own_loop._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
                  f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
     blas._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
