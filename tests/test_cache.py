@@ -69,6 +69,8 @@ def test_build_settings_give_separate_helper_caches(monkeypatch):
     """Deterministic mode and the library chosen each have helpers of their
     own; the library asked for by name does not: asked for or measured,
     the same library calls the same code."""
+    from stepnet.jit import blas  # noqa: F401  (the engine started, run alone too)
+
     plain = cache.build_key()
     started = sn.config._started  # (the settings this process's engine started with)
     monkeypatch.setitem(started, "deterministic", not started["deterministic"])

@@ -100,8 +100,15 @@ def _helper_sources():
 
 @functools.cache
 def _helpers_stamp():
-    """The modification times and sizes of the helper sources (read once)."""
-    return tuple((p.name, p.stat().st_mtime, p.stat().st_size) for p in _helper_sources())
+    """A hash of the helper sources' names and contents (read once): every
+    copy of the same sources has the same stamp and shares their compiled
+    code (a checkout and its installed copy, as the tests' processes run
+    both; by modification times each copy's process found the other's
+    stale and compiled every helper again over it)."""
+    digest = hashlib.sha256()
+    for path in _helper_sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
