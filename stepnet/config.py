@@ -120,7 +120,8 @@ FLAGS = (
          "`blas.json` (the BLAS measurements), `small_products.json` and "
          "`transposed_products.json` (the product measurements). Also the compile worker's lock, "
          "socket and status (`compile_worker.*`): one worker per directory; the compile worker "
-         "of the tiered backend gets the same directory."),
+         "of the tiered backend gets the same directory. Copies of the same stepnet (a checkout "
+         "and its installed copy, two environments) share what they compiled there."),
     Flag("tiered", "STEPNET_TIERED", "on (`1`)", _switch(True), "use",
          "`0`: a new kernel's first call waits for its compilation. Otherwise a kernel that no "
          "process has compiled on this machine answers its first calls on the NumPy "
