@@ -85,10 +85,7 @@ def helpers_fingerprint() -> str:
     """A hash of the helper sources the generated kernels call: a kernel cached
     on disk embeds their compiled code, so a changed helper (a new stepnet)
     must give the kernel a new key."""
-    digest = hashlib.sha256(build_key().encode())
-    for path in _helper_sources():
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return hashlib.sha256((build_key() + _helpers_stamp()).encode()).hexdigest()[:16]
 
 
 def _helper_sources():
@@ -100,15 +97,11 @@ def _helper_sources():
 
 @functools.cache
 def _helpers_stamp():
-    """A hash of the helper sources' names and contents (read once): every
-    copy of the same sources has the same stamp and shares their compiled
-    code (a checkout and its installed copy, as the tests' processes run
-    both; by modification times each copy's process found the other's
-    stale and compiled every helper again over it)."""
-    digest = hashlib.sha256()
-    for path in _helper_sources():
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
+    """A hash of the helper sources (read once): copies of the same sources
+    share their compiled code (by modification times, each copy recompiled
+    every helper over the other's)."""
+    return hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes()
+                                   for p in _helper_sources())).hexdigest()
 
 
 class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
