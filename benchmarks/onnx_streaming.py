@@ -175,7 +175,7 @@ def worker(family, directory, calls, rounds, threads):
     counter, kernels = None, lambda: 0
     if family == "stepnet":
         from stepnet.backends import _module
-        from stepnet.jit.numba_cpu import _MODULES
+        from stepnet.jit.loading import _MODULES
 
         def kernels():  # the functions of stepnet's generated modules compiled so far
             return sum(len(getattr(m, f).signatures) for m in list(_MODULES.values())

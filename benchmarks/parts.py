@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 import peers  # noqa: E402
 import workloads  # noqa: E402
-from stepnet.jit import numba_cpu, threads  # noqa: E402
+from stepnet.jit import loading, numba_cpu, threads  # noqa: E402
 
 # a part: the calls left out (the first name of each line's call)
 PARTS = {
@@ -107,7 +107,7 @@ def main(argv=None):
             modules[name] = importlib.util.module_from_spec(spec)
             sys.modules[path.stem] = modules[name]
             spec.loader.exec_module(modules[name])
-            numba_cpu.link_helpers(modules[name])
+            loading.link_helpers(modules[name])
         times = {name: [] for name in modules}
         for _ in range(args.rounds):  # (the variants in turn: a slow phase hits them alike)
             for name, mod in modules.items():

@@ -163,7 +163,7 @@ class Pullback:
         results = [values[id(v)] for v in layout.values]
         inputs = values
         if on_numpy and capabilities.host_code:  # the compiled calls' weight gradients:
-            from .jit.numba_cpu import prepare_weight_gradients  # compiled meanwhile
+            from .jit.loading import prepare_weight_gradients  # compiled meanwhile
 
             for dtype in {np.asarray(getattr(r, "data", r)).dtype for r in results}:
                 prepare_weight_gradients(dtype)

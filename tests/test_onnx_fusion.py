@@ -11,7 +11,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from conftest import cache_with_helpers  # noqa: E402
-from stepnet.jit import numba_cpu  # noqa: E402
+from stepnet.jit import loading  # noqa: E402
 from stepnet.onnx import InferenceSession  # noqa: E402
 from stepnet.onnx import fusion  # noqa: E402
 from stepnet.onnx.fusion import FusedNode  # noqa: E402
@@ -160,9 +160,9 @@ def test_small_values_run_node_by_node_and_a_larger_batch_finds_the_loop_made(rn
     assert session.graph.fused and not _fused_nodes(session)
     for unfused, got in zip(first, third):
         np.testing.assert_array_equal(got, unfused)
-    modules = len(numba_cpu._MODULES)
+    modules = len(loading._MODULES)
     _runs(session, {"x": rng.standard_normal((4, 6, 100)).astype(np.float32)})
-    assert len(_fused_nodes(session)) == 1 and len(numba_cpu._MODULES) == modules
+    assert len(_fused_nodes(session)) == 1 and len(loading._MODULES) == modules
 
 
 def test_an_input_of_another_dtype_or_rank_runs_node_by_node(rng):
@@ -211,7 +211,7 @@ def test_a_new_kernel_compiles_in_the_worker_while_the_nodes_run(rng, tmp_path, 
     assert node._answered.wait(120), "the compile worker did not answer"
     assert not node.ready  # (the next call loads what the worker compiled)
     (got,) = session.run(None, {"x": x})
-    assert node.ready and numba_cpu.ready_marker(node._key).exists()
+    assert node.ready and loading.ready_marker(node._key).exists()
     _close(got, np.tanh(x * x + np.arange(32)))
 
 

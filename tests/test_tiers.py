@@ -16,7 +16,7 @@ import pytest
 
 import stepnet as sn
 from conftest import assert_close, cache_with_helpers
-from stepnet.jit import compile_worker, numba_cpu
+from stepnet.jit import blas, compile_worker, loading
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
     compiled = rnn.compile("numba")
     first = rnn()
     run = compiled._runner(True)
-    assert isinstance(run, numba_cpu.TieredProgram)
+    assert isinstance(run, loading.TieredProgram)
     # the first call answered on the interpreter: the same numbers exactly
     assert not run.ready
     np.testing.assert_array_equal(first.data, reference.data)
@@ -63,7 +63,7 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
     after = rnn()
     assert_close(after, reference)
     assert run.numba_program.module.program.signatures, "the kernel did not run"
-    assert numba_cpu.ready_marker(run.numba_program.key).exists()
+    assert loading.ready_marker(run.numba_program.key).exists()
 
 
 def test_a_training_step_answers_before_its_kernels_and_agrees_after(rng, tiered):
@@ -86,7 +86,7 @@ def test_a_first_training_step_has_the_worker_prepare_the_weight_gradients(rng, 
     (``blas.prepare_transposed_products``), so that the first compiled
     backward does not compile it on the caller's thread."""
     (tiered / "transposed_products.json").unlink(missing_ok=True)
-    monkeypatch.setattr(numba_cpu, "_PREPARED", set())
+    monkeypatch.setattr(loading, "_PREPARED", set())
     answers = {}
     send = compile_worker.Client.send
 
@@ -107,7 +107,7 @@ def test_a_first_training_step_has_the_worker_prepare_the_weight_gradients(rng, 
     assert (tiered / "transposed_products.json").exists()
     # asked for once per cache directory and dtype
     sn.gradients(rnn, wrt=list(params), grad_outputs=[np.ones((X.data.shape[0], 9))])
-    assert numba_cpu._PREPARED == {(tiered, "float64")}
+    assert loading._PREPARED == {(tiered, "float64")}
 
 
 def test_a_kernel_compiled_before_is_not_tiered_in_a_new_process(rng, tiered):
@@ -118,7 +118,6 @@ def test_a_kernel_compiled_before_is_not_tiered_in_a_new_process(rng, tiered):
         import numpy as np, sys
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_tiers import _net
-        from stepnet.jit import numba_cpu
         rnn, X, _ = _net(np.random.default_rng(1234), 4, 9)
         rnn()
         print(type(rnn.compile("numba")._runner(True)).__name__)
@@ -147,14 +146,14 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
         import os
         os.environ["STEPNET_TIERED"] = "1"  # (conftest, imported above, turns it off)
         import stepnet as sn
-        from stepnet.jit import blas, numba_cpu
-        answered, release = numba_cpu.TieredProgram._answered, threading.Event()
+        from stepnet.jit import blas, loading
+        answered, release = loading.TieredProgram._answered, threading.Event()
 
         def held(self, error):  # (on the thread reading the worker's answers)
             release.wait(300)
             answered(self, error)
 
-        numba_cpu.TieredProgram._answered = held
+        loading.TieredProgram._answered = held
         rnn, X, params = _net(np.random.default_rng(5), 7, 12)
         rnn()
         run = rnn.compile("numba")._runner(True)
@@ -179,7 +178,7 @@ def test_a_worker_that_fails_leaves_the_compile_to_the_next_call(rng, tiered, mo
         def submit(self, kernel, signature, callback):
             callback("the worker failed")
 
-    monkeypatch.setattr(numba_cpu, "compile_worker", lambda: Broken())
+    monkeypatch.setattr(loading, "compile_worker", lambda: Broken())
     rnn, X, _ = _net(rng, 3, 7)
     reference = rnn(backend="interpreter")
     first = rnn()  # the worker answered at once: this call already compiles here
@@ -190,12 +189,12 @@ def test_a_worker_that_fails_leaves_the_compile_to_the_next_call(rng, tiered, mo
 
 def test_deterministic_runs_are_never_tiered(monkeypatch):
     monkeypatch.setenv("STEPNET_TIERED", "1")
-    monkeypatch.setattr(numba_cpu.blas, "DETERMINISTIC", True)
-    assert not numba_cpu.tiered()
-    monkeypatch.setattr(numba_cpu.blas, "DETERMINISTIC", False)
-    assert numba_cpu.tiered()
+    monkeypatch.setattr(blas, "DETERMINISTIC", True)
+    assert not loading.tiered()
+    monkeypatch.setattr(blas, "DETERMINISTIC", False)
+    assert loading.tiered()
     monkeypatch.setenv("STEPNET_TIERED", "0")
-    assert not numba_cpu.tiered()
+    assert not loading.tiered()
 
 
 # ----------------------------------------------------------------------------
@@ -303,14 +302,14 @@ needs_unix = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
 def test_one_worker_per_cache_directory_below_its_callers_priority(rng, tiered):
     rnn, X, _ = _net(rng, 5, 7)
     rnn()  # a new kernel: asked of the worker
-    pid = numba_cpu.compile_worker().pid(timeout=300)
+    pid = loading.compile_worker().pid(timeout=300)
     assert _alive(pid)
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + compile_worker.NICENESS)
     # another process using the same cache directory asks the same worker
     out = subprocess.run(
-        [sys.executable, "-c", "from stepnet.jit import numba_cpu; "
-                               "print(numba_cpu.compile_worker().pid(timeout=300))"],
+        [sys.executable, "-c", "from stepnet.jit import loading; "
+                               "print(loading.compile_worker().pid(timeout=300))"],
         capture_output=True, text=True, env=dict(os.environ), cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) == pid
@@ -328,7 +327,7 @@ def test_one_worker_per_cache_directory_below_its_callers_priority(rng, tiered):
     # (this process's client of the ended worker can take a moment to see
     # its connection end: then the next worker serves it)
     deadline = time.monotonic() + 60
-    while numba_cpu.compile_worker().pid(timeout=300) in (pid, None):
+    while loading.compile_worker().pid(timeout=300) in (pid, None):
         assert time.monotonic() < deadline, "no next worker"
         time.sleep(0.2)
 
@@ -339,7 +338,7 @@ def test_info_lists_what_the_worker_compiles(rng, tiered):
 
     rnn, X, _ = _net(rng, 4, 13)
     rnn()
-    pid = numba_cpu.compile_worker().pid(timeout=300)
+    pid = loading.compile_worker().pid(timeout=300)
     deadline = time.monotonic() + 300
     while not (compile_worker.status(tiered) or {}).get("compiling"):
         assert time.monotonic() < deadline, "the worker never said it was compiling"

@@ -3,7 +3,7 @@ new kernels into the disk cache for every stepnet process using that
 directory (``python -m stepnet.jit.compile_worker``).
 
 While a new kernel compiles there, the process that asked for it answers on
-the NumPy interpreter (numba_cpu.TieredProgram); a process of its own keeps
+the NumPy interpreter (loading.TieredProgram); a process of its own keeps
 the compile from taking the interpreter's share of the GIL, and one for the
 whole directory keeps several programs from compiling at once on a machine
 that has few cores, or twice the same kernel.
@@ -97,7 +97,8 @@ def status(root) -> dict | None:
 
 
 def compile_kernel(request) -> None:
-    from stepnet.jit import blas, cache, numba_cpu  # (numba_cpu also sets LLVM's vectorizer limits)
+    from stepnet.jit import blas, cache, loading, numba_cpu  # noqa: F401  (numba_cpu sets LLVM's
+    # vectorizer limits)
 
     if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this worker uses {blas.SIGNATURE}, the kernel {request['blas']}")
@@ -112,11 +113,11 @@ def compile_kernel(request) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    numba_cpu.link_helpers(module)
+    loading.link_helpers(module)
     function = getattr(module, request.get("function", "program"))
     function.compile(pickle.loads(base64.b64decode(request["signature"])))
     blas.small_rows_table()  # measured here, not in the first compiled call, where it is new
-    try:  # the mark numba_cpu looks for: a later process loads the kernel at once
+    try:  # the mark loading.ready_marker names: a later process loads the kernel at once
         Path(path).with_suffix(".ready").touch()
     except OSError:
         pass

@@ -45,7 +45,6 @@ step-net (stepnet.autodiff).
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import os
 import re
@@ -57,6 +56,7 @@ from ..config import config
 from ..errors import BackendError, LoDError, UnsupportedError
 from ..lod import LoDTensor
 from .. import registry
+from . import loading
 
 try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
     from numba import cuda
@@ -520,22 +520,15 @@ def _broadcast_index(out_shape, shape) -> str:
 # running
 
 
-_MODULES = {}  # source hash -> the exec'd module namespace (kernels compile on first launch)
-
-
 def compile_program(program: ir.Program):
     if not available():
         raise BackendError(f"backend 'cuda' is not available on this machine: {why_unavailable()}")
     kernels = _Kernels(program)
     source = kernels.source()
-    key = hashlib.sha1(source.encode()).hexdigest()
-    if key not in _MODULES:
-        namespace = {"__name__": f"stepnet_cuda_{key[:12]}"}
-        exec(compile(source, f"<stepnet cuda {key[:12]}>", "exec"), namespace)  # noqa: S102
-        _MODULES[key] = namespace
     if config.debug:
         print(source, file=sys.stderr)
-    run = _Run(program, kernels, _MODULES[key])
+    # (its kernels compile at their first launch)
+    run = _Run(program, kernels, vars(loading.load_source(source)))
     run.source = source
     run.schedule = kernels.schedule
     return run

@@ -29,7 +29,7 @@ writes only the values that later nodes, or the graph's outputs, read.
 - The kernel's source names no sizes, so a new batch size or length reuses
   it. It is compiled once, for arrays of any layout, and kept in
   ``STEPNET_CACHE_DIR`` like the step-net kernels; where it is new to the
-  machine it compiles in the compile worker (``numba_cpu.tiered``) while the
+  machine it compiles in the compile worker (``loading.tiered``) while the
   nodes run one by one. A loop that does not compile leaves its nodes to run
   one by one, with a RuntimeWarning.
 - Not under ``STEPNET_DETERMINISTIC=1`` (see :func:`fuse`).
@@ -115,7 +115,7 @@ class FusedNode:
     kind, fast, captures = "fused", None, []
 
     def __init__(self, nodes, inputs, outputs, shape, dtype, order, source, ranks):
-        from ..jit import numba_cpu
+        from ..jit import loading
 
         self.nodes, self.inputs, self.outputs, self.ranks = nodes, inputs, outputs, ranks
         self.op = "+".join(node.op for node in nodes)
@@ -124,18 +124,18 @@ class FusedNode:
         self.memory_shape = tuple(shape[a] for a in order)
         unorder = tuple(int(a) for a in np.argsort(order))
         self.unorder = None if unorder == tuple(range(len(order))) else unorder
-        module = numba_cpu.load_source(source)
+        module = loading.load_source(source)
         self.kernel, self.ready, self._failed = module.fused, False, False
         # one signature for arrays of any layout (inputs may be read-only constants)
         element = from_dtype(dtype)
         self._signature = (types.int64[::1],
                            *[types.Array(element, len(shape), "A")] * len(outputs),
                            *[types.Array(element, rank, "A", readonly=True) for rank in ranks])
-        key = self._key = numba_cpu.kernel_key(source)
+        key = self._key = loading.kernel_key(source)
         self._answered = threading.Event()  # (a failed worker's kernel compiles here)
-        if numba_cpu.tiered() and not numba_cpu.ready_marker(key).exists():
+        if loading.tiered() and not loading.ready_marker(key).exists():
             try:
-                numba_cpu.compile_worker().submit(
+                loading.compile_worker().submit(
                     SimpleNamespace(key=key, module=module), self._signature,
                     lambda error: self._answered.set(), function="fused")
             except OSError:  # no worker: compile at the next call
@@ -210,9 +210,9 @@ class FusedNode:
                               f"{self.ctx.node!r} did not compile ({type(exc).__name__}: {exc}); "
                               "they run one by one", RuntimeWarning, stacklevel=2)
                 return False
-        from ..jit import numba_cpu
+        from ..jit import loading
 
-        numba_cpu.mark_ready(self._key)
+        loading.mark_ready(self._key)
         # called without Numba's dispatch (a microsecond or two a call): the
         # one signature takes arrays of any layout; run() checks dtype, rank
         # and alignment

@@ -1,0 +1,174 @@
+"""How compiled kernels are found, loaded and tiered, for every backend and
+the ONNX fused loops: a kernel's key (a hash of its source and of the
+helpers it calls), its module loaded once per process from its file under
+``STEPNET_CACHE_DIR``, the mark that it is compiled into Numba's disk cache,
+the process's compile worker, and the tier that answers on the NumPy
+interpreter while a new kernel compiles (:class:`TieredProgram`,
+``sn.config.tiered``)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import threading
+
+import numpy as np
+
+from .. import interpreter
+from ..config import config
+from . import compile_worker as compile_worker_module
+from .cache import cache_dir, helpers_fingerprint
+
+_MODULES = {}
+
+
+def kernel_key(source: str) -> str:
+    # the key covers what a cached kernel embeds besides its own source: the
+    # helpers it calls and the settings they were built with (cache.py)
+    return hashlib.sha256((source + helpers_fingerprint()).encode()).hexdigest()[:24]
+
+
+def ready_marker(key: str):
+    """The file saying that a kernel was compiled into the disk cache."""
+    return cache_dir() / f"stepnet_kernel_{key}.ready"
+
+
+def mark_ready(key: str) -> None:
+    """Say that kernel ``key`` is in the disk cache (``ready_marker``)."""
+    try:
+        ready_marker(key).touch()
+    except OSError:  # a read-only or removed cache directory: the next process compiles
+        pass
+
+
+def link_helpers(module) -> None:
+    """Give LLVM the symbols a generated ``module``'s kernels call: small_gemm's
+    C entry for each dtype of its products (``blas.register_small_gemm``:
+    compiled, or loaded from the disk cache, once per process). Before its
+    program() is compiled or loaded, not when the module is loaded: a tiered
+    first call answers on the interpreter without waiting for that compile,
+    which the compile worker does (and caches) with the kernel's."""
+    from . import blas  # (here: the CUDA backend loads its kernels without a CPU BLAS)
+
+    for name in getattr(module, "SMALL_GEMM_DTYPES", ()):
+        blas.register_small_gemm(name)
+
+
+def load_source(source: str):
+    """The module of generated ``source``, loaded once per process from its
+    file in ``STEPNET_CACHE_DIR`` (named by a hash of it, beside Numba's disk
+    cache of its compiled functions)."""
+    key = kernel_key(source)
+    if key in _MODULES:
+        return _MODULES[key]
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"stepnet_kernel_{key}.py"
+    if not path.exists() or path.read_bytes() != source.encode():  # new, or not ours
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    name = f"stepnet_kernel_{key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _MODULES[key] = module
+    return module
+
+
+class TieredProgram:
+    """A program whose kernel no process has compiled on this machine, in two
+    tiers: calls run on the NumPy interpreter while the compile worker (a
+    process of its own, :mod:`stepnet.jit.compile_worker`) compiles the kernel
+    into the disk cache for the argument types of the first call; the first
+    call after that loads it, and every call from then on runs the kernel.
+    ``wait()`` blocks until then. If the worker fails, the kernel compiles in
+    this process at the next call, and its errors are raised there."""
+
+    def __init__(self, kernel):
+        self.numba_program = kernel
+        self.program = kernel.program
+        self.source = kernel.source
+        self.schedule = kernel.schedule
+        self._interpreted = interpreter.compile_program(kernel.program)
+        self._signature = None
+        self._compiled = threading.Event()  # set when the worker has answered
+        self.worker_error = None  # what the worker said went wrong (the kernel then compiles here)
+        self._done = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether calls now run the compiled kernel."""
+        return self._done
+
+    def __call__(self, args, consts):
+        if not self._done:
+            if self._signature is None:
+                self._signature = self.numba_program.signature(args, consts)
+                try:
+                    compile_worker().submit(self.numba_program, self._signature, self._answered)
+                except OSError as exc:  # no worker: compile here
+                    self._answered(f"the compile worker did not start: {exc}")
+            if not self._compiled.is_set():
+                return self._interpreted(args, consts)
+            self._finish()
+        return self.numba_program(args, consts)
+
+    def _answered(self, error):
+        self.worker_error = error
+        self._compiled.set()
+
+    def _finish(self):
+        """Load the kernel the worker compiled (or compile it here)."""
+        self.numba_program.compile(self._signature)
+        self._done = True
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the kernel runs (``timeout`` seconds at most for the
+        worker); whether it does."""
+        if not self._done and self._signature is not None and self._compiled.wait(timeout):
+            self._finish()
+        return self._done
+
+
+def compile_worker():
+    """The compile worker of this process's cache directory (started on first
+    use; one per directory for every process: :mod:`stepnet.jit.compile_worker`)."""
+    return compile_worker_module.worker(cache_dir())
+
+
+_PREPARED = set()  # (cache directory, dtype) whose weight gradients' product was asked for
+
+
+def prepare_weight_gradients(dtype) -> None:
+    """Have the compile worker measure and compile the weight gradients'
+    product for ``dtype`` (``blas.prepare_transposed_products``), once per
+    cache directory: a backward's first calls, on the interpreter, sum its
+    weight gradients on NumPy; its first compiled call then finds the
+    product in the disk cache, instead of compiling it (1-2 s) on the
+    caller's thread."""
+    from . import blas
+
+    name = np.dtype(dtype).name
+    if (cache_dir(), name) in _PREPARED or name not in ("float32", "float64"):
+        return
+    _PREPARED.add((cache_dir(), name))
+    try:
+        compile_worker().send({"key": f"transposed products {name}",
+                               "function": "transposed_products", "dtype": name,
+                               "blas": blas.SIGNATURE}, lambda error: None)
+    except OSError:  # no worker: the first compiled call compiles it
+        pass
+
+
+def tiered() -> bool:
+    """Whether a new kernel answers on the interpreter while it compiles:
+    ``STEPNET_TIERED`` (``0`` waits for the compiled kernel; on by default).
+    Never under ``STEPNET_DETERMINISTIC=1``, whose results must not depend on
+    which tier ran."""
+    from . import blas
+
+    return config.tiered and not blas.DETERMINISTIC
