@@ -24,8 +24,8 @@ def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):
     assert blas.shares_with_helper(table[:2], 500)
     for (k, n), shares in [((5, 10), True), ((10, 64), False), ((40, 64), True)]:
         prepared = blas.pack(rng.standard_normal((k, n)).astype(np.float32), 4, 1000, table, board)
-        assert prepared[3][threads.SHARES] == 1
-        assert prepared[5][threads.SHARES] == int(shares)
+        assert prepared[3][threads.SHARES] == threads.EVERY
+        assert prepared[5][threads.SHARES] == (threads.EVERY if shares else 0)
         assert (prepared[5] == board).all() if shares else not prepared[5].any()
 
 

@@ -135,7 +135,7 @@ def test_a_library_product_is_cut_by_rows_by_its_shape_only():
     board that shares, whatever the helper's state and whatever the
     library; never on ALONE, nor under 16 rows."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     for state in (threads.ABSENT, threads.IDLE, threads.RUNNING):
         board[threads.STATE] = state
         assert blas._row_cut(200, 64, 256, board) == 100
@@ -159,7 +159,7 @@ def _helper_never_comes(rng):
     columns), and their product computed whole."""
     blas.register_small_gemm(np.float32)
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     board[threads.STATE] = threads.IDLE
     a = rng.standard_normal((1, 128)).astype(np.float32)
     w = rng.standard_normal((128, 384)).astype(np.float32)
@@ -413,7 +413,7 @@ def test_a_product_whose_helper_is_busy_runs_both_parts_here():
     they run too (a helper that never comes: posted, taken back after
     ``PATIENCE``). ``run_both_here`` runs both here, whatever the board."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     for state in (threads.ABSENT, threads.CLAIMED, threads.POSTED, threads.RUNNING, threads.DONE):
         board[threads.STATE] = state
         out = np.zeros(2)
@@ -444,7 +444,7 @@ def test_a_product_whose_helper_is_busy_runs_whole_here():
     two parts run (a helper that never comes: posted, taken back after
     ``PATIENCE``) and not the whole."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     for state in (threads.ABSENT, threads.CLAIMED, threads.POSTED, threads.RUNNING, threads.DONE):
         board[threads.STATE] = state
         out = np.zeros(3)
@@ -474,7 +474,7 @@ def test_a_kernel_holds_the_helper_awake_through_its_first_work():
     (a training step's backward right after its forward cut nothing and ran
     on one core)."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     board[threads.STATE] = threads.WAKING
     start = _now()
     threads.hold_helper(board)
@@ -508,7 +508,7 @@ def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
     woken helper back to sleep."""
     out_a, out_b = np.zeros(1), np.zeros(1)
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     board[threads.STATE] = threads.WAKING
     assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 2
     assert _two_jobs(board, 1.0, 2.0, out_a, out_b, True) >= 0  # (posted, then taken back)
@@ -557,7 +557,7 @@ def test_a_job_posted_ahead_is_done_by_the_helper_or_taken_back(rng):
     assert _posted_then_finished(threads.ALONE, 1.0, out) == (False, 0)
     assert out[0] == 0.0  # (not posted: the caller runs it)
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = 1
+    board[threads.SHARES] = threads.EVERY
     board[threads.STATE] = threads.IDLE
     assert _posted_then_finished(board, 2.0, out) == (True, 0)
     assert out[0] == 2.0 and board[threads.TAKEN_BACK] == 1
@@ -585,7 +585,7 @@ def test_a_one_sequence_runs_its_input_products_a_chunk_ahead_on_the_helper(rng,
     layer = sn.nn.GRU(16, 96, direction=direction, seed=4)
     source = layer.step_net(0, 0).compile("numba").source
     assert "gemm_steps_ahead(" in source
-    assert re.search(r"ahead_posts = wp\w+\[5\]\[SHARES\] == 0", source)
+    assert re.search(r"ahead_posts = wp\w+\[5\]\[SHARES\] & COLUMNS == 0", source)
     expected = layer(X, backend="interpreter")
     first = layer(X, backend="numba")
     assert_close(first, expected)
@@ -615,7 +615,7 @@ def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
     sstart, slen = np.zeros(1, np.int64), np.array([40])
     for posts in (False, True):
         board = np.zeros_like(threads.BOARD)
-        board[threads.SHARES] = 1
+        board[threads.SHARES] = threads.EVERY
         board[threads.STATE] = threads.IDLE
         prepared = blas.pack(w, 16, 40, blas.small_rows_table(), board)
         buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]

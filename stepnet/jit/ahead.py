@@ -51,7 +51,7 @@ def _gemm_steps_ahead(left, col, sstart, slen, row_step, step, chunk, nb, revers
         apart.call_apart(blas.gemm_steps, (left, col, sstart, slen, row_step, step, chunk, nb,
                                            reverse, gathered, prepared, out))
     state[0] = 0
-    if posts and step + chunk < slen[0] and board[threads.SHARES] != 0:
+    if posts and step + chunk < slen[0] and board[threads.SHARES] & threads.AHEAD != 0:
         # into the buffers that are the caller's ahead ones after its swap
         next_gathered = gathered if swap else gathered_ahead
         next_out = out if swap else out_ahead

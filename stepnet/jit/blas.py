@@ -457,7 +457,7 @@ def _own_shared(a, w, ld, panel, out, board):
     wide_vectors()
     m, k = a.shape
     n = out.shape[1]
-    if board[threads.SHARES] == 0 or k * n < SHARE_OWN_WORK or n < 64:
+    if board[threads.SHARES] & threads.COLUMNS == 0 or k * n < SHARE_OWN_WORK or n < 64:
         _own_columns(a, w, ld, panel, out, np.int64(0), n)  # (the types of the parts' jobs:
         return  # one compile)
     # whole blocks of 32 on each side: half, moved by the blocks the balance
@@ -526,7 +526,7 @@ def _own_product_for(a, b, out, board):
 def _row_cut(m, k, n, board):
     """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
     (0: not cut)."""
-    if board[threads.SHARES] == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
+    if board[threads.SHARES] & threads.ROWS == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
         return 0
     return m // 2
 

@@ -1,10 +1,7 @@
-"""How compiled kernels are found, loaded and tiered, for every backend and
-the ONNX fused loops: a kernel's key (a hash of its source and of the
-helpers it calls), its module loaded once per process from its file under
-``STEPNET_CACHE_DIR``, the mark that it is compiled into Numba's disk cache,
-the process's compile worker, and the tier that answers on the NumPy
-interpreter while a new kernel compiles (:class:`TieredProgram`,
-``sn.config.tiered``)."""
+"""Kernels found, loaded and tiered (every backend, the ONNX fused loops): a
+kernel's key, its module loaded once per process from ``STEPNET_CACHE_DIR``,
+the mark that it is compiled, the compile worker, and the interpreter's tier
+while a new kernel compiles (:class:`TieredProgram`, ``sn.config.tiered``)."""
 
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ def generate_source(program: ir.Program):
         "from stepnet.jit.ahead import AHEAD_WORDS, gemm_steps_ahead",
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.blas import gemm_own",
-        "from stepnet.jit.threads import RAISED, SHARES",
+        "from stepnet.jit.threads import COLUMNS, RAISED, SHARES",
         *runtime_imports(),
         "",
         "# small_gemm's C entries the kernels call (link_helpers)",
@@ -552,7 +552,7 @@ def _ahead_posts(module):
     helper, only where no per-step product shares with it (the two take
     turns on the helper, and W3's kernel ran slower with both than with
     either alone)."""
-    alone = " and ".join(f"{packed}[5][SHARES] == 0" for packed in module.packed.values())
+    alone = " and ".join(f"{packed}[5][SHARES] & COLUMNS == 0" for packed in module.packed.values())
     return f"ahead_posts = {alone or 'True'}"
 
 

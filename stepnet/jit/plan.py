@@ -75,7 +75,7 @@ def _one_group(kernel, rows, width, sequences, count):
     count = count or threads.count()
     if count < 2:
         return count, "one thread"
-    if count == 2 and kernel.cuts_sequences and threads.SPINS:
+    if count == 2 and kernel.cuts_sequences and threads.SPINS and threads.BOARD[threads.SHARES] & threads.CUT:
         return count, "the kernel cuts its sequences with the helper"
     return count, None
 

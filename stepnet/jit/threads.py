@@ -106,8 +106,8 @@ def run_apart(fn, items, work):
 
 # -- the helper ------------------------------------------------------------------
 
-# a board's slots: the helper's state, the jobs it has run, whether kernels
-# given the board share their work, the jobs posted that their claimant took
+# a board's slots: the helper's state, the jobs it has run, what kernels given
+# the board share (bits, below), the jobs posted that their claimant took
 # back and ran (see ``run_jobs``), the blocks of columns of stepnet's own loop
 # the kernels keep beyond half (blas: balanced by how long they wait), the
 # job (from JOB: the address of its C function, then of its record:
@@ -144,13 +144,16 @@ def _board():
     return raw[start:start + BOARD_SIZE]
 
 
+# SHARES's bits (ALONE: none): a group's sequences cut (group_cut), the own
+# loop's products by columns, a library's by rows, the chunk ahead (``ahead``),
+# losing classes paused (``sharing_paused``); benchmarks/mechanisms.py clears each
+CUT, COLUMNS, ROWS, AHEAD, PAUSING = 1, 2, 4, 8, 16
+EVERY = CUT | COLUMNS | ROWS | AHEAD | PAUSING
 BOARD = _board()
-BOARD[SHARES] = 1
-# the board of a kernel that shares nothing (its run takes every thread
-# already, or would not use the helper)
+BOARD[SHARES] = EVERY
+# a board that shares nothing (a run on every thread, or no use for the helper)
 ALONE = _board()
-# cycles the helper spins after its last job (under a millisecond at usual
-# clock rates)
+# cycles the helper spins after its last job (under a millisecond)
 HELPER_LINGER = 1 << 21
 # cycles a kernel given the board holds the helper awake from its start
 # (a few milliseconds): the work a kernel does before its first handover (its
@@ -222,7 +225,7 @@ def sharing_paused(board, c, now):
     """Whether products of class ``c`` (``work_class``) run whole on the
     calling thread at cycle ``now``, the class having lost too many
     handovers lately (``judge_sharing``)."""
-    return now < board[PAUSED_UNTIL + c]
+    return board[SHARES] & PAUSING != 0 and now < board[PAUSED_UNTIL + c]
 
 
 @njit(inline="always")
@@ -415,7 +418,7 @@ def group_cut(board, lengths):
     or more and ``GROUP_ROWS`` rows and the board shares; else
     ``len(lengths)``. Never by whether the helper is free: the same bits."""
     n = lengths.shape[0]
-    if n < 2 or board[SHARES] == 0:
+    if n < 2 or board[SHARES] & CUT == 0:
         return n
     total = 0
     for length in lengths:
