@@ -255,7 +255,9 @@ class CompiledStepNet:
     def explain(self, output_all_steps=True, **inputs):
         """Print, and return, the parallel plan of a call on ``inputs``: which
         top-level sequences run on which thread, and what the helper thread
-        may take (:mod:`stepnet.jit.plan`). Nothing runs.
+        may take (:mod:`stepnet.jit.plan`); then the kernel's plan, what its
+        code does beyond the schedule (:mod:`stepnet.jit.kernel_plan`).
+        Nothing runs.
 
         Parameters
         ----------
@@ -285,6 +287,7 @@ class CompiledStepNet:
 
         found = kernel.plan(args, threads.count()).check()
         print(found)
+        print(kernel.kernel_plan)
         return found
 
     def __call__(self, output_all_steps=True, scopes=None, **inputs):

@@ -49,7 +49,6 @@ import collections
 import ctypes
 import dataclasses
 import os
-import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ from ..config import config
 from ..errors import LoDError, UnsupportedError
 from ..lod import LoDTensor
 from . import apart, blas, numba_runtime, plan, threads
+from .kernel_plan import KernelPlan, kernel_plan, read_operands
 from .loading import TieredProgram, kernel_key, link_helpers, load_source, mark_ready, ready_marker, tiered
 
 LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
@@ -147,6 +147,7 @@ class _Module:
 
     def __init__(self):
         self.counter = 0
+        self.plan = None  # the kernel's KernelPlan (kernel_plan)
         self.literals = {}  # (repr, dtype) -> name of a module-level constant
         self.module_consts = []  # lines defining them
         self.functions = []  # lines of each rnn function
@@ -230,7 +231,9 @@ def generate_source(program: ir.Program):
     """The generated module's source and a _Layout of its program() function."""
     sched = schedule.schedule(program)
     module, values = _Module(), {}
-    params, top_inputs = _program_inputs(module, program, values)
+    module.plan = kernel_plan(program, sched)
+    consts = list(module.plan.consts)
+    params, top_inputs = _program_inputs(module, program, values, consts)
     _outputs_over_rows(module, program, values)
     _hoist(_Ctx(module, values, "hoist", module.prologue), sched, chunked=True)
     seqs = ir.rnn_parts(program.eqn)[0]
@@ -277,11 +280,7 @@ def generate_source(program: ir.Program):
         "",
     ]
     src += module.module_consts + [""]
-    n = len(program.consts)
-    unused = _unused_consts(params[:n], module, body)
-    functions = [[_without_args(line, unused) for line in fn] for fn in module.functions]
-    body = [_without_args(line, unused) for line in body]
-    for fn in functions:
+    for fn in module.functions:
         src += fn + [""]
     src.append(_DECORATOR)
     # the consts its code reads, then weights concatenated by the caller for
@@ -290,43 +289,16 @@ def generate_source(program: ir.Program):
     # (``ROWS_IN_ORDER``), the inputs, and the output buffers the caller gives,
     # in the order of the outputs
     given = set(module.given_outputs)
-    consts = [v for v, ident in zip(program.consts, params) if ident not in unused]
-    params = ([p for p in params[:n] if p not in unused] + list(module.concatenated)
-              + ["small_rows", "board", "row_step"] + params[n:]
+    n = len(consts)
+    params = (params[:n] + list(module.concatenated) + ["small_rows", "board", "row_step"] + params[n:]
               + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in [_WIDE_VECTORS] + body]
     layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
                      sorted(module.same_lod), module.largest_weights,
-                     module.cuts_sequences and not module.runs_uncut)
+                     module.cuts_sequences and not module.runs_uncut, module.plan)
     return "\n".join(src) + "\n", layout
-
-
-_RNN_CALL = re.compile(r"\s*(?:def |(?:\w+ = )?(?:job|call)_apart\()?rnn_\d+(\(|, \()")
-
-
-def _unused_consts(idents, module, body):
-    """The constants (by ident) that no generated line reads: a weight whose
-    products all read the weights joined by columns, say. Every rnn function
-    takes every constant by name, so its ``def``, its calls and its jobs do
-    not count."""
-    lines = [line for fn in module.functions for line in fn] + body
-    text = "\n".join(line for line in lines if not _RNN_CALL.match(line))
-    read = set(re.findall(r"\b[A-Za-z_]\w*\b", text))
-    return {ident for ident in idents if ident not in read}
-
-
-def _without_args(line, unused):
-    """An rnn function's ``def``, call (``call_apart(rnn_N, (...))``) or job
-    (``job_apart(rnn_N, (...))``) line without the ``unused`` arguments."""
-    match = _RNN_CALL.match(line)
-    if not unused or not match:
-        return line
-    head, args = line[:match.end()], line[match.end():]
-    end = args.rindex(")" if match.group(1) == "(" else "))")
-    kept = [a for a in args[:end].split(", ") if a not in unused]
-    return f"{head}{', '.join(kept)}{args[end:]}"
 
 
 @dataclass
@@ -342,18 +314,21 @@ class _Layout:
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
     largest_weights: int  # elements of the largest weights of a product (0: none)
     cuts_sequences: bool  # program() cuts the sequences of each of its nets with the helper
+    plan: KernelPlan  # what was decided before the code was written
 
 
-def _program_inputs(module, program, values):
-    """program()'s parameters: constants, then each input (a ragged one as its
-    data and levels); their infos go to ``values``."""
+def _program_inputs(module, program, values, consts):
+    """program()'s parameters: the constants its code reads (``consts``; one
+    that only products read joined to others is not passed), then each input
+    (a ragged one as its data and levels); their infos go to ``values``."""
     params = []
     for v in program.consts:
         ident = module.fresh("c")
         module.const_vars[ident] = v
         values[v] = _Info("const", ident, v)
-        params.append(ident)
-        module.gargs.append(ident)
+        if v in consts:
+            params.append(ident)
+            module.gargs.append(ident)
     statics = ir.rnn_parts(program.eqn)[1]
     top_inputs = []
     for v in program.inputs:
@@ -405,12 +380,12 @@ def _hoist(ctx, sched, chunked=False):
     of the nested bodies whose sequences are known (once per body).
     ``chunked``: the net runs once over all of its sequences (the top level,
     or a nested net that reads nothing of the enclosing step): its products
-    of ``_chunked_products`` run by chunks of steps in its rnn function."""
+    of ``KernelPlan.chunked`` run by chunks of steps in its rnn function."""
     body = sched.body
     if body in ctx.module.hoisted_bodies:
         return
     ctx.module.hoisted_bodies.add(body)
-    chunk_stages = _chunked_products(sched) if chunked else frozenset()
+    chunk_stages = ctx.module.plan.chunked.get(sched, frozenset()) if chunked else frozenset()
     seqs = ir.rnn_parts(sched.eqn)[0]
     for step_var, outer in zip(body.step_inputs, seqs):
         oi = ctx.values[outer]
@@ -428,7 +403,7 @@ def _hoist(ctx, sched, chunked=False):
     for stage in sched.const:
         if stage.outputs[0] not in ctx.values:
             _emit_op(ctx.at("const"), stage.eqns[0])
-    split = _split_products(sched)
+    split = ctx.module.plan.split[sched]
     for stage in sched.hoisted:
         if stage in split.values():  # a concat only a split product read
             continue
@@ -444,14 +419,10 @@ def _hoist(ctx, sched, chunked=False):
             _hoist(ctx, sched.nested[stage.eqns[0]])
 
 
-# rows of a product run by chunks of steps (``_chunked_products``): a
+# rows of a product run by chunks of steps (``KernelPlan.chunked``): a
 # chunk is this many rows of the group's sequences' steps (or one step of
 # more sequences)
 _CHUNK_ROWS = 128
-# products of fewer columns stay before the loop: their results over every
-# token (under 1 KB a token in float32) are a fraction of those the chunks
-# are for, and the chunks' code adds to each kernel's compile time
-_CHUNK_MIN_COLUMNS = 256
 
 
 @dataclass(frozen=True)
@@ -470,43 +441,9 @@ class _Chunk:
     gathered: str
 
 
-def _chunked_products(sched):
-    """A net's hoisted products (``x @ W`` over every token) of
-    ``_CHUNK_MIN_COLUMNS`` columns or more that only its step's elementwise
-    runs read, where its step values are dense. The rnn function computes
-    them per chunk of steps for its own sequences (about ``_CHUNK_ROWS``
-    rows at a time), just before the steps that read them: the results are
-    read back from the cache, where every token's results, computed before
-    the time loop, would be written to memory and read back from it (20-26
-    MB for a GRU or an LSTM of 256 units over 6400 tokens; 11 MB for W6's
-    words)."""
-    body = sched.body
-    if (sched.eqn.attrs.get("ragged_memories") or any(v.lod_depth for v in body.step_inputs)
-            or any(v.lod_depth for v in body.static_inputs)):
-        return frozenset()
-    read_elsewhere = set(body.outputs) | {m.post for m in body.memories}
-    for section, stage in sched.stages():
-        if section != "step" or stage.kind != "elementwise":
-            for e in stage.eqns:
-                read_elsewhere.update(_every_operand(e))
-    return frozenset(stage for stage in sched.hoisted
-                     if stage.kind == "gemm"
-                     and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
-                     and not read_elsewhere.intersection(stage.outputs))
-
-
-def _every_operand(e):
-    """The Vars ``e`` reads, those of a nested rnn's body included."""
-    found = [v for v in e.inputs if isinstance(v, ir.Var)]
-    if e.op == "rnn":
-        for inner in e.attrs["body"].eqns:
-            found += _every_operand(inner)
-    return found
-
-
 def _defer_product(ctx, stage, body):
     """Record the product ``stage`` for the rnn function of ``body``, which
-    computes it per chunk of steps (``_chunked_products``); its weights are
+    computes it per chunk of steps (``KernelPlan.chunked``); its weights are
     packed once here, in the prologue."""
     module = ctx.module
     dtype = np.dtype(stage.eqns[0].outputs[0].dtype).name
@@ -578,35 +515,6 @@ def _chunk_products(chunks, reverse, ahead):
                   f"        {c.ring}, {ring} = {ring}, {c.ring}",
                   f"        {c.gathered}, {gathered} = {gathered}, {c.gathered}"]
     return lines
-
-
-def _split_products(sched):
-    """``{gemm stage: concat stage}`` for hoisted products ``concat(a_1, ...,
-    a_n; axis=1) @ concat(W_1, ..., W_n; axis=0)`` (autodiff's merged input
-    gradient) whose concat nothing else reads: they run as ``sum a_i @ W_i``,
-    without copying every token's ``a_i`` into one array first."""
-    if blas.DETERMINISTIC:  # the summation order is part of the result
-        return {}
-    concats = {s.outputs[0]: s for s in sched.hoisted
-               if s.kind == "shape" and s.eqns[0].op == "concat" and s.eqns[0].attrs["axis"] == 1}
-    weights = {s.outputs[0]: s.eqns[0] for s in sched.const
-               if s.eqns[0].op == "concat" and s.eqns[0].attrs["axis"] == 0}
-    body = sched.body
-    uses = collections.Counter(v for e in body.eqns for v in e.inputs if isinstance(v, ir.Var))
-    uses.update(v for v in body.outputs if isinstance(v, ir.Var))
-    uses.update(m.post for m in body.memories)
-    split = {}
-    for stage in sched.hoisted:
-        if stage.kind != "gemm" or stage.merged or stage.left not in concats:
-            continue
-        concat, joined = concats[stage.left], weights.get(stage.eqns[0].inputs[1])
-        if (joined is None or uses[stage.left] != 1
-                or len(joined.inputs) != len(concat.eqns[0].inputs)
-                or any(not isinstance(v, ir.Var) or v.shape[-1] != w.shape[0]
-                       for v, w in zip(concat.eqns[0].inputs, joined.inputs))):
-            continue
-        split[stage] = concat
-    return split
 
 
 def _render_split_gemm(ctx, stage, concat):
@@ -1292,13 +1200,13 @@ def _step_body(fctx, sched, last_params, chunks=(), ahead=False):
         if p is None and not res.lod_depth:  # one value may be several outputs
             fctx.fn.direct.setdefault(res, []).append(fctx.values[out].data)
     sctx = fctx.at("step", step)
-    for mem in _updated_in_place(sched):  # the run computing its new value writes it there
+    for mem in fctx.module.plan.in_place[sched]:  # the run computing its new value writes it there
         fctx.fn.in_place.add(mem.post)
         fctx.fn.direct.setdefault(mem.post, []).append(fctx.values[mem.pre])
-    epilogues = _reduction_epilogues(sched)
+    epilogues = fctx.module.plan.epilogues[sched]
     folded = {r for rs in epilogues.values() for r in rs}
     fctx.fn.unbuffered.update(_unbuffered(sched, last_params))
-    concats = _concats_in_place(sched)
+    concats = fctx.module.plan.concats[sched]
     for stage in concats:
         out = stage.outputs[0]
         buffer, offset = _new_array(sctx, out), 0
@@ -1316,30 +1224,6 @@ def _step_body(fctx, sched, last_params, chunks=(), ahead=False):
     return step
 
 
-def _updated_in_place(sched):
-    """The ragged memories (gradient accumulators) whose new value one fused
-    run computes from the old value at the same element, where nothing else
-    reads either: the run writes it over the old value (no copy per step)."""
-    body = sched.body
-    readers = collections.defaultdict(set)
-    for stage in sched.step:
-        for e in stage.eqns:
-            for v in e.inputs:
-                readers[v].add(stage)
-    out = []
-    for k, mem in enumerate(body.memories):
-        run = next((s for s in sched.step if mem.post in s.outputs), None)
-        as_outputs = [(flag, m) for v, flag, m in zip(body.outputs, sched.eqn.attrs["all_steps"],
-                                                      sched.eqn.attrs["output_memory"])
-                      if v is mem.post]
-        if (mem.pre.lod_depth and run is not None and run.kind == "elementwise"
-                and readers[mem.pre] <= {run} and not readers[mem.post]
-                and all(not flag and m == k for flag, m in as_outputs)
-                and sum(m.post is mem.post for m in body.memories) == 1):
-            out.append(mem)
-    return out
-
-
 def _unbuffered(sched, last_params):
     """The all-steps outputs computed by a fused run that no other stage of a
     step reads but fused runs (which read them back at the entry's row): the
@@ -1351,73 +1235,12 @@ def _unbuffered(sched, last_params):
         return set()
     run_of = {v: s for s in sched.step for v in s.outputs}
     read_elsewhere = {v for s in sched.step if s.kind != "elementwise" for e in s.eqns
-                      for v in _read_operands(e) if run_of.get(v) is not s}
+                      for v in read_operands(e) if run_of.get(v) is not s}
     read_elsewhere.update(m.post for m in body.memories)
     read_elsewhere.update(res for res, p in zip(body.outputs, last_params) if p is not None)
     return {res for res, p in zip(body.outputs, last_params)
             if p is None and not res.lod_depth and res not in read_elsewhere
             and res in run_of and run_of[res].kind == "elementwise"}
-
-
-def _concats_in_place(sched):
-    """The step's concats along the last axis of values ``[B, n]`` computed
-    by fused runs (no memory's new value among them): each run stores its
-    part straight into the part's column block of the concat's buffer, and
-    the concat copies nothing."""
-    run_of = {v: s for s in sched.step for v in s.outputs}
-    posts = {m.post for m in sched.body.memories}
-    found, placed = [], set()
-    for stage in sched.step:
-        e = stage.eqns[0]
-        if stage.kind != "shape" or e.op != "concat":
-            continue
-        out, parts = e.outputs[0], e.inputs
-        if (len(out.shape) != 2 or out.shape[0] is not None or out.lod_depth
-                or e.attrs["axis"] not in (1, -1) or len(set(parts)) != len(parts)):
-            continue
-        if all(isinstance(v, ir.Var) and not v.lod_depth and v not in posts
-               and v not in placed and run_of.get(v) is not None
-               and run_of[v].kind == "elementwise" for v in parts):
-            found.append(stage)
-            placed.update(parts)
-    return found
-
-
-def _reduction_epilogues(sched):
-    """``{elementwise stage: [reduction stages]}``: each a segment op
-    (seq_sum, seq_max) or a sum over the last axis of a value of that run that
-    nothing else reads. The run folds the value into the reduction's result
-    in its own loop (the reduction runs early: its result is ready before its
-    own place), and the value is never stored. A last-axis sum accumulates in
-    a register around the innermost loop (an element of memory updated at
-    every iteration would keep the loop from vectorizing)."""
-    body = sched.body
-    uses = collections.Counter(v for e in body.eqns for v in _read_operands(e))
-    uses.update(body.outputs)
-    uses.update(m.post for m in body.memories)
-    run_of = {v: stage for stage in sched.step if stage.kind == "elementwise"
-              for v in stage.outputs}
-    fused = {}
-    for stage in sched.step:
-        e = stage.eqns[0]
-        x = e.inputs[0]
-        row_sum = e.op == "sum" and e.attrs["axis"] % len(x.shape) == len(x.shape) - 1 \
-            and x.shape[-1] is not None
-        if stage.kind != "shape" or not (row_sum or registry.get(e.op).segment is not None):
-            continue
-        if x in run_of and uses[x] == 1:
-            fused.setdefault(run_of[x], []).append(stage)
-    return fused
-
-
-def _read_operands(e):
-    """The operands whose values ``e``'s code reads (``seq_expand`` reads its
-    second operand's LoD only)."""
-    code = None if e.op == "rnn" else registry.get(e.op).numba
-    if isinstance(code, str):
-        return [v for k, v in enumerate(e.inputs)
-                if isinstance(v, ir.Var) and f"{{{k}}}" in code]
-    return [v for v in e.inputs if isinstance(v, ir.Var)]
 
 
 def _write_outputs(fctx, eqn, last_params):
@@ -1504,7 +1327,7 @@ def _update_memories(fctx, sched):
 def _emit_fused(ctx, group, epilogues=()):
     """A run of elementwise ops as one loop; its intermediates stay scalars,
     the materialized ones are stored, all-steps outputs written in place.
-    ``epilogues``: reductions of its values (see _reduction_epilogues),
+    ``epilogues``: reductions of its values (``KernelPlan.epilogues``),
     accumulated in the same loop."""
     shape = group[0].outputs[0].shape
     _, idx = _loop_nest(shape, "step")
@@ -1704,6 +1527,7 @@ class NumbaProgram:
         self.given = layout.given
         self.same_lod = layout.same_lod
         self.largest_weights = layout.largest_weights
+        self.kernel_plan = layout.plan
         body = program.eqn.attrs["body"]
         # program() cuts the sequences of each net it runs (a nested net run
         # before its time loop as well) in two with the helper

@@ -1,0 +1,253 @@
+"""What the Numba backend decides about a kernel before it writes a line of
+it, from the step-net's schedule: a frozen, checked :class:`KernelPlan`
+(``print`` shows it; ``compiled.explain()`` prints it with the call's
+parallel plan). The code generator (:mod:`stepnet.jit.numba_cpu`) renders
+it and decides nothing of it again."""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+from .. import ir, registry
+from . import blas
+
+
+class KernelPlan(NamedTuple):
+    """Per net (its :class:`stepnet.schedule.Schedule`, the top level's and
+    every nested one's), what its code does beyond the schedule."""
+    consts: tuple  # the program's constants the code reads (the others only joined by the caller)
+    chunked: dict  # sched -> its hoisted products run by chunks of steps (top level, independent nets)
+    split: dict  # sched -> {hoisted product: the concat it reads as a sum of products}
+    in_place: dict  # sched -> memories whose new value is written over the old
+    concats: dict  # sched -> step concats whose parts are computed into the concat's buffer
+    epilogues: dict  # sched -> {elementwise run: the reductions it folds its values into}
+
+    def check(self) -> KernelPlan:
+        """The plan, or ``AssertionError`` where it names work its net does
+        not schedule there."""
+        for sched in self.split:
+            hoisted, step = set(sched.hoisted), set(sched.step)
+            assert self.chunked.get(sched, frozenset()) <= hoisted, sched
+            assert all(g in hoisted and c in hoisted for g, c in self.split[sched].items()), sched
+            assert all(m in sched.body.memories for m in self.in_place[sched]), sched
+            assert all(c in step for c in self.concats[sched]), sched
+            assert all(r in step and set(rs) <= step for r, rs in self.epilogues[sched].items()), sched
+        return self
+
+    def __str__(self):
+        def names(vs):
+            return ", ".join(dict.fromkeys(v.name for v in vs)) or "none"
+
+        lines = [f"kernel: constants read: {names(self.consts)}"]
+        for sched in self.split:
+            lines.append(f"net of {names(sched.eqn.outputs)}:")
+            if not (self.chunked.get(sched) or self.split[sched] or self.concats[sched]
+                    or self.epilogues[sched] or self.in_place[sched]):
+                lines.append("  as scheduled")
+            for what, stages in (
+                    ("products by chunks of steps", self.chunked.get(sched, ())),
+                    ("products of a concat as sums", self.split[sched]),
+                    ("concats written in place", self.concats[sched]),
+                    ("runs folding reductions", self.epilogues[sched])):
+                if stages:
+                    lines.append(f"  {what}: " + "; ".join(names(s.outputs) for s in stages))
+            if self.in_place[sched]:
+                lines.append("  memories updated in place: "
+                             + names(m.post for m in self.in_place[sched]))
+        return "\n".join(lines)
+
+
+def kernel_plan(program: ir.Program, sched) -> KernelPlan:
+    """The plan of ``program``'s kernel, ``sched`` its schedule."""
+    chunked, split, in_place, concats, epilogues = {}, {}, {}, {}, {}
+
+    def plan_net(net, once):  # once: the net runs once over all of its sequences
+        if net in split:
+            return
+        if once:
+            chunked[net] = _chunked_products(net)
+        split[net] = _split_products(net)
+        in_place[net] = tuple(_updated_in_place(net))
+        concats[net] = tuple(_concats_in_place(net))
+        epilogues[net] = _reduction_epilogues(net)
+        for section, stage in net.stages():
+            if stage.kind == "rnn":
+                plan_net(net.nested[stage.eqns[0]], section != "step")
+
+    plan_net(sched, True)
+    read = _consts_read(sched, set(program.consts))
+    return KernelPlan(tuple(v for v in program.consts if v in read), chunked, split, in_place,
+                      concats, epilogues).check()
+
+
+def _consts_read(sched, consts):
+    """The program's ``consts`` that its code reads: every one an equation
+    (or a net's output or memory) takes, but the weights of merged products
+    whose weights are all constants (the caller joins those: the products
+    read the joined ones), at every level of nesting."""
+    read = set()
+    for _, stage in sched.stages():
+        joined = stage.merged and all(e.inputs[1] in consts for e in stage.eqns)
+        for e in stage.eqns:
+            read.update(v for v in (e.inputs[:1] if joined else e.inputs) if v in consts)
+            if e.op == "rnn":
+                read |= _consts_read(sched.nested[e], consts)
+    body = sched.body
+    read.update(v for v in (*body.outputs, *(m.post for m in body.memories)) if v in consts)
+    return read
+
+
+# products of fewer columns stay before the loop: their results over every
+# token (under 1 KB a token in float32) are a fraction of those the chunks
+# are for, and the chunks' code adds to each kernel's compile time
+_CHUNK_MIN_COLUMNS = 256
+
+
+def _chunked_products(sched):
+    """A net's hoisted products (``x @ W`` over every token) of
+    ``_CHUNK_MIN_COLUMNS`` columns or more that only its step's elementwise
+    runs read, where its step values are dense. The rnn function computes
+    them per chunk of steps for its own sequences (about ``_CHUNK_ROWS``
+    rows at a time), just before the steps that read them: the results are
+    read back from the cache, where every token's results, computed before
+    the time loop, would be written to memory and read back from it (20-26
+    MB for a GRU or an LSTM of 256 units over 6400 tokens; 11 MB for W6's
+    words)."""
+    body = sched.body
+    if (sched.eqn.attrs.get("ragged_memories") or any(v.lod_depth for v in body.step_inputs)
+            or any(v.lod_depth for v in body.static_inputs)):
+        return frozenset()
+    read_elsewhere = set(body.outputs) | {m.post for m in body.memories}
+    for section, stage in sched.stages():
+        if section != "step" or stage.kind != "elementwise":
+            for e in stage.eqns:
+                read_elsewhere.update(_every_operand(e))
+    return frozenset(stage for stage in sched.hoisted
+                     if stage.kind == "gemm"
+                     and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
+                     and not read_elsewhere.intersection(stage.outputs))
+
+
+def _every_operand(e):
+    """The Vars ``e`` reads, those of a nested rnn's body included."""
+    found = [v for v in e.inputs if isinstance(v, ir.Var)]
+    if e.op == "rnn":
+        for inner in e.attrs["body"].eqns:
+            found += _every_operand(inner)
+    return found
+
+
+def _split_products(sched):
+    """``{gemm stage: concat stage}`` for hoisted products ``concat(a_1, ...,
+    a_n; axis=1) @ concat(W_1, ..., W_n; axis=0)`` (autodiff's merged input
+    gradient) whose concat nothing else reads: they run as ``sum a_i @ W_i``,
+    without copying every token's ``a_i`` into one array first."""
+    if blas.DETERMINISTIC:  # the summation order is part of the result
+        return {}
+    concats = {s.outputs[0]: s for s in sched.hoisted
+               if s.kind == "shape" and s.eqns[0].op == "concat" and s.eqns[0].attrs["axis"] == 1}
+    weights = {s.outputs[0]: s.eqns[0] for s in sched.const
+               if s.eqns[0].op == "concat" and s.eqns[0].attrs["axis"] == 0}
+    body = sched.body
+    uses = collections.Counter(v for e in body.eqns for v in e.inputs if isinstance(v, ir.Var))
+    uses.update(v for v in body.outputs if isinstance(v, ir.Var))
+    uses.update(m.post for m in body.memories)
+    split = {}
+    for stage in sched.hoisted:
+        if stage.kind != "gemm" or stage.merged or stage.left not in concats:
+            continue
+        concat, joined = concats[stage.left], weights.get(stage.eqns[0].inputs[1])
+        if (joined is None or uses[stage.left] != 1
+                or len(joined.inputs) != len(concat.eqns[0].inputs)
+                or any(not isinstance(v, ir.Var) or v.shape[-1] != w.shape[0]
+                       for v, w in zip(concat.eqns[0].inputs, joined.inputs))):
+            continue
+        split[stage] = concat
+    return split
+
+
+def _updated_in_place(sched):
+    """The ragged memories (gradient accumulators) whose new value one fused
+    run computes from the old value at the same element, where nothing else
+    reads either: the run writes it over the old value (no copy per step)."""
+    body = sched.body
+    readers = collections.defaultdict(set)
+    for stage in sched.step:
+        for e in stage.eqns:
+            for v in e.inputs:
+                readers[v].add(stage)
+    out = []
+    for k, mem in enumerate(body.memories):
+        run = next((s for s in sched.step if mem.post in s.outputs), None)
+        as_outputs = [(flag, m) for v, flag, m in zip(body.outputs, sched.eqn.attrs["all_steps"],
+                                                      sched.eqn.attrs["output_memory"])
+                      if v is mem.post]
+        if (mem.pre.lod_depth and run is not None and run.kind == "elementwise"
+                and readers[mem.pre] <= {run} and not readers[mem.post]
+                and all(not flag and m == k for flag, m in as_outputs)
+                and sum(m.post is mem.post for m in body.memories) == 1):
+            out.append(mem)
+    return out
+
+
+def _concats_in_place(sched):
+    """The step's concats along the last axis of values ``[B, n]`` computed
+    by fused runs (no memory's new value among them): each run stores its
+    part straight into the part's column block of the concat's buffer, and
+    the concat copies nothing."""
+    run_of = {v: s for s in sched.step for v in s.outputs}
+    posts = {m.post for m in sched.body.memories}
+    found, placed = [], set()
+    for stage in sched.step:
+        e = stage.eqns[0]
+        if stage.kind != "shape" or e.op != "concat":
+            continue
+        out, parts = e.outputs[0], e.inputs
+        if (len(out.shape) != 2 or out.shape[0] is not None or out.lod_depth
+                or e.attrs["axis"] not in (1, -1) or len(set(parts)) != len(parts)):
+            continue
+        if all(isinstance(v, ir.Var) and not v.lod_depth and v not in posts
+               and v not in placed and run_of.get(v) is not None
+               and run_of[v].kind == "elementwise" for v in parts):
+            found.append(stage)
+            placed.update(parts)
+    return found
+
+
+def _reduction_epilogues(sched):
+    """``{elementwise stage: [reduction stages]}``: each a segment op
+    (seq_sum, seq_max) or a sum over the last axis of a value of that run that
+    nothing else reads. The run folds the value into the reduction's result
+    in its own loop (the reduction runs early: its result is ready before its
+    own place), and the value is never stored. A last-axis sum accumulates in
+    a register around the innermost loop (an element of memory updated at
+    every iteration would keep the loop from vectorizing)."""
+    body = sched.body
+    uses = collections.Counter(v for e in body.eqns for v in read_operands(e))
+    uses.update(body.outputs)
+    uses.update(m.post for m in body.memories)
+    run_of = {v: stage for stage in sched.step if stage.kind == "elementwise"
+              for v in stage.outputs}
+    fused = {}
+    for stage in sched.step:
+        e = stage.eqns[0]
+        x = e.inputs[0]
+        row_sum = e.op == "sum" and e.attrs["axis"] % len(x.shape) == len(x.shape) - 1 \
+            and x.shape[-1] is not None
+        if stage.kind != "shape" or not (row_sum or registry.get(e.op).segment is not None):
+            continue
+        if x in run_of and uses[x] == 1:
+            fused.setdefault(run_of[x], []).append(stage)
+    return fused
+
+
+def read_operands(e):
+    """The operands whose values ``e``'s code reads (``seq_expand`` reads its
+    second operand's LoD only)."""
+    code = None if e.op == "rnn" else registry.get(e.op).numba
+    if isinstance(code, str):
+        return [v for k, v in enumerate(e.inputs)
+                if isinstance(v, ir.Var) and f"{{{k}}}" in code]
+    return [v for v in e.inputs if isinstance(v, ir.Var)]
+
