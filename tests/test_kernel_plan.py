@@ -10,7 +10,7 @@ from stepnet import schedule
 
 pytest.importorskip("numba")
 
-from stepnet.jit import numba_cpu  # noqa: E402
+from stepnet.jit import cpu_codegen  # noqa: E402
 from stepnet.jit.kernel_plan import KernelPlan, kernel_plan  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def test_a_gru_plans_its_input_products_by_chunks_and_reads_the_joined_weights()
     merged_weights = {e.inputs[1] for s in sched.hoisted + sched.step if s.merged for e in s.eqns}
     assert merged_weights and not merged_weights & set(plan.consts)
     assert set(plan.consts) <= set(program.consts)
-    source, layout = numba_cpu.generate_source(program)
+    source, layout = cpu_codegen.generate_source(program)
     assert layout.consts == list(plan.consts)
     assert "products by chunks of steps" in str(plan)
 

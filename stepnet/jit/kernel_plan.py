@@ -1,8 +1,6 @@
-"""What the Numba backend decides about a kernel before it writes a line of
-it, from the step-net's schedule: a frozen, checked :class:`KernelPlan`
-(``print`` shows it; ``compiled.explain()`` prints it with the call's
-parallel plan). The code generator (:mod:`stepnet.jit.numba_cpu`) renders
-it and decides nothing of it again."""
+"""What the Numba backend decides about a kernel, from its schedule, before
+:mod:`stepnet.jit.cpu_codegen` writes it (and decides none of it again): a
+checked :class:`KernelPlan`, which ``compiled.explain()`` prints."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from . import blas
 
 
 class KernelPlan(NamedTuple):
-    """Per net (its :class:`stepnet.schedule.Schedule`, the top level's and
-    every nested one's), what its code does beyond the schedule."""
+    """Per net (its :class:`stepnet.schedule.Schedule`), what its code does beyond it."""
     consts: tuple  # the program's constants the code reads (the others only joined by the caller)
     chunked: dict  # sched -> its hoisted products run by chunks of steps (top level, independent nets)
     split: dict  # sched -> {hoisted product: the concat it reads as a sum of products}
@@ -24,8 +21,7 @@ class KernelPlan(NamedTuple):
     epilogues: dict  # sched -> {elementwise run: the reductions it folds its values into}
 
     def check(self) -> KernelPlan:
-        """The plan, or ``AssertionError`` where it names work its net does
-        not schedule there."""
+        """The plan, or ``AssertionError`` where it names work its net does not schedule."""
         for sched in self.split:
             hoisted, step = set(sched.hoisted), set(sched.step)
             assert self.chunked.get(sched, frozenset()) <= hoisted, sched

@@ -132,8 +132,7 @@ class TieredProgram:
 
 
 def compile_worker():
-    """The compile worker of this process's cache directory (started on first
-    use; one per directory for every process: :mod:`stepnet.jit.compile_worker`)."""
+    """This cache directory's compile worker (:mod:`stepnet.jit.compile_worker`)."""
     return compile_worker_module.worker(cache_dir())
 
 

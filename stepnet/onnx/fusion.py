@@ -228,7 +228,7 @@ class FusedNode:
 def _source(nodes, inputs, outputs, ranks, kinds, ndim, dtype):
     """The kernel ``fused(order, *outputs, *inputs) -> bool``: False (nothing
     written) where an input's shape or innermost stride is not as planned."""
-    from ..jit.numba_cpu import runtime_imports
+    from ..jit.cpu_codegen import runtime_imports
 
     dt, item = f"np.{dtype.name}", dtype.itemsize
     ys = [f"y{k}" for k in range(len(outputs))]
