@@ -713,3 +713,22 @@ def test_one_thread_wakes_no_helper_and_shares_nothing():
     finally:
         numba.set_num_threads(before)
     assert threads.board_for_one_group() is threads.BOARD
+
+
+@needs_helper
+def test_a_board_that_shares_nothing_takes_no_helper():
+    """With no bit of ``threads.SHARES`` set a run's plan takes no helper
+    (none is woken for it); with any bit, a run worth sharing takes it."""
+    from types import SimpleNamespace
+
+    from stepnet.jit import plan
+
+    kernel = SimpleNamespace(largest_weights=1 << 20)
+    assert plan.shares(kernel, 64, 1, count=2)
+    try:
+        threads.BOARD[threads.SHARES] = threads.COLUMNS
+        assert plan.shares(kernel, 64, 1, count=2)
+        threads.BOARD[threads.SHARES] = 0
+        assert not plan.shares(kernel, 64, 1, count=2)
+    finally:
+        threads.BOARD[threads.SHARES] = threads.EVERY

@@ -87,12 +87,12 @@ def splits(kernel, rows, width, sequences, count=None) -> bool:
 
 def shares(kernel, rows, sequences, count=None) -> bool:
     """Whether a run of one group may share its work with the helper: where
-    there is a second thread for it (and spinning is supported), and either
-    the kernel's largest weights are worth sharing a product of, or its
-    sequences are worth cutting (``threads.GROUP_WORK``)."""
+    there is a second thread (and spinning), the board shares something
+    (``threads.SHARES``), and either the kernel's largest weights are worth
+    sharing a product of, or its sequences are worth cutting (``GROUP_WORK``)."""
     worth = kernel.largest_weights >= blas.SHARE_OWN_WORK or (
         sequences >= 2 and rows * kernel.largest_weights >= threads.GROUP_WORK)
-    return worth and threads.SPINS and (count or threads.count()) >= 2
+    return worth and threads.SPINS and threads.BOARD[threads.SHARES] != 0 and (count or threads.count()) >= 2
 
 
 def plan(kernel, sequence, count=None) -> RunPlan:
