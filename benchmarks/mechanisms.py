@@ -1,14 +1,14 @@
 """What each way of running in parallel wins: every workload's first stepnet
 item timed with every mechanism on and with each one turned off in turn, in
 one process, the variants taking turns round by round (a slow phase of a
-shared machine hits them alike; separate processes of the same code differed
-by a third here). The helper's mechanisms are turned off by the bits of its
+shared machine hits them alike; separate processes of the same code can
+differ by more than a mechanism wins). The helper's mechanisms are turned off by the bits of its
 board (``threads.SHARES``), the others by replacing the function that uses
 them.
 
     python benchmarks/mechanisms.py                    # W1-W9, S1-S3, every mechanism
     python benchmarks/mechanisms.py --workloads W1,W3 --mechanisms ahead,columns
-    python benchmarks/mechanisms.py --quick            # tiny sizes: a smoke test
+    python benchmarks/mechanisms.py --quick            # W1-W9 at tiny sizes: a smoke test
     python benchmarks/mechanisms.py --busy 1 --workloads W3 --mechanisms pauses
 
 Besides W1-W9, three small runs, the kind the helper is for (handing work to
