@@ -34,7 +34,7 @@ def test_a_gru_plans_its_input_products_by_chunks_and_reads_the_joined_weights()
     assert merged_weights and not merged_weights & set(plan.consts)
     assert set(plan.consts) <= set(program.consts)
     source, layout = cpu_codegen.generate_source(program)
-    assert layout.consts == list(plan.consts)
+    assert layout.plan.consts == plan.consts
     assert "products by chunks of steps" in str(plan)
 
 

@@ -47,7 +47,6 @@ import atexit
 import base64
 import collections
 import hashlib
-import importlib.util
 import json
 import os
 import pickle
@@ -108,11 +107,8 @@ def compile_kernel(request) -> None:
     if request.get("function") == "transposed_products":  # not a kernel: the weight
         blas.prepare_transposed_products(request["dtype"])  # gradients' product
         return
-    name, path = request["module"], request["path"]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    path = request["path"]
+    module = loading.import_file(request["module"], path)
     loading.link_helpers(module)
     function = getattr(module, request.get("function", "program"))
     function.compile(pickle.loads(base64.b64decode(request["signature"])))

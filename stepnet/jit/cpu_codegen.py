@@ -252,7 +252,7 @@ def generate_source(program: ir.Program):
               + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in [_WIDE_VECTORS] + body]
-    layout = _Layout(consts, top_inputs, outs, module.concatenated, sched,
+    layout = _Layout(top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
                      sorted(module.same_lod), module.largest_weights,
                      module.cuts_sequences and not module.runs_uncut, module.plan)
@@ -263,7 +263,6 @@ def generate_source(program: ir.Program):
 class _Layout:
     """What a call of the generated program() takes and returns."""
 
-    consts: list  # the program's constants its code reads (ir.Var), its first parameters
     top_inputs: list  # per program input: (kind, var, data ident, level idents)
     top_outputs: list  # per rnn output: (kind, ident, ...)
     concatenated: dict  # weights joined by the caller: ident -> constants (ir.Var)
@@ -272,7 +271,7 @@ class _Layout:
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
     largest_weights: int  # elements of the largest weights of a product (0: none)
     cuts_sequences: bool  # program() cuts the sequences of each of its nets with the helper
-    plan: KernelPlan  # what was decided before the code was written
+    plan: KernelPlan  # what was decided before the code was written (its consts: the first parameters)
 
 
 def _program_inputs(module, program, values, consts):

@@ -57,6 +57,7 @@ class KernelPlan(NamedTuple):
 def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     """The plan of ``program``'s kernel, ``sched`` its schedule."""
     chunked, split, in_place, concats, epilogues = {}, {}, {}, {}, {}
+    consts, read = set(program.consts), set()
 
     def plan_net(net, once):  # once: the net runs once over all of its sequences
         if net in split:
@@ -67,28 +68,26 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
         in_place[net] = tuple(_updated_in_place(net))
         concats[net] = tuple(_concats_in_place(net))
         epilogues[net] = _reduction_epilogues(net)
+        read.update(_consts_read(net, consts))
         for section, stage in net.stages():
             if stage.kind == "rnn":
                 plan_net(net.nested[stage.eqns[0]], section != "step")
 
     plan_net(sched, True)
-    read = _consts_read(sched, set(program.consts))
     return KernelPlan(tuple(v for v in program.consts if v in read), chunked, split, in_place,
                       concats, epilogues).check()
 
 
 def _consts_read(sched, consts):
-    """The program's ``consts`` that its code reads: every one an equation
-    (or a net's output or memory) takes, but the weights of merged products
-    whose weights are all constants (the caller joins those: the products
-    read the joined ones), at every level of nesting."""
+    """The program's ``consts`` that one net's code reads: every one an
+    equation (or the net's output or memory) takes, but the weights of merged
+    products whose weights are all constants (the caller joins those: the
+    products read the joined ones)."""
     read = set()
     for _, stage in sched.stages():
         joined = stage.merged and all(e.inputs[1] in consts for e in stage.eqns)
         for e in stage.eqns:
             read.update(v for v in (e.inputs[:1] if joined else e.inputs) if v in consts)
-            if e.op == "rnn":
-                read |= _consts_read(sched.nested[e], consts)
     body = sched.body
     read.update(v for v in (*body.outputs, *(m.post for m in body.memories)) if v in consts)
     return read

@@ -67,12 +67,16 @@ def load_source(source: str):
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(source)
         os.replace(tmp, path)
-    name = f"stepnet_kernel_{key}"
+    _MODULES[key] = module = import_file(f"stepnet_kernel_{key}", path)
+    return module
+
+
+def import_file(name, path):
+    """The module ``name`` of the Python file ``path``, imported (and in ``sys.modules``)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    _MODULES[key] = module
     return module
 
 

@@ -55,7 +55,7 @@ class NumbaProgram:
     def __init__(self, program: ir.Program):
         self.program = program
         self.source, layout = generate_source(program)
-        self.consts = layout.consts
+        self.consts = layout.plan.consts  # (its first parameters)
         self.top_inputs = layout.top_inputs
         self.top_outputs = layout.top_outputs
         self.concatenated = layout.concatenated
