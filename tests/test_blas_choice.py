@@ -24,6 +24,9 @@ def libraries(monkeypatch, tmp_path):
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("STEPNET_BLAS", raising=False)
     state = {"found": {}, "seconds": {}, "measured": 0}
+    # the machine's load unread: a kept choice is always checked (the other
+    # test processes would otherwise keep the cores busy)
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: None)
     for name in ("mkl", "openblas"):
         monkeypatch.setattr(blas_choice, f"find_{name}",
                             lambda name=name: state["found"].get(name))
@@ -49,14 +52,40 @@ def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
     assert (first["name"], first["reason"]) == ("openblas", "measured")
     saved = json.loads((tmp_path / "blas.json").read_text())
     assert saved["name"] == "openblas" and set(saved["seconds"]) == {"mkl", "openblas"}
-    libraries["seconds"] = {"mkl": [1.0, 1.0], "openblas": [2.0, 2.0]}  # (not asked again)
+    # (checked by timing the per-step product again: within 2x, kept)
+    libraries["seconds"] = {"mkl": [1.1, 1.1], "openblas": [1.9, 1.9]}
     second = blas_choice._choose()
     assert (second["name"], second["reason"]) == ("openblas", "measured (cached)")
-    assert libraries["measured"] == 2  # (twice: the same figures, steady)
+    assert libraries["measured"] == 3  # (twice: the same figures, steady; once checked)
     (tmp_path / "blas.json").write_text("{not json")  # measured again, never a crash
     third = blas_choice._choose()
     assert (third["name"], third["reason"]) == ("mkl", "measured")
-    assert libraries["measured"] == 4
+    assert libraries["measured"] == 5
+
+
+def test_a_kept_measurement_the_products_contradict_is_taken_again(libraries, tmp_path,
+                                                                     monkeypatch):
+    """A kept choice whose per-step product now takes more than 2x more or
+    less time than it says (measured on a busy machine, or the machine
+    changed) is measured again, and the new choice replaces it; on a busy
+    machine the kept one stands."""
+    libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
+                          for name in ("mkl", "openblas")}
+    libraries["seconds"] = {"mkl": [2.0, 2.0], "openblas": [1.0, 1.0]}
+    assert blas_choice._choose()["name"] == "openblas"
+    libraries["seconds"] = {"mkl": [0.25, 0.25], "openblas": [1.0, 1.0]}
+    again = blas_choice._choose()
+    assert again["name"] == "mkl" and libraries["measured"] == 5
+    assert again["reason"] == "measured again (the kept figures were 8.0x off the products " \
+                              "timed now)"
+    assert json.loads((tmp_path / "blas.json").read_text())["name"] == "mkl"
+    assert blas_choice._choose()["reason"] == again["reason"] + " (cached)"
+    # a busy machine judges nothing: the kept choice stands, however far off
+    clock = iter(range(0, 10**6, 5))  # another process: 5 busy seconds a reading
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: float(next(clock)))
+    monkeypatch.setattr(blas_choice.time, "sleep", lambda s: None)
+    libraries["seconds"] = {"mkl": [9.0, 9.0], "openblas": [1.0, 1.0]}
+    assert blas_choice._choose()["name"] == "mkl" and libraries["measured"] == 7
 
 
 def test_processes_measuring_at_once_take_the_choice_kept_first(libraries, tmp_path,
@@ -98,7 +127,8 @@ def test_a_measurement_is_taken_again_until_steady_or_said_to_be_noisy(libraries
     (tmp_path / "blas.json").unlink()
     libraries["seconds"] = [{"mkl": mkl, "openblas": [1.0, 1.0]},
                             {"mkl": mkl, "openblas": [1.6, 1.0]},
-                            {"mkl": mkl, "openblas": [1.3, 1.0]}]
+                            {"mkl": mkl, "openblas": [1.3, 1.0]},
+                            {"mkl": mkl, "openblas": [1.0, 1.0]}]  # (the kept one checked)
     choice = blas_choice._choose()
     assert choice["name"] == "openblas" and libraries["measured"] == 6
     assert "noisy" in choice["reason"] and "openblas 64x256 @ 256x768" in choice["reason"]
@@ -173,7 +203,23 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
                             for _ in range(2 if 20000 <= k * n <= 300000 else 1)]
     saved = json.loads((tmp_path / "small_products.json").read_text())
     assert [tuple(x) for x in saved["limits"]] == list(limits)
-    assert blas_choice.small_product_rows(choice, None) == limits  # cached: nothing timed
+    checked = []
+
+    def time_again(m, k, n, scale=1.0):  # (what time_both gives, scaled)
+        checked.append((m, k, n))
+        return tuple(scale * s for s in time_both(m, k, n))
+
+    assert blas_choice.small_product_rows(choice, time_again) == limits  # cached: one checked
+    assert checked == [blas_choice._CHECKED] and blas_choice._SMALL_PRODUCTS["reason"] == \
+        "measured (cached)"
+    # a kept product more than 2x off what it takes now: every one measured again
+    checked.clear()
+    limits_again = blas_choice.small_product_rows(choice, lambda m, k, n: time_again(m, k, n, 3.0),
+                                                  time_shared)
+    assert limits_again == limits
+    assert len(checked) == 1 + len(blas_choice._STEP_WEIGHTS) * len(blas_choice._STEP_ROWS)
+    assert blas_choice._SMALL_PRODUCTS["reason"].startswith("measured again (the kept figures "
+                                                            "were 3.0x off")
     # another library is measured anew; a library faster everywhere gets 0 rows
     other = dict(choice, name="openblas", libraries={"openblas": "scipy"})
     assert {r for _, r, _ in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} \
@@ -185,7 +231,7 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
         third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
     assert limits == tuple((size, (1 << 62) if size < 20000 else 64, 1) for size in sizes)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
-    assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)
+    assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)  # (none timed)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
         blas_choice.small_product_rows(choice, None)
@@ -250,6 +296,7 @@ def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkey
     from stepnet.jit import blas_choice
 
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: None)  # (every check taken)
     for own_s, lib_s in ((1.0, 2.0), (2.0, 1.0)):
         calls = []
 
@@ -264,9 +311,14 @@ def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkey
             assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
             assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
                 (lib_s < own_s)
-        assert calls == [(*blas_choice._TN_SHAPE, "float32"), (*blas_choice._TN_SHAPE, "float64")]
+        # (the second time each kept record is checked: one product timed again)
+        assert calls == [(*blas_choice._TN_SHAPE, dtype) for dtype in ("float32", "float64") * 2]
         kept = json.loads((tmp_path / "transposed_products.json").read_text())
         assert kept["seconds"] == {"float32": [own_s, lib_s], "float64": [lib_s, own_s]}
+    # a kept record more than 2x off the product timed now: measured again
+    assert blas_choice.transposed_by_own_loop(
+        blas._choice, lambda *shape: (3 * lib_s, 3 * own_s), "float64") == (lib_s < own_s)
+    assert blas_choice._TRANSPOSED["float64"]["reason"].startswith("measured again")
     # a file of the earlier form (one pair of seconds): measured again
     (tmp_path / "transposed_products.json").write_text(json.dumps(
         {**kept, "seconds": [1.0, 2.0]}))

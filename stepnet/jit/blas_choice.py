@@ -25,6 +25,8 @@ first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``;
 whether the weight gradients' products (``a.T @ b`` over every token) run
 stepnet's own loop or the library (:func:`transposed_by_own_loop`), at the
 first compiled backward, kept in ``STEPNET_CACHE_DIR/transposed_products.json``.
+A process that reads a kept measurement times one of its products again and
+measures the whole again where they disagree (:func:`disagreement`).
 """
 
 from __future__ import annotations
@@ -287,17 +289,25 @@ def _choose():
     key = hashlib.sha256(";".join([cpu, _library_settings()]
                                   + sorted(lib.fingerprint() for lib in reachable))
                          .encode()).hexdigest()[:16]
-    saved = _kept("blas.json", key)
+    saved, off = _kept("blas.json", key), None
     if saved is not None and saved.get("name") in found:
-        return dict(info, name=saved["name"], reason=saved.get("reason", "measured") + " (cached)",
-                    seconds=saved.get("seconds", {}))
+        def now():
+            seconds = measure(reachable, _SHAPES[:1])
+            return [seconds[lib.name][0] for lib in reachable]
+
+        off = disagreement([saved.get("seconds", {}).get(lib.name, [0])[0] for lib in reachable],
+                           now)
+        if off is None:
+            return dict(info, name=saved["name"], seconds=saved.get("seconds", {}),
+                        reason=saved.get("reason", "measured") + " (cached)")
     seconds, noisy = measure_steadily(reachable)
     name = min(seconds, key=lambda n: sum(s * shape[-1] for s, shape in zip(seconds[n], _SHAPES)))
-    reason = "measured" + (f"; noisy, the machine was busy ({', '.join(noisy)} not steady over "
+    reason = _measured(off) + (f"; noisy, the machine was busy ({', '.join(noisy)} not steady over "
                            f"{_MEASURES} measurements): `stepnet info --measure` measures again"
                            if noisy else "")
     result = dict(info, name=name, reason=reason, seconds=seconds)
-    kept = _keep("blas.json", dict(result, key=key), first=True)  # (another's, measured at once)
+    # (another's, measured at once; not the one measured again)
+    kept = _keep("blas.json", dict(result, key=key), first=off is None)
     return result if kept["name"] == name or kept.get("name") not in found else dict(
         info, name=kept["name"], reason=kept.get("reason") + " (cached)", seconds=kept["seconds"])
 
@@ -354,6 +364,8 @@ def _library_settings() -> str:
 # LSTM of 256 and one of 512), batches of 1 to 64 rows
 _STEP_WEIGHTS = ((64, 192), (128, 384), (256, 768), (256, 1024), (512, 2048))
 _STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+# the product of those timed again where the kept limits are read
+_CHECKED = (64, 256, 768)
 # the form of stepnet's own loop measured (a measurement of another form,
 # kept in the cache, is not used)
 _OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, one row by 192, 128 or 64 "
@@ -374,6 +386,33 @@ def _busy_seconds():
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # (idle, iowait)
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+# a kept measurement is taken again where its product, timed again on free
+# cores, took more than this factor more or less time than it says: it was
+# taken while the machine was busy, or the machine changed under it
+DISAGREES = 2.0
+
+
+def disagreement(kept, probe):
+    """The largest factor, either way, between the ``kept`` seconds of some
+    products and ``probe()``'s of the same products now (timed on free
+    cores: ``measured_on_free_cores``) where it is over ``DISAGREES``; else
+    None (they agree, or other processes kept the cores busy: a busy
+    machine judges nothing). Each process checks a kept measurement once,
+    where it first reads it."""
+    now, _ = measured_on_free_cores(probe, tries=1)
+    if now is None:
+        return None
+    factor = max([max(k / n, n / k) for k, n in zip(kept, now) if k > 0 and n > 0], default=1.0)
+    return factor if factor > DISAGREES else None
+
+
+def _measured(off):
+    """The reason of a measurement: taken anew, or again where the kept one
+    was ``off`` (a factor) from the products timed now."""
+    return "measured" if off is None else \
+        f"measured again (the kept figures were {off:.1f}x off the products timed now)"
 
 
 # other processes' load (cores, on average) over which a measurement of a
@@ -449,13 +488,16 @@ SHARE_WINS = 0.9
 def _measured_small_rows(choice, time_both, time_shared):
     """``small_product_rows``' limits as measured, or as kept."""
     key = _measured_key(_OWN_LOOP, choice)
-    saved = _kept("small_products.json", key)
+    saved, off = _kept("small_products.json", key), None
     try:
         if saved is not None:
             limits = tuple((int(size), int(rows), int(shares))
                            for size, rows, shares in saved["limits"])
-            _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
-            return limits
+            kept = [(own, lib) for m, k, n, own, lib in saved["points"] if (m, k, n) == _CHECKED]
+            off = disagreement(kept[0], lambda: time_both(*_CHECKED)) if kept else None
+            if off is None:
+                _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
+                return limits
     except (ValueError, TypeError, KeyError):
         pass  # a file of another form: measured again
     points = [(m, k, n, *time_both(m, k, n)) for k, n in _STEP_WEIGHTS for m in _STEP_ROWS]
@@ -489,7 +531,7 @@ def _measured_small_rows(choice, time_both, time_shared):
     limits = tuple(limits)
     result = {"key": key, "limits": limits, "points": points, "shared": shared,
               "crowded": crowded}
-    _SMALL_PRODUCTS.update(result, reason="measured" + (
+    _SMALL_PRODUCTS.update(result, reason=_measured(off) + (
         f"; the cut with the helper not for {crowded} sizes, shared: other processes kept the "
         "cores busy (remove the file to measure again)" if crowded else ""))
     _keep("small_products.json", result)
@@ -520,11 +562,13 @@ def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
                         for name, (own, lib) in saved["seconds"].items()}
     except (ValueError, TypeError, KeyError, AttributeError):
         measured = {}  # a file of another form: measured again
-    if dtype in measured:
+    off = None if dtype not in measured else \
+        disagreement(measured[dtype], lambda: time_both(*_TN_SHAPE, dtype))
+    if dtype in measured and off is None:
         reason = "measured (cached)"
     else:
         measured[dtype] = [float(s) for s in time_both(*_TN_SHAPE, dtype)]
-        reason = "measured"
+        reason = _measured(off)
         _keep("transposed_products.json", {"key": key, "shape": _TN_SHAPE, "seconds": measured})
     for name, seconds in measured.items():
         _TRANSPOSED[name] = {"seconds": tuple(seconds),
