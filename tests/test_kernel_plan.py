@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
-from nets import small_gru
+from nets import nested_encoder, small_gru
 from stepnet import schedule
 
 pytest.importorskip("numba")
@@ -66,3 +66,52 @@ def test_explain_prints_the_kernel_plan(capsys):
     out = capsys.readouterr().out
     assert str(found) in out and "kernel: constants read: " in out
     assert out.index(str(found)) < out.index("kernel: constants read: ")
+
+
+def test_the_plan_decides_which_sequences_are_cut_and_which_outputs_are_unbuffered():
+    """The helper's cut of a net's sequences is the plan's: a net of 64 units
+    cuts them, one of 8 units (weights under the minimum) does not, and a
+    net giving its sequences' rows as an output (a nested net's ragged
+    output) never does; an all-steps output
+    only a fused run computes is stored by that run alone. The generated code
+    follows the plan."""
+    rng = np.random.default_rng(0)
+    for hidden, cut in ((64, True), (8, False)):
+        program = small_gru(rng, [[5, 7]], hidden=hidden).program(True)
+        sched = schedule.schedule(program)
+        plan = kernel_plan(program, sched)
+        assert plan.cut == {sched: cut}
+        assert plan.unbuffered[sched] == frozenset()  # (its output is its memory)
+        source, layout = cpu_codegen.generate_source(program)
+        assert layout.cuts_sequences == cut and ("group_cut(board" in source) == cut
+        assert ("its sequences cut with the helper" in str(plan)) == cut
+    for outputs, cut in ((("h", "words"), False), (("h",), True)):
+        nested = nested_encoder(rng, hidden=64, outputs=outputs).rnn.program(True)
+        sched = schedule.schedule(nested)
+        plan = kernel_plan(nested, sched)
+        # the top net, and its nested nets run once before its time loop (cut)
+        assert plan.cut[sched] == cut and len(plan.cut) > 1
+        assert all(c for net, c in plan.cut.items() if net is not sched)
+        source, layout = cpu_codegen.generate_source(nested)
+        assert source.count("group_cut(board") == sum(plan.cut.values())
+        assert layout.cuts_sequences == cut
+
+
+def test_an_output_only_a_fused_run_computes_is_stored_by_it_alone():
+    rng = np.random.default_rng(1)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 4)).astype(np.float32), [[4, 5]])
+    U = rng.standard_normal((4, 4)).astype(np.float32)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(init=np.zeros((2, 4), np.float32), name="h")
+        h.update(sn.ops.tanh(x + h.pre_state() @ U))
+        y = sn.ops.sigmoid(h.pre_state() + x)
+        rnn.add_outputs(h, y)
+    program = rnn.program(True)
+    sched = schedule.schedule(program)
+    plan = kernel_plan(program, sched)
+    assert [v.name for v in plan.unbuffered[sched]] == [sched.body.outputs[1].name]
+    assert "outputs stored by their run alone" in str(plan)
+    np.testing.assert_allclose(rnn(backend="numba")[1].data, rnn(backend="interpreter")[1].data,
+                               rtol=1e-6, atol=1e-6)

@@ -43,7 +43,7 @@ import numpy as np
 from .. import ir, registry, schedule
 from ..errors import UnsupportedError
 from . import apart, blas, numba_runtime
-from .kernel_plan import KernelPlan, kernel_plan, read_operands
+from .kernel_plan import KernelPlan, kernel_plan
 
 LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
                            "-vectorize-memory-check-threshold=512")
@@ -116,9 +116,6 @@ class _Module:
         self.concatenated = {}  # ident -> the constants it joins by columns
         self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
         self.largest_weights = 0  # elements of the largest weights of a product
-        self.largest_step_weights = 0  # ... of a product in a time step
-        self.cuts_sequences = False  # program() gives a part of its sequences to the helper
-        self.runs_uncut = False  # ... and runs a net over all of its sequences (not cut)
         self.rows_by_steps = False  # its top-level net may take its rows by steps (row_step)
         self.extra_returns = []  # data arrays behind ragged last-step outputs
         self.given_outputs = []  # output buffers program() takes from its caller
@@ -255,7 +252,7 @@ def generate_source(program: ir.Program):
     layout = _Layout(top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
                      sorted(module.same_lod), module.largest_weights,
-                     module.cuts_sequences and not module.runs_uncut, module.plan)
+                     all(module.plan.cut.values()), module.plan)
     return "\n".join(src) + "\n", layout
 
 
@@ -562,7 +559,6 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
     _count_product(module, dtype, k, n)
     if ctx.mode != "step":
         return _hoisted_product("gemm_hoisted", left, weights, info.ident)
-    module.largest_step_weights = max(module.largest_step_weights, k * n)
     packed = module.packed.get(weights)
     if packed is None:
         packed = module.packed[weights] = module.fresh("wp")
@@ -884,35 +880,12 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     # program()'s own nets (the top-level one, and the nested ones that need
     # nothing of its steps, run before its time loop: ``_render_rnn``)
     at_program = ctx.mode in ("program", "hoist")
-    if (at_program and ctx.module.largest_step_weights >= _GROUP_MIN_WEIGHTS
-            and _sequences_apart(ctx, eqn, outs)):
+    if at_program and ctx.module.plan.cut[sched]:
         ctx.lines += _shared_call(ctx, fname, args, [row_step] + gargs, len_expr)
-        ctx.module.cuts_sequences = True
     else:
         ctx.lines.append(f"call_apart({fname}, ({', '.join(args + [row_step] + gargs)}))")
-        ctx.module.runs_uncut |= at_program
     ctx.module.gargs.extend(hoisted_lasts)
     return outs
-
-
-# a top-level rnn whose step multiplies by smaller weights than this (a net
-# of a few units) never gives sequences to the helper: too few rows of it to
-# be worth a second core are too many for one group (NumbaProgram.splits
-# cuts them into groups on Python's threads first), and the lines that cut
-# them cost its kernel about a third more to compile
-_GROUP_MIN_WEIGHTS = 1024
-
-
-def _sequences_apart(ctx, eqn, outs) -> bool:
-    """Whether the top-level rnn ``eqn`` computes each sequence from its own
-    rows only: it may run over any part of its sequences (their arguments
-    cut alike), as its outputs are the caller's buffers (rows of all steps,
-    or one per sequence) and it reads no ragged static input (whose rows it
-    finds by the sequence's index)."""
-    _, statics, _ = ir.rnn_parts(eqn)
-    return (all(o[0] in ("dense_all", "last") for o in outs)
-            and not eqn.attrs.get("ragged_memories")
-            and not any(isinstance(v, ir.Var) and ctx.values[v].kind == "ragged" for v in statics))
 
 
 def _shared_call(ctx, fname, args, gargs, len_expr):
@@ -1162,7 +1135,7 @@ def _step_body(fctx, sched, last_params, chunks=(), ahead=False):
         fctx.fn.direct.setdefault(mem.post, []).append(fctx.values[mem.pre])
     epilogues = fctx.module.plan.epilogues[sched]
     folded = {r for rs in epilogues.values() for r in rs}
-    fctx.fn.unbuffered.update(_unbuffered(sched, last_params))
+    fctx.fn.unbuffered.update(fctx.module.plan.unbuffered[sched])
     concats = fctx.module.plan.concats[sched]
     for stage in concats:
         out = stage.outputs[0]
@@ -1179,25 +1152,6 @@ def _step_body(fctx, sched, last_params, chunks=(), ahead=False):
     step += _write_outputs(fctx, eqn, last_params)
     step += _update_memories(fctx, sched)
     return step
-
-
-def _unbuffered(sched, last_params):
-    """The all-steps outputs computed by a fused run that no other stage of a
-    step reads but fused runs (which read them back at the entry's row): the
-    run stores them to the outputs alone, with no per-step buffer (every
-    store stream more is a run-time alias check more, and too many keep LLVM
-    from vectorizing the loop)."""
-    body = sched.body
-    if any(s.kind == "rnn" for s in sched.step):  # a nested body may read any value
-        return set()
-    run_of = {v: s for s in sched.step for v in s.outputs}
-    read_elsewhere = {v for s in sched.step if s.kind != "elementwise" for e in s.eqns
-                      for v in read_operands(e) if run_of.get(v) is not s}
-    read_elsewhere.update(m.post for m in body.memories)
-    read_elsewhere.update(res for res, p in zip(body.outputs, last_params) if p is not None)
-    return {res for res, p in zip(body.outputs, last_params)
-            if p is None and not res.lod_depth and res not in read_elsewhere
-            and res in run_of and run_of[res].kind == "elementwise"}
 
 
 def _write_outputs(fctx, eqn, last_params):

@@ -19,6 +19,8 @@ class KernelPlan(NamedTuple):
     in_place: dict  # sched -> memories whose new value is written over the old
     concats: dict  # sched -> step concats whose parts are computed into the concat's buffer
     epilogues: dict  # sched -> {elementwise run: the reductions it folds its values into}
+    unbuffered: dict  # sched -> all-steps outputs its fused runs store to the outputs alone
+    cut: dict  # net program() runs over all its sequences -> whether it cuts them with the helper
 
     def check(self) -> KernelPlan:
         """The plan, or ``AssertionError`` where it names work its net does not schedule."""
@@ -29,6 +31,8 @@ class KernelPlan(NamedTuple):
             assert all(m in sched.body.memories for m in self.in_place[sched]), sched
             assert all(c in step for c in self.concats[sched]), sched
             assert all(r in step and set(rs) <= step for r, rs in self.epilogues[sched].items()), sched
+            assert self.unbuffered[sched] <= set(sched.body.outputs), sched
+        assert set(self.cut) <= set(self.split), self.cut
         return self
 
     def __str__(self):
@@ -39,7 +43,8 @@ class KernelPlan(NamedTuple):
         for sched in self.split:
             lines.append(f"net of {names(sched.eqn.outputs)}:")
             if not (self.chunked.get(sched) or self.split[sched] or self.concats[sched]
-                    or self.epilogues[sched] or self.in_place[sched]):
+                    or self.epilogues[sched] or self.in_place[sched] or self.unbuffered[sched]
+                    or self.cut.get(sched)):
                 lines.append("  as scheduled")
             for what, stages in (
                     ("products by chunks of steps", self.chunked.get(sched, ())),
@@ -51,13 +56,17 @@ class KernelPlan(NamedTuple):
             if self.in_place[sched]:
                 lines.append("  memories updated in place: "
                              + names(m.post for m in self.in_place[sched]))
+            if self.unbuffered[sched]:
+                lines.append("  outputs stored by their run alone: " + names(self.unbuffered[sched]))
+            if self.cut.get(sched):
+                lines.append("  its sequences cut with the helper where the call's plan shares")
         return "\n".join(lines)
 
 
 def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     """The plan of ``program``'s kernel, ``sched`` its schedule."""
-    chunked, split, in_place, concats, epilogues = {}, {}, {}, {}, {}
-    consts, read = set(program.consts), set()
+    chunked, split, in_place, concats, epilogues, unbuffered = {}, {}, {}, {}, {}, {}
+    consts, read, weights, cut = set(program.consts), set(), [0], {}
 
     def plan_net(net, once):  # once: the net runs once over all of its sequences
         if net in split:
@@ -68,14 +77,40 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
         in_place[net] = tuple(_updated_in_place(net))
         concats[net] = tuple(_concats_in_place(net))
         epilogues[net] = _reduction_epilogues(net)
+        unbuffered[net] = _unbuffered(net)
+        weights.extend(s.left.shape[-1] * sum(v.shape[-1] for v in s.outputs)
+                       for s in net.step if s.kind == "gemm")
+        if once:
+            cut[net] = _sequences_apart(net)
         read.update(_consts_read(net, consts))
         for section, stage in net.stages():
             if stage.kind == "rnn":
                 plan_net(net.nested[stage.eqns[0]], section != "step")
 
     plan_net(sched, True)
+    if max(weights) < _GROUP_MIN_WEIGHTS:
+        cut = dict.fromkeys(cut, False)
     return KernelPlan(tuple(v for v in program.consts if v in read), chunked, split, in_place,
-                      concats, epilogues).check()
+                      concats, epilogues, unbuffered, cut).check()
+
+
+# a kernel whose steps multiply by smaller weights than this (a net of a
+# few units) never gives sequences to the helper: too few rows of it to be
+# worth a second core are too many for one group (NumbaProgram.splits cuts
+# them into groups on Python's threads first), and the lines that cut them
+# cost its kernel about a third more to compile
+_GROUP_MIN_WEIGHTS = 1024
+
+
+def _sequences_apart(sched) -> bool:
+    """Whether a net computes each sequence from its own rows only: it may
+    run over any part of its sequences (their arguments cut alike), as its
+    outputs are the caller's buffers (rows of all steps, or one per
+    sequence) and it reads no ragged static input (whose rows it finds by
+    the sequence's index)."""
+    return not (sched.eqn.attrs.get("ragged_memories")
+                or any(v.lod_depth for v in sched.body.outputs)
+                or any(isinstance(v, ir.Var) and v.lod_depth for v in ir.rnn_parts(sched.eqn)[1]))
 
 
 def _consts_read(sched, consts):
@@ -235,6 +270,26 @@ def _reduction_epilogues(sched):
         if x in run_of and uses[x] == 1:
             fused.setdefault(run_of[x], []).append(stage)
     return fused
+
+
+def _unbuffered(sched):
+    """The all-steps outputs computed by a fused run that no other stage of a
+    step reads but fused runs (which read them back at the entry's row): the
+    run stores them to the outputs alone, with no per-step buffer (every
+    store stream more is a run-time alias check more, and too many keep LLVM
+    from vectorizing the loop)."""
+    body = sched.body
+    if any(s.kind == "rnn" for s in sched.step):  # a nested body may read any value
+        return frozenset()
+    run_of = {v: s for s in sched.step for v in s.outputs}
+    read_elsewhere = {v for s in sched.step if s.kind != "elementwise" for e in s.eqns
+                      for v in read_operands(e) if run_of.get(v) is not s}
+    read_elsewhere.update(m.post for m in body.memories)
+    outputs = tuple(zip(body.outputs, sched.eqn.attrs["all_steps"]))
+    read_elsewhere.update(res for res, all_steps in outputs if not all_steps)
+    return frozenset(res for res, all_steps in outputs
+                     if all_steps and not res.lod_depth and res not in read_elsewhere
+                     and res in run_of and run_of[res].kind == "elementwise")
 
 
 def read_operands(e):
