@@ -26,7 +26,6 @@ MODULES_OVER = {
     "stepnet/jit/cpu_codegen.py": 1467,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 997,
-    "stepnet/ops/primitives.py": 1352,
     "stepnet/torch.py": 969,
     "stepnet/yaml/model.py": 1057,
 }
