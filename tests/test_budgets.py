@@ -31,7 +31,6 @@ MODULES_OVER = {
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
     "stepnet/jit/own_loop.py:_own_columns": 131,
-    "stepnet/interpreter.py:run_rnn": 123,
     "stepnet/onnx/export_graph.py:emit_rnn": 120,
     "stepnet/onnx/recurrent.py:_prepared_kernel": 113,
     "stepnet/nn/layer_pullback.py:LayerPullback.__call__": 91,
@@ -39,7 +38,6 @@ FUNCTIONS_OVER = {
     "stepnet/onnx/conv.py:_bind_conv": 87,
     "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
     "stepnet/torch.py:LayerModule.forward": 87,
-    "stepnet/pullback.py:gradients": 83,
 }
 CPU_ENGINE_NOW = 6399
 
