@@ -17,12 +17,25 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
-import operator
 
 import numpy as np
 
 from . import ir
+from .dsl_binding import (
+    Binding,
+    bind_init,
+    bind_static,
+    check_lod_agreement,
+    check_sequence_inputs,
+    same_offsets,
+)
+from .dsl_memory import (
+    MemoryHandle,
+    feature_shape,
+    initial_array,
+    memory_from_step_value,
+    memory_shape,
+)
 from .errors import ShapeError, StepNetError
 from .ir import Literal, Var
 from .lod import LoDTensor
@@ -37,162 +50,6 @@ from .tracing import (
     pop_frame,
     push_frame,
 )
-
-
-class MemoryHandle(Value):
-    """A memory of a step-net: ``pre_state()`` is its value at t-1; after
-    ``update(v)`` the handle itself stands for the value at t.
-
-    Made by :meth:`RNNOp.add_memory`, not directly.
-
-    Parameters
-    ----------
-    name : str
-        The memory's name: the binding name that rebinds its initial value
-        (``rnn(h=...)``).
-    pre : stepnet.ir.Var
-        The step value that stands for the memory at t-1.
-    frame : stepnet.tracing.Frame
-        The block of the step-net that the memory belongs to.
-
-    Attributes
-    ----------
-    memory_name : str
-        The memory's own name, as given to ``add_memory`` (``"h"``): the
-        keyword that rebinds its initial value. Not :attr:`name`, which
-        names an IR variable as on every step value.
-    """
-
-    def __init__(self, name, pre, frame):
-        super().__init__(None, frame)
-        self.memory_name = name
-        self.pre = pre
-        self.post = None
-
-    @property
-    def var(self):
-        """The IR variable of the updated value (at t).
-
-        Raises
-        ------
-        StepNetError
-            The memory is used before its ``update``: use ``pre_state()``
-            for the previous step's value.
-        """
-        if self.post is None:
-            raise StepNetError(
-                f"memory {self.memory_name!r} is used before its update; "
-                f"use {self.memory_name}.pre_state() for the previous step's value"
-            )
-        return self.post
-
-    @property
-    def name(self):
-        """The name of the IR variable the handle stands for, as on every step
-        value: after ``update(v)``, ``v``'s name (``"t2"``), not the memory's.
-
-        It is the key of the updated value in each of ``rnn.step_scopes``
-        (``keep_scopes=True``), as ``x.name`` (``"x_t"``) is a step input's.
-        The memory's own name (``"h"``, the keyword of ``rnn(h=...)``) is
-        :attr:`memory_name`; ``pre_state().name`` names the value at t-1
-        (``"h_prev"``).
-
-        Raises
-        ------
-        StepNetError
-            Read before ``update``, like any use of the handle.
-        """
-        return self.var.name
-
-    def __repr__(self):
-        return f"<memory {self.memory_name} {self.pre.type_str()}>"
-
-    def pre_state(self):
-        """The memory's value at the previous step (its initial value at the first)."""
-        return Value(self.pre, self.frame)
-
-    def update(self, value):
-        """Set the memory's value at this step; call it once per step-net.
-
-        After the update the handle itself stands for the new value, as an
-        operand or in ``add_outputs``.
-
-        Parameters
-        ----------
-        value : Value
-            A step value of this step-net's block with the memory's shape and
-            dtype (no LoD).
-
-        Raises
-        ------
-        StepNetError
-            Called outside the memory's own ``stepnet()`` block, a second
-            time, or with something that is not a step value.
-        ShapeError
-            ``value``'s shape, LoD depth or dtype differs from the memory's.
-        """
-        frame = self.frame
-        if frame.closed or current_frame() is not frame:
-            raise StepNetError(
-                f"memory {self.memory_name!r} must be updated inside its own stepnet() block"
-            )
-        if self.post is not None:
-            raise StepNetError(f"memory {self.memory_name!r} is updated twice")
-        if not isinstance(value, Value):
-            raise StepNetError(
-                f"memory {self.memory_name!r} must be updated with a step value, "
-                f"got {type(value).__name__}"
-            )
-        var = _operand_var(value, frame)
-        if var.shape != self.pre.shape or var.lod_depth:
-            raise ShapeError(
-                f"memory {self.memory_name!r}: update has shape {var.type_str()} but the memory "
-                f"is {self.pre.type_str()}; a memory keeps its shape across steps"
-            )
-        if np.dtype(var.dtype) != np.dtype(self.pre.dtype):
-            raise ShapeError(
-                f"memory {self.memory_name!r}: update has dtype {np.dtype(var.dtype)} but the "
-                f"memory is {np.dtype(self.pre.dtype)}"
-            )
-        self.post = var
-
-
-def _feature_shape(shape, where):
-    """``shape`` as a tuple of non-negative ints; an int ``n`` is ``(n,)``, as
-    in NumPy. Anything else (a bool, a float, a string, a negative size) is a
-    StepNetError naming ``where``."""
-
-    def dim(d):
-        if isinstance(d, (bool, np.bool_, str)):
-            raise TypeError
-        n = operator.index(d)  # an int, a NumPy integer, a 0-d integer array
-        if n < 0:
-            raise TypeError
-        return n
-
-    try:
-        return (dim(shape),)
-    except TypeError:
-        pass
-    try:
-        if isinstance(shape, str):
-            raise TypeError
-        return tuple(dim(d) for d in shape)
-    except TypeError:
-        raise StepNetError(
-            f"{where}: shape must be an int or a sequence of non-negative ints, got {shape!r}"
-        ) from None
-
-
-class _Binding:
-    """A top-level input of the program and its current value."""
-
-    def __init__(self, kind, var, value, memory_shape=None, per_sequence=False):
-        self.kind = kind  # "sequence" | "static" | "init"
-        self.var = var
-        self.value = value
-        self.memory_shape = memory_shape
-        self.per_sequence = per_sequence
 
 
 def create_rnn_op(output_num=None, reverse=False, name=None):
@@ -254,7 +111,7 @@ class RNNOp:
         self.frame = None
         self.block = None
         self.parent = None
-        self.bindings = {}  # name -> _Binding (top level only)
+        self.bindings = {}  # name -> Binding (top level only)
         self.output_memory = ()
         self._programs = {}
         self._has_nested_nets = False  # whether the block calls a nested step-net
@@ -367,12 +224,12 @@ class RNNOp:
             dtype = compute_dtype(X.dtype, f"add_input({name})")
             outer = Var(name, dtype, (None,) + tuple(X.shape[1:]), X.num_levels)
             for other in self.bindings.values():
-                if other.kind == "sequence" and not _same_offsets(other.value, X, 1):
+                if other.kind == "sequence" and not same_offsets(other.value, X, 1):
                     raise StepNetError(
                         f"step inputs {other.var.name} and {name} have different LoD at level 0; "
                         "every step input of one step-net must have the same sequence lengths"
                     )
-            self.bindings[name] = _Binding("sequence", outer, X)
+            self.bindings[name] = Binding("sequence", outer, X)
         else:
             if not isinstance(X, Value) or X.frame is not self.parent:
                 raise StepNetError(
@@ -432,7 +289,7 @@ class RNNOp:
                     )
                 dtype = compute_dtype(value.dtype, f"add_static_input({name})")
                 outer = Var(name, dtype, (None,) + tuple(value.shape[1:]))
-            self.bindings[name] = _Binding("static", outer, value)
+            self.bindings[name] = Binding("static", outer, value)
         else:
             if not isinstance(value, Value):
                 raise StepNetError(
@@ -494,80 +351,34 @@ class RNNOp:
         frame = self._own_frame("add_memory")
         name = self._binding_name(name, "h")
         if shape is not None:
-            shape = _feature_shape(shape, f"add_memory({name})")
-        per_sequence = False
-        init_operand = None
+            shape = feature_shape(shape, f"add_memory({name})")
         if isinstance(init, Value):
             if self._top:
                 raise StepNetError(f"add_memory({name}): a step value cannot start a top-level memory")
-            outer = _operand_var(init, self.parent)
-            if outer.lod_depth or not outer.batched:
-                raise ShapeError(f"add_memory({name}): init {outer.type_str()} is not one row per sequence")
-            if shape is not None and outer.shape[1:] != shape:
-                raise ShapeError(
-                    f"add_memory({name}): init {outer.type_str()} does not have shape {list(shape)}"
-                )
-            shape = outer.shape[1:]
-            mem_dtype = np.dtype(outer.dtype)
-            init_operand = outer
+            shape, mem_dtype, init_operand = memory_from_step_value(name, init, shape, self.parent)
         else:
-            if init is None:
-                if shape is None:
-                    raise StepNetError(f"add_memory({name}): give init= or shape=")
-                init_arr = np.zeros((), dtype or self._default_dtype())
-            elif isinstance(init, Parameter):
-                init_arr = init.value
-            else:
-                init_arr = np.asarray(init)
-            mem_dtype = compute_dtype(dtype or init_arr.dtype, f"add_memory({name})")
-            # Python scalars are weak (NEP 50): `init=0.5` takes the step's dtype.
-            weak = isinstance(init, (int, float)) and not isinstance(init, np.generic)
-            if dtype is None and init is not None and (
-                weak or np.asarray(init).dtype.kind in "iub"
-            ):
-                mem_dtype = self._default_dtype()
-            num_seq = self._num_sequences()
-            if shape is None:
-                if init_arr.ndim == 0:
-                    raise StepNetError(f"add_memory({name}): a scalar init needs shape=")
-                per_sequence = (
-                    self._top and init_arr.ndim >= 2 and num_seq is not None
-                    and init_arr.shape[0] == num_seq
-                )
-                shape = init_arr.shape[1:] if per_sequence else init_arr.shape
-            else:
-                per_sequence = (
-                    self._top and init_arr.ndim == len(shape) + 1
-                    and init_arr.shape[1:] == shape and init_arr.shape != shape
-                )
-                if not per_sequence and not _broadcasts(init_arr.shape, shape):
-                    raise ShapeError(
-                        f"add_memory({name}): init of shape {list(init_arr.shape)} fits neither "
-                        f"[num_sequences, {', '.join(map(str, shape))}] nor {list(shape)}"
-                    )
-                if per_sequence and num_seq is not None and init_arr.shape[0] != num_seq:
-                    raise ShapeError(
-                        f"add_memory({name}): init has {init_arr.shape[0]} rows (one per "
-                        f"sequence) but the step inputs have {num_seq} sequences"
-                    )
-            if self._top:
-                outer = Var(name, mem_dtype, (None,) + tuple(shape))
-                self.bindings[name] = _Binding(
-                    "init", outer, init_arr, tuple(shape), per_sequence
-                )
-                init_operand = outer
-            elif init_arr.ndim == 0:
-                init_operand = Literal(float(init_arr))
-            else:
-                init_operand = frame.state.const(
-                    np.broadcast_to(init_arr.astype(mem_dtype), shape).copy()
-                )
+            init_arr, mem_dtype = initial_array(name, init, shape, dtype, self._default_dtype())
+            shape, per_sequence = memory_shape(name, init_arr, shape, self._num_sequences(),
+                                               self._top)
+            init_operand = self._initial_operand(name, init_arr, shape, mem_dtype, per_sequence)
         pre = frame.define(
             Var(frame.state.fresh(f"{name}_prev"), mem_dtype, (None,) + tuple(shape))
         )
         handle = MemoryHandle(name, pre, frame)
         frame.memories.append((handle, init_operand))
         return handle
+
+    def _initial_operand(self, name, init_arr, shape, dtype, per_sequence):
+        """What a memory starts from: at the top level an input of the program
+        (``rnn(name=...)`` rebinds it); in a nested step-net a literal or a
+        constant, broadcast to the memory's shape."""
+        if self._top:
+            outer = Var(name, dtype, (None,) + tuple(shape))
+            self.bindings[name] = Binding("init", outer, init_arr, tuple(shape), per_sequence)
+            return outer
+        if init_arr.ndim == 0:
+            return Literal(float(init_arr))
+        return self.frame.state.const(np.broadcast_to(init_arr.astype(dtype), shape).copy())
 
     def add_outputs(self, *values):
         """Declare the step's outputs (each step's values are gathered).
@@ -636,7 +447,7 @@ class RNNOp:
         self.output_memory = tuple(mem_index.get(id(o), -1) for o in outputs)
         if self._top:
             self.program(True)  # checks the IR now, at definition time
-            _check_lod_agreement(self.program(True), self._top_values())
+            check_lod_agreement(self.program(True), self._top_values())
 
     def _eqn_operands(self):
         frame = self.frame
@@ -809,46 +620,20 @@ class RNNOp:
                 f"{sorted(self.bindings)}"
             )
         values = {n: bindings.get(n, b.value) for n, b in self.bindings.items()}
-        num_seq = None
-        first = None
-        for name, b in self.bindings.items():
-            if b.kind != "sequence":
-                continue
-            X = values[name]
-            if not isinstance(X, LoDTensor):
-                raise ShapeError(f"input {name}: expects a LoDTensor, got {type(X).__name__}")
-            if X.num_levels != b.var.lod_depth or tuple(X.shape[1:]) != b.var.shape[1:]:
-                raise ShapeError(
-                    f"input {name}: rebound with {X.num_levels} LoD level(s) and feature shape "
-                    f"{list(X.shape[1:])}; it was defined with {b.var.lod_depth} and "
-                    f"{list(b.var.shape[1:])}"
-                )
-            if compute_dtype(X.dtype, f"input {name}") != b.var.dtype:
-                raise ShapeError(
-                    f"input {name}: rebound with dtype {X.dtype}, defined as {b.var.dtype}; cast "
-                    f"the array ({name}.astype(np.{b.var.dtype})) or define the net in "
-                    f"{compute_dtype(X.dtype, f'input {name}')}"
-                )
-            if first is None:
-                first, num_seq = name, X.num_sequences
-            elif not _same_offsets(values[first], X, 1):
-                raise StepNetError(
-                    f"step inputs {first} and {name} have different LoD at level 0; "
-                    "every step input of one step-net must have the same sequence lengths"
-                )
+        first, num_seq = check_sequence_inputs(self.bindings, values)
         if bindings and self._has_nested_nets:
             # nested step inputs must agree too, before any backend runs (the
             # top-level ones were compared above)
-            _check_lod_agreement(self.program(True), values)
+            check_lod_agreement(self.program(True), values)
         args = []
         for name, b in self.bindings.items():
             v = values[name]
             if b.kind == "sequence":
                 args.append(v.astype(b.var.dtype) if v.dtype != b.var.dtype else v)
             elif b.kind == "static":
-                args.append(_bind_static(name, b, v, num_seq))
+                args.append(bind_static(name, b, v, num_seq))
             else:
-                args.append(_bind_init(name, b, v, num_seq, rebound=name in bindings,
+                args.append(bind_init(name, b, v, num_seq, rebound=name in bindings,
                                        sequence_input=first))
         return args
 
@@ -974,108 +759,3 @@ class RNNOp:
         outer.eqns.append(eqn)
         values = [Value(v, outer) for v in eqn.outputs]
         return values[0] if len(values) == 1 else tuple(values)
-
-
-# ----------------------------------------------------------------------------
-# binding helpers
-
-
-def _broadcasts(shape, target) -> bool:
-    if not shape or tuple(shape) == tuple(target):  # (a scalar, or the shape itself)
-        return True
-    try:
-        return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
-    except ValueError:
-        return False
-
-
-def _same_offsets(a: LoDTensor, b: LoDTensor, depth: int) -> bool:
-    return all(
-        np.array_equal(x, y) for x, y in zip(a.levels[:depth], b.levels[:depth])
-    ) and min(a.num_levels, b.num_levels) >= depth
-
-
-def _bind_static(name, b, v, num_seq):
-    if b.var.lod_depth:
-        if not isinstance(v, LoDTensor) or v.num_levels != b.var.lod_depth:
-            raise ShapeError(f"static input {name}: expects a LoDTensor with {b.var.lod_depth} level(s)")
-        rows = v.num_sequences
-    else:
-        v = np.asarray(v)
-        if v.ndim < 1:
-            raise ShapeError(f"static input {name}: needs one row per sequence, got a scalar")
-        rows = v.shape[0]
-    if tuple(v.shape[1:]) != b.var.shape[1:]:
-        raise ShapeError(
-            f"static input {name}: feature shape {list(v.shape[1:])}, defined as {list(b.var.shape[1:])}"
-        )
-    if rows != num_seq:
-        raise ShapeError(
-            f"static input {name}: has {rows} rows but the step inputs have {num_seq} sequences"
-        )
-    compute_dtype(v.dtype, f"static input {name}")
-    return v.astype(b.var.dtype) if v.dtype != b.var.dtype else v
-
-
-def _bind_init(name, b, v, num_seq, rebound, sequence_input):
-    v = v.value if isinstance(v, Parameter) else np.asarray(v)
-    shape = b.memory_shape
-    if v.shape == (num_seq,) + shape and (b.per_sequence or rebound or v.shape != shape):
-        full = v
-    elif _broadcasts(v.shape, shape) and not (b.per_sequence and not rebound):
-        full = None  # one value for every sequence
-    elif b.per_sequence and not rebound:
-        raise ShapeError(
-            f"memory {name}: its initial value has {v.shape[0]} rows (one per sequence) but "
-            f"{sequence_input} now has {num_seq} sequences; rebind {name} too"
-        )
-    else:
-        raise ShapeError(
-            f"memory {name}: init of shape {list(v.shape)} fits neither "
-            f"[{num_seq}, {', '.join(map(str, shape))}] nor {list(shape)}"
-        )
-    if v.dtype.kind not in "iubf":
-        raise ShapeError(f"memory {name}: init dtype {v.dtype} is not numeric")
-    if full is None:
-        full = np.empty((num_seq,) + shape, b.var.dtype)
-        full[...] = v
-        return full
-    return np.ascontiguousarray(full, dtype=b.var.dtype)
-
-
-def _check_lod_agreement(program: ir.Program, values: dict) -> None:
-    """Nested step inputs of one step-net must have equal LoD: check it on the
-    offsets alone, before anything runs."""
-    levels_of = {}
-    for var in program.inputs:
-        value = values.get(var.name)
-        if var.lod_depth and isinstance(value, LoDTensor):
-            levels_of[id(var)] = value.levels
-
-    def visit(eqn):
-        seqs, _, _ = ir.rnn_parts(eqn)
-        body = eqn.attrs["body"]
-        known = [(v, levels_of[id(v)]) for v in seqs if id(v) in levels_of]
-        for (v, lv), (w, lw) in itertools.pairwise(known):
-            if not np.array_equal(lv[0], lw[0]):
-                raise StepNetError(
-                    f"step inputs {v.name} and {w.name} of {eqn.attrs['name']} have different "
-                    "LoD; every step input of one step-net must have the same sequence lengths"
-                )
-        for step, outer in zip(body.step_inputs, seqs):
-            if id(outer) in levels_of and step.lod_depth:
-                levels_of[id(step)] = levels_of[id(outer)][1:]
-        for inner in body.eqns:
-            if inner.op == "rnn":
-                visit(inner)
-                inner_seqs, _, _ = ir.rnn_parts(inner)
-                src = next((levels_of[id(v)] for v in inner_seqs if id(v) in levels_of), None)
-                for out, all_steps, res in zip(
-                    inner.outputs, inner.attrs["all_steps"], inner.attrs["body"].outputs
-                ):
-                    if src is not None and all_steps and id(res) in levels_of:
-                        levels_of[id(out)] = (src[0],) + tuple(levels_of[id(res)])
-                    elif src is not None and all_steps and not res.lod_depth:
-                        levels_of[id(out)] = (src[0],)
-
-    visit(program.eqn)

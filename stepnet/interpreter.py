@@ -86,15 +86,7 @@ def run_rnn(eqn, args, consts, scopes=None):
     body = eqn.attrs["body"]
     reverse = eqn.attrs["reverse"]
     seq_args, static_args, init_args = ir.rnn_parts(ir.Eqn("", tuple(args), (), eqn.attrs))
-    seq_vars, _, _ = ir.rnn_parts(eqn)
-
-    lengths = np.diff(seq_args[0].levels[0])
-    for var, X in zip(seq_vars[1:], seq_args[1:]):
-        if not np.array_equal(np.diff(X.levels[0]), lengths):
-            raise StepNetError(
-                f"step inputs {seq_vars[0].name} and {var.name} of {eqn.attrs['name']} have "
-                "different LoD; every step input of one step-net must have the same lengths"
-            )
+    lengths = _sequence_lengths(eqn, seq_args)
     num_seq = len(lengths)
     order = np.argsort(-lengths, kind="stable")  # sorted position -> caller's sequence
     sorted_lengths = lengths[order]
@@ -102,6 +94,54 @@ def run_rnn(eqn, args, consts, scopes=None):
     num_steps = int(sorted_lengths[0]) if num_seq else 0
 
     statics = [_take_rows(s, order) for s in static_args]
+    ragged, inits, state = _initial_memories(eqn, static_args, init_args, num_seq, order)
+    outputs = _Outputs(eqn, inits, lengths)
+    for step in range(num_steps):
+        active = int(np.count_nonzero(sorted_lengths > step))
+        rows = order[:active]
+        pos = (sorted_lengths[:active] - 1 - step) if reverse else np.full(active, step)
+        entries = starts[:active] + pos  # level-0 entry of each active sequence
+        env = _step_inputs(body, seq_args, statics, entries, active)
+        for k, (mem, s) in enumerate(zip(body.memories, state)):
+            env[id(mem.pre)] = ragged[k].read(rows) if k in ragged else s[:active]
+        inner_scopes = {} if scopes is not None else None
+        for inner in body.eqns:
+            eval_eqn(inner, env, consts, inner_scopes)
+        for i, mem in enumerate(body.memories):
+            if i in ragged:
+                ragged[i].write(rows, env[id(mem.post)])
+                continue
+            state[i] = state[i].copy()
+            state[i][:active] = env[id(mem.post)]
+        outputs.record(env, rows, pos, entries)
+        if scopes is not None:
+            scope = {v.name: env[id(v)] for v in _block_vars(body)}
+            scope["__rows__"] = rows.copy()
+            scope["__positions__"] = pos.copy()
+            scope.update(inner_scopes)
+            scopes.setdefault(eqn.attrs["name"], []).append(scope)
+    return outputs.results(ragged, seq_args[0].levels[0])
+
+
+def _sequence_lengths(eqn, seq_args):
+    """The length of each sequence (the caller's order), the same for every
+    step input of the rnn."""
+    seq_vars, _, _ = ir.rnn_parts(eqn)
+    lengths = np.diff(seq_args[0].levels[0])
+    for var, X in zip(seq_vars[1:], seq_args[1:]):
+        if not np.array_equal(np.diff(X.levels[0]), lengths):
+            raise StepNetError(
+                f"step inputs {seq_vars[0].name} and {var.name} of {eqn.attrs['name']} have "
+                "different LoD; every step input of one step-net must have the same lengths"
+            )
+    return lengths
+
+
+def _initial_memories(eqn, static_args, init_args, num_seq, order):
+    """Each memory's start: ``{index: _RaggedState}`` for the ragged memories,
+    and for the others the initial value in the caller's order and the state
+    in sorted order (None for a ragged memory)."""
+    body = eqn.attrs["body"]
     inits, state = [], []  # in the caller's order, and in sorted order
     # a ragged memory has the rows of a ragged static input: its state is kept
     # in that input's layout (the caller's order), its rows read and written
@@ -116,87 +156,92 @@ def run_rnn(eqn, args, consts, scopes=None):
         full = np.broadcast_to(np.asarray(init, mem.pre.dtype), (num_seq,) + mem.pre.shape[1:])
         inits.append(full)
         state.append(np.array(full[order]))
+    return ragged, inits, state
 
-    # Last-step outputs start as the memory's initial value (empty sequences
-    # keep it) or zeros.
-    all_steps = eqn.attrs["all_steps"]
-    last = []
-    for out, mem_index in zip(body.outputs, eqn.attrs["output_memory"]):
-        if out.lod_depth:
-            last.append([None] * num_seq)
-        elif mem_index >= 0:
-            last.append(np.array(inits[mem_index]))  # indexed by caller's rows below
+
+def _step_inputs(body, seq_args, statics, entries, active):
+    """The environment of one step, its step and static inputs bound: the
+    ``entries`` (level-0) of the sequence inputs, the first ``active`` rows of
+    the (sorted) static inputs."""
+    env = {}
+    for var, X in zip(body.step_inputs, seq_args):
+        if X.num_levels == 1:
+            env[id(var)] = X.data[entries]
         else:
-            last.append(np.zeros((num_seq,) + out.shape[1:], out.dtype))
-    total_rows = int(lengths.sum())
-    dense_all = [
-        np.zeros((total_rows,) + out.shape[1:], out.dtype) if not out.lod_depth else None
-        for out in body.outputs
-    ]
-    ragged_all = [{} for _ in body.outputs]  # (sequence, position) -> piece
+            env[id(var)] = LoDTensor(X.data, list(X.levels[1:])).select(entries)
+    for var, s in zip(body.static_inputs, statics):
+        env[id(var)] = _take_rows(s, np.arange(active))
+    return env
 
-    for step in range(num_steps):
-        active = int(np.count_nonzero(sorted_lengths > step))
-        rows = order[:active]
-        pos = (sorted_lengths[:active] - 1 - step) if reverse else np.full(active, step)
-        entries = starts[:active] + pos  # level-0 entry of each active sequence
-        env = {}
-        for var, X in zip(body.step_inputs, seq_args):
-            if X.num_levels == 1:
-                env[id(var)] = X.data[entries]
+
+class _Outputs:
+    """An rnn's outputs as its steps give them: every step's value, and each
+    sequence's last; then the results, in the caller's order."""
+
+    def __init__(self, eqn, inits, lengths):
+        body = eqn.attrs["body"]
+        self.outputs = body.outputs
+        self.all_steps = eqn.attrs["all_steps"]
+        self.output_memory = eqn.attrs["output_memory"]
+        self.lengths = lengths
+        num_seq = len(lengths)
+        # Last-step outputs start as the memory's initial value (empty sequences
+        # keep it) or zeros.
+        self.last = []
+        for out, mem_index in zip(body.outputs, self.output_memory):
+            if out.lod_depth:
+                self.last.append([None] * num_seq)
+            elif mem_index >= 0:
+                self.last.append(np.array(inits[mem_index]))  # indexed by caller's rows below
             else:
-                env[id(var)] = LoDTensor(X.data, list(X.levels[1:])).select(entries)
-        for var, s in zip(body.static_inputs, statics):
-            env[id(var)] = _take_rows(s, np.arange(active))
-        for k, (mem, s) in enumerate(zip(body.memories, state)):
-            env[id(mem.pre)] = ragged[k].read(rows) if k in ragged else s[:active]
-        inner_scopes = {} if scopes is not None else None
-        for inner in body.eqns:
-            eval_eqn(inner, env, consts, inner_scopes)
-        for i, mem in enumerate(body.memories):
-            if i in ragged:
-                ragged[i].write(rows, env[id(mem.post)])
-                continue
-            state[i] = state[i].copy()
-            state[i][:active] = env[id(mem.post)]
-        for i, out in enumerate(body.outputs):
+                self.last.append(np.zeros((num_seq,) + out.shape[1:], out.dtype))
+        total_rows = int(lengths.sum())
+        self.dense_all = [
+            np.zeros((total_rows,) + out.shape[1:], out.dtype) if not out.lod_depth else None
+            for out in body.outputs
+        ]
+        self.ragged_all = [{} for _ in body.outputs]  # (sequence, position) -> piece
+
+    def record(self, env, rows, pos, entries):
+        """Keep one step's outputs: ``rows`` the active sequences (the caller's
+        indices), ``pos`` their positions, ``entries`` their level-0 entries."""
+        for i, out in enumerate(self.outputs):
             value = env[id(out)]
             if out.lod_depth:
-                for b in range(active):
+                for b in range(len(rows)):
                     piece = value.select([b])
-                    ragged_all[i][(int(rows[b]), int(pos[b]))] = piece
-                    last[i][rows[b]] = piece
+                    self.ragged_all[i][(int(rows[b]), int(pos[b]))] = piece
+                    self.last[i][rows[b]] = piece
             else:
-                dense_all[i][entries] = value
-                last[i][rows] = value
-        if scopes is not None:
-            scope = {v.name: env[id(v)] for v in _block_vars(body)}
-            scope["__rows__"] = rows.copy()
-            scope["__positions__"] = pos.copy()
-            scope.update(inner_scopes)
-            scopes.setdefault(eqn.attrs["name"], []).append(scope)
+                self.dense_all[i][entries] = value
+                self.last[i][rows] = value
 
-    results = []
-    for i, out in enumerate(body.outputs):
-        if not all_steps[i] and eqn.attrs["output_memory"][i] in ragged:
-            results.append(ragged[eqn.attrs["output_memory"][i]].value())
-            continue
-        if not out.lod_depth:
-            if all_steps[i]:
-                results.append(LoDTensor(dense_all[i], [seq_args[0].levels[0]]))
+    def results(self, ragged, offsets):
+        """One value per output: a LoDTensor of all steps (level 0 ``offsets``),
+        or each sequence's last step (a ragged memory's final state)."""
+        results = []
+        num_seq = len(self.lengths)
+        for i, out in enumerate(self.outputs):
+            if not self.all_steps[i] and self.output_memory[i] in ragged:
+                results.append(ragged[self.output_memory[i]].value())
+                continue
+            if not out.lod_depth:
+                if self.all_steps[i]:
+                    results.append(LoDTensor(self.dense_all[i], [offsets]))
+                else:
+                    results.append(self.last[i])
+                continue
+            if self.all_steps[i]:
+                pieces = [
+                    self.ragged_all[i][(s, p)]
+                    for s in range(num_seq) for p in range(int(self.lengths[s]))
+                ]
+                inner = LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0)
+                results.append(_prepend_level(inner, self.lengths))
             else:
-                results.append(last[i])
-            continue
-        if all_steps[i]:
-            pieces = [
-                ragged_all[i][(s, p)] for s in range(num_seq) for p in range(int(lengths[s]))
-            ]
-            inner = LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0)
-            results.append(_prepend_level(inner, lengths))
-        else:
-            pieces = [p if p is not None else _empty_piece(out, 1) for p in last[i]]
-            results.append(LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0))
-    return results
+                pieces = [p if p is not None else _empty_piece(out, 1) for p in self.last[i]]
+                results.append(LoDTensor.concat(pieces) if pieces else _empty_piece(out, 0))
+        return results
 
 
 class _RaggedState:

@@ -408,26 +408,32 @@ def gradients(obj, wrt, grad_outputs, output_all_steps=True, backend=None, accum
     >>> dX.shape
     (5, 2)
     """
+    pullback = _pullback_for(obj, output_all_steps, backend, inputs)
+    return pullback(grad_outputs, wrt, accumulate=accumulate, out=out)
+
+
+def _pullback_for(obj, output_all_steps, backend, inputs):
+    """The pullback a gradients call runs: that of the workspace ``obj`` kept
+    when the call gives no inputs (and, for a step-net, the same output flags
+    and backend), else that of a new forward on ``inputs``."""
     kept = getattr(obj, "_workspace", None)
     if _is_step_net(obj):
         flags = obj.all_steps_flags(output_all_steps) if obj.block is not None else None
         if kept is not None and not inputs and kept.flags == flags and (
                 backend is None or backend == kept.backend):
-            pullback = kept
-        else:
-            _, pullback = forward_with_workspace(obj, output_all_steps, backend, **inputs)
-        return pullback(grad_outputs, wrt, accumulate=accumulate, out=out)
+            return kept
+        _, pullback = forward_with_workspace(obj, output_all_steps, backend, **inputs)
+        return pullback
     if hasattr(obj, "vjp"):
         if inputs:
             _, pullback = obj.vjp(backend=backend, **inputs)
-        elif kept is not None:
-            pullback = kept
-        else:
-            raise StepNetError(
-                f"gradients of a {type(obj).__name__} layer need its input: pass X=... (and "
-                "its initial state), or call the layer with keep_workspace=True first"
-            )
-        return pullback(grad_outputs, wrt, accumulate=accumulate, out=out)
+            return pullback
+        if kept is not None:
+            return kept
+        raise StepNetError(
+            f"gradients of a {type(obj).__name__} layer need its input: pass X=... (and "
+            "its initial state), or call the layer with keep_workspace=True first"
+        )
     raise StepNetError(
         f"gradients: expects a step-net or a stepnet.nn layer, got {type(obj).__name__}"
     )

@@ -7,7 +7,8 @@ the backends, ONNX export and import and the YAML expressions read the
 entries; none keeps its own list of ops. An op's code for the backends is a
 scalar template (elementwise ops) or a backend-neutral index form
 (``gather`` for shape ops, ``reduction`` for sum and matmul).
-``primitives.py`` registers them; docs/adding-an-op.md says how to add one.
+The modules of ``stepnet/ops/`` register them (``primitives.py`` imports them
+in order); docs/adding-an-op.md says how to add one.
 """
 
 from __future__ import annotations

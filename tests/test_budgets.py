@@ -21,20 +21,16 @@ CPU_ENGINE_LINES = 3500
 
 # over budget today: their line counts may only go down
 MODULES_OVER = {
-    "stepnet/dsl.py": 1081,
     "stepnet/jit/blas.py": 1064,
     "stepnet/jit/cpu_codegen.py": 1467,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 997,
-    "stepnet/ops/primitives.py": 1352,
     "stepnet/torch.py": 969,
     "stepnet/yaml/model.py": 1057,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
     "stepnet/jit/own_loop.py:_own_columns": 131,
-    "stepnet/interpreter.py:run_rnn": 123,
-    "stepnet/dsl.py:RNNOp.add_memory": 122,
     "stepnet/onnx/export_graph.py:emit_rnn": 120,
     "stepnet/onnx/recurrent.py:_prepared_kernel": 113,
     "stepnet/nn/layer_pullback.py:LayerPullback.__call__": 91,
@@ -42,7 +38,6 @@ FUNCTIONS_OVER = {
     "stepnet/onnx/conv.py:_bind_conv": 87,
     "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
     "stepnet/torch.py:LayerModule.forward": 87,
-    "stepnet/pullback.py:gradients": 83,
 }
 CPU_ENGINE_NOW = 6452
 

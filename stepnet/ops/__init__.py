@@ -1,6 +1,6 @@
 """stepnet's ops: the primitives (one :mod:`stepnet.registry` entry each,
-registered in ``primitives.py``) and the composites built from them. Use them as
-``sn.ops.tanh(x)`` and so on."""
+registered by the modules ``primitives.py`` imports) and the composites built
+from them. Use them as ``sn.ops.tanh(x)`` and so on."""
 
 from .. import registry
 from . import composites, primitives  # noqa: F401 - primitives fills the registry
