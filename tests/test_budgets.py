@@ -37,8 +37,6 @@ FUNCTIONS_OVER = {
     "stepnet/dsl.py:RNNOp.add_memory": 122,
     "stepnet/onnx/export_graph.py:emit_rnn": 120,
     "stepnet/onnx/recurrent.py:_prepared_kernel": 113,
-    "stepnet/nn/layer_pullback.py:LayerPullback.__call__": 91,
-    "stepnet/cli.py:_parser": 81,
     "stepnet/onnx/conv.py:_bind_conv": 87,
     "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
     "stepnet/torch.py:LayerModule.forward": 87,
