@@ -28,7 +28,6 @@ MODULES_OVER = {
     "stepnet/onnx/session.py": 997,
     "stepnet/ops/primitives.py": 1352,
     "stepnet/torch.py": 969,
-    "stepnet/yaml/model.py": 1057,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
