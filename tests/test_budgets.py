@@ -27,7 +27,6 @@ MODULES_OVER = {
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 997,
     "stepnet/ops/primitives.py": 1352,
-    "stepnet/torch.py": 969,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
@@ -38,7 +37,6 @@ FUNCTIONS_OVER = {
     "stepnet/onnx/recurrent.py:_prepared_kernel": 113,
     "stepnet/onnx/conv.py:_bind_conv": 87,
     "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
-    "stepnet/torch.py:LayerModule.forward": 87,
     "stepnet/pullback.py:gradients": 83,
 }
 CPU_ENGINE_NOW = 6399
