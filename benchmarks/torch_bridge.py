@@ -93,6 +93,7 @@ def main(argv=None):
     import stepnet as sn
     import stepnet.pullback
     import stepnet.torch
+    import stepnet.torch_autograd
 
     wl = workloads.make("W5", quick=args.quick)
     T, B, I, H = (wl.dims[k] for k in "TBIH")
@@ -158,7 +159,7 @@ def main(argv=None):
             spent["fwd_bwd"] += t1 - t0
             spent["steps"] += 1
 
-    inner = _StepnetTimer(stepnet.torch, stepnet.pullback)
+    inner = _StepnetTimer(stepnet.torch_autograd, stepnet.pullback)
     for name in models:
         for _ in range(args.warmup):
             step(name)

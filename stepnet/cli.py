@@ -73,6 +73,20 @@ def _model_args(p):
                    help="on an unexpected error, show Python's traceback (else one line)")
 
 
+def _data_args(p):
+    """The arguments of every command that runs a network on data."""
+    p.add_argument("--input", metavar="DATA.npz",
+                   help="input data (default: random data of the declared shapes and a random "
+                        "LoD); for run also a directory of .npz shards, run one at a time")
+    p.add_argument("--backend", default=None,
+                   help=f"{_backend_names()} (default: numba when available)")
+    p.add_argument("--sequences", type=int, default=4, metavar="N",
+                   help="random data: number of top-level sequences (default 4)")
+    p.add_argument("--max-length", type=int, default=6, metavar="L",
+                   help="random data: longest sequence at each LoD level (default 6)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
+
+
 def _parser():
     from . import __version__
 
@@ -83,23 +97,11 @@ def _parser():
     parser.add_argument("--version", action="version", version=f"stepnet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def data_args(p):
-        p.add_argument("--input", metavar="DATA.npz",
-                       help="input data (default: random data of the declared shapes and a random "
-                            "LoD); for run also a directory of .npz shards, run one at a time")
-        p.add_argument("--backend", default=None,
-                       help=f"{_backend_names()} (default: numba when available)")
-        p.add_argument("--sequences", type=int, default=4, metavar="N",
-                       help="random data: number of top-level sequences (default 4)")
-        p.add_argument("--max-length", type=int, default=6, metavar="L",
-                       help="random data: longest sequence at each LoD level (default 6)")
-        p.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
-
     run = sub.add_parser("run", help="run a network and print a summary of its outputs",
                          description="Run a YAML network once and print its outputs' shapes, LoD "
                                      "and a summary of their values.")
     _model_args(run)
-    data_args(run)
+    _data_args(run)
     run.add_argument("--output", "-o", metavar="OUT.npz",
                      help="write the outputs to an .npz file (a directory of them for a directory "
                           "of shards)")
@@ -115,7 +117,7 @@ def _parser():
                     "deployment or CI), running it once on random inputs of its declared kinds "
                     "(or --input); a later process loads them at its first call.")
     _model_args(compile_)
-    data_args(compile_)
+    _data_args(compile_)
     compile_.set_defaults(func=cmd_compile)
 
     check = sub.add_parser("check", help="validate a network and print its IR",
@@ -127,7 +129,7 @@ def _parser():
                            description="Time the first call (compilation included) and the median "
                                        "of repeated runs.")
     _model_args(bench)
-    data_args(bench)
+    _data_args(bench)
     bench.add_argument("--repeat", type=int, default=10, metavar="N",
                        help="timed runs after the first call (default 10)")
     bench.set_defaults(func=cmd_bench)

@@ -25,214 +25,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import LoDError, ShapeError, StepNetError, UnsupportedError, optional_import
+from .errors import ShapeError, StepNetError, UnsupportedError, optional_import
 
 torch = optional_import("torch", "stepnet.torch", "pip install torch==2.13.0")
 
-from torch.autograd.function import once_differentiable  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
-from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn.layers import LAYERS, _refuse_cell  # noqa: E402
-from .pullback import vjp  # noqa: E402
+from .torch_autograd import Bridge, LayerCall, StepNetCall, autograd_records  # noqa: E402
+from .torch_layouts import (  # noqa: E402
+    NUMPY_DTYPES,
+    TORCH_DTYPES,
+    as_array,
+    check_tensor,
+    data_pointer,
+    is_lod_levels,
+    packed_layout,
+    padded_layout,
+    rows_layout,
+)
 
 __all__ = ["LayerModule", "Module", "StepNetModule"]
 
-_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-                 np.dtype(np.float64): torch.float64}
-_NUMPY_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
 _LAYERS = tuple(LAYERS.values())
-
-
-# ----------------------------------------------------------------------------
-# layouts: where each row of a one-level LoD lies in the caller's tensor
-
-
-class _Layout:
-    """How the rows of a one-level LoD (caller's sequence order, each
-    sequence's steps in order) lie in the caller's tensor.
-
-    ``kind`` is ``"padded"`` (``[B, T, ...]`` batch-first), ``"packed"``
-    (a ``PackedSequence``'s data) or ``"rows"`` (the LoD's own rows).
-    ``index`` gives, for each LoD row, its row in the caller's tensor
-    flattened to ``[rows, ...]`` (``None``: the same row).
-    """
-
-    def __init__(self, kind, levels, index=None, padded_shape=None, packed=None):
-        self.kind = kind
-        self.levels = levels  # the LoD's offset levels
-        self.index = index
-        self.padded_shape = padded_shape  # (B, T) for "padded"
-        self.packed = packed  # the PackedSequence that came in, for "packed"
-
-    @property
-    def caller_rows(self):
-        if self.kind == "padded":
-            return self.padded_shape[0] * self.padded_shape[1]
-        if self.kind == "packed":
-            return int(self.packed.data.shape[0])
-        return int(self.levels[-1][-1])
-
-    def gather(self, array):
-        """The caller's tensor (as an array) to LoD rows."""
-        flat = array.reshape((self.caller_rows,) + array.shape[2 if self.kind == "padded" else 1:])
-        if self.index is None:
-            return np.ascontiguousarray(flat)
-        return flat[self.index]
-
-    def scatter(self, rows):
-        """LoD rows to an array in the caller's layout (zeros where padding)."""
-        features = rows.shape[1:]
-        if self.index is None:
-            out = rows
-        else:
-            make = np.empty if self.kind == "packed" else np.zeros  # packed rows are all tokens
-            out = make((self.caller_rows,) + features, rows.dtype)
-            out[self.index] = rows
-        if self.kind == "padded":
-            return out.reshape(tuple(self.padded_shape) + features)
-        return out
-
-    def wrap(self, data):
-        """An output tensor in the caller's form (a PackedSequence for packed)."""
-        if self.kind == "packed":
-            p = self.packed
-            return PackedSequence(data, p.batch_sizes, p.sorted_indices, p.unsorted_indices)
-        if self.kind == "rows":
-            return data, [level.tolist() for level in self.levels]
-        return data
-
-
-def _padded_layout(shape, lengths, what):
-    """A ``[B, T, ...]`` tensor; ``lengths`` None: every sequence T steps."""
-    B, T = int(shape[0]), int(shape[1])
-    if lengths is None:
-        lens = np.full(B, T, np.int64)
-    else:
-        lens = _lengths_array(lengths, what)
-        if lens.shape != (B,):
-            raise ShapeError(f"{what}: lengths has {lens.size} entries for {B} sequences "
-                             f"(the padded tensor is {list(shape)})")
-        bad = np.flatnonzero((lens < 0) | (lens > T))
-        if bad.size:
-            i = int(bad[0])
-            raise ShapeError(f"{what}: lengths[{i}] = {int(lens[i])} is outside [0, {T}] "
-                             f"(the padded tensor has {T} steps)")
-    index = None
-    if not np.all(lens == T):
-        index = np.flatnonzero((np.arange(T) < lens[:, None]).ravel())
-    return _Layout("padded", (offsets_from_lengths(lens),), index, (B, T))
-
-
-def _packed_layout(packed, what):
-    """A PackedSequence: rows in the caller's order (``unsorted_indices``), so
-    initial and final states need no permutation."""
-    if packed.batch_sizes.device.type != "cpu":
-        raise ShapeError(f"{what}: batch_sizes must be on the CPU")
-    sizes = packed.batch_sizes.numpy().astype(np.int64)
-    steps = sizes.size
-    batch = int(sizes[0]) if steps else 0
-    # a sorted sequence s has as many steps as there are batch sizes above s
-    sorted_lengths = steps - np.searchsorted(sizes[::-1], np.arange(batch), side="right")
-    if packed.unsorted_indices is None:
-        position = np.arange(batch)
-    else:
-        position = packed.unsorted_indices.cpu().numpy().astype(np.int64)
-    lengths = sorted_lengths[position]
-    offsets = offsets_from_lengths(lengths)
-    step = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
-    first_row = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    index = first_row[step] + np.repeat(position, lengths)
-    return _Layout("packed", (offsets,), index, packed=packed)
-
-
-def _rows_layout(rows, lod, what):
-    try:
-        levels = LoDTensor(np.empty((rows.shape[0], 0)), lod).levels
-    except LoDError as exc:
-        raise ShapeError(f"{what}: {exc}") from None
-    return _Layout("rows", levels)
-
-
-def _lengths_array(lengths, what):
-    if isinstance(lengths, torch.Tensor):
-        lengths = lengths.detach().cpu().numpy()
-    lens = np.asarray(lengths)
-    if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
-        raise ShapeError(f"{what}: lengths must be a 1-D sequence of integers, got "
-                         f"{lens.dtype} of shape {list(lens.shape)}")
-    return lens.astype(np.int64)
-
-
-def _is_lod_levels(value):
-    """A list of offset levels (``[[0, 2, 5], ...]``), told from lengths."""
-    return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(level, (list, tuple, np.ndarray)) for level in value))
-
-
-# ----------------------------------------------------------------------------
-# tensors and arrays
-
-
-def _check_tensor(t, what, dtype=None):
-    if not isinstance(t, torch.Tensor):
-        raise ShapeError(f"{what}: expects a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise UnsupportedError(f"{what}: is on {t.device}; stepnet.torch runs on CPU tensors "
-                               "(move it with .cpu())")
-    if dtype is not None and t.dtype != dtype:
-        raise ShapeError(f"{what}: has dtype {t.dtype}, the stepnet net computes in {dtype}; "
-                         f"cast it (.to({dtype}))")
-    elif t.dtype not in _NUMPY_DTYPES:
-        raise ShapeError(f"{what}: dtype {t.dtype} is not float16, float32 or float64")
-    return t
-
-
-def _array(t):
-    """A tensor's memory as an ndarray (no copy)."""
-    return t.detach().numpy()
-
-
-def _tensor(a):
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def _grad_array(g):
-    return None if g is None else _array(g)
-
-
-def _data_pointer(a):
-    return a.__array_interface__["data"][0]
-
-
-# ----------------------------------------------------------------------------
-# the autograd function: forward once keeping the workspace, backward by the pullback
-
-
-class _Bridge(torch.autograd.Function):
-    """``apply(call, *tensors)``: ``call.forward()`` runs stepnet (``tensors``
-    are the inputs and parameters it reads, passed so that autograd links
-    them); ``call.backward(grads, needs)`` runs the pullback."""
-
-    @staticmethod
-    def forward(ctx, call, *tensors):
-        ctx.set_materialize_grads(False)  # None stands for zeros: the pullback skips them
-        ctx.call = call
-        ctx.save_for_backward(*tensors)  # modified in place before backward: torch refuses
-        return call.forward()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads):
-        ctx.saved_tensors  # noqa: B018 - checks that no input changed in place since
-        return (None,) + tuple(ctx.call.backward(grads, ctx.needs_input_grad[1:]))
-
-
-def _records(tensors):
-    """Whether autograd records this call."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # ----------------------------------------------------------------------------
@@ -356,7 +173,7 @@ class Module(torch.nn.Module):
             if t.device.type != "cpu":
                 raise UnsupportedError(f"parameter {name!r} is on {t.device}; stepnet.torch "
                                        "runs on CPU tensors")
-            if t.dtype != _TORCH_DTYPES.get(np.dtype(dtype)):
+            if t.dtype != TORCH_DTYPES.get(np.dtype(dtype)):
                 raise ShapeError(f"parameter {name!r} has dtype {t.dtype}; the stepnet net "
                                  f"computes in {np.dtype(dtype)} (change dtypes with module.to)")
             if tuple(t.shape) != p.value.shape:
@@ -364,24 +181,24 @@ class Module(torch.nn.Module):
                                  f"net was built with {list(p.value.shape)}")
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
-            if t.data_ptr() != _data_pointer(p.value) or not p.value.flags.c_contiguous:
-                p.value = _array(t)
+            if t.data_ptr() != data_pointer(p.value) or not p.value.flags.c_contiguous:
+                p.value = as_array(t)
 
     def _apply(self, fn, recurse=True):
         """``module.to(...)``, ``.double()``, ``.cuda()`` ...: refused before
         anything changes unless the result stays on the CPU in a dtype stepnet
         computes in (see ``_retype``)."""
         for dtype in {d for _, _, d in self._links}:
-            probe = fn(torch.empty(0, dtype=_TORCH_DTYPES[np.dtype(dtype)]))
+            probe = fn(torch.empty(0, dtype=TORCH_DTYPES[np.dtype(dtype)]))
             if probe.device.type != "cpu":
                 raise UnsupportedError(f"stepnet.torch.Module runs on the CPU; it cannot move "
                                        f"to {probe.device} (stepnet's CUDA backend takes arrays, "
                                        "see docs/cuda.md)")
-            if probe.dtype != _TORCH_DTYPES[np.dtype(dtype)]:
+            if probe.dtype != TORCH_DTYPES[np.dtype(dtype)]:
                 self._check_retype(probe.dtype)
         out = super()._apply(fn, recurse)
         changed = [self._parameters[name].dtype for name, _, dtype in self._links
-                   if self._parameters[name].dtype != _TORCH_DTYPES[np.dtype(dtype)]]
+                   if self._parameters[name].dtype != TORCH_DTYPES[np.dtype(dtype)]]
         if changed:
             self._retype(changed[0])
         self._sync()
@@ -450,7 +267,7 @@ class LayerModule(Module):
         """The same layer in ``dtype``, its Parameters on the converted torch
         parameters' memory (the torch Parameters stay the same objects)."""
         old = self.wrapped
-        new = type(old)(old.input_size, old.hidden_size, **_layer_options(old, _NUMPY_DTYPES[dtype]))
+        new = type(old)(old.input_size, old.hidden_size, **_layer_options(old, NUMPY_DTYPES[dtype]))
         fresh = new.parameters()
         if len(fresh) != len(self._links):
             raise AssertionError("the rebuilt layer has other parameters")
@@ -459,7 +276,7 @@ class LayerModule(Module):
             t = self._parameters[name]
             if tuple(t.shape) != p.value.shape:
                 raise AssertionError(f"rebuilt parameter {name} has another shape")
-            p.value = _array(t)
+            p.value = as_array(t)
             links.append((name, p, p.value.dtype))
         self.wrapped, self._links = new, links
 
@@ -510,39 +327,19 @@ class LayerModule(Module):
                                    "hx=None)")
             attention, hx = None, (args[0] if args else kwargs.get("hx"))
         self._sync()
-        dtype = _TORCH_DTYPES[np.dtype(layer.dtype)]
-        name = type(layer).__name__
+        dtype = TORCH_DTYPES[np.dtype(layer.dtype)]
         packed = isinstance(input, PackedSequence)
-        unbatched = False
-        if packed:
-            data = _check_tensor(input.data, f"{name}: input", dtype)
-            if data.dim() != 2 or data.shape[1] != layer.input_size:
-                raise ShapeError(f"{name}: the PackedSequence's data has shape "
-                                 f"{list(data.shape)}, expected [tokens, {layer.input_size}]")
-            layout = _packed_layout(input, f"{name}: input")
-        else:
-            data = _check_tensor(input, f"{name}: input", dtype)
-            if data.dim() not in (2, 3) or data.shape[-1] != layer.input_size:
-                raise ShapeError(
-                    f"{name}: input has shape {list(data.shape)}, expected "
-                    f"{'[B, T' if self.batch_first else '[T, B'}, {layer.input_size}] or "
-                    f"[T, {layer.input_size}] (input_size {layer.input_size})")
-            unbatched = data.dim() == 2
-            if unbatched:
-                data = data.unsqueeze(0)
-            elif not self.batch_first:
-                data = data.transpose(0, 1)
-            layout = _padded_layout(data.shape, None, f"{name}: input")
+        data, layout, unbatched = self._check_input(input, dtype)
         B = len(layout.levels[0]) - 1
         states = self._check_hx(hx, B, unbatched, dtype)
         if attention is not None:
             attention = self._check_attention(attention, packed, unbatched, layout, dtype)
         tensors = [data] + ([attention] if attention is not None else []) + \
             [s for s in states if s is not None]
-        call = _LayerCall(self, layout, data, attention, states)
+        call = LayerCall(self, layout, data, attention, states)
         params = [self._parameters[n] for n, _, _ in self._links]
-        if _records(tensors + params):
-            outs = _Bridge.apply(call, *tensors, *params)
+        if autograd_records(tensors + params):
+            outs = Bridge.apply(call, *tensors, *params)
         else:
             outs = call.forward(keep=False)
         output, finals = outs[0], list(outs[1:])
@@ -553,6 +350,30 @@ class LayerModule(Module):
         elif not self.batch_first:
             output = output.transpose(0, 1).contiguous()
         return (output, tuple(finals)) if len(finals) > 1 else (output, finals[0])
+
+    def _check_input(self, input, dtype):
+        """The input's data (batch-first ``[B, T, I]`` unless packed), its
+        layout, and whether it is one sequence without a batch axis."""
+        layer = self.wrapped
+        name = type(layer).__name__
+        if isinstance(input, PackedSequence):
+            data = check_tensor(input.data, f"{name}: input", dtype)
+            if data.dim() != 2 or data.shape[1] != layer.input_size:
+                raise ShapeError(f"{name}: the PackedSequence's data has shape "
+                                 f"{list(data.shape)}, expected [tokens, {layer.input_size}]")
+            return data, packed_layout(input, f"{name}: input"), False
+        data = check_tensor(input, f"{name}: input", dtype)
+        if data.dim() not in (2, 3) or data.shape[-1] != layer.input_size:
+            raise ShapeError(
+                f"{name}: input has shape {list(data.shape)}, expected "
+                f"{'[B, T' if self.batch_first else '[T, B'}, {layer.input_size}] or "
+                f"[T, {layer.input_size}] (input_size {layer.input_size})")
+        unbatched = data.dim() == 2
+        if unbatched:
+            data = data.unsqueeze(0)
+        elif not self.batch_first:
+            data = data.transpose(0, 1)
+        return data, padded_layout(data.shape, None, f"{name}: input"), unbatched
 
     def _check_hx(self, hx, B, unbatched, dtype):
         layer = self.wrapped
@@ -569,7 +390,7 @@ class LayerModule(Module):
         states = []
         LD = layer.num_layers * layer.num_directions
         for what, t, w in zip(("h_0", "c_0"), given, widths):
-            t = _check_tensor(t, f"{name}: {what}", dtype)
+            t = check_tensor(t, f"{name}: {what}", dtype)
             expected = (LD, w) if unbatched else (LD, B, w)
             if tuple(t.shape) != expected:
                 width = "proj_size" if w != layer.hidden_size else "hidden_size"
@@ -591,12 +412,12 @@ class LayerModule(Module):
                         attention.unsorted_indices, layout.packed.unsorted_indices))):
                 raise ShapeError(f"{name}: attention is packed with other lengths or order "
                                  "than the input")
-            a = _check_tensor(attention.data, f"{name}: attention", dtype)
+            a = check_tensor(attention.data, f"{name}: attention", dtype)
             if a.shape[0] != layout.caller_rows or a.numel() != a.shape[0]:
                 raise ShapeError(f"{name}: attention's data has shape {list(a.shape)}, expected "
                                  f"[{layout.caller_rows}] or [{layout.caller_rows}, 1]")
             return a
-        a = _check_tensor(attention, f"{name}: attention", dtype)
+        a = check_tensor(attention, f"{name}: attention", dtype)
         if unbatched:
             a = a.unsqueeze(0)
         elif not self.batch_first:
@@ -637,74 +458,6 @@ def _layer_options(layer, dtype):
     }
     options.update({key: getattr(layer, key) for key in layer.kind.options})
     return options
-
-
-class _LayerCall:
-    """One call of a layer: its inputs as arrays, the run, its pullback."""
-
-    def __init__(self, module, layout, data, attention, states):
-        self.module = module
-        self.layout = layout
-        self.data = data
-        self.attention = attention
-        self.states = states
-        self.pullback = None
-
-    def _arguments(self):
-        layout = self.layout
-        X = LoDTensor(layout.gather(_array(self.data)), layout.levels)
-        args = [X]
-        if self.attention is not None:  # one score per token: [tokens, 1]
-            a = _array(self.attention)
-            steps = a.shape[:2] if layout.kind == "padded" else a.shape[:1]
-            args.append(LoDTensor(layout.gather(a.reshape(steps + (1,))), layout.levels))
-        states = [None if s is None else _array(s) for s in self.states]
-        if len(states) > 1:
-            args.append(tuple(states) if any(s is not None for s in states) else None)
-        else:
-            args.append(states[0])
-        return args
-
-    def forward(self, keep=True):
-        layer = self.module.wrapped
-        args = self._arguments()
-        backend = self.module.backend
-        if keep:
-            outs, self.pullback = vjp(layer, *args, backend=backend)
-            if getattr(layer, "_workspace", None) is self.pullback:
-                layer._workspace = None  # held by this call's autograd node only
-        else:
-            outs = layer(*args, backend=backend)
-        Y, finals = outs
-        finals = finals if isinstance(finals, tuple) else (finals,)
-        return (_tensor(self.layout.scatter(Y.data)),) + tuple(_tensor(f) for f in finals)
-
-    def backward(self, grads, needs):
-        layout = self.layout
-        dY = grads[0]
-        cts = [None if dY is None else layout.gather(_array(dY))]
-        cts += [_grad_array(g) for g in grads[1:]]
-        given = [("X", self.data)]
-        if self.attention is not None:
-            given.append(("attention", self.attention))
-        given += [(n, s) for n, s in zip(("h0", "c0"), self.states) if s is not None]
-        params = [p for _, p, _ in self.module._links]
-        inputs_needed = [name for (name, _), need in zip(given, needs) if need]
-        params_needed = needs[len(given):]
-        wrt = inputs_needed + [p for p, need in zip(params, params_needed) if need]
-        if not wrt:
-            return [None] * len(needs)
-        found = iter(self.pullback(cts, wrt=wrt))
-        out = []
-        for (name, t), need in zip(given, needs):
-            if not need:
-                out.append(None)
-            elif name in ("X", "attention"):
-                out.append(_tensor(layout.scatter(next(found)).reshape(t.shape)))
-            else:
-                out.append(_tensor(next(found)))
-        out += [_tensor(next(found)) if need else None for need in params_needed]
-        return out
 
 
 class StepNetModule(Module):
@@ -809,7 +562,7 @@ class StepNetModule(Module):
         layout = None
         for name, value in inputs.items():
             b = rnn.bindings[name]
-            dtype = _TORCH_DTYPES[np.dtype(b.var.dtype)]
+            dtype = TORCH_DTYPES[np.dtype(b.var.dtype)]
             what = f"input {name}"
             if b.kind == "sequence":
                 t, lay = self._sequence_input(value, b, what, dtype)
@@ -820,14 +573,14 @@ class StepNetModule(Module):
                 if isinstance(value, (int, float, np.ndarray)):
                     bindings[name] = value  # a constant: no gradient
                     continue
-                t = _check_tensor(value, what, dtype)
+                t = check_tensor(value, what, dtype)
                 bindings[name] = t
             tensors.append(t)
             names.append(name)
-        call = _StepNetCall(self, bindings, names, layouts)
+        call = StepNetCall(self, bindings, names, layouts)
         params = [self._parameters[n] for n, _, _ in self._links]
-        if _records(tensors + params):
-            outs = _Bridge.apply(call, *tensors, *params)
+        if autograd_records(tensors + params):
+            outs = Bridge.apply(call, *tensors, *params)
         else:
             outs = call.forward(keep=False)
         results = []
@@ -848,14 +601,14 @@ class StepNetModule(Module):
             if depth != 1:
                 raise ShapeError(f"{what}: a PackedSequence has one LoD level; {what} was defined "
                                  f"with {depth} (pass (rows, lod))")
-            t = _check_tensor(value.data, what, dtype)
-            lay = _packed_layout(value, what)
+            t = check_tensor(value.data, what, dtype)
+            lay = packed_layout(value, what)
             shape = tuple(t.shape[1:])
         elif isinstance(value, (tuple, list)) and len(value) == 2:
             t, second = value
-            t = _check_tensor(t, what, dtype)
-            if _is_lod_levels(second):
-                lay = _rows_layout(t, second, what)
+            t = check_tensor(t, what, dtype)
+            if is_lod_levels(second):
+                lay = rows_layout(t, second, what)
                 if len(lay.levels) != depth:
                     raise ShapeError(f"{what}: lod has {len(lay.levels)} level(s); {what} was "
                                      f"defined with {depth}")
@@ -869,7 +622,7 @@ class StepNetModule(Module):
                                      f"expected {'[B, T' if self.batch_first else '[T, B'}, ...]")
                 if not self.batch_first:
                     t = t.transpose(0, 1)
-                lay = _padded_layout(t.shape, second, what)
+                lay = padded_layout(t.shape, second, what)
                 shape = tuple(t.shape[2:])
         else:
             raise ShapeError(f"{what}: a LoD input is given as a PackedSequence, (padded, lengths) "
@@ -878,92 +631,3 @@ class StepNetModule(Module):
             raise ShapeError(f"{what}: has feature shape {list(shape)}; it was defined with "
                              f"{list(features)}")
         return t, lay
-
-
-class _StepNetCall:
-    """One call of a step-net: its inputs as stepnet values, the run, its
-    pullback."""
-
-    def __init__(self, module, bindings, names, layouts):
-        self.module = module
-        self.bindings = bindings
-        self.names = names  # the inputs given as tensors, in the order passed to autograd
-        self.layouts = layouts
-        self.pullback = None
-        first = next(iter(layouts.values()), None)
-        self.out_layouts = []
-        self.out_lods = []
-        self._first = first
-
-    def _values(self):
-        values = {}
-        for name, v in self.bindings.items():
-            if isinstance(v, tuple):
-                t, lay = v
-                values[name] = LoDTensor(lay.gather(_array(t)), lay.levels)
-            elif isinstance(v, torch.Tensor):
-                values[name] = _array(v)
-            else:
-                values[name] = v
-        return values
-
-    def forward(self, keep=True):
-        module = self.module
-        rnn = module.wrapped
-        flags = module.flags
-        values = self._values()
-        if keep:
-            outs, self.pullback = vjp(rnn, output_all_steps=flags, backend=module.backend, **values)
-        else:
-            outs = rnn(output_all_steps=flags, backend=module.backend, **values)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        tensors = []
-        for out, flag in zip(outs, flags):
-            if not flag:
-                self.out_layouts.append(None)
-                tensors.append(_tensor(out))
-                continue
-            lay = self._first
-            if lay is not None and lay.kind != "rows" and out.num_levels == 1 and \
-                    np.array_equal(out.levels[0], lay.levels[0]):
-                self.out_layouts.append(lay)
-                tensors.append(_tensor(lay.scatter(out.data)))
-            else:
-                self.out_layouts.append(None)
-                self.out_lods.append(out.lod)
-                tensors.append(_tensor(out.data))
-        return tuple(tensors)
-
-    def backward(self, grads, needs):
-        module = self.module
-        cts = []
-        for g, lay in zip(grads, self.out_layouts):
-            if g is None:
-                cts.append(None)
-            elif lay is not None:
-                cts.append(lay.gather(_array(g)))
-            else:
-                cts.append(_array(g))
-        n = len(self.names)
-        params = [p for _, p, _ in module._links]
-        wrt = [name for name, need in zip(self.names, needs[:n]) if need]
-        wrt += [p for p, need in zip(params, needs[n:]) if need]
-        if not wrt:
-            return [None] * len(needs)
-        found = iter(self.pullback(cts, wrt=wrt))
-        out = []
-        for name, need in zip(self.names, needs[:n]):
-            if not need:
-                out.append(None)
-                continue
-            g = next(found)
-            lay = self.layouts.get(name)
-            if lay is not None:
-                g = lay.scatter(g)
-            v = self.bindings[name]
-            t = v[0] if isinstance(v, tuple) else v
-            out.append(_tensor(np.asarray(g, _NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape))))
-        for need in needs[n:]:
-            out.append(_tensor(next(found)) if need else None)
-        return out
-

@@ -25,19 +25,14 @@ MODULES_OVER = {
     "stepnet/jit/cpu_codegen.py": 1467,
     "stepnet/onnx/recurrent.py": 973,
     "stepnet/onnx/session.py": 997,
-    "stepnet/torch.py": 969,
-    "stepnet/yaml/model.py": 1057,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
     "stepnet/jit/own_loop.py:_own_columns": 131,
     "stepnet/onnx/export_graph.py:emit_rnn": 120,
     "stepnet/onnx/recurrent.py:_prepared_kernel": 113,
-    "stepnet/nn/layer_pullback.py:LayerPullback.__call__": 91,
-    "stepnet/cli.py:_parser": 81,
     "stepnet/onnx/conv.py:_bind_conv": 87,
     "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
-    "stepnet/torch.py:LayerModule.forward": 87,
 }
 CPU_ENGINE_NOW = 6452
 

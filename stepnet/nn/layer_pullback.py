@@ -57,9 +57,10 @@ class LayerPullback:
                              f"{list(shape)}")
         return np.ascontiguousarray(dY, layer.dtype)
 
-    def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
+    def _state_grads(self, grad_outputs):
+        """The gradients of the final states (``dh_n``, LSTM also ``dc_n``)
+        from ``grad_outputs``, their count and shapes checked."""
         layer = self.layer
-        wrt = layer.parameters() if wrt is None else list(wrt)
         widths = layer.state_widths()
         names = ("h", "c")[:len(widths)]
         if len(grad_outputs) != 1 + len(widths):
@@ -75,6 +76,26 @@ class LayerPullback:
                 raise ShapeError(f"grad_outputs: d{name}_n has shape {list(np.shape(g))}, "
                                  f"expected {list(expected)}")
             d_states.append(g)
+        return d_states
+
+    def _split(self, dy):
+        """A layer's output gradient ``dy`` as one gradient per direction."""
+        layer = self.layer
+        if layer.num_directions == 1:
+            return [dy]
+        if layer.direction == "bidirectional_sum":
+            return [dy, dy]
+        H = layer.output_size
+        return [np.ascontiguousarray(dy[:, :H]), np.ascontiguousarray(dy[:, H:])]
+
+    def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
+        layer = self.layer
+        wrt = layer.parameters() if wrt is None else list(wrt)
+        widths = layer.state_widths()
+        names = ("h", "c")[:len(widths)]
+        d_states = self._state_grads(grad_outputs)
+        L, D = layer.num_layers, layer.num_directions
+        B = self.flat.num_sequences
         param_grads = {}
         d_init = [np.zeros((L * D, B, w), layer.dtype) for w in widths]
         d_attention = [0] * (L * D)  # (summed in this order: the same bits on every run)
@@ -94,14 +115,6 @@ class LayerPullback:
                 d_init[s][i * D + d] = rest[1 + s]
             return rest[0]
 
-        def split(dy):
-            if D == 1:
-                return [dy]
-            if layer.direction == "bidirectional_sum":
-                return [dy, dy]
-            H = layer.output_size
-            return [np.ascontiguousarray(dy[:, :H]), np.ascontiguousarray(dy[:, H:])]
-
         # the directions at the same time, as the forward ran them (layer.stack)
         work = layer._direction_work(self.flat.data.shape[0],
                                      [pb.backend for pb in self.tape.values()])
@@ -114,11 +127,11 @@ class LayerPullback:
         dy = self._rows(grad_outputs[0])
         if layer.combine == "per_layer" or D == 1:
             for i in reversed(range(L)):
-                parts = split(dy)
+                parts = self._split(dy)
                 dy = sum(directions(lambda d, i=i, parts=parts: pull(i, d, parts[d])))
             dX = dy
         else:
-            parts = split(dy)
+            parts = self._split(dy)
 
             def whole_stack(d):
                 part = parts[d]

@@ -6,6 +6,7 @@ Python gives.
 """
 
 from .document import format_key
-from .model import InputSpec, Model, load_yaml
+from .model import load_yaml
+from .network import InputSpec, Model
 
 __all__ = ["InputSpec", "Model", "format_key", "load_yaml"]
