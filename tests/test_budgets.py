@@ -33,10 +33,8 @@ FUNCTIONS_OVER = {
     "stepnet/jit/own_loop.py:_own_columns": 131,
     "stepnet/interpreter.py:run_rnn": 123,
     "stepnet/dsl.py:RNNOp.add_memory": 122,
-    "stepnet/onnx/export_graph.py:emit_rnn": 120,
     "stepnet/nn/layer_pullback.py:LayerPullback.__call__": 91,
     "stepnet/cli.py:_parser": 81,
-    "stepnet/onnx/conv.py:_bind_conv": 87,
     "stepnet/torch.py:LayerModule.forward": 87,
     "stepnet/pullback.py:gradients": 83,
 }
