@@ -13,7 +13,7 @@ then, once.
 - GRU, LSTM, RNN and Scan nodes as step-nets on the chosen backend
   (:mod:`stepnet.onnx.recurrent`, :mod:`stepnet.onnx.scan`);
 - ``If`` and ``Loop`` by the graph, their branches and bodies being graphs
-  too (so recurrent nodes inside them are step-nets too);
+  themselves (so recurrent nodes inside them are step-nets too);
 - the ONNX Gradient operator with stepnet's reverse mode
   (:mod:`stepnet.onnx.gradient`);
 - every other op with stepnet's NumPy version where it has one
