@@ -22,17 +22,11 @@ CPU_ENGINE_LINES = 3500
 # over budget today: their line counts may only go down
 MODULES_OVER = {
     "stepnet/jit/blas.py": 1064,
-    "stepnet/jit/cpu_codegen.py": 1467,
-    "stepnet/onnx/recurrent.py": 973,
-    "stepnet/onnx/session.py": 997,
+    "stepnet/jit/cpu_codegen.py": 1421,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
     "stepnet/jit/own_loop.py:_own_columns": 131,
-    "stepnet/onnx/export_graph.py:emit_rnn": 120,
-    "stepnet/onnx/recurrent.py:_prepared_kernel": 113,
-    "stepnet/onnx/conv.py:_bind_conv": 87,
-    "stepnet/onnx/recurrent.py:ScanNode.forward": 87,
 }
 CPU_ENGINE_NOW = 6452
 

@@ -82,31 +82,6 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         (M,) + (1,) * nd)
     plans = {}
 
-    def plan(x):
-        begin, end, outs, st, dil = _spatial(x, kernel, strides, dilations, pads, _decode(auto_pad))
-        padded = x.shape[:2] + tuple(n + b + e for n, b, e in zip(x.shape[2:], begin, end))
-        inner = (slice(None), slice(None)) + tuple(slice(b, b + n) for b, n in zip(begin, x.shape[2:]))
-        item = x.itemsize
-        row = [item * int(np.prod(padded[i + 1:])) for i in range(len(padded))]
-        taps = tuple(row[2 + i] * dil[i] for i in range(nd))
-        positions = tuple(row[2 + i] * st[i] for i in range(nd))
-        # im2col copies the windows into the GEMM's operand; the copy is fast
-        # when its innermost axis is long and contiguous: the taps of a window
-        # (strided or wide kernels, as an STFT's) or the output positions
-        by_window = G == 1 and dil[-1] == 1 and (st[-1] > 1 or kernel[-1] >= outs[-1])
-        if by_window:  # [N, *outs, C, *kernel] -> [N * O, C * K]
-            shape = (x.shape[0],) + tuple(outs) + (Cg,) + tuple(kernel)
-            steps = (row[0],) + positions + (row[1],) + taps
-        else:  # [G, Cg, *kernel, N, *outs] -> [G, Cg * K, N * O]
-            shape = (G, Cg) + tuple(kernel) + (x.shape[0],) + tuple(outs)
-            steps = (row[1] * Cg, row[1]) + taps + (row[0],) + positions
-        # stride 1 along one axis: y[n] = sum over taps k of W_k @ x[n] shifted
-        # by k * dilation, each a GEMM over every sample's positions at once
-        shift = (nd == 1 and G == 1 and st[0] == 1 and not by_window and K > 1
-                 and Cg * K * x.shape[0] * outs[0] >= _SHIFT_MIN_ELEMENTS)
-        return (padded if any(begin) or any(end) else None, inner, shape, steps, tuple(outs),
-                int(np.prod(outs)), by_window, (begin[0], dil[0]) if shift else None)
-
     def conv(x, w_, b_=None):
         if x.ndim != w.ndim or x.dtype != w.dtype or x.shape[1] != Cg * G:
             return NotImplemented
@@ -114,7 +89,7 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         if p is None:
             if len(plans) > 64:
                 plans.clear()
-            p = plans[x.shape] = plan(x)
+            p = plans[x.shape] = _window_plan(x, kernel, strides, dilations, pads, auto_pad, G, Cg)
         padded, inner, shape, steps, outs, O, by_window, shift = p
         if min(outs, default=1) < 1:
             return NotImplemented
@@ -147,6 +122,39 @@ def _bind_conv(ctx, known, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         return y
 
     return conv
+
+
+def _window_plan(x, kernel, strides, dilations, pads, auto_pad, G, Cg):
+    """How a Conv of ``G`` groups of ``Cg`` channels and window ``kernel``
+    reads an input shaped like ``x``: ``(the padded input's shape or None,
+    where x goes in it, the windows' shape and strides, the output's spatial
+    shape, its size, whether each window is a row of the GEMM's operand,
+    (the padding before and the dilation of a 1-D stride-1 Conv run tap by
+    tap) or None)``."""
+    nd, K = len(kernel), int(np.prod(kernel))
+    begin, end, outs, st, dil = _spatial(x, kernel, strides, dilations, pads, _decode(auto_pad))
+    padded = x.shape[:2] + tuple(n + b + e for n, b, e in zip(x.shape[2:], begin, end))
+    inner = (slice(None), slice(None)) + tuple(slice(b, b + n) for b, n in zip(begin, x.shape[2:]))
+    item = x.itemsize
+    row = [item * int(np.prod(padded[i + 1:])) for i in range(len(padded))]
+    taps = tuple(row[2 + i] * dil[i] for i in range(nd))
+    positions = tuple(row[2 + i] * st[i] for i in range(nd))
+    # im2col copies the windows into the GEMM's operand; the copy is fast
+    # when its innermost axis is long and contiguous: the taps of a window
+    # (strided or wide kernels, as an STFT's) or the output positions
+    by_window = G == 1 and dil[-1] == 1 and (st[-1] > 1 or kernel[-1] >= outs[-1])
+    if by_window:  # [N, *outs, C, *kernel] -> [N * O, C * K]
+        shape = (x.shape[0],) + tuple(outs) + (Cg,) + tuple(kernel)
+        steps = (row[0],) + positions + (row[1],) + taps
+    else:  # [G, Cg, *kernel, N, *outs] -> [G, Cg * K, N * O]
+        shape = (G, Cg) + tuple(kernel) + (x.shape[0],) + tuple(outs)
+        steps = (row[1] * Cg, row[1]) + taps + (row[0],) + positions
+    # stride 1 along one axis: y[n] = sum over taps k of W_k @ x[n] shifted
+    # by k * dilation, each a GEMM over every sample's positions at once
+    shift = (nd == 1 and G == 1 and st[0] == 1 and not by_window and K > 1
+             and Cg * K * x.shape[0] * outs[0] >= _SHIFT_MIN_ELEMENTS)
+    return (padded if any(begin) or any(end) else None, inner, shape, steps, tuple(outs),
+            int(np.prod(outs)), by_window, (begin[0], dil[0]) if shift else None)
 
 
 def _conv_by_taps(x, per_tap, padded, shift, O):

@@ -290,26 +290,7 @@ def emit_rnn(g, env, net: StepNet, seqs, statics, inits, modes):
     inner = dict(env)
     for var, value in zip(body.static_inputs, statics):
         inner[id(var)] = value
-
-    # state variables: the memories, then each last-step output that is not
-    # a memory's new value
-    state_inits, state_vars = [], []
-    for mem, init in zip(body.memories, inits):
-        inner[id(mem.pre)] = scan.add_input(f"{mem.name}_prev", mem.pre.dtype)
-        state_inits.append(init)
-        state_vars.append(mem.pre)
-    memory_posts = {id(mem.post): i for i, mem in enumerate(body.memories)}
-    trackers = {}  # output index -> state index
-    for i, (out, wanted) in enumerate(zip(body.outputs, modes)):
-        if "last" not in wanted or out.lod_depth or id(out) in memory_posts:
-            continue
-        mem_index = net.output_memory[i]
-        start = inits[mem_index] if mem_index >= 0 else \
-            g.batch_of(g.const(0, out.dtype), out.shape[1:], lengths)
-        trackers[i] = len(state_inits)
-        scan.add_input(f"last_{out.name}", out.dtype)
-        state_inits.append(start)
-        state_vars.append(out)
+    state_inits, state_vars, trackers = _scan_states(g, scan, inner, net, inits, modes, lengths)
 
     # scan inputs: the mask, then each sequence's next element and lengths
     step_mask = scan.add_input("step_mask", np.bool_)
@@ -325,6 +306,60 @@ def emit_rnn(g, env, net: StepNet, seqs, statics, inits, modes):
 
     for eqn in body.eqns:
         emit_eqn(scan, inner, eqn)
+    state_outputs, scan_output_names, scan_outputs = _scan_body_outputs(scan, inner, body, modes,
+                                                                        step_mask, trackers)
+    for name, var in zip(state_outputs, state_vars):
+        scan.add_output(name, var.dtype)
+    for name, (i, level) in zip(scan_output_names, scan_outputs):
+        scan.add_output(name, np.int64 if level is not None else body.outputs[i].dtype)
+
+    direction = int(net.reverse)
+    num_scan_inputs = len(scan_inputs)
+    results = g.add("Scan", state_inits + scan_inputs, net.name,
+                    num_outputs=len(state_outputs) + len(scan_output_names),
+                    body=scan.make(), num_scan_inputs=num_scan_inputs,
+                    scan_input_axes=[1] * num_scan_inputs,
+                    scan_input_directions=[direction] * num_scan_inputs,
+                    scan_output_axes=[1] * len(scan_output_names),
+                    scan_output_directions=[direction] * len(scan_output_names))
+    results = results if isinstance(results, list) else [results]
+    finals, stacked = results[:len(state_outputs)], results[len(state_outputs):]
+    return _per_output(g, net, modes, lengths, finals, dict(zip(scan_outputs, stacked)), trackers)
+
+
+def _scan_states(g, scan, inner, net, inits, modes, lengths):
+    """The Scan's state variables, added as inputs of its body ``scan``:
+    the memories, then each last-step output that is not a memory's new
+    value. Returns their initial values, their variables, and per such
+    output its state's index (``{output index: state index}``)."""
+    body = net.body
+    state_inits, state_vars = [], []
+    for mem, init in zip(body.memories, inits):
+        inner[id(mem.pre)] = scan.add_input(f"{mem.name}_prev", mem.pre.dtype)
+        state_inits.append(init)
+        state_vars.append(mem.pre)
+    memory_posts = {id(mem.post) for mem in body.memories}
+    trackers = {}  # output index -> state index
+    for i, (out, wanted) in enumerate(zip(body.outputs, modes)):
+        if "last" not in wanted or out.lod_depth or id(out) in memory_posts:
+            continue
+        mem_index = net.output_memory[i]
+        start = inits[mem_index] if mem_index >= 0 else \
+            g.batch_of(g.const(0, out.dtype), out.shape[1:], lengths)
+        trackers[i] = len(state_inits)
+        scan.add_input(f"last_{out.name}", out.dtype)
+        state_inits.append(start)
+        state_vars.append(out)
+    return state_inits, state_vars, trackers
+
+
+def _scan_body_outputs(scan, inner, body, modes, step_mask, trackers):
+    """The body's outputs, each masked by ``step_mask`` (a step past a
+    sequence's end keeps a state, and gives zeros): the states' new values,
+    then the values of every step wanted ("all", and every output with a
+    LoD) with their lengths at each level. Returns the states' names, the
+    scan outputs' names, and per scan output ``(output index, level or
+    None for the values)``."""
 
     def rank(var):
         return len(var.shape)
@@ -355,28 +390,15 @@ def emit_rnn(g, env, net: StepNet, seqs, statics, inits, modes):
         elif "all" in wanted:
             scan_output_names.append(scan.masked(step_mask, 1, value, rank(out), out.dtype))
             scan_outputs.append((i, None))
+    return state_outputs, scan_output_names, scan_outputs
 
-    for name, var in zip(state_outputs, state_vars):
-        scan.add_output(name, var.dtype)
-    for name, (i, level) in zip(scan_output_names, scan_outputs):
-        scan.add_output(name, np.int64 if level is not None else body.outputs[i].dtype)
 
-    direction = int(net.reverse)
-    num_scan_inputs = len(scan_inputs)
-    results = g.add("Scan", state_inits + scan_inputs, net.name,
-                    num_outputs=len(state_outputs) + len(scan_output_names),
-                    body=scan.make(), num_scan_inputs=num_scan_inputs,
-                    scan_input_axes=[1] * num_scan_inputs,
-                    scan_input_directions=[direction] * num_scan_inputs,
-                    scan_output_axes=[1] * len(scan_output_names),
-                    scan_output_directions=[direction] * len(scan_output_names))
-    results = results if isinstance(results, list) else [results]
-    finals, stacked = results[:len(state_outputs)], results[len(state_outputs):]
-
+def _per_output(g, net, modes, lengths, finals, stacked_of, trackers):
+    """``emit_rnn``'s result from the Scan's final states (``finals``) and
+    stacked outputs (``stacked_of``: by ``(output index, level or None)``)."""
+    body = net.body
+    memory_posts = {id(mem.post): i for i, mem in enumerate(body.memories)}
     per_output = [{} for _ in body.outputs]
-    stacked_of = {}
-    for name, key in zip(stacked, scan_outputs):
-        stacked_of[key] = name
     for i, (out, wanted) in enumerate(zip(body.outputs, modes)):
         if out.lod_depth:
             levels = tuple(stacked_of[(i, level)] for level in range(out.lod_depth))

@@ -26,7 +26,7 @@ a step value (``sn.Value``), in one of two layouts (``ctx.rows``):
 
 An entry with ``in_step=False`` only takes arrays; one that cannot trace a
 case on step values raises UnsupportedError, and the Scan runs its body
-node by node instead (:mod:`stepnet.onnx.recurrent`). Missing optional inputs
+node by node instead (:mod:`stepnet.onnx.scan`). Missing optional inputs
 are ``None``. ``attrs`` lists the attributes the entry understands; a node
 with any other attribute runs on the reference.
 
