@@ -65,7 +65,7 @@ class Outer:
 
 
 def grad_rule(op):
-    """The gradient rule of ``op`` (see ops/primitives.py)."""
+    """The gradient rule of ``op`` (the records in stepnet/ops/)."""
     rule = registry.get(op).grad
     if rule is None:
         raise UnsupportedError(f"op {op!r} has no gradient rule")
@@ -73,7 +73,7 @@ def grad_rule(op):
 
 
 class _BlockEmitter:
-    """Appends the gradient rules' ops to a backward step (see ops/primitives.py)."""
+    """Appends the gradient rules' ops to a backward step (the records in stepnet/ops/)."""
 
     def __init__(self):
         self.eqns = []

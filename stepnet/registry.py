@@ -48,7 +48,7 @@ class OpDef:
       row's own rows of a ragged value: ``seq_sum``, ``seq_max``).
     - ``function``: the public function, ``sn.ops.<name>``.
     - ``grad(em, eqn, g) -> [cotangent or None per operand]``: the gradient
-      rule (reverse mode), written with ``em.op`` (see ``primitives.py``);
+      rule (reverse mode), written with ``em.op`` (see ``stepnet/ops/primitives.py``);
       None: the result is not differentiable (a comparison).
     - ``numba``, ``cuda``: an elementwise op's code for that backend: a scalar
       expression template, ``{0}``, ``{1}``, ... the operands' code. A Numba

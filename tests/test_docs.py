@@ -297,7 +297,7 @@ def ops_markdown() -> str:
              "<!-- generated from the op registry (stepnet/registry.py) by tests/test_docs.py; "
              "regenerate: python tests/test_docs.py --write -->", "",
              "Every op is `sn.ops.NAME`. The primitives are the entries of the op registry "
-             "(`sn.ops.registry.all_ops()`), each defined once in `stepnet/ops/primitives.py`; "
+             "(`sn.ops.registry.all_ops()`), each defined once, in the module of its kind in `stepnet/ops/`; "
              "[adding-an-op.md](adding-an-op.md) says how to add one. *kind*: how the backends "
              "compile it (`elementwise` ops fuse into one loop; `segment` ops reduce each batch "
              "row's own rows of a ragged value). *operands*: how many (`any`: variadic). "

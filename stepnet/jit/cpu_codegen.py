@@ -818,7 +818,7 @@ def _read_at(ctx, ins, e, k, index):
 
 def _scalar_expr(ctx, e, args):
     """Op ``e`` on one element, ``args`` its operands' code: the op's
-    ``numba`` code (stepnet/ops/primitives.py)."""
+    ``numba`` code (its record in stepnet/ops/)."""
     code = registry.get(e.op).numba
     dtype = e.outputs[0].dtype
     if code is None:

@@ -312,7 +312,7 @@ class _Kernels:
 
     def _scalar(self, e, args):
         """Op ``e`` on one element, ``args`` its operands' code: the op's
-        ``cuda`` code (stepnet/ops/primitives.py)."""
+        ``cuda`` code (its record in stepnet/ops/)."""
         dt = _dtype_name(e.outputs[0].dtype) if np.dtype(e.outputs[0].dtype).kind == "f" else "float64"
         code = registry.get(e.op).cuda
         if callable(code):

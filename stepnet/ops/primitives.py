@@ -15,7 +15,7 @@ comparisons, where, clip), ``shape_ops.py`` (matmul, sum and the shape ops)
 and ``segments.py`` (the ops over a ragged value's rows), with what they share
 in ``rules.py``. This module imports them in the op table's order (the order
 of registration, which ``registry.all_ops()`` keeps) and gives every op's
-function under its name.
+function under its name, from the table.
 
 On step values the functions trace into the IR; on plain arrays they compute
 eagerly with the NumPy reference. Composite ops (the parametric ONNX
@@ -34,45 +34,16 @@ operand's shape. ``None`` means "no gradient": the condition of ``where``,
 Python scalars, and non-float operands.
 """
 
-# (imported in this order, the modules register their ops in the op table's order)
-from .elementwise import (
-    abs,
-    add,
-    clip,
-    div,
-    equal,
-    erf,
-    exp,
-    greater,
-    greater_equal,
-    less,
-    less_equal,
-    log,
-    maximum,
-    minimum,
-    mul,
-    neg,
-    relu,
-    sigmoid,
-    softplus,
-    sqrt,
-    sub,
-    tanh,
-    where,
-)
-from .shape_ops import broadcast_axis, concat, matmul, pad, slice, sum, transpose
-from .segments import seq_expand, seq_max, seq_sum
-from .rules import derivative, shape_of
+from .. import registry
 
-__all__ = [
-    # elementwise, in the order of registration
-    "add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs",
-    "exp", "log", "sqrt", "tanh", "sigmoid", "softplus", "erf", "relu",
-    "greater", "greater_equal", "less", "less_equal", "equal", "where", "clip",
-    # reductions and shape ops
-    "matmul", "sum", "concat", "slice", "transpose", "broadcast_axis", "pad",
-    # segment ops
-    "seq_sum", "seq_max", "seq_expand",
-    # what a record or a composite uses
-    "derivative", "shape_of",
-]
+# (imported in this order, the modules register their ops in the op table's order)
+from . import elementwise  # noqa: F401
+from . import shape_ops  # noqa: F401
+from . import segments  # noqa: F401
+from .rules import derivative, shape_of  # noqa: F401 - what a record or a composite uses
+
+# every op's function under its name, read from its record: a new op is its
+# record alone
+globals().update({name: op.function for name, op in registry.all_ops().items()})
+
+__all__ = [*registry.all_ops(), "derivative", "shape_of"]
