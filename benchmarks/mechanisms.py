@@ -109,7 +109,7 @@ MECHANISMS = {
                       lambda: _board_without(threads.COLUMNS | threads.AHEAD)),
     "pauses": ("pausing the sharing of products whose handovers lost",
                lambda: _board_without(threads.PAUSING)),
-    "pieces": ("weight gradients in pieces on Python threads (blas.transposed_products)",
+    "pieces": ("weight gradients in pieces on Python threads (transposed.transposed_products)",
                lambda: _replaced(blas, "_SPLIT_TN_WORK", 1 << 62)),
     "directions": ("a layer's directions at once (threads.run_apart)",
                    lambda: _replaced(threads, "run_apart",

@@ -42,13 +42,13 @@ def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
     id(var) -> value). The rows of a ``Rows`` term are summed once however many
     constants share them, and beside the product of an ``Outer`` term over
     the same rows (a bias next to its weight) when there is one. The
-    products run together on stepnet's threads (``blas.transposed_products``,
+    products run together on stepnet's threads (``transposed.transposed_products``,
     compiled helpers), or with ``on_numpy`` on NumPy: for a backward that ran
     on the interpreter, which must not wait for a compile."""
     if on_numpy:
         products_of = _numpy_transposed_products
     else:
-        from .jit.blas import transposed_products as products_of  # (loaded: a kernel ran)
+        from .jit.transposed import transposed_products as products_of  # (loaded: a kernel ran)
     grads, sums = {}, {}
 
     def key(ref):

@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from stepnet.jit import blas, own_loop, threads
+from stepnet.jit import blas, own_loop, threads, transposed
 
 
 def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):
@@ -389,8 +389,8 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
     of rows; under 6 columns of ``a``, and a last block of ``b``'s columns
     that overlaps the one before), agrees with NumPy's product."""
 
-    monkeypatch.setattr(blas, "_SPLIT_TN_WORK", 1)
-    monkeypatch.setattr(blas, "_TN_OWN", {"float32": own, "float64": own})
+    monkeypatch.setattr(transposed, "_SPLIT_TN_WORK", 1)
+    monkeypatch.setattr(transposed, "_TN_OWN", {"float32": own, "float64": own})
     previous = numba.get_num_threads()
     tol = 1e-4 if dtype == np.float32 else 1e-11
     try:
@@ -399,20 +399,20 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
             for m, n in ((13, 21), (13, 45), (4, 70), (7, 32)):
                 a = rng.standard_normal((rows, m)).astype(dtype)
                 b = rng.standard_normal((rows, n)).astype(dtype)
-                got = blas.transposed_product(a, b)
+                got = transposed.transposed_product(a, b)
                 want = a.astype(np.float64).T @ b.astype(np.float64)
                 assert got.dtype == dtype and got.shape == (m, n)
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
                 # with the column sums of b (a bias's gradient), over several blocks of rows
-                monkeypatch.setattr(blas, "_SUM_BLOCK", 3)
-                got, sums = blas.transposed_product(a, b, column_sums=True)
+                monkeypatch.setattr(transposed, "_SUM_BLOCK", 3)
+                got, sums = transposed.transposed_product(a, b, column_sums=True)
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
                 assert sums.dtype == dtype and sums.shape == (n,)
                 np.testing.assert_allclose(sums, b.astype(np.float64).sum(0), rtol=tol,
                                            atol=tol * max(1, rows) ** 0.5)
             # strided operands (a column slice) are read correctly too
             wide = rng.standard_normal((rows, 30)).astype(dtype)
-            got = blas.transposed_product(wide[:, 3:16], b)
+            got = transposed.transposed_product(wide[:, 3:16], b)
             want = wide[:, 3:16].astype(np.float64).T @ b.astype(np.float64)
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1, rows) ** 0.5)
     finally:
@@ -421,12 +421,12 @@ def test_transposed_product_on_threads_equals_numpy(rng, monkeypatch, dtype, row
 
 @pytest.mark.parametrize("own", [False, True], ids=["library", "own-loop"])
 def test_transposed_products_together_equal_numpy(rng, monkeypatch, own):
-    """Several weight gradients at once (``blas.transposed_products``): their
+    """Several weight gradients at once (``transposed.transposed_products``): their
     work cut between the threads wherever it falls (inside a product, at
     its start, with the cut rows rounded; a product of no rows or no
     columns; column sums), each result equals NumPy's, in its order."""
 
-    monkeypatch.setattr(blas, "_TN_OWN", {"float32": own, "float64": own})
+    monkeypatch.setattr(transposed, "_TN_OWN", {"float32": own, "float64": own})
     previous = numba.get_num_threads()
     shapes = [(2000, 13, 40, True), (0, 8, 32, True), (7, 13, 45, False), (513, 6, 33, True),
               (64, 0, 32, True), (129, 9, 64, False)]
@@ -434,11 +434,11 @@ def test_transposed_products_together_equal_numpy(rng, monkeypatch, own):
         for threads in (1, 2):
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
             for split in (1, 1 << 30):  # (every product shared out; none)
-                monkeypatch.setattr(blas, "_SPLIT_TN_WORK", split)
+                monkeypatch.setattr(transposed, "_SPLIT_TN_WORK", split)
                 products = [(rng.standard_normal((r, m)).astype(np.float32),
                              rng.standard_normal((r, n)).astype(np.float32), sums)
                             for r, m, n, sums in shapes]
-                results = blas.transposed_products(products)
+                results = transposed.transposed_products(products)
                 assert len(results) == len(products)
                 for (a, b, sums), got in zip(products, results):
                     want = a.astype(np.float64).T @ b.astype(np.float64)
@@ -451,7 +451,7 @@ def test_transposed_products_together_equal_numpy(rng, monkeypatch, own):
     finally:
         numba.set_num_threads(previous)
     # the pieces: each product whole on one thread but where a cut falls in it
-    pieces = blas._tn_pieces([6400 * 128 * 256] * 4 + [6400 * 256 * 256] * 3,
+    pieces = transposed._tn_pieces([6400 * 128 * 256] * 4 + [6400 * 256 * 256] * 3,
                              [128 * 256] * 4 + [256 * 256] * 3, 2)
     assert pieces == [[(0, 0, 6400), (1, 0, 6400), (2, 0, 6400), (3, 0, 6400), (4, 0, 3200)],
                       [(4, 3200, 6400), (5, 0, 6400), (6, 0, 6400)]]

@@ -52,11 +52,11 @@ def small_products(request, monkeypatch):
     that a run's sequences cut in two have products by another code than
     the run's whole (shared with the helper)."""
     if request.param != "measured":
-        from stepnet.jit import blas
+        from stepnet.jit import product_timing
 
         table = np.array([[1 << 40], [4], [1]], np.int64)
         table.flags.writeable = False
-        monkeypatch.setattr(blas, "_SMALL_ROWS", [table])
+        monkeypatch.setattr(product_timing, "_SMALL_ROWS", [table])
 
 
 def test_a_layer_called_from_many_threads_gives_each_call_its_bits_alone(rng, small_products):

@@ -19,7 +19,7 @@ from numba import njit
 import stepnet as sn
 from conftest import assert_close
 from nets import nested_encoder
-from stepnet.jit import ahead, atomics, blas, cpu_codegen, own_loop, threads
+from stepnet.jit import ahead, atomics, blas, cpu_codegen, own_loop, product_timing, threads
 
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
@@ -43,12 +43,12 @@ def per_step_shared(monkeypatch):
     """``set(flag)``: the small-product table (a kernel's run-time argument)
     with every size's per-step products shared with the helper (``flag``) or
     never, whatever this machine measured."""
-    table = blas.small_rows_table().copy()
+    table = product_timing.small_rows_table().copy()
 
     def set_sharing(flag):
         table[2] = int(flag)
         table.flags.writeable = False
-        monkeypatch.setattr(blas, "_SMALL_ROWS", [table])
+        monkeypatch.setattr(product_timing, "_SMALL_ROWS", [table])
 
     return set_sharing
 
@@ -300,7 +300,7 @@ def test_a_one_sequence_gru_shares_its_step_with_the_helper(rng, monkeypatch):
     the same result. (The own loop is told to take products of one row, as
     it is measured to on most machines: only its products are cut by
     columns.)"""
-    monkeypatch.setattr(blas, "_SMALL_ROWS", [np.array([[1 << 40], [1]], np.int64)])
+    monkeypatch.setattr(product_timing, "_SMALL_ROWS", [np.array([[1 << 40], [1]], np.int64)])
     H, T, features = 128, 40, 16
     X = sn.LoDTensor.from_lengths(rng.standard_normal((T, features)).astype(np.float32), [[T]])
     layer = sn.nn.GRU(features, H, seed=3)
@@ -617,7 +617,7 @@ def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
         board = np.zeros_like(threads.BOARD)
         board[threads.SHARES] = threads.EVERY
         board[threads.STATE] = threads.IDLE
-        prepared = blas.pack(w, 16, 40, blas.small_rows_table(), board)
+        prepared = blas.pack(w, 16, 40, product_timing.small_rows_table(), board)
         buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]
         ahead_buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]
         state = np.zeros(ahead.AHEAD_WORDS, np.int64)

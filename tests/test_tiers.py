@@ -83,7 +83,7 @@ def test_a_first_training_step_has_the_worker_prepare_the_weight_gradients(rng, 
                                                                           monkeypatch):
     """While a new backward answers on the interpreter, the compile worker
     measures and compiles the weight gradients' product for its dtype
-    (``blas.prepare_transposed_products``), so that the first compiled
+    (``transposed.prepare_transposed_products``), so that the first compiled
     backward does not compile it on the caller's thread."""
     (tiered / "transposed_products.json").unlink(missing_ok=True)
     monkeypatch.setattr(loading, "_PREPARED", set())
@@ -146,7 +146,7 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
         import os
         os.environ["STEPNET_TIERED"] = "1"  # (conftest, imported above, turns it off)
         import stepnet as sn
-        from stepnet.jit import blas, loading
+        from stepnet.jit import blas, loading, transposed
         answered, release = loading.TieredProgram._answered, threading.Event()
 
         def held(self, error):  # (on the thread reading the worker's answers)
@@ -159,8 +159,8 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
         run = rnn.compile("numba")._runner(True)
         dY = np.ones((X.data.shape[0], 12))
         sn.gradients(rnn, wrt=list(params), grad_outputs=[dY])
-        sums = (blas.gemm_tn.signatures + blas._gemm_tn_column_sums.signatures
-                + blas._own_tn.signatures)
+        sums = (blas.gemm_tn.signatures + transposed._gemm_tn_column_sums.signatures
+                + transposed._own_tn.signatures)
         print(run.ready, sorted(blas._own_entries), len(sums))
         release.set()
         assert rnn.compile("numba").wait(timeout=300)

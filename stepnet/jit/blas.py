@@ -15,7 +15,7 @@ and cached; ``STEPNET_BLAS`` overrides; see :mod:`stepnet.jit.blas_choice`):
 Parallelism is not in the BLAS: the Numba backend runs groups of sequences on
 stepnet's threads (:mod:`stepnet.jit.threads`), each calling these
 single-threaded GEMMs, so no step waits on a barrier and no two thread pools
-compete; ``transposed_product`` (weight gradients) splits its reduction over
+compete; the weight gradients' products (:mod:`stepnet.jit.transposed`) split over
 the same threads. A run too small for groups on Python's threads (a
 stream's chunk of many streams) gives about half of its sequences to the
 helper thread (:mod:`stepnet.jit.threads`); a run of one sequence shares
@@ -23,7 +23,7 @@ each big enough product with it instead: the product is cut in two at a
 place fixed by its shape, and the helper, spinning in compiled code,
 computes the second part (see *products shared with the helper* below;
 stepnet's own loop cuts products by weights of the sizes where that was
-measured faster than alone on this machine: ``small_rows_table``).
+measured faster than alone on this machine: :mod:`stepnet.jit.product_timing`).
 ``taps_product`` does the same for a convolution outside the kernels.
 
 Small products (a batch of one, the last few sequences of a batch) spend
@@ -31,7 +31,7 @@ more time in a library's dispatch, packing or generic kernels than in
 arithmetic: there a step runs stepnet's own loop (:mod:`stepnet.jit.own_loop`)
 through a C entry compiled once (``register_small_gemm``). Up to how many
 rows, for weights of each size, is measured once per machine and library
-(``small_rows_table``; ``STEPNET_SMALL_PRODUCTS`` overrides): it differs
+(:mod:`stepnet.jit.product_timing`; ``STEPNET_SMALL_PRODUCTS`` overrides): it differs
 widely between CPUs. A product outside the time loop takes the same limit
 (``gemm_hoisted``).
 
@@ -43,7 +43,6 @@ run-time argument of the kernels.
 from __future__ import annotations
 
 import threading
-import time
 
 import llvmlite.binding as llvm_binding
 import numpy as np
@@ -56,10 +55,9 @@ from ..config import config
 from . import threads
 from .atomics import cycles, job_of, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
-from .own_loop import DETERMINISTIC, _WIDE_ACCUMULATORS, _columns_outer, _own_columns, \
-    _panel_count, aligned_empty, fill_panels, panels, small_gemm
-from .blas_choice import EVERY_PRODUCT, choose, find_mkl, find_openblas, measure, \
-    small_product_rows, transposed_by_own_loop
+from .own_loop import DETERMINISTIC, _WIDE_ACCUMULATORS, _own_columns, \
+    _panel_count, aligned_empty, panels, small_gemm
+from .blas_choice import choose, find_mkl, find_openblas
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _N, _T = 78, 84  # ord("N"), ord("T"): Fortran BLAS's "no transpose", "transpose"
@@ -705,136 +703,6 @@ def gemm_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gath
     gemm_packed(gathered[:rows], prepared, out[:rows])
 
 
-@njit(cache=True)
-def _repeat_products(a, prepared, out, own, reps, board, recur):
-    """``reps`` per-step products, by stepnet's own loop's C entry (on the
-    weights' panels) or the library's. ``recur``: as in a time loop, each
-    product's left rows are made from the last one's every column on this
-    thread (where the product is cut, the helper's columns come to this
-    core and the new rows go to the helper's)."""
-    m, k = a.shape
-    n = out.shape[1]
-    scale = a.dtype.type(1.0 / np.sqrt(k))  # (the rows keep their size)
-    for _ in range(reps):
-        if own:
-            _own_product(a, prepared[4], out, board)
-        else:
-            _library_product(a, prepared, out)
-        if recur:
-            for i in range(m):
-                for j0 in range(0, n, k):
-                    for j in range(j0, min(n, j0 + k)):
-                        a[i, j - j0] = out[i, j] * scale
-
-
-def _products_in_turn(m, k, n, sides, reps, settle, recur=False, rounds=3):
-    """Seconds per float32 product ``[m, k] @ [k, n]`` on the calling thread
-    of each side ``(own, board_of)``: stepnet's own loop (on the weights'
-    panels) or the library's, on the board ``board_of()`` gives before each
-    run. The best of ``rounds`` runs of ``reps`` products of each, the sides
-    taken in turn (a busy phase of the machine slows them alike), each run
-    after ``settle`` products untimed (``recur``: ``_repeat_products``)."""
-    register_small_gemm(np.float32)
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), np.float32)
-    b = rng.standard_normal((k, n), np.float32)
-    b.flags.writeable = False  # (as a kernel's weights: the packing compiled once for both)
-    out = np.empty((m, n), np.float32)
-    prepared = (_library_pack(b, m), b, 0, threads.ALONE, panels(b))
-    seconds = [float("inf")] * len(sides)
-    for _ in range(rounds):
-        for side, (own, board_of) in enumerate(sides):
-            board = board_of()
-            _repeat_products(a, prepared, out, own, settle, board, recur)
-            t0 = time.perf_counter()
-            _repeat_products(a, prepared, out, own, reps, board, recur)
-            seconds[side] = min(seconds[side], (time.perf_counter() - t0) / reps)
-    return tuple(seconds)
-
-
-def _alone():
-    return threads.ALONE
-
-
-def _time_small_and_library(m, k, n):
-    """Seconds per product of ``small_gemm`` and of the library's, one
-    thread (``_products_in_turn``)."""
-    reps = max(2, min(2000, 8_000_000 // (m * k * n)))  # (runs long enough for the clock)
-    return _products_in_turn(m, k, n, ((True, _alone), (False, _alone)), reps, 1)
-
-
-def _spinning_helper():
-    """``threads.BOARD`` once the helper spins on it (woken; at most 50 ms:
-    its thread may start late), or ``threads.ALONE`` where no helper spins."""
-    board = threads.board_for_one_group()
-    deadline = time.perf_counter() + 0.05
-    while board[threads.STATE] in (threads.ABSENT, threads.WAKING) and time.perf_counter() < deadline:
-        time.sleep(0)
-        board = threads.board_for_one_group()
-    return board
-
-
-def _time_alone_and_shared(m, k, n):
-    """Seconds per product of ``small_gemm`` on the calling thread alone and
-    cut by columns with the helper, each product's rows made from the last
-    one's on the calling thread as in a time loop (``_products_in_turn``
-    with ``recur``: the data that crosses between the cores in a step
-    crosses here too; without it, the cut of a one-row product by 128 x 384
-    weights timed faster than alone where it ran W3's kernel markedly
-    slower); the helper woken
-    before each shared run, as it sleeps after half a millisecond without a
-    job, and the balance of the cut settled), or None where it is never cut
-    (weights under ``SHARE_OWN_WORK`` elements or 64 columns) or no helper
-    spins (one thread; not x86-64)."""
-    if k * n < SHARE_OWN_WORK or n < 64:  # (never cut: _own_shared)
-        return None
-    if _spinning_helper()[threads.SHARES] == 0:
-        return None
-    reps = max(50, min(5000, 40_000_000 // (m * k * n)))  # (runs of a few milliseconds)
-    return _products_in_turn(m, k, n, ((True, _alone), (True, _spinning_helper)), reps, 3,
-                             recur=True, rounds=5)
-
-
-def single_thread_seconds(m, k, n, rounds=5):
-    """Seconds per float32 product ``[m, k] @ [k, n]`` on the calling thread,
-    by stepnet's own loop and by each BLAS library stepnet reaches (the best
-    of ``rounds`` rounds that take them in turn): ``{name: seconds}``.
-    ``benchmarks/run.py`` takes the machine's GEMM ceiling from it."""
-    libraries = [lib for lib in (find_mkl(), find_openblas()) if lib is not None]
-    reps = max(5, min(200, 50_000_000 // (m * k * n)))
-    best = {}
-    for _ in range(rounds):
-        own, chosen = _time_small_and_library(m, k, n)  # (the chosen library's too)
-        timed = [("stepnet's own loop", own), (BLAS_NAME, chosen)]
-        timed += [(name, s[0]) for name, s in measure(libraries, ((m, k, n, reps, 1),)).items()]
-        for name, seconds in timed:
-            best[name] = min(best.get(name, float("inf")), seconds)
-    return best
-
-
-_SMALL_ROWS = []  # small_rows_table(), once measured or read
-_SMALL_ROWS_LOCK = threading.Lock()
-
-
-def small_rows_table():
-    """The ``small_rows`` argument of ``pack``: [3, L], for weights of each
-    size (row 0), the rows up to which per-step products run ``small_gemm``
-    (row 1) and whether it shares them with the helper (row 2; measured at
-    the first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
-    A run-time argument, so a kernel's code does not depend on it; under
-    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``."""
-    if not _SMALL_ROWS:
-        with _SMALL_ROWS_LOCK:
-            if not _SMALL_ROWS:
-                config.start_engine("small_products")
-                limits = ((EVERY_PRODUCT, EVERY_PRODUCT, 1),) if DETERMINISTIC else \
-                    small_product_rows(_choice, _time_small_and_library, _time_alone_and_shared)
-                table = np.array(limits, np.int64).T.copy()
-                table.flags.writeable = False
-                _SMALL_ROWS.append(table)
-    return _SMALL_ROWS[0]
-
-
 if DETERMINISTIC:
     @njit
     def gemm(a, b, out):
@@ -843,222 +711,3 @@ if DETERMINISTIC:
 
 # what a kernel's code depends on here (written into its generated source)
 SIGNATURE = BLAS_NAME + (" (deterministic)" if DETERMINISTIC else "")
-
-
-# a.T @ b over at least this many multiply-adds is split over threads
-_SPLIT_TN_WORK = 1 << 22
-# rows of b summed right after the product that read them, while they are in cache
-_SUM_BLOCK = 1024
-
-
-@njit(cache=True, nogil=True)
-def _gemm_tn_column_sums(a, b, out, sums, block):
-    """out = a.T @ b and sums = b.sum(0), ``block`` rows at a time: each
-    block's column sums read it right after its product did."""
-    k, m = a.shape
-    n = b.shape[1]
-    sums[:] = 0
-    out[:] = 0
-    for start in range(0, k, block):
-        stop = min(start + block, k)
-        if m > 0 and n > 0:
-            _row_major_gemm(_A_T, m, n, stop - start, a[start:stop], m, b[start:stop], out, 1.0)
-        for i in range(start, stop):
-            for j in range(n):
-                sums[j] += b[i, j]
-
-
-# rows of a.T @ b that stepnet's own loop takes at a time: the chunk's rows
-# of a and its panels of b (256 x 256 floats each, 256 KiB) stay in the
-# second-level cache while every block of the product passes over them
-# (chunks of 256 rows ran a long reduction by 256 x 256 weights faster than
-# chunks of 128 or 512)
-_TN_ROWS = 256
-
-
-@njit(cache=True, nogil=True)
-def _own_tn(a, b, out, sums, column_sums):
-    """out = a.T @ b (``column_sums``: and sums = b.sum(0)) for C-contiguous
-    2-D a [r, m >= 6], b [r, n >= 32] of one dtype by stepnet's own loop
-    (``_columns_outer``: its blocks of 6 and 4 rows, none of the paths for
-    fewer rows, which nearly doubled its cold compile),
-    ``_TN_ROWS`` rows at a time: the chunk of ``b`` as ``panels``, the
-    chunk of ``a`` read transposed (a block's 6 values of a step are side
-    by side in a row of ``a``: no copy), its product added to ``out`` and
-    its rows of ``b`` summed while they are in cache. Every element a sum
-    in order of the rows, by chunks."""
-    rows, m = a.shape
-    n = b.shape[1]
-    out[:] = 0
-    sums[:] = 0
-    if rows == 0 or m == 0 or n == 0:
-        return
-    chunk = min(rows, _TN_ROWS)
-    count = _panel_count(n)
-    flat = aligned_empty(count * chunk * 32, b)
-    part = np.empty((m, n), out.dtype)
-    for start in range(0, rows, chunk):
-        stop = min(start + chunk, rows)
-        k = stop - start
-        fill_panels(b[start:stop], flat[:count * k * 32].reshape((count, k, 32)))
-        _columns_outer(a[start:stop].T, flat, 32, 32 * k, part, 0, n)
-        for i in range(m):
-            for j in range(n):
-                out[i, j] += part[i, j]
-        if column_sums:
-            for i in range(start, stop):
-                for j in range(n):
-                    sums[j] += b[i, j]
-
-
-def _time_transposed(rows, m, n, dtype, rounds=3):
-    """Seconds per product ``[rows, m].T @ [rows, n]`` of ``dtype`` on the
-    calling thread by stepnet's own loop (``_own_tn``) and by the library's
-    (``gemm_tn``): the best of ``rounds`` runs of each, taken in turn."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((rows, m)).astype(dtype)
-    b = rng.standard_normal((rows, n)).astype(dtype)
-    out = np.empty((m, n), dtype)
-    sums = np.empty(n, dtype)
-    sides = (lambda: _own_tn(a, b, out, sums, False), lambda: gemm_tn(a, b, out))
-    seconds = [float("inf")] * len(sides)
-    for _ in range(rounds + 1):  # (the first round untimed: compiles, warms up)
-        for side, run in enumerate(sides):
-            t0 = time.perf_counter()
-            run()
-            seconds[side] = min(seconds[side], time.perf_counter() - t0)
-    return tuple(seconds)
-
-
-_TN_OWN = {}  # dtype name -> transposed_by_own_loop(), once measured or read
-_TN_LOCK = threading.Lock()
-
-
-def _tn_by_own_loop(dtype):
-    """Whether ``transposed_product`` runs stepnet's own loop on ``dtype``:
-    measured once per machine, library and dtype
-    (:func:`stepnet.jit.blas_choice.transposed_by_own_loop`)."""
-    name = np.dtype(dtype).name
-    if name not in _TN_OWN:
-        with _TN_LOCK:
-            if name not in _TN_OWN:
-                _TN_OWN[name] = transposed_by_own_loop(_choice, _time_transposed, name)
-    return _TN_OWN[name]
-
-
-def prepare_transposed_products(dtype) -> None:
-    """Measure (``_tn_by_own_loop``) and compile the ``transposed_product``
-    of ``dtype`` into the disk cache, on tiny operands (the compile worker
-    does this while a new backward's first calls run on the interpreter)."""
-    a, b = np.ones((8, 8), dtype), np.ones((8, 32), dtype)  # (big enough for the own loop)
-    transposed_product(a, b)
-    transposed_product(a, b, column_sums=True)
-
-
-def transposed_product(a, b, column_sums=False):
-    """``a.T @ b`` (weight gradients: a long reduction over every token);
-    with ``column_sums``, ``(a.T @ b, b.sum(0))``: ``transposed_products``
-    of this one product."""
-    return transposed_products([(a, b, column_sums)])[0]
-
-
-# rows where the products of ``transposed_products`` are cut between threads
-# fall on multiples of this (or on a product's end)
-_TN_CUT_ROWS = 64
-
-
-def _tn_pieces(works, sizes, parts):
-    """The products of ``transposed_products`` shared out over ``parts``
-    threads: per thread, its pieces ``(product, first row, end row)``. The
-    products' work (``works``: multiply-adds; ``sizes``: multiply-adds a
-    row) laid end to end and cut in ``parts`` equal spans, each product
-    whole on one thread but where a cut falls inside it (at a row, a
-    multiple of ``_TN_CUT_ROWS``)."""
-    total = sum(works)
-    pieces = [[] for _ in range(parts)]
-    start = 0  # the work before the product
-    for i, (work, size) in enumerate(zip(works, sizes)):
-        rows = work // size if size else 0
-        first = 0
-        for t in range(parts):
-            cut = (t + 1) * total // parts - start  # where thread t's span ends, in this product
-            end = rows if t == parts - 1 or cut >= work else max(
-                first, min(rows, cut // size // _TN_CUT_ROWS * _TN_CUT_ROWS))
-            if end > first:
-                pieces[t].append((i, first, end))
-                first = end
-        start += work
-    return pieces
-
-
-def transposed_products(products):
-    """``a.T @ b`` for each ``(a, b, column_sums)`` of ``products`` (a
-    backward's weight gradients: long reductions over every token), with
-    ``column_sums`` as ``(a.T @ b, b.sum(0))`` (the sums, a bias's gradient
-    beside its weight's, read each block of ``b`` while the product has it
-    in cache). Run together on stepnet's threads: their work laid end to
-    end and cut in as many equal spans as threads (``_tn_pieces``), so each
-    product is whole on one thread but one at a cut, whose parts are summed
-    after (one handover for them all, and each thread's products as long
-    as the whole ones: in the backwards of W8 and W9, faster than cutting
-    each product in two). Each piece by stepnet's
-    own loop (``_own_tn``) or the chosen BLAS, whichever was measured faster
-    on this machine (``_tn_by_own_loop``, for each dtype; the library for a
-    product under 6 x 32); under ``STEPNET_DETERMINISTIC=1`` every element
-    a sequential sum (``small_gemm``), product by product."""
-    results = [None] * len(products)
-    prepared, works, sizes = [], [], []
-    for i, (a, b, column_sums) in enumerate(products):
-        on_blas = a.dtype == b.dtype and a.dtype in (np.float32, np.float64) and a.ndim == b.ndim == 2
-        if DETERMINISTIC or not on_blas:
-            if on_blas:
-                product = np.empty((a.shape[1], b.shape[1]), a.dtype)
-                small_gemm(np.ascontiguousarray(a.T), np.ascontiguousarray(b), product)
-            else:
-                product = a.T @ b
-            results[i] = (product, b.sum(0)) if column_sums else product
-            continue
-        rows, m, n = a.shape[0], a.shape[1], b.shape[1]
-        if rows * m * n == 0:  # (nothing to share out)
-            product = np.zeros((m, n), a.dtype)
-            results[i] = (product, b.sum(0)) if column_sums else product
-            continue
-        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-        prepared.append((i, a, b, column_sums, m >= 6 and n >= 32 and _tn_by_own_loop(a.dtype)))
-        works.append(rows * m * n)
-        sizes.append(m * n)
-    if not prepared:
-        return results
-    parts = max(1, min(threads.count(), sum(works) // _SPLIT_TN_WORK))
-    pieces = _tn_pieces(works, sizes, parts)
-
-    def piece(i, first, end):
-        _, a, b, column_sums, own = prepared[i]
-        a, b = a[first:end], b[first:end]
-        out = np.empty((a.shape[1], b.shape[1]), a.dtype)
-        sums = np.empty(b.shape[1], b.dtype) if column_sums else None
-        if own:
-            _own_tn(a, b, out, np.empty(b.shape[1], b.dtype) if sums is None else sums,
-                    column_sums)
-        elif column_sums:
-            _gemm_tn_column_sums(a, b, out, sums, _SUM_BLOCK)
-        else:
-            gemm_tn(a, b, out)
-        return i, out, sums
-
-    def thread(t):
-        return [piece(*p) for p in pieces[t]]
-
-    done = {}
-    for part in threads.run_each(thread, [t for t in range(parts) if pieces[t]]):
-        for i, out, sums in part:
-            if i in done:
-                done[i][0][...] += out
-                if sums is not None:
-                    done[i][1][...] += sums
-            else:
-                done[i] = (out, sums)
-    for k, (i, _, _, column_sums, _) in enumerate(prepared):
-        out, sums = done[k]
-        results[i] = (out, sums) if column_sums else out
-    return results

@@ -548,7 +548,7 @@ _TRANSPOSED = {}  # dtype -> what transposed_by_own_loop found, for describe()
 
 def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
     """Whether the weight gradients' products ``a.T @ b`` of ``dtype``
-    (long reductions over every token: ``blas.transposed_product``) run
+    (long reductions over every token: ``transposed.transposed_product``) run
     stepnet's own loop rather than the library's: the faster one on
     ``_TN_SHAPE``, one thread (``time_both(rows, m, n, dtype)``: the seconds
     of each), measured once per machine, library and dtype and kept in

@@ -4,7 +4,7 @@ loop: the choice (:mod:`stepnet.jit.blas_choice`) and what the engine
 
 from __future__ import annotations
 
-from . import blas, blas_choice, own_loop
+from . import blas, blas_choice, own_loop, product_timing, transposed
 from .blas_choice import EVERY_PRODUCT
 
 
@@ -18,7 +18,7 @@ def describe() -> str:
         rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
                           for (m, k, n, _, _), s in zip(blas_choice._SHAPES, secs))
         lines.append(f"  {name}, one thread: {rates}")
-    table = blas.small_rows_table()  # measured here if it is not known yet
+    table = product_timing.small_rows_table()  # measured here if it is not known yet
     small = blas_choice._SMALL_PRODUCTS
     if blas.DETERMINISTIC:
         lines.append("small products: every product runs stepnet's own loop "
@@ -33,7 +33,7 @@ def describe() -> str:
     lines.append(f"  stepnet's own loop: blocks of {own_loop._BLOCK_ROWS} rows x {own_loop._COLS} columns, "
                  f"one row x {own_loop._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
                  f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
-    blas._tn_by_own_loop("float32")  # measured here if it is not known yet
+    transposed._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")
     else:

@@ -20,7 +20,7 @@ that has few cores, or twice the same kernel.
   ``blas`` and ``build`` it was generated for, and ``signature``, its
   argument types pickled and base64-encoded; or, with ``function``
   ``transposed_products`` and a ``dtype``, the weight gradients' product,
-  measured and compiled (``blas.prepare_transposed_products``). Each kernel is
+  measured and compiled (``transposed.prepare_transposed_products``). Each kernel is
   compiled once whoever asks: a request for a key already queued or being
   compiled waits for that compile. The answer is one line, ``{"key": ...,
   "ok": true}`` or ``{"key": ..., "error": "..."}``, to every process that
@@ -96,8 +96,8 @@ def status(root) -> dict | None:
 
 
 def compile_kernel(request) -> None:
-    from stepnet.jit import blas, cache, loading, numba_cpu  # noqa: F401  (numba_cpu sets LLVM's
-    # vectorizer limits)
+    # (numba_cpu, imported, sets LLVM's vectorizer limits)
+    from stepnet.jit import blas, cache, loading, numba_cpu, product_timing, transposed  # noqa: F401
 
     if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this worker uses {blas.SIGNATURE}, the kernel {request['blas']}")
@@ -105,14 +105,14 @@ def compile_kernel(request) -> None:
         raise RuntimeError("this worker was started with other settings (threads, bounds "
                            "checking or deterministic mode) than the kernel's")
     if request.get("function") == "transposed_products":  # not a kernel: the weight
-        blas.prepare_transposed_products(request["dtype"])  # gradients' product
+        transposed.prepare_transposed_products(request["dtype"])  # gradients' product
         return
     path = request["path"]
     module = loading.import_file(request["module"], path)
     loading.link_helpers(module)
     function = getattr(module, request.get("function", "program"))
     function.compile(pickle.loads(base64.b64decode(request["signature"])))
-    blas.small_rows_table()  # measured here, not in the first compiled call, where it is new
+    product_timing.small_rows_table()  # measured here, not in the first compiled call, where it is new
     try:  # the mark loading.ready_marker names: a later process loads the kernel at once
         Path(path).with_suffix(".ready").touch()
     except OSError:

@@ -138,7 +138,7 @@ def generate_source(program: ir.Program):
         src += fn + [""]
     src.append(_DECORATOR)
     # the consts its code reads, then weights concatenated by the caller for
-    # merged GEMMs, the small-product rows (blas.small_rows_table), the
+    # merged GEMMs, the small-product rows (product_timing.small_rows_table), the
     # helper's board (threads.BOARD or threads.ALONE), the data rows' step
     # (``ROWS_IN_ORDER``), the inputs, and the output buffers the caller gives,
     # in the order of the outputs

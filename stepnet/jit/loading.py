@@ -145,7 +145,7 @@ _PREPARED = set()  # (cache directory, dtype) whose weight gradients' product wa
 
 def prepare_weight_gradients(dtype) -> None:
     """Have the compile worker measure and compile the weight gradients'
-    product for ``dtype`` (``blas.prepare_transposed_products``), once per
+    product for ``dtype`` (``transposed.prepare_transposed_products``), once per
     cache directory: a backward's first calls, on the interpreter, sum its
     weight gradients on NumPy; its first compiled call then finds the
     product in the disk cache, instead of compiling it (1-2 s) on the

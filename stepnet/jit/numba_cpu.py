@@ -19,7 +19,7 @@ from .. import ir
 from ..config import config
 from ..errors import LoDError
 from ..lod import LoDTensor
-from . import blas, plan, threads
+from . import plan, product_timing, threads
 from .cpu_codegen import generate_source
 from .loading import TieredProgram, kernel_key, link_helpers, load_source, mark_ready, ready_marker, tiered
 
@@ -124,12 +124,12 @@ class NumbaProgram:
 
     def prepare(self, consts, small_rows=None):
         """The constant arguments of the kernel (merged weights joined, the
-        small-product rows: ``blas.small_rows_table()`` unless given), laid
+        small-product rows: ``product_timing.small_rows_table()`` unless given), laid
         out once for any number of :meth:`run_prepared` calls."""
         const_args = [read_only(consts[v]) for v in self.consts]
         const_args += [self._joined(ident, [consts[v] for v in joined])
                        for ident, joined in self.concatenated.items()]
-        const_args.append(blas.small_rows_table() if small_rows is None else small_rows)
+        const_args.append(product_timing.small_rows_table() if small_rows is None else small_rows)
         return const_args
 
     def _joined(self, ident, parts):
@@ -286,7 +286,7 @@ class NumbaProgram:
 ROWS_IN_ORDER = np.int64(1)
 
 
-# a stand-in of blas.small_rows_table()'s type, where only the kernel's
+# a stand-in of product_timing.small_rows_table()'s type, where only the kernel's
 # argument types are asked for (a call before the rows are measured)
 _SMALL_ROWS_TYPE = np.zeros((3, 1), np.int64)
 _SMALL_ROWS_TYPE.flags.writeable = False
