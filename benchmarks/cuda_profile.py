@@ -33,7 +33,7 @@ def main(argv=None):
 
     from numba import cuda
 
-    import stepnet.jit.numba_cuda as nc
+    import stepnet.jit.cuda_run as nc
 
     times, counts = collections.defaultdict(float), collections.Counter()
     launch, device = nc._launch, nc._device

@@ -1,6 +1,6 @@
 """The code's size budgets (docs/internals.md, "Budgets"): a module of
 stepnet/ at most 800 lines, a function at most 80, the CPU engine
-(stepnet/jit/ but the CUDA module) at most 3,500; no import cycle between
+(stepnet/jit/ but the CUDA backend's modules) at most 3,500; no import cycle between
 modules; no comment or docstring that logs a measurement.
 
 The modules and functions over budget today are listed with their size now,
@@ -18,11 +18,11 @@ PACKAGE = ROOT / "stepnet"
 MODULE_LINES = 800
 FUNCTION_LINES = 80
 CPU_ENGINE_LINES = 3500
+_CUDA = ("numba_cuda.py", "cuda_run.py")  # the CUDA backend's modules, outside the CPU engine
 
 # over budget today: their line counts may only go down
 MODULES_OVER = {}
 FUNCTIONS_OVER = {
-    "stepnet/jit/numba_cuda.py:_Run.__call__": 139,
     "stepnet/jit/own_loop.py:_own_columns": 131,
 }
 CPU_ENGINE_NOW = 6536
@@ -91,7 +91,7 @@ def test_what_is_within_budget_leaves_the_lists():
 
 
 def test_the_cpu_engine_does_not_grow():
-    engine = sum(_lines(p) for p in (PACKAGE / "jit").glob("*.py") if p.name != "numba_cuda.py")
+    engine = sum(_lines(p) for p in (PACKAGE / "jit").glob("*.py") if p.name not in _CUDA)
     assert engine <= max(CPU_ENGINE_NOW, CPU_ENGINE_LINES), engine
 
 

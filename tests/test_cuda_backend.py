@@ -26,13 +26,14 @@ pytestmark = pytest.mark.skipif("cuda" not in sn.backends(),
                                 reason="no CUDA GPU and no CUDA simulator")
 
 numba_cuda = pytest.importorskip("stepnet.jit.numba_cuda")
+from stepnet.jit import cuda_run  # noqa: E402
 
 
 @pytest.fixture(params=["persistent", "per-stage"])
 def loop(request, monkeypatch):
     """Run a test on both time-loop paths."""
     if request.param == "per-stage":
-        monkeypatch.setattr(numba_cuda, "PERSISTENT_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(cuda_run, "PERSISTENT_MAX_ELEMENTS", 0)
     return request.param
 
 
