@@ -25,8 +25,9 @@ first compiled call, and kept in ``STEPNET_CACHE_DIR/small_products.json``;
 whether the weight gradients' products (``a.T @ b`` over every token) run
 stepnet's own loop or the library (:func:`transposed_by_own_loop`), at the
 first compiled backward, kept in ``STEPNET_CACHE_DIR/transposed_products.json``.
-A process that reads a kept measurement times one of its products again and
-measures the whole again where they disagree (:func:`disagreement`).
+A process that reads the kept choice or small-product limits times one of
+their products again and measures the whole again where they disagree
+(:func:`disagreement`).
 """
 
 from __future__ import annotations
@@ -444,7 +445,7 @@ def measured_on_free_cores(measure, tries=3):
     return None, False
 
 
-def small_product_rows(choice, time_both, time_shared=None) -> tuple:
+def small_product_rows(choice, time_both, time_shared=None, check=True) -> tuple:
     """Up to how many rows a product runs stepnet's own loop instead of the
     library's (a per-step product, or one outside the time loop over every
     step's rows), and whether the own loop shares it with the helper, by
@@ -468,14 +469,15 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
     shared. The
     cut is measured only while no other process keeps a core busy
     (``measured_on_free_cores``): where one did, it is not measured (so
-    shared), and the file says so."""
+    shared), and the file says so. A kept table is checked where ``check``
+    (``disagreement``: its ``_CHECKED`` product timed again)."""
     requested = config.small_products
     if requested is not None:
         limits = ((EVERY_PRODUCT, requested, 1),)
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
-    return _measured_small_rows(choice, time_both, time_shared)
+    return _measured_small_rows(choice, time_both, time_shared, check)
 
 
 # a size of weights is shared with the helper where its one-row product cut
@@ -485,7 +487,7 @@ def small_product_rows(choice, time_both, time_shared=None) -> tuple:
 SHARE_WINS = 0.9
 
 
-def _measured_small_rows(choice, time_both, time_shared):
+def _measured_small_rows(choice, time_both, time_shared, check):
     """``small_product_rows``' limits as measured, or as kept."""
     key = _measured_key(_OWN_LOOP, choice)
     saved, off = _kept("small_products.json", key), None
@@ -494,7 +496,7 @@ def _measured_small_rows(choice, time_both, time_shared):
             limits = tuple((int(size), int(rows), int(shares))
                            for size, rows, shares in saved["limits"])
             kept = [(own, lib) for m, k, n, own, lib in saved["points"] if (m, k, n) == _CHECKED]
-            off = disagreement(kept[0], lambda: time_both(*_CHECKED)) if kept else None
+            off = disagreement(kept[0], lambda: time_both(*_CHECKED)) if kept and check else None
             if off is None:
                 _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
                 return limits
@@ -562,13 +564,11 @@ def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
                         for name, (own, lib) in saved["seconds"].items()}
     except (ValueError, TypeError, KeyError, AttributeError):
         measured = {}  # a file of another form: measured again
-    off = None if dtype not in measured else \
-        disagreement(measured[dtype], lambda: time_both(*_TN_SHAPE, dtype))
-    if dtype in measured and off is None:
+    if dtype in measured:
         reason = "measured (cached)"
     else:
         measured[dtype] = [float(s) for s in time_both(*_TN_SHAPE, dtype)]
-        reason = _measured(off)
+        reason = "measured"
         _keep("transposed_products.json", {"key": key, "shape": _TN_SHAPE, "seconds": measured})
     for name, seconds in measured.items():
         _TRANSPOSED[name] = {"seconds": tuple(seconds),

@@ -126,6 +126,8 @@ class NumbaProgram:
         """The constant arguments of the kernel (merged weights joined, the
         small-product rows: ``product_timing.small_rows_table()`` unless given), laid
         out once for any number of :meth:`run_prepared` calls."""
+        if small_rows is None:  # (to run here: linked first, so that small_rows_table may
+            self._link()  # time a product by this kernel's helpers)
         const_args = [read_only(consts[v]) for v in self.consts]
         const_args += [self._joined(ident, [consts[v] for v in joined])
                        for ident, joined in self.concatenated.items()]

@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit
 
 from ..config import config
-from . import threads
+from . import blas, threads
 from .blas import (BLAS_NAME, SHARE_OWN_WORK, _choice, _library_pack, _library_product, _own_product,
                    register_small_gemm)
 from .blas_choice import EVERY_PRODUCT, find_mkl, find_openblas, measure, small_product_rows
@@ -145,8 +145,12 @@ def small_rows_table():
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
                 config.start_engine("small_products")
+                # a kept table is checked by timing a float32 product: only where
+                # that code is linked here already (a float32 kernel's), never
+                # compiling it for the check
                 limits = ((EVERY_PRODUCT, EVERY_PRODUCT, 1),) if DETERMINISTIC else \
-                    small_product_rows(_choice, _time_small_and_library, _time_alone_and_shared)
+                    small_product_rows(_choice, _time_small_and_library, _time_alone_and_shared,
+                                       check="float32" in blas._own_entries)
                 table = np.array(limits, np.int64).T.copy()
                 table.flags.writeable = False
                 _SMALL_ROWS.append(table)
