@@ -247,6 +247,84 @@ def _one_row_wide(a, w, ld, out, i, j0):
         out[i, j0 + jj] = acc[jj]
 
 
+@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def _one_row_blocks(a, w, ld, panel, out, acc, i, end, hi, j0, j1, s0, s1):
+    """Row ``i`` of ``out`` by blocks of ``_COLS`` columns from the block
+    ending at ``end`` (``j0``, ``j1``: the first two blocks' columns, ``s0``,
+    ``s1``: where their weights start) as ``_own_columns`` takes it: six
+    blocks at a time where more than four are left, four where three or four
+    are, else two. The end of the next block."""
+    C = _COLS
+    k = a.shape[1]
+    n = out.shape[1]
+    zero = out.dtype.type(0)
+    if hi - end > 3 * C:  # more than four blocks left: six at a time
+        j2 = np.uint64(min(end + 2 * C, hi) - C)
+        j3 = np.uint64(min(end + 3 * C, hi) - C)
+        j4 = np.uint64(min(end + 4 * C, hi) - C)
+        j5 = np.uint64(min(end + 5 * C, hi) - C)
+        s2 = _block_start(min(end + 2 * C, hi) - C, ld, panel, n)
+        s3 = _block_start(min(end + 3 * C, hi) - C, ld, panel, n)
+        s4 = _block_start(min(end + 4 * C, hi) - C, ld, panel, n)
+        s5 = _block_start(min(end + 5 * C, hi) - C, ld, panel, n)
+        for jj in range(6 * C):
+            acc[jj] = zero
+        for kk in range(k):
+            x = a[i, kk]
+            r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
+            r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
+            r4, r5 = np.uint64(s4 + kk * ld), np.uint64(s5 + kk * ld)
+            for jj in range(_UCOLS):
+                acc[jj] += x * w[r0 + jj]
+                acc[C + jj] += x * w[r1 + jj]
+                acc[2 * C + jj] += x * w[r2 + jj]
+                acc[3 * C + jj] += x * w[r3 + jj]
+                acc[4 * C + jj] += x * w[r4 + jj]
+                acc[5 * C + jj] += x * w[r5 + jj]
+        for jj in range(_UCOLS):
+            out[i, j0 + jj] = acc[jj]
+            out[i, j1 + jj] = acc[C + jj]
+            out[i, j2 + jj] = acc[2 * C + jj]
+            out[i, j3 + jj] = acc[3 * C + jj]
+            out[i, j4 + jj] = acc[4 * C + jj]
+            out[i, j5 + jj] = acc[5 * C + jj]
+        return end + 6 * C
+    if hi - end > C:  # three or four blocks left: four at a time
+        j2 = np.uint64(min(end + 2 * C, hi) - C)
+        j3 = np.uint64(min(end + 3 * C, hi) - C)
+        s2 = _block_start(min(end + 2 * C, hi) - C, ld, panel, n)
+        s3 = _block_start(min(end + 3 * C, hi) - C, ld, panel, n)
+        for jj in range(4 * C):
+            acc[jj] = zero
+        for kk in range(k):
+            x = a[i, kk]
+            r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
+            r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
+            for jj in range(_UCOLS):
+                acc[jj] += x * w[r0 + jj]
+                acc[C + jj] += x * w[r1 + jj]
+                acc[2 * C + jj] += x * w[r2 + jj]
+                acc[3 * C + jj] += x * w[r3 + jj]
+        for jj in range(_UCOLS):
+            out[i, j0 + jj] = acc[jj]
+            out[i, j1 + jj] = acc[C + jj]
+            out[i, j2 + jj] = acc[2 * C + jj]
+            out[i, j3 + jj] = acc[3 * C + jj]
+        return end + 4 * C
+    for jj in range(2 * C):
+        acc[jj] = zero
+    for kk in range(k):
+        x = a[i, kk]
+        r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
+        for jj in range(_UCOLS):
+            acc[jj] += x * w[r0 + jj]
+            acc[C + jj] += x * w[r1 + jj]
+    for jj in range(_UCOLS):
+        out[i, j0 + jj] = acc[jj]
+        out[i, j1 + jj] = acc[C + jj]
+    return end + 2 * C
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _own_columns(a, w, ld, panel, out, lo, hi):
     """out[:m, lo:hi] = a[:m] @ the weights ``w`` (flat: ``b`` [k, n]
@@ -312,70 +390,6 @@ def _own_columns(a, w, ld, panel, out, lo, hi):
                 # (float32 rows of b, enough whole blocks left: side by side)
                 _one_row_wide(a, w, ld, out, i, j0)
                 end += _WIDE_ACCUMULATORS
-            elif hi - end > 3 * C:  # more than four blocks left: six at a time
-                j2 = np.uint64(min(end + 2 * C, hi) - C)
-                j3 = np.uint64(min(end + 3 * C, hi) - C)
-                j4 = np.uint64(min(end + 4 * C, hi) - C)
-                j5 = np.uint64(min(end + 5 * C, hi) - C)
-                s2 = _block_start(min(end + 2 * C, hi) - C, ld, panel, n)
-                s3 = _block_start(min(end + 3 * C, hi) - C, ld, panel, n)
-                s4 = _block_start(min(end + 4 * C, hi) - C, ld, panel, n)
-                s5 = _block_start(min(end + 5 * C, hi) - C, ld, panel, n)
-                for jj in range(6 * C):
-                    acc[jj] = zero
-                for kk in range(k):
-                    x = a[i, kk]
-                    r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
-                    r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
-                    r4, r5 = np.uint64(s4 + kk * ld), np.uint64(s5 + kk * ld)
-                    for jj in range(_UCOLS):
-                        acc[jj] += x * w[r0 + jj]
-                        acc[C + jj] += x * w[r1 + jj]
-                        acc[2 * C + jj] += x * w[r2 + jj]
-                        acc[3 * C + jj] += x * w[r3 + jj]
-                        acc[4 * C + jj] += x * w[r4 + jj]
-                        acc[5 * C + jj] += x * w[r5 + jj]
-                for jj in range(_UCOLS):
-                    out[i, j0 + jj] = acc[jj]
-                    out[i, j1 + jj] = acc[C + jj]
-                    out[i, j2 + jj] = acc[2 * C + jj]
-                    out[i, j3 + jj] = acc[3 * C + jj]
-                    out[i, j4 + jj] = acc[4 * C + jj]
-                    out[i, j5 + jj] = acc[5 * C + jj]
-                end += 6 * C
-            elif hi - end > C:  # three or four blocks left: four at a time
-                j2 = np.uint64(min(end + 2 * C, hi) - C)
-                j3 = np.uint64(min(end + 3 * C, hi) - C)
-                s2 = _block_start(min(end + 2 * C, hi) - C, ld, panel, n)
-                s3 = _block_start(min(end + 3 * C, hi) - C, ld, panel, n)
-                for jj in range(4 * C):
-                    acc[jj] = zero
-                for kk in range(k):
-                    x = a[i, kk]
-                    r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
-                    r2, r3 = np.uint64(s2 + kk * ld), np.uint64(s3 + kk * ld)
-                    for jj in range(_UCOLS):
-                        acc[jj] += x * w[r0 + jj]
-                        acc[C + jj] += x * w[r1 + jj]
-                        acc[2 * C + jj] += x * w[r2 + jj]
-                        acc[3 * C + jj] += x * w[r3 + jj]
-                for jj in range(_UCOLS):
-                    out[i, j0 + jj] = acc[jj]
-                    out[i, j1 + jj] = acc[C + jj]
-                    out[i, j2 + jj] = acc[2 * C + jj]
-                    out[i, j3 + jj] = acc[3 * C + jj]
-                end += 4 * C
-            else:
-                for jj in range(2 * C):
-                    acc[jj] = zero
-                for kk in range(k):
-                    x = a[i, kk]
-                    r0, r1 = np.uint64(s0 + kk * ld), np.uint64(s1 + kk * ld)
-                    for jj in range(_UCOLS):
-                        acc[jj] += x * w[r0 + jj]
-                        acc[C + jj] += x * w[r1 + jj]
-                for jj in range(_UCOLS):
-                    out[i, j0 + jj] = acc[jj]
-                    out[i, j1 + jj] = acc[C + jj]
-                end += 2 * C
+            else:  # (one row, by blocks of columns)
+                end = _one_row_blocks(a, w, ld, panel, out, acc, i, end, hi, j0, j1, s0, s1)
         i += rows
