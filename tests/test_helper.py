@@ -365,7 +365,7 @@ def test_a_nested_net_gives_half_of_its_chapters_to_the_helper(flags):
     # every chapter on this thread where an output is ragged (a nested net
     # run before the chapters' time loop is cut all the same), else every
     # net program() runs cut: no groups on Python's threads
-    assert cpu_codegen.generate_source(net.rnn.program(True))[1].cuts_sequences == shares
+    assert cpu_codegen.generate_source(net.rnn.program(True))[1].plan.cuts_sequences == shares
     assert "group_cut(" in net.rnn.compile("numba").source
 
 

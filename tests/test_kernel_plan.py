@@ -83,7 +83,7 @@ def test_the_plan_decides_which_sequences_are_cut_and_which_outputs_are_unbuffer
         assert plan.cut == {sched: cut}
         assert plan.unbuffered[sched] == frozenset()  # (its output is its memory)
         source, layout = cpu_codegen.generate_source(program)
-        assert layout.cuts_sequences == cut and ("group_cut(board" in source) == cut
+        assert layout.plan.cuts_sequences == cut and ("group_cut(board" in source) == cut
         assert ("its sequences cut with the helper" in str(plan)) == cut
     for outputs, cut in ((("h", "words"), False), (("h",), True)):
         nested = nested_encoder(rng, hidden=64, outputs=outputs).rnn.program(True)
@@ -94,7 +94,7 @@ def test_the_plan_decides_which_sequences_are_cut_and_which_outputs_are_unbuffer
         assert all(c for net, c in plan.cut.items() if net is not sched)
         source, layout = cpu_codegen.generate_source(nested)
         assert source.count("group_cut(board") == sum(plan.cut.values())
-        assert layout.cuts_sequences == cut
+        assert layout.plan.cuts_sequences == cut
 
 
 def test_an_output_only_a_fused_run_computes_is_stored_by_it_alone():

@@ -151,7 +151,7 @@ def generate_source(program: ir.Program):
     layout = _Layout(top_inputs, outs, module.concatenated, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
                      sorted(module.same_lod), module.largest_weights,
-                     all(module.plan.cut.values()), module.plan)
+                     module.plan)
     return "\n".join(src) + "\n", layout
 
 
@@ -166,7 +166,6 @@ class _Layout:
     given: list  # per rnn output: whether program() takes its buffer (last parameters)
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
     largest_weights: int  # elements of the largest weights of a product (0: none)
-    cuts_sequences: bool  # program() cuts the sequences of each of its nets with the helper
     plan: KernelPlan  # what was decided before the code was written (its consts: the first parameters)
 
 

@@ -22,6 +22,11 @@ class KernelPlan(NamedTuple):
     unbuffered: dict  # sched -> all-steps outputs its fused runs store to the outputs alone
     cut: dict  # net program() runs over all its sequences -> whether it cuts them with the helper
 
+    @property
+    def cuts_sequences(self) -> bool:
+        """Whether program() cuts the sequences of every net it runs with the helper."""
+        return all(self.cut.values())
+
     def check(self) -> KernelPlan:
         """The plan, or ``AssertionError`` where it names work its net does not schedule."""
         for sched in self.split:

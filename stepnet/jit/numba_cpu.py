@@ -68,7 +68,7 @@ class NumbaProgram:
         body = program.eqn.attrs["body"]
         # program() cuts the sequences of each net it runs (a nested net run
         # before its time loop as well) in two with the helper
-        self.cuts_sequences = layout.cuts_sequences
+        self.cuts_sequences = layout.plan.cuts_sequences
         self.first_sequence = next(i for i, spec in enumerate(self.top_inputs)
                                    if spec[1] is ir.rnn_parts(program.eqn)[0][0])
         # the widest value a step computes: the work per token, for splitting
