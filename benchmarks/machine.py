@@ -63,3 +63,22 @@ def _chains_rate(lanes: int, rounds: int) -> float:
         chains(scale, shift, n)
         best = min(best, time.perf_counter() - t0)
     return 2.0 * lanes * n / best / 1e9
+
+
+def single_thread_seconds(m, k, n, rounds=5):
+    """Seconds per float32 product ``[m, k] @ [k, n]`` on the calling thread,
+    by stepnet's own loop and by each BLAS library stepnet reaches (the best
+    of ``rounds`` rounds that take them in turn, by the code stepnet's
+    kernels call): ``{name: seconds}``; the report's GEMM ceiling."""
+    from stepnet.jit import blas, blas_choice, product_timing
+
+    libraries = [lib for lib in (blas_choice.find_mkl(), blas_choice.find_openblas()) if lib is not None]
+    reps = max(5, min(200, 50_000_000 // (m * k * n)))
+    best = {}
+    for _ in range(rounds):
+        own, chosen = product_timing._time_small_and_library(m, k, n)  # (the chosen library's too)
+        timed = [("stepnet's own loop", own), (blas.BLAS_NAME, chosen)]
+        timed += [(name, s[0]) for name, s in blas_choice.measure(libraries, ((m, k, n, reps, 1),)).items()]
+        for name, seconds in timed:
+            best[name] = min(best.get(name, float("inf")), seconds)
+    return best

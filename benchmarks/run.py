@@ -294,8 +294,6 @@ def ceiling_main(args):
     import machine
     import numpy as np
 
-    from stepnet.jit import product_timing
-
     M, K, N = CEILING_SHAPE
     flops = 2.0 * M * K * N
     rng = np.random.default_rng(0)
@@ -313,7 +311,7 @@ def ceiling_main(args):
         numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
     except (TypeError, KeyError, AttributeError):  # older numpy: no mode="dicts"
         numpy_blas = "its BLAS"
-    seconds = product_timing.single_thread_seconds(M, K, N)
+    seconds = machine.single_thread_seconds(M, K, N)
     seconds[f"numpy matmul ({numpy_blas})"] = numpy_best
     rates = {name: flops / s / 1e9 for name, s in seconds.items()}
     _write_json(Path(args.outdir) / "ceiling.json",

@@ -229,11 +229,26 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     assert {r for _, r, _ in blas_choice.small_product_rows(other, lambda m, k, n: (2.0, 1.0))} \
         == {0}
     # an own loop faster up to the most rows measured takes every product of
-    # that size; nothing measured about the helper: every size shares
+    # that size where, over many rows as the kernels run them, it took at most
+    # 0.9 of the library's time (a near tie or nothing measured: up to the
+    # most rows measured); nothing measured about the helper: every size shares
+    asked_many = []
+
+    def time_many(m, k, n):  # clearly faster for the smallest weights, a near tie for 128 x 384
+        asked_many.append((m, k, n))
+        return (1.0, 2.0) if k * n < 20000 else (1.0, 1.05)
+
     third = dict(choice, name="numpy", libraries={})
     limits = blas_choice.small_product_rows(
-        third, lambda m, k, n: (1.0, 2.0) if k * n < 20000 or m <= 64 else (2.0, 1.0))
-    assert limits == tuple((size, (1 << 62) if size < 20000 else 64, 1) for size in sizes)
+        third, lambda m, k, n: (1.0, 2.0) if k * n < 50000 or m <= 64 else (2.0, 1.0),
+        time_many=time_many)
+    assert limits == tuple((size, (1 << 62) if size < 20000 else 256 if size < 50000 else 64, 1)
+                           for size in sizes)
+    assert asked_many == [(blas_choice._MANY_ROWS, k, n) for k, n in blas_choice._STEP_WEIGHTS
+                          if k * n < 50000]
+    fourth = dict(choice, name="numpy", cpu="another CPU", libraries={})
+    assert blas_choice.small_product_rows(fourth, lambda m, k, n: (1.0, 2.0)) == \
+        tuple((size, 256, 1) for size in sizes)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
     assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)  # (none timed)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")

@@ -370,8 +370,12 @@ _CHECKED = (64, 256, 768)
 # the form of stepnet's own loop measured (a measurement of another form,
 # kept in the cache, is not used)
 _OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, one row by 192, 128 or 64 "
-             "columns, the widest vectors; shared with the helper where measured faster in a "
-             "time loop by a tenth")
+             "columns, the widest vectors; shared with the helper where measured faster in a time "
+             "loop by a tenth; every product where faster by a tenth over 1024 rows as run outside")
+# a product over more rows than measured (over every token, outside the time
+# loop) runs the own loop where it won by a tenth over this many rows there
+_MANY_ROWS = 1024
+_EVERY_WINS = 0.9
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62
@@ -445,7 +449,7 @@ def measured_on_free_cores(measure, tries=3):
     return None, False
 
 
-def small_product_rows(choice, time_both, time_shared=None, check=True) -> tuple:
+def small_product_rows(choice, time_both, time_shared=None, check=True, time_many=None) -> tuple:
     """Up to how many rows a product runs stepnet's own loop instead of the
     library's (a per-step product, or one outside the time loop over every
     step's rows), and whether the own loop shares it with the helper, by
@@ -461,15 +465,13 @@ def small_product_rows(choice, time_both, time_shared=None, check=True) -> tuple
     relative to the faster of the two (a one-row product weighs as much as a
     256-row one, and a near tie cannot move the limit far); where the own
     loop is best up to the most rows measured, it takes every product of
-    that size (``EVERY_PRODUCT``). A size is shared where a one-row product
+    that size (``EVERY_PRODUCT``) only if over ``_MANY_ROWS`` rows, run as
+    outside the time loop (``time_many(m, k, n)``, on free cores), it took
+    at most ``_EVERY_WINS`` of the library's time. A size is shared where a one-row product
     cut with the helper took at most ``SHARE_WINS`` of its time alone, in a
-    time loop (the cut pays for two handoffs between cores: a one-row
-    product by weights as small as 128 x 384 can take longer cut, one by
-    weights as large as 512 x 2048 far less time); where not measured, it is
-    shared. The
-    cut is measured only while no other process keeps a core busy
-    (``measured_on_free_cores``): where one did, it is not measured (so
-    shared), and the file says so. A kept table is checked where ``check``
+    time loop (the cut pays for two handoffs between cores); where not
+    measured (another process kept a core busy: ``measured_on_free_cores``;
+    the file says so), it is shared. A kept table is checked where ``check``
     (``disagreement``: its ``_CHECKED`` product timed again)."""
     requested = config.small_products
     if requested is not None:
@@ -477,7 +479,7 @@ def small_product_rows(choice, time_both, time_shared=None, check=True) -> tuple
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
-    return _measured_small_rows(choice, time_both, time_shared, check)
+    return _measured_small_rows(choice, time_both, time_shared, check, time_many)
 
 
 # a size of weights is shared with the helper where its one-row product cut
@@ -487,7 +489,7 @@ def small_product_rows(choice, time_both, time_shared=None, check=True) -> tuple
 SHARE_WINS = 0.9
 
 
-def _measured_small_rows(choice, time_both, time_shared, check):
+def _measured_small_rows(choice, time_both, time_shared, check, time_many):
     """``small_product_rows``' limits as measured, or as kept."""
     key = _measured_key(_OWN_LOOP, choice)
     saved, off = _kept("small_products.json", key), None
@@ -517,7 +519,7 @@ def _measured_small_rows(choice, time_both, time_shared, check):
         crowded += not free
         if seconds is not None:
             shared.append((1, k, n, *seconds))
-    limits = []
+    limits, many = [], []
     for k, n in _STEP_WEIGHTS:
         times = [(m, own, lib) for m, kk, nn, own, lib in points if (kk, nn) == (k, n)]
 
@@ -527,11 +529,13 @@ def _measured_small_rows(choice, time_both, time_shared, check):
         rows = min([0] + [m for m, _, _ in times], key=cost)
         shares = all(cut <= SHARE_WINS * alone for _, kk, nn, alone, cut in shared
                      if (kk, nn) == (k, n))
-        # faster up to the most rows measured: at any number (stepnet's loop
-        # takes rows by panels, each as fast as the one before)
-        limits.append((k * n, EVERY_PRODUCT if rows == _STEP_ROWS[-1] else rows, int(shares)))
+        if rows == _STEP_ROWS[-1] and time_many is not None:
+            seconds, _ = measured_on_free_cores(lambda k=k, n=n: time_many(_MANY_ROWS, k, n), tries=2)
+            many += [] if seconds is None else [(_MANY_ROWS, k, n, *seconds)]
+            rows = EVERY_PRODUCT if seconds and seconds[0] <= _EVERY_WINS * seconds[1] else rows
+        limits.append((k * n, rows, int(shares)))
     limits = tuple(limits)
-    result = {"key": key, "limits": limits, "points": points, "shared": shared,
+    result = {"key": key, "limits": limits, "points": points, "shared": shared, "many": many,
               "crowded": crowded}
     _SMALL_PRODUCTS.update(result, reason=_measured(off) + (
         f"; the cut with the helper not for {crowded} sizes, shared: other processes kept the "

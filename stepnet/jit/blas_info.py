@@ -46,9 +46,11 @@ def describe() -> str:
                          f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
                          f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
     for k, n in blas_choice._STEP_WEIGHTS:
-        row = [(m, own, lib) for m, kk, nn, own, lib in small.get("points", ()) if (kk, nn) == (k, n)]
-        if row:
-            figures = ", ".join(f"{m}: {own * 1e6:.1f}/{lib * 1e6:.1f}" for m, own, lib in row)
+        row = [(m, own, lib) for m, kk, nn, own, lib in (*small.get("points", ()), *small.get("many", ()))
+               if (kk, nn) == (k, n)]
+        if row:  # (the last: over many rows as the kernels run a product outside the time loop)
+            figures = ", ".join(f"{m}{' outside' if m == blas_choice._MANY_ROWS else ''}: {own * 1e6:.1f}/"
+                                f"{lib * 1e6:.1f}" for m, own, lib in row)
             lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{c['name']}: {figures}")
         for m, kk, nn, alone, cut in small.get("shared", ()):
             if (kk, nn) == (k, n):
