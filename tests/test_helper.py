@@ -21,6 +21,12 @@ from conftest import assert_close
 from nets import nested_encoder
 from stepnet.jit import ahead, atomics, blas, cpu_codegen, own_loop, product_timing, threads
 
+
+def slots(board):
+    """``board``'s slots by name: a view that reads and writes the board."""
+    return board.view(threads.BOARD_RECORD)[0]
+
+
 pytestmark = pytest.mark.skipif(not atomics.SPINS, reason="the helper spins on x86-64 only")
 
 
@@ -66,13 +72,13 @@ def _until_the_helper_helps(run, timeout=60.0):
         pytest.skip("one thread: no helper thread")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        before = threads.BOARD[threads.JOBS]
+        before = slots(threads.BOARD)["jobs"]
         threads.wake_helper()
-        while threads.BOARD[threads.STATE] == threads.ABSENT and time.monotonic() < deadline:
+        while slots(threads.BOARD)["state"] == threads.ABSENT and time.monotonic() < deadline:
             time.sleep(0)  # (its thread starts, or compiles its jobs the first time)
             threads.wake_helper()
         run()
-        if threads.BOARD[threads.JOBS] > before:
+        if slots(threads.BOARD)["jobs"] > before:
             return True
     return False
 
@@ -135,9 +141,9 @@ def test_a_library_product_is_cut_by_rows_by_its_shape_only():
     board that shares, whatever the helper's state and whatever the
     library; never on ALONE, nor under 16 rows."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
+    slots(board)["shares"] = threads.EVERY
     for state in (threads.ABSENT, threads.IDLE, threads.RUNNING):
-        board[threads.STATE] = state
+        slots(board)["state"] = state
         assert blas._row_cut(200, 64, 256, board) == 100
     assert blas._row_cut(15, 1024, 1024, board) == 0
     assert blas._row_cut(200, 64, 256, threads.ALONE) == 0
@@ -159,8 +165,8 @@ def _helper_never_comes(rng):
     columns), and their product computed whole."""
     blas.register_small_gemm(np.float32)
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
-    board[threads.STATE] = threads.IDLE
+    slots(board)["shares"] = threads.EVERY
+    slots(board)["state"] = threads.IDLE
     a = rng.standard_normal((1, 128)).astype(np.float32)
     w = rng.standard_normal((128, 384)).astype(np.float32)
     whole = np.empty((1, 384), np.float32)
@@ -174,15 +180,15 @@ def test_a_job_the_helper_never_starts_is_run_by_the_kernel(rng):
     it; the board is free again and no job counts as the helper's; and the
     kernel keeps more columns for itself the next time."""
     board, a, w, whole = _helper_never_comes(rng)
-    board[threads.WINDOW_START + 3] = 1 << 62  # (no window of its class ends here: no pause)
+    slots(board)["window_start"][3] = 1 << 62  # (no window of its class ends here: no pause)
     out = np.full((1, 384), np.nan, np.float32)
     _products(a, w, out, np.array([[1 << 40], [8]]), board, 3)
     np.testing.assert_array_equal(out, whole)
-    assert board[threads.STATE] == threads.IDLE and board[threads.JOBS] == 0
-    assert board[threads.TAKEN_BACK] == 3
+    assert slots(board)["state"] == threads.IDLE and slots(board)["jobs"] == 0
+    assert slots(board)["taken_back"] == 3
     # each wait was longer than a block of columns takes: the kernel keeps a
     # block more each time (the balance), and the result is the same bits
-    assert board[threads.BALANCE] == 3
+    assert slots(board)["balance"] == 3
     _products(a, w, out, np.array([[1 << 40], [8]]), board, 1)
     np.testing.assert_array_equal(out, whole)
 
@@ -211,7 +217,7 @@ def _handovers(board, c, start, end, lost_every=0, step=1000):
     i, now = 0, start
     while now < end:
         i += 1
-        if now >= board[threads.PAUSED_UNTIL + c]:
+        if now >= slots(board)["paused_until"][c]:
             _count(board, c, not (lost_every == -1 or (lost_every and i % lost_every == 0)), now)
         now += step
     return now
@@ -227,12 +233,12 @@ def test_a_handover_is_lost_where_the_wait_is_longer_than_the_rest_here():
                                         (0, 3, 4, True), (400, 3, 4, False)]:
         board = np.zeros_like(threads.BOARD)
         _judge(board, 1 << 16, 1000, waited, own_part, whole)  # (a window's first: it starts it)
-        assert board[threads.NET + 4] == (1 if won else -1), (waited, own_part, whole)
-        assert board[threads.WINDOW_START + 4] > 0 and board[threads.PAUSED_UNTIL + 4] == 0
+        assert slots(board)["net"][4] == (1 if won else -1), (waited, own_part, whole)
+        assert slots(board)["window_start"][4] > 0 and slots(board)["paused_until"][4] == 0
     for work, c in [(1 << 12, 0), ((1 << 14) - 1, 1), (1 << 14, 2), (49152, 3), (1 << 40, 15)]:
         board = np.zeros_like(threads.BOARD)
         _judge(board, work, 1000, 0, 1, 2)
-        assert board[threads.NET + c] == 1, (work, c)
+        assert slots(board)["net"][c] == 1, (work, c)
 
 
 def test_a_class_of_products_whose_handovers_lose_runs_alone_for_a_while():
@@ -246,25 +252,25 @@ def test_a_class_of_products_whose_handovers_lose_runs_alone_for_a_while():
     W, P = threads.WINDOW, threads.PAUSE
     board = np.zeros_like(threads.BOARD)
     now = _handovers(board, 4, 10**12, 10**12 + 3 * W, lost_every=5)
-    assert board[threads.PAUSES] == 0 and board[threads.PAUSED_UNTIL + 4] == 0
+    assert slots(board)["pauses"] == 0 and slots(board)["paused_until"][4] == 0
     start = now
     now = _handovers(board, 4, now, now + 3 * W, lost_every=-1)
-    assert board[threads.PAUSES] == 1 and board[threads.PAUSE_LEVEL + 4] == 0
-    until = board[threads.PAUSED_UNTIL + 4]
+    assert slots(board)["pauses"] == 1 and slots(board)["pause_level"][4] == 0
+    until = slots(board)["paused_until"][4]
     assert start + W <= until - P <= start + 2 * W  # (at the end of the first window lost)
-    assert board[threads.PAUSED_UNTIL + 8] == 0  # (another class: not paused)
+    assert slots(board)["paused_until"][8] == 0  # (another class: not paused)
     for level in range(1, threads.MAX_PAUSE_LEVEL + 2):  # (losing right after each pause)
         now = _handovers(board, 4, until, until + 3 * W, lost_every=-1)
         expected = min(level, threads.MAX_PAUSE_LEVEL)
-        assert board[threads.PAUSE_LEVEL + 4] == expected
-        assert board[threads.PAUSED_UNTIL + 4] - until <= W + (P << expected) + 1000
-        until = board[threads.PAUSED_UNTIL + 4]
-    pauses = board[threads.PAUSES]
+        assert slots(board)["pause_level"][4] == expected
+        assert slots(board)["paused_until"][4] - until <= W + (P << expected) + 1000
+        until = slots(board)["paused_until"][4]
+    pauses = slots(board)["pauses"]
     now = _handovers(board, 4, until, until + (P << threads.MAX_PAUSE_LEVEL) + 2 * P,
                      step=100_000)  # (a long good spell)
-    assert board[threads.PAUSES] == pauses
+    assert slots(board)["pauses"] == pauses
     _handovers(board, 4, now, now + 3 * W, lost_every=-1)
-    assert board[threads.PAUSES] == pauses + 1 and board[threads.PAUSE_LEVEL + 4] == 0
+    assert slots(board)["pauses"] == pauses + 1 and slots(board)["pause_level"][4] == 0
 
 
 def test_a_product_whose_helper_never_comes_stops_posting_to_it(rng):
@@ -277,19 +283,19 @@ def test_a_product_whose_helper_never_comes_stops_posting_to_it(rng):
     out = np.full((1, 384), np.nan, np.float32)
     table = np.array([[1 << 40], [8]])
     deadline = time.monotonic() + 30
-    while board[threads.PAUSES] == 0 and time.monotonic() < deadline:
+    while slots(board)["pauses"] == 0 and time.monotonic() < deadline:
         _products(a, w, out, table, board, 10)
     np.testing.assert_array_equal(out, whole)
-    assert board[threads.PAUSES] == 1 and board[threads.STATE] == threads.IDLE
-    taken = board[threads.TAKEN_BACK]
+    assert slots(board)["pauses"] == 1 and slots(board)["state"] == threads.IDLE
+    taken = slots(board)["taken_back"]
     assert taken >= 1
-    board[threads.PAUSED_UNTIL + 3] = 1 << 62  # (the pause held while these run)
+    slots(board)["paused_until"][3] = 1 << 62  # (the pause held while these run)
     _products(a, w, out, table, board, 10)
-    assert board[threads.TAKEN_BACK] == taken
+    assert slots(board)["taken_back"] == taken
     np.testing.assert_array_equal(out, whole)
-    board[threads.PAUSED_UNTIL + 3] = 0  # (the pause over: posted, taken back)
+    slots(board)["paused_until"][3] = 0  # (the pause over: posted, taken back)
     _products(a, w, out, table, board, 1)
-    assert board[threads.TAKEN_BACK] == taken + 1
+    assert slots(board)["taken_back"] == taken + 1
     np.testing.assert_array_equal(out, whole)
 
 
@@ -305,10 +311,10 @@ def test_a_one_sequence_gru_shares_its_step_with_the_helper(rng, monkeypatch):
     X = sn.LoDTensor.from_lengths(rng.standard_normal((T, features)).astype(np.float32), [[T]])
     layer = sn.nn.GRU(features, H, seed=3)
     expected = layer(X, backend="interpreter")
-    before = threads.BOARD[threads.JOBS]
+    before = slots(threads.BOARD)["jobs"]
     assert _until_the_helper_helps(lambda: layer(X, backend="numba"))
     got = layer(X, backend="numba")
-    assert threads.BOARD[threads.JOBS] > before
+    assert slots(threads.BOARD)["jobs"] > before
     assert_close(got, expected)
 
 
@@ -327,14 +333,14 @@ def test_a_small_lstm_over_many_sequences_gives_half_of_them_to_the_helper(rng):
     layer = sn.nn.LSTM(features, H, seed=5)
     expected = layer(X, backend="interpreter")
     layer(X, backend="numba")  # (compiled)
-    before = threads.BOARD[threads.JOBS]
+    before = slots(threads.BOARD)["jobs"]
     assert _until_the_helper_helps(lambda: layer(X, backend="numba"))
-    jobs = threads.BOARD[threads.JOBS] - before
+    jobs = slots(threads.BOARD)["jobs"] - before
     got = layer(X, backend="numba")
     assert_close(got, expected)
-    one = threads.BOARD[threads.JOBS]
+    one = slots(threads.BOARD)["jobs"]
     layer(X, backend="numba")
-    assert threads.BOARD[threads.JOBS] - one <= 1 <= jobs
+    assert slots(threads.BOARD)["jobs"] - one <= 1 <= jobs
 
 
 @pytest.mark.parametrize("flags", [{}, {"static": True, "init": True},
@@ -413,18 +419,18 @@ def test_a_product_whose_helper_is_busy_runs_both_parts_here():
     they run too (a helper that never comes: posted, taken back after
     ``PATIENCE``). ``run_both_here`` runs both here, whatever the board."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
+    slots(board)["shares"] = threads.EVERY
     for state in (threads.ABSENT, threads.CLAIMED, threads.POSTED, threads.RUNNING, threads.DONE):
-        board[threads.STATE] = state
+        slots(board)["state"] = state
         out = np.zeros(2)
         assert _parts(board, 1.0, 2.0, out) == -1
-        assert out.tolist() == [1.0, 2.0] and board[threads.STATE] == state
+        assert out.tolist() == [1.0, 2.0] and slots(board)["state"] == state
         assert _parts(board, 1.0, -2.0, out) == threads.RAISED
-    board[threads.STATE] = threads.IDLE
+    slots(board)["state"] = threads.IDLE
     out = np.zeros(2)
     assert _parts(board, 1.0, 2.0, out) >= 0
     assert out.tolist() == [1.0, 2.0]
-    assert board[threads.TAKEN_BACK] == 1 and board[threads.STATE] == threads.IDLE
+    assert slots(board)["taken_back"] == 1 and slots(board)["state"] == threads.IDLE
     assert _parts(board, 1.0, -2.0, out) == threads.RAISED
 
 
@@ -444,18 +450,18 @@ def test_a_product_whose_helper_is_busy_runs_whole_here():
     two parts run (a helper that never comes: posted, taken back after
     ``PATIENCE``) and not the whole."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
+    slots(board)["shares"] = threads.EVERY
     for state in (threads.ABSENT, threads.CLAIMED, threads.POSTED, threads.RUNNING, threads.DONE):
-        board[threads.STATE] = state
+        slots(board)["state"] = state
         out = np.zeros(3)
         assert _parts_or_whole(board, 1.0, 2.0, 3.0, out) == -1
-        assert out.tolist() == [0.0, 0.0, 3.0] and board[threads.STATE] == state
+        assert out.tolist() == [0.0, 0.0, 3.0] and slots(board)["state"] == state
         assert _parts_or_whole(board, 1.0, 2.0, -3.0, out) == threads.RAISED
-    board[threads.STATE] = threads.IDLE
+    slots(board)["state"] = threads.IDLE
     out = np.zeros(3)
     assert _parts_or_whole(board, 1.0, 2.0, 3.0, out) >= 0
     assert out.tolist() == [1.0, 2.0, 0.0]
-    assert board[threads.TAKEN_BACK] == 1 and board[threads.STATE] == threads.IDLE
+    assert slots(board)["taken_back"] == 1 and slots(board)["state"] == threads.IDLE
     assert _parts_or_whole(board, 1.0, -2.0, 3.0, out) == threads.RAISED
 
 
@@ -474,29 +480,29 @@ def test_a_kernel_holds_the_helper_awake_through_its_first_work():
     (a training step's backward right after its forward cut nothing and ran
     on one core)."""
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
-    board[threads.STATE] = threads.WAKING
+    slots(board)["shares"] = threads.EVERY
+    slots(board)["state"] = threads.WAKING
     start = _now()
     threads.hold_helper(board)
-    assert board[threads.HELD_UNTIL] >= start + threads.HOLD
-    board[threads.HELD_UNTIL] = _now() + (1 << 50)  # (held for good, until released below)
+    assert slots(board)["held_until"] >= start + threads.HOLD
+    slots(board)["held_until"] = _now() + (1 << 50)  # (held for good, until released below)
     serving = _serving(board, 1 << 10)  # (a linger of well under a microsecond)
     deadline = time.monotonic() + 60
-    while board[threads.STATE] == threads.WAKING and time.monotonic() < deadline:
+    while slots(board)["state"] == threads.WAKING and time.monotonic() < deadline:
         time.sleep(0.001)  # (its loop compiled or loaded on its thread, the first time)
     time.sleep(0.05)
-    assert serving.is_alive() and board[threads.STATE] == threads.IDLE
-    board[threads.HELD_UNTIL] = 0
+    assert serving.is_alive() and slots(board)["state"] == threads.IDLE
+    slots(board)["held_until"] = 0
     serving.join(10)
-    assert not serving.is_alive() and board[threads.STATE] == threads.ABSENT
-    board[threads.STATE] = threads.WAKING  # not held: asleep once the linger passes
+    assert not serving.is_alive() and slots(board)["state"] == threads.ABSENT
+    slots(board)["state"] = threads.WAKING  # not held: asleep once the linger passes
     serving = _serving(board, 1 << 10)
     serving.join(10)
-    assert not serving.is_alive() and board[threads.STATE] == threads.ABSENT
+    assert not serving.is_alive() and slots(board)["state"] == threads.ABSENT
     if not ONE_THREAD:
         start = _now()
         assert threads.board_for_one_group() is threads.BOARD
-        assert threads.BOARD[threads.HELD_UNTIL] >= start + threads.HOLD
+        assert slots(threads.BOARD)["held_until"] >= start + threads.HOLD
 
 
 def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
@@ -508,16 +514,16 @@ def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
     woken helper back to sleep."""
     out_a, out_b = np.zeros(1), np.zeros(1)
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
-    board[threads.STATE] = threads.WAKING
+    slots(board)["shares"] = threads.EVERY
+    slots(board)["state"] = threads.WAKING
     assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 2
     assert _two_jobs(board, 1.0, 2.0, out_a, out_b, True) >= 0  # (posted, then taken back)
     assert (out_a[0], out_b[0]) == (1.0, 2.0)
-    assert board[threads.TAKEN_BACK] == 1 and board[threads.JOBS] == 0
-    assert board[threads.STATE] == threads.IDLE
-    board[threads.STATE] = threads.WAKING
+    assert slots(board)["taken_back"] == 1 and slots(board)["jobs"] == 0
+    assert slots(board)["state"] == threads.IDLE
+    slots(board)["state"] = threads.WAKING
     threads._dismiss(board)
-    assert board[threads.STATE] == threads.ABSENT
+    assert slots(board)["state"] == threads.ABSENT
     # (the cut is the lengths', asleep or not: the caller then runs both parts)
     assert threads.group_cut(board, np.array([8, 8, 8, 8], np.int64)) == 2
     if ONE_THREAD:
@@ -525,17 +531,17 @@ def test_a_job_posted_to_a_woken_helper_runs_there_or_is_taken_back():
     for x in (3.0, 4.0, 5.0):
         threads.dismiss_helper()
         deadline = time.monotonic() + 10
-        while threads.BOARD[threads.STATE] != threads.ABSENT and time.monotonic() < deadline:
+        while slots(threads.BOARD)["state"] != threads.ABSENT and time.monotonic() < deadline:
             time.sleep(0.001)
-        before = threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK]
+        before = slots(threads.BOARD)["jobs"] + slots(threads.BOARD)["taken_back"]
         threads.wake_helper()
         # (posted: the helper, woken or spinning, was claimed; not posted only
         # where this thread lost its core for longer than the helper lingers)
         waited = _two_jobs(threads.BOARD, x, x + 10, out_a, out_b, True)
         assert waited != threads.RAISED and (out_a[0], out_b[0]) == (x, x + 10)
         posted = waited >= 0
-        assert threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK] == before + posted
-        assert threads.BOARD[threads.STATE] in (threads.IDLE, threads.ABSENT)
+        assert slots(threads.BOARD)["jobs"] + slots(threads.BOARD)["taken_back"] == before + posted
+        assert slots(threads.BOARD)["state"] in (threads.IDLE, threads.ABSENT)
 
 
 @njit(nogil=True)
@@ -557,13 +563,13 @@ def test_a_job_posted_ahead_is_done_by_the_helper_or_taken_back(rng):
     assert _posted_then_finished(threads.ALONE, 1.0, out) == (False, 0)
     assert out[0] == 0.0  # (not posted: the caller runs it)
     board = np.zeros_like(threads.BOARD)
-    board[threads.SHARES] = threads.EVERY
-    board[threads.STATE] = threads.IDLE
+    slots(board)["shares"] = threads.EVERY
+    slots(board)["state"] = threads.IDLE
     assert _posted_then_finished(board, 2.0, out) == (True, 0)
-    assert out[0] == 2.0 and board[threads.TAKEN_BACK] == 1
-    assert board[threads.STATE] == threads.IDLE and board[threads.JOBS] == 0
+    assert out[0] == 2.0 and slots(board)["taken_back"] == 1
+    assert slots(board)["state"] == threads.IDLE and slots(board)["jobs"] == 0
     assert _posted_then_finished(board, -1.0, out) == (True, threads.RAISED)
-    assert board[threads.STATE] == threads.IDLE
+    assert slots(board)["state"] == threads.IDLE
     assert _until_the_helper_helps(lambda: _posted_then_finished(threads.BOARD, 3.0, out)
                                    == (True, 0))
     assert out[0] == 3.0
@@ -615,8 +621,8 @@ def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
     sstart, slen = np.zeros(1, np.int64), np.array([40])
     for posts in (False, True):
         board = np.zeros_like(threads.BOARD)
-        board[threads.SHARES] = threads.EVERY
-        board[threads.STATE] = threads.IDLE
+        slots(board)["shares"] = threads.EVERY
+        slots(board)["state"] = threads.IDLE
         prepared = blas.pack(w, 16, 40, product_timing.small_rows_table(), board)
         buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]
         ahead_buffers = [np.zeros((4, 8), np.float32), np.zeros((4, 64), np.float32)]
@@ -628,8 +634,8 @@ def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
         assert _chunk_ahead(left, sstart, slen, 4, *buffers, *ahead_buffers, state, False, prepared) == posts
         np.testing.assert_allclose((ahead_buffers if posts else buffers)[1], left[4:8] @ w,
                                    rtol=1e-5, atol=1e-5)
-        assert state[0] == 0 and board[threads.TAKEN_BACK] == int(posts)
-        assert board[threads.STATE] == threads.IDLE
+        assert state[0] == 0 and slots(board)["taken_back"] == int(posts)
+        assert slots(board)["state"] == threads.IDLE
 
 
 def test_ragged_sequences_run_their_input_products_a_chunk_ahead(rng):
@@ -676,7 +682,7 @@ def test_a_forked_child_does_not_wait_for_its_parents_helper(tmp_path):
 import os, sys, time
 import numpy as np
 sys.path.insert(0, {tests!r})
-from test_helper import _products, _until_the_helper_helps
+from test_helper import _products, _until_the_helper_helps, slots
 from stepnet.jit import blas, threads
 blas.register_small_gemm(np.float32)
 a = np.ones((1, 128), np.float32); w = np.ones((128, 384), np.float32)
@@ -685,7 +691,7 @@ assert _until_the_helper_helps(lambda: _products(a, w, out, table, threads.BOARD
 threads.wake_helper()
 pid = os.fork()
 if pid == 0:
-    ok = threads.BOARD[threads.STATE] == threads.ABSENT
+    ok = slots(threads.BOARD)["state"] == threads.ABSENT
     _products(a, w, out, table, threads.BOARD, 50)
     ok = ok and (out == 128).all()
     ok = ok and _until_the_helper_helps(lambda: _products(a, w, out, table, threads.BOARD, 50))
@@ -726,9 +732,9 @@ def test_a_board_that_shares_nothing_takes_no_helper():
     kernel = SimpleNamespace(largest_weights=1 << 20)
     assert plan.shares(kernel, 64, 1, count=2)
     try:
-        threads.BOARD[threads.SHARES] = threads.COLUMNS
+        slots(threads.BOARD)["shares"] = threads.COLUMNS
         assert plan.shares(kernel, 64, 1, count=2)
-        threads.BOARD[threads.SHARES] = 0
+        slots(threads.BOARD)["shares"] = 0
         assert not plan.shares(kernel, 64, 1, count=2)
     finally:
-        threads.BOARD[threads.SHARES] = threads.EVERY
+        slots(threads.BOARD)["shares"] = threads.EVERY

@@ -106,34 +106,34 @@ def run_apart(fn, items, work):
 
 # -- the helper ------------------------------------------------------------------
 
-# a board's slots: the helper's state, the jobs it has run, what kernels given
-# the board share (bits, below), the jobs posted that their claimant took
-# back and ran (see ``run_jobs``), the blocks of columns of stepnet's own loop
-# the kernels keep beyond half (blas: balanced by how long they wait), the
-# job (from JOB: the address of its C function, then of its record:
-# ``atomics.job_of``), and the pauses of sharing (``judge_sharing``)
-STATE, JOBS, SHARES, TAKEN_BACK, BALANCE, JOB, PAUSES = 0, 1, 2, 3, 4, 5, 7
-# the states: asleep; spinning, free; claimed by a kernel writing a job; a job
-# to run; that job running; that job done (the claimant sets IDLE again);
-# woken, not spinning yet (a kernel may claim it and post a job: the helper
-# runs it when it comes, or the claimant takes it back)
+# a board's helper: asleep; spinning, free; claimed by a kernel writing a job;
+# a job to run; that job running; that job done (the claimant sets IDLE
+# again); woken, not spinning yet (a kernel may claim it and post a job: the
+# helper runs it when it comes, or the claimant takes it back)
 ABSENT, IDLE, CLAIMED, POSTED, RUNNING, DONE, WAKING = 0, 1, 2, 3, 4, 5, 6
-# the lines after the first (written by the kernels only, so the helper's
-# line changes only at a handover): per class of products (by the log2 of
-# their multiply-adds), the cycle its window of judgment started, its
-# handovers won less those lost in that window, the cycle until which such
-# products are not shared, and the log2 of that pause's length in PAUSEs
-# (``sharing_paused``, ``judge_sharing``)
-CLASSES = 16
-WINDOW_START = 8
-NET = WINDOW_START + CLASSES
-PAUSED_UNTIL = NET + CLASSES
-PAUSE_LEVEL = PAUSED_UNTIL + CLASSES
-# the cycle before which the helper does not go back to sleep however long
-# it has been without a job (``hold_helper``: a kernel given the board holds
-# it from its start through the work before its first handover)
-HELD_UNTIL = PAUSE_LEVEL + CLASSES
-BOARD_SIZE = HELD_UNTIL + 1
+CLASSES = 16  # classes of products judged apart (by the log2 of their multiply-adds)
+# a board: int64 slots, which compiled code addresses by index (atomics work
+# on an array's elements), laid out as this record: ``board.view(BOARD_RECORD)[0]``
+# reads and writes them by name
+BOARD_RECORD = np.dtype([
+    ("state", np.int64), ("jobs", np.int64),  # the helper's state; the jobs it has run
+    ("shares", np.int64),  # what kernels given the board share (bits: CUT ... PAUSING)
+    ("taken_back", np.int64),  # jobs posted that their claimant took back and ran (run_jobs)
+    ("balance", np.int64),  # the own loop's blocks of columns the kernels keep beyond half (blas)
+    ("job", np.int64, 2),  # the job: the address of its C function, then of its record (job_of)
+    ("pauses", np.int64),  # the pauses of sharing (judge_sharing)
+    # from the second line, written by the kernels only (the helper's changes only
+    # at a handover), per class of products: the cycle its window of judgment
+    # started, its handovers won less those lost in it, the cycle until which
+    # such products are not shared, the log2 of that pause's length in PAUSEs
+    ("window_start", np.int64, CLASSES), ("net", np.int64, CLASSES),
+    ("paused_until", np.int64, CLASSES), ("pause_level", np.int64, CLASSES),
+    # until when the helper stays awake without a job (hold_helper: from a kernel's start)
+    ("held_until", np.int64)])
+STATE, JOBS, SHARES, TAKEN_BACK, BALANCE, JOB, PAUSES, WINDOW_START, NET, PAUSED_UNTIL, \
+    PAUSE_LEVEL, HELD_UNTIL = (BOARD_RECORD.fields[name][1] // 8 for name in BOARD_RECORD.names)
+BOARD_SIZE = BOARD_RECORD.itemsize // 8
+assert WINDOW_START == 8  # (the kernels' slots start on the board's second cache line)
 
 
 def _board():
