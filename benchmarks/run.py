@@ -142,7 +142,8 @@ def _family_notes(family, threads):
             import numba
 
             import stepnet
-            from stepnet.jit import blas, blas_choice, blas_info
+            from stepnet import info as blas_info
+            from stepnet.jit import blas, blas_choice
 
             blas_note = f"{blas.BLAS_NAME} ({blas_choice.choose()['reason']})"
             notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}, BLAS {blas_note}"

@@ -171,7 +171,8 @@ def cmd_info(args) -> int:
 
     from . import __version__
     from .backends import backends
-    from .jit import blas_info, compile_worker
+    from . import info
+    from .jit import compile_worker
     from .jit.cache import cache_dir
 
     if args.measure:
@@ -179,7 +180,7 @@ def cmd_info(args) -> int:
     print(f"stepnet {__version__}, numba {numba.__version__}, numpy {np.__version__}")
     print(f"cache: {cache_dir()}")
     print(f"backends: {', '.join(backends())}")
-    print(blas_info.describe())
+    print(info.describe())
     print(f"threads: {numba.get_num_threads()} (sequence groups run in parallel; "
           "NUMBA_NUM_THREADS or numba.set_num_threads changes it)")
     print(_compiling(compile_worker.status(cache_dir())))
@@ -193,13 +194,13 @@ def _measure_again(cache) -> int:
     changed."""
     import difflib
 
-    from .jit import blas_info
+    from . import info
 
-    before = blas_info.describe().splitlines()
+    before = info.describe().splitlines()
     for name in MEASUREMENTS:
         (cache / name).unlink(missing_ok=True)
     child = subprocess.run(
-        [sys.executable, "-c", "from stepnet.jit import blas_info; print(blas_info.describe())"],
+        [sys.executable, "-c", "from stepnet import info; print(info.describe())"],
         capture_output=True, text=True, check=False)
     if child.returncode != 0:
         sys.stderr.write(child.stderr)

@@ -1,11 +1,12 @@
 """What ``stepnet info`` prints about the BLAS and stepnet's own product
 loop: the choice (:mod:`stepnet.jit.blas_choice`) and what the engine
-(:mod:`stepnet.jit.blas`) measured from it. Importing this starts the engine."""
+(:mod:`stepnet.jit.blas`) measured from it; outside the engine, which it
+only reads. Importing this starts the engine."""
 
 from __future__ import annotations
 
-from . import blas, blas_choice, own_loop, product_timing, transposed
-from .blas_choice import EVERY_PRODUCT
+from .jit import blas, blas_choice, own_loop, product_timing, transposed
+from .jit.blas_choice import EVERY_PRODUCT
 
 
 def describe() -> str:
