@@ -375,8 +375,6 @@ _OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, one row by 19
 # a product over more rows than measured (over every token, outside the time
 # loop) runs the own loop where it won by a tenth over this many rows there
 _MANY_ROWS = 1024
-# the limit for every size where the machine was too busy to measure them
-_PROVISIONAL_ROWS = 64
 _EVERY_WINS = 0.9
 _SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
@@ -469,12 +467,8 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
     loop is best up to the most rows measured, it takes every product of
     that size (``EVERY_PRODUCT``) only if over ``_MANY_ROWS`` rows, run as
     outside the time loop (``time_many(m, k, n)``, on free cores), it took
-    at most ``_EVERY_WINS`` of the library's time. Each size is measured on
-    free cores: where other processes kept them busy (a first call on the
-    interpreter beside the compile worker that measures), every size gets
-    ``_PROVISIONAL_ROWS`` in this process, and nothing is kept. A size is
-    shared where a one-row product cut with the helper took at most
-    ``SHARE_WINS`` of its time alone, in a
+    at most ``_EVERY_WINS`` of the library's time. A size is shared where a one-row product
+    cut with the helper took at most ``SHARE_WINS`` of its time alone, in a
     time loop (the cut pays for two handoffs between cores); where not
     measured (another process kept a core busy: ``measured_on_free_cores``;
     the file says so), it is shared. A kept table is checked where ``check``
@@ -510,16 +504,7 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many):
                 return limits
     except (ValueError, TypeError, KeyError):
         pass  # a file of another form: measured again
-    points = []
-    for k, n in _STEP_WEIGHTS:
-        timed, _ = measured_on_free_cores(lambda k=k, n=n: [(m, k, n, *time_both(m, k, n))
-                                                            for m in _STEP_ROWS])
-        if timed is None:  # (a busy machine judges nothing: a limit for now, not kept)
-            limits = ((EVERY_PRODUCT, _PROVISIONAL_ROWS, 1),)
-            _SMALL_PRODUCTS.update(limits=limits, points=[], shared=[], many=[], reason=(
-                "for now: other processes kept the cores busy; measured again by the next process"))
-            return limits
-        points += timed
+    points = [(m, k, n, *time_both(m, k, n)) for k, n in _STEP_WEIGHTS for m in _STEP_ROWS]
     shared, crowded = [], 0
     for k, n in _STEP_WEIGHTS:
         seconds, free = None, True
