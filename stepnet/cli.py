@@ -266,16 +266,21 @@ def cmd_run(args) -> int:
         seconds = time.perf_counter() - start
     print(f"model    {args.model} ({model.name})")
     print(f"backend  {backend}")
-    return _report(args, feeds, outputs, f"{_seconds(seconds)} (one call; {_first_run(backend)})")
+    return _report(args, feeds, outputs, f"{_seconds(seconds)} (one call; {_answered_by(backend)})")
 
 
-def _first_run(backend) -> str:
-    """What a first run's time includes on ``backend``."""
-    from .backends import answers_while_compiling
+def _answered_by(backend) -> str:
+    """Which tier answered this process's one call on ``backend``: the
+    interpreter where a kernel it met is still compiling after it, else the
+    compiled kernels (compiled in the call where not tiered)."""
+    from .backends import backend as backend_info, kernels_ready
 
-    if answers_while_compiling(backend):
-        return "on a first run, new kernels answer on the interpreter while they compile"
-    return "compilation included on a first run"
+    if not backend_info(backend).compiles:
+        return f"on the {backend} backend"
+    if not kernels_ready():
+        return ("answered on the interpreter while new kernels compile in the background: "
+                "a later run uses them")
+    return "answered by the compiled kernels (their compile included where new and not tiered)"
 
 
 def _report(args, feeds, outputs, time_line) -> int:

@@ -64,7 +64,7 @@ def test_no_command_prints_usage():
 def test_run_each_example_out_of_the_box(example, outputs):
     out = ok(stepnet("run", EXAMPLES / example, "--backend", "interpreter", "--quiet"))
     assert "backend  interpreter" in out
-    assert re.search(r"^time +[\d.]+ (s|ms|us)", out, re.M)
+    assert re.search(r"^time +[\d.]+ (s|ms|us) \(one call; on the interpreter backend\)", out, re.M)
     rows = re.search(r"^  \w+ +LoDTensor float32 \[(\d+), ", out, re.M).group(1)
     for name, text in outputs.items():
         line = next((s for s in out.splitlines() if s.strip().startswith(name + " ")), None)
@@ -188,6 +188,7 @@ def test_installed_script_and_numba_run_with_progress(tmp_path):
                           text=True, cwd=tmp_path, env=env, timeout=300, check=False)
     ok(proc)
     assert "backend  numba" in proc.stdout
+    assert "(one call; answered by the compiled kernels" in proc.stdout, proc.stdout  # (not tiered)
     # not a terminal: plain lines, the compile named before it starts
     assert re.search(r"^stepnet: compiling net 'gru' \(1/1\) \(at [\d.]+ s\)$", proc.stderr,
                      re.M), proc.stderr
