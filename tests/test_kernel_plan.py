@@ -115,3 +115,33 @@ def test_an_output_only_a_fused_run_computes_is_stored_by_it_alone():
     assert "outputs stored by their run alone" in str(plan)
     np.testing.assert_allclose(rnn(backend="numba")[1].data, rnn(backend="interpreter")[1].data,
                                rtol=1e-6, atol=1e-6)
+
+
+def test_outputs_computed_before_the_loop_go_into_their_buffers():
+    """An all-steps output a hoisted stage computes (a product of a value of
+    the step input) is computed into the output's buffer before the loop,
+    not copied there a step at a time; a merged product's column block, a
+    value only a step computes, and the outputs of a net of nested sequences
+    are not. The code follows the plan, and the numbers are the
+    interpreter's."""
+    rng = np.random.default_rng(2)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 4)).astype(np.float32), [[4, 5]])
+    W, V, U = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(3))
+    rnn = sn.create_rnn_op(output_num=3)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(init=np.zeros((2, 4), np.float32), name="h")
+        p, q = x @ W, x @ V  # (one product of the weights joined: column blocks)
+        h.update(sn.ops.tanh(p + q + h.pre_state()))
+        rnn.add_outputs(h, p, sn.ops.exp(x) @ U)
+    program = rnn.program(True)
+    sched = schedule.schedule(program)
+    plan = kernel_plan(program, sched)
+    assert plan.into_outputs == {sched.body.outputs[2]}, str(plan)  # (not p, a column block; not h)
+    assert "outputs computed before the loop into their buffers" in str(plan)
+    source, layout = cpu_codegen.generate_source(program)
+    assert layout.plan.into_outputs == plan.into_outputs
+    for got, want in zip(rnn(backend="numba"), rnn(backend="interpreter")):
+        np.testing.assert_allclose(got.data, want.data, rtol=1e-5, atol=1e-6)
+    nested = nested_encoder(rng, hidden=8).rnn.program(True)
+    assert kernel_plan(nested, schedule.schedule(nested)).into_outputs == frozenset()

@@ -211,19 +211,16 @@ def _program_inputs(module, program, values, consts):
 
 def _outputs_over_rows(module, program, values):
     """``module.output_rows``, ``{step value: its all-steps output's buffer}``
-    for the top-level net's dense all-steps outputs, made here (before the
-    hoisted stages), and ``module.step_rows``: a value computed before the
-    loop over the rows of a one-level step input (every step input has its
-    rows) is then computed into the output's buffer (``_new_array``), not
-    copied there step by step. A value given as two outputs fills the first."""
+    for the outputs the plan computes into their buffers before the loop
+    (``KernelPlan.into_outputs``; ``_new_array``), the top-level net's dense
+    all-steps outputs made here (before the hoisted stages). A value given
+    as two outputs fills the first."""
     eqn = program.eqn
-    seqs = ir.rnn_parts(eqn)[0]
-    if not all(v.lod_depth == 1 for v in seqs):
+    if not module.plan.into_outputs:
         return
     _all_steps_arrays(_Ctx(module, values, "program", []), eqn)
-    module.step_rows = {f"{values[v].data.ident}.shape[0]" for v in seqs}
-    for out, res, all_steps in zip(eqn.outputs, eqn.attrs["body"].outputs, eqn.attrs["all_steps"]):
-        if all_steps and not res.lod_depth:
+    for out, res in zip(eqn.outputs, eqn.attrs["body"].outputs):
+        if res in module.plan.into_outputs:
             module.output_rows.setdefault(res, values[out].data.ident)
 
 

@@ -79,7 +79,6 @@ class _Module:
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
         self.chunks = {}  # body -> the _Chunk of each product its rnn function runs by chunks
         self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
-        self.step_rows = set()  # the row counts of the top-level step inputs (expressions)
 
     def fresh(self, base):
         self.counter += 1
@@ -145,7 +144,7 @@ def _new_array(ctx, var, size=None):
         ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
         module.gargs.append(ident)
         info = _Info("const", ident, var)
-    elif ctx.mode == "hoist" and var in module.output_rows and size in module.step_rows:
+    elif ctx.mode == "hoist" and var in module.output_rows:
         ident = module.output_rows.pop(var)  # (an argument already)
         info = _Info("global", ident, var, width=_width(var), size=size)
     elif ctx.mode == "hoist":

@@ -21,6 +21,7 @@ class KernelPlan(NamedTuple):
     epilogues: dict  # sched -> {elementwise run: the reductions it folds its values into}
     unbuffered: dict  # sched -> all-steps outputs its fused runs store to the outputs alone
     cut: dict  # net program() runs over all its sequences -> whether it cuts them with the helper
+    into_outputs: frozenset  # the top net's all-steps outputs computed before its loop into their buffers
 
     @property
     def cuts_sequences(self) -> bool:
@@ -38,6 +39,8 @@ class KernelPlan(NamedTuple):
             assert all(r in step and set(rs) <= step for r, rs in self.epilogues[sched].items()), sched
             assert self.unbuffered[sched] <= set(sched.body.outputs), sched
         assert set(self.cut) <= set(self.split), self.cut
+        top = next(iter(self.split))
+        assert all(any(v in s.outputs for s in top.hoisted) for v in self.into_outputs), self.into_outputs
         return self
 
     def __str__(self):
@@ -47,10 +50,7 @@ class KernelPlan(NamedTuple):
         lines = [f"kernel: constants read: {names(self.consts)}"]
         for sched in self.split:
             lines.append(f"net of {names(sched.eqn.outputs)}:")
-            if not (self.chunked.get(sched) or self.split[sched] or self.concats[sched]
-                    or self.epilogues[sched] or self.in_place[sched] or self.unbuffered[sched]
-                    or self.cut.get(sched)):
-                lines.append("  as scheduled")
+            start = len(lines)
             for what, stages in (
                     ("products by chunks of steps", self.chunked.get(sched, ())),
                     ("products of a concat as sums", self.split[sched]),
@@ -58,13 +58,17 @@ class KernelPlan(NamedTuple):
                     ("runs folding reductions", self.epilogues[sched])):
                 if stages:
                     lines.append(f"  {what}: " + "; ".join(names(s.outputs) for s in stages))
-            if self.in_place[sched]:
-                lines.append("  memories updated in place: "
-                             + names(m.post for m in self.in_place[sched]))
-            if self.unbuffered[sched]:
-                lines.append("  outputs stored by their run alone: " + names(self.unbuffered[sched]))
+            for what, values in (
+                    ("memories updated in place", [m.post for m in self.in_place[sched]]),
+                    ("outputs stored by their run alone", self.unbuffered[sched]),
+                    ("outputs computed before the loop into their buffers",
+                     self.into_outputs if sched is next(iter(self.split)) else ())):
+                if values:
+                    lines.append(f"  {what}: {names(values)}")
             if self.cut.get(sched):
                 lines.append("  its sequences cut with the helper where the call's plan shares")
+            if len(lines) == start:
+                lines.append("  as scheduled")
         return "\n".join(lines)
 
 
@@ -96,7 +100,22 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     if max(weights) < _GROUP_MIN_WEIGHTS:
         cut = dict.fromkeys(cut, False)
     return KernelPlan(tuple(v for v in program.consts if v in read), chunked, split, in_place,
-                      concats, epilogues, unbuffered, cut).check()
+                      concats, epilogues, unbuffered, cut,
+                      _into_outputs(sched, chunked[sched], split[sched])).check()
+
+
+def _into_outputs(sched, chunked, split):
+    """The top net's dense all-steps outputs (of sequences of one level) a
+    hoisted stage computes into an array of its own (not a merged product's
+    column block, a nested net's output, a product by chunks of steps, a
+    concat only a split product reads): computed into the outputs' buffers
+    instead, with no copy a step."""
+    if not all(v.lod_depth == 1 for v in ir.rnn_parts(sched.eqn)[0]):
+        return frozenset()
+    made = {v for s in sched.hoisted if s.kind != "rnn" and not s.merged and s not in chunked
+            and s not in split.values() for v in s.outputs}
+    return frozenset(res for res, all_steps in zip(sched.body.outputs, sched.eqn.attrs["all_steps"])
+                     if all_steps and not res.lod_depth and res in made)
 
 
 # a kernel whose steps multiply by smaller weights than this (a net of a
