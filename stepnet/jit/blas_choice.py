@@ -467,12 +467,12 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
     loop is best up to the most rows measured, it takes every product of
     that size (``EVERY_PRODUCT``) only if over ``_MANY_ROWS`` rows, run as
     outside the time loop (``time_many(m, k, n)``, on free cores), it took
-    at most ``_EVERY_WINS`` of the library's time. A size is shared where a one-row product
-    cut with the helper took at most ``SHARE_WINS`` of its time alone, in a
-    time loop (the cut pays for two handoffs between cores); where not
-    measured (another process kept a core busy: ``measured_on_free_cores``;
-    the file says so), it is shared. A kept table is checked where ``check``
-    (``disagreement``: its ``_CHECKED`` product timed again)."""
+    at most ``_EVERY_WINS`` of the library's time. A size is shared where a
+    one-row product cut with the helper took at most ``SHARE_WINS`` of its
+    time alone, in a time loop (the cut pays for two handoffs between
+    cores); where not measured (another process kept a core busy:
+    ``measured_on_free_cores``; the file says so), it is shared. A kept
+    table is checked where ``check`` (``disagreement``: ``_CHECKED`` again)."""
     requested = config.small_products
     if requested is not None:
         limits = ((EVERY_PRODUCT, requested, 1),)
