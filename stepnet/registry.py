@@ -103,6 +103,16 @@ class OpDef:
     takes_lod: bool = False
     elementwise_when: Callable | None = None
 
+    def numba_code(self, args, dtype, attrs=None) -> str:
+        """The op on one element as Numba code (``numba``: every Numba loop's,
+        a step-net kernel's and an ONNX fused loop's), ``args`` its operands'
+        code, ``attrs`` its attributes as literals of the result's ``dtype``."""
+        if self.numba is None:
+            raise UnsupportedError(f"numba backend: no code generation for op {self.name!r}")
+        if callable(self.numba):
+            return self.numba(*args, **(attrs or {}))
+        return self.numba.format(*args, bits="32" if np.dtype(dtype) == np.float32 else "64")
+
     def infer(self, operands, attrs) -> list:
         """The results' avals. A ragged operand of one level (a row per batch
         row's own sub-sequence, e.g. an attention memory given by

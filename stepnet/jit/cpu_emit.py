@@ -337,13 +337,9 @@ def _read_at(ctx, ins, e, k, index):
 def _scalar_expr(ctx, e, args):
     """Op ``e`` on one element, ``args`` its operands' code: the op's
     ``numba`` code (its record in stepnet/ops/)."""
-    code = registry.get(e.op).numba
     dtype = e.outputs[0].dtype
-    if code is None:
-        raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
-    if callable(code):
-        return code(*args, **{k: ctx.module.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
-    return code.format(*args, bits="32" if np.dtype(dtype) == np.float32 else "64")
+    return registry.get(e.op).numba_code(
+        args, dtype, {k: ctx.module.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
 
 
 def _emit_fused(ctx, group, epilogues=()):

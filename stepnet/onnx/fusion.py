@@ -271,10 +271,8 @@ def _source(nodes, inputs, outputs, ranks, kinds, ndim, dtype):
     code = {name: (f"r{x}[j]" if kind == "unit" else f"v{x}")
             for name, x, kind in zip(inputs, xs, kinds)}
     element = []
-    bits = "32" if dtype == np.float32 else "64"
-    for t, node in enumerate(nodes):
-        template = _PRIMITIVES[node.op].numba
-        element.append(f"t{t} = " + template.format(*[code[n] for n in node.args], bits=bits))
+    for t, node in enumerate(nodes):  # (each op's code as a step-net kernel's: its record's)
+        element.append(f"t{t} = " + _PRIMITIVES[node.op].numba_code([code[n] for n in node.args], dtype))
         code[node.outputs[0]] = f"t{t}"
     element += [f"r{y}[j] = {code[name]}" for y, name in zip(ys, outputs)]
     body += loops + row + [f"{pad}for j in range(n):"] + [f"{pad}    {line}" for line in element]
