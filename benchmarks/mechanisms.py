@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import peers  # noqa: E402
 import workloads  # noqa: E402
-from stepnet.jit import blas, plan, threads  # noqa: E402
+from stepnet.jit import plan, threads, transposed  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -110,7 +110,7 @@ MECHANISMS = {
     "pauses": ("pausing the sharing of products whose handovers lost",
                lambda: _board_without(threads.PAUSING)),
     "pieces": ("weight gradients in pieces on Python threads (transposed.transposed_products)",
-               lambda: _replaced(blas, "_SPLIT_TN_WORK", 1 << 62)),
+               lambda: _replaced(transposed, "_SPLIT_TN_WORK", 1 << 62)),
     "directions": ("a layer's directions at once (threads.run_apart)",
                    lambda: _replaced(threads, "run_apart",
                                      lambda fn, items, work: [fn(item) for item in items])),

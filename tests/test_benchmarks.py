@@ -325,3 +325,22 @@ def test_a_report_becomes_its_machines_section_of_the_benchmarks_page(tmp_path, 
     other = tmp_path / "results.md"
     run.write_markdown(other, report)
     assert other.read_text() == report + "\n"
+
+
+def test_every_mechanism_of_the_mechanisms_benchmark_can_be_turned_off():
+    """benchmarks/mechanisms.py turns each mechanism off by a name in the
+    engine: every name it uses must exist, and each switch must change it
+    while on and restore it after."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mechanisms
+    from stepnet.jit import plan, threads, transposed
+
+    def state():
+        return (int(threads.BOARD[threads.SHARES]), plan._one_group, transposed._SPLIT_TN_WORK,
+                threads.run_apart)
+
+    before = state()
+    for name, (_, off) in mechanisms.MECHANISMS.items():
+        with off():
+            assert (state() == before) == (name == "plain again"), name
+        assert state() == before, name
