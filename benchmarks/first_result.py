@@ -11,6 +11,19 @@ Cases (W5's, W1's and W2's sizes: T=100, B=64, I=128, H=256, float32):
 - ``onnx-gru``, ``onnx-lstm``: an ONNX model of one GRU / LSTM node, loaded
   by ``stepnet.onnx.InferenceSession`` and run once.
 
+``--timeline`` instead runs one workload's first item of a peer over and
+over in a fresh process for ``--seconds`` (``stepnet:W5``: the custom cell's
+forward; ``stepnet:W9``: its training step; ``jax:W5``, ``jax:W9``: JAX
+compiling the same), stepnet tiered with an empty ``STEPNET_CACHE_DIR``, and
+prints when the first result came, a call's median time while the kernels
+compile (on the interpreter), when calls first ran on the kernels, when calls
+reached full speed (the first call within 1.3x
+of the median of the last tenth from which on every ten calls in a row have
+their median within 1.3x of it),
+that speed, and how many calls were done in the first 20 seconds::
+
+    python benchmarks/first_result.py --timeline stepnet:W5,jax:W5,stepnet:W9,jax:W9
+
 Each is measured in three settings: ``tiered`` (the default: a new kernel's
 first calls answer on the NumPy interpreter while a worker process compiles
 it), ``compiled`` (``STEPNET_TIERED=0``: the first call waits for the
@@ -98,14 +111,82 @@ def child(case: str) -> dict:
     return result
 
 
-def measure(case, setting, cache, threads):
+def timeline_child(spec: str, seconds: float) -> dict:
+    """Calls of peer ``spec`` (``peer:KEY``) for ``seconds``: each call's end
+    (seconds from the start of its build) and duration, and which ran on the
+    kernels (stepnet: whether every kernel was ready before the call)."""
+    peer, key = spec.split(":")
+    sys.path.insert(0, str(HERE))
+    import peers
+    import workloads
+
+    if peer == "stepnet":
+        from stepnet.backends import kernels_ready as ready
+    else:
+        def ready():
+            return True
+    label, build = peers.PEERS[peer][key][0]
+    wl = workloads.make(key)
+    t0 = time.perf_counter()
+    run = build(wl)
+    calls = []
+    while not calls or time.perf_counter() - t0 < seconds:
+        compiled = ready()
+        start = time.perf_counter()
+        run()
+        end = time.perf_counter()
+        calls.append((end - t0, end - start, compiled))
+    return {"label": label, "calls": calls}
+
+
+def timeline_row(spec, calls) -> str:
+    """One table row of a timeline's calls (``timeline_child``)."""
+    times = [d for _, d, _ in calls]
+    warm = statistics.median(sorted(times[-max(1, len(times) // 10):]))
+    # (the first call within 1.3x of it from which on every ten calls in a
+    # row have their median within 1.3x: one slow call on a shared machine
+    # is not a slow tier)
+    medians = [statistics.median(times[i:i + 10]) for i in range(len(times))]
+    full = start = len(times) - 1
+    while start > 0 and medians[start - 1] <= 1.3 * warm:
+        start -= 1
+        full = start if times[start] <= 1.3 * warm else full
+    early = [d for _, d, compiled in calls[1:] if not compiled]
+    early_ms = f"{statistics.median(early) * 1e3:.0f}" if early else "-"
+    kernels = next((end - d for end, d, compiled in calls[1:] if compiled), None)
+    kernels_s = "not yet" if kernels is None else f"{kernels:.1f}"
+    in_20 = sum(1 for end, _, _ in calls if end <= 20.0)
+    return (f"| {spec} | {calls[0][0]:.2f} | {early_ms} | {kernels_s} | "
+            f"{calls[full][0] - calls[full][1]:.1f} | {warm * 1e3:.1f} | {in_20} | "
+            f"{len(calls)} in {calls[-1][0]:.0f} s |")
+
+
+def timeline(specs, seconds, threads) -> None:
+    print(f"Timelines in a fresh process, empty STEPNET_CACHE_DIR, stepnet tiered "
+          f"({cpu_name()}, {os.cpu_count()} CPUs, {threads} threads); seconds from the build\n")
+    print("| peer:workload | first result, s | a call while compiling, ms | on the kernels from, s "
+          "| full speed after, s | full speed, ms | calls in 20 s | calls |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for spec in specs:
+        cache = Path(tempfile.mkdtemp(prefix="stepnet_timeline_"))
+        try:
+            found = measure(spec, "tiered", cache, threads, ["--timeline-child", spec,
+                                                             "--seconds", str(seconds)])
+        finally:
+            time.sleep(0.5)
+            shutil.rmtree(cache, ignore_errors=True)
+        print(timeline_row(spec, found["calls"]), flush=True)
+
+
+def measure(case, setting, cache, threads, child_args=None):
     env = dict(os.environ, STEPNET_CACHE_DIR=str(cache),
                STEPNET_TIERED="1" if setting == "tiered" else "0")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env[var] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                                         else []))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case],
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                           *(child_args or ["--child", case])],
                           capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{case} ({setting}): {proc.stderr[-2000:]}")
@@ -117,10 +198,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per case and setting")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeline", help="peer:KEY,... (stepnet:W5, jax:W9, ...): calls over time")
+    ap.add_argument("--seconds", type=float, default=60.0, help="a timeline's length")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--timeline-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child)))
+        return 0
+    if args.timeline_child:
+        print(json.dumps(timeline_child(args.timeline_child, args.seconds)))
+        return 0
+    if args.timeline:
+        timeline([s.strip() for s in args.timeline.split(",") if s.strip()], args.seconds,
+                 args.threads)
         return 0
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(cases) - set(CASES))

@@ -96,9 +96,9 @@ def _bytes(raw, where):
 def _directory(raw, where):
     if raw is None or raw == "":
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return Path(base) / "stepnet"
-    if isinstance(raw, (str, os.PathLike)):
-        return Path(raw)
+        return (Path(base) / "stepnet").absolute()
+    if isinstance(raw, (str, os.PathLike)):  # (absolute: the compile worker runs in another folder)
+        return Path(raw).expanduser().absolute()
     raise UnsupportedError(f"{where}: expected a directory")
 
 

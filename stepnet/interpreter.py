@@ -8,6 +8,12 @@ to the caller's order.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import glob
+import os
+import threading
+
 import numpy as np
 
 from . import ir, registry
@@ -292,3 +298,49 @@ def compile_program(program: ir.Program):
         return run_program(program, args, consts, scopes)
 
     return run
+
+
+_ONE_THREAD = {"setter": [], "open": 0, "before": None, "lock": threading.Lock()}
+
+
+def _numpy_blas_setter():
+    """``set(n) -> previous``: the number of threads NumPy's own OpenBLAS
+    uses, or None where it cannot be set (a NumPy built on another BLAS).
+    (OpenBLAS's ``openblas_set_num_threads_local``: the process's count in
+    the pthreads builds NumPy's wheels carry, not the calling thread's.)"""
+    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
+        try:
+            set_local = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        set_local.argtypes, set_local.restype = [ctypes.c_int], ctypes.c_int
+        return set_local
+    return None
+
+
+@contextlib.contextmanager
+def numpy_blas_on_one_thread():
+    """NumPy's products on one thread while the block runs (any thread's:
+    the count is the process's), as before once every such block has ended.
+
+    For NumPy work that runs beside stepnet's own: an ONNX session's small
+    GEMMs beside Numba's threads, and the interpreter answering while the
+    compile worker takes a core. OpenBLAS's pool synchronizes each product
+    by spinning, and with one of its threads off its core every product
+    waits for it: where cores are few, a run slows down many times over."""
+    state = _ONE_THREAD
+    with state["lock"]:
+        if not state["setter"]:
+            state["setter"].append(_numpy_blas_setter())
+        set_count = state["setter"][0]
+        if set_count is not None and state["open"] == 0:
+            state["before"] = set_count(1)
+        state["open"] += 1
+    try:
+        yield
+    finally:
+        with state["lock"]:
+            state["open"] -= 1
+            if set_count is not None and state["open"] == 0:
+                set_count(state["before"])

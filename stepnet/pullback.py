@@ -11,6 +11,8 @@ NumPy references) and maps them to the Parameters and named inputs asked for.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from . import ir, registry
@@ -26,6 +28,7 @@ from .autodiff import (
 from .backends import backend as backend_info
 from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
+from .interpreter import numpy_blas_on_one_thread
 from .ir import Literal, Var
 from .config import config
 from .lod import LoDTensor
@@ -167,7 +170,9 @@ class Pullback:
 
             for dtype in {np.asarray(getattr(r, "data", r)).dtype for r in results}:
                 prepare_weight_gradients(dtype)
-        grads = pull_consts(program, reduce_terms(layout, results, inputs, on_numpy), self.consts)
+        with numpy_blas_on_one_thread() if on_numpy and capabilities.compiles else nullcontext():
+            terms = reduce_terms(layout, results, inputs, on_numpy)  # (beside the compile worker)
+        grads = pull_consts(program, terms, self.consts)
         lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))
         d_inits = []
         for i in layout.inits:

@@ -344,3 +344,21 @@ def test_every_mechanism_of_the_mechanisms_benchmark_can_be_turned_off():
         with off():
             assert (state() == before) == (name == "plain again"), name
         assert state() == before, name
+
+
+def test_a_timeline_row_reads_the_calls_as_a_user_meets_them():
+    """benchmarks/first_result.py --timeline: the first result, a call's
+    median on the interpreter (the first call left out), when the kernels
+    ran first, and full speed from the first fast call after which the
+    median of every ten calls is fast, not from one lucky call."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import first_result
+
+    durations = [2, 1, 1, 0.9, 1, 1, 0.5, 0.1, 0.1, 0.1, 0.5, 0.1] + [0.1] * 13
+    calls, end = [], 0.0
+    for i, d in enumerate(durations):
+        end += d
+        calls.append((end, d, i >= 6))
+    row = [c.strip() for c in first_result.timeline_row("stepnet:W5", calls).split("|")[1:-1]]
+    assert row[:5] == ["stepnet:W5", "2.00", "1000", "6.9", "7.4"], row  # (call 7 starts at 7.4)
+    assert row[5] == "100.0" and row[6] == "25", row

@@ -551,3 +551,39 @@ def test_keep_scopes_needs_the_interpreter():
     rnn, _, _ = elman_case([1], np.float64, False, "zeros", seed=0)
     with pytest.raises(sn.StepNetError, match="keep_scopes"):
         rnn(keep_scopes=True, backend="numba")
+
+
+def test_numpy_products_on_one_thread_inside_the_block_and_as_before_after():
+    """``numpy_blas_on_one_thread``: NumPy's OpenBLAS count is 1 inside the
+    block, whichever thread asks; blocks nest and overlap across threads,
+    and the count is restored once the last one ends."""
+    import threading
+
+    from stepnet.interpreter import _numpy_blas_setter, numpy_blas_on_one_thread
+
+    set_count = _numpy_blas_setter()
+    if set_count is None:
+        pytest.skip("NumPy's BLAS is not OpenBLAS")
+    before = set_count(3)
+    try:
+        inside, other_open, release = [], threading.Event(), threading.Event()
+
+        def other():
+            with numpy_blas_on_one_thread():
+                other_open.set()
+                release.wait(30)
+
+        with numpy_blas_on_one_thread():
+            inside.append(set_count(1))
+            thread = threading.Thread(target=other)
+            thread.start()
+            assert other_open.wait(30)
+            with numpy_blas_on_one_thread():
+                inside.append(set_count(1))
+        inside.append(set_count(1))  # (the other thread's block still open)
+        release.set()
+        thread.join(30)
+        assert inside == [1, 1, 1]
+        assert set_count(3) == 3  # restored once both ended
+    finally:
+        set_count(before)

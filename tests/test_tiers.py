@@ -16,6 +16,7 @@ import pytest
 
 import stepnet as sn
 from conftest import assert_close, cache_with_helpers
+from stepnet import interpreter
 from stepnet.jit import blas, compile_worker, loading
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,9 +53,28 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
     rnn, X, _ = _net(rng, 5, 11)
     reference = rnn(backend="interpreter")
     compiled = rnn.compile("numba")
-    first = rnn()
     run = compiled._runner(True)
     assert isinstance(run, loading.TieredProgram)
+    # NumPy's products on one thread while the worker compiles (OpenBLAS's
+    # count read by setting it again), as before after the call
+    interpreted, blas_threads = run._interpreted, []
+    set_count = interpreter._numpy_blas_setter()
+
+    def recording(*args):
+        blas_threads.append(set_count(1))
+        return interpreted(*args)
+
+    run._interpreted = recording
+    if set_count is not None:
+        before = set_count(2)
+        try:
+            first = rnn()
+            assert blas_threads == [1] and set_count(before) == 2
+        finally:
+            set_count(before)
+    else:  # (a NumPy on another BLAS: nothing to set)
+        run._interpreted = interpreted
+        first = rnn()
     # the first call answered on the interpreter: the same numbers exactly
     assert not run.ready
     np.testing.assert_array_equal(first.data, reference.data)
@@ -433,3 +453,32 @@ def _until(condition, seconds=60):
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+@needs_unix
+def test_the_worker_imports_the_stepnet_of_the_process_that_starts_it(tmp_path):
+    """A process started in a folder holding another ``stepnet`` (a source
+    checkout) gets a worker running its own stepnet, whose compiled code it
+    then finds in the cache, not one importing that folder's."""
+    work, scripts = tmp_path / "work", tmp_path / "scripts"
+    (work / "stepnet").mkdir(parents=True)
+    (work / "stepnet" / "__init__.py").write_text("raise ImportError('not this stepnet')\n")
+    scripts.mkdir()
+    (scripts / "start.py").write_text(textwrap.dedent("""
+        import os
+        from pathlib import Path
+        import stepnet
+        from stepnet.jit import compile_worker
+        root = Path(os.environ["STEPNET_CACHE_DIR"])
+        pid = compile_worker.worker(root).pid(timeout=120)
+        found = compile_worker.status(root)
+        print(pid, found and found["pid"], found and found["stepnet"],
+              Path(stepnet.__file__).resolve().parents[1])
+    """))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), STEPNET_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(scripts / "start.py")], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    pid, status_pid, worker_stepnet, ours = out.stdout.split()
+    assert pid != "None" and pid == status_pid, out.stdout
+    assert worker_stepnet == ours == str(ROOT), out.stdout

@@ -65,6 +65,7 @@ NICENESS = 10
 # seconds a process waits for a worker it started to listen
 START_SECONDS = 60.0
 
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # (holding this stepnet)
 _LOCK_NAME = "compile_worker.lock"
 _STATUS_NAME = "compile_worker.json"
 
@@ -80,9 +81,9 @@ def socket_path(root) -> str:
 
 def status(root) -> dict | None:
     """What the worker of cache directory ``root`` is doing: ``{"pid": ...,
-    "compiling": {...} or None, "queued": [...]}``, each kernel as its
-    ``key`` and ``what`` (the function and module compiled); None when no
-    worker runs."""
+    "stepnet": the folder of the stepnet it runs, "compiling": {...} or None,
+    "queued": [...]}``, each kernel as its ``key`` and ``what`` (the function
+    and module compiled); None when no worker runs."""
     try:
         found = json.loads((Path(root) / _STATUS_NAME).read_text())
         os.kill(found["pid"], 0)
@@ -194,7 +195,7 @@ class _Server:
                 waiting[:] = [c for c in waiting if c is not connection]
 
     def _write_status(self) -> None:
-        found = {"pid": os.getpid(),
+        found = {"pid": os.getpid(), "stepnet": _PACKAGE_PARENT,
                  "compiling": None if self.current is None else
                  {"key": self.current[0], "what": _what(self.current[1])},
                  "queued": [{"key": key, "what": _what(request)}
@@ -394,10 +395,11 @@ def _connect(root: Path) -> _Connection:
             # one (one started while another holds the directory's lock exits
             # at once, and this connects to the other)
             root.mkdir(parents=True, exist_ok=True)
-            # no output inherited: a caller reading this process's output to
-            # its end (a pipe, subprocess.run) must not wait for the worker
+            # (no output inherited: a caller reading this one's to its end must
+            # not wait for the worker; in the folder of this stepnet, which ``-m``
+            # imports first: a worker on another copy fills caches never hit here)
             started = subprocess.Popen(  # (reaped by worker() when it has ended)
-                [sys.executable, "-m", "stepnet.jit.compile_worker"],
+                [sys.executable, "-m", "stepnet.jit.compile_worker"], cwd=_PACKAGE_PARENT,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=dict(os.environ, STEPNET_CACHE_DIR=str(root)), start_new_session=True)
             _STARTED.append(started)
@@ -422,7 +424,7 @@ def _sent_at_exit():
 def worker(root) -> Client:
     """This process's client of the compile worker of cache directory
     ``root`` (connected, the worker started, on first use)."""
-    root = Path(root)
+    root = Path(root).resolve()  # (the worker runs in another folder)
     with _CLIENTS_LOCK:
         _STARTED[:] = [p for p in _STARTED if p.poll() is None]
         client = _CLIENTS.get(root)

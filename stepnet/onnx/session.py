@@ -36,37 +36,13 @@ import numpy as np
 
 from ..backends import default_backend, get_backend
 from ..errors import Error, ShapeError, StepNetError, UnsupportedError
+from ..interpreter import numpy_blas_on_one_thread
 from .graph import Graph, has_decided, no_widening
 from .reading import load_model
 from .schema import NodeArg, mentions_float16, tensor_type_name
 from .static import SMALL, VALUE, analyse
 
 __all__ = ["InferenceSession", "NodeArg"]
-
-
-def _numpy_blas_threads():
-    """``set(n) -> previous``: the number of threads NumPy's own OpenBLAS uses
-    for calls from this thread, or None where it cannot be set.
-
-    A run keeps it at one: the GEMMs the session leaves to NumPy (Conv,
-    MatMul) are small, and OpenBLAS's pool spinning after them takes the
-    cores Numba's threads need, which slows a many-stream model down
-    severalfold where cores are few."""
-    import ctypes
-    import glob
-
-    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
-        try:
-            set_local = ctypes.CDLL(path).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        set_local.argtypes, set_local.restype = [ctypes.c_int], ctypes.c_int
-        return set_local
-    return None
-
-
-_BLAS_THREADS = []  # [set_local or None], found on the first session
 
 
 class InferenceSession:
@@ -221,15 +197,8 @@ class InferenceSession:
                                        f"model (outputs: {graph.output_names})")
             env = self._check_feeds(input_feed)
             backend = self.backend or default_backend()
-            if not _BLAS_THREADS:
-                _BLAS_THREADS.append(_numpy_blas_threads())
-            set_threads = _BLAS_THREADS[0]
-            previous = set_threads(1) if set_threads is not None else None
-            try:
-                self._run(env, backend)
-            finally:
-                if set_threads is not None:
-                    set_threads(previous)
+            with numpy_blas_on_one_thread():  # (small GEMMs: OpenBLAS's pool spinning
+                self._run(env, backend)  # after them takes the cores Numba's threads need)
         return [self._output(env[n]) for n in names]
 
     @contextlib.contextmanager
