@@ -156,7 +156,8 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
     kernel, and this process neither compiles nor loads them until the
     kernel first runs here (then from the cache). Nor does a first training
     step wait for the compiled sums of the weight gradients (NumPy sums them
-    while the backward runs on the interpreter). The worker's answers are
+    while the backward runs on the interpreter), nor the helper thread's
+    calls (compiled at their first use). The worker's answers are
     held until then, so that the calls answer on the interpreter however
     fast it compiles."""
     script = textwrap.dedent(f"""
@@ -181,6 +182,9 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
         sn.gradients(rnn, wrt=list(params), grad_outputs=[dY])
         sums = (blas.gemm_tn.signatures + transposed._gemm_tn_column_sums.signatures
                 + transposed._own_tn.signatures)
+        from stepnet.jit import threads  # (nor the helper thread's calls, at import)
+        sums += [s for f in (threads.run_jobs, threads.group_cut, threads.hold_helper,
+                             threads.post_job, threads.finish_job) for s in f.signatures]
         print(run.ready, sorted(blas._own_entries), len(sums))
         release.set()
         assert rnn.compile("numba").wait(timeout=300)

@@ -520,7 +520,7 @@ def _own_product_for(a, b, out, board):
     return own_product
 
 
-@njit(types.int64(types.int64, types.int64, types.int64, types.int64[::1]), cache=True)
+@njit(cache=True)
 def _row_cut(m, k, n, board):
     """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
     (0: not cut)."""

@@ -98,7 +98,8 @@ def status(root) -> dict | None:
 
 def compile_kernel(request) -> None:
     # (numba_cpu, imported, sets LLVM's vectorizer limits)
-    from stepnet.jit import blas, cache, loading, numba_cpu, product_timing, transposed  # noqa: F401
+    from stepnet.jit import (blas, cache, loading, numba_cpu, product_timing,  # noqa: F401
+                             threads, transposed)
 
     if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this worker uses {blas.SIGNATURE}, the kernel {request['blas']}")
@@ -113,6 +114,7 @@ def compile_kernel(request) -> None:
     loading.link_helpers(module)
     function = getattr(module, request.get("function", "program"))
     function.compile(pickle.loads(base64.b64decode(request["signature"])))
+    threads.compile_helpers()  # (those Python calls too, not compiled with the kernel)
     product_timing.small_rows_table()  # measured here, not in the first compiled call, where it is new
     try:  # the mark loading.ready_marker names: a later process loads the kernel at once
         Path(path).with_suffix(".ready").touch()

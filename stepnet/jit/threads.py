@@ -40,7 +40,7 @@ import threading
 
 import numba
 import numpy as np
-from numba import carray, njit, types
+from numba import carray, njit
 
 from . import cache  # noqa: F401  (Numba's cache of _serve goes under STEPNET_CACHE_DIR)
 from .atomics import SPINS, call_address, compare_exchange, cycles, load_acquire, pause, \
@@ -279,9 +279,6 @@ def _claim(board):
             or compare_exchange(board, STATE, WAKING, CLAIMED))
 
 
-_JOB = types.UniTuple(types.int64, 2)
-
-
 @njit(inline="always")
 def _run(job):
     """Run ``job`` (``atomics.job_of``) on this thread."""
@@ -321,14 +318,14 @@ def _post_and_wait(board, own, other):
     return RAISED if _raised(own) or _raised(other) else waited
 
 
-@njit(types.int64(_JOB), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def run_here(job):
     """Run ``job`` on this thread: -1, or ``RAISED``."""
     _run(job)
     return RAISED if _raised(job) else -1
 
 
-@njit(types.int64(_JOB, _JOB), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def run_both_here(own, other):
     """Run ``own``, then ``other``, on this thread: -1, or ``RAISED``."""
     _run(own)
@@ -336,8 +333,7 @@ def run_both_here(own, other):
     return RAISED if _raised(own) or _raised(other) else -1
 
 
-# (one signature, compiled once: every caller's types)
-@njit(types.int64(types.int64[::1], _JOB, _JOB, types.boolean), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def run_jobs(board, own, other, both):
     """Run the job ``own`` (``atomics.job_of``) on this thread and, if
     ``both``, the job ``other``: on the helper where it is spinning and free
@@ -355,7 +351,7 @@ def run_jobs(board, own, other, both):
     return RAISED if _raised(own) or (both and _raised(other)) else -1
 
 
-@njit(types.int64(types.int64[::1], _JOB, _JOB, _JOB), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def run_parts_or_whole(board, own, other, whole):
     """``own`` here and ``other`` on the helper where it is spinning and free
     or woken, as ``run_jobs`` (the cycles waited, or ``RAISED``); else the
@@ -366,7 +362,7 @@ def run_parts_or_whole(board, own, other, whole):
     return run_here(whole)
 
 
-@njit(types.boolean(types.int64[::1], _JOB), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def post_job(board, job):
     """Post ``job`` (``atomics.job_of``) to the helper where it is spinning
     and free (claimed as in ``run_jobs``) and return at once: whether it was
@@ -380,7 +376,7 @@ def post_job(board, job):
     return True
 
 
-@njit(types.int64(types.int64[::1], _JOB), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def finish_job(board, job):
     """Wait for ``job``, which ``post_job`` posted, to be done: by the
     helper, or here where the helper has not started it yet (its thread off
@@ -410,7 +406,7 @@ GROUP_WORK = 1 << 18
 GROUP_ROWS = 16
 
 
-@njit(types.int64(types.int64[::1], types.int64[::1]), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def group_cut(board, lengths):
     """Where a run of the sequences of ``lengths`` is cut: ``0:cut`` for the
     calling thread, ``cut:`` for the helper where it is free (``run_jobs``;
@@ -464,6 +460,15 @@ _HELPER = _Helper()
 _HELPER_LOCK = threading.Lock()
 
 
+def compile_helpers() -> None:
+    """Compile (into the disk cache) or load the helper's functions that Python
+    calls, which no kernel's compile does: the compile worker does, with a
+    kernel (none compiles at import: a tiered first call answers before)."""
+    _HELPER.compile_once()
+    hold_helper.compile((numba.typeof(BOARD),))
+    _dismiss.compile((numba.typeof(BOARD),))
+
+
 def wake_helper() -> None:
     """Start the helper spinning if it is asleep (where there is a second
     thread to give it and spinning is supported); a kernel run right after
@@ -494,7 +499,7 @@ def board_for_one_group():
     return BOARD
 
 
-@njit(types.void(types.int64[::1]), cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def hold_helper(board):
     """Keep the helper of ``board`` from going back to sleep for the next
     ``HOLD`` cycles, jobs or none (``_serve``)."""
