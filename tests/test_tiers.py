@@ -486,3 +486,21 @@ def test_the_worker_imports_the_stepnet_of_the_process_that_starts_it(tmp_path):
     pid, status_pid, worker_stepnet, ours = out.stdout.split()
     assert pid != "None" and pid == status_pid, out.stdout
     assert worker_stepnet == ours == str(ROOT), out.stdout
+
+
+@needs_unix
+def test_a_worker_refuses_a_kernel_of_other_settings_or_another_stepnet(monkeypatch, tmp_path):
+    """A kernel asked for by a process of other settings, or of another
+    stepnet sharing the cache directory (its helpers' sources differ), is
+    answered with an error, and that process compiles it itself: compiled
+    here it would embed this stepnet's helpers."""
+    server, thread, connect = _serving(monkeypatch, tmp_path, compile_worker.compile_kernel)
+    from stepnet.jit import cache
+
+    connection, lines = connect()
+    # (the settings alone the same: the helpers' sources are what differs)
+    for build in ("0" * 16, cache.build_key()):
+        connection.send({"key": build, "blas": blas.SIGNATURE, "build": build, "path": "none"})
+        reply = next(lines)
+        assert reply["key"] == build and "or another stepnet than the kernel's" in reply["error"], (
+            reply)

@@ -35,10 +35,10 @@ that has few cores, or twice the same kernel.
   (its process id, the kernel it compiles and those queued): ``stepnet
   info`` prints it (:func:`status`).
 
-A worker serves the settings it was started with (the BLAS chosen, the
-thread count, bounds checking, deterministic mode: ``cache.build_key``); a
-request made under other settings is answered with an error, and its process
-compiles that kernel itself.
+A worker serves its settings and stepnet (``cache.helpers_fingerprint``: the
+BLAS, threads, bounds checking, deterministic mode, the helpers' sources); a
+request of others (another environment's stepnet) is answered with an
+error, and its process compiles that kernel itself.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def compile_kernel(request) -> None:
 
     if blas.SIGNATURE != request["blas"]:  # the kernel would call another library
         raise RuntimeError(f"this worker uses {blas.SIGNATURE}, the kernel {request['blas']}")
-    if request.get("build", cache.build_key()) != cache.build_key():
-        raise RuntimeError("this worker was started with other settings (threads, bounds "
-                           "checking or deterministic mode) than the kernel's")
+    if request.get("build", cache.helpers_fingerprint()) != cache.helpers_fingerprint():
+        raise RuntimeError("this worker runs with other settings (threads, bounds checking or "
+                           "deterministic mode) or another stepnet than the kernel's")
     if request.get("function") == "transposed_products":  # not a kernel: the weight
         transposed.prepare_transposed_products(request["dtype"])  # gradients' product
         return
@@ -320,9 +320,9 @@ class Client:
         """Send ``request`` (a kernel's, or another job of the worker) unless
         this process has one with its key pending; then ``callback(error or
         None)``, on another thread."""
-        from .cache import build_key
+        from .cache import helpers_fingerprint  # (the settings and the helpers' sources)
 
-        request = dict(request, build=build_key())
+        request = dict(request, build=helpers_fingerprint())
         with self.lock:
             first = request["key"] not in self.pending
             self.pending.setdefault(request["key"], (request, []))[1].append(callback)
