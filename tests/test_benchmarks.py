@@ -362,3 +362,19 @@ def test_a_timeline_row_reads_the_calls_as_a_user_meets_them():
     row = [c.strip() for c in first_result.timeline_row("stepnet:W5", calls).split("|")[1:-1]]
     assert row[:5] == ["stepnet:W5", "2.00", "1000", "6.9", "7.4"], row  # (call 7 starts at 7.4)
     assert row[5] == "100.0" and row[6] == "25", row
+
+
+def test_the_neighbour_benchmark_times_each_peer_alone_and_beside_the_other():
+    """benchmarks/neighbour.py --quick: stepnet's and PyTorch's W1 in one
+    process, each alone and taking turns; the ratio is beside over alone."""
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "neighbour.py"), "--quick",
+                           "--rounds", "2", "--calls", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r[0]: r[1:] for r in (
+        [c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+        if line.startswith("| stepnet") or line.startswith("| torch"))}
+    assert set(rows) == {"stepnet", "torch"}, proc.stdout
+    for alone, beside, ratio in rows.values():
+        assert float(alone) > 0 and abs(float(ratio) - float(beside) / float(alone)) < 0.02
