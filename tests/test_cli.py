@@ -625,3 +625,16 @@ def test_export_refuses_a_layer_over_a_nested_input(tmp_path):
     assert proc.returncode == 1
     assert "layer encoder reads 'words' with lod_level 2" in proc.stderr
     assert not (tmp_path / "nested.onnx").exists()
+
+
+def test_info_says_when_the_compile_worker_runs_another_stepnet():
+    """``stepnet info``'s worker line names a worker of another stepnet
+    (another environment sharing the cache directory), which refuses this
+    process's kernels; a worker of this stepnet gets no such line."""
+    from stepnet.cli import _compiling
+    from stepnet.jit.compile_worker import _PACKAGE_PARENT
+
+    ours = {"pid": 7, "stepnet": _PACKAGE_PARENT, "compiling": None, "queued": []}
+    assert _compiling(ours) == "compile worker: process 7, idle"
+    other = dict(ours, stepnet="/elsewhere/site-packages")
+    assert "it runs the stepnet in /elsewhere/site-packages, not this one's" in _compiling(other)
