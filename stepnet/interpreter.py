@@ -300,7 +300,7 @@ def compile_program(program: ir.Program):
     return run
 
 
-_ONE_THREAD = {"setter": [], "open": 0, "before": None, "lock": threading.Lock()}
+_NUMPY_BLAS = {"setter": [], "open": [], "before": None, "lock": threading.Lock()}
 
 
 def _numpy_blas_setter():
@@ -320,27 +320,43 @@ def _numpy_blas_setter():
 
 
 @contextlib.contextmanager
-def numpy_blas_on_one_thread():
-    """NumPy's products on one thread while the block runs (any thread's:
-    the count is the process's), as before once every such block has ended.
+def numpy_blas_threads(count):
+    """NumPy's products on at most ``count`` threads while the block runs
+    (any thread's: the count is the process's; the fewest any open block
+    asks for, never more than before), as before once every block has ended.
 
     For NumPy work that runs beside stepnet's own: an ONNX session's small
-    GEMMs beside Numba's threads, and the interpreter answering while the
-    compile worker takes a core. OpenBLAS's pool synchronizes each product
-    by spinning, and with one of its threads off its core every product
-    waits for it: where cores are few, a run slows down many times over."""
-    state = _ONE_THREAD
+    GEMMs beside Numba's threads (one thread), and the interpreter answering
+    while the compile worker takes a core (:func:`numpy_blas_beside_a_compile`).
+    OpenBLAS's pool synchronizes each product by spinning, and with one of
+    its threads off its core every product waits for it: where cores are
+    few, a run slows down many times over."""
+    state = _NUMPY_BLAS
     with state["lock"]:
         if not state["setter"]:
             state["setter"].append(_numpy_blas_setter())
         set_count = state["setter"][0]
-        if set_count is not None and state["open"] == 0:
-            state["before"] = set_count(1)
-        state["open"] += 1
+        if set_count is not None:
+            if not state["open"]:
+                state["before"] = set_count(1)  # (what it was)
+            set_count(min([count, state["before"], *state["open"]]))
+        state["open"].append(count)
     try:
         yield
     finally:
         with state["lock"]:
-            state["open"] -= 1
-            if set_count is not None and state["open"] == 0:
-                set_count(state["before"])
+            state["open"].remove(count)
+            if set_count is not None:
+                set_count(min([state["before"], *state["open"]]))
+
+
+def numpy_blas_on_one_thread():
+    """:func:`numpy_blas_threads` of one thread."""
+    return numpy_blas_threads(1)
+
+
+def numpy_blas_beside_a_compile():
+    """:func:`numpy_blas_threads` on every core this process may use but one,
+    the compile worker's (one thread where there are two)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return numpy_blas_threads(max(1, (cores or 1) - 1))

@@ -28,7 +28,7 @@ from .autodiff import (
 from .backends import backend as backend_info
 from .backends import compiled, default_backend
 from .errors import ShapeError, StepNetError
-from .interpreter import numpy_blas_on_one_thread
+from .interpreter import numpy_blas_beside_a_compile
 from .ir import Literal, Var
 from .config import config
 from .lod import LoDTensor
@@ -170,7 +170,7 @@ class Pullback:
 
             for dtype in {np.asarray(getattr(r, "data", r)).dtype for r in results}:
                 prepare_weight_gradients(dtype)
-        with numpy_blas_on_one_thread() if on_numpy and capabilities.compiles else nullcontext():
+        with numpy_blas_beside_a_compile() if on_numpy and capabilities.compiles else nullcontext():
             terms = reduce_terms(layout, results, inputs, on_numpy)  # (beside the compile worker)
         grads = pull_consts(program, terms, self.consts)
         lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))

@@ -587,3 +587,34 @@ def test_numpy_products_on_one_thread_inside_the_block_and_as_before_after():
         assert set_count(3) == 3  # restored once both ended
     finally:
         set_count(before)
+
+
+def test_numpy_products_on_the_fewest_threads_any_open_block_asks_for(monkeypatch):
+    """``numpy_blas_threads``: the fewest of the open blocks' counts and the
+    count before; ``numpy_blas_beside_a_compile``: every core but one."""
+    import os
+
+    from stepnet import interpreter
+
+    set_count = interpreter._numpy_blas_setter()
+    if set_count is None:
+        pytest.skip("NumPy's BLAS is not OpenBLAS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    before = set_count(16)
+    try:
+        seen = []
+        with interpreter.numpy_blas_beside_a_compile():
+            seen.append(set_count(15))
+            with interpreter.numpy_blas_threads(4):
+                seen.append(set_count(4))
+                with interpreter.numpy_blas_threads(8):
+                    seen.append(set_count(4))
+            seen.append(set_count(15))
+        seen.append(set_count(16))
+        assert seen == [15, 4, 4, 15, 16]
+        set_count(3)  # never more than before
+        with interpreter.numpy_blas_threads(8):
+            seen.append(set_count(3))
+        assert seen[-1] == 3 and set_count(3) == 3
+    finally:
+        set_count(before)

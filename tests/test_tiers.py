@@ -55,7 +55,7 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
     compiled = rnn.compile("numba")
     run = compiled._runner(True)
     assert isinstance(run, loading.TieredProgram)
-    # NumPy's products on one thread while the worker compiles (OpenBLAS's
+    # NumPy's products off the worker's core while it compiles (OpenBLAS's
     # count read by setting it again), as before after the call
     interpreted, blas_threads = run._interpreted, []
     set_count = interpreter._numpy_blas_setter()
@@ -69,7 +69,9 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
         before = set_count(2)
         try:
             first = rnn()
-            assert blas_threads == [1] and set_count(before) == 2
+            # (on every core but the worker's, at most the count before)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            assert blas_threads == [min(2, max(1, cores - 1))] and set_count(before) == 2
         finally:
             set_count(before)
     else:  # (a NumPy on another BLAS: nothing to set)

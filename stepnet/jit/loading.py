@@ -113,8 +113,8 @@ class TieredProgram:
                     compile_worker().submit(self.numba_program, self._signature, self._answered)
                 except OSError as exc:  # no worker: compile here
                     self._answered(f"the compile worker did not start: {exc}")
-            if not self._compiled.is_set():  # (beside the worker: NumPy on one core)
-                with interpreter.numpy_blas_on_one_thread():
+            if not self._compiled.is_set():  # (NumPy off the worker's core)
+                with interpreter.numpy_blas_beside_a_compile():
                     return self._interpreted(args, consts)
             self._finish()
         return self.numba_program(args, consts)
