@@ -220,13 +220,13 @@ def _compiling(found) -> str:
     """The compile worker's line of ``stepnet info``."""
     if found is None:
         return "compile worker: none running"
-    from .jit.compile_worker import _PACKAGE_PARENT
+    from .jit.compile_worker import PACKAGE_FOLDER
 
     lines = [f"compile worker: process {found['pid']}, "
              + ("compiling " + found["compiling"]["what"] if found["compiling"] else "idle")]
-    if found.get("stepnet", _PACKAGE_PARENT) != _PACKAGE_PARENT:  # (it refuses our kernels)
+    if found.get("stepnet", PACKAGE_FOLDER) != PACKAGE_FOLDER:  # (it refuses our kernels)
         lines.append(f"  it runs the stepnet in {found['stepnet']}, not this one's "
-                     f"({_PACKAGE_PARENT}): this process compiles its own kernels")
+                     f"({PACKAGE_FOLDER}): this process compiles its own kernels")
     lines += [f"  queued: {item['what']}" for item in found["queued"]]
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import os
 import threading
@@ -300,9 +301,12 @@ def compile_program(program: ir.Program):
     return run
 
 
-_NUMPY_BLAS = {"setter": [], "open": [], "before": None, "lock": threading.Lock()}
+_OPEN_COUNTS = []  # the counts the open numpy_blas_threads blocks ask for
+_COUNT_BEFORE = [None]  # NumPy's count before the first of them opened
+_COUNTS_LOCK = threading.Lock()
 
 
+@functools.cache
 def _numpy_blas_setter():
     """``set(n) -> previous``: the number of threads NumPy's own OpenBLAS
     uses, or None where it cannot be set (a NumPy built on another BLAS).
@@ -331,23 +335,21 @@ def numpy_blas_threads(count):
     OpenBLAS's pool synchronizes each product by spinning, and with one of
     its threads off its core every product waits for it: where cores are
     few, a run slows down many times over."""
-    state = _NUMPY_BLAS
-    with state["lock"]:
-        if not state["setter"]:
-            state["setter"].append(_numpy_blas_setter())
-        set_count = state["setter"][0]
-        if set_count is not None:
-            if not state["open"]:
-                state["before"] = set_count(1)  # (what it was)
-            set_count(min([count, state["before"], *state["open"]]))
-        state["open"].append(count)
+    set_count = _numpy_blas_setter()
+    if set_count is None:
+        yield
+        return
+    with _COUNTS_LOCK:
+        if not _OPEN_COUNTS:
+            _COUNT_BEFORE[0] = set_count(1)  # (what it was)
+        _OPEN_COUNTS.append(count)
+        set_count(min(_COUNT_BEFORE + _OPEN_COUNTS))
     try:
         yield
     finally:
-        with state["lock"]:
-            state["open"].remove(count)
-            if set_count is not None:
-                set_count(min([state["before"], *state["open"]]))
+        with _COUNTS_LOCK:
+            _OPEN_COUNTS.remove(count)
+            set_count(min(_COUNT_BEFORE + _OPEN_COUNTS))
 
 
 def numpy_blas_on_one_thread():

@@ -632,9 +632,9 @@ def test_info_says_when_the_compile_worker_runs_another_stepnet():
     (another environment sharing the cache directory), which refuses this
     process's kernels; a worker of this stepnet gets no such line."""
     from stepnet.cli import _compiling
-    from stepnet.jit.compile_worker import _PACKAGE_PARENT
+    from stepnet.jit.compile_worker import PACKAGE_FOLDER
 
-    ours = {"pid": 7, "stepnet": _PACKAGE_PARENT, "compiling": None, "queued": []}
+    ours = {"pid": 7, "stepnet": PACKAGE_FOLDER, "compiling": None, "queued": []}
     assert _compiling(ours) == "compile worker: process 7, idle"
     other = dict(ours, stepnet="/elsewhere/site-packages")
     assert "it runs the stepnet in /elsewhere/site-packages, not this one's" in _compiling(other)

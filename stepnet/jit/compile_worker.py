@@ -65,7 +65,7 @@ NICENESS = 10
 # seconds a process waits for a worker it started to listen
 START_SECONDS = 60.0
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # (holding this stepnet)
+PACKAGE_FOLDER = str(Path(__file__).resolve().parents[2])  # (holding the stepnet package)
 _LOCK_NAME = "compile_worker.lock"
 _STATUS_NAME = "compile_worker.json"
 
@@ -197,7 +197,7 @@ class _Server:
                 waiting[:] = [c for c in waiting if c is not connection]
 
     def _write_status(self) -> None:
-        found = {"pid": os.getpid(), "stepnet": _PACKAGE_PARENT,
+        found = {"pid": os.getpid(), "stepnet": PACKAGE_FOLDER,
                  "compiling": None if self.current is None else
                  {"key": self.current[0], "what": _what(self.current[1])},
                  "queued": [{"key": key, "what": _what(request)}
@@ -401,7 +401,7 @@ def _connect(root: Path) -> _Connection:
             # not wait for the worker; in the folder of this stepnet, which ``-m``
             # imports first: a worker on another copy fills caches never hit here)
             started = subprocess.Popen(  # (reaped by worker() when it has ended)
-                [sys.executable, "-m", "stepnet.jit.compile_worker"], cwd=_PACKAGE_PARENT,
+                [sys.executable, "-m", "stepnet.jit.compile_worker"], cwd=PACKAGE_FOLDER,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=dict(os.environ, STEPNET_CACHE_DIR=str(root)), start_new_session=True)
             _STARTED.append(started)
