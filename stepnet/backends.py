@@ -29,7 +29,8 @@ class Backend:
     (``available()`` and ``why_unavailable()`` where it may be missing, and
     ``tiered()`` where it tiers); a ``run`` may have ``source``,
     ``schedule``, ``ready`` and ``wait``, which :class:`CompiledStepNet`
-    reads.
+    reads, and a ``host_code`` backend's run has ``prepared_call(consts)``
+    (:meth:`CompiledStepNet.prepared`).
     """
     name: str
     module: str
@@ -238,6 +239,24 @@ class CompiledStepNet:
             if hasattr(run, "wait"):
                 run.wait(timeout)
         return self.ready()
+
+    def prepared(self, output_all_steps=True):
+        """The compiled kernel with the step-net's constants (its weights, as
+        they are now) laid out once, for a front end that calls it chunk
+        after chunk: ``call(data, offsets, states)`` for a step-net of one
+        sequence input of one LoD level and dense inputs (``states``, None:
+        zeros), whose first output is all-steps and the others last-step,
+        giving ``[Y data, last, ...]`` (:class:`stepnet.jit.prepared.PreparedCall`).
+
+        Returns None where the backend runs no machine code here (not
+        ``capabilities.host_code``), where the kernel does not answer yet (a
+        new one on the interpreter's tier: ask again after :meth:`wait`),
+        or where the step-net is not of that form. Ask again after a weight
+        changes."""
+        run = self._runner(self.rnn.all_steps_flags(output_all_steps))
+        if not self.capabilities.host_code or not getattr(run, "ready", True):
+            return None
+        return getattr(run, "numba_program", run).prepared_call(self.rnn.const_values())
 
     @property
     def source(self) -> str:

@@ -43,6 +43,78 @@ def test_every_backend_runs_through_one_interface(name):
     np.testing.assert_allclose(out.data, expected.data, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sn.backends())
+def test_a_prepared_call_gives_the_public_calls_results(name, rng):
+    """``prepared()``: on a backend running machine code here, once the
+    kernel answers, a call with the weights laid out once that gives the
+    public call's results bit for bit (states given and not: zeros), by
+    steps too; elsewhere None. A step-net of another form (two sequence
+    inputs) has none."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 3)).astype(np.float32), [[3, 4]])
+    h0 = rng.standard_normal((2, 5)).astype(np.float32)
+    W = rng.standard_normal((3, 5)).astype(np.float32)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(init=h0, name="h")
+        h.update(sn.ops.tanh(sn.ops.matmul(x, W) + 0.5 * h.pre_state()))
+        rnn.add_outputs(h)
+    step_net = compiled(rnn, name)
+    flags = (True,)
+    expected = step_net(output_all_steps=flags, x=X, h=h0)
+    assert step_net.wait(timeout=600)
+    call = step_net.prepared(flags)
+    if not BACKENDS[name].host_code:
+        assert call is None
+        return
+    data, offsets = X.data, np.asarray(X.lod[0], np.int64)
+    got = call(data, offsets, [h0])
+    assert np.array_equal(got[0], expected.data)
+    zeros = step_net(output_all_steps=flags, x=X, h=np.zeros_like(h0))
+    assert np.array_equal(call(data, offsets, [None])[0], zeros.data)
+    with pytest.raises(sn.ShapeError, match="takes \\[tokens, 3\\]"):
+        call(data[:, :2], offsets, [h0])
+    # the rows by steps (two sequences of 3 and 4 steps, padded to 4): the same rows
+    steps = np.zeros((8, 3), np.float32)
+    steps[0::2][:3], steps[1::2] = data[:3], data[3:]
+    by_steps = call.by_steps(steps, offsets, [h0], padded=True)
+    if by_steps is not None:  # (None where the run is split over threads)
+        assert np.array_equal(by_steps[0][0::2][:3], expected.data[:3])
+        assert np.array_equal(by_steps[0][1::2], expected.data[3:])
+        assert not by_steps[0][6].any()
+    other = sn.create_rnn_op()
+    with other.stepnet():
+        a, b = other.add_input(X, name="a"), other.add_input(X, name="b")
+        m = other.add_memory(shape=[3], name="m")
+        m.update(a + b + m.pre_state())
+        other.add_outputs(m)
+    two_inputs = compiled(other, name)
+    two_inputs()
+    assert two_inputs.wait(timeout=600) and two_inputs.prepared() is None
+
+
+def test_front_ends_call_no_backend_private_name():
+    """Front ends reach a compiled step-net through its protocol
+    (``CompiledStepNet``'s public methods): no module outside
+    stepnet/backends.py and stepnet/jit/ reads its ``_runner`` or a
+    backend's program (``numba_program``), nor imports the Numba backend's
+    module."""
+    found = []
+    for path in sorted((ROOT / "stepnet").rglob("*.py")):
+        relative = path.relative_to(ROOT / "stepnet")
+        if relative.parts[0] == "jit" or str(relative) == "backends.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.attr if isinstance(node, ast.Attribute) else node.value
+                    if isinstance(node, ast.Constant) else None)  # (getattr's too)
+            if name in ("_runner", "numba_program"):
+                found.append(f"{relative}:{node.lineno} {name}")
+            if isinstance(node, ast.ImportFrom) and "numba_cpu" in (node.module or "") + "".join(
+                    alias.name for alias in node.names):
+                found.append(f"{relative}:{node.lineno} imports the Numba backend's module")
+    assert not found, found
+
+
 def test_capabilities_are_asked_for_not_names(monkeypatch):
     assert backend(None) is BACKENDS[sn.default_backend()]
     with pytest.raises(sn.BackendError, match="unknown backend 'tpu'; known: cuda, interpreter"):

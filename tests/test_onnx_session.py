@@ -556,23 +556,17 @@ def test_a_time_major_node_whose_rows_by_steps_disagree_takes_the_sequences_orde
     """Where the first call by steps does not give, bit for bit, what the
     sequences' order gives, the node never calls by steps again: its results
     stay right."""
-    from stepnet.onnx import recurrent
+    from stepnet.jit.prepared import PreparedCall
 
     calls = []
-    prepared_kernel = recurrent._prepared_kernel
+    by_steps = PreparedCall.by_steps
 
-    def prepare(*args):
-        call = prepared_kernel(*args)
+    def wrong(self, data, offsets, states, padded=False):
+        calls.append(1)
+        y, *last = by_steps(self, data, offsets, states, padded)
+        return [y[::-1].copy()] + last  # (rows in the wrong order)
 
-        def wrong(data, offsets, states, padded=False, by_steps=call.by_steps):
-            calls.append(1)
-            y, *last = by_steps(data, offsets, states, padded)
-            return [y[::-1].copy()] + last  # (rows in the wrong order)
-
-        call.by_steps = wrong
-        return call
-
-    monkeypatch.setattr(recurrent, "_prepared_kernel", prepare)
+    monkeypatch.setattr(PreparedCall, "by_steps", wrong)
     model, feeds = _full_sequences_node("GRU", "bidirectional", 1)
     ours, oracle, node = _numba_and_interpreter(model)
     for call in range(5):

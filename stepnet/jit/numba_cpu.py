@@ -147,6 +147,14 @@ class NumbaProgram:
             return view
         return read_only(np.concatenate(parts, axis=1))
 
+    def prepared_call(self, consts):
+        """This kernel called with ``consts`` laid out once, for a program of
+        one sequence input and dense ones (:class:`stepnet.jit.prepared.PreparedCall`),
+        or None where the program is not of that form."""
+        from .prepared import PreparedCall
+
+        return PreparedCall.of(self, consts)
+
     def splits(self, rows, width, num_sequences):
         """Whether such a run is groups on Python threads (:func:`plan.splits`)."""
         return plan.splits(self, rows, width, num_sequences)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import nn
-from ..backends import backend as backend_info
 from ..errors import Error, ShapeError
 from ..lod import LoDTensor
 from .ops import is_step
@@ -177,7 +176,7 @@ class RecurrentNode:
         ``[T, B, I]``, ``states`` ``[D, B, H]`` each or None, ``lengths``
         the sequences' lengths or None where every one is full) from each
         direction's prepared kernel (``kernels``) reading X's rows and
-        writing Y's by steps (``numba_cpu.ROWS_IN_ORDER``; Y zero past each
+        writing Y's by steps (``PreparedCall.by_steps``; Y zero past each
         length): neither is copied to the sequences' order and back, nor Y
         scattered from it. None where a
         direction has no prepared kernel, or its run is split over threads,
@@ -411,18 +410,21 @@ class _Direction:
     called on ``(data [tokens, I], offsets [B + 1], states)`` (a state None:
     zeros) to give ``[Y data [tokens, H], h_n [B, H](, c_n)]``.
 
-    It calls ``rnn.compile(backend)``. On the Numba backend, after the first
-    call, it calls the kernel's entry point itself with the weights prepared
-    once (:func:`_prepared_kernel`): stepnet's call binds and checks every
-    input and lays out the weights again on each call, which costs more than
-    the kernel itself for a chunk of audio."""
+    It calls ``rnn.compile(backend)``. Where the backend runs machine code
+    here, after the first call that its kernel answers, it takes the
+    kernel's prepared call (``CompiledStepNet.prepared``: the weights laid
+    out once, ``self.kernel``): stepnet's call binds and checks every input
+    and lays out the weights again on each call, which costs more than the
+    kernel itself for a chunk of audio. The prepared call is kept only if
+    its first results equal, bit for bit, those of the public call it
+    replaces."""
 
     def __init__(self, rnn, backend, states):
         self.rnn = rnn
         self.flags = (True,) + (False,) * states
         self.compiled = rnn.compile(backend)
         self.kernel = None
-        self.tried = not backend_info(backend).host_code
+        self.tried = not self.compiled.capabilities.host_code
 
     def __call__(self, data, offsets, states):
         if self.kernel is not None:
@@ -431,15 +433,16 @@ class _Direction:
         for name, state in zip(("h", "c"), states):
             if state is not None:
                 feeds[name] = state
-        # a new kernel's first calls may answer on the interpreter (its first
-        # tier): the prepared call is tried once the kernel itself answers
-        kernel_answers = getattr(self.compiled._runner(self.flags), "ready", True)
+        # (None while a new kernel answers on the interpreter: asked again later)
+        call = None if self.tried else self.compiled.prepared(self.flags)
         outs = self.compiled(output_all_steps=self.flags, **feeds)
         outs = [outs[0].data] + [np.asarray(o) for o in outs[1:]]
-        if not self.tried and kernel_answers:
+        if call is not None:
             self.tried = True
-            self.kernel = _prepared_kernel(self.rnn, self.compiled, self.flags, data, offsets,
-                                           states, outs)
+            got = call(data, offsets, states)
+            if all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+                   for a, b in zip(got, outs)):
+                self.kernel = call
         return outs
 
 
@@ -449,135 +452,6 @@ def _places(offsets):
     lengths = np.diff(offsets)
     return (np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths),
             np.repeat(np.arange(lengths.shape[0]), lengths))
-
-
-def _prepared_kernel(rnn, compiled, flags, data, offsets, states, expected):
-    """``call(data, offsets, states)`` running the Numba program of ``rnn``
-    with its constant arguments laid out once, or None.
-
-    The constants come from the program's ``prepare``; a run big enough for
-    sequence groups on threads goes through its ``run_prepared``, a small one
-    (a chunk of audio) calls the kernel's machine code directly
-    (:func:`stepnet.jit.numba_cpu.compiled_entry`, where its arguments are
-    exactly the types it was compiled for; else its entry point). It reads the
-    program's layout (``top_inputs``, ``top_outputs``, ``given``, ``module.program``), and
-    is used only if its first results equal, bit for bit, those of the public
-    call it replaces. ``call.direct(data, offsets, states)`` is the same for
-    arguments the caller made exact (no checks of layout, no copies): the
-    streaming node's call (``RecurrentNode._run_streaming``), cheaper per
-    chunk of audio than ``call``'s."""
-    from ..jit import threads
-    from ..jit.numba_cpu import ROWS_IN_ORDER, compiled_entry, read_only  # (loaded)
-
-    try:
-        run = compiled._runner(flags)
-        run = getattr(run, "numba_program", run)  # a TieredProgram's kernel
-        const_args = run.prepare(rnn.const_values())
-        n = len(flags) - 1
-        if (tuple(spec[0] for spec in run.top_inputs) != ("sequence",) + ("dense",) * n
-                or tuple(spec[0] for spec in run.top_outputs) != ("dense_all",) + ("last",) * n):
-            return None
-        if not all(run.given):
-            return None
-        call, by_steps, direct, buffers = _kernel_calls(run, const_args, n, None, data, expected)
-        got = call(data, offsets, states)  # compiles nothing new: the public call's types
-        width, features, data_dtype = expected[1].shape[1], data.shape[1], data.dtype
-        sample = [threads.ALONE, ROWS_IN_ORDER, read_only(np.zeros((1, features), data_dtype)),
-                  read_only(np.zeros(2, np.int64))]
-        sample += [read_only(np.zeros((1, width), data_dtype))] * n + buffers(1, 1)
-        plain = compiled_entry(run.module.program, const_args + sample)
-        if plain is not None:  # the results below are the plain kernel's
-            call, by_steps, direct, _ = _kernel_calls(run, const_args, n, plain, data, expected)
-            got = call(data, offsets, states)
-        if len(got) == len(expected) and all(
-                a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
-                for a, b in zip(got, expected)):
-            call.direct = direct if plain is not None else (lambda data, offsets, states: None)
-            call.by_steps = by_steps
-            return call
-    except Exception:  # noqa: BLE001  (any mismatch of layout: the public call stays)
-        pass
-    return None
-
-
-def _kernel_calls(run, const_args, n, plain, data, expected):
-    """``(call, by_steps, direct, buffers)`` of :func:`_prepared_kernel`: the
-    Numba program ``run`` (``n`` states) called with its constant arguments
-    ``const_args``, for inputs and outputs shaped like a first call's
-    ``data`` and results (``expected``); ``plain`` the kernel's machine code
-    (None: every call through its dispatcher, the entry point)."""
-    from ..jit.numba_cpu import ROWS_IN_ORDER, exactly, read_only  # (loaded)
-
-    entry = run.module.program
-    width, features = expected[1].shape[1], data.shape[1]
-    y_shape, y_dtype = expected[0].shape[1:], expected[0].dtype
-    last_shapes = [(e.shape[1:], e.dtype) for e in expected[1:]]
-    data_dtype = data.dtype
-
-    def buffers(rows, num_sequences, padded=False):  # the output buffers program() takes
-        return [(np.zeros if padded else np.empty)((rows,) + y_shape, y_dtype)] + [
-            np.empty((num_sequences,) + shape, dtype) for shape, dtype in last_shapes]
-
-    def given(states, num_sequences, dtype):
-        # the initial states, zeros (one array) where None
-        if all(s is not None for s in states):
-            return list(states)
-        zeros = np.zeros((num_sequences, width), dtype)
-        return [zeros if s is None else s for s in states]
-
-    def call(data, offsets, states):
-        if data.shape[1] != features:  # (the public call checks this, and more)
-            raise ShapeError(f"X has {data.shape[1]} features per step, the node's weights "
-                             f"take {features}")
-        states = given(states, len(offsets) - 1, data.dtype)
-        if run.splits(data.shape[0], data.shape[1], len(offsets) - 1):
-            # big enough for sequence groups on threads: the engine's own call
-            results = run.run_prepared(const_args, [LoDTensor(data, [offsets])] + states)
-            return [results[0].data] + list(results[1:1 + n])
-        return one_group(data, offsets, states)
-
-    def one_group(data, offsets, states, row_step=ROWS_IN_ORDER, padded=False):
-        # run_group with the kernel's machine code where every argument
-        # is exact, else through its dispatcher
-        if (plain is not None and exactly(data, data_dtype, 2)
-                and exactly(offsets, np.int64, 1)
-                and all(exactly(s, data_dtype, 2) for s in states)):
-            return list(run_group(plain, data, offsets, states, row_step, padded))
-        return list(run_group(entry, read_only(data), read_only(offsets),
-                              [read_only(s) for s in states], row_step, padded))
-
-    def run_group(kernel, data, offsets, states, row_step=ROWS_IN_ORDER, padded=False):
-        # program() (its machine code, or its dispatcher) on one group of
-        # sequences, into new output buffers (Y zeros where rows are
-        # padded: those no step writes)
-        rows, num_sequences = data.shape[0], offsets.shape[0] - 1
-        outs = buffers(rows, num_sequences, padded)
-        return kernel(*const_args, run.board(rows, num_sequences), row_step, data, offsets,
-                      *states, *outs)[:1 + n]
-
-    def by_steps(data, offsets, states, padded=False):
-        # call's work for sequences whose rows are by steps (ONNX's
-        # time-major X, ``padded`` past lengths under its T; Y's rows
-        # come back so, zero past each length): None where the run is
-        # split over threads (its groups are ranges of rows)
-        num_sequences = offsets.shape[0] - 1
-        if data.shape[1] != features or run.splits(data.shape[0], features, num_sequences):
-            return None
-        return one_group(data, offsets, given(states, num_sequences, data.dtype),
-                         np.int64(num_sequences), padded)
-
-    def direct(data, offsets, states):
-        # call's work where the caller made every argument exact: ``data``
-        # C-contiguous and aligned of the kernel's dtype, ``offsets`` int64
-        # and contiguous, ``states`` given, of the kernel's dtype and shape,
-        # C-contiguous and aligned; None where call is to take the run (its
-        # width is wrong, or it is split over threads)
-        if data.shape[1] != features or run.splits(data.shape[0], features,
-                                                   offsets.shape[0] - 1):
-            return None
-        return run_group(plain, data, offsets, states)
-
-    return call, by_steps, direct, buffers
 
 
 def same_array(a, b) -> bool:
