@@ -45,11 +45,11 @@ import numpy as np
 
 from .. import ir, schedule
 from ..errors import UnsupportedError
-from . import apart, blas, numba_runtime
+from . import apart, blas
 from .kernel_plan import KernelPlan, kernel_plan
 from .cpu_emit import (
     _Ctx, _Function, _Info, _Module, _Segment, _emit_copy, _emit_fused, _emit_op, _loop_nest, _nest,
-    _new_array, _ref, _row_assign, _shape, _width)
+    _new_array, _ref, _row_assign, _shape, _width, runtime_imports)
 from .cpu_products import (
     _ahead_posts, _chunk_products, _chunk_setup, _defer_product, _render_gemm, _render_split_gemm)
 
@@ -60,22 +60,6 @@ for _option in LLVM_VECTORIZER_OPTIONS:
 
 # ----------------------------------------------------------------------------
 # code generation
-
-# the scalar helpers an op's numba code may call (relu, tanh32, ...): every
-# public function of numba_runtime but those a kernel calls apart
-# (apart.HELPERS), imported by the generated code
-_RUNTIME_HELPERS = sorted(name for name, f in vars(numba_runtime).items() if not name.startswith("_")
-                          and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__
-                          and name not in apart.HELPERS)
-
-
-def runtime_imports() -> list:
-    """The lines of a generated module importing those helpers."""
-    return ["from stepnet.jit.numba_runtime import (",
-            *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
-                           subsequent_indent="    "),
-            ")"]
-
 
 # ----------------------------------------------------------------------------
 # the program

@@ -10,17 +10,37 @@ code it writes (:mod:`stepnet.jit.cpu_codegen` writes the rest).
   the copies, the arrays a value gets (``_new_array``), the loops over a
   value's elements and the expressions that read them (``_loop_nest``,
   ``_ref``), and the segments of ragged values.
+- The same runs over strided arrays of any rank, outside a step-net (an ONNX
+  session's fused nodes: ``strided_run_source``). Every fused loop takes
+  each op's code from one place (``_op_code``: its record's ``numba`` code).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import ir, registry, schedule
 from ..errors import UnsupportedError
+from . import apart, numba_runtime
+
+# the scalar helpers an op's numba code may call (relu, tanh32, ...): every
+# public function of numba_runtime but those a kernel calls apart
+# (apart.HELPERS), imported by the generated code
+_RUNTIME_HELPERS = sorted(name for name, f in vars(numba_runtime).items() if not name.startswith("_")
+                          and callable(f) and getattr(f, "__module__", None) == numba_runtime.__name__
+                          and name not in apart.HELPERS)
+
+
+def runtime_imports() -> list:
+    """The lines of a generated module importing those helpers."""
+    return ["from stepnet.jit.numba_runtime import (",
+            *textwrap.wrap(", ".join(_RUNTIME_HELPERS) + ",", 90, initial_indent="    ",
+                           subsequent_indent="    "),
+            ")"]
 
 
 class _Info:
@@ -335,11 +355,17 @@ def _read_at(ctx, ins, e, k, index):
 
 
 def _scalar_expr(ctx, e, args):
-    """Op ``e`` on one element, ``args`` its operands' code: the op's
-    ``numba`` code (its record in stepnet/ops/)."""
+    """Op ``e`` on one element, ``args`` its operands' code."""
     dtype = e.outputs[0].dtype
-    return registry.get(e.op).numba_code(
-        args, dtype, {k: ctx.module.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
+    return _op_code(e.op, args, dtype,
+                    {k: ctx.module.literal(v, dtype) for k, v in e.attrs.items() if v is not None})
+
+
+def _op_code(op, args, dtype, attrs=None):
+    """Op ``op`` on one element of ``dtype``, ``args`` its operands' code and
+    ``attrs`` its attributes': the op's ``numba`` code (its record in
+    stepnet/ops/), for every fused loop."""
+    return registry.get(op).numba_code(args, dtype, attrs or {})
 
 
 def _emit_fused(ctx, group, epilogues=()):
@@ -496,3 +522,67 @@ def _nest(head, body):
         if line.endswith(":"):
             depth += 1
     return lines + ["    " * depth + line for line in body]
+
+
+# ----------------------------------------------------------------------------
+# a run of elementwise ops over strided arrays (ONNX's fused nodes)
+
+
+def strided_run_source(ops, inputs, outputs, ranks, kinds, ndim, dtype):
+    """The module of ``fused(order, *outputs, *inputs) -> bool``: the
+    elementwise ops ``ops`` (``(op, operand names, result name)`` each,
+    stepnet's op names) over arrays of rank ``ndim`` and ``dtype``, reading
+    ``inputs`` (of ``ranks``, each read with unit stride or broadcast along
+    the innermost axis: ``kinds``) and writing ``outputs``, its loops in the
+    memory order ``order`` (the innermost axis last). False, nothing
+    written, where an input's shape or innermost stride is not as
+    planned. The source names no sizes."""
+    dt, item = f"np.{dtype.name}", dtype.itemsize
+    ys = [f"y{k}" for k in range(len(outputs))]
+    xs = [f"x{k}" for k in range(len(inputs))]
+    body = [f"def fused(order, {', '.join(ys + xs)}):",
+            "    wide_vectors()",
+            f"    inner = order[{ndim - 1}]",
+            "    n = y0.shape[inner]",
+            "    if y0.size == 0:",
+            "        return True"]
+    for y in ys:
+        body += [f"    s{y} = np.empty({ndim}, np.int64)",
+                 f"    for k in range({ndim}):",
+                 f"        s{y}[k] = {y}.strides[order[k]]"]
+    for x, rank, kind in zip(xs, ranks, kinds):
+        # byte strides along the loop's axes, 0 where broadcast
+        body += [f"    s{x} = np.zeros({ndim}, np.int64)",
+                 f"    for k in range({ndim}):",
+                 f"        a = order[k] - {ndim - rank}",
+                 "        if a >= 0:",
+                 f"            if {x}.shape[a] == y0.shape[order[k]] and {x}.shape[a] != 1:",
+                 f"                s{x}[k] = {x}.strides[a]",
+                 f"            elif {x}.shape[a] != 1:",
+                 "                return False"]
+        want = "0" if kind == "broadcast" else f"{item}"
+        body += [f"    if n > 1 and s{x}[{ndim - 1}] != {want}:", "        return False"]
+    body += [f"    b{a} = np.int64({a}.ctypes.data)" for a in ys + xs]
+    loops = ["    " * (1 + k) + f"for i{k} in range(y0.shape[order[{k}]]):" for k in range(ndim - 1)]
+    pad = "    " * ndim
+    for a, kind in [*[(y, "unit") for y in ys], *zip(xs, kinds)]:
+        offset = " + ".join([f"b{a}"] + [f"i{k} * s{a}[{k}]" for k in range(ndim - 1)])
+        loops.append(f"{pad}r{a} = carray(pointer_to({offset}, {dt}), n)" if kind == "unit" else
+                     f"{pad}v{a} = carray(pointer_to({offset}, {dt}), 1)[0]")
+    code = {name: (f"r{x}[j]" if kind == "unit" else f"v{x}")
+            for name, x, kind in zip(inputs, xs, kinds)}
+    element = []
+    for t, (op, args, result) in enumerate(ops):
+        element.append(f"t{t} = {_op_code(op, [code[n] for n in args], dtype)}")
+        code[result] = f"t{t}"
+    element += [f"r{y}[j] = {code[name]}" for y, name in zip(ys, outputs)]
+    body += loops + [f"{pad}for j in range(n):"] + [f"{pad}    {line}" for line in element]
+    body.append("    return True")
+    return "\n".join(["# generated by stepnet: do not edit",
+                      "import math",
+                      "import numpy as np",
+                      "from numba import carray, njit",
+                      "from stepnet.jit.atomics import pointer_to, wide_vectors",
+                      *runtime_imports(), "", "",
+                      "@njit(cache=True, error_model='numpy', nogil=True)",
+                      *body, ""])
