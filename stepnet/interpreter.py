@@ -357,8 +357,13 @@ def numpy_blas_on_one_thread():
     return numpy_blas_threads(1)
 
 
-def numpy_blas_beside_a_compile():
-    """:func:`numpy_blas_threads` on every core this process may use but one,
-    the compile worker's (one thread where there are two)."""
+def cores_beside_a_compile() -> int:
+    """Every core this process may use but one, the compile worker's (one
+    where there are two)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return numpy_blas_threads(max(1, (cores or 1) - 1))
+    return max(1, (cores or 1) - 1)
+
+
+def numpy_blas_beside_a_compile():
+    """:func:`numpy_blas_threads` on :func:`cores_beside_a_compile`."""
+    return numpy_blas_threads(cores_beside_a_compile())

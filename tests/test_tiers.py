@@ -49,14 +49,44 @@ def tiered(monkeypatch, tmp_path):
     return cache
 
 
-def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
+def test_first_calls_answer_on_the_executor_then_on_the_kernel(rng, tiered):
+    """A new kernel's first calls answer on the schedule executor, on every
+    core but the compile worker's, within the kernels' tolerance; then on
+    the kernel."""
     rnn, X, _ = _net(rng, 5, 11)
     reference = rnn(backend="interpreter")
     compiled = rnn.compile("numba")
     run = compiled._runner(True)
-    assert isinstance(run, loading.TieredProgram)
-    # NumPy's products off the worker's core while it compiles (OpenBLAS's
-    # count read by setting it again), as before after the call
+    assert isinstance(run, loading.TieredProgram) and run._executor is not None
+    executed, given = run._executor, []
+
+    def recording(args, consts, workers=1):
+        given.append(workers)
+        return executed(args, consts, workers=workers)
+
+    recording.prepare = executed.prepare
+    run._executor = recording
+    first = rnn()
+    assert given == [interpreter.cores_beside_a_compile()]
+    assert not run.ready
+    assert_close(first, reference)
+    assert compiled.wait(timeout=300), "the kernel was not compiled in 300 s"
+    assert run.ready and compiled.ready()
+    after = rnn()
+    assert_close(after, reference)
+    assert run.numba_program.module.program.signatures, "the kernel did not run"
+    assert loading.ready_marker(run.numba_program.key).exists()
+
+
+def test_a_program_the_executor_does_not_run_answers_on_the_interpreter(rng, tiered):
+    """Where the executor does not run a program, the first calls answer on
+    the interpreter (the same numbers exactly), NumPy's products off the
+    worker's core while it compiles (OpenBLAS's count read by setting it
+    again), as before after the call."""
+    rnn, X, _ = _net(rng, 3, 10)
+    reference = rnn(backend="interpreter")
+    run = rnn.compile("numba")._runner(True)
+    run._executor = None  # (as for a program the executor does not run: executor.why_not)
     interpreted, blas_threads = run._interpreted, []
     set_count = interpreter._numpy_blas_setter()
 
@@ -70,22 +100,15 @@ def test_first_calls_answer_on_the_interpreter_then_on_the_kernel(rng, tiered):
         try:
             first = rnn()
             # (on every core but the worker's, at most the count before)
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            assert blas_threads == [min(2, max(1, cores - 1))] and set_count(before) == 2
+            assert blas_threads == [min(2, interpreter.cores_beside_a_compile())]
+            assert set_count(before) == 2
         finally:
             set_count(before)
     else:  # (a NumPy on another BLAS: nothing to set)
         run._interpreted = interpreted
         first = rnn()
-    # the first call answered on the interpreter: the same numbers exactly
     assert not run.ready
     np.testing.assert_array_equal(first.data, reference.data)
-    assert compiled.wait(timeout=300), "the kernel was not compiled in 300 s"
-    assert run.ready and compiled.ready()
-    after = rnn()
-    assert_close(after, reference)
-    assert run.numba_program.module.program.signatures, "the kernel did not run"
-    assert loading.ready_marker(run.numba_program.key).exists()
 
 
 def test_a_training_step_answers_before_its_kernels_and_agrees_after(rng, tiered):
@@ -201,7 +224,7 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
 
 def test_a_worker_that_fails_leaves_the_compile_to_the_next_call(rng, tiered, monkeypatch):
     class Broken:
-        def submit(self, kernel, signature, callback):
+        def submit(self, kernel, signature, callback, function="program"):
             callback("the worker failed")
 
     monkeypatch.setattr(loading, "compile_worker", lambda: Broken())
@@ -366,7 +389,8 @@ def test_info_lists_what_the_worker_compiles(rng, tiered):
     rnn()
     pid = loading.compile_worker().pid(timeout=300)
     deadline = time.monotonic() + 300
-    while not (compile_worker.status(tiered) or {}).get("compiling"):
+    # (the worker compiles the executor's loops first: then the kernel)
+    while "program of" not in str((compile_worker.status(tiered) or {}).get("compiling")):
         assert time.monotonic() < deadline, "the worker never said it was compiling"
         time.sleep(0.005)
     os.kill(pid, signal.SIGSTOP)  # (held at the kernel it compiles while info runs)

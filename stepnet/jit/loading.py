@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from .. import interpreter
+from .. import executor, interpreter
 from ..config import config
 from . import compile_worker as compile_worker_module
 from .cache import cache_dir, helpers_fingerprint
@@ -82,7 +82,9 @@ def import_file(name, path):
 
 class TieredProgram:
     """A program whose kernel no process has compiled on this machine, in two
-    tiers: calls run on the NumPy interpreter while the compile worker (a
+    tiers: calls run on the schedule executor (:mod:`stepnet.executor`; the
+    NumPy interpreter for a program it does not run, or while its own loops
+    are not yet compiled, once per install) while the compile worker (a
     process of its own, :mod:`stepnet.jit.compile_worker`) compiles the kernel
     into the disk cache for the argument types of the first call; the first
     call after that loads it, and every call from then on runs the kernel.
@@ -94,6 +96,9 @@ class TieredProgram:
         self.program = kernel.program
         self.source = kernel.source
         self.schedule = kernel.schedule
+        # the first tier: the schedule executor where it runs the program,
+        # else the interpreter
+        self._executor = executor.compile_program(kernel.program, kernel.schedule)
         self._interpreted = interpreter.compile_program(kernel.program)
         self._signature = None
         self._compiled = threading.Event()  # set when the worker has answered
@@ -108,12 +113,16 @@ class TieredProgram:
     def __call__(self, args, consts):
         if not self._done:
             if self._signature is None:
+                if self._executor is not None:  # (its loops first: compiled once per install)
+                    self._executor.prepare()
                 self._signature = self.numba_program.signature(args, consts)
                 try:
                     compile_worker().submit(self.numba_program, self._signature, self._answered)
                 except OSError as exc:  # no worker: compile here
                     self._answered(f"the compile worker did not start: {exc}")
-            if not self._compiled.is_set():  # (NumPy off the worker's core)
+            if not self._compiled.is_set():  # (off the worker's core)
+                if self._executor is not None:
+                    return self._executor(args, consts, workers=interpreter.cores_beside_a_compile())
                 with interpreter.numpy_blas_beside_a_compile():
                     return self._interpreted(args, consts)
             self._finish()

@@ -1,0 +1,510 @@
+"""The schedule executor: a step-net run by its schedule on loops compiled
+once per install, with nothing compiled for the step-net itself (the tier
+between the interpreter and the fused kernel).
+
+The interpreter (:mod:`stepnet.interpreter`) is the reference: it runs every
+equation of the body at every step, each step's inputs gathered from the
+caller's rows, each GEMM on its own. The executor runs the schedule
+(:mod:`stepnet.schedule`) the kernels render:
+
+- the sequences in groups (one per thread it is given, where the call is
+  big enough: ``threads.SPLIT_MIN_WORK``), each on its own thread as the
+  kernels' sequence groups, NumPy's products then on one thread each;
+- in a group, the sequences sorted by length and every token laid out by
+  steps once (step 0 of every sequence, then step 1, ...), so that a step's
+  rows are one slice of each value, never a gather;
+- the hoisted GEMMs and elementwise ops once over every token (a merged
+  GEMM as one product: its weights joined by columns once a call);
+- each step's GEMMs as one product each, into buffers made once a call; each
+  elementwise run as one loop over its rows (:class:`_Run`: a bytecode of
+  the run's ops run by a loop compiled once per install and dtype, kept in
+  ``STEPNET_CACHE_DIR``, each op's code the kernels'); the other stages op by
+  op on NumPy; the memories read and written in place in their sorted rows;
+- the outputs written by steps, put in the caller's order once at the end.
+
+It runs the step-nets whose every value is dense (no LoD inside the body,
+step inputs of one LoD level, no ragged memory) and that nest no rnn:
+:func:`why_not` says why another is left to the interpreter. Its results
+are the same arithmetic in another order (the products' sums): within the
+tolerance the contract gives a kernel, not bit for bit the interpreter's.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import ir, registry, schedule as _schedule
+from .errors import StepNetError
+from .lod import LoDTensor
+
+# the ops an elementwise run's loop computes (their float results): opcode
+# 2 + index (0 loads an operand's row, 1 stores one)
+_LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
+             "tanh", "sigmoid", "softplus", "erf", "relu")
+
+
+def why_not(program: ir.Program):
+    """Why the executor does not run ``program`` (a sentence), or None where it does."""
+    eqn = program.eqn
+    body = eqn.attrs["body"]
+    if eqn.attrs.get("ragged_memories"):
+        return "it has a ragged memory"
+    if any(e.op == "rnn" for e in body.eqns):
+        return "it nests an rnn"
+    seqs, statics, inits = ir.rnn_parts(eqn)
+    if any(v.lod_depth != 1 for v in seqs):
+        return "a step input has more than one LoD level"
+    values = [*body.step_inputs, *body.static_inputs, *(m.pre for m in body.memories),
+              *(o for e in body.eqns for o in e.outputs), *statics,
+              *(v for v in inits if isinstance(v, ir.Var))]
+    if any(v.lod_depth for v in values):
+        return "a value of its step is ragged"
+    return None
+
+
+def compile_program(program: ir.Program, sched=None):
+    """``run(args, consts, workers=1) -> outputs`` of ``program`` on the
+    executor (the interpreter's contract; ``workers`` the threads it may
+    use), or None where :func:`why_not` says why not."""
+    if why_not(program) is not None:
+        return None
+    return Executor(program, sched or _schedule.schedule(program))
+
+
+class Executor:
+    """One program run by its schedule: ``run(args, consts, workers=1)``."""
+
+    def __init__(self, program, sched):
+        self.program, self.sched = program, sched
+        eqn = program.eqn
+        self.name = eqn.attrs["name"]
+        self.body = eqn.attrs["body"]
+        self.reverse = bool(eqn.attrs["reverse"])
+        self.all_steps = eqn.attrs["all_steps"]
+        self.output_memory = eqn.attrs["output_memory"]
+        self.seqs, self.statics, self.inits = ir.rnn_parts(eqn)
+        # the hoisted stages that are not row by row (a shape op, a general
+        # matmul), and those reading them, run at each step on its rows instead
+        self.whole, self.step, by_steps = [], [], set(self.body.step_inputs)
+        for stage in sched.hoisted:
+            reads = {v for e in stage.eqns for v in e.inputs if isinstance(v, ir.Var) and v.batched}
+            if stage.kind in ("gemm", "elementwise") and reads <= by_steps:
+                self.whole.append(stage)
+                by_steps.update(stage.outputs)
+            else:
+                self.step.append(stage)
+        self.step += list(sched.step)
+        # a run stores the values read outside it (the schedule's
+        # materialized ones, and those of the hoisted runs run by steps here)
+        readers = {}
+        for stage in (*sched.hoisted, *sched.step):
+            for e in stage.eqns:
+                for v in e.inputs:
+                    readers.setdefault(v, set()).add(stage)
+        kept = {*self.body.outputs, *(m.post for m in self.body.memories)}
+        self.runs = {stage: _Run.of(stage, {v for v in stage.outputs
+                                            if v in kept or readers.get(v, {stage}) - {stage}})
+                     for stage in self.step if stage.kind == "elementwise"}
+        # the widest value a step computes: the work per token, for groups
+        self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
+                               for v in (*self.body.step_inputs, *(o for e in self.body.eqns
+                                                                   for o in e.outputs))
+                               if v.batched] + [1])
+
+    def prepare(self):
+        """Have the loops of the elementwise runs compiled (or loaded), in the
+        compile worker where tiered: once per install and dtype."""
+        for dtype in {run.dtype for run in self.runs.values() if run is not None}:
+            _loop(dtype)
+
+    def __call__(self, args, consts, workers=1):
+        from .interpreter import numpy_blas_threads
+        from .jit import threads
+
+        outer = dict(zip(self.program.inputs, args))
+        outer.update({v: consts[v] for v in self.program.consts})
+        seq_args = [outer[v] for v in self.seqs]
+        offsets = np.asarray(seq_args[0].levels[0], np.int64)
+        lengths = np.diff(offsets)
+        for v, X in zip(self.seqs[1:], seq_args[1:]):
+            if not np.array_equal(np.diff(np.asarray(X.levels[0])), lengths):
+                raise StepNetError(f"step inputs {self.seqs[0].name} and {v.name} of {self.name} "
+                                   "have different LoD; every step input of one step-net must "
+                                   "have the same lengths")
+        env = dict(outer)
+        for stage in self.sched.const:
+            for e in stage.eqns:
+                _eval(e, env)
+        out = _Outputs(self.body.outputs, self.all_steps, offsets)
+        work = int(lengths.sum()) * self.work_width
+        count = max(1, min(workers, lengths.shape[0]))
+        if count > 1 and work < threads.SPLIT_MIN_WORK:
+            count = 1
+        by_length = np.argsort(-lengths, kind="stable")
+        groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
+        with numpy_blas_threads(1 if count > 1 else workers):
+            threads.run_each(lambda group: self._group(env, offsets, group, out), groups)
+        return out.results
+
+    def _group(self, shared, offsets, sequences, out):
+        """Run the sequences ``sequences`` (the caller's indices) with the
+        call's values ``shared``, writing their rows of the outputs ``out``."""
+        env = dict(shared)
+        layout = _Layout(offsets, sequences, self.reverse)
+        for var, v in zip(self.body.step_inputs, self.seqs):
+            env[var] = np.asarray(shared[v].data)[layout.perm]
+        for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
+            value = s.value if isinstance(s, ir.Literal) else shared[s]
+            env[var] = np.asarray(value)[layout.order] if var.batched else value
+        for stage in self.whole:  # once over every token, by steps
+            _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
+        state = []
+        for mem, init in zip(self.body.memories, self.inits):
+            value = init.value if isinstance(init, ir.Literal) else shared[init]
+            rows = np.broadcast_to(np.asarray(value, mem.pre.dtype),
+                                   (offsets.shape[0] - 1,) + tuple(mem.pre.shape[1:]))
+            state.append(np.array(rows[layout.order]))
+        last = [None if every else np.array(state[m]) if m >= 0 else
+                np.zeros((layout.order.shape[0],) + tuple(v.shape[1:]), v.dtype)
+                for v, every, m in zip(self.body.outputs, self.all_steps, self.output_memory)]
+        rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
+                for v, every in zip(self.body.outputs, self.all_steps)]
+        full = {v: env[v] for v in (*self.body.step_inputs,
+                                    *(o for s in self.whole for o in s.outputs))}
+        statics = {v: env[v] for v in self.body.static_inputs if v.batched}
+        places = {v: (values, True) for v, values in full.items()}
+        places.update({v: (values, False) for v, values in statics.items()})
+        places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)})
+        stages = [_stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
+                  for stage in self.step]
+        posts = [m.post for m in self.body.memories]
+        for t in range(layout.num_steps):
+            a, lo = int(layout.active[t]), int(layout.starts[t])
+            for v, values in full.items():
+                env[v] = values[lo:lo + a]
+            for v, values in statics.items():
+                env[v] = values[:a]
+            for mem, s in zip(self.body.memories, state):
+                env[mem.pre] = s[:a]
+            for stage in stages:
+                stage(env, a, lo)
+            for v, every, kept in zip(self.body.outputs, rows, last):
+                if every is not None:
+                    every[lo:lo + a] = env[v]
+                else:
+                    kept[:a] = env[v]
+            # (a copy where a memory's new value is a memory's state: shifted states)
+            new = [np.array(p) if any(np.may_share_memory(p, s) for s in state) else p
+                   for p in (env[v] for v in posts)]
+            for s, post in zip(state, new):
+                s[:a] = post
+        out.write(layout, rows, last)
+
+
+class _Layout:
+    """The tokens of a group of sequences by steps: the sequences
+    (``sequences``, the caller's indices) sorted by length (longest first,
+    ``order``: sorted position -> caller's sequence), step ``t``'s
+    ``active[t]`` sequences' rows at ``starts[t]:starts[t] + active[t]``,
+    ``perm[i]`` the caller's row of token ``i``."""
+
+    def __init__(self, offsets, sequences, reverse):
+        lengths = np.diff(offsets)[sequences]
+        by_length = np.argsort(-lengths, kind="stable")
+        self.order = sequences[by_length]
+        sorted_lengths = lengths[by_length]
+        self.num_steps = int(sorted_lengths[0]) if sorted_lengths.shape[0] else 0
+        steps = np.arange(self.num_steps)
+        self.active = np.count_nonzero(sorted_lengths[None, :] > steps[:, None], axis=1)
+        self.starts = np.concatenate([[0], np.cumsum(self.active)[:-1]]).astype(np.int64)
+        self.tokens = int(lengths.sum())
+        seq = np.concatenate([np.arange(a) for a in self.active]) if self.num_steps else \
+            np.zeros(0, np.int64)
+        step = np.repeat(steps, self.active)
+        position = sorted_lengths[seq] - 1 - step if reverse else step
+        self.perm = (offsets[:-1][self.order][seq] + position).astype(np.int64)
+
+
+class _Outputs:
+    """A call's outputs, which each group writes its rows of: all-steps
+    values at the caller's rows, last-step ones at its sequences."""
+
+    def __init__(self, outputs, all_steps, offsets):
+        num_seq, tokens = offsets.shape[0] - 1, int(offsets[-1] - offsets[0])
+        self.offsets = offsets
+        self.arrays = [np.zeros(((tokens if every else num_seq),) + tuple(v.shape[1:]), v.dtype)
+                       for v, every in zip(outputs, all_steps)]
+        self.all_steps = all_steps
+
+    def write(self, layout, rows, last):
+        for array, every, kept in zip(self.arrays, rows, last):
+            if every is not None:
+                array[layout.perm] = every
+            else:
+                array[layout.order] = kept
+
+    @property
+    def results(self):
+        return [LoDTensor(array, [self.offsets]) if every else array
+                for array, every in zip(self.arrays, self.all_steps)]
+
+
+def _eval(e, env):
+    args = [v.value if isinstance(v, ir.Literal) else env[v] for v in e.inputs]
+    env[e.outputs[0]] = registry.get(e.op).numpy(*args, **e.attrs)
+
+
+def _stage(stage, env, max_rows, places, run=None):
+    """``stage(env, rows)`` running one stage in a group (``env`` holding the
+    call's constants), its results' buffers made once: a GEMM as one product
+    (a merged one's weights joined), an elementwise run as its loop (``run``,
+    a :class:`_Run`, where there is one and it is compiled), any other op by
+    op on NumPy. ``places``: where the group keeps a step's values
+    (:meth:`_Run.start`), with this stage's buffers added."""
+    if stage.kind == "gemm":
+        weights = [env[e.inputs[1]] for e in stage.eqns]
+        joined = weights[0] if len(weights) == 1 else np.concatenate(weights, axis=1)
+        buffer = np.empty((max_rows, joined.shape[1]), np.result_type(joined, stage.left.dtype))
+        cuts = np.cumsum([0] + [w.shape[1] for w in weights])
+        parts = list(zip(stage.outputs, cuts[:-1], cuts[1:]))
+        left = stage.left
+        places.update({v: (buffer[:, lo:hi], False) for v, lo, hi in parts})
+
+        def gemm(env, rows, first):
+            product = np.matmul(env[left], joined, out=buffer[:rows])
+            for v, lo, hi in parts:
+                env[v] = product[:, lo:hi]
+        return gemm
+    loop = run.start(env, max_rows, places) if run is not None else None
+
+    def op_by_op(env, rows, first):
+        if loop is None or not loop(env, rows, first):
+            for e in stage.eqns:
+                _eval(e, env)
+    return op_by_op
+
+
+class _Run:
+    """An elementwise run of a step as one loop over its rows: ``run(env,
+    rows) -> bool`` computes the run's stored values into ``env``; False
+    (nothing computed) where an operand is not laid out as the loop reads
+    (the stage then runs op by op), or while its loop is not compiled.
+
+    The bytecode (``code``, a row per instruction: opcode, register,
+    operands) loads each operand's row into a register (or its one value, a
+    broadcast), computes each op register to register, and stores the
+    values read after the run; a register is one row of the run's width."""
+
+    def __init__(self, stage, dtype, width, operands, code, stored, registers):
+        self.stage, self.dtype, self.width = stage, dtype, width
+        self.operands, self.code, self.stored = operands, code, stored
+        self.registers = np.empty((registers, width), dtype)
+        self.table = np.zeros((len(operands) + len(stored), 4), np.int64)  # (a call's copy)
+
+    @classmethod
+    def of(cls, stage, stored):
+        """The run's loop, storing ``stored`` (the values read outside it),
+        or None where an op is not one the loop computes or the values are
+        not one float dtype of rows ``[B]`` or ``[B, W]``."""
+        shape = stage.eqns[0].outputs[0].shape
+        dtype = np.dtype(stage.eqns[0].outputs[0].dtype)
+        if dtype not in (np.float32, np.float64) or len(shape) not in (1, 2) or None in shape[1:]:
+            return None
+        width = shape[1] if len(shape) == 2 else 1
+        operands, code, register = [], [], {}
+        for e in stage.eqns:
+            if e.op not in _LOOP_OPS or e.attrs or np.dtype(e.outputs[0].dtype) != dtype:
+                return None
+            sources = []
+            for v in e.inputs:
+                if v not in register:  # an operand from outside the run: loaded
+                    if isinstance(v, ir.Var) and np.dtype(v.dtype) != dtype:
+                        return None
+                    register[v] = len(register)
+                    code.append((0, register[v], len(operands), 0, 0))
+                    operands.append(v)
+                sources.append(register[v])
+            out = e.outputs[0]
+            register[out] = len(register)
+            code.append((2 + _LOOP_OPS.index(e.op), register[out], *sources,
+                         *([0] * (3 - len(sources)))))
+        stored = [v for e in stage.eqns for v in e.outputs if v in stored]
+        code += [(1, register[v], len(operands) + k, 0, 0) for k, v in enumerate(stored)]
+        return cls(stage, dtype, width, operands, np.array(code, np.int64), stored, len(register))
+
+    def start(self, env, num_seq, places):
+        """``step(env, rows, lo) -> bool`` for one group of a call whose
+        constants are in ``env``, or None while the loop is not compiled.
+        ``places`` holds where the group keeps a step's values (``{var:
+        (array, by_steps)}``: a step's rows of ``array`` are its first, or
+        with ``by_steps`` those from the step's first token ``lo``); their
+        rows of the table, and the constants', are set once, the others'
+        (values NumPy makes anew) at each step. The loop writes into buffers
+        made once (added to ``places``)."""
+        loop = _loop(self.dtype)
+        if loop is None:
+            return None
+        table, width, itemsize = self.table.copy(), self.width, self.dtype.itemsize
+        registers = np.empty_like(self.registers)
+        kept, batched = [], []  # (the call's constants, kept alive with their addresses)
+        for k, v in enumerate(self.operands):
+            if isinstance(v, ir.Var) and v.batched:
+                x, by_steps = places.get(v, (None, False))
+                at = (_layout(x, x.shape[0], width, itemsize)
+                      if type(x) is np.ndarray and x.dtype == self.dtype and x.ndim else None)
+                if at is None:
+                    batched.append((k, v))
+                else:
+                    table[k] = x.ctypes.data, at[0], at[1], at[0] if by_steps else 0
+                continue
+            x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], self.dtype)
+            at = _layout(x, 1, width, itemsize)
+            if at is None:
+                return None
+            kept.append(x)
+            table[k] = x.ctypes.data, 0, at[1], 0
+        outs = [np.empty((num_seq,) + tuple(v.shape[1:]), self.dtype) for v in self.stored]
+        for k, (v, y) in enumerate(zip(self.stored, outs), len(self.operands)):
+            table[k] = y.ctypes.data, width * itemsize, 1, 0
+            places[v] = (y, False)
+        code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
+
+        def step(env, rows, lo):
+            for k, v in batched:
+                x = env[v]
+                at = _layout(x, rows, width, itemsize) if type(x) is np.ndarray \
+                    and x.dtype == self.dtype else None
+                if at is None:
+                    return False
+                table[k, 0] = x.__array_interface__["data"][0]
+                table[k, 1], table[k, 2] = at
+            entry(code, table, rows, lo, width, registers)
+            for v, y in zip(self.stored, outs):
+                env[v] = y[:rows]
+            step.kept = kept
+            return True
+        return step
+
+
+def _layout(x, rows, width, itemsize):
+    """``(row stride in bytes, 1 where a row holds ``width`` values else 0)``
+    of an operand ``x`` of a run over ``rows`` rows of ``width``, or None
+    where the loop cannot read it so."""
+    shape, strides = x.shape, x.strides
+    if x.ndim == 0 or shape in ((1,), (1, 1)):
+        return 0, 0
+    unit = shape[-1] == width and (width == 1 or strides[-1] == itemsize)
+    if x.ndim == 2 and shape[0] == rows and unit:
+        return strides[0], 1
+    if x.ndim == 2 and shape == (rows, 1):
+        return strides[0], 0
+    if (x.ndim == 1 or shape[0] == 1) and unit:
+        return 0, 1
+    if x.ndim == 1 and width == 1 and shape[0] == rows:
+        return strides[0], 0
+    return None
+
+
+_LOOPS = {}  # dtype -> the run loop, once it is compiled here
+_REFUSED = set()  # the dtypes whose loop the compile worker failed to compile
+_LOOPS_LOCK = threading.Lock()
+
+
+def _loop(dtype):
+    """The run loop for ``dtype`` where it is compiled in this process or
+    in the disk cache (loaded), else None: then the compile worker compiles
+    it (once per install and machine; without a worker, here)."""
+    loop = _LOOPS.get(dtype)
+    if loop is not None:
+        return None if loop is _PENDING else loop
+    from .jit import loading
+
+    with _LOOPS_LOCK:
+        if dtype in _LOOPS:  # (made meanwhile by another thread)
+            return None if _LOOPS[dtype] is _PENDING else _LOOPS[dtype]
+        source = _loop_source(dtype)
+        module, key, signature = loading.load_source(source), loading.kernel_key(source), \
+            _signature(dtype)
+        if loading.ready_marker(key).exists() or not loading.tiered() or dtype in _REFUSED:
+            module.run_loop.compile(signature)  # (loaded from the disk cache where it is there)
+            loading.mark_ready(key)
+            _LOOPS[dtype] = module.run_loop
+            return module.run_loop
+        _LOOPS[dtype] = _PENDING
+
+    def answered(error):  # (the next call loads it; where the worker failed, compiles it here)
+        with _LOOPS_LOCK:
+            _LOOPS.pop(dtype, None)
+            if error is not None:
+                _REFUSED.add(dtype)
+
+    try:
+        loading.compile_worker().submit(SimpleNamespace(key=key, module=module), signature,
+                                        answered, function="run_loop")
+    except OSError:
+        answered("no compile worker")
+    return None
+
+
+_PENDING = object()
+
+
+def _signature(dtype):
+    from numba import from_dtype, types
+
+    return (types.int64[:, ::1], types.int64[:, ::1], types.int64, types.int64, types.int64,
+            types.Array(from_dtype(dtype), 2, "C"))
+
+
+def _loop_source(dtype):
+    """The module of ``run_loop(code, table, rows, lo, width, registers)``:
+    the bytecode of a run (:class:`_Run`) over ``rows`` rows; ``table``
+    holds each operand's and output's address, row stride, whether a row
+    holds ``width`` values (else one, broadcast), and the stride by which
+    ``lo`` moves its first row."""
+    dt = f"np.{np.dtype(dtype).name}"
+    lines = ["def run_loop(code, table, rows, lo, width, registers):",
+             "    wide_vectors()",
+             "    for i in range(rows):",
+             "        for c in range(code.shape[0]):",
+             "            op = code[c, 0]",
+             "            r = registers[code[c, 1]]",
+             "            if op == 0:  # an operand's row",
+             "                x = code[c, 2]",
+             "                at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             "                if table[x, 2] == 1:",
+             f"                    src = carray(pointer_to(at, {dt}), width)",
+             "                    for j in range(width):",
+             "                        r[j] = src[j]",
+             "                else:",
+             f"                    value = carray(pointer_to(at, {dt}), 1)[0]",
+             "                    for j in range(width):",
+             "                        r[j] = value",
+             "            elif op == 1:  # a value's row stored",
+             "                x = code[c, 2]",
+             "                at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             f"                dst = carray(pointer_to(at, {dt}), width)",
+             "                for j in range(width):",
+             "                    dst[j] = r[j]"]
+    for k, name in enumerate(_LOOP_OPS):
+        op = registry.get(name)
+        args = ["a[j]", "b[j]", "d[j]"][:op.num_inputs]
+        lines += [f"            elif op == {2 + k}:  # {name}",
+                  "                a = registers[code[c, 2]]"]
+        if op.num_inputs > 1:
+            lines.append("                b = registers[code[c, 3]]")
+        lines += ["                for j in range(width):",
+                  f"                    r[j] = {op.numba_code(args, dtype)}"]
+    from .jit.cpu_emit import runtime_imports
+
+    return "\n".join(["# generated by stepnet: do not edit",
+                      "import math",
+                      "import numpy as np",
+                      "from numba import carray, njit",
+                      "from stepnet.jit.atomics import pointer_to, wide_vectors",
+                      *runtime_imports(), "", "",
+                      "@njit(cache=True, error_model='numpy', nogil=True)",
+                      *lines, ""])

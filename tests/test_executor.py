@@ -1,0 +1,211 @@
+"""The schedule executor (stepnet/executor.py), the first tier while a new
+kernel compiles: against the interpreter on the random step-nets, the
+layers' forward and backward programs, uneven and empty sequences, reverse
+nets, per-sequence statics and memories, NaN and inf; on one thread and in
+sequence groups on two; its elementwise runs on its compiled loop and op by
+op."""
+
+import numpy as np
+import pytest
+from conftest import assert_close
+from hypothesis import HealthCheck, given, settings
+from stepnet_strategies import random_stepnets
+
+import stepnet as sn
+from stepnet import executor, interpreter
+from stepnet.jit import loading
+
+def _both(rnn, all_steps=True, **feeds):
+    """The executor's outputs (one worker, then two) and the interpreter's,
+    for ``rnn`` called with ``feeds``; None where the executor does not run
+    the program."""
+    program = rnn.program(rnn.all_steps_flags(all_steps))
+    run = executor.compile_program(program)
+    if run is None:
+        assert executor.why_not(program)
+        return None
+    args, consts = rnn.bind(**feeds), rnn.const_values()
+    expected = interpreter.compile_program(program)(args, consts)
+    return [run(args, consts, workers=w) for w in (1, 2)], expected
+
+
+def _agree(rnn, all_steps=True, what="output", **feeds):
+    found = _both(rnn, all_steps, **feeds)
+    assert found is not None, executor.why_not(rnn.program(rnn.all_steps_flags(all_steps)))
+    (one, two), expected = found
+    assert_close(one, expected, what=f"{what}, one worker")
+    assert_close(two, expected, what=f"{what}, two workers")
+    return one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loops():
+    """The executor's loops compiled here (the tests' STEPNET_TIERED=0)."""
+    assert not loading.tiered()
+    for dtype in (np.float32, np.float64):
+        assert executor._loop(np.dtype(dtype)) is not None
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_stepnets())
+def test_random_stepnets_agree_with_the_interpreter(net):
+    rnn, feeds = net
+    for run_feeds in ({}, feeds):
+        for all_steps in (True, False):
+            found = _both(rnn, all_steps, **run_feeds)
+            if found is None:  # (a form it leaves to the interpreter: why_not says so)
+                continue
+            (one, two), expected = found
+            assert_close(one, expected, what="executor, one worker")
+            assert_close(two, expected, what="executor, two workers")
+
+
+def _gated(X, H, rng, reverse=False, dtype=np.float32, static=None):
+    """A gated cell (W5's kind): two gates and a tanh, a per-unit scale."""
+    I = X.data.shape[1]
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype)
+
+    rnn = sn.create_rnn_op(reverse=reverse)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[H], name="h", init=np.zeros(H, dtype))
+        z = sn.ops.sigmoid(sn.ops.matmul(x, w(I, H)) + sn.ops.matmul(h.pre_state(), w(H, H)) + 0.1)
+        r = sn.ops.sigmoid(sn.ops.matmul(x, w(I, H)) + sn.ops.matmul(h.pre_state(), w(H, H)))
+        n = sn.ops.tanh(sn.ops.matmul(x, w(I, H)) + sn.ops.matmul(r * h.pre_state(), w(H, H)))
+        if static is not None:
+            n = n + rnn.add_static_input(static, name="s")
+        h.update((1.0 - z) * h.pre_state() + z * n * 0.5)
+        rnn.add_outputs(h)
+    return rnn
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_gated_cell_over_uneven_and_empty_sequences(rng, reverse, monkeypatch):
+    """Its elementwise runs on the loop (no op of theirs on NumPy)."""
+    on_numpy = []
+    evaluate = executor._eval
+    monkeypatch.setattr(executor, "_eval", lambda e, env: on_numpy.append(e.op) or evaluate(e, env))
+    lengths = [5, 0, 9, 1, 9, 3, 7, 2]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 6)).astype(np.float32),
+                                  [lengths])
+    static = rng.standard_normal((len(lengths), 8)).astype(np.float32)
+    rnn = _gated(X, 8, rng, reverse=reverse, static=static)
+    _agree(rnn, all_steps=True, x=X)
+    _agree(rnn, all_steps=False, x=X)
+    assert not {"sigmoid", "tanh", "mul", "sub"} & set(on_numpy), on_numpy
+
+
+def test_the_groups_take_big_runs(rng, monkeypatch):
+    """Over enough work (threads.SPLIT_MIN_WORK) and with two workers, the
+    sequences run in two groups on two threads; the results agree."""
+    from stepnet.jit import threads
+
+    groups = []
+    run_each = threads.run_each
+    monkeypatch.setattr(threads, "run_each",
+                        lambda fn, items: groups.append(len(list(items))) or run_each(fn, items))
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
+    lengths = [4, 6, 2, 5, 5]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 3)).astype(np.float64),
+                                  [lengths])
+    rnn = _gated(X, 5, rng, dtype=np.float64)
+    _agree(rnn, x=X)
+    assert groups == [1, 2]
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM", "RNN"])
+def test_the_layers_forward_and_backward_programs(rng, cell, monkeypatch):
+    """A layer's forward and its gradients with a tier that never gets its
+    kernel: every program the executor runs answers from it, to the
+    interpreter's results; the forward and the backward both ran on it."""
+    ran = []
+    call = executor.Executor.__call__
+
+    def counted(self, args, consts, workers=1):
+        ran.append(self.program)
+        return call(self, args, consts, workers)
+
+    class Silent:  # a compile worker that never answers: the kernels never load
+        def submit(self, *args, **kwargs):
+            pass
+
+        def send(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(executor.Executor, "__call__", counted)
+    monkeypatch.setattr(loading, "compile_worker", lambda: Silent())
+    monkeypatch.setenv("STEPNET_TIERED", "1")
+    layer = getattr(sn.nn, cell)(5, 7)
+    lengths = [4, 2, 6]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 5)).astype(np.float32),
+                                  [lengths])
+    with sn.config(tiered=True):
+        (Y, h, *_), pullback = layer.vjp(X, backend="numba")
+        forward_runs = len(ran)
+        dY = rng.standard_normal(Y.data.shape).astype(np.float32)
+        none = [None] * len(layer.state_widths())
+        grads = pullback([dY, *none], wrt=list(layer.parameters()) + ["X"])
+    (Y_ref, h_ref, *_), pullback_ref = layer.vjp(X, backend="interpreter")
+    want = pullback_ref([dY, *none], wrt=list(layer.parameters()) + ["X"])
+    assert_close(Y, Y_ref, what=f"{cell} Y")
+    assert_close(h, h_ref, what=f"{cell} h")
+    assert_close(list(grads), list(want), what=f"{cell} gradients")
+    assert forward_runs >= 1 and len(ran) > forward_runs, "the backward did not run on the executor"
+
+
+def test_nan_and_inf_as_on_the_interpreter(rng):
+    """NaN and inf where the interpreter has them, the other values close."""
+    lengths = [3, 4]
+    data = rng.standard_normal((7, 4)).astype(np.float32)
+    data[1, 2], data[5, 0], data[6, 3] = np.nan, np.inf, -np.inf
+    X = sn.LoDTensor.from_lengths(data, [lengths])
+    rnn = _gated(X, 4, rng)
+    outputs, expected = _both(rnn, x=X)
+    want = expected[0].data
+    assert np.isnan(want).any()
+    for got in outputs:
+        got = got[0].data
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        finite = np.isfinite(want)
+        assert_close(got[finite], want[finite], what="the finite values")
+
+
+def test_an_op_the_loop_does_not_compute_runs_op_by_op(rng):
+    """A run with a comparison and a ``where`` (not in the loop's table)
+    runs op by op on NumPy, to the interpreter's results."""
+    lengths = [3, 5]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((8, 4)).astype(np.float32), [lengths])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[4], name="h")
+        h.update(sn.ops.where(sn.ops.greater(x, h.pre_state()), x, 0.5 * h.pre_state()))
+        rnn.add_outputs(h)
+    program = rnn.program(rnn.all_steps_flags(True))
+    run = executor.compile_program(program)
+    assert run is not None and not any(run.runs.values())
+    _agree(rnn, x=X)
+
+
+def test_why_not_names_what_it_does_not_run(rng):
+    """A net that nests an rnn, or whose step input has two LoD levels, is
+    left to the interpreter, with the reason."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 2)).astype(np.float32),
+                                  [[2, 1], [2, 3, 1]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            w = inner.add_input(x, name="w")
+            m = inner.add_memory(shape=[2], name="m")
+            m.update(m.pre_state() + w)
+            inner.add_outputs(m)
+        rnn.add_outputs(inner(output_all_steps=False))
+    program = rnn.program(rnn.all_steps_flags(True))
+    assert executor.why_not(program) in ("it nests an rnn",
+                                         "a step input has more than one LoD level")
+    assert executor.compile_program(program) is None
