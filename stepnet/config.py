@@ -52,6 +52,17 @@ def _blas(raw, where):
     raise UnsupportedError(f"{where}: expected one of {', '.join(BLAS_CHOICES)}")
 
 
+FIRST_TIERS = ("executor", "interpreter")
+
+
+def _first_tier(raw, where):
+    if raw is None or raw == "":
+        return "executor"
+    if isinstance(raw, str) and raw.lower() in FIRST_TIERS:
+        return raw.lower()
+    raise UnsupportedError(f"{where}: expected one of {', '.join(FIRST_TIERS)}")
+
+
 def _rows(raw, where):
     if raw is None or raw == "":
         return None
@@ -124,11 +135,16 @@ FLAGS = (
          "and its installed copy, two environments) share what they compiled there."),
     Flag("tiered", "STEPNET_TIERED", "on (`1`)", _switch(True), "use",
          "`0`: a new kernel's first call waits for its compilation. Otherwise a kernel that no "
-         "process has compiled on this machine answers its first calls on the NumPy "
-         "interpreter while the compile worker (one per `STEPNET_CACHE_DIR`, shared by every "
-         "process using it) compiles it "
+         "process has compiled on this machine answers its first calls on the first tier "
+         "(`STEPNET_FIRST_TIER`) while the compile worker (one per `STEPNET_CACHE_DIR`, shared "
+         "by every process using it) compiles it "
          "([internals](internals.md#tiers-a-first-result-without-waiting-for-the-compile)). "
          "Tiers are always off under `STEPNET_DETERMINISTIC`."),
+    Flag("first_tier", "STEPNET_FIRST_TIER", "`executor`", _first_tier, "use",
+         "What answers a new kernel's first calls while it compiles: `executor` (the schedule "
+         "executor, `stepnet/executor.py`: the step-net's schedule on loops compiled once per "
+         "install; the interpreter for a step-net it does not run) or `interpreter` (the NumPy "
+         "reference); any other value raises `UnsupportedError`."),
     Flag("deterministic", "STEPNET_DETERMINISTIC", "off", _switch(False), "engine",
          "Any value other than empty or `0`: every matrix product runs stepnet's own loop in a "
          "fixed order, without reassociation or FMAs, so each row's result does not depend on "
@@ -187,7 +203,8 @@ class Config:
     ----------
     **settings
         Calling it (``sn.config(tiered=False)``) makes a block of these
-        values: ``cache_dir`` (a directory), ``tiered``, ``deterministic``,
+        values: ``cache_dir`` (a directory), ``tiered``, ``first_tier``
+        (``"executor"`` or ``"interpreter"``), ``deterministic``,
         ``malloc_tuning`` and ``debug`` (True or False), ``blas``
         (``"openblas"``, ``"mkl"``, ``"numpy"`` or None: measured),
         ``small_products`` (a number of rows, or None: measured). A wrong name

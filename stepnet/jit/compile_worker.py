@@ -112,10 +112,11 @@ def compile_kernel(request) -> None:
     path = request["path"]
     module = loading.import_file(request["module"], path)
     loading.link_helpers(module)
-    function = getattr(module, request.get("function", "program"))
-    function.compile(pickle.loads(base64.b64decode(request["signature"])))
-    threads.compile_helpers()  # (those Python calls too, not compiled with the kernel)
-    product_timing.small_rows_table()  # measured here, not in the first compiled call, where it is new
+    name = request.get("function", "program")
+    getattr(module, name).compile(pickle.loads(base64.b64decode(request["signature"])))
+    if name == "program":  # (a step-net's kernel: not a loop of the executor or of ONNX)
+        threads.compile_helpers()  # (those Python calls too, not compiled with the kernel)
+        product_timing.small_rows_table()  # measured here, not in the first compiled call
     try:  # the mark loading.ready_marker names: a later process loads the kernel at once
         Path(path).with_suffix(".ready").touch()
     except OSError:

@@ -121,7 +121,7 @@ class TieredProgram:
                 except OSError as exc:  # no worker: compile here
                     self._answered(f"the compile worker did not start: {exc}")
             if not self._compiled.is_set():  # (off the worker's core)
-                if self._executor is not None:
+                if self._executor is not None and config.first_tier == "executor":
                     return self._executor(args, consts, workers=interpreter.cores_beside_a_compile())
                 with interpreter.numpy_blas_beside_a_compile():
                     return self._interpreted(args, consts)
