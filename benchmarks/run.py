@@ -34,7 +34,9 @@ the best single-thread rate of W1's per-step product, over stepnet's own
 loop, numpy's matmul and each BLAS stepnet reaches) and one core's FMA
 peak; stepnet's share of the ceiling; each target beside the GFLOP/s it
 asks for; the compile time of stepnet's W1 kernel in a fresh process with a
-cold and then a warm STEPNET_CACHE_DIR; and the failures (a peer that is
+cold and then a warm STEPNET_CACHE_DIR; W1, W3, W5, W6 and W9 on stepnet's
+first tier, the schedule executor, beside their kernels (``--no-executor``
+skips it); and the failures (a peer that is
 missing or fails shows as n/a; the run goes on).
 
 Nothing at module level imports numpy or a framework: the torch worker must
@@ -344,8 +346,119 @@ def probe_main(args):
                  "total_s": t3 - t0, "second_call_s": t4 - t3, "cache_files": len(files)})
 
 
+EXECUTOR_KEYS = ("W1", "W3", "W5", "W6", "W9")  # the workloads of the executor's section
+
+
+def executor_probe_main(args):
+    """Each workload's stepnet item on its kernels, then with every program
+    the executor runs answered by it (see executor_section): median times."""
+    _setup_paths()
+    import numpy as np
+    import peers
+    import workloads
+
+    import importlib
+
+    from stepnet import executor
+
+    backends = importlib.import_module("stepnet.backends")  # (sn.backends is a function)
+
+    t0 = time.perf_counter()
+    for dtype in (np.float32, np.float64):
+        executor._loop(np.dtype(dtype))  # (STEPNET_TIERED=0: compiled here, or loaded)
+    out = {"loops_s": time.perf_counter() - t0, "items": {}}
+    seen = set()  # (the step-nets of the workloads before)
+    for key in args.workloads.split(","):
+        wl = workloads.make(key, args.quick)
+        fn = peers.PEERS["stepnet"][key][0][1](wl)
+        fn()
+        kernel = _median_call(fn, args.rounds or 7)
+        runs, ran = 0, 0
+        for compiled in [c for c in backends._every_compiled()
+                         if c.backend == "numba" and id(c) not in seen]:
+            seen.add(id(compiled))
+            swapped = {}
+            for table in (compiled._runs, compiled._gradient_runs):
+                for k, run in list(table.items()):
+                    if isinstance(run, tuple):  # a backward: ([(run, program), ...], layout)
+                        pairs = [(_on_executor(r, p, args.threads), p) for r, p in run[0]]
+                        runs += len(pairs)
+                        ran += sum(r[0] is not o[0] for r, o in zip(pairs, run[0]))
+                        swapped[id(table), k] = (table, (pairs, run[1]))
+                    else:
+                        new = _on_executor(run, run.program, args.threads)
+                        runs, ran = runs + 1, ran + (new is not run)
+                        swapped[id(table), k] = (table, new)
+            for (_, k), (table, run) in swapped.items():
+                table[k] = run
+        fn()
+        out["items"][key] = {"kernel_s": kernel, "executor_s": _median_call(fn, args.rounds or 7),
+                             "programs": runs, "on_executor": ran}
+    _write_json(Path(args.outdir) / "executor.json", out)
+
+
+def _on_executor(run, program, workers):
+    """``run`` answered by the executor on ``workers`` threads (itself where
+    the executor does not run ``program``)."""
+    from stepnet import executor
+
+    ex = None if getattr(run, "on_executor", False) else executor.compile_program(program)
+    if ex is None:  # (not one it runs, or swapped for an earlier workload)
+        return run
+
+    def on_executor(args, consts):
+        return ex(args, consts, workers=workers)
+    on_executor.program, on_executor.on_executor = program, True
+    return on_executor
+
+
+def _median_call(fn, count):
+    times = []
+    for _ in range(count):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 # ============================================================================
 # orchestrator
+
+
+def executor_section(args, keys, tmp, log):
+    """The executor beside the kernels, stepnet alone in a child process."""
+    keys = [k for k in keys if k in EXECUTOR_KEYS]
+    if not keys:
+        return [], []
+    cache = args.stepnet_cache if args.stepnet_cache not in ("fresh", "default") else None
+    extra = {"STEPNET_TIERED": "0"}
+    if cache or args.stepnet_cache == "fresh":
+        extra["STEPNET_CACHE_DIR"] = cache or tempfile.mkdtemp(prefix="stepnet_cache_", dir=tmp)
+    argv = ["--worker", "executor-probe", "--workloads", ",".join(keys), "--outdir", str(tmp),
+            "--threads", str(args.threads)]
+    if args.quick:
+        argv.append("--quick")
+    if args.rounds:
+        argv += ["--rounds", str(args.rounds)]
+    ok, secs, msg = run_child(argv, child_env(args.threads, extra), args.timeout, log)
+    f = Path(tmp) / "executor.json"
+    if not ok or not f.exists():
+        return [], [f"executor section: {msg or 'no result'}"]
+    found = json.loads(f.read_text())
+    lines = [("The schedule executor (the first tier while a new kernel compiles: "
+              "STEPNET_FIRST_TIER) beside the fused kernels, each workload's stepnet item "
+              f"timed on its kernels, then with every program the executor runs answered by it "
+              f"({args.threads} threads; median of calls); its loops compiled or loaded in "
+              f"{found['loops_s']:.1f} s, once per install:"),
+             "",
+             "| workload | kernels ms | executor ms | executor / kernels | programs on the executor |",
+             "|---|---:|---:|---:|---:|"]
+    for key, item in found["items"].items():
+        lines.append(f"| {key} | {item['kernel_s'] * 1e3:.1f} | {item['executor_s'] * 1e3:.1f} | "
+                     f"{item['executor_s'] / item['kernel_s']:.2f} | "
+                     f"{item['on_executor']} of {item['programs']} |")
+    return lines, []
+
 
 
 def child_env(threads, extra=None):
@@ -676,6 +789,12 @@ def _run_all(args, keys, fams, tmp, log):
         print("[bench] stepnet compile probes ...", file=sys.stderr, flush=True)
         compile_lines, fails = compile_section(args, tmp, log)
         failures += fails
+    if "stepnet" in fams and not args.no_executor:
+        print("[bench] the executor beside the kernels ...", file=sys.stderr, flush=True)
+        lines, fails = executor_section(args, keys, tmp, log)
+        failures += fails
+        if lines:
+            compile_lines += ["", "### stepnet's first tier: the executor", ""] + lines
 
     print("[bench] float64 references ...", file=sys.stderr, flush=True)
     return build_report(args, keys, fams, results, ceiling, compile_lines, failures,
@@ -817,9 +936,8 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
         out.append("GEMM ceiling: n/a (see Failures).")
     out += targets_section(keys, wls, recs, stepnet_gflops, ceiling)
     if compile_lines:
-        out.append("")
-        out.append("### stepnet compile time")
-        out.append("")
+        if compile_lines[0]:  # (else only the executor's section, its own heading)
+            out += ["", "### stepnet compile time", ""]
         out += compile_lines
     out.append("")
     out.append(f"### Numerical disagreements (max|dh| > {TOLERANCE:g}; gradients: relative "
@@ -1010,6 +1128,8 @@ def main(argv=None):
                     "default: setup s includes compiling), the user's (default), or DIR")
     ap.add_argument("--no-compile", action="store_true",
                     help="skip the stepnet compile-time section")
+    ap.add_argument("--no-executor", action="store_true",
+                    help="skip the executor's section (W1, W3, W5, W6, W9 on the executor)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per child process")
     ap.add_argument("--keep", action="store_true", help="keep the workers' files and log")
     ap.add_argument("--no-openblas-auto", action="store_true",
@@ -1025,6 +1145,8 @@ def main(argv=None):
         ceiling_main(args)
     elif args.worker == "compile-probe":
         probe_main(args)
+    elif args.worker == "executor-probe":
+        executor_probe_main(args)
     elif args.worker:
         worker_main(args)
     else:
