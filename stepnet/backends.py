@@ -140,8 +140,9 @@ def backend(name=None) -> Backend:
 
 def answers_while_compiling(name=None) -> bool:
     """Whether a new kernel of backend ``name`` (None: the default) answers
-    its first calls on the interpreter while it compiles (``sn.config.tiered``
-    and the backend's tiers)."""
+    its first calls on its first tier (``sn.config.first_tier``: the schedule
+    executor or the interpreter) while it compiles (``sn.config.tiered`` and
+    the backend's tiers)."""
     info = backend(name)
     return info.tiers and _module(info.name).tiered()
 
@@ -390,6 +391,15 @@ def kernels_ready() -> bool:
     """Whether every step-net compiled in this process runs its compiled
     kernels (none is still answering on the interpreter tier)."""
     return all(entry.ready() for entry in _every_compiled())
+
+
+def first_tiers() -> set:
+    """The tiers that answered the last calls of the step-nets of this
+    process whose kernels still compile: ``"executor"`` and/or
+    ``"interpreter"`` (``sn.config.first_tier``; the interpreter for a
+    step-net the executor does not run); empty where every kernel runs."""
+    return {getattr(run, "answered_by", None) for entry in _every_compiled()
+            for run in entry._all_runs()} & {"executor", "interpreter"}
 
 
 def wait_for_kernels(timeout=None) -> bool:

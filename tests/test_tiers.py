@@ -307,17 +307,17 @@ def test_a_cache_directory_removed_while_a_process_runs(rng, monkeypatch, tmp_pa
 
 
 def test_the_command_says_which_tier_answered(tmp_path):
-    """``stepnet run`` on a new kernel answers on the interpreter; ``stepnet
-    bench`` waits for the kernels before it times them and says when they
-    were ready."""
+    """``stepnet run`` on a new kernel answers on the executor (the first
+    tier); ``stepnet bench`` waits for the kernels before it times them and
+    says when they were ready."""
     env = dict(os.environ, STEPNET_CACHE_DIR=str(cache_with_helpers(tmp_path / "cache")),
                STEPNET_TIERED="1")
     example = str(ROOT / "examples" / "custom_cell.yaml")
     run = subprocess.run([sys.executable, "-m", "stepnet.cli", "run", example], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "running on the interpreter while compiling net" in run.stderr
-    assert "answered on the interpreter while new kernels compile in the background" in run.stdout
+    assert "running on the executor while compiling net" in run.stderr
+    assert "answered on the executor while new kernels compile in the background" in run.stdout
     # the command did not wait for its worker, which finishes the kernel and marks it
     deadline = time.monotonic() + 120
     while not any((tmp_path / "cache").glob("stepnet_kernel_*.ready")):

@@ -104,6 +104,7 @@ class TieredProgram:
         self._compiled = threading.Event()  # set when the worker has answered
         self.worker_error = None  # what the worker said went wrong (the kernel then compiles here)
         self._done = False
+        self.answered_by = None  # the tier of the last call: "executor", "interpreter", "kernel"
 
     @property
     def ready(self) -> bool:
@@ -122,10 +123,13 @@ class TieredProgram:
                     self._answered(f"the compile worker did not start: {exc}")
             if not self._compiled.is_set():  # (off the worker's core)
                 if self._executor is not None and config.first_tier == "executor":
+                    self.answered_by = "executor"
                     return self._executor(args, consts, workers=interpreter.cores_beside_a_compile())
+                self.answered_by = "interpreter"
                 with interpreter.numpy_blas_beside_a_compile():
                     return self._interpreted(args, consts)
             self._finish()
+        self.answered_by = "kernel"
         return self.numba_program(args, consts)
 
     def _answered(self, error):

@@ -184,7 +184,8 @@ class Model:
             order: ``"compiling net 'encoder' (1/2)"`` before a call that
             compiles first (that net is not compiled yet in this process for
             this backend; the call then runs it; on a tiered Numba backend
-            ``"running on the interpreter while compiling ..."``), ``"running
+            ``"running on the executor while compiling ..."``, or the
+            interpreter's: ``sn.config.first_tier``), ``"running
             net 'encoder' (1/2)"`` otherwise.
 
         Returns
@@ -211,8 +212,10 @@ class Model:
 
             backend_name = backend or default_backend()
             first_tier = "compiling"
-            if answers_while_compiling(backend_name):  # a new kernel's first calls run on the interpreter
-                first_tier = "running on the interpreter while compiling"
+            if answers_while_compiling(backend_name):  # a new kernel's first calls: the first tier
+                from ..config import config
+
+                first_tier = f"running on the {config.first_tier} while compiling"
 
         def report(position, kind, name, compiled):
             if progress is not None:
