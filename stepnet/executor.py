@@ -288,10 +288,11 @@ def _stage(stage, env, max_rows, places, run=None):
 
 
 class _Run:
-    """An elementwise run of a step as one loop over its rows: ``run(env,
-    rows) -> bool`` computes the run's stored values into ``env``; False
-    (nothing computed) where an operand is not laid out as the loop reads
-    (the stage then runs op by op), or while its loop is not compiled.
+    """An elementwise run of a step as one loop over its rows: a group's
+    ``start`` gives ``step(env, rows, lo) -> bool``, which computes the
+    run's stored values into ``env``; False (nothing computed) where an
+    operand is not laid out as the loop reads (the stage then runs op by op
+    on NumPy); no ``step`` while the loop is not compiled.
 
     The bytecode (``code``, a row per instruction: opcode, register,
     operands) loads each operand's row into a register (or its one value, a

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import sizes
+from ..config import config
 from ..backends import backend as backend_info, is_compiled
 from ..errors import Error, ShapeError, StepNetError
 from ..lod import LoDTensor
@@ -213,8 +214,6 @@ class Model:
             backend_name = backend or default_backend()
             first_tier = "compiling"
             if answers_while_compiling(backend_name):  # a new kernel's first calls: the first tier
-                from ..config import config
-
                 first_tier = f"running on the {config.first_tier} while compiling"
 
         def report(position, kind, name, compiled):
