@@ -373,7 +373,7 @@ def executor_probe_main(args):
         fn = peers.PEERS["stepnet"][key][0][1](wl)
         fn()
         kernel = _median_call(fn, args.rounds or 7)
-        runs, ran = 0, 0
+        runs, ran, why = 0, 0, set()
         for compiled in [c for c in backends._every_compiled()
                          if c.backend == "numba" and id(c) not in seen]:
             seen.add(id(compiled))
@@ -382,18 +382,21 @@ def executor_probe_main(args):
                 for k, run in list(table.items()):
                     if isinstance(run, tuple):  # a backward: ([(run, program), ...], layout)
                         pairs = [(_on_executor(r, p, args.threads), p) for r, p in run[0]]
+                        why.update(executor.why_not(p) or "" for _, p in run[0])
                         runs += len(pairs)
                         ran += sum(r[0] is not o[0] for r, o in zip(pairs, run[0]))
                         swapped[id(table), k] = (table, (pairs, run[1]))
                     else:
                         new = _on_executor(run, run.program, args.threads)
+                        why.add(executor.why_not(run.program) or "")
                         runs, ran = runs + 1, ran + (new is not run)
                         swapped[id(table), k] = (table, new)
             for (_, k), (table, run) in swapped.items():
                 table[k] = run
         fn()
         out["items"][key] = {"kernel_s": kernel, "executor_s": _median_call(fn, args.rounds or 7),
-                             "programs": runs, "on_executor": ran}
+                             "programs": runs, "on_executor": ran,
+                             "why_not": sorted(w for w in why if w)}
     _write_json(Path(args.outdir) / "executor.json", out)
 
 
@@ -454,9 +457,14 @@ def executor_section(args, keys, tmp, log):
              "| workload | kernels ms | executor ms | executor / kernels | programs on the executor |",
              "|---|---:|---:|---:|---:|"]
     for key, item in found["items"].items():
-        lines.append(f"| {key} | {item['kernel_s'] * 1e3:.1f} | {item['executor_s'] * 1e3:.1f} | "
-                     f"{item['executor_s'] / item['kernel_s']:.2f} | "
-                     f"{item['on_executor']} of {item['programs']} |")
+        if item["on_executor"]:
+            times = (f"{item['executor_s'] * 1e3:.1f} | "
+                     f"{item['executor_s'] / item['kernel_s']:.2f}")
+        else:
+            times = "n/a | n/a"
+        why = f" (the rest: {'; '.join(item['why_not'])})" if item["why_not"] else ""
+        lines.append(f"| {key} | {item['kernel_s'] * 1e3:.1f} | {times} | "
+                     f"{item['on_executor']} of {item['programs']}{why} |")
     return lines, []
 
 
