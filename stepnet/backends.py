@@ -251,7 +251,7 @@ class CompiledStepNet:
 
         Returns None where the backend runs no machine code here (not
         ``capabilities.host_code``), where the kernel does not answer yet (a
-        new one on the interpreter's tier: ask again after :meth:`wait`),
+        new one on its first tier: ask again after :meth:`wait`),
         or where the step-net is not of that form. Ask again after a weight
         changes."""
         run = self._runner(self.rnn.all_steps_flags(output_all_steps))

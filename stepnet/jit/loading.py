@@ -82,10 +82,10 @@ def import_file(name, path):
 
 class TieredProgram:
     """A program whose kernel no process has compiled on this machine, in two
-    tiers: calls run on the schedule executor (:mod:`stepnet.executor`; the
-    NumPy interpreter for a program it does not run, or while its own loops
-    are not yet compiled, once per install) while the compile worker (a
-    process of its own, :mod:`stepnet.jit.compile_worker`) compiles the kernel
+    tiers: calls run on the first tier, the schedule executor (its runs op by
+    op until its loops are compiled, once per install) or the interpreter
+    (``sn.config.first_tier``, or a program the executor does not run), while
+    the compile worker (:mod:`stepnet.jit.compile_worker`) compiles the kernel
     into the disk cache for the argument types of the first call; the first
     call after that loads it, and every call from then on runs the kernel.
     ``wait()`` blocks until then. If the worker fails, the kernel compiles in
@@ -114,8 +114,8 @@ class TieredProgram:
     def __call__(self, args, consts):
         if not self._done:
             if self._signature is None:
-                if self._executor is not None:  # (its loops first: compiled once per install)
-                    self._executor.prepare()
+                if self._executor is not None and config.first_tier == "executor":
+                    self._executor.prepare()  # (its loops first: compiled once per install)
                 self._signature = self.numba_program.signature(args, consts)
                 try:
                     compile_worker().submit(self.numba_program, self._signature, self._answered)
