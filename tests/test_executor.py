@@ -61,7 +61,7 @@ def test_random_stepnets_agree_with_the_interpreter(net):
 
 
 def _gated(X, H, rng, reverse=False, dtype=np.float32, static=None):
-    """A gated cell (W5's kind): two gates and a tanh, a per-unit scale."""
+    """A gated cell (W5's kind): two sigmoid gates and a tanh candidate."""
     I = X.data.shape[1]
 
     def w(*shape):
