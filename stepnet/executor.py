@@ -219,11 +219,10 @@ class _Layout:
         self.num_steps = int(sorted_lengths[0]) if sorted_lengths.shape[0] else 0
         steps = np.arange(self.num_steps)
         self.active = np.count_nonzero(sorted_lengths[None, :] > steps[:, None], axis=1)
-        self.starts = np.concatenate([[0], np.cumsum(self.active)[:-1]]).astype(np.int64)
+        self.starts = (np.cumsum(self.active) - self.active).astype(np.int64)
         self.tokens = int(lengths.sum())
-        seq = np.concatenate([np.arange(a) for a in self.active]) if self.num_steps else \
-            np.zeros(0, np.int64)
         step = np.repeat(steps, self.active)
+        seq = np.arange(self.tokens) - np.repeat(self.starts, self.active)  # (sorted position)
         position = sorted_lengths[seq] - 1 - step if reverse else step
         self.perm = (offsets[:-1][self.order][seq] + position).astype(np.int64)
 
