@@ -218,7 +218,8 @@ class _Layout:
         sorted_lengths = lengths[by_length]
         self.num_steps = int(sorted_lengths[0]) if sorted_lengths.shape[0] else 0
         steps = np.arange(self.num_steps)
-        self.active = np.count_nonzero(sorted_lengths[None, :] > steps[:, None], axis=1)
+        # (the sequences longer than each step: the lengths are sorted, longest first)
+        self.active = np.searchsorted(-sorted_lengths, -steps, side="left")
         self.starts = (np.cumsum(self.active) - self.active).astype(np.int64)
         self.tokens = int(lengths.sum())
         step = np.repeat(steps, self.active)
