@@ -37,9 +37,7 @@ class PreparedCall:
         inputs = [spec[1] for spec in program.top_inputs]
         self.features, self.dtype = inputs[0].shape[1], np.dtype(inputs[0].dtype)
         self.widths = [v.shape[1] for v in inputs[1:]]
-        self.n = len(inputs) - 1
         self.n_out = len(eqn.outputs)
-        self.y_shape = tuple(eqn.outputs[0].shape[1:])
         self.outputs = [(tuple(v.shape[1:]), np.dtype(v.dtype)) for v in eqn.outputs]
         self.entry = program.module.program
         # the machine code compiled for exactly the public call's types (read-only
@@ -72,8 +70,8 @@ class PreparedCall:
 
     def _given(self, states, num_sequences):
         """The states, zeros where None."""
-        if len(states) != self.n:
-            raise ShapeError(f"{len(states)} states given, the step-net takes {self.n}")
+        if len(states) != len(self.widths):
+            raise ShapeError(f"{len(states)} states given, the step-net takes {len(self.widths)}")
         return [np.zeros((num_sequences, w), self.dtype) if s is None else s
                 for s, w in zip(states, self.widths)]
 
