@@ -27,12 +27,15 @@ updates every Parameter.
 
 The script prints the loss every ``--log-every`` steps and, last, the token
 accuracy on held-out data (greedy decoding: each step is fed its own
-prediction); it exits with status 1 below ``--target`` (0.98).
+prediction); it exits with status 1 below ``--target`` (0.98). With
+``--quantize int8`` (or ``bf16``) it then scores the trained model quantized
+by ``sn.quantize`` on the same sentences and prints the change in points.
 
 Run it: ``python examples/train_attention.py`` (``--help`` lists the flags).
 """
 
 import argparse
+import copy
 import sys
 import time
 
@@ -138,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--target", type=float, default=0.98, help="token accuracy to reach")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantize", choices=("int8", "bf16"),
+                    help="also score the trained model quantized (sn.quantize) on the same data")
     args = ap.parse_args(argv)
 
     model = Seq2Seq(args.hidden, args.seed)
@@ -153,9 +158,15 @@ def main(argv=None):
             print(f"step {step:5d}  loss {np.mean(losses[-args.log_every:]):.4f}  "
                   f"{time.perf_counter() - start:6.1f} s", flush=True)
     enc, _, target = batch(np.random.default_rng(TEST_SEED), args.test_size)
-    predicted = np.concatenate(model.greedy(enc))
-    accuracy = float(np.mean(predicted == target))
+    accuracy = float(np.mean(np.concatenate(model.greedy(enc)) == target))
     print(f"held-out token accuracy {accuracy:.4f} (target {args.target})")
+    if args.quantize:  # the encoder layer and the decoder step-net, quantized
+        small = copy.copy(model)
+        small.encoder = sn.quantize(model.encoder, args.quantize)
+        small.decoder = sn.quantize(model.decoder, args.quantize)
+        quantized = float(np.mean(np.concatenate(small.greedy(enc)) == target))
+        print(f"held-out token accuracy {quantized:.4f} quantized to {args.quantize} "
+              f"({100 * (quantized - accuracy):+.2f} points)")
     return 0 if accuracy >= args.target else 1
 
 

@@ -20,6 +20,7 @@ from .errors import (
     YAMLError,
 )
 from .lod import LoDTensor
+from .quantize import quantize
 from .tracing import Parameter, Value
 from .yaml import load_yaml
 
@@ -51,6 +52,7 @@ __all__ = [
     "onnx",
     "ops",
     "optim",
+    "quantize",
     "set_default_backend",
     "vjp",
 ]

@@ -71,6 +71,9 @@ def _model_args(p):
                    help="seed of the parameter initializers and of random data (default 0)")
     p.add_argument("--debug", action="store_true",
                    help="on an unexpected error, show Python's traceback (else one line)")
+    p.add_argument("--quantize", choices=("int8", "bf16"), default=None,
+                   help="run the network's products by weights in int8 or bf16 (docs/quantization.md; "
+                        "the file's quantize: key does the same)")
 
 
 def _data_args(p):
@@ -472,7 +475,12 @@ def _print_value_infos(values):
 def _load(args):
     from .yaml import load_yaml
 
-    return load_yaml(args.model, params=args.params, seed=args.seed)
+    model = load_yaml(args.model, params=args.params, seed=args.seed)
+    if args.quantize and args.quantize != model.quantized:
+        from .quantize import quantize
+
+        model = quantize(model, args.quantize)
+    return model
 
 
 def _feeds(model, args):

@@ -91,7 +91,7 @@ class Executor:
         self.whole, self.step, by_steps = [], [], set(self.body.step_inputs)
         for stage in sched.hoisted:
             reads = {v for e in stage.eqns for v in e.inputs if isinstance(v, ir.Var) and v.batched}
-            if stage.kind in ("gemm", "elementwise") and reads <= by_steps:
+            if stage.kind in ("gemm", "quantized", "elementwise") and reads <= by_steps:
                 self.whole.append(stage)
                 by_steps.update(stage.outputs)
             else:
@@ -278,6 +278,8 @@ def _stage(stage, env, max_rows, places, run=None):
             for v, lo, hi in parts:
                 env[v] = product[:, lo:hi]
         return gemm
+    if stage.kind == "quantized":
+        return _quantized(stage, env, max_rows, places)
     loop = run.start(env, max_rows, places) if run is not None else None
 
     def op_by_op(env, rows, first):
@@ -285,6 +287,28 @@ def _stage(stage, env, max_rows, places, run=None):
             for e in stage.eqns:
                 _eval(e, env)
     return op_by_op
+
+
+def _quantized(stage, env, max_rows, places):
+    """A quantized product's stage, as ``_stage`` gives it: by the kernels'
+    routines (:mod:`stepnet.jit.quantized`), the weights prepared once."""
+    from .jit import quantized
+
+    prepare, rows = {"matmul_int8": (quantized.int8_prepare, quantized.int8_rows),
+                     "matmul_bf16": (quantized.bf16_prepare, quantized.bf16_rows)}[stage.eqns[0].op]
+    operands = [[env[e.inputs[i]] for e in stage.eqns] for i in range(1, len(stage.eqns[0].inputs))]
+    prepared = prepare(*[np.concatenate(parts, axis=-1) for parts in operands])
+    cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
+    buffer = np.empty((max_rows, cuts[-1]), np.float32)
+    parts = list(zip(stage.outputs, cuts[:-1], cuts[1:]))
+    places.update({v: (buffer[:, lo:hi], False) for v, lo, hi in parts})
+    left = stage.left
+
+    def product(env, count, first):
+        rows(np.ascontiguousarray(env[left]), prepared, buffer[:count])
+        for v, lo, hi in parts:
+            env[v] = buffer[:count, lo:hi]
+    return product
 
 
 class _Run:

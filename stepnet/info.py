@@ -34,6 +34,10 @@ def describe() -> str:
     lines.append(f"  stepnet's own loop: blocks of {own_loop._BLOCK_ROWS} rows x {own_loop._COLS} columns, "
                  f"one row x {own_loop._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
                  f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
+    from .jit import int8_gemm
+
+    lines.append(f"quantized products (sn.quantize): int8 by {int8_gemm.int8_path()}; bf16 as float32 "
+                 "products of bf16-rounded values (no bf16 instructions used)")
     transposed._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")

@@ -45,7 +45,9 @@ class OpDef:
     - ``numpy(*arrays, **attrs) -> ndarray``: the reference implementation.
     - ``kind``: "elementwise" (fusable into one loop), "matmul", "reduce",
       "shape" (concat, slice) or "segment" (a reduction over each batch
-      row's own rows of a ragged value: ``seq_sum``, ``seq_max``).
+      row's own rows of a ragged value: ``seq_sum``, ``seq_max``) or
+      "quantized" (a product by weights in fewer bits, which each backend
+      computes by its own routine: ``matmul_int8``, ``matmul_bf16``).
     - ``function``: the public function, ``sn.ops.<name>``.
     - ``grad(em, eqn, g) -> [cotangent or None per operand]``: the gradient
       rule (reverse mode), written with ``em.op`` (see ``stepnet/ops/primitives.py``);

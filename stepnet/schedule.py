@@ -66,7 +66,7 @@ import numpy as np
 from . import ir, registry
 from .errors import StepNetError
 
-STAGE_KINDS = ("gemm", "matmul", "elementwise", "shape", "rnn")
+STAGE_KINDS = ("gemm", "matmul", "quantized", "elementwise", "shape", "rnn")
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +76,9 @@ class Stage:
     - ``gemm``: ``a @ W`` (W a 2-D constant); several equations sharing ``a``
       are one merged product with the weights joined by columns;
     - ``matmul``: one general matmul (a loop);
+    - ``quantized``: a product by weights in fewer bits (``matmul_int8``,
+      ``matmul_bf16``: :mod:`stepnet.ops.quantized`) by each backend's
+      routine; several of one op sharing ``a`` are one, as a GEMM's;
     - ``elementwise``: a fused run of elementwise equations of one output shape;
     - ``shape``: one shape op or reduction (slice, concat, pad, transpose,
       broadcast_axis, sum);
@@ -87,7 +90,7 @@ class Stage:
 
     @property
     def merged(self) -> bool:
-        return self.kind == "gemm" and len(self.eqns) > 1
+        return self.kind in ("gemm", "quantized") and len(self.eqns) > 1
 
     @property
     def left(self):
@@ -178,7 +181,8 @@ def _stage_kind(eqn, is_const) -> str:
         return "gemm"
     if is_elementwise(eqn):
         return "elementwise"
-    return "matmul" if registry.get(eqn.op).kind == "matmul" else "shape"
+    kind = registry.get(eqn.op).kind
+    return kind if kind in ("matmul", "quantized") else "shape"
 
 
 def fusion_order(eqns) -> tuple:
@@ -307,18 +311,21 @@ def _stages(eqns, is_const, fuse) -> tuple:
     """Stages of ``eqns`` in order: GEMMs sharing a left operand merged at the
     first one's place; with ``fuse``, runs of elementwise ops of one output
     shape fused (the per-step rule; hoisted elementwise ops stay apart)."""
-    gemms = [e for e in eqns if is_gemm(e, is_const)]
+    # the products merged: GEMMs, and the quantized products of one op
+    products = [[e for e in eqns if is_gemm(e, is_const)]]
+    products += [[e for e in eqns if e.op == op] for op in dict.fromkeys(
+        e.op for e in eqns if _stage_kind(e, is_const) == "quantized")]
     group_of = {}
-    for group in group_by_left(gemms, lambda e: e.inputs[0]):
+    for group in (g for members in products for g in group_by_left(members, lambda e: e.inputs[0])):
         for e in group:
             group_of[e] = group
     stages = []
     for e in eqns:
         kind = _stage_kind(e, is_const)
-        if kind == "gemm":
+        if kind in ("gemm", "quantized"):
             group = group_of[e]
             if group[0] is e:
-                stages.append(Stage("gemm", group))
+                stages.append(Stage(kind, group))
             continue  # a later member: computed with the first
         stages.append(Stage(kind, (e,)))
     return _joined_runs(stages) if fuse else tuple(stages)
@@ -458,6 +465,12 @@ def _check_stage(stage, fail, is_const):
             if not is_elementwise(e) or e.outputs[0].shape != first.outputs[0].shape:
                 fail(f"elementwise stage holds {e.op} {e.outputs[0].name} of shape "
                      f"{e.outputs[0].type_str()}")
+    elif stage.kind == "quantized":
+        for e in stage.eqns:
+            if e.op != first.op or registry.get(e.op).kind != "quantized" or e.inputs[0] is not \
+                    first.inputs[0]:
+                fail(f"quantized stage holds {e.op} {e.outputs[0].name}, not a {first.op} of "
+                     f"{first.inputs[0].name}")
     elif len(stage.eqns) != 1 or (stage.kind == "rnn") != (first.op == "rnn") or (
             stage.kind == "matmul" and first.op != "matmul"):
         fail(f"{stage.kind} stage holds {[e.op for e in stage.eqns]}")
@@ -522,6 +535,10 @@ def _format_stage(sched, stage, indent) -> list:
         weights = " ".join(e.inputs[1].name for e in stage.eqns)
         merged = f"[merged {len(stage.eqns)}]" if stage.merged else ""
         return [f"{pad}gemm{merged}: {outs} = {stage.left.name} @ ({weights})"]
+    if stage.kind == "quantized":
+        outs = " ".join(repr(v) for v in stage.outputs)
+        weights = " ".join(e.inputs[1].name for e in stage.eqns)
+        return [f"{pad}{stage.eqns[0].op}: {outs} = {stage.left.name} @ ({weights})"]
     if stage.kind == "rnn":
         e = stage.eqns[0]
         where = "independent, once per call" if e in sched.independent_rnns else "per step"

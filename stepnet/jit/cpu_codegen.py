@@ -51,7 +51,8 @@ from .cpu_emit import (
     _Ctx, _Function, _Info, _Module, _Segment, _emit_copy, _emit_fused, _emit_op, _loop_nest, _nest,
     _new_array, _ref, _row_assign, _shape, _width, runtime_imports)
 from .cpu_products import (
-    _ahead_posts, _chunk_products, _chunk_setup, _defer_product, _render_gemm, _render_split_gemm)
+    _ahead_posts, _chunk_products, _chunk_setup, _defer_product, _render_gemm, _render_quantized,
+    _render_split_gemm)
 
 LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
                            "-vectorize-memory-check-threshold=512")
@@ -111,6 +112,8 @@ def generate_source(program: ir.Program):
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.blas import gemm_own",
         "from stepnet.jit.threads import COLUMNS, RAISED, SHARES",
+        *([f"from stepnet.jit.apart import {', '.join(apart.QUANTIZED_HELPERS)}"]
+          if any(s.kind == "quantized" for _, s in _every_stage(sched)) else []),
         *runtime_imports(),
         "",
         "# small_gemm's C entries the kernels call (link_helpers)",
@@ -151,6 +154,14 @@ class _Layout:
     same_lod: list  # pairs of ragged static inputs' levels combined row by row
     largest_weights: int  # elements of the largest weights of a product (0: none)
     plan: KernelPlan  # what was decided before the code was written (its consts: the first parameters)
+
+
+def _every_stage(sched):
+    """``(section, stage)`` of ``sched`` and of every schedule nested in it."""
+    for section, stage in sched.stages():
+        yield section, stage
+        if stage.kind == "rnn":
+            yield from _every_stage(sched.nested[stage.eqns[0]])
 
 
 def _program_inputs(module, program, values, consts):
@@ -284,6 +295,7 @@ def _render_rnn(ctx, sched, stage):
 _STAGE_RENDERERS = {
     "gemm": _render_gemm,
     "matmul": _render_single,
+    "quantized": _render_quantized,
     "shape": _render_single,
     "elementwise": _render_elementwise,
     "rnn": _render_rnn,

@@ -150,6 +150,40 @@ def _render_gemm(ctx, sched, stage):
         _column_blocks(ctx, stage, info)
 
 
+# a quantized product's routines (stepnet.jit.quantized), by its op
+_QUANTIZED = {"matmul_int8": ("int8_prepare", "int8_rows"), "matmul_bf16": ("bf16_prepare", "bf16_rows")}
+
+
+def _render_quantized(ctx, sched, stage):
+    """A quantized product (``matmul_int8``, ``matmul_bf16``): its weights
+    (joined by columns where several products share the left operand)
+    prepared once a call in the prologue, then its routine over the step's
+    rows, or over every token before the time loop."""
+    module = ctx.module
+    prepare, rows = _QUANTIZED[stage.eqns[0].op]
+    operands = [[ctx.values[e.inputs[i]].ident for e in stage.eqns]
+                for i in range(1, len(stage.eqns[0].inputs))]
+    key = f"{prepare}{operands}"
+    prepared = module.packed.get(key)
+    if prepared is None:
+        joined = [parts[0] if len(parts) == 1 else
+                  f"np.concatenate(({', '.join(parts)},), axis={len(stage.eqns[0].inputs[i + 1].shape) - 1})"
+                  for i, parts in enumerate(operands)]
+        prepared = module.packed[key] = module.fresh("wq")
+        module.prologue.append(f"{prepared} = {prepare}({', '.join(joined)})")
+        module.gargs.append(prepared)
+    if stage.merged:
+        out = ir.Var("merged", np.float32, (None, sum(v.shape[-1] for v in stage.outputs)))
+    else:
+        out = stage.eqns[0].outputs[0]
+    ai = ctx.values[stage.left]
+    left = _contiguous(ctx, ai)
+    info = _new_array(ctx, out, size=ai.size)
+    ctx.lines.append(f"{rows}({left}, {prepared}, {info.ident}{'[:nb]' if ctx.mode == 'step' else ''})")
+    if stage.merged:
+        _column_blocks(ctx, stage, info)
+
+
 def _product_weights(ctx, stage):
     """The ident of a gemm stage's weights (joined by columns where merged)."""
     if stage.merged:

@@ -116,6 +116,10 @@ class _Kernels:
         self.program = program
         eqn = program.eqn
         self.body = body = eqn.attrs["body"]
+        for e in ir.iter_eqns(body):
+            if e.op != "rnn" and registry.get(e.op).kind == "quantized":
+                raise UnsupportedError(f"cuda backend: {e.op} (a quantized product) runs on the "
+                                       "CPU backends only; run the float model on the GPU")
         for v in ir.rnn_parts(eqn)[1]:
             if v.lod_depth > 1:
                 raise UnsupportedError(f"cuda backend: static input {v.name} is a LoDTensor of "

@@ -11,7 +11,7 @@ import numpy as np
 from .. import dsl, sizes
 from ..backends import backend as backend_info
 from ..pullback import forward_with_workspace
-from ..errors import ShapeError, StepNetError
+from ..errors import ShapeError, StepNetError, UnsupportedError
 from ..lod import LoDTensor
 from ..tracing import Parameter, compute_dtype, current_frame
 from . import cells
@@ -31,6 +31,7 @@ class _RecurrentLayer(_Layouts):
     cell = None
     kind = None
     _one_step = False  # a cell class (``_Cell``): one step, not a layer over sequences
+    quantized = None  # "int8" or "bf16": its step-nets' products (``sn.quantize``)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -289,6 +290,9 @@ class _RecurrentLayer(_Layouts):
         if attention is not None and (len(shape) != 2 or shape[1] != 1):
             raise ShapeError(f"{name}.step: attention must be one score per sequence, [B, 1]; "
                              f"got shape {['B' if n is None else n for n in shape]}")
+        if self.quantized:
+            raise UnsupportedError(f"{name}.step: a quantized layer runs over sequences only; call "
+                                   "the float layer's step in a step-net and quantize that")
         params = self._params[(layer, direction)]
         if current_frame() is None:  # eager, on arrays: the Parameters' values
             params = {key: ({g: v.value for g, v in value.items()} if isinstance(value, dict)
@@ -342,6 +346,10 @@ class _RecurrentLayer(_Layouts):
                             for name, w in zip(self.kind.states, self.state_widths())]
                 self.kind.step(x, memories, self._params[key], self._acts[d], self, attention)
                 rnn.add_outputs(memories[0], *memories)
+            if self.quantized:
+                from ..quantize import quantize_step_net
+
+                rnn = quantize_step_net(rnn, self.quantized)
             self._nets[key] = rnn
         return self._nets[key]
 

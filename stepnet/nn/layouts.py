@@ -205,12 +205,19 @@ class _Layouts:
         options = {a: bool(attrs.pop(a, 0)) for a in cls.kind.onnx_attrs}
         return dict(options, peephole=P is not None) if "peephole" in cls.kind.options else options
 
+    def _float_weights(self, what):
+        """Refuse to give a quantized layer's float weights as its own."""
+        if getattr(self, "quantized", None):
+            raise UnsupportedError(f"{type(self).__name__}.{what}: the layer is quantized "
+                                   f"({self.quantized}); convert the float layer it was made from")
+
     def to_onnx(self):
         """The ONNX node's inputs and attributes: a dict (W, R, B, P with
         peepholes, hidden_size, direction, activations, activation_alpha,
         activation_beta, clip, and linear_before_reset or input_forget), or a
         list of such dicts, one per layer, for a stack."""
         name = type(self).__name__
+        self._float_weights("to_onnx")
         if self.kind.onnx is None:
             raise UnsupportedError(f"{name}: ONNX has no {self.kind.title} operator")
         if self.direction not in _ONNX_DIRECTION:
@@ -333,6 +340,7 @@ class _Layouts:
             a GRU without ``linear_before_reset``, an LSTM's peepholes or
             ``input_forget``.
         """
+        self._float_weights("to_torch")
         torch = _torch_of(self, "to_torch")
         name = type(self).__name__
         reasons = self._torch_unsupported()

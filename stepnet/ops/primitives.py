@@ -12,7 +12,8 @@ public function ``sn.ops.<name>``::
 
 The records live by kind: ``elementwise.py`` (arithmetic, activations,
 comparisons, where, clip), ``shape_ops.py`` (matmul, sum and the shape ops)
-and ``segments.py`` (the ops over a ragged value's rows), with what they share
+``segments.py`` (the ops over a ragged value's rows) and ``quantized.py``
+(the int8 and bf16 products), with what they share
 in ``rules.py``. This module imports them in the op table's order (the order
 of registration, which ``registry.all_ops()`` keeps) and gives every op's
 function under its name, from the table.
@@ -40,6 +41,7 @@ from .. import registry
 from . import elementwise  # noqa: F401
 from . import shape_ops  # noqa: F401
 from . import segments  # noqa: F401
+from . import quantized  # noqa: F401
 from .rules import derivative, shape_of  # noqa: F401 - what a record or a composite uses
 
 # every op's function under its name, read from its record: a new op is its

@@ -28,8 +28,8 @@ from .initializers import InitError, generator, initialize
 from .network import InputSpec, LayerEntry, Model, Source
 from .steps import NetBuilder
 
-TOP_KEYS = ("name", "description", "dtype", "inputs", "parameters", "layers", "cells", "nets",
-            "outputs")
+TOP_KEYS = ("name", "description", "dtype", "quantize", "inputs", "parameters", "layers", "cells",
+            "nets", "outputs")
 INPUT_KEYS = ("shape", "dtype", "lod_level", "random", "description")
 PARAM_KEYS = ("shape", "dtype", "init", "from", "description", "mean", "std", "low", "high",
               "gain", "value")
@@ -121,7 +121,19 @@ class _Builder(NetBuilder):
         for net_name, spec in nets.items():
             self._top_net(net_name, spec, ("nets", net_name))
         self._outputs(data.get("outputs"))
+        if "quantize" in data:
+            return self._quantized(data["quantize"])
         return self.model
+
+    def _quantized(self, mode):
+        from ..quantize import MODES, quantize
+
+        if mode not in MODES:
+            raise self.error(("quantize",), f"quantize must be one of {list(MODES)}, got {mode!r}")
+        try:
+            return quantize(self.model, mode)
+        except Error as e:
+            raise self.error(("quantize",), str(e)) from None
 
     def _dtype(self, value, path):
         if value not in DTYPES:

@@ -141,6 +141,8 @@ class Model:
     >>> outs = model(model.random_feeds(seed=0), backend="interpreter")  # doctest: +SKIP
     """
 
+    quantized = None  # "int8" or "bf16" (``sn.quantize``, the file's ``quantize:``)
+
     def __init__(self, path, name, description):
         self.path = Path(path)
         self.name = name

@@ -1,0 +1,411 @@
+"""Quantized products for int8 inference: ``out = dequant(quant_rows(a) @ wq)``.
+
+``quantize_rows`` quantizes each row of float32 activations symmetrically to
+int8 with its own scale (``amax / 127``, rounded half to even, as NumPy's
+``rint``); ``int8_product`` multiplies such rows by int8 weights ``wq``
+[k, n] quantized per column (``wscale``), summing exactly in int32, and
+writes ``float32(acc) * (scale[i] * wscale[j])``: the same bits as NumPy
+computing that formula, whatever the path, the blocks or the columns asked
+for (integer sums do not depend on their order).
+
+The product multiplies pairs of int16: x86's ``pmaddwd`` takes two vectors
+of int16 and sums the products of each adjacent pair into one int32 lane, 16
+multiply-adds an AVX2 instruction (32 with AVX-512BW) where a float32 FMA
+does 8 (16); with VNNI ``vpdpwssd`` also adds the products to the sums.
+So ``pack_int8`` lays the weights out as int16 pairs along k,
+``[P, ceil(k/2), 2 * _WIDTH]``: panel p holds columns ``_WIDTH * p`` on, for
+each pair of rows ``2t, 2t + 1`` the two weights of each column side by
+side (an odd k padded with a zero row, the last panel with zero columns), so
+that one vector load gives the pairs of ``_LANES`` columns and a panel's rows
+are contiguous (each panel 64-byte aligned). A row's pair of activations,
+sign-extended to two int16 and read as one int32 (``_pairs``), is broadcast
+to every lane. A block of ``_ROWS`` rows x ``_WIDTH`` columns of int32 sums
+lives in registers over a chunk of k (``_pair_rows``: the loop written in
+LLVM IR with the x86 intrinsic; Numba's vectorized loops give no
+``pmaddwd``), sized to the vector registers (with AVX2's 16: 2 rows x 5
+vectors of sums, 5 of weights and one broadcast). Each chunk of a panel of
+weights (``_CHUNK`` pairs x ``_WIDTH`` columns, 20 KiB) stays in the
+first-level cache while every row of a panel of ``_PANEL_ROWS`` rows passes
+over it, their sums added up in memory from one chunk to the next.
+
+The path is chosen when the module is compiled, from the CPU Numba compiles
+for (the host, or ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``): AVX-512BW
+(with or without VNNI), AVX2 (with or without AVX-VNNI), else plain loops
+(``_pair_loops``) that any LLVM target compiles; ``int8_path`` names it.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import llvmlite.binding as llvm_binding
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.core import config as numba_config
+from numba.extending import intrinsic
+
+from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
+from .atomics import pointer_to, wide_vectors
+
+# LLVM's names of x86-64 CPUs, by the features the paths need (their
+# defaults, where ``NUMBA_CPU_FEATURES`` is set and ``NUMBA_CPU_NAME`` names one)
+_AVX512BW_CPUS = frozenset({
+    "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake", "icelake-client",
+    "icelake-server", "tigerlake", "rocketlake", "sapphirerapids", "emeraldrapids",
+    "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5", "x86-64-v4"})
+_AVX512VNNI_CPUS = _AVX512BW_CPUS - {"skylake-avx512", "skx", "cannonlake", "x86-64-v4"}
+_AVXVNNI_CPUS = frozenset({
+    "alderlake", "raptorlake", "meteorlake", "arrowlake", "arrowlake-s", "lunarlake",
+    "pantherlake", "gracemont", "sierraforest", "grandridge", "clearwaterforest"})
+_AVX2_CPUS = _AVX512BW_CPUS | _AVXVNNI_CPUS | frozenset({
+    "haswell", "broadwell", "skylake", "core-avx2", "knl", "knm", "bdver4", "znver1",
+    "znver2", "znver3", "x86-64-v3"})
+
+
+_FEATURES = ("avx2", "avx512bw", "avx512vnni", "avxvnni")
+
+
+def _target_features() -> frozenset:
+    """The features (LLVM's names, of ``_FEATURES``) of the code Numba
+    compiles, as Numba sets them: the host's unless ``NUMBA_CPU_FEATURES``
+    is set (``NUMBA_CPU_NAME`` alone changes the tuning, not the features;
+    none of AVX with ``NUMBA_ENABLE_AVX=0``), else the defaults of the CPU
+    ``NUMBA_CPU_NAME`` names (of the host where it names none) changed by
+    the features listed (``NUMBA_CPU_FEATURES=""``: the CPU's own, how a
+    machine has code compiled as for another); none off x86-64."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    host = llvm_binding.get_host_cpu_features()
+    found = {f for f in _FEATURES if host.get(f, False)}
+    listed = numba_config.CPU_FEATURES
+    if listed is None:
+        return frozenset(found if numba_config.ENABLE_AVX else ())
+    name = numba_config.CPU_NAME
+    if name and name != "host":
+        tables = (("avx2", _AVX2_CPUS), ("avx512bw", _AVX512BW_CPUS),
+                  ("avx512vnni", _AVX512VNNI_CPUS), ("avxvnni", _AVXVNNI_CPUS))
+        found = {f for f, cpus in tables if name in cpus}
+    for item in listed.split(","):
+        item = item.strip()
+        if item[1:] in _FEATURES:
+            (found.add if item[0] == "+" else found.discard)(item[1:])
+    return frozenset(found)
+
+
+def _choose_path(features) -> tuple:
+    """``(name, lanes, pmadd, vnni)``: the path for ``features``, the int32
+    lanes of its vectors, LLVM's ``pmaddwd`` intrinsic (None: plain loops)
+    and its ``vpdpwssd`` one (None without VNNI: LLVM fuses a ``pmaddwd``
+    with the add of its sum only where no other add was reassociated with
+    it; the intrinsic's operands as <N x i32>, as every LLVM since 9 takes
+    them)."""
+    if "avx512bw" in features:
+        vnni = "llvm.x86.avx512.vpdpwssd.512" if "avx512vnni" in features else None
+        name = "avx512-vnni vpdpwssd" if vnni else "avx512bw vpmaddwd"
+        return name, 16, "llvm.x86.avx512.pmaddw.d.512", vnni
+    if "avx2" in features:
+        vnni = "llvm.x86.avx512.vpdpwssd.256" if "avxvnni" in features else None
+        name = "avx-vnni vpdpwssd" if vnni else "avx2 vpmaddwd"
+        return name, 8, "llvm.x86.avx2.pmadd.wd", vnni
+    return "portable loop", 8, None, None
+
+
+_PATH, _LANES, _PMADD, _VNNI = _choose_path(_target_features())
+# a block of sums: _ROWS rows x _VECS vectors (of _LANES int32 columns).
+# AVX2's 16 registers hold 2 x 5 sums, 5 vectors of weights and a
+# broadcast: the fewest broadcasts and adds per pmaddwd that fit (they,
+# not the multiplies, bound the loop; 6 x 2 and 2 x 4 ran slower); AVX-512's
+# 32 hold 4 x 4 sums, their weights, a broadcast and the products
+_ROWS = 4 if _LANES == 16 else 2
+_VECS = 4 if _LANES == 16 else 5
+# the columns of a panel of packed weights (a block's)
+_WIDTH = _VECS * _LANES
+_PAIR_WIDTH = 2 * _WIDTH
+# the pairs of k a block sums at a time: a chunk of a panel of weights
+# (_CHUNK x _WIDTH pairs, 20 KiB) stays in the first-level cache
+_CHUNK = 20480 // (4 * _WIDTH)
+# the rows of activations whose pairs (``_pairs``) are made at once, each
+# panel of weights passing over all of them
+_PANEL_ROWS = 96
+# bytes: a cache line, and a 512-bit vector
+_ALIGN = 64
+
+
+def int8_path() -> str:
+    """The path compiled for the products (``"avx2 vpmaddwd"``,
+    ``"avx512-vnni vpdpwssd"``, ``"portable loop"``, ...)."""
+    return _PATH
+
+
+# LLVM's attribute for the widest vectors it must keep whole in a function
+_LEGAL_WIDTH = '"min-legal-vector-width"="512"'
+
+
+def _pair_rows_codegen(context, builder, signature, args):
+    """``_pair_rows``: a switch on the rows (1 to ``_ROWS``, else nothing),
+    each case the loop over the pairs with its block of sums as SSA values
+    (registers), loaded from ``acc`` before it and stored back after."""
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
+    rows, w0, a0, stride, pairs, acc0 = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                         for i in (0, 2, 4, 5, 6, 8))
+    w = context.make_array(signature.args[1])(context, builder, args[1]).data
+    a = context.make_array(signature.args[3])(context, builder, args[3]).data
+    w = builder.bitcast(w, ir.IntType(16).as_pointer())
+    a = builder.bitcast(a, i32.as_pointer())
+    acc = context.make_array(signature.args[7])(context, builder, args[7]).data
+    acc = builder.gep(acc, [acc0])
+    if _VNNI:
+        fused = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec32, [vec32, vec32, vec32]), _VNNI)
+    else:
+        pmadd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec32, [vec16, vec16]), _PMADD)
+    if _LANES == 16:  # (else LLVM splits the 512-bit vectors where it prefers 256-bit ones)
+        set.add(builder.function.attributes, _LEGAL_WIDTH)
+    mask = ir.Constant(ir.VectorType(i32, _LANES), None)
+    done = builder.append_basic_block("q8.done")
+    switch = builder.switch(rows, done)
+    for count in range(1, _ROWS + 1):
+        start = builder.append_basic_block(f"q8.rows{count}")
+        switch.add_case(ir.Constant(i64, count), start)
+        loop = builder.append_basic_block(f"q8.loop{count}")
+        tail = builder.append_basic_block(f"q8.store{count}")
+        builder.position_at_end(start)
+        first = [builder.load(builder.bitcast(builder.gep(acc, [ir.Constant(i64, index * _LANES)]),
+                                              vec32.as_pointer()), align=4)
+                 for index in range(count * _VECS)]
+        builder.cbranch(builder.icmp_signed(">", pairs, ir.Constant(i64, 0)), loop, tail)
+        builder.position_at_end(loop)
+        t = builder.phi(i64)
+        t.add_incoming(ir.Constant(i64, 0), start)
+        sums = [builder.phi(vec32) for _ in range(count * _VECS)]
+        for s, value in zip(sums, first, strict=True):
+            s.add_incoming(value, start)
+        row = builder.add(w0, builder.mul(t, ir.Constant(i64, _PAIR_WIDTH)))
+        weights = [builder.load(builder.bitcast(builder.gep(w, [builder.add(row, ir.Constant(
+            i64, 2 * _LANES * v))]), vec16.as_pointer()), align=2) for v in range(_VECS)]
+        new = []
+        for r in range(count):
+            x = builder.load(builder.gep(a, [builder.add(builder.add(a0, t), ir.Constant(
+                i64, 0) if r == 0 else builder.mul(stride, ir.Constant(i64, r)))]), align=4)
+            x = builder.shuffle_vector(builder.insert_element(ir.Constant(vec32, ir.Undefined), x,
+                                                              ir.Constant(i32, 0)),
+                                       ir.Constant(vec32, ir.Undefined), mask)
+            if _VNNI:
+                new += [builder.call(fused, [sums[r * _VECS + v], x, builder.bitcast(weights[v], vec32)])
+                        for v in range(_VECS)]
+            else:
+                x = builder.bitcast(x, vec16)
+                new += [builder.add(sums[r * _VECS + v], builder.call(pmadd, [x, weights[v]]))
+                        for v in range(_VECS)]
+        following = builder.add(t, ir.Constant(i64, 1))
+        t.add_incoming(following, loop)
+        for s, value in zip(sums, new, strict=True):
+            s.add_incoming(value, loop)
+        builder.cbranch(builder.icmp_signed("<", following, pairs), loop, tail)
+        builder.position_at_end(tail)
+        values = [builder.phi(vec32) for _ in new]
+        for index, value in enumerate(values):
+            value.add_incoming(first[index], start)
+            value.add_incoming(new[index], loop)
+        for index, value in enumerate(values):
+            target = builder.gep(acc, [ir.Constant(i64, index * _LANES)])
+            builder.store(value, builder.bitcast(target, vec32.as_pointer()), align=4)
+        builder.branch(done)
+    builder.position_at_end(done)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _pair_rows(typingctx, rows, w, w0, a, a0, stride, pairs, acc, acc0):
+    """acc[acc0:acc0 + rows * _WIDTH] += the int32 sums of ``rows`` rows (1
+    to ``_ROWS``) of ``pairs`` activation pairs ``a`` (int32, flat: row r's
+    from ``a0 + r * stride``) by as many rows of pairs of a panel of packed
+    weights ``w`` (int16, flat) from ``w0``: row r's sums of the panel's
+    column c at ``acc[acc0 + r * _WIDTH + c]``."""
+    arrays = (w, a, acc)
+    if not all(isinstance(x, types.Array) for x in arrays) or w.dtype != types.int16 \
+            or a.dtype != types.int32 or acc.dtype != types.int32:
+        return None
+    return types.void(rows, w, w0, a, a0, stride, pairs, acc, acc0), _pair_rows_codegen
+
+
+@njit(inline="always")
+def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0):
+    """``_pair_rows`` as plain loops (any CPU)."""
+    for t in range(pairs):
+        row = w0 + t * _PAIR_WIDTH
+        for r in range(rows):
+            x = np.int64(a[a0 + r * stride + t])
+            x0 = np.int32(((x & 0xFFFF) ^ 0x8000) - 0x8000)
+            x1 = np.int32(x >> 16)
+            at = acc0 + r * _WIDTH
+            for c in range(_WIDTH):
+                acc[at + c] += x0 * np.int32(w[row + 2 * c]) + x1 * np.int32(w[row + 2 * c + 1])
+
+
+_rows_block = _pair_loops if _PMADD is None else _pair_rows
+
+
+@njit(cache=True, nogil=True)
+def _aligned_int16(size):
+    """A new int16 array of ``size`` elements on a 64-byte boundary."""
+    buffer = np.empty(size + _ALIGN // 2, np.int16)
+    start = (-buffer.ctypes.data) % _ALIGN // 2
+    return buffer[start:start + size]
+
+
+@njit(cache=True, nogil=True)
+def pack_int8(wq):
+    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product`` reads
+    them: int16 [P, ceil(k/2), 2 * _WIDTH], P = ceil(n / _WIDTH) panels of
+    ``_WIDTH`` columns, ``[p, t, 2c + h]`` = ``wq[2t + h, _WIDTH p + c]``
+    (zero past k and n)."""
+    k, n = wq.shape
+    pairs = (k + 1) // 2
+    count = (n + _WIDTH - 1) // _WIDTH
+    out = _aligned_int16(count * pairs * _PAIR_WIDTH).reshape((count, pairs, _PAIR_WIDTH))
+    out[:] = 0
+    for p in range(count):
+        first = p * _WIDTH
+        for kk in range(k):
+            t, h = kk // 2, kk % 2
+            for c in range(min(_WIDTH, n - first)):
+                out[p, t, 2 * c + h] = wq[kk, first + c]
+    return out
+
+
+@njit(inline="always")
+def _pairs(q, first, last, a, pairs):
+    """``a[(i - first) * pairs + t]`` = q[i, 2t] and q[i, 2t + 1] as two
+    int16 in an int32 (the first in the low half), for rows first:last."""
+    k = q.shape[1]
+    for i in range(first, last):
+        base = (i - first) * pairs
+        for t in range(k // 2):
+            low = np.int32(q[i, 2 * t]) & np.int32(0xFFFF)
+            a[base + t] = np.int32(low | (np.int32(q[i, 2 * t + 1]) << np.int32(16)))
+        if k % 2:
+            a[base + pairs - 1] = np.int32(q[i, k - 1]) & np.int32(0xFFFF)
+
+
+@njit(inline="always")
+def _store(acc, first, last, j0, lo, hi, scale, wscale, out):
+    """out[first:last, max(lo, j0):min(hi, j0 + _WIDTH)] = the panel's sums
+    ``acc`` (from column ``j0``) dequantized: ``float32(acc) * (scale[i] *
+    wscale[j])``, the product of the scales first."""
+    c0 = max(lo, j0) - j0
+    c1 = min(hi, j0 + _WIDTH) - j0
+    for i in range(first, last):
+        s = scale[i]
+        line = _row(out, i, np.float32)
+        base = (i - first) * _WIDTH
+        if c0 == 0 and c1 == _WIDTH:
+            for c in range(_WIDTH):
+                line[j0 + c] = np.float32(acc[base + c]) * (s * wscale[j0 + c])
+        else:
+            for c in range(c0, c1):
+                line[j0 + c] = np.float32(acc[base + c]) * (s * wscale[j0 + c])
+
+
+@njit(cache=True, nogil=True)
+def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
+    """out[:m, lo:hi] = (q @ wq)[:, lo:hi] dequantized (``int8_product``),
+    ``packed`` = ``pack_int8(wq)``: by panels of ``_PANEL_ROWS`` rows (their
+    pairs made once), each panel of weights in turn over the panel's rows
+    in blocks of ``_ROWS`` (the last one of what is left), by ``_CHUNK``
+    pairs of k at a time (a panel's chunk stays in the first-level cache
+    while the rows pass), the panel's sums kept in ``acc``."""
+    wide_vectors()
+    m, k = q.shape
+    n = wscale.shape[0]
+    lo, hi = max(lo, 0), min(hi, n)
+    if m == 0 or lo >= hi:
+        return
+    assert n == 1 or out.strides[1] == 4
+    pairs = (k + 1) // 2
+    w = packed.reshape(packed.size)
+    a = np.empty(min(m, _PANEL_ROWS) * pairs, np.int32)
+    acc = np.empty(min(m, _PANEL_ROWS) * _WIDTH, np.int32)
+    for first in range(0, m, _PANEL_ROWS):
+        last = min(first + _PANEL_ROWS, m)
+        _pairs(q, first, last, a, pairs)
+        for p in range(lo // _WIDTH, (hi + _WIDTH - 1) // _WIDTH):
+            acc[:] = 0
+            for t0 in range(0, pairs, _CHUNK):
+                w0 = (p * pairs + t0) * _PAIR_WIDTH
+                count = min(_CHUNK, pairs - t0)
+                i = first
+                while i < last:
+                    rows = min(_ROWS, last - i)
+                    _rows_block(rows, w, w0, a, (i - first) * pairs + t0, pairs, count, acc,
+                                (i - first) * _WIDTH)
+                    i += rows
+            _store(acc, first, last, p * _WIDTH, lo, hi, scale, wscale, out)
+
+
+@njit(cache=True, nogil=True)
+def int8_product(q, scale, packed, wscale, out):
+    """out[:m] = float32(q @ wq) * (scale[:, None] * wscale[None, :]), the
+    int32 sums exact (``packed`` = ``pack_int8(wq)``; ``q`` int8 [m, k],
+    ``scale`` float32 [m], ``wscale`` float32 [n], ``out`` float32 [m, n],
+    its rows possibly strided)."""
+    int8_product_columns(q, scale, packed, wscale, out, 0, wscale.shape[0])
+
+
+@njit(inline="always")
+def _row(x, i, dtype):
+    """Row ``i`` of the 2-D array ``x`` (its elements contiguous, the rows
+    possibly strided) as a C-contiguous 1-D array of ``dtype`` (of the same
+    size): LLVM then vectorizes its loops without checking the stride."""
+    return carray(pointer_to(x.ctypes.data + i * x.strides[0], dtype), x.shape[1])
+
+
+# the bits of float32's infinity: the magnitudes' bits order as the
+# magnitudes do, NaNs' above it
+_INF_BITS = np.int32(0x7F800000)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def quantize_rows(a, q, scale):
+    """Each row i of ``a`` (float32 [m, k], ``a.strides[1] == 4``) quantized
+    symmetrically into ``q[i]`` (int8): ``scale[i]`` = amax / 127 (amax: the
+    row's largest magnitude), q = clip(rint(a * (127 / amax)), -127, 127),
+    all in float32; a row of zeros gives zeros and a scale of 0, a row with
+    an infinity or a NaN zeros and a scale of NaN. amax is the largest of
+    the magnitudes' bits as integers (an integer maximum vectorizes, a
+    float one that must keep NaNs does not)."""
+    wide_vectors()
+    m, k = a.shape
+    assert m == 0 or k == 1 or a.strides[1] == 4
+    top = np.float32(127)
+    for i in range(m):
+        bits = _row(a, i, np.int32)
+        most = np.int32(0)
+        for j in range(k):
+            most = np.int32(max(most, np.int32(bits[j] & np.int32(0x7FFFFFFF))))
+        line = q[i]
+        if most >= _INF_BITS or most == 0:
+            scale[i] = np.float32(0) if most == 0 else np.float32(np.nan)
+            for j in range(k):
+                line[j] = 0
+            continue
+        amax = np.int32(most).view(np.float32)
+        scale[i] = amax / top
+        inv = top / amax
+        row = _row(a, i, np.float32)
+        for j in range(k):
+            x = np.rint(row[j] * inv)
+            line[j] = np.int8(min(max(x, np.float32(-127)), top))
+
+
+@njit(cache=True, nogil=True)
+def quantized_gemm(a, packed, wscale, out, q, scale):
+    """out[:m] = ``int8_product`` of ``quantize_rows(a)`` by the packed
+    weights (``q``, ``scale``: work buffers of at least a's rows)."""
+    m = a.shape[0]
+    quantize_rows(a, q[:m], scale[:m])
+    int8_product(q[:m], scale[:m], packed, wscale, out)

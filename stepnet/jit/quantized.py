@@ -1,0 +1,67 @@
+"""The routines of the quantized products (``matmul_int8``, ``matmul_bf16``:
+:mod:`stepnet.ops.quantized`) that the kernels (called apart) and the
+executor run: the weights prepared once a call (``int8_prepare``,
+``bf16_prepare``), then a product over a step's rows or every token
+(``int8_rows``, ``bf16_rows``).
+
+bf16 products have no instructions of their own here: the weights are
+widened to float32 once a call (exactly) and each row of the left operand is
+rounded to bfloat16, then the library's float32 product runs. The results
+are the bf16 product's, computed at float32's speed (``bf16_path``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
+from .blas import gemm
+from .int8_gemm import pack_int8, quantized_gemm
+
+
+@njit(cache=True, nogil=True)
+def int8_prepare(w, scale):
+    """int8 weights ``w`` [k, n] with their scales [n], as ``int8_rows``
+    reads them."""
+    return pack_int8(np.ascontiguousarray(w)), np.ascontiguousarray(scale)
+
+
+@njit(cache=True, nogil=True)
+def int8_rows(a, prepared, out):
+    """out[:m] = ``matmul_int8`` of a[:m] by the weights ``int8_prepare``
+    made (``a`` float32 [m, k], rows contiguous)."""
+    m, k = a.shape
+    quantized_gemm(a, prepared[0], prepared[1], out, np.empty((m, k), np.int8),
+                   np.empty(m, np.float32))
+
+
+@njit(cache=True, nogil=True)
+def bf16_prepare(w):
+    """bfloat16 weights ``w`` [k, n] (their bits, uint16) as float32."""
+    k, n = w.shape
+    out = np.empty((k, n), np.float32)
+    wide = out.reshape(k * n).view(np.uint32)
+    for i in range(k):
+        for j in range(n):
+            wide[i * n + j] = np.uint32(w[i, j]) << np.uint32(16)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def bf16_rows(a, wide, out):
+    """out[:m] = ``matmul_bf16`` of a[:m] by the weights ``bf16_prepare``
+    made: each element of ``a`` rounded to bfloat16 (to nearest, ties to
+    even; NaN stays NaN), then the float32 product."""
+    m, k = a.shape
+    rounded = np.empty((m, k), np.float32)
+    bits = rounded.reshape(m * k).view(np.uint32)
+    source = np.ascontiguousarray(a).reshape(m * k).view(np.uint32)
+    for i in range(m * k):
+        b = source[i]
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            b = b | np.uint32(0x00400000)  # (a quiet NaN of the same sign)
+        else:
+            b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+        bits[i] = b & np.uint32(0xFFFF0000)
+    gemm(rounded, wide, out)

@@ -1,0 +1,292 @@
+"""sn.quantize (stepnet/quantize.py) and the quantized products
+(stepnet/ops/quantized.py, stepnet/jit/int8_gemm.py, stepnet/jit/quantized.py):
+the int8 kernel bit for bit against the NumPy reference; quantized layers
+and step-nets on the Numba backend and the executor against the interpreter,
+and within int8's error of the float model; special values; bf16 rounding;
+what is refused, and where."""
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import stepnet as sn
+from stepnet import executor, interpreter
+from stepnet.ops import quantized as q
+from stepnet.jit import int8_gemm, quantized as routines
+
+
+def _rows(rng, m, k):
+    a = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.01, 10, (m, 1)).astype(np.float32)
+    if m > 2:
+        a[1] = 0
+    return a
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 5, 3), (1, 1, 1), (3, 7, 5), (9, 33, 17), (64, 128, 96),
+                                   (13, 256, 200)])
+def test_int8_kernel_is_the_reference_bit_for_bit(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    a = _rows(rng, m, k)
+    w, scale = q.int8_weights(rng.standard_normal((k, n)).astype(np.float32))
+    out = np.full((m, n), np.nan, np.float32)
+    routines.int8_rows(a, routines.int8_prepare(w, scale), out)
+    np.testing.assert_array_equal(out, q.int8_product(a, w, scale))
+    # the quantized rows themselves, and the scales
+    qa, s = np.empty((m, k), np.int8), np.empty(m, np.float32)
+    int8_gemm.quantize_rows(a, qa, s)
+    ref_q, ref_s = q.quantize_rows(a)
+    np.testing.assert_array_equal(qa, ref_q)
+    np.testing.assert_array_equal(s, ref_s)
+
+
+def test_int8_rows_with_special_values():
+    a = np.array([[1, 2, 3, 4], [0, 0, 0, 0], [1, np.nan, 2, 3], [np.inf, 1, 2, 3],
+                  [-1e-30, 1e-30, 0, 5e-31]], np.float32)
+    w, scale = q.int8_weights(np.arange(12, dtype=np.float32).reshape(4, 3) - 5)
+    ref = q.int8_product(a, w, scale)
+    assert np.all(np.isnan(ref[2:4])) and np.all(ref[1] == 0) and np.all(np.isfinite(ref[[0, 1, 4]]))
+    out = np.empty_like(ref)
+    routines.int8_rows(a, routines.int8_prepare(w, scale), out)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_int8_weights_per_column():
+    w = np.array([[1.0, 0.0, -4.0], [-0.5, 0.0, 2.0]], np.float32)
+    wq, scale = q.int8_weights(w)
+    assert wq.dtype == np.int8 and scale.dtype == np.float32
+    np.testing.assert_array_equal(wq, [[127, 0, -127], [-64, 0, 64]])
+    np.testing.assert_allclose(scale, [1 / 127, 0, 4 / 127], rtol=1e-7)
+    with pytest.raises(sn.ShapeError, match="NaN or infinity"):
+        q.int8_weights(np.array([[np.nan]], np.float32))
+
+
+def test_bf16_rounding():
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, np.inf, -np.inf, 3.4e38, np.nan],
+                 np.float32)
+    back = q.from_bf16(q.to_bf16(x))
+    # ties to even: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7
+    np.testing.assert_array_equal(back[:6], [1.0, 1.0, 1 + 2 ** -6, -2.5, np.inf, -np.inf])
+    assert np.isinf(back[6]) and np.isnan(back[7])
+    a = np.random.default_rng(0).standard_normal((5, 9)).astype(np.float32)
+    a[2, 3] = np.nan
+    w = q.to_bf16(np.random.default_rng(1).standard_normal((9, 4)))
+    out = np.empty((5, 4), np.float32)
+    routines.bf16_rows(a, routines.bf16_prepare(w), out)
+    ref = q.bf16_product(a, w)
+    assert np.all(np.isnan(out[2])) and np.all(np.isnan(ref[2]))
+    mask = np.arange(5) != 2
+    assert_close(out[mask], ref[mask], what="bf16 product")
+
+
+def test_bf16_says_it_runs_at_float32_speed():
+    import sys
+
+    sys.modules["stepnet.quantize"]._SAID.clear()
+    with pytest.warns(UserWarning, match="bf16's results at float32's speed"):
+        sn.quantize(sn.nn.GRU(4, 8), "bf16")
+
+
+def _layer_input(rng, width, lengths=(7, 3, 0, 5)):
+    x = rng.standard_normal((len(lengths), max(lengths), width)).astype(np.float32)
+    return x, np.array(lengths)
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+@pytest.mark.parametrize("cell,options", [("GRU", {}), ("LSTM", {"direction": "bidirectional_concat"}),
+                                          ("RNN", {"num_layers": 2}),
+                                          ("GRU", {"linear_before_reset": True})])
+def test_quantized_layers(cell, options, mode):
+    rng = np.random.default_rng(3)
+    layer = getattr(sn.nn, cell)(12, 16, seed=1, **options)
+    small = sn.quantize(layer, mode)
+    assert small.quantized == mode and layer.quantized is None
+    x = _layer_input(rng, 12)
+    on_numba = small(x, backend="numba")
+    reference = small(x, backend="interpreter")
+    assert_close(on_numba, reference, what=f"{mode} {cell} on numba")
+    # within the quantization's error of the float layer
+    y, y_float = on_numba[0], layer(x, backend="interpreter")[0]
+    error = np.abs(y - y_float).max() / np.abs(y_float).max()
+    assert error < (2e-2 if mode == "int8" else 1e-2), error
+    assert f"matmul_{mode}" in small.step_net(0, 0).ir()
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_quantized_custom_step_net_on_every_cpu_tier(mode):
+    rng = np.random.default_rng(5)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((12, 6)).astype(np.float32), [[5, 0, 7]])
+    W = sn.Parameter(rng.standard_normal((6, 8)).astype(np.float32) * 0.5, name="W")
+    U = sn.Parameter(rng.standard_normal((8, 8)).astype(np.float32) * 0.3, name="U")
+    V = sn.Parameter(rng.standard_normal((8, 8)).astype(np.float32) * 0.3, name="V")
+    rnn = sn.create_rnn_op(name="cell")
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[8], name="h")
+        gate = sn.ops.sigmoid(h.pre_state() @ V)
+        h.update(gate * sn.ops.tanh(x @ W + h.pre_state() @ U) + (1 - gate) * h.pre_state())
+        rnn.add_outputs(h)
+    small = sn.quantize(rnn, mode)
+    assert small.quantized == mode and f"matmul_{mode}" in small.ir() and "matmul_" not in rnn.ir()
+    # the two products of h share their left operand: one merged product
+    assert str(small.compile("numba").schedule).count(f"matmul_{mode}:") == 2
+    expected = small(backend="interpreter")
+    assert_close(small(backend="numba"), expected, what=f"{mode} step-net on numba")
+    program = small.program(True)
+    run = executor.compile_program(program)
+    assert run is not None, executor.why_not(program)
+    args, consts = small.bind(), small.const_values()
+    for workers in (1, 2):
+        assert_close(run(args, consts, workers=workers)[0], expected, what=f"executor, {workers}")
+    float_out = interpreter.compile_program(rnn.program(True))(rnn.bind(), rnn.const_values())[0]
+    assert np.abs(expected.data - float_out.data).max() < 3e-2
+    # the weights are a snapshot: the float Parameters' later values do not reach it
+    W.value = W.value * 0
+    assert_close(small(backend="interpreter"), expected, what="after W changed")
+
+
+def test_nan_and_inf_inputs_agree_across_backends():
+    layer = sn.quantize(sn.nn.GRU(4, 8, seed=0), "int8")
+    x = np.ones((3, 4, 4), np.float32)
+    x[0, 1, 2] = np.nan
+    x[1, 2, 0] = np.inf
+    lengths = np.array([4, 4, 2])
+    for got, want in zip(layer((x, lengths), backend="numba"),
+                         layer((x, lengths), backend="interpreter")):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)
+        assert_close(got[finite], want[finite], what="special values")
+    want = layer((x, lengths), backend="interpreter")[0]
+    # a row holding NaN or inf makes NaN (its scale): from that step on, the state
+    assert np.isnan(want[0, 1:]).all() and np.isnan(want[1, 2:]).all() and np.isfinite(want[2, :2]).all()
+
+
+def test_what_quantize_refuses():
+    with pytest.raises(sn.StepNetError, match="mode"):
+        sn.quantize(sn.nn.GRU(4, 8), "int4")
+    with pytest.raises(sn.StepNetError, match="float64"):
+        sn.quantize(sn.nn.GRU(4, 8, dtype=np.float64), "int8")
+    small = sn.quantize(sn.nn.GRU(4, 8), "int8")
+    with pytest.raises(sn.StepNetError, match="quantized already"):
+        sn.quantize(small, "bf16")
+    with pytest.raises(sn.UnsupportedError, match="float layer"):
+        small.to_onnx()
+    with pytest.raises(sn.UnsupportedError, match="ONNX sessions"):
+        sn.quantize(object(), "int8")
+    x = (np.ones((2, 3, 4), np.float32), np.array([3, 2]))
+    small(x, backend="interpreter", keep_workspace=True)
+    with pytest.raises(sn.UnsupportedError, match="no gradient"):
+        sn.gradients(small, wrt=[small.parameters()[0]],
+                     grad_outputs=[np.ones((2, 3, 8), np.float32), None])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(sn.ops.tanh(rnn.add_input(sn.LoDTensor.from_lengths(np.ones((2, 3), np.float32),
+                                                                     [[2]]), name="x")
+                             + h.pre_state()))
+        rnn.add_outputs(h)
+    with pytest.raises(sn.StepNetError, match="no product"):
+        sn.quantize(rnn, "int8")
+
+
+def test_cuda_refuses_quantized_products_before_running():
+    from stepnet.jit import numba_cuda
+
+    small = sn.quantize(sn.nn.GRU(4, 8), "int8")
+    with pytest.raises(sn.UnsupportedError, match="CPU backends only"):
+        numba_cuda._Kernels(small.step_net(0, 0).program(True))
+
+
+def test_yaml_and_cli_quantize(tmp_path, capsys):
+    from stepnet import cli
+
+    model = sn.load_yaml("examples/custom_cell.yaml")
+    small = sn.quantize(model, "int8")
+    assert small.quantized == "int8" and model.quantized is None
+    feeds = model.random_feeds(seed=2)
+    expected = small(feeds, backend="interpreter")
+    got = small(feeds, backend="numba")
+    for name in expected:
+        assert_close(got[name], expected[name], what=f"quantized YAML model: {name}")
+    text = open("examples/custom_cell.yaml").read()
+    path = tmp_path / "cell.yaml"
+    path.write_text("quantize: int8\n" + text)
+    from_file = sn.load_yaml(path)
+    assert from_file.quantized == "int8"
+    got = from_file(feeds, backend="interpreter")
+    for name in expected:
+        assert_close(got[name], expected[name], what=f"quantize: int8: {name}")
+    path.write_text("quantize: int4\n" + text)
+    with pytest.raises(sn.YAMLError, match="quantize"):
+        sn.load_yaml(path)
+    assert cli.main(["run", "examples/custom_cell.yaml", "--quantize", "bf16", "--backend",
+                     "interpreter", "-q"]) == 0
+    assert "states" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["W1", "W2", "W5"])
+def test_int8_error_at_the_benchmark_sizes(key):
+    """docs/quantization.md's bound: int8 moves the outputs by under 1e-2 of
+    their norm at the sizes of benchmarks/run.py's W1, W2 and W5 (T = 100,
+    B = 64, I = 128, H = 256), on their inputs and weights (W5), or on N(0, 1)
+    inputs and PyTorch-initialized weights (the layers)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import peers
+    import workloads
+
+    wl = workloads.make(key)
+    if key == "W5":
+        model, _ = peers.sn_custom_rnn(sn, wl)
+
+        def run(m):
+            return m(backend="numba").data
+    else:
+        model = (sn.nn.GRU if key == "W1" else sn.nn.LSTM)(128, 256, seed=0)
+        x = (wl.x, wl.lengths)
+
+        def run(m):
+            return m(x, backend="numba")[0]
+    exact = run(model)
+    for mode, bound in (("int8", 1e-2), ("bf16", 4e-3)):
+        error = np.linalg.norm(run(sn.quantize(model, mode)) - exact) / np.linalg.norm(exact)
+        assert error < bound, (key, mode, error)
+
+
+_COMPILE_ONLY = """
+import re
+from numba import types
+from stepnet.jit import int8_gemm as g
+array = lambda dt, nd, layout="C": types.Array(dt, nd, layout)
+g.int8_product_columns.compile((array(types.int8, 2), array(types.float32, 1), array(types.int16, 3),
+                                array(types.float32, 1), array(types.float32, 2, "A"), types.int64,
+                                types.int64))
+asm = g.int8_product_columns.inspect_asm(g.int8_product_columns.signatures[0])
+print(g.int8_path(), sorted(set(re.findall(r"\\b(vpmaddwd|vpdpwssd)\\b", asm))), "zmm" in asm)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu,path,instructions,zmm", [
+    ("icelake-server", "avx512-vnni vpdpwssd", "vpdpwssd", True),
+    ("skylake-avx512", "avx512bw vpmaddwd", "vpmaddwd", True),
+    ("alderlake", "avx-vnni vpdpwssd", "vpdpwssd", False),
+    ("haswell", "avx2 vpmaddwd", "vpmaddwd", False)])
+def test_int8_paths_of_other_cpus_compile(cpu, path, instructions, zmm, tmp_path):
+    """The int8 product's paths for CPUs this machine may not have, compiled
+    (not run) as Numba compiles for them (``NUMBA_CPU_NAME`` with its own
+    features: ``NUMBA_CPU_FEATURES`` empty), their machine code holding the
+    path's instruction."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path),
+               STEPNET_CACHE_DIR=str(tmp_path))
+    found = subprocess.run([sys.executable, "-c", _COMPILE_ONLY], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert found.returncode == 0, found.stderr[-2000:]
+    line = found.stdout.strip().splitlines()[-1]
+    assert line.startswith(path) and instructions in line and line.endswith(str(zmm)), line
