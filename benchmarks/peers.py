@@ -163,29 +163,34 @@ def stepnet_nn_gru(wl):
     return _sn_run_layer(layer, X, lambda h_n: h_n[0])
 
 
+def sn_nn_lstm(sn, wl):
+    """W2's ``stepnet.nn.LSTM`` (W7's 2-layer bidirectional one), its input,
+    and the final state the report compares (W7: the top layer's last
+    states, forward then reverse: [B, 2H])."""
+    H, w = wl.dims["H"], wl.weights
+    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
+    if wl.key != "W7":
+        W, R, B = _onnx_layout([w], H, _LSTM_ORDER)
+        return sn.nn.LSTM.from_onnx(W, R, B, hidden_size=H), X, lambda state: state[0][0]
+    layer = sn.nn.LSTM(wl.dims["I"], H, num_layers=2, direction="bidirectional_concat")
+    for l in range(2):
+        W, R, B = _onnx_layout([w[f"l{l}"], w[f"l{l}_reverse"]], H, _LSTM_ORDER)
+        layer.set_onnx_weights(l, W, R, B)
+    return layer, X, lambda state: np.concatenate(state[0][2:], axis=1)
+
+
 @peer("stepnet", ["W2"], "stepnet nn.LSTM (numba)")
 def stepnet_nn_lstm(wl):
     import stepnet as sn
 
-    H = wl.dims["H"]
-    W, R, B = _onnx_layout([wl.weights], H, _LSTM_ORDER)
-    layer = sn.nn.LSTM.from_onnx(W, R, B, hidden_size=H)
-    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
-    return _sn_run_layer(layer, X, lambda state: state[0][0])
+    return _sn_run_layer(*sn_nn_lstm(sn, wl))
 
 
 @peer("stepnet", ["W7"], "stepnet nn.LSTM 2 layers bidirectional_concat (numba)")
 def stepnet_nn_bilstm(wl):
     import stepnet as sn
 
-    H, w = wl.dims["H"], wl.weights
-    layer = sn.nn.LSTM(wl.dims["I"], H, num_layers=2, direction="bidirectional_concat")
-    for l in range(2):
-        W, R, B = _onnx_layout([w[f"l{l}"], w[f"l{l}_reverse"]], H, _LSTM_ORDER)
-        layer.set_onnx_weights(l, W, R, B)
-    X = sn.LoDTensor.from_lengths(wl.x_packed(), [wl.lengths.tolist()])
-    # the top layer's last states, forward then reverse: [B, 2H]
-    return _sn_run_layer(layer, X, lambda state: np.concatenate(state[0][2:], axis=1))
+    return _sn_run_layer(*sn_nn_lstm(sn, wl))
 
 
 @peer("stepnet", ["W1", "W3", "W4"], "stepnet GRU cell in the DSL (numba)")

@@ -64,11 +64,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy", "stepnet-cuda", "torch-cuda")
+FAMILIES = ("stepnet", "torch", "onnxruntime", "jax", "numpy", "stepnet-cuda", "torch-cuda",
+            "stepnet-int8", "torch-int8", "onnxruntime-int8")
 CPU_FAMILIES = FAMILIES[:5]  # the default peers; --cuda adds the GPU families
+CUDA_FAMILIES = FAMILIES[5:7]
+# the int8 families (quantized_peers.py), each run beside its float32 family
+INT8_FAMILIES = {"stepnet-int8": "stepnet", "torch-int8": "torch", "onnxruntime-int8": "onnxruntime"}
+INT8_KEYS = ("W1", "W2", "W5", "W7")
 ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "np": "numpy"}
 WORKLOAD_KEYS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9")  # workloads.WORKLOADS
 TOLERANCE = 1e-4  # max|dh| above this is listed as a disagreement
+INT8_TOLERANCE = 5e-2  # the same for the int8 families (int8's own error)
 GRAD_TOLERANCE = 1e-3  # a gradient's relative error (see grad_error) above this, too
 # the per-step product of W1 (a batch of 64, H=256, three gates) whose best
 # single-thread rate, times the threads, is the machine's GEMM ceiling
@@ -152,6 +158,15 @@ def _family_notes(family, threads):
             small = [line for line in blas_info.describe().splitlines()
                      if line.startswith("small products: ")]
             notes[_SMALL_NOTE] = small[0][len("small products: "):] if small else "unknown"
+        elif family == "stepnet-int8":
+            from stepnet.jit import int8_gemm
+
+            notes["stepnet-int8"] = f"int8 products by {int8_gemm.int8_path()}"
+        elif family == "torch-int8":
+            import torch
+
+            notes["torch-int8"] = f"{torch.__version__}, quantized engine " \
+                f"{torch.backends.quantized.engine}, {torch.get_num_threads()} threads"
         elif family == "numpy":
             import numpy
 
@@ -191,6 +206,7 @@ def worker_main(args):
     _setup_paths()
     import numpy as np
     import peers
+    import quantized_peers  # noqa: F401 - registers the int8 families' items
     import workloads
 
     tp = _timing_params(args)
@@ -694,7 +710,9 @@ def orchestrate(args):
         if p not in fams:
             fams.append(p)
     if args.cuda:
-        fams += [f for f in FAMILIES[5:] if f not in fams]
+        fams += [f for f in CUDA_FAMILIES if f not in fams]
+    if not args.no_quantized and set(keys) & set(INT8_KEYS):
+        fams += [f for f, base in INT8_FAMILIES.items() if base in fams and f not in fams]
     fams.sort(key=FAMILIES.index)
 
     tmp = Path(tempfile.mkdtemp(prefix="stepnet_bench_"))
@@ -721,7 +739,7 @@ def _run_all(args, keys, fams, tmp, log):
     workers = []  # (family, variant, its Worker or None where it failed, why)
     for fam, variant in runs:
         extra, remove = {}, []
-        if fam == "stepnet":
+        if fam in ("stepnet", "stepnet-int8"):
             cache = args.stepnet_cache
             if cache == "fresh":
                 cache = tempfile.mkdtemp(prefix="stepnet_cache_", dir=tmp)
@@ -867,10 +885,12 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
         rows.sort(key=lambda r: FAMILIES.index(r["family"]))
         bases = {own: next((r.get("median_s") for r in rows if r["family"] == own
                             and r["status"] == "ok" and _role(r) == "step"), None)
-                 for own in ("stepnet", "stepnet-cuda")}
+                 for own in ("stepnet", "stepnet-cuda", "stepnet-int8")}
         for r in rows:
-            # GPU peers are compared with stepnet's cuda backend, CPU peers with its CPU one
-            base = bases["stepnet-cuda" if r["family"].endswith("-cuda") else "stepnet"]
+            # GPU peers are compared with stepnet's cuda backend, int8 ones with its int8
+            # run, CPU peers with its CPU one
+            base = bases[next((own for own in ("stepnet-cuda", "stepnet-int8")
+                               if r["family"].endswith(own[7:])), "stepnet")]
             name = f"{k} {wl.name}"
             if r["status"] == "na":
                 out.append(f"| {name} | {r['family']}: n/a ({r['reason']}) | n/a | n/a | n/a "
@@ -878,7 +898,7 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
                 continue
             if r["status"] == "ok" and r.get("median_s") is None:  # --check: no timing
                 dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
-                if r["dh"] is not None and r["dh"] > TOLERANCE:
+                if r["dh"] is not None and r["dh"] > _tolerance(r):
                     disagreements.append(f"{k} {r['label']}: max|dh| {r['dh']:.2e} vs float64")
                 out.append(f"| {name} | {r['label']} | - | - | 0 | - | - | {dh} | "
                            f"{r['setup_s']:.2f} | - |")
@@ -896,7 +916,7 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
                 stepnet_gflops.setdefault(k, gfl)
             ratio = f"{med / base:.2f}" if base else "n/a"
             dh = f"{r['dh']:.1e}" if r["dh"] is not None else "n/a"
-            if r["dh"] is not None and r["dh"] > TOLERANCE:
+            if r["dh"] is not None and r["dh"] > _tolerance(r):
                 disagreements.append(f"{k} {r['label']}: max|dh| {r['dh']:.2e} vs float64")
             rounds = r.get("round_medians") or [med]
             out.append(f"| {name} | {r['label']} | {_fmt_ms(med)} | {_fmt_ms(mn)} | {r['n']} | "
@@ -943,13 +963,14 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
     else:
         out.append("GEMM ceiling: n/a (see Failures).")
     out += targets_section(keys, wls, recs, stepnet_gflops, ceiling)
+    out += quantized_section(keys, recs)
     if compile_lines:
         if compile_lines[0]:  # (else only the executor's section, its own heading)
             out += ["", "### stepnet compile time", ""]
         out += compile_lines
     out.append("")
-    out.append(f"### Numerical disagreements (max|dh| > {TOLERANCE:g}; gradients: relative "
-               f"error > {GRAD_TOLERANCE:g})")
+    out.append(f"### Numerical disagreements (max|dh| > {TOLERANCE:g}, int8 rows > "
+               f"{INT8_TOLERANCE:g}; gradients: relative error > {GRAD_TOLERANCE:g})")
     out.append("")
     out += [f"- {d}" for d in disagreements] or ["- none"]
     out.append("")
@@ -962,6 +983,55 @@ def build_report(args, keys, fams, results, ceiling, compile_lines, failures, wo
     return "\n".join(out)
 
 
+# stepnet int8 / stepnet float32, and / the fastest int8 peer, each workload aims at
+INT8_TARGETS = {"W1": (0.65, None), "W2": (0.6, 0.7), "W5": (0.65, None), "W7": (0.6, 0.7)}
+
+
+def quantized_section(keys, recs):
+    """stepnet int8 beside its float32 run and the int8 peers (the same
+    run), against ``INT8_TARGETS``."""
+    timed = [r for r in recs if r["status"] == "ok" and r.get("median_s") is not None
+             and _role(r) == "step"]
+
+    def first(k, family):
+        return next((r for r in timed if r["workload"] == k and r["family"] == family), None)
+
+    lines = []
+    for k in keys:
+        ours, fp32 = first(k, "stepnet-int8"), first(k, "stepnet")
+        if ours is None or fp32 is None:
+            continue
+        peers = [r for r in timed if r["workload"] == k and r["family"] in INT8_FAMILIES
+                 and r["family"] != "stepnet-int8"]
+        best = min(peers, key=lambda r: r["median_s"]) if peers else None
+        of_fp32 = ours["median_s"] / fp32["median_s"]
+        of_peer = ours["median_s"] / best["median_s"] if best else None
+        goal_fp32, goal_peer = INT8_TARGETS.get(k, (None, None))
+        met = [of_fp32 <= goal_fp32] if goal_fp32 else []
+        if goal_peer and of_peer is not None:
+            met.append(of_peer <= goal_peer)
+        peer = f"{best['label']} {_fmt_ms(best['median_s'])} | {of_peer:.2f}" if best else "n/a | n/a"
+        dh = f"{ours['dh']:.1e}" if ours.get("dh") is not None else "n/a"
+        lines.append(f"| {k} | {_fmt_ms(fp32['median_s'])} | {_fmt_ms(ours['median_s'])} | "
+                     f"{of_fp32:.2f} | {peer} | {goal_fp32 or 'n/a'} / {goal_peer or 'n/a'} | "
+                     f"{'n/a' if not met else 'yes' if all(met) else 'no'} | {dh} |")
+    if not lines:
+        return []
+    return ["", "### int8 (sn.quantize) against float32 and the int8 peers", "",
+            "Medians of the same run; each family in its own process. The int8 peers: PyTorch's "
+            "dynamic quantization (torch.ao.quantization.quantize_dynamic), onnxruntime's "
+            "DynamicQuantizeLSTM (onnxruntime.quantization.quantize_dynamic). Targets: stepnet int8 "
+            "/ stepnet float32, and / the fastest int8 peer; max|dh| of stepnet int8's final state "
+            "from the float64 reference.", "",
+            "| workload | stepnet float32 ms | stepnet int8 ms | int8 / float32 | fastest int8 peer "
+            "ms | stepnet int8 / peer | targets | met | max\\|dh\\| |",
+            "|---|---:|---:|---:|---|---:|---|---|---:|", *lines]
+
+
+def _tolerance(rec):
+    return INT8_TOLERANCE if rec["family"] in INT8_FAMILIES else TOLERANCE
+
+
 def targets_section(keys, wls, recs, stepnet_gflops, ceiling):
     """stepnet's time (its first whole-workload row) over the fastest CPU
     peer's (or the named family's), against ``TARGETS``; and the GFLOP/s a
@@ -969,7 +1039,7 @@ def targets_section(keys, wls, recs, stepnet_gflops, ceiling):
     import workloads
 
     timed = [r for r in recs if r["status"] == "ok" and r.get("median_s") is not None
-             and _role(r) == "step" and not r["family"].endswith("-cuda")]
+             and _role(r) == "step" and r["family"] in CPU_FAMILIES]
     lines = []
     for k in keys:
         ours = next((r for r in timed if r["workload"] == k and r["family"] == "stepnet"), None)
@@ -1136,6 +1206,9 @@ def main(argv=None):
                     "default: setup s includes compiling), the user's (default), or DIR")
     ap.add_argument("--no-compile", action="store_true",
                     help="skip the stepnet compile-time section")
+    ap.add_argument("--no-quantized", action="store_true",
+                    help="skip the int8 families (W1, W2, W5, W7: stepnet's sn.quantize, PyTorch's "
+                         "and onnxruntime's dynamic quantization) and their section")
     ap.add_argument("--no-executor", action="store_true",
                     help="skip the executor's section (W1, W3, W5, W6, W9 on the executor)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per child process")

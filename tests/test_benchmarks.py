@@ -74,6 +74,9 @@ def test_quick_run_lists_its_workloads_and_stepnet_is_accurate(tmp_path, workloa
         assert float(r[6]) == 1.0  # ratio of stepnet to itself
         assert float(r[7]) < 1e-3, f"{wl}: stepnet max|dh| {r[7]}"
         for other in stepnet[1:]:  # the DSL cells beside the stepnet.nn layers
+            if "int8" in other[1]:  # (sn.quantize: int8's own error)
+                assert "n/a" not in other[1] and float(other[7]) < 5e-2, f"{wl} {other[1]}"
+                continue
             assert float(other[7]) < 1e-3, f"{wl} {other[1]}: max|dh| {other[7]}"
         numpy_rows = [r for r in rows if r[0] == wl and r[1].startswith("numpy")]
         assert numpy_rows, f"{wl}: no numpy row\n{report}"

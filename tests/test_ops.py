@@ -217,7 +217,8 @@ COMPARISONS = {
     "equal": (operator.eq, sn.ops.equal, None),  # == on a step value stays identity
 }
 OTHERS = {"where", "clip", "matmul", "sum", "concat", "slice", "transpose", "broadcast_axis", "pad",
-          "seq_sum", "seq_max", "seq_expand"}  # the segment ops: tests/test_attention.py
+          "seq_sum", "seq_max", "seq_expand",  # the segment ops: tests/test_attention.py
+          "matmul_int8", "matmul_bf16"}  # the quantized products: tests/test_quantize.py
 
 
 def test_every_primitive_is_checked_against_a_reference():
@@ -249,6 +250,8 @@ def test_every_primitive_has_code_for_every_backend_in_its_record():
             assert op.gather is not None, name
         elif op.kind == "segment":
             assert op.segment is not None, name
+        elif op.kind == "quantized":  # (each backend's routine: tests/test_quantize.py)
+            assert op.grad is not None and op.numba is None, name
         else:
             assert op.reduction is not None, name
 
@@ -1052,8 +1055,10 @@ def test_backend_cases_cover_every_primitive():
             rnn, _ = _backend_net(group, dtype)
             traced |= {eqn.op for eqn in rnn.block.eqns}
     # the segment ops need a ragged static input: tests/test_attention.py runs
-    # them on every backend that has them
-    assert traced == set(registry.all_ops()) - {"seq_sum", "seq_max", "seq_expand"}
+    # them on every backend that has them; sn.quantize writes the quantized
+    # products (tests/test_quantize.py)
+    assert traced == set(registry.all_ops()) - {"seq_sum", "seq_max", "seq_expand", "matmul_int8",
+                                                "matmul_bf16"}
 
 
 def _check_backend_case(group, dtype, X, Y, backends, flags=(True, False)):

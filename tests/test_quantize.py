@@ -290,3 +290,21 @@ def test_int8_paths_of_other_cpus_compile(cpu, path, instructions, zmm, tmp_path
     assert found.returncode == 0, found.stderr[-2000:]
     line = found.stdout.strip().splitlines()[-1]
     assert line.startswith(path) and instructions in line and line.endswith(str(zmm)), line
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_from_torch_takes_pytorch_int8_layers(cell):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = getattr(torch.nn, cell)(6, 8, num_layers=2, bidirectional=True)
+    int8 = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(module), {type(module)},
+                                                  dtype=torch.qint8)[0]
+    layer = getattr(sn.nn, cell).from_torch(int8)
+    assert layer.quantized == "int8"
+    x = np.random.default_rng(0).standard_normal((3, 5, 6)).astype(np.float32)
+    with torch.inference_mode():
+        theirs = int8(torch.from_numpy(x).transpose(0, 1))[0].transpose(0, 1).numpy()
+        exact = module(torch.from_numpy(x).transpose(0, 1))[0].transpose(0, 1).numpy()
+    ours = layer((x, np.array([5, 5, 5])), backend="numba")[0]
+    ours_error, their_error = np.abs(ours - exact).max(), np.abs(theirs - exact).max()
+    assert ours_error < 3e-2 and ours_error <= 2 * their_error + 1e-3, (ours_error, their_error)

@@ -257,7 +257,10 @@ class _Layouts:
         module : torch.nn.RNN, torch.nn.GRU or torch.nn.LSTM
             Exactly the class that matches this layer's (not a subclass);
             float32 or float64; any number of layers, one or two directions,
-            with or without biases.
+            with or without biases. Or PyTorch's dynamically quantized
+            ``torch.ao.nn.quantized.dynamic.LSTM`` or ``GRU`` (int8
+            weights): the layer comes quantized (``sn.quantize(layer,
+            "int8")`` of its weights dequantized).
 
         Returns
         -------
@@ -272,6 +275,9 @@ class _Layouts:
             PyTorch is not installed.
         """
         torch = _torch_of(cls, "from_torch")
+        dequantized = _dequantized_torch(torch, module, cls.kind.torch)
+        if dequantized is not None:  # PyTorch's int8 layer: the float one, quantized again
+            return _quantized(cls.from_torch(dequantized))
         expected = getattr(torch.nn, cls.kind.torch)
         if type(module) is not expected:
             raise StepNetError(f"{cls.__name__}.from_torch expects a {expected.__name__}, "
@@ -401,3 +407,30 @@ def _torch_of(layer, method):
     if layer.kind.torch is None:
         raise UnsupportedError(f"{name}: PyTorch has no {layer.kind.title}")
     return optional_import("torch", name, "pip install torch==2.13.0")
+
+
+def _quantized(layer):
+    from ..quantize import quantize
+
+    return quantize(layer, "int8")
+
+
+def _dequantized_torch(torch, module, name):
+    """A float ``torch.nn.<name>`` holding the dequantized weights of a
+    ``torch.ao.nn.quantized.dynamic.<name>`` ``module``; None where
+    ``module`` is not one."""
+    dynamic = getattr(getattr(getattr(getattr(torch, "ao", None), "nn", None), "quantized", None),
+                      "dynamic", None)
+    if dynamic is None or type(module) is not getattr(dynamic, name, None):
+        return None
+    weights, biases = module.get_weight(), module.get_bias()
+    if any(w.dtype != torch.qint8 for w in weights.values()):
+        kinds = sorted({str(w.dtype) for w in weights.values()})
+        raise StepNetError(f"from_torch: the quantized {name} holds {kinds} weights; stepnet takes "
+                           "its int8 (qint8) form")
+    out = getattr(torch.nn, name)(module.input_size, module.hidden_size, num_layers=module.num_layers,
+                                  bias=module.bias, bidirectional=module.bidirectional)
+    with torch.no_grad():
+        for key, value in {**weights, **biases}.items():
+            getattr(out, key).copy_(value.dequantize() if value.is_quantized else value)
+    return out

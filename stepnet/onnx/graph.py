@@ -23,6 +23,7 @@ from ..errors import Error, ShapeError, StepNetError, UnsupportedError
 from ..nn.cells import ONNX_LAYERS
 from . import tensors
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
+from . import quantized  # noqa: F401  (registers the integer ops in OPS)
 from .fusion import fuse
 from .gradient import GradientNode
 from .ops import OPS, UNKNOWN, NodeContext, OnnxOp, is_step
@@ -33,6 +34,8 @@ from .schema import attributes, check_node, node_schema, type_params, value_info
 from .static import RANDOM
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
+# onnxruntime's contrib ops: stepnet runs the int8 LSTM that its quantize_dynamic writes
+MICROSOFT_DOMAIN = "com.microsoft"
 # exact in any float type: float16 is not widened for them
 _MOVES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat",
           "Split", "Slice", "Gather", "Shape", "Size", "Expand", "Tile", "Pad", "Cast",
@@ -74,6 +77,10 @@ class Node:
         if domain == TRAINING_DOMAIN and self.op == "Gradient":
             self.kind = "gradient"
             self.impl = GradientNode(self.ctx, self.attrs, self.inputs)
+            return
+        if (domain, self.op) == (MICROSOFT_DOMAIN, "DynamicQuantizeLSTM"):
+            self.kind = "recurrent"  # (onnxruntime's int8 LSTM: an LSTM layer quantized)
+            self.impl = RecurrentNode(self.ctx, self.attrs, quantized=True)
             return
         if domain != "":
             raise self.ctx.unsupported(f"domain {self.domain!r} is not supported (stepnet runs "

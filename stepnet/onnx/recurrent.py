@@ -32,9 +32,15 @@ def node_error(ctx, error):
 class RecurrentNode:
     """An ONNX GRU, LSTM or RNN node run by a ``stepnet.nn`` layer."""
 
-    def __init__(self, ctx, attrs):
+    def __init__(self, ctx, attrs, quantized=False):
         self.ctx = ctx
-        unknown = sorted(set(attrs) - _ATTRS[ctx.op])
+        # onnxruntime's DynamicQuantizeLSTM: an LSTM node whose W and R are
+        # int8 (transposed: [directions, input, 4 * hidden]) with their
+        # scales and zero points, run as the LSTM layer sn.quantize makes
+        self.quantized = quantized
+        self.op = "LSTM" if quantized else ctx.op
+        self._dequantized = {}  # name -> (its int8 array, dequantized): _float_weights
+        unknown = sorted(set(attrs) - _ATTRS[self.op])
         if unknown:
             raise ctx.unsupported(f"attribute {unknown[0]!r} is not supported")
         attrs = dict(attrs)
@@ -47,7 +53,7 @@ class RecurrentNode:
         if "hidden_size" not in attrs:
             raise ctx.unsupported("attribute 'hidden_size' is missing")
         self.attrs = attrs
-        self.cls = _LAYERS[ctx.op]
+        self.cls = _LAYERS[self.op]
         self.layer = None
         self.weights = None  # the arrays self.layer was built from
         self.compiled = {}  # (direction, backend) -> its step-net compiled
@@ -70,8 +76,12 @@ class RecurrentNode:
         if np.shape(W)[0] != (2 if self.attrs.get("direction") == "bidirectional" else 1):
             raise ctx.unsupported(f"W has {np.shape(W)[0]} directions, the node's direction is "
                                   f"{self.attrs.get('direction', 'forward')!r}")
-        extra = {"P": P} if ctx.op == "LSTM" else {}
-        if self.layer is not None and all(
+        extra = {"P": P} if self.op == "LSTM" else {}
+        if self.quantized:
+            from ..quantize import quantize
+
+            self.layer = quantize(self.cls.from_onnx(W, R, B, **extra, **self.attrs), "int8")
+        elif self.layer is not None and all(
                 np.shape(a) == np.shape(b) for a, b in zip(weights, self.weights)):
             self.layer.set_onnx_weights(0, W, R, B, **extra)  # new step-nets
         else:
@@ -84,9 +94,12 @@ class RecurrentNode:
         """The node's inputs checked: ``(X batch-first, W, R, B, P, lengths or
         None when every sequence is full, h0, c0)``, states in ONNX's layout 0."""
         ctx = self.ctx
-        inputs = list(inputs) + [None] * (8 - len(inputs))
+        inputs = list(inputs) + [None] * (12 - len(inputs))
         X, W, R, B, lengths, h0 = inputs[:6]
-        c0, P = (inputs[6], inputs[7]) if ctx.op == "LSTM" else (None, None)
+        c0, P = (inputs[6], inputs[7]) if self.op == "LSTM" else (None, None)
+        if self.quantized:
+            W, R = (self._float_weights(name, w, *inputs[at:at + 2])
+                    for name, w, at in (("W", W, 8), ("R", R, 10)))
         X = np.asarray(X)
         if X.ndim != 3:
             raise ctx.unsupported(f"X must be 3-D, got shape {list(X.shape)}")
@@ -106,6 +119,34 @@ class RecurrentNode:
         if self.layout:
             h0, c0 = (None if s is None else np.asarray(s).transpose(1, 0, 2) for s in (h0, c0))
         return batch_first, W, R, B, P, lengths, h0, c0
+
+    def _float_weights(self, name, w, scale, zero_point):
+        """A DynamicQuantizeLSTM's int8 weights ``w`` [D, rows, 4H] dequantized
+        into an LSTM node's layout [D, 4H, rows] (kept while ``w`` is: the
+        layer is built once), which the layer quantizes again by columns."""
+        kept = self._dequantized.get(name)
+        if kept is not None and kept[0] is w:
+            return kept[1]
+        ctx = self.ctx
+        if w is None or scale is None:
+            raise ctx.unsupported(f"{name} and its scale are required")
+        w = np.asarray(w)
+        if w.dtype not in (np.int8, np.uint8) or w.ndim != 3:
+            raise ctx.unsupported(f"{name} must be int8 or uint8 [directions, rows, 4 * hidden], got "
+                                  f"{w.dtype} {list(w.shape)}")
+        D, _, width = w.shape
+        scale = np.asarray(scale, np.float32)
+        zero = np.zeros((), np.float32) if zero_point is None else np.asarray(zero_point, np.float32)
+        for what, a in (("scale", scale), ("zero point", zero)):
+            if a.size not in (1, D, D * width):
+                raise ctx.unsupported(f"{name}'s {what} has shape {list(a.shape)}: one per "
+                                      f"direction or per direction and column")
+        per = (D, 1, width) if scale.size == D * width else (-1, 1, 1)
+        dequantized = (w.astype(np.float32) - zero.reshape(per if zero.size > 1 else ())) * \
+            scale.reshape(per if scale.size > 1 else ())
+        found = np.ascontiguousarray(dequantized.transpose(0, 2, 1))
+        self._dequantized[name] = (w, found)
+        return found
 
     def run(self, inputs, backend):
         """The node's outputs, each direction's step-net called on the batch."""
@@ -132,7 +173,7 @@ class RecurrentNode:
                 raise ShapeError(f"ONNX node {ctx.node!r} ({ctx.op}): {name} has shape "
                                  f"{list(np.shape(inputs[5 + s]))}, expected {shape}")
             initial.append(state if state is None or state.dtype == dtype else state.astype(dtype))
-        if ctx.op != "LSTM":
+        if self.op != "LSTM":
             initial = initial[:1]
         directions = [self._direction(d, backend) for d in range(D)]
         out_dtype = np.float16 if X.dtype == np.float16 else dtype
@@ -331,7 +372,7 @@ class RecurrentNode:
         key = (d, backend)
         run = self.compiled.get(key)
         if run is None:
-            states = 2 if self.ctx.op == "LSTM" else 1
+            states = 2 if self.op == "LSTM" else 1
             run = self.compiled[key] = _Direction(self.layer.step_net(0, d), backend, states)
         return run
 
@@ -358,7 +399,7 @@ class RecurrentNode:
             layer = self._layer(W, R, B, P)
             feed = (batch_first, lengths)
             call = layer.vjp if keep else layer
-            if ctx.op == "LSTM":
+            if self.op == "LSTM":
                 initial = None if h0 is None and c0 is None else (h0, c0)
                 out = call(feed, initial, backend=backend)
                 (Y, (h_n, c_n)) = out[0] if keep else out
@@ -386,7 +427,7 @@ class RecurrentNode:
                 dY = (dY if self.layout else dY.transpose(2, 0, 1, 3)).reshape(Bsz, T, D * H)
             d_states = [None if g is None else state(np.asarray(g)) for g in grads[1:]]
             params = layer.parameters()
-            names = ["X", "h0"] + (["c0"] if ctx.op == "LSTM" else [])
+            names = ["X", "h0"] + (["c0"] if self.op == "LSTM" else [])
             try:
                 found = layer_pullback([dY] + d_states, wrt=params + names)
             except Error as e:
@@ -397,7 +438,7 @@ class RecurrentNode:
             dX = dX if self.layout else dX.transpose(1, 0, 2)
             d_init = [state(g) for g in d_init]  # the transpose is its own inverse
             result = [dX, weights["W"], weights["R"], weights["B"], None, d_init[0]]
-            if ctx.op == "LSTM":
+            if self.op == "LSTM":
                 result += [d_init[1], weights.get("P")]
             return [None if g is None or x is None else np.asarray(g, np.asarray(x).dtype)
                     for g, x in zip(result, inputs)]
