@@ -242,13 +242,17 @@ def test_the_own_loop_is_sized_to_the_registers_of_the_cpu_numba_compiles_for(mo
 
 
     host = llvm_binding.get_host_cpu_features().get("avx512f", False)
-    if not (numba_config.CPU_NAME or numba_config.CPU_FEATURES):
+    if numba_config.CPU_FEATURES is None:
         assert own_loop.vector_registers() == ((64, 32) if host else (32, 16))
     assert own_loop._COLS == 2 * own_loop.vector_registers()[0] // 4
     for name, expected in [("haswell", (32, 16)), ("znver3", (32, 16)),
                            ("skylake-avx512", (64, 32)), ("znver5", (64, 32))]:
-        monkeypatch.setattr(numba_config, "CPU_FEATURES", None)
+        # (NUMBA_CPU_NAME alone tunes for the CPU: Numba compiles the host's
+        # instructions; with NUMBA_CPU_FEATURES set, empty, the CPU's own)
         monkeypatch.setattr(numba_config, "CPU_NAME", name)
+        monkeypatch.setattr(numba_config, "CPU_FEATURES", None)
+        assert own_loop.vector_registers() == ((64, 32) if host else (32, 16)), name
+        monkeypatch.setattr(numba_config, "CPU_FEATURES", "")
         assert own_loop.vector_registers() == expected, name
     monkeypatch.setattr(numba_config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
     assert own_loop.vector_registers() == (32, 16)

@@ -36,63 +36,16 @@ for (the host, or ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``): AVX-512BW
 
 from __future__ import annotations
 
-import platform
 
-import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
-from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .atomics import pointer_to, wide_vectors
-
-# LLVM's names of x86-64 CPUs, by the features the paths need (their
-# defaults, where ``NUMBA_CPU_FEATURES`` is set and ``NUMBA_CPU_NAME`` names one)
-_AVX512BW_CPUS = frozenset({
-    "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake", "icelake-client",
-    "icelake-server", "tigerlake", "rocketlake", "sapphirerapids", "emeraldrapids",
-    "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5", "x86-64-v4"})
-_AVX512VNNI_CPUS = _AVX512BW_CPUS - {"skylake-avx512", "skx", "cannonlake", "x86-64-v4"}
-_AVXVNNI_CPUS = frozenset({
-    "alderlake", "raptorlake", "meteorlake", "arrowlake", "arrowlake-s", "lunarlake",
-    "pantherlake", "gracemont", "sierraforest", "grandridge", "clearwaterforest"})
-_AVX2_CPUS = _AVX512BW_CPUS | _AVXVNNI_CPUS | frozenset({
-    "haswell", "broadwell", "skylake", "core-avx2", "knl", "knm", "bdver4", "znver1",
-    "znver2", "znver3", "x86-64-v3"})
-
-
-_FEATURES = ("avx2", "avx512bw", "avx512vnni", "avxvnni")
-
-
-def _target_features() -> frozenset:
-    """The features (LLVM's names, of ``_FEATURES``) of the code Numba
-    compiles, as Numba sets them: the host's unless ``NUMBA_CPU_FEATURES``
-    is set (``NUMBA_CPU_NAME`` alone changes the tuning, not the features;
-    none of AVX with ``NUMBA_ENABLE_AVX=0``), else the defaults of the CPU
-    ``NUMBA_CPU_NAME`` names (of the host where it names none) changed by
-    the features listed (``NUMBA_CPU_FEATURES=""``: the CPU's own, how a
-    machine has code compiled as for another); none off x86-64."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
-    host = llvm_binding.get_host_cpu_features()
-    found = {f for f in _FEATURES if host.get(f, False)}
-    listed = numba_config.CPU_FEATURES
-    if listed is None:
-        return frozenset(found if numba_config.ENABLE_AVX else ())
-    name = numba_config.CPU_NAME
-    if name and name != "host":
-        tables = (("avx2", _AVX2_CPUS), ("avx512bw", _AVX512BW_CPUS),
-                  ("avx512vnni", _AVX512VNNI_CPUS), ("avxvnni", _AVXVNNI_CPUS))
-        found = {f for f, cpus in tables if name in cpus}
-    for item in listed.split(","):
-        item = item.strip()
-        if item[1:] in _FEATURES:
-            (found.add if item[0] == "+" else found.discard)(item[1:])
-    return frozenset(found)
-
+from .own_loop import compiled_features
 
 def _choose_path(features) -> tuple:
     """``(name, lanes, pmadd, vnni)``: the path for ``features``, the int32
@@ -112,7 +65,7 @@ def _choose_path(features) -> tuple:
     return "portable loop", 8, None, None
 
 
-_PATH, _LANES, _PMADD, _VNNI = _choose_path(_target_features())
+_PATH, _LANES, _PMADD, _VNNI = _choose_path(compiled_features())
 # a block of sums: _ROWS rows x _VECS vectors (of _LANES int32 columns).
 # AVX2's 16 registers hold 2 x 5 sums, 5 vectors of weights and a
 # broadcast: the fewest broadcasts and adds per pmaddwd that fit (they,

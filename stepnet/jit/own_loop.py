@@ -5,6 +5,8 @@ compiled code is cached before the library is chosen, for every choice.
 
 from __future__ import annotations
 
+import platform
+
 import llvmlite.binding as llvm_binding
 import numpy as np
 from numba import carray, njit
@@ -14,28 +16,57 @@ from ..config import config
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .atomics import stack_buffer, wide_vectors
 
-# LLVM's names of the x86-64 CPUs with AVX-512F, as ``NUMBA_CPU_NAME`` may
-# name one (the host's features are asked for instead where it is not set)
-_AVX512_CPUS = frozenset({
-    "knl", "knm", "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake",
-    "icelake-client", "icelake-server", "tigerlake", "rocketlake", "sapphirerapids",
-    "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5",
-    "x86-64-v4"})
+# LLVM's names of x86-64 CPUs, by the features stepnet's kernels choose by
+# (their defaults, where ``NUMBA_CPU_FEATURES`` is set and ``NUMBA_CPU_NAME``
+# names one)
+_AVX512BW_CPUS = frozenset({
+    "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake", "icelake-client",
+    "icelake-server", "tigerlake", "rocketlake", "sapphirerapids", "emeraldrapids",
+    "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5", "x86-64-v4"})
+_CPUS = {
+    "avx512f": _AVX512BW_CPUS | {"knl", "knm"},
+    "avx512bw": _AVX512BW_CPUS,
+    "avx512vnni": _AVX512BW_CPUS - {"skylake-avx512", "skx", "cannonlake", "x86-64-v4"},
+    "avxvnni": frozenset({"alderlake", "raptorlake", "meteorlake", "arrowlake", "arrowlake-s",
+                         "lunarlake", "pantherlake", "gracemont", "sierraforest", "grandridge",
+                         "clearwaterforest"}),
+}
+_CPUS["avx2"] = _CPUS["avx512f"] | _CPUS["avxvnni"] | frozenset({
+    "haswell", "broadwell", "skylake", "core-avx2", "bdver4", "znver1", "znver2", "znver3",
+    "x86-64-v3"})
+
+
+def compiled_features() -> frozenset:
+    """Which of ``_CPUS``'s features the code Numba compiles has, as Numba
+    sets them: the host's where ``NUMBA_CPU_FEATURES`` is not set
+    (``NUMBA_CPU_NAME`` alone changes the tuning, not the instructions; no
+    AVX with ``NUMBA_ENABLE_AVX=0``); else the defaults of the CPU that
+    ``NUMBA_CPU_NAME`` names (the host's where it names none) changed by
+    the features listed (``NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=``:
+    code as for a Haswell); none off x86-64."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    host = llvm_binding.get_host_cpu_features()
+    found = {f for f in _CPUS if host.get(f, False)}
+    listed = numba_config.CPU_FEATURES
+    if listed is None:
+        return frozenset(found if numba_config.ENABLE_AVX else ())
+    name = numba_config.CPU_NAME
+    if name and name != "host":
+        found = {f for f, cpus in _CPUS.items() if name in cpus}
+    for item in listed.split(","):
+        item = item.strip()
+        if item[1:] in _CPUS:
+            (found.add if item[0] == "+" else found.discard)(item[1:])
+    return frozenset(found)
 
 
 def vector_registers() -> tuple:
     """``(bytes, count)`` of the vector registers of the CPU that Numba
-    compiles stepnet's kernels for: (64, 32) with AVX-512 (``avx512f``),
-    else (32, 16), AVX2's (and, narrower, older x86-64's). The CPU is the
-    host, or ``NUMBA_CPU_FEATURES`` / ``NUMBA_CPU_NAME`` where set (how a
-    machine without AVX-512 has code compiled as for one, or the reverse)."""
-    if numba_config.CPU_FEATURES:
-        wide = "+avx512f" in numba_config.CPU_FEATURES.split(",")
-    elif numba_config.CPU_NAME and numba_config.CPU_NAME != "host":
-        wide = numba_config.CPU_NAME in _AVX512_CPUS
-    else:
-        wide = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
-    return (64, 32) if wide else (32, 16)
+    compiles stepnet's kernels for (``compiled_features``): (64, 32) with
+    AVX-512 (``avx512f``), else (32, 16), AVX2's (and, narrower, older
+    x86-64's)."""
+    return (64, 32) if "avx512f" in compiled_features() else (32, 16)
 
 
 # STEPNET_DETERMINISTIC=1: every product runs small_gemm, each row's result a
