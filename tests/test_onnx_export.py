@@ -269,9 +269,10 @@ def test_every_op_exports(dtype, rng):
 
 def test_every_registered_op_has_a_translation():
     """All but the segment ops over a ragged static input, which an ONNX Scan
-    body cannot express (its state inputs are dense)."""
+    body cannot express (its state inputs are dense), and the quantized
+    products (not exported yet: docs/quantization.md)."""
     missing = [name for name, op in sn.ops.registry.all_ops().items() if op.onnx is None]
-    assert sorted(missing) == ["seq_expand", "seq_max", "seq_sum"]
+    assert sorted(missing) == ["matmul_bf16", "matmul_int8", "seq_expand", "seq_max", "seq_sum"]
 
 
 def run_stepnet_session(model, feeds):
