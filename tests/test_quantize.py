@@ -41,10 +41,12 @@ def test_int8_kernel_is_the_reference_bit_for_bit(m, k, n):
 
 def test_int8_rows_with_special_values():
     a = np.array([[1, 2, 3, 4], [0, 0, 0, 0], [1, np.nan, 2, 3], [np.inf, 1, 2, 3],
-                  [-1e-30, 1e-30, 0, 5e-31]], np.float32)
+                  [-1e-30, 1e-30, 0, 5e-31], [1e-40, 0, -1e-40, 5e-41]], np.float32)
+    # a row of subnormals keeps its proportions (1e-40 and 5e-41: 127 and 64)
+    np.testing.assert_array_equal(q.quantize_rows(a[5:])[0], [[127, 0, -127, 64]])
     w, scale = q.int8_weights(np.arange(12, dtype=np.float32).reshape(4, 3) - 5)
     ref = q.int8_product(a, w, scale)
-    assert np.all(np.isnan(ref[2:4])) and np.all(ref[1] == 0) and np.all(np.isfinite(ref[[0, 1, 4]]))
+    assert np.all(np.isnan(ref[2:4])) and np.all(ref[1] == 0) and np.all(np.isfinite(ref[[0, 1, 4, 5]]))
     out = np.empty_like(ref)
     routines.int8_rows(a, routines.int8_prepare(w, scale), out)
     np.testing.assert_array_equal(out, ref)

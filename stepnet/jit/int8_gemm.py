@@ -326,8 +326,8 @@ _INF_BITS = np.int32(0x7F800000)
 def quantize_rows(a, q, scale):
     """Each row i of ``a`` (float32 [m, k], ``a.strides[1] == 4``) quantized
     symmetrically into ``q[i]`` (int8): ``scale[i]`` = amax / 127 (amax: the
-    row's largest magnitude), q = clip(rint(a * (127 / amax)), -127, 127),
-    all in float32; a row of zeros gives zeros and a scale of 0, a row with
+    row's largest magnitude) in float32, q = clip(rint(a * (127 / amax)),
+    -127, 127) in float64; a row of zeros gives zeros and a scale of 0, a row with
     an infinity or a NaN zeros and a scale of NaN. amax is the largest of
     the magnitudes' bits as integers (an integer maximum vectorizes, a
     float one that must keep NaNs does not)."""
@@ -348,11 +348,11 @@ def quantize_rows(a, q, scale):
             continue
         amax = np.int32(most).view(np.float32)
         scale[i] = amax / top
-        inv = top / amax
+        inv = 127.0 / np.float64(amax)  # (in float64: 127 / amax overflows float32 below 4e-37)
         row = _row(a, i, np.float32)
         for j in range(k):
-            x = np.rint(row[j] * inv)
-            line[j] = np.int8(min(max(x, np.float32(-127)), top))
+            x = np.rint(np.float64(row[j]) * inv)
+            line[j] = np.int8(min(max(x, -127.0), 127.0))
 
 
 @njit(cache=True, nogil=True)

@@ -41,8 +41,9 @@ def quantize_rows(a):
     finite = np.isfinite(amax)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(finite, amax / np.float32(QMAX), np.float32(np.nan)).astype(np.float32)
-        inv = np.where(finite & (amax > 0), np.float32(QMAX) / amax, np.float32(0)).astype(np.float32)
-        q = np.rint(np.where(finite[..., None], a, np.float32(0)) * inv[..., None])
+        # (in float64: 127 / amax overflows float32 for rows below 4e-37)
+        inv = np.where(finite & (amax > 0), QMAX / amax.astype(np.float64), 0.0)
+        q = np.rint(np.where(finite[..., None], a, np.float32(0)).astype(np.float64) * inv[..., None])
     return np.clip(q, -QMAX, QMAX).astype(np.int8), scale
 
 
