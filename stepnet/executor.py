@@ -294,10 +294,10 @@ def _quantized(stage, env, max_rows, places):
     routines (:mod:`stepnet.jit.quantized`), the weights prepared once."""
     from .jit import quantized
 
-    prepare, rows = {"matmul_int8": (quantized.int8_prepare, quantized.int8_rows),
-                     "matmul_bf16": (quantized.bf16_prepare, quantized.bf16_rows)}[stage.eqns[0].op]
-    operands = [[env[e.inputs[i]] for e in stage.eqns] for i in range(1, len(stage.eqns[0].inputs))]
-    prepared = prepare(*[np.concatenate(parts, axis=-1) for parts in operands])
+    op = stage.eqns[0].op
+    rows = quantized.int8_rows if op == "matmul_int8" else quantized.bf16_rows
+    prepared = quantized.prepared(op, [[env[e.inputs[i]] for e in stage.eqns]
+                                       for i in range(1, len(stage.eqns[0].inputs))])
     cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
     buffer = np.empty((max_rows, cuts[-1]), np.float32)
     parts = list(zip(stage.outputs, cuts[:-1], cuts[1:]))

@@ -189,7 +189,7 @@ def called_apart(dispatcher):
 HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack", "group_cut",
            "rows_by_steps", "run_jobs", "sort_by_length", "starts_and_lengths")
 # those of the quantized products, which only a kernel computing one imports
-QUANTIZED_HELPERS = ("int8_prepare", "int8_rows", "bf16_prepare", "bf16_rows")
+QUANTIZED_HELPERS = ("int8_rows", "bf16_rows")
 gemm_hoisted = called_apart(blas.gemm_hoisted)
 gemm_hoisted_acc = called_apart(blas.gemm_hoisted_acc)
 gemm_packed = called_apart(blas.gemm_packed)
@@ -200,7 +200,5 @@ run_jobs = called_apart(threads.run_jobs)
 sort_by_length = called_apart(numba_runtime.sort_by_length)
 starts_and_lengths = called_apart(numba_runtime.starts_and_lengths)
 rows_by_steps = called_apart(numba_runtime.rows_by_steps)
-int8_prepare = called_apart(quantized.int8_prepare)
 int8_rows = called_apart(quantized.int8_rows)
-bf16_prepare = called_apart(quantized.bf16_prepare)
 bf16_rows = called_apart(quantized.bf16_rows)

@@ -131,11 +131,12 @@ def generate_source(program: ir.Program):
     # in the order of the outputs
     given = set(module.given_outputs)
     n = len(consts)
-    params = (params[:n] + list(module.concatenated) + ["small_rows", "board", "row_step"] + params[n:]
+    params = (params[:n] + list(module.concatenated) + list(module.prepared)
+              + ["small_rows", "board", "row_step"] + params[n:]
               + [o[1] for o in outs if o[1] in given])
     src.append(f"def program({', '.join(params)}):")
     src += ["    " + line for line in [_WIDE_VECTORS] + body]
-    layout = _Layout(top_inputs, outs, module.concatenated, sched,
+    layout = _Layout(top_inputs, outs, module.concatenated, module.prepared, sched,
                      [o[0] in ("dense_all", "last") and o[1] in given for o in outs],
                      sorted(module.same_lod), module.largest_weights,
                      module.plan)
@@ -149,6 +150,7 @@ class _Layout:
     top_inputs: list  # per program input: (kind, var, data ident, level idents)
     top_outputs: list  # per rnn output: (kind, ident, ...)
     concatenated: dict  # weights joined by the caller: ident -> constants (ir.Var)
+    prepared: dict  # quantized weights the caller prepares: ident -> (op, constants per operand)
     schedule: schedule.Schedule
     given: list  # per rnn output: whether program() takes its buffer (last parameters)
     same_lod: list  # pairs of ragged static inputs' levels combined row by row

@@ -88,6 +88,7 @@ class _Module:
         self.packed = {}  # weights ident -> packed weights ident
         self.const_vars = {}  # ident -> the program's constant (an ir.Var)
         self.concatenated = {}  # ident -> the constants it joins by columns
+        self.prepared = {}  # ident -> (a quantized op, its weights' constants): by the caller
         self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
         self.largest_weights = 0  # elements of the largest weights of a product
         self.rows_by_steps = False  # its top-level net may take its rows by steps (row_step)

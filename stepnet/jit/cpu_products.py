@@ -151,26 +151,26 @@ def _render_gemm(ctx, sched, stage):
 
 
 # a quantized product's routines (stepnet.jit.quantized), by its op
-_QUANTIZED = {"matmul_int8": ("int8_prepare", "int8_rows"), "matmul_bf16": ("bf16_prepare", "bf16_rows")}
+_QUANTIZED = {"matmul_int8": "int8_rows", "matmul_bf16": "bf16_rows"}
 
 
 def _render_quantized(ctx, sched, stage):
-    """A quantized product (``matmul_int8``, ``matmul_bf16``): its weights
-    (joined by columns where several products share the left operand)
-    prepared once a call in the prologue, then its routine over the step's
+    """A quantized product (``matmul_int8``, ``matmul_bf16``): its weights,
+    always the program's constants (``sn.quantize`` makes them), prepared
+    by the caller (joined by columns where several products share the left
+    operand; kept from call to call while they are the same arrays:
+    ``stepnet.jit.quantized.prepared``), then its routine over the step's
     rows, or over every token before the time loop."""
     module = ctx.module
-    prepare, rows = _QUANTIZED[stage.eqns[0].op]
+    op = stage.eqns[0].op
+    rows = _QUANTIZED[op]
     operands = [[ctx.values[e.inputs[i]].ident for e in stage.eqns]
                 for i in range(1, len(stage.eqns[0].inputs))]
-    key = f"{prepare}{operands}"
+    key = f"{op}{operands}"
     prepared = module.packed.get(key)
     if prepared is None:
-        joined = [parts[0] if len(parts) == 1 else
-                  f"np.concatenate(({', '.join(parts)},), axis={len(stage.eqns[0].inputs[i + 1].shape) - 1})"
-                  for i, parts in enumerate(operands)]
         prepared = module.packed[key] = module.fresh("wq")
-        module.prologue.append(f"{prepared} = {prepare}({', '.join(joined)})")
+        module.prepared[prepared] = (op, [[module.const_vars[i] for i in parts] for parts in operands])
         module.gargs.append(prepared)
     if stage.merged:
         out = ir.Var("merged", np.float32, (None, sum(v.shape[-1] for v in stage.outputs)))

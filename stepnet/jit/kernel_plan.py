@@ -144,8 +144,9 @@ def _consts_read(sched, consts):
     products read the joined ones)."""
     read = set()
     for _, stage in sched.stages():
-        joined = stage.kind == "gemm" and stage.merged and all(e.inputs[1] in consts
-                                                               for e in stage.eqns)
+        # (a quantized product's weights, always constants, the caller prepares)
+        joined = stage.kind == "quantized" or stage.kind == "gemm" and stage.merged and all(
+            e.inputs[1] in consts for e in stage.eqns)
         for e in stage.eqns:
             read.update(v for v in (e.inputs[:1] if joined else e.inputs) if v in consts)
     body = sched.body

@@ -19,7 +19,7 @@ from .. import ir
 from ..config import config
 from ..errors import LoDError
 from ..lod import LoDTensor
-from . import plan, product_timing, threads
+from . import plan, product_timing, quantized, threads
 from .cpu_codegen import generate_source
 from .loading import TieredProgram, kernel_key, link_helpers, load_source, mark_ready, ready_marker, tiered
 
@@ -59,6 +59,7 @@ class NumbaProgram:
         self.top_inputs = layout.top_inputs
         self.top_outputs = layout.top_outputs
         self.concatenated = layout.concatenated
+        self.prepared = layout.prepared
         self._views = {}  # a join's ident -> (its parts, their view): NumbaProgram._joined
         self.schedule = layout.schedule
         self.given = layout.given
@@ -131,6 +132,8 @@ class NumbaProgram:
         const_args = [read_only(consts[v]) for v in self.consts]
         const_args += [self._joined(ident, [consts[v] for v in joined])
                        for ident, joined in self.concatenated.items()]
+        const_args += [quantized.prepared(op, [[consts[v] for v in parts] for parts in operands])
+                       for op, operands in self.prepared.values()]
         const_args.append(product_timing.small_rows_table() if small_rows is None else small_rows)
         return const_args
 

@@ -1,16 +1,19 @@
 """The routines of the quantized products (``matmul_int8``, ``matmul_bf16``:
 :mod:`stepnet.ops.quantized`) that the kernels (called apart) and the
-executor run: the weights prepared once a call (``int8_prepare``,
-``bf16_prepare``), then a product over a step's rows or every token
+executor run: the weights prepared by the caller (``prepared``: packed by
+``int8_prepare`` or widened by ``bf16_prepare``, kept while the same arrays
+come back), then a product over a step's rows or every token
 (``int8_rows``, ``bf16_rows``).
 
 bf16 products have no instructions of their own here: the weights are
-widened to float32 once a call (exactly) and each row of the left operand is
-rounded to bfloat16, then the library's float32 product runs. The results
-are the bf16 product's, computed at float32's speed (``bf16_path``).
+widened to float32 (exactly) and each row of the left operand is rounded to
+bfloat16, then the library's float32 product runs. The results are the bf16
+product's, computed at float32's speed.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 from numba import njit
@@ -18,6 +21,32 @@ from numba import njit
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas import gemm
 from .int8_gemm import pack_int8, quantized_gemm
+
+
+# the weights prepared last, by op and the arrays' identities (the arrays kept:
+# their ids stay theirs): a model's constants come again at every call
+_KEPT = {}
+_KEPT_MOST = 64
+_KEPT_LOCK = threading.Lock()
+
+
+def prepared(op, operands):
+    """The weights of a quantized product ``op`` (``matmul_int8``: weights
+    and scales; ``matmul_bf16``: weights), each operand given as its parts
+    to join by columns, as its routine reads them: made once while the same
+    arrays come back."""
+    key = (op, tuple(id(a) for parts in operands for a in parts))
+    with _KEPT_LOCK:
+        kept = _KEPT.get(key)
+    if kept is not None:
+        return kept[1]
+    joined = [parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1) for parts in operands]
+    made = (int8_prepare if op == "matmul_int8" else bf16_prepare)(*joined)
+    with _KEPT_LOCK:
+        if len(_KEPT) >= _KEPT_MOST:
+            _KEPT.pop(next(iter(_KEPT)))
+        _KEPT[key] = (operands, made)
+    return made
 
 
 @njit(cache=True, nogil=True)
