@@ -2,7 +2,7 @@
 
 ``quantize_rows`` quantizes each row of float32 activations symmetrically to
 int8 with its own scale (``amax / 127``, rounded half to even, as NumPy's
-``rint``); ``int8_product`` multiplies such rows by int8 weights ``wq``
+``rint``); ``int8_product_columns`` multiplies such rows by int8 weights ``wq``
 [k, n] quantized per column (``wscale``), summing exactly in int32, and
 writes ``float32(acc) * (scale[i] * wscale[j])``: the same bits as NumPy
 computing that formula, whatever the path, the blocks or the columns asked
@@ -45,7 +45,7 @@ from numba.extending import intrinsic
 
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .atomics import pointer_to, wide_vectors
-from .own_loop import compiled_features
+from .own_loop import aligned_empty, compiled_features
 
 def _choose_path(features) -> tuple:
     """``(name, lanes, pmadd, vnni)``: the path for ``features``, the int32
@@ -82,9 +82,6 @@ _CHUNK = 20480 // (4 * _WIDTH)
 # the rows of activations whose pairs (``_pairs``) are made at once, each
 # panel of weights passing over all of them
 _PANEL_ROWS = 96
-# bytes: a cache line, and a 512-bit vector
-_ALIGN = 64
-
 
 def int8_path() -> str:
     """The path compiled for the products (``"avx2 vpmaddwd"``,
@@ -204,23 +201,16 @@ _rows_block = _pair_loops if _PMADD is None else _pair_rows
 
 
 @njit(cache=True, nogil=True)
-def _aligned_int16(size):
-    """A new int16 array of ``size`` elements on a 64-byte boundary."""
-    buffer = np.empty(size + _ALIGN // 2, np.int16)
-    start = (-buffer.ctypes.data) % _ALIGN // 2
-    return buffer[start:start + size]
-
-
-@njit(cache=True, nogil=True)
 def pack_int8(wq):
-    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product`` reads
+    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product_columns`` reads
     them: int16 [P, ceil(k/2), 2 * _WIDTH], P = ceil(n / _WIDTH) panels of
     ``_WIDTH`` columns, ``[p, t, 2c + h]`` = ``wq[2t + h, _WIDTH p + c]``
     (zero past k and n)."""
     k, n = wq.shape
     pairs = (k + 1) // 2
     count = (n + _WIDTH - 1) // _WIDTH
-    out = _aligned_int16(count * pairs * _PAIR_WIDTH).reshape((count, pairs, _PAIR_WIDTH))
+    out = aligned_empty(count * pairs * _PAIR_WIDTH, np.empty(0, np.int16)).reshape(
+        (count, pairs, _PAIR_WIDTH))
     out[:] = 0
     for p in range(count):
         first = p * _WIDTH
@@ -266,7 +256,8 @@ def _store(acc, first, last, j0, lo, hi, scale, wscale, out):
 
 @njit(cache=True, nogil=True)
 def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
-    """out[:m, lo:hi] = (q @ wq)[:, lo:hi] dequantized (``int8_product``),
+    """out[:m, lo:hi] = (q @ wq)[:, lo:hi] dequantized: float32(sums) *
+    (scale[i] * wscale[j]), the int32 sums exact,
     ``packed`` = ``pack_int8(wq)``: by panels of ``_PANEL_ROWS`` rows (their
     pairs made once), each panel of weights in turn over the panel's rows
     in blocks of ``_ROWS`` (the last one of what is left), by ``_CHUNK``
@@ -298,15 +289,6 @@ def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
                                 (i - first) * _WIDTH)
                     i += rows
             _store(acc, first, last, p * _WIDTH, lo, hi, scale, wscale, out)
-
-
-@njit(cache=True, nogil=True)
-def int8_product(q, scale, packed, wscale, out):
-    """out[:m] = float32(q @ wq) * (scale[:, None] * wscale[None, :]), the
-    int32 sums exact (``packed`` = ``pack_int8(wq)``; ``q`` int8 [m, k],
-    ``scale`` float32 [m], ``wscale`` float32 [n], ``out`` float32 [m, n],
-    its rows possibly strided)."""
-    int8_product_columns(q, scale, packed, wscale, out, 0, wscale.shape[0])
 
 
 @njit(inline="always")
@@ -357,8 +339,8 @@ def quantize_rows(a, q, scale):
 
 @njit(cache=True, nogil=True)
 def quantized_gemm(a, packed, wscale, out, q, scale):
-    """out[:m] = ``int8_product`` of ``quantize_rows(a)`` by the packed
+    """out[:m] = ``int8_product_columns`` of ``quantize_rows(a)`` by the packed
     weights (``q``, ``scale``: work buffers of at least a's rows)."""
     m = a.shape[0]
     quantize_rows(a, q[:m], scale[:m])
-    int8_product(q[:m], scale[:m], packed, wscale, out)
+    int8_product_columns(q[:m], scale[:m], packed, wscale, out, 0, wscale.shape[0])
