@@ -86,6 +86,8 @@ def test_dynamic_quantize_lstm_node_against_onnxruntime(direction, per_column, u
                              unsigned)
     R, S_r, Z_r = _int8_lstm(r.uniform(-0.5, 0.5, (D, H, 4 * H)).astype(np.float32), per_column,
                              unsigned)
+    if per_column and not unsigned:  # (a zero point per direction beside scales per column)
+        Z_r = np.zeros(D, np.int8)
     bias = r.uniform(-0.2, 0.2, (D, 8 * H)).astype(np.float32)
     inits = [("W", W), ("R", R), ("B", bias), ("sw", S_w), ("zw", Z_w), ("sr", S_r), ("zr", Z_r)]
     node = helper.make_node("DynamicQuantizeLSTM", ["X", "W", "R", "B", "", "", "", "", "sw", "zw",
@@ -102,7 +104,8 @@ def test_dynamic_quantize_lstm_node_against_onnxruntime(direction, per_column, u
     shape = (D, 1, 4 * H) if per_column else (D, 1, 1)
 
     def dequantized(q, s, z):
-        return ((q.astype(np.float32) - z.reshape(shape)) * s.reshape(shape)).transpose(0, 2, 1)
+        z = z.reshape(shape if z.size == s.size else (D, 1, 1))
+        return ((q.astype(np.float32) - z) * s.reshape(shape)).transpose(0, 2, 1)
 
     float_node = helper.make_node("LSTM", ["X", "W", "R", "B"], ["Y", "Y_h", "Y_c"], hidden_size=H,
                                   direction=direction)

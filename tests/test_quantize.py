@@ -93,10 +93,14 @@ def _layer_input(rng, width, lengths=(7, 3, 0, 5)):
     return x, np.array(lengths)
 
 
-@pytest.mark.parametrize("mode", ["int8", "bf16"])
-@pytest.mark.parametrize("cell,options", [("GRU", {}), ("LSTM", {"direction": "bidirectional_concat"}),
-                                          ("RNN", {"num_layers": 2}),
-                                          ("GRU", {"linear_before_reset": True})])
+_LAYERS = [("GRU", {}), ("LSTM", {"direction": "bidirectional_concat"}), ("RNN", {"num_layers": 2}),
+           ("GRU", {"linear_before_reset": True})]
+
+
+# (bf16 on every layer in the slow run: each case compiles its kernels)
+@pytest.mark.parametrize("cell,options,mode", [(c, o, "int8") for c, o in _LAYERS] + [
+    (c, o, "bf16") if i == 0 else pytest.param(c, o, "bf16", marks=pytest.mark.slow)
+    for i, (c, o) in enumerate(_LAYERS)])
 def test_quantized_layers(cell, options, mode):
     rng = np.random.default_rng(3)
     layer = getattr(sn.nn, cell)(12, 16, seed=1, **options)

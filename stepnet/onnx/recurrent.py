@@ -141,9 +141,10 @@ class RecurrentNode:
             if a.size not in (1, D, D * width):
                 raise ctx.unsupported(f"{name}'s {what} has shape {list(a.shape)}: one per "
                                       f"direction or per direction and column")
-        per = (D, 1, width) if scale.size == D * width else (-1, 1, 1)
-        dequantized = (w.astype(np.float32) - zero.reshape(per if zero.size > 1 else ())) * \
-            scale.reshape(per if scale.size > 1 else ())
+        def spread(a):  # (one value, one per direction, or one per direction and column)
+            return a.reshape(() if a.size == 1 else (D, 1, width) if a.size == D * width else (D, 1, 1))
+
+        dequantized = (w.astype(np.float32) - spread(zero)) * spread(scale)
         found = np.ascontiguousarray(dequantized.transpose(0, 2, 1))
         self._dequantized[name] = (w, found)
         return found
