@@ -133,8 +133,10 @@ def quantize_step_net(rnn, mode, required=True):
     if not made:
         raise StepNetError(f"quantize: step-net {rnn.name!r} has no product of a float32 step value "
                            "by a constant matrix (x @ W) to quantize")
-    read = {v for e in ir.iter_eqns(body) for v in e.inputs if isinstance(v, ir.Var)}
-    state.consts = {key: (var, source) for key, (var, source) in state.consts.items() if var in read}
+    # (a float weight every product of which is quantized is no constant of the copy)
+    read = _read(body) | {v for part in rnn._eqn_operands() for v in part if isinstance(v, ir.Var)}
+    state.consts = {key: (var, source) for key, (var, source) in state.consts.items()
+                    if var in read or id(var) not in made}
     out = copy.copy(rnn)
     out.frame = copy.copy(rnn.frame)
     out.frame.state = state
@@ -142,6 +144,17 @@ def quantize_step_net(rnn, mode, required=True):
     out._programs, out._workspace, out.step_scopes = {}, None, None
     out.quantized = mode
     return out
+
+
+def _read(block) -> set:
+    """The Vars ``block`` and the blocks nested in it read: operands,
+    outputs and memories' new values."""
+    found = {*block.outputs, *(m.post for m in block.memories)}
+    for e in block.eqns:
+        found.update(v for v in e.inputs if isinstance(v, ir.Var))
+        if e.op == "rnn":
+            found |= _read(e.attrs["body"])
+    return found
 
 
 def _quantizable(e, consts) -> bool:
