@@ -40,6 +40,7 @@ class RecurrentNode:
         self.quantized = quantized
         self.op = "LSTM" if quantized else ctx.op
         self._dequantized = {}  # name -> (its int8 array, dequantized): _float_weights
+        self._given = ()  # the inputs of the last call (DynamicQuantizeLSTM): _run_streaming
         unknown = sorted(set(attrs) - _ATTRS[self.op])
         if unknown:
             raise ctx.unsupported(f"attribute {unknown[0]!r} is not supported")
@@ -98,6 +99,7 @@ class RecurrentNode:
         X, W, R, B, lengths, h0 = inputs[:6]
         c0, P = (inputs[6], inputs[7]) if self.op == "LSTM" else (None, None)
         if self.quantized:
+            self._given = inputs  # (what _run_streaming compares the next call's with)
             W, R = (self._float_weights(name, w, *inputs[at:at + 2])
                     for name, w, at in (("W", W, 8), ("R", R, 10)))
         X = np.asarray(X)
@@ -323,6 +325,10 @@ class RecurrentNode:
         prepared (``kernels``). None for any other call: ``run`` then checks
         and converts everything."""
         n, X, kept = len(inputs), inputs[0], self.weights
+        if self.quantized:  # (the int8 arrays given, and their scales, the same as last time)
+            if n < 12 or any(inputs[i] is not self._given[i] for i in (1, 2, 8, 9, 10, 11)):
+                return None
+            kept = (inputs[1], inputs[2], kept[2], kept[3])
         dtype = self.layer.dtype
         if (type(X) is not np.ndarray or X.ndim != 3 or X.dtype != dtype or n < 3
                 or inputs[1] is not kept[0] or inputs[2] is not kept[1]
