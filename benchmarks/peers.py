@@ -593,50 +593,40 @@ def _torch_gru_module(torch, w, batch_first=False):
     return _torch_loaded(torch, torch.nn.GRU(I, H, batch_first=batch_first), {"l0": w})
 
 
+def torch_rnn(torch, wl):
+    """The GRU of W1 and W3, the LSTM of W2 or the 2-layer bidirectional LSTM
+    of W7 with the workload's weights, and ``last(state)``: the final state
+    the report compares (W7: the top layer's, forward then reverse)."""
+    if wl.kind == "gru":
+        return _torch_gru_module(torch, wl.weights), lambda h: h[0]
+    two = wl.key == "W7"
+    m = _torch_loaded(torch, torch.nn.LSTM(wl.dims["I"], wl.dims["H"], num_layers=2 if two else 1,
+                                           bidirectional=two), wl.weights if two else {"l0": wl.weights})
+    if two:
+        return m, lambda state: torch.cat([state[0][2], state[0][3]], dim=1)
+    return m, lambda state: state[0][0]
+
+
+def torch_run(torch, m, wl, last):
+    """The peer's call of ``m`` on the workload's time-major input."""
+    x = torch.from_numpy(wl.x_time_major())
+
+    def run():
+        with torch.inference_mode():
+            y, state = m(x)
+        return y, last(state)
+
+    return run
+
+
 @peer("torch", ["W1", "W3"], "torch nn.GRU")
-def torch_gru(wl):
-    import torch
-
-    m = _torch_gru_module(torch, wl.weights)
-    x = torch.from_numpy(wl.x_time_major())
-
-    def run():
-        with torch.inference_mode():
-            y, h = m(x)
-        return y, h[0]
-
-    return run
-
-
 @peer("torch", ["W2"], "torch nn.LSTM")
-def torch_lstm(wl):
-    import torch
-
-    m = _torch_loaded(torch, torch.nn.LSTM(wl.dims["I"], wl.dims["H"]), {"l0": wl.weights})
-    x = torch.from_numpy(wl.x_time_major())
-
-    def run():
-        with torch.inference_mode():
-            y, (h, _c) = m(x)
-        return y, h[0]
-
-    return run
-
-
 @peer("torch", ["W7"], "torch nn.LSTM 2 layers bidirectional")
-def torch_bilstm(wl):
+def torch_layer(wl):
     import torch
 
-    m = _torch_loaded(torch, torch.nn.LSTM(wl.dims["I"], wl.dims["H"], num_layers=2,
-                                           bidirectional=True), wl.weights)
-    x = torch.from_numpy(wl.x_time_major())
-
-    def run():
-        with torch.inference_mode():
-            y, (h, _c) = m(x)
-        return y, torch.cat([h[2], h[3]], dim=1)
-
-    return run
+    m, last = torch_rnn(torch, wl)
+    return torch_run(torch, m, wl, last)
 
 
 @peer("torch", ["W4"], "torch nn.GRU (PackedSequence, packed beforehand)")

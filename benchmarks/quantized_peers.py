@@ -63,37 +63,12 @@ def _torch_int8(torch, m):
 
 
 @peer("torch-int8", ["W1"], "torch nn.GRU, quantize_dynamic int8")
-def torch_int8_gru(wl):
-    import torch
-
-    m = _torch_int8(torch, peers._torch_gru_module(torch, wl.weights))
-    x = torch.from_numpy(wl.x_time_major())
-
-    def run():
-        with torch.inference_mode():
-            y, h = m(x)
-        return y, h[0]
-
-    return run
-
-
 @peer("torch-int8", ["W2", "W7"], "torch nn.LSTM, quantize_dynamic int8")
-def torch_int8_lstm(wl):
+def torch_int8_layer(wl):
     import torch
 
-    layers = 2 if wl.key == "W7" else 1
-    weights = wl.weights if layers == 2 else {"l0": wl.weights}
-    m = _torch_int8(torch, peers._torch_loaded(
-        torch, torch.nn.LSTM(wl.dims["I"], wl.dims["H"], num_layers=layers,
-                             bidirectional=layers == 2), weights))
-    x = torch.from_numpy(wl.x_time_major())
-
-    def run():
-        with torch.inference_mode():
-            y, (h, _c) = m(x)
-        return y, (torch.cat([h[2], h[3]], dim=1) if layers == 2 else h[0])
-
-    return run
+    m, last = peers.torch_rnn(torch, wl)
+    return peers.torch_run(torch, _torch_int8(torch, m), wl, last)
 
 
 peers.not_applicable("torch-int8", ["W5"], "no quantized form of a custom cell")

@@ -44,23 +44,18 @@ def _switch(default: bool):
     return value
 
 
-def _blas(raw, where):
-    if raw is None or raw == "":
-        return None
-    if isinstance(raw, str) and raw.lower() in BLAS_CHOICES:
-        return raw.lower()
-    raise UnsupportedError(f"{where}: expected one of {', '.join(BLAS_CHOICES)}")
+def _choice(choices, default):
+    """A setting that is one of ``choices`` (any case); unset: ``default``."""
+    def value(raw, where):
+        if raw is None or raw == "":
+            return default
+        if isinstance(raw, str) and raw.lower() in choices:
+            return raw.lower()
+        raise UnsupportedError(f"{where}: expected one of {', '.join(choices)}")
+    return value
 
 
 FIRST_TIERS = ("executor", "interpreter")
-
-
-def _first_tier(raw, where):
-    if raw is None or raw == "":
-        return "executor"
-    if isinstance(raw, str) and raw.lower() in FIRST_TIERS:
-        return raw.lower()
-    raise UnsupportedError(f"{where}: expected one of {', '.join(FIRST_TIERS)}")
 
 
 def _rows(raw, where):
@@ -140,7 +135,7 @@ FLAGS = (
          "by every process using it) compiles it "
          "([internals](internals.md#tiers-a-first-result-without-waiting-for-the-compile)). "
          "Tiers are always off under `STEPNET_DETERMINISTIC`."),
-    Flag("first_tier", "STEPNET_FIRST_TIER", "`executor`", _first_tier, "use",
+    Flag("first_tier", "STEPNET_FIRST_TIER", "`executor`", _choice(FIRST_TIERS, "executor"), "use",
          "What answers a new kernel's first calls while it compiles: `executor` (the schedule "
          "executor, `stepnet/executor.py`: the step-net's schedule on loops compiled once per "
          "install; the interpreter for a step-net it does not run) or `interpreter` (the NumPy "
@@ -151,7 +146,7 @@ FLAGS = (
          "the other rows of the batch (a distributed run equals a single-process one bit for "
          "bit); slower. Also turns tiers off. Kernels compiled with it are cached apart from "
          "the others."),
-    Flag("blas", "STEPNET_BLAS", "measured", _blas, "engine",
+    Flag("blas", "STEPNET_BLAS", "measured", _choice(BLAS_CHOICES, None), "engine",
          "The BLAS the Numba kernels call: `openblas` (SciPy's), `mkl` or `numpy` (`np.dot`); "
          "any other value raises `UnsupportedError`. A named library that is not found falls "
          "back to `numpy` with a warning. Unset or empty: stepnet measures the libraries it "

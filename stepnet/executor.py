@@ -267,19 +267,17 @@ def _stage(stage, env, max_rows, places, run=None):
     if stage.kind == "gemm":
         weights = [env[e.inputs[1]] for e in stage.eqns]
         joined = weights[0] if len(weights) == 1 else np.concatenate(weights, axis=1)
-        buffer = np.empty((max_rows, joined.shape[1]), np.result_type(joined, stage.left.dtype))
-        cuts = np.cumsum([0] + [w.shape[1] for w in weights])
-        parts = list(zip(stage.outputs, cuts[:-1], cuts[1:]))
-        left = stage.left
-        places.update({v: (buffer[:, lo:hi], False) for v, lo, hi in parts})
-
-        def gemm(env, rows, first):
-            product = np.matmul(env[left], joined, out=buffer[:rows])
-            for v, lo, hi in parts:
-                env[v] = product[:, lo:hi]
-        return gemm
+        return _product(stage, max_rows, places, np.result_type(joined, stage.left.dtype),
+                        lambda a, out: np.matmul(a, joined, out=out))
     if stage.kind == "quantized":
-        return _quantized(stage, env, max_rows, places)
+        from .jit import quantized
+
+        op = stage.eqns[0].op
+        rows = quantized.ROUTINES[op][1]
+        prepared = quantized.prepared(op, [[env[e.inputs[i]] for e in stage.eqns]
+                                           for i in range(1, len(stage.eqns[0].inputs))])
+        return _product(stage, max_rows, places, np.float32,
+                        lambda a, out: rows(np.ascontiguousarray(a), prepared, out))
     loop = run.start(env, max_rows, places) if run is not None else None
 
     def op_by_op(env, rows, first):
@@ -289,26 +287,21 @@ def _stage(stage, env, max_rows, places, run=None):
     return op_by_op
 
 
-def _quantized(stage, env, max_rows, places):
-    """A quantized product's stage, as ``_stage`` gives it: by the kernels'
-    routines (:mod:`stepnet.jit.quantized`), the weights prepared once."""
-    from .jit import quantized
-
-    op = stage.eqns[0].op
-    rows = quantized.int8_rows if op == "matmul_int8" else quantized.bf16_rows
-    prepared = quantized.prepared(op, [[env[e.inputs[i]] for e in stage.eqns]
-                                       for i in range(1, len(stage.eqns[0].inputs))])
+def _product(stage, max_rows, places, dtype, product):
+    """A product stage (a GEMM, a quantized product; merged ones' results
+    column blocks of one buffer) as ``_stage`` gives it: ``product(a, out)``
+    computes the step's rows of the left operand into ``out``."""
     cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
-    buffer = np.empty((max_rows, cuts[-1]), np.float32)
+    buffer = np.empty((max_rows, cuts[-1]), dtype)
     parts = list(zip(stage.outputs, cuts[:-1], cuts[1:]))
     places.update({v: (buffer[:, lo:hi], False) for v, lo, hi in parts})
     left = stage.left
 
-    def product(env, count, first):
-        rows(np.ascontiguousarray(env[left]), prepared, buffer[:count])
+    def run(env, rows, first):
+        product(env[left], buffer[:rows])
         for v, lo, hi in parts:
-            env[v] = buffer[:count, lo:hi]
-    return product
+            env[v] = buffer[:rows, lo:hi]
+    return run
 
 
 class _Run:

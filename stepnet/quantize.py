@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import warnings
 
 import numpy as np
@@ -83,14 +84,9 @@ def quantize(model, mode="int8"):
                            "layer or a YAML model (ONNX sessions are not quantized yet)")
 
 
-_SAID = []  # the bf16 message, once a process
-
-
+@functools.cache
 def _say_bf16_speed():
-    """bf16 without instructions of its own: said, not hidden (once)."""
-    if _SAID:
-        return
-    _SAID.append(True)
+    """bf16 without instructions of its own: said, not hidden (once a process)."""
     import llvmlite.binding as llvm
 
     features = llvm.get_host_cpu_features()

@@ -530,15 +530,12 @@ def format_schedule(sched: Schedule, indent: int = 0) -> list:
 
 def _format_stage(sched, stage, indent) -> list:
     pad = "  " * indent
-    if stage.kind == "gemm":
+    if stage.kind in ("gemm", "quantized"):
         outs = " ".join(repr(v) for v in stage.outputs)
         weights = " ".join(e.inputs[1].name for e in stage.eqns)
+        name = "gemm" if stage.kind == "gemm" else stage.eqns[0].op
         merged = f"[merged {len(stage.eqns)}]" if stage.merged else ""
-        return [f"{pad}gemm{merged}: {outs} = {stage.left.name} @ ({weights})"]
-    if stage.kind == "quantized":
-        outs = " ".join(repr(v) for v in stage.outputs)
-        weights = " ".join(e.inputs[1].name for e in stage.eqns)
-        return [f"{pad}{stage.eqns[0].op}: {outs} = {stage.left.name} @ ({weights})"]
+        return [f"{pad}{name}{merged}: {outs} = {stage.left.name} @ ({weights})"]
     if stage.kind == "rnn":
         e = stage.eqns[0]
         where = "independent, once per call" if e in sched.independent_rnns else "per step"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ir
+from . import quantized
 from .cpu_emit import _Info, _contiguous, _new_array
 
 # rows of a product run by chunks of steps (``KernelPlan.chunked``): a
@@ -135,35 +136,37 @@ def _render_split_gemm(ctx, stage, concat):
 def _render_gemm(ctx, sched, stage):
     """``a @ W`` as one BLAS call; a merged stage multiplies by the weights
     joined by columns and each result is a column block of its output."""
-    a = stage.left
-    ai = ctx.values[a]
     dtype = stage.eqns[0].outputs[0].dtype
     weights = _product_weights(ctx, stage)
+    _product_into(ctx, stage, dtype, lambda left, info: _gemm_call(
+        ctx, left, weights, info, stage.left.shape[-1], info.var.shape[-1], dtype))
+
+
+def _product_into(ctx, stage, dtype, call):
+    """A product stage's result array (a merged stage's results its column
+    blocks), and the line ``call(left, info)`` computing it from the left
+    operand's contiguous rows."""
+    ai = ctx.values[stage.left]
     if stage.merged:
         out = ir.Var("merged", dtype, (None, sum(v.shape[-1] for v in stage.outputs)))
     else:
         out = stage.eqns[0].outputs[0]
     left = _contiguous(ctx, ai)
     info = _new_array(ctx, out, size=ai.size)
-    ctx.lines.append(_gemm_call(ctx, left, weights, info, a.shape[-1], out.shape[-1], dtype))
+    ctx.lines.append(call(left, info))
     if stage.merged:
         _column_blocks(ctx, stage, info)
 
 
-# a quantized product's routines (stepnet.jit.quantized), by its op
-_QUANTIZED = {"matmul_int8": "int8_rows", "matmul_bf16": "bf16_rows"}
-
-
 def _render_quantized(ctx, sched, stage):
     """A quantized product (``matmul_int8``, ``matmul_bf16``): its weights,
-    always the program's constants (``sn.quantize`` makes them), prepared
-    by the caller (joined by columns where several products share the left
-    operand; kept from call to call while they are the same arrays:
-    ``stepnet.jit.quantized.prepared``), then its routine over the step's
+    always the program's constants (``sn.quantize`` makes them), prepared by
+    the caller (joined by columns for a merged stage, kept while the same
+    arrays come: ``quantized.prepared``), then its routine over the step's
     rows, or over every token before the time loop."""
     module = ctx.module
     op = stage.eqns[0].op
-    rows = _QUANTIZED[op]
+    rows = quantized.ROUTINES[op][1].__name__  # (a kernel calls it apart by its name)
     operands = [[ctx.values[e.inputs[i]].ident for e in stage.eqns]
                 for i in range(1, len(stage.eqns[0].inputs))]
     key = f"{op}{operands}"
@@ -172,16 +175,9 @@ def _render_quantized(ctx, sched, stage):
         prepared = module.packed[key] = module.fresh("wq")
         module.prepared[prepared] = (op, [[module.const_vars[i] for i in parts] for parts in operands])
         module.gargs.append(prepared)
-    if stage.merged:
-        out = ir.Var("merged", np.float32, (None, sum(v.shape[-1] for v in stage.outputs)))
-    else:
-        out = stage.eqns[0].outputs[0]
-    ai = ctx.values[stage.left]
-    left = _contiguous(ctx, ai)
-    info = _new_array(ctx, out, size=ai.size)
-    ctx.lines.append(f"{rows}({left}, {prepared}, {info.ident}{'[:nb]' if ctx.mode == 'step' else ''})")
-    if stage.merged:
-        _column_blocks(ctx, stage, info)
+    step = "[:nb]" if ctx.mode == "step" else ""
+    _product_into(ctx, stage, np.float32,
+                  lambda left, info: f"{rows}({left}, {prepared}, {info.ident}{step})")
 
 
 def _product_weights(ctx, stage):

@@ -41,7 +41,7 @@ def prepared(op, operands):
     if kept is not None:
         return kept[1]
     joined = [parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1) for parts in operands]
-    made = (int8_prepare if op == "matmul_int8" else bf16_prepare)(*joined)
+    made = ROUTINES[op][0](*joined)
     with _KEPT_LOCK:
         if len(_KEPT) >= _KEPT_MOST:
             _KEPT.pop(next(iter(_KEPT)))
@@ -94,3 +94,7 @@ def bf16_rows(a, wide, out):
             b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
         bits[i] = b & np.uint32(0xFFFF0000)
     gemm(rounded, wide, out)
+
+
+# each quantized op's routines: (what prepares its weights, its product over rows)
+ROUTINES = {"matmul_int8": (int8_prepare, int8_rows), "matmul_bf16": (bf16_prepare, bf16_rows)}
