@@ -108,6 +108,15 @@ class Executor:
         self.runs = {stage: _Run.of(stage, {v for v in stage.outputs
                                             if v in kept or readers.get(v, {stage}) - {stage}})
                      for stage in self.step if stage.kind == "elementwise"}
+        # the dtype of the step's values, where they have one (the loop's)
+        dtypes = {np.dtype(v.dtype) for v in (*self.body.step_inputs, *self.body.static_inputs,
+                                              *(m.pre for m in self.body.memories),
+                                              *(o for e in self.body.eqns for o in e.outputs))
+                  if v.batched}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else None
+        # why no group runs its time loop as one call of the loop (or None)
+        self.why_apart = _Steps.why_not(self)
+        self.how = None  # (how the last call's groups ran: "one call" or "step by step: why")
         # the widest value a step computes: the work per token, for groups
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
                                for v in (*self.body.step_inputs, *(o for e in self.body.eqns
@@ -117,7 +126,8 @@ class Executor:
     def prepare(self):
         """Have the loops of the elementwise runs compiled (or loaded), in the
         compile worker where tiered: once per install and dtype."""
-        for dtype in {run.dtype for run in self.runs.values() if run is not None}:
+        dtypes = {run.dtype for run in self.runs.values() if run is not None}
+        for dtype in dtypes | ({self.dtype} if self.why_apart is None else set()):
             _loop(dtype)
 
     def __call__(self, args, consts, workers=1):
@@ -178,6 +188,16 @@ class Executor:
         places = {v: (values, True) for v, values in full.items()}
         places.update({v: (values, False) for v, values in statics.items()})
         places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)})
+        steps = _Steps.of(self, env, layout, dict(places), rows, last, state)
+        self.how = "one call" if isinstance(steps, _Steps) else f"step by step: {steps}"
+        if isinstance(steps, _Steps):
+            steps.run(layout)
+        else:
+            self._by_steps(env, layout, places, full, statics, state, rows, last)
+        out.write(layout, rows, last)
+
+    def _by_steps(self, env, layout, places, full, statics, state, rows, last):
+        """The time loop in Python, each stage a call at each step."""
         stages = [_stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
                   for stage in self.step]
         posts = [m.post for m in self.body.memories]
@@ -201,7 +221,6 @@ class Executor:
                    for p in (env[v] for v in posts)]
             for s, post in zip(state, new):
                 s[:a] = post
-        out.write(layout, rows, last)
 
 
 class _Layout:
@@ -352,42 +371,46 @@ class _Run:
         code += [(1, register[v], len(operands) + k, 0, 0) for k, v in enumerate(stored)]
         return cls(stage, dtype, width, operands, np.array(code, np.int64), stored, len(register))
 
-    def start(self, env, num_seq, places):
-        """``step(env, rows, lo) -> bool`` for one group of a call whose
-        constants are in ``env``, or None while the loop is not compiled.
-        ``places`` holds where the group keeps a step's values (``{var:
-        (array, by_steps)}``: a step's rows of ``array`` are its first, or
-        with ``by_steps`` those from the step's first token ``lo``); their
-        rows of the table, and the constants', are set once, the others'
-        (values NumPy makes anew) at each step. The loop writes into buffers
-        made once (added to ``places``)."""
-        loop = _loop(self.dtype)
-        if loop is None:
-            return None
-        width, itemsize = self.width, self.dtype.itemsize
+    def table(self, env, num_seq, places):
+        """The run's rows of the loop's table (each operand's, then each
+        stored value's: ``[address, row stride in bytes, 1 where a row holds
+        width values else 0 (one, broadcast), the stride by which a step's
+        first token moves its first row]``), the operands NumPy makes anew
+        at each step (``batched``: their rows are set at each step), the
+        call's constants the table points into (kept alive by the caller)
+        and the stored values' buffers, made here and added to ``places``
+        (``{var: (array, by_steps)}``, where the group keeps a step's values:
+        its rows of ``array`` are the first, or with ``by_steps`` those from
+        the step's first token). None where a constant cannot be read so."""
         table = np.zeros((len(self.operands) + len(self.stored), 4), np.int64)
-        registers = np.empty((self.registers, width), self.dtype)
-        kept, batched = [], []  # (the call's constants, kept alive with their addresses)
+        kept, batched = [], []
         for k, v in enumerate(self.operands):
-            if isinstance(v, ir.Var) and v.batched:
-                x, by_steps = places.get(v, (None, False))
-                at = (_layout(x, x.shape[0], width, itemsize)
-                      if type(x) is np.ndarray and x.dtype == self.dtype and x.ndim else None)
-                if at is None:
-                    batched.append((k, v))
-                else:
-                    table[k] = x.ctypes.data, at[0], at[1], at[0] if by_steps else 0
-                continue
-            x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], self.dtype)
-            at = _layout(x, 1, width, itemsize)
-            if at is None:
+            row = _row(v, env, places, self.width, self.dtype, kept)
+            if row is None and not (isinstance(v, ir.Var) and v.batched):
                 return None
-            kept.append(x)
-            table[k] = x.ctypes.data, 0, at[1], 0
+            if row is None:
+                batched.append((k, v))
+            else:
+                table[k] = row
         outs = [np.empty((num_seq,) + tuple(v.shape[1:]), self.dtype) for v in self.stored]
         for k, (v, y) in enumerate(zip(self.stored, outs), len(self.operands)):
-            table[k] = y.ctypes.data, width * itemsize, 1, 0
+            table[k] = y.ctypes.data, self.width * self.dtype.itemsize, 1, 0
             places[v] = (y, False)
+        return table, batched, kept, outs
+
+    def start(self, env, num_seq, places):
+        """``step(env, rows, lo) -> bool`` for one group of a call whose
+        constants are in ``env`` (:meth:`table`), or None while the loop is
+        not compiled: the loop run for the one run at one step."""
+        loop = _loop(self.dtype)
+        made = self.table(env, num_seq, places) if loop is not None else None
+        if made is None:
+            return None
+        table, batched, kept, outs = made
+        width, itemsize = self.width, self.dtype.itemsize
+        prog = np.array([[0, 0, len(self.code), width, 0, 0]], np.int64)
+        active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        registers, scratch = np.empty((self.registers, width), self.dtype), np.empty(0, self.dtype)
         code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
 
         def step(env, rows, lo):
@@ -399,12 +422,187 @@ class _Run:
                     return False
                 table[k, 0] = x.__array_interface__["data"][0]
                 table[k, 1], table[k, 2] = at
-            entry(code, table, rows, lo, width, registers)
+            active[0], starts[0] = rows, lo
+            entry(prog, code, table, active, starts, registers, scratch)
             for v, y in zip(self.stored, outs):
                 env[v] = y[:rows]
             return True
         step.kept = kept  # (the constants whose addresses the table holds)
         return step
+
+
+class _Steps:
+    """A group's whole time loop as one call of the compiled loop: each
+    stage of a step an instruction of a program over one table of addresses
+    (:meth:`_Run.table`'s rows): an elementwise run as its bytecode, a GEMM
+    as one product by the chosen BLAS, a concat by columns, the outputs'
+    rows and the memories' new values as copies (runs of a load and a
+    store). ``of`` gives it, or why the group runs step by step."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.prog, self.code, self.table, self.kept = [], [], [], []
+        self.registers, self.width, self.scratch = 1, 1, 0
+
+    @staticmethod
+    def why_not(executor):
+        """Why no group of ``executor``'s calls runs as one call (a
+        sentence), or None: what the loop does not compute."""
+        if executor.dtype not in (np.float32, np.float64):
+            return "its step's values are not of one float dtype"
+        for stage in executor.step:
+            if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
+                    or all(_concat_columns(e) for e in stage.eqns)):
+                ops = ", ".join(sorted({e.op for e in stage.eqns}))
+                return f"its step has a {stage.kind} stage the loop does not run ({ops})"
+        return None
+
+    @classmethod
+    def of(cls, executor, env, layout, places, rows, last, state):
+        """The loop of one group (its ``layout``, ``places`` as
+        :meth:`_Run.table`'s; the all-steps outputs ``rows``, last-step ones
+        ``last``, the memories' ``state``), or why it runs step by step (a
+        sentence)."""
+        if executor.why_apart is not None:
+            return executor.why_apart
+        self, num_seq = cls(executor.dtype), layout.order.shape[0]
+        if _loop(self.dtype) is None:
+            return "the executor's loop is not compiled yet"
+        if layout.num_steps == 0:
+            return self  # (nothing to run)
+        for stage in executor.step:
+            if not self._stage(stage, executor.runs.get(stage), env, num_seq, places):
+                return f"a value its {stage.kind} stage reads is not laid out as the loop reads"
+        memories = executor.body.memories
+        copies = [(v, every if every is not None else kept, every is not None)
+                  for v, every, kept in zip(executor.body.outputs, rows, last)]
+        posts = []
+        for mem, s in zip(memories, state):  # (shifted states: through a copy)
+            if any(np.may_share_memory(places.get(mem.post, (s[:0],))[0], x) for x in state):
+                aside = np.empty_like(s)
+                self.kept.append(aside)
+                copies.append((mem.post, aside, False))
+                posts.append((_buffer_row(aside, False), s))
+            else:
+                posts.append((mem.post, s))
+        copies += [(v, s, False) for v, s in posts]
+        for v, to, by_steps in copies:
+            source = v if isinstance(v, list) else _row(v, env, places, _width(to), self.dtype,
+                                                        self.kept)
+            if not self._copy(source, to, by_steps):
+                return f"{getattr(v, 'name', 'a value')} is not laid out as the loop reads"
+        return self
+
+    def run(self, layout):
+        loop = _loop(self.dtype)
+        entry = loop.overloads[loop.signatures[0]].entry_point
+        entry(np.array(self.prog, np.int64).reshape(-1, 6),
+              np.array(self.code, np.int64).reshape(-1, 5),
+              np.array(self.table, np.int64).reshape(-1, 4),
+              np.ascontiguousarray(layout.active, np.int64), layout.starts,
+              np.empty((self.registers, self.width), self.dtype),
+              np.empty(max(self.scratch, 1), self.dtype))
+
+    def _run(self, code, table, width, registers):
+        """Add a run: its bytecode reading the table's rows ``table``."""
+        base, first = len(self.table), len(self.code)
+        self.table += [list(row) for row in table]
+        self.code += [(op, r, x + base if op < 2 else x, y, z) for op, r, x, y, z in code]
+        self.prog.append((0, first, len(self.code), width, 0, 0))
+        self.registers, self.width = max(self.registers, registers), max(self.width, width)
+
+    def _stage(self, stage, run, env, num_seq, places):
+        itemsize = self.dtype.itemsize
+        if run is not None:
+            made = run.table(env, num_seq, places)
+            if made is None or made[1]:
+                return False
+            self.kept += [*made[2], *made[3]]
+            self._run(run.code.tolist(), made[0], run.width, run.registers)
+            return True
+        if stage.kind == "gemm":
+            joined = np.concatenate([np.asarray(env[e.inputs[1]]) for e in stage.eqns], axis=1)
+            if joined.dtype != self.dtype:
+                return False
+            joined = np.ascontiguousarray(joined)
+            k, n = joined.shape
+            left = _row(stage.left, env, places, k, self.dtype, self.kept)
+            if left is None or not left[1] or not left[2]:
+                return False
+            buffer = np.empty((num_seq, n), self.dtype)
+            cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
+            places.update({v: (buffer[:, lo:hi], False)
+                           for v, lo, hi in zip(stage.outputs, cuts[:-1], cuts[1:])})
+            self.kept += [joined, buffer]
+            if left[1] != k * itemsize:  # (its rows apart: copied together first)
+                self.scratch = max(self.scratch, num_seq * k)
+            base = len(self.table)
+            self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, False)]
+            self.prog.append((1, base, base + 1, base + 2, k, n))
+            return True
+        for e in stage.eqns:  # concats by columns (why_not)
+            out = e.outputs[0]
+            y = np.empty((num_seq, out.shape[1]), self.dtype)
+            self.kept.append(y)
+            at = 0
+            for v in e.inputs:
+                to = y[:, at:at + v.shape[1]]
+                if not self._copy(_row(v, env, places, _width(to), self.dtype, self.kept), to,
+                                  False):
+                    return False
+                at += v.shape[1]
+            places[out] = (y, False)
+        return True
+
+    def _copy(self, source, to, by_steps):
+        """Add a copy of a step's rows read by the table row ``source`` into
+        ``to`` (rows of a buffer, from the step's first token where
+        ``by_steps``); False where either is not laid out for the loop."""
+        if to.size == 0:  # (nothing to copy: a value of no columns)
+            return True
+        if source is None or to.dtype != self.dtype or to.ndim > 2 \
+                or to.ndim == 2 and to.strides[1] != to.itemsize:
+            return False
+        self._run([(0, 0, 0, 0, 0), (1, 0, 1, 0, 0)], [source, _buffer_row(to, by_steps)],
+                  _width(to), 1)
+        return True
+
+
+def _width(array):
+    return int(np.prod(array.shape[1:], dtype=np.int64))
+
+
+def _buffer_row(array, by_steps):
+    """The table row of a buffer's rows (of contiguous values)."""
+    stride = array.strides[0]
+    return [array.ctypes.data, stride, 1, stride if by_steps else 0]
+
+
+def _concat_columns(e):
+    """Whether ``e`` is a concat of 2-D batched values by columns."""
+    return (e.op == "concat" and len(e.outputs[0].shape) == 2 and e.attrs.get("axis") in (1, -1)
+            and all(isinstance(v, ir.Var) and v.batched and len(v.shape) == 2 for v in e.inputs))
+
+
+def _row(v, env, places, width, dtype, kept):
+    """The loop's table row reading ``v`` in rows of ``width`` values (see
+    :meth:`_Run.table`): where the group keeps it (``places``) or, a value
+    of the call, once (kept alive in ``kept``); None where the loop cannot
+    read it so."""
+    itemsize = dtype.itemsize
+    if isinstance(v, ir.Var) and v.batched:
+        x, by_steps = places.get(v, (None, False))
+        if type(x) is np.ndarray and x.dtype == dtype and x.size == 0:
+            return [x.ctypes.data, 0, 1, 0]  # (a value of no columns: nothing read)
+        at = (_layout(x, x.shape[0], width, itemsize)
+              if type(x) is np.ndarray and x.dtype == dtype and x.ndim else None)
+        return None if at is None else [x.ctypes.data, at[0], at[1], at[0] if by_steps else 0]
+    x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], dtype)
+    at = _layout(x, 1, width, itemsize)
+    if at is None:
+        return None
+    kept.append(x)
+    return [x.ctypes.data, 0, at[1], 0]
 
 
 def _layout(x, rows, width, itemsize):
@@ -432,13 +630,14 @@ _LOOPS_LOCK = threading.Lock()
 
 
 def _loop(dtype):
-    """The run loop for ``dtype`` where it is compiled in this process or
-    in the disk cache (loaded), else None: then the compile worker compiles
-    it (once per install and machine; without a worker, here)."""
+    """The executor's loop for ``dtype`` where it is compiled in this
+    process or in the disk cache (loaded), else None: then the compile
+    worker compiles it (once per install, machine and BLAS; without a
+    worker, here)."""
     loop = _LOOPS.get(dtype)
     if loop is not None:
         return None if loop is _PENDING else loop
-    from .jit import loading
+    from .jit import blas, loading  # noqa: F401 (its products call the chosen BLAS: in the key)
 
     with _LOOPS_LOCK:
         if dtype in _LOOPS:  # (made meanwhile by another thread)
@@ -447,10 +646,10 @@ def _loop(dtype):
         module, key, signature = loading.load_source(source), loading.kernel_key(source), \
             _signature(dtype)
         if loading.ready_marker(key).exists() or not loading.tiered() or dtype in _REFUSED:
-            module.run_loop.compile(signature)  # (loaded from the disk cache where it is there)
+            module.steps_loop.compile(signature)  # (loaded from the disk cache where it is there)
             loading.mark_ready(key)
-            _LOOPS[dtype] = module.run_loop
-            return module.run_loop
+            _LOOPS[dtype] = module.steps_loop
+            return module.steps_loop
         _LOOPS[dtype] = _PENDING
 
     def answered(error):  # (the next call loads it; where the worker failed, compiles it here)
@@ -461,7 +660,7 @@ def _loop(dtype):
 
     try:
         loading.compile_worker().submit(SimpleNamespace(key=key, module=module), signature,
-                                        answered, function="run_loop")
+                                        answered, function="steps_loop")
     except OSError:
         answered("no compile worker")
     return None
@@ -473,48 +672,80 @@ _PENDING = object()
 def _signature(dtype):
     from numba import from_dtype, types
 
-    return (types.int64[:, ::1], types.int64[:, ::1], types.int64, types.int64, types.int64,
-            types.Array(from_dtype(dtype), 2, "C"))
+    values = from_dtype(dtype)
+    return (types.int64[:, ::1], types.int64[:, ::1], types.int64[:, ::1], types.int64[::1],
+            types.int64[::1], types.Array(values, 2, "C"), types.Array(values, 1, "C"))
 
 
 def _loop_source(dtype):
-    """The module of ``run_loop(code, table, rows, lo, width, registers)``:
-    the bytecode of a run (:class:`_Run`) over ``rows`` rows; ``table``
-    holds each operand's and output's address, row stride, whether a row
-    holds ``width`` values (else one, broadcast), and the stride by which
-    ``lo`` moves its first row."""
+    """The module of ``steps_loop(prog, code, table, active, starts,
+    registers, scratch)``: for each step ``t`` (``active[t]`` rows from the
+    token ``starts[t]``) the program ``prog``'s instructions, each a row
+    ``(kind, a, b, c, d, e)``: kind 0 a run of the bytecode ``code[a:b]``
+    (:class:`_Run`) over rows of ``c`` values, kind 1 a product (the chosen
+    BLAS's) of the table's rows ``a`` (the left operand, ``d`` columns) and
+    ``b`` (the weights, ``e`` columns) into ``c``. ``table`` holds each
+    operand's and result's address, row stride, whether a row holds
+    ``width`` values (else one, broadcast), and the stride by which a
+    step's first token moves its first row; ``scratch`` holds a left
+    operand whose rows are apart."""
     dt = f"np.{np.dtype(dtype).name}"
-    lines = ["def run_loop(code, table, rows, lo, width, registers):",
+    lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch):",
              "    wide_vectors()",
-             "    for i in range(rows):",
-             "        for c in range(code.shape[0]):",
-             "            op = code[c, 0]",
-             "            r = registers[code[c, 1]]",
-             "            if op == 0:  # an operand's row",
-             "                x = code[c, 2]",
-             "                at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
-             "                if table[x, 2] == 1:",
-             f"                    src = carray(pointer_to(at, {dt}), width)",
-             "                    for j in range(width):",
-             "                        r[j] = src[j]",
-             "                else:",
-             f"                    value = carray(pointer_to(at, {dt}), 1)[0]",
-             "                    for j in range(width):",
-             "                        r[j] = value",
-             "            elif op == 1:  # a value's row stored",
-             "                x = code[c, 2]",
-             "                at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
-             f"                dst = carray(pointer_to(at, {dt}), width)",
-             "                for j in range(width):",
-             "                    dst[j] = r[j]"]
+             "    for t in range(active.shape[0]):",
+             "        rows, lo = active[t], starts[t]",
+             "        for p in range(prog.shape[0]):",
+             "            if prog[p, 0] == 1:",
+             "                product(prog[p], table, rows, lo, scratch)",
+             "                continue",
+             "            width = prog[p, 3]",
+             "            for i in range(rows):",
+             "                for c in range(prog[p, 1], prog[p, 2]):",
+             "                    op = code[c, 0]",
+             "                    r = registers[code[c, 1]]",
+             "                    if op == 0:  # an operand's row",
+             "                        x = code[c, 2]",
+             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             "                        if table[x, 2] == 1:",
+             f"                            src = carray(pointer_to(at, {dt}), width)",
+             "                            for j in range(width):",
+             "                                r[j] = src[j]",
+             "                        else:",
+             f"                            value = carray(pointer_to(at, {dt}), 1)[0]",
+             "                            for j in range(width):",
+             "                                r[j] = value",
+             "                    elif op == 1:  # a value's row stored",
+             "                        x = code[c, 2]",
+             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             f"                        dst = carray(pointer_to(at, {dt}), width)",
+             "                        for j in range(width):",
+             "                            dst[j] = r[j]"]
     from .jit.cpu_emit import loop_module, op_code
 
     for k, name in enumerate(_LOOP_OPS):
         inputs = registry.get(name).num_inputs
-        lines += [f"            elif op == {2 + k}:  # {name}",
-                  "                a = registers[code[c, 2]]"]
+        lines += [f"                    elif op == {2 + k}:  # {name}",
+                  "                        a = registers[code[c, 2]]"]
         if inputs > 1:
-            lines.append("                b = registers[code[c, 3]]")
-        lines += ["                for j in range(width):",
-                  f"                    r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
-    return loop_module(lines)
+            lines.append("                        b = registers[code[c, 3]]")
+        lines += ["                        for j in range(width):",
+                  f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
+    lines += ["",
+              "",
+              "@njit(cache=True, error_model='numpy', nogil=True)",
+              "def product(p, table, rows, lo, scratch):",
+              "    left, k, n = p[1], p[4], p[5]",
+              "    if rows == 0:",
+              "        return",
+              "    at = table[left, 0] + lo * table[left, 3]",
+              f"    w = carray(pointer_to(table[p[2], 0], {dt}), (k, n))",
+              f"    out = carray(pointer_to(table[p[3], 0] + lo * table[p[3], 3], {dt}), (rows, n))",
+              "    if table[left, 1] == k * scratch.itemsize:",
+              f"        gemm(carray(pointer_to(at, {dt}), (rows, k)), w, out)",
+              "        return",
+              "    for i in range(rows):  # (rows apart: copied together first)",
+              f"        src = carray(pointer_to(at + i * table[left, 1], {dt}), k)",
+              "        for j in range(k):",
+              "            scratch[i * k + j] = src[j]",
+              "    gemm(scratch[:rows * k].reshape((rows, k)), w, out)"]
+    return loop_module(lines, imports=["from stepnet.jit.blas import gemm"])

@@ -16,9 +16,10 @@ from stepnet import executor, interpreter
 from stepnet.jit import loading
 
 def _both(rnn, all_steps=True, **feeds):
-    """The executor's outputs (one worker, then two) and the interpreter's,
-    for ``rnn`` called with ``feeds``; None where the executor does not run
-    the program."""
+    """The executor's outputs (one worker, then two; then one worker with
+    the time loop in Python, step by step) and the interpreter's, for
+    ``rnn`` called with ``feeds``; None where the executor does not run the
+    program."""
     program = rnn.program(rnn.all_steps_flags(all_steps))
     run = executor.compile_program(program)
     if run is None:
@@ -26,15 +27,21 @@ def _both(rnn, all_steps=True, **feeds):
         return None
     args, consts = rnn.bind(**feeds), rnn.const_values()
     expected = interpreter.compile_program(program)(args, consts)
-    return [run(args, consts, workers=w) for w in (1, 2)], expected
+    found = [run(args, consts, workers=w) for w in (1, 2)]
+    assert run.how == ("one call" if run.why_apart is None else f"step by step: {run.why_apart}")
+    run.why_apart = "asked to run step by step"
+    found.append(run(args, consts))
+    assert run.how == "step by step: asked to run step by step"
+    return found, expected
 
 
 def _agree(rnn, all_steps=True, what="output", **feeds):
     found = _both(rnn, all_steps, **feeds)
     assert found is not None, executor.why_not(rnn.program(rnn.all_steps_flags(all_steps)))
-    (one, two), expected = found
+    (one, two, by_steps), expected = found
     assert_close(one, expected, what=f"{what}, one worker")
     assert_close(two, expected, what=f"{what}, two workers")
+    assert_close(by_steps, expected, what=f"{what}, step by step")
     return one
 
 
@@ -55,9 +62,9 @@ def test_random_stepnets_agree_with_the_interpreter(net):
             found = _both(rnn, all_steps, **run_feeds)
             if found is None:  # (a form it leaves to the interpreter: why_not says so)
                 continue
-            (one, two), expected = found
-            assert_close(one, expected, what="executor, one worker")
-            assert_close(two, expected, what="executor, two workers")
+            found, expected = found
+            for got, how in zip(found, ("one worker", "two workers", "step by step")):
+                assert_close(got, expected, what=f"executor, {how}")
 
 
 def _gated(X, H, rng, reverse=False, dtype=np.float32, static=None):
@@ -92,6 +99,7 @@ def test_a_gated_cell_over_uneven_and_empty_sequences(rng, reverse, monkeypatch)
                                   [lengths])
     static = rng.standard_normal((len(lengths), 8)).astype(np.float32)
     rnn = _gated(X, 8, rng, reverse=reverse, static=static)
+    assert executor.compile_program(rnn.program(rnn.all_steps_flags(True))).why_apart is None
     _agree(rnn, all_steps=True, x=X)
     _agree(rnn, all_steps=False, x=X)
     assert not {"sigmoid", "tanh", "mul", "sub"} & set(on_numpy), on_numpy
@@ -112,7 +120,7 @@ def test_the_groups_take_big_runs(rng, monkeypatch):
                                   [lengths])
     rnn = _gated(X, 5, rng, dtype=np.float64)
     _agree(rnn, x=X)
-    assert groups == [1, 2]
+    assert groups == [1, 2, 1]  # (one worker, two, then one step by step)
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM", "RNN"])
@@ -187,7 +195,39 @@ def test_an_op_the_loop_does_not_compute_runs_op_by_op(rng):
     program = rnn.program(rnn.all_steps_flags(True))
     run = executor.compile_program(program)
     assert run is not None and not any(run.runs.values())
+    assert run.why_apart == "its step's values are not of one float dtype"  # (a bool mask)
     _agree(rnn, x=X)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_swapped_states_concats_and_products_of_products_in_one_call(rng, dtype):
+    """The time loop in one call where memories swap their states (each
+    new value another's state: copied aside first), a step concatenates
+    values by columns, and a product's left operand is a column block of a
+    merged product (its rows apart: copied together first)."""
+    lengths = [3, 6, 0, 1, 6]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((16, 4)).astype(dtype), [lengths])
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype)
+
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        a = rnn.add_memory(shape=[4], name="a", init=np.full(4, 0.5, dtype))
+        b = rnn.add_memory(shape=[4], name="b")
+        h = rnn.add_memory(shape=[5], name="h")
+        a.update(b.pre_state() + x)
+        b.update(a.pre_state())
+        p = sn.ops.matmul(h.pre_state(), w(5, 6))
+        q = sn.ops.matmul(h.pre_state(), w(5, 5))
+        both = sn.ops.concat([a.pre_state(), x], axis=1)
+        h.update(sn.ops.tanh(sn.ops.matmul(p, w(6, 5)) + q + sn.ops.matmul(both, w(8, 5))))
+        rnn.add_outputs(h, b)
+    run = executor.compile_program(rnn.program(rnn.all_steps_flags(True)))
+    assert run.why_apart is None
+    _agree(rnn, x=X)
+    _agree(rnn, all_steps=False, x=X)
 
 
 def test_why_not_names_what_it_does_not_run(rng):
