@@ -40,6 +40,10 @@ from . import ir, registry, schedule as _schedule
 from .errors import StepNetError
 from .lod import LoDTensor
 
+# the rows a hoisted stage computes at a time (by chunks of steps), as the
+# kernels' chunks: its results are read back from the cache
+_CHUNK_ROWS = 128
+
 # the ops an elementwise run's loop computes (their float results): opcode
 # 2 + index (0 loads an operand's row, 1 stores one)
 _LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
@@ -107,7 +111,7 @@ class Executor:
         kept = {*self.body.outputs, *(m.post for m in self.body.memories)}
         self.runs = {stage: _Run.of(stage, {v for v in stage.outputs
                                             if v in kept or readers.get(v, {stage}) - {stage}})
-                     for stage in self.step if stage.kind == "elementwise"}
+                     for stage in (*self.whole, *self.step) if stage.kind == "elementwise"}
         # the dtype of the step's values, where they have one (the loop's)
         dtypes = {np.dtype(v.dtype) for v in (*self.body.step_inputs, *self.body.static_inputs,
                                               *(m.pre for m in self.body.memories),
@@ -169,8 +173,6 @@ class Executor:
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
             value = s.value if isinstance(s, ir.Literal) else shared[s]
             env[var] = np.asarray(value)[layout.order] if var.batched else value
-        for stage in self.whole:  # once over every token, by steps
-            _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
         state = []
         for mem, init in zip(self.body.memories, self.inits):
             value = init.value if isinstance(init, ir.Literal) else shared[init]
@@ -182,10 +184,8 @@ class Executor:
                 for v, every, m in zip(self.body.outputs, self.all_steps, self.output_memory)]
         rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
                 for v, every in zip(self.body.outputs, self.all_steps)]
-        full = {v: env[v] for v in (*self.body.step_inputs,
-                                    *(o for s in self.whole for o in s.outputs))}
         statics = {v: env[v] for v in self.body.static_inputs if v.batched}
-        places = {v: (values, True) for v, values in full.items()}
+        places = {v: (env[v], True) for v in self.body.step_inputs}
         places.update({v: (values, False) for v, values in statics.items()})
         places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)})
         steps = _Steps.of(self, env, layout, dict(places), rows, last, state)
@@ -193,6 +193,11 @@ class Executor:
         if isinstance(steps, _Steps):
             steps.run(layout)
         else:
+            for stage in self.whole:  # once over every token, by steps
+                _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
+            full = {v: env[v] for v in (*self.body.step_inputs,
+                                        *(o for s in self.whole for o in s.outputs))}
+            places.update({v: (values, True) for v, values in full.items()})
             self._by_steps(env, layout, places, full, statics, state, rows, last)
         out.write(layout, rows, last)
 
@@ -371,7 +376,7 @@ class _Run:
         code += [(1, register[v], len(operands) + k, 0, 0) for k, v in enumerate(stored)]
         return cls(stage, dtype, width, operands, np.array(code, np.int64), stored, len(register))
 
-    def table(self, env, num_seq, places):
+    def table(self, env, num_seq, places, by_steps=False):
         """The run's rows of the loop's table (each operand's, then each
         stored value's: ``[address, row stride in bytes, 1 where a row holds
         width values else 0 (one, broadcast), the stride by which a step's
@@ -381,7 +386,8 @@ class _Run:
         and the stored values' buffers, made here and added to ``places``
         (``{var: (array, by_steps)}``, where the group keeps a step's values:
         its rows of ``array`` are the first, or with ``by_steps`` those from
-        the step's first token). None where a constant cannot be read so."""
+        the step's first token; the stored values' too where ``by_steps``:
+        a hoisted run's). None where a constant cannot be read so."""
         table = np.zeros((len(self.operands) + len(self.stored), 4), np.int64)
         kept, batched = [], []
         for k, v in enumerate(self.operands):
@@ -394,8 +400,8 @@ class _Run:
                 table[k] = row
         outs = [np.empty((num_seq,) + tuple(v.shape[1:]), self.dtype) for v in self.stored]
         for k, (v, y) in enumerate(zip(self.stored, outs), len(self.operands)):
-            table[k] = y.ctypes.data, self.width * self.dtype.itemsize, 1, 0
-            places[v] = (y, False)
+            table[k] = _buffer_row(y, by_steps)
+            places[v] = (y, by_steps)
         return table, batched, kept, outs
 
     def start(self, env, num_seq, places):
@@ -408,7 +414,7 @@ class _Run:
             return None
         table, batched, kept, outs = made
         width, itemsize = self.width, self.dtype.itemsize
-        prog = np.array([[0, 0, len(self.code), width, 0, 0]], np.int64)
+        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         registers, scratch = np.empty((self.registers, width), self.dtype), np.empty(0, self.dtype)
         code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
@@ -450,9 +456,9 @@ class _Steps:
         sentence), or None: what the loop does not compute."""
         if executor.dtype not in (np.float32, np.float64):
             return "its step's values are not of one float dtype"
-        for stage in executor.step:
+        for stage in (*executor.whole, *executor.step):
             if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
-                    or all(_concat_columns(e) for e in stage.eqns)):
+                    or stage in executor.step and all(_concat_columns(e) for e in stage.eqns)):
                 ops = ", ".join(sorted({e.op for e in stage.eqns}))
                 return f"its step has a {stage.kind} stage the loop does not run ({ops})"
         return None
@@ -470,6 +476,13 @@ class _Steps:
             return "the executor's loop is not compiled yet"
         if layout.num_steps == 0:
             return self  # (nothing to run)
+        # the hoisted stages by chunks of steps of about _CHUNK_ROWS rows, each
+        # just before the steps that read it (its results then read from the cache)
+        chunk = max(1, _CHUNK_ROWS // max(num_seq, 1))
+        for stage in executor.whole:
+            if not self._stage(stage, executor.runs.get(stage), env, layout.tokens, places,
+                               chunk, chunk * num_seq):
+                return f"a value its hoisted {stage.kind} stage reads is not laid out as the loop reads"
         for stage in executor.step:
             if not self._stage(stage, executor.runs.get(stage), env, num_seq, places):
                 return f"a value its {stage.kind} stage reads is not laid out as the loop reads"
@@ -496,29 +509,36 @@ class _Steps:
     def run(self, layout):
         loop = _loop(self.dtype)
         entry = loop.overloads[loop.signatures[0]].entry_point
-        entry(np.array(self.prog, np.int64).reshape(-1, 6),
+        entry(np.array(self.prog, np.int64).reshape(-1, 7),
               np.array(self.code, np.int64).reshape(-1, 5),
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
               np.empty((self.registers, self.width), self.dtype),
               np.empty(max(self.scratch, 1), self.dtype))
 
-    def _run(self, code, table, width, registers):
-        """Add a run: its bytecode reading the table's rows ``table``."""
+    def _run(self, code, table, width, registers, chunk=0):
+        """Add a run: its bytecode reading the table's rows ``table`` (at
+        every step, or with ``chunk`` over its steps' rows every ``chunk``
+        steps)."""
         base, first = len(self.table), len(self.code)
         self.table += [list(row) for row in table]
         self.code += [(op, r, x + base if op < 2 else x, y, z) for op, r, x, y, z in code]
-        self.prog.append((0, first, len(self.code), width, 0, 0))
+        self.prog.append((0, first, len(self.code), width, 0, 0, chunk))
         self.registers, self.width = max(self.registers, registers), max(self.width, width)
 
-    def _stage(self, stage, run, env, num_seq, places):
-        itemsize = self.dtype.itemsize
+    def _stage(self, stage, run, env, num_rows, places, chunk=0, chunk_rows=0):
+        """Add a stage's instructions, its results' buffers (``num_rows``
+        rows) to ``places``: a step's stage, or with ``chunk`` a hoisted one
+        (its results by steps: every token's rows), over at most
+        ``chunk_rows`` rows every ``chunk`` steps. False where a value it
+        reads is not laid out as the loop reads."""
+        itemsize, by_steps = self.dtype.itemsize, chunk > 0
         if run is not None:
-            made = run.table(env, num_seq, places)
+            made = run.table(env, num_rows, places, by_steps)
             if made is None or made[1]:
                 return False
             self.kept += [*made[2], *made[3]]
-            self._run(run.code.tolist(), made[0], run.width, run.registers)
+            self._run(run.code.tolist(), made[0], run.width, run.registers, chunk)
             return True
         if stage.kind == "gemm":
             joined = np.concatenate([np.asarray(env[e.inputs[1]]) for e in stage.eqns], axis=1)
@@ -529,20 +549,20 @@ class _Steps:
             left = _row(stage.left, env, places, k, self.dtype, self.kept)
             if left is None or not left[1] or not left[2]:
                 return False
-            buffer = np.empty((num_seq, n), self.dtype)
+            buffer = np.empty((num_rows, n), self.dtype)
             cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
-            places.update({v: (buffer[:, lo:hi], False)
+            places.update({v: (buffer[:, lo:hi], by_steps)
                            for v, lo, hi in zip(stage.outputs, cuts[:-1], cuts[1:])})
             self.kept += [joined, buffer]
             if left[1] != k * itemsize:  # (its rows apart: copied together first)
-                self.scratch = max(self.scratch, num_seq * k)
+                self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)
             base = len(self.table)
-            self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, False)]
-            self.prog.append((1, base, base + 1, base + 2, k, n))
+            self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
+            self.prog.append((1, base, base + 1, base + 2, k, n, chunk))
             return True
         for e in stage.eqns:  # concats by columns (why_not)
             out = e.outputs[0]
-            y = np.empty((num_seq, out.shape[1]), self.dtype)
+            y = np.empty((num_rows, out.shape[1]), self.dtype)
             self.kept.append(y)
             at = 0
             for v in e.inputs:
@@ -681,10 +701,12 @@ def _loop_source(dtype):
     """The module of ``steps_loop(prog, code, table, active, starts,
     registers, scratch)``: for each step ``t`` (``active[t]`` rows from the
     token ``starts[t]``) the program ``prog``'s instructions, each a row
-    ``(kind, a, b, c, d, e)``: kind 0 a run of the bytecode ``code[a:b]``
-    (:class:`_Run`) over rows of ``c`` values, kind 1 a product (the chosen
-    BLAS's) of the table's rows ``a`` (the left operand, ``d`` columns) and
-    ``b`` (the weights, ``e`` columns) into ``c``. ``table`` holds each
+    ``(kind, a, b, c, d, e, chunk)``: kind 0 a run of the bytecode
+    ``code[a:b]`` (:class:`_Run`) over rows of ``c`` values, kind 1 a
+    product (the chosen BLAS's) of the table's rows ``a`` (the left operand,
+    ``d`` columns) and ``b`` (the weights, ``e`` columns) into ``c``; with a
+    ``chunk``, a hoisted stage's, only at every ``chunk``-th step, over the
+    rows of the steps to the next. ``table`` holds each
     operand's and result's address, row stride, whether a row holds
     ``width`` values (else one, broadcast), and the stride by which a
     step's first token moves its first row; ``scratch`` holds a left
@@ -692,9 +714,15 @@ def _loop_source(dtype):
     dt = f"np.{np.dtype(dtype).name}"
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch):",
              "    wide_vectors()",
-             "    for t in range(active.shape[0]):",
-             "        rows, lo = active[t], starts[t]",
+             "    steps = active.shape[0]",
+             "    for t in range(steps):",
              "        for p in range(prog.shape[0]):",
+             "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
+             "            if chunk > 0:  # (a hoisted stage: every chunk steps, their rows)",
+             "                if t % chunk != 0:",
+             "                    continue",
+             "                end = min(t + chunk, steps) - 1",
+             "                rows = starts[end] + active[end] - lo",
              "            if prog[p, 0] == 1:",
              "                product(prog[p], table, rows, lo, scratch)",
              "                continue",
