@@ -13,14 +13,20 @@ caller's rows, each GEMM on its own. The executor runs the schedule
 - in a group, the sequences sorted by length and every token laid out by
   steps once (step 0 of every sequence, then step 1, ...), so that a step's
   rows are one slice of each value, never a gather;
-- the hoisted GEMMs and elementwise ops once over every token (a merged
-  GEMM as one product: its weights joined by columns once a call);
-- each step's GEMMs as one product each, into buffers made once a call; each
-  elementwise run as one loop over its rows (:class:`_Run`: a bytecode of
-  the run's ops run by a loop compiled once per install and dtype, kept in
-  ``STEPNET_CACHE_DIR``, each op's code the kernels'); the other stages op by
-  op on NumPy; the memories read and written in place in their sorted rows;
-- the outputs written by steps, put in the caller's order once at the end.
+- a group's whole time loop as one call of one loop compiled once per
+  install and dtype (:class:`_Steps`, ``steps_loop``, kept in
+  ``STEPNET_CACHE_DIR``): each stage an instruction over one table of
+  addresses, an elementwise run as a bytecode of its ops (:class:`_Run`,
+  each op's code the kernels'), a GEMM as one product of the step's rows by
+  the chosen BLAS (a merged one's weights joined once a call), a concat by
+  columns as copies, the hoisted stages by chunks of steps just before the
+  steps that read them; the memories read and written in place in their
+  sorted rows, the outputs written by steps;
+- where the loop does not run a step (``Executor.why_apart``), the time
+  loop in Python: the hoisted stages once over every token, then each
+  stage a call at each step (a GEMM one NumPy product, a run its bytecode,
+  other stages op by op on NumPy);
+- the outputs put in the caller's order once at the end.
 
 It runs the step-nets whose every value is dense (no LoD inside the body,
 step inputs of one LoD level, no ragged memory) and that nest no rnn:
@@ -460,7 +466,7 @@ class _Steps:
             if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
                     or stage in executor.step and all(_concat_columns(e) for e in stage.eqns)):
                 ops = ", ".join(sorted({e.op for e in stage.eqns}))
-                return f"its step has a {stage.kind} stage the loop does not run ({ops})"
+                return f"it has a {stage.kind} stage the loop does not run ({ops})"
         return None
 
     @classmethod
@@ -507,6 +513,7 @@ class _Steps:
         return self
 
     def run(self, layout):
+        """Run the group's every step (``layout``'s) in one call."""
         loop = _loop(self.dtype)
         entry = loop.overloads[loop.signatures[0]].entry_point
         entry(np.array(self.prog, np.int64).reshape(-1, 7),
