@@ -375,13 +375,13 @@ def executor_probe_main(args):
 
     import importlib
 
-    from stepnet import executor
+    from stepnet import executor, executor_loop
 
     backends = importlib.import_module("stepnet.backends")  # (sn.backends is a function)
 
     t0 = time.perf_counter()
     for dtype in (np.float32, np.float64):
-        executor._loop(np.dtype(dtype))  # (STEPNET_TIERED=0: compiled here, or loaded)
+        executor_loop.loop(np.dtype(dtype))  # (STEPNET_TIERED=0: compiled here, or loaded)
     out = {"loops_s": time.perf_counter() - t0, "items": {}}
     seen = set()  # (the step-nets of the workloads before)
     for key in args.workloads.split(","):

@@ -37,23 +37,16 @@ tolerance the contract gives a kernel, not bit for bit the interpreter's.
 
 from __future__ import annotations
 
-import threading
-from types import SimpleNamespace
-
 import numpy as np
 
 from . import ir, registry, schedule as _schedule
 from .errors import StepNetError
+from .executor_loop import LOOP_OPS, loop as _loop
 from .lod import LoDTensor
 
 # the rows a hoisted stage computes at a time (by chunks of steps), as the
 # kernels' chunks: its results are read back from the cache
 _CHUNK_ROWS = 128
-
-# the ops an elementwise run's loop computes (their float results): opcode
-# 2 + index (0 loads an operand's row, 1 stores one)
-_LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
-             "tanh", "sigmoid", "softplus", "erf", "relu")
 
 
 def why_not(program: ir.Program):
@@ -363,7 +356,7 @@ class _Run:
         width = shape[1] if len(shape) == 2 else 1
         operands, code, register = [], [], {}
         for e in stage.eqns:
-            if e.op not in _LOOP_OPS or e.attrs or np.dtype(e.outputs[0].dtype) != dtype:
+            if e.op not in LOOP_OPS or e.attrs or np.dtype(e.outputs[0].dtype) != dtype:
                 return None
             sources = []
             for v in e.inputs:
@@ -376,7 +369,7 @@ class _Run:
                 sources.append(register[v])
             out = e.outputs[0]
             register[out] = len(register)
-            code.append((2 + _LOOP_OPS.index(e.op), register[out], *sources,
+            code.append((2 + LOOP_OPS.index(e.op), register[out], *sources,
                          *([0] * (3 - len(sources)))))
         stored = [v for e in stage.eqns for v in e.outputs if v in stored]
         code += [(1, register[v], len(operands) + k, 0, 0) for k, v in enumerate(stored)]
@@ -420,10 +413,11 @@ class _Run:
             return None
         table, batched, kept, outs = made
         width, itemsize = self.width, self.dtype.itemsize
-        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0]], np.int64)
+        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         registers, scratch = np.empty((self.registers, width), self.dtype), np.empty(0, self.dtype)
         code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
+        from .jit.threads import ALONE
 
         def step(env, rows, lo):
             for k, v in batched:
@@ -435,7 +429,7 @@ class _Run:
                 table[k, 0] = x.__array_interface__["data"][0]
                 table[k, 1], table[k, 2] = at
             active[0], starts[0] = rows, lo
-            entry(prog, code, table, active, starts, registers, scratch)
+            entry(prog, code, table, active, starts, registers, scratch, ALONE, _LIBRARY_ONLY)
             for v, y in zip(self.stored, outs):
                 env[v] = y[:rows]
             return True
@@ -516,12 +510,14 @@ class _Steps:
         """Run the group's every step (``layout``'s) in one call."""
         loop = _loop(self.dtype)
         entry = loop.overloads[loop.signatures[0]].entry_point
-        entry(np.array(self.prog, np.int64).reshape(-1, 7),
+        from .jit.threads import ALONE
+
+        entry(np.array(self.prog, np.int64).reshape(-1, 9),
               np.array(self.code, np.int64).reshape(-1, 5),
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
               np.empty((self.registers, self.width), self.dtype),
-              np.empty(max(self.scratch, 1), self.dtype))
+              np.empty(max(self.scratch, 1), self.dtype), ALONE, _small_rows())
 
     def _run(self, code, table, width, registers, chunk=0):
         """Add a run: its bytecode reading the table's rows ``table`` (at
@@ -530,7 +526,7 @@ class _Steps:
         base, first = len(self.table), len(self.code)
         self.table += [list(row) for row in table]
         self.code += [(op, r, x + base if op < 2 else x, y, z) for op, r, x, y, z in code]
-        self.prog.append((0, first, len(self.code), width, 0, 0, chunk))
+        self.prog.append((0, first, len(self.code), width, 0, 0, chunk, 0, 0))
         self.registers, self.width = max(self.registers, registers), max(self.width, width)
 
     def _stage(self, stage, run, env, num_rows, places, chunk=0, chunk_rows=0):
@@ -565,7 +561,8 @@ class _Steps:
                 self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)
             base = len(self.table)
             self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
-            self.prog.append((1, base, base + 1, base + 2, k, n, chunk))
+            self.prog.append((1, base, base + 1, base + 2, k, n, chunk, chunk_rows or num_rows,
+                              sum(row[0] == 1 for row in self.prog)))
             return True
         for e in stage.eqns:  # concats by columns (why_not)
             out = e.outputs[0]
@@ -593,6 +590,20 @@ class _Steps:
         self._run([(0, 0, 0, 0, 0), (1, 0, 1, 0, 0)], [source, _buffer_row(to, by_steps)],
                   _width(to), 1)
         return True
+
+
+def _small_rows():
+    """The kernels' ``small_rows`` (``blas.pack``'s: up to how many rows a
+    product runs stepnet's own loop) where this machine's are measured or
+    kept, else a table giving every product to the library (never measured
+    here: the compile worker measures them after its first kernel)."""
+    from .jit import product_timing
+
+    table = product_timing.small_rows_table(measure=False)
+    return _LIBRARY_ONLY if table is None else np.array(table)
+
+
+_LIBRARY_ONLY = np.array([[1 << 62], [0], [0]], np.int64)  # (small_rows: no own loop)
 
 
 def _width(array):
@@ -649,138 +660,3 @@ def _layout(x, rows, width, itemsize):
     if x.ndim == 1 and width == 1 and shape[0] == rows:
         return strides[0], 0
     return None
-
-
-_LOOPS = {}  # dtype -> the run loop, once it is compiled here
-_REFUSED = set()  # the dtypes whose loop the compile worker failed to compile
-_LOOPS_LOCK = threading.Lock()
-
-
-def _loop(dtype):
-    """The executor's loop for ``dtype`` where it is compiled in this
-    process or in the disk cache (loaded), else None: then the compile
-    worker compiles it (once per install, machine and BLAS; without a
-    worker, here)."""
-    loop = _LOOPS.get(dtype)
-    if loop is not None:
-        return None if loop is _PENDING else loop
-    from .jit import blas, loading  # noqa: F401 (its products call the chosen BLAS: in the key)
-
-    with _LOOPS_LOCK:
-        if dtype in _LOOPS:  # (made meanwhile by another thread)
-            return None if _LOOPS[dtype] is _PENDING else _LOOPS[dtype]
-        source = _loop_source(dtype)
-        module, key, signature = loading.load_source(source), loading.kernel_key(source), \
-            _signature(dtype)
-        if loading.ready_marker(key).exists() or not loading.tiered() or dtype in _REFUSED:
-            module.steps_loop.compile(signature)  # (loaded from the disk cache where it is there)
-            loading.mark_ready(key)
-            _LOOPS[dtype] = module.steps_loop
-            return module.steps_loop
-        _LOOPS[dtype] = _PENDING
-
-    def answered(error):  # (the next call loads it; where the worker failed, compiles it here)
-        with _LOOPS_LOCK:
-            _LOOPS.pop(dtype, None)
-            if error is not None:
-                _REFUSED.add(dtype)
-
-    try:
-        loading.compile_worker().submit(SimpleNamespace(key=key, module=module), signature,
-                                        answered, function="steps_loop")
-    except OSError:
-        answered("no compile worker")
-    return None
-
-
-_PENDING = object()
-
-
-def _signature(dtype):
-    from numba import from_dtype, types
-
-    values = from_dtype(dtype)
-    return (types.int64[:, ::1], types.int64[:, ::1], types.int64[:, ::1], types.int64[::1],
-            types.int64[::1], types.Array(values, 2, "C"), types.Array(values, 1, "C"))
-
-
-def _loop_source(dtype):
-    """The module of ``steps_loop(prog, code, table, active, starts,
-    registers, scratch)``: for each step ``t`` (``active[t]`` rows from the
-    token ``starts[t]``) the program ``prog``'s instructions, each a row
-    ``(kind, a, b, c, d, e, chunk)``: kind 0 a run of the bytecode
-    ``code[a:b]`` (:class:`_Run`) over rows of ``c`` values, kind 1 a
-    product (the chosen BLAS's) of the table's rows ``a`` (the left operand,
-    ``d`` columns) and ``b`` (the weights, ``e`` columns) into ``c``; with a
-    ``chunk``, a hoisted stage's, only at every ``chunk``-th step, over the
-    rows of the steps to the next. ``table`` holds each
-    operand's and result's address, row stride, whether a row holds
-    ``width`` values (else one, broadcast), and the stride by which a
-    step's first token moves its first row; ``scratch`` holds a left
-    operand whose rows are apart."""
-    dt = f"np.{np.dtype(dtype).name}"
-    lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch):",
-             "    wide_vectors()",
-             "    steps = active.shape[0]",
-             "    for t in range(steps):",
-             "        for p in range(prog.shape[0]):",
-             "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
-             "            if chunk > 0:  # (a hoisted stage: every chunk steps, their rows)",
-             "                if t % chunk != 0:",
-             "                    continue",
-             "                end = min(t + chunk, steps) - 1",
-             "                rows = starts[end] + active[end] - lo",
-             "            if prog[p, 0] == 1:",
-             "                product(prog[p], table, rows, lo, scratch)",
-             "                continue",
-             "            width = prog[p, 3]",
-             "            for i in range(rows):",
-             "                for c in range(prog[p, 1], prog[p, 2]):",
-             "                    op = code[c, 0]",
-             "                    r = registers[code[c, 1]]",
-             "                    if op == 0:  # an operand's row",
-             "                        x = code[c, 2]",
-             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
-             "                        if table[x, 2] == 1:",
-             f"                            src = carray(pointer_to(at, {dt}), width)",
-             "                            for j in range(width):",
-             "                                r[j] = src[j]",
-             "                        else:",
-             f"                            value = carray(pointer_to(at, {dt}), 1)[0]",
-             "                            for j in range(width):",
-             "                                r[j] = value",
-             "                    elif op == 1:  # a value's row stored",
-             "                        x = code[c, 2]",
-             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
-             f"                        dst = carray(pointer_to(at, {dt}), width)",
-             "                        for j in range(width):",
-             "                            dst[j] = r[j]"]
-    from .jit.cpu_emit import loop_module, op_code
-
-    for k, name in enumerate(_LOOP_OPS):
-        inputs = registry.get(name).num_inputs
-        lines += [f"                    elif op == {2 + k}:  # {name}",
-                  "                        a = registers[code[c, 2]]"]
-        if inputs > 1:
-            lines.append("                        b = registers[code[c, 3]]")
-        lines += ["                        for j in range(width):",
-                  f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
-    lines += ["",
-              "",
-              "@njit(cache=True, error_model='numpy', nogil=True)",
-              "def product(p, table, rows, lo, scratch):",
-              "    left, k, n = p[1], p[4], p[5]",
-              "    if rows == 0:",
-              "        return",
-              "    at = table[left, 0] + lo * table[left, 3]",
-              f"    w = carray(pointer_to(table[p[2], 0], {dt}), (k, n))",
-              f"    out = carray(pointer_to(table[p[3], 0] + lo * table[p[3], 3], {dt}), (rows, n))",
-              "    if table[left, 1] == k * scratch.itemsize:",
-              f"        gemm(carray(pointer_to(at, {dt}), (rows, k)), w, out)",
-              "        return",
-              "    for i in range(rows):  # (rows apart: copied together first)",
-              f"        src = carray(pointer_to(at + i * table[left, 1], {dt}), k)",
-              "        for j in range(k):",
-              "            scratch[i * k + j] = src[j]",
-              "    gemm(scratch[:rows * k].reshape((rows, k)), w, out)"]
-    return loop_module(lines, imports=["from stepnet.jit.blas import gemm"])

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from stepnet_strategies import random_stepnets
 
 import stepnet as sn
-from stepnet import executor, interpreter
+from stepnet import executor, executor_loop, interpreter
 from stepnet.jit import loading
 
 def _both(rnn, all_steps=True, **feeds):
@@ -50,7 +50,7 @@ def _loops():
     """The executor's loops compiled here (the tests' STEPNET_TIERED=0)."""
     assert not loading.tiered()
     for dtype in (np.float32, np.float64):
-        assert executor._loop(np.dtype(dtype)) is not None
+        assert executor_loop.loop(np.dtype(dtype)) is not None
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -449,7 +449,7 @@ def measured_on_free_cores(measure, tries=3):
     return None, False
 
 
-def small_product_rows(choice, time_both, time_shared=None, check=True, time_many=None) -> tuple:
+def small_product_rows(choice, time_both, time_shared=None, check=True, time_many=None, measure=True):
     """Up to how many rows a product runs stepnet's own loop instead of the
     library's (a per-step product, or one outside the time loop over every
     step's rows), and whether the own loop shares it with the helper, by
@@ -472,14 +472,15 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
     time alone, in a time loop (the cut pays for two handoffs between
     cores); where not measured (another process kept a core busy:
     ``measured_on_free_cores``; the file says so), it is shared. A kept
-    table is checked where ``check`` (``disagreement``: ``_CHECKED`` again)."""
+    table is checked where ``check`` (``disagreement``: ``_CHECKED`` again);
+    none kept and not ``measure``: None."""
     requested = config.small_products
     if requested is not None:
         limits = ((EVERY_PRODUCT, requested, 1),)
         _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
                                shared=[])
         return limits
-    return _measured_small_rows(choice, time_both, time_shared, check, time_many)
+    return _measured_small_rows(choice, time_both, time_shared, check, time_many, measure)
 
 
 # a size of weights is shared with the helper where its one-row product cut
@@ -489,7 +490,7 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
 SHARE_WINS = 0.9
 
 
-def _measured_small_rows(choice, time_both, time_shared, check, time_many):
+def _measured_small_rows(choice, time_both, time_shared, check, time_many, measure):
     """``small_product_rows``' limits as measured, or as kept."""
     key = _measured_key(_OWN_LOOP, choice)
     saved, off = _kept("small_products.json", key), None
@@ -504,6 +505,8 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many):
                 return limits
     except (ValueError, TypeError, KeyError):
         pass  # a file of another form: measured again
+    if not measure:
+        return None
     points = [(m, k, n, *time_both(m, k, n)) for k, n in _STEP_WEIGHTS for m in _STEP_ROWS]
     shared, crowded = [], 0
     for k, n in _STEP_WEIGHTS:

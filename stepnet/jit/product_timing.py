@@ -128,13 +128,13 @@ _SMALL_ROWS = []  # small_rows_table(), once measured or read
 _SMALL_ROWS_LOCK = threading.Lock()
 
 
-def small_rows_table():
+def small_rows_table(measure=True):
     """The ``small_rows`` argument of ``pack``: [3, L], for weights of each
     size (row 0), the rows up to which per-step products run ``small_gemm``
     (row 1) and whether it shares them with the helper (row 2; measured at
     the first call, and kept: :func:`stepnet.jit.blas_choice.small_product_rows`).
     A run-time argument, so a kernel's code does not depend on it; under
-    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``."""
+    ``STEPNET_DETERMINISTIC`` every product runs ``small_gemm``. (None if not kept and not ``measure``.)"""
     if not _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if not _SMALL_ROWS:
@@ -144,7 +144,10 @@ def small_rows_table():
                 # compiling it for the check
                 limits = ((EVERY_PRODUCT, EVERY_PRODUCT, 1),) if DETERMINISTIC else \
                     small_product_rows(_choice, _time_small_and_library, _time_alone_and_shared,
-                                       check="float32" in blas._own_entries, time_many=_time_many)
+                                       check="float32" in blas._own_entries, time_many=_time_many,
+                                       measure=measure)
+                if limits is None:
+                    return None
                 table = np.array(limits, np.int64).T.copy()
                 table.flags.writeable = False
                 _SMALL_ROWS.append(table)

@@ -1,0 +1,173 @@
+"""The schedule executor's compiled loop (:mod:`stepnet.executor`): one
+function per dtype, ``steps_loop``, compiled once per install, machine and
+BLAS into ``STEPNET_CACHE_DIR`` (by the compile worker where tiered), which
+runs a group's time loop as a program of instructions over a table of
+addresses: elementwise runs as a bytecode of the ops in ``LOOP_OPS``, each
+op's code the kernels', and products as the kernels' per-step products."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import registry
+
+# the ops an elementwise run's loop computes (their float results): opcode
+# 2 + index (0 loads an operand's row, 1 stores one)
+LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
+            "tanh", "sigmoid", "softplus", "erf", "relu")
+
+_LOOPS = {}  # dtype -> the loop, once it is compiled here
+_REFUSED = set()  # the dtypes whose loop the compile worker failed to compile
+_LOOPS_LOCK = threading.Lock()
+
+
+def loop(dtype):
+    """The executor's loop for ``dtype`` where it is compiled in this
+    process or in the disk cache (loaded), else None: then the compile
+    worker compiles it (once per install, machine and BLAS; without a
+    worker, here)."""
+    loop = _LOOPS.get(dtype)
+    if loop is not None:
+        return None if loop is _PENDING else loop
+    from .jit import blas, loading  # noqa: F401 (its products call the chosen BLAS: in the key)
+
+    with _LOOPS_LOCK:
+        if dtype in _LOOPS:  # (made meanwhile by another thread)
+            return None if _LOOPS[dtype] is _PENDING else _LOOPS[dtype]
+        source = _loop_source(dtype)
+        module, key, signature = loading.load_source(source), loading.kernel_key(source), \
+            _signature(dtype)
+        if loading.ready_marker(key).exists() or not loading.tiered() or dtype in _REFUSED:
+            loading.link_helpers(module)  # (its own product loop's C entry)
+            module.steps_loop.compile(signature)  # (loaded from the disk cache where it is there)
+            loading.mark_ready(key)
+            _LOOPS[dtype] = module.steps_loop
+            return module.steps_loop
+        _LOOPS[dtype] = _PENDING
+
+    def answered(error):  # (the next call loads it; where the worker failed, compiles it here)
+        with _LOOPS_LOCK:
+            _LOOPS.pop(dtype, None)
+            if error is not None:
+                _REFUSED.add(dtype)
+
+    try:
+        loading.compile_worker().submit(SimpleNamespace(key=key, module=module), signature,
+                                        answered, function="steps_loop")
+    except OSError:
+        answered("no compile worker")
+    return None
+
+
+_PENDING = object()
+
+
+def _signature(dtype):
+    from numba import from_dtype, types
+
+    values = from_dtype(dtype)
+    return (types.int64[:, ::1], types.int64[:, ::1], types.int64[:, ::1], types.int64[::1],
+            types.int64[::1], types.Array(values, 2, "C"), types.Array(values, 1, "C"),
+            types.int64[::1], types.int64[:, ::1])
+
+
+def _loop_source(dtype):
+    """The module of ``steps_loop(prog, code, table, active, starts,
+    registers, scratch, board)``: for each step ``t`` (``active[t]`` rows
+    from the token ``starts[t]``) the program ``prog``'s instructions, each
+    a row ``(kind, a, b, c, d, e, chunk, rows, q)``: kind 0 a run of the
+    bytecode ``code[a:b]`` (:class:`_Run`) over rows of ``c`` values, kind 1
+    a product of at most ``rows`` rows of the table's row ``a`` (the left
+    operand, ``d`` columns) by ``b`` (the weights, ``e`` columns) into ``c``
+    as the kernels' per-step products (``blas.gemm_packed`` on ``board``
+    and the measured ``small_rows``: the own loop or the chosen BLAS), its
+    ``q``-th; with a
+    ``chunk``, a hoisted stage's, only at every ``chunk``-th step, over the
+    rows of the steps to the next. ``table`` holds each operand's and
+    result's address, row stride, whether a row holds ``width`` values
+    (else one, broadcast), and the stride by which a step's first token
+    moves its first row; ``scratch`` holds a left operand whose rows are
+    apart."""
+    dt = f"np.{np.dtype(dtype).name}"
+    lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
+             "               small_rows):",
+             "    wide_vectors()",
+             "    steps = active.shape[0]",
+             "    tokens = starts[steps - 1] + active[steps - 1] if steps > 0 else 0",
+             "    # each product's weights prepared once a call, as the kernels' (pack)",
+             f"    prepared = [pack(carray(pointer_to(table[prog[p, 2], 0], {dt}), "
+             "(prog[p, 4], prog[p, 5])),",
+             "                     prog[p, 7], tokens, small_rows, board)",
+             "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
+             "    for t in range(steps):",
+             "        for p in range(prog.shape[0]):",
+             "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
+             "            if chunk > 0:  # (a hoisted stage: every chunk steps, their rows)",
+             "                if t % chunk != 0:",
+             "                    continue",
+             "                end = min(t + chunk, steps) - 1",
+             "                rows = starts[end] + active[end] - lo",
+             "            if prog[p, 0] == 1:",
+             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]])",
+             "                continue",
+             "            width = prog[p, 3]",
+             "            for i in range(rows):",
+             "                for c in range(prog[p, 1], prog[p, 2]):",
+             "                    op = code[c, 0]",
+             "                    r = registers[code[c, 1]]",
+             "                    if op == 0:  # an operand's row",
+             "                        x = code[c, 2]",
+             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             "                        if table[x, 2] == 1:",
+             f"                            src = carray(pointer_to(at, {dt}), width)",
+             "                            for j in range(width):",
+             "                                r[j] = src[j]",
+             "                        else:",
+             f"                            value = carray(pointer_to(at, {dt}), 1)[0]",
+             "                            for j in range(width):",
+             "                                r[j] = value",
+             "                    elif op == 1:  # a value's row stored",
+             "                        x = code[c, 2]",
+             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             f"                        dst = carray(pointer_to(at, {dt}), width)",
+             "                        for j in range(width):",
+             "                            dst[j] = r[j]"]
+    from .jit.cpu_emit import loop_module, op_code
+
+    for k, name in enumerate(LOOP_OPS):
+        inputs = registry.get(name).num_inputs
+        lines += [f"                    elif op == {2 + k}:  # {name}",
+                  "                        a = registers[code[c, 2]]"]
+        if inputs > 1:
+            lines.append("                        b = registers[code[c, 3]]")
+        lines += ["                        for j in range(width):",
+                  f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
+    return loop_module(lines + _product_source(dt),
+                       imports=["from stepnet.jit.blas import gemm_packed, pack",
+                                f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
+
+
+def _product_source(dt):
+    """The lines of ``product``: a step's rows of a left operand (copied
+    together first where they are apart) by weights prepared by ``pack``."""
+    return ["",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True)",
+            "def product(p, table, rows, lo, scratch, prepared):",
+            "    left, k, n = p[1], p[4], p[5]",
+            "    if rows == 0:",
+            "        return",
+            "    at = table[left, 0] + lo * table[left, 3]",
+            f"    out = carray(pointer_to(table[p[3], 0] + lo * table[p[3], 3], {dt}), (rows, n))",
+            "    if table[left, 1] == k * scratch.itemsize:",
+            f"        a = carray(pointer_to(at, {dt}), (rows, k))",
+            "    else:  # (rows apart: copied together first)",
+            "        for i in range(rows):",
+            f"            src = carray(pointer_to(at + i * table[left, 1], {dt}), k)",
+            "            for j in range(k):",
+            "                scratch[i * k + j] = src[j]",
+            "        a = scratch[:rows * k].reshape((rows, k))",
+            "    gemm_packed(a, prepared, out)"]
