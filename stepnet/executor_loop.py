@@ -76,15 +76,15 @@ def _signature(dtype):
 
 def _loop_source(dtype):
     """The module of ``steps_loop(prog, code, table, active, starts,
-    registers, scratch, board)``: for each step ``t`` (``active[t]`` rows
-    from the token ``starts[t]``) the program ``prog``'s instructions, each
-    a row ``(kind, a, b, c, d, e, chunk, rows, q)``: kind 0 a run of the
-    bytecode ``code[a:b]`` (:class:`_Run`) over rows of ``c`` values, kind 1
-    a product of at most ``rows`` rows of the table's row ``a`` (the left
-    operand, ``d`` columns) by ``b`` (the weights, ``e`` columns) into ``c``
-    as the kernels' per-step products (``blas.gemm_packed`` on ``board``
-    and the measured ``small_rows``: the own loop or the chosen BLAS), its
-    ``q``-th; with a
+    registers, scratch, board, small_rows)``: for each step ``t``
+    (``active[t]`` rows from the token ``starts[t]``) the program ``prog``'s
+    instructions, each a row ``(kind, a, b, c, d, e, chunk, rows, q)``:
+    kind 0 a run of the bytecode ``code[a:b]`` (:class:`_Run`) over rows of
+    ``c`` values; kind 1 the ``q``-th product, of at most ``rows`` rows of
+    the table's row ``a`` (the left operand, ``d`` columns) by ``b`` (the
+    weights, ``e`` columns) into ``c``, as the kernels' per-step products
+    (``blas.pack`` once a call, ``blas.gemm_packed`` on ``board`` and the
+    measured ``small_rows``: the own loop or the chosen BLAS); with a
     ``chunk``, a hoisted stage's, only at every ``chunk``-th step, over the
     rows of the steps to the next. ``table`` holds each operand's and
     result's address, row stride, whether a row holds ``width`` values
