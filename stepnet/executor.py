@@ -17,8 +17,8 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   install and dtype (:class:`_Steps`, ``steps_loop``, kept in
   ``STEPNET_CACHE_DIR``): each stage an instruction over one table of
   addresses, an elementwise run as a bytecode of its ops (:class:`_Run`,
-  each op's code the kernels'), a GEMM as one product of the step's rows by
-  the chosen BLAS (a merged one's weights joined once a call), a concat by
+  each op's code the kernels'), a GEMM as the kernels' per-step product of
+  the step's rows (a merged one's weights joined once a call), a concat by
   columns as copies, the hoisted stages by chunks of steps just before the
   steps that read them; the memories read and written in place in their
   sorted rows, the outputs written by steps;
@@ -441,7 +441,7 @@ class _Steps:
     """A group's whole time loop as one call of the compiled loop: each
     stage of a step an instruction of a program over one table of addresses
     (:meth:`_Run.table`'s rows): an elementwise run as its bytecode, a GEMM
-    as one product by the chosen BLAS, a concat by columns, the outputs'
+    as the kernels' per-step product, a concat by columns, the outputs'
     rows and the memories' new values as copies (runs of a load and a
     store). ``of`` gives it, or why the group runs step by step."""
 
