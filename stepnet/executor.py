@@ -167,8 +167,7 @@ class Executor:
         call's values ``shared``, writing their rows of the outputs ``out``."""
         env = dict(shared)
         layout = _Layout(offsets, sequences, self.reverse)
-        for var, v in zip(self.body.step_inputs, self.seqs):
-            env[var] = np.asarray(shared[v].data)[layout.perm]
+        data = {var: np.asarray(shared[v].data) for var, v in zip(self.body.step_inputs, self.seqs)}
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
             value = s.value if isinstance(s, ir.Literal) else shared[s]
             env[var] = np.asarray(value)[layout.order] if var.batched else value
@@ -181,24 +180,31 @@ class Executor:
         last = [None if every else np.array(state[m]) if m >= 0 else
                 np.zeros((layout.order.shape[0],) + tuple(v.shape[1:]), v.dtype)
                 for v, every, m in zip(self.body.outputs, self.all_steps, self.output_memory)]
-        rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
-                for v, every in zip(self.body.outputs, self.all_steps)]
         statics = {v: env[v] for v in self.body.static_inputs if v.batched}
-        places = {v: (env[v], True) for v in self.body.step_inputs}
-        places.update({v: (values, False) for v, values in statics.items()})
+        places = {v: (values, False) for v, values in statics.items()}
         places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)})
-        steps = _Steps.of(self, env, layout, dict(places), rows, last, state)
+        # (one call: the step inputs read, and the all-steps outputs written,
+        # at the caller's rows)
+        steps = _Steps.of(self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
+                          [a if every else None for a, every in zip(out.arrays, self.all_steps)],
+                          last, state)
         self.how = "one call" if isinstance(steps, _Steps) else f"step by step: {steps}"
         if isinstance(steps, _Steps):
             steps.run(layout)
+            out.write(layout, [None] * len(last), last)
         else:
+            rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
+                    for v, every in zip(self.body.outputs, self.all_steps)]
+            for var, x in data.items():
+                env[var] = x[layout.perm]
+                places[var] = (env[var], True)
             for stage in self.whole:  # once over every token, by steps
                 _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
             full = {v: env[v] for v in (*self.body.step_inputs,
                                         *(o for s in self.whole for o in s.outputs))}
             places.update({v: (values, True) for v, values in full.items()})
             self._by_steps(env, layout, places, full, statics, state, rows, last)
-        out.write(layout, rows, last)
+            out.write(layout, rows, last)
 
     def _by_steps(self, env, layout, places, full, statics, state, rows, last):
         """The time loop in Python, each stage a call at each step."""
@@ -263,10 +269,12 @@ class _Outputs:
         self.all_steps = all_steps
 
     def write(self, layout, rows, last):
+        """A group's outputs into the call's: all-steps ones from ``rows``
+        (by steps; None: written in place), last-step ones from ``last``."""
         for array, every, kept in zip(self.arrays, rows, last):
             if every is not None:
                 array[layout.perm] = every
-            else:
+            elif kept is not None:
                 array[layout.order] = kept
 
     @property
@@ -429,7 +437,8 @@ class _Run:
                 table[k, 0] = x.__array_interface__["data"][0]
                 table[k, 1], table[k, 2] = at
             active[0], starts[0] = rows, lo
-            entry(prog, code, table, active, starts, registers, scratch, ALONE, _LIBRARY_ONLY)
+            entry(prog, code, table, active, starts, registers, scratch, ALONE, _LIBRARY_ONLY,
+                  active)  # (no row at the caller's: no perm read)
             for v, y in zip(self.stored, outs):
                 env[v] = y[:rows]
             return True
@@ -466,9 +475,9 @@ class _Steps:
     @classmethod
     def of(cls, executor, env, layout, places, rows, last, state):
         """The loop of one group (its ``layout``, ``places`` as
-        :meth:`_Run.table`'s; the all-steps outputs ``rows``, last-step ones
-        ``last``, the memories' ``state``), or why it runs step by step (a
-        sentence)."""
+        :meth:`_Run.table`'s; the call's all-steps outputs ``rows``, written
+        at the caller's rows, the group's last-step ones ``last``, the
+        memories' ``state``), or why it runs step by step (a sentence)."""
         if executor.why_apart is not None:
             return executor.why_apart
         self, num_seq = cls(executor.dtype), layout.order.shape[0]
@@ -487,7 +496,7 @@ class _Steps:
             if not self._stage(stage, executor.runs.get(stage), env, num_seq, places):
                 return f"a value its {stage.kind} stage reads is not laid out as the loop reads"
         memories = executor.body.memories
-        copies = [(v, every if every is not None else kept, every is not None)
+        copies = [(v, kept, False) if every is None else (v, every, BY_CALLER)
                   for v, every, kept in zip(executor.body.outputs, rows, last)]
         posts = []
         for mem, s in zip(memories, state):  # (shifted states: through a copy)
@@ -517,7 +526,7 @@ class _Steps:
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
               np.empty((self.registers, self.width), self.dtype),
-              np.empty(max(self.scratch, 1), self.dtype), ALONE, _small_rows())
+              np.empty(max(self.scratch, 1), self.dtype), ALONE, _small_rows(), layout.perm)
 
     def _run(self, code, table, width, registers, chunk=0):
         """Add a run: its bytecode reading the table's rows ``table`` (at
@@ -552,6 +561,8 @@ class _Steps:
             left = _row(stage.left, env, places, k, self.dtype, self.kept)
             if left is None or not left[1] or not left[2]:
                 return False
+            if left[3] < 0:  # (at the caller's rows: gathered first)
+                self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)
             buffer = np.empty((num_rows, n), self.dtype)
             cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
             places.update({v: (buffer[:, lo:hi], by_steps)
@@ -613,7 +624,19 @@ def _width(array):
 def _buffer_row(array, by_steps):
     """The table row of a buffer's rows (of contiguous values)."""
     stride = array.strides[0]
-    return [array.ctypes.data, stride, 1, stride if by_steps else 0]
+    return [array.ctypes.data, stride, 1, _first_row_stride(stride, by_steps)]
+
+
+# where a group keeps a value (``places``' second item): its rows from its
+# first (False), from the step's first token (True), or at the caller's
+# rows of each token (BY_CALLER: the group's ``layout.perm``)
+BY_CALLER = "the caller's rows"
+
+
+def _first_row_stride(stride, by_steps):
+    """The table's last column: the stride by which the step's first token
+    moves a value's first row, or -1 for rows at the caller's."""
+    return -1 if by_steps is BY_CALLER else stride if by_steps else 0
 
 
 def _concat_columns(e):
@@ -634,7 +657,10 @@ def _row(v, env, places, width, dtype, kept):
             return [x.ctypes.data, 0, 1, 0]  # (a value of no columns: nothing read)
         at = (_layout(x, x.shape[0], width, itemsize)
               if type(x) is np.ndarray and x.dtype == dtype and x.ndim else None)
-        return None if at is None else [x.ctypes.data, at[0], at[1], at[0] if by_steps else 0]
+        if at is not None and at[0] == 0 and x.shape == (1, width):  # (one row of its own,
+            at = (width * itemsize, 1)  # not a broadcast: a product's left operand reads rows)
+        return None if at is None else [x.ctypes.data, at[0], at[1],
+                                        _first_row_stride(at[0], by_steps)]
     x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], dtype)
     at = _layout(x, 1, width, itemsize)
     if at is None:

@@ -71,7 +71,7 @@ def _signature(dtype):
     values = from_dtype(dtype)
     return (types.int64[:, ::1], types.int64[:, ::1], types.int64[:, ::1], types.int64[::1],
             types.int64[::1], types.Array(values, 2, "C"), types.Array(values, 1, "C"),
-            types.int64[::1], types.int64[:, ::1])
+            types.int64[::1], types.int64[:, ::1], types.int64[::1])
 
 
 def _loop_source(dtype):
@@ -89,11 +89,11 @@ def _loop_source(dtype):
     rows of the steps to the next. ``table`` holds each operand's and
     result's address, row stride, whether a row holds ``width`` values
     (else one, broadcast), and the stride by which a step's first token
-    moves its first row; ``scratch`` holds a left operand whose rows are
-    apart."""
+    moves its first row (-1: the rows are at the caller's, ``perm[token]``);
+    ``scratch`` holds a left operand whose rows are apart."""
     dt = f"np.{np.dtype(dtype).name}"
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
-             "               small_rows):",
+             "               small_rows, perm):",
              "    wide_vectors()",
              "    steps = active.shape[0]",
              "    tokens = starts[steps - 1] + active[steps - 1] if steps > 0 else 0",
@@ -111,7 +111,7 @@ def _loop_source(dtype):
              "                end = min(t + chunk, steps) - 1",
              "                rows = starts[end] + active[end] - lo",
              "            if prog[p, 0] == 1:",
-             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]])",
+             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm)",
              "                continue",
              "            width = prog[p, 3]",
              "            for i in range(rows):",
@@ -120,7 +120,7 @@ def _loop_source(dtype):
              "                    r = registers[code[c, 1]]",
              "                    if op == 0:  # an operand's row",
              "                        x = code[c, 2]",
-             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             "                        at = address(table, x, lo, i, perm)",
              "                        if table[x, 2] == 1:",
              f"                            src = carray(pointer_to(at, {dt}), width)",
              "                            for j in range(width):",
@@ -131,7 +131,7 @@ def _loop_source(dtype):
              "                                r[j] = value",
              "                    elif op == 1:  # a value's row stored",
              "                        x = code[c, 2]",
-             "                        at = table[x, 0] + lo * table[x, 3] + i * table[x, 1]",
+             "                        at = address(table, x, lo, i, perm)",
              f"                        dst = carray(pointer_to(at, {dt}), width)",
              "                        for j in range(width):",
              "                            dst[j] = r[j]"]
@@ -156,18 +156,26 @@ def _product_source(dt):
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
-            "def product(p, table, rows, lo, scratch, prepared):",
+            "def product(p, table, rows, lo, scratch, prepared, perm):",
             "    left, k, n = p[1], p[4], p[5]",
             "    if rows == 0:",
             "        return",
-            "    at = table[left, 0] + lo * table[left, 3]",
             f"    out = carray(pointer_to(table[p[3], 0] + lo * table[p[3], 3], {dt}), (rows, n))",
-            "    if table[left, 1] == k * scratch.itemsize:",
-            f"        a = carray(pointer_to(at, {dt}), (rows, k))",
-            "    else:  # (rows apart: copied together first)",
+            "    if table[left, 3] >= 0 and table[left, 1] == k * scratch.itemsize:",
+            f"        a = carray(pointer_to(table[left, 0] + lo * table[left, 3], {dt}), (rows, k))",
+            "    else:  # (rows apart, or at the caller's: copied together first)",
             "        for i in range(rows):",
-            f"            src = carray(pointer_to(at + i * table[left, 1], {dt}), k)",
+            f"            src = carray(pointer_to(address(table, left, lo, i, perm), {dt}), k)",
             "            for j in range(k):",
             "                scratch[i * k + j] = src[j]",
             "        a = scratch[:rows * k].reshape((rows, k))",
-            "    gemm_packed(a, prepared, out)"]
+            "    gemm_packed(a, prepared, out)",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def address(table, x, lo, i, perm):",
+            "    # (row i of a step whose first token is lo: by the table's strides, or",
+            "    # at the caller's row of the token, perm[lo + i], where its last column is -1)",
+            "    if table[x, 3] < 0:",
+            "        return table[x, 0] + perm[lo + i] * table[x, 1]",
+            "    return table[x, 0] + lo * table[x, 3] + i * table[x, 1]"]
