@@ -20,13 +20,14 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   each op's code the kernels'), a GEMM as the kernels' per-step product of
   the step's rows (a merged one's weights joined once a call), a concat by
   columns as copies, the hoisted stages by chunks of steps just before the
-  steps that read them; the memories read and written in place in their
-  sorted rows, the outputs written by steps;
+  steps that read them; the step inputs read, and the all-steps outputs
+  written, at the caller's rows; the memories read and written in place in
+  their sorted rows;
 - where the loop does not run a step (``Executor.why_apart``), the time
   loop in Python: the hoisted stages once over every token, then each
   stage a call at each step (a GEMM one NumPy product, a run its bytecode,
-  other stages op by op on NumPy);
-- the outputs put in the caller's order once at the end.
+  other stages op by op on NumPy), the step inputs gathered by steps first
+  and the outputs put in the caller's order at the end.
 
 It runs the step-nets whose every value is dense (no LoD inside the body,
 step inputs of one LoD level, no ragged memory) and that nest no rnn:
