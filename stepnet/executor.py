@@ -297,8 +297,7 @@ def _stage(stage, env, max_rows, places, run=None):
     op on NumPy. ``places``: where the group keeps a step's values
     (:meth:`_Run.start`), with this stage's buffers added."""
     if stage.kind == "gemm":
-        weights = [env[e.inputs[1]] for e in stage.eqns]
-        joined = weights[0] if len(weights) == 1 else np.concatenate(weights, axis=1)
+        joined = _joined(stage, env)
         return _product(stage, max_rows, places, np.result_type(joined, stage.left.dtype),
                         lambda a, out: np.matmul(a, joined, out=out))
     if stage.kind == "quantized":
@@ -323,17 +322,30 @@ def _product(stage, max_rows, places, dtype, product):
     """A product stage (a GEMM, a quantized product; merged ones' results
     column blocks of one buffer) as ``_stage`` gives it: ``product(a, out)``
     computes the step's rows of the left operand into ``out``."""
-    cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
-    buffer = np.empty((max_rows, cuts[-1]), dtype)
-    parts = list(zip(stage.outputs, cuts[:-1], cuts[1:]))
-    places.update({v: (buffer[:, lo:hi], False) for v, lo, hi in parts})
+    buffer = np.empty((max_rows, sum(v.shape[-1] for v in stage.outputs)), dtype)
+    parts = _column_blocks(stage, buffer, False, places)
     left = stage.left
 
     def run(env, rows, first):
         product(env[left], buffer[:rows])
-        for v, lo, hi in parts:
-            env[v] = buffer[:rows, lo:hi]
+        for v, block in parts:
+            env[v] = block[:rows]
     return run
+
+
+def _joined(stage, env):
+    """A (merged) GEMM stage's weights, joined by columns."""
+    weights = [env[e.inputs[1]] for e in stage.eqns]
+    return weights[0] if len(weights) == 1 else np.concatenate(weights, axis=1)
+
+
+def _column_blocks(stage, buffer, by_steps, places):
+    """A product stage's results as column blocks of ``buffer``, added to
+    ``places``: ``[(var, block)]``."""
+    cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
+    parts = [(v, buffer[:, lo:hi]) for v, lo, hi in zip(stage.outputs, cuts[:-1], cuts[1:])]
+    places.update({v: (block, by_steps) for v, block in parts})
+    return parts
 
 
 class _Run:
@@ -439,7 +451,7 @@ class _Run:
                 table[k, 1], table[k, 2] = at
             active[0], starts[0] = rows, lo
             entry(prog, code, table, active, starts, registers, scratch, ALONE, _LIBRARY_ONLY,
-                  active)  # (no row at the caller's: no perm read)
+                  _NO_PERM)
             for v, y in zip(self.stored, outs):
                 env[v] = y[:rows]
             return True
@@ -501,7 +513,8 @@ class _Steps:
                   for v, every, kept in zip(executor.body.outputs, rows, last)]
         posts = []
         for mem, s in zip(memories, state):  # (shifted states: through a copy)
-            if any(np.may_share_memory(places.get(mem.post, (s[:0],))[0], x) for x in state):
+            place = places.get(mem.post)
+            if place is not None and any(np.may_share_memory(place[0], x) for x in state):
                 aside = np.empty_like(s)
                 self.kept.append(aside)
                 copies.append((mem.post, aside, False))
@@ -554,23 +567,18 @@ class _Steps:
             self._run(run.code.tolist(), made[0], run.width, run.registers, chunk)
             return True
         if stage.kind == "gemm":
-            joined = np.concatenate([np.asarray(env[e.inputs[1]]) for e in stage.eqns], axis=1)
+            joined = np.ascontiguousarray(_joined(stage, env))
             if joined.dtype != self.dtype:
                 return False
-            joined = np.ascontiguousarray(joined)
             k, n = joined.shape
             left = _row(stage.left, env, places, k, self.dtype, self.kept)
             if left is None or not left[1] or not left[2]:
                 return False
-            if left[3] < 0:  # (at the caller's rows: gathered first)
-                self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)
+            if left[3] < 0 or left[1] != k * itemsize:  # (rows at the caller's, or apart:
+                self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)  # copied first)
             buffer = np.empty((num_rows, n), self.dtype)
-            cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
-            places.update({v: (buffer[:, lo:hi], by_steps)
-                           for v, lo, hi in zip(stage.outputs, cuts[:-1], cuts[1:])})
+            _column_blocks(stage, buffer, by_steps, places)
             self.kept += [joined, buffer]
-            if left[1] != k * itemsize:  # (its rows apart: copied together first)
-                self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)
             base = len(self.table)
             self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
             self.prog.append((1, base, base + 1, base + 2, k, n, chunk, chunk_rows or num_rows,
@@ -616,6 +624,7 @@ def _small_rows():
 
 
 _LIBRARY_ONLY = np.array([[1 << 62], [0], [0]], np.int64)  # (small_rows: no own loop)
+_NO_PERM = np.zeros(0, np.int64)  # (the Python loop's runs read no row at the caller's)
 
 
 def _width(array):
@@ -658,8 +667,6 @@ def _row(v, env, places, width, dtype, kept):
             return [x.ctypes.data, 0, 1, 0]  # (a value of no columns: nothing read)
         at = (_layout(x, x.shape[0], width, itemsize)
               if type(x) is np.ndarray and x.dtype == dtype and x.ndim else None)
-        if at is not None and at[0] == 0 and x.shape == (1, width):  # (one row of its own,
-            at = (width * itemsize, 1)  # not a broadcast: a product's left operand reads rows)
         return None if at is None else [x.ctypes.data, at[0], at[1],
                                         _first_row_stride(at[0], by_steps)]
     x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], dtype)
@@ -675,13 +682,17 @@ def _layout(x, rows, width, itemsize):
     of an operand ``x`` of a run over ``rows`` rows of ``width``, or None
     where the loop cannot read it so."""
     shape, strides = x.shape, x.strides
-    if x.ndim == 0 or shape in ((1,), (1, 1)):
+    if x.ndim == 0:
         return 0, 0
     unit = shape[-1] == width and (width == 1 or strides[-1] == itemsize)
+    # (rows of its own first: a value of one row is read as rows, which a
+    # product's left operand needs, not as a broadcast)
     if x.ndim == 2 and shape[0] == rows and unit:
         return strides[0], 1
     if x.ndim == 2 and shape == (rows, 1):
         return strides[0], 0
+    if shape in ((1,), (1, 1)):
+        return 0, 0
     if (x.ndim == 1 or shape[0] == 1) and unit:
         return 0, 1
     if x.ndim == 1 and width == 1 and shape[0] == rows:
