@@ -29,9 +29,13 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   other stages op by op on NumPy), the step inputs gathered by steps first
   and the outputs put in the caller's order at the end.
 
-It runs the step-nets whose every value is dense (no LoD inside the body,
-step inputs of one LoD level, no ragged memory) and that nest no rnn:
-:func:`why_not` says why another is left to the interpreter. Its results
+It runs the step-nets whose step holds no ragged value (no ragged memory,
+static input or value given by a nested rnn), nested ones too: a nested
+rnn that reads no value of its enclosing step runs first, over every
+sub-sequence of the call on an executor of its own, its results rows of the
+enclosing step as a step input's; one that does runs at each step, over the
+step's sub-sequences. :func:`why_not` says why another is left to the
+interpreter. Its results
 are the same arithmetic in another order (the products' sums): within the
 tolerance the contract gives a kernel, not bit for bit the interpreter's.
 """
@@ -50,32 +54,49 @@ from .lod import LoDTensor
 _CHUNK_ROWS = 128
 
 
-def why_not(program: ir.Program):
+def why_not(program: ir.Program, sched=None):
     """Why the executor does not run ``program`` (a sentence), or None where it does."""
     eqn = program.eqn
     body = eqn.attrs["body"]
     if eqn.attrs.get("ragged_memories"):
         return "it has a ragged memory"
-    if any(e.op == "rnn" for e in body.eqns):
-        return "it nests an rnn"
+    sched = sched or _schedule.schedule(program)
     seqs, statics, inits = ir.rnn_parts(eqn)
-    if any(v.lod_depth != 1 for v in seqs):
-        return "a step input has more than one LoD level"
-    values = [*body.step_inputs, *body.static_inputs, *(m.pre for m in body.memories),
-              *(o for e in body.eqns for o in e.outputs), *statics,
-              *(v for v in inits if isinstance(v, ir.Var))]
+    # a step input of more LoD levels is the sequences of nested rnns (every
+    # other value that is ragged is refused), read by nothing else
+    deep = {v for v, s in zip(body.step_inputs, seqs) if s.lod_depth > 1}
+    values = [*(v for v in body.step_inputs if v not in deep), *body.static_inputs,
+              *(m.pre for m in body.memories), *(o for e in body.eqns for o in e.outputs),
+              *statics, *(v for v in inits if isinstance(v, ir.Var))]
     if any(v.lod_depth for v in values):
         return "a value of its step is ragged"
+    for e in body.eqns:
+        inner = ir.rnn_parts(e)[0] if e.op == "rnn" else ()
+        if set(e.inputs[len(inner):]) & deep:
+            return "a step input of more than one LoD level is read by another op than a nested rnn"
+        why = why_not(_nested_program(e), sched.nested[e]) if inner else None
+        if why is not None:
+            return f"its nested rnn {e.attrs['name']} is not run: {why}"
     return None
+
+
+def _nested_program(e):
+    """A nested rnn as a program of its own: its sequences the inputs, and
+    everything else it reads constants (the call's, or the step's rows: a
+    nested rnn that reads a value of its step runs at each step)."""
+    seqs = ir.rnn_parts(e)[0]
+    return ir.Program(inputs=tuple(seqs), eqn=e, consts=tuple(
+        v for v in dict.fromkeys(_schedule.free_vars(e)) if v not in seqs))
 
 
 def compile_program(program: ir.Program, sched=None):
     """``run(args, consts, workers=1) -> outputs`` of ``program`` on the
     executor (the interpreter's contract; ``workers`` the threads it may
     use), or None where :func:`why_not` says why not."""
-    if why_not(program) is not None:
+    sched = sched or _schedule.schedule(program)
+    if why_not(program, sched) is not None:
         return None
-    return Executor(program, sched or _schedule.schedule(program))
+    return Executor(program, sched)
 
 
 class Executor:
@@ -92,8 +113,18 @@ class Executor:
         self.seqs, self.statics, self.inits = ir.rnn_parts(eqn)
         # the hoisted stages that are not row by row (a shape op, a general
         # matmul), and those reading them, run at each step on its rows instead
-        self.whole, self.step, by_steps = [], [], set(self.body.step_inputs)
+        # the nested rnns: those that read no value of the step (hoisted) run
+        # first over every sub-sequence of the call, their results rows of the
+        # step as its step inputs'; the others at each step, over its sub-sequences
+        self.nested = {stage: Executor(_nested_program(stage.eqns[0]), sched.nested[stage.eqns[0]])
+                       for stage in (*sched.hoisted, *sched.step) if stage.kind == "rnn"}
+        self.first = [stage for stage in sched.hoisted if stage.kind == "rnn"]
+        self.by_steps = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth == 1]
+        self.by_steps += [o for stage in self.first for o in stage.outputs]
+        self.whole, self.step, by_steps = [], [], set(self.by_steps)
         for stage in sched.hoisted:
+            if stage in self.nested:
+                continue
             reads = {v for e in stage.eqns for v in e.inputs if isinstance(v, ir.Var) and v.batched}
             if stage.kind in ("gemm", "quantized", "elementwise") and reads <= by_steps:
                 self.whole.append(stage)
@@ -152,6 +183,12 @@ class Executor:
         for stage in self.sched.const:
             for e in stage.eqns:
                 _eval(e, env)
+        # the step's rows of each token (the caller's order): the step inputs'
+        # rows, and the nested rnns' results over each sub-sequence
+        for var, X in zip(self.body.step_inputs, seq_args):
+            env[var] = np.asarray(X.data) if X.num_levels == 1 else X
+        for stage in self.first:
+            self._nested_stage(stage, None, workers)(env, None, None)
         out = _Outputs(self.body.outputs, self.all_steps, offsets)
         work = int(lengths.sum()) * self.work_width
         count = max(1, min(workers, lengths.shape[0]))
@@ -168,7 +205,7 @@ class Executor:
         call's values ``shared``, writing their rows of the outputs ``out``."""
         env = dict(shared)
         layout = _Layout(offsets, sequences, self.reverse)
-        data = {var: np.asarray(shared[v].data) for var, v in zip(self.body.step_inputs, self.seqs)}
+        data = {var: shared[var] for var in self.by_steps}
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
             value = s.value if isinstance(s, ir.Literal) else shared[s]
             env[var] = np.asarray(value)[layout.order] if var.batched else value
@@ -201,7 +238,7 @@ class Executor:
                 places[var] = (env[var], True)
             for stage in self.whole:  # once over every token, by steps
                 _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
-            full = {v: env[v] for v in (*self.body.step_inputs,
+            full = {v: env[v] for v in (*self.by_steps,
                                         *(o for s in self.whole for o in s.outputs))}
             places.update({v: (values, True) for v, values in full.items()})
             self._by_steps(env, layout, places, full, statics, state, rows, last)
@@ -209,7 +246,8 @@ class Executor:
 
     def _by_steps(self, env, layout, places, full, statics, state, rows, last):
         """The time loop in Python, each stage a call at each step."""
-        stages = [_stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
+        stages = [self._nested_stage(stage, layout) if stage.kind == "rnn" else
+                  _stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
                   for stage in self.step]
         posts = [m.post for m in self.body.memories]
         for t in range(layout.num_steps):
@@ -232,6 +270,20 @@ class Executor:
                    for p in (env[v] for v in posts)]
             for s, post in zip(state, new):
                 s[:a] = post
+
+
+    def _nested_stage(self, stage, layout, workers=1):
+        """``run(env, rows, lo)`` of a nested rnn's stage: over the sub-sequences
+        of the step's rows (``layout``'s, from token ``lo``), or with no
+        ``layout`` over every sub-sequence of the call."""
+        inner, seqs = self.nested[stage], ir.rnn_parts(stage.eqns[0])[0]
+
+        def run(env, rows, lo):
+            args = [LoDTensor(env[v].data, list(env[v].levels[1:])) for v in seqs]
+            if layout is not None:
+                args = [X.select(layout.perm[lo:lo + rows]) for X in args]
+            env.update(zip(stage.outputs, inner(args, env, workers)))
+        return run
 
 
 class _Layout:

@@ -220,11 +220,11 @@ def schedule(target, consts=None) -> Schedule:
         seqs = ir.rnn_parts(target.eqn)[0]
         return _build(target.eqn, set(target.consts), set(seqs))
     if consts is None:
-        consts = {v for v in _free_vars(target) if not v.batched}
+        consts = {v for v in free_vars(target) if not v.batched}
     return _build(target, set(consts), set(ir.rnn_parts(target)[0]))
 
 
-def _free_vars(eqn) -> list:
+def free_vars(eqn) -> list:
     """The Vars that ``eqn`` and its nested blocks read without defining."""
     free = [v for v in eqn.inputs if isinstance(v, ir.Var)]
     if eqn.op == "rnn":
@@ -232,7 +232,7 @@ def _free_vars(eqn) -> list:
         defined = set(body.step_inputs) | set(body.static_inputs)
         defined |= {m.pre for m in body.memories}
         for e in body.eqns:
-            free += [v for v in _free_vars(e) if v not in defined]
+            free += [v for v in free_vars(e) if v not in defined]
             defined.update(e.outputs)
     return free
 
@@ -358,7 +358,7 @@ def _run_to_join(stages, k):
         if later.kind == "elementwise" and shape == (later.eqns[0].outputs[0].shape,
                                                      later.eqns[0].outputs[0].lod_depth):
             return j
-        if any(v in outs for e in later.eqns for v in _free_vars(e)):
+        if any(v in outs for e in later.eqns for v in free_vars(e)):
             return None
     return None
 
@@ -406,7 +406,7 @@ def check(sched: Schedule, const=None, outer_hoisted=None) -> None:
         raise StepNetError(f"schedule check ({name}): {what}")
 
     if const is None:
-        const = {v for v in _free_vars(sched.eqn) if not v.batched}
+        const = {v for v in free_vars(sched.eqn) if not v.batched}
     seqs, statics, _ = ir.rnn_parts(sched.eqn)
     outer_hoisted = set(seqs) if outer_hoisted is None else outer_hoisted
     const = set(const) | {sv for sv, v in zip(body.static_inputs, statics) if v in const}

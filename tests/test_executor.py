@@ -128,23 +128,7 @@ def test_the_layers_forward_and_backward_programs(rng, cell, monkeypatch):
     """A layer's forward and its gradients with a tier that never gets its
     kernel: every program the executor runs answers from it, to the
     interpreter's results; the forward and the backward both ran on it."""
-    ran = []
-    call = executor.Executor.__call__
-
-    def counted(self, args, consts, workers=1):
-        ran.append(self.program)
-        return call(self, args, consts, workers)
-
-    class Silent:  # a compile worker that never answers: the kernels never load
-        def submit(self, *args, **kwargs):
-            pass
-
-        def send(self, *args, **kwargs):
-            pass
-
-    monkeypatch.setattr(executor.Executor, "__call__", counted)
-    monkeypatch.setattr(loading, "compile_worker", lambda: Silent())
-    monkeypatch.setenv("STEPNET_TIERED", "1")
+    ran = _first_tier_only(monkeypatch)
     layer = getattr(sn.nn, cell)(5, 7)
     lengths = [4, 2, 6]
     X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 5)).astype(np.float32),
@@ -161,6 +145,50 @@ def test_the_layers_forward_and_backward_programs(rng, cell, monkeypatch):
     assert_close(h, h_ref, what=f"{cell} h")
     assert_close(list(grads), list(want), what=f"{cell} gradients")
     assert forward_runs >= 1 and len(ran) > forward_runs, "the backward did not run on the executor"
+
+
+def _first_tier_only(monkeypatch):
+    """Tiered calls whose kernels never load (a compile worker that never
+    answers): the list of the programs the executor then runs."""
+    ran = []
+    call = executor.Executor.__call__
+
+    def counted(self, args, consts, workers=1):
+        ran.append(self.program)
+        return call(self, args, consts, workers)
+
+    class Silent:
+        def submit(self, *args, **kwargs):
+            pass
+
+        def send(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(executor.Executor, "__call__", counted)
+    monkeypatch.setattr(loading, "compile_worker", lambda: Silent())
+    monkeypatch.setenv("STEPNET_TIERED", "1")
+    return ran
+
+
+def test_a_nested_nets_gradients(rng, monkeypatch):
+    """A nested net's forward and backward answered on the first tier, to
+    the interpreter's results: the forward (its workspace too) on the
+    executor, the backward (whose steps hold the nested net's ragged
+    workspace) on the interpreter."""
+    ran = _first_tier_only(monkeypatch)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((23, 3)).astype(np.float64),
+                                  [[2, 0, 3, 1, 1], [2, 3, 0, 4, 5, 1, 8]])
+    rnn = _nested(X, rng, np.float64)
+    dc = rng.standard_normal((7, 5))
+    dp = rng.standard_normal((7, 5))
+    with sn.config(tiered=True):
+        (c, p), pullback = sn.vjp(rnn, x=X, backend="numba")
+        forward_runs = len(ran)
+        found = pullback([dc, dp], wrt=["x"])
+    (c_ref, p_ref), pullback_ref = sn.vjp(rnn, x=X, backend="interpreter")
+    assert_close([c, p], [c_ref, p_ref], what="outputs")
+    assert_close(found, pullback_ref([dc, dp], wrt=["x"]), what="dx")
+    assert forward_runs == len(ran) == 2, ran  # (the forward and its nested net; no backward)
 
 
 def test_nan_and_inf_as_on_the_interpreter(rng):
@@ -230,22 +258,92 @@ def test_swapped_states_concats_and_products_of_products_in_one_call(rng, dtype)
     _agree(rnn, all_steps=False, x=X)
 
 
+def _nested(X, rng, dtype=np.float32, reverse=False, init=None, deep=False):
+    """A two-level net (W6's kind): an inner gated cell over each paragraph's
+    words (started from zeros, or from ``init``: a constant, or "outer": the
+    outer memory), its last state the paragraph vector, then an outer cell
+    over each chapter's paragraph vectors; ``deep``: the inner net nests a
+    third level over each word's letters."""
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype)
+
+    I, H = X.data.shape[1], 5
+    rnn = sn.create_rnn_op(output_num=2)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        c = rnn.add_memory(shape=[H], name="c", init=np.zeros(H, dtype))
+        inner = sn.create_rnn_op(reverse=reverse)
+        with inner.stepnet():
+            word = inner.add_input(x, name="word")
+            if deep:
+                letters = sn.create_rnn_op()
+                with letters.stepnet():
+                    a = letters.add_input(word, name="letter")
+                    s = letters.add_memory(shape=[I], name="s", init=np.zeros(I, dtype))
+                    s.update(sn.ops.tanh(sn.ops.matmul(a, w(I, I)) + s.pre_state()))
+                    letters.add_outputs(s)
+                word = letters(output_all_steps=False)
+            start = (c.pre_state() if isinstance(init, str) else np.zeros(H, dtype) if init is None
+                     else init)
+            h = inner.add_memory(shape=[H], name="h", init=start)
+            z = sn.ops.sigmoid(sn.ops.matmul(word, w(I, H)) + sn.ops.matmul(h.pre_state(), w(H, H)))
+            n = sn.ops.tanh(sn.ops.matmul(word, w(I, H)) + sn.ops.matmul(h.pre_state(), w(H, H)))
+            h.update((1.0 - z) * h.pre_state() + z * n)
+            inner.add_outputs(h)
+        p = inner(output_all_steps=False)
+        c.update(sn.ops.tanh(sn.ops.matmul(p, w(H, H)) + sn.ops.matmul(c.pre_state(), w(H, H))))
+        rnn.add_outputs(c, p)
+    return rnn
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_nested_nets_run_their_inner_nets_first(rng, dtype, reverse, monkeypatch):
+    """A nested rnn that reads no value of its enclosing step (W6's) runs
+    once over every sub-sequence of the call, its results rows of the outer
+    step: uneven, empty paragraphs and chapters, a constant start, groups."""
+    monkeypatch.setattr("stepnet.jit.threads.SPLIT_MIN_WORK", 1)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((23, 3)).astype(dtype),
+                                  [[2, 0, 3, 1, 1], [2, 3, 0, 4, 5, 1, 8]])
+    rnn = _nested(X, rng, dtype, reverse)
+    for all_steps in (True, False):
+        program = rnn.program(rnn.all_steps_flags(all_steps))
+        assert executor.why_not(program) is None
+        one = _agree(rnn, all_steps, x=X)
+        assert isinstance(one[1], sn.LoDTensor) == all_steps
+    _agree(_nested(X, rng, dtype, init=np.full(5, 0.25, dtype)), x=X)
+
+
+def test_three_levels_run_each_inner_net_first(rng):
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32),
+                                  [[2, 1], [2, 1, 3], [4, 3, 0, 5, 2, 6]])
+    _agree(_nested(X, rng, deep=True), x=X)
+
+
+def test_a_nested_net_that_reads_the_step_runs_at_each_step(rng):
+    """A nested rnn started from the outer memory runs at each outer step,
+    over the sub-sequences of the step's rows (the time loop in Python)."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((23, 3)).astype(np.float32),
+                                  [[2, 0, 3, 1, 1], [2, 3, 0, 4, 5, 1, 8]])
+    rnn = _nested(X, rng, init="outer")
+    run = executor.compile_program(rnn.program((True, True)))
+    assert run.why_apart == "it has a rnn stage the loop does not run (rnn)"
+    _agree(rnn, x=X)
+    _agree(rnn, all_steps=False, x=X)
+
+
 def test_why_not_names_what_it_does_not_run(rng):
-    """A net that nests an rnn, or whose step input has two LoD levels, is
-    left to the interpreter, with the reason."""
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 2)).astype(np.float32),
+    """A net whose nested rnn gives a ragged value to the step (its every
+    step) is left to the interpreter, with the reason."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32),
                                   [[2, 1], [2, 3, 1]])
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x = rnn.add_input(X, name="x")
         inner = sn.create_rnn_op()
         with inner.stepnet():
-            w = inner.add_input(x, name="w")
-            m = inner.add_memory(shape=[2], name="m")
-            m.update(m.pre_state() + w)
-            inner.add_outputs(m)
-        rnn.add_outputs(inner(output_all_steps=False))
+            inner.add_outputs(inner.add_input(x, name="w") * 2.0)
+        rnn.add_outputs(inner(output_all_steps=True))
     program = rnn.program(rnn.all_steps_flags(True))
-    assert executor.why_not(program) in ("it nests an rnn",
-                                         "a step input has more than one LoD level")
+    assert executor.why_not(program) == "a value of its step is ragged"
     assert executor.compile_program(program) is None
