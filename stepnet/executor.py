@@ -29,13 +29,13 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   other stages op by op on NumPy), the step inputs gathered by steps first
   and the outputs put in the caller's order at the end.
 
-It runs the step-nets whose step holds no ragged value (no ragged memory,
-static input or value given by a nested rnn), nested ones too: a nested
-rnn that reads no value of its enclosing step runs first, over every
-sub-sequence of the call on an executor of its own, its results rows of the
-enclosing step as a step input's; one that does runs at each step, over the
-step's sub-sequences. :func:`why_not` says why another is left to the
-interpreter. Its results
+It runs nested step-nets: a nested rnn that reads no value of its
+enclosing step runs first, over every sub-sequence of the call on an
+executor of its own, its results rows of the enclosing step as a step
+input's; one that does runs at each step, over the step's sub-sequences.
+A ragged static input, and the values made from it, are computed op by op
+at each step as on the interpreter. :func:`why_not` says why another (a
+ragged output or memory, ...) is left to the interpreter. Its results
 are the same arithmetic in another order (the products' sums): within the
 tolerance the contract gives a kernel, not bit for bit the interpreter's.
 """
@@ -47,6 +47,7 @@ import numpy as np
 from . import ir, registry, schedule as _schedule
 from .errors import StepNetError
 from .executor_loop import LOOP_OPS, REGISTER_VALUES, loop as _loop
+from .interpreter import on_rows
 from .lod import LoDTensor
 
 # the rows a hoisted stage computes at a time (by chunks of steps), as the
@@ -65,15 +66,20 @@ def why_not(program: ir.Program, sched=None):
     # a step input of more LoD levels is the sequences of nested rnns (every
     # other value that is ragged is refused), read by nothing else
     deep = {v for v, s in zip(body.step_inputs, seqs) if s.lod_depth > 1}
+    kept = [*body.outputs, *(m.pre for m in body.memories), *(m.post for m in body.memories),
+            *(v for v in inits if isinstance(v, ir.Var))]
+    if any(v.lod_depth for v in kept):
+        return "an output or a memory of its step is ragged"
     values = [*(v for v in body.step_inputs if v not in deep), *body.static_inputs,
-              *(m.pre for m in body.memories), *(o for e in body.eqns for o in e.outputs),
-              *statics, *(v for v in inits if isinstance(v, ir.Var))]
-    if any(v.lod_depth for v in values):
-        return "a value of its step is ragged"
+              *(o for e in body.eqns for o in e.outputs)]
+    if any(v.lod_depth > 1 for v in values):
+        return "a value of its step has more than one LoD level"
     for e in body.eqns:
         inner = ir.rnn_parts(e)[0] if e.op == "rnn" else ()
         if set(e.inputs[len(inner):]) & deep:
             return "a step input of more than one LoD level is read by another op than a nested rnn"
+        if inner and any(e.attrs["all_steps"]):
+            return f"its nested rnn {e.attrs['name']} gives every step (a ragged value)"
         why = why_not(_nested_program(e), sched.nested[e]) if inner else None
         if why is not None:
             return f"its nested rnn {e.attrs['name']} is not run: {why}"
@@ -111,8 +117,6 @@ class Executor:
         self.all_steps = eqn.attrs["all_steps"]
         self.output_memory = eqn.attrs["output_memory"]
         self.seqs, self.statics, self.inits = ir.rnn_parts(eqn)
-        # the hoisted stages that are not row by row (a shape op, a general
-        # matmul), and those reading them, run at each step on its rows instead
         # the nested rnns: those that read no value of the step (hoisted) run
         # first over every sub-sequence of the call, their results rows of the
         # step as its step inputs'; the others at each step, over its sub-sequences
@@ -121,6 +125,8 @@ class Executor:
         self.first = [stage for stage in sched.hoisted if stage.kind == "rnn"]
         self.by_steps = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth == 1]
         self.by_steps += [o for stage in self.first for o in stage.outputs]
+        # the hoisted stages that are not row by row (a shape op, a general
+        # matmul), and those reading them, run at each step on its rows instead
         self.whole, self.step, by_steps = [], [], set(self.by_steps)
         for stage in sched.hoisted:
             if stage in self.nested:
@@ -132,6 +138,10 @@ class Executor:
             else:
                 self.step.append(stage)
         self.step += list(sched.step)
+        # (the stages reading a ragged value, a ragged static input's rows or a
+        # value made from them: op by op, as the interpreter)
+        self.ragged = {stage for stage in self.step if stage.kind != "rnn" and any(
+            isinstance(v, ir.Var) and v.lod_depth for e in stage.eqns for v in e.inputs)}
         # a run stores the values read outside it (the schedule's
         # materialized ones, and those of the hoisted runs run by steps here)
         readers = {}
@@ -208,7 +218,8 @@ class Executor:
         data = {var: shared[var] for var in self.by_steps}
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
             value = s.value if isinstance(s, ir.Literal) else shared[s]
-            env[var] = np.asarray(value)[layout.order] if var.batched else value
+            env[var] = (value.select(layout.order) if isinstance(value, LoDTensor)
+                        else np.asarray(value)[layout.order] if var.batched else value)
         state = []
         for mem, init in zip(self.body.memories, self.inits):
             value = init.value if isinstance(init, ir.Literal) else shared[init]
@@ -247,6 +258,7 @@ class Executor:
     def _by_steps(self, env, layout, places, full, statics, state, rows, last):
         """The time loop in Python, each stage a call at each step."""
         stages = [self._nested_stage(stage, layout) if stage.kind == "rnn" else
+                  _by_ops(stage) if stage in self.ragged else
                   _stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
                   for stage in self.step]
         posts = [m.post for m in self.body.memories]
@@ -255,7 +267,7 @@ class Executor:
             for v, values in full.items():
                 env[v] = values[lo:lo + a]
             for v, values in statics.items():
-                env[v] = values[:a]
+                env[v] = _first(values, a)
             for mem, s in zip(self.body.memories, state):
                 env[mem.pre] = s[:a]
             for stage in stages:
@@ -338,7 +350,27 @@ class _Outputs:
 
 def _eval(e, env):
     args = [v.value if isinstance(v, ir.Literal) else env[v] for v in e.inputs]
-    env[e.outputs[0]] = registry.get(e.op).numpy(*args, **e.attrs)
+    if any(isinstance(a, LoDTensor) for a in args) and not registry.get(e.op).takes_lod:
+        env[e.outputs[0]] = on_rows(e, args)
+    else:
+        env[e.outputs[0]] = registry.get(e.op).numpy(*args, **e.attrs)
+
+
+def _by_ops(stage):
+    """``run(env, rows, lo)`` of a stage op by op on NumPy."""
+    def run(env, rows, lo):
+        for e in stage.eqns:
+            _eval(e, env)
+    return run
+
+
+def _first(value, count):
+    """The first ``count`` sequences' rows of a per-sequence value (a ragged
+    one's: a view of its rows)."""
+    if not isinstance(value, LoDTensor):
+        return value[:count]
+    offsets = np.asarray(value.levels[0])
+    return LoDTensor(value.data[:offsets[count]], [offsets[:count + 1]])
 
 
 def _stage(stage, env, max_rows, places, run=None):
@@ -531,6 +563,8 @@ class _Steps:
     def why_not(executor):
         """Why no group of ``executor``'s calls runs as one call (a
         sentence), or None: what the loop does not compute."""
+        if executor.ragged:
+            return "a value of its step is ragged"
         if executor.dtype not in (np.float32, np.float64):
             return "its step's values are not of one float dtype"
         for stage in (*executor.whole, *executor.step):

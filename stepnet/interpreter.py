@@ -32,14 +32,14 @@ def eval_eqn(eqn, env, consts, scopes=None):
     if eqn.op == "rnn":
         results = run_rnn(eqn, args, consts, scopes)
     elif any(isinstance(a, LoDTensor) for a in args) and not registry.get(eqn.op).takes_lod:
-        results = [_on_rows(eqn, args)]
+        results = [on_rows(eqn, args)]
     else:
         results = [registry.get(eqn.op).numpy(*args, **eqn.attrs)]
     for var, value in zip(eqn.outputs, results):
         env[id(var)] = value
 
 
-def _on_rows(eqn, args):
+def on_rows(eqn, args):
     """An op with ragged operands (one-level LoDTensors of one LoD): on their
     rows, each batched dense operand repeated over its batch row's rows."""
     ragged = [a for a in args if isinstance(a, LoDTensor)]

@@ -333,8 +333,8 @@ def test_a_nested_net_that_reads_the_step_runs_at_each_step(rng):
 
 
 def test_why_not_names_what_it_does_not_run(rng):
-    """A net whose nested rnn gives a ragged value to the step (its every
-    step) is left to the interpreter, with the reason."""
+    """A net that gives a ragged output, or whose nested rnn gives its every
+    step, is left to the interpreter, with the reason."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32),
                                   [[2, 1], [2, 3, 1]])
     rnn = sn.create_rnn_op()
@@ -345,5 +345,44 @@ def test_why_not_names_what_it_does_not_run(rng):
             inner.add_outputs(inner.add_input(x, name="w") * 2.0)
         rnn.add_outputs(inner(output_all_steps=True))
     program = rnn.program(rnn.all_steps_flags(True))
-    assert executor.why_not(program) == "a value of its step is ragged"
+    assert executor.why_not(program) == "an output or a memory of its step is ragged"
     assert executor.compile_program(program) is None
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            inner.add_outputs(inner.add_input(x, name="w") * 2.0)
+        rnn.add_outputs(sn.ops.seq_sum(inner(output_all_steps=True)))
+    program = rnn.program(rnn.all_steps_flags(True))
+    assert executor.why_not(program) == "its nested rnn rnn_1 gives every step (a ragged value)"
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_an_attention_cell_over_ragged_static_memories(rng, reverse):
+    """An attention decoder's step (W5's gates, each sequence attending over
+    its own memory rows: a ragged static input, one sequence without any)
+    runs its time loop in Python, the stages that read the memory op by op
+    as on the interpreter, the others as in every other step-net."""
+    lengths, memory_lengths = [3, 1, 4, 2], [2, 0, 5, 3]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 3)).astype(np.float32),
+                                  [lengths])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((sum(memory_lengths), 4)).astype(np.float32),
+                                  [memory_lengths])
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+    rnn = sn.create_rnn_op(reverse=reverse, output_num=2)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        mem = rnn.add_static_input(M, name="mem")
+        h = rnn.add_memory(shape=[4], name="h", init=np.zeros(4, np.float32))
+        context = sn.ops.attention(sn.ops.matmul(h.pre_state(), w(4, 4)), mem)
+        z = sn.ops.sigmoid(sn.ops.matmul(x, w(3, 4)) + sn.ops.matmul(context, w(4, 4)))
+        h.update((1.0 - z) * h.pre_state() + z * sn.ops.tanh(sn.ops.matmul(context, w(4, 4))))
+        rnn.add_outputs(h, context)
+    run = executor.compile_program(rnn.program((True, True)))
+    assert run.why_apart == "a value of its step is ragged"
+    _agree(rnn, x=X)
+    _agree(rnn, all_steps=False, x=X)
