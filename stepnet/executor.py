@@ -202,7 +202,9 @@ class Executor:
         out = _Outputs(self.body.outputs, self.all_steps, offsets)
         work = int(lengths.sum()) * self.work_width
         count = max(1, min(workers, lengths.shape[0]))
-        if count > 1 and work < threads.SPLIT_MIN_WORK:
+        # (groups on threads where each runs its steps in one call: a time
+        # loop in Python holds the GIL, and two of them take turns on it)
+        if count > 1 and (work < threads.SPLIT_MIN_WORK or self.why_apart is not None):
             count = 1
         by_length = np.argsort(-lengths, kind="stable")
         groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
