@@ -14,10 +14,6 @@ import numpy as np
 
 from . import registry
 
-# the values a register of the loop holds: an elementwise run's ops run over a
-# block of this many values of rows (at least one row) at a time
-REGISTER_VALUES = 512
-
 # the ops an elementwise run's loop computes (their float results): opcode
 # 2 + index (0 loads an operand's row, 1 stores one)
 LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
@@ -118,33 +114,27 @@ def _loop_source(dtype):
              "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm)",
              "                continue",
              "            width = prog[p, 3]",
-             "            # (by blocks of rows: an op's code dispatched once a block)",
-             "            block = max(1, registers.shape[1] // width)",
-             "            for first in range(0, rows, block):",
-             "                n = min(block, rows - first)",
-             "                m = n * width",
+             "            for i in range(rows):",
              "                for c in range(prog[p, 1], prog[p, 2]):",
              "                    op = code[c, 0]",
              "                    r = registers[code[c, 1]]",
-             "                    if op == 0:  # an operand's rows",
+             "                    if op == 0:  # an operand's row",
              "                        x = code[c, 2]",
-             "                        for i in range(n):",
-             "                            at = address(table, x, lo, first + i, perm)",
-             "                            if table[x, 2] == 1:",
-             f"                                src = carray(pointer_to(at, {dt}), width)",
-             "                                for j in range(width):",
-             "                                    r[i * width + j] = src[j]",
-             "                            else:",
-             f"                                value = carray(pointer_to(at, {dt}), 1)[0]",
-             "                                for j in range(width):",
-             "                                    r[i * width + j] = value",
-             "                    elif op == 1:  # a value's rows stored",
-             "                        x = code[c, 2]",
-             "                        for i in range(n):",
-             "                            at = address(table, x, lo, first + i, perm)",
-             f"                            dst = carray(pointer_to(at, {dt}), width)",
+             "                        at = address(table, x, lo, i, perm)",
+             "                        if table[x, 2] == 1:",
+             f"                            src = carray(pointer_to(at, {dt}), width)",
              "                            for j in range(width):",
-             "                                dst[j] = r[i * width + j]"]
+             "                                r[j] = src[j]",
+             "                        else:",
+             f"                            value = carray(pointer_to(at, {dt}), 1)[0]",
+             "                            for j in range(width):",
+             "                                r[j] = value",
+             "                    elif op == 1:  # a value's row stored",
+             "                        x = code[c, 2]",
+             "                        at = address(table, x, lo, i, perm)",
+             f"                        dst = carray(pointer_to(at, {dt}), width)",
+             "                        for j in range(width):",
+             "                            dst[j] = r[j]"]
     from .jit.cpu_emit import loop_module, op_code
 
     for k, name in enumerate(LOOP_OPS):
@@ -153,17 +143,11 @@ def _loop_source(dtype):
                   "                        a = registers[code[c, 2]]"]
         if inputs > 1:
             lines.append("                        b = registers[code[c, 3]]")
-        lines += ["                        for j in range(m):",
+        lines += ["                        for j in range(width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
-                       imports=[*_IMPORTS, f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
-
-
-# the loop's imports beyond a fused loop's: its products, and the activations
-# inlined by Numba (LLVM leaves them calls in this long function)
-_IMPORTS = ("from stepnet.jit.blas import gemm_packed, pack",
-            "from stepnet.jit.numba_runtime import _sigmoid32_inline as sigmoid32",
-            "from stepnet.jit.numba_runtime import _tanh32_inline as tanh32")
+                       imports=["from stepnet.jit.blas import gemm_packed, pack",
+                                f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
 
 def _product_source(dt):
