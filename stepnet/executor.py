@@ -174,6 +174,8 @@ class Executor:
         dtypes = {run.dtype for run in self.runs.values() if run is not None}
         for dtype in dtypes | ({self.dtype} if self.why_apart is None else set()):
             _loop(dtype)
+        for inner in self.nested.values():
+            inner.prepare()
 
     def __call__(self, args, consts, workers=1):
         from .interpreter import numpy_blas_threads
@@ -284,7 +286,6 @@ class Executor:
                    for p in (env[v] for v in posts)]
             for s, post in zip(state, new):
                 s[:a] = post
-
 
     def _nested_stage(self, stage, layout, workers=1):
         """``run(env, rows, lo)`` of a nested rnn's stage: over the sub-sequences
