@@ -196,9 +196,11 @@ class Executor:
             for e in stage.eqns:
                 _eval(e, env)
         # the step's rows of each token (the caller's order): the step inputs'
-        # rows, and the nested rnns' results over each sub-sequence
+        # rows (of more levels: each token's sub-sequences, once a call),
+        # and the nested rnns' results over each sub-sequence
         for var, X in zip(self.body.step_inputs, seq_args):
-            env[var] = np.asarray(X.data) if X.num_levels == 1 else X
+            env[var] = (np.asarray(X.data) if X.num_levels == 1
+                        else LoDTensor(X.data, list(X.levels[1:])))
         for stage in self.first:
             self._nested_stage(stage, None, workers)(env, None, None)
         out = _Outputs(self.body.outputs, self.all_steps, offsets)
@@ -294,7 +296,7 @@ class Executor:
         inner, seqs = self.nested[stage], ir.rnn_parts(stage.eqns[0])[0]
 
         def run(env, rows, lo):
-            args = [LoDTensor(env[v].data, list(env[v].levels[1:])) for v in seqs]
+            args = [env[v] for v in seqs]
             if layout is not None:
                 args = [X.select(layout.perm[lo:lo + rows]) for X in args]
             env.update(zip(stage.outputs, inner(args, env, workers)))
