@@ -1479,31 +1479,80 @@ def _torch_cuda():
     return torch
 
 
-@peer("torch-cuda", ["W1", "W3"], "torch nn.GRU on the GPU (cuDNN)")
-def torch_cuda_gru(wl):
+def _torch_cuda_gru(wl, tf32):
     torch = _torch_cuda()
     m = _torch_gru_module(torch, wl.weights).cuda()
     x = torch.from_numpy(wl.x_time_major()).cuda()
 
     def run():
-        with torch.inference_mode():
-            y, h = m(x)
-        return y.cpu(), h[0].cpu()
+        # cuDNN may use TF32 tensor cores (PyTorch's default); stepnet's
+        # kernels are float32 on CUDA cores, so the like-for-like figure is
+        # the one without
+        before = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        try:
+            with torch.inference_mode():
+                y, h = m(x)
+            return y.cpu(), h[0].cpu()
+        finally:
+            torch.backends.cudnn.allow_tf32 = before
 
     return run
 
 
-@peer("torch-cuda", ["W5"], "torch eager Python loop on the GPU")
-def torch_cuda_custom_eager(wl):
+@peer("torch-cuda", ["W1", "W3"], "torch nn.GRU on the GPU (cuDNN, fp32 math)")
+def torch_cuda_gru(wl):
+    return _torch_cuda_gru(wl, tf32=False)
+
+
+@peer("torch-cuda", ["W1", "W3"], "torch nn.GRU on the GPU (cuDNN, TF32 allowed: the default)")
+def torch_cuda_gru_tf32(wl):
+    return _torch_cuda_gru(wl, tf32=True)
+
+
+def _torch_cuda_custom(wl):
+    """W5's weights and input on the GPU, and a run of its recurrence that
+    takes one step of the cell as ``step(xt, h)``."""
     torch = _torch_cuda()
     T, B, H = wl.dims["T"], wl.dims["B"], wl.dims["H"]
     wx, bx, u, wh, s = (t.cuda() for t in _custom_torch_weights(torch, wl.weights))
     x = torch.from_numpy(wl.x_time_major()).cuda()
 
-    def run():
+    def run(step):
         with torch.inference_mode():
             xp = torch.addmm(bx, x.reshape(T * B, -1), wx).view(T, B, 4 * H)
-            y, h = _custom_loop(xp, u, wh, s, torch.zeros(B, H, device="cuda"))
-        return y.cpu(), h.cpu()
+            h, ys = torch.zeros(B, H, device="cuda"), []
+            for t in range(T):
+                h = step(xp[t], h)
+                ys.append(h)
+            return torch.stack(ys).cpu(), h.cpu()
 
-    return run
+    return torch, (u, wh, s), run
+
+
+def _custom_step(torch, u, wh, s):
+    """One step of the W5 cell (``_custom_loop``'s)."""
+    H = u.shape[0]
+
+    def step(xt, h):
+        hu = h @ u
+        z = torch.sigmoid(xt[:, :H] + hu[:, :H])
+        r = torch.sigmoid(xt[:, H : 2 * H] + hu[:, H:])
+        cand = s * torch.tanh(xt[:, 2 * H : 3 * H] + (r * h) @ wh)
+        return (1 - z) * h + z * cand + 0.1 * xt[:, 3 * H :]
+
+    return step
+
+
+@peer("torch-cuda", ["W5"], "torch eager Python loop on the GPU")
+def torch_cuda_custom_eager(wl):
+    torch, weights, run = _torch_cuda_custom(wl)
+    step = _custom_step(torch, *weights)
+    return lambda: run(step)
+
+
+@peer("torch-cuda", ["W5"], "torch.compile of the cell, Python loop on the GPU")
+def torch_cuda_custom_compiled(wl):
+    torch, weights, run = _torch_cuda_custom(wl)
+    step = torch.compile(_custom_step(torch, *weights), dynamic=False)
+    return lambda: run(step)

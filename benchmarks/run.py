@@ -640,12 +640,21 @@ def _cpu_model():
     return f"{name} ({', '.join(details)})" if details else name
 
 
-def write_markdown(path, report):
+def _gpu_model():
+    """The GPU as numba-cuda names it, with the CPU beside it."""
+    from numba import cuda
+
+    name = cuda.get_current_device().name
+    return f"{name.decode() if isinstance(name, bytes) else name} (GPU; CPU {_cpu_model()})"
+
+
+def write_markdown(path, report, machine=None):
     """``report`` into ``path``. Where the file is a benchmarks page (it has
     a ``## Results`` section, as docs/benchmarks.md), the report becomes
-    this machine's section of it, headed by the CPU, replacing the section
-    an earlier run on the same CPU wrote and keeping the others; any other
-    file is replaced by the report."""
+    this machine's section of it, headed by ``machine`` (the CPU by default,
+    the GPU for a run of GPU peers only), replacing the section an earlier
+    run on the same machine wrote and keeping the others; any other file is
+    replaced by the report."""
     path = Path(path)
     text = path.read_text() if path.exists() else ""
     marker = "\n## Results\n"
@@ -656,7 +665,7 @@ def write_markdown(path, report):
     end = rest.find("\n## ")
     results, tail = (rest, "") if end < 0 else (rest[:end + 1], rest[end + 1:])
     intro, *sections = re.split(r"(?m)^(?=### )", results)
-    cpu = _cpu_model()
+    cpu = machine or _cpu_model()
     # (the report's own headings two levels down, under the machine's)
     body = re.sub(r"(?m)^(#{2,3}) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", report.strip())
     sections = [s for s in sections if not s.startswith(f"### {cpu}\n")]
@@ -720,7 +729,8 @@ def orchestrate(args):
         report = _run_all(args, keys, fams, tmp, log)
     print(report)
     if args.markdown:
-        write_markdown(args.markdown, report)
+        gpu_only = set(fams) <= set(CUDA_FAMILIES) and "NUMBA_ENABLE_CUDASIM" not in os.environ
+        write_markdown(args.markdown, report, _gpu_model() if gpu_only else None)
     if args.keep:
         print(f"\n(worker files kept in {tmp})", file=sys.stderr)
     else:

@@ -263,6 +263,15 @@ class CompiledStepNet:
     def source(self) -> str:
         return getattr(self._runner(True), "source", "")
 
+    def last_call(self, output_all_steps=True):
+        """What the last call with these output flags did, counted as it ran,
+        where the backend counts it (the CUDA backend's
+        :class:`stepnet.jit.cuda_run.CallCounts`: the loop's plan, launches,
+        copies to the device, syncs a step, weight bytes read from global
+        memory a step); None before a call and on the other backends."""
+        run = self._runs.get(self.rnn.all_steps_flags(output_all_steps))
+        return getattr(run, "last_call", None)
+
     @property
     def schedule(self):
         """The :class:`stepnet.schedule.Schedule` of the all-steps program:

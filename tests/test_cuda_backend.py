@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nets import nested_encoder
+from nets import gru_net, nested_encoder
 from stepnet_strategies import build_random_stepnet
 
 import stepnet as sn
@@ -29,9 +29,19 @@ numba_cuda = pytest.importorskip("stepnet.jit.numba_cuda")
 from stepnet.jit import cuda_run  # noqa: E402
 
 
-@pytest.fixture(params=["persistent", "per-stage"])
+@pytest.fixture(params=["block", "looped", "persistent", "global-weights", "per-stage"])
 def loop(request, monkeypatch):
-    """Run a test on both time-loop paths."""
+    """Run a test on every time-loop driver (``cuda_run.LoopPlan``): one
+    block (the default at these sizes), a cooperative grid with its step
+    GEMMs' weights resident in shared memory, the same reading them from
+    global memory, and a launch per stage and step; "looped": one block, the step GEMMs'
+    products in a loop rather than written out one by one."""
+    if request.param in ("persistent", "global-weights"):
+        monkeypatch.setattr(cuda_run, "BLOCK_MAX_MACS", -1)
+    if request.param == "looped":
+        monkeypatch.setattr(cuda_run, "UNROLL_MAX", 0)
+    if request.param == "global-weights":
+        monkeypatch.setattr(cuda_run, "_shared_limit", lambda: 0)
     if request.param == "per-stage":
         monkeypatch.setattr(cuda_run, "PERSISTENT_MAX_ELEMENTS", 0)
     return request.param
@@ -181,11 +191,13 @@ def test_source_is_printable():
     X = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float32), [[3]])
     source = _gated_cell(X).compile("cuda").source
     assert "@cuda.jit" in source and "def persistent(" in source and "grid.sync()" in source
+    assert "def block(" in source and "cuda.syncthreads()" in source
     # a stage kernel takes the arrays it reads, not every array of the call
-    # (each argument costs every launch on the host); the persistent kernel all
+    # (each argument costs every launch on the host); the loop kernels all
     params = {line[4:line.index("(")]: line[line.index("(") + 1:-2].split(", ")
               for line in source.splitlines() if line.startswith("def ")}
-    every = params.pop("persistent")[4:]
+    every = params.pop("persistent")[3:]
+    assert params.pop("block")[3:] == every
     stages = [p[3:] for name, p in params.items() if name.startswith(("hoisted", "step"))]
     assert stages and all(set(p) <= set(every) for p in stages)
     assert all(len(p) < len(every) for p in stages), (every, stages)
@@ -202,9 +214,67 @@ def test_a_steps_copies_of_one_width_are_one_stage():
     step = [k for k in kernels if k.startswith("\ndef step")]
     copies = [k for k in step if "mem0[i, j] =" in k]
     assert len(copies) == 1, step
-    assert "out0[off + i, j] =" in copies[0] and "out1[off + i, j] =" in copies[0]
+    assert "out0[tok[off + i], j] =" in copies[0] and "out1[tok[off + i], j] =" in copies[0]
     persistent = next(k for k in kernels if k.startswith("\ndef persistent("))
     assert persistent.count("grid.sync()") == len(step)
+
+
+def _gru(lengths, width, hidden):
+    r = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((sum(lengths), width)).astype(np.float32),
+                                  [lengths])
+    return gru_net(X, r, hidden=hidden)
+
+
+@pytest.mark.parametrize("driver", ["block", "persistent"])
+def test_what_a_call_does_is_counted(driver, monkeypatch):
+    """The design's promises, counted as a call runs: one launch for the
+    hoisted GEMM and one for the whole time loop; no grid-wide sync on one
+    block, one a stage on the grid; the step GEMM's weights (U: 3 x 8 x 8
+    float32) read from shared memory, none from global memory, at every
+    step; each array copied to the device once."""
+    if driver == "persistent":
+        monkeypatch.setattr(cuda_run, "BLOCK_MAX_MACS", -1)
+    f = _gru([3, 1, 2], 5, 8).compile("cuda")
+    f(output_all_steps=True)
+    counts = f.last_call(output_all_steps=True)
+    assert counts.plan.driver == driver and counts.plan.resident
+    # 24 columns of 8 weights, each padded to 9 words (distinct banks)
+    assert counts.plan.shared_bytes == 24 * 9 * 4
+    assert counts.launches == 2
+    stages = len(f.schedule.step) + 1  # the step's stages, then its outputs and memory update
+    assert (counts.block_syncs_per_step, counts.grid_syncs_per_step) == \
+        ((stages, 0) if driver == "block" else (0, stages))
+    assert counts.global_weight_bytes_per_step == 0
+    # the sequence, the memory, the step table, the input and the recurrent
+    # weights (each joined by columns) and the four biases in one copy
+    assert counts.copies_to_device == 1
+
+
+def test_weights_that_do_not_fit_are_read_from_global_memory(monkeypatch):
+    monkeypatch.setattr(cuda_run, "_shared_limit", lambda: 24 * 9 * 4 - 1)
+    f = _gru([2, 2], 3, 8).compile("cuda")
+    f()
+    counts = f.last_call()
+    assert counts.plan.driver == "persistent" and not counts.plan.resident
+    assert counts.global_weight_bytes_per_step == 3 * 8 * 8 * 4
+
+
+def test_hoisted_gemm_tiles_and_their_edges():
+    """A hoisted GEMM larger than one tile in rows and columns, of a K that
+    is not a multiple of the tile's slice: the tiled kernel's edges."""
+    T = cuda_run.TILE + 9
+    r = np.random.default_rng(5)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((T, cuda_run.TILE_K + 3)).astype(np.float32),
+                                  [[T - 40, 40]])
+    W = sn.Parameter(r.standard_normal((X.shape[1], cuda_run.TILE + 5)).astype(np.float32) * 0.3)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[W.shape[1]], name="h")
+        h.update(sn.ops.tanh(x @ W) + 0.5 * h.pre_state())
+        rnn.add_outputs(h)
+    agree(rnn)
 
 
 def _three_levels(r):

@@ -8,6 +8,8 @@ step's kernels), and the outputs back in the caller's layout.
 from __future__ import annotations
 
 import os
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,10 +35,58 @@ THREADS = 128  # threads per block of a stage kernel, and of a persistent kernel
 # fit one block on a multiprocessor (64K registers), as the cooperative launch
 # needs
 PERSISTENT_THREADS = 256
+# multiply-adds a step (every row, every step GEMM) up to which the loop runs
+# on one block, its stages separated by cuda.syncthreads() rather than
+# grid-wide syncs, provided the step GEMMs' weights fit that block's shared
+# memory: W3's 49K a step take well under a microsecond on one
+# multiprocessor, less than one grid-wide sync
+BLOCK_MAX_MACS = 1 << 19
+BLOCK_MAX_THREADS = 1024
+# dynamic shared memory a block may have without the kernel's opt-in
+# attribute (CUDA's default limit)
+SHARED_DEFAULT = 48 * 1024
+# a hoisted GEMM's tile: TILE x TILE outputs a block of (TILE / 4)^2 threads,
+# 4 x 4 a thread, over slices of TILE_K columns of ``a`` in shared memory
+TILE, TILE_K = 64, 16
+# inner dimension up to which a step GEMM's products are written out one by
+# one in the loop kernel (above it, a loop)
+UNROLL_MAX = 512
 
 
-def _device(a):
-    return cuda.to_device(np.ascontiguousarray(a))
+@dataclass
+class LoopPlan:
+    """How a call's time loop runs, decided in one place (``_Run.plan``):
+    ``driver`` is "block" (one block, ``cuda.syncthreads()`` between
+    stages), "persistent" (a cooperative grid, a grid-wide sync between
+    stages) or "per-stage" (a launch per stage and step); ``resident``: each
+    block's slice of the step GEMMs' weights is copied to its shared memory
+    (``shared_bytes`` a block) once a call and read there at every step."""
+
+    driver: str
+    blocks: int
+    threads: int
+    resident: bool
+    shared_bytes: int
+    why: str
+
+
+@dataclass
+class CallCounts:
+    """What a call did, counted as it ran (``compiled.last_call``): kernel
+    launches, host-to-device copies, the syncs between a step's stages (grid-
+    wide and block-wide) and the step GEMMs' weight bytes read from global
+    memory at every step after the first (zero where they are resident)."""
+
+    plan: LoopPlan
+    launches: int = 0
+    copies_to_device: int = 0
+    grid_syncs_per_step: int = 0
+    block_syncs_per_step: int = 0
+    global_weight_bytes_per_step: int = 0
+
+
+def _simulator() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 def _persistent_grid(count):
@@ -45,11 +95,49 @@ def _persistent_grid(count):
     sync (a cooperative launch), so at most one per multiprocessor, of
     ``PERSISTENT_THREADS`` where blocks of ``THREADS`` would loop; the
     simulator syncs a grid of one block only."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    if _simulator():
         return 1, THREADS
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     threads = THREADS if count <= sms * THREADS else PERSISTENT_THREADS
     return max(1, min(sms, (count + threads - 1) // threads)), threads
+
+
+def _shared_limit() -> int:
+    """Dynamic shared memory a block of a loop kernel may have: the device's
+    opt-in limit where numba-cuda's driver binding can raise a kernel's (the
+    attribute numba-cuda issue 94 asks for), else CUDA's default 48 KB."""
+    if _simulator() or _set_attribute() is None:
+        return SHARED_DEFAULT
+    device = cuda.get_current_device()
+    return int(getattr(device, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", SHARED_DEFAULT))
+
+
+def _set_attribute():
+    """numba-cuda's ``cuKernelSetAttribute`` and the attribute's enum, or None
+    where this numba-cuda has no such binding (older versions, numba's own
+    ``numba.cuda``)."""
+    try:
+        from cuda.bindings import driver as binding
+        from numba.cuda.cudadrv.driver import driver
+    except ImportError:
+        return None
+    setter = getattr(driver, "cuKernelSetAttribute", None)
+    attr = getattr(getattr(binding, "CUfunction_attribute", None),
+                   "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", None)
+    return None if setter is None or attr is None else (setter, attr)
+
+
+def _opt_in(spec, nbytes):
+    """Allow the compiled kernel ``spec`` ``nbytes`` of dynamic shared memory a
+    block."""
+    (compiled,) = spec.overloads.values()
+    function = compiled.library.get_cufunc()
+    setter, attr = _set_attribute()
+    setter(attr, nbytes, function.handle, function.device.id)
+
+
+def _host(a):
+    return np.ascontiguousarray(a)
 
 
 def _launch(kernel, count, *args):
@@ -66,31 +154,58 @@ class _Run:
         self.program, self.k, self.ns = program, kernels, namespace
         # (kernel, width, the names of the arrays it takes) of the stages before
         # the loop, and (kernel, width, space, names) of those of each step
-        self.hoisted = [(namespace[n], w, used) for g, n, w, _, used in kernels.kernel_names
-                        if g == "hoisted"]
-        self.stepped = [(namespace[n], w, space, used) for g, n, w, space, used
+        self.hoisted = [(namespace[n], w, used, tiled) for g, n, w, _, used, tiled
+                        in kernels.kernel_names if g == "hoisted"]
+        self.stepped = [(namespace[n], w, space, used) for g, n, w, space, used, _
                         in kernels.kernel_names if g == "step"]
+        self.last_call = None  # the CallCounts of the last call
+        # device arrays kept from call to call (reused while their shape
+        # holds: numba-cuda allocates each with the driver), the pinned host
+        # buffer of the upload, and the lock that keeps two calls apart
+        self._kept = {}
+        self._staging = None
+        self._lock = threading.Lock()
+        self._opted_in = {}  # loop kernel's name -> (its specialization, the shared bytes it may have)
 
     def __call__(self, args, consts, scopes=None):
         if scopes is not None:
             raise UnsupportedError("cuda backend: keep_scopes=True needs backend='interpreter'")
         batch = _Batch(self.program, self.k, args, consts)
-        if batch.steps == 0:  # no step to run: empty all-steps outputs, initial states
-            return _no_steps(batch.eqn, self.k.body, batch.initial, batch.seq_args,
-                             batch.num_seq, batch.ragged_args)
-        device = self._inputs(batch, consts)
-        self._run(batch, device)
-        return self._outputs(batch, device)
+        with self._lock:
+            self.last_call = CallCounts(self.plan(batch))
+            if batch.steps == 0:  # no step to run: empty all-steps outputs, initial states
+                return _no_steps(batch.eqn, self.k.body, batch.initial, batch.seq_args,
+                                 batch.num_seq, batch.ragged_args)
+            device = self._inputs(batch, consts)
+            self._run(batch, device)
+            return self._outputs(batch, device)
+
+    def _empty(self, name, shape, dtype):
+        """A device array for ``name`` of this call, the last call's where it
+        has the same shape and dtype."""
+        a = self._kept.get(name)
+        if a is None or a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+            a = self._kept[name] = cuda.device_array(shape, dtype)
+        return a
+
+    def _copy(self, device, host):
+        self.last_call.copies_to_device += 1
+        device.copy_to_device(host)
+
+    def _launch(self, kernel, count, *args):
+        self.last_call.launches += count > 0
+        _launch(kernel, count, *args)
 
     def _inputs(self, b, consts):
         """``{name: device array}``: the call's inputs laid out as the kernels
         read them (rows in sorted sequence order, each step's rows packed),
-        its memories and outputs started, the buffers and constants."""
+        its memories and outputs started, the buffers and constants, all
+        copied to the device in one copy (:meth:`_upload`)."""
         k, body = self.k, self.k.body
         device = {}
         for i, X in enumerate(b.seq_args):
             if X.num_levels == 1:
-                device[f"seq{i}"] = _device(X.data.reshape(len(X.data), -1)[b.gather])
+                device[f"seq{i}"] = _host(X.data.reshape(len(X.data), -1))
             else:  # read by nested step-nets only: not on the device as rows
                 device[f"seq{i}"] = cuda.device_array((1, 1), np.float32)
         position = {id(v): i for i, v in enumerate(body.step_inputs)}
@@ -101,16 +216,16 @@ class _Run:
             for j, (o, value) in enumerate(zip(e.outputs, inner(inner_args, consts))):
                 # one row per sub-sequence = per token of this net, packed like its step inputs
                 rows = np.asarray(value, o.dtype).reshape(len(value), -1)
-                device[f"nest{n}_{j}"] = _device(rows[b.gather])
+                device[f"nest{n}_{j}"] = _host(rows[b.gather])
         for i, v in enumerate(b.statics):
             if i in k.ragged:
                 data = np.asarray(b.by_var[id(v)].data)
-                device[f"static{i}"] = _device(data[b.ragged.pack].reshape(b.ragged.rows, -1))
+                device[f"static{i}"] = _host(data[b.ragged.pack].reshape(b.ragged.rows, -1))
                 continue
-            device[f"static{i}"] = _device(np.asarray(b.by_var[id(v)])[b.order]
+            device[f"static{i}"] = _host(np.asarray(b.by_var[id(v)])[b.order]
                                            .reshape(b.num_seq, -1))
         if b.ragged is not None:
-            device["mstart"], device["row_of"] = _device(b.ragged.mstart), _device(b.ragged.row_of)
+            device["mstart"], device["row_of"] = _host(b.ragged.mstart), _host(b.ragged.row_of)
         mem_init = self._memories(b, device)
         for kk, (out, all_steps) in enumerate(zip(body.outputs, b.eqn.attrs["all_steps"])):
             width = k.values[id(out)].width
@@ -119,25 +234,51 @@ class _Run:
                 continue
             if all_steps:
                 rows = int(b.moffs[-1]) if out.lod_depth else b.total
-                device[f"out{kk}"] = cuda.device_array((max(rows, 1), width), out.dtype)
+                device[f"out{kk}"] = self._empty(f"out{kk}", (max(rows, 1), width), out.dtype)
             else:
                 mi = b.eqn.attrs["output_memory"][kk]
                 start = mem_init[mi][b.order] if mi >= 0 else \
                     np.zeros((b.num_seq,) + out.shape[1:], out.dtype)
-                device[f"out{kk}"] = _device(np.asarray(start, out.dtype).reshape(b.num_seq, -1))
+                device[f"out{kk}"] = _host(np.asarray(start, out.dtype).reshape(b.num_seq, -1))
         for name, kind, width, dtype in k.buffers:
             rows = {"token": b.total, "mrow": b.ragged.rows if b.ragged else 0}.get(kind, b.num_seq)
-            device[name] = cuda.device_array((max(rows, 1), width), dtype)
+            device[name] = self._empty(name, (max(rows, 1), width), dtype)
         for e in k.host_eqns:
             vals = [b.const_env[id(v)] if isinstance(v, ir.Var) else v.value for v in e.inputs]
             b.const_env[id(e.outputs[0])] = registry.get(e.op).numpy(*vals, **e.attrs)
         for name, weights in k.joined:
-            device[name] = _device(np.concatenate([b.const_env[id(w)] for w in weights], axis=1)
+            device[name] = _host(np.concatenate([b.const_env[id(w)] for w in weights], axis=1)
                                    .ravel())
         needed = set(k.used_names)
         for v_id, info in k.values.items():
             if info.kind == "const" and info.name in needed and info.name not in device:
-                device[info.name] = _device(np.ravel(np.asarray(b.const_env[v_id], info.dtype)))
+                device[info.name] = _host(np.ravel(np.asarray(b.const_env[v_id], info.dtype)))
+        device["steps"] = _host(np.stack([b.nbs, b.offs, b.moffs[:b.steps]]))
+        device["tok"] = b.gather  # the caller's token of each packed row
+        return self._upload(device)
+
+    def _upload(self, device):
+        """The host arrays of ``device`` packed into one buffer (each at a
+        multiple of 256 bytes), copied to the device at once, and replaced by
+        views of it (numba-cuda spends more on each copy's call than on the
+        bytes of such small arrays)."""
+        host = {name: a for name, a in device.items() if isinstance(a, np.ndarray)}
+        starts, size = {}, 0
+        for name, a in host.items():
+            starts[name] = size
+            size += -(-max(a.nbytes, 1) // 256) * 256
+        if self._staging is None or self._staging.size < size:  # grown, never shrunk
+            grown = max(size, 0 if self._staging is None else self._staging.size * 3 // 2)
+            self._staging = cuda.pinned_array(grown, np.uint8)
+        buffer = self._staging[:size]
+        for name, a in host.items():
+            buffer[starts[name]:starts[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+        whole = self._empty("upload", (self._staging.size,), np.uint8)[:size]
+        self._copy(whole, buffer)
+        for name, a in host.items():
+            part = whole[starts[name]:starts[name] + max(a.nbytes, a.dtype.itemsize)]
+            device[name] = part.view(a.dtype)[:a.size].reshape(a.shape) if a.size else \
+                cuda.device_array(a.shape, a.dtype)
         return device
 
     def _memories(self, b, device):
@@ -150,31 +291,80 @@ class _Run:
         for i, (mem, v) in enumerate(zip(body.memories, b.inits)):
             if i in k.ragged_memories:
                 width = k.values[id(mem.pre)].width
-                device[f"mem{i}"] = _device(np.full((max(b.ragged.rows, 1), width), b.initial(v),
+                device[f"mem{i}"] = _host(np.full((max(b.ragged.rows, 1), width), b.initial(v),
                                                     mem.pre.dtype))
                 mem_init.append(None)
                 continue
             full = np.broadcast_to(np.asarray(b.initial(v), mem.pre.dtype),
                                    (b.num_seq,) + tuple(mem.pre.shape[1:]))
             mem_init.append(full)
-            device[f"mem{i}"] = _device(full[b.order].reshape(b.num_seq, -1))
+            device[f"mem{i}"] = _host(full[b.order].reshape(b.num_seq, -1))
         for i in k.snapshots:
-            device[f"snap{i}"] = cuda.device_array(
-                (b.num_seq, k.values[id(body.memories[i].pre)].width), body.memories[i].pre.dtype)
+            device[f"snap{i}"] = self._empty(f"snap{i}", (b.num_seq, k.values[
+                id(body.memories[i].pre)].width), body.memories[i].pre.dtype)
         return mem_init
 
-    def _run(self, b, device):
-        """The hoisted stages' kernels over every token, then the time loop:
-        one persistent kernel where the widest step fits, else each step's
-        kernels launched step by step."""
+    def plan(self, b) -> LoopPlan:
+        """How the time loop of batch ``b`` runs (:class:`LoopPlan`): the one
+        place that decides it."""
         k = self.k
-        for kernel, width, names in self.hoisted:
-            _launch(kernel, b.total * width, b.total, 0, 0, *[device[n] for n in names])
-        if b.num_seq * k.widest <= PERSISTENT_MAX_ELEMENTS:
-            blocks, threads = _persistent_grid(b.num_seq * k.widest)
-            self.ns["persistent"][blocks, threads](b.steps, _device(b.nbs), _device(b.offs),
-                                                   _device(b.moffs),
-                                                   *[device[n] for n in k.used_names])
+        count = b.num_seq * k.widest
+        if count > PERSISTENT_MAX_ELEMENTS:
+            return LoopPlan("per-stage", 0, THREADS, False, 0,
+                            f"{count} elements a stage > PERSISTENT_MAX_ELEMENTS")
+        gemms = k.step_gemms
+        macs = b.num_seq * sum(g.K * g.N for g in gemms)
+        one_type = len({g.weight_dtype for g in gemms}) == 1
+        limit = _shared_limit()
+
+        def shared(blocks):  # a block's slice of every step GEMM's weights
+            itemsize = gemms[0].weight_dtype.itemsize if gemms else 0
+            return sum(g.row * -(-g.N // blocks) for g in gemms) * itemsize
+
+        if macs <= BLOCK_MAX_MACS and (not gemms or one_type and shared(1) <= limit):
+            threads = THREADS if _simulator() else \
+                min(BLOCK_MAX_THREADS, max(THREADS, -(-count // 32) * 32))
+            driver, blocks, why = "block", 1, f"{macs} multiply-adds a step <= BLOCK_MAX_MACS"
+        else:
+            blocks, threads = _persistent_grid(count)
+            driver, why = "persistent", f"{macs} multiply-adds a step > BLOCK_MAX_MACS" \
+                if macs > BLOCK_MAX_MACS else "the step GEMMs' weights exceed one block's shared memory"
+        need = shared(blocks)
+        resident = bool(gemms) and one_type and need <= limit
+        if gemms and not resident:
+            why += f"; weights read from global memory ({need} bytes a block > {limit})"
+        return LoopPlan(driver, blocks, threads, resident, need if resident else 0, why)
+
+    def _run(self, b, device):
+        """The hoisted stages' kernels over every token, then the time loop as
+        its plan says (:meth:`plan`)."""
+        self._hoisted(b, device)
+        self._loop(b, device)
+
+    def _hoisted(self, b, device):
+        for kernel, width, names, tiled in self.hoisted:
+            if tiled:  # TILE x TILE outputs a block
+                tiles = (-(-width // TILE), -(-b.total // TILE))
+                self.last_call.launches += 1
+                kernel[tiles, (TILE // 4, TILE // 4)](b.total, 0, 0, *[device[n] for n in names])
+            else:
+                self._launch(kernel, b.total * width, b.total, 0, 0, *[device[n] for n in names])
+
+    def _loop(self, b, device):
+        k, counts = self.k, self.last_call
+        plan, syncs = counts.plan, len(self.stepped)
+        if not plan.resident:
+            counts.global_weight_bytes_per_step = sum(g.weight_bytes for g in k.step_gemms)
+        if plan.driver != "per-stage":
+            args = (b.steps, device["steps"], int(plan.resident),
+                    *[device[n] for n in k.used_names])
+            kernel = self._loop_kernel(plan, args)
+            kernel[plan.blocks, plan.threads, 0, plan.shared_bytes](*args)
+            counts.launches += 1
+            if plan.driver == "block":
+                counts.block_syncs_per_step = syncs
+            else:
+                counts.grid_syncs_per_step = syncs
             return
         stepped = [(kernel, width, space, [device[n] for n in names])
                    for kernel, width, space, names in self.stepped]
@@ -182,7 +372,27 @@ class _Run:
             nb, off, moff = int(b.nbs[t]), int(b.offs[t]), int(b.moffs[t])
             for kernel, width, space, kernel_args in stepped:
                 rows = b.ragged.mstart[nb] if space == "mrow" else nb
-                _launch(kernel, rows * width, nb, off, moff, *kernel_args)
+                self._launch(kernel, rows * width, nb, off, moff, *kernel_args)
+
+    def _loop_kernel(self, plan, args):
+        """The loop kernel of ``plan``'s driver, compiled for ``args``, allowed
+        ``plan.shared_bytes`` of dynamic shared memory a block (above CUDA's
+        default 48 KB the kernel opts in: :func:`_opt_in`); ``plan.threads``
+        lowered to what the kernel's registers allow a block."""
+        name = plan.driver
+        kernel = self.ns[name]
+        if _simulator():
+            return kernel
+        spec, allowed = self._opted_in.get(name, (None, -1))
+        if spec is None:
+            spec = kernel.specialize(*args)
+        if allowed < plan.shared_bytes and plan.shared_bytes > SHARED_DEFAULT:
+            _opt_in(spec, plan.shared_bytes)
+            allowed = plan.shared_bytes
+        self._opted_in[name] = (spec, allowed)
+        (compiled,) = spec.overloads.values()
+        plan.threads = min(plan.threads, compiled.max_threads_per_block // 32 * 32)
+        return spec
 
     def _outputs(self, b, device):
         """The outputs back on the host in the caller's layout."""
@@ -201,9 +411,8 @@ class _Run:
             if all_steps and out.lod_depth:  # (sequence, step, that sequence's rows)
                 results.append(b.ragged.all_steps(host, out, b.nbs, b.sorted_lengths, b.order,
                                                   b.seq_args[0].levels[0], eqn.attrs["reverse"]))
-            elif all_steps:
-                data = np.empty((b.total,) + tuple(out.shape[1:]), out.dtype)
-                data[b.gather] = host[:b.total].reshape((b.total,) + tuple(out.shape[1:]))
+            elif all_steps:  # written in the caller's rows
+                data = host[:b.total].reshape((b.total,) + tuple(out.shape[1:]))
                 results.append(LoDTensor(data, [b.seq_args[0].levels[0]]))
             else:
                 last = np.empty((b.num_seq,) + tuple(out.shape[1:]), out.dtype)
@@ -228,8 +437,9 @@ class _Batch:
         self.order = np.argsort(-lengths, kind="stable")
         self.sorted_lengths = lengths[self.order]
         self.steps = steps = int(self.sorted_lengths[0]) if self.num_seq else 0
-        self.nbs = np.array([np.count_nonzero(self.sorted_lengths > t) for t in range(steps)],
-                            np.int64)
+        # sequences still running at step t: those longer than t
+        ended = np.cumsum(np.bincount(lengths, minlength=steps + 1))[:steps]
+        self.nbs = (self.num_seq - ended).astype(np.int64)
         self.offs = np.concatenate([[0], np.cumsum(self.nbs)[:-1]]).astype(np.int64) if steps \
             else self.nbs
         self.total = int(lengths.sum())
@@ -243,12 +453,10 @@ class _Batch:
             np.zeros(steps + 1, np.int64)
         # packed row r (step t, sorted position b) holds token starts[order[b]] + position
         starts = np.asarray(self.seq_args[0].levels[0][:-1])[self.order]
-        self.gather = np.empty(self.total, np.int64)
-        for t in range(steps):
-            nb = self.nbs[t]
-            pos = (self.sorted_lengths[:nb] - 1 - t) if self.eqn.attrs["reverse"] \
-                else np.full(nb, t)
-            self.gather[self.offs[t]:self.offs[t] + nb] = starts[:nb] + pos
+        t = np.repeat(np.arange(steps), self.nbs)
+        b = np.arange(self.total) - np.repeat(self.offs, self.nbs)
+        pos = self.sorted_lengths[b] - 1 - t if self.eqn.attrs["reverse"] else t
+        self.gather = (starts[b] + pos).astype(np.int64)
 
     def initial(self, v):
         """A memory's init: bound by name, a literal or a constant."""

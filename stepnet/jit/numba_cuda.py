@@ -55,7 +55,8 @@ from ..config import config
 from ..errors import BackendError, UnsupportedError
 from .. import registry
 from . import loading
-from .cuda_run import _Run
+from . import cuda_run
+from .cuda_run import TILE, TILE_K, _Run
 
 try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
     from numba import cuda
@@ -253,6 +254,8 @@ class _Kernels:
             row = "i"
         else:
             row = f"off + {sequence}" if info.kind == "token" else sequence
+            if info.name.startswith("seq"):  # the caller's rows: packed row r is token tok[r]
+                row = f"tok[{row}]"
         if info.offset:
             index = f"{info.offset} + {index}"
         return f"{info.name}[{row}, {index}]"
@@ -261,10 +264,12 @@ class _Kernels:
 
     def _stage_lines(self, stage):
         """(element count per row, body lines computing element ``e`` = (row
-        ``i``, flat feature ``j``), the rows: "row" or "mrow") of one stage."""
+        ``i``, flat feature ``j``), the rows: "row" or "mrow", the stage's
+        :class:`_Gemm` or None) of one stage."""
         self.space = "mrow" if stage.outputs[0].lod_depth else "row"
+        self.gemm = None
         width, lines = self._stage_code(stage)
-        return width, lines, self.space
+        return width, lines, self.space, self.gemm
 
     def _stage_code(self, stage):
         first = stage.eqns[0]
@@ -320,6 +325,8 @@ class _Kernels:
             name = self.values[id(weights[0])].name
         K, N = stage.left.shape[-1], sum(w.shape[1] for w in weights)
         out = self.values[id(stage.eqns[0].outputs[0])]
+        self.gemm = _Gemm(K, N, name, self._read(ia, "@k"), self._read(out, "j"),
+                          np.dtype(out.dtype), np.dtype(weights[0].dtype))
         acc = f"{_dtype_name(out.dtype)}(0.0)"
         return N, [f"n = j % {N}", f"acc = {acc}", f"for k in range({K}):",
                    f"    acc += {self._read(ia, 'k')} * {name}[k * {N} + n]",
@@ -391,7 +398,8 @@ class _Kernels:
                 raise UnsupportedError(f"cuda backend: output {out.name} is a constant or a ragged "
                                        "value; it runs on numba and interpreter")
             self.space = "mrow" if info.kind == "mrow" else "row"
-            row = "i" if not all_steps else ("moff + i" if info.kind == "mrow" else "off + i")
+            # an all-steps output in the caller's rows (its LoD is the input's)
+            row = "i" if not all_steps else ("moff + i" if info.kind == "mrow" else "tok[off + i]")
             stages.append((info.width, [f"out{k}[{row}, j] = {self._read(info, 'j')}"], self.space))
             self.space = "row"
         pres = {id(m.pre) for m in body.memories}
@@ -421,7 +429,7 @@ class _Kernels:
             if merged and merged[-1][0] == width and merged[-1][2] == space:
                 merged[-1][1].extend(lines)
             else:
-                merged.append((width, list(lines), space))
+                merged.append((width, list(lines), space, None))
         return merged
 
     # -- source ------------------------------------------------------------------
@@ -439,12 +447,12 @@ class _Kernels:
         names += [name for name, _ in self.joined]
         if self.ragged:
             names += ["mstart", "row_of"]
-        return names
+        return names + ["tok"]
 
     def source(self):
         groups = (("hoisted", self.hoisted), ("step", self.stepped + self.finish))
 
-        def read(body, space):
+        def read(body, space, gemm):
             rows = "mstart[nb]" if space == "mrow" else "nb"
             return set(re.findall(r"[A-Za-z_]\w*", "\n".join(body + [rows])))
 
@@ -452,34 +460,161 @@ class _Kernels:
         # is neither copied to the device nor passed); each stage kernel takes
         # only those it reads itself: numba-cuda prepares every argument of
         # every launch on the host
-        reads = {(group, k): read(body, space) for group, stages in groups
-                 for k, (_, body, space) in enumerate(stages)}
+        reads = {(group, k): read(*stage[1:]) for group, stages in groups
+                 for k, stage in enumerate(stages)}
         every = set().union(*reads.values())
         names = self.used_names = [n for n in self.arg_names() if n in every]
-        args = ", ".join(names)
         lines = list(self.lines)
         for group, stages in groups:
-            for k, (width, body, space) in enumerate(stages):
+            for k, (width, body, space, gemm) in enumerate(stages):
                 name = f"{group}{k}"
-                rows = "mstart[nb]" if space == "mrow" else "nb"
                 used = [n for n in names if n in reads[group, k]]
-                self.kernel_names.append((group, name, width, space, used))
-                lines += ["@cuda.jit", f"def {name}({', '.join(['nb', 'off', 'moff'] + used)}):",
-                          "    e = cuda.grid(1)", f"    if e < {rows} * {width}:",
+                tiled = group == "hoisted" and gemm is not None
+                self.kernel_names.append((group, name, width, space, used, tiled))
+                lines += ["@cuda.jit", f"def {name}({', '.join(['nb', 'off', 'moff'] + used)}):"]
+                if tiled:
+                    lines += ["    " + s for s in _tiled_gemm(gemm)] + [""]
+                    continue
+                rows = "mstart[nb]" if space == "mrow" else "nb"
+                lines += ["    e = cuda.grid(1)", f"    if e < {rows} * {width}:",
                           f"        i = e // {width}", f"        j = e % {width}"]
                 lines += ["        " + s for s in body] + [""]
-        lines += ["@cuda.jit", f"def persistent(steps, nbs, offs, moffs, {args}):",
-                  "    grid = cuda.cg.this_grid()",
-                  "    tid = cuda.grid(1)", "    nt = cuda.gridsize(1)",
-                  "    for t in range(steps):", "        nb = nbs[t]", "        off = offs[t]",
-                  "        moff = moffs[t]"]
-        for width, body, space in self.stepped + self.finish:
-            rows = "mstart[nb]" if space == "mrow" else "nb"
-            lines += [f"        for e in range(tid, {rows} * {width}, nt):",
-                      f"            i = e // {width}", f"            j = e % {width}"]
-            lines += ["            " + s for s in body]
-            lines.append("        grid.sync()")
+        self.step_gemms = [g for _, _, _, g in self.stepped if g is not None]
+        for driver in ("persistent", "block"):
+            lines += self._loop_kernel(driver, names)
         return "\n".join(lines) + "\n"
+
+    def _loop_kernel(self, driver, names):
+        """The whole time loop as one kernel: ``persistent`` on a cooperative
+        grid, its stages separated by grid-wide syncs; ``block`` on one block,
+        separated by ``cuda.syncthreads()``. Each block owns a slice of every
+        step GEMM's columns (all of them on one block); with ``resident`` its
+        slice of the weights is copied to shared memory once, before the
+        first step, and read there at every step."""
+        sync = "grid.sync()" if driver == "persistent" else "cuda.syncthreads()"
+        gemms = self.step_gemms
+        wdt = _dtype_name(gemms[0].weight_dtype) if gemms else "float32"
+        lines = ["@cuda.jit", f"def {driver}(steps, nbs, resident, {', '.join(names)}):"]
+        if driver == "persistent":
+            lines += ["    grid = cuda.cg.this_grid()", "    tid = cuda.grid(1)",
+                      "    nt = cuda.gridsize(1)"]
+        else:
+            lines += ["    tid = cuda.threadIdx.x", "    nt = cuda.blockDim.x"]
+        lines += ["    lt = cuda.threadIdx.x", "    bd = cuda.blockDim.x",
+                  "    blk = cuda.blockIdx.x", "    nblk = cuda.gridDim.x",
+                  f"    wsh = cuda.shared.array(0, {wdt})", "    g_w0 = 0"]
+        for g, gemm in enumerate(gemms):  # the block's columns of each GEMM, where they sit in wsh
+            N = gemm.N
+            lines += [f"    g_cpb{g} = ({N} + nblk - 1) // nblk", f"    g_c{g} = blk * g_cpb{g}",
+                      f"    g_n{g} = max(0, min(g_cpb{g}, {N} - g_c{g}))"]
+            if g + 1 < len(gemms):
+                lines.append(f"    g_w{g + 1} = g_w{g} + {gemm.row} * g_cpb{g}")
+        if gemms:
+            lines.append("    if resident:")
+            for g, gemm in enumerate(gemms):
+                # column n of the slice is row n of wsh from g_w<g>, ``row`` words a
+                # row: a thread's reads are at constant offsets from its row, and
+                # a warp's threads (consecutive columns) read distinct banks
+                lines += [f"        for e in range(lt, {gemm.K} * g_n{g}, bd):",
+                          f"            wsh[g_w{g} + (e % g_n{g}) * {gemm.row} + e // g_n{g}] = "
+                          f"{gemm.weight}[(e // g_n{g}) * {gemm.N} + g_c{g} + e % g_n{g}]"]
+            lines.append("        cuda.syncthreads()")
+        lines += ["    for t in range(steps):", "        nb = nbs[0, t]", "        off = nbs[1, t]",
+                  "        moff = nbs[2, t]"]
+        g = 0
+        for width, body, space, gemm in self.stepped + self.finish:
+            if gemm is not None:
+                rows = "mstart[nb]" if space == "mrow" else "nb"
+                lines += ["        " + s for s in _sliced_gemm(gemm, g, rows)]
+                g += 1
+            else:
+                rows = "mstart[nb]" if space == "mrow" else "nb"
+                lines += [f"        for e in range(tid, {rows} * {width}, nt):",
+                          f"            i = e // {width}", f"            j = e % {width}"]
+                lines += ["            " + s for s in body]
+            lines.append(f"        {sync}")
+        return lines + [""]
+
+
+class _Gemm:
+    """A GEMM stage as its kernels read it: ``a @ W`` with ``a`` read at
+    column ``k`` of row ``i`` by ``left(k)``, the weights flat (``K x N``,
+    row-major) in array ``weight``, element (``i``, ``j``) written by
+    ``out``."""
+
+    def __init__(self, K, N, weight, left, out, dtype, weight_dtype):
+        self.K, self.N, self.weight, self._left, self.out = K, N, weight, left, out
+        self.dtype, self.weight_dtype = dtype, weight_dtype
+
+    def left(self, k) -> str:
+        return self._left.replace("@k", k)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.K * self.N * self.weight_dtype.itemsize
+
+    @property
+    def row(self) -> int:
+        """Words a column of the weights takes in shared memory: K, made odd
+        so that consecutive columns start in distinct banks."""
+        return self.K + 1 - self.K % 2
+
+
+def _tiled_gemm(gemm):
+    """A hoisted GEMM over every token (``nb`` rows): a 2-D grid of TILE x TILE
+    tiles, each thread 4 x 4 outputs held in registers (rows ``ty * 4 + r``,
+    columns ``tx + 16 * c``), the operands' slices staged in shared memory."""
+    dt, K, N, q = _dtype_name(gemm.dtype), gemm.K, gemm.N, TILE // 4
+    lines = [f"ta = cuda.shared.array(({TILE_K}, {TILE}), {dt})",
+             f"tb = cuda.shared.array(({TILE_K}, {TILE}), {dt})",
+             "tx = cuda.threadIdx.x", "ty = cuda.threadIdx.y", f"lid = ty * {q} + tx",
+             f"r0 = cuda.blockIdx.y * {TILE}", f"c0 = cuda.blockIdx.x * {TILE}"]
+    lines += [f"a{r}{c} = {dt}(0.0)" for r in range(4) for c in range(4)]
+    lines += [f"for k0 in range(0, {K}, {TILE_K}):",
+              f"    for p in range(lid, {TILE_K * TILE}, {q * q}):",
+              f"        i = r0 + p // {TILE_K}", f"        k = k0 + p % {TILE_K}",
+              f"        x = {dt}(0.0)", f"        if i < nb and k < {K}:",
+              f"            x = {gemm.left('k')}", f"        ta[p % {TILE_K}, p // {TILE_K}] = x",
+              f"        k = k0 + p // {TILE}", f"        n = c0 + p % {TILE}", f"        x = {dt}(0.0)",
+              f"        if k < {K} and n < {N}:", f"            x = {gemm.weight}[k * {N} + n]",
+              f"        tb[p // {TILE}, p % {TILE}] = x",
+              "    cuda.syncthreads()", f"    for kk in range({TILE_K}):"]
+    lines += [f"        x{r} = ta[kk, ty * 4 + {r}]" for r in range(4)]
+    lines += [f"        y{c} = tb[kk, tx + {q * c}]" for c in range(4)]
+    lines += [f"        a{r}{c} += x{r} * y{c}" for r in range(4) for c in range(4)]
+    lines.append("    cuda.syncthreads()")
+    for r in range(4):
+        lines += [f"i = r0 + ty * 4 + {r}", "if i < nb:"]
+        for c in range(4):
+            lines += [f"    j = c0 + tx + {q * c}", f"    if j < {N}:", f"        {gemm.out} = a{r}{c}"]
+    return lines
+
+
+def _sliced_gemm(gemm, g, rows):
+    """Step GEMM ``g`` in the loop kernel: this block's columns (from ``g_c<g>``,
+    ``g_n<g>`` of them) for every active row, a thread per output, four partial
+    sums (independent chains of multiply-adds); the weights from shared memory
+    where they are resident. Up to ``cuda_run.UNROLL_MAX`` the products are written
+    out one by one, so that each operand is read at a constant offset (a
+    loop spends more instructions on its indices than on its arithmetic)."""
+    K, N, dt = gemm.K, gemm.N, _dtype_name(gemm.dtype)
+    body = []
+    for source, stride, column in (("wsh", 1, f"g_r{g}"), (gemm.weight, N, "j")):
+        if K <= cuda_run.UNROLL_MAX:
+            body.append([f"        g_s{k % 4} += {gemm.left(str(k))} * {source}[{column} + "
+                         f"{k * stride}]" for k in range(K)])
+            continue
+        terms = [f"            g_s{p} += {gemm.left(f'k + {p}')} * {source}[{column} + "
+                 f"(k + {p}) * {stride}]" for p in range(4)]
+        body.append([f"        for k in range(0, {K - 3}, 4):", *terms,
+                     f"        for k in range({K - K % 4}, {K}):",
+                     f"            g_s0 += {gemm.left('k')} * {source}[{column} + k * {stride}]"])
+    return ([f"for e in range(lt, {rows} * g_n{g}, bd):", f"    i = e // g_n{g}",
+             f"    g_nl = e % g_n{g}", f"    j = g_c{g} + g_nl"]
+            + [f"    g_s{p} = {dt}(0.0)" for p in range(4)]
+            + ["    if resident:", f"        g_r{g} = g_w{g} + g_nl * {gemm.row}"] + body[0]
+            + ["    else:"] + body[1]
+            + [f"    {gemm.out} = g_s0 + g_s1 + g_s2 + g_s3"])
 
 
 def _used_coords(coords, lines):
