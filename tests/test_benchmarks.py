@@ -323,10 +323,12 @@ def test_a_report_becomes_its_machines_section_of_the_benchmarks_page(tmp_path, 
                       ("CPU A (family 25, avx512f no)", "W2")):
         monkeypatch.setattr(run, "_cpu_model", lambda cpu=cpu: cpu)
         run.write_markdown(page, report.replace("| W1 |", f"| {cell} |"))
+    run.write_markdown(page, report, "GPU G (GPU; CPU B (family 6, avx512f yes))")  # its own section
     text = page.read_text()
     results, headings = machines(text)
     assert headings == sorted(recorded + ["### CPU A (family 25, avx512f no)",
-                                          "### CPU B (family 6, avx512f yes)"])
+                                          "### CPU B (family 6, avx512f yes)",
+                                          "### GPU G (GPU; CPU B (family 6, avx512f yes))"])
     a = results[results.index("### CPU A"):results.index("### CPU B")]
     assert "| W2 |" in a and "| W1 |" not in a and "#### stepnet benchmark" in a
     assert "##### Failures" in a and "No table has been recorded" not in text

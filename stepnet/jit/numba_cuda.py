@@ -4,28 +4,29 @@
 (``compiled.source`` shows it, ``STEPNET_DEBUG=1`` prints it) and returns
 ``run(args, consts)``. A call:
 
-1. sorts the sequences by length (longest first, stable) and packs every step
-   input time-major: step ``t``'s rows are the ``nb[t]`` sequences still
-   running, rows ``[off[t], off[t] + nb[t])`` of the packed array (a reversed
-   step-net packs each sequence back to front). Data moves to the device once
-   per call.
+1. sorts the sequences by length (longest first, stable) and numbers the
+   steps' rows time-major: step ``t``'s rows are the ``nb[t]`` sequences
+   still running, packed rows ``[off[t], off[t] + nb[t])``, and ``tok[r]`` is
+   the caller's token of packed row ``r`` (a reversed step-net counts each
+   sequence back to front): kernels read step inputs and write all-steps
+   outputs through it. Data moves to the device in one copy a call.
 2. runs the schedule's **hoisted** stages (:mod:`stepnet.schedule`, the
    one every compiled backend renders) once over every token: ``x @ Wr``,
    ``x @ Wz``, ``x @ Wn`` for every step are one merged GEMM.
-3. runs the **time loop**: per step, the schedule's step stages on the active
-   prefix ``[0, nb[t])``, then the outputs and the memory updates. Each
-   stage is one kernel: a GEMM (a row-dot per output element; merged ones
-   read the weights joined by columns, once per call), a general matmul, a
-   shape op (slice, concat, pad, sum, transpose, broadcast_axis), or a run
-   of elementwise ops fused into one kernel that keeps intermediates in
-   registers (only the schedule's materialized values are stored). For a
-   batch that is not large (``num_seq * width <= cuda_run.PERSISTENT_MAX_ELEMENTS``)
-   the whole loop is **one persistent kernel** instead: one launch for every
-   step, the stages separated by a grid-wide sync (a cooperative launch of at
-   most one block per multiprocessor; Persistent RNNs, Diamos et al. 2016).
-   The outputs and memory updates of a step that run over the same elements
-   are one stage (each thread copies its own element of each).
-   The weights are read through the caches, not pinned on chip.
+3. runs the **time loop** as one kernel (``cuda_run.LoopPlan`` says which:
+   one block with ``cuda.syncthreads()`` between stages, or a cooperative
+   grid of at most one block per multiprocessor with grid-wide syncs;
+   Persistent RNNs, Diamos et al. 2016), or for large batches one launch per
+   stage and step. Per step, the schedule's step stages run on the active
+   prefix ``[0, nb[t])``, then the outputs and the memory updates: a step
+   GEMM over each block's slice of its columns, whose weights the block
+   copied to shared memory once (:func:`_sliced_gemm`), a general matmul, a
+   shape op (slice, concat, pad, sum, transpose, broadcast_axis), or a run of
+   elementwise ops fused into one stage that keeps intermediates in
+   registers (only the schedule's materialized values are stored). The
+   outputs and memory updates of a step that run over the same elements are
+   one stage (each thread copies its own element of each). The hoisted GEMM
+   is a tiled kernel (:func:`_tiled_gemm`).
 4. copies all-steps outputs and last-step outputs back, in the caller's order.
 
 Ops whose operands are constants only (e.g. ``W.T`` in a backward step) are
@@ -314,7 +315,9 @@ class _Kernels:
         return code.format(*args, one=f"{dt}(1.0)", zero=f"{dt}(0.0)")
 
     def _gemm(self, stage):
-        """``a @ W`` (W a 2-D constant): a row-dot per output element; a merged
+        """``a @ W`` (W a 2-D constant) on the per-stage path: a row-dot per
+        output element (the loop kernel and the hoisted kernel render the
+        stage's :class:`_Gemm` their own ways); a merged
         GEMM reads the weights joined by columns (``joined<n>``)."""
         ia = self.values[id(stage.left)]
         weights = [e.inputs[1] for e in stage.eqns]
