@@ -29,7 +29,7 @@ numba_cuda = pytest.importorskip("stepnet.jit.numba_cuda")
 from stepnet.jit import cuda_run  # noqa: E402
 
 
-@pytest.fixture(params=["block", "looped", "persistent", "global-weights", "per-stage"])
+@pytest.fixture(params=["block", "chunks of 3", "persistent", "global-weights", "per-stage"])
 def loop(request, monkeypatch):
     """Run a test on every time-loop driver (``cuda_run.LoopPlan``): one
     block (the default at these sizes), a cooperative grid with its step
@@ -38,8 +38,8 @@ def loop(request, monkeypatch):
     products in a loop rather than written out one by one."""
     if request.param in ("persistent", "global-weights"):
         monkeypatch.setattr(cuda_run, "BLOCK_MAX_MACS", -1)
-    if request.param == "looped":
-        monkeypatch.setattr(cuda_run, "UNROLL_MAX", 0)
+    if request.param == "chunks of 3":
+        monkeypatch.setattr(cuda_run, "UNROLL", 3)
     if request.param == "global-weights":
         monkeypatch.setattr(cuda_run, "_shared_limit", lambda: 0)
     if request.param == "per-stage":

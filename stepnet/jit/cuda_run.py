@@ -48,9 +48,10 @@ SHARED_DEFAULT = 48 * 1024
 # a hoisted GEMM's tile: TILE x TILE outputs a block of (TILE / 4)^2 threads,
 # 4 x 4 a thread, over slices of TILE_K columns of ``a`` in shared memory
 TILE, TILE_K = 64, 16
-# inner dimension up to which a step GEMM's products are written out one by
-# one in the loop kernel (above it, a loop)
-UNROLL_MAX = 512
+# a step GEMM's products written out a chunk at a time in the loop kernel
+# (on an H200, written out in full they took a quarter off W3's loop kernel
+# and 7-15 % off W1's and W5's, and W5's kernels 28 s to compile, not 2.5)
+UNROLL = 16
 
 
 @dataclass

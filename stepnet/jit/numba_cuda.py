@@ -597,21 +597,23 @@ def _sliced_gemm(gemm, g, rows):
     """Step GEMM ``g`` in the loop kernel: this block's columns (from ``g_c<g>``,
     ``g_n<g>`` of them) for every active row, a thread per output, four partial
     sums (independent chains of multiply-adds); the weights from shared memory
-    where they are resident. Up to ``cuda_run.UNROLL_MAX`` the products are written
-    out one by one, so that each operand is read at a constant offset (a
-    loop spends more instructions on its indices than on its arithmetic)."""
-    K, N, dt = gemm.K, gemm.N, _dtype_name(gemm.dtype)
+    where they are resident. The products are written out ``cuda_run.UNROLL``
+    at a time in a loop over the inputs, so that each operand is read at a
+    constant offset from the chunk's start (a loop of one product spends more
+    instructions on its indices than on its arithmetic; written out in full,
+    a kernel takes many times as long to compile)."""
+    K, N, dt, u = gemm.K, gemm.N, _dtype_name(gemm.dtype), max(1, cuda_run.UNROLL)
     body = []
     for source, stride, column in (("wsh", 1, f"g_r{g}"), (gemm.weight, N, "j")):
-        if K <= cuda_run.UNROLL_MAX:
-            body.append([f"        g_s{k % 4} += {gemm.left(str(k))} * {source}[{column} + "
-                         f"{k * stride}]" for k in range(K)])
-            continue
-        terms = [f"            g_s{p} += {gemm.left(f'k + {p}')} * {source}[{column} + "
-                 f"(k + {p}) * {stride}]" for p in range(4)]
-        body.append([f"        for k in range(0, {K - 3}, 4):", *terms,
-                     f"        for k in range({K - K % 4}, {K}):",
-                     f"            g_s0 += {gemm.left('k')} * {source}[{column} + k * {stride}]"])
+        lines = []
+        if K >= u:
+            lines += [f"        for k in range(0, {K - u + 1}, {u}):"]
+            at = "k + {c}" if stride == 1 else f"(k + {{c}}) * {stride}"
+            lines += [f"            g_s{c % 4} += {gemm.left(f'k + {c}')} * {source}[{column} + "
+                      f"{at.format(c=c)}]" for c in range(u)]
+        lines += [f"        g_s{k % 4} += {gemm.left(str(k))} * {source}[{column} + {k * stride}]"
+                  for k in range(K - K % u, K)]
+        body.append(lines)
     return ([f"for e in range(lt, {rows} * g_n{g}, bd):", f"    i = e // g_n{g}",
              f"    g_nl = e % g_n{g}", f"    j = g_c{g} + g_nl"]
             + [f"    g_s{p} = {dt}(0.0)" for p in range(4)]
