@@ -251,6 +251,22 @@ def test_what_a_call_does_is_counted(driver, monkeypatch):
     assert counts.copies_to_device == 1
 
 
+def test_calls_of_other_sizes_after_one_another():
+    """A compiled step-net keeps its device arrays and their views from call
+    to call while their shapes hold: calls of other lengths and sizes in turn
+    each give the interpreter's results."""
+    rnn = _gru([3, 1, 2], 5, 8)
+    f = rnn.compile("cuda")
+    r = np.random.default_rng(9)
+    for lengths in ([3, 1, 2], [4, 4], [1], [3, 1, 2]):
+        X = sn.LoDTensor.from_lengths(r.standard_normal((sum(lengths), 5)).astype(np.float32),
+                                      [lengths])
+        got = f(x=X)
+        want = rnn(backend="interpreter", x=X)
+        assert_close(got.data, want.data)
+    assert f.last_call().copies_to_device == 1
+
+
 def test_weights_that_do_not_fit_are_read_from_global_memory(monkeypatch):
     monkeypatch.setattr(cuda_run, "_shared_limit", lambda: 24 * 9 * 4 - 1)
     f = _gru([2, 2], 3, 8).compile("cuda")

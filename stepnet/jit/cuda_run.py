@@ -164,6 +164,7 @@ class _Run:
         # holds: numba-cuda allocates each with the driver), the pinned host
         # buffer of the upload, and the lock that keeps two calls apart
         self._kept = {}
+        self._views = {}  # name -> (where it lies in the upload, the upload, its view)
         self._staging = None
         self._lock = threading.Lock()
         self._opted_in = {}  # loop kernel's name -> (its specialization, the shared bytes it may have)
@@ -274,12 +275,19 @@ class _Run:
         buffer = self._staging[:size]
         for name, a in host.items():
             buffer[starts[name]:starts[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
-        whole = self._empty("upload", (self._staging.size,), np.uint8)[:size]
-        self._copy(whole, buffer)
+        upload = self._empty("upload", (self._staging.size,), np.uint8)
+        self._copy(upload[:size], buffer)
         for name, a in host.items():
-            part = whole[starts[name]:starts[name] + max(a.nbytes, a.dtype.itemsize)]
-            device[name] = part.view(a.dtype)[:a.size].reshape(a.shape) if a.size else \
-                cuda.device_array(a.shape, a.dtype)
+            # (a view is a Python object numba-cuda takes tens of microseconds
+            # to make: the last call's is kept while it would be the same)
+            key = (starts[name], a.shape, a.dtype.str)
+            kept = self._views.get(name)
+            if kept is None or kept[0] != key or kept[1] is not upload:
+                part = upload[starts[name]:starts[name] + max(a.nbytes, a.dtype.itemsize)]
+                view = part.view(a.dtype)[:a.size].reshape(a.shape) if a.size else \
+                    cuda.device_array(a.shape, a.dtype)
+                kept = self._views[name] = (key, upload, view)
+            device[name] = kept[2]
         return device
 
     def _memories(self, b, device):
