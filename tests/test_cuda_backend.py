@@ -276,9 +276,13 @@ def test_weights_that_do_not_fit_are_read_from_global_memory(monkeypatch):
     assert counts.global_weight_bytes_per_step == 3 * 8 * 8 * 4
 
 
-def test_hoisted_gemm_tiles_and_their_edges():
+@pytest.mark.parametrize("blocks_down", [None, 1])
+def test_hoisted_gemm_tiles_and_their_edges(blocks_down, monkeypatch):
     """A hoisted GEMM larger than one tile in rows and columns, of a K that
-    is not a multiple of the tile's slice: the tiled kernel's edges."""
+    is not a multiple of the tile's slice: the tiled kernel's edges; with one
+    block down (as past CUDA's 65,535), that block takes every tile of rows."""
+    if blocks_down:
+        monkeypatch.setattr(cuda_run, "MAX_GRID_Y", blocks_down)
     T = cuda_run.TILE + 9
     r = np.random.default_rng(5)
     X = sn.LoDTensor.from_lengths(r.standard_normal((T, cuda_run.TILE_K + 3)).astype(np.float32),

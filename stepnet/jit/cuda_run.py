@@ -38,8 +38,8 @@ PERSISTENT_THREADS = 256
 # multiply-adds a step (every row, every step GEMM) up to which the loop runs
 # on one block, its stages separated by cuda.syncthreads() rather than
 # grid-wide syncs, provided the step GEMMs' weights fit that block's shared
-# memory: W3's 49K a step take well under a microsecond on one
-# multiprocessor, less than one grid-wide sync
+# memory (on an H200, W3's 49K a step: 6.7 ms a call on one block, 11.9 on
+# three blocks with grid-wide syncs; W1's 12.6M run on the grid)
 BLOCK_MAX_MACS = 1 << 19
 BLOCK_MAX_THREADS = 1024
 # dynamic shared memory a block may have without the kernel's opt-in
@@ -48,6 +48,7 @@ SHARED_DEFAULT = 48 * 1024
 # a hoisted GEMM's tile: TILE x TILE outputs a block of (TILE / 4)^2 threads,
 # 4 x 4 a thread, over slices of TILE_K columns of ``a`` in shared memory
 TILE, TILE_K = 64, 16
+MAX_GRID_Y = 65535  # (CUDA's limit on a grid's blocks down)
 # a step GEMM's products written out a chunk at a time in the loop kernel
 # (on an H200, written out in full they took a quarter off W3's loop kernel
 # and 7-15 % off W1's and W5's, and W5's kernels 28 s to compile, not 2.5)
@@ -61,7 +62,9 @@ class LoopPlan:
     stages), "persistent" (a cooperative grid, a grid-wide sync between
     stages) or "per-stage" (a launch per stage and step); ``resident``: each
     block's slice of the step GEMMs' weights is copied to its shared memory
-    (``shared_bytes`` a block) once a call and read there at every step."""
+    (``shared_bytes`` a block) once a call and read there at every step. On a
+    GPU, ``threads`` is lowered at launch to what the compiled kernel's
+    registers allow a block."""
 
     driver: str
     blocks: int
@@ -153,8 +156,9 @@ class _Run:
 
     def __init__(self, program, kernels, namespace):
         self.program, self.k, self.ns = program, kernels, namespace
-        # (kernel, width, the names of the arrays it takes) of the stages before
-        # the loop, and (kernel, width, space, names) of those of each step
+        # (kernel, width, the names of the arrays it takes, whether a tiled
+        # GEMM) of the stages before the loop, and (kernel, width, space,
+        # names) of those of each step (the per-stage path)
         self.hoisted = [(namespace[n], w, used, tiled) for g, n, w, _, used, tiled
                         in kernels.kernel_names if g == "hoisted"]
         self.stepped = [(namespace[n], w, space, used) for g, n, w, space, used, _
@@ -352,8 +356,8 @@ class _Run:
 
     def _hoisted(self, b, device):
         for kernel, width, names, tiled in self.hoisted:
-            if tiled:  # TILE x TILE outputs a block
-                tiles = (-(-width // TILE), -(-b.total // TILE))
+            if tiled:  # TILE x TILE outputs a block (at most MAX_GRID_Y down: they loop)
+                tiles = (-(-width // TILE), min(-(-b.total // TILE), MAX_GRID_Y))
                 self.last_call.launches += 1
                 kernel[tiles, (TILE // 4, TILE // 4)](b.total, 0, 0, *[device[n] for n in names])
             else:

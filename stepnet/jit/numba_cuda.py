@@ -455,7 +455,7 @@ class _Kernels:
     def source(self):
         groups = (("hoisted", self.hoisted), ("step", self.stepped + self.finish))
 
-        def read(body, space, gemm):
+        def read(body, space):
             rows = "mstart[nb]" if space == "mrow" else "nb"
             return set(re.findall(r"[A-Za-z_]\w*", "\n".join(body + [rows])))
 
@@ -463,8 +463,8 @@ class _Kernels:
         # is neither copied to the device nor passed); each stage kernel takes
         # only those it reads itself: numba-cuda prepares every argument of
         # every launch on the host
-        reads = {(group, k): read(*stage[1:]) for group, stages in groups
-                 for k, stage in enumerate(stages)}
+        reads = {(group, k): read(body, space) for group, stages in groups
+                 for k, (_, body, space, _) in enumerate(stages)}
         every = set().union(*reads.values())
         names = self.used_names = [n for n in self.arg_names() if n in every]
         lines = list(self.lines)
@@ -566,31 +566,34 @@ class _Gemm:
 def _tiled_gemm(gemm):
     """A hoisted GEMM over every token (``nb`` rows): a 2-D grid of TILE x TILE
     tiles, each thread 4 x 4 outputs held in registers (rows ``ty * 4 + r``,
-    columns ``tx + 16 * c``), the operands' slices staged in shared memory."""
+    columns ``tx + 16 * c``), the operands' slices staged in shared memory; a
+    block takes every ``gridDim.y``-th tile of rows (CUDA's grid has at most
+    65,535 blocks down)."""
     dt, K, N, q = _dtype_name(gemm.dtype), gemm.K, gemm.N, TILE // 4
-    lines = [f"ta = cuda.shared.array(({TILE_K}, {TILE}), {dt})",
+    body = [f"a{r}{c} = {dt}(0.0)" for r in range(4) for c in range(4)]
+    body += [f"for k0 in range(0, {K}, {TILE_K}):",
+             f"    for p in range(lid, {TILE_K * TILE}, {q * q}):",
+             f"        i = r0 + p // {TILE_K}", f"        k = k0 + p % {TILE_K}",
+             f"        x = {dt}(0.0)", f"        if i < nb and k < {K}:",
+             f"            x = {gemm.left('k')}", f"        ta[p % {TILE_K}, p // {TILE_K}] = x",
+             f"        k = k0 + p // {TILE}", f"        n = c0 + p % {TILE}", f"        x = {dt}(0.0)",
+             f"        if k < {K} and n < {N}:", f"            x = {gemm.weight}[k * {N} + n]",
+             f"        tb[p // {TILE}, p % {TILE}] = x",
+             "    cuda.syncthreads()", f"    for kk in range({TILE_K}):"]
+    body += [f"        x{r} = ta[kk, ty * 4 + {r}]" for r in range(4)]
+    body += [f"        y{c} = tb[kk, tx + {q * c}]" for c in range(4)]
+    body += [f"        a{r}{c} += x{r} * y{c}" for r in range(4) for c in range(4)]
+    body.append("    cuda.syncthreads()")
+    for r in range(4):
+        body += [f"i = r0 + ty * 4 + {r}", "if i < nb:"]
+        for c in range(4):
+            body += [f"    j = c0 + tx + {q * c}", f"    if j < {N}:", f"        {gemm.out} = a{r}{c}"]
+    return ([f"ta = cuda.shared.array(({TILE_K}, {TILE}), {dt})",
              f"tb = cuda.shared.array(({TILE_K}, {TILE}), {dt})",
              "tx = cuda.threadIdx.x", "ty = cuda.threadIdx.y", f"lid = ty * {q} + tx",
-             f"r0 = cuda.blockIdx.y * {TILE}", f"c0 = cuda.blockIdx.x * {TILE}"]
-    lines += [f"a{r}{c} = {dt}(0.0)" for r in range(4) for c in range(4)]
-    lines += [f"for k0 in range(0, {K}, {TILE_K}):",
-              f"    for p in range(lid, {TILE_K * TILE}, {q * q}):",
-              f"        i = r0 + p // {TILE_K}", f"        k = k0 + p % {TILE_K}",
-              f"        x = {dt}(0.0)", f"        if i < nb and k < {K}:",
-              f"            x = {gemm.left('k')}", f"        ta[p % {TILE_K}, p // {TILE_K}] = x",
-              f"        k = k0 + p // {TILE}", f"        n = c0 + p % {TILE}", f"        x = {dt}(0.0)",
-              f"        if k < {K} and n < {N}:", f"            x = {gemm.weight}[k * {N} + n]",
-              f"        tb[p // {TILE}, p % {TILE}] = x",
-              "    cuda.syncthreads()", f"    for kk in range({TILE_K}):"]
-    lines += [f"        x{r} = ta[kk, ty * 4 + {r}]" for r in range(4)]
-    lines += [f"        y{c} = tb[kk, tx + {q * c}]" for c in range(4)]
-    lines += [f"        a{r}{c} += x{r} * y{c}" for r in range(4) for c in range(4)]
-    lines.append("    cuda.syncthreads()")
-    for r in range(4):
-        lines += [f"i = r0 + ty * 4 + {r}", "if i < nb:"]
-        for c in range(4):
-            lines += [f"    j = c0 + tx + {q * c}", f"    if j < {N}:", f"        {gemm.out} = a{r}{c}"]
-    return lines
+             f"c0 = cuda.blockIdx.x * {TILE}",
+             f"for r0 in range(cuda.blockIdx.y * {TILE}, nb, cuda.gridDim.y * {TILE}):"]
+            + ["    " + line for line in body])
 
 
 def _sliced_gemm(gemm, g, rows):
