@@ -46,7 +46,7 @@ import numpy as np
 
 from . import ir, registry, schedule as _schedule
 from .errors import StepNetError
-from .executor_loop import LOOP_OPS, loop as _loop
+from .executor_loop import LOOP_OPS, REGISTER_VALUES, loop as _loop
 from .interpreter import on_rows
 from .lod import LoDTensor
 
@@ -447,12 +447,13 @@ class _Run:
     The bytecode (``code``, a row per instruction: opcode, register,
     operands) loads each operand's row into a register (or its one value, a
     broadcast), computes each op register to register, and stores the
-    values read after the run; a register is one row of the run's width."""
+    values read after the run; a register holds a tile of the run's rows
+    (``executor_loop.REGISTER_VALUES`` values), each op one loop over it."""
 
     def __init__(self, stage, dtype, width, operands, code, stored, registers):
         self.stage, self.dtype, self.width = stage, dtype, width
         self.operands, self.code, self.stored = operands, code, stored
-        self.registers = registers  # (how many: each a row of the run's width)
+        self.registers = registers  # (how many)
 
     @classmethod
     def of(cls, stage, stored):
@@ -525,7 +526,8 @@ class _Run:
         width, itemsize = self.width, self.dtype.itemsize
         prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        registers, scratch = np.empty((self.registers, width), self.dtype), np.empty(0, self.dtype)
+        registers = np.empty((self.registers, max(width, REGISTER_VALUES)), self.dtype)
+        scratch = np.empty(0, self.dtype)
         code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
         from .jit.threads import ALONE
 
@@ -630,7 +632,7 @@ class _Steps:
               np.array(self.code, np.int64).reshape(-1, 5),
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
-              np.empty((self.registers, self.width), self.dtype),
+              np.empty((self.registers, max(self.width, REGISTER_VALUES)), self.dtype),
               np.empty(max(self.scratch, 1), self.dtype), ALONE, _small_rows(), layout.perm)
 
     def _run(self, code, table, width, registers, chunk=0):

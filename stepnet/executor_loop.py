@@ -18,6 +18,9 @@ from . import registry
 # 2 + index (0 loads an operand's row, 1 stores one)
 LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
             "tanh", "sigmoid", "softplus", "erf", "relu")
+# values a register of the loop holds: a run computes each op over a tile of
+# this many values (whole rows) at a time, not a row at a time
+REGISTER_VALUES = 1024
 
 _LOOPS = {}  # dtype -> the loop, once it is compiled here
 _REFUSED = set()  # the dtypes whose loop the compile worker failed to compile
@@ -80,7 +83,9 @@ def _loop_source(dtype):
     (``active[t]`` rows from the token ``starts[t]``) the program ``prog``'s
     instructions, each a row ``(kind, a, b, c, d, e, chunk, rows, q)``:
     kind 0 a run of the bytecode ``code[a:b]`` (:class:`_Run`) over rows of
-    ``c`` values; kind 1 the ``q``-th product, of at most ``rows`` rows of
+    ``c`` values, a tile of rows at a time (as many as a register,
+    ``registers.shape[1]`` values, holds: each op one loop over the tile);
+    kind 1 the ``q``-th product, of at most ``rows`` rows of
     the table's row ``a`` (the left operand, ``d`` columns) by ``b`` (the
     weights, ``e`` columns) into ``c``, as the kernels' per-step products
     (``blas.pack`` once a call, ``blas.gemm_packed`` on ``board`` and the
@@ -114,27 +119,31 @@ def _loop_source(dtype):
              "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm)",
              "                continue",
              "            width = prog[p, 3]",
-             "            for i in range(rows):",
+             "            tile = max(1, registers.shape[1] // width)  # rows a register holds",
+             "            for i0 in range(0, rows, tile):",
+             "                n = min(tile, rows - i0)",
              "                for c in range(prog[p, 1], prog[p, 2]):",
              "                    op = code[c, 0]",
              "                    r = registers[code[c, 1]]",
-             "                    if op == 0:  # an operand's row",
+             "                    if op == 0:  # an operand's rows",
              "                        x = code[c, 2]",
-             "                        at = address(table, x, lo, i, perm)",
-             "                        if table[x, 2] == 1:",
-             f"                            src = carray(pointer_to(at, {dt}), width)",
-             "                            for j in range(width):",
-             "                                r[j] = src[j]",
-             "                        else:",
-             f"                            value = carray(pointer_to(at, {dt}), 1)[0]",
-             "                            for j in range(width):",
-             "                                r[j] = value",
-             "                    elif op == 1:  # a value's row stored",
+             "                        for i in range(n):",
+             "                            at = address(table, x, lo, i0 + i, perm)",
+             "                            if table[x, 2] == 1:",
+             f"                                src = carray(pointer_to(at, {dt}), width)",
+             "                                for j in range(width):",
+             "                                    r[i * width + j] = src[j]",
+             "                            else:",
+             f"                                value = carray(pointer_to(at, {dt}), 1)[0]",
+             "                                for j in range(width):",
+             "                                    r[i * width + j] = value",
+             "                    elif op == 1:  # a value's rows stored",
              "                        x = code[c, 2]",
-             "                        at = address(table, x, lo, i, perm)",
-             f"                        dst = carray(pointer_to(at, {dt}), width)",
-             "                        for j in range(width):",
-             "                            dst[j] = r[j]"]
+             "                        for i in range(n):",
+             "                            at = address(table, x, lo, i0 + i, perm)",
+             f"                            dst = carray(pointer_to(at, {dt}), width)",
+             "                            for j in range(width):",
+             "                                dst[j] = r[i * width + j]"]
     from .jit.cpu_emit import loop_module, op_code
 
     for k, name in enumerate(LOOP_OPS):
@@ -143,7 +152,7 @@ def _loop_source(dtype):
                   "                        a = registers[code[c, 2]]"]
         if inputs > 1:
             lines.append("                        b = registers[code[c, 3]]")
-        lines += ["                        for j in range(width):",
+        lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
                        imports=["from stepnet.jit.blas import gemm_packed, pack",
