@@ -38,8 +38,8 @@ PERSISTENT_THREADS = 256
 # multiply-adds a step (every row, every step GEMM) up to which the loop runs
 # on one block, its stages separated by cuda.syncthreads() rather than
 # grid-wide syncs, provided the step GEMMs' weights fit that block's shared
-# memory (on an H200, W3's 49K a step: 6.7 ms a call on one block, 11.9 on
-# three blocks with grid-wide syncs; W1's 12.6M run on the grid)
+# memory (W3's 49K a step run faster so than on three blocks with grid-wide
+# syncs: docs/cuda.md)
 BLOCK_MAX_MACS = 1 << 19
 BLOCK_MAX_THREADS = 1024
 # dynamic shared memory a block may have without the kernel's opt-in
@@ -50,8 +50,8 @@ SHARED_DEFAULT = 48 * 1024
 TILE, TILE_K = 64, 16
 MAX_GRID_Y = 65535  # (CUDA's limit on a grid's blocks down)
 # a step GEMM's products written out a chunk at a time in the loop kernel
-# (on an H200, written out in full they took a quarter off W3's loop kernel
-# and 7-15 % off W1's and W5's, and W5's kernels 28 s to compile, not 2.5)
+# (written out in full they were faster and took many times as long to
+# compile: docs/cuda.md, *The products written out*)
 UNROLL = 16
 
 
