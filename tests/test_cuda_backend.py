@@ -32,10 +32,11 @@ from stepnet.jit import cuda_run  # noqa: E402
 @pytest.fixture(params=["block", "chunks of 3", "persistent", "global-weights", "per-stage"])
 def loop(request, monkeypatch):
     """Run a test on every time-loop driver (``cuda_run.LoopPlan``): one
-    block (the default at these sizes), a cooperative grid with its step
-    GEMMs' weights resident in shared memory, the same reading them from
-    global memory, and a launch per stage and step; "looped": one block, the step GEMMs'
-    products in a loop rather than written out one by one."""
+    block (the default at these sizes); one block with the step GEMMs'
+    products written out 3 at a time (the loop over the inputs and its tail
+    both run); a cooperative grid with the weights resident in shared
+    memory; the same reading them from global memory; a launch per stage
+    and step."""
     if request.param in ("persistent", "global-weights"):
         monkeypatch.setattr(cuda_run, "BLOCK_MAX_MACS", -1)
     if request.param == "chunks of 3":
