@@ -252,6 +252,14 @@ def test_what_a_call_does_is_counted(driver, monkeypatch):
     assert counts.copies_to_device == 1
 
 
+def test_a_step_of_more_work_than_a_block_has_threads(loop):
+    """A step GEMM of more outputs than the block has threads (2 rows x 144
+    columns against 128 threads on the simulator), of an inner dimension
+    (48) past one chunk of written-out products: each thread takes several
+    outputs in turn."""
+    agree(_gru([3, 2], 4, 48))
+
+
 def test_calls_of_other_sizes_after_one_another():
     """A compiled step-net keeps its device arrays and their views from call
     to call while their shapes hold: calls of other lengths and sizes in turn
