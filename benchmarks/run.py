@@ -172,13 +172,10 @@ def _family_notes(family, threads):
 
             notes["numpy"] = numpy.__version__
         elif family == "stepnet-cuda":
-            from numba import cuda
-
             if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
                 notes["stepnet-cuda"] = "Numba's CUDA simulator (timings meaningless)"
             else:
-                name = cuda.get_current_device().name
-                notes["stepnet-cuda"] = f"GPU {name.decode() if isinstance(name, bytes) else name}"
+                notes["stepnet-cuda"] = f"GPU {_gpu_name()}"
         elif family == "torch-cuda":
             import torch
 
@@ -640,12 +637,17 @@ def _cpu_model():
     return f"{name} ({', '.join(details)})" if details else name
 
 
-def _gpu_model():
-    """The GPU as numba-cuda names it, with the CPU beside it."""
+def _gpu_name():
+    """The GPU as numba-cuda names it."""
     from numba import cuda
 
     name = cuda.get_current_device().name
-    return f"{name.decode() if isinstance(name, bytes) else name} (GPU; CPU {_cpu_model()})"
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _gpu_model():
+    """The GPU, with the CPU beside it."""
+    return f"{_gpu_name()} (GPU; CPU {_cpu_model()})"
 
 
 def write_markdown(path, report, machine=None):

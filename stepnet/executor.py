@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ir, registry, schedule as _schedule
+from . import ir, schedule as _schedule
 from .errors import StepNetError
-from .executor_loop import LOOP_OPS, REGISTER_VALUES, loop as _loop
-from .interpreter import on_rows
+from .executor_loop import LOOP_OPS, loop as _loop, registers_of
+from .interpreter import apply
 from .lod import LoDTensor
 
 # the rows a hoisted stage computes at a time (by chunks of steps), as the
@@ -354,11 +354,7 @@ class _Outputs:
 
 
 def _eval(e, env):
-    args = [v.value if isinstance(v, ir.Literal) else env[v] for v in e.inputs]
-    if any(isinstance(a, LoDTensor) for a in args) and not registry.get(e.op).takes_lod:
-        env[e.outputs[0]] = on_rows(e, args)
-    else:
-        env[e.outputs[0]] = registry.get(e.op).numpy(*args, **e.attrs)
+    env[e.outputs[0]] = apply(e, [v.value if isinstance(v, ir.Literal) else env[v] for v in e.inputs])
 
 
 def _by_ops(stage):
@@ -448,7 +444,7 @@ class _Run:
     operands) loads each operand's row into a register (or its one value, a
     broadcast), computes each op register to register, and stores the
     values read after the run; a register holds a tile of the run's rows
-    (``executor_loop.REGISTER_VALUES`` values), each op one loop over it."""
+    (:func:`executor_loop.registers_of`), each op one loop over it."""
 
     def __init__(self, stage, dtype, width, operands, code, stored, registers):
         self.stage, self.dtype, self.width = stage, dtype, width
@@ -526,8 +522,7 @@ class _Run:
         width, itemsize = self.width, self.dtype.itemsize
         prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        registers = np.empty((self.registers, max(width, REGISTER_VALUES)), self.dtype)
-        scratch = np.empty(0, self.dtype)
+        registers, scratch = registers_of(self.registers, width, self.dtype), np.empty(0, self.dtype)
         code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
         from .jit.threads import ALONE
 
@@ -632,7 +627,7 @@ class _Steps:
               np.array(self.code, np.int64).reshape(-1, 5),
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
-              np.empty((self.registers, max(self.width, REGISTER_VALUES)), self.dtype),
+              registers_of(self.registers, self.width, self.dtype),
               np.empty(max(self.scratch, 1), self.dtype), ALONE, _small_rows(), layout.perm)
 
     def _run(self, code, table, width, registers, chunk=0):

@@ -22,6 +22,13 @@ LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp
 # this many values (whole rows) at a time, not a row at a time
 REGISTER_VALUES = 1024
 
+
+def registers_of(count, width, dtype):
+    """The loop's ``count`` registers for runs of rows of at most ``width``
+    values: each holds whole rows, ``REGISTER_VALUES`` values or one row."""
+    return np.empty((count, max(width, REGISTER_VALUES)), dtype)
+
+
 _LOOPS = {}  # dtype -> the loop, once it is compiled here
 _REFUSED = set()  # the dtypes whose loop the compile worker failed to compile
 _LOOPS_LOCK = threading.Lock()

@@ -29,14 +29,18 @@ def eval_eqn(eqn, env, consts, scopes=None):
         (env[id(v)] if id(v) in env else consts[id(v)]) if isinstance(v, ir.Var) else v.value
         for v in eqn.inputs
     ]
-    if eqn.op == "rnn":
-        results = run_rnn(eqn, args, consts, scopes)
-    elif any(isinstance(a, LoDTensor) for a in args) and not registry.get(eqn.op).takes_lod:
-        results = [on_rows(eqn, args)]
-    else:
-        results = [registry.get(eqn.op).numpy(*args, **eqn.attrs)]
+    results = run_rnn(eqn, args, consts, scopes) if eqn.op == "rnn" else [apply(eqn, args)]
     for var, value in zip(eqn.outputs, results):
         env[id(var)] = value
+
+
+def apply(eqn, args):
+    """One op (not an rnn) on its operands' values: its NumPy rule, or where
+    an operand is ragged and the op does not take LoDTensors, on their rows
+    (:func:`on_rows`)."""
+    if any(isinstance(a, LoDTensor) for a in args) and not registry.get(eqn.op).takes_lod:
+        return on_rows(eqn, args)
+    return registry.get(eqn.op).numpy(*args, **eqn.attrs)
 
 
 def on_rows(eqn, args):

@@ -7,6 +7,7 @@ step's kernels), and the outputs back in the caller's layout.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ def _shared_limit() -> int:
     return int(getattr(device, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", SHARED_DEFAULT))
 
 
+@functools.cache
 def _set_attribute():
     """numba-cuda's ``cuKernelSetAttribute`` and the attribute's enum, or None
     where this numba-cuda has no such binding (older versions, numba's own
@@ -171,7 +173,9 @@ class _Run:
         self._views = {}  # name -> (where it lies in the upload, the upload, its view)
         self._staging = None
         self._lock = threading.Lock()
-        self._opted_in = {}  # loop kernel's name -> (its specialization, the shared bytes it may have)
+        # loop kernel's name -> (its specialization, the shared bytes it may
+        # have, the threads a block of it may have)
+        self._opted_in = {}
 
     def __call__(self, args, consts, scopes=None):
         if scopes is not None:
@@ -396,15 +400,16 @@ class _Run:
         kernel = self.ns[name]
         if _simulator():
             return kernel
-        spec, allowed = self._opted_in.get(name, (None, -1))
+        spec, allowed, most = self._opted_in.get(name, (None, -1, 0))
         if spec is None:
             spec = kernel.specialize(*args)
+            (compiled,) = spec.overloads.values()
+            most = compiled.max_threads_per_block // 32 * 32
         if allowed < plan.shared_bytes and plan.shared_bytes > SHARED_DEFAULT:
             _opt_in(spec, plan.shared_bytes)
             allowed = plan.shared_bytes
-        self._opted_in[name] = (spec, allowed)
-        (compiled,) = spec.overloads.values()
-        plan.threads = min(plan.threads, compiled.max_threads_per_block // 32 * 32)
+        self._opted_in[name] = (spec, allowed, most)
+        plan.threads = min(plan.threads, most)
         return spec
 
     def _outputs(self, b, device):

@@ -164,6 +164,7 @@ class _Kernels:
                     self._allocate(stage, kind)
         self.hoisted = [self._stage_lines(s) for s in sched.hoisted if s.kind != "rnn"]
         self.stepped = [self._stage_lines(s) for s in sched.step]
+        self.step_gemms = [g for _, _, _, g in self.stepped if g is not None]
         self.finish = self._finish_lines()
         self.widest = max([w for (_, _, w, _) in self.buffers] + [v.width for v in self.values.values()
                                                                    if v.kind != "const"] + [1])
@@ -482,7 +483,6 @@ class _Kernels:
                 lines += ["    e = cuda.grid(1)", f"    if e < {rows} * {width}:",
                           f"        i = e // {width}", f"        j = e % {width}"]
                 lines += ["        " + s for s in body] + [""]
-        self.step_gemms = [g for _, _, _, g in self.stepped if g is not None]
         for driver in ("persistent", "block"):
             lines += self._loop_kernel(driver, names)
         return "\n".join(lines) + "\n"
@@ -526,12 +526,11 @@ class _Kernels:
                   "        moff = nbs[2, t]"]
         g = 0
         for width, body, space, gemm in self.stepped + self.finish:
+            rows = "mstart[nb]" if space == "mrow" else "nb"
             if gemm is not None:
-                rows = "mstart[nb]" if space == "mrow" else "nb"
                 lines += ["        " + s for s in _sliced_gemm(gemm, g, rows)]
                 g += 1
             else:
-                rows = "mstart[nb]" if space == "mrow" else "nb"
                 lines += [f"        for e in range(tid, {rows} * {width}, nt):",
                           f"            i = e // {width}", f"            j = e % {width}"]
                 lines += ["            " + s for s in body]
