@@ -414,7 +414,9 @@ def _serving(monkeypatch, tmp_path, compile_kernel):
     import socket
 
     monkeypatch.setattr(compile_worker, "compile_kernel", compile_kernel)
-    monkeypatch.setattr(compile_worker, "IDLE_SECONDS", 0.5)
+    # long enough that a loaded machine connects every client before it ends;
+    # _end_when_idle shortens it once the test has sent what it sends
+    monkeypatch.setattr(compile_worker, "IDLE_SECONDS", 300)
     path = str(tmp_path / "worker.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -432,6 +434,12 @@ def _serving(monkeypatch, tmp_path, compile_kernel):
         return connection, lines
 
     return server, thread, connect
+
+
+def _end_when_idle(monkeypatch, server):
+    monkeypatch.setattr(compile_worker, "IDLE_SECONDS", 0.5)
+    with server.cond:
+        server.cond.notify()
 
 
 @needs_unix
@@ -455,6 +463,7 @@ def test_a_kernel_two_processes_ask_for_is_compiled_once(monkeypatch, tmp_path):
     _until(lambda: server.queue["orphan"][1] == [])
     b.send({"key": "other"})
     _until(lambda: "other" in server.queue)
+    _end_when_idle(monkeypatch, server)
     release.set()
     assert next(a_lines) == {"key": "k", "ok": True}
     assert next(b_lines) == {"key": "k", "ok": True}
@@ -474,6 +483,7 @@ def test_a_failed_compile_is_answered_to_every_process_that_asked(monkeypatch, t
     (a, a_lines) = connect()
     a.send({"key": "k"})
     assert next(a_lines) == {"key": "k", "error": "RuntimeError: cannot compile k"}
+    _end_when_idle(monkeypatch, server)
     thread.join(30)
     assert not thread.is_alive()
 
@@ -530,3 +540,6 @@ def test_a_worker_refuses_a_kernel_of_other_settings_or_another_stepnet(monkeypa
         reply = next(lines)
         assert reply["key"] == build and "or another stepnet than the kernel's" in reply["error"], (
             reply)
+    _end_when_idle(monkeypatch, server)
+    thread.join(30)
+    assert not thread.is_alive()
