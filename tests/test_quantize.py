@@ -264,41 +264,59 @@ def test_int8_error_at_the_benchmark_sizes(key):
         assert error < bound, (key, mode, error)
 
 
-_COMPILE_ONLY = """
+_OTHER_PATH = """
 import re
+import numpy as np
+from llvmlite import binding
 from numba import types
-from stepnet.jit import int8_gemm as g
+from stepnet.jit import int8_gemm as g, quantized as routines
+from stepnet.jit.own_loop import compiled_features
+from stepnet.ops import quantized as q
 array = lambda dt, nd, layout="C": types.Array(dt, nd, layout)
-g.int8_product_columns.compile((array(types.int8, 2), array(types.float32, 1), array(types.int16, 3),
+packed = array(types.int8 if g._VNNI else types.int16, 3)  # (the path's packed weights)
+g.int8_product_columns.compile((array(types.int8, 2), array(types.float32, 1), packed,
                                 array(types.float32, 1), array(types.float32, 2, "A"), types.int64,
                                 types.int64))
 asm = g.int8_product_columns.inspect_asm(g.int8_product_columns.signatures[0])
-print(g.int8_path(), sorted(set(re.findall(r"\\b(vpmaddwd|vpdpwssd)\\b", asm))), "zmm" in asm)
+host = binding.get_host_cpu_features()
+runs = all(host.get(feature, False) for feature in compiled_features())
+if runs:  # this machine can run the path's code: bit for bit against the reference
+    rng = np.random.default_rng(3)
+    for m, k, n in ((1, 1, 1), (9, 33, 17), (13, 258, 200), (100, 128, 70)):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        w, scale = q.int8_weights(rng.standard_normal((k, n)).astype(np.float32))
+        out = np.full((m, n), np.nan, np.float32)
+        routines.int8_rows(a, routines.int8_prepare(w, scale), out)
+        np.testing.assert_array_equal(out, q.int8_product(a, w, scale))
+print(g.int8_path(), sorted(set(re.findall(r"\\b(vpmaddwd|vpdpbusd)\\b", asm))), "zmm" in asm,
+      "ran" if runs else "compiled")
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cpu,path,instructions,zmm", [
-    ("icelake-server", "avx512-vnni vpdpwssd", "vpdpwssd", True),
+    ("icelake-server", "avx512-vnni vpdpbusd", "vpdpbusd", True),
     ("skylake-avx512", "avx512bw vpmaddwd", "vpmaddwd", True),
-    ("alderlake", "avx-vnni vpdpwssd", "vpdpwssd", False),
+    ("alderlake", "avx-vnni vpdpbusd", "vpdpbusd", False),
     ("haswell", "avx2 vpmaddwd", "vpmaddwd", False)])
-def test_int8_paths_of_other_cpus_compile(cpu, path, instructions, zmm, tmp_path):
-    """The int8 product's paths for CPUs this machine may not have, compiled
-    (not run) as Numba compiles for them (``NUMBA_CPU_NAME`` with its own
-    features: ``NUMBA_CPU_FEATURES`` empty), their machine code holding the
-    path's instruction."""
+def test_int8_paths_of_other_cpus(cpu, path, instructions, zmm, tmp_path):
+    """The int8 product's paths for CPUs this machine may not be, compiled
+    as Numba compiles for them (``NUMBA_CPU_NAME`` with its own features:
+    ``NUMBA_CPU_FEATURES`` empty), their machine code holding the path's
+    instruction; where this machine has the path's features, also run, bit
+    for bit against the reference (an AVX-512 machine runs the AVX2 path)."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path),
                STEPNET_CACHE_DIR=str(tmp_path))
-    found = subprocess.run([sys.executable, "-c", _COMPILE_ONLY], env=env, capture_output=True,
+    found = subprocess.run([sys.executable, "-c", _OTHER_PATH], env=env, capture_output=True,
                            text=True, timeout=600)
     assert found.returncode == 0, found.stderr[-2000:]
     line = found.stdout.strip().splitlines()[-1]
-    assert line.startswith(path) and instructions in line and line.endswith(str(zmm)), line
+    assert line.startswith(path) and instructions in line, line
+    assert line.endswith((f"{zmm} ran", f"{zmm} compiled")), line
 
 
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])

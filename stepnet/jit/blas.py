@@ -12,19 +12,12 @@ and cached; ``STEPNET_BLAS`` overrides; see :mod:`stepnet.jit.blas_choice`):
   thread-local thread count set to one around each call.
 - ``numpy``: ``np.dot`` (when neither is reachable).
 
-Parallelism is not in the BLAS: the Numba backend runs groups of sequences on
-stepnet's threads (:mod:`stepnet.jit.threads`), each calling these
-single-threaded GEMMs, so no step waits on a barrier and no two thread pools
-compete; the weight gradients' products (:mod:`stepnet.jit.transposed`) split over
-the same threads. A run too small for groups on Python's threads (a
-stream's chunk of many streams) gives about half of its sequences to the
-helper thread (:mod:`stepnet.jit.threads`); a run of one sequence shares
-each big enough product with it instead: the product is cut in two at a
-place fixed by its shape, and the helper, spinning in compiled code,
-computes the second part (see *products shared with the helper* below;
-stepnet's own loop cuts products by weights of the sizes where that was
-measured faster than alone on this machine: :mod:`stepnet.jit.product_timing`).
-``taps_product`` does the same for a convolution outside the kernels.
+Parallelism is not in the BLAS (docs/internals.md, *The helper thread*):
+these single-threaded GEMMs run on stepnet's threads, each group of
+sequences on its own; a run of one sequence cuts each big enough product in
+two at a place fixed by its shape, the helper computing the second part
+(*products shared with the helper* below); ``taps_product`` does the same
+for a convolution outside the kernels.
 
 Small products (a batch of one, the last few sequences of a batch) spend
 more time in a library's dispatch, packing or generic kernels than in

@@ -1,44 +1,24 @@
 """The compile worker: one process per ``STEPNET_CACHE_DIR`` that compiles
 new kernels into the disk cache for every stepnet process using that
-directory (``python -m stepnet.jit.compile_worker``).
+directory (``python -m stepnet.jit.compile_worker``). What it is for, its
+priority and when it ends: docs/internals.md (*One compile worker per
+cache directory*).
 
-While a new kernel compiles there, the process that asked for it answers on
-the NumPy interpreter (loading.TieredProgram); a process of its own keeps
-the compile from taking the interpreter's share of the GIL, and one for the
-whole directory keeps several programs from compiling at once on a machine
-that has few cores, or twice the same kernel.
-
-- **One at a time.** The worker holds a lock on ``compile_worker.lock`` in the
-  cache directory for as long as it runs; a second worker started for the
-  same directory (two processes starting one at once) finds the lock taken
-  and exits, and its process connects to the first.
-- **A socket.** Processes send requests on a Unix socket
-  (``compile_worker.sock`` in the cache directory, or in the temporary
-  directory where that path is too long for a socket), one JSON line each:
-  ``key``, the kernel module's ``module`` name and ``path``, the ``function``
-  of it to compile (``program``, or an ONNX session's ``fused`` loop), the
-  ``blas`` and ``build`` it was generated for, and ``signature``, its
-  argument types pickled and base64-encoded; or, with ``function``
-  ``transposed_products`` and a ``dtype``, the weight gradients' product,
-  measured and compiled (``transposed.prepare_transposed_products``). Each kernel is
-  compiled once whoever asks: a request for a key already queued or being
-  compiled waits for that compile. The answer is one line, ``{"key": ...,
-  "ok": true}`` or ``{"key": ..., "error": "..."}``, to every process that
-  asked; a kernel is marked ready in the cache (``stepnet_kernel_<key>.ready``).
-- **A good neighbour.** It runs at a lower priority (``nice``) than the
-  programs it compiles for; it compiles what running processes wait for
-  first, and what ended ones asked for after (so that their next run finds
-  it); and it exits ``IDLE_SECONDS`` after its queue empties. A process that
-  asked and has not been answered then sends its requests to a new worker;
-  one that ends before the worker it started listens sends them first.
-- **What it is doing** is in ``compile_worker.json`` in the cache directory
-  (its process id, the kernel it compiles and those queued): ``stepnet
-  info`` prints it (:func:`status`).
-
-A worker serves its settings and stepnet (``cache.helpers_fingerprint``: the
-BLAS, threads, bounds checking, deterministic mode, the helpers' sources); a
-request of others (another environment's stepnet) is answered with an
-error, and its process compiles that kernel itself.
+- **One at a time**: a lock on ``compile_worker.lock`` in the cache
+  directory; a second worker finds it taken and exits.
+- **A socket** (``compile_worker.sock`` there, or in the temporary directory
+  where that path is too long), one JSON line a request: ``key``, the kernel
+  module's ``module`` name and ``path``, the ``function`` of it to compile
+  (``program``, or an ONNX session's ``fused`` loop), the ``blas`` and
+  ``build`` it was generated for, and ``signature``, its argument types
+  pickled and base64-encoded; or, with ``function`` ``transposed_products``
+  and a ``dtype``, the weight gradients' product
+  (``transposed.prepare_transposed_products``). The answer, to every process
+  that asked for the key: ``{"key": ..., "ok": true}`` or ``{"key": ...,
+  "error": "..."}``; a compiled kernel is marked ready in the cache
+  (``stepnet_kernel_<key>.ready``).
+- **What it is doing**: ``compile_worker.json`` in the cache directory
+  (:func:`status`, which ``stepnet info`` prints).
 """
 
 from __future__ import annotations

@@ -8,34 +8,33 @@ writes ``float32(acc) * (scale[i] * wscale[j])``: the same bits as NumPy
 computing that formula, whatever the path, the blocks or the columns asked
 for (integer sums do not depend on their order).
 
-The product multiplies pairs of int16: x86's ``pmaddwd`` takes two vectors
-of int16 and sums the products of each adjacent pair into one int32 lane, 16
-multiply-adds an AVX2 instruction (32 with AVX-512BW) where a float32 FMA
-does 8 (16); with VNNI ``vpdpwssd`` also adds the products to the sums.
-So ``pack_int8`` lays the weights out as int16 pairs along k,
-``[P, ceil(k/2), 2 * _WIDTH]``: panel p holds columns ``_WIDTH * p`` on, for
-each pair of rows ``2t, 2t + 1`` the two weights of each column side by
-side (an odd k padded with a zero row, the last panel with zero columns), so
-that one vector load gives the pairs of ``_LANES`` columns and a panel's rows
-are contiguous (each panel 64-byte aligned). A row's pair of activations,
-sign-extended to two int16 and read as one int32 (``_pairs``), is broadcast
+The product sums groups of k in one instruction (docs/quantization.md):
+with VNNI four bytes (``vpdpbusd``: unsigned by signed, so each activation
+goes in as ``q + 128`` and each column's sums lose its *correction*
+``128 * sum(wq[:, j])``; int32 sums wrap alike on both sides), else two
+int16 (``pmaddwd``; ``vpmaddubsw``'s byte sums saturate).
+``pack_int8`` lays the weights out as groups of ``_GROUP`` rows of k:
+``[P, ceil(k / _GROUP) (+ 1), _GROUP * _WIDTH]``, panel p holding columns
+``_WIDTH * p`` on, each group's weights of a column side by side (zeros past
+k and n), with VNNI a last row of corrections (int32): one vector load
+gives a group of ``_LANES`` columns; a panel is contiguous and 64-byte
+aligned. A row's group of activations, one int32 (``_groups``), is broadcast
 to every lane. A block of ``_ROWS`` rows x ``_WIDTH`` columns of int32 sums
-lives in registers over a chunk of k (``_pair_rows``: the loop written in
-LLVM IR with the x86 intrinsic; Numba's vectorized loops give no
-``pmaddwd``), sized to the vector registers (with AVX2's 16: 2 rows x 5
-vectors of sums, 5 of weights and one broadcast). Each chunk of a panel of
-weights (``_CHUNK`` pairs x ``_WIDTH`` columns, 20 KiB) stays in the
-first-level cache while every row of a panel of ``_PANEL_ROWS`` rows passes
-over it, their sums added up in memory from one chunk to the next.
+lives in registers over a chunk of k (``_group_rows``: the loop written in
+LLVM IR with the x86 intrinsic, which Numba's vectorized loops never give),
+sized to the vector registers (with AVX2's 16: 2 rows x 5 vectors of sums,
+5 of weights and one broadcast). Each chunk of a panel of weights
+(``_CHUNK`` groups x ``_WIDTH`` columns, 20 KiB) stays in the first-level
+cache while every row of a panel of ``_PANEL_ROWS`` rows passes over it,
+their sums added up in memory from one chunk to the next.
 
 The path is chosen when the module is compiled, from the CPU Numba compiles
-for (the host, or ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``): AVX-512BW
-(with or without VNNI), AVX2 (with or without AVX-VNNI), else plain loops
-(``_pair_loops``) that any LLVM target compiles; ``int8_path`` names it.
+for (the host, or ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``): VNNI
+(AVX-512 or AVX-VNNI), AVX-512BW, AVX2, else plain loops over pairs
+(``_pair_loops``); ``int8_path`` names it.
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 from llvmlite import ir
@@ -48,24 +47,25 @@ from .atomics import pointer_to, wide_vectors
 from .own_loop import aligned_empty, compiled_features
 
 def _choose_path(features) -> tuple:
-    """``(name, lanes, pmadd, vnni)``: the path for ``features``, the int32
-    lanes of its vectors, LLVM's ``pmaddwd`` intrinsic (None: plain loops)
-    and its ``vpdpwssd`` one (None without VNNI: LLVM fuses a ``pmaddwd``
-    with the add of its sum only where no other add was reassociated with
-    it; the intrinsic's operands as <N x i32>, as every LLVM since 9 takes
-    them)."""
+    """``(name, lanes, group, intrinsic)``: the path for ``features``, the
+    int32 lanes of its vectors, the rows of k it sums at once and its LLVM
+    intrinsic (None: plain loops), its operands as <N x i32> (LLVM upgrades
+    that older form where it now names bytes or words)."""
     if "avx512bw" in features:
-        vnni = "llvm.x86.avx512.vpdpwssd.512" if "avx512vnni" in features else None
-        name = "avx512-vnni vpdpwssd" if vnni else "avx512bw vpmaddwd"
-        return name, 16, "llvm.x86.avx512.pmaddw.d.512", vnni
+        if "avx512vnni" in features:
+            return "avx512-vnni vpdpbusd", 16, 4, "llvm.x86.avx512.vpdpbusd.512"
+        return "avx512bw vpmaddwd", 16, 2, "llvm.x86.avx512.pmaddw.d.512"
     if "avx2" in features:
-        vnni = "llvm.x86.avx512.vpdpwssd.256" if "avxvnni" in features else None
-        name = "avx-vnni vpdpwssd" if vnni else "avx2 vpmaddwd"
-        return name, 8, "llvm.x86.avx2.pmadd.wd", vnni
-    return "portable loop", 8, None, None
+        if "avxvnni" in features:
+            return "avx-vnni vpdpbusd", 8, 4, "llvm.x86.avx512.vpdpbusd.256"
+        return "avx2 vpmaddwd", 8, 2, "llvm.x86.avx2.pmadd.wd"
+    return "portable loop", 8, 2, None
 
 
-_PATH, _LANES, _PMADD, _VNNI = _choose_path(compiled_features())
+_PATH, _LANES, _GROUP, _INTRINSIC = _choose_path(compiled_features())
+_VNNI = _GROUP == 4
+# the packed weights' elements: a group's weights of a column as 4 bytes or 2 int16
+_PACKED = np.int8 if _VNNI else np.int16
 # a block of sums: _ROWS rows x _VECS vectors (of _LANES int32 columns).
 # AVX2's 16 registers hold 2 x 5 sums, 5 vectors of weights and a
 # broadcast: the fewest broadcasts and adds per pmaddwd that fit (they,
@@ -75,11 +75,12 @@ _ROWS = 4 if _LANES == 16 else 2
 _VECS = 4 if _LANES == 16 else 5
 # the columns of a panel of packed weights (a block's)
 _WIDTH = _VECS * _LANES
-_PAIR_WIDTH = 2 * _WIDTH
-# the pairs of k a block sums at a time: a chunk of a panel of weights
-# (_CHUNK x _WIDTH pairs, 20 KiB) stays in the first-level cache
+# the elements of a row of a panel (a group of k for each column: 4 bytes)
+_GROUP_WIDTH = _GROUP * _WIDTH
+# the groups of k a block sums at a time: a chunk of a panel of weights
+# (_CHUNK x _WIDTH groups of 4 bytes, 20 KiB) stays in the first-level cache
 _CHUNK = 20480 // (4 * _WIDTH)
-# the rows of activations whose pairs (``_pairs``) are made at once, each
+# the rows of activations whose groups (``_groups``) are made at once, each
 # panel of weights passing over all of them
 _PANEL_ROWS = 96
 
@@ -93,26 +94,22 @@ def int8_path() -> str:
 _LEGAL_WIDTH = '"min-legal-vector-width"="512"'
 
 
-def _pair_rows_codegen(context, builder, signature, args):
-    """``_pair_rows``: a switch on the rows (1 to ``_ROWS``, else nothing),
-    each case the loop over the pairs with its block of sums as SSA values
+def _group_rows_codegen(context, builder, signature, args):
+    """``_group_rows``: a switch on the rows (1 to ``_ROWS``, else nothing),
+    each case the loop over the groups with its block of sums as SSA values
     (registers), loaded from ``acc`` before it and stored back after."""
     i32, i64 = ir.IntType(32), ir.IntType(64)
     vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
-    rows, w0, a0, stride, pairs, acc0 = (context.cast(builder, args[i], signature.args[i], types.int64)
-                                         for i in (0, 2, 4, 5, 6, 8))
+    rows, w0, a0, stride, groups, acc0 = (context.cast(builder, args[i], signature.args[i],
+                                                       types.int64) for i in (0, 2, 4, 5, 6, 8))
     w = context.make_array(signature.args[1])(context, builder, args[1]).data
     a = context.make_array(signature.args[3])(context, builder, args[3]).data
-    w = builder.bitcast(w, ir.IntType(16).as_pointer())
     a = builder.bitcast(a, i32.as_pointer())
     acc = context.make_array(signature.args[7])(context, builder, args[7]).data
     acc = builder.gep(acc, [acc0])
-    if _VNNI:
-        fused = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vec32, [vec32, vec32, vec32]), _VNNI)
-    else:
-        pmadd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vec32, [vec16, vec16]), _PMADD)
+    operands = [vec32, vec32, vec32] if _VNNI else [vec16, vec16]
+    intrinsic = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vec32, operands), _INTRINSIC)
     if _LANES == 16:  # (else LLVM splits the 512-bit vectors where it prefers 256-bit ones)
         set.add(builder.function.attributes, _LEGAL_WIDTH)
     mask = ir.Constant(ir.VectorType(i32, _LANES), None)
@@ -127,16 +124,16 @@ def _pair_rows_codegen(context, builder, signature, args):
         first = [builder.load(builder.bitcast(builder.gep(acc, [ir.Constant(i64, index * _LANES)]),
                                               vec32.as_pointer()), align=4)
                  for index in range(count * _VECS)]
-        builder.cbranch(builder.icmp_signed(">", pairs, ir.Constant(i64, 0)), loop, tail)
+        builder.cbranch(builder.icmp_signed(">", groups, ir.Constant(i64, 0)), loop, tail)
         builder.position_at_end(loop)
         t = builder.phi(i64)
         t.add_incoming(ir.Constant(i64, 0), start)
         sums = [builder.phi(vec32) for _ in range(count * _VECS)]
         for s, value in zip(sums, first, strict=True):
             s.add_incoming(value, start)
-        row = builder.add(w0, builder.mul(t, ir.Constant(i64, _PAIR_WIDTH)))
+        row = builder.add(w0, builder.mul(t, ir.Constant(i64, _GROUP_WIDTH)))
         weights = [builder.load(builder.bitcast(builder.gep(w, [builder.add(row, ir.Constant(
-            i64, 2 * _LANES * v))]), vec16.as_pointer()), align=2) for v in range(_VECS)]
+            i64, _GROUP * _LANES * v))]), vec32.as_pointer()), align=1) for v in range(_VECS)]
         new = []
         for r in range(count):
             x = builder.load(builder.gep(a, [builder.add(builder.add(a0, t), ir.Constant(
@@ -144,18 +141,18 @@ def _pair_rows_codegen(context, builder, signature, args):
             x = builder.shuffle_vector(builder.insert_element(ir.Constant(vec32, ir.Undefined), x,
                                                               ir.Constant(i32, 0)),
                                        ir.Constant(vec32, ir.Undefined), mask)
-            if _VNNI:
-                new += [builder.call(fused, [sums[r * _VECS + v], x, builder.bitcast(weights[v], vec32)])
+            if _VNNI:  # (unsigned activations, signed weights)
+                new += [builder.call(intrinsic, [sums[r * _VECS + v], x, weights[v]])
                         for v in range(_VECS)]
             else:
                 x = builder.bitcast(x, vec16)
-                new += [builder.add(sums[r * _VECS + v], builder.call(pmadd, [x, weights[v]]))
-                        for v in range(_VECS)]
+                new += [builder.add(sums[r * _VECS + v], builder.call(
+                    intrinsic, [x, builder.bitcast(weights[v], vec16)])) for v in range(_VECS)]
         following = builder.add(t, ir.Constant(i64, 1))
         t.add_incoming(following, loop)
         for s, value in zip(sums, new, strict=True):
             s.add_incoming(value, loop)
-        builder.cbranch(builder.icmp_signed("<", following, pairs), loop, tail)
+        builder.cbranch(builder.icmp_signed("<", following, groups), loop, tail)
         builder.position_at_end(tail)
         values = [builder.phi(vec32) for _ in new]
         for index, value in enumerate(values):
@@ -170,24 +167,25 @@ def _pair_rows_codegen(context, builder, signature, args):
 
 
 @intrinsic
-def _pair_rows(typingctx, rows, w, w0, a, a0, stride, pairs, acc, acc0):
+def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0):
     """acc[acc0:acc0 + rows * _WIDTH] += the int32 sums of ``rows`` rows (1
-    to ``_ROWS``) of ``pairs`` activation pairs ``a`` (int32, flat: row r's
-    from ``a0 + r * stride``) by as many rows of pairs of a panel of packed
-    weights ``w`` (int16, flat) from ``w0``: row r's sums of the panel's
+    to ``_ROWS``) of ``groups`` groups of activations ``a`` (int32, flat: row
+    r's from ``a0 + r * stride``) by as many rows of groups of a panel of
+    packed weights ``w`` (flat) from ``w0``: row r's sums of the panel's
     column c at ``acc[acc0 + r * _WIDTH + c]``."""
     arrays = (w, a, acc)
-    if not all(isinstance(x, types.Array) for x in arrays) or w.dtype != types.int16 \
+    if not all(isinstance(x, types.Array) for x in arrays) \
+            or w.dtype != (types.int8 if _VNNI else types.int16) \
             or a.dtype != types.int32 or acc.dtype != types.int32:
         return None
-    return types.void(rows, w, w0, a, a0, stride, pairs, acc, acc0), _pair_rows_codegen
+    return types.void(rows, w, w0, a, a0, stride, groups, acc, acc0), _group_rows_codegen
 
 
 @njit(inline="always")
 def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0):
-    """``_pair_rows`` as plain loops (any CPU)."""
+    """``_group_rows`` over pairs as plain loops (any CPU)."""
     for t in range(pairs):
-        row = w0 + t * _PAIR_WIDTH
+        row = w0 + t * _GROUP_WIDTH
         for r in range(rows):
             x = np.int64(a[a0 + r * stride + t])
             x0 = np.int32(((x & 0xFFFF) ^ 0x8000) - 0x8000)
@@ -197,61 +195,85 @@ def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0):
                 acc[at + c] += x0 * np.int32(w[row + 2 * c]) + x1 * np.int32(w[row + 2 * c + 1])
 
 
-_rows_block = _pair_loops if _PMADD is None else _pair_rows
+_rows_block = _pair_loops if _INTRINSIC is None else _group_rows
 
 
 @njit(cache=True, nogil=True)
 def pack_int8(wq):
-    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product_columns`` reads
-    them: int16 [P, ceil(k/2), 2 * _WIDTH], P = ceil(n / _WIDTH) panels of
-    ``_WIDTH`` columns, ``[p, t, 2c + h]`` = ``wq[2t + h, _WIDTH p + c]``
-    (zero past k and n)."""
+    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product_columns``
+    reads them: [P, G (+ 1 with VNNI), _GROUP * _WIDTH] of ``_PACKED``,
+    P = ceil(n / _WIDTH) panels of ``_WIDTH`` columns, G = ceil(k / _GROUP)
+    groups, ``[p, t, _GROUP c + h]`` = ``wq[_GROUP t + h, _WIDTH p + c]``
+    (zero past k and n); with VNNI, row G of panel p holds the int32
+    corrections ``128 * sum(wq[:, _WIDTH p + c])``."""
     k, n = wq.shape
-    pairs = (k + 1) // 2
+    groups = (k + _GROUP - 1) // _GROUP
+    rows = groups + 1 if _VNNI else groups
     count = (n + _WIDTH - 1) // _WIDTH
-    out = aligned_empty(count * pairs * _PAIR_WIDTH, np.empty(0, np.int16)).reshape(
-        (count, pairs, _PAIR_WIDTH))
+    out = aligned_empty(count * rows * _GROUP_WIDTH, np.empty(0, _PACKED)).reshape(
+        (count, rows, _GROUP_WIDTH))
     out[:] = 0
     for p in range(count):
         first = p * _WIDTH
         for kk in range(k):
-            t, h = kk // 2, kk % 2
+            t, h = kk // _GROUP, kk % _GROUP
             for c in range(min(_WIDTH, n - first)):
-                out[p, t, 2 * c + h] = wq[kk, first + c]
+                out[p, t, _GROUP * c + h] = wq[kk, first + c]
+        if _VNNI:
+            correction = _corrections(out, p, groups)
+            for c in range(min(_WIDTH, n - first)):
+                correction[c] = np.int32(128) * np.sum(wq[:, first + c].astype(np.int32))
     return out
 
 
 @njit(inline="always")
-def _pairs(q, first, last, a, pairs):
-    """``a[(i - first) * pairs + t]`` = q[i, 2t] and q[i, 2t + 1] as two
-    int16 in an int32 (the first in the low half), for rows first:last."""
-    k = q.shape[1]
-    for i in range(first, last):
-        base = (i - first) * pairs
-        for t in range(k // 2):
-            low = np.int32(q[i, 2 * t]) & np.int32(0xFFFF)
-            a[base + t] = np.int32(low | (np.int32(q[i, 2 * t + 1]) << np.int32(16)))
-        if k % 2:
-            a[base + pairs - 1] = np.int32(q[i, k - 1]) & np.int32(0xFFFF)
+def _corrections(packed, p, groups):
+    """Panel p's corrections (VNNI's packing: row ``groups`` as int32)."""
+    at = packed.ctypes.data + (p * packed.shape[1] + groups) * _GROUP_WIDTH
+    return carray(pointer_to(at, np.int32), _WIDTH)
 
 
 @njit(inline="always")
-def _store(acc, first, last, j0, lo, hi, scale, wscale, out):
+def _groups(q, first, last, a, groups):
+    """``a[(i - first) * groups + t]`` = q[i]'s group t as one int32 (the
+    first of k in the low bits), for rows first:last: with VNNI four bytes
+    ``q + 128``, else two int16 (zeros past k)."""
+    k = q.shape[1]
+    for i in range(first, last):
+        base = (i - first) * groups
+        line = q[i]
+        if _VNNI:
+            for t in range(groups):
+                word = np.int64(0)
+                for h in range(min(4, k - 4 * t)):
+                    word |= (np.int64(line[4 * t + h]) + 128) << (8 * h)
+                a[base + t] = np.int32(word)
+        else:
+            for t in range(k // 2):
+                low = np.int32(line[2 * t]) & np.int32(0xFFFF)
+                a[base + t] = np.int32(low | (np.int32(line[2 * t + 1]) << np.int32(16)))
+            if k % 2:
+                a[base + groups - 1] = np.int32(line[k - 1]) & np.int32(0xFFFF)
+
+
+@njit(inline="always")
+def _store(acc, first, last, j0, lo, hi, scale, wscale, correction, out):
     """out[first:last, max(lo, j0):min(hi, j0 + _WIDTH)] = the panel's sums
-    ``acc`` (from column ``j0``) dequantized: ``float32(acc) * (scale[i] *
-    wscale[j])``, the product of the scales first."""
+    ``acc`` (from column ``j0``) less their ``correction``, dequantized:
+    ``float32(sum) * (scale[i] * wscale[j])``, the product of the scales
+    first (the int32 differences wrap as the sums did)."""
     c0 = max(lo, j0) - j0
     c1 = min(hi, j0 + _WIDTH) - j0
     for i in range(first, last):
         s = scale[i]
         line = _row(out, i, np.float32)
-        base = (i - first) * _WIDTH
-        if c0 == 0 and c1 == _WIDTH:
+        sums = acc[(i - first) * _WIDTH:(i - first + 1) * _WIDTH]
+        if c0 == 0 and c1 == _WIDTH:  # (a constant count: LLVM vectorizes it without checks)
             for c in range(_WIDTH):
-                line[j0 + c] = np.float32(acc[base + c]) * (s * wscale[j0 + c])
+                line[j0 + c] = np.float32(np.int32(sums[c] - correction[c])) * (s * wscale[j0 + c])
         else:
             for c in range(c0, c1):
-                line[j0 + c] = np.float32(acc[base + c]) * (s * wscale[j0 + c])
+                line[j0 + c] = np.float32(np.int32(sums[c] - correction[c])) * (s * wscale[j0 + c])
 
 
 @njit(cache=True, nogil=True)
@@ -259,9 +281,9 @@ def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
     """out[:m, lo:hi] = (q @ wq)[:, lo:hi] dequantized: float32(sums) *
     (scale[i] * wscale[j]), the int32 sums exact,
     ``packed`` = ``pack_int8(wq)``: by panels of ``_PANEL_ROWS`` rows (their
-    pairs made once), each panel of weights in turn over the panel's rows
+    groups made once), each panel of weights in turn over the panel's rows
     in blocks of ``_ROWS`` (the last one of what is left), by ``_CHUNK``
-    pairs of k at a time (a panel's chunk stays in the first-level cache
+    groups of k at a time (a panel's chunk stays in the first-level cache
     while the rows pass), the panel's sums kept in ``acc``."""
     wide_vectors()
     m, k = q.shape
@@ -270,25 +292,28 @@ def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
     if m == 0 or lo >= hi:
         return
     assert n == 1 or out.strides[1] == 4
-    pairs = (k + 1) // 2
+    groups = (k + _GROUP - 1) // _GROUP
+    rows = packed.shape[1]  # (groups, and the corrections' row with VNNI)
     w = packed.reshape(packed.size)
-    a = np.empty(min(m, _PANEL_ROWS) * pairs, np.int32)
+    a = np.empty(min(m, _PANEL_ROWS) * groups, np.int32)
     acc = np.empty(min(m, _PANEL_ROWS) * _WIDTH, np.int32)
+    none = np.zeros(_WIDTH, np.int32)  # (the corrections of pairs)
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
-        _pairs(q, first, last, a, pairs)
+        _groups(q, first, last, a, groups)
         for p in range(lo // _WIDTH, (hi + _WIDTH - 1) // _WIDTH):
             acc[:] = 0
-            for t0 in range(0, pairs, _CHUNK):
-                w0 = (p * pairs + t0) * _PAIR_WIDTH
-                count = min(_CHUNK, pairs - t0)
+            for t0 in range(0, groups, _CHUNK):
+                w0 = (p * rows + t0) * _GROUP_WIDTH
+                count = min(_CHUNK, groups - t0)
                 i = first
                 while i < last:
-                    rows = min(_ROWS, last - i)
-                    _rows_block(rows, w, w0, a, (i - first) * pairs + t0, pairs, count, acc,
+                    block = min(_ROWS, last - i)
+                    _rows_block(block, w, w0, a, (i - first) * groups + t0, groups, count, acc,
                                 (i - first) * _WIDTH)
-                    i += rows
-            _store(acc, first, last, p * _WIDTH, lo, hi, scale, wscale, out)
+                    i += block
+            _store(acc, first, last, p * _WIDTH, lo, hi, scale, wscale,
+                   _corrections(packed, p, groups) if _VNNI else none, out)
 
 
 @njit(inline="always")
