@@ -86,9 +86,14 @@ def quantize(model, mode="int8"):
 
 @functools.cache
 def _say_bf16_speed():
-    """bf16 without instructions of its own: said, not hidden (once a process)."""
+    """bf16 without instructions of its own (the kernels are compiled for a
+    CPU without AVX512_BF16): said, not hidden (once a process)."""
     import llvmlite.binding as llvm
 
+    from .jit import int8_gemm
+
+    if int8_gemm.BF16:
+        return
     features = llvm.get_host_cpu_features()
     has = [f for f in ("avx512bf16", "amx-bf16") if features.get(f)]
     warnings.warn("stepnet runs bf16 products as float32 products of bf16-rounded values: bf16's "

@@ -2,11 +2,11 @@
 
 ``quantize_rows`` quantizes each row of float32 activations symmetrically to
 int8 with its own scale (``amax / 127``, rounded half to even, as NumPy's
-``rint``); ``int8_product_columns`` multiplies such rows by int8 weights ``wq``
+``rint``); ``int8_product`` multiplies such rows by int8 weights ``wq``
 [k, n] quantized per column (``wscale``), summing exactly in int32, and
 writes ``float32(acc) * (scale[i] * wscale[j])``: the same bits as NumPy
-computing that formula, whatever the path, the blocks or the columns asked
-for (integer sums do not depend on their order).
+computing that formula, whatever the path or the blocks (integer sums do not
+depend on their order).
 
 The product sums groups of k in one instruction (docs/quantization.md):
 with VNNI four bytes (``vpdpbusd``: unsigned by signed, so each activation
@@ -84,6 +84,11 @@ _CHUNK = 20480 // (4 * _WIDTH)
 # panel of weights passing over all of them
 _PANEL_ROWS = 96
 
+# bf16 products by ``vdpbf16ps`` (pairs of bfloat16 multiplied exactly, added
+# to float32 sums): on AVX-512 CPUs with AVX512_BF16
+BF16 = "avx512bf16" in compiled_features() and _LANES == 16
+
+
 def int8_path() -> str:
     """The path compiled for the products (``"avx2 vpmaddwd"``,
     ``"avx512-vnni vpdpwssd"``, ``"portable loop"``, ...)."""
@@ -94,91 +99,100 @@ def int8_path() -> str:
 _LEGAL_WIDTH = '"min-legal-vector-width"="512"'
 
 
-def _group_rows_codegen(context, builder, signature, args):
-    """``_group_rows``: a switch on the rows (1 to ``_ROWS``, else nothing),
-    each case the loop over the groups with its block of sums as SSA values
-    (registers), loaded from ``acc`` before it and stored back after."""
-    i32, i64 = ir.IntType(32), ir.IntType(64)
-    vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
-    rows, w0, a0, stride, groups, acc0 = (context.cast(builder, args[i], signature.args[i],
-                                                       types.int64) for i in (0, 2, 4, 5, 6, 8))
-    w = context.make_array(signature.args[1])(context, builder, args[1]).data
-    a = context.make_array(signature.args[3])(context, builder, args[3]).data
-    a = builder.bitcast(a, i32.as_pointer())
-    acc = context.make_array(signature.args[7])(context, builder, args[7]).data
-    acc = builder.gep(acc, [acc0])
-    operands = [vec32, vec32, vec32] if _VNNI else [vec16, vec16]
-    intrinsic = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(vec32, operands), _INTRINSIC)
-    if _LANES == 16:  # (else LLVM splits the 512-bit vectors where it prefers 256-bit ones)
-        set.add(builder.function.attributes, _LEGAL_WIDTH)
-    mask = ir.Constant(ir.VectorType(i32, _LANES), None)
-    done = builder.append_basic_block("q8.done")
-    switch = builder.switch(rows, done)
-    for count in range(1, _ROWS + 1):
-        start = builder.append_basic_block(f"q8.rows{count}")
-        switch.add_case(ir.Constant(i64, count), start)
-        loop = builder.append_basic_block(f"q8.loop{count}")
-        tail = builder.append_basic_block(f"q8.store{count}")
-        builder.position_at_end(start)
-        first = [builder.load(builder.bitcast(builder.gep(acc, [ir.Constant(i64, index * _LANES)]),
-                                              vec32.as_pointer()), align=4)
-                 for index in range(count * _VECS)]
-        builder.cbranch(builder.icmp_signed(">", groups, ir.Constant(i64, 0)), loop, tail)
-        builder.position_at_end(loop)
-        t = builder.phi(i64)
-        t.add_incoming(ir.Constant(i64, 0), start)
-        sums = [builder.phi(vec32) for _ in range(count * _VECS)]
-        for s, value in zip(sums, first, strict=True):
-            s.add_incoming(value, start)
-        row = builder.add(w0, builder.mul(t, ir.Constant(i64, _GROUP_WIDTH)))
-        weights = [builder.load(builder.bitcast(builder.gep(w, [builder.add(row, ir.Constant(
-            i64, _GROUP * _LANES * v))]), vec32.as_pointer()), align=1) for v in range(_VECS)]
-        new = []
-        for r in range(count):
-            x = builder.load(builder.gep(a, [builder.add(builder.add(a0, t), ir.Constant(
-                i64, 0) if r == 0 else builder.mul(stride, ir.Constant(i64, r)))]), align=4)
-            x = builder.shuffle_vector(builder.insert_element(ir.Constant(vec32, ir.Undefined), x,
-                                                              ir.Constant(i32, 0)),
-                                       ir.Constant(vec32, ir.Undefined), mask)
-            if _VNNI:  # (unsigned activations, signed weights)
-                new += [builder.call(intrinsic, [sums[r * _VECS + v], x, weights[v]])
-                        for v in range(_VECS)]
-            else:
-                x = builder.bitcast(x, vec16)
-                new += [builder.add(sums[r * _VECS + v], builder.call(
-                    intrinsic, [x, builder.bitcast(weights[v], vec16)])) for v in range(_VECS)]
-        following = builder.add(t, ir.Constant(i64, 1))
-        t.add_incoming(following, loop)
-        for s, value in zip(sums, new, strict=True):
-            s.add_incoming(value, loop)
-        builder.cbranch(builder.icmp_signed("<", following, groups), loop, tail)
-        builder.position_at_end(tail)
-        values = [builder.phi(vec32) for _ in new]
-        for index, value in enumerate(values):
-            value.add_incoming(first[index], start)
-            value.add_incoming(new[index], loop)
-        for index, value in enumerate(values):
-            target = builder.gep(acc, [ir.Constant(i64, index * _LANES)])
-            builder.store(value, builder.bitcast(target, vec32.as_pointer()), align=4)
-        builder.branch(done)
-    builder.position_at_end(done)
-    return context.get_dummy_value()
+def _rows_codegen(name, group, sum_type):
+    """The code of ``_group_rows``: int32 sums of the path's groups, or
+    float32 sums (``sum_type``) of bfloat16 pairs; ``name`` the intrinsic. A
+    switch on the rows (1 to ``_ROWS``, else nothing), each case the loop
+    over the groups with its block of sums as SSA values (registers), loaded
+    from ``acc`` before it and stored back after."""
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
+        vsum = ir.VectorType(sum_type, _LANES)
+        fused = name != _INTRINSIC or _VNNI  # (it adds the products to the sums)
+        rows, w0, a0, stride, groups, acc0 = (context.cast(builder, args[i], signature.args[i],
+                                                           types.int64) for i in (0, 2, 4, 5, 6, 8))
+        w = context.make_array(signature.args[1])(context, builder, args[1]).data
+        a = context.make_array(signature.args[3])(context, builder, args[3]).data
+        a = builder.bitcast(a, i32.as_pointer())
+        acc = context.make_array(signature.args[7])(context, builder, args[7]).data
+        acc = builder.gep(acc, [acc0])
+        intrinsic = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            vsum, [vsum, vec32, vec32] if fused else [vec16, vec16]), name)
+        if _LANES == 16:  # (else LLVM splits the 512-bit vectors where it prefers 256-bit ones)
+            set.add(builder.function.attributes, _LEGAL_WIDTH)
+        mask = ir.Constant(ir.VectorType(i32, _LANES), None)
+        done = builder.append_basic_block("q8.done")
+        switch = builder.switch(rows, done)
+        for count in range(1, _ROWS + 1):
+            start = builder.append_basic_block(f"q8.rows{count}")
+            switch.add_case(ir.Constant(i64, count), start)
+            loop = builder.append_basic_block(f"q8.loop{count}")
+            tail = builder.append_basic_block(f"q8.store{count}")
+            builder.position_at_end(start)
+            first = [builder.load(builder.bitcast(builder.gep(acc, [ir.Constant(i64, index * _LANES)]),
+                                                  vsum.as_pointer()), align=4)
+                     for index in range(count * _VECS)]
+            builder.cbranch(builder.icmp_signed(">", groups, ir.Constant(i64, 0)), loop, tail)
+            builder.position_at_end(loop)
+            t = builder.phi(i64)
+            t.add_incoming(ir.Constant(i64, 0), start)
+            sums = [builder.phi(vsum) for _ in range(count * _VECS)]
+            for s, value in zip(sums, first, strict=True):
+                s.add_incoming(value, start)
+            row = builder.add(w0, builder.mul(t, ir.Constant(i64, group * _WIDTH)))
+            weights = [builder.load(builder.bitcast(builder.gep(w, [builder.add(row, ir.Constant(
+                i64, group * _LANES * v))]), vec32.as_pointer()), align=1) for v in range(_VECS)]
+            new = []
+            for r in range(count):
+                x = builder.load(builder.gep(a, [builder.add(builder.add(a0, t), ir.Constant(
+                    i64, 0) if r == 0 else builder.mul(stride, ir.Constant(i64, r)))]), align=4)
+                x = builder.shuffle_vector(builder.insert_element(ir.Constant(vec32, ir.Undefined), x,
+                                                                  ir.Constant(i32, 0)),
+                                           ir.Constant(vec32, ir.Undefined), mask)
+                if fused:  # (VNNI: unsigned activations, signed weights)
+                    new += [builder.call(intrinsic, [sums[r * _VECS + v], x, weights[v]])
+                            for v in range(_VECS)]
+                else:
+                    x = builder.bitcast(x, vec16)
+                    new += [builder.add(sums[r * _VECS + v], builder.call(
+                        intrinsic, [x, builder.bitcast(weights[v], vec16)])) for v in range(_VECS)]
+            following = builder.add(t, ir.Constant(i64, 1))
+            t.add_incoming(following, loop)
+            for s, value in zip(sums, new, strict=True):
+                s.add_incoming(value, loop)
+            builder.cbranch(builder.icmp_signed("<", following, groups), loop, tail)
+            builder.position_at_end(tail)
+            values = [builder.phi(vsum) for _ in new]
+            for index, value in enumerate(values):
+                value.add_incoming(first[index], start)
+                value.add_incoming(new[index], loop)
+            for index, value in enumerate(values):
+                target = builder.gep(acc, [ir.Constant(i64, index * _LANES)])
+                builder.store(value, builder.bitcast(target, vsum.as_pointer()), align=4)
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return codegen
 
 
 @intrinsic
 def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0):
-    """acc[acc0:acc0 + rows * _WIDTH] += the int32 sums of ``rows`` rows (1
-    to ``_ROWS``) of ``groups`` groups of activations ``a`` (int32, flat: row
+    """acc[acc0:acc0 + rows * _WIDTH] += the sums of ``rows`` rows (1 to
+    ``_ROWS``) of ``groups`` groups of activations ``a`` (int32, flat: row
     r's from ``a0 + r * stride``) by as many rows of groups of a panel of
     packed weights ``w`` (flat) from ``w0``: row r's sums of the panel's
-    column c at ``acc[acc0 + r * _WIDTH + c]``."""
-    arrays = (w, a, acc)
-    if not all(isinstance(x, types.Array) for x in arrays) \
-            or w.dtype != (types.int8 if _VNNI else types.int16) \
-            or a.dtype != types.int32 or acc.dtype != types.int32:
+    column c at ``acc[acc0 + r * _WIDTH + c]``; int32 sums of the path's
+    groups, or float32 sums of bfloat16 pairs (``w`` uint16: ``vdpbf16ps``)."""
+    if not all(isinstance(x, types.Array) for x in (w, a, acc)) or a.dtype != types.int32:
         return None
-    return types.void(rows, w, w0, a, a0, stride, groups, acc, acc0), _group_rows_codegen
+    signature = types.void(rows, w, w0, a, a0, stride, groups, acc, acc0)
+    if w.dtype == types.uint16 and acc.dtype == types.float32:
+        return signature, _rows_codegen("llvm.x86.avx512bf16.dpbf16ps.512", 2, ir.FloatType())
+    if w.dtype == (types.int8 if _VNNI else types.int16) and acc.dtype == types.int32:
+        return signature, _rows_codegen(_INTRINSIC, _GROUP, ir.IntType(32))
+    return None
 
 
 @njit(inline="always")
@@ -200,30 +214,36 @@ _rows_block = _pair_loops if _INTRINSIC is None else _group_rows
 
 @njit(cache=True, nogil=True)
 def pack_int8(wq):
-    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product_columns``
+    """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product``
     reads them: [P, G (+ 1 with VNNI), _GROUP * _WIDTH] of ``_PACKED``,
-    P = ceil(n / _WIDTH) panels of ``_WIDTH`` columns, G = ceil(k / _GROUP)
-    groups, ``[p, t, _GROUP c + h]`` = ``wq[_GROUP t + h, _WIDTH p + c]``
-    (zero past k and n); with VNNI, row G of panel p holds the int32
-    corrections ``128 * sum(wq[:, _WIDTH p + c])``."""
+    P = ceil(n / _WIDTH) panels, G = ceil(k / _GROUP) groups (``_lay_out``);
+    with VNNI, row G of panel p holds the int32 corrections ``128 *
+    sum(wq[:, _WIDTH p + c])``."""
     k, n = wq.shape
     groups = (k + _GROUP - 1) // _GROUP
     rows = groups + 1 if _VNNI else groups
     count = (n + _WIDTH - 1) // _WIDTH
     out = aligned_empty(count * rows * _GROUP_WIDTH, np.empty(0, _PACKED)).reshape(
         (count, rows, _GROUP_WIDTH))
+    _lay_out(wq, _GROUP, out)
+    for p in range(count if _VNNI else 0):
+        correction = _corrections(out, p, groups)
+        for c in range(min(_WIDTH, n - p * _WIDTH)):
+            correction[c] = np.int32(128) * np.sum(wq[:, p * _WIDTH + c].astype(np.int32))
+    return out
+
+
+@njit(inline="always")
+def _lay_out(w, group, out):
+    """``out[p, t, group * c + h]`` = ``w[group * t + h, _WIDTH * p + c]``,
+    zeros past w's rows and columns (and in out's rows past them)."""
+    k, n = w.shape
     out[:] = 0
-    for p in range(count):
+    for p in range(out.shape[0]):
         first = p * _WIDTH
         for kk in range(k):
-            t, h = kk // _GROUP, kk % _GROUP
             for c in range(min(_WIDTH, n - first)):
-                out[p, t, _GROUP * c + h] = wq[kk, first + c]
-        if _VNNI:
-            correction = _corrections(out, p, groups)
-            for c in range(min(_WIDTH, n - first)):
-                correction[c] = np.int32(128) * np.sum(wq[:, first + c].astype(np.int32))
-    return out
+                out[p, kk // group, group * c + kk % group] = w[kk, first + c]
 
 
 @njit(inline="always")
@@ -248,7 +268,7 @@ def _groups(q, first, last, a, groups):
                 for h in range(min(4, k - 4 * t)):
                     word |= (np.int64(line[4 * t + h]) + 128) << (8 * h)
                 a[base + t] = np.int32(word)
-        else:
+        else:  # (a loop LLVM vectorizes)
             for t in range(k // 2):
                 low = np.int32(line[2 * t]) & np.int32(0xFFFF)
                 a[base + t] = np.int32(low | (np.int32(line[2 * t + 1]) << np.int32(16)))
@@ -257,41 +277,33 @@ def _groups(q, first, last, a, groups):
 
 
 @njit(inline="always")
-def _store(acc, first, last, j0, lo, hi, scale, wscale, correction, out):
-    """out[first:last, max(lo, j0):min(hi, j0 + _WIDTH)] = the panel's sums
-    ``acc`` (from column ``j0``) less their ``correction``, dequantized:
-    ``float32(sum) * (scale[i] * wscale[j])``, the product of the scales
-    first (the int32 differences wrap as the sums did)."""
-    c0 = max(lo, j0) - j0
-    c1 = min(hi, j0 + _WIDTH) - j0
+def _store(acc, first, last, j0, scale, wscale, correction, out):
+    """out[first:last, j0:j0 + _WIDTH] (within out) = the panel's sums
+    ``acc`` less their ``correction``, dequantized: ``float32(sum) *
+    (scale[i] * wscale[j])``, the product of the scales first (the int32
+    differences wrap as the sums did)."""
+    width = min(_WIDTH, out.shape[1] - j0)
     for i in range(first, last):
         s = scale[i]
         line = _row(out, i, np.float32)
         sums = acc[(i - first) * _WIDTH:(i - first + 1) * _WIDTH]
-        if c0 == 0 and c1 == _WIDTH:  # (a constant count: LLVM vectorizes it without checks)
+        if width == _WIDTH:  # (a constant count: LLVM vectorizes it without checks)
             for c in range(_WIDTH):
                 line[j0 + c] = np.float32(np.int32(sums[c] - correction[c])) * (s * wscale[j0 + c])
         else:
-            for c in range(c0, c1):
+            for c in range(width):
                 line[j0 + c] = np.float32(np.int32(sums[c] - correction[c])) * (s * wscale[j0 + c])
 
 
 @njit(cache=True, nogil=True)
-def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
-    """out[:m, lo:hi] = (q @ wq)[:, lo:hi] dequantized: float32(sums) *
-    (scale[i] * wscale[j]), the int32 sums exact,
-    ``packed`` = ``pack_int8(wq)``: by panels of ``_PANEL_ROWS`` rows (their
-    groups made once), each panel of weights in turn over the panel's rows
-    in blocks of ``_ROWS`` (the last one of what is left), by ``_CHUNK``
-    groups of k at a time (a panel's chunk stays in the first-level cache
-    while the rows pass), the panel's sums kept in ``acc``."""
+def int8_product(q, scale, packed, wscale, out):
+    """out[:m] = q @ wq dequantized: float32(sums) * (scale[i] * wscale[j]),
+    the int32 sums exact, ``packed`` = ``pack_int8(wq)``: by panels of
+    ``_PANEL_ROWS`` rows (their groups made once), each panel of weights in
+    turn over the panel's rows (``_panel_sums``), the sums kept in ``acc``."""
     wide_vectors()
     m, k = q.shape
-    n = wscale.shape[0]
-    lo, hi = max(lo, 0), min(hi, n)
-    if m == 0 or lo >= hi:
-        return
-    assert n == 1 or out.strides[1] == 4
+    assert m == 0 or wscale.shape[0] == 1 or out.strides[1] == 4
     groups = (k + _GROUP - 1) // _GROUP
     rows = packed.shape[1]  # (groups, and the corrections' row with VNNI)
     w = packed.reshape(packed.size)
@@ -301,19 +313,24 @@ def int8_product_columns(q, scale, packed, wscale, out, lo, hi):
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         _groups(q, first, last, a, groups)
-        for p in range(lo // _WIDTH, (hi + _WIDTH - 1) // _WIDTH):
-            acc[:] = 0
-            for t0 in range(0, groups, _CHUNK):
-                w0 = (p * rows + t0) * _GROUP_WIDTH
-                count = min(_CHUNK, groups - t0)
-                i = first
-                while i < last:
-                    block = min(_ROWS, last - i)
-                    _rows_block(block, w, w0, a, (i - first) * groups + t0, groups, count, acc,
-                                (i - first) * _WIDTH)
-                    i += block
-            _store(acc, first, last, p * _WIDTH, lo, hi, scale, wscale,
+        for p in range(packed.shape[0]):
+            _panel_sums(_rows_block, w, p * rows * _GROUP_WIDTH, _GROUP_WIDTH, a, groups,
+                        last - first, acc)
+            _store(acc, first, last, p * _WIDTH, scale, wscale,
                    _corrections(packed, p, groups) if _VNNI else none, out)
+
+
+@njit(inline="always")
+def _panel_sums(block_sums, w, w0, width, a, groups, rows, acc):
+    """acc[:rows * _WIDTH] = the sums of ``rows`` rows of ``groups`` groups
+    ``a`` by a panel of weights (``w`` from ``w0``, ``width`` elements a row)
+    by ``block_sums``, ``_CHUNK`` groups at a time (the chunk stays in the
+    first-level cache while the rows pass), ``_ROWS`` rows at a time."""
+    acc[:] = 0
+    for t0 in range(0, groups, _CHUNK):
+        for i in range(0, rows, _ROWS):
+            block_sums(min(_ROWS, rows - i), w, w0 + t0 * width, a, i * groups + t0, groups,
+                       min(_CHUNK, groups - t0), acc, i * _WIDTH)
 
 
 @njit(inline="always")
@@ -363,9 +380,53 @@ def quantize_rows(a, q, scale):
 
 
 @njit(cache=True, nogil=True)
-def quantized_gemm(a, packed, wscale, out, q, scale):
-    """out[:m] = ``int8_product_columns`` of ``quantize_rows(a)`` by the packed
-    weights (``q``, ``scale``: work buffers of at least a's rows)."""
-    m = a.shape[0]
-    quantize_rows(a, q[:m], scale[:m])
-    int8_product_columns(q[:m], scale[:m], packed, wscale, out, 0, wscale.shape[0])
+def pack_bf16(bits):
+    """bfloat16 weights (their bits, uint16 [k, n]) as ``bf16_product`` reads
+    them: uint16 [P, ceil(k / 2), 2 * _WIDTH], pairs of k (``_lay_out``)."""
+    k, n = bits.shape
+    count, pairs = (n + _WIDTH - 1) // _WIDTH, (k + 1) // 2
+    out = aligned_empty(count * pairs * 2 * _WIDTH, np.empty(0, np.uint16)).reshape(
+        (count, pairs, 2 * _WIDTH))
+    _lay_out(bits, 2, out)
+    return out
+
+
+@njit(inline="always")
+def bf16_bits(bits):
+    """float32 bits (uint32) rounded to bfloat16's (to nearest, ties to
+    even; a NaN stays a NaN, made quiet), in the upper half."""
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        bits = bits | np.uint32(0x00400000)
+    else:
+        bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return bits & np.uint32(0xFFFF0000)
+
+
+@njit(cache=True, nogil=True)
+def bf16_product(a, packed, out):
+    """out[:m] = a's elements rounded to bfloat16 (``bf16_bits``) @ the
+    weights ``packed`` = ``pack_bf16(w)``, each pair of k multiplied exactly
+    and added to float32 sums (``vdpbf16ps``: bfloat16 subnormals count as
+    zeros), by panels of rows, panels of weights and chunks of k as
+    ``int8_product``."""
+    wide_vectors()
+    m, k = a.shape
+    n, pairs = out.shape[1], packed.shape[1]
+    assert m == 0 or (k == 1 or a.strides[1] == 4) and (n == 1 or out.strides[1] == 4)
+    w = packed.reshape(packed.size)
+    x = np.empty(min(m, _PANEL_ROWS) * pairs, np.int32)
+    acc = np.empty(min(m, _PANEL_ROWS) * _WIDTH, np.float32)
+    for first in range(0, m, _PANEL_ROWS):
+        last = min(first + _PANEL_ROWS, m)
+        for i in range(first, last):  # (two rounded values to an int32, the first low)
+            row = _row(a, i, np.uint32)
+            for t in range(pairs):
+                high = bf16_bits(row[2 * t + 1]) if 2 * t + 1 < k else np.uint32(0)
+                x[(i - first) * pairs + t] = np.int32((bf16_bits(row[2 * t]) >> 16) | high)
+        for p in range(packed.shape[0]):
+            _panel_sums(_group_rows, w, p * pairs * 2 * _WIDTH, 2 * _WIDTH, x, pairs, last - first,
+                        acc)
+            for i in range(first, last):
+                line = _row(out, i, np.float32)
+                for c in range(min(_WIDTH, n - p * _WIDTH)):
+                    line[p * _WIDTH + c] = acc[(i - first) * _WIDTH + c]

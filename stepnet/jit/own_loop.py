@@ -27,6 +27,8 @@ _CPUS = {
     "avx512f": _AVX512BW_CPUS | {"knl", "knm"},
     "avx512bw": _AVX512BW_CPUS,
     "avx512vnni": _AVX512BW_CPUS - {"skylake-avx512", "skx", "cannonlake", "x86-64-v4"},
+    "avx512bf16": frozenset({"cooperlake", "sapphirerapids", "emeraldrapids", "graniterapids",
+                             "graniterapids-d", "diamondrapids", "znver4", "znver5"}),
     "avxvnni": frozenset({"alderlake", "raptorlake", "meteorlake", "arrowlake", "arrowlake-s",
                          "lunarlake", "pantherlake", "gracemont", "sierraforest", "grandridge",
                          "clearwaterforest"}),

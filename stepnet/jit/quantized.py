@@ -5,10 +5,11 @@ executor run: the weights prepared by the caller (``prepared``: packed by
 come back), then a product over a step's rows or every token
 (``int8_rows``, ``bf16_rows``).
 
-bf16 products have no instructions of their own here: the weights are
-widened to float32 (exactly) and each row of the left operand is rounded to
-bfloat16, then the library's float32 product runs. The results are the bf16
-product's, computed at float32's speed.
+bf16 products multiply pairs of bfloat16 with ``vdpbf16ps`` where the CPU
+has AVX512_BF16 (``int8_gemm.BF16``); elsewhere the weights are widened to
+float32 (exactly) and each row of the left operand is rounded to bfloat16,
+then the library's float32 product runs: the bf16 product's results at
+float32's speed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from numba import njit
 
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas import gemm
-from .int8_gemm import pack_int8, quantized_gemm
+from .int8_gemm import BF16, bf16_bits, bf16_product, int8_product, pack_bf16, pack_int8, quantize_rows
 
 
 # the weights prepared last, by op and the arrays' identities (the arrays kept:
@@ -61,13 +62,18 @@ def int8_rows(a, prepared, out):
     """out[:m] = ``matmul_int8`` of a[:m] by the weights ``int8_prepare``
     made (``a`` float32 [m, k], rows contiguous)."""
     m, k = a.shape
-    quantized_gemm(a, prepared[0], prepared[1], out, np.empty((m, k), np.int8),
-                   np.empty(m, np.float32))
+    q, scale = np.empty((m, k), np.int8), np.empty(m, np.float32)
+    quantize_rows(a, q, scale)
+    int8_product(q, scale, prepared[0], prepared[1], out)
 
 
 @njit(cache=True, nogil=True)
 def bf16_prepare(w):
-    """bfloat16 weights ``w`` [k, n] (their bits, uint16) as float32."""
+    """bfloat16 weights ``w`` [k, n] (their bits, uint16) as ``bf16_rows``
+    reads them: packed in pairs (``pack_bf16``) where the CPU multiplies
+    bfloat16, else widened to float32."""
+    if BF16:
+        return pack_bf16(np.ascontiguousarray(w))
     k, n = w.shape
     out = np.empty((k, n), np.float32)
     wide = out.reshape(k * n).view(np.uint32)
@@ -78,22 +84,21 @@ def bf16_prepare(w):
 
 
 @njit(cache=True, nogil=True)
-def bf16_rows(a, wide, out):
+def bf16_rows(a, prepared, out):
     """out[:m] = ``matmul_bf16`` of a[:m] by the weights ``bf16_prepare``
     made: each element of ``a`` rounded to bfloat16 (to nearest, ties to
-    even; NaN stays NaN), then the float32 product."""
+    even; NaN stays NaN), then ``bf16_product``, or the float32 product of
+    the rounded values."""
     m, k = a.shape
+    if BF16:
+        bf16_product(np.ascontiguousarray(a), prepared, out)
+        return
     rounded = np.empty((m, k), np.float32)
     bits = rounded.reshape(m * k).view(np.uint32)
     source = np.ascontiguousarray(a).reshape(m * k).view(np.uint32)
     for i in range(m * k):
-        b = source[i]
-        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            b = b | np.uint32(0x00400000)  # (a quiet NaN of the same sign)
-        else:
-            b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
-        bits[i] = b & np.uint32(0xFFFF0000)
-    gemm(rounded, wide, out)
+        bits[i] = bf16_bits(source[i])
+    gemm(rounded, prepared, out)
 
 
 # each quantized op's routines: (what prepares its weights, its product over rows)
