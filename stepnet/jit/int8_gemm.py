@@ -257,17 +257,16 @@ def _corrections(packed, p, groups):
 def _groups(q, first, last, a, groups):
     """``a[(i - first) * groups + t]`` = q[i]'s group t as one int32 (the
     first of k in the low bits), for rows first:last: with VNNI four bytes
-    ``q + 128``, else two int16 (zeros past k)."""
+    ``q + 128`` (q's rows hold ``4 * groups`` bytes), else two int16 (zeros
+    past k)."""
     k = q.shape[1]
     for i in range(first, last):
         base = (i - first) * groups
         line = q[i]
-        if _VNNI:
+        if _VNNI:  # (q + 128: each byte's top bit flipped; bytes past k meet zero weights)
+            words = carray(pointer_to(q.ctypes.data + i * q.strides[0], np.int32), groups)
             for t in range(groups):
-                word = np.int64(0)
-                for h in range(min(4, k - 4 * t)):
-                    word |= (np.int64(line[4 * t + h]) + 128) << (8 * h)
-                a[base + t] = np.int32(word)
+                a[base + t] = words[t] ^ np.int32(-0x7F7F7F80)
         else:  # (a loop LLVM vectorizes)
             for t in range(k // 2):
                 low = np.int32(line[2 * t]) & np.int32(0xFFFF)
@@ -303,8 +302,9 @@ def int8_product(q, scale, packed, wscale, out):
     turn over the panel's rows (``_panel_sums``), the sums kept in ``acc``."""
     wide_vectors()
     m, k = q.shape
-    assert m == 0 or wscale.shape[0] == 1 or out.strides[1] == 4
     groups = (k + _GROUP - 1) // _GROUP
+    assert m == 0 or (wscale.shape[0] == 1 or out.strides[1] == 4) and (
+        not _VNNI or q.strides[1] == 1 and q.strides[0] >= 4 * groups)
     rows = packed.shape[1]  # (groups, and the corrections' row with VNNI)
     w = packed.reshape(packed.size)
     a = np.empty(min(m, _PANEL_ROWS) * groups, np.int32)
@@ -381,8 +381,8 @@ def quantize_rows(a, q, scale):
 
 @njit(cache=True, nogil=True)
 def pack_bf16(bits):
-    """bfloat16 weights (their bits, uint16 [k, n]) as ``bf16_product`` reads
-    them: uint16 [P, ceil(k / 2), 2 * _WIDTH], pairs of k (``_lay_out``)."""
+    """bf16 weights (uint16 bits [k, n]) as ``bf16_product`` reads them:
+    [P, ceil(k / 2), 2 * _WIDTH], pairs of k (``_lay_out``)."""
     k, n = bits.shape
     count, pairs = (n + _WIDTH - 1) // _WIDTH, (k + 1) // 2
     out = aligned_empty(count * pairs * 2 * _WIDTH, np.empty(0, np.uint16)).reshape(

@@ -62,7 +62,7 @@ def int8_rows(a, prepared, out):
     """out[:m] = ``matmul_int8`` of a[:m] by the weights ``int8_prepare``
     made (``a`` float32 [m, k], rows contiguous)."""
     m, k = a.shape
-    q, scale = np.empty((m, k), np.int8), np.empty(m, np.float32)
+    q, scale = np.empty((m, (k + 3) // 4 * 4), np.int8)[:, :k], np.empty(m, np.float32)  # (whole words)
     quantize_rows(a, q, scale)
     int8_product(q, scale, prepared[0], prepared[1], out)
 
