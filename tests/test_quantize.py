@@ -313,7 +313,8 @@ print(g.int8_path(), sorted(set(re.findall(r"\\b(vpmaddwd|vpdpbusd|vdpbf16ps)\\b
     ("icelake-server", "avx512-vnni vpdpbusd", "vpdpbusd", True),
     ("skylake-avx512", "avx512bw vpmaddwd", "vpmaddwd", True),
     ("alderlake", "avx-vnni vpdpbusd", "vpdpbusd", False),
-    ("haswell", "avx2 vpmaddwd", "vpmaddwd", False)])
+    ("haswell", "avx2 vpmaddwd", "vpmaddwd", False),
+    ("x86-64", "portable loop", "[]", False)])
 def test_int8_paths_of_other_cpus(cpu, path, instructions, zmm, tmp_path):
     """The int8 (and bf16) products' paths for CPUs this machine may not be,
     compiled as Numba compiles for them (``NUMBA_CPU_NAME`` with its own

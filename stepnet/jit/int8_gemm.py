@@ -91,7 +91,7 @@ BF16 = "avx512bf16" in compiled_features() and _LANES == 16
 
 def int8_path() -> str:
     """The path compiled for the products (``"avx2 vpmaddwd"``,
-    ``"avx512-vnni vpdpwssd"``, ``"portable loop"``, ...)."""
+    ``"avx512-vnni vpdpbusd"``, ``"portable loop"``, ...)."""
     return _PATH
 
 
