@@ -186,13 +186,15 @@ def called_apart(dispatcher):
 # the helpers a generated kernel calls apart, under their own names
 # (elementwise ones, such as numba_runtime.sigmoid32, are linked: LLVM
 # inlines and vectorizes them)
-HELPERS = ("gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack", "group_cut",
+HELPERS = ("gather_steps", "gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack",
+           "group_cut",
            "rows_by_steps", "run_jobs", "sort_by_length", "starts_and_lengths")
 # those of the quantized products, which only a kernel computing one imports
 QUANTIZED_HELPERS = ("int8_rows", "bf16_rows")
 gemm_hoisted = called_apart(blas.gemm_hoisted)
 gemm_hoisted_acc = called_apart(blas.gemm_hoisted_acc)
 gemm_packed = called_apart(blas.gemm_packed)
+gather_steps = called_apart(blas.gather_steps)
 gemm_steps = called_apart(blas.gemm_steps)
 pack = called_apart(blas.pack)
 group_cut = called_apart(threads.group_cut)

@@ -675,16 +675,12 @@ def gemm_packed(a, prepared, out):
 
 
 @njit(cache=True)
-def gemm_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gathered, prepared,
-               out):
-    """A product by chunks of steps, at a chunk's first step ``step``:
-    sequence b's row of ``left`` (its columns from ``col`` on) at step
-    ``step + s`` (row ``sstart[b] + (step + s) * row_step``; from its end
-    where ``reverse``) gathered into row ``b * chunk + s`` of ``gathered`` (for the
-    ``nb`` active sequences and the steps of the chunk they have; the rows
-    past a sequence's end keep what they held), then ``out[:nb * chunk] =
-    gathered[:nb * chunk] @ b`` with ``prepared = pack(b, ...)``. Compiled
-    once, not in every kernel."""
+def gather_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gathered):
+    """At a chunk's first step ``step``: sequence b's row of ``left`` (from
+    column ``col``) at step ``step + s`` (row ``sstart[b] + (step + s) *
+    row_step``; from its end where ``reverse``) into row ``b * chunk + s`` of
+    ``gathered``, for the ``nb`` active sequences and the steps they have
+    (rows past a sequence's end keep what they held)."""
     k = gathered.shape[1]
     first = np.uint64(col)  # (unsigned: no wraparound, and the copy vectorizes)
     for b in range(nb):
@@ -692,8 +688,15 @@ def gemm_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gath
             r = sstart[b] + (slen[b] - 1 - step - s if reverse else step + s) * row_step
             for q in range(np.uint64(k)):
                 gathered[b * chunk + s, q] = left[r, first + q]
-    rows = nb * chunk
-    gemm_packed(gathered[:rows], prepared, out[:rows])
+
+
+@njit(cache=True)
+def gemm_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gathered, prepared,
+               out):
+    """A product by chunks of steps: ``gather_steps``, then ``out[:nb *
+    chunk] = gathered[:nb * chunk] @ b`` with ``prepared = pack(b, ...)``."""
+    gather_steps(left, col, sstart, slen, row_step, step, chunk, nb, reverse, gathered)
+    gemm_packed(gathered[:nb * chunk], prepared, out[:nb * chunk])
 
 
 if DETERMINISTIC:

@@ -464,7 +464,8 @@ def _rnn_function(ctx, sched):
     setup = _function_setup(fctx, eqn, params, top=top)
     chunks = ctx.module.chunks.get(sched.body, ())
     # (a nested net's call in the step may raise: its allocations)
-    ahead = bool(chunks) and not any(e.op == "rnn" for e in sched.body.eqns)
+    ahead = bool(chunks) and chunks[0].routine is None and not any(
+        e.op == "rnn" for e in sched.body.eqns)
     if chunks:
         setup += _chunk_setup(chunks, ahead)
     last_params = _last_step_params(fctx, eqn, params, setup)

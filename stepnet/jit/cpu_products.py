@@ -27,7 +27,8 @@ class _Chunk:
     """A hoisted product the top-level rnn function computes per chunk of
     steps: ``left`` rows (its info) times packed weights ``packed`` [k, n]
     into ``ring`` (``b * chunk + cs``: sequence b's row at step cs of the
-    chunk), from the left rows gathered into ``gathered``."""
+    chunk), from the left rows gathered into ``gathered``; a quantized one
+    by its ``routine`` (``packed``: its prepared weights)."""
 
     left: _Info
     packed: str
@@ -36,23 +37,27 @@ class _Chunk:
     dtype: str
     ring: str
     gathered: str
+    routine: str | None = None
 
 
 def _defer_product(ctx, stage, body):
     """Record the product ``stage`` for the rnn function of ``body``, which
     computes it per chunk of steps (``KernelPlan.chunked``); its weights are
-    packed once here, in the prologue."""
+    packed once here, in the prologue (a quantized one's by the caller)."""
     module = ctx.module
     dtype = np.dtype(stage.eqns[0].outputs[0].dtype).name
-    weights = _product_weights(ctx, stage)
     k, n = stage.left.shape[-1], sum(v.shape[-1] for v in stage.outputs)
-    _count_product(module, dtype, k, n)
-    packed = module.fresh("wc")
-    module.prologue.append(f"{packed} = pack(as_read_only({weights}), max(max_rows, {_CHUNK_ROWS}), "
-                           "call_rows, small_rows, board)")
-    module.gargs.append(packed)
+    routine = None
+    if stage.kind == "quantized":
+        routine, packed = _quantized_weights(ctx, stage)
+    else:
+        _count_product(module, dtype, k, n)
+        packed = module.fresh("wc")
+        module.prologue.append(f"{packed} = pack(as_read_only({_product_weights(ctx, stage)}), "
+                               f"max(max_rows, {_CHUNK_ROWS}), call_rows, small_rows, board)")
+        module.gargs.append(packed)
     chunk = _Chunk(ctx.values[stage.left], packed, k, n, dtype, module.fresh("ring"),
-                   module.fresh("gathered"))
+                   module.fresh("gathered"), routine)
     module.chunks.setdefault(body, []).append(chunk)
     _column_blocks(ctx, stage, _Info("chunk", chunk.ring, width=n))
 
@@ -86,7 +91,8 @@ def _ahead_posts(module):
     helper, only where no per-step product shares with it (the two take
     turns on the helper, and W3's kernel ran slower with both than with
     either alone)."""
-    alone = " and ".join(f"{packed}[5][SHARES] & COLUMNS == 0" for packed in module.packed.values())
+    alone = " and ".join(f"{packed}[5][SHARES] & COLUMNS == 0" for packed in module.packed.values()
+                         if packed not in module.prepared)  # (not a quantized product's)
     return f"ahead_posts = {alone or 'True'}"
 
 
@@ -103,6 +109,10 @@ def _chunk_products(chunks, reverse, ahead):
     for i, c in enumerate(chunks):
         arguments = (f"{c.left.ident}, {c.left.offset}, sstart, slen, row_step, step, chunk, nb, "
                      f"{reverse}, {c.gathered}, {c.packed}, {c.ring}")
+        if c.routine is not None:
+            lines += [f"    gather_steps({arguments.rsplit(', ', 2)[0]})",
+                      f"    {c.routine}({c.gathered}[:nb * chunk], {c.packed}, {c.ring}[:nb * chunk])"]
+            continue
         if not (ahead and i == 0):
             lines.append(f"    gemm_steps({arguments})")
             continue
@@ -159,14 +169,21 @@ def _product_into(ctx, stage, dtype, call):
 
 
 def _render_quantized(ctx, sched, stage):
-    """A quantized product (``matmul_int8``, ``matmul_bf16``): its weights,
-    always the program's constants (``sn.quantize`` makes them), prepared by
-    the caller (joined by columns for a merged stage, kept while the same
-    arrays come: ``quantized.prepared``), then its routine over the step's
-    rows, or over every token before the time loop."""
+    """A quantized product (``matmul_int8``, ``matmul_bf16``): its routine
+    over the step's rows, or over every token before the time loop."""
+    rows, prepared = _quantized_weights(ctx, stage)
+    step = "[:nb]" if ctx.mode == "step" else ""
+    _product_into(ctx, stage, np.float32,
+                  lambda left, info: f"{rows}({left}, {prepared}, {info.ident}{step})")
+
+
+def _quantized_weights(ctx, stage):
+    """A quantized product's routine and its weights, always the program's
+    constants (``sn.quantize`` makes them), prepared by the caller (joined
+    by columns for a merged stage, kept while the same arrays come:
+    ``quantized.prepared``)."""
     module = ctx.module
     op = stage.eqns[0].op
-    rows = quantized.ROUTINES[op][1].__name__  # (a kernel calls it apart by its name)
     operands = [[ctx.values[e.inputs[i]].ident for e in stage.eqns]
                 for i in range(1, len(stage.eqns[0].inputs))]
     key = f"{op}{operands}"
@@ -175,9 +192,7 @@ def _render_quantized(ctx, sched, stage):
         prepared = module.packed[key] = module.fresh("wq")
         module.prepared[prepared] = (op, [[module.const_vars[i] for i in parts] for parts in operands])
         module.gargs.append(prepared)
-    step = "[:nb]" if ctx.mode == "step" else ""
-    _product_into(ctx, stage, np.float32,
-                  lambda left, info: f"{rows}({left}, {prepared}, {info.ident}{step})")
+    return quantized.ROUTINES[op][1].__name__, prepared  # (a kernel calls it apart by its name)
 
 
 def _product_weights(ctx, stage):

@@ -180,7 +180,7 @@ def _chunked_products(sched):
             for e in stage.eqns:
                 read_elsewhere.update(_every_operand(e))
     return frozenset(stage for stage in sched.hoisted
-                     if stage.kind == "gemm"
+                     if stage.kind in ("gemm", "quantized")
                      and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
                      and not read_elsewhere.intersection(stage.outputs))
 
