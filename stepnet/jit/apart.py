@@ -187,8 +187,7 @@ def called_apart(dispatcher):
 # (elementwise ones, such as numba_runtime.sigmoid32, are linked: LLVM
 # inlines and vectorizes them)
 HELPERS = ("gather_steps", "gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack",
-           "group_cut",
-           "rows_by_steps", "run_jobs", "sort_by_length", "starts_and_lengths")
+           "group_cut", "rows_by_steps", "run_jobs", "sort_by_length", "starts_and_lengths")
 # those of the quantized products, which only a kernel computing one imports
 QUANTIZED_HELPERS = ("int8_rows", "bf16_rows")
 gemm_hoisted = called_apart(blas.gemm_hoisted)

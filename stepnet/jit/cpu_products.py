@@ -107,10 +107,11 @@ def _chunk_products(chunks, reverse, ahead):
     buffers until it is done."""
     lines = ["cs = step % chunk", "if cs == 0:"]
     for i, c in enumerate(chunks):
-        arguments = (f"{c.left.ident}, {c.left.offset}, sstart, slen, row_step, step, chunk, nb, "
-                     f"{reverse}, {c.gathered}, {c.packed}, {c.ring}")
-        if c.routine is not None:
-            lines += [f"    gather_steps({arguments.rsplit(', ', 2)[0]})",
+        gather = (f"{c.left.ident}, {c.left.offset}, sstart, slen, row_step, step, chunk, nb, "
+                  f"{reverse}, {c.gathered}")
+        arguments = f"{gather}, {c.packed}, {c.ring}"
+        if c.routine is not None:  # (a quantized product)
+            lines += [f"    gather_steps({gather})",
                       f"    {c.routine}({c.gathered}[:nb * chunk], {c.packed}, {c.ring}[:nb * chunk])"]
             continue
         if not (ahead and i == 0):
