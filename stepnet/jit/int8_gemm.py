@@ -14,9 +14,9 @@ goes in as ``q + 128`` and each column's sums lose its *correction*
 ``128 * sum(wq[:, j])``; int32 sums wrap alike on both sides), else two
 int16 (``pmaddwd``; ``vpmaddubsw``'s byte sums saturate).
 ``pack_int8`` lays the weights out as groups of ``_GROUP`` rows of k:
-``[P, ceil(k / _GROUP) (+ 1), _GROUP * _WIDTH]``, panel p holding columns
+``[P, ceil(k / _GROUP) + 1, _GROUP * _WIDTH]``, panel p holding columns
 ``_WIDTH * p`` on, each group's weights of a column side by side (zeros past
-k and n), with VNNI a last row of corrections (int32): one vector load
+k and n), then a row of corrections (int32; zeros without VNNI): one vector load
 gives a group of ``_LANES`` columns; a panel is contiguous and 64-byte
 aligned. A row's group of activations, one int32 (``_groups``), is broadcast
 to every lane. A block of ``_ROWS`` rows x ``_WIDTH`` columns of int32 sums
@@ -109,7 +109,7 @@ def _rows_codegen(name, group, sum_type):
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
         vsum = ir.VectorType(sum_type, _LANES)
-        fused = name != _INTRINSIC or _VNNI  # (it adds the products to the sums)
+        fused = "pmadd" not in name  # (vpdpbusd, vdpbf16ps: the products added to the sums)
         rows, w0, a0, stride, groups, acc0 = (context.cast(builder, args[i], signature.args[i],
                                                            types.int64) for i in (0, 2, 4, 5, 6, 8))
         w = context.make_array(signature.args[1])(context, builder, args[1]).data
@@ -215,13 +215,13 @@ _rows_block = _pair_loops if _INTRINSIC is None else _group_rows
 @njit(cache=True, nogil=True)
 def pack_int8(wq):
     """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product``
-    reads them: [P, G (+ 1 with VNNI), _GROUP * _WIDTH] of ``_PACKED``,
-    P = ceil(n / _WIDTH) panels, G = ceil(k / _GROUP) groups (``_lay_out``);
-    with VNNI, row G of panel p holds the int32 corrections ``128 *
-    sum(wq[:, _WIDTH p + c])``."""
+    reads them: [P, G + 1, _GROUP * _WIDTH] of ``_PACKED``, P = ceil(n /
+    _WIDTH) panels, G = ceil(k / _GROUP) groups (``_lay_out``); row G of
+    panel p holds the int32 corrections of its columns: ``128 * sum(wq[:,
+    _WIDTH p + c])`` with VNNI, else zeros."""
     k, n = wq.shape
     groups = (k + _GROUP - 1) // _GROUP
-    rows = groups + 1 if _VNNI else groups
+    rows = groups + 1
     count = (n + _WIDTH - 1) // _WIDTH
     out = aligned_empty(count * rows * _GROUP_WIDTH, np.empty(0, _PACKED)).reshape(
         (count, rows, _GROUP_WIDTH))
@@ -248,8 +248,8 @@ def _lay_out(w, group, out):
 
 @njit(inline="always")
 def _corrections(packed, p, groups):
-    """Panel p's corrections (VNNI's packing: row ``groups`` as int32)."""
-    at = packed.ctypes.data + (p * packed.shape[1] + groups) * _GROUP_WIDTH
+    """Panel p's corrections (row ``groups``, as int32)."""
+    at = packed.ctypes.data + (p * packed.shape[1] + groups) * _GROUP_WIDTH * packed.itemsize
     return carray(pointer_to(at, np.int32), _WIDTH)
 
 
@@ -305,19 +305,18 @@ def int8_product(q, scale, packed, wscale, out):
     groups = (k + _GROUP - 1) // _GROUP
     assert m == 0 or (wscale.shape[0] == 1 or out.strides[1] == 4) and (
         not _VNNI or q.strides[1] == 1 and q.strides[0] >= 4 * groups)
-    rows = packed.shape[1]  # (groups, and the corrections' row with VNNI)
+    rows = packed.shape[1]  # (groups, and the corrections' row)
     w = packed.reshape(packed.size)
     a = np.empty(min(m, _PANEL_ROWS) * groups, np.int32)
     acc = np.empty(min(m, _PANEL_ROWS) * _WIDTH, np.int32)
-    none = np.zeros(_WIDTH, np.int32)  # (the corrections of pairs)
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         _groups(q, first, last, a, groups)
         for p in range(packed.shape[0]):
             _panel_sums(_rows_block, w, p * rows * _GROUP_WIDTH, _GROUP_WIDTH, a, groups,
                         last - first, acc)
-            _store(acc, first, last, p * _WIDTH, scale, wscale,
-                   _corrections(packed, p, groups) if _VNNI else none, out)
+            _store(acc, first, last, p * _WIDTH, scale, wscale, _corrections(packed, p, groups),
+                   out)
 
 
 @njit(inline="always")
