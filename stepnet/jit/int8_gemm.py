@@ -110,8 +110,9 @@ def _rows_codegen(name, group, sum_type):
         vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
         vsum = ir.VectorType(sum_type, _LANES)
         fused = "pmadd" not in name  # (vpdpbusd, vdpbf16ps: the products added to the sums)
-        rows, w0, a0, stride, groups, acc0 = (context.cast(builder, args[i], signature.args[i],
-                                                           types.int64) for i in (0, 2, 4, 5, 6, 8))
+        rows, w0, a0, stride, groups, acc0, fresh = (context.cast(
+            builder, args[i], signature.args[i], types.int64) for i in (0, 2, 4, 5, 6, 8, 9))
+        fresh = builder.trunc(fresh, ir.IntType(1))
         w = context.make_array(signature.args[1])(context, builder, args[1]).data
         a = context.make_array(signature.args[3])(context, builder, args[3]).data
         a = builder.bitcast(a, i32.as_pointer())
@@ -133,6 +134,7 @@ def _rows_codegen(name, group, sum_type):
             first = [builder.load(builder.bitcast(builder.gep(acc, [ir.Constant(i64, index * _LANES)]),
                                                   vsum.as_pointer()), align=4)
                      for index in range(count * _VECS)]
+            first = [builder.select(fresh, ir.Constant(vsum, None), x) for x in first]
             builder.cbranch(builder.icmp_signed(">", groups, ir.Constant(i64, 0)), loop, tail)
             builder.position_at_end(loop)
             t = builder.phi(i64)
@@ -178,16 +180,16 @@ def _rows_codegen(name, group, sum_type):
 
 
 @intrinsic
-def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0):
+def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0, fresh):
     """acc[acc0:acc0 + rows * _WIDTH] += the sums of ``rows`` rows (1 to
     ``_ROWS``) of ``groups`` groups of activations ``a`` (int32, flat: row
     r's from ``a0 + r * stride``) by as many rows of groups of a panel of
     packed weights ``w`` (flat) from ``w0``: row r's sums of the panel's
-    column c at ``acc[acc0 + r * _WIDTH + c]``; int32 sums of the path's
-    groups, or float32 sums of bfloat16 pairs (``w`` uint16: ``vdpbf16ps``)."""
+    column c at ``acc[acc0 + r * _WIDTH + c]`` (from 0 where ``fresh``); int32
+    sums of the path's groups, or float32 sums of bfloat16 pairs (``vdpbf16ps``)."""
     if not all(isinstance(x, types.Array) for x in (w, a, acc)) or a.dtype != types.int32:
         return None
-    signature = types.void(rows, w, w0, a, a0, stride, groups, acc, acc0)
+    signature = types.void(rows, w, w0, a, a0, stride, groups, acc, acc0, fresh)
     if w.dtype == types.uint16 and acc.dtype == types.float32:
         return signature, _rows_codegen("llvm.x86.avx512bf16.dpbf16ps.512", 2, ir.FloatType())
     if w.dtype == (types.int8 if _VNNI else types.int16) and acc.dtype == types.int32:
@@ -196,8 +198,10 @@ def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0):
 
 
 @njit(inline="always")
-def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0):
+def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0, fresh):
     """``_group_rows`` over pairs as plain loops (any CPU)."""
+    if fresh:
+        acc[acc0:acc0 + rows * _WIDTH] = 0
     for t in range(pairs):
         row = w0 + t * _GROUP_WIDTH
         for r in range(rows):
@@ -221,10 +225,9 @@ def pack_int8(wq):
     _WIDTH p + c])`` with VNNI, else zeros."""
     k, n = wq.shape
     groups = (k + _GROUP - 1) // _GROUP
-    rows = groups + 1
     count = (n + _WIDTH - 1) // _WIDTH
-    out = aligned_empty(count * rows * _GROUP_WIDTH, np.empty(0, _PACKED)).reshape(
-        (count, rows, _GROUP_WIDTH))
+    out = aligned_empty(count * (groups + 1) * _GROUP_WIDTH, np.empty(0, _PACKED)).reshape(
+        (count, groups + 1, _GROUP_WIDTH))
     _lay_out(wq, _GROUP, out)
     for p in range(count if _VNNI else 0):
         correction = _corrections(out, p, groups)
@@ -323,13 +326,12 @@ def int8_product(q, scale, packed, wscale, out):
 def _panel_sums(block_sums, w, w0, width, a, groups, rows, acc):
     """acc[:rows * _WIDTH] = the sums of ``rows`` rows of ``groups`` groups
     ``a`` by a panel of weights (``w`` from ``w0``, ``width`` elements a row)
-    by ``block_sums``, ``_CHUNK`` groups at a time (the chunk stays in the
-    first-level cache while the rows pass), ``_ROWS`` rows at a time."""
-    acc[:] = 0
-    for t0 in range(0, groups, _CHUNK):
+    by ``block_sums``, ``_CHUNK`` groups at a time (the chunk stays in the first-level
+    cache while the rows pass, the first's sums from 0), ``_ROWS`` rows at a time."""
+    for t0 in range(0, max(groups, 1), _CHUNK):  # (no groups: one pass, of zeros)
         for i in range(0, rows, _ROWS):
             block_sums(min(_ROWS, rows - i), w, w0 + t0 * width, a, i * groups + t0, groups,
-                       min(_CHUNK, groups - t0), acc, i * _WIDTH)
+                       min(_CHUNK, groups - t0), acc, i * _WIDTH, t0 == 0)
 
 
 @njit(inline="always")
