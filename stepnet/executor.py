@@ -9,7 +9,9 @@ caller's rows, each GEMM on its own. The executor runs the schedule
 
 - the sequences in groups (one per thread it is given, where the call is
   big enough: ``threads.SPLIT_MIN_WORK``), each on its own thread as the
-  kernels' sequence groups, NumPy's products then on one thread each;
+  kernels' sequence groups, NumPy's products then on one thread each; a
+  lone group shares its products with the helper thread where a kernel's
+  would (``plan.shares``), as the kernels' products do;
 - in a group, the sequences sorted by length and every token laid out by
   steps once (step 0 of every sequence, then step 1, ...), so that a step's
   rows are one slice of each value, never a gather;
@@ -167,6 +169,11 @@ class Executor:
                                for v in (*self.body.step_inputs, *(o for e in self.body.eqns
                                                                    for o in e.outputs))
                                if v.batched] + [1])
+        # the largest weights of a product: whether a lone group shares its
+        # products with the helper (plan.shares)
+        self.largest_weights = max([stage.left.shape[-1] * sum(v.shape[-1] for v in stage.outputs)
+                                    for stage in (*self.whole, *self.step) if stage.kind == "gemm"]
+                                   + [0])
 
     def prepare(self):
         """Have the loops of the elementwise runs compiled (or loaded), in the
@@ -179,7 +186,7 @@ class Executor:
 
     def __call__(self, args, consts, workers=1):
         from .interpreter import numpy_blas_threads
-        from .jit import threads
+        from .jit import plan, threads
 
         outer = dict(zip(self.program.inputs, args))
         outer.update({v: consts[v] for v in self.program.consts})
@@ -212,13 +219,18 @@ class Executor:
             count = 1
         by_length = np.argsort(-lengths, kind="stable")
         groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
+        # (one group shares its products with the helper where a kernel's
+        # would: plan.shares, its sequences never cut)
+        board = threads.board_for_one_group() if count == 1 and self.why_apart is None and \
+            plan.shares(self, int(lengths.sum()), 1, workers) else threads.ALONE
         with numpy_blas_threads(1 if count > 1 else workers):
-            threads.run_each(lambda group: self._group(env, offsets, group, out), groups)
+            threads.run_each(lambda group: self._group(env, offsets, group, out, board), groups)
         return out.results
 
-    def _group(self, shared, offsets, sequences, out):
+    def _group(self, shared, offsets, sequences, out, board):
         """Run the sequences ``sequences`` (the caller's indices) with the
-        call's values ``shared``, writing their rows of the outputs ``out``."""
+        call's values ``shared``, writing their rows of the outputs ``out``
+        (a run in one call sharing its products with the helper on ``board``)."""
         env = dict(shared)
         layout = _Layout(offsets, sequences, self.reverse)
         data = {var: shared[var] for var in self.by_steps}
@@ -245,7 +257,7 @@ class Executor:
                           last, state)
         self.how = "one call" if isinstance(steps, _Steps) else f"step by step: {steps}"
         if isinstance(steps, _Steps):
-            steps.run(layout)
+            steps.run(layout, board)
             out.write(layout, [None] * len(last), last)
         else:
             rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
@@ -617,18 +629,18 @@ class _Steps:
                 return f"{getattr(v, 'name', 'a value')} is not laid out as the loop reads"
         return self
 
-    def run(self, layout):
-        """Run the group's every step (``layout``'s) in one call."""
+    def run(self, layout, board):
+        """Run the group's every step (``layout``'s) in one call, its
+        products shared with the helper on ``board``."""
         loop = _loop(self.dtype)
         entry = loop.overloads[loop.signatures[0]].entry_point
-        from .jit.threads import ALONE
 
         entry(np.array(self.prog, np.int64).reshape(-1, 9),
               np.array(self.code, np.int64).reshape(-1, 5),
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
               registers_of(self.registers, self.width, self.dtype),
-              np.empty(max(self.scratch, 1), self.dtype), ALONE, _small_rows(), layout.perm)
+              np.empty(max(self.scratch, 1), self.dtype), board, _small_rows(), layout.perm)
 
     def _run(self, code, table, width, registers, chunk=0):
         """Add a run: its bytecode reading the table's rows ``table`` (at

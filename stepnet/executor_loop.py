@@ -85,24 +85,23 @@ def _signature(dtype):
 
 
 def _loop_source(dtype):
-    """The module of ``steps_loop(prog, code, table, active, starts,
-    registers, scratch, board, small_rows)``: for each step ``t``
-    (``active[t]`` rows from the token ``starts[t]``) the program ``prog``'s
-    instructions, each a row ``(kind, a, b, c, d, e, chunk, rows, q)``:
-    kind 0 a run of the bytecode ``code[a:b]`` (:class:`_Run`) over rows of
-    ``c`` values, a tile of rows at a time (as many as a register,
-    ``registers.shape[1]`` values, holds: each op one loop over the tile);
-    kind 1 the ``q``-th product, of at most ``rows`` rows of
-    the table's row ``a`` (the left operand, ``d`` columns) by ``b`` (the
-    weights, ``e`` columns) into ``c``, as the kernels' per-step products
+    """The module of ``steps_loop(prog, code, table, active, starts, registers,
+    scratch, board, small_rows, perm)``: at each step ``t`` (``active[t]`` rows
+    from the token ``starts[t]``) the instructions of ``prog``, each a row
+    ``(kind, a, b, c, d, e, chunk, rows, q)``: kind 0 a run of the bytecode
+    ``code[a:b]`` (:class:`_Run`) over rows of ``c`` values, a tile of rows at a
+    time (as many as a register, ``registers.shape[1]`` values, holds: each op
+    one loop over the tile); kind 1 the ``q``-th product, of at most ``rows``
+    rows of the table's row ``a`` (the left operand, ``d`` columns) by ``b``
+    (the weights, ``e`` columns) into ``c``, as the kernels' per-step products
     (``blas.pack`` once a call, ``blas.gemm_packed`` on ``board`` and the
     measured ``small_rows``: the own loop or the chosen BLAS); with a
-    ``chunk``, a hoisted stage's, only at every ``chunk``-th step, over the
-    rows of the steps to the next. ``table`` holds each operand's and
-    result's address, row stride, whether a row holds ``width`` values
-    (else one, broadcast), and the stride by which a step's first token
-    moves its first row (-1: the rows are at the caller's, ``perm[token]``);
-    ``scratch`` holds a left operand whose rows are apart."""
+    ``chunk``, a hoisted stage's (``blas.gemm_hoisted``, as the kernels'
+    chunks), every ``chunk``-th step over the rows of the steps to the next.
+    ``table`` holds each operand's and result's address, row stride, whether a
+    row holds ``width`` values (else one, broadcast), and the stride by which a
+    step's first token moves its first row (-1: rows at the caller's,
+    ``perm[token]``); ``scratch`` holds a left operand whose rows are apart."""
     dt = f"np.{np.dtype(dtype).name}"
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
              "               small_rows, perm):",
@@ -123,7 +122,8 @@ def _loop_source(dtype):
              "                end = min(t + chunk, steps) - 1",
              "                rows = starts[end] + active[end] - lo",
              "            if prog[p, 0] == 1:",
-             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm)",
+             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm,",
+             "                        small_rows, board)",
              "                continue",
              "            width = prog[p, 3]",
              "            tile = max(1, registers.shape[1] // width)  # rows a register holds",
@@ -131,7 +131,7 @@ def _loop_source(dtype):
              "                n = min(tile, rows - i0)",
              "                for c in range(prog[p, 1], prog[p, 2]):",
              "                    op = code[c, 0]",
-             "                    r = registers[code[c, 1]]",
+             "                    r = register(registers, code[c, 1])",
              "                    if op == 0:  # an operand's rows",
              "                        x = code[c, 2]",
              "                        for i in range(n):",
@@ -156,13 +156,13 @@ def _loop_source(dtype):
     for k, name in enumerate(LOOP_OPS):
         inputs = registry.get(name).num_inputs
         lines += [f"                    elif op == {2 + k}:  # {name}",
-                  "                        a = registers[code[c, 2]]"]
+                  "                        a = register(registers, code[c, 2])"]
         if inputs > 1:
-            lines.append("                        b = registers[code[c, 3]]")
+            lines.append("                        b = register(registers, code[c, 3])")
         lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
-                       imports=["from stepnet.jit.blas import gemm_packed, pack",
+                       imports=["from stepnet.jit.blas import gemm_hoisted, gemm_packed, pack",
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
 
@@ -172,7 +172,7 @@ def _product_source(dt):
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
-            "def product(p, table, rows, lo, scratch, prepared, perm):",
+            "def product(p, table, rows, lo, scratch, prepared, perm, small_rows, board):",
             "    left, k, n = p[1], p[4], p[5]",
             "    if rows == 0:",
             "        return",
@@ -185,7 +185,18 @@ def _product_source(dt):
             "            for j in range(k):",
             "                scratch[i * k + j] = src[j]",
             "        a = scratch[:rows * k].reshape((rows, k))",
-            "    gemm_packed(a, prepared, out)",
+            "    if p[6] > 0:  # (a hoisted stage's chunk: as the kernels' chunks)",
+            "        gemm_hoisted(a, prepared[1], out, small_rows, board)",
+            "    else:",
+            "        gemm_packed(a, prepared, out)",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def register(registers, i):",
+            "    # (a view with no reference count: taking one per op is an atomic",
+            "    # increment and decrement each, a share of a one-row op's time)",
+            "    return carray(pointer_to(registers.ctypes.data + i * registers.strides[0],",
+            "                             registers.dtype), registers.shape[1])",
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
