@@ -19,6 +19,15 @@ from stepnet.onnx.fusion import FusedNode  # noqa: E402
 _ELEM = {np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE}
 
 
+@pytest.fixture(autouse=True)
+def _node_by_node(monkeypatch):
+    """These tests are of the fused loops of a plan run node by node: no
+    plan is compiled into one call (tests/test_onnx_lowering.py)."""
+    from stepnet.onnx import graph
+
+    monkeypatch.setattr(graph, "lower", lambda *args: None)
+
+
 def _spectrum_model(dtype=np.float32):
     """x [B, 2C, T] -> channels last, halves re and im, then
     ``m = sqrt(re * re + im * im + eps)``, ``y = sigmoid(m * scale) - 0.5``

@@ -142,10 +142,12 @@ def test_exported_model_matches_onnxruntime(models, name):
 def test_exported_model_with_every_elementwise_run_fused_matches_onnxruntime(models, name,
                                                                              monkeypatch):
     """Runs of elementwise nodes run fused from a key's second call
-    (stepnet/onnx/fusion.py); here at any size, so the small test shapes fuse too."""
-    from stepnet.onnx import fusion
+    (stepnet/onnx/fusion.py); here at any size, so the small test shapes fuse
+    too, and node by node (no plan compiled into one call)."""
+    from stepnet.onnx import fusion, graph
 
     monkeypatch.setattr(fusion, "MIN_SIZE", 1)
+    monkeypatch.setattr(graph, "lower", lambda *args: None)
     ex = models.BUILDERS[name]()
     session = InferenceSession(ex.model)
     feeds = ex.feeds(**SHAPES.get(name, [{"batch": 3}])[0])
@@ -157,6 +159,28 @@ def test_exported_model_with_every_elementwise_run_fused_matches_onnxruntime(mod
              if isinstance(node, fusion.FusedNode)]
     if name == "vad":
         assert "Mul+Mul+Add+Add+Sqrt" in fused, fused
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES) + ["vad", "stream_gru"])
+def test_exported_model_compiled_into_one_call_matches_onnxruntime(models, name):
+    """Where a key's whole plan lowers (stepnet/onnx/lowering.py), its one
+    compiled call answers (made ready whichever was faster) and matches
+    onnxruntime as the nodes do; the speech model's, the VAD's and the stream GRU's
+    plans lower."""
+    from stepnet.onnx.lowering import GraphNode
+
+    ex = models.BUILDERS[name]()
+    session = InferenceSession(ex.model)
+    feeds = ex.feeds(**SHAPES.get(name, [{"batch": 3}])[0])
+    for _ in range(3):
+        session.run(None, feeds)
+    lowered = [node for plan in session.graph.fused.values() for node in plan
+               if isinstance(node, GraphNode)]
+    for node in lowered:
+        assert node.state in ("timing", "ready", "slower")
+        node.state = "ready"
+    _check_against(session.run(None, feeds), _ort(ex.model, feeds), f"{name}, one call")
+    assert bool(lowered) == (name in ("speech", "vad", "stream_gru")), [n.op for n in lowered]
 
 
 def test_exported_models_hold_the_architectures(models):

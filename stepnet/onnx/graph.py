@@ -4,8 +4,10 @@
 ``Scan``'s body: made once (its nodes checked, those that compute only from
 constants computed then), run on each call (``Graph.run``) node by node, the
 values a run's key decides taken from a memo (:mod:`stepnet.onnx.static`)
-and, on the Numba backend, runs of elementwise nodes fused into compiled
-loops (:mod:`stepnet.onnx.fusion`). ``Node`` is one node: an op run by its
+and, on the Numba backend, the key's whole plan compiled into one call where
+its every node lowers (:mod:`stepnet.onnx.lowering`), else its runs of
+elementwise nodes fused into compiled loops (:mod:`stepnet.onnx.fusion`).
+``Node`` is one node: an op run by its
 table entry (:mod:`stepnet.onnx.ops`) or the ONNX project's reference
 implementation, a recurrent node (:mod:`stepnet.onnx.recurrent`,
 :mod:`stepnet.onnx.scan`), ``If`` and ``Loop`` (run here, their branches and
@@ -25,6 +27,7 @@ from . import tensors
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
 from . import quantized  # noqa: F401  (registers the integer ops in OPS)
 from .fusion import fuse
+from .lowering import lower, pending as lowering_pending
 from .gradient import GradientNode
 from .ops import OPS, UNKNOWN, NodeContext, OnnxOp, is_step
 from .recurrent import RecurrentNode
@@ -389,12 +392,19 @@ class Graph:
         return env
 
     def _fuse(self, key, plan, env):
-        """Remember ``plan`` with its runs of elementwise nodes fused
-        (:mod:`stepnet.onnx.fusion`) for the runs of ``key``, from the values
-        of a run of it (``env``)."""
+        """Remember ``plan`` for the runs of ``key``, from the values of a run
+        of it (``env``): compiled into one call where every node lowers
+        (:mod:`stepnet.onnx.lowering`), else with its runs of elementwise
+        nodes fused (:mod:`stepnet.onnx.fusion`)."""
+        if lowering_pending(plan):  # (its recurrent nodes' kernels compile: a later run)
+            return
         if len(self.fused) >= 16:
             self.fused.clear()
-        self.fused[key] = fuse(plan, env, self.output_names)
+        fused = fuse(plan, env, self.output_names)
+        memo = self.memo.get(key)
+        fixed = set(self.run_constants) | (set(memo[0]) if memo is not None else set())
+        whole = lower(plan, fused, env, self.output_names, fixed)
+        self.fused[key] = fused if whole is None else [whole]
 
     def _key_plan(self, known):
         """The nodes a run with the memoized values ``known`` computes: each

@@ -21,7 +21,8 @@ then, once.
   project's reference implementation (:mod:`stepnet.onnx.reference`); on
   the Numba backend, once a call with the same input shapes has run them
   node by node, runs of elementwise nodes as one compiled loop each
-  (:mod:`stepnet.onnx.fusion`).
+  (:mod:`stepnet.onnx.fusion`), or, where every node of that call's plan
+  lowers, the whole plan as one compiled call (:mod:`stepnet.onnx.lowering`).
 
 float16 is computed in float32 and given back as float16 (docs/design.md §4): per
 node, the outputs typed like a float16 input are rounded to float16.

@@ -1,0 +1,572 @@
+"""A key's whole plan compiled into one function: a streaming call of a
+small model (a voice-activity detector's chunk of audio) then costs what its
+arithmetic costs, not a NumPy call and a Python dispatch for each node.
+
+After a key's first runs (``Graph.run``), :func:`lower` writes the key's
+plan as the body of one Numba function, ``graph``, from the values a run of
+it made (their shapes and dtypes are the key's, so every shape in it is a
+constant):
+
+- each run of elementwise nodes (those :mod:`stepnet.onnx.fusion` fuses):
+  one loop nest, each op's code as in a step;
+- Slice (its starts, ends, axes and steps constants for the key), Squeeze,
+  Unsqueeze, Reshape, Flatten (by the shape the run gave), Transpose,
+  Concat, Identity, an ``If`` whose branch the key decides, and a Cast
+  between float types: views, reshapes and copies;
+- Pad (constant, reflect or edge, its pads constants), a 1-D Conv of one
+  group (its windows copied into rows, then one product), MatMul by a 2-D
+  matrix, ReduceMean and ReduceSum (their loops: :mod:`stepnet.onnx.lowered`);
+- GRU, LSTM and RNN nodes of one direction, no ``sequence_lens``, weights
+  that are constants: the step-net's kernel, called as its prepared call
+  calls it (:mod:`stepnet.jit.prepared`), X's rows read by steps.
+
+A plan with any other node, a value of no dimensions or of another dtype
+than float32 or float64, is not lowered: its nodes run as before. The
+function compiles in the compile worker (``loading.tiered``) while the nodes
+run; at its first call its outputs are compared with the nodes' on the same
+inputs (where they disagree, the nodes run from then on, with a
+RuntimeWarning), then calls alternate between the two, timed, and the faster
+answers from then on (``GraphNode._check``). Not under
+``STEPNET_DETERMINISTIC=1`` (as :func:`stepnet.onnx.fusion.fuse`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+from numba import typeof, types
+
+from .fusion import _PRIMITIVES, _fusable
+
+_RESHAPES = {"Squeeze", "Unsqueeze", "Reshape", "Flatten"}
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_LOCK = threading.Lock()
+_TIMINGS = 8  # the calls of the nodes and of the graph timed in turn after the first
+_LAYERS = ("GRU", "LSTM", "RNN")
+
+
+class _Refused(Exception):
+    """A value the compiled graph cannot take (not an array)."""
+
+
+class _Writer:
+    """The source of ``graph`` as it is written: its arguments (values of the
+    call by name, or arrays made here), its module's lines and its body's."""
+
+    def __init__(self, env, fixed):
+        self.env, self.fixed = env, fixed
+        self.var = {}  # value name -> its variable in graph
+        self.args = []  # ("env", name), ("array", an array or a tuple), ("board", ...)
+        self.head, self.body, self.temps = [], [], 0
+
+    def ref(self, name):
+        """The variable holding value ``name``: an argument where no node of
+        the plan made it (an array)."""
+        if name not in self.var:
+            if type(self.env.get(name)) is not np.ndarray:
+                raise _Refused(name)
+            self.var[name] = f"a{len(self.args)}"
+            self.args.append(("env", name))
+        return self.var[name]
+
+    def array(self, value):
+        """An argument holding ``value``, an array made once for the key."""
+        self.args.append(("array", value))
+        return f"a{len(self.args) - 1}"
+
+    def made(self, name):
+        """A new variable for value ``name``, made by the current node."""
+        self.var[name] = f"v{len(self.var)}"
+        return self.var[name]
+
+    def global_(self, line_of):
+        """A global of the module (``line_of(name)`` its line): its name."""
+        self.head.append(line_of(f"g{len(self.head)}"))
+        return f"g{len(self.head) - 1}"
+
+
+def pending(plan):
+    """Whether a GRU, LSTM or RNN node of ``plan`` has no streaming call
+    yet because a direction's kernel has not answered (it compiles): the
+    plan is then lowered at a later run, once that call is prepared."""
+    return any(node.kind == "recurrent" and node.op in _LAYERS
+               and getattr(node.impl, "_streaming", None) is None
+               and not all(run.tried for run in node.impl.compiled.values())
+               for node in plan)
+
+
+def lower(plan, nodes, env, keep, fixed):
+    """A :class:`GraphNode` computing ``plan`` (the key's plan, ``env`` the
+    values of a run of it, ``keep`` the names read after it, ``fixed`` the
+    names whose values are the same at every run of the key; ``nodes``
+    what runs while it compiles: the plan fused), or None where a node is
+    not one it lowers."""
+    from ..jit import blas
+
+    if blas.DETERMINISTIC or not plan:
+        return None
+    try:
+        return _lower(plan, nodes, env, keep, fixed)
+    except _Refused:
+        return None
+
+
+def _lower(plan, nodes, env, keep, fixed):
+    w = _Writer(env, fixed)
+    read_after = [set(keep)]
+    for node in reversed(plan):
+        read_after.append(read_after[-1] | {n for n in (*node.inputs, *node.captures) if n})
+    read_after.reverse()
+    i = 0
+    while i < len(plan):
+        node = plan[i]
+        kind = _fusable(node, env)
+        if kind is not None:  # a run of elementwise nodes: one fused loop
+            j = i + 1
+            while j < len(plan) and _fusable(plan[j], env) == kind:
+                j += 1
+            _elementwise(w, plan[i:j], read_after[j])
+            i = j
+            continue
+        for name in node.outputs:
+            value = env.get(name)
+            if name and (type(value) is not np.ndarray or value.dtype not in _FLOATS
+                         or value.ndim == 0):
+                return None
+        if not _LOWER.get(node.op if node.kind in ("op", "copy", "recurrent") else None,
+                          lambda *a: False)(w, node):
+            return None
+        i += 1
+    made = {name for node in plan for name in node.outputs if name}
+    outputs = [name for name in keep if name in made]
+    return GraphNode(nodes, w, outputs) if outputs else None
+
+
+def _elementwise(w, nodes, read_after):
+    """A run of elementwise nodes (one dtype and shape: ``_fusable``) as one
+    loop nest over the output, each op's code as in a step
+    (``cpu_emit.op_code``), an input broadcast where its axis is 1; only
+    the values read after the run stored."""
+    from ..jit.cpu_emit import op_code
+
+    out = w.env[nodes[0].outputs[0]]
+    shape, dt = out.shape, out.dtype
+    index = [f"i{k}" for k in range(len(shape))]
+    scalars, loop = {}, []
+    for node in nodes:
+        args = []
+        for name in node.args:
+            if name not in scalars:
+                x, src = w.env[name], w.ref(name)
+                at = [index[len(shape) - x.ndim + a] if n != 1 else "0" for a, n in enumerate(x.shape)]
+                scalars[name] = f"{src}[{', '.join(at)}]" if at else f"{src}[()]"
+            args.append(scalars[name])
+        t = f"t{w.temps}"
+        w.temps += 1
+        loop.append(f"{t} = {op_code(_PRIMITIVES[node.op].name, args, dt)}")
+        scalars[node.outputs[0]] = t
+    for node in nodes:
+        name = node.outputs[0]
+        if name in read_after:
+            y = w.made(name)
+            w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")
+            loop.append(f"{y}[{', '.join(index)}] = {scalars[name]}")
+    for depth, (i, n) in enumerate(zip(index, shape)):
+        w.body.append(f"{'    ' * (depth + 1)}for {i} in range({n}):")
+    w.body += [f"{'    ' * (len(shape) + 1)}{line}" for line in loop]
+
+
+def _known(w, name):
+    """The value of ``name`` where the key fixes it, else None."""
+    return w.env.get(name) if name and name in w.fixed else None
+
+
+def _slice(w, node):
+    x = w.env[node.inputs[0]]
+    parts = [_known(w, n) for n in node.inputs[1:5]] + [None] * (5 - len(node.inputs))
+    if node.attrs or parts[0] is None or parts[1] is None or any(
+            n and p is None for n, p in zip(node.inputs[3:5], parts[2:4])):
+        return False
+    starts, ends = np.asarray(parts[0]).tolist(), np.asarray(parts[1]).tolist()
+    axes = list(range(len(starts))) if parts[2] is None else np.asarray(parts[2]).tolist()
+    steps = [1] * len(starts) if parts[3] is None else np.asarray(parts[3]).tolist()
+    index = [":"] * x.ndim
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = a + x.ndim if a < 0 else a
+        lo, hi, step = slice(s, e, st).indices(x.shape[a])
+        index[a] = f"{lo}:{hi if hi >= 0 else ''}:{step}"
+    text = ", ".join(index)
+    if not np.array_equal(eval(f"x[{text}]", {"x": x}), w.env[node.outputs[0]], equal_nan=True):
+        return False
+    src = w.ref(node.inputs[0])
+    w.body.append(f"    {w.made(node.outputs[0])} = {src}[{text}]")
+    return True
+
+
+def _reshape(w, node):
+    shape = w.env[node.outputs[0]].shape
+    src = w.ref(node.inputs[0])
+    w.body.append(f"    {w.made(node.outputs[0])} = np.ascontiguousarray({src}).reshape({shape})")
+    return True
+
+
+def _transpose(w, node):
+    x = w.env[node.inputs[0]]
+    perm = tuple(node.attrs.get("perm", range(x.ndim - 1, -1, -1)))
+    if x.transpose(perm).shape != w.env[node.outputs[0]].shape:
+        return False
+    src = w.ref(node.inputs[0])
+    w.body.append(f"    {w.made(node.outputs[0])} = np.transpose({src}, {perm})")
+    return True
+
+
+def _concat(w, node):
+    out = w.env[node.outputs[0]]
+    axis = node.attrs.get("axis", 0)
+    axis = axis + out.ndim if axis < 0 else axis
+    parts = [w.ref(n) for n in node.inputs if n]
+    y = w.made(node.outputs[0])
+    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
+    at = 0
+    for name, part in zip([n for n in node.inputs if n], parts):
+        size = w.env[name].shape[axis]
+        index = ", ".join([":"] * axis + [f"{at}:{at + size}"])
+        w.body.append(f"    {y}[{index}] = {part}")
+        at += size
+    return at == out.shape[axis]
+
+
+def _alias(w, node):
+    w.var[node.outputs[0]] = w.ref(node.inputs[0])
+    return True
+
+
+def _cast(w, node):
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    if x.dtype not in _FLOATS:
+        return False
+    if x.dtype == out.dtype:
+        return _alias(w, node)
+    src = w.ref(node.inputs[0])
+    w.body.append(f"    {w.made(node.outputs[0])} = {src}.astype(np.{out.dtype.name})")
+    return True
+
+
+def _pad(w, node):
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    mode = node.attrs.get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    pads = _known(w, node.inputs[1]) if len(node.inputs) > 1 else None
+    value = _known(w, node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else 0
+    if (pads is None or value is None or len(node.inputs) > 3 and node.inputs[3]
+            or mode not in ("constant", "reflect", "edge")):
+        return False
+    pads = np.asarray(pads).tolist()
+    nd = x.ndim
+    begin, end = pads[:nd], pads[nd:]
+    if (len(pads) != 2 * nd or min(pads) < 0
+            or tuple(n + b + e for n, b, e in zip(x.shape, begin, end)) != out.shape
+            or mode == "reflect" and any(b >= n or e >= n for n, b, e in zip(x.shape, begin, end))
+            or mode == "edge" and x.size == 0):
+        return False
+    src, y, dt = w.ref(node.inputs[0]), w.made(node.outputs[0]), f"np.{out.dtype.name}"
+    fill = float(np.asarray(value).reshape(-1)[0]) if np.size(value) else 0.0
+    w.body.append(f"    {y} = np.full({out.shape}, {fill!r}, {dt})" if mode == "constant"
+                  else f"    {y} = np.empty({out.shape}, {dt})")
+    inner = ", ".join(f"{b}:{b + n}" for b, n in zip(begin, x.shape))
+    w.body.append(f"    {y}[{inner}] = {src}")
+
+    def at(axis, index):
+        return ", ".join([":"] * axis + [index])
+
+    for a, (n, b, e) in enumerate(zip(x.shape, begin, end)):
+        if mode == "constant" or b + e == 0:
+            continue
+        first, last = (f"{b} + 1 + i", f"{b + n} - 2 - i") if mode == "reflect" else (f"{b}", f"{b + n - 1}")
+        w.body += [f"    for i in range({b}):", f"        {y}[{at(a, f'{b} - 1 - i')}] = {y}[{at(a, first)}]",
+                   f"    for i in range({e}):", f"        {y}[{at(a, f'{b + n} + i')}] = {y}[{at(a, last)}]"]
+    return True
+
+
+def _conv(w, node):
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    weight = _known(w, node.inputs[1])
+    bias = _known(w, node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+    a = node.attrs
+    auto_pad = a.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if (weight is None or x.ndim != 3 or weight.ndim != 3 or a.get("group", 1) != 1
+            or auto_pad not in ("NOTSET", "VALID") or weight.dtype != x.dtype
+            or list(a.get("kernel_shape") or weight.shape[2:]) != list(weight.shape[2:])
+            or len(node.inputs) > 2 and node.inputs[2] and bias is None):
+        return False
+    M, C, K = weight.shape
+    stride = int((a.get("strides") or [1])[0])
+    dilation = int((a.get("dilations") or [1])[0])
+    pads = [0, 0] if auto_pad == "VALID" else list(a.get("pads") or [0, 0])
+    out_len = (x.shape[2] + pads[0] + pads[1] - (K - 1) * dilation - 1) // stride + 1
+    if C != x.shape[1] or out.shape != (x.shape[0], M, out_len):
+        return False
+    w2 = w.array(np.ascontiguousarray(weight.reshape(M, C * K).T))
+    b = w.array(np.zeros(M, x.dtype) if bias is None else np.ascontiguousarray(bias, x.dtype))
+    src = w.ref(node.inputs[0])
+    w.body.append(f"    {w.made(node.outputs[0])} = conv1d({src}, {w2}, {b}, {K}, {stride}, "
+                  f"{dilation}, {int(pads[0])}, {out_len})")
+    return True
+
+
+def _matmul(w, node):
+    x, b, out = (w.env[n] for n in (*node.inputs[:2], node.outputs[0]))
+    if b.ndim != 2 or x.ndim < 2 or x.dtype != b.dtype:
+        return False
+    rows = int(np.prod(x.shape[:-1]))
+    src, right, y = w.ref(node.inputs[0]), w.ref(node.inputs[1]), w.made(node.outputs[0])
+    w.body += [f"    {y} = np.empty(({rows}, {b.shape[1]}), np.{out.dtype.name})",
+               f"    gemm(np.ascontiguousarray({src}).reshape(({rows}, {x.shape[-1]})), "
+               f"np.ascontiguousarray({right}), {y})",
+               f"    {y} = {y}.reshape({out.shape})"]
+    return True
+
+
+def _reduce(w, node):
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1]:
+        axes = _known(w, node.inputs[1])
+        if axes is None:
+            return False
+        axes = np.asarray(axes).tolist()
+    if axes is None or len(axes) == 0:
+        if node.attrs.get("noop_with_empty_axes"):
+            return False
+        axes = list(range(x.ndim))
+    axes = sorted({a + x.ndim if a < 0 else a for a in axes})
+    kept = [a for a in range(x.ndim) if a not in axes]
+    inner = int(np.prod([x.shape[a] for a in axes]))
+    if inner == 0:
+        return False
+    src = w.ref(node.inputs[0])
+    moved = src if kept + axes == list(range(x.ndim)) else f"np.transpose({src}, {tuple(kept + axes)})"
+    w.body.append(f"    {w.made(node.outputs[0])} = reduce_rows(np.ascontiguousarray({moved}).reshape("
+                  f"({x.size // inner}, {inner})), {node.op == 'ReduceMean'}).reshape({out.shape})")
+    return True
+
+
+def _recurrent(w, node):
+    impl, ins = node.impl, node.inputs
+    streaming = getattr(impl, "_streaming", None)
+    if (streaming is None or impl.layout or impl.quantized
+            or len(streaming[1]) != 1 or node.op not in _LAYERS
+            or len(ins) > 4 and ins[4] or len(ins) > 7 and ins[7]
+            or any(n and n not in w.fixed for n in ins[1:4]) or impl.weights is None
+            or any(n and w.env[n] is not kept for n, kept in zip(ins[1:4], impl.weights[:3]))):
+        return False
+    kernel, sizes = streaming[1][0], streaming[2]
+    X = w.env[ins[0]]
+    if X.ndim != 3 or X.dtype != kernel.dtype:
+        return False
+    T, B, I = X.shape
+    if kernel.features != I or kernel._splits(np.empty((T * B, 0)), np.empty(B + 1)):
+        return False
+    H = impl.layer.hidden_size
+    module = w.global_(lambda g: f"{g} = generated({kernel.program.module.__name__[15:]!r})")
+    dt = f"np.{kernel.dtype.name}"
+    consts = w.array(tuple(kernel.const_args))
+    offsets = w.array(np.arange(0, (B + 1) * T, T, dtype=np.int64))
+    w.args.append(("board", (kernel, T * B, B)))
+    board = f"a{len(w.args) - 1}"
+    data = f"as_read_only(np.ascontiguousarray({w.ref(ins[0])}).reshape(({T * B}, {I})))"
+    states = []
+    for s, size in enumerate(sizes):
+        name = ins[5 + s] if len(ins) > 5 + s else ""
+        if name and w.env[name].shape != (1, B, size):
+            return False
+        states.append(f"as_read_only(np.ascontiguousarray({w.ref(name)}).reshape(({B}, {size})))"
+                      if name else f"as_read_only(np.zeros(({B}, {size}), {dt}))")
+    y, last = w.made(f"{node.outputs[0]} rows"), [w.made(f"{n} last{s}") for s, n in
+                                                  enumerate(node.outputs[1:1 + len(sizes)])]
+    w.body.append(f"    {y} = np.empty(({T * B}, {H}), {dt})")
+    w.body += [f"    {v} = np.empty(({B}, {size}), {dt})" for v, size in zip(last, sizes)]
+    w.body.append(f"    {module}.program(*{consts}, {board}, np.int64({B}), {data}, "
+                  f"as_read_only({offsets}), {', '.join(states + [y] + last)})")
+    if node.outputs[0]:
+        w.body.append(f"    {w.made(node.outputs[0])} = {y}.reshape(({T}, 1, {B}, {H}))")
+    for name, v, size in zip(node.outputs[1:], last, sizes):
+        if name:
+            w.body.append(f"    {w.made(name)} = {v}.reshape((1, {B}, {size}))")
+    return True
+
+
+_LOWER = {"Slice": _slice, "Transpose": _transpose, "Concat": _concat, "Identity": _alias,
+          "If": _alias, "Cast": _cast, "Pad": _pad, "Conv": _conv, "MatMul": _matmul,
+          "ReduceMean": _reduce, "ReduceSum": _reduce, "GRU": _recurrent, "LSTM": _recurrent,
+          "RNN": _recurrent, **dict.fromkeys(_RESHAPES, _reshape)}
+
+
+class GraphNode:
+    """A key's plan run by one compiled call (``graph``); its nodes
+    (``nodes``: the plan with its elementwise runs fused) run while it
+    compiles, at its first call, and from then on where the call disagreed
+    with them or was not the faster (``_check``)."""
+
+    kind, fast, captures = "graph", None, []
+
+    def __init__(self, nodes, writer, outputs):
+        from ..jit import loading
+        from ..jit.cpu_emit import runtime_imports
+
+        self.nodes, self.outputs = nodes, outputs
+        self.op, self.ctx = "graph", nodes[0].ctx
+        self.inputs = [spec[1] for spec in writer.args if spec[0] == "env"]
+        self._args = writer.args
+        sample = [self._value(spec, writer.env) for spec in writer.args]
+        params = ", ".join(f"a{k}" for k in range(len(writer.args)))
+        body = [f"def graph({params}):", "    ok = True", *writer.body,
+                f"    return (ok, {', '.join(writer.var[n] for n in outputs)},)"]
+        floats = sorted({a.dtype.name for a in sample if isinstance(a, np.ndarray)
+                         and a.dtype in _FLOATS})
+        source = "\n".join([
+            "# generated by stepnet: do not edit", "import numpy as np", "from numba import njit",
+            "from stepnet.jit.atomics import as_read_only", *runtime_imports(),
+            "from stepnet.jit.blas import gemm",
+            "from stepnet.onnx.lowered import conv1d, generated, reduce_rows",
+            f"SMALL_GEMM_DTYPES = {tuple(floats)!r}  # (the kernels' product loops, linked)",
+            *writer.head, "", "", "@njit(cache=True, error_model='numpy', nogil=True)", *body, ""])
+        self.source = source
+        self._signature = tuple(self._type(spec, value) for spec, value in zip(writer.args, sample))
+        self._module = module = loading.load_source(source)
+        self._key = key = loading.kernel_key(source)
+        # "compiling" -> "checking" (its first call) -> "timing" (calls
+        # alternate) -> "ready", or "refused" (it disagreed, or did not
+        # compile) or "slower" (the nodes run)
+        self.entry, self.state = None, "compiling"
+        self._answered = threading.Event()
+        if loading.tiered() and not loading.ready_marker(key).exists():
+            try:
+                loading.compile_worker().submit(SimpleNamespace(key=key, module=module),
+                                                self._signature, lambda error: self._answered.set(),
+                                                function="graph")
+            except OSError:  # no worker: compiled at the next call
+                self._answered.set()
+        else:
+            self._answered.set()
+
+    @staticmethod
+    def _value(spec, env):
+        kind, what = spec
+        if kind == "env":
+            return env[what]
+        if kind == "board":
+            from ..jit import threads
+
+            return threads.ALONE
+        return what
+
+    @staticmethod
+    def _type(spec, value):
+        if spec[0] == "env":  # (any layout, read only: the call's values are checked, not copied)
+            return types.Array(typeof(value).dtype, value.ndim, "A", readonly=True)
+        return typeof(value)
+
+    def run(self, graph, env, backend, *args, **kwargs):
+        if self.state in ("ready", "timing"):
+            ours = self.state == "ready" or len(self._times[1]) < len(self._times[0])
+            start = time.perf_counter()
+            if not (ours and self._call(env)):
+                ours = False
+                for node in self.nodes:
+                    node.run(graph, env, backend)
+            if self.state == "timing":
+                self._timed(ours, time.perf_counter() - start)
+            return
+        if self.state == "compiling" and self._answered.is_set() and self._compile():
+            self._check(graph, env, backend)
+            return
+        for node in self.nodes:
+            node.run(graph, env, backend)
+
+    def _call(self, env):
+        """The compiled call on ``env``'s values, its outputs put there;
+        whether it ran (False: a value not of the type it was compiled for)."""
+        values = self._call_values(env)
+        if values is None:
+            return False
+        result = self.entry(*values)
+        if result[0]:
+            env.update(zip(self.outputs, result[1:]))
+        return bool(result[0])
+
+    def _timed(self, ours, seconds):
+        """A call of the timing's (the graph's where ``ours``, else the
+        nodes'): once each has ``_TIMINGS``, the faster answers from then on."""
+        self._times[int(ours)].append(seconds)
+        nodes, graph = self._times
+        if len(nodes) >= _TIMINGS and len(graph) >= _TIMINGS:
+            self.state = "ready" if min(graph) < min(nodes) else "slower"
+
+    def _call_values(self, env):
+        """The arguments of a call from ``env``, or None where a value is not
+        of the type ``graph`` was compiled for."""
+        values = []
+        for spec, kind in zip(self._args, self._signature):
+            if spec[0] == "env":
+                x = env[spec[1]]
+                if (type(x) is not np.ndarray or x.ndim != kind.ndim or not x.flags.aligned
+                        or x.dtype != self._dtypes[len(values)]):
+                    return None
+                values.append(x)
+            elif spec[0] == "board":
+                kernel, rows, sequences = spec[1]
+                values.append(kernel.program.board(rows, sequences))
+            else:
+                values.append(spec[1])
+        return values
+
+    def _compile(self):
+        from ..jit import loading
+
+        with _LOCK:
+            if self.entry is not None:
+                return True
+            try:
+                loading.link_helpers(self._module)
+                function = self._module.graph
+                function.compile(self._signature)
+            except Exception as exc:  # noqa: BLE001  (Numba's errors have no common base)
+                self.state = "refused"
+                warnings.warn(f"stepnet: the compiled graph of the nodes from {self.ctx.node!r} did "
+                              f"not compile ({type(exc).__name__}: {exc}); they run one by one",
+                              RuntimeWarning, stacklevel=3)
+                return False
+            loading.mark_ready(self._key)
+            self._dtypes = [np.dtype(str(t.dtype)) if isinstance(t, types.Array) else None
+                            for t in self._signature]
+            self.entry = function.overloads[function.signatures[0]].entry_point
+            self.state = "checking"
+        return True
+
+    def _check(self, graph, env, backend):
+        """The first call: the nodes, and the compiled graph on the same
+        inputs, compared (the nodes' outputs are the call's). Where they
+        agree, the next calls alternate between the two, timed
+        (``_timed``): the graph answers from then on where it was the faster
+        (one call saves the nodes' dispatch, which a large batch's work
+        hides, where NumPy's and the fused loops' vectorized arrays win)."""
+        values = self._call_values(env)
+        for node in self.nodes:
+            node.run(graph, env, backend)
+        result = self.entry(*values) if values is not None else (False,)
+        agree = bool(result[0]) and all(
+            type(env[n]) is np.ndarray and ours.shape == env[n].shape
+            and np.allclose(ours, env[n], rtol=1e-4, atol=1e-5, equal_nan=True)
+            for n, ours in zip(self.outputs, result[1:]))
+        if not agree:
+            self.state = "refused"
+            warnings.warn(f"stepnet: the compiled graph of the nodes from {self.ctx.node!r} "
+                          "disagreed with them; they run one by one", RuntimeWarning, stacklevel=3)
+            return
+        self._times, self.state = ([], []), "timing"

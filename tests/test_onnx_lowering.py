@@ -1,0 +1,181 @@
+"""A key's whole plan compiled into one call (stepnet/onnx/lowering.py):
+the streaming models of tests/onnx_models.py chunk after chunk, special
+values, layouts and batches the first call did not see, and the plans it
+leaves to the nodes; every result against the same session run node by
+node."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+import onnx_models  # noqa: E402
+from stepnet.onnx import InferenceSession, graph as graph_module, lowering  # noqa: E402
+from stepnet.onnx.lowering import GraphNode  # noqa: E402
+
+
+def _graph_nodes(session):
+    return [node for plan in session.graph.fused.values() for node in plan
+            if isinstance(node, GraphNode)]
+
+
+def _node_by_node(model, monkeypatch):
+    """A session of ``model`` whose plans are never compiled into one call
+    (for the rest of the test)."""
+    monkeypatch.setattr(graph_module, "lower", lambda *args: None)
+    return InferenceSession(model)
+
+
+def _stream(session, name, chunks, feeds=None):
+    """The outputs of a call on each of ``chunks`` of a streaming model, its
+    state carried (from ``feeds``, the last call's, where given), and the
+    feeds of the next call."""
+    state_in, state_out = {"vad": ("state", 1), "stream_gru": ("h", 1)}[name]
+    feeds, outs = dict(feeds or chunks[0]), []
+    for chunk in chunks:
+        feeds.update({k: v for k, v in chunk.items() if k != state_in})
+        got = session.run(None, feeds)
+        outs.append(got)
+        feeds[state_in] = got[state_out]
+    return outs, feeds
+
+
+def _close(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["vad", "stream_gru"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_streaming_model_runs_as_one_compiled_call(name, batch, monkeypatch):
+    ex = onnx_models.BUILDERS[name]()
+    chunks = [ex.feeds(batch=batch, seed=i) for i in range(6)]
+    session = InferenceSession(ex.model)
+    # (the first call makes the key's memo, the second its plan lowered, the
+    # third compiles it and checks it against the nodes)
+    ours, feeds = _stream(session, name, chunks[:3])
+    (node,) = _graph_nodes(session)
+    assert node.state in ("timing", "ready", "slower")
+    node.state = "ready"  # (whichever is the faster here: the compiled call answers)
+    calls = []
+    entry = node.entry
+    node.entry = lambda *args: calls.append(1) or entry(*args)
+    ours += _stream(session, name, chunks[3:], feeds)[0]
+    assert len(calls) == 3
+    reference = _node_by_node(ex.model, monkeypatch)
+    for got, want in zip(ours, _stream(reference, name, chunks)[0]):
+        for g, w in zip(got, want):
+            _close(g, w)
+
+
+def _lowered(name):
+    """A model of two streams, its session after the calls that lower its
+    plan, and the compiled call, made to answer."""
+    ex = onnx_models.BUILDERS[name]()
+    feeds = ex.feeds(batch=2, seed=0)
+    session = InferenceSession(ex.model)
+    for _ in range(3):
+        session.run(None, feeds)
+    (node,) = _graph_nodes(session)
+    node.state = "ready"
+    return ex, feeds, session, node
+
+
+def test_special_values_go_through_the_compiled_call_as_through_the_nodes(monkeypatch):
+    ex, feeds, session, node = _lowered("vad")
+    x = feeds["input"].copy()
+    x[0, 5], x[0, 100], x[1, 7] = np.nan, np.inf, -np.inf
+    special = dict(feeds, input=x)
+    reference = _node_by_node(ex.model, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's, node by node: inf - inf)
+        got, want = session.run(None, special), reference.run(None, special)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_an_input_fed_in_another_layout_is_read_where_it_lies(monkeypatch):
+    ex, feeds, session, node = _lowered("stream_gru")
+    wide = np.repeat(feeds["chunk"], 2, axis=-1)
+    strided = dict(feeds, chunk=wide[..., ::2])  # (the same values, every other column)
+    assert not strided["chunk"].flags.c_contiguous
+    calls, entry = [], node.entry
+    node.entry = lambda *args: calls.append(args) or entry(*args)
+    got = session.run(None, strided)
+    assert len(calls) == 1 and any(a is strided["chunk"] for a in calls[0])  # (not copied first)
+    reference = _node_by_node(ex.model, monkeypatch)
+    for g, w in zip(got, reference.run(None, feeds)):
+        _close(g, w)
+
+
+def _spectrum_model(T=6):
+    """x [B, 6, T] -> channels last, then ``sqrt(re * re + im * im)``."""
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([3], np.int64), "three"),
+             numpy_helper.from_array(np.array([6], np.int64), "six"),
+             numpy_helper.from_array(np.array([2], np.int64), "axis")]
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("Slice", ["xt", "zero", "three", "axis"], ["re"]),
+             helper.make_node("Slice", ["xt", "three", "six", "axis"], ["im"]),
+             helper.make_node("Mul", ["re", "re"], ["re2"]),
+             helper.make_node("Mul", ["im", "im"], ["im2"]),
+             helper.make_node("Add", ["re2", "im2"], ["power"]),
+             helper.make_node("Sqrt", ["power"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "spectrum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 6, T])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", T, 3])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_compiled_call_that_disagrees_with_the_nodes_is_not_used(rng, monkeypatch):
+    def wrong_transpose(w, node):  # (a square x: the same shape, other values)
+        w.body.append(f"    {w.made(node.outputs[0])} = {w.ref(node.inputs[0])}")
+        return True
+
+    monkeypatch.setitem(lowering._LOWER, "Transpose", wrong_transpose)
+    session = InferenceSession(_spectrum_model())
+    x = rng.standard_normal((2, 6, 6)).astype(np.float32)
+    session.run(None, {"x": x})
+    with pytest.warns(RuntimeWarning, match="disagreed"):
+        (got,) = session.run(None, {"x": x})
+    (node,) = _graph_nodes(session)
+    assert node.state == "refused"
+    xt = x.transpose(0, 2, 1)
+    want = np.sqrt(xt[..., :3] ** 2 + xt[..., 3:] ** 2)
+    _close(got, want)
+    (got,) = session.run(None, {"x": x})  # (the nodes, no second warning)
+    _close(got, want)
+
+
+def test_a_plan_with_a_node_it_does_not_lower_runs_its_nodes(rng):
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+         helper.make_node("Sqrt", ["s"], ["y"])], "softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = InferenceSession(model)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    for _ in range(3):
+        (got,) = session.run(None, {"x": x})
+    assert session.graph.fused and not _graph_nodes(session)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    _close(got, np.sqrt(e / e.sum(axis=1, keepdims=True)))
+
+
+def test_deterministic_runs_are_never_compiled_into_one_call(rng, monkeypatch):
+    from stepnet.jit import blas
+
+    monkeypatch.setattr(blas, "DETERMINISTIC", True)
+    session = InferenceSession(_spectrum_model())
+    x = rng.standard_normal((2, 6, 6)).astype(np.float32)
+    for _ in range(3):
+        session.run(None, {"x": x})
+    assert not _graph_nodes(session)
