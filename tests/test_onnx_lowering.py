@@ -179,3 +179,44 @@ def test_deterministic_runs_are_never_compiled_into_one_call(rng, monkeypatch):
     for _ in range(3):
         session.run(None, {"x": x})
     assert not _graph_nodes(session)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
+    """Pad, a 1-D Conv with padding and a stride, MatMul of a 3-D value,
+    ReduceSum and ReduceMean over inner axes, Concat, Flatten and a float Cast
+    in one call: as node by node."""
+    inits = [numpy_helper.from_array(np.array([0, 0, 2, 0, 0, 3], np.int64), "pads"),
+             numpy_helper.from_array(np.array(np.nan, np.float32), "fill"),
+             numpy_helper.from_array(rng.standard_normal((5, 4, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal((6, 2)).astype(np.float32), "m"),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1")]
+    pad_inputs = ["x", "pads"] + (["fill"] if mode == "constant" else [])
+    nodes = [helper.make_node("Pad", pad_inputs, ["p"], mode=mode),
+             helper.make_node("Conv", ["p", "w", "b"], ["c"], pads=[1, 1], strides=[2]),
+             helper.make_node("MatMul", ["c", "m"], ["mm"]),
+             helper.make_node("ReduceSum", ["mm", "axis1"], ["s"], keepdims=1),
+             helper.make_node("ReduceMean", ["c"], ["r"], axes=[2], keepdims=1),
+             helper.make_node("Concat", ["s", "mm"], ["j"], axis=1),
+             helper.make_node("Flatten", ["j"], ["f"], axis=1),
+             helper.make_node("Cast", ["r"], ["y2"], to=TensorProto.DOUBLE),
+             helper.make_node("Relu", ["f"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "mix", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("y2", TensorProto.DOUBLE, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = rng.standard_normal((3, 4, 7)).astype(np.float32)
+    session = InferenceSession(model)
+    for _ in range(3):
+        session.run(None, {"x": x})
+    (node,) = _graph_nodes(session)
+    node.state = "ready"
+    got = session.run(None, {"x": x})
+    want = _node_by_node(model, monkeypatch).run(None, {"x": x})
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

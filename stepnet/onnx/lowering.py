@@ -194,16 +194,17 @@ def _slice(w, node):
     starts, ends = np.asarray(parts[0]).tolist(), np.asarray(parts[1]).tolist()
     axes = list(range(len(starts))) if parts[2] is None else np.asarray(parts[2]).tolist()
     steps = [1] * len(starts) if parts[3] is None else np.asarray(parts[3]).tolist()
-    index = [":"] * x.ndim
+    index, text = [slice(None)] * x.ndim, [":"] * x.ndim
     for s, e, a, st in zip(starts, ends, axes, steps):
         a = a + x.ndim if a < 0 else a
         lo, hi, step = slice(s, e, st).indices(x.shape[a])
-        index[a] = f"{lo}:{hi if hi >= 0 else ''}:{step}"
-    text = ", ".join(index)
-    if not np.array_equal(eval(f"x[{text}]", {"x": x}), w.env[node.outputs[0]], equal_nan=True):
+        hi = hi if hi >= 0 else None  # (a negative step to the first element)
+        index[a] = slice(lo, hi, step)
+        text[a] = f"{lo}:{'' if hi is None else hi}:{step}"
+    if not np.array_equal(x[tuple(index)], w.env[node.outputs[0]], equal_nan=True):
         return False
     src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = {src}[{text}]")
+    w.body.append(f"    {w.made(node.outputs[0])} = {src}[{', '.join(text)}]")
     return True
 
 
@@ -275,7 +276,9 @@ def _pad(w, node):
         return False
     src, y, dt = w.ref(node.inputs[0]), w.made(node.outputs[0]), f"np.{out.dtype.name}"
     fill = float(np.asarray(value).reshape(-1)[0]) if np.size(value) else 0.0
-    w.body.append(f"    {y} = np.full({out.shape}, {fill!r}, {dt})" if mode == "constant"
+    fill = repr(fill) if np.isfinite(fill) else "np.nan" if np.isnan(fill) else \
+        "np.inf" if fill > 0 else "-np.inf"
+    w.body.append(f"    {y} = np.full({out.shape}, {fill}, {dt})" if mode == "constant"
                   else f"    {y} = np.empty({out.shape}, {dt})")
     inner = ", ".join(f"{b}:{b + n}" for b, n in zip(begin, x.shape))
     w.body.append(f"    {y}[{inner}] = {src}")
@@ -383,7 +386,7 @@ def _recurrent(w, node):
     states = []
     for s, size in enumerate(sizes):
         name = ins[5 + s] if len(ins) > 5 + s else ""
-        if name and w.env[name].shape != (1, B, size):
+        if name and (w.env[name].shape != (1, B, size) or w.env[name].dtype != kernel.dtype):
             return False
         states.append(f"as_read_only(np.ascontiguousarray({w.ref(name)}).reshape(({B}, {size})))"
                       if name else f"as_read_only(np.zeros(({B}, {size}), {dt}))")
