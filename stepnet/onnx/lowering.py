@@ -567,7 +567,7 @@ class GraphNode:
         result = self.entry(*values)
         agree = bool(result[0]) and all(
             type(env[n]) is np.ndarray and ours.shape == env[n].shape
-            and np.allclose(ours, env[n], rtol=1e-4, atol=1e-5, equal_nan=True)
+            and ours.dtype == env[n].dtype and np.allclose(ours, env[n], rtol=1e-4, atol=1e-5, equal_nan=True)
             for n, ours in zip(self.outputs, result[1:]))
         if not agree:
             self.state = "refused"
