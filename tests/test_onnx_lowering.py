@@ -133,6 +133,20 @@ def _spectrum_model(T=6):
     return model
 
 
+def test_a_value_of_another_shape_or_dtype_never_reaches_the_compiled_call(rng):
+    """The graph indexes by the shapes of its key: a value that is not as
+    compiled (which a key's shapes rule out) is refused before the call."""
+    session = InferenceSession(_spectrum_model())
+    x = rng.standard_normal((2, 6, 6)).astype(np.float32)
+    for _ in range(3):
+        session.run(None, {"x": x})
+    (node,) = _graph_nodes(session)
+    env = dict(session.graph.run_constants, x=x)
+    assert node._call_values(env) is not None
+    for other in (x[:1], x.astype(np.float64), x.reshape(2, 36)):
+        assert node._call_values(dict(env, x=other)) is None
+
+
 def test_a_compiled_call_that_disagrees_with_the_nodes_is_not_used(rng, monkeypatch):
     def wrong_transpose(w, node):  # (a square x: the same shape, other values)
         w.body.append(f"    {w.made(node.outputs[0])} = {w.ref(node.inputs[0])}")

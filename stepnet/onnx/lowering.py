@@ -427,6 +427,7 @@ class GraphNode:
         self.inputs = [spec[1] for spec in writer.args if spec[0] == "env"]
         self._args = writer.args
         sample = [self._value(spec, writer.env) for spec in writer.args]
+        self._shapes = [getattr(value, "shape", None) for value in sample]
         params = ", ".join(f"a{k}" for k in range(len(writer.args)))
         body = [f"def graph({params}):", "    ok = True", *writer.body,
                 f"    return (ok, {', '.join(writer.var[n] for n in outputs)},)"]
@@ -513,14 +514,14 @@ class GraphNode:
 
     def _call_values(self, env):
         """The arguments of a call from ``env``, or None where a value is not
-        of the type ``graph`` was compiled for."""
+        of the type and shape ``graph`` was compiled for."""
         values = []
-        for spec, kind in zip(self._args, self._signature):
+        for spec in self._args:
             if spec[0] == "env":
                 x = env[spec[1]]
-                if (type(x) is not np.ndarray or x.ndim != kind.ndim or not x.flags.aligned
-                        or x.dtype != self._dtypes[len(values)]):
-                    return None
+                if (type(x) is not np.ndarray or x.shape != self._shapes[len(values)]
+                        or not x.flags.aligned or x.dtype != self._dtypes[len(values)]):
+                    return None  # (the graph indexes by the shapes it was made for)
                 values.append(x)
             elif spec[0] == "board":
                 kernel, rows, sequences = spec[1]
