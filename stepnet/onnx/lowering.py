@@ -482,16 +482,18 @@ class GraphNode:
             start = time.perf_counter()
             if not (ours and self._call(env)):
                 ours = False
-                for node in self.nodes:
-                    node.run(graph, env, backend)
+                self._nodes(graph, env, backend, kwargs.get("key"))
             if self.state == "timing":
                 self._timed(ours, time.perf_counter() - start)
             return
         if self.state in ("compiling", "checking") and self._answered.is_set() and self._compile():
-            self._check(graph, env, backend)
+            self._check(graph, env, backend, kwargs.get("key"))
             return
-        for node in self.nodes:
-            node.run(graph, env, backend)
+        self._nodes(graph, env, backend, kwargs.get("key"))
+
+    def _nodes(self, graph, env, backend, key):
+        """The nodes' run (the graph's own loop: bound nodes inlined)."""
+        graph._run(env, backend, False, False, False, self.nodes, key, constants=False)
 
     def _call(self, env):
         """The compiled call on ``env``'s values, its outputs put there;
@@ -553,7 +555,7 @@ class GraphNode:
             self.state = "checking"
         return True
 
-    def _check(self, graph, env, backend):
+    def _check(self, graph, env, backend, key):
         """The first call: the nodes, and the compiled graph on the same
         inputs, compared (the nodes' outputs are the call's). Where they
         agree, the next calls alternate between the two, timed
@@ -561,8 +563,7 @@ class GraphNode:
         (one call saves the nodes' dispatch, which a large batch's work
         hides, where NumPy's and the fused loops' vectorized arrays win)."""
         values = self._call_values(env)
-        for node in self.nodes:
-            node.run(graph, env, backend)
+        self._nodes(graph, env, backend, key)
         if values is None:  # (a value not as compiled: checked at a later call)
             return
         result = self.entry(*values)
