@@ -13,6 +13,7 @@ pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import onnx_models  # noqa: E402
+from test_onnx_fusion import _spectrum_model  # noqa: E402  (x [B, 6, T] -> y, m)
 from stepnet.onnx import InferenceSession, graph as graph_module, lowering  # noqa: E402
 from stepnet.onnx.lowering import GraphNode  # noqa: E402
 
@@ -112,27 +113,6 @@ def test_an_input_fed_in_another_layout_is_read_where_it_lies(monkeypatch):
         _close(g, w)
 
 
-def _spectrum_model(T=6):
-    """x [B, 6, T] -> channels last, then ``sqrt(re * re + im * im)``."""
-    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
-             numpy_helper.from_array(np.array([3], np.int64), "three"),
-             numpy_helper.from_array(np.array([6], np.int64), "six"),
-             numpy_helper.from_array(np.array([2], np.int64), "axis")]
-    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
-             helper.make_node("Slice", ["xt", "zero", "three", "axis"], ["re"]),
-             helper.make_node("Slice", ["xt", "three", "six", "axis"], ["im"]),
-             helper.make_node("Mul", ["re", "re"], ["re2"]),
-             helper.make_node("Mul", ["im", "im"], ["im2"]),
-             helper.make_node("Add", ["re2", "im2"], ["power"]),
-             helper.make_node("Sqrt", ["power"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "spectrum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 6, T])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", T, 3])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def test_a_value_of_another_shape_or_dtype_never_reaches_the_compiled_call(rng):
     """The graph indexes by the shapes of its key: a value that is not as
     compiled (which a key's shapes rule out) is refused before the call."""
@@ -157,14 +137,17 @@ def test_a_compiled_call_that_disagrees_with_the_nodes_is_not_used(rng, monkeypa
     x = rng.standard_normal((2, 6, 6)).astype(np.float32)
     session.run(None, {"x": x})
     with pytest.warns(RuntimeWarning, match="disagreed"):
-        (got,) = session.run(None, {"x": x})
+        got = session.run(None, {"x": x})
     (node,) = _graph_nodes(session)
     assert node.state == "refused"
     xt = x.transpose(0, 2, 1)
-    want = np.sqrt(xt[..., :3] ** 2 + xt[..., 3:] ** 2)
-    _close(got, want)
-    (got,) = session.run(None, {"x": x})  # (the nodes, no second warning)
-    _close(got, want)
+    m = np.sqrt(xt[..., :3] ** 2 + xt[..., 3:] ** 2 + np.float32(1e-6))
+    want = [1 / (1 + np.exp(-m * np.linspace(0.5, 2.0, 3).astype(np.float32))) - 0.5, m]
+    for g, w in zip(got, want):
+        _close(g, w)
+    got = session.run(None, {"x": x})  # (the nodes, no second warning)
+    for g, w in zip(got, want):
+        _close(g, w)
 
 
 def test_a_plan_with_a_node_it_does_not_lower_runs_its_nodes(rng):

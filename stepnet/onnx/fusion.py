@@ -109,6 +109,26 @@ def fuse(plan, env, keep):
     return fused
 
 
+def compiled_by_worker(module, key, signature, function):
+    """An event set once the compile worker has compiled ``module``'s
+    ``function`` for ``signature`` into the disk cache (where tiered and it
+    is not there yet: the nodes run meanwhile); set at once otherwise, or
+    where no worker starts: the caller then compiles it (or loads it) at
+    its next call, as it does where the worker failed."""
+    from ..jit import loading
+
+    answered = threading.Event()
+    if loading.tiered() and not loading.ready_marker(key).exists():
+        try:
+            loading.compile_worker().submit(SimpleNamespace(key=key, module=module), signature,
+                                            lambda error: answered.set(), function=function)
+            return answered
+        except OSError:
+            pass
+    answered.set()
+    return answered
+
+
 class FusedNode:
     """Consecutive elementwise nodes of a plan computed by one kernel: reads
     ``inputs``, writes ``outputs`` (the values read after it)."""
@@ -132,17 +152,8 @@ class FusedNode:
         self._signature = (types.int64[::1],
                            *[types.Array(element, len(shape), "A")] * len(outputs),
                            *[types.Array(element, rank, "A", readonly=True) for rank in ranks])
-        key = self._key = loading.kernel_key(source)
-        self._answered = threading.Event()  # (a failed worker's kernel compiles here)
-        if loading.tiered() and not loading.ready_marker(key).exists():
-            try:
-                loading.compile_worker().submit(
-                    SimpleNamespace(key=key, module=module), self._signature,
-                    lambda error: self._answered.set(), function="fused")
-            except OSError:  # no worker: compile at the next call
-                self._answered.set()
-        else:
-            self._answered.set()
+        self._key = loading.kernel_key(source)
+        self._answered = compiled_by_worker(module, self._key, self._signature, "fused")
 
     @classmethod
     def of(cls, nodes, env, read_after):

@@ -35,12 +35,11 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from types import SimpleNamespace
 
 import numpy as np
 from numba import typeof, types
 
-from .fusion import _PRIMITIVES, _fusable
+from .fusion import _PRIMITIVES, _fusable, compiled_by_worker
 
 _RESHAPES = {"Squeeze", "Unsqueeze", "Reshape", "Flatten"}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -424,7 +423,6 @@ class GraphNode:
 
         self.nodes, self.outputs = nodes, outputs
         self.op, self.ctx = "graph", nodes[0].ctx
-        self.inputs = [spec[1] for spec in writer.args if spec[0] == "env"]
         self._args = writer.args
         sample = [self._value(spec, writer.env) for spec in writer.args]
         self._shapes = [getattr(value, "shape", None) for value in sample]
@@ -448,16 +446,7 @@ class GraphNode:
         # alternate) -> "ready", or "refused" (it disagreed, or did not
         # compile) or "slower" (the nodes run)
         self.entry, self.state = None, "compiling"
-        self._answered = threading.Event()
-        if loading.tiered() and not loading.ready_marker(key).exists():
-            try:
-                loading.compile_worker().submit(SimpleNamespace(key=key, module=module),
-                                                self._signature, lambda error: self._answered.set(),
-                                                function="graph")
-            except OSError:  # no worker: compiled at the next call
-                self._answered.set()
-        else:
-            self._answered.set()
+        self._answered = compiled_by_worker(module, key, self._signature, "graph")
 
     @staticmethod
     def _value(spec, env):
@@ -477,14 +466,15 @@ class GraphNode:
         return typeof(value)
 
     def run(self, graph, env, backend, *args, **kwargs):
-        if self.state in ("ready", "timing"):
-            ours = self.state == "ready" or len(self._times[1]) < len(self._times[0])
+        if self.state == "ready" and self._call(env):
+            return
+        if self.state == "timing":
+            ours = len(self._times[1]) < len(self._times[0])
             start = time.perf_counter()
             if not (ours and self._call(env)):
                 ours = False
                 self._nodes(graph, env, backend, kwargs.get("key"))
-            if self.state == "timing":
-                self._timed(ours, time.perf_counter() - start)
+            self._timed(ours, time.perf_counter() - start)
             return
         if self.state in ("compiling", "checking") and self._answered.is_set() and self._compile():
             self._check(graph, env, backend, kwargs.get("key"))
