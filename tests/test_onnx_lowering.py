@@ -178,6 +178,18 @@ def test_deterministic_runs_are_never_compiled_into_one_call(rng, monkeypatch):
     assert not _graph_nodes(session)
 
 
+def _model(nodes, inits, x_shape, **outputs):
+    """A model of ``nodes`` from a float32 input ``x`` of ``x_shape`` to
+    ``outputs`` (name: element type)."""
+    graph = helper.make_graph(
+        nodes, "model", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info(name, kind, None) for name, kind in outputs.items()],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
 @pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
 def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
     """Pad, a 1-D Conv with padding and a stride, MatMul of a 3-D value,
@@ -199,12 +211,7 @@ def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
              helper.make_node("Flatten", ["j"], ["f"], axis=1),
              helper.make_node("Cast", ["r"], ["y2"], to=TensorProto.DOUBLE),
              helper.make_node("Relu", ["f"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "mix", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4, 7])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("y2", TensorProto.DOUBLE, None)], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = _model(nodes, inits, ["B", 4, 7], y=TensorProto.FLOAT, y2=TensorProto.DOUBLE)
     x = rng.standard_normal((3, 4, 7)).astype(np.float32)
     session = InferenceSession(model)
     for _ in range(3):
@@ -217,3 +224,46 @@ def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stride, dilation", [(1, 1), (1, 2), (3, 1), (2, 2)])
+def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, dilation,
+                                                                   monkeypatch):
+    """A 1-D Conv by taps (stride 1) and by windows, dilated or not, its
+    product big enough to be cut with the helper, an elementwise run over
+    its rows (laid out channels-last: the loops follow them), a Transpose
+    and a MatMul big enough to be cut too: as node by node."""
+    from stepnet.jit import threads
+
+    inits = [numpy_helper.from_array(rng.standard_normal((32, 16, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "m")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[2, 1], strides=[stride],
+                              dilations=[dilation]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Mul", ["r", "c"], ["e"]),
+             helper.make_node("Transpose", ["e"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["t", "m"], ["y"])]
+    model = _model(nodes, inits, ["B", 16, 70], y=TensorProto.FLOAT, e=TensorProto.FLOAT)
+    x = rng.standard_normal((8, 16, 70)).astype(np.float32)
+    x[0, 3, 5], x[1, 0, 0] = np.nan, np.inf
+    session = InferenceSession(model)
+    for _ in range(3):
+        session.run(None, {"x": x})
+    (node,) = _graph_nodes(session)
+    if threads.SPINS and threads.count() >= 2:  # (else no helper: every product alone)
+        assert sum(spec[0] == "product board" for spec in node._args) == 2
+    assert "transpose((0, 2, 1))" in node.source  # (the run's values made channels-last)
+    assert node.state in ("timing", "ready", "slower")  # (it agreed with the nodes)
+    node.state = "ready"
+    calls, entry = [], node.entry
+    node.entry = lambda *args: calls.append(1) or entry(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's: inf - inf)
+        got = session.run(None, {"x": x})
+        want = _node_by_node(model, monkeypatch).run(None, {"x": x})
+    assert calls == [1]
+    for g, w in zip(got, want):  # (sums that cancel: within 1e-5 of the largest finite value)
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w[np.isfinite(w)]).max())

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from ..jit.blas import gemm
+from ..jit.blas import taps_product
 
 
 def generated(key):
@@ -25,28 +25,66 @@ def generated(key):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def conv1d(x, w_t, bias, K, stride, dilation, pad, out_len):
-    """A 1-D Conv of one group: ``x`` [N, C, L], ``w_t`` [C * K, M] (the
-    weight [M, C, K] as columns), ``bias`` [M]: every window's values a row
-    (of the input padded with zeros), then one product on the chosen BLAS
-    (on this thread); [N, M, out_len], a view of the product's rows."""
+def conv1d(x, w, w_rows, bias, stride, dilation, pad, out_len, board):
+    """A 1-D Conv of one group: ``x`` [N, C, L] (any strides), ``w`` [K, C, M]
+    (the weight [M, C, K] by taps) and ``w_rows`` [1, C * K, M] (as columns),
+    C-contiguous, ``bias`` [M]; [N, M, out_len], a view of rows laid out
+    channels-last (``[N, out_len, M]`` in memory). The input is copied
+    channels-last, padded with zeros; with stride 1, one product per tap
+    over every sample's rows at that tap's offset, else every window's
+    values a row, then one product (``taps_product``; each as a Conv
+    node's)."""
     N, C, L = x.shape
-    M = w_t.shape[1]
+    K, _, M = w.shape
     span = (out_len - 1) * stride + (K - 1) * dilation + 1
-    padded = np.zeros((N, C, max(span, pad + L)), x.dtype)
-    padded[:, :, pad:pad + L] = x
-    rows = np.empty((N * out_len, C * K), x.dtype)
-    for n in range(N):
-        for o in range(out_len):
+    Lp = max(span, pad + L)
+    padded = np.empty((N, Lp, C), x.dtype)
+    padded[:, :pad, :] = 0
+    padded[:, pad + L:, :] = 0
+    if x.strides[1] <= x.strides[2]:  # (read in x's memory order)
+        for n in range(N):
+            for i in range(L):
+                for c in range(C):
+                    padded[n, pad + i, c] = x[n, c, i]
+    else:
+        for n in range(N):
             for c in range(C):
-                for k in range(K):
-                    rows[n * out_len + o, c * K + k] = padded[n, c, o * stride + k * dilation]
-    product = np.empty((N * out_len, M), x.dtype)
-    gemm(rows, w_t, product)
-    for r in range(N * out_len):
+                for i in range(L):
+                    padded[n, pad + i, c] = x[n, c, i]
+    if stride == 1:
+        rows = N * Lp - (K - 1) * dilation  # (sample n's output o: row n * Lp + o)
+        out = np.empty((N * Lp, M), x.dtype)
+        taps_product(padded.reshape((N * Lp, C)), w, out[:rows], dilation, board)
+        per_sample = Lp
+    else:
+        rows = N * out_len
+        windows = np.empty((rows, K * C), x.dtype)
+        flat = padded.reshape(N * Lp * C)
+        for n in range(N):
+            for o in range(out_len):
+                row, at = n * out_len + o, (n * Lp + o * stride) * C
+                for c in range(C):  # (by channel, then tap: a Conv node's order)
+                    for k in range(K):
+                        windows[row, c * K + k] = flat[at + k * dilation * C + c]
+        out = np.empty((rows, M), x.dtype)
+        taps_product(windows, w_rows, out, 1, board)
+        per_sample = out_len
+    for r in range(rows):
         for m in range(M):
-            product[r, m] += bias[m]
-    return np.transpose(product.reshape((N, out_len, M)), (0, 2, 1))
+            out[r, m] += bias[m]
+    y = out.reshape((N, per_sample, M))[:, :out_len, :]
+    return y.transpose((0, 2, 1))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def product(a, w, board):
+    """``a`` [R, K] @ ``w`` [1, K, M] (C-contiguous), on the chosen BLAS: its
+    rows cut in two where the product is big enough, the second part on the
+    helper where ``board`` is ``threads.BOARD`` and it is free (as a Conv
+    node's: ``blas.taps_product``; the same bits either way)."""
+    out = np.empty((a.shape[0], w.shape[2]), a.dtype)
+    taps_product(np.ascontiguousarray(a), w, out, 1, board)
+    return out
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -59,7 +59,12 @@ class _Writer:
     def __init__(self, env, fixed):
         self.env, self.fixed = env, fixed
         self.var = {}  # value name -> its variable in graph
-        self.args = []  # ("env", name), ("array", an array or a tuple), ("board", ...)
+        # value name -> the order of its axes in memory, outermost first, where
+        # it is made here and not C-contiguous (elementwise loops follow it)
+        self.order = {}
+        # ("env", name), ("array", an array or a tuple), ("board", (kernel, rows,
+        # sequences)): a recurrent kernel's, ("product board", multiply-adds)
+        self.args = []
         self.head, self.body, self.temps = [], [], 0
 
     def ref(self, name):
@@ -81,6 +86,17 @@ class _Writer:
         """A new variable for value ``name``, made by the current node."""
         self.var[name] = f"v{len(self.var)}"
         return self.var[name]
+
+    def product_board(self, multiply_adds):
+        """An argument holding the board of a product of this many
+        multiply-adds (``blas.board_for_product``): the helper's, woken at
+        each call, where the product is cut with it, else ``threads.ALONE``."""
+        from ..jit import blas, threads
+
+        if blas.board_for_product(multiply_adds) is threads.ALONE:
+            return self.array(threads.ALONE)
+        self.args.append(("product board", multiply_adds))
+        return f"a{len(self.args) - 1}"
 
     def global_(self, line_of):
         """A global of the module (``line_of(name)`` its line): its name."""
@@ -155,6 +171,10 @@ def _elementwise(w, nodes, read_after):
     out = w.env[nodes[0].outputs[0]]
     shape, dt = out.shape, out.dtype
     index = [f"i{k}" for k in range(len(shape))]
+    # the loops in the memory order of the first input that is not broadcast
+    # and is not C-contiguous (a Conv's rows channels-last), its outputs made so
+    whole = [n for node in nodes for n in node.args if n in w.order and w.env[n].shape == shape]
+    order = w.order[whole[0]] if whole else tuple(range(len(shape)))
     scalars, loop = {}, []
     for node in nodes:
         args = []
@@ -172,10 +192,15 @@ def _elementwise(w, nodes, read_after):
         name = node.outputs[0]
         if name in read_after:
             y = w.made(name)
-            w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")
+            if order == tuple(range(len(shape))):
+                w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")
+            else:
+                w.order[name] = order
+                w.body.append(f"    {y} = np.empty({tuple(shape[a] for a in order)}, "
+                              f"np.{dt.name}).transpose({tuple(int(a) for a in np.argsort(order))})")
             loop.append(f"{y}[{', '.join(index)}] = {scalars[name]}")
-    for depth, (i, n) in enumerate(zip(index, shape)):
-        w.body.append(f"{'    ' * (depth + 1)}for {i} in range({n}):")
+    for depth, axis in enumerate(order):
+        w.body.append(f"{'    ' * (depth + 1)}for {index[axis]} in range({shape[axis]}):")
     w.body += [f"{'    ' * (len(shape) + 1)}{line}" for line in loop]
 
 
@@ -204,6 +229,8 @@ def _slice(w, node):
         return False
     src = w.ref(node.inputs[0])
     w.body.append(f"    {w.made(node.outputs[0])} = {src}[{', '.join(text)}]")
+    if node.inputs[0] in w.order:
+        w.order[node.outputs[0]] = w.order[node.inputs[0]]
     return True
 
 
@@ -221,6 +248,9 @@ def _transpose(w, node):
         return False
     src = w.ref(node.inputs[0])
     w.body.append(f"    {w.made(node.outputs[0])} = np.transpose({src}, {perm})")
+    order = tuple(perm.index(a) for a in w.order.get(node.inputs[0], range(x.ndim)))
+    if order != tuple(range(x.ndim)):
+        w.order[node.outputs[0]] = order
     return True
 
 
@@ -242,6 +272,8 @@ def _concat(w, node):
 
 def _alias(w, node):
     w.var[node.outputs[0]] = w.ref(node.inputs[0])
+    if node.inputs[0] in w.order:
+        w.order[node.outputs[0]] = w.order[node.inputs[0]]
     return True
 
 
@@ -313,11 +345,15 @@ def _conv(w, node):
     out_len = (x.shape[2] + pads[0] + pads[1] - (K - 1) * dilation - 1) // stride + 1
     if C != x.shape[1] or out.shape != (x.shape[0], M, out_len):
         return False
-    w2 = w.array(np.ascontiguousarray(weight.reshape(M, C * K).T))
+    by_taps = w.array(np.ascontiguousarray(weight.transpose(2, 1, 0)))  # [K, C, M]
+    by_rows = w.array(np.ascontiguousarray(weight.reshape(M, C * K).T)[None])  # [1, C * K, M]
     b = w.array(np.zeros(M, x.dtype) if bias is None else np.ascontiguousarray(bias, x.dtype))
     src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = conv1d({src}, {w2}, {b}, {K}, {stride}, "
-                  f"{dilation}, {int(pads[0])}, {out_len})")
+    board = w.product_board(x.shape[0] * out_len * C * K * M)
+    y = w.made(node.outputs[0])
+    w.order[node.outputs[0]] = (0, 2, 1)  # (a view of rows channels-last: conv1d)
+    w.body.append(f"    {y} = conv1d({src}, {by_taps}, {by_rows}, {b}, {stride}, {dilation}, {int(pads[0])}, "
+                  f"{out_len}, {board})")
     return True
 
 
@@ -327,9 +363,9 @@ def _matmul(w, node):
         return False
     rows = int(np.prod(x.shape[:-1]))
     src, right, y = w.ref(node.inputs[0]), w.ref(node.inputs[1]), w.made(node.outputs[0])
-    w.body += [f"    {y} = np.empty(({rows}, {b.shape[1]}), np.{out.dtype.name})",
-               f"    gemm(np.ascontiguousarray({src}).reshape(({rows}, {x.shape[-1]})), "
-               f"np.ascontiguousarray({right}), {y})",
+    board = w.product_board(rows * b.size)
+    w.body += [f"    {y} = product(np.ascontiguousarray({src}).reshape(({rows}, {x.shape[-1]})), "
+               f"np.ascontiguousarray({right}).reshape((1,) + {b.shape}), {board})",
                f"    {y} = {y}.reshape({out.shape})"]
     return True
 
@@ -409,6 +445,20 @@ _LOWER = {"Slice": _slice, "Transpose": _transpose, "Concat": _concat, "Identity
           "RNN": _recurrent, **dict.fromkeys(_RESHAPES, _reshape)}
 
 
+def _agree(ours, theirs):
+    """Whether the compiled call's value ``ours`` agrees with the nodes'
+    ``theirs``: the same shape and dtype, NaN where it is NaN, each element
+    within 1e-4 of its size plus 1e-5 of the value's largest finite one (at
+    least 1): the sums of the products and reductions run in another order
+    round apart by about the size of their terms, which a sum that cancels
+    leaves far above its own size (a wrong value is off by the values)."""
+    if type(theirs) is not np.ndarray or ours.shape != theirs.shape or ours.dtype != theirs.dtype:
+        return False
+    finite = np.abs(theirs[np.isfinite(theirs)])
+    scale = max(1.0, float(finite.max())) if finite.size else 1.0
+    return bool(np.allclose(ours, theirs, rtol=1e-4, atol=1e-5 * scale, equal_nan=True))
+
+
 class GraphNode:
     """A key's plan run by one compiled call (``graph``); its nodes
     (``nodes``: the plan with its elementwise runs fused) run while it
@@ -419,8 +469,10 @@ class GraphNode:
 
     def __init__(self, nodes, writer, outputs):
         from ..jit import loading
+        from ..jit.blas import board_for_product
         from ..jit.cpu_emit import runtime_imports
 
+        self._product_board = board_for_product
         self.nodes, self.outputs = nodes, outputs
         self.op, self.ctx = "graph", nodes[0].ctx
         self._args = writer.args
@@ -434,8 +486,7 @@ class GraphNode:
         source = "\n".join([
             "# generated by stepnet: do not edit", "import numpy as np", "from numba import njit",
             "from stepnet.jit.atomics import as_read_only", *runtime_imports(),
-            "from stepnet.jit.blas import gemm",
-            "from stepnet.onnx.lowered import conv1d, generated, reduce_rows",
+            "from stepnet.onnx.lowered import conv1d, generated, product, reduce_rows",
             f"SMALL_GEMM_DTYPES = {tuple(floats)!r}  # (the kernels' product loops, linked)",
             *writer.head, "", "", "@njit(cache=True, error_model='numpy', nogil=True)", *body, ""])
         self.source = source
@@ -453,7 +504,7 @@ class GraphNode:
         kind, what = spec
         if kind == "env":
             return env[what]
-        if kind == "board":
+        if kind in ("board", "product board"):
             from ..jit import threads
 
             return threads.ALONE
@@ -518,6 +569,8 @@ class GraphNode:
             elif spec[0] == "board":
                 kernel, rows, sequences = spec[1]
                 values.append(kernel.program.board(rows, sequences))
+            elif spec[0] == "product board":
+                values.append(self._product_board(spec[1]))
             else:
                 values.append(spec[1])
         return values
@@ -557,10 +610,8 @@ class GraphNode:
         if values is None:  # (a value not as compiled: checked at a later call)
             return
         result = self.entry(*values)
-        agree = bool(result[0]) and all(
-            type(env[n]) is np.ndarray and ours.shape == env[n].shape
-            and ours.dtype == env[n].dtype and np.allclose(ours, env[n], rtol=1e-4, atol=1e-5, equal_nan=True)
-            for n, ours in zip(self.outputs, result[1:]))
+        agree = bool(result[0]) and all(_agree(ours, env[n])
+                                        for n, ours in zip(self.outputs, result[1:]))
         if not agree:
             self.state = "refused"
             warnings.warn(f"stepnet: the compiled graph of the nodes from {self.ctx.node!r} "
