@@ -353,6 +353,13 @@ class Graph:
         self.rest = [n for n in self.plan if id(n) not in chosen]
         self.memo, self.fused = {}, {}
 
+    def one_compiled_call(self, key):
+        """Whether a run of ``key`` is answered by one compiled call
+        (:mod:`stepnet.onnx.lowering`: its plan lowered, checked and the
+        faster), no NumPy product in it."""
+        plan = self.fused.get(key) if key is not None else None
+        return plan is not None and len(plan) == 1 and getattr(plan[0], "state", None) == "ready"
+
     def run(self, env, backend, step=False, rows=False, float16_as_float32=False, key=None):
         """Evaluate every node into ``env`` (name -> value), which holds the
         graph's inputs (and, for a subgraph, what it captures). ``key``: the

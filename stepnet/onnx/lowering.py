@@ -558,21 +558,15 @@ class GraphNode:
     def _call_values(self, env):
         """The arguments of a call from ``env``, or None where a value is not
         of the type and shape ``graph`` was compiled for."""
-        values = []
-        for spec in self._args:
-            if spec[0] == "env":
-                x = env[spec[1]]
-                if (type(x) is not np.ndarray or x.shape != self._shapes[len(values)]
-                        or not x.flags.aligned or x.dtype != self._dtypes[len(values)]):
-                    return None  # (the graph indexes by the shapes it was made for)
-                values.append(x)
-            elif spec[0] == "board":
-                kernel, rows, sequences = spec[1]
-                values.append(kernel.program.board(rows, sequences))
-            elif spec[0] == "product board":
-                values.append(self._product_board(spec[1]))
-            else:
-                values.append(spec[1])
+        values = self._fixed.copy()
+        for at, name, shape, dtype in self._fed:
+            x = env[name]
+            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype \
+                    or not x.flags.aligned:
+                return None  # (the graph indexes by the shapes it was made for)
+            values[at] = x
+        for at, board, args in self._boards:
+            values[at] = board(*args)
         return values
 
     def _compile(self):
@@ -592,8 +586,15 @@ class GraphNode:
                               RuntimeWarning, stacklevel=3)
                 return False
             loading.mark_ready(self._key)
-            self._dtypes = [np.dtype(str(t.dtype)) if isinstance(t, types.Array) else None
-                            for t in self._signature]
+            # a call's arguments: the arrays made for the key (_fixed), the
+            # values fed or made before it (_fed: checked) and the boards
+            self._fixed = [spec[1] if spec[0] == "array" else None for spec in self._args]
+            self._fed = [(at, spec[1], self._shapes[at], np.dtype(str(self._signature[at].dtype)))
+                         for at, spec in enumerate(self._args) if spec[0] == "env"]
+            self._boards = [(at, spec[1][0].program.board, spec[1][1:]) if spec[0] == "board"
+                            else (at, self._product_board, (spec[1],))
+                            for at, spec in enumerate(self._args)
+                            if spec[0] in ("board", "product board")]
             self.entry = function.overloads[function.signatures[0]].entry_point
             self.state = "checking"
         return True

@@ -189,7 +189,7 @@ class InferenceSession:
         ShapeError
             An input of another dtype or shape than the model declares.
         """
-        with self._naming():
+        try:
             graph = self.graph
             names = list(output_names) if output_names else graph.output_names
             for name in names:
@@ -198,8 +198,17 @@ class InferenceSession:
                                        f"model (outputs: {graph.output_names})")
             env = self._check_feeds(input_feed)
             backend = self.backend or default_backend()
-            with numpy_blas_on_one_thread():  # (small GEMMs: OpenBLAS's pool spinning
-                self._run(env, backend)  # after them takes the cores Numba's threads need)
+            key = self._key(env)
+            if graph.one_compiled_call(key):  # (no NumPy product runs)
+                graph.run(env, backend, key=key)
+            else:
+                with numpy_blas_on_one_thread():  # (small GEMMs: OpenBLAS's pool spinning
+                    graph.run(env, backend, key=key)  # after them takes the cores Numba's need)
+        except Error as exc:  # (as _naming: a block of it costs a call of a small model a microsecond)
+            named = self._named(exc)
+            if named is exc:
+                raise
+            raise named from None
         return [self._output(env[n]) for n in names]
 
     @contextlib.contextmanager
@@ -208,9 +217,17 @@ class InferenceSession:
         try:
             yield
         except Error as exc:
-            if self._path is None or str(exc).startswith(self._path):
+            named = self._named(exc)
+            if named is exc:
                 raise
-            raise type(exc)(f"{self._path}: {exc}") from None
+            raise named from None
+
+    def _named(self, exc):
+        """``exc``, or where it does not name the model's file yet, the same
+        error naming it."""
+        if self._path is None or str(exc).startswith(self._path):
+            return exc
+        return type(exc)(f"{self._path}: {exc}")
 
     @staticmethod
     def _output(value):
@@ -221,14 +238,16 @@ class InferenceSession:
             return value if value.flags.writeable else value.copy()
         return value if isinstance(value, list) or value is None else np.asarray(value)
 
-    def _run(self, env, backend):
-        key = None
-        if self._keyed:  # the fed shapes (and small integer values, where they decide)
-            key = tuple((n, v.shape, v.dtype) if type(v) is np.ndarray else (n, id(v))
-                        for n, v in env.items())
-            if self._memoized:
-                key += tuple(env[n].tobytes() for n in self._by_value if n in env)
-        self.graph.run(env, backend, key=key)
+    def _key(self, env):
+        """A run's key (``Graph.run``): the fed shapes, and small integer
+        values where they decide; None where runs are not keyed."""
+        if not self._keyed:
+            return None
+        key = tuple((n, v.shape, v.dtype) if type(v) is np.ndarray else (n, id(v))
+                    for n, v in env.items())
+        if self._memoized:
+            key += tuple(env[n].tobytes() for n in self._by_value if n in env)
+        return key
 
     def _check_feeds(self, feeds) -> dict:
         graph = self.graph
