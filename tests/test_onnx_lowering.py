@@ -231,8 +231,9 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
                                                                    monkeypatch):
     """A 1-D Conv by taps (stride 1) and by windows, dilated or not, its
     product big enough to be cut with the helper, an elementwise run over
-    its rows (laid out channels-last: the loops follow them), a Transpose
-    and a MatMul big enough to be cut too: as node by node."""
+    its rows (laid out channels-last: the loops follow them, and so do the
+    values they store, but for those given back), a Transpose and a MatMul
+    big enough to be cut too: as node by node."""
     from stepnet.jit import threads
 
     inits = [numpy_helper.from_array(rng.standard_normal((32, 16, 3)).astype(np.float32), "w"),
@@ -243,8 +244,9 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
              helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("Mul", ["r", "c"], ["e"]),
              helper.make_node("Transpose", ["e"], ["t"], perm=[0, 2, 1]),
-             helper.make_node("MatMul", ["t", "m"], ["y"])]
-    model = _model(nodes, inits, ["B", 16, 70], y=TensorProto.FLOAT, e=TensorProto.FLOAT)
+             helper.make_node("MatMul", ["t", "m"], ["y"]),
+             helper.make_node("Sigmoid", ["c"], ["s"])]
+    model = _model(nodes, inits, ["B", 16, 70], y=TensorProto.FLOAT, s=TensorProto.FLOAT)
     x = rng.standard_normal((8, 16, 70)).astype(np.float32)
     x[0, 3, 5], x[1, 0, 0] = np.nan, np.inf
     session = InferenceSession(model)
@@ -253,7 +255,7 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
     (node,) = _graph_nodes(session)
     if threads.SPINS and threads.count() >= 2:  # (else no helper: every product alone)
         assert sum(spec[0] == "product board" for spec in node._args) == 2
-    assert "transpose((0, 2, 1))" in node.source  # (the run's values made channels-last)
+    assert "transpose((0, 2, 1))" in node.source  # (e made channels-last, as the Conv's rows)
     assert node.state in ("timing", "ready", "slower")  # (it agreed with the nodes)
     node.state = "ready"
     calls, entry = [], node.entry
@@ -262,7 +264,7 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
         warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's: inf - inf)
         got = session.run(None, {"x": x})
         want = _node_by_node(model, monkeypatch).run(None, {"x": x})
-    assert calls == [1]
+    assert calls == [1] and got[1].flags.c_contiguous  # (a value given back: C-contiguous)
     for g, w in zip(got, want):  # (sums that cancel: within 1e-5 of the largest finite value)
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))

@@ -56,8 +56,8 @@ class _Writer:
     """The source of ``graph`` as it is written: its arguments (values of the
     call by name, or arrays made here), its module's lines and its body's."""
 
-    def __init__(self, env, fixed):
-        self.env, self.fixed = env, fixed
+    def __init__(self, env, fixed, keep):
+        self.env, self.fixed, self.keep = env, fixed, keep
         self.var = {}  # value name -> its variable in graph
         # value name -> the order of its axes in memory, outermost first, where
         # it is made here and not C-contiguous (elementwise loops follow it)
@@ -131,7 +131,7 @@ def lower(plan, nodes, env, keep, fixed):
 
 
 def _lower(plan, nodes, env, keep, fixed):
-    w = _Writer(env, fixed)
+    w = _Writer(env, fixed, set(keep))
     read_after = [set(keep)]
     for node in reversed(plan):
         read_after.append(read_after[-1] | {n for n in (*node.inputs, *node.captures) if n})
@@ -192,8 +192,8 @@ def _elementwise(w, nodes, read_after):
         name = node.outputs[0]
         if name in read_after:
             y = w.made(name)
-            if order == tuple(range(len(shape))):
-                w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")
+            if order == tuple(range(len(shape))) or name in w.keep:  # (what the call gives back:
+                w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")  # C-contiguous)
             else:
                 w.order[name] = order
                 w.body.append(f"    {y} = np.empty({tuple(shape[a] for a in order)}, "
