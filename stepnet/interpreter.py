@@ -8,7 +8,6 @@ to the caller's order.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import glob
@@ -307,6 +306,7 @@ def compile_program(program: ir.Program):
 
 _OPEN_COUNTS = []  # the counts the open numpy_blas_threads blocks ask for
 _COUNT_BEFORE = [None]  # NumPy's count before the first of them opened
+_APPLIED = [None]  # the count the open blocks set
 _COUNTS_LOCK = threading.Lock()
 
 
@@ -327,8 +327,7 @@ def _numpy_blas_setter():
     return None
 
 
-@contextlib.contextmanager
-def numpy_blas_threads(count):
+class numpy_blas_threads:
     """NumPy's products on at most ``count`` threads while the block runs
     (any thread's: the count is the process's; the fewest any open block
     asks for, never more than before), as before once every block has ended.
@@ -338,22 +337,38 @@ def numpy_blas_threads(count):
     while the compile worker takes a core (:func:`numpy_blas_beside_a_compile`).
     OpenBLAS's pool synchronizes each product by spinning, and with one of
     its threads off its core every product waits for it: where cores are
-    few, a run slows down many times over."""
-    set_count = _numpy_blas_setter()
-    if set_count is None:
-        yield
-        return
-    with _COUNTS_LOCK:
-        if not _OPEN_COUNTS:
-            _COUNT_BEFORE[0] = set_count(1)  # (what it was)
-        _OPEN_COUNTS.append(count)
-        set_count(min(_COUNT_BEFORE + _OPEN_COUNTS))
-    try:
-        yield
-    finally:
+    few, a run slows down many times over. (A class, and the count set only
+    where it changes: a block is entered at every call of a small model.)"""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count):
+        self.count = count
+
+    def __enter__(self):
+        set_count = _numpy_blas_setter()
+        if set_count is None:
+            return
         with _COUNTS_LOCK:
-            _OPEN_COUNTS.remove(count)
-            set_count(min(_COUNT_BEFORE + _OPEN_COUNTS))
+            if not _OPEN_COUNTS:  # (one call: the count set, and the one before it given)
+                _COUNT_BEFORE[0], _APPLIED[0] = set_count(self.count), self.count
+            _OPEN_COUNTS.append(self.count)
+            _apply(set_count, min(_COUNT_BEFORE + _OPEN_COUNTS))
+
+    def __exit__(self, *exc):
+        set_count = _numpy_blas_setter()
+        if set_count is None:
+            return
+        with _COUNTS_LOCK:
+            _OPEN_COUNTS.remove(self.count)
+            _apply(set_count, min(_COUNT_BEFORE + _OPEN_COUNTS))
+
+
+def _apply(set_count, count):
+    """NumPy's count set to ``count`` where the open blocks set another."""
+    if _APPLIED[0] != count:
+        set_count(count)
+        _APPLIED[0] = count
 
 
 def numpy_blas_on_one_thread():
