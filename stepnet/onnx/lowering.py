@@ -343,7 +343,8 @@ def _conv(w, node):
     dilation = int((a.get("dilations") or [1])[0])
     pads = [0, 0] if auto_pad == "VALID" else list(a.get("pads") or [0, 0])
     out_len = (x.shape[2] + pads[0] + pads[1] - (K - 1) * dilation - 1) // stride + 1
-    if C != x.shape[1] or out.shape != (x.shape[0], M, out_len):
+    if C != x.shape[1] or out.shape != (x.shape[0], M, out_len) or min(pads) < 0 or stride < 1 \
+            or dilation < 1:
         return False
     by_taps = w.array(np.ascontiguousarray(weight.transpose(2, 1, 0)))  # [K, C, M]
     by_rows = w.array(np.ascontiguousarray(weight.reshape(M, C * K).T)[None])  # [1, C * K, M]
