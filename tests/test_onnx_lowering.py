@@ -245,8 +245,10 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
              helper.make_node("Mul", ["r", "c"], ["e"]),
              helper.make_node("Transpose", ["e"], ["t"], perm=[0, 2, 1]),
              helper.make_node("MatMul", ["t", "m"], ["y"]),
-             helper.make_node("Sigmoid", ["c"], ["s"])]
-    model = _model(nodes, inits, ["B", 16, 70], y=TensorProto.FLOAT, s=TensorProto.FLOAT)
+             helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Identity", ["e"], ["i"])]
+    model = _model(nodes, inits, ["B", 16, 70], y=TensorProto.FLOAT, s=TensorProto.FLOAT,
+                   i=TensorProto.FLOAT)
     x = rng.standard_normal((8, 16, 70)).astype(np.float32)
     x[0, 3, 5], x[1, 0, 0] = np.nan, np.inf
     session = InferenceSession(model)
@@ -264,7 +266,7 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
         warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's: inf - inf)
         got = session.run(None, {"x": x})
         want = _node_by_node(model, monkeypatch).run(None, {"x": x})
-    assert calls == [1] and got[1].flags.c_contiguous  # (a value given back: C-contiguous)
+    assert calls == [1] and got[1].flags.c_contiguous and got[2].flags.c_contiguous  # (given back)
     for g, w in zip(got, want):  # (sums that cancel: within 1e-5 of the largest finite value)
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))

@@ -271,6 +271,10 @@ def _concat(w, node):
 
 
 def _alias(w, node):
+    if node.inputs[0] in w.order and node.outputs[0] in w.keep:  # (given back: C-contiguous)
+        src = w.ref(node.inputs[0])
+        w.body.append(f"    {w.made(node.outputs[0])} = np.ascontiguousarray({src})")
+        return True
     w.var[node.outputs[0]] = w.ref(node.inputs[0])
     if node.inputs[0] in w.order:
         w.order[node.outputs[0]] = w.order[node.inputs[0]]
