@@ -25,17 +25,17 @@ def generated(key):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def conv1d(x, w, w_rows, bias, stride, dilation, pad, out_len, board):
-    """A 1-D Conv of one group: ``x`` [N, C, L] (any strides), ``w`` [K, C, M]
-    (the weight [M, C, K] by taps) and ``w_rows`` [1, C * K, M] (as columns),
-    C-contiguous, ``bias`` [M]; [N, M, out_len], a view of rows laid out
-    channels-last (``[N, out_len, M]`` in memory). The input is copied
-    channels-last, padded with zeros; with stride 1, one product per tap
-    over every sample's rows at that tap's offset, else every window's
-    values a row, then one product (``taps_product``; each as a Conv
-    node's)."""
+def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
+    """A 1-D Conv of one group and ``K`` taps: ``x`` [N, C, L] (any strides),
+    ``w`` the weight [M, C, K] by taps at stride 1, [K, C, M], else as
+    columns, [1, C * K, M] (C-contiguous), ``bias`` [M]; [N, M, out_len], a
+    view of rows laid out channels-last (``[N, out_len, M]`` in memory). The
+    input is copied channels-last, padded with zeros; with stride 1, one
+    product per tap over every sample's rows at that tap's offset, else
+    every window's values a row, then one product (``taps_product``; each as
+    a Conv node's)."""
     N, C, L = x.shape
-    K, _, M = w.shape
+    M = w.shape[2]
     span = (out_len - 1) * stride + (K - 1) * dilation + 1
     Lp = max(span, pad + L)
     padded = np.empty((N, Lp, C), x.dtype)
@@ -67,7 +67,7 @@ def conv1d(x, w, w_rows, bias, stride, dilation, pad, out_len, board):
                     for k in range(K):
                         windows[row, c * K + k] = flat[at + k * dilation * C + c]
         out = np.empty((rows, M), x.dtype)
-        taps_product(windows, w_rows, out, 1, board)
+        taps_product(windows, w, out, 1, board)
         per_sample = out_len
     for r in range(rows):
         for m in range(M):
@@ -78,12 +78,12 @@ def conv1d(x, w, w_rows, bias, stride, dilation, pad, out_len, board):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def product(a, w, board):
-    """``a`` [R, K] @ ``w`` [1, K, M] (C-contiguous), on the chosen BLAS: its
-    rows cut in two where the product is big enough, the second part on the
-    helper where ``board`` is ``threads.BOARD`` and it is free (as a Conv
-    node's: ``blas.taps_product``; the same bits either way)."""
+    """``a`` [R, K] @ ``w`` [1, K, M] (both C-contiguous), on the chosen BLAS:
+    its rows cut in two where the product is big enough, the second part on
+    the helper where ``board`` is ``threads.BOARD`` and it is free (as a
+    Conv node's: ``blas.taps_product``; the same bits either way)."""
     out = np.empty((a.shape[0], w.shape[2]), a.dtype)
-    taps_product(np.ascontiguousarray(a), w, out, 1, board)
+    taps_product(a, w, out, 1, board)
     return out
 
 

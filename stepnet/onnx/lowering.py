@@ -14,8 +14,12 @@ constant):
   Concat, Identity, an ``If`` whose branch the key decides, and a Cast
   between float types: views, reshapes and copies;
 - Pad (constant, reflect or edge, its pads constants), a 1-D Conv of one
-  group (its windows copied into rows, then one product), MatMul by a 2-D
-  matrix, ReduceMean and ReduceSum (their loops: :mod:`stepnet.onnx.lowered`);
+  group (at stride 1 one product per tap, else its windows copied into rows
+  and one product; channels-last, as a Conv node's), MatMul by a 2-D
+  matrix (the products' rows shared with the helper where big enough),
+  ReduceMean and ReduceSum (their loops: :mod:`stepnet.onnx.lowered`);
+  elementwise loops follow their inputs' memory order, the values given
+  back stay C-contiguous;
 - GRU, LSTM and RNN nodes of one direction, no ``sequence_lens``, weights
   that are constants: the step-net's kernel, called as its prepared call
   calls it (:mod:`stepnet.jit.prepared`), X's rows read by steps.
@@ -67,20 +71,28 @@ class _Writer:
         self.args = []
         self.head, self.body, self.temps = [], [], 0
 
+    def arg(self, kind, what):
+        """A new argument of ``graph`` (``self.args``' ``(kind, what)``): its name."""
+        self.args.append((kind, what))
+        return f"a{len(self.args) - 1}"
+
     def ref(self, name):
         """The variable holding value ``name``: an argument where no node of
         the plan made it (an array)."""
         if name not in self.var:
             if type(self.env.get(name)) is not np.ndarray:
                 raise _Refused(name)
-            self.var[name] = f"a{len(self.args)}"
-            self.args.append(("env", name))
+            self.var[name] = self.arg("env", name)
         return self.var[name]
 
     def array(self, value):
         """An argument holding ``value``, an array made once for the key."""
-        self.args.append(("array", value))
-        return f"a{len(self.args) - 1}"
+        return self.arg("array", value)
+
+    def same_order(self, name, source):
+        """Value ``name`` laid out as ``source`` is (a view of it)."""
+        if source in self.order:
+            self.order[name] = self.order[source]
 
     def made(self, name):
         """A new variable for value ``name``, made by the current node."""
@@ -95,8 +107,7 @@ class _Writer:
 
         if blas.board_for_product(multiply_adds) is threads.ALONE:
             return self.array(threads.ALONE)
-        self.args.append(("product board", multiply_adds))
-        return f"a{len(self.args) - 1}"
+        return self.arg("product board", multiply_adds)
 
     def global_(self, line_of):
         """A global of the module (``line_of(name)`` its line): its name."""
@@ -173,8 +184,8 @@ def _elementwise(w, nodes, read_after):
     index = [f"i{k}" for k in range(len(shape))]
     # the loops in the memory order of the first input that is not broadcast
     # and is not C-contiguous (a Conv's rows channels-last), its outputs made so
-    whole = [n for node in nodes for n in node.args if n in w.order and w.env[n].shape == shape]
-    order = w.order[whole[0]] if whole else tuple(range(len(shape)))
+    order = next((w.order[n] for node in nodes for n in node.args
+                  if n in w.order and w.env[n].shape == shape), tuple(range(len(shape))))
     scalars, loop = {}, []
     for node in nodes:
         args = []
@@ -229,8 +240,7 @@ def _slice(w, node):
         return False
     src = w.ref(node.inputs[0])
     w.body.append(f"    {w.made(node.outputs[0])} = {src}[{', '.join(text)}]")
-    if node.inputs[0] in w.order:
-        w.order[node.outputs[0]] = w.order[node.inputs[0]]
+    w.same_order(node.outputs[0], node.inputs[0])
     return True
 
 
@@ -258,11 +268,12 @@ def _concat(w, node):
     out = w.env[node.outputs[0]]
     axis = node.attrs.get("axis", 0)
     axis = axis + out.ndim if axis < 0 else axis
-    parts = [w.ref(n) for n in node.inputs if n]
+    names = [n for n in node.inputs if n]
+    parts = [w.ref(n) for n in names]
     y = w.made(node.outputs[0])
     w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
     at = 0
-    for name, part in zip([n for n in node.inputs if n], parts):
+    for name, part in zip(names, parts):
         size = w.env[name].shape[axis]
         index = ", ".join([":"] * axis + [f"{at}:{at + size}"])
         w.body.append(f"    {y}[{index}] = {part}")
@@ -276,8 +287,7 @@ def _alias(w, node):
         w.body.append(f"    {w.made(node.outputs[0])} = np.ascontiguousarray({src})")
         return True
     w.var[node.outputs[0]] = w.ref(node.inputs[0])
-    if node.inputs[0] in w.order:
-        w.order[node.outputs[0]] = w.order[node.inputs[0]]
+    w.same_order(node.outputs[0], node.inputs[0])
     return True
 
 
@@ -350,14 +360,14 @@ def _conv(w, node):
     if C != x.shape[1] or out.shape != (x.shape[0], M, out_len) or min(pads) < 0 or stride < 1 \
             or dilation < 1:
         return False
-    by_taps = w.array(np.ascontiguousarray(weight.transpose(2, 1, 0)))  # [K, C, M]
-    by_rows = w.array(np.ascontiguousarray(weight.reshape(M, C * K).T)[None])  # [1, C * K, M]
+    laid = weight.transpose(2, 1, 0) if stride == 1 else weight.reshape(M, C * K).T[None]
+    weights = w.array(np.ascontiguousarray(laid))  # (conv1d's: by taps at stride 1, else columns)
     b = w.array(np.zeros(M, x.dtype) if bias is None else np.ascontiguousarray(bias, x.dtype))
     src = w.ref(node.inputs[0])
     board = w.product_board(x.shape[0] * out_len * C * K * M)
     y = w.made(node.outputs[0])
     w.order[node.outputs[0]] = (0, 2, 1)  # (a view of rows channels-last: conv1d)
-    w.body.append(f"    {y} = conv1d({src}, {by_taps}, {by_rows}, {b}, {stride}, {dilation}, {int(pads[0])}, "
+    w.body.append(f"    {y} = conv1d({src}, {weights}, {b}, {K}, {stride}, {dilation}, {int(pads[0])}, "
                   f"{out_len}, {board})")
     return True
 
@@ -420,8 +430,7 @@ def _recurrent(w, node):
     dt = f"np.{kernel.dtype.name}"
     consts = w.array(tuple(kernel.const_args))
     offsets = w.array(np.arange(0, (B + 1) * T, T, dtype=np.int64))
-    w.args.append(("board", (kernel, T * B, B)))
-    board = f"a{len(w.args) - 1}"
+    board = w.arg("board", (kernel, T * B, B))
     data = f"as_read_only(np.ascontiguousarray({w.ref(ins[0])}).reshape(({T * B}, {I})))"
     states = []
     for s, size in enumerate(sizes):
@@ -474,10 +483,8 @@ class GraphNode:
 
     def __init__(self, nodes, writer, outputs):
         from ..jit import loading
-        from ..jit.blas import board_for_product
         from ..jit.cpu_emit import runtime_imports
 
-        self._product_board = board_for_product
         self.nodes, self.outputs = nodes, outputs
         self.op, self.ctx = "graph", nodes[0].ctx
         self._args = writer.args
@@ -576,6 +583,7 @@ class GraphNode:
 
     def _compile(self):
         from ..jit import loading
+        from ..jit.blas import board_for_product
 
         with _LOCK:
             if self.entry is not None:
@@ -597,7 +605,7 @@ class GraphNode:
             self._fed = [(at, spec[1], self._shapes[at], np.dtype(str(self._signature[at].dtype)))
                          for at, spec in enumerate(self._args) if spec[0] == "env"]
             self._boards = [(at, spec[1][0].program.board, spec[1][1:]) if spec[0] == "board"
-                            else (at, self._product_board, (spec[1],))
+                            else (at, board_for_product, (spec[1],))
                             for at, spec in enumerate(self._args)
                             if spec[0] in ("board", "product board")]
             self.entry = function.overloads[function.signatures[0]].entry_point

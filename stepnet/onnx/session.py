@@ -205,10 +205,7 @@ class InferenceSession:
                 with numpy_blas_on_one_thread():  # (small GEMMs: OpenBLAS's pool spinning
                     graph.run(env, backend, key=key)  # after them takes the cores Numba's need)
         except Error as exc:  # (as _naming: a block of it costs a call of a small model a microsecond)
-            named = self._named(exc)
-            if named is exc:
-                raise
-            raise named from None
+            self._raise_named(exc)
         return [self._output(env[n]) for n in names]
 
     @contextlib.contextmanager
@@ -217,17 +214,14 @@ class InferenceSession:
         try:
             yield
         except Error as exc:
-            named = self._named(exc)
-            if named is exc:
-                raise
-            raise named from None
+            self._raise_named(exc)
 
-    def _named(self, exc):
-        """``exc``, or where it does not name the model's file yet, the same
-        error naming it."""
+    def _raise_named(self, exc):
+        """Raise ``exc``, or where it does not name the model's file yet, the
+        same error naming it."""
         if self._path is None or str(exc).startswith(self._path):
-            return exc
-        return type(exc)(f"{self._path}: {exc}")
+            raise exc
+        raise type(exc)(f"{self._path}: {exc}") from None
 
     @staticmethod
     def _output(value):
