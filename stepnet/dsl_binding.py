@@ -12,7 +12,7 @@ import numpy as np
 
 from . import ir
 from .errors import ShapeError, StepNetError
-from .lod import LoDTensor
+from .lod import LoDTensor, host_array
 from .tracing import Parameter, compute_dtype
 
 
@@ -85,9 +85,10 @@ def bind_static(name, b, v, num_seq):
     if b.var.lod_depth:
         if not isinstance(v, LoDTensor) or v.num_levels != b.var.lod_depth:
             raise ShapeError(f"static input {name}: expects a LoDTensor with {b.var.lod_depth} level(s)")
+        v = v.to_host()  # (rows a step reads by sequence: one on the GPU is copied)
         rows = v.num_sequences
     else:
-        v = np.asarray(v)
+        v = host_array(v)  # (one row per sequence: one on the GPU is copied)
         if v.ndim < 1:
             raise ShapeError(f"static input {name}: needs one row per sequence, got a scalar")
         rows = v.shape[0]
@@ -108,7 +109,7 @@ def bind_init(name, b, v, num_seq, rebound, sequence_input):
     one row per sequence, or one value broadcast to every sequence. A
     per-sequence value left bound (not ``rebound``) must still have a row per
     sequence of the step inputs."""
-    v = v.value if isinstance(v, Parameter) else np.asarray(v)
+    v = v.value if isinstance(v, Parameter) else host_array(v)  # (one on the GPU is copied)
     shape = b.memory_shape
     if v.shape == (num_seq,) + shape and (b.per_sequence or rebound or v.shape != shape):
         full = v

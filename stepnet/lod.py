@@ -125,6 +125,28 @@ def _frozen(arr):
     return arr
 
 
+def device_array(value):
+    """``value`` as a ``numba.cuda`` device array where it lies on a GPU (a
+    numba device array, or any object with ``__cuda_array_interface__``: a
+    torch CUDA tensor, a CuPy array; a view, not a copy), else None.
+    ``numba.cuda`` is imported only for the latter."""
+    if isinstance(value, (np.ndarray, np.generic, LoDTensor)) or not (
+            hasattr(value, "copy_to_host") or hasattr(value, "__cuda_array_interface__")):
+        return None
+    if hasattr(value, "copy_to_host"):  # a numba device array (the CUDA simulator's too)
+        return value
+    from numba import cuda
+
+    return cuda.as_cuda_array(value)
+
+
+def host_array(value):
+    """``value`` as a NumPy array: a CUDA array (:func:`device_array`) is
+    copied to the host, anything else goes through ``np.asarray``."""
+    device = device_array(value)
+    return np.asarray(value) if device is None else device.copy_to_host()
+
+
 def _concat_ranges(starts, stops):
     """Concatenate ``range(starts[i], stops[i])`` for every i, vectorized.
 
@@ -213,7 +235,12 @@ class LoDTensor:
     data : array_like
         The rows ``[N, ...]``, converted with ``np.asarray`` (no copy when it
         already is an ndarray); at least one dimension. Not a LoDTensor:
-        pass its ``.data`` (and its ``.lod``).
+        pass its ``.data`` (and its ``.lod``). An array on a GPU (a
+        ``numba.cuda`` device array, or anything with
+        ``__cuda_array_interface__``: a torch CUDA tensor, a CuPy array) stays
+        there as a ``numba.cuda`` view (``on_device``): the CUDA backend reads
+        it in place; the operations below that compute on the rows need
+        :meth:`to_host` first.
     lod : list of sequence of int, optional
         The offset levels, coarsest first (see the module docstring): each
         starts at 0 and never decreases, each level ends at the number of
@@ -253,7 +280,8 @@ class LoDTensor:
         if isinstance(data, LoDTensor):
             raise TypeError("data is already a LoDTensor; pass its .data "
                             "(and its .lod) to build a new one")
-        data = np.asarray(data)
+        device = device_array(data)
+        data = np.asarray(data) if device is None else device
         if data.ndim == 0:
             raise LoDError("data must have at least 1 dimension (got a 0-d array)")
 
@@ -469,7 +497,7 @@ class LoDTensor:
             offsets_from_lengths(np.concatenate([np.diff(t.levels[k]) for t in tensors]))
             for k in range(first.num_levels)
         ]
-        data = np.concatenate([t.data for t in tensors], axis=0)
+        data = np.concatenate([t._rows("concat") for t in tensors], axis=0)
         return cls(data, levels)
 
     # -- properties --------------------------------------------------------
@@ -519,6 +547,33 @@ class LoDTensor:
         """Number of top-level sequences (not data rows; see ``shape[0]``)."""
         return self.num_sequences
 
+    @property
+    def on_device(self):
+        """Whether the data lies on a GPU (a ``numba.cuda`` device array)."""
+        return not isinstance(self._data, np.ndarray)
+
+    def to_host(self):
+        """This tensor with its data on the host: itself where it is there
+        already, else a copy of the rows (the LoD shared)."""
+        return self if not self.on_device else LoDTensor._trusted(self._data.copy_to_host(),
+                                                                  self._levels)
+
+    def to_device(self):
+        """This tensor with its data on the GPU (a ``numba.cuda`` device
+        array, C-contiguous): itself where it is there already, else a copy of
+        the rows (the LoD shared)."""
+        if self.on_device:
+            return self
+        from numba import cuda
+
+        return LoDTensor._trusted(cuda.to_device(np.ascontiguousarray(self._data)), self._levels)
+
+    def _rows(self, what):
+        """The data for an operation that computes on the rows: on the host."""
+        if self.on_device:
+            raise LoDError(f"{what}: this LoDTensor's data is on the GPU; call .to_host() first")
+        return self._data
+
     def __repr__(self):
         levels = ", ".join(_format_level(offsets) for offsets in self._levels)
         return f"LoDTensor(shape={self.shape}, dtype={self.dtype}, lod=[{levels}])"
@@ -543,7 +598,7 @@ class LoDTensor:
             A new tensor with the same LoD, whose data is a cast copy (a copy
             even when the dtype already is ``dtype``).
         """
-        return LoDTensor(self._data.astype(dtype), self._levels)
+        return LoDTensor(self._rows("astype").astype(dtype), self._levels)
 
     def to_padded(self, pad_value=0, steps=None):
         """Pad the sequences of the last level into ``[B, T, ...]``.
@@ -581,6 +636,7 @@ class LoDTensor:
         ([[1, 2], [3, -1]], [2, 1])
         """
         self._require_levels("to_padded")
+        data = self._rows("to_padded")
         offsets = self._levels[-1]
         lens = np.diff(offsets)
         batch = lens.size
@@ -593,7 +649,7 @@ class LoDTensor:
         rows = self.shape[0]
         seq = np.repeat(np.arange(batch), lens)
         pos = np.arange(rows) - np.repeat(offsets[:-1], lens)
-        padded[seq, pos] = self._data
+        padded[seq, pos] = data
         return padded, lens
 
     def sequence(self, i):
@@ -636,7 +692,7 @@ class LoDTensor:
             if k > 0:
                 sub_levels.append(offsets[start:stop + 1] - offsets[start])
             start, stop = int(offsets[start]), int(offsets[stop])
-        rows = self._data[start:stop]
+        rows = self._rows("sequence")[start:stop]
         if not sub_levels:
             return rows
         return LoDTensor(rows, sub_levels)
@@ -691,4 +747,4 @@ class LoDTensor:
             starts, stops = offsets[idx], offsets[idx + 1]
             levels.append(offsets_from_lengths(stops - starts))
             idx = _concat_ranges(starts, stops)
-        return LoDTensor(self._data[idx], levels)
+        return LoDTensor(self._rows("select")[idx], levels)

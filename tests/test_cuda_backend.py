@@ -360,3 +360,84 @@ def test_without_gpu_or_simulator_the_backend_is_not_listed():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "not available on this machine" in out.stdout and "NUMBA_ENABLE_CUDASIM=1" in out.stdout
+
+
+def _on_host(value):
+    """A result given back on the device, copied to the host."""
+    if isinstance(value, sn.LoDTensor):
+        assert value.on_device
+        return value.to_host()
+    assert not isinstance(value, np.ndarray)  # a device array
+    return value.copy_to_host()
+
+
+def _rows(value):
+    return value.data if isinstance(value, sn.LoDTensor) else value
+
+
+@pytest.mark.parametrize("flags", [(True, True), (False, False), (True, False)])
+def test_step_inputs_on_the_device_are_read_in_place_and_outputs_stay_there(flags, loop):
+    """A LoDTensor whose rows are a device array: read where they lie (one
+    copy a call: the weights' and the tables'), every output given back on
+    the device as the interpreter computes it, the initial state given on
+    the device too; each call's outputs its own (a second call on other rows
+    leaves the first's as they were)."""
+    from numba import cuda
+
+    r = np.random.default_rng(5)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), [[4, 0, 2, 3]])
+    h0 = r.standard_normal((4, 4)).astype(np.float32)
+    rnn = _gated_cell(X)
+    f = rnn.compile("cuda")
+    X_gpu = sn.LoDTensor(cuda.to_device(X.data), X.lod)
+    assert X_gpu.on_device and X_gpu.shape == X.shape and X_gpu.dtype == X.dtype
+    on_gpu = f(output_all_steps=flags, x=X_gpu, h=cuda.to_device(h0))
+    assert f.last_call(output_all_steps=flags).copies_to_device == 1
+    f(output_all_steps=flags, x=sn.LoDTensor(cuda.to_device(X.data * 2), X.lod), h=h0)
+    expected = rnn(output_all_steps=flags, backend="interpreter", x=X, h=h0)
+    for got, want in zip(on_gpu, expected):
+        got = _on_host(got)
+        assert_close(_rows(got), _rows(want))
+        if isinstance(want, sn.LoDTensor):
+            assert got.lod == want.lod
+
+
+def test_device_inputs_with_no_steps_and_refusals():
+    from numba import cuda
+
+    X = sn.LoDTensor.from_lengths(np.zeros((0, 3), np.float32), [[0, 0]])
+    rnn = _gated_cell(X)
+    Y, z = rnn(backend="cuda", x=X.to_device())
+    assert Y.on_device and Y.shape == (0, 4) and Y.lod == [[0, 0, 0]]
+    X = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float32), [[1, 2]]).to_device()
+    with pytest.raises(sn.BackendError, match="input x: its data is on the GPU.*backend='cuda'"):
+        rnn(backend="interpreter", x=X)
+    with pytest.raises(sn.UnsupportedError, match="input x: its data is on the GPU.*gradients"):
+        sn.vjp(rnn, backend="cuda", x=X)
+    with pytest.raises(sn.LoDError, match="to_padded: .* on the GPU; call .to_host"):
+        X.to_padded()
+    strided = sn.LoDTensor(cuda.to_device(np.ones((3, 6), np.float32))[:, ::2], [[0, 1, 3]])
+    with pytest.raises(sn.ShapeError, match="input x: its rows on the GPU are not C-contiguous"):
+        rnn(backend="cuda", x=strided)
+
+
+@pytest.mark.parametrize("layer", [
+    lambda: sn.nn.GRU(3, 4, num_layers=2), lambda: sn.nn.LSTM(3, 4),
+    lambda: sn.nn.GRU(3, 4, direction="bidirectional_concat"),
+    lambda: sn.nn.RNN(3, 4, direction="bidirectional_sum")],
+    ids=["gru-2-layers", "lstm", "gru-bidirectional-concat", "rnn-bidirectional-sum"])
+def test_layers_given_rows_on_the_device_give_back_device_arrays(layer):
+    from numba import cuda
+
+    layer = layer()
+    r = np.random.default_rng(6)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), [[4, 0, 2, 3]])
+    Y, states = layer(X.to_device(), backend="cuda")
+    Y_host, states_host = layer(X, backend="interpreter")
+    assert Y.on_device and Y.lod == X.lod
+    assert_close(Y.to_host().data, Y_host.data)
+    for h, h_host in zip(states if isinstance(states, tuple) else [states],
+                         states_host if isinstance(states_host, tuple) else [states_host]):
+        assert_close(_on_host(h), h_host)
+    with pytest.raises(sn.UnsupportedError, match="padded input on the GPU"):
+        layer((cuda.to_device(np.zeros((2, 3, 3), np.float32)), [3, 1]), backend="cuda")

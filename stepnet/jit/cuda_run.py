@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ir, registry
-from ..errors import LoDError, UnsupportedError
+from ..errors import LoDError, ShapeError, UnsupportedError
 from ..lod import LoDTensor
 
 try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
@@ -184,8 +184,9 @@ class _Run:
         with self._lock:
             self.last_call = CallCounts(self.plan(batch))
             if batch.steps == 0:  # no step to run: empty all-steps outputs, initial states
-                return _no_steps(batch.eqn, self.k.body, batch.initial, batch.seq_args,
-                                 batch.num_seq, batch.ragged_args)
+                found = _no_steps(batch.eqn, self.k.body, batch.initial, batch.seq_args,
+                                  batch.num_seq, batch.ragged_args)
+                return [_to_device(v) for v in found] if batch.on_device else found
             device = self._inputs(batch, consts)
             self._run(batch, device)
             return self._outputs(batch, device)
@@ -215,7 +216,12 @@ class _Run:
         device = {}
         for i, X in enumerate(b.seq_args):
             if X.num_levels == 1:
-                device[f"seq{i}"] = _host(X.data.reshape(len(X.data), -1))
+                device[f"seq{i}"] = _rows_in_place(X, b.seq_names[i]) if X.on_device else \
+                    _host(X.data.reshape(len(X.data), -1))
+            elif X.on_device:
+                raise UnsupportedError(f"cuda backend: input {b.seq_names[i]} has nested sequences "
+                                       f"on the GPU (their inner step-nets read host rows); pass "
+                                       f"{b.seq_names[i]}.to_host()")
             else:  # read by nested step-nets only: not on the device as rows
                 device[f"seq{i}"] = cuda.device_array((1, 1), np.float32)
         position = {id(v): i for i, v in enumerate(body.step_inputs)}
@@ -244,7 +250,9 @@ class _Run:
                 continue
             if all_steps:
                 rows = int(b.moffs[-1]) if out.lod_depth else b.total
-                device[f"out{kk}"] = self._empty(f"out{kk}", (max(rows, 1), width), out.dtype)
+                # (given back on the device: the caller's own array, never the next call's)
+                device[f"out{kk}"] = cuda.device_array((max(rows, 1), width), out.dtype) \
+                    if b.on_device else self._empty(f"out{kk}", (max(rows, 1), width), out.dtype)
             else:
                 mi = b.eqn.attrs["output_memory"][kk]
                 start = mem_init[mi][b.order] if mi >= 0 else \
@@ -265,6 +273,8 @@ class _Run:
                 device[info.name] = _host(np.ravel(np.asarray(b.const_env[v_id], info.dtype)))
         device["steps"] = _host(np.stack([b.nbs, b.offs, b.moffs[:b.steps]]))
         device["tok"] = b.gather  # the caller's token of each packed row
+        if b.on_device:  # (each sequence's row of a last-step output, scattered on the device)
+            device["out_order"] = _host(b.order)
         return self._upload(device)
 
     def _upload(self, device):
@@ -413,6 +423,11 @@ class _Run:
         return spec
 
     def _outputs(self, b, device):
+        """The outputs in the caller's layout: on the device where the step
+        inputs were (:meth:`_device_outputs`), else on the host."""
+        return self._device_outputs(b, device) if b.on_device else self._host_outputs(b, device)
+
+    def _host_outputs(self, b, device):
         """The outputs back on the host in the caller's layout."""
         k, body, eqn = self.k, self.k.body, b.eqn
         results = []
@@ -439,6 +454,63 @@ class _Run:
         return results
 
 
+    def _device_outputs(self, b, device):
+        """The outputs on the device in the caller's layout: an all-steps
+        output is its own array (written in the caller's rows), a last-step
+        one scattered from sorted order by a kernel; a ragged one (a
+        memory's rows, or rows of every step) is laid out on the host and
+        copied back."""
+        k, body, eqn = self.k, self.k.body, b.eqn
+        results = []
+        for kk, (out, all_steps) in enumerate(zip(body.outputs, eqn.attrs["all_steps"])):
+            shape = tuple(out.shape[1:])
+            if out.lod_depth or not all_steps and eqn.attrs["output_memory"][kk] in k.ragged_memories:
+                results.append(None)
+            elif all_steps:
+                data = device[f"out{kk}"][:b.total].reshape((b.total,) + shape)
+                results.append(LoDTensor._trusted(data, [b.seq_args[0].levels[0]]))
+            else:
+                rows = device[f"out{kk}"]
+                last = cuda.device_array(rows.shape, rows.dtype)
+                self._launch(_scatter_rows(), rows.size, rows, device["out_order"], last)
+                results.append(last.reshape((b.num_seq,) + shape))
+        if any(r is None for r in results):
+            host = self._host_outputs(b, device)
+            results = [_to_device(h) if r is None else r for r, h in zip(results, host)]
+        return results
+
+
+def _rows_in_place(X, name):
+    """A step input's rows on the device, read where they lie ``[N, width]``."""
+    data = X.data
+    if not data.is_c_contiguous():
+        raise ShapeError(f"input {name}: its rows on the GPU are not C-contiguous; pass a "
+                         f"contiguous array (torch: .contiguous(); numba: a fresh device array)")
+    return data.reshape(data.shape[0], -1) if data.shape[0] else cuda.device_array((1, 1), data.dtype)
+
+
+def _to_device(value):
+    """A host result (an array or a LoDTensor) copied to the device."""
+    if isinstance(value, LoDTensor):
+        return LoDTensor._trusted(cuda.to_device(np.ascontiguousarray(value.data)), value.levels)
+    return cuda.to_device(np.ascontiguousarray(value))
+
+
+@functools.cache
+def _scatter_rows():
+    """A kernel: ``dst[order[r]] = src[r]`` for every row ``r`` of ``src``."""
+
+    @cuda.jit
+    def scatter(src, order, dst):
+        i = cuda.grid(1)
+        width = src.shape[1]
+        if i < src.shape[0] * width:
+            r = i // width
+            dst[order[r], i - r * width] = src[r, i - r * width]
+
+    return scatter
+
+
 class _Batch:
     """A call's sequences as the kernels take them: sorted longest first
     (``order``), the active rows of each step (``nbs``) and where they start
@@ -450,6 +522,9 @@ class _Batch:
         self.by_var = {id(v): a for v, a in zip(program.inputs, args)}
         seqs, self.statics, self.inits = (list(p) for p in ir.rnn_parts(self.eqn))
         self.seq_args = [self.by_var[id(v)] for v in seqs]
+        self.seq_names = [v.name for v in seqs]
+        # (the step inputs on the device: the outputs stay there too)
+        self.on_device = any(X.on_device for X in self.seq_args)
         lengths = np.diff(np.asarray(self.seq_args[0].levels[0])).astype(np.int64)
         self.num_seq = len(lengths)
         self.order = np.argsort(-lengths, kind="stable")

@@ -12,7 +12,7 @@ from .. import dsl, sizes
 from ..backends import backend as backend_info
 from ..pullback import forward_with_workspace
 from ..errors import ShapeError, StepNetError, UnsupportedError
-from ..lod import LoDTensor
+from ..lod import LoDTensor, device_array, host_array
 from ..tracing import Parameter, compute_dtype, current_frame
 from . import cells
 from .layer_pullback import LayerPullback
@@ -453,17 +453,17 @@ class _RecurrentLayer(_Layouts):
                 outs = rnn(output_all_steps=flags, backend=backend, **feeds)
             else:
                 outs, tape[layer, d] = forward_with_workspace(rnn, flags, backend, **feeds)
-            for s in range(len(states)):
-                states[s][layer * D + d] = outs[1 + s]
-            if layer in joined:
-                joined[layer][:, d * width:(d + 1) * width] = outs[0].data
+            for s in range(len(states)):  # (a state given back on the device: copied here)
+                states[s][layer * D + d] = host_array(outs[1 + s])
+            if layer in joined:  # (two directions are joined on the host)
+                joined[layer][:, d * width:(d + 1) * width] = outs[0].to_host().data
             return outs[0]
 
         def combined(ys, layer):
             if len(ys) == 1:
                 return ys[0].data
             if self.direction == "bidirectional_sum":
-                return ys[0].data + ys[1].data
+                return ys[0].to_host().data + ys[1].to_host().data
             return joined[layer]
 
         Y = self.stack(X, run_one,
@@ -542,6 +542,9 @@ class _RecurrentLayer(_Layouts):
         name = type(self).__name__
         if isinstance(X, tuple) and len(X) == 2:
             padded, lengths = X
+            if device_array(padded) is not None:
+                raise UnsupportedError(f"{name}: a padded input on the GPU; pass a LoDTensor "
+                                       "of its rows (LoDTensor(rows_on_the_gpu, lod))")
             padded = np.asarray(padded)
             if padded.ndim != 3:
                 raise ShapeError(f"{name}: padded input must be [B, T, input_size], got "
@@ -569,7 +572,7 @@ class _RecurrentLayer(_Layouts):
     def _check_state(self, value, width, what, batch):
         if value is None:
             return None
-        value = np.asarray(value)
+        value = host_array(value)  # (one on the GPU is copied: a row per sequence)
         shape = (self.num_layers * self.num_directions, batch, width)
         if value.shape != shape:
             raise ShapeError(f"{type(self).__name__}: {what} has shape {list(value.shape)}, "
@@ -577,6 +580,9 @@ class _RecurrentLayer(_Layouts):
         return np.ascontiguousarray(value, self.dtype)
 
     def _give_back(self, data, back, flat):
+        if flat.on_device:  # (X on the GPU: Y there too, in the layer's dtype)
+            Y = LoDTensor._trusted(data, back[1])
+            return Y.to_device() if isinstance(data, np.ndarray) else Y
         data = data.astype(back[2], copy=False)
         if back[0] == "lod":  # the input's own (checked) levels
             return LoDTensor._trusted(data, back[1])
@@ -596,6 +602,10 @@ class _RecurrentLayer(_Layouts):
         if keep_workspace:
             self._workspace = LayerPullback(self, tape, flat, back, data.shape[1],
                                             attention is not None)
+        if flat.on_device:
+            from numba import cuda
+
+            return Y, [cuda.to_device(h) for h in states]
         return Y, [h.astype(back[2], copy=False) for h in states]
 
     def vjp(self, *args, backend=None, **kwargs):
