@@ -15,7 +15,7 @@ import numpy as np
 
 from . import ir, schedule as _schedule, sizes
 from .autodiff import backward_program, forward_program
-from .errors import BackendError, UnsupportedError
+from .errors import BackendError
 from .lod import LoDTensor
 
 
@@ -194,7 +194,7 @@ class CompiledStepNet:
         """Refuse a call (bound ``args``) whose outputs, and with ``workspace``
         the values a training call keeps for its backward, would not fit
         (``_Outputs``), before the backend makes them."""
-        self._check_device_inputs(args, workspace)
+        self._check_device_inputs(args)
         key = (flags, workspace)
         if key not in self._outputs:
             program = self.rnn.program(flags)
@@ -202,16 +202,12 @@ class CompiledStepNet:
                                              "outputs and workspace" if workspace else "outputs")
         self._outputs[key].check(args)
 
-    def _check_device_inputs(self, args, workspace):
+    def _check_device_inputs(self, args):
         """Refuse step inputs whose data lies on a GPU where this backend reads
-        host arrays, or for a run that keeps a workspace for gradients."""
+        host arrays."""
         program = self.rnn.program(True)
         for var, value in zip(program.inputs, args):
             if isinstance(value, LoDTensor) and value.on_device:
-                if workspace:
-                    raise UnsupportedError(
-                        f"input {var.name}: its data is on the GPU, and gradients take host "
-                        f"arrays only; pass {var.name}.to_host()")
                 if not self.capabilities.device_memory:
                     raise BackendError(
                         f"input {var.name}: its data is on the GPU, and backend "

@@ -31,7 +31,7 @@ from .errors import ShapeError, StepNetError
 from .interpreter import numpy_blas_beside_a_compile
 from .ir import Literal, Var
 from .config import config
-from .lod import LoDTensor
+from .lod import LoDTensor, device_array, host_array
 from .tracing import Parameter
 
 
@@ -39,7 +39,7 @@ def _numpy_transposed_products(products):
     return [(a.T @ b, b.sum(0)) if column_sums else a.T @ b for a, b, column_sums in products]
 
 
-def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
+def reduce_terms(layout, outputs, inputs, on_numpy=False, on_device=False) -> dict:
     """Sum the per-row terms: ``{id(const var): gradient}``. A term's index is
     an output of the backward rnn; a Var is one of its inputs (``inputs``:
     id(var) -> value). The rows of a ``Rows`` term are summed once however many
@@ -47,8 +47,11 @@ def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
     the same rows (a bias next to its weight) when there is one. The
     products run together on stepnet's threads (``transposed.transposed_products``,
     compiled helpers), or with ``on_numpy`` on NumPy: for a backward that ran
-    on the interpreter, which must not wait for a compile."""
-    if on_numpy:
+    on the interpreter, which must not wait for a compile; with
+    ``on_device``, rows that lie on the GPU are summed there."""
+    if on_device:
+        from .jit.cuda_run import column_sums_on_device, transposed_products as products_of
+    elif on_numpy:
         products_of = _numpy_transposed_products
     else:
         from .jit.transposed import transposed_products as products_of  # (loaded: a kernel ran)
@@ -82,7 +85,8 @@ def reduce_terms(layout, outputs, inputs, on_numpy=False) -> dict:
             k = key(term.value)
             if k not in sums:
                 r = rows(term.value)
-                sums[k] = r.reshape(r.shape[0], int(np.prod(r.shape[1:]))).sum(0)
+                sums[k] = column_sums_on_device(r).ravel() if on_device and device_array(r) is not None \
+                    else r.reshape(r.shape[0], int(np.prod(r.shape[1:]))).sum(0)
             add(var, sums[k].reshape(var.shape).copy())
     return grads
 
@@ -142,6 +146,11 @@ class Pullback:
         targets = [_resolve(rnn, item, self.values) for item in wrt]
         program = rnn.program(self.flags)
         cts = _check_grad_outputs(rnn, program, self.outputs, grad_outputs)
+        capabilities = backend_info(self.backend)
+        # (an all-steps cotangent on the GPU is read there by a device's backend;
+        # a last-step one, a row per sequence, and any on another backend, on the host)
+        cts = [c if c is None or flag and capabilities.device_memory else host_array(c)
+               for c, flag in zip(cts, self.flags)]
         present = tuple(c is not None for c in cts)
         runs, layout = compiled(rnn, self.backend).backward(self.flags, present)
         seqs, statics, _ = ir.rnn_parts(program.eqn)
@@ -160,23 +169,24 @@ class Pullback:
         # a backward that ran on the interpreter (its backend, or a kernel's
         # first tier: not ready after its call) sums the weight gradients on
         # NumPy too (not under STEPNET_DETERMINISTIC, whose sums have a fixed order)
-        capabilities = backend_info(self.backend)
         on_numpy = not config.engine("deterministic") and (not capabilities.compiles or any(
             getattr(run, "ready", True) is False for run, _ in runs))
         results = [values[id(v)] for v in layout.values]
         inputs = values
+        # (the backward's step inputs on the GPU: its outputs too, summed there)
+        on_device = any(isinstance(r, LoDTensor) and r.on_device for r in results)
         if on_numpy and capabilities.host_code:  # the compiled calls' weight gradients:
             from .jit.loading import prepare_weight_gradients  # compiled meanwhile
 
             for dtype in {np.asarray(getattr(r, "data", r)).dtype for r in results}:
                 prepare_weight_gradients(dtype)
         with numpy_blas_beside_a_compile() if on_numpy and capabilities.compiles else nullcontext():
-            terms = reduce_terms(layout, results, inputs, on_numpy)  # (beside the compile worker)
+            terms = reduce_terms(layout, results, inputs, on_numpy, on_device)  # (beside a compile)
         grads = pull_consts(program, terms, self.consts)
         lengths = np.diff(np.asarray(self.args[position[id(seqs[0])]].levels[0]))
         d_inits = []
         for i in layout.inits:
-            d_inits.append(np.array(results[i]))
+            d_inits.append(np.array(host_array(results[i])))
         for k in layout.injected:  # empty sequences: a last-step output is the init itself
             mi = program.eqn.attrs["output_memory"][k]
             if mi >= 0:
@@ -198,7 +208,10 @@ class Pullback:
                 inits = ir.rnn_parts(program.eqn)[2]
                 g = d_inits[[id(v) for v in inits].index(id(key))]
                 g = sum_to_shape(g, np.shape(like))
-            found.append(np.asarray(g).astype(like.dtype, copy=False).reshape(np.shape(like)))
+            if kind == "sequence" and device_array(g) is not None:  # (stays on the GPU)
+                found.append(g.reshape(like.shape))
+                continue
+            found.append(host_array(g).astype(like.dtype, copy=False).reshape(np.shape(like)))
         return _deliver(found, wrt, accumulate, out)
 
 
@@ -211,6 +224,7 @@ def _deliver(found, wrt, accumulate, out):
     if len(out) != len(found):
         raise StepNetError(f"out has {len(out)} arrays for {len(found)} wrt entries")
     for i, (buf, g) in enumerate(zip(out, found)):
+        g = host_array(g)  # (into a host buffer)
         if not isinstance(buf, np.ndarray) or buf.shape != g.shape:
             raise ShapeError(
                 f"out[{i}]: needs an ndarray of shape {list(g.shape)} for wrt[{i}], got "
@@ -271,14 +285,18 @@ def _check_grad_outputs(rnn, program, outputs, grad_outputs):
             continue
         if isinstance(g, LoDTensor):
             g = g.data
-        g = np.asarray(g)
+        on_gpu = device_array(g)
+        g = np.asarray(g) if on_gpu is None else on_gpu
         expected = res.data.shape if isinstance(res, LoDTensor) else np.shape(res)
         if g.shape != tuple(expected):
             raise ShapeError(
                 f"grad_outputs[{k}] (output {var.name}) has shape {list(g.shape)}; the output's "
                 f"data has shape {list(expected)}"
             )
-        cts.append(np.ascontiguousarray(g, dtype=var.dtype))
+        if on_gpu is not None and g.dtype != var.dtype:
+            raise ShapeError(f"grad_outputs[{k}] (output {var.name}): dtype {g.dtype} on the GPU, "
+                             f"the output's is {var.dtype}")
+        cts.append(g if on_gpu is not None else np.ascontiguousarray(g, dtype=var.dtype))
     return cts
 
 

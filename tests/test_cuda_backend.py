@@ -412,8 +412,8 @@ def test_device_inputs_with_no_steps_and_refusals():
     X = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float32), [[1, 2]]).to_device()
     with pytest.raises(sn.BackendError, match="input x: its data is on the GPU.*backend='cuda'"):
         rnn(backend="interpreter", x=X)
-    with pytest.raises(sn.UnsupportedError, match="input x: its data is on the GPU.*gradients"):
-        sn.vjp(rnn, backend="cuda", x=X)
+    with pytest.raises(sn.UnsupportedError, match="gradients take rows on the host"):
+        sn.nn.GRU(3, 4).vjp(X, backend="cuda")
     with pytest.raises(sn.LoDError, match="to_padded: .* on the GPU; call .to_host"):
         X.to_padded()
     strided = sn.LoDTensor(cuda.to_device(np.ones((3, 6), np.float32))[:, ::2], [[0, 1, 3]])
@@ -441,3 +441,57 @@ def test_layers_given_rows_on_the_device_give_back_device_arrays(layer):
         assert_close(_on_host(h), h_host)
     with pytest.raises(sn.UnsupportedError, match="padded input on the GPU"):
         layer((cuda.to_device(np.zeros((2, 3, 3), np.float32)), [3, 1]), backend="cuda")
+
+
+def test_gradients_of_rows_on_the_device_are_summed_there(monkeypatch):
+    """sn.vjp of a step-net whose step input lies on the device: the
+    forward keeps its workspace there, the backward reads it there, the
+    weight gradients are summed over the tokens there (the host's
+    transposed products are never called), dX stays on the device; all as
+    the interpreter computes them, with all-steps cotangents given on the
+    device or on the host."""
+    from numba import cuda
+
+    from stepnet.jit import transposed
+
+    def host_products(products):
+        raise AssertionError("a weight gradient summed on the host")
+
+    monkeypatch.setattr(transposed, "transposed_products", host_products)
+    r = np.random.default_rng(8)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), [[4, 0, 2, 3]])
+    h0 = r.standard_normal((4, 4)).astype(np.float32)
+    rnn = _gated_cell(X)
+    W, U, b = rnn.parameters()
+    dY = r.standard_normal((9, 4)).astype(np.float32)
+    dz = r.standard_normal((9, 4)).astype(np.float32)
+    wrt = [W, U, b, "x", "h"]
+    _, reference = sn.vjp(rnn, backend="interpreter", x=X, h=h0)
+    expected = reference([dY, dz], wrt=wrt)
+    for given in (lambda a: cuda.to_device(a), lambda a: a):
+        Y, pullback = sn.vjp(rnn, backend="cuda", x=X.to_device(), h=h0)
+        assert Y[0].on_device
+        grads = pullback([given(dY), sn.LoDTensor(given(dz), X.lod)], wrt=wrt)
+        for g, e in zip(grads[:3] + grads[4:], expected[:3] + expected[4:]):
+            assert isinstance(g, np.ndarray)
+            assert_close(g, e)
+        assert not isinstance(grads[3], np.ndarray)  # dX on the device
+        assert_close(grads[3].copy_to_host(), expected[3])
+
+
+def test_a_torch_cuda_tensor_is_read_where_it_lies():
+    """Rows given as a torch CUDA tensor (``__cuda_array_interface__``): only
+    on a real GPU with a CUDA build of PyTorch (the simulator has no such
+    arrays)."""
+    torch = pytest.importorskip("torch")
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a GPU and a CUDA build of PyTorch")
+    r = np.random.default_rng(9)
+    X = sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), [[4, 0, 2, 3]])
+    rnn = _gated_cell(X)
+    X_gpu = sn.LoDTensor(torch.from_numpy(X.data).cuda(), X.lod)
+    assert X_gpu.on_device
+    Y, z = rnn(backend="cuda", x=X_gpu)
+    expected = rnn(backend="interpreter", x=X)
+    assert_close(torch.as_tensor(Y.data, device="cuda").cpu().numpy(), expected[0].data)
+    assert_close(z.to_host().data, expected[1].data)

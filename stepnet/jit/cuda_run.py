@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import ir, registry
 from ..errors import LoDError, ShapeError, UnsupportedError
-from ..lod import LoDTensor
+from ..lod import LoDTensor, device_array, host_array
 
 try:  # numba.cuda imports without a GPU; is_available() says whether one (or the simulator) is there
     from numba import cuda
@@ -486,7 +486,9 @@ def _rows_in_place(X, name):
     if not data.is_c_contiguous():
         raise ShapeError(f"input {name}: its rows on the GPU are not C-contiguous; pass a "
                          f"contiguous array (torch: .contiguous(); numba: a fresh device array)")
-    return data.reshape(data.shape[0], -1) if data.shape[0] else cuda.device_array((1, 1), data.dtype)
+    width = int(np.prod(data.shape[1:]))
+    return data.reshape(data.shape[0], width) if data.shape[0] else \
+        cuda.device_array((1, 1), data.dtype)
 
 
 def _to_device(value):
@@ -509,6 +511,68 @@ def _scatter_rows():
             dst[order[r], i - r * width] = src[r, i - r * width]
 
     return scatter
+
+
+@functools.cache
+def _reductions():
+    """Kernels of a backward's weight gradients on the device: ``a.T @ b``
+    (a thread an element, its row along ``b``'s columns so that a warp reads
+    ``b`` coalesced and one element of ``a``) and the column sums of ``b``,
+    each a sum over every token in float64."""
+
+    @cuda.jit
+    def transposed(a, b, out):
+        n, m = cuda.grid(2)
+        if m < out.shape[0] and n < out.shape[1]:
+            acc = 0.0
+            for r in range(a.shape[0]):
+                acc += a[r, m] * b[r, n]
+            out[m, n] = acc
+
+    @cuda.jit
+    def column_sums(b, out):
+        n = cuda.grid(1)
+        if n < out.shape[0]:
+            acc = 0.0
+            for r in range(b.shape[0]):
+                acc += b[r, n]
+            out[n] = acc
+
+    return transposed, column_sums
+
+
+def transposed_products(products):
+    """``a.T @ b`` for each ``(a, b, column_sums)`` of ``products`` (with
+    ``column_sums``: ``(a.T @ b, b.sum(0))``) where both lie on the device:
+    summed over the tokens there, the result (a weight's size) copied back;
+    anything else on the host, with NumPy."""
+    transposed, _ = _reductions()
+    results = []
+    for a, b, column_sums in products:
+        if device_array(a) is None or device_array(b) is None or a.ndim != 2 or b.ndim != 2 \
+                or a.dtype != b.dtype:
+            a, b = host_array(a), host_array(b)
+            results.append((a.T @ b, b.sum(0)) if column_sums else a.T @ b)
+            continue
+        m, n = a.shape[1], b.shape[1]
+        out = cuda.device_array((m, n), a.dtype)
+        if m * n:
+            transposed[(-(-n // 32), -(-m // 8)), (32, 8)](a, b, out)
+        product = out.copy_to_host()
+        results.append((product, column_sums_on_device(b)) if column_sums else product)
+    return results
+
+
+def column_sums_on_device(rows):
+    """``rows.sum(0)`` of rows on the device ``[R, ...]``, summed there and
+    copied back."""
+    _, column_sums = _reductions()
+    if not rows.shape[0]:
+        return np.zeros(rows.shape[1:], rows.dtype)
+    flat = rows.reshape(rows.shape[0], int(np.prod(rows.shape[1:])))
+    out = cuda.device_array(flat.shape[1], flat.dtype)
+    column_sums[-(-flat.shape[1] // THREADS), THREADS](flat, out)
+    return out.copy_to_host().reshape(rows.shape[1:])
 
 
 class _Batch:

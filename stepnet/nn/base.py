@@ -590,6 +590,9 @@ class _RecurrentLayer(_Layouts):
 
     def _forward(self, X, attention, initial, backend, keep_workspace=False):
         flat, back = self._check_input(X)
+        if keep_workspace and flat.on_device:
+            raise UnsupportedError(f"{type(self).__name__}: a layer's gradients take rows on the "
+                                   "host (a step-net's take them on the GPU); pass X.to_host()")
         if attention is not None:
             attention = self._check_attention(attention, X, flat, back)
         B = flat.num_sequences
