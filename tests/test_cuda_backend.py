@@ -468,10 +468,10 @@ def test_gradients_of_rows_on_the_device_are_summed_there(monkeypatch):
     wrt = [W, U, b, "x", "h"]
     _, reference = sn.vjp(rnn, backend="interpreter", x=X, h=h0)
     expected = reference([dY, dz], wrt=wrt)
-    for given in (lambda a: cuda.to_device(a), lambda a: a):
+    for placed in (lambda a: cuda.to_device(a), lambda a: a):
         Y, pullback = sn.vjp(rnn, backend="cuda", x=X.to_device(), h=h0)
         assert Y[0].on_device
-        grads = pullback([given(dY), sn.LoDTensor(given(dz), X.lod)], wrt=wrt)
+        grads = pullback([placed(dY), sn.LoDTensor(placed(dz), X.lod)], wrt=wrt)
         for g, e in zip(grads[:3] + grads[4:], expected[:3] + expected[4:]):
             assert isinstance(g, np.ndarray)
             assert_close(g, e)
