@@ -544,6 +544,12 @@ class RNNOp:
         out = {}
         for var, source in self.frame.state.consts.values():
             arr = source.value if isinstance(source, Parameter) else np.asarray(source)
+            if arr.shape != tuple(var.shape):  # (kernels index it by the defined shape)
+                what = f"Parameter {source.name}" if isinstance(source, Parameter) else \
+                    f"constant {var.name}"
+                raise ShapeError(f"{what}: its value now has shape {list(arr.shape)}, but "
+                                 f"{self.name} was defined with {list(var.shape)}; give it an "
+                                 "array of that shape, or define the step-net again")
             out[var] = arr.astype(var.dtype, copy=False)
         return out
 

@@ -240,3 +240,31 @@ def test_a_hidden_size_typed_with_extra_zeros_is_refused_naming_the_parameter():
                                            r"need .* TiB, more than .*; the largest, l0_fwd_R "
                                            r"\[2560000000, 7680000000\] float32"):
         sn.nn.GRU(128, 2560000000)
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+@pytest.mark.parametrize("shape", [(3, 6), (1, 4), (0, 0)])
+def test_a_parameter_given_another_shape_after_the_definition_is_refused(backend, shape):
+    """Kernels index a constant by the shape it had when the step-net was
+    defined: a Parameter whose value changed shape since is refused by name
+    before anything runs (a layer's too)."""
+    rng = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[2, 3]])
+    W = sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[4], name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state()))
+        rnn.add_outputs(h)
+    rnn(backend=backend)
+    W.value = np.zeros(shape, np.float32)
+    with pytest.raises(sn.ShapeError, match=r"Parameter W: its value now has shape \[%d, %d\], "
+                       r"but rnn was defined with \[3, 4\]" % shape):
+        rnn(backend=backend)
+    gru = sn.nn.GRU(3, 4, seed=0)
+    gru(X, backend=backend)
+    weight = gru.parameters()[0]
+    weight.value = np.zeros((3, 5), np.float32)
+    with pytest.raises(sn.ShapeError, match=f"Parameter {weight.name}: its value now has shape"):
+        gru(X, backend=backend)
