@@ -1396,3 +1396,28 @@ def test_the_workspace_keeps_the_sums_that_recurrent_products_start():
     for backend in ["interpreter"] + (["numba"] if HAS_NUMBA else []):
         got = gradients(rnn, wrt, cots, True, feeds, backend)
         assert_fd_close(got, expected, wrt, what=backend)
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_a_memory_named_in_wrt_gets_a_gradient_shaped_like_its_bound_value(backend):
+    """docs/gradients.md: a memory's gradient is shaped like the value bound
+    to it: ``[num_seq, *shape]`` for a row per sequence, and one value
+    shared by every sequence (the default zeros too) gets the sum of their
+    rows."""
+    rng = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)), [[2, 3]])
+    W = sn.Parameter(rng.standard_normal((3, 4)), name="W")
+    U = sn.Parameter(rng.standard_normal((4, 4)), name="U")
+    h0 = np.full(4, 0.1)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(init=h0, name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
+        rnn.add_outputs(h)
+    G = rng.standard_normal((2, 4))
+    kwargs = dict(grad_outputs=[G], output_all_steps=False, backend=backend)
+    shared, = sn.gradients(rnn, wrt=["h"], **kwargs)
+    rows, = sn.gradients(rnn, wrt=["h"], h=np.tile(h0, (2, 1)), **kwargs)
+    assert shared.shape == (4,) and rows.shape == (2, 4)
+    assert_close(shared, rows.sum(0))
