@@ -996,3 +996,51 @@ def test_scan_mixing_rows_falls_back_to_one_sequence():
     session = InferenceSession(model, backend="interpreter")
     assert_close(session.run(None, feeds), _ort_run(model, feeds))
     assert _scan_layouts(session) == ["whole"]
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_weights_fed_as_inputs_and_changed_in_place_are_read_again(backend, rng):
+    """W, R and B fed by the caller (graph inputs, not initializers): a change
+    made in place between two calls, or a copy with new values, is used by
+    the next call (a fresh session's answer on the same values)."""
+    arrays = _gru_arrays(rng)
+    node = helper.make_node("GRU", ["X", "W", "R", "B"], ["Y", "Y_h"], hidden_size=6)
+    model = _model([node], [_info(k, arrays[k]) for k in ("X", "W", "R", "B")],
+                   [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("Y", "Y_h")])
+    session = InferenceSession(model, backend=backend)
+    session.run(None, arrays)
+    arrays["W"] *= 0.5
+    arrays["R"][0, :3] = 0
+    changed = session.run(None, arrays)
+    for got, want in zip(changed, InferenceSession(model, backend=backend).run(None, arrays)):
+        assert_close(got, want)
+    arrays["B"] = arrays["B"] + 1
+    again = session.run(None, arrays)
+    for got, want in zip(again, InferenceSession(model, backend=backend).run(None, arrays)):
+        assert_close(got, want)
+
+
+def test_no_steps_none_fed_and_an_error_that_names_its_node_once(rng):
+    """X of zero steps gives empty Y and the initial states; a None fed is an
+    input not fed; an error raised by a node names it once."""
+    arrays = _gru_arrays(rng)
+    h0 = rng.standard_normal((1, 3, 6)).astype(np.float32)
+    node = helper.make_node("GRU", ["X", "W", "R", "B", "", "h0"], ["Y", "Y_h"], hidden_size=6)
+    model = _model([node], [_info("X", arrays["X"][:0]), _info("h0", h0)],
+                   [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("Y", "Y_h")],
+                   [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B")])
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
+    session = InferenceSession(model, backend="interpreter")
+    Y, Y_h = session.run(None, {"X": arrays["X"][:0], "h0": h0})
+    assert Y.shape == (0, 1, 3, 6)
+    assert_close(Y_h, h0)
+    with pytest.raises(sn.StepNetError, match=r"no value fed for input\(s\) \['h0'\]"):
+        session.run(None, {"X": arrays["X"], "h0": None})
+    node = helper.make_node("GRU", ["X", "W", "R"], ["Y"], hidden_size=6, direction="bidirectional",
+                            name="gru")
+    model = _model([node], [_info("X", arrays["X"])],
+                   [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                   [numpy_helper.from_array(arrays[k], k) for k in ("W", "R")])
+    with pytest.raises(sn.UnsupportedError) as found:
+        InferenceSession(model, backend="interpreter").run(None, {"X": arrays["X"]})
+    assert str(found.value).count("ONNX node 'gru'") == 1, found.value

@@ -25,8 +25,10 @@ _ATTRS = {op: _COMMON | set(cell.onnx_attrs) for op, cell in nn.cells.ONNX_LAYER
 
 
 def node_error(ctx, error):
-    """A stepnet error raised while running a node, with the node named."""
-    return type(error)(f"ONNX node {ctx.node!r} ({ctx.op}): {error}")
+    """A stepnet error raised while running a node, with the node named
+    (once: an error that names it already is given as it is)."""
+    named = str(error).startswith("ONNX node")
+    return type(error)(str(error) if named else f"ONNX node {ctx.node!r} ({ctx.op}): {error}")
 
 
 class RecurrentNode:
@@ -69,7 +71,6 @@ class RecurrentNode:
         if self.layer is not None and (
                 (W is kept[0] and R is kept[1] and B is kept[2] and P is kept[3])  # the usual case
                 or all(same_array(a, b) for a, b in zip(weights, kept))):
-            self.weights = weights
             return self.layer
         for name, w in (("W", W), ("R", R)):
             if np.ndim(w) != 3:
@@ -88,7 +89,7 @@ class RecurrentNode:
         else:
             self.layer = self.cls.from_onnx(W, R, B, **extra, **self.attrs)
         self.compiled, self._streaming = {}, None
-        self.weights = weights
+        self.weights = tuple(_kept(w) for w in weights)
         return self.layer
 
     def _prepare(self, inputs):
@@ -127,8 +128,9 @@ class RecurrentNode:
         into an LSTM node's layout [D, 4H, rows] (kept while ``w`` is: the
         layer is built once), which the layer quantizes again by columns."""
         kept = self._dequantized.get(name)
-        if kept is not None and kept[0] is w:
+        if kept is not None and all(same_array(a, b) for a, b in zip((w, scale, zero_point), kept[0])):
             return kept[1]
+        given = (w, scale, zero_point)
         ctx = self.ctx
         if w is None or scale is None:
             raise ctx.unsupported(f"{name} and its scale are required")
@@ -148,7 +150,7 @@ class RecurrentNode:
 
         dequantized = (w.astype(np.float32) - spread(zero)) * spread(scale)
         found = np.ascontiguousarray(dequantized.transpose(0, 2, 1))
-        self._dequantized[name] = (w, found)
+        self._dequantized[name] = (tuple(_kept(a) for a in given), found)
         return found
 
     def run(self, inputs, backend):
@@ -296,7 +298,7 @@ class RecurrentNode:
         if offsets is None:
             if len(self._full_offsets) > 64:
                 self._full_offsets.clear()
-            offsets = self._full_offsets[Bsz, T] = np.arange(0, (Bsz + 1) * T, T, dtype=np.int64)
+            offsets = self._full_offsets[Bsz, T] = np.arange(Bsz + 1, dtype=np.int64) * T
             offsets.flags.writeable = False
         return offsets
 
@@ -326,15 +328,16 @@ class RecurrentNode:
         and converts everything."""
         n, X, kept = len(inputs), inputs[0], self.weights
         if self.quantized:  # (the int8 arrays given, and their scales, the same as last time)
-            if n < 12 or any(inputs[i] is not self._given[i] for i in (1, 2, 8, 9, 10, 11)):
+            if n < 12 or any(inputs[i] is not self._given[i] or _fed(inputs[i])
+                             for i in (1, 2, 8, 9, 10, 11)):
                 return None
             kept = (inputs[1], inputs[2], kept[2], kept[3])
         dtype = self.layer.dtype
         if (type(X) is not np.ndarray or X.ndim != 3 or X.dtype != dtype or n < 3
-                or inputs[1] is not kept[0] or inputs[2] is not kept[1]
-                or (inputs[3] if n > 3 else None) is not kept[2]
+                or not _unchanged(inputs[1], kept[0]) or not _unchanged(inputs[2], kept[1])
+                or not _unchanged(inputs[3] if n > 3 else None, kept[2])
                 or (n > 4 and inputs[4] is not None)
-                or (inputs[7] if n > 7 else None) is not kept[3]):  # (P: LSTM only)
+                or not _unchanged(inputs[7] if n > 7 else None, kept[3])):  # (P: LSTM only)
             return None
         if not self.layout:
             X = X.transpose(1, 0, 2)
@@ -500,6 +503,26 @@ def _places(offsets):
     lengths = np.diff(offsets)
     return (np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths),
             np.repeat(np.arange(lengths.shape[0]), lengths))
+
+
+def _fed(a) -> bool:
+    """Whether ``a`` may change in place between calls: a writeable array (a
+    feed of the caller's, or a value the graph computed), not one of the
+    session's constants (read-only)."""
+    return isinstance(a, np.ndarray) and a.flags.writeable
+
+
+def _kept(a):
+    """What a node keeps of an array it was built from, to tell the next
+    call's apart: a constant itself (the same object next time: its identity
+    says it is unchanged), anything else a copy of its values."""
+    return a.copy() if _fed(a) else a
+
+
+def _unchanged(a, kept) -> bool:
+    """Whether ``a`` holds what ``kept`` (:func:`_kept`) was made of: the same
+    constant, or an array that may have changed with ``kept``'s values."""
+    return a is kept or _fed(a) and same_array(a, kept)
 
 
 def same_array(a, b) -> bool:

@@ -253,7 +253,8 @@ class InferenceSession:
             if name not in graph.input_dtypes:
                 raise StepNetError(f"InferenceSession.run: {name!r} is not an input of the model "
                                    f"(inputs: {[a.name for a in self._inputs]})")
-            env[name] = value
+            if value is not None:  # (None: not fed, as an input left out)
+                env[name] = value
         for name, dtype, shape, fixed in self._checks:
             value = env.get(name)
             if value is None:
