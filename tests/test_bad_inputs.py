@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
+from conftest import assert_close
 from stepnet import cli
 from stepnet.yaml.initializers import generator, initialize
 
@@ -242,25 +243,32 @@ def test_a_hidden_size_typed_with_extra_zeros_is_refused_naming_the_parameter():
         sn.nn.GRU(128, 2560000000)
 
 
+def _tanh_net(dtype=np.float32, **memory):
+    """``h = tanh(x @ W + h.pre)`` over two sequences of 3 and 2 rows of 3
+    features (W [3, 4]): the step-net, X and W."""
+    rng = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(dtype), [[2, 3]])
+    W = sn.Parameter(rng.standard_normal((3, 4)).astype(dtype), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(name="h", **memory)
+        h.update(sn.ops.tanh(x @ W + h.pre_state()))
+        rnn.add_outputs(h)
+    return rnn, X, W
+
+
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])
 @pytest.mark.parametrize("shape", [(3, 6), (1, 4), (0, 0)])
 def test_a_parameter_given_another_shape_after_the_definition_is_refused(backend, shape):
     """Kernels index a constant by the shape it had when the step-net was
     defined: a Parameter whose value changed shape since is refused by name
     before anything runs (a layer's too)."""
-    rng = np.random.default_rng(0)
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[2, 3]])
-    W = sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32), name="W")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="x")
-        h = rnn.add_memory(shape=[4], name="h")
-        h.update(sn.ops.tanh(x @ W + h.pre_state()))
-        rnn.add_outputs(h)
+    rnn, X, W = _tanh_net(shape=[4])
     rnn(backend=backend)
     W.value = np.zeros(shape, np.float32)
-    with pytest.raises(sn.ShapeError, match=r"Parameter W: its value now has shape \[%d, %d\], "
-                       r"but rnn was defined with \[3, 4\]" % shape):
+    with pytest.raises(sn.ShapeError, match=rf"Parameter W: its value now has shape \[{shape[0]}, "
+                       rf"{shape[1]}\], but rnn was defined with \[3, 4\]"):
         rnn(backend=backend)
     gru = sn.nn.GRU(3, 4, seed=0)
     gru(X, backend=backend)
@@ -268,3 +276,50 @@ def test_a_parameter_given_another_shape_after_the_definition_is_refused(backend
     weight.value = np.zeros((3, 5), np.float32)
     with pytest.raises(sn.ShapeError, match=f"Parameter {weight.name}: its value now has shape"):
         gru(X, backend=backend)
+
+
+@pytest.mark.parametrize("offsets, states, error, message", [
+    ([0, 2, 500000], [None], sn.LoDError, "offsets end at 500000 but the data has 5 rows"),
+    ([0, 4, 2], [None], sn.LoDError, "offsets must be non-decreasing"),
+    ([0, -3, 5], [None], sn.LoDError, "offsets must be non-negative"),
+    ([0.0, 2.0, 5.0], [None], sn.LoDError, "offsets must be integers"),
+    ([0, 2, 5], [np.zeros((1, 4), np.float32)], sn.ShapeError, r"state 0 has shape \[1, 4\]"),
+    ([0, 2, 5], [np.zeros((2, 1), np.float32)], sn.ShapeError, r"takes \[2, 4\]"),
+    ([0, 2, 5], [None, None], sn.ShapeError, "2 states given, the step-net takes 1"),
+])
+def test_a_prepared_call_checks_its_offsets_and_states(offsets, states, error, message):
+    """The prepared call (docs/design.md §4) reads rows by its offsets and a
+    row per sequence of each state: both are checked before the kernel."""
+    rnn, X, _ = _tanh_net(init=np.zeros((2, 4), np.float32))
+    f = rnn.compile("numba")
+    f()
+    f.wait()
+    call = f.prepared(True)
+    assert call is not None
+    Y = call(X.data, np.array([0, 2, 5]), [None])[0]
+    assert_close(Y, rnn(backend="interpreter").data)
+    with pytest.raises(error, match=message):
+        call(X.data, np.array(offsets), states)
+
+
+def test_arguments_of_the_wrong_kind_are_named(tmp_path, capsys):
+    """wrt: one item is a list of one, anything else not a list is named;
+    out: a read-only or integer buffer is named; output_all_steps: a string
+    is not a sequence of flags; --seed: a negative seed is named."""
+    rnn, _, W = _tanh_net(np.float64, shape=[4])
+    kwargs = {"grad_outputs": [np.ones((2, 4))], "output_all_steps": False, "backend": "interpreter"}
+    one, = sn.gradients(rnn, wrt=W, **kwargs)
+    assert_close(one, sn.gradients(rnn, wrt=[W], **kwargs)[0])
+    with pytest.raises(sn.StepNetError, match="wrt: expects Parameters or input names.*got int"):
+        sn.gradients(rnn, wrt=5, **kwargs)
+    read_only = np.zeros((3, 4))
+    read_only.flags.writeable = False
+    for buffer, what in ((read_only, "a read-only float64 array"), (np.zeros((3, 4), np.int32),
+                                                                     "a int32 array")):
+        with pytest.raises(sn.ShapeError, match=f"out\\[0\\]: needs a writeable array .* got {what}"):
+            sn.gradients(rnn, wrt=[W], accumulate=True, out=[buffer], **kwargs)
+    with pytest.raises(sn.StepNetError, match="output_all_steps: expects a bool, or one per output"):
+        rnn(output_all_steps="yes", backend="interpreter")
+    with pytest.raises(SystemExit):
+        cli.main(["check", str(_yaml(tmp_path, 4, 3)), "--seed", "-1"])
+    assert "argument --seed: expects a whole number >= 0, got '-1'" in capsys.readouterr().err

@@ -79,10 +79,19 @@ class PreparedCall:
         return self.program.splits(data.shape[0], self.features, offsets.shape[0] - 1)
 
     def __call__(self, data, offsets, states):
-        if data.ndim != 2 or data.shape[1] != self.features:
-            raise ShapeError(f"the data has shape {list(data.shape)}, the step-net takes "
-                             f"[tokens, {self.features}]")
+        data = np.asarray(data)
+        if data.ndim != 2 or data.shape[1] != self.features or data.dtype.kind != "f":
+            raise ShapeError(f"the data has shape {list(data.shape)} ({data.dtype}), the step-net "
+                             f"takes floating point [tokens, {self.features}]")
+        data = data.astype(self.dtype, copy=False)
+        # (the kernel reads rows by them: integers from 0, never decreasing, ending at the rows)
+        offsets = LoDTensor(data, [offsets]).levels[0]
         states = self._given(states, len(offsets) - 1)
+        for i, (state, width) in enumerate(zip(states, self.widths)):
+            if np.shape(state) != (len(offsets) - 1, width):
+                raise ShapeError(f"state {i} has shape {list(np.shape(state))}, the step-net takes "
+                                 f"[{len(offsets) - 1}, {width}] (a row per sequence)")
+        states = [np.asarray(state, self.dtype) for state in states]
         if self._splits(data, offsets):  # sequence groups on threads: the engine's own call
             results = self.program.run_prepared(self.const_args,
                                                 [LoDTensor(data, [offsets])] + states)
