@@ -62,12 +62,23 @@ def main(argv=None) -> int:
         return 1
 
 
+def _seed(text):
+    """A seed as argparse reads it: a whole number from 0."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"expects a whole number >= 0, got {text!r}")
+    return seed
+
+
 def _model_args(p):
     """The arguments of every command that reads a network file."""
     p.add_argument("model", metavar="MODEL.yaml", help="the network file")
     p.add_argument("--params", metavar="PARAMS.npz",
                    help="parameter values by name (override the file's initializers)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_seed, default=0,
                    help="seed of the parameter initializers and of random data (default 0)")
     p.add_argument("--debug", action="store_true",
                    help="on an unexpected error, show Python's traceback (else one line)")

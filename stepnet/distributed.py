@@ -105,7 +105,11 @@ def connect(spec):
             raise StepNetError(f"cluster {spec!r}: expected local:N with N a positive number "
                                f"of workers")
         return local_client(int(n))
-    return distributed.Client(spec)
+    try:
+        return distributed.Client(spec)
+    except (ValueError, OSError) as exc:  # (an address that is none, or nobody there)
+        raise StepNetError(f"cluster {spec!r}: expected 'local', 'local:N' or a scheduler's "
+                           f"address (tcp://HOST:PORT): {exc}") from exc
 
 
 # ----------------------------------------------------------------------------

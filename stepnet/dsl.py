@@ -477,6 +477,9 @@ class RNNOp:
         count = len(self.block.outputs)
         if isinstance(output_all_steps, (bool, int, np.bool_, np.integer)):
             return (bool(output_all_steps),) * count
+        if isinstance(output_all_steps, (str, bytes)) or not hasattr(output_all_steps, "__iter__"):
+            raise StepNetError(f"output_all_steps: expects a bool, or one per output; got "
+                               f"{output_all_steps!r}")
         flags = tuple(bool(f) for f in output_all_steps)
         if len(flags) != count:
             raise StepNetError(

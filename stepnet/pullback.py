@@ -142,7 +142,7 @@ class Pullback:
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn
-        wrt = rnn.parameters() if wrt is None else list(wrt)
+        wrt = rnn.parameters() if wrt is None else wrt_list(wrt)
         targets = [_resolve(rnn, item, self.values) for item in wrt]
         program = rnn.program(self.flags)
         cts = _check_grad_outputs(rnn, program, self.outputs, grad_outputs)
@@ -215,6 +215,18 @@ class Pullback:
         return _deliver(found, wrt, accumulate, out)
 
 
+def wrt_list(wrt) -> list:
+    """``wrt`` as a list: one Parameter, input name or bound array is a list
+    of one."""
+    if isinstance(wrt, (str, Parameter, np.ndarray, LoDTensor)):
+        return [wrt]
+    try:
+        return list(wrt)
+    except TypeError:
+        raise StepNetError(f"wrt: expects Parameters or input names (a list of them), got "
+                           f"{type(wrt).__name__}") from None
+
+
 def _deliver(found, wrt, accumulate, out):
     """Fresh arrays, or written (``accumulate``: added) into ``out``."""
     if out is None:
@@ -230,6 +242,10 @@ def _deliver(found, wrt, accumulate, out):
                 f"out[{i}]: needs an ndarray of shape {list(g.shape)} for wrt[{i}], got "
                 f"{list(np.shape(buf))}"
             )
+        if not buf.flags.writeable or not np.can_cast(g.dtype, buf.dtype, "same_kind"):
+            raise ShapeError(f"out[{i}]: needs a writeable array of a {g.dtype} gradient's kind "
+                             f"for wrt[{i}], got a {'read-only ' * (not buf.flags.writeable)}"
+                             f"{buf.dtype} array")
         if accumulate:
             buf += g
         else:
@@ -385,7 +401,7 @@ def gradients(obj, wrt, grad_outputs, output_all_steps=True, backend=None, accum
     ----------
     obj : RNNOp or stepnet.nn layer
         A top-level step-net (``sn.create_rnn_op()``) or a built-in layer.
-    wrt : sequence
+    wrt : sequence, or one item
         What to differentiate with respect to, one gradient each: a
         ``Parameter`` (or its array); for a step-net the name of an input bound
         by ``add_input``, ``add_memory`` or ``add_static_input`` (or the bound

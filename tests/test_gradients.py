@@ -1416,7 +1416,7 @@ def test_a_memory_named_in_wrt_gets_a_gradient_shaped_like_its_bound_value(backe
         h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
         rnn.add_outputs(h)
     G = rng.standard_normal((2, 4))
-    kwargs = dict(grad_outputs=[G], output_all_steps=False, backend=backend)
+    kwargs = {"grad_outputs": [G], "output_all_steps": False, "backend": backend}
     shared, = sn.gradients(rnn, wrt=["h"], **kwargs)
     rows, = sn.gradients(rnn, wrt=["h"], h=np.tile(h0, (2, 1)), **kwargs)
     assert shared.shape == (4,) and rows.shape == (2, 4)

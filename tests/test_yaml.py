@@ -693,3 +693,31 @@ def test_layer_errors(tmp_path, old, new, line, key, fragment):
         sn.load_yaml(path)
     assert str(info.value).startswith(f"{path}:{line}: {key}: "), str(info.value)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("terms", [290, 500, 3000])
+def test_a_step_expression_nested_too_deep_is_a_yaml_error(tmp_path, terms):
+    """A long chain of operators nests one level each: up to
+    ``expressions.MAX_DEPTH`` it loads, past it a YAMLError names the file,
+    the line and the step (not Python's RecursionError)."""
+    text = f"""
+inputs:
+  x: {{shape: [4], lod_level: 1}}
+nets:
+  net:
+    inputs: {{xt: x}}
+    memories:
+      h: {{shape: [4]}}
+    step:
+      - h = tanh({" + ".join(["xt"] * terms)} + h.pre)
+    outputs: [h]
+outputs:
+  states: net.all
+"""
+    path = write(tmp_path, text)
+    if terms < 300:
+        sn.load_yaml(path)
+        return
+    with pytest.raises(sn.YAMLError, match=r"model.yaml:9: nets.net.step\[0\]: .* is nested more "
+                       r"than 300 deep"):
+        sn.load_yaml(path)

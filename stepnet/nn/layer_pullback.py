@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..pullback import _deliver
+from ..pullback import _deliver, wrt_list
 from ..errors import ShapeError, StepNetError
 from ..lod import LoDTensor
 from ..tracing import Parameter
@@ -90,7 +90,7 @@ class LayerPullback:
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         layer = self.layer
-        wrt = layer.parameters() if wrt is None else list(wrt)
+        wrt = layer.parameters() if wrt is None else wrt_list(wrt)
         widths = layer.state_widths()
         names = ("h", "c")[:len(widths)]
         d_states = self._state_grads(grad_outputs)

@@ -105,16 +105,38 @@ class NestedNet:
         return self.calls[mode]
 
 
+# the deepest expression tree a step may have (the evaluator recurses by it;
+# a longer chain belongs in several steps)
+MAX_DEPTH = 300
+
+
+def _parsed(text, mode):
+    """``ast.parse(text, mode)``, its syntax and its depth checked."""
+    try:
+        tree = ast.parse(text, mode=mode)
+    except SyntaxError as exc:
+        raise ExpressionError(f"syntax error in {text!r} at column {exc.offset or 0}: "
+                              f"{exc.msg}") from None
+    except RecursionError:
+        tree = None
+    stack = [(tree, 1)] if tree is not None else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    if tree is None or stack:
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise ExpressionError(f"{shown!r} is nested more than {MAX_DEPTH} deep (a long chain of "
+                              "operators counts one level each): split it into several steps")
+    return tree
+
+
 def parse_assignment(text):
     """``"a, b = expr"`` -> (target names, expression node)."""
     if not isinstance(text, str):
         raise ExpressionError(f"a step is an assignment string like 'h = tanh(x @ W)', got {text!r}")
-    try:
-        tree = ast.parse(text.strip(), mode="exec")
-    except SyntaxError as exc:
-        raise ExpressionError(
-            f"syntax error in {text.strip()!r} at column {exc.offset or 0}: {exc.msg}"
-        ) from None
+    tree = _parsed(text.strip(), "exec")
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign):
         raise ExpressionError(f"expected one assignment 'name = expression', got {text.strip()!r}")
     stmt = tree.body[0]
@@ -137,12 +159,7 @@ def parse_expression(text):
         raise ExpressionError(f"expected a name, number or expression, got {text!r}")
     if not isinstance(text, str):
         return ast.Constant(text)
-    try:
-        return ast.parse(text.strip(), mode="eval").body
-    except SyntaxError as exc:
-        raise ExpressionError(
-            f"syntax error in {text.strip()!r} at column {exc.offset or 0}: {exc.msg}"
-        ) from None
+    return _parsed(text.strip(), "eval").body
 
 
 class Evaluator:
