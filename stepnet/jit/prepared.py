@@ -81,8 +81,8 @@ class PreparedCall:
     def __call__(self, data, offsets, states):
         data = np.asarray(data)
         if data.ndim != 2 or data.shape[1] != self.features or data.dtype.kind != "f":
-            raise ShapeError(f"the data has shape {list(data.shape)} ({data.dtype}), the step-net "
-                             f"takes floating point [tokens, {self.features}]")
+            raise ShapeError(f"the data has shape {list(data.shape)} and dtype {data.dtype}, the "
+                             f"step-net takes [tokens, {self.features}] of floating point")
         data = data.astype(self.dtype, copy=False)
         # (the kernel reads rows by them: integers from 0, never decreasing, ending at the rows)
         offsets = LoDTensor(data, [offsets]).levels[0]
