@@ -1044,3 +1044,19 @@ def test_no_steps_none_fed_and_an_error_that_names_its_node_once(rng):
     with pytest.raises(sn.UnsupportedError) as found:
         InferenceSession(model, backend="interpreter").run(None, {"X": arrays["X"]})
     assert str(found.value).count("ONNX node 'gru'") == 1, found.value
+
+
+def test_lists_and_arrays_of_the_other_byte_order_are_taken_as_onnxruntime_takes_them(rng):
+    """A list (or number) is read in the declared dtype, an array of that
+    dtype in the other byte order is converted (its values, not its bytes);
+    an array of another dtype is still refused."""
+    arrays = _gru_arrays(rng)
+    model = _gru_model(arrays, 14)
+    session = InferenceSession(model, backend="interpreter")
+    X = arrays["X"]
+    want = session.run(None, {"X": X})
+    for given in (X.tolist(), X.astype(X.dtype.newbyteorder())):
+        for got, expected in zip(session.run(None, {"X": given}), want):
+            assert_close(got, expected)
+    with pytest.raises(sn.ShapeError, match="has dtype float64, the model declares"):
+        session.run(None, {"X": X.astype(np.float64)})

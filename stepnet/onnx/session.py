@@ -168,7 +168,11 @@ class InferenceSession:
         input_feed : dict
             A value for every input of ``get_inputs()`` by name: arrays (or
             anything ``np.asarray`` takes) of the declared dtype and rank, and
-            of the declared size on each fixed axis. float16 inputs are
+            of the declared size on each fixed axis (a list or a number is
+            taken in the declared dtype, an array of the declared dtype in
+            the other byte order converted; ``None`` is a value not fed, as
+            an input left out, which only an input with an initializer may
+            be). float16 inputs are
             computed in float32 and the outputs typed like them given back as
             float16.
         run_options : object, optional
@@ -259,8 +263,11 @@ class InferenceSession:
             value = env.get(name)
             if value is None:
                 continue
-            if type(value) is not np.ndarray:
-                value = env[name] = np.asarray(value)
+            if type(value) is not np.ndarray:  # (a list or a number: in the declared dtype)
+                value = env[name] = np.asarray(value, dtype if isinstance(
+                    value, (list, tuple, int, float)) and not isinstance(value, bool) else None)
+            if dtype is not None and value.dtype != dtype and value.dtype.newbyteorder("=") == dtype:
+                value = env[name] = value.astype(dtype)  # (another byte order)
             if dtype is not None and value.dtype != dtype and value.dtype != object:
                 raise ShapeError(f"InferenceSession.run: input {name!r} has dtype {value.dtype}, "
                                  f"the model declares {tensor_type_name(dtype)}")
