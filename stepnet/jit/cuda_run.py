@@ -453,7 +453,6 @@ class _Run:
                 results.append(last)
         return results
 
-
     def _device_outputs(self, b, device):
         """The outputs on the device in the caller's layout: an all-steps
         output is its own array (written in the caller's rows), a last-step
