@@ -205,14 +205,13 @@ class CompiledStepNet:
     def _check_device_inputs(self, args):
         """Refuse step inputs whose data lies on a GPU where this backend reads
         host arrays."""
-        program = self.rnn.program(True)
-        for var, value in zip(program.inputs, args):
+        if self.capabilities.device_memory:
+            return
+        for name, value in zip(self.rnn.bindings, args):
             if isinstance(value, LoDTensor) and value.on_device:
-                if not self.capabilities.device_memory:
-                    raise BackendError(
-                        f"input {var.name}: its data is on the GPU, and backend "
-                        f"{self.backend!r} reads host arrays; run with backend='cuda' or pass "
-                        f"{var.name}.to_host()")
+                raise BackendError(
+                    f"input {name}: its data is on the GPU, and backend {self.backend!r} reads "
+                    f"host arrays; run with backend='cuda' or pass {name}.to_host()")
 
     def forward_with_workspace(self, flags):
         """The forward program that also returns its workspace, compiled."""

@@ -547,7 +547,7 @@ class RNNOp:
         out = {}
         for var, source in self.frame.state.consts.values():
             arr = source.value if isinstance(source, Parameter) else np.asarray(source)
-            if arr.shape != tuple(var.shape):  # (kernels index it by the defined shape)
+            if arr.shape != var.shape:  # (kernels index it by the defined shape)
                 what = f"Parameter {source.name}" if isinstance(source, Parameter) else \
                     f"constant {var.name}"
                 raise ShapeError(f"{what}: its value now has shape {list(arr.shape)}, but "
