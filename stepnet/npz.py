@@ -32,6 +32,8 @@ def load_npz(path, model, warn=None):
             arrays = {k: npz[k] for k in npz.files}
     except Error:
         raise
+    except FileNotFoundError:
+        raise Error(f"cannot read input data {str(path)!r}: no such file") from None
     except Exception as exc:  # noqa: BLE001  (zipfile's, zlib's and NumPy's own errors, named here)
         raise Error(f"cannot read input data {str(path)!r}: {type(exc).__name__}: {exc} (a "
                     "truncated or damaged file, or not an .npz file)") from None

@@ -111,12 +111,13 @@ class RecurrentNode:
         if lengths is not None:
             lengths = np.asarray(lengths)
             if lengths.shape != (Bsz,) or lengths.dtype.kind not in "iu":
-                raise ctx.unsupported(f"sequence_lens must be integers of shape [{Bsz}], got "
-                                      f"{lengths.dtype} {list(lengths.shape)}")
+                raise ctx.unsupported(f"sequence_lens must be integers of shape [{Bsz}] (a length "
+                                      f"per sequence of X), got {lengths.dtype} "
+                                      f"{list(lengths.shape)}")
             bad = np.flatnonzero((lengths < 0) | (lengths > T))
             if bad.size:
                 raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in "
-                                      f"[0, {T}]")
+                                      f"[0, {T}] (X's steps)")
             if np.all(lengths == T):
                 lengths = None
         if self.layout:
