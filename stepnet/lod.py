@@ -118,6 +118,18 @@ def _as_levels(levels, what):
                        f"(got {type(levels).__name__})") from None
 
 
+def _total(lengths, where):
+    """The sum of non-negative int64 ``lengths``, exact (NumPy's sum would
+    wrap around past int64's range, which is refused)."""
+    if lengths.size and int(lengths.max()) > _INT64_MAX // lengths.size:
+        total = sum(int(n) for n in lengths)  # (lengths this large: summed exactly)
+        if total > _INT64_MAX:
+            raise LoDError(f"{where}: lengths sum to {total}, past the largest row count "
+                           f"({_INT64_MAX})")
+        return total
+    return int(lengths.sum())
+
+
 def _frozen(arr):
     """Return ``arr`` as a read-only int64 array that owns its memory."""
     arr = np.array(arr, dtype=np.int64)
@@ -382,13 +394,13 @@ class LoDTensor:
                                f"(got {int(lens[i])})")
             levels.append(lens)
         for k in range(len(levels) - 1):
-            total, entries = int(levels[k].sum()), len(levels[k + 1])
+            total, entries = _total(levels[k], f"lengths level {k}"), len(levels[k + 1])
             if total != entries:
                 raise LoDError(f"lengths level {k}: lengths sum to {total} but level {k + 1} "
                                f"has {entries} entries")
         if levels and data.ndim >= 1:
             k = len(levels) - 1
-            total, rows = int(levels[k].sum()), data.shape[0]
+            total, rows = _total(levels[k], f"lengths level {k}"), data.shape[0]
             if total != rows:
                 raise LoDError(f"lengths level {k} ({_finest(k)}): lengths sum to {total} but "
                                f"the data has {rows} rows")

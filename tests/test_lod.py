@@ -588,3 +588,8 @@ def test_to_padded_to_a_given_number_of_steps():
     assert padded.tolist() == [[1, 2, 0, 0], [3, 0, 0, 0]] and lengths.tolist() == [2, 1]
     with pytest.raises(LoDError, match="steps=1 is shorter than the longest sequence"):
         t.to_padded(steps=1)
+
+
+def test_lengths_whose_sum_passes_int64_are_refused_with_their_sum():
+    with pytest.raises(LoDError, match=r"lengths level 0: lengths sum to 9223372036854775813, past"):
+        LoDTensor.from_lengths(np.zeros(5), [[2**62, 2**62, 5]])
