@@ -203,6 +203,10 @@ def test_what_quantize_refuses():
         rnn.add_outputs(h)
     with pytest.raises(sn.StepNetError, match="no product"):
         sn.quantize(rnn, "int8")
+    pytest.importorskip("onnx")
+    for as_scan in (False, True):
+        with pytest.raises(sn.UnsupportedError, match=r"onnx.export: the model is quantized \(int8\)"):
+            sn.onnx.export(small, "unused.onnx", as_scan=as_scan)
 
 
 def test_cuda_refuses_quantized_products_before_running():

@@ -97,6 +97,10 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
     from ..nn.base import _RecurrentLayer
     from ..yaml.model import Model
 
+    if getattr(obj, "quantized", None):
+        raise UnsupportedError(f"onnx.export: the model is quantized ({obj.quantized}), and its "
+                               "quantized products have no ONNX form yet; export the float model "
+                               "it was made from")
     if isinstance(obj, RNNOp):
         _only_for("a step-net", initial_states=initial_states, as_scan=as_scan)
         model = _step_net_model(obj, output_all_steps, output_names)
