@@ -119,3 +119,32 @@ def test_with_a_library_whose_rows_differ_by_the_rows_beside_them():
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_threads_meeting_one_new_kernel_load_it_once(tmp_path, monkeypatch):
+    """Threads of one process that meet the same new kernel at once: one
+    writes its file and imports it, the others get that module (each wrote
+    the same temporary file name, which another's os.replace had taken)."""
+    import threading
+
+    from stepnet.jit import loading
+
+    monkeypatch.setattr(loading, "cache_dir", lambda: tmp_path)
+    source = f"# a kernel of this test\nVALUE = {os.getpid()}\n"
+    found, errors, start = [], [], threading.Barrier(8)
+
+    def load():
+        start.wait()
+        try:
+            found.append(loading.load_source(source))
+        except Exception as exc:  # noqa: BLE001  (collected: the test names it)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(found) == 8 and all(m is found[0] for m in found) and found[0].VALUE == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == [f"stepnet_kernel_{loading.kernel_key(source)}.py"]

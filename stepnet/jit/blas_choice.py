@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 import warnings
 
@@ -328,7 +329,7 @@ def _keep(filename, result, first=False):
     ``first``: unless another process kept one under its key meanwhile, then what
     is kept (processes that measured at once share one choice, and a worker)."""
     path = cache_dir() / filename
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(result, indent=1))

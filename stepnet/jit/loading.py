@@ -19,6 +19,7 @@ from . import compile_worker as compile_worker_module
 from .cache import cache_dir, helpers_fingerprint
 
 _MODULES = {}
+_LOADING = threading.RLock()
 
 
 def kernel_key(source: str) -> str:
@@ -60,15 +61,18 @@ def load_source(source: str):
     key = kernel_key(source)
     if key in _MODULES:
         return _MODULES[key]
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"stepnet_kernel_{key}.py"
-    if not path.exists() or path.read_bytes() != source.encode():  # new, or not ours
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    _MODULES[key] = module = import_file(f"stepnet_kernel_{key}", path)
-    return module
+    with _LOADING:  # (threads of one process meeting the same new kernel: one loads it)
+        if key in _MODULES:
+            return _MODULES[key]
+        directory = cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"stepnet_kernel_{key}.py"
+        if not path.exists() or path.read_bytes() != source.encode():  # new, or not ours
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(source)
+            os.replace(tmp, path)
+        _MODULES[key] = module = import_file(f"stepnet_kernel_{key}", path)
+        return module
 
 
 def import_file(name, path):

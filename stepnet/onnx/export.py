@@ -97,10 +97,7 @@ def export(obj, path=None, *, output_all_steps=True, output_names=None, initial_
     from ..nn.base import _RecurrentLayer
     from ..yaml.model import Model
 
-    if getattr(obj, "quantized", None):
-        raise UnsupportedError(f"onnx.export: the model is quantized ({obj.quantized}), and its "
-                               "quantized products have no ONNX form yet; export the float model "
-                               "it was made from")
+    _not_quantized(obj)
     if isinstance(obj, RNNOp):
         _only_for("a step-net", initial_states=initial_states, as_scan=as_scan)
         model = _step_net_model(obj, output_all_steps, output_names)
@@ -504,6 +501,13 @@ def _yaml_model(model, as_scan):
 
 # ----------------------------------------------------------------------------
 # checks
+
+
+def _not_quantized(obj):
+    if getattr(obj, "quantized", None):
+        raise UnsupportedError(f"onnx.export: the model is quantized ({obj.quantized}), and its "
+                               "quantized products have no ONNX form yet; export the float model "
+                               "it was made from")
 
 
 def _only_for(what, **given):
