@@ -329,6 +329,9 @@ def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings)
     runs = compiled(rnn, backend)
     runs.check_sizes(flags, args, workspace=True)
     results = runs.forward_with_workspace(flags)(args, consts)
+    # (the pullback is this forward's: the weights as they were, whatever an
+    # optimizer does to the Parameters in place before it is called)
+    consts = {var: np.array(value, copy=True) for var, value in consts.items()}
     n = len(rnn.block.outputs)
     outputs, workspace = list(results[:n]), list(results[n:])
     float16 = rnn.float16_input(bindings)

@@ -1421,3 +1421,25 @@ def test_a_memory_named_in_wrt_gets_a_gradient_shaped_like_its_bound_value(backe
     rows, = sn.gradients(rnn, wrt=["h"], h=np.tile(h0, (2, 1)), **kwargs)
     assert shared.shape == (4,) and rows.shape == (2, 4)
     assert_close(shared, rows.sum(0))
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_a_pullback_is_its_forwards_after_an_optimizer_step(backend):
+    """sn.vjp's pullback keeps the weights its forward read: an optimizer
+    step in place before (or between) its calls changes nothing it gives."""
+    rng = np.random.default_rng(0)
+    W = sn.Parameter(rng.normal(0, 0.5, (2, 3)), name="W")
+    U = sn.Parameter(rng.normal(0, 0.5, (3, 3)), name="U")
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 2)), [[3, 0, 4]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
+        rnn.add_outputs(h)
+    g = rng.standard_normal((7, 3))
+    _, pullback = sn.vjp(rnn, backend=backend, x=X)
+    first = pullback([g])
+    sn.optim.SGD([W, U], lr=0.5).step(first)
+    for got, want in zip(pullback([g]), first):
+        assert_close(got, want)
