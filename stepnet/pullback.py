@@ -461,9 +461,15 @@ def _pullback_for(obj, output_all_steps, backend, inputs):
     kept = getattr(obj, "_workspace", None)
     if _is_step_net(obj):
         flags = obj.all_steps_flags(output_all_steps) if obj.block is not None else None
-        if kept is not None and not inputs and kept.flags == flags and (
-                backend is None or backend == kept.backend):
-            return kept
+        if kept is not None and not inputs:
+            if kept.flags == flags and (backend is None or backend == kept.backend):
+                return kept
+            # (a forward again would read the inputs bound at definition, not the kept call's)
+            raise StepNetError(
+                f"gradients: the workspace {obj.name} kept is of backend {kept.backend!r} and "
+                f"output_all_steps={list(kept.flags)}, this call asks for "
+                f"{backend or kept.backend!r} and {list(flags)}; ask for the same, or give the "
+                "inputs to run the forward again")
         _, pullback = forward_with_workspace(obj, output_all_steps, backend, **inputs)
         return pullback
     if hasattr(obj, "vjp"):

@@ -2,6 +2,7 @@
 allocated or compiled, never a third-party exception or a traceback."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -323,3 +324,33 @@ def test_arguments_of_the_wrong_kind_are_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["check", str(_yaml(tmp_path, 4, 3)), "--seed", "-1"])
     assert "argument --seed: expects a whole number >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_a_limit_below_the_checked_size_is_kept_for_a_calls_outputs():
+    """sn.config.max_memory under the size a call checks by default (16 MiB):
+    a call's outputs above it are refused too."""
+    X = sn.LoDTensor.from_lengths(np.zeros((20000, 3), np.float32), [[20000]])
+    gru = sn.nn.GRU(3, 64, seed=0)
+    with sn.config(max_memory="1MiB"):
+        with pytest.raises(sn.SizeError, match=r"need 4.9 MiB, more than sn.config.max_memory"):
+            gru(X, backend="interpreter")
+
+
+def test_an_input_file_whose_lod_and_lengths_disagree_is_refused(tmp_path, capsys):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "custom_cell.yaml")
+    np.savez(tmp_path / "in.npz", x=np.ones((7, 24), np.float32),
+             **{"x.lod.0": np.array([0, 3, 7]), "x.lengths.0": np.array([2, 5])})
+    assert cli.main(["run", example, "--input", str(tmp_path / "in.npz")]) == 1
+    assert "has both x.lod.0 and x.lengths.0, and they disagree" in capsys.readouterr().err
+
+
+def test_a_layer_size_that_is_no_whole_number_is_named(tmp_path, capsys):
+    for value in ("two", True, 2.5, float("nan")):
+        with pytest.raises(sn.StepNetError, match=f"GRU: num_layers must be a positive integer, "
+                                                  f"got {re.escape(repr(value))}"):
+            sn.nn.GRU(3, 4, num_layers=value)
+    path = tmp_path / "layers.yaml"
+    path.write_text("inputs:\n  x: {shape: [4]}\nlayers:\n  enc:\n    type: gru\n    input: x\n"
+                    "    hidden_size: 5\n    num_layers: two\noutputs:\n  y: enc.all\n")
+    with pytest.raises(sn.YAMLError, match=r"layers.yaml:8: layers.enc.num_layers: .*got 'two'"):
+        sn.load_yaml(path)

@@ -1443,3 +1443,26 @@ def test_a_pullback_is_its_forwards_after_an_optimizer_step(backend):
     sn.optim.SGD([W, U], lr=0.5).step(first)
     for got, want in zip(pullback([g]), first):
         assert_close(got, want)
+
+
+def test_a_kept_workspace_asked_on_another_backend_is_refused_without_inputs():
+    """sn.gradients without inputs reads the workspace the last call kept;
+    asked for another backend (or other output flags) it raises rather than
+    run the forward again on the inputs bound at definition."""
+    rng = np.random.default_rng(0)
+    X1 = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)), [[2, 3]])
+    W = sn.Parameter(rng.standard_normal((3, 4)), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X1, name="x")
+        h = rnn.add_memory(shape=[4], name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state()))
+        rnn.add_outputs(h)
+    X2 = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)), [[4, 1]])
+    rnn(x=X2, output_all_steps=False, keep_workspace=True, backend="numba")
+    kwargs = {"wrt": [W], "grad_outputs": [np.ones((2, 4))], "output_all_steps": False}
+    with pytest.raises(sn.StepNetError, match="the workspace rnn kept is of backend 'numba'"):
+        sn.gradients(rnn, backend="interpreter", **kwargs)
+    kept, = sn.gradients(rnn, **kwargs)
+    again, = sn.gradients(rnn, backend="interpreter", x=X2, **kwargs)
+    assert_close(kept, again)

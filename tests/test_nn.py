@@ -906,3 +906,16 @@ def test_torch_converters_without_torch_say_what_is_missing(monkeypatch):
         layer.to_torch()
     with pytest.raises(sn.UnsupportedError, match=r"LSTM.from_torch needs torch"):
         nn().LSTM.from_torch(object())
+
+
+def test_augru_takes_padded_scores_alone_beside_a_padded_input():
+    rng = np.random.default_rng(0)
+    layer = sn.nn.AUGRU(3, 4, seed=0)
+    X, lengths = rng.standard_normal((2, 5, 3)).astype(np.float32), np.array([5, 2])
+    scores = rng.random((2, 5)).astype(np.float32)
+    want, _ = layer((X, lengths), (scores, lengths), backend="interpreter")
+    for given in (scores, scores[..., None]):
+        got, _ = layer((X, lengths), given, backend="interpreter")
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(sn.ShapeError, match=r"a padded attention must be \[B, T\] or \[B, T, 1\]"):
+        layer((X, lengths), scores[:, :4], backend="interpreter")

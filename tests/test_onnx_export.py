@@ -460,3 +460,23 @@ def test_lod_static_input_stepped_over_by_a_nested_net(rng):
     actual = run_onnx(model, {"x": x_padded, "lengths": lengths, "memory": m_padded,
                               "memory_lengths_0": m_lengths})
     assert_close(actual["h_all"], padded(top(backend="interpreter")))
+
+
+@pytest.mark.parametrize("direction", ["forward", "bidirectional_concat"])
+def test_a_layer_exported_as_nodes_runs_with_no_steps(direction, tmp_path):
+    """Every sequence empty (padded T = 0): the nodes' Y reshaped to its width
+    given, not inferred (from nothing)."""
+    layer = sn.nn.GRU(3, 4, num_layers=2, direction=direction, seed=0)
+    path = tmp_path / "gru.onnx"
+    export(layer, str(path))
+    X, lengths = np.zeros((2, 0, 3), np.float32), np.zeros(2, np.int64)
+    want = layer((X, lengths), backend="interpreter")
+    got = InferenceSession(str(path), backend="interpreter").run(None, {"X": X, "lengths": lengths})
+    assert got[0].shape == want[0].shape
+    assert_close(got[1], want[1])
+
+
+def test_output_names_that_are_not_strings_are_named(rng):
+    rnn = tanh_cell(lod(rng, [2, 3], 3), weight(rng, 3, 4))
+    with pytest.raises(sn.StepNetError, match=r"output_names must be non-empty strings, got \[3\]"):
+        export(rnn, output_names=[3])

@@ -4,6 +4,7 @@ their layouts in ``layouts``, the backward of a call in ``layer_pullback``."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 import numpy as np
@@ -677,6 +678,11 @@ def _index(i, n, what, why):
 
 
 def _positive(value, what):
-    if int(value) != value or value < 1:
+    try:
+        whole = isinstance(value, numbers.Real) and not isinstance(value, bool) \
+            and int(value) == value and value >= 1
+    except (OverflowError, ValueError):  # (inf, nan)
+        whole = False
+    if not whole:
         raise StepNetError(f"{what} must be a positive integer, got {value!r}")
     return int(value)

@@ -262,7 +262,8 @@ class AUGRU(GRU):
         attention : LoDTensor or tuple
             One score per token of X: a LoDTensor ``[N]`` or ``[N, 1]`` whose
             finest level is X's, or, when X is padded, ``(padded, lengths)``
-            with ``padded`` ``[B, T]`` or ``[B, T, 1]``.
+            or ``padded`` alone (X's lengths), ``padded`` ``[B, T]`` or
+            ``[B, T, 1]``.
         h0 : array_like, optional
             The initial state ``[num_layers * num_directions, B,
             hidden_size]``, indexed ``layer * num_directions + direction``.
@@ -295,9 +296,15 @@ class AUGRU(GRU):
 
     def _check_attention(self, attention, X, flat, back):
         """``attention`` as a one-level LoDTensor [tokens, 1] with ``flat``'s LoD."""
-        if back[0] == "padded":
-            padded, lengths = attention
+        if back[0] == "padded":  # (padded, lengths), or the padded scores alone: X's lengths
+            padded, lengths = attention if isinstance(attention, tuple) and len(attention) == 2 \
+                else (attention, np.diff(flat.levels[0]))
             padded = np.asarray(padded)
+            if padded.ndim not in (2, 3) or padded.shape[:2] != (len(lengths), back[1]) \
+                    or padded.size != len(lengths) * back[1]:
+                raise ShapeError(f"AUGRU: a padded attention must be [B, T] or [B, T, 1] = "
+                                 f"{[len(lengths), back[1]]} as X is, got shape "
+                                 f"{list(padded.shape)}")
             attention = LoDTensor.from_padded(padded.reshape(padded.shape[:2] + (1,)), lengths)
         if not isinstance(attention, LoDTensor):
             raise ShapeError(f"AUGRU: attention must be a LoDTensor, got {type(attention).__name__}")

@@ -221,6 +221,9 @@ def _step_net_model(rnn, output_all_steps, output_names):
         if len(output_names) != len(names):
             raise StepNetError(f"export: output_names has {len(output_names)} names for the "
                                f"{len(names)} outputs of step-net {rnn.name}")
+        odd = [n for n in output_names if not isinstance(n, str) or not n]
+        if odd:
+            raise StepNetError(f"export: output_names must be non-empty strings, got {odd}")
         names = output_names
     inputs = [name for name, b in rnn.bindings.items() if b.kind != "init" or b.per_sequence]
     top = _TopGraph(rnn.name, taken=inputs)
@@ -392,9 +395,10 @@ def _layer_nodes(top, layer, nodes, X, lengths, initial):
                                               g.ints([0, 2])], "started")
                 final = g.add("Where", [started, final, states[s]], "final_state")
             finals[s].append(final)
-        # Y [T, D, B, H] -> [T, B, D*H], the next layer's input
+        # Y [T, D, B, H] -> [T, B, D*H], the next layer's input (D*H given: with T = 0
+        # there is nothing to infer it from)
         y = g.add("Transpose", [results[0]], perm=[0, 2, 1, 3])
-        x = g.add("Reshape", [y, g.ints([0, 0, -1])], f"l{index}_y")
+        x = g.add("Reshape", [y, g.ints([0, 0, D * int(node["hidden_size"])])], f"l{index}_y")
     Y = g.add("Transpose", [x], "Y_batch_first", perm=[1, 0, 2])
     return Y, [g.add("Concat", parts, "final_state", axis=0) for parts in finals]
 
