@@ -375,7 +375,7 @@ class _Outputs(NamedTuple):
         steps, num_seq = int(first.levels[0][-1]), first.num_sequences
         need = sum((steps if all_steps else num_seq) * size
                    for _, all_steps, _, _, size in self.rows)
-        if sizes.unchecked(need):
+        if need < sizes.CHECKED_FROM:
             return
         sizes.check_all(f"the {self.what} of step-net {self.name!r}", [
             (what, ((steps if all_steps else num_seq),) + shape, dtype)

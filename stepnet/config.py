@@ -167,7 +167,8 @@ FLAGS = (
          "The most memory one array stepnet makes for a model or a call may take (a "
          "parameter, an input made from a model's declared kinds, an output): bytes, or with a "
          "unit (`512MiB`, `8GiB`, `1.5GB`). Larger ones raise `SizeError` before anything is "
-         "allocated, naming the array and the amount."),
+         "allocated, naming the array and the amount; a call's outputs are checked from 16 MiB "
+         "in all (reading the setting at every call would cost more than it saves)."),
     Flag("debug", "STEPNET_DEBUG", "off", _switch(False), "use",
          "Any value other than empty or `0`: print the generated source of each kernel to "
          "stderr when it is made (every backend)."),

@@ -50,20 +50,11 @@ def check(what: str, shape, dtype) -> None:
 CHECKED_FROM = 1 << 24
 
 
-def unchecked(need: int) -> bool:
-    """Whether ``need`` bytes go without a check: under ``CHECKED_FROM`` and
-    under a smaller ``sn.config.max_memory``."""
-    if need >= CHECKED_FROM:
-        return False
-    asked = config.max_memory
-    return asked is None or need <= asked
-
-
 def check_large(what: str, shape, dtype) -> None:
     """:func:`check` where the array would take ``CHECKED_FROM`` bytes or
     more (what a value read from a file asks for: a few bytes of it can
-    ask for terabytes), or more than a smaller ``sn.config.max_memory``."""
-    if not unchecked(math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize):
+    ask for terabytes)."""
+    if math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize >= CHECKED_FROM:
         check(what, shape, dtype)
 
 
