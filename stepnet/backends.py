@@ -205,10 +205,11 @@ class CompiledStepNet:
     def _check_device_inputs(self, args):
         """Refuse step inputs whose data lies on a GPU where this backend reads
         host arrays."""
-        if self.capabilities.device_memory:
+        if self.capabilities.device_memory or not any(
+                type(value) is LoDTensor and value.on_device for value in args):
             return
         for name, value in zip(self.rnn.bindings, args):
-            if isinstance(value, LoDTensor) and value.on_device:
+            if type(value) is LoDTensor and value.on_device:
                 raise BackendError(
                     f"input {name}: its data is on the GPU, and backend {self.backend!r} reads "
                     f"host arrays; run with backend='cuda' or pass {name}.to_host()")
