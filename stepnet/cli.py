@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from . import sizes
-from .errors import Error
+from .errors import Error, StepNetError
 from .lod import LoDTensor
 from .npz import load_npz, save_npz, shard_files, shard_output_path
 
@@ -488,6 +488,9 @@ def _load(args):
 
     model = load_yaml(args.model, params=args.params, seed=args.seed)
     if args.quantize and args.quantize != model.quantized:
+        if model.quantized:
+            raise StepNetError(f"--quantize {args.quantize}: {args.model} says quantize: "
+                               f"{model.quantized}; give one of them")
         from .quantize import quantize
 
         model = quantize(model, args.quantize)

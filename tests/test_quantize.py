@@ -242,6 +242,9 @@ def test_yaml_and_cli_quantize(tmp_path, capsys):
     assert cli.main(["run", "examples/custom_cell.yaml", "--quantize", "bf16", "--backend",
                      "interpreter", "-q"]) == 0
     assert "states" in capsys.readouterr().out
+    path.write_text("quantize: int8\n" + text)  # (the file's key and the flag disagree)
+    assert cli.main(["run", str(path), "--quantize", "bf16", "--backend", "interpreter", "-q"]) == 1
+    assert f"--quantize bf16: {path} says quantize: int8; give one of them" in capsys.readouterr().err
 
 
 @pytest.mark.slow
