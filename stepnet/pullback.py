@@ -312,6 +312,9 @@ def _check_grad_outputs(rnn, program, outputs, grad_outputs):
         if on_gpu is not None and g.dtype != var.dtype:
             raise ShapeError(f"grad_outputs[{k}] (output {var.name}): dtype {g.dtype} on the GPU, "
                              f"the output's is {var.dtype}")
+        if g.dtype.kind not in "biuf":
+            raise ShapeError(f"grad_outputs[{k}] (output {var.name}): dtype {g.dtype} is not a "
+                             "number's")
         cts.append(g if on_gpu is not None else np.ascontiguousarray(g, dtype=var.dtype))
     return cts
 

@@ -319,6 +319,10 @@ def test_arguments_of_the_wrong_kind_are_named(tmp_path, capsys):
                                                                      "a int32 array")):
         with pytest.raises(sn.ShapeError, match=f"out\\[0\\]: needs a writeable array .* got {what}"):
             sn.gradients(rnn, wrt=[W], accumulate=True, out=[buffer], **kwargs)
+    with pytest.raises(sn.ShapeError,
+                       match=r"grad_outputs\[0\] \(output \w+\): dtype <U1 is not a number"):
+        sn.gradients(rnn, wrt=[W], grad_outputs=[np.full((2, 4), "a")], output_all_steps=False,
+                     backend="interpreter")
     with pytest.raises(sn.StepNetError, match="output_all_steps: expects a bool, or one per output"):
         rnn(output_all_steps="yes", backend="interpreter")
     with pytest.raises(SystemExit):
