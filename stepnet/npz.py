@@ -54,8 +54,9 @@ def load_npz(path, model, warn=None):
         try:
             if all(o is not None for o in offsets):
                 feeds[name] = LoDTensor(data, offsets)
+                known = feeds[name].lengths
                 for k, given in enumerate(lengths):
-                    if given is not None and np.asarray(given).tolist() != feeds[name].lengths[k]:
+                    if given is not None and np.asarray(given).tolist() != known[k]:
                         raise Error(f"{path}: input {name!r} has both {name}.lod.{k} and "
                                     f"{name}.lengths.{k}, and they disagree; give one of them")
             elif all(n is not None for n in lengths):

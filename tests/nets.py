@@ -44,6 +44,19 @@ def tanh_cell(X, W):
     return rnn
 
 
+def named_tanh_net(X, W, U=None, **memory):
+    """``h = tanh(x @ W + h_prev (@ U))`` with its input named ``x`` and its
+    memory ``h`` (``memory``: add_memory's ``shape=`` or ``init=``)."""
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(name="h", **memory)
+        hp = h.pre_state()
+        h.update(sn.ops.tanh(x @ W + (hp if U is None else hp @ U)))
+        rnn.add_outputs(h)
+    return rnn
+
+
 def gru_net(X, rng, hidden=6, reverse=False, dtype=np.float32):
     """A PyTorch-style GRU: three input matmuls (one hoisted GEMM) and three
     recurrent ones (one packed GEMM per step)."""

@@ -12,6 +12,7 @@ import pytest
 
 import stepnet as sn
 from conftest import assert_close
+from nets import named_tanh_net
 from stepnet import cli
 from stepnet.yaml.initializers import generator, initialize
 
@@ -250,13 +251,7 @@ def _tanh_net(dtype=np.float32, **memory):
     rng = np.random.default_rng(0)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(dtype), [[2, 3]])
     W = sn.Parameter(rng.standard_normal((3, 4)).astype(dtype), name="W")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="x")
-        h = rnn.add_memory(name="h", **memory)
-        h.update(sn.ops.tanh(x @ W + h.pre_state()))
-        rnn.add_outputs(h)
-    return rnn, X, W
+    return named_tanh_net(X, W, **memory), X, W
 
 
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])

@@ -45,6 +45,7 @@ from gradient_checks import (
 )
 from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from hypothesis import strategies as st
+from nets import named_tanh_net
 
 import stepnet as sn
 import stepnet_strategies
@@ -1409,12 +1410,7 @@ def test_a_memory_named_in_wrt_gets_a_gradient_shaped_like_its_bound_value(backe
     W = sn.Parameter(rng.standard_normal((3, 4)), name="W")
     U = sn.Parameter(rng.standard_normal((4, 4)), name="U")
     h0 = np.full(4, 0.1)
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="x")
-        h = rnn.add_memory(init=h0, name="h")
-        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
-        rnn.add_outputs(h)
+    rnn = named_tanh_net(X, W, U, init=h0)
     G = rng.standard_normal((2, 4))
     kwargs = {"grad_outputs": [G], "output_all_steps": False, "backend": backend}
     shared, = sn.gradients(rnn, wrt=["h"], **kwargs)
@@ -1431,12 +1427,7 @@ def test_a_pullback_is_its_forwards_after_an_optimizer_step(backend):
     W = sn.Parameter(rng.normal(0, 0.5, (2, 3)), name="W")
     U = sn.Parameter(rng.normal(0, 0.5, (3, 3)), name="U")
     X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 2)), [[3, 0, 4]])
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="x")
-        h = rnn.add_memory(shape=[3], name="h")
-        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
-        rnn.add_outputs(h)
+    rnn = named_tanh_net(X, W, U, shape=[3])
     g = rng.standard_normal((7, 3))
     _, pullback = sn.vjp(rnn, backend=backend, x=X)
     first = pullback([g])
@@ -1452,12 +1443,7 @@ def test_a_kept_workspace_asked_on_another_backend_is_refused_without_inputs():
     rng = np.random.default_rng(0)
     X1 = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)), [[2, 3]])
     W = sn.Parameter(rng.standard_normal((3, 4)), name="W")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X1, name="x")
-        h = rnn.add_memory(shape=[4], name="h")
-        h.update(sn.ops.tanh(x @ W + h.pre_state()))
-        rnn.add_outputs(h)
+    rnn = named_tanh_net(X1, W, shape=[4])
     X2 = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)), [[4, 1]])
     rnn(x=X2, output_all_steps=False, keep_workspace=True, backend="numba")
     kwargs = {"wrt": [W], "grad_outputs": [np.ones((2, 4))], "output_all_steps": False}

@@ -85,7 +85,8 @@ class PreparedCall:
                              f"step-net takes [tokens, {self.features}] of floating point")
         data = data.astype(self.dtype, copy=False)
         # (the kernel reads rows by them: integers from 0, never decreasing, ending at the rows)
-        offsets = LoDTensor(data, [offsets]).levels[0]
+        rows = LoDTensor(data, [offsets])
+        offsets = rows.levels[0]
         states = self._given(states, len(offsets) - 1)
         for i, (state, width) in enumerate(zip(states, self.widths)):
             if np.shape(state) != (len(offsets) - 1, width):
@@ -93,8 +94,7 @@ class PreparedCall:
                                  f"[{len(offsets) - 1}, {width}] (a row per sequence)")
         states = [np.asarray(state, self.dtype) for state in states]
         if self._splits(data, offsets):  # sequence groups on threads: the engine's own call
-            results = self.program.run_prepared(self.const_args,
-                                                [LoDTensor(data, [offsets])] + states)
+            results = self.program.run_prepared(self.const_args, [rows] + states)
             return [results[0].data] + list(results[1:])
         return self._one_group(data, offsets, states)
 
