@@ -132,6 +132,11 @@ def quantize_step_net(rnn, mode, required=True):
     if not made and not required:
         return rnn
     if not made:
+        other = sorted({str(np.dtype(e.inputs[1].dtype)) for e in _eqns(rnn.block) if e.op == "matmul"
+                        and e.inputs[1] in consts and np.dtype(e.inputs[1].dtype) != np.float32})
+        if other:
+            raise StepNetError(f"quantize: step-net {rnn.name!r} computes its products by constant "
+                               f"matrices in {' and '.join(other)}; quantized products take float32 models")
         raise StepNetError(f"quantize: step-net {rnn.name!r} has no product of a float32 step value "
                            "by a constant matrix (x @ W) to quantize")
     # (a float weight every product of which is quantized is no constant of the copy)
@@ -145,6 +150,14 @@ def quantize_step_net(rnn, mode, required=True):
     out._programs, out._workspace, out.step_scopes = {}, None, None
     out.quantized = mode
     return out
+
+
+def _eqns(block):
+    """The equations of ``block`` and of the blocks nested in it."""
+    for e in block.eqns:
+        yield e
+        if e.op == "rnn":
+            yield from _eqns(e.attrs["body"])
 
 
 def _read(block) -> set:

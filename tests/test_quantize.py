@@ -8,6 +8,7 @@ what is refused, and where."""
 import numpy as np
 import pytest
 from conftest import assert_close
+from nets import lod, tanh_cell, weight
 
 import stepnet as sn
 from stepnet import executor, interpreter
@@ -203,6 +204,10 @@ def test_what_quantize_refuses():
         rnn.add_outputs(h)
     with pytest.raises(sn.StepNetError, match="no product"):
         sn.quantize(rnn, "int8")
+    rng = np.random.default_rng(0)
+    wide = tanh_cell(lod(rng, [3, 2], 4, np.float64), weight(rng, 4, 5, dtype=np.float64))
+    with pytest.raises(sn.StepNetError, match="products by constant matrices in float64; quantized"):
+        sn.quantize(wide, "int8")
     pytest.importorskip("onnx")
     for as_scan in (False, True):
         with pytest.raises(sn.UnsupportedError, match=r"onnx.export: the model is quantized \(int8\)"):

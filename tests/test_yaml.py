@@ -444,6 +444,19 @@ def test_error_in_nested_net_names_its_key(tmp_path):
     assert "f32[B,16]" in str(info.value) and "[8,8]" in str(info.value)
 
 
+def test_parameter_files_at_fault_are_named(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(sn.YAMLError) as info:
+        sn.load_yaml(path, params=tmp_path / "nothere.npz")
+    assert str(info.value).startswith(f"{tmp_path / 'nothere.npz'}: cannot read"), str(info.value)
+    assert (info.value.file, info.value.line) == (str(tmp_path / "nothere.npz"), None)
+    np.savez(tmp_path / "w.npz", X=np.zeros((3, 4), np.float32))
+    path = write(tmp_path, MINIMAL.replace("W: {shape: [3, 4], init: xavier}", "W: {from: 'w.npz:W'}"))
+    with pytest.raises(sn.YAMLError) as info:
+        sn.load_yaml(path)
+    assert str(info.value) == f"{path}:4: parameters.W.from: w.npz has no array 'W' (it has X)"
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(sn.YAMLError, match=r"nothere.yaml:1: \(document\): cannot read"):
         sn.load_yaml(tmp_path / "nothere.yaml")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import Error, SizeError
+from ..errors import Error, SizeError, YAMLError
 from ..lod import LoDTensor
 from ..nn import cells
 from ..tracing import Parameter
@@ -218,8 +218,10 @@ class _Builder(NetBuilder):
             with np.load(self.overrides) as npz:
                 return {k: npz[k] for k in npz.files}
         except (OSError, ValueError) as exc:
-            raise self.error(("parameters",), f"cannot read parameters from {str(self.overrides)!r}: "
-                             f"{exc}") from None
+            # the file given for the overrides is at fault, not a line of the model's
+            err = YAMLError(f"{self.overrides}: cannot read the parameters to override: {exc}")
+            err.file, err.line, err.key = str(self.overrides), None, None
+            raise err from None
 
     def _from_file(self, ref, name, path):
         if not isinstance(ref, str):
@@ -231,12 +233,14 @@ class _Builder(NetBuilder):
             full = self.doc.path.parent / full
         try:
             with np.load(full) as npz:
-                if key not in npz.files:
-                    raise self.error(path, f"{file} has no array {key!r} (it has {', '.join(npz.files)})"
-                                     + document.did_you_mean(key, npz.files))
-                return npz[key]
+                files = npz.files
+                value = npz[key] if key in files else None
         except (OSError, ValueError) as exc:
             raise self.error(path, f"cannot read {str(full)!r}: {exc}") from None
+        if value is None:
+            raise self.error(path, f"{file} has no array {key!r} (it has {', '.join(files)})"
+                             + document.did_you_mean(key, files))
+        return value
 
     def _fit(self, value, shape, path, where):
         if shape is not None and value.shape != shape:
