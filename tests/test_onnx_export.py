@@ -476,6 +476,26 @@ def test_a_layer_exported_as_nodes_runs_with_no_steps(direction, tmp_path):
     assert_close(got[1], want[1])
 
 
+@pytest.mark.parametrize("step", ["pad", "broadcast_axis"])
+def test_a_scan_whose_step_shapes_are_not_declared_runs_with_no_steps(step, rng, tmp_path):
+    """Every sequence empty: the Scan's all-steps output is ``[B, 0, H]``
+    though its body (Pad, Expand) declares no shape for it."""
+    W = weight(rng, 3, 4)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(lod(rng, [4, 0, 2], 3), name="x")
+        h = rnn.add_memory(shape=[4], name="h")
+        v = (sn.ops.pad(x, 1, 1)[:, 1:4] @ W if step == "pad"
+             else sn.ops.sum(sn.ops.broadcast_axis(x @ W, 1, 2), axis=1))
+        h.update(sn.ops.tanh(v + h.pre_state()))
+        rnn.add_outputs(h)
+    path = tmp_path / "step.onnx"
+    export(rnn, str(path))
+    feeds = {"x": np.zeros((2, 0, 3), np.float32), "lengths": np.zeros(2, np.int64)}
+    got = InferenceSession(str(path), backend="interpreter").run(None, feeds)
+    assert got[0].shape == (2, 0, 4)
+
+
 def test_output_names_that_are_not_strings_are_named(rng):
     rnn = tanh_cell(lod(rng, [2, 3], 3), weight(rng, 3, 4))
     with pytest.raises(sn.StepNetError, match=r"output_names must be non-empty strings, got \[3\]"):

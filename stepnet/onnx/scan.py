@@ -301,15 +301,27 @@ class ScanNode:
             states = outs[:self.N]
             for k, y in enumerate(outs[self.N:]):
                 ys[k].append(np.asarray(y))
-        stacked = []
-        for k, y in enumerate(ys):
-            if y:
-                stacked.append(np.stack(y))
-            else:
-                arg = body.output_args[self.N + k]
-                shape = [d if isinstance(d, int) else 0 for d in (arg.shape or [])]
-                stacked.append(np.zeros([0] + shape, body.output_dtypes[self.N + k] or np.float32))
-        return [np.asarray(s) for s in states], stacked
+        if T == 0:
+            return [np.asarray(s) for s in states], self._no_steps(states, slices, backend, captures)
+        return [np.asarray(s) for s in states], [np.stack(y) for y in ys]
+
+    def _no_steps(self, states, slices, backend, captures):
+        """Each scan output with no steps: ``[0, ...]``, its step's shape
+        as declared, or where the body does not declare it, as a step on
+        zeros gives it (the outputs' shapes follow the inputs' alone)."""
+        body = self.body
+        args = body.output_args[self.N:]
+        shapes = [arg.shape if arg.shape is not None and all(isinstance(d, int) for d in arg.shape)
+                  else None for arg in args]
+        if any(shape is None for shape in shapes):
+            env = {n: captures[n] for n in body.dynamic_captures}
+            env.update(zip(body.input_names[:self.N], states))
+            env.update(zip(body.input_names[self.N:], (np.zeros(x.shape[1:], x.dtype) for x in slices)))
+            with np.errstate(all="ignore"):
+                body.run(env, backend)
+            shapes = [np.shape(env[n]) for n in body.output_names[self.N:]]
+        return [np.zeros([0, *shape], body.output_dtypes[self.N + k] or np.float32)
+                for k, shape in enumerate(shapes)]
 
     def _loop8(self, states, scans, lengths, backend, captures):
         """Scan 8: each batch entry its own loop over its length."""
