@@ -197,7 +197,8 @@ class Function:
             A parameter or input whose shape or dtype does not fit, or
             lengths outside ``[0, T]``.
         UnsupportedError
-            A step-net's LoD input of more than one level.
+            A step-net's LoD input of more than one level, or a ragged
+            static input.
         """
         values = self._param_values(params)
         if self.flags is None:
@@ -286,6 +287,10 @@ class Function:
         for name, value in inputs.items():
             b = rnn.bindings[name]
             if b.kind != "sequence":
+                if b.var.lod_depth or isinstance(value, (LoDTensor, tuple, list)):
+                    raise UnsupportedError(f"input {name}: a ragged static input (one sequence of "
+                                           "rows each) is not done in stepnet.jax; give an array "
+                                           "of one row per sequence, or call stepnet directly")
                 a = jax.numpy.asarray(value)
                 if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
                     raise ShapeError(f"input {name}: has dtype {a.dtype}; stepnet.jax takes "

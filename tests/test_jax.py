@@ -201,6 +201,22 @@ def test_errors_name_what_is_wrong():
         f(f.params, X=np.ones((1, 2, 3), np.float32))
 
 
+def test_a_ragged_static_input_is_refused_by_name():
+    rng = np.random.default_rng(3)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[3, 2]])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((4, 3)).astype(np.float32), [[1, 3]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, mem = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(sn.ops.tanh(x + sn.ops.attention(h.pre_state(), mem)))
+        rnn.add_outputs(h)
+    f = sj.function(rnn)
+    for given in (M, (np.ones((2, 3, 3), np.float32), np.array([1, 3]))):
+        with pytest.raises(UnsupportedError, match="input M: a ragged static input"):
+            f(f.params, X=(np.ones((2, 3, 3), np.float32), np.array([3, 2])), M=given)
+
+
 def test_an_unknown_backend_is_refused_when_the_function_is_made():
     with pytest.raises(sn.BackendError, match="unknown backend 'bogus'"):
         sj.function(sn.nn.GRU(3, 4, seed=0), backend="bogus")
