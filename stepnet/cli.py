@@ -122,7 +122,7 @@ def _parser():
     run.add_argument("--cluster", metavar="local:N|tcp://HOST:PORT",
                      help="run on Dask workers: a new local cluster of N processes, or a scheduler")
     run.add_argument("--partitions", type=int, default=None, metavar="P",
-                     help="with --cluster: pieces of the batch (default: one per worker)")
+                     help="with --cluster and one batch: pieces of the batch (default: one per worker)")
     run.set_defaults(func=cmd_run)
 
     compile_ = sub.add_parser(
@@ -272,6 +272,14 @@ def cmd_check(args) -> int:
 def cmd_run(args) -> int:
     from .backends import default_backend
 
+    if args.partitions is not None:
+        if not args.cluster:
+            raise Error("--partitions cuts the batch among --cluster's workers: give --cluster too")
+        if args.partitions < 1:
+            raise Error("--partitions must be at least 1")
+        if args.input and Path(args.input).is_dir():
+            raise Error(f"--partitions cuts one batch; --input {args.input!r} is a directory of "
+                        "shards, each one piece")
     model = _load(args)
     backend = args.backend or default_backend()
     if args.cluster:

@@ -165,6 +165,16 @@ def test_errors_exit_1_with_file_line_and_key(tmp_path):
     assert proc.returncode == 1 and "unknown backend 'cuda9'" in proc.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--partitions", "2"], "--partitions cuts the batch among --cluster's workers: give --cluster too"),
+    (["--partitions", "0", "--cluster", "local:1"], "--partitions must be at least 1"),
+    (["--partitions", "2", "--cluster", "local:1", "--input", "examples"],
+     "--partitions cuts one batch; --input 'examples' is a directory of shards")])
+def test_partitions_without_a_batch_to_cut_among_workers_are_refused(args, message):
+    proc = stepnet("run", EXAMPLES / "char_gru.yaml", *args)
+    assert proc.returncode == 1 and proc.stdout == "" and message in proc.stderr, proc.stderr
+
+
 def test_backend_help_lists_stepnets_own_backends():
     from stepnet.backends import BACKENDS
 

@@ -668,6 +668,16 @@ def test_print_shows_the_step_net():
     assert text.strip() and "rnn" in text.lower()
 
 
+def test_repr_names_the_options_that_change_the_maths():
+    assert repr(nn().LSTM(4, 6)) == "LSTM(4, 6, dtype=float32)"
+    assert repr(nn().LSTM(4, 6, activations=["sigmoid", "tanh", "tanh"])) == "LSTM(4, 6, dtype=float32)"
+    gru = nn().GRU(4, 6, direction="reverse", activations=["HardSigmoid", "Softsign"],
+                   activation_alpha=[0.3, 1.0], activation_beta=[0.2, 0.0])
+    assert repr(gru) == ("GRU(4, 6, direction='reverse', activations=['HardSigmoid', 'Softsign'], "
+                         "activation_alpha=[0.3, 1.0], activation_beta=[0.2, 0.0], dtype=float32)")
+    assert repr(nn().RNN(4, 6, nonlinearity="relu")) == "RNN(4, 6, nonlinearity='relu', dtype=float32)"
+
+
 @pytest.mark.parametrize("layer_kind", ["RNN", "GRU", "LSTM", "AUGRU"])
 def test_parameters_are_stepnet_parameters_of_the_layer_dtype(layer_kind):
     layer = getattr(nn(), layer_kind)(4, 6, num_layers=2, direction="bidirectional_concat",

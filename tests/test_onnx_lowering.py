@@ -226,6 +226,31 @@ def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op, outputs", [("GRU", ["Y"]), ("LSTM", ["Y", "Y_h"]),
+                                         ("LSTM", ["", "Y_h"]), ("RNN", ["", "Y_h"])])
+def test_a_recurrent_node_that_leaves_out_final_states_is_compiled(op, outputs, rng, monkeypatch):
+    """The kernel writes every final state: those the node leaves out go to
+    buffers of the call's own."""
+    gates = {"GRU": 3, "LSTM": 4, "RNN": 1}[op]
+    inits = [numpy_helper.from_array(rng.standard_normal((1, gates * 4, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((1, gates * 4, 4)).astype(np.float32), "R")]
+    nodes = [helper.make_node(op, ["x", "W", "R"], outputs, hidden_size=4)]
+    model = _model(nodes, inits, ["T", "B", 3], **dict.fromkeys(filter(None, outputs), TensorProto.FLOAT))
+    x = rng.standard_normal((5, 2, 3)).astype(np.float32)
+    session = InferenceSession(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3):
+            session.run(None, {"x": x})
+        (node,) = _graph_nodes(session)
+        assert node.state in ("timing", "ready", "slower")
+        node.state = "ready"
+        got = session.run(None, {"x": x})
+    want = _node_by_node(model, monkeypatch).run(None, {"x": x})
+    for g, w in zip(got, want):
+        _close(g, w)
+
+
 @pytest.mark.parametrize("stride, dilation", [(1, 1), (1, 2), (3, 1), (2, 2)])
 def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, dilation,
                                                                    monkeypatch):

@@ -371,6 +371,13 @@ class _RecurrentLayer(_Layouts):
             if self.num_layers > 1 and self.num_directions == 2:
                 opts.append(f"combine={self.combine!r}")
         opts += self._repr_options()
+        where = type(self).__name__
+        defaults = [cells.canonical_activation(n, where) for n in self._default_activations()]
+        if self.activations != defaults * self.num_directions:
+            opts.append(f"activations={self.activations!r}")
+        for name in ("activation_alpha", "activation_beta"):
+            if getattr(self, name) is not None:
+                opts.append(f"{name}={getattr(self, name)!r}")
         if self.clip is not None:
             opts.append(f"clip={self.clip}")
         opts.append(f"dtype={self.dtype.name}")

@@ -69,7 +69,7 @@ class _Writer:
         # ("env", name), ("array", an array or a tuple), ("board", (kernel, rows,
         # sequences)): a recurrent kernel's, ("product board", multiply-adds)
         self.args = []
-        self.head, self.body, self.temps = [], [], 0
+        self.head, self.body, self.temps, self.made_count = [], [], 0, 0
 
     def arg(self, kind, what):
         """A new argument of ``graph`` (``self.args``' ``(kind, what)``): its name."""
@@ -94,10 +94,14 @@ class _Writer:
         if source in self.order:
             self.order[name] = self.order[source]
 
-    def made(self, name):
-        """A new variable for value ``name``, made by the current node."""
-        self.var[name] = f"v{len(self.var)}"
-        return self.var[name]
+    def made(self, name=None):
+        """A new variable for value ``name``, made by the current node
+        (``None``: a value of the node's own that no other node reads)."""
+        var = f"v{self.made_count}"
+        self.made_count += 1
+        if name is not None:
+            self.var[name] = var
+        return var
 
     def product_board(self, multiply_adds):
         """An argument holding the board of a product of this many
@@ -439,8 +443,8 @@ def _recurrent(w, node):
             return False
         states.append(f"as_read_only(np.ascontiguousarray({w.ref(name)}).reshape(({B}, {size})))"
                       if name else f"as_read_only(np.zeros(({B}, {size}), {dt}))")
-    y, last = w.made(f"{node.outputs[0]} rows"), [w.made(f"{n} last{s}") for s, n in
-                                                  enumerate(node.outputs[1:1 + len(sizes)])]
+    # a buffer for every final state the kernel writes, named by the node or not
+    y, last = w.made(), [w.made() for _ in sizes]
     w.body.append(f"    {y} = np.empty(({T * B}, {H}), {dt})")
     w.body += [f"    {v} = np.empty(({B}, {size}), {dt})" for v, size in zip(last, sizes)]
     w.body.append(f"    {module}.program(*{consts}, {board}, np.int64({B}), {data}, "
