@@ -124,8 +124,10 @@ if BLAS_NAME == "mkl":
     def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
         """Row-major out [m, n] = op(a) @ b + beta * out (``b`` [k, n] rows of a
         C-contiguous array) on the calling thread."""
-        args = (_ROW_MAJOR, trans_a, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, lda,
-                b.ctypes.data, n, beta, out.ctypes.data, n)
+        # (a leading dimension is at least 1, a width of 0 too: MKL refuses
+        # the call otherwise and leaves ``out`` as it was)
+        args = (_ROW_MAJOR, trans_a, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, max(lda, 1),
+                b.ctypes.data, max(n, 1), beta, out.ctypes.data, max(n, 1))
         if a.itemsize == 4:
             _sgemm(args)
         else:
@@ -133,10 +135,11 @@ if BLAS_NAME == "mkl":
 
     @njit(cache=True)
     def _library_pack(b, max_rows):
-        """MKL's packed form of the weights ``b`` [k, n] (empty for no rows)."""
-        if max_rows == 0:
-            return np.empty(0, b.dtype)
+        """MKL's packed form of the weights ``b`` [k, n] (empty for no rows
+        or no weights: ``gemm_packed`` then calls ``gemm``)."""
         k, n = b.shape
+        if max_rows == 0 or k == 0 or n == 0:
+            return np.empty(0, b.dtype)
         shape = (_B_MATRIX, max(max_rows, 1), n, k)
         size = _s_pack_size(shape) if b.itemsize == 4 else _d_pack_size(shape)
         packed = aligned_empty(size // b.itemsize + 1, b)  # (as mkl_malloc's)
@@ -185,8 +188,8 @@ elif BLAS_NAME == "openblas":
         """Row-major out [m, n] = op(a) @ b + beta * out on the calling thread:
         the column-major C^T = B^T op(A)^T."""
         previous = _set_threads_local((1,))
-        args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, n, a.ctypes.data, lda, beta,
-                out.ctypes.data, n)
+        args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, max(n, 1), a.ctypes.data, max(lda, 1),
+                beta, out.ctypes.data, max(n, 1))
         if a.itemsize == 4:
             _sgemm(args)
         else:
