@@ -361,6 +361,8 @@ class RNNOp:
             shape, per_sequence = memory_shape(name, init_arr, shape, self._num_sequences(),
                                                self._top)
             init_operand = self._initial_operand(name, init_arr, shape, mem_dtype, per_sequence)
+            if self._top and init is None:
+                self.bindings[name].zeros_of_shape = True
         pre = frame.define(
             Var(frame.state.fresh(f"{name}_prev"), mem_dtype, (None,) + tuple(shape))
         )

@@ -25,6 +25,8 @@ class Binding:
         self.value = value
         self.memory_shape = memory_shape
         self.per_sequence = per_sequence
+        # a memory given shape= and no init: its value stands for zeros of its shape
+        self.zeros_of_shape = False
 
 
 def check_sequence_inputs(bindings: dict, values: dict) -> tuple:

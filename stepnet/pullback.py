@@ -263,6 +263,8 @@ def _resolve(rnn, item, values):
                 f"wrt: {item!r} is not an input of {rnn.name}; its inputs are "
                 f"{sorted(rnn.bindings)}"
             )
+        if b.zeros_of_shape and values[item] is b.value:  # (a row of zeros, shared)
+            return b.kind, b.var, np.zeros(b.memory_shape, b.value.dtype)
         return b.kind, b.var, _like(values[item])
     for var, source in rnn.frame.state.consts.values():
         if source is item or (isinstance(source, Parameter) and source.value is item):

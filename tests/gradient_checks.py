@@ -73,8 +73,12 @@ def numeric_gradient(f, array, eps=EPS):
 
 
 def bound_value(rnn, name, feeds):
-    """The array bound to input ``name`` in a run with ``feeds``."""
-    value = feeds.get(name, rnn.bindings[name].value)
+    """The array bound to input ``name`` in a run with ``feeds`` (a memory
+    given ``shape=`` alone: zeros of its shape, as docs/gradients.md says)."""
+    b = rnn.bindings[name]
+    if name not in feeds and b.zeros_of_shape:
+        return np.zeros(b.memory_shape, b.value.dtype)
+    value = feeds.get(name, b.value)
     return value.value if isinstance(value, sn.Parameter) else value
 
 

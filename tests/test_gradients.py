@@ -1417,6 +1417,10 @@ def test_a_memory_named_in_wrt_gets_a_gradient_shaped_like_its_bound_value(backe
     rows, = sn.gradients(rnn, wrt=["h"], h=np.tile(h0, (2, 1)), **kwargs)
     assert shared.shape == (4,) and rows.shape == (2, 4)
     assert_close(shared, rows.sum(0))
+    default, = sn.gradients(named_tanh_net(X, W, U, shape=[4]), wrt=["h"], **kwargs)
+    zeros, = sn.gradients(rnn, wrt=["h"], h=np.zeros(4), **kwargs)
+    assert default.shape == (4,)
+    assert_close(default, zeros)
 
 
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])
