@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from . import ir
-from .errors import ShapeError, StepNetError
+from .errors import LoDError, ShapeError, StepNetError
 from .lod import LoDTensor, host_array
 from .tracing import Parameter, compute_dtype
 
@@ -42,6 +42,9 @@ def check_sequence_inputs(bindings: dict, values: dict) -> tuple:
         X = values[name]
         if not isinstance(X, LoDTensor):
             raise ShapeError(f"input {name}: expects a LoDTensor, got {type(X).__name__}")
+        if X.data.shape[0] != X.levels[-1][-1]:  # (its data changed in place since it was made)
+            raise LoDError(f"input {name}: the LoD's offsets end at {int(X.levels[-1][-1])} but "
+                           f"the data has {X.data.shape[0]} rows")
         if X.num_levels != b.var.lod_depth or tuple(X.shape[1:]) != b.var.shape[1:]:
             raise ShapeError(
                 f"input {name}: rebound with {X.num_levels} LoD level(s) and feature shape "

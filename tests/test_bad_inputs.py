@@ -343,3 +343,14 @@ def test_a_layer_size_that_is_no_whole_number_is_named(tmp_path, capsys):
                     "    hidden_size: 5\n    num_layers: two\noutputs:\n  y: enc.all\n")
     with pytest.raises(sn.YAMLError, match=r"layers.yaml:8: layers.enc.num_layers: .*got 'two'"):
         sn.load_yaml(path)
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_data_shrunk_in_place_under_its_lod_is_refused_before_a_kernel_reads_it(backend):
+    rng = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[2, 3]])
+    rnn = named_tanh_net(X, sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32)), shape=[4])
+    Y = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[2, 3]])
+    Y.data.resize((2, 3), refcheck=False)
+    with pytest.raises(sn.LoDError, match="input x: the LoD's offsets end at 5 but the data has 2 rows"):
+        rnn(x=Y, backend=backend)
