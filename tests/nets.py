@@ -7,6 +7,7 @@
 * :func:`small_gru`: a one-gate GRU-like cell on random data of given lengths.
 * :func:`nested_encoder`: the README's two-level encoder (chapters of
   paragraphs of words), with the variations the tests use.
+* :func:`zero_width_net`: products with no terms or no columns.
 """
 
 from types import SimpleNamespace
@@ -155,3 +156,24 @@ def small_gru(rng, lengths, features=8, hidden=16):
         h.update(z * h.pre_state() + (1 - z) * sn.ops.tanh(x @ W))
         rnn.add_outputs(h)
     return rnn
+
+
+def zero_width_net(rng, lengths):
+    """A step-net whose products have no terms (an input of width 0 by
+    ``[0, 4]`` weights, before the loop and per step) or no columns (by
+    ``[4, 0]``); float64. ``[20] * 40 + [60]``: rows enough for the
+    library's products, and a last sequence whose steps alone take one row."""
+    X = sn.LoDTensor.from_lengths(np.zeros((sum(lengths), 0)), [lengths])
+    Z = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 4)), [lengths])
+    U = sn.Parameter(rng.standard_normal((4, 4)) * 0.5, name="U")
+    weights = [U, sn.Parameter(np.zeros((0, 4)), name="W0"), sn.Parameter(np.zeros((4, 0)), name="Wn"),
+               sn.Parameter(np.zeros((0, 4)), name="V0")]
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, z = rnn.add_input(X, name="x"), rnn.add_input(Z, name="z")
+        h = rnn.add_memory(init=np.ones(4), name="h")
+        e = rnn.add_memory(shape=[0], name="e", dtype=np.float64)
+        e.update(sn.ops.tanh(z @ weights[2] + e.pre_state()))
+        h.update(sn.ops.tanh(x @ weights[1] + h.pre_state() @ U + e.pre_state() @ weights[3] + z))
+        rnn.add_outputs(h, e)
+    return rnn, weights

@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nets import gru_net, nested_encoder
+from nets import gru_net, nested_encoder, zero_width_net
 from stepnet_strategies import build_random_stepnet
 
 import stepnet as sn
@@ -88,6 +88,16 @@ def test_float64_static_input_and_rebinding(loop):
     Y = sn.LoDTensor.from_lengths(r.standard_normal((5, 2)), [[5, 0]])
     out = agree(rnn, x=Y, s=r.standard_normal((2, 4)))
     assert out[0].data.dtype == np.float64
+
+
+def test_products_with_no_terms_or_no_columns(loop):
+    rnn, weights = zero_width_net(np.random.default_rng(3), [3, 0, 2])
+    want = agree(rnn)
+    grads = {backend: sn.gradients(rnn, wrt=weights, backend=backend,
+                                   grad_outputs=[np.ones_like(want[0].data), None])
+             for backend in ("cuda", "interpreter")}
+    for got, expected in zip(grads["cuda"], grads["interpreter"]):
+        assert_close(got, expected)
 
 
 def test_shape_ops_in_a_step(loop):

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 import pytest
 from conftest import assert_backends_agree, assert_close, run_python
-from nets import gru_net, lod, nested_encoder, small_gru
+from nets import gru_net, lod, nested_encoder, small_gru, zero_width_net
 
 import stepnet as sn
 
@@ -441,32 +441,10 @@ def test_each_blas_choice_gives_the_interpreters_results(choice):
     assert float(out[1]) < 1e-12 and float(out[2]) < 1e-12
 
 
-def _zero_width_net(rng):
-    """A step-net whose products have no terms (an input of width 0 by
-    ``[0, 4]`` weights, before the loop and per step) or no columns (by
-    ``[4, 0]``), over rows enough for the library's products and a last
-    sequence whose steps alone take one row; float64."""
-    lengths = [20] * 40 + [60]
-    X = sn.LoDTensor.from_lengths(np.zeros((sum(lengths), 0)), [lengths])
-    Z = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 4)), [lengths])
-    U = sn.Parameter(rng.standard_normal((4, 4)) * 0.5, name="U")
-    weights = [U, sn.Parameter(np.zeros((0, 4)), name="W0"), sn.Parameter(np.zeros((4, 0)), name="Wn"),
-               sn.Parameter(np.zeros((0, 4)), name="V0")]
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x, z = rnn.add_input(X, name="x"), rnn.add_input(Z, name="z")
-        h = rnn.add_memory(init=np.ones(4), name="h")
-        e = rnn.add_memory(shape=[0], name="e", dtype=np.float64)
-        e.update(sn.ops.tanh(z @ weights[2] + e.pre_state()))
-        h.update(sn.ops.tanh(x @ weights[1] + h.pre_state() @ U + e.pre_state() @ weights[3] + z))
-        rnn.add_outputs(h, e)
-    return rnn, weights
-
-
 def test_products_with_no_terms_or_no_columns_match_the_interpreter(rng):
     """A width of 0 reaches no library call with a leading dimension of 0
     (MKL refuses it, leaving the output as it was)."""
-    rnn, weights = _zero_width_net(rng)
+    rnn, weights = zero_width_net(rng, [20] * 40 + [60])
     want = assert_backends_agree(rnn, backends=["numba"])
     grads = {backend: sn.gradients(rnn, wrt=weights, backend=backend,
                                    grad_outputs=[np.ones_like(want[0].data), None])

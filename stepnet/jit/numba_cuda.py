@@ -620,7 +620,7 @@ def _sliced_gemm(gemm, g, rows):
              f"    g_nl = e % g_n{g}", f"    j = g_c{g} + g_nl"]
             + [f"    g_s{p} = {dt}(0.0)" for p in range(4)]
             + ["    if resident:", f"        g_r{g} = g_w{g} + g_nl * {gemm.row}"] + body[0]
-            + ["    else:"] + body[1]
+            + ["    else:"] + (body[1] or ["        pass"])  # (no terms: K = 0)
             + [f"    {gemm.out} = g_s0 + g_s1 + g_s2 + g_s3"])
 
 
