@@ -10,6 +10,7 @@ import pytest
 from conftest import assert_close
 from hypothesis import HealthCheck, given, settings
 from stepnet_strategies import random_stepnets
+from nets import zero_width_net
 
 import stepnet as sn
 from stepnet import executor, executor_loop, interpreter
@@ -51,6 +52,16 @@ def _loops():
     assert not loading.tiered()
     for dtype in (np.float32, np.float64):
         assert executor_loop.loop(np.dtype(dtype)) is not None
+
+
+def test_products_with_no_terms_or_no_columns_agree_with_the_interpreter():
+    rnn, _ = zero_width_net(np.random.default_rng(4), [20] * 40 + [60])
+    program = rnn.program(rnn.all_steps_flags(True))
+    run = executor.compile_program(program)
+    args, consts = rnn.bind(), rnn.const_values()
+    expected = interpreter.compile_program(program)(args, consts)
+    for workers in (1, 2):
+        assert_close(run(args, consts, workers=workers), expected)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
