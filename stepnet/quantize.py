@@ -112,6 +112,9 @@ def quantize_step_net(rnn, mode, required=True):
     values = rnn.const_values()
     state = copy.copy(rnn.frame.state)
     state.names = set(state.names)
+    # constants of the copy's own, snapshots of the float model's (its biases
+    # too): a later change of the float Parameters does not reach it
+    state.consts = {key: (var, _snapshot(source)) for key, (var, source) in state.consts.items()}
     made = {}  # id(W's Var) -> the operands standing for it
 
     def weights(w):
@@ -129,14 +132,14 @@ def quantize_step_net(rnn, mode, required=True):
 
     consts = set(program.consts)
     body = _rewrite(rnn.block, consts, "matmul_" + mode, weights)
+    other = sorted({str(np.dtype(e.inputs[1].dtype)) for e in _eqns(rnn.block) if e.op == "matmul"
+                    and e.inputs[1] in consts and np.dtype(e.inputs[1].dtype) != np.float32})
+    if other:
+        raise StepNetError(f"quantize: step-net {rnn.name!r} computes products by constant matrices "
+                           f"in {' and '.join(other)}; quantized products take float32 models")
     if not made and not required:
         return rnn
     if not made:
-        other = sorted({str(np.dtype(e.inputs[1].dtype)) for e in _eqns(rnn.block) if e.op == "matmul"
-                        and e.inputs[1] in consts and np.dtype(e.inputs[1].dtype) != np.float32})
-        if other:
-            raise StepNetError(f"quantize: step-net {rnn.name!r} computes its products by constant "
-                               f"matrices in {' and '.join(other)}; quantized products take float32 models")
         raise StepNetError(f"quantize: step-net {rnn.name!r} has no product of a float32 step value "
                            "by a constant matrix (x @ W) to quantize")
     # (a float weight every product of which is quantized is no constant of the copy)
@@ -194,17 +197,36 @@ def _rewrite(block, consts, op, weights):
     return dataclasses.replace(block, eqns=tuple(eqns))
 
 
+def _snapshot(source):
+    """A constant's source as the copy's own: a Parameter of a copy of its
+    value (its name kept), an array copied."""
+    from .tracing import Parameter
+
+    if isinstance(source, Parameter):
+        return Parameter(np.array(source.value), name=source.name)
+    return np.array(source)
+
+
 def _quantize_layer(layer, mode):
+    name = type(layer).__name__
+    if layer._one_step:
+        raise StepNetError(f"quantize: {name} is one step of a recurrence, called in a step-net; "
+                           "quantize that step-net (or the layer sn.nn."
+                           f"{name.removesuffix('Cell')}(...))")
     if np.dtype(layer.dtype) != np.float32:
-        raise StepNetError(f"quantize: {type(layer).__name__} computes in {np.dtype(layer.dtype)}; "
+        raise StepNetError(f"quantize: {name} computes in {np.dtype(layer.dtype)}; "
                            "quantized products take float32 models")
+    # weights of its own (a copy, the gate weights joined again): a later
+    # change of the float layer's Parameters does not reach it
+    state = copy.deepcopy({k: v for k, v in layer.__dict__.items() if k not in ("_nets", "_workspace")})
     out = object.__new__(type(layer))
-    out.__dict__.update(layer.__dict__)
-    out._nets, out._workspace, out.quantized = {}, None, mode
+    out.__setstate__(dict(state, _nets={}, _workspace=None, quantized=mode))
     return out
 
 
 def _quantize_yaml(model, mode):
+    if not (model._layers or model._nets):
+        raise StepNetError(f"quantize: {model.name} has no layer or net to quantize")
     out = copy.copy(model)
     out.quantized = mode
     out.layers, out._layers, out.nets, out._nets = {}, [], {}, []
@@ -218,4 +240,7 @@ def _quantize_yaml(model, mode):
         net.rnn = quantize_step_net(net.rnn, mode, required=False)
         out.nets[net.name] = net.rnn
         out._nets.append(net)
+    if not out._layers and all(a.rnn is b.rnn for a, b in zip(out._nets, model._nets)):
+        raise StepNetError(f"quantize: no net of {model.name} has a product of a float32 step value "
+                           "by a constant matrix (x @ W) to quantize")
     return out

@@ -678,6 +678,21 @@ def test_repr_names_the_options_that_change_the_maths():
     assert repr(nn().RNN(4, 6, nonlinearity="relu")) == "RNN(4, 6, nonlinearity='relu', dtype=float32)"
 
 
+@pytest.mark.parametrize("layer_kind", ["RNN", "GRU", "LSTM", "MGU"])
+def test_a_layer_pickles_with_its_activations(rng, layer_kind):
+    import pickle
+
+    kind = getattr(nn(), layer_kind)
+    count = len(kind(3, 4).activations)
+    layer = kind(3, 4, direction="bidirectional_concat", seed=0,
+                 activations=(["HardSigmoid", "LeakyRelu", "Softsign"] * 2)[:count],
+                 activation_alpha=[0.3, 0.2][:count - (count == 1)], activation_beta=[0.4])
+    copy = pickle.loads(pickle.dumps(layer))
+    assert repr(copy) == repr(layer)
+    x = (rng.standard_normal((2, 5, 3)).astype(np.float32), np.array([5, 2]))
+    np.testing.assert_array_equal(copy(x, backend="interpreter")[0], layer(x, backend="interpreter")[0])
+
+
 @pytest.mark.parametrize("layer_kind", ["RNN", "GRU", "LSTM", "AUGRU"])
 def test_parameters_are_stepnet_parameters_of_the_layer_dtype(layer_kind):
     layer = getattr(nn(), layer_kind)(4, 6, num_layers=2, direction="bidirectional_concat",

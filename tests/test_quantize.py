@@ -208,10 +208,36 @@ def test_what_quantize_refuses():
     wide = tanh_cell(lod(rng, [3, 2], 4, np.float64), weight(rng, 4, 5, dtype=np.float64))
     with pytest.raises(sn.StepNetError, match="products by constant matrices in float64; quantized"):
         sn.quantize(wide, "int8")
+    with pytest.raises(sn.StepNetError, match=r"GRUCell is one step .* quantize that step-net"):
+        sn.quantize(sn.nn.GRUCell(4, 8), "int8")
     pytest.importorskip("onnx")
     for as_scan in (False, True):
         with pytest.raises(sn.UnsupportedError, match=r"onnx.export: the model is quantized \(int8\)"):
             sn.onnx.export(small, "unused.onnx", as_scan=as_scan)
+
+
+def test_a_quantized_model_keeps_the_weights_it_was_made_from():
+    """docs/quantization.md: its weights (biases too) are a snapshot; the
+    float model's are left as they were."""
+    rng = np.random.default_rng(5)
+    gru = sn.nn.GRU(4, 8, seed=0)
+    x = (rng.standard_normal((2, 5, 4)).astype(np.float32), np.array([5, 3]))
+    X, W = lod(rng, [3, 2], 4), weight(rng, 4, 5)
+    b = sn.Parameter(np.full(5, 0.5, np.float32), name="b")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        h = rnn.add_memory(shape=[5], name="h")
+        h.update(sn.ops.tanh(rnn.add_input(X, name="x") @ W + b + h.pre_state()))
+        rnn.add_outputs(h)
+    consts = len(rnn.frame.state.consts)
+    models = [(gru, lambda m: m(x, backend="interpreter")[0]), (rnn, lambda m: m(backend="interpreter").data)]
+    for model, run in models:
+        small = sn.quantize(model, "int8")
+        before = run(small)
+        for p in model.parameters():
+            p.value *= 3
+        np.testing.assert_array_equal(run(small), before)
+    assert len(rnn.frame.state.consts) == consts
 
 
 def test_cuda_refuses_quantized_products_before_running():
@@ -241,6 +267,14 @@ def test_yaml_and_cli_quantize(tmp_path, capsys):
     got = from_file(feeds, backend="interpreter")
     for name in expected:
         assert_close(got[name], expected[name], what=f"quantize: int8: {name}")
+    path.write_text("dtype: float64\n" + text)
+    with pytest.raises(sn.StepNetError, match="in float64; quantized products take float32"):
+        sn.quantize(sn.load_yaml(path), "int8")
+    path.write_text("inputs:\n  x: {shape: [4], lod_level: 1}\nnets:\n  rnn:\n    inputs: {x: x}\n"
+                    "    memories:\n      h: {shape: [4]}\n    step:\n      - h = tanh(x + h.pre)\n"
+                    "    outputs: [h]\noutputs:\n  hs: rnn.all.h\n")
+    with pytest.raises(sn.StepNetError, match="no net of .* has a product"):
+        sn.quantize(sn.load_yaml(path), "int8")
     path.write_text("quantize: int4\n" + text)
     with pytest.raises(sn.YAMLError, match="quantize"):
         sn.load_yaml(path)

@@ -184,12 +184,24 @@ def resolve_activations(names, alphas, betas):
     alphas, betas = list(alphas or ()), list(betas or ())
     funcs, specs = [], []
     for name in names:
-        fn, default_alpha, default_beta = ACTIVATIONS[name]
+        _, default_alpha, default_beta = ACTIVATIONS[name]
         alpha = alphas.pop(0) if default_alpha is not None and alphas else default_alpha
         beta = betas.pop(0) if default_beta is not None and betas else default_beta
-        funcs.append(lambda x, fn=fn, a=alpha, b=beta: fn(x, a, b))
+        funcs.append(Activation(name, alpha, beta))
         specs.append((name, alpha, beta))
     return funcs, specs
+
+
+class Activation(NamedTuple):
+    """An activation of ``ACTIVATIONS`` with its alpha and beta, called on a
+    value (a record, not a closure: a layer holding it pickles)."""
+
+    name: str
+    alpha: float | None
+    beta: float | None
+
+    def __call__(self, x):
+        return ACTIVATIONS[self.name][0](x, self.alpha, self.beta)
 
 
 def canonical_activation(name, where):
