@@ -234,6 +234,8 @@ def _run_part(obj, kind, feeds, backend, output_all_steps):
     if kind == "layer":
         feeds = dict(feeds)
         X = feeds.pop("X")
+        if obj.kind.states[1:]:  # (an LSTM takes its states as one pair)
+            return obj(X, (feeds.pop("h0", None), feeds.pop("c0", None)), backend=backend, **feeds)
         return obj(X, backend=backend, **feeds)
     return obj(feeds, backend=backend)
 
@@ -267,6 +269,11 @@ def _describe(obj, feeds):
         feeds = dict(feeds or {})
         if not isinstance(feeds.get("X"), LoDTensor):
             raise StepNetError("stepnet.distributed.run of a layer: feeds['X'] must be a LoDTensor")
+        known = {"X", "h0", *(("c0",) if obj.kind.states[1:] else ()),
+                 *(("attention",) if obj.kind.attention else ())}
+        if set(feeds) - known:
+            raise StepNetError(f"stepnet.distributed.run: feeds {sorted(set(feeds) - known)} are not "
+                               f"inputs of the {type(obj).__name__} layer (it takes {sorted(known)})")
         # h0, c0 are [L * D, B, H]: split along their batch axis
         return "layer", feeds, lambda name, value: 1 if name in ("h0", "c0") else None
     if isinstance(obj, Model):

@@ -137,6 +137,11 @@ def test_layer_with_initial_state_and_yaml_model(client, rng):
     X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32), [[3, 0, 5, 4, 8]])
     h0 = rng.standard_normal((2, 5, 4)).astype(np.float32)
     assert_close(sd.run(gru, {"X": X, "h0": h0}, client=client, partitions=3), gru(X, h0))
+    lstm = sn.nn.LSTM(3, 4, seed=0)
+    c0 = rng.standard_normal((1, 5, 4)).astype(np.float32)
+    assert_close(sd.run(lstm, {"X": X, "h0": h0[:1], "c0": c0}, client=client, partitions=3),
+                 lstm(X, (h0[:1], c0)))
+    assert_close(sd.run(lstm, {"X": X, "c0": c0}, client=client, partitions=2), lstm(X, (None, c0)))
     model = sn.load_yaml(ROOT / "examples" / "hierarchical.yaml")
     feeds = model.random_feeds(seed=1, num_sequences=7, max_length=5)
     got, expected = sd.run(model, feeds, client=client, partitions=3), model(feeds)
@@ -151,6 +156,9 @@ def test_bad_input_is_refused_before_anything_runs(client):
     gru = sn.nn.GRU(3, 4, seed=0)
     with pytest.raises(sn.StepNetError, match="must be a LoDTensor"):
         sd.run(gru, {"X": np.zeros((2, 3, 3))}, client=client)
+    X = sn.LoDTensor.from_lengths(np.zeros((3, 3), np.float32), [[1, 2]])
+    with pytest.raises(sn.StepNetError, match=r"feeds \['c0'\] are not inputs of the GRU layer"):
+        sd.run(gru, {"X": X, "c0": np.zeros((1, 2, 4), np.float32)}, client=client)
 
 
 def test_bit_for_bit_in_deterministic_mode():
