@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
+from .errors import UnsupportedError
 from .lod import LoDTensor
 from .pullback import vjp
 from .torch_layouts import NUMPY_DTYPES, as_array, as_tensor, grad_array
@@ -31,8 +31,14 @@ class Bridge(torch.autograd.Function):
         return call.forward()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
+        # grad mode is on in a backward only under create_graph=True: a
+        # gradient of these gradients may be asked for, which stepnet has not
+        # (torch's once_differentiable says so only where the incoming
+        # gradients need one, and drops the second-order terms otherwise)
+        if torch.is_grad_enabled():
+            raise UnsupportedError("stepnet.torch: backward with create_graph=True (a gradient of "
+                                   "a gradient) is not done through stepnet's bridge")
         ctx.saved_tensors  # noqa: B018 - checks that no input changed in place since
         return (None,) + tuple(ctx.call.backward(grads, ctx.needs_input_grad[1:]))
 

@@ -327,6 +327,20 @@ def test_an_input_changed_in_place_before_backward_is_refused(gru_pair):
         y.sum().backward()
 
 
+def test_a_gradient_of_a_gradient_is_refused_not_dropped(gru_pair):
+    """A gradient penalty: the first gradient's incoming gradient needs none
+    (``y.sum()``), so only the refusal keeps its second-order terms from
+    being lost."""
+    _, m = gru_pair
+    x = torch.randn(B, T, I, requires_grad=True)
+    y, _ = m(x)
+    with pytest.raises(sn.UnsupportedError, match="create_graph=True"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    y, _ = m(x)
+    gx, = torch.autograd.grad(y.sum(), x)  # (without create_graph: as before)
+    assert gx.shape == x.shape and gx.grad_fn is None
+
+
 def test_bad_layer_input_gets_a_clear_error(gru_pair):
     _, m = gru_pair
     with pytest.raises(sn.ShapeError, match="dtype torch.float64.*float32"):
