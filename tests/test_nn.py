@@ -678,6 +678,20 @@ def test_repr_names_the_options_that_change_the_maths():
     assert repr(nn().RNN(4, 6, nonlinearity="relu")) == "RNN(4, 6, nonlinearity='relu', dtype=float32)"
 
 
+@pytest.mark.parametrize("layer_kind", ["RNN", "GRU", "LSTM", "AUGRU", "MGU"])
+def test_a_layer_without_biases_has_none_among_its_parameters(rng, layer_kind):
+    kind = getattr(nn(), layer_kind)
+    plain, bare = kind(3, 4, num_layers=2, seed=0), kind(3, 4, num_layers=2, seed=0, bias=False)
+    names = {p.name for p in plain.parameters()} - {p.name for p in bare.parameters()}
+    assert names and all("_Wb_" in n or "_Rb_" in n for n in names)
+    assert all(not np.any(w["B"]) for w in (bare.onnx_weights(layer) for layer in range(2)))
+    assert repr(bare).endswith("bias=False, dtype=float32)")
+    with pytest.raises(sn.StepNetError, match="bias=False"):
+        bare.set_onnx_weights(0, **{**plain.onnx_weights(0), "P": None, "proj": None})
+    with pytest.raises(sn.StepNetError, match="bias must be True or False, got 'false'"):
+        kind(3, 4, bias="false")
+
+
 @pytest.mark.parametrize("layer_kind", ["RNN", "GRU", "LSTM", "MGU"])
 def test_a_layer_pickles_with_its_activations(rng, layer_kind):
     import pickle

@@ -327,6 +327,25 @@ def test_an_input_changed_in_place_before_backward_is_refused(gru_pair):
         y.sum().backward()
 
 
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
+def test_a_module_without_biases_trains_as_torchs(kind):
+    torch.manual_seed(4)
+    g = getattr(torch.nn, kind)(3, 4, num_layers=2, bias=False, batch_first=True).double()
+    m = st.Module(getattr(sn.nn, kind).from_torch(g))
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in g.parameters())
+    assert m.layer.to_torch().bias is False
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    optimizers = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (g, m)]
+    for _ in range(3):
+        for mod, opt in zip((g, m), optimizers):
+            opt.zero_grad()
+            y, _ = mod(x)
+            y.pow(2).sum().backward()
+            opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[0], g(x)[0])
+
+
 def test_a_gradient_of_a_gradient_is_refused_not_dropped(gru_pair):
     """A gradient penalty: the first gradient's incoming gradient needs none
     (``y.sum()``), so only the refusal keeps its second-order terms from

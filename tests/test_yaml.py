@@ -509,6 +509,12 @@ def copy_of(layer, cls, **options):
     return other
 
 
+def test_a_layer_without_biases(tmp_path):
+    model = sn.load_yaml(write(tmp_path, LAYERS.replace("num_layers: 2", "num_layers: 2\n    bias: false")))
+    lstm = model.layers["top"]
+    assert not lstm.bias and not any("b_" in p.name for p in lstm.parameters())
+
+
 def test_layers_equal_stepnet_nn_and_feed_nets(tmp_path):
     model = sn.load_yaml(write(tmp_path, LAYERS), seed=4)
     feeds = model.random_feeds(seed=1)
@@ -698,6 +704,8 @@ def test_augru_layer_errors(tmp_path, old, new, key, fragment):
     ("direction: bidirectional_concat", "direction: sideways", 10, "layers.enc.direction",
      "direction 'sideways'"),
     ("input: enc.all", "input: head.all", 14, "layers.top.input", "layers run before nets"),
+    ("num_layers: 2", "num_layers: 2\n    bias: nope", 17, "layers.top.bias",
+     "bias must be True or False, got 'nope'"),
 ])
 def test_layer_errors(tmp_path, old, new, line, key, fragment):
     assert old in LAYERS

@@ -42,8 +42,12 @@ class _RecurrentLayer(_Layouts):
     def __init__(self, input_size, hidden_size, num_layers=1, direction="forward",
                  combine="per_layer", activations=None, activation_alpha=None,
                  activation_beta=None, clip=None, dtype=np.float32, seed=None, *,
-                 linear_before_reset=False, peephole=False, proj_size=0, input_forget=False):
+                 linear_before_reset=False, peephole=False, proj_size=0, input_forget=False,
+                 bias=True):
         name = type(self).__name__
+        if not isinstance(bias, (bool, np.bool_)):
+            raise StepNetError(f"{name}: bias must be True or False, got {bias!r}")
+        self.bias = bool(bias)
         self.input_size = _positive(input_size, f"{name}: input_size")
         self.hidden_size = _positive(hidden_size, f"{name}: hidden_size")
         self.num_layers = _positive(num_layers, f"{name}: num_layers")
@@ -78,6 +82,7 @@ class _RecurrentLayer(_Layouts):
         """A copy's gate weights side by side again (a copy of a view is an
         array of its own): the same Parameters, given views of new arrays."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("bias", True)  # (pickled before layers had the option)
         for params in self._params.values():
             self._join_gate_weights(params)
 
@@ -174,8 +179,8 @@ class _RecurrentLayer(_Layouts):
                 arrays = {
                     "W": {g: draw(I, H) for g in self.kind.gates},
                     "R": {g: draw(P, H) for g in self.kind.gates},
-                    "Wb": {g: draw(H) for g in self.kind.gates},
-                    "Rb": {g: draw(H) for g in self.kind.gates},
+                    "Wb": {g: draw(H) if self.bias else np.zeros(H) for g in self.kind.gates},
+                    "Rb": {g: draw(H) if self.bias else np.zeros(H) for g in self.kind.gates},
                 }
                 if self.peephole:
                     arrays["P"] = {g: draw(H) for g in cells.PEEPHOLES}
@@ -217,11 +222,13 @@ class _RecurrentLayer(_Layouts):
                 start += width
 
     def parameters(self):
-        """Every weight, layer by layer and direction by direction."""
+        """Every weight, layer by layer and direction by direction (without
+        ``bias=False``'s zero biases, which stay as they are)."""
         out = []
         for key in sorted(self._params):
-            for value in self._params[key].values():
-                out.extend(value.values() if isinstance(value, dict) else [value])
+            for kind, value in self._params[key].items():
+                if self.bias or kind not in ("Wb", "Rb"):
+                    out.extend(value.values() if isinstance(value, dict) else [value])
         return out
 
     # -- the step-nets ------------------------------------------------------------
@@ -380,6 +387,8 @@ class _RecurrentLayer(_Layouts):
                 opts.append(f"{name}={getattr(self, name)!r}")
         if self.clip is not None:
             opts.append(f"clip={self.clip}")
+        if not self.bias:
+            opts.append("bias=False")
         opts.append(f"dtype={self.dtype.name}")
         return f"{type(self).__name__}({', '.join(opts)})"
 

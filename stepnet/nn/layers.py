@@ -64,6 +64,9 @@ class RNN(_RecurrentLayer):
     seed : int, optional
         Seed of the initialization (PyTorch's: every weight and bias drawn
         from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+    bias : bool, default True
+        False: no biases (PyTorch's ``bias=False``): they stay zeros and are
+        none of ``parameters()``.
 
     Raises
     ------
@@ -85,7 +88,8 @@ class RNN(_RecurrentLayer):
 
     def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", *,
                  direction="forward", combine="per_layer", activations=None, activation_alpha=None,
-                 activation_beta=None, clip=None, dtype=np.float32, seed=None):
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None,
+                 bias=True):
         names = {"tanh": "Tanh", "relu": "Relu", "sigmoid": "Sigmoid"}
         if nonlinearity not in names:
             raise StepNetError(f"RNN: nonlinearity {nonlinearity!r} is not tanh, relu or sigmoid")
@@ -93,7 +97,8 @@ class RNN(_RecurrentLayer):
         self._nonlinearity_name = names[nonlinearity]
         super().__init__(input_size, hidden_size, num_layers, direction=direction, combine=combine,
                          activations=activations, activation_alpha=activation_alpha,
-                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed,
+                         bias=bias)
 
     def _default_activations(self):
         return (self._nonlinearity_name,)
@@ -148,6 +153,9 @@ class GRU(_RecurrentLayer):
     seed : int, optional
         Seed of the initialization (PyTorch's: every weight and bias drawn
         from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+    bias : bool, default True
+        False: no biases (PyTorch's ``bias=False``): they stay zeros and are
+        none of ``parameters()``.
 
     Raises
     ------
@@ -169,11 +177,13 @@ class GRU(_RecurrentLayer):
 
     def __init__(self, input_size, hidden_size, num_layers=1, linear_before_reset=False, *,
                  direction="forward", combine="per_layer", activations=None, activation_alpha=None,
-                 activation_beta=None, clip=None, dtype=np.float32, seed=None):
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None,
+                 bias=True):
         super().__init__(input_size, hidden_size, num_layers,
                          linear_before_reset=linear_before_reset, direction=direction, combine=combine,
                          activations=activations, activation_alpha=activation_alpha,
-                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed,
+                         bias=bias)
 
     def _repr_options(self):
         return ["linear_before_reset=True"] if self.linear_before_reset else []
@@ -227,6 +237,9 @@ class AUGRU(GRU):
     seed : int, optional
         Seed of the initialization (PyTorch's: every weight and bias drawn
         from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+    bias : bool, default True
+        False: no biases (PyTorch's ``bias=False``): they stay zeros and are
+        none of ``parameters()``.
 
     Raises
     ------
@@ -361,6 +374,9 @@ class LSTM(_RecurrentLayer):
     seed : int, optional
         Seed of the initialization (PyTorch's: every weight and bias drawn
         from ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+    bias : bool, default True
+        False: no biases (PyTorch's ``bias=False``): they stay zeros and are
+        none of ``parameters()``.
 
     Raises
     ------
@@ -382,12 +398,14 @@ class LSTM(_RecurrentLayer):
 
     def __init__(self, input_size, hidden_size, num_layers=1, peephole=False, proj_size=0,
                  input_forget=False, *, direction="forward", combine="per_layer", activations=None,
-                 activation_alpha=None, activation_beta=None, clip=None, dtype=np.float32, seed=None):
+                 activation_alpha=None, activation_beta=None, clip=None, dtype=np.float32, seed=None,
+                 bias=True):
         super().__init__(input_size, hidden_size, num_layers, peephole=peephole,
                          proj_size=proj_size, input_forget=input_forget,
                          direction=direction, combine=combine,
                          activations=activations, activation_alpha=activation_alpha,
-                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed,
+                         bias=bias)
 
     def _repr_options(self):
         return [f"{key}={getattr(self, key)!r}" for key in self.kind.options if getattr(self, key)]
@@ -499,6 +517,8 @@ class MGU(_RecurrentLayer):
     seed : int, optional
         Seed of the initialization (every weight and bias drawn from
         ``U(-k, k)``, ``k = 1/sqrt(hidden_size)``).
+    bias : bool, default True
+        False: no biases: they stay zeros and are none of ``parameters()``.
 
     Raises
     ------
@@ -520,10 +540,12 @@ class MGU(_RecurrentLayer):
 
     def __init__(self, input_size, hidden_size, num_layers=1, *, direction="forward",
                  combine="per_layer", activations=None, activation_alpha=None,
-                 activation_beta=None, clip=None, dtype=np.float32, seed=None):
+                 activation_beta=None, clip=None, dtype=np.float32, seed=None,
+                 bias=True):
         super().__init__(input_size, hidden_size, num_layers, direction=direction, combine=combine,
                          activations=activations, activation_alpha=activation_alpha,
-                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed)
+                         activation_beta=activation_beta, clip=clip, dtype=dtype, seed=seed,
+                         bias=bias)
 
 
 # ----------------------------------------------------------------------------

@@ -93,7 +93,8 @@ class _Layouts:
         Raises
         ------
         StepNetError
-            ``layer`` is not an int in ``[0, num_layers)``.
+            ``layer`` is not an int in ``[0, num_layers)``, or biases other
+            than zeros for a layer made with ``bias=False``.
         ShapeError
             An array whose shape is not the one expected.
         """
@@ -113,6 +114,9 @@ class _Layouts:
             if value.shape != shape:
                 raise ShapeError(f"{type(self).__name__} layer {layer}: {key} has shape "
                                  f"{list(value.shape)}, expected {list(shape)}")
+        if not self.bias and np.any(B != 0):
+            raise StepNetError(f"{type(self).__name__} layer {layer}: the layer has no biases "
+                               "(bias=False); B must be zeros or None")
         for d in range(D):
             arrays = {
                 "W": {g: W[d, j * H:(j + 1) * H].T for j, g in enumerate(gates)},
@@ -291,6 +295,7 @@ class _Layouts:
             "num_layers": module.num_layers,
             "direction": "bidirectional_concat" if module.bidirectional else "forward",
             "dtype": dtype,
+            "bias": bool(module.bias),
         }
         kwargs.update(cls._torch_options(module))
         layer = cls(module.input_size, module.hidden_size, **kwargs)
@@ -361,7 +366,7 @@ class _Layouts:
         if reasons:
             raise UnsupportedError(f"{name}.to_torch: PyTorch has no {', '.join(reasons)}")
         module = getattr(torch.nn, self.kind.torch)(
-            self.input_size, self.hidden_size, self.num_layers,
+            self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
             bidirectional=self.num_directions == 2, **self._torch_kwargs())
         order = self.kind.torch_gates
         H = self.hidden_size
@@ -379,8 +384,9 @@ class _Layouts:
                         return _gate_blocks(a, H, rows)
 
                     b = onnx["B"][d]
-                    values = {"weight_ih": reorder(onnx["W"][d]), "weight_hh": reorder(onnx["R"][d]),
-                              "bias_ih": reorder(b[:G * H]), "bias_hh": reorder(b[G * H:])}
+                    values = {"weight_ih": reorder(onnx["W"][d]), "weight_hh": reorder(onnx["R"][d])}
+                    if self.bias:
+                        values.update(bias_ih=reorder(b[:G * H]), bias_hh=reorder(b[G * H:]))
                     if self.proj_size:
                         values["weight_hr"] = onnx["proj"][d]
                     for key, value in values.items():

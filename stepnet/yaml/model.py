@@ -36,7 +36,8 @@ PARAM_KEYS = ("shape", "dtype", "init", "from", "description", "mean", "std", "l
 RANDOM_KINDS = ("normal", "uniform", "onehot")
 DTYPES = ("float16", "float32", "float64")
 _COMMON_LAYER = ("type", "input", "description", "hidden_size", "num_layers", "direction",
-                 "combine", "activations", "activation_alpha", "activation_beta", "clip", "dtype")
+                 "combine", "activations", "activation_alpha", "activation_beta", "clip", "dtype",
+                 "bias")
 # a cell that reads a score per token (AUGRU) takes it as ``attention``
 LAYER_TYPES = {c.name: _COMMON_LAYER + ("attention",) * c.attention + c.options
                for c in cells.CELLS.values()}
