@@ -36,7 +36,8 @@ jax = optional_import("jax", "stepnet.jax", "pip install jax")
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
-from .nn.layers import LAYERS, _refuse_cell  # noqa: E402
+from .nn.layers import LAYERS  # noqa: E402
+from .nn.step_cells import _refuse_cell  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
 __all__ = ["Function", "function"]

@@ -33,7 +33,8 @@ from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
-from .nn.layers import LAYERS, _refuse_cell  # noqa: E402
+from .nn.layers import LAYERS  # noqa: E402
+from .nn.step_cells import _refuse_cell  # noqa: E402
 from .torch_autograd import Bridge, LayerCall, StepNetCall, autograd_records  # noqa: E402
 from .torch_layouts import (  # noqa: E402
     NUMPY_DTYPES,

@@ -16,8 +16,8 @@ cell is one record of ``stepnet.nn.cells.CELLS`` (docs/adding-a-layer.md).
 ((5, 8), [[0, 2, 5]], (1, 2, 8))
 """
 
-from .layers import (AUGRU, DIRECTIONS, GRU, LSTM, MGU, RNN, AUGRUCell, GRUCell, LSTMCell,
-                     MGUCell, RNNCell)
+from .layers import AUGRU, DIRECTIONS, GRU, LSTM, MGU, RNN
+from .step_cells import AUGRUCell, GRUCell, LSTMCell, MGUCell, RNNCell
 
 __all__ = ["AUGRU", "AUGRUCell", "DIRECTIONS", "GRU", "GRUCell", "LSTM", "LSTMCell", "MGU",
            "MGUCell", "RNN", "RNNCell"]

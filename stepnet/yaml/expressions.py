@@ -321,7 +321,7 @@ class Evaluator:
         return call_function(name, args, kwargs, lambda msg: self.fail(node, msg))
 
     def _cell(self, name):
-        from ..nn.layers import _Cell
+        from ..nn.step_cells import _Cell
 
         try:
             value = self.scope.lookup(name)
