@@ -334,6 +334,8 @@ def test_a_module_without_biases_trains_as_torchs(kind):
     m = st.Module(getattr(sn.nn, kind).from_torch(g))
     assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in g.parameters())
     assert m.layer.to_torch().bias is False
+    cell = getattr(sn.nn, kind + "Cell").from_torch(getattr(torch.nn, kind + "Cell")(3, 4, bias=False))
+    assert not cell.bias and cell.to_torch().bias is False
     x = torch.randn(2, 5, 3, dtype=torch.float64)
     optimizers = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (g, m)]
     for _ in range(3):

@@ -105,7 +105,7 @@ class _Cell:
         layer = super().to_torch()
         options = {k: v for k, v in self._torch_kwargs().items() if k == "nonlinearity"}
         module = getattr(torch.nn, self.kind.torch + "Cell")(
-            self.input_size, self.hidden_size, **options).to(layer.weight_ih_l0.dtype)
+            self.input_size, self.hidden_size, bias=self.bias, **options).to(layer.weight_ih_l0.dtype)
         with torch.no_grad():
             for name, value in module.named_parameters():
                 value.copy_(getattr(layer, name + "_l0"))
@@ -137,7 +137,7 @@ class RNNCell(_Cell, RNN):
     **kwargs
         The keyword options of :class:`RNN` (``nonlinearity``, ``activations``,
         ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
-        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        ``seed``, ``bias``); ``num_layers``, ``direction`` and ``combine`` only at their
         defaults (1, ``"forward"``, ``"per_layer"``).
 
     Raises
@@ -168,7 +168,7 @@ class GRUCell(_Cell, GRU):
     **kwargs
         The keyword options of :class:`GRU` (``linear_before_reset``, ``activations``,
         ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
-        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        ``seed``, ``bias``); ``num_layers``, ``direction`` and ``combine`` only at their
         defaults (1, ``"forward"``, ``"per_layer"``).
 
     Raises
@@ -191,7 +191,7 @@ class LSTMCell(_Cell, LSTM):
     **kwargs
         The keyword options of :class:`LSTM` (``peephole``, ``proj_size``, ``input_forget``, ``activations``,
         ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
-        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        ``seed``, ``bias``); ``num_layers``, ``direction`` and ``combine`` only at their
         defaults (1, ``"forward"``, ``"per_layer"``).
 
     Raises
@@ -218,7 +218,7 @@ class AUGRUCell(_Cell, AUGRU):
     **kwargs
         The keyword options of :class:`AUGRU` (``linear_before_reset``, ``activations``,
         ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
-        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        ``seed``, ``bias``); ``num_layers``, ``direction`` and ``combine`` only at their
         defaults (1, ``"forward"``, ``"per_layer"``).
 
     Raises
@@ -268,7 +268,7 @@ class MGUCell(_Cell, MGU):
     **kwargs
         The keyword options of :class:`MGU` (``activations``,
         ``activation_alpha``, ``activation_beta``, ``clip``, ``dtype``,
-        ``seed``); ``num_layers``, ``direction`` and ``combine`` only at their
+        ``seed``, ``bias``); ``num_layers``, ``direction`` and ``combine`` only at their
         defaults (1, ``"forward"``, ``"per_layer"``).
 
     Raises
