@@ -5,7 +5,6 @@ record (``cells.CELLS``) as its layer does."""
 
 from __future__ import annotations
 
-
 from ..errors import StepNetError, UnsupportedError
 from .base import _RecurrentLayer
 from .layouts import _torch_of
