@@ -1060,3 +1060,26 @@ def test_lists_and_arrays_of_the_other_byte_order_are_taken_as_onnxruntime_takes
             assert_close(got, expected)
     with pytest.raises(sn.ShapeError, match="has dtype float64, the model declares"):
         session.run(None, {"X": X.astype(np.float64)})
+
+
+def test_shapes_made_from_fed_values_are_computed_again_each_call():
+    """ConstantOfShape(max(L)) and Range(min(L), T): their shapes are values
+    of the lengths, not of the inputs' shapes (a call with other lengths of
+    the same shapes must not get the first call's)."""
+    T = TensorProto
+    nodes = [helper.make_node("ReduceMax", ["L"], ["mx"], keepdims=1),
+             helper.make_node("ConstantOfShape", ["mx"], ["ones"],
+                              value=numpy_helper.from_array(np.array([1], np.int64))),
+             helper.make_node("Shape", ["ones"], ["widest"]),
+             helper.make_node("ReduceMin", ["L"], ["mn"], keepdims=0),
+             helper.make_node("Range", ["mn", "steps", "one"], ["r"]),
+             helper.make_node("Shape", ["r"], ["padded"])]
+    model = _model(nodes, [helper.make_tensor_value_info("L", T.INT64, ["B"])],
+                   [helper.make_tensor_value_info(n, T.INT64, [1]) for n in ("widest", "padded")],
+                   [numpy_helper.from_array(np.array(1, np.int64), "one"),
+                    numpy_helper.from_array(np.array(6, np.int64), "steps")], opset=13)
+    session = InferenceSession(model)
+    for lengths in ([4, 6, 5], [1, 2, 2], [6, 6, 6]):
+        L = np.array(lengths, np.int64)
+        widest, padded = session.run(None, {"L": L})
+        assert widest.tolist() == [L.max()] and padded.tolist() == [6 - L.min()]

@@ -42,8 +42,10 @@ SHAPE_FROM_SHAPES = {
     "Sinh", "Softmax", "Softplus", "Softsign", "SpaceToDepth", "Sqrt", "Sub", "Sum", "Tan",
     "Tanh", "ThresholdedRelu", "Transpose", "Trilu", "Where", "Xor",
 }
+# (not ConstantOfShape nor Range: their output's shape is the value of their
+# first input too, which is decided only where it is a VALUE)
 SHAPE_FROM_VALUES = {
-    "ConstantOfShape", "Expand", "OneHot", "Pad", "Range", "ReduceL1", "ReduceL2",
+    "Expand", "OneHot", "Pad", "ReduceL1", "ReduceL2",
     "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
     "ReduceSum", "ReduceSumSquare", "Reshape", "Resize", "Slice", "Split", "Squeeze", "Tile",
     "TopK", "Unsqueeze",
