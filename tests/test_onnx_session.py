@@ -1083,3 +1083,36 @@ def test_shapes_made_from_fed_values_are_computed_again_each_call():
         L = np.array(lengths, np.int64)
         widest, padded = session.run(None, {"L": L})
         assert widest.tolist() == [L.max()] and padded.tolist() == [6 - L.min()]
+
+
+def _one_node(op, x, opset, inits=(), **attrs):
+    """A model of one ``op`` node on input ``x`` (and initializers ``inits``,
+    name -> array) to ``y``."""
+    node = helper.make_node(op, ["x", *(n for n, _ in inits)], ["y"], **attrs)
+    return _model([node], [_info("x", x)], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                  [numpy_helper.from_array(a, n) for n, a in inits], opset=opset)
+
+
+@pytest.mark.parametrize("op, opset, attrs", [
+    ("BatchNormalization", 9, {"epsilon": 1e-3}), ("BatchNormalization", 13, {}),
+    ("LogSoftmax", 11, {"axis": 1}), ("Hardmax", 11, {}), ("LogSoftmax", 13, {"axis": 1}),
+    ("LRN", 13, {"size": 3, "alpha": 0.1}), ("GroupNormalization", 18, {"num_groups": 2})])
+def test_ops_the_reference_gets_wrong_or_refuses_match_onnxruntime(op, opset, attrs, rng):
+    """BatchNormalization 9-13 in inference, LogSoftmax and Hardmax before 13
+    (the input read as 2-D at axis), LRN, and the deprecated but used
+    GroupNormalization-18."""
+    x = (rng.standard_normal((2, 4, 3) + (2,) * (op == "LRN")) * 3).astype(np.float32)
+    inits = {"BatchNormalization": [(n, rng.uniform(0.5, 2, 4).astype(np.float32))
+                                    for n in ("scale", "B", "mean", "var")],
+             "GroupNormalization": [(n, rng.standard_normal(2).astype(np.float32)) for n in ("s", "b")]}
+    _compare(_one_node(op, x, opset, inits.get(op, ()), **attrs), {"x": x})
+
+
+def test_a_session_is_made_with_onnxruntimes_arguments():
+    ort = pytest.importorskip("onnxruntime")
+    x = np.ones((2, 3), np.float32)
+    model = _one_node("Relu", x, 17)
+    for session in (InferenceSession(model, ort.SessionOptions(), providers=["CPUExecutionProvider"]),
+                    InferenceSession(model, sess_options=ort.SessionOptions(), provider_options=[{}])):
+        assert session.backend is None
+        np.testing.assert_array_equal(session.run(None, {"x": x})[0], x)

@@ -10,8 +10,12 @@ for an opset the nearest one that means the same is used:
 - ``Scatter`` (deprecated since 11) by ``ScatterElements``, its new name;
 - ``Gelu`` 20+ and ``GroupNormalization`` 18+ are functions whose body
   depends on the input types: built on the first run, once per input types;
-- ``GlobalLpPool``, ``MaxRoiPool`` and ``Multinomial`` have none: they are
-  written below in NumPy.
+- ``BatchNormalization`` 9-13 with one output (inference) by version 14
+  with ``training_mode`` 0 (the reference's 9 takes a training path);
+- ``GlobalLpPool``, ``MaxRoiPool`` and ``Multinomial`` have none, and its
+  ``LRN`` and its ``LogSoftmax`` and ``Hardmax`` before 13 (which read the
+  input as 2-D at ``axis``) mean something else: they are written below in
+  NumPy.
 """
 
 from __future__ import annotations
@@ -54,11 +58,15 @@ class ReferenceOp:
             except ImportError:
                 raise ctx.unsupported(f"onnx.reference runs {ctx.op} with {package}, which is not "
                                       f"installed (pip install {package})") from None
-        own = _NUMPY.get(ctx.op)
+        own = _NUMPY.get((ctx.op, ctx.opset), _NUMPY.get(ctx.op))
         if own is not None:
             self.impl = _Own(own, proto)
             return
         op_type, version = _ALIASES.get((ctx.op, ctx.opset), (ctx.op, ctx.opset))
+        if ctx.op == "BatchNormalization" and 9 <= ctx.opset < 14 and len(proto.output) == 1:
+            # inference (one output): version 14's meaning, training_mode 0
+            # (the reference's 9 fills in a momentum and takes its training path)
+            version = 14
         if op_type != ctx.op:
             proto = _renamed(proto, op_type)
         self.proto = proto
@@ -208,5 +216,44 @@ def _multinomial(x, dtype=6, sample_size=1, seed=None):
     return (draws.astype(helper.tensor_dtype_to_np_dtype(dtype)),)
 
 
+def _on_2d(fn):
+    """``fn(x2, axis=1)`` on ``x`` coerced to 2-D at ``axis`` (default 1): the
+    meaning of Softmax, LogSoftmax and Hardmax before opset 13."""
+
+    def run(x, axis=1):
+        x = np.asarray(x)
+        axis = axis % x.ndim if x.ndim else 0
+        flat = x.reshape(int(np.prod(x.shape[:axis])), -1)
+        return (fn(flat).reshape(x.shape),)
+
+    return run
+
+
+def _log_softmax_rows(x):
+    shifted = x - np.max(x, axis=1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=1, keepdims=True))
+
+
+def _hardmax_rows(x):
+    out = np.zeros_like(x)
+    if x.size:
+        out[np.arange(x.shape[0]), np.argmax(x, axis=1)] = 1
+    return out
+
+
+def _lrn(x, size, alpha=1e-4, beta=0.75, bias=1.0):
+    """Local response normalization across channels (axis 1), as the
+    operator's formula (the reference sums over the wrong axis)."""
+    x = np.asarray(x)
+    squares = np.square(x)
+    total = np.zeros_like(x)
+    lo, hi = (size - 1) // 2, -(-(size - 1) // 2)
+    for c in range(x.shape[1]):
+        total[:, c] = squares[:, max(0, c - lo):min(x.shape[1], c + hi + 1)].sum(axis=1)
+    return ((x / (bias + alpha / size * total) ** beta).astype(x.dtype),)
+
+
 _NUMPY = {"GlobalLpPool": _global_lp_pool, "MaxRoiPool": _max_roi_pool,
-          "Multinomial": _multinomial}
+          "Multinomial": _multinomial, "LRN": _lrn,
+          **{("LogSoftmax", v): _on_2d(_log_softmax_rows) for v in range(1, 13)},
+          **{("Hardmax", v): _on_2d(_hardmax_rows) for v in range(1, 13)}}

@@ -103,10 +103,14 @@ def node_schema(proto, ctx):
     except (onnx.defs.SchemaError, TypeError):  # (TypeError: a name that is not text)
         raise ctx.unsupported(f"{ctx.op} is not an operator of the default ONNX domain at "
                               f"opset {ctx.opset}") from None
-    if schema.deprecated:
+    if schema.deprecated and ctx.op not in _RUN_DEPRECATED:
         raise ctx.unsupported(f"{ctx.op} is deprecated at opset {ctx.opset} (since "
                               f"{schema.since_version})")
     return schema
+
+
+# deprecated versions that models still use and onnxruntime runs (docs/onnx.md)
+_RUN_DEPRECATED = {"GroupNormalization"}
 
 
 def check_node(proto, schema, ctx):

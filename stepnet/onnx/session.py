@@ -59,7 +59,11 @@ class InferenceSession:
         functions are inlined.
     backend : str, optional
         Where recurrent nodes run as step-nets: any of ``stepnet.backends()``.
-        None: ``default_backend()`` at each run.
+        None: ``default_backend()`` at each run. Anything else in its place
+        is taken for onnxruntime's second argument, ``sess_options``.
+    sess_options, providers, provider_options : optional
+        onnxruntime's, accepted so that a session is made as onnxruntime's
+        is, and not used: ``backend`` says where stepnet runs.
 
     Raises
     ------
@@ -88,7 +92,10 @@ class InferenceSession:
     ((2, 5, 4), (1, 2, 4))
     """
 
-    def __init__(self, model, backend=None):
+    def __init__(self, model, backend=None, *, sess_options=None, providers=None,
+                 provider_options=None):
+        if backend is not None and not isinstance(backend, str):
+            backend = None  # (onnxruntime's sess_options, given in its place)
         if backend is not None:
             get_backend(backend)  # an unknown or unavailable name: BackendError, now
         self.backend = backend
