@@ -198,6 +198,21 @@ def test_add_shape_mismatch_names_op_and_shapes():
         x + np.ones(5)
 
 
+@pytest.mark.parametrize("count", [lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a / b,
+                                   lambda a, b: sn.ops.sum(a, axis=-1)])
+def test_masks_are_not_counted_by_arithmetic(count):
+    """NumPy adds masks as an or, sums them as integers, and refuses to
+    subtract them; a kernel computes in the mask's own type: refused alike."""
+    rnn = sn.create_rnn_op()
+    with pytest.raises(ShapeError, match=r"masks? \(bool\), which (is|are) no numbers? here"), rnn.stepnet():
+        x = rnn.add_input(X)
+        count(sn.ops.less(x, 0.5), sn.ops.less_equal(x, 0.7))
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():  # (a mask times a number is one)
+        x = rnn.add_input(X)
+        rnn.add_outputs(x * sn.ops.less(x, 0.5) + sn.ops.less(x, 0.5) * sn.ops.less(x, 0.7))
+
+
 # -- where things may be called ------------------------------------------------
 
 

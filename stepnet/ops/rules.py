@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..errors import ShapeError
 from ..ir import Literal
 from ..tracing import Parameter, Value
 from ..registry import (
@@ -38,7 +39,11 @@ def shape_of(x) -> tuple:
 
 def binary_rule(name):
     def rule(operands):
-        return Aval(broadcast(name, operands), result_dtype(operands))
+        dtype = result_dtype(operands)
+        if dtype == np.dtype(bool) and name in ("add", "sub", "div"):  # (NumPy's meanings of them differ)
+            raise ShapeError(f"{name}: its operands are masks (bool), which are no numbers here: "
+                             "count with where(mask, 1.0, 0.0)")
+        return Aval(broadcast(name, operands), dtype)
 
     return rule
 

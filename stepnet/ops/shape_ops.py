@@ -138,6 +138,9 @@ def _axis(e) -> int:
 
 def _sum_rule(operands, axis, keepdims=False):
     (x,) = operands
+    if np.dtype(x.dtype) == bool:
+        raise ShapeError("sum: its operand is a mask (bool), which is no number here: count with "
+                         "sum(where(mask, 1.0, 0.0))")
     axis = normalize_axis("sum", x, axis)
     shape = list(x.shape)
     if keepdims:
