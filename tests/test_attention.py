@@ -176,6 +176,10 @@ def test_attention_weights_of_every_step_as_an_output(rng):
     assert np.isclose(expected[1].data.sum(), 5.0)  # one softmax per step
     for backend in default_backends(rnn):
         assert_close(rnn(backend=backend), expected, what=backend)
+    last = rnn(backend="interpreter", output_all_steps=False)[1]
+    assert last.lod == [[0, 3, 9, 9]]  # (each sequence's last step's weights)
+    with pytest.raises(sn.UnsupportedError, match="last step of a ragged value computed in the step"):
+        rnn(backend="numba", output_all_steps=False)
 
 
 def test_special_values_behave_as_on_the_interpreter():

@@ -409,6 +409,12 @@ def _ragged_last_arg(ctx, ri, args):
             "numba backend: a nested step-net's last step of a ragged output "
             "is not supported (use backend='interpreter')"
         )
+    if ri.data is None:  # (only a nested net's all-steps output is kept for every step)
+        raise UnsupportedError(
+            "numba backend: the last step of a ragged value computed in the step (such as "
+            "attention weights over a ragged static input) is not supported; take every "
+            "step's (output_all_steps=True) or use backend='interpreter'"
+        )
     ident = ctx.module.fresh("e")
     ctx.lines.append(f"{ident} = np.empty(num_seq, np.int64)")
     args.append(ident)
