@@ -93,7 +93,7 @@ def _bytes(raw, where):
             value = float(number) * _UNITS[unit]
         except (KeyError, ValueError):
             value = 0
-        if value >= 1:
+        if 1 <= value < float("inf"):  # (not nan either)
             return int(value)
     raise UnsupportedError(f"{where}: expected a number of bytes > 0, or one with a unit "
                            "(512MiB, 8GiB, 1.5GB)")
@@ -102,10 +102,22 @@ def _bytes(raw, where):
 def _directory(raw, where):
     if raw is None or raw == "":
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return (Path(base) / "stepnet").absolute()
+        return _writable((Path(base) / "stepnet").absolute(), where)
     if isinstance(raw, (str, os.PathLike)):  # (absolute: the compile worker runs in another folder)
-        return Path(raw).expanduser().absolute()
+        return _writable(Path(raw).expanduser().absolute(), where)
     raise UnsupportedError(f"{where}: expected a directory")
+
+
+def _writable(path, where):
+    """``path``, where it is a directory stepnet can write in or make: said
+    here, naming the setting, not by the first file written there."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UnsupportedError(f"{where}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnsupportedError(f"{where}: {path} cannot be " + ("written in" if existing == path
+                                                                 else f"made (in {existing})"))
+    return path
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ def test_a_block_holds_for_every_thread_while_it_runs(monkeypatch):
     ({"small_products": -1}, r"sn.config\(small_products=-1\): expected a number of rows"),
     ({"tiered": "no"}, r"sn.config\(tiered='no'\): expected True or False"),
     ({"threads": 2}, r"sn.config\(threads=...\): no such setting; the settings: cache_dir"),
+    ({"max_memory": "inf"}, r"sn.config\(max_memory='inf'\): expected a number of bytes"),
+    ({"max_memory": "1e400"}, r"sn.config\(max_memory='1e400'\): expected a number of bytes"),
+    ({"cache_dir": __file__}, r"sn.config\(cache_dir=.*\): .*test_config.py is a file, not a directory"),
+    ({"cache_dir": __file__ + "/below"}, r"test_config.py is a file, not a directory"),
 ])
 def test_a_wrong_setting_is_named_when_the_block_is_made(settings, message):
     with pytest.raises(sn.UnsupportedError, match=message):

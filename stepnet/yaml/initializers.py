@@ -51,8 +51,8 @@ def initialize(kind, shape, dtype, options, rng, name=None):
         if key not in allowed:
             takes = ", ".join(allowed) or "no options"
             raise InitError(f"initializer {kind!r} has no option {key!r} (it takes {takes})", key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InitError(f"option {key!r} of {kind!r} must be a number, got {value!r}", key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise InitError(f"option {key!r} of {kind!r} must be a finite number, got {value!r}", key)
     for key, default in allowed.items():
         if default is None and key not in options:
             raise InitError(f"initializer {kind!r} needs option {key!r}")
@@ -71,6 +71,8 @@ def initialize(kind, shape, dtype, options, rng, name=None):
         return np.full(shape, float(options["value"]), dtype)
     if kind == "normal":
         mean, std = options.get("mean", 0.0), options.get("std", scale)
+        if std < 0:
+            raise InitError(f"normal needs std >= 0, got std={std}", "std")
         return _drawn(lambda size: rng.normal(mean, std, size=size), shape, dtype)
     if kind == "uniform":
         low, high = options.get("low", -scale), options.get("high", scale)
