@@ -320,8 +320,7 @@ def _report(args, feeds, outputs, time_line) -> int:
     _print_values(outputs, summary=True)
     print(f"time     {time_line}")
     if args.output:
-        save_npz(args.output, outputs)
-        print(f"wrote    {args.output}")
+        print(f"wrote    {save_npz(args.output, outputs)}")
     return 0
 
 

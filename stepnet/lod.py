@@ -80,7 +80,8 @@ def _int_array(values, where, item, noun, scalar_hint=""):
         raise LoDError(f"{where}: must be a 1-D sequence of {noun} (got {got}){hint}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind == "i":
+    if arr.dtype.kind == "i" and not (isinstance(values, (list, tuple)) and any(
+            isinstance(x, (bool, np.bool_)) for x in values)):  # (a bool among ints: named below)
         return arr.astype(np.int64)
     if arr.dtype.kind == "u":
         too_big = np.flatnonzero(arr > _INT64_MAX)
@@ -333,6 +334,11 @@ class LoDTensor:
         self._data = data
         self._levels = tuple(_frozen(offsets) for offsets in levels)
 
+    def __reduce__(self):
+        # (pickled, copied and deep-copied through the checks of __init__,
+        # which give the copy's levels back read-only)
+        return type(self), (self._data, [np.asarray(o) for o in self._levels])
+
     @classmethod
     def _trusted(cls, data, levels):
         """A LoDTensor from parts already known to fit (stepnet's own slices
@@ -381,7 +387,8 @@ class LoDTensor:
         """
         if isinstance(data, LoDTensor):
             raise TypeError("data is already a LoDTensor; pass its .data")
-        data = np.asarray(data)
+        device = device_array(data)  # (rows on the GPU stay there, as in __init__)
+        data = np.asarray(data) if device is None else device
         levels = []
         for k, level in enumerate(_as_levels(lengths, "lengths")):
             where = f"lengths level {k}"
@@ -747,11 +754,15 @@ class LoDTensor:
         if idx.ndim != 1 or not (idx.size == 0 or idx.dtype.kind in "iu"):
             raise TypeError(f"select: indices must be a 1-D sequence of integers "
                             f"(got dtype {idx.dtype}, shape {idx.shape})")
+        given = idx
+        if isinstance(indices, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in indices):
+            raise TypeError("select: indices must be integers, not bools")
         idx = idx.astype(np.int64)
-        bad = np.flatnonzero((idx < -n) | (idx >= n))
+        wrapped = given > _INT64_MAX if given.dtype.kind == "u" else False  # (uint64 past int64)
+        bad = np.flatnonzero((idx < -n) | (idx >= n) | wrapped)
         if bad.size:
             j = int(bad[0])
-            raise IndexError(f"select: indices[{j}] = {int(idx[j])} is out of range "
+            raise IndexError(f"select: indices[{j}] = {int(given[j])} is out of range "
                              f"for {n} sequences")
         idx = np.where(idx < 0, idx + n, idx)
         levels = []

@@ -9,6 +9,7 @@ written the same way (``name``, ``name.lod.K``).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -116,8 +117,13 @@ def _lod_error(path, name, kind, num_levels, message) -> str:
     return f"{path}: input {name!r}: {name}.{kind}.{k} (level {k}{', ' + which if which else ''}){rest}"
 
 
-def save_npz(path, values):
-    """Write named arrays and LoDTensors (``name``, ``name.lod.K``) to ``.npz``."""
+def save_npz(path, values) -> str:
+    """Write named arrays and LoDTensors (``name``, ``name.lod.K``) to ``.npz``;
+    the path written: ``path``, with ``.npz`` added where it has not that
+    suffix (as NumPy adds it)."""
+    path = os.fspath(path)
+    if not path.endswith(".npz"):
+        path += ".npz"
     arrays = {}
     for name, value in values.items():
         if isinstance(value, LoDTensor):
@@ -130,6 +136,7 @@ def save_npz(path, values):
         np.savez(path, **arrays)
     except OSError as exc:
         raise Error(f"cannot write {path!r}: {exc.strerror or exc}") from None
+    return path
 
 
 def shard_files(directory) -> list:

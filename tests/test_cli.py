@@ -333,6 +333,12 @@ def test_model_reports_compiling_before_a_first_compile_and_running_after(tmp_pa
 # what a newcomer reads
 
 
+def test_run_says_the_file_it_wrote(tmp_path):
+    out = ok(stepnet("run", EXAMPLES / "custom_cell.yaml", "--backend", "interpreter", "-q",
+                     "--output", tmp_path / "out"))
+    assert f"wrote    {tmp_path / 'out.npz'}" in out and (tmp_path / "out.npz").exists()
+
+
 def test_run_prints_a_summary_of_each_outputs_values(tmp_path):
     out = ok(stepnet("run", EXAMPLES / "custom_cell.yaml", "--backend", "interpreter", "-q",
                      "--output", tmp_path / "out.npz"))

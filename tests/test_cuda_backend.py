@@ -401,6 +401,7 @@ def test_step_inputs_on_the_device_are_read_in_place_and_outputs_stay_there(flag
     f = rnn.compile("cuda")
     X_gpu = sn.LoDTensor(cuda.to_device(X.data), X.lod)
     assert X_gpu.on_device and X_gpu.shape == X.shape and X_gpu.dtype == X.dtype
+    assert sn.LoDTensor.from_lengths(cuda.to_device(X.data), [[4, 0, 2, 3]]).on_device
     on_gpu = f(output_all_steps=flags, x=X_gpu, h=cuda.to_device(h0))
     assert f.last_call(output_all_steps=flags).copies_to_device == 1
     f(output_all_steps=flags, x=sn.LoDTensor(cuda.to_device(X.data * 2), X.lod), h=h0)

@@ -1,5 +1,8 @@
 """Tests of stepnet.lod: LoDTensor, its validation and its helpers."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -593,3 +596,22 @@ def test_to_padded_to_a_given_number_of_steps():
 def test_lengths_whose_sum_passes_int64_are_refused_with_their_sum():
     with pytest.raises(LoDError, match=r"lengths level 0: lengths sum to 9223372036854775813, past"):
         LoDTensor.from_lengths(np.zeros(5), [[2**62, 2**62, 5]])
+
+
+@pytest.mark.parametrize("copy_of", [copy.copy, copy.deepcopy, lambda t: pickle.loads(pickle.dumps(t))])
+def test_a_copy_keeps_its_lod_read_only_and_checked(copy_of):
+    t = LoDTensor(np.arange(6.0), [[0, 1, 3], [0, 2, 2, 6]])
+    c = copy_of(t)
+    assert c.lod == t.lod and np.array_equal(c.data, t.data)
+    with pytest.raises(ValueError, match="read-only"):
+        c.levels[0][1] = 1000
+
+
+def test_indices_and_offsets_are_integers_not_bools_nor_wrapped():
+    t = LoDTensor(np.arange(5), [[0, 2, 5]])
+    with pytest.raises(IndexError, match=r"indices\[0\] = 18446744073709551615 is out of range"):
+        t.select(np.array([2**64 - 1], np.uint64))
+    with pytest.raises(TypeError, match="not bools"):
+        t.select([0, True])
+    with pytest.raises(LoDError, match="offset 1: offsets must be integers \\(got True\\)"):
+        LoDTensor(np.arange(5), [[0, True, 5]])
