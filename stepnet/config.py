@@ -109,14 +109,12 @@ def _directory(raw, where):
 
 
 def _writable(path, where):
-    """``path``, where it is a directory stepnet can write in or make: said
-    here, naming the setting, not by the first file written there."""
+    """``path``, where it is or can be a directory: said here, naming the
+    setting, not by the first file written there. (A read-only one is
+    taken: a deployment's, filled ahead by ``stepnet compile``.)"""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise UnsupportedError(f"{where}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UnsupportedError(f"{where}: {path} cannot be " + ("written in" if existing == path
-                                                                 else f"made (in {existing})"))
     return path
 
 

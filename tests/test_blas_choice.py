@@ -61,6 +61,11 @@ def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
     third = blas_choice._choose()
     assert (third["name"], third["reason"]) == ("mkl", "measured")
     assert libraries["measured"] == 5
+    kept = json.loads((tmp_path / "blas.json").read_text())
+    for changed in ({"seconds": None}, {"name": ["mkl"]}, {"reason": None},
+                    {"seconds": {"mkl": 5, "openblas": 5}}):  # (its key, fields of another form)
+        (tmp_path / "blas.json").write_text(json.dumps({**kept, **changed}))
+        assert blas_choice._choose()["reason"] == "measured"
 
 
 def test_a_kept_measurement_the_products_contradict_is_taken_again(libraries, tmp_path,

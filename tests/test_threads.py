@@ -1,6 +1,9 @@
 """Sequence groups on threads, and a layer's directions at once (stepnet.jit.threads)."""
 
 
+import os
+import signal
+
 import numba
 import numpy as np
 import pytest
@@ -196,3 +199,14 @@ def test_a_plan_that_a_kernel_cannot_run_is_refused():
                            (((0, 1), (1, 2), (2, 5)), False), (((0, 2), (2, 5)), True)):
         with pytest.raises(AssertionError):
             RunPlan(2, 5, 20, groups, helper, False, "test").check()
+
+
+def test_a_forked_child_runs_work_on_threads_of_its_own():
+    """The parent's pool of threads is not in a forked child: a layer's two
+    directions given to it would wait forever."""
+    assert threads.run_each(lambda x: x + 1, [1, 2]) == [2, 3]  # (this process's pool made)
+    pid = os.fork()
+    if pid == 0:  # (the child: its exit code is the test's answer; an alarm ends a hang)
+        signal.alarm(60)
+        os._exit(0 if threads.run_each(lambda x: x * 2, [3, 4]) == [6, 8] else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

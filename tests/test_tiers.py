@@ -543,3 +543,19 @@ def test_a_worker_refuses_a_kernel_of_other_settings_or_another_stepnet(monkeypa
     _end_when_idle(monkeypatch, server)
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_forked_child_connects_to_the_compile_worker_itself():
+    """The parent's connection is not the child's: the thread reading its
+    replies stays in the parent, and a child's kernels would never be told
+    compiled."""
+    from stepnet.jit import compile_worker
+
+    compile_worker._CLIENTS["parent's"] = object()
+    try:
+        pid = os.fork()
+        if pid == 0:  # (the child: its exit code is the test's answer)
+            os._exit(0 if not compile_worker._CLIENTS and not compile_worker._STARTED else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        compile_worker._CLIENTS.pop("parent's")

@@ -291,7 +291,8 @@ def _choose():
     key = hashlib.sha256(";".join([cpu, _library_settings()]
                                   + sorted(lib.fingerprint() for lib in reachable))
                          .encode()).hexdigest()[:16]
-    saved, off = _kept("blas.json", key), None
+    names = [lib.name for lib in reachable]
+    saved, off = _blas_record(_kept("blas.json", key), names), None
     if saved is not None and saved.get("name") in found:
         def now():
             seconds = measure(reachable, _SHAPES[:1])
@@ -309,9 +310,21 @@ def _choose():
                            if noisy else "")
     result = dict(info, name=name, reason=reason, seconds=seconds)
     # (another's, measured at once; not the one measured again)
-    kept = _keep("blas.json", dict(result, key=key), first=off is None)
-    return result if kept["name"] == name or kept.get("name") not in found else dict(
+    kept = _blas_record(_keep("blas.json", dict(result, key=key), first=off is None), names)
+    return result if kept is None or kept["name"] == name or kept.get("name") not in found else dict(
         info, name=kept["name"], reason=kept.get("reason") + " (cached)", seconds=kept["seconds"])
+
+
+def _blas_record(saved, names):
+    """``saved`` where it has the form ``_choose`` writes, else None (a file
+    edited or written by another version: measured again, not an error)."""
+    try:
+        if (isinstance(saved["name"], str) and isinstance(saved.get("reason", ""), str)
+                and all(float(saved["seconds"][n][0]) >= 0 for n in names)):
+            return saved
+    except (TypeError, KeyError, IndexError, ValueError):
+        pass
+    return None
 
 
 def _kept(filename, key):

@@ -404,6 +404,18 @@ def _sent_at_exit():
             client._connected.wait(START_SECONDS)
 
 
+def _after_fork_in_child():
+    # the parent's connections and the threads reading their replies are not
+    # in this process: it connects again (its own requests, its own answers)
+    global _CLIENTS_LOCK
+    _CLIENTS.clear()
+    _STARTED.clear()
+    _CLIENTS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def worker(root) -> Client:
     """This process's client of the compile worker of cache directory
     ``root`` (connected, the worker started, on first use)."""

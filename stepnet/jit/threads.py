@@ -517,7 +517,8 @@ def _after_fork_in_child():
     # the parent's helper thread is not in this process (its compiled
     # functions, and their addresses on the board, are), nor any thread
     # that held the lock
-    global _HELPER_LOCK
+    global _HELPER_LOCK, _POOL
+    _POOL = None  # (its threads are the parent's: a task given to it would never run)
     BOARD[STATE] = ABSENT
     _HELPER.thread = None
     _HELPER.wake = threading.Event()
