@@ -102,13 +102,13 @@ def _bytes(raw, where):
 def _directory(raw, where):
     if raw is None or raw == "":
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return _writable((Path(base) / "stepnet").absolute(), where)
+        return _not_a_file((Path(base) / "stepnet").absolute(), where)
     if isinstance(raw, (str, os.PathLike)):  # (absolute: the compile worker runs in another folder)
-        return _writable(Path(raw).expanduser().absolute(), where)
+        return _not_a_file(Path(raw).expanduser().absolute(), where)
     raise UnsupportedError(f"{where}: expected a directory")
 
 
-def _writable(path, where):
+def _not_a_file(path, where):
     """``path``, where it is or can be a directory: said here, naming the
     setting, not by the first file written there. (A read-only one is
     taken: a deployment's, filled ahead by ``stepnet compile``.)"""
