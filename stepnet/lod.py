@@ -80,8 +80,7 @@ def _int_array(values, where, item, noun, scalar_hint=""):
         raise LoDError(f"{where}: must be a 1-D sequence of {noun} (got {got}){hint}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind == "i" and not (isinstance(values, (list, tuple)) and any(
-            isinstance(x, (bool, np.bool_)) for x in values)):  # (a bool among ints: named below)
+    if arr.dtype.kind == "i" and not _has_bool(values):  # (a bool among ints: named below)
         return arr.astype(np.int64)
     if arr.dtype.kind == "u":
         too_big = np.flatnonzero(arr > _INT64_MAX)
@@ -99,6 +98,11 @@ def _int_array(values, where, item, noun, scalar_hint=""):
         if not -_INT64_MAX - 1 <= int(x) <= _INT64_MAX:
             raise LoDError(f"{where}, {item} {i}: {noun} must fit in int64 (got {_show(x)})")
     return np.array([int(x) for x in values], dtype=np.int64)
+
+
+def _has_bool(values) -> bool:
+    """Whether a list or tuple holds a bool (NumPy takes ``[0, True]`` for ints)."""
+    return isinstance(values, (list, tuple)) and any(isinstance(x, (bool, np.bool_)) for x in values)
 
 
 def _finest(k):
@@ -754,10 +758,9 @@ class LoDTensor:
         if idx.ndim != 1 or not (idx.size == 0 or idx.dtype.kind in "iu"):
             raise TypeError(f"select: indices must be a 1-D sequence of integers "
                             f"(got dtype {idx.dtype}, shape {idx.shape})")
-        given = idx
-        if isinstance(indices, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in indices):
+        if _has_bool(indices):
             raise TypeError("select: indices must be integers, not bools")
-        idx = idx.astype(np.int64)
+        given, idx = idx, idx.astype(np.int64)
         wrapped = given > _INT64_MAX if given.dtype.kind == "u" else False  # (uint64 past int64)
         bad = np.flatnonzero((idx < -n) | (idx >= n) | wrapped)
         if bad.size:

@@ -23,6 +23,7 @@ import numpy as np
 from . import ir
 from .errors import StepNetError, UnsupportedError
 from .ops import quantized as q
+from .tracing import Parameter
 
 MODES = ("int8", "bf16")
 
@@ -200,8 +201,6 @@ def _rewrite(block, consts, op, weights):
 def _snapshot(source):
     """A constant's source as the copy's own: a Parameter of a copy of its
     value (its name kept), an array copied."""
-    from .tracing import Parameter
-
     if isinstance(source, Parameter):
         return Parameter(np.array(source.value), name=source.name)
     return np.array(source)

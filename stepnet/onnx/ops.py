@@ -45,6 +45,7 @@ import numpy as np
 from .. import ops as sn_ops, registry, sizes
 from ..errors import UnsupportedError
 from ..tracing import Value
+from .reference import rows_at
 
 OPS: dict = {}
 
@@ -697,10 +698,9 @@ def _bind_gather(ctx, known, axis=0):
 @op("Softmax", ["axis"], in_step=False)
 def _softmax(ctx, x, axis=None):
     x = np.asarray(x)
-    if ctx.opset < 13:  # the input coerced to 2-D at axis (default 1)
-        axis = 1 if axis is None else axis % x.ndim
-        flat = x.reshape(int(np.prod(x.shape[:axis])), -1)
-        return _softmax(NodeContext(ctx.node, ctx.op, 13), flat, axis=1).reshape(x.shape)
+    if ctx.opset < 13:  # the input read as 2-D at axis (default 1)
+        return rows_at(lambda rows: _softmax(NodeContext(ctx.node, ctx.op, 13), rows, axis=1), x,
+                       1 if axis is None else axis)
     axis = -1 if axis is None else axis
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
     return e / np.sum(e, axis=axis, keepdims=True)

@@ -216,17 +216,17 @@ def _multinomial(x, dtype=6, sample_size=1, seed=None):
     return (draws.astype(helper.tensor_dtype_to_np_dtype(dtype)),)
 
 
+def rows_at(fn, x, axis=1):
+    """``fn`` (over the rows of a 2-D array) of ``x`` read as 2-D at ``axis``,
+    in ``x``'s shape: the meaning of Softmax, LogSoftmax and Hardmax before
+    opset 13."""
+    x = np.asarray(x)
+    axis = axis % x.ndim if x.ndim else 0
+    return fn(x.reshape(int(np.prod(x.shape[:axis])), -1)).reshape(x.shape)
+
+
 def _on_2d(fn):
-    """``fn(x2, axis=1)`` on ``x`` coerced to 2-D at ``axis`` (default 1): the
-    meaning of Softmax, LogSoftmax and Hardmax before opset 13."""
-
-    def run(x, axis=1):
-        x = np.asarray(x)
-        axis = axis % x.ndim if x.ndim else 0
-        flat = x.reshape(int(np.prod(x.shape[:axis])), -1)
-        return (fn(flat).reshape(x.shape),)
-
-    return run
+    return lambda x, axis=1: (rows_at(fn, x, axis),)
 
 
 def _log_softmax_rows(x):
