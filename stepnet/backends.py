@@ -174,21 +174,51 @@ class CompiledStepNet:
         self.backend = backend
         self.capabilities = BACKENDS[backend]  # (what it can do: Backend)
         self._module = _module(backend)
-        self._runs = {}  # output flags -> run
+        self._runs = {}  # output flags (kernel_flags) -> run
+        self._kernel_flags = {}  # a call's output flags -> the run's (kernel_flags)
         self._gradient_runs = {}  # ("forward", flags) / ("backward", flags, present) -> runs
         self._outputs = {}  # (output flags, with the workspace) -> _Outputs
 
     def _runner(self, all_steps):
-        all_steps = self.rnn.all_steps_flags(all_steps)
-        if all_steps not in self._runs:
-            self._runs[all_steps] = self._module.compile_program(self.rnn.program(all_steps))
-        return self._runs[all_steps]
+        flags = self.kernel_flags(all_steps)
+        if flags not in self._runs:
+            self._runs[flags] = self._module.compile_program(self.rnn.program(flags))
+        return self._runs[flags]
+
+    def kernel_flags(self, all_steps) -> tuple:
+        """The output flags the backend's run computes for a call's
+        ``all_steps``: on the compiled backends a ragged last-step output
+        that is not a ragged memory's (attention weights over a ragged static
+        input) is computed for every step, and :meth:`__call__` takes each
+        sequence's last step of it (:func:`_last_steps`); the interpreter
+        keeps last steps itself."""
+        flags = self.rnn.all_steps_flags(all_steps)
+        if not self.capabilities.compiles or all(flags):
+            return flags
+        if flags not in self._kernel_flags:
+            eqn = self.rnn.program(flags).eqn
+            ragged_memories = eqn.attrs.get("ragged_memories", {})
+            self._kernel_flags[flags] = tuple(
+                flag or (res.lod_depth > 0 and mi not in ragged_memories)
+                for flag, res, mi in zip(flags, eqn.attrs["body"].outputs, eqn.attrs["output_memory"]))
+        return self._kernel_flags[flags]
+
+    def last_steps(self, outputs, all_steps) -> list:
+        """A run's ``outputs`` (of :meth:`kernel_flags`) as a call with output
+        flags ``all_steps`` gives them: each sequence's last step of those
+        computed for every step in their place (:func:`_last_steps`)."""
+        computed = self.kernel_flags(all_steps)
+        if computed == all_steps:
+            return list(outputs)
+        reverse = bool(self.rnn.program(all_steps).eqn.attrs["reverse"])
+        return [_last_steps(o, reverse) if every and not asked else o
+                for o, every, asked in zip(outputs, computed, all_steps)]
 
     def has_run(self, all_steps=None) -> bool:
         """Whether a run with these output flags (any, if None) is compiled."""
         if all_steps is None:
             return bool(self._runs)
-        return self.rnn.all_steps_flags(all_steps) in self._runs
+        return self.kernel_flags(all_steps) in self._runs
 
     def check_sizes(self, flags, args, workspace=False):
         """Refuse a call (bound ``args``) whose outputs, and with ``workspace``
@@ -215,7 +245,8 @@ class CompiledStepNet:
                     f"host arrays; run with backend='cuda' or pass {name}.to_host()")
 
     def forward_with_workspace(self, flags):
-        """The forward program that also returns its workspace, compiled."""
+        """The forward program that also returns its workspace, compiled
+        (``flags``: :meth:`kernel_flags`'s)."""
         key = ("forward", flags)
         if key not in self._gradient_runs:
             program = forward_program(self.rnn.program(flags))
@@ -224,7 +255,8 @@ class CompiledStepNet:
 
     def backward(self, flags, present):
         """``([(run, program), ...], layout)``: the backward programs for output
-        flags ``flags`` and the outputs that get a cotangent (``present``)."""
+        flags ``flags`` (:meth:`kernel_flags`'s) and the outputs that get a
+        cotangent (``present``)."""
         key = ("backward", flags, present)
         if key not in self._gradient_runs:
             programs, layout = backward_program(self.rnn.program(flags), present)
@@ -282,7 +314,7 @@ class CompiledStepNet:
         :class:`stepnet.jit.cuda_run.CallCounts`: the loop's plan, launches,
         copies to the device, syncs a step, weight bytes read from global
         memory a step); None before a call and on the other backends."""
-        run = self._runs.get(self.rnn.all_steps_flags(output_all_steps))
+        run = self._runs.get(self.kernel_flags(output_all_steps))
         return getattr(run, "last_call", None)
 
     @property
@@ -342,9 +374,27 @@ class CompiledStepNet:
             outputs = run(args, rnn.const_values(), scopes=scopes)
         else:
             outputs = run(args, rnn.const_values())
+        outputs = self.last_steps(outputs, all_steps)
         if rnn.float16_input(inputs):
             outputs = [o.astype(np.float16) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _last_steps(every, reverse):
+    """Each top-level sequence's last step processed (its first position
+    where ``reverse``) of the all-steps ragged output ``every`` (levels:
+    sequence -> steps -> the rows of a step), as the interpreter gives a
+    ragged last-step output: a LoDTensor of a sequence's rows per sequence,
+    none for a sequence of no steps; on the device where ``every`` is."""
+    if every.on_device:  # (picked on the host: a call's attention weights, not its hot path)
+        return _last_steps(every.to_host(), reverse).to_device()
+    steps = np.asarray(every.levels[0], np.int64)
+    lengths = np.diff(steps)
+    picked = (steps[:-1] if reverse else steps[1:] - 1)[lengths > 0]
+    taken = LoDTensor._trusted(every.data, every.levels[1:]).select(picked)
+    counts = np.zeros(lengths.size, np.int64)
+    counts[lengths > 0] = np.diff(np.asarray(taken.levels[0]))
+    return LoDTensor(taken.data, [np.concatenate([[0], np.cumsum(counts)]), *taken.levels[1:]])
 
 
 class _Outputs(NamedTuple):

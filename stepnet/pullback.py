@@ -27,7 +27,7 @@ from .autodiff import (
 )
 from .backends import backend as backend_info
 from .backends import compiled, default_backend
-from .errors import ShapeError, StepNetError
+from .errors import ShapeError, StepNetError, UnsupportedError
 from .interpreter import numpy_blas_beside_a_compile
 from .ir import Literal, Var
 from .config import config
@@ -152,7 +152,13 @@ class Pullback:
         cts = [c if c is None or flag and capabilities.device_memory else host_array(c)
                for c, flag in zip(cts, self.flags)]
         present = tuple(c is not None for c in cts)
-        runs, layout = compiled(rnn, self.backend).backward(self.flags, present)
+        kernel = compiled(rnn, self.backend)
+        computed = kernel.kernel_flags(self.flags)  # (the forward's: each step of a ragged output)
+        for c, asked, every, res in zip(cts, self.flags, computed, program.eqn.attrs["body"].outputs):
+            if c is not None and every and not asked:
+                raise UnsupportedError(
+                    f"gradient of {rnn.name}: the last step of the ragged output {res.name}")
+        runs, layout = kernel.backward(computed, present)
         seqs, statics, _ = ir.rnn_parts(program.eqn)
         position = {id(v): i for i, v in enumerate(program.inputs)}
         args = [self.args[position[id(v)]] for v in tuple(seqs) + tuple(statics)]
@@ -333,12 +339,12 @@ def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings)
     consts = rnn.const_values()
     runs = compiled(rnn, backend)
     runs.check_sizes(flags, args, workspace=True)
-    results = runs.forward_with_workspace(flags)(args, consts)
+    results = runs.forward_with_workspace(runs.kernel_flags(flags))(args, consts)
     # (the pullback is this forward's: the weights as they were, whatever an
     # optimizer does to the Parameters in place before it is called)
     consts = {var: np.array(value, copy=True) for var, value in consts.items()}
     n = len(rnn.block.outputs)
-    outputs, workspace = list(results[:n]), list(results[n:])
+    outputs, workspace = runs.last_steps(results[:n], flags), list(results[n:])
     float16 = rnn.float16_input(bindings)
     values = {name: bindings.get(name, b.value) for name, b in rnn.bindings.items()}
     pullback = Pullback(rnn, flags, backend, args, outputs, workspace, consts, values)

@@ -5,7 +5,7 @@ with gradients against finite differences and PyTorch."""
 
 import numpy as np
 import pytest
-from conftest import assert_close, default_backends
+from conftest import assert_close, available_backends, default_backends
 
 import stepnet as sn
 
@@ -158,12 +158,10 @@ def test_gradients_against_torch_autograd(rng):
         assert_close(g, expected.numpy(), what=f"d{name}")
 
 
-def test_attention_weights_of_every_step_as_an_output(rng):
-    """A ragged all-steps output: (sequence, step, that sequence's memory rows)."""
-    M = _memory(rng, [3, 6, 0], 8)
-    X = _memory(rng, [2, 3, 0], 4)
+def _weights_net(rng, X, M, reverse=False):
+    """A decoder over memory ``M`` giving its state and its attention weights."""
     W = sn.Parameter(rng.standard_normal((4, 8)).astype(np.float32), name="W")
-    rnn = sn.create_rnn_op()
+    rnn = sn.create_rnn_op(reverse=reverse)
     with rnn.stepnet():
         x = rnn.add_input(X, name="X")
         mem = rnn.add_static_input(M, name="M")
@@ -171,15 +169,53 @@ def test_attention_weights_of_every_step_as_an_output(rng):
         w = sn.ops.seq_softmax(sn.ops.sum(mem * h.pre_state(), axis=-1, keepdims=True))
         h.update(sn.ops.tanh(sn.ops.seq_sum(w * mem) + x @ W))
         rnn.add_outputs(h, w)
+    return rnn, W
+
+
+def test_attention_weights_of_every_step_as_an_output(rng):
+    """A ragged all-steps output: (sequence, step, that sequence's memory rows)."""
+    M = _memory(rng, [3, 6, 0], 8)
+    X = _memory(rng, [2, 3, 0], 4)
+    rnn, _ = _weights_net(rng, X, M)
     expected = rnn(backend="interpreter")
     assert expected[1].lod == [[0, 2, 5, 5], [0, 3, 6, 12, 18, 24]]
     assert np.isclose(expected[1].data.sum(), 5.0)  # one softmax per step
     for backend in default_backends(rnn):
         assert_close(rnn(backend=backend), expected, what=backend)
-    last = rnn(backend="interpreter", output_all_steps=False)[1]
-    assert last.lod == [[0, 3, 9, 9]]  # (each sequence's last step's weights)
-    with pytest.raises(sn.UnsupportedError, match="last step of a ragged value computed in the step"):
-        rnn(backend="numba", output_all_steps=False)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
+    """A ragged last-step output computed in the step (not a memory): each
+    sequence's weights at its last step processed, on every backend (the
+    compiled ones compute every step's and take the last); none for a
+    sequence of no steps. Gradients run beside it; one for it is refused."""
+    M = _memory(rng, [3, 6, 2], 8)
+    X = _memory(rng, [2, 3, 0], 4)
+    rnn, W = _weights_net(rng, X, M, reverse)
+    every = rnn(backend="interpreter")[1]
+    expected = rnn(backend="interpreter", output_all_steps=False)
+    assert expected[1].lod == [[0, 3, 9, 9]]
+    # the last step processed: each sequence's last step entry (reverse: its first)
+    rows = [every.data[0:3], every.data[6:12]] if reverse else [every.data[3:6], every.data[18:24]]
+    assert_close(expected[1].data, np.concatenate(rows))
+    G = rng.standard_normal((3, 8)).astype(np.float32)
+    wanted = sn.gradients(rnn, wrt=[W], grad_outputs=[G, None], output_all_steps=False,
+                          backend="interpreter")
+    for backend in default_backends(rnn):
+        assert_close(rnn(backend=backend, output_all_steps=False), expected, what=backend)
+        assert_close(rnn(backend=backend, output_all_steps=(False, True))[1], every, what=backend)
+        if backend == "cuda":  # (rows on the device: the output stays there)
+            got = rnn(backend=backend, output_all_steps=False, X=X.to_device(), M=M.to_device())[1]
+            assert got.on_device
+            assert_close(got.to_host(), expected[1], what=f"{backend}, on the device")
+    for backend in available_backends():
+        got = sn.gradients(rnn, wrt=[W], grad_outputs=[G, None], output_all_steps=False,
+                           backend=backend)
+        assert_close(got, wanted, what=backend)
+        _, pullback = sn.vjp(rnn, output_all_steps=False, backend=backend)
+        with pytest.raises(sn.UnsupportedError, match="the last step of the ragged output"):
+            pullback([G, np.ones_like(expected[1].data)])
 
 
 def test_special_values_behave_as_on_the_interpreter():

@@ -342,8 +342,6 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
         elif all_steps:
             oi = ctx.values[out]
             outs.append(("dense_all", oi.data.ident, oi.levels))
-        elif res.lod_depth:
-            outs.append(_ragged_last_arg(ctx, ri, args))
         else:
             outs.append(_last_arg(ctx, out, res, count_expr, args, hoisted_lasts))
     # The function takes every array defined before its call (consts, data,
@@ -401,25 +399,6 @@ def _all_steps_arrays(ctx, eqn):
             ctx.module.gargs.append(ident)
             data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]")
             ctx.values[out] = _Info("ragged", None, out, levels=(level,), data=data)
-
-
-def _ragged_last_arg(ctx, ri, args):
-    if ctx.mode != "program":
-        raise UnsupportedError(
-            "numba backend: a nested step-net's last step of a ragged output "
-            "is not supported (use backend='interpreter')"
-        )
-    if ri.data is None:  # (only a nested net's all-steps output is kept for every step)
-        raise UnsupportedError(
-            "numba backend: the last step of a ragged value computed in the step (such as "
-            "attention weights over a ragged static input) is not supported; take every "
-            "step's (output_all_steps=True) or use backend='interpreter'"
-        )
-    ident = ctx.module.fresh("e")
-    ctx.lines.append(f"{ident} = np.empty(num_seq, np.int64)")
-    args.append(ident)
-    ctx.module.extra_returns.append(ri.data.ident)
-    return ("ragged_last", ident, ri.levels, ri.data.ident)
 
 
 def _last_arg(ctx, out, res, count_expr, args, hoisted_lasts):
@@ -570,7 +549,7 @@ def _init_source(fctx, init, pre, params):
 
 def _last_step_params(fctx, eqn, params, setup):
     """Per output: the param its last step is written to (started at the
-    memory's init, zeros, or -1 for a ragged one), or None for all steps."""
+    memory's init, or zeros), or None for all steps."""
     body = eqn.attrs["body"]
     last_params = []
     for res, out, all_steps, mem_index in zip(body.outputs, eqn.outputs, eqn.attrs["all_steps"],
@@ -583,12 +562,13 @@ def _last_step_params(fctx, eqn, params, setup):
             fctx.module.memory_outputs[out] = (info.ident, info.segment.level)
             last_params.append(_MEMORY_BUFFER)
             continue
+        if res.lod_depth:  # (a top-level net's: every step's, backends.CompiledStepNet.kernel_flags)
+            raise UnsupportedError("numba backend: a nested step-net's last step of a ragged "
+                                   "output is not supported (use backend='interpreter')")
         p = fctx.module.fresh("out_last")
         params.append(p)
         last_params.append(p)
-        if res.lod_depth:
-            setup += _nest(["for b in range(num_seq):"], [f"{p}[b] = -1"])
-        elif mem_index >= 0:
+        if mem_index >= 0:
             m = fctx.values[body.memories[mem_index].pre].ident
             setup += _row_assign(p, "order[b]", m, "b", res.shape[1:])
         else:
@@ -656,9 +636,6 @@ def _write_outputs(fctx, eqn, last_params):
             lines += _nest(loops, [
                 f"{_ref(oi, idx, 'step', res.shape)} = {_ref(ri, idx, 'step', res.shape)}"
             ])
-        elif res.lod_depth:
-            lines += _nest(["for b in range(nb):", "if slen[b] == step + 1:"],
-                           [f"{p}[order[b]] = entries[b]"])
         else:
             loops, idx = _loop_nest(res.shape, "step")
             dst = _ref(_Info("local", p, res), idx, "step", res.shape, row="order[b]")

@@ -92,7 +92,7 @@ class _Module:
         self.small_gemm_dtypes = set()  # dtypes of the products (blas.register_small_gemm)
         self.largest_weights = 0  # elements of the largest weights of a product
         self.rows_by_steps = False  # its top-level net may take its rows by steps (row_step)
-        self.extra_returns = []  # data arrays behind ragged last-step outputs
+        self.extra_returns = []  # the second levels of segment outputs (pl)
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
         self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)

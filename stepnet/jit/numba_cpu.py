@@ -262,33 +262,20 @@ class NumbaProgram:
         return [self._output(spec, arr, args, extra) for spec, arr in zip(self.top_outputs, results)]
 
     def _output(self, spec, arr, args, extra=None):
-        """One output of program() as stepnet returns it (``extra``: the data
-        arrays behind ragged last-step outputs, taken in order)."""
+        """One output of program() as stepnet returns it (``extra``: the
+        second levels of segment outputs, taken in order)."""
         kind = spec[0]
         if kind in ("dense_all", "ragged_all", "segment_memory"):
             return LoDTensor._trusted(arr, [self._level(name, args) for name in spec[2]])
         if kind == "segment_all":  # its second level comes from the kernel
             return LoDTensor._trusted(arr, [self._level(spec[2][0], args), extra.pop(0)])
-        if kind == "last":
-            return arr
-        return self._ragged_last(arr, spec, args, extra.pop(0))
+        return arr  # (a last-step output)
 
     def _level(self, name, args):
         for (kind, _, _, levels), value in zip(self.top_inputs, args):
             if kind == "sequence" and name in levels:
                 return value.levels[levels.index(name)]
         raise AssertionError(name)
-
-    def _ragged_last(self, entries, spec, args, data):
-        """Each sequence's last element of a ragged output, as a LoDTensor."""
-        levels = [self._level(n, args) for n in spec[2]]
-        nested = LoDTensor(data, levels)
-        empty = LoDTensor(np.zeros((0,) + data.shape[1:], data.dtype),
-                          [[0, 0]] + [[0]] * (len(levels) - 1))
-        pieces = [nested.select([int(e)]) if e >= 0 else empty for e in entries]
-        if not pieces:
-            return LoDTensor(empty.data, [[0]] + [[0]] * (len(levels) - 1))
-        return LoDTensor.concat(pieces)
 
 
 # program()'s ``row_step`` where the data rows are in the LoD's order: step t
