@@ -136,10 +136,12 @@ def _total(lengths, where):
 
 
 def _frozen(arr):
-    """Return ``arr`` as a read-only int64 array that owns its memory."""
+    """``arr`` as a read-only int64 array that cannot be made writeable again:
+    a view of a read-only copy. (A LoDTensor's offsets are checked once, when
+    it is made, and compiled kernels index rows by them.)"""
     arr = np.array(arr, dtype=np.int64)
     arr.flags.writeable = False
-    return arr
+    return arr.view()
 
 
 def device_array(value):

@@ -161,6 +161,11 @@ def test_levels_read_only_and_lod_is_a_copy():
     assert not t.levels[0].flags.writeable
     with pytest.raises(ValueError):
         t.levels[0][1] = 1
+    # nor made writeable again: kernels index rows by offsets checked once
+    for u in (t, t.select([0]), LoDTensor.concat([t, t]), copy.deepcopy(t),
+              LoDTensor.from_lengths(make_data(5), [[2, 3]])):
+        with pytest.raises(ValueError):
+            u.levels[0].flags.writeable = True
     lod = t.lod
     lod[0][1] = 3
     assert t.lod == [[0, 2, 5]]
