@@ -280,6 +280,8 @@ def test_two_processes_compile_the_same_net_at_once(tmp_path):
 
 
 def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
+    """Files that do not unpickle, and then compiled code that does but whose
+    LLVM bitcode is damaged, are misses: compiled anew, then loaded."""
     cache = cache_with_helpers(tmp_path / "cache")
     first = _finish(_run_script(cache, 4, 6))
     # every file of the kernel's, and the helpers' of one module (the scalar
@@ -292,6 +294,17 @@ def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
     for p in files:
         p.write_bytes(b"\x80\x04not what stepnet or Numba wrote\xff" * 3)
     assert _finish(_run_script(cache, 4, 6)) == first
+    damaged = 0
+    for p in cache.rglob("stepnet_kernel_*.nbc"):  # (written again by that run)
+        raw = bytearray(p.read_bytes())
+        at = raw.find(b"BC\xc0\xde")  # (LLVM bitcode's magic)
+        assert 0 <= at < len(raw) - 264, p.name
+        raw[at + 200:at + 264] = b"\xff" * 64
+        p.write_bytes(bytes(raw))
+        damaged += 1
+    assert damaged
+    assert _finish(_run_script(cache, 4, 6)) == first
+    assert _finish(_run_script(cache, 4, 6)) == first  # (written whole again)
 
 
 def test_a_cache_directory_removed_while_a_process_runs(rng, monkeypatch, tmp_path):

@@ -141,9 +141,9 @@ def _ours(path) -> bool:
 
 
 def _tolerant(method, miss):
-    """``method`` of Numba's cache file, with any failure to read a file under
-    stepnet's cache directory (a corrupted or half-written index or data
-    file) taken as a cache miss: Numba then compiles and writes it anew."""
+    """``method`` of Numba's cache (file), with any failure to read a file
+    under stepnet's cache directory (a corrupted or half-written index or
+    data file) taken as a cache miss: Numba then compiles and writes it anew."""
 
     @functools.wraps(method)
     def read(self, *args):
@@ -170,6 +170,9 @@ def _install():
     if not getattr(files._load_index, "stepnet_tolerant", False):
         files._load_index = _tolerant(files._load_index, dict)
         files._load_data = _tolerant(files._load_data, _missing_data)
+        # (a data file that unpickles but whose LLVM bitcode is damaged fails
+        # when Numba rebuilds the code from it: a miss too, compiled anew)
+        caching.Cache._load_overload = _tolerant(caching.Cache._load_overload, lambda: None)
 
 
 _install()
