@@ -220,6 +220,23 @@ def test_nan_and_inf_as_on_the_interpreter(rng):
         assert_close(got[finite], want[finite], what="the finite values")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_op_on_special_values_as_on_the_interpreter(dtype):
+    """Every elementwise op on NaN, infinities, 0.0 and -0.0, extremes and
+    subnormals, in the loop and step by step (tests/test_numerics.py's net)."""
+    from test_numerics import NUMBA_OPS, SPECIALS, every_op_net, feeds, pairs, specials_mismatch
+
+    feed = feeds(*pairs(SPECIALS), dtype)
+    rnn, labels = every_op_net(feed["x"], feed["y"], NUMBA_OPS)
+    with np.errstate(all="ignore"):
+        found, expected = _both(rnn, **feed)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for how, outputs in zip(["one worker", "two workers", "step by step"], found):
+        wrong = [f"{label}: {why}" for label, a, e in zip(labels, outputs, expected)
+                 if (why := specials_mismatch(a, e, tol))]
+        assert not wrong, f"{how}:\n" + "\n".join(wrong)
+
+
 def test_an_op_the_loop_does_not_compute_runs_op_by_op(rng):
     """A run with a comparison and a ``where`` (not in the loop's table)
     runs op by op on NumPy, to the interpreter's results."""

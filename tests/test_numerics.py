@@ -43,9 +43,10 @@ NUMBA_OPS = generated_ops("numba")
 def _apply(name, x, y):
     """Every way the net applies op ``name`` to x (and y): [(label, value)]."""
     ops = sn.ops
-    if name == "clip":
+    if name == "clip":  # (bounds of 0.0 meet -0.0; a NaN bound gives NaN, as np.clip)
         return [("clip", ops.clip(x, -1.0, 1.0)), ("clip_lo", ops.clip(x, lo=-1.0)),
-                ("clip_hi", ops.clip(x, hi=1.0))]
+                ("clip_hi", ops.clip(x, hi=1.0)), ("clip_zeros", ops.clip(x, 0.0, 0.0)),
+                ("clip_nan", ops.clip(x, lo=float("nan")))]
     if name == "where":
         return [("where", ops.where(ops.greater(x, y), x, y))]
     arity = registry.get(name).num_inputs
@@ -66,7 +67,7 @@ def every_op_net(X, Y, names, hoisted=("tanh", "sigmoid")):
         zero = h.pre_state()
         h.update(zero)
         outputs = []
-        for where, (x, y), ops in (("step", (x0 + zero, y0 + zero), names),
+        for where, (x, y), ops in (("step", (x0 - zero, y0 - zero), names),  # (-0.0 stays)
                                    ("hoisted", (x0, y0), [n for n in names if n in hoisted])):
             applied = [a for name in ops for a in _apply(name, x, y)]
             labels += [f"{label} ({where})" for label, _ in applied]
@@ -107,7 +108,9 @@ def specials_mismatch(actual, expected, tol):
         with np.errstate(invalid="ignore", over="ignore"):
             close = np.abs(a64 - e64) <= tol * np.maximum(1.0, np.abs(e64))
         same_special = (a64 == e64) | (np.isnan(a64) & np.isnan(e64))
-        bad = np.flatnonzero(~np.where(np.isfinite(e64), np.isfinite(a64) & close, same_special))
+        same_zero = (e64 != 0) | (np.signbit(a64) == np.signbit(e64))  # (0.0 and -0.0 differ)
+        bad = np.flatnonzero(~np.where(np.isfinite(e64), np.isfinite(a64) & close & same_zero,
+                                       same_special))
     if bad.size == 0:
         return ""
     return f"{bad.size} differ, e.g. got {a.ravel()[bad[:3]]} for {e.ravel()[bad[:3]]}"

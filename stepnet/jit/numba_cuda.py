@@ -111,6 +111,13 @@ def _dtype_name(dtype) -> str:
                                                                    np.dtype(dtype).name)
 
 
+def _number(dtype, value) -> str:
+    """``value`` as a number of ``dtype`` in kernel code (inf and NaN too)."""
+    value = float(value)
+    code = repr(value) if np.isfinite(value) else f"float('{value!r}')"
+    return f"{_dtype_name(dtype)}({code})"
+
+
 class _Kernels:
     """Generates the kernels of one program (see the module docstring)."""
 
@@ -298,7 +305,7 @@ class _Kernels:
             args = []
             for v in e.inputs:
                 code, lit = self._operand(v, local, out_shape)
-                args.append(code if lit is None else f"{_dtype_name(dt)}({float(lit.value)!r})")
+                args.append(code if lit is None else _number(dt, lit.value))
             name = f"t{len(local)}"
             lines.append(f"{name} = {self._scalar(e, args)}")
             local[id(o)] = name
@@ -312,7 +319,7 @@ class _Kernels:
         dt = _dtype_name(e.outputs[0].dtype) if np.dtype(e.outputs[0].dtype).kind == "f" else "float64"
         code = registry.get(e.op).cuda
         if callable(code):
-            return code(*args, **{k: f"{dt}({float(v)!r})" for k, v in e.attrs.items() if v is not None})
+            return code(*args, **{k: _number(dt, v) for k, v in e.attrs.items() if v is not None})
         return code.format(*args, one=f"{dt}(1.0)", zero=f"{dt}(0.0)")
 
     def _gemm(self, stage):
@@ -347,7 +354,7 @@ class _Kernels:
         if record.segment is not None:  # over sequence i's rows of its ragged operand
             combine, initial = record.segment
             x = self.values[id(e.inputs[0])]
-            lines = [f"acc = {_dtype_name(out.dtype)}(float('{float(initial)!r}'))",
+            lines = [f"acc = {_number(out.dtype, initial)}",
                      "for r in range(mstart[i], mstart[i + 1]):",
                      f"    acc = {combine.format(acc='acc', x=f'{x.name}[r, j]')}", f"{dst} = acc"]
         elif record.reduction is not None:

@@ -162,10 +162,11 @@ def div(a, b):
 
 # NaN in gives NaN out, as in NumPy, by construction: Numba's max/min of
 # floats and a GPU's fmaxf/fminf drop a NaN, so maximum and minimum pick the
-# first operand when it is NaN or not beaten, else the second (NaN or not).
+# first operand when it is NaN or beats the second, else the second (NaN, or
+# equal: NumPy's maximum of -0.0 and 0.0 is its second operand).
 @register("maximum", binary_rule("maximum"), np.maximum, "elementwise", 2,
           grad=lambda em, e, g: _select(em, em.op("greater_equal", *_vals(em, e)), g),
-          numba="({0} if ({0} >= {1}) | ({0} != {0}) else {1})", onnx="Max")
+          numba="({0} if ({0} > {1}) | ({0} != {0}) else {1})", onnx="Max")
 def maximum(a, b):
     """Elementwise ``max(a, b)``, with NumPy broadcasting.
 
@@ -194,7 +195,7 @@ def maximum(a, b):
 
 @register("minimum", binary_rule("minimum"), np.minimum, "elementwise", 2,
           grad=lambda em, e, g: _select(em, em.op("less_equal", *_vals(em, e)), g),
-          numba="({0} if ({0} <= {1}) | ({0} != {0}) else {1})", onnx="Min")
+          numba="({0} if ({0} < {1}) | ({0} != {0}) else {1})", onnx="Min")
 def minimum(a, b):
     """Elementwise ``min(a, b)``, with NumPy broadcasting.
 
@@ -613,12 +614,12 @@ def _clip_grad(em, e, g):
 
 
 def _clip_code(x, lo=None, hi=None):
-    # np.clip: the bounds are numbers, so only x can be NaN, and it fails
-    # both comparisons and stays NaN
+    # maximum(x, lo), then minimum(.., hi), as _clip: a NaN x or bound gives
+    # NaN, and a bound equal to x (0.0 and -0.0) gives the bound
     if lo is not None:
-        x = f"({x} if not ({x} < {lo}) else {lo})"
+        x = f"({x} if ({x} > {lo}) | ({x} != {x}) else {lo})"
     if hi is not None:
-        x = f"({x} if not ({x} > {hi}) else {hi})"
+        x = f"({x} if ({x} < {hi}) | ({x} != {x}) else {hi})"
     return x
 
 
