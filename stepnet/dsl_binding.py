@@ -42,7 +42,7 @@ def check_sequence_inputs(bindings: dict, values: dict) -> tuple:
         X = values[name]
         if not isinstance(X, LoDTensor):
             raise ShapeError(f"input {name}: expects a LoDTensor, got {type(X).__name__}")
-        if X.data.shape[0] != X.levels[-1][-1]:  # (its data changed in place since it was made)
+        if X.num_levels and X.data.shape[0] != X.levels[-1][-1]:  # (its data changed in place)
             raise LoDError(f"input {name}: the LoD's offsets end at {int(X.levels[-1][-1])} but "
                            f"the data has {X.data.shape[0]} rows")
         if X.num_levels != b.var.lod_depth or tuple(X.shape[1:]) != b.var.shape[1:]:

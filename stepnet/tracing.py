@@ -26,6 +26,9 @@ def compute_dtype(dtype, what) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype == np.float16:
         return np.dtype(np.float32)
+    if not dtype.isnative and dtype.newbyteorder("=") in FLOAT_DTYPES + (np.dtype(np.float16),):
+        raise ShapeError(f"{what}: dtype {dtype.str} is {dtype.name} in the other byte order "
+                         f"than this machine's; pass it as .astype(np.{dtype.name})")
     if dtype not in FLOAT_DTYPES:
         raise ShapeError(f"{what}: dtype {dtype} is not supported (use float16, float32 or float64)")
     return dtype

@@ -382,6 +382,8 @@ def test_rebinding_with_a_different_feature_shape():
 def test_rebinding_with_a_different_lod_depth():
     with pytest.raises(ShapeError, match=r"rebound with 2 LoD level\(s\).*defined with 1"):
         elman()(X=chapters([[1, 2], [1, 1, 1]]))
+    with pytest.raises(ShapeError, match=r"rebound with 0 LoD level\(s\).*defined with 1"):
+        elman()(X=sn.LoDTensor(np.zeros((3, 3))))  # (none at all)
 
 
 def test_rebinding_with_a_plain_array():
@@ -433,6 +435,17 @@ def test_unsupported_input_dtype(dtype):
         rnn.stepnet(),
     ):
         rnn.add_input(Xi)
+
+
+def test_the_other_byte_order_says_what_to_do():
+    X = sn.LoDTensor.from_lengths(np.zeros((3, 3), ">f4"), [[1, 2]])
+    rnn = sn.create_rnn_op()
+    with (pytest.raises(ShapeError, match=r"dtype >f4 is float32 in the other byte order than "
+                                          r"this machine's; pass it as .astype\(np.float32\)"),
+          rnn.stepnet()):
+        rnn.add_input(X)
+    with pytest.raises(ShapeError, match=r"input X: dtype >f4 is float32 in the other byte order"):
+        elman()(X=X)
 
 
 def test_unsupported_dtype_on_rebinding():

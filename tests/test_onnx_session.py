@@ -902,14 +902,20 @@ def test_an_unknown_backend_is_refused_when_the_session_is_made(rng):
     assert str(called.value) == str(made.value)
 
 
-def test_bad_sequence_lens_is_refused(rng):
+def test_bad_sequence_lens_and_features_are_refused(rng):
+    """Fed values that do not fit the node: a ShapeError naming it, X and W."""
     arrays = _gru_arrays(rng)
     node = helper.make_node("GRU", ["X", "W", "R", "B", "L"], ["Y"], hidden_size=6, name="g")
-    model = _model([node], [_info("X", arrays["X"]), _info("L", np.zeros(3, np.int32))],
+    model = _model([node], [_float("X"), _info("L", np.zeros(3, np.int32))],  # (X of any shape)
                    [_float("Y")], [numpy_helper.from_array(arrays[k], k) for k in ("W", "R", "B")])
-    with pytest.raises(sn.UnsupportedError, match=r"'g' \(GRU\): sequence_lens\[1\] = 9"):
-        InferenceSession(model, backend="interpreter").run(
-            None, {"X": arrays["X"], "L": np.array([1, 9, 2], np.int32)})
+    session = InferenceSession(model, backend="interpreter")
+    with pytest.raises(sn.ShapeError, match=r"'g' \(GRU\): sequence_lens\[1\] = 9"):
+        session.run(None, {"X": arrays["X"], "L": np.array([1, 9, 2], np.int32)})
+    X = np.zeros(arrays["X"].shape[:2] + (arrays["X"].shape[2] + 1,), np.float32)
+    features = arrays["W"].shape[2]
+    with pytest.raises(sn.ShapeError, match=rf"'g' \(GRU\): X has {features + 1} features "
+                                            rf"\(its last axis\), and W .* takes {features}"):
+        session.run(None, {"X": X, "L": np.array([1, 2, 2], np.int32)})
 
 
 # ----------------------------------------------------------------------------

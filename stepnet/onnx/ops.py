@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops as sn_ops, registry, sizes
-from ..errors import UnsupportedError
+from ..errors import ShapeError, UnsupportedError
 from ..tracing import Value
 from .reference import rows_at
 
@@ -82,6 +82,10 @@ class NodeContext:
 
     def unsupported(self, what) -> UnsupportedError:
         return UnsupportedError(f"ONNX node {self.node!r} ({self.op}): {what}")
+
+    def bad_input(self, what) -> ShapeError:
+        """A fed value that does not fit the node (a shape, a length)."""
+        return ShapeError(f"ONNX node {self.node!r} ({self.op}): {what}")
 
 
 def op(name, attrs=(), in_step=True):

@@ -105,19 +105,22 @@ class RecurrentNode:
                     for name, w, at in (("W", W, 8), ("R", R, 10)))
         X = np.asarray(X)
         if X.ndim != 3:
-            raise ctx.unsupported(f"X must be 3-D, got shape {list(X.shape)}")
+            raise ctx.bad_input(f"X must be 3-D, got shape {list(X.shape)}")
+        if np.ndim(W) == 3 and X.shape[2] != np.shape(W)[2]:
+            raise ctx.bad_input(f"X has {X.shape[2]} features (its last axis), and W "
+                                f"{list(np.shape(W))} takes {np.shape(W)[2]}")
         batch_first = X if self.layout else X.transpose(1, 0, 2)
         Bsz, T = batch_first.shape[:2]
         if lengths is not None:
             lengths = np.asarray(lengths)
             if lengths.shape != (Bsz,) or lengths.dtype.kind not in "iu":
-                raise ctx.unsupported(f"sequence_lens must be integers of shape [{Bsz}] (a length "
-                                      f"per sequence of X), got {lengths.dtype} "
-                                      f"{list(lengths.shape)}")
+                raise ctx.bad_input(f"sequence_lens must be integers of shape [{Bsz}] (a length "
+                                    f"per sequence of X), got {lengths.dtype} "
+                                    f"{list(lengths.shape)}")
             bad = np.flatnonzero((lengths < 0) | (lengths > T))
             if bad.size:
-                raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in "
-                                      f"[0, {T}] (X's steps)")
+                raise ctx.bad_input(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in "
+                                    f"[0, {T}] (X's steps)")
             if np.all(lengths == T):
                 lengths = None
         if self.layout:

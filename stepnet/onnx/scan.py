@@ -217,17 +217,17 @@ class ScanNode:
         B, T = scans[0].shape[:2] if scans[0].ndim >= 2 else (None, None)
         for j, x in enumerate(scans):
             if x.ndim < 2 or x.shape[:2] != (B, T):
-                raise ctx.unsupported(f"scan input {j} has shape {list(x.shape)}, expected "
-                                      f"[{B}, {T}, ...]")
+                raise ctx.bad_input(f"scan input {j} has shape {list(x.shape)}, expected "
+                                    f"[{B}, {T}, ...]")
         for i, s in enumerate(states):
             if s.ndim < 1 or s.shape[0] != B:
-                raise ctx.unsupported(f"state {i} has shape {list(s.shape)}, expected [{B}, ...]")
+                raise ctx.bad_input(f"state {i} has shape {list(s.shape)}, expected [{B}, ...]")
         lengths = np.full(B, T, np.int64) if lengths is None else np.asarray(lengths)
         if lengths.shape != (B,) or lengths.dtype.kind not in "iu":
-            raise ctx.unsupported(f"sequence_lens must be integers of shape [{B}]")
+            raise ctx.bad_input(f"sequence_lens must be integers of shape [{B}]")
         bad = np.flatnonzero((lengths < 0) | (lengths > T))
         if bad.size:
-            raise ctx.unsupported(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in [0, {T}]")
+            raise ctx.bad_input(f"sequence_lens[{bad[0]}] = {lengths[bad[0]]} is not in [0, {T}]")
         seqs = [LoDTensor.from_padded(_reverse_within(x, lengths) if d else x, lengths)
                 for x, d in zip(scans, self.in_dirs)]
         identity = lambda a: a  # noqa: E731

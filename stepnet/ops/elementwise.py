@@ -548,6 +548,10 @@ def _where_rule(operands):
     cond, a, b = operands
     if not hasattr(cond, "dtype") or np.dtype(cond.dtype) != np.dtype(bool):
         raise ShapeError(f"where: the condition must be a boolean step value, got {shape_str(cond)}")
+    if isinstance(a, Literal) and isinstance(b, Literal):
+        raise ShapeError(f"where: both branches are Python scalars ({a.value!r}, {b.value!r}), "
+                         "which take their dtype from an array operand; give one with its dtype, "
+                         f"such as np.float32({a.value!r})")
     return Aval(broadcast("where", operands), result_dtype([a, b]))
 
 
