@@ -238,7 +238,7 @@ def _deliver(found, wrt, accumulate, out):
     if out is None:
         if accumulate:
             raise StepNetError("accumulate=True needs out=[one array per wrt]")
-        return found
+        return _apart(found)
     if len(out) != len(found):
         raise StepNetError(f"out has {len(out)} arrays for {len(found)} wrt entries")
     for i, (buf, g) in enumerate(zip(out, found)):
@@ -257,6 +257,19 @@ def _deliver(found, wrt, accumulate, out):
         else:
             buf[...] = g
     return list(out)
+
+
+def _apart(found):
+    """``found`` with each host array its own: one gradient may reach two
+    constants as one array (``b = Wb + Rb`` gives both ``db``), and a caller
+    that scales or accumulates them in place must change each once."""
+    kept = []
+    for g in found:
+        if isinstance(g, np.ndarray) and any(
+                isinstance(h, np.ndarray) and np.may_share_memory(g, h) for h in kept):
+            g = g.copy()
+        kept.append(g)
+    return kept
 
 
 def _resolve(rnn, item, values):

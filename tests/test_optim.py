@@ -143,6 +143,28 @@ def test_clip_grad_norm_matches_torch(max_norm, norm_type):
         assert clipped == pytest.approx(max_norm, rel=1e-4)
 
 
+@pytest.mark.parametrize("layer", [sn.nn.GRU(3, 5, num_layers=2), sn.nn.LSTM(3, 4), sn.nn.RNN(3, 4)],
+                         ids=["GRU", "LSTM", "RNN"])
+def test_layer_gradients_are_arrays_of_their_own(layer):
+    """A layer's two biases of a gate reach its step as one sum, and so get
+    one gradient: given as two arrays, so that clipping scales each once and
+    accumulating into them adds each once."""
+    X = sn.LoDTensor.from_lengths(np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32),
+                                  [[2, 3]])
+    outputs, pullback = sn.vjp(layer, X)
+    cts = [np.ones_like(outputs[0].data), None] + [None] * isinstance(layer, sn.nn.LSTM)
+    grads = pullback(cts)
+    assert not any(np.may_share_memory(a, b) for i, a in enumerate(grads) for b in grads[:i])
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+    clip_grad_norm(grads, 0.5 * norm)
+    clipped = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+    assert np.isclose(clipped, 0.5 * norm, rtol=1e-5)
+    once = pullback(cts)
+    twice = pullback(cts, accumulate=True, out=pullback(cts))  # (into a result itself)
+    for g, g2 in zip(once, twice):
+        np.testing.assert_allclose(g2, 2 * g, rtol=1e-5, atol=1e-6)
+
+
 def test_clip_grad_norm_edge_cases():
     assert clip_grad_norm([], 1.0) == 0.0
     assert clip_grad_norm([None], 1.0) == 0.0
