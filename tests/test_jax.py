@@ -190,6 +190,9 @@ def test_errors_name_what_is_wrong():
         f(params, x, np.array([6, 1, 1, 1]))
     with pytest.raises(ShapeError, match="padded batch-first"):
         f(params, x[0])
+    B = x.shape[0]
+    with pytest.raises(ShapeError, match=rf"h0 has shape \[2, {B}, 4\], expected .* = \[1, {B}, 4\]"):
+        f(params, x, None, np.zeros((2, B, 4), np.float32))  # (the caller's batch named)
     with pytest.raises(StepNetError, match="expects a stepnet.nn layer or a step-net"):
         sj.function(object())
     rnn = _tanh_net(rng)

@@ -590,11 +590,16 @@ class _RecurrentLayer(_Layouts):
         if value is None:
             return None
         value = host_array(value)  # (one on the GPU is copied: a row per sequence)
-        shape = (self.num_layers * self.num_directions, batch, width)
-        if value.shape != shape:
-            raise ShapeError(f"{type(self).__name__}: {what} has shape {list(value.shape)}, "
-                             f"expected [num_layers * num_directions, B, {width}] = {list(shape)}")
+        self.check_state_shape(value.shape, width, what, batch)
         return np.ascontiguousarray(value, self.dtype)
+
+    def check_state_shape(self, shape, width, what, batch):
+        """Refuse an initial state ``what`` of ``shape`` for ``batch``
+        sequences and a state of ``width`` (a ShapeError naming both)."""
+        expected = (self.num_layers * self.num_directions, batch, width)
+        if tuple(shape) != expected:
+            raise ShapeError(f"{type(self).__name__}: {what} has shape {list(shape)}, expected "
+                             f"[num_layers * num_directions, B, {width}] = {list(expected)}")
 
     def _give_back(self, data, back, flat):
         if flat.on_device:  # (X on the GPU: Y there too, in the layer's dtype)
