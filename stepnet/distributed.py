@@ -212,16 +212,17 @@ def _split(feeds, batch_axis, start, stop):
     return part
 
 
-def _join(parts):
-    """Outputs of consecutive partitions back into one (same structure)."""
+def _join(parts, axis=0):
+    """Outputs of consecutive partitions back into one (same structure),
+    arrays along ``axis``."""
     first = parts[0]
     if isinstance(first, dict):
-        return {k: _join([p[k] for p in parts]) for k in first}
+        return {k: _join([p[k] for p in parts], axis) for k in first}
     if isinstance(first, (tuple, list)):
-        return type(first)(_join([p[i] for p in parts]) for i in range(len(first)))
+        return type(first)(_join([p[i] for p in parts], axis) for i in range(len(first)))
     if isinstance(first, LoDTensor):
         return LoDTensor.concat(parts)
-    return np.concatenate([np.asarray(p) for p in parts], axis=0)
+    return np.concatenate([np.asarray(p) for p in parts], axis=axis)
 
 
 # ----------------------------------------------------------------------------
@@ -349,7 +350,7 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
                                          backend, output_all_steps, pure=False)
                            for a, b in bounds]
                 try:
-                    return _join_layer(kind, client.gather(futures))
+                    return _join_outputs(obj, kind, client.gather(futures))
                 except CancelledError:
                     # a worker died before the model reached the others (Dask:
                     # "lost scattered data"): its tasks are cancelled, not
@@ -361,15 +362,15 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
             client.close()
 
 
-def _join_layer(kind, parts):
-    """A layer's ``(Y, h_n)`` / ``(Y, (h_n, c_n))``: states join along the batch axis."""
+def _join_outputs(obj, kind, parts):
+    """The partitions' outputs as ``obj``'s: a layer's final states
+    (``h_n``, ``c_n``: ``[num_layers * num_directions, B, H]``, as a YAML
+    model's ``layer.last``) join along their batch axis, 1."""
+    if kind == "model":
+        return {name: _join([p[name] for p in parts], obj.batch_axis(name)) for name in parts[0]}
     if kind != "layer":
         return _join(parts)
-    Y = LoDTensor.concat([p[0] for p in parts])
-    states = [p[1] for p in parts]
-    if isinstance(states[0], tuple):
-        return Y, tuple(np.concatenate([s[i] for s in states], axis=1) for i in range(2))
-    return Y, np.concatenate(states, axis=1)
+    return LoDTensor.concat([p[0] for p in parts]), _join([p[1] for p in parts], axis=1)
 
 
 # ----------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_nested_batches_match_one_process(client, lengths, parts, seed):
         assert_close(got, expected, what="distributed vs one process")
 
 
-def test_layer_with_initial_state_and_yaml_model(client, rng):
+def test_layer_with_initial_state_and_yaml_model(client, rng, tmp_path):
     gru = sn.nn.GRU(3, 4, num_layers=2, seed=0)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32), [[3, 0, 5, 4, 8]])
     h0 = rng.standard_normal((2, 5, 4)).astype(np.float32)
@@ -146,6 +146,17 @@ def test_layer_with_initial_state_and_yaml_model(client, rng):
     feeds = model.random_feeds(seed=1, num_sequences=7, max_length=5)
     got, expected = sd.run(model, feeds, client=client, partitions=3), model(feeds)
     assert list(got) == list(expected)
+    for name in expected:
+        assert_close(got[name], expected[name], what=name)
+    # a YAML model's layer.last: [num_layers * num_directions, B, H], joined along B
+    path = tmp_path / "layer_last.yaml"
+    path.write_text("inputs:\n  x: {shape: [3]}\n"
+                    "layers:\n  g: {type: lstm, input: x, hidden_size: 2, num_layers: 2}\n"
+                    "outputs:\n  y: g.all\n  h_n: g.last.h_n\n  c_n: g.last.c_n\n")
+    model = sn.load_yaml(path)
+    feeds = model.random_feeds(seed=2, num_sequences=5, max_length=4)
+    got, expected = sd.run(model, feeds, client=client, partitions=2), model(feeds)
+    assert got["h_n"].shape == expected["h_n"].shape == (2, 5, 2)
     for name in expected:
         assert_close(got[name], expected[name], what=name)
 

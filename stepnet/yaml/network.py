@@ -161,6 +161,12 @@ class Model:
         return (f"<stepnet.yaml.Model {self.name!r}: inputs {list(self.inputs)}, "
                 f"nets {list(self.nets)}, outputs {self.outputs}>")
 
+    def batch_axis(self, name) -> int:
+        """The batch axis of output ``name``: 1 for a layer's final states
+        (``layer.last``: ``[num_layers * num_directions, B, H]``), else 0."""
+        source = self._output_sources[name]
+        return 1 if source.net in self.layers and source.mode == "last" else 0
+
     def ir(self) -> str:
         """The built-in layers, then the IR of every top-level net, in run order."""
         layers = [f"layer {e.name}: {e.layer!r}" for e in self._layers]
