@@ -20,6 +20,22 @@ from .errors import Error, LoDError, ShapeError, StepNetError
 from .lod import LoDTensor
 
 
+class NotAnNpz(Error):
+    """A file given as an ``.npz`` that is another kind of file."""
+
+
+def open_npz(path):
+    """``np.load(path)`` of an ``.npz`` file; an ``.npy`` file or one that is
+    no zip archive raises NotAnNpz (NumPy would offer to unpickle it)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head.startswith(b"\x93NUMPY"):
+        raise NotAnNpz("it is an .npy file (one array), not an .npz (np.savez writes those)")
+    if not head.startswith(b"PK"):
+        raise NotAnNpz("it is not an .npz file (a zip archive, as np.savez writes)")
+    return np.load(path, allow_pickle=False)
+
+
 def load_npz(path, model, warn=None):
     """The model's inputs from an ``.npz`` file (see the module docstring).
 
@@ -27,10 +43,12 @@ def load_npz(path, model, warn=None):
     not read (``x.lod.K`` and ``x.lengths.K`` of an input ``x`` with K below
     its ``lod_level`` count as read)."""
     try:
-        with np.load(path) as npz:
+        with open_npz(path) as npz:
             for key in npz.files:
                 _check_size(path, npz, key)
             arrays = {k: npz[k] for k in npz.files}
+    except NotAnNpz as exc:
+        raise Error(f"cannot read input data {str(path)!r}: {exc}") from None
     except Error:
         raise
     except FileNotFoundError:

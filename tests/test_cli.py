@@ -387,6 +387,23 @@ def test_input_lod_errors_name_the_file_the_array_and_the_level(tmp_path):
         load_npz(path, model)
 
 
+def test_a_file_that_is_no_npz_is_named_as_such(tmp_path):
+    """An .npy file, or bytes that are no zip archive, given where an .npz is
+    read: said so (NumPy would offer to unpickle the latter)."""
+    model = sn.load_yaml(EXAMPLES / "custom_cell.yaml")
+    np.save(tmp_path / "x.npy", np.zeros(3, np.float32))
+    (tmp_path / "garbage.npz").write_bytes(b"not a zip")
+    with pytest.raises(sn.Error, match=r"cannot read input data .*x\.npy': it is an \.npy file "
+                                       r"\(one array\), not an \.npz"):
+        load_npz(tmp_path / "x.npy", model)
+    with pytest.raises(sn.Error, match=r"garbage\.npz': it is not an \.npz file \(a zip archive"):
+        load_npz(tmp_path / "garbage.npz", model)
+    for bad in ("x.npy", "garbage.npz"):
+        with pytest.raises(sn.YAMLError, match=rf"{bad}: cannot read the parameters to override: "
+                                               r"it is (an \.npy|not an \.npz) file"):
+            sn.load_yaml(EXAMPLES / "custom_cell.yaml", params=tmp_path / bad)
+
+
 def test_arrays_the_model_does_not_read_are_warned_about(tmp_path):
     model = sn.load_yaml(EXAMPLES / "custom_cell.yaml")
     X = model.random_feeds(seed=0)["x"]

@@ -549,9 +549,9 @@ def _where_rule(operands):
     if not hasattr(cond, "dtype") or np.dtype(cond.dtype) != np.dtype(bool):
         raise ShapeError(f"where: the condition must be a boolean step value, got {shape_str(cond)}")
     if isinstance(a, Literal) and isinstance(b, Literal):
-        raise ShapeError(f"where: both branches are Python scalars ({a.value!r}, {b.value!r}), "
-                         "which take their dtype from an array operand; give one with its dtype, "
-                         f"such as np.float32({a.value!r})")
+        raise ShapeError(f"where: both branches are numbers ({a.value!r}, {b.value!r}), which "
+                         "take their dtype from an array operand; make one a step value (such as "
+                         f"x * 0 + {a.value!r}) or, in Python, np.float32({a.value!r})")
     return Aval(broadcast("where", operands), result_dtype([a, b]))
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import Error, SizeError, YAMLError
 from ..lod import LoDTensor
 from ..nn import cells
+from ..npz import open_npz
 from ..tracing import Parameter
 from . import document
 from .expressions import FUNCTIONS
@@ -216,7 +217,7 @@ class _Builder(NetBuilder):
         if isinstance(self.overrides, dict):
             return self.overrides
         try:
-            with np.load(self.overrides) as npz:
+            with open_npz(self.overrides) as npz:
                 return {k: npz[k] for k in npz.files}
         except (OSError, ValueError) as exc:
             # the file given for the overrides is at fault, not a line of the model's
@@ -233,7 +234,7 @@ class _Builder(NetBuilder):
         if not full.is_absolute():
             full = self.doc.path.parent / full
         try:
-            with np.load(full) as npz:
+            with open_npz(full) as npz:
                 files = npz.files
                 value = npz[key] if key in files else None
         except (OSError, ValueError) as exc:
