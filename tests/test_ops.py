@@ -770,6 +770,18 @@ def test_axis_out_of_range_and_off_axis_mismatches_raise():
                    "f32[B,2,4]", "f32[B,2]")
 
 
+def test_axes_and_bounds_must_be_integers_not_truncated():
+    X = sn.LoDTensor.from_lengths(np.ones((3, 2, 4), np.float32), [[1, 2]])
+    for build, what in [(lambda x: sn.ops.sum(x, axis=1.5), "sum: axis must be an integer, got 1.5"),
+                        (lambda x: sn.ops.sum(x, axis=True), "sum: axis must be an integer"),
+                        (lambda x: sn.ops.concat([x, x], axis=-1.5), "concat: axis"),
+                        (lambda x: sn.ops.slice(x, 0, 2.7, axis=1), "slice: stop must be an integer"),
+                        (lambda x: sn.ops.pad(x, 1, 0.5, axis=1), "pad: after must be an integer")]:
+        with pytest.raises(sn.ShapeError, match=re.escape(what)):
+            step_net([X], build)
+    step_net([X], lambda x: sn.ops.sum(x, axis=np.int64(1), keepdims=True) + sn.ops.slice(x, None, 1, axis=1))
+
+
 def test_clip_and_split_refuse_bad_arguments():
     X = _lod(F32, 6)
     _raises_naming(lambda x: sn.ops.clip(x, 1.0, 0.0), [X], "clip")

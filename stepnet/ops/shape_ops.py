@@ -7,6 +7,7 @@ record: where each element comes from).
 from __future__ import annotations
 
 import builtins
+import numbers
 
 import numpy as np
 
@@ -132,6 +133,14 @@ def matmul(a, b):
 # sum and the shape ops
 
 
+def _int(value, what, op) -> int:
+    """``value`` as an int: a float (``1.5``) or a bool is refused, never
+    truncated."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ShapeError(f"{op}: {what} must be an integer, got {value!r}")
+    return int(value)
+
+
 def _axis(e) -> int:
     return normalize_axis(e.op, e.inputs[0], e.attrs["axis"])
 
@@ -197,7 +206,7 @@ def sum(x, axis=-1, keepdims=False):
     ShapeError
         ``axis`` is out of range or the batch axis.
     """
-    return bind("sum", [x], axis=int(axis), keepdims=bool(keepdims))
+    return bind("sum", [x], axis=_int(axis, "axis", "sum"), keepdims=bool(keepdims))
 
 
 def _concat_rule(operands, axis):
@@ -278,7 +287,7 @@ def concat(values, axis=-1):
         No operand, a scalar operand, shapes that differ off ``axis``, or
         ``axis`` out of range or the batch axis.
     """
-    return bind("concat", list(values), axis=int(axis))
+    return bind("concat", list(values), axis=_int(axis, "axis", "concat"))
 
 
 def _slice_rule(operands, axis, start, stop):
@@ -347,11 +356,14 @@ def slice(x, start, stop, axis=-1):
     ShapeError
         ``axis`` is out of range or the batch axis.
     """
+    axis = _int(axis, "axis", "slice")
+    start, stop = (None if v is None else _int(v, what, "slice")  # (None: as a Python slice's)
+                   for v, what in ((start, "start"), (stop, "stop")))
     size = shape_of(x)[axis]
     if size is None:  # the batch axis: the rule refuses it with a clear error
-        return bind("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
+        return bind("slice", [x], axis=axis, start=start, stop=stop)
     start, stop, _ = builtins.slice(start, stop).indices(size)
-    return bind("slice", [x], axis=int(axis), start=start, stop=builtins.max(start, stop))
+    return bind("slice", [x], axis=axis, start=start, stop=builtins.max(start, stop))
 
 
 def _transpose_rule(operands):
@@ -469,7 +481,8 @@ def broadcast_axis(x, axis, size, insert=True):
     ShapeError
         ``size`` is negative, or ``axis`` is out of range (or not of size 1).
     """
-    return bind("broadcast_axis", [x], axis=int(axis), size=int(size), insert=bool(insert))
+    return bind("broadcast_axis", [x], axis=_int(axis, "axis", "broadcast_axis"),
+                size=_int(size, "size", "broadcast_axis"), insert=bool(insert))
 
 
 def _pad_rule(operands, axis, before, after):
@@ -537,6 +550,7 @@ def pad(x, before, after, axis=-1):
     ShapeError
         A negative width, or ``axis`` out of range or the batch axis.
     """
-    return bind("pad", [x], axis=int(axis), before=int(before), after=int(after))
+    return bind("pad", [x], axis=_int(axis, "axis", "pad"), before=_int(before, "before", "pad"),
+                after=_int(after, "after", "pad"))
 
 
