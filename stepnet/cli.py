@@ -280,11 +280,15 @@ def cmd_run(args) -> int:
         if args.input and Path(args.input).is_dir():
             raise Error(f"--partitions cuts one batch; --input {args.input!r} is a directory of "
                         "shards, each one piece")
+    shards = bool(args.input and Path(args.input).is_dir())
+    if args.output and not shards and (Path(args.output).is_dir() or args.output.endswith("/")):
+        raise Error(f"--output {args.output!r} is a directory; one batch's outputs go to one "
+                    f"file: give its name (such as {str(Path(args.output) / 'outputs.npz')!r})")
     model = _load(args)
     backend = args.backend or default_backend()
     if args.cluster:
         return _run_on_cluster(model, args, backend)
-    if args.input and Path(args.input).is_dir():
+    if shards:
         return _run_shards(model, args, backend)
     feeds = _feeds(model, args)
     with Progress(enabled=not args.quiet) as progress:

@@ -387,6 +387,15 @@ def test_input_lod_errors_name_the_file_the_array_and_the_level(tmp_path):
         load_npz(path, model)
 
 
+def test_output_that_is_a_directory_is_refused_before_the_run(tmp_path):
+    proc = stepnet("run", EXAMPLES / "custom_cell.yaml", "--output", tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"stepnet: error: --output {str(tmp_path)!r} is a directory; one "
+                                   "batch's outputs go to one file: give its name (such as "
+                                   f"{str(tmp_path / 'outputs.npz')!r})"), proc.stderr
+    assert not list(tmp_path.parent.glob(f"{tmp_path.name}.npz"))
+
+
 def test_a_file_that_is_no_npz_is_named_as_such(tmp_path):
     """An .npy file, or bytes that are no zip archive, given where an .npz is
     read: said so (NumPy would offer to unpickle the latter)."""
