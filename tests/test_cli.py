@@ -557,15 +557,17 @@ outputs:
 """
 
 
-@pytest.mark.parametrize("direction, scan, node", [("bidirectional_concat", False, "LSTM"),
-                                                   ("reverse", True, "Scan"),
-                                                   ("bidirectional_sum", False, "Scan")])
-def test_export_a_layer_network(direction, scan, node, tmp_path):
+@pytest.mark.parametrize("direction, scan, node, dtype", [
+    ("bidirectional_concat", False, "LSTM", "float32"), ("reverse", True, "Scan", "float32"),
+    ("bidirectional_sum", False, "Scan", "float32"),
+    ("forward", True, "Scan", "float64")])  # (a float64 layer over a float32 input: a Cast)
+def test_export_a_layer_network(direction, scan, node, dtype, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     path = tmp_path / "tagger.yaml"
-    path.write_text(LAYER_YAML.replace("{direction}", direction))
+    path.write_text(LAYER_YAML.replace("{direction}", f"{direction}\n    dtype: {dtype}"))
     out = ok(stepnet("export", path, "-o", tmp_path / "m.onnx", *(["--scan"] if scan else [])))
     assert node in out.split("nodes")[1]
+    assert "words    float32" in out.split("inputs")[1]  # (as the YAML declares it)
     model = sn.load_yaml(path)
     feeds = model.random_feeds(seed=1)
     expected = model(feeds, backend="interpreter")

@@ -358,7 +358,11 @@ def _layer_input(top, model, entry, produced):
         raise UnsupportedError(
             f"{model.path}: layer {entry.name} reads {spec.name!r} with lod_level "
             f"{spec.lod_level}; export takes a layer over a one-level input")
-    return top.input(spec.name, entry.layer.dtype, ["batch", "steps", entry.layer.input_size])
+    X = top.input(spec.name, spec.dtype, ["batch", "steps", entry.layer.input_size])
+    if np.dtype(spec.dtype) != np.dtype(entry.layer.dtype):  # (the layer casts it, as when it runs)
+        X = top.graph.add("Cast", [X], f"{spec.name}_{np.dtype(entry.layer.dtype).name}",
+                          to=tensor_type(entry.layer.dtype))
+    return X
 
 
 def _layer_nodes(top, layer, nodes, X, lengths, initial):
