@@ -297,8 +297,9 @@ def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
     damaged = 0
     for p in cache.rglob("stepnet_kernel_*.nbc"):  # (written again by that run)
         raw = bytearray(p.read_bytes())
-        at = raw.find(b"BC\xc0\xde")  # (LLVM bitcode's magic)
-        assert 0 <= at < len(raw) - 264, p.name
+        at = raw.find(b"BC\xc0\xde")  # (LLVM bitcode's magic; not in every function's file)
+        if not 0 <= at < len(raw) - 264:
+            continue
         raw[at + 200:at + 264] = b"\xff" * 64
         p.write_bytes(bytes(raw))
         damaged += 1

@@ -83,8 +83,7 @@ class NodeContext:
     def unsupported(self, what) -> UnsupportedError:
         return UnsupportedError(f"ONNX node {self.node!r} ({self.op}): {what}")
 
-    def bad_input(self, what) -> ShapeError:
-        """A fed value that does not fit the node (a shape, a length)."""
+    def bad_input(self, what) -> ShapeError:  # (a fed value that does not fit the node)
         return ShapeError(f"ONNX node {self.node!r} ({self.op}): {what}")
 
 
@@ -141,9 +140,7 @@ def is_step(x) -> bool:
 
 def rank(ctx, x) -> int:
     """The ONNX rank of a value (see the module docstring for step values)."""
-    if not is_step(x):
-        return np.ndim(x)
-    return len(x.shape) if ctx.rows else len(x.shape) - 1
+    return len(x.shape) - (not ctx.rows) if is_step(x) else np.ndim(x)
 
 
 def axis_of(ctx, x, axis, extra=0) -> int:
@@ -153,13 +150,9 @@ def axis_of(ctx, x, axis, extra=0) -> int:
     if not -r <= axis < max(r, 1):
         raise ctx.unsupported(f"axis {axis} is out of range for rank {r}")
     axis %= max(r, 1)
-    if not is_step(x):
-        return axis
-    if ctx.rows:
-        if axis == 0:
-            raise NotRowWise(f"{ctx.op} on axis 0")
-        return axis
-    return axis + 1
+    if is_step(x) and ctx.rows and axis == 0:
+        raise NotRowWise(f"{ctx.op} on axis 0")
+    return axis + 1 if is_step(x) and not ctx.rows else axis
 
 
 def _any_step(xs) -> bool:
