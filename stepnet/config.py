@@ -61,9 +61,9 @@ FIRST_TIERS = ("executor", "interpreter")
 def _rows(raw, where):
     if raw is None or raw == "":
         return None
-    if where.startswith("STEPNET_") and raw.isdigit():
-        return int(raw)
-    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+    if where.startswith("STEPNET_") and raw.isascii() and raw.isdigit():
+        raw = int(raw)
+    if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < 2**62:  # (an int64)
         return raw
     raise UnsupportedError(f"{where}: expected a number of rows (an integer >= 0)")
 
@@ -192,13 +192,14 @@ class _Block:
 
     def __init__(self, config, values):
         self._config, self._values = config, values
+        self._entered = threading.local()  # this thread's entries of the block, innermost last
 
     def __enter__(self):
-        self._config._push(self._values)
+        self._entered.__dict__.setdefault("stack", []).append(self._config._push(self._values))
         return self._config
 
     def __exit__(self, *exc):
-        self._config._pop(self._values)
+        self._config._pop(self._entered.stack.pop())
 
 
 class Config:
@@ -260,12 +261,14 @@ class Config:
                         f"sn.config({name}={value!r}): the Numba engine of this process started "
                         f"with {name}={self._started[name]!r}, and {name} is read once, when it "
                         f"starts: set it before the first compile, or in {_BY_NAME[name].env}")
-            self._blocks.append(values)
+            entry = dict(values)  # (one per entry: a block entered twice, or by two threads)
+            self._blocks.append(entry)
+            return entry
 
-    def _pop(self, values):
+    def _pop(self, entry):
         with self._lock:
             # (by identity: blocks of two threads may end in any order)
-            self._blocks[:] = [b for b in self._blocks if b is not values]
+            self._blocks[:] = [b for b in self._blocks if b is not entry]
 
     def engine(self, name):
         """The value of an "engine" setting the Numba engine runs with: the one

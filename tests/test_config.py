@@ -49,9 +49,37 @@ def test_a_block_holds_for_every_thread_while_it_runs(monkeypatch):
     assert seen == [True] and sn.config.debug is False
 
 
+def test_one_block_entered_twice_or_by_two_threads_ends_each_entry_alone(monkeypatch):
+    monkeypatch.delenv("STEPNET_DEBUG", raising=False)
+    block = sn.config(debug=True)
+    with block:
+        with block:
+            pass
+        assert sn.config.debug is True  # (the outer entry still runs)
+    assert sn.config.debug is False
+    inside, left = threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with block:
+            inside.set()
+            left.wait(10)
+            seen.append(sn.config.debug)  # (after the other thread's entry ended)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    inside.wait(10)
+    with block:
+        pass
+    left.set()
+    thread.join()
+    assert seen == [True] and sn.config.debug is False
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"blas": "atlas"}, r"sn.config\(blas='atlas'\): expected one of openblas, mkl, numpy"),
     ({"small_products": -1}, r"sn.config\(small_products=-1\): expected a number of rows"),
+    ({"small_products": 10**23}, r"sn.config\(small_products=10+\): expected a number of rows"),
     ({"tiered": "no"}, r"sn.config\(tiered='no'\): expected True or False"),
     ({"threads": 2}, r"sn.config\(threads=...\): no such setting; the settings: cache_dir"),
     ({"max_memory": "inf"}, r"sn.config\(max_memory='inf'\): expected a number of bytes"),
@@ -65,9 +93,10 @@ def test_a_wrong_setting_is_named_when_the_block_is_made(settings, message):
 
 
 def test_a_wrong_variable_is_named_when_read(monkeypatch):
-    monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
-    with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many': expected"):
-        sn.config.small_products  # noqa: B018
+    for wrong in ("many", "\u00b2", "9" * 23):  # (a superscript digit; past an int64)
+        monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", wrong)
+        with pytest.raises(sn.UnsupportedError, match=f"STEPNET_SMALL_PRODUCTS='{wrong}': expected"):
+            sn.config.small_products  # noqa: B018
     with pytest.raises(AttributeError, match="no setting 'blsa'"):
         sn.config.blsa  # noqa: B018
     with pytest.raises(sn.StepNetError, match=r"with sn.config\(blas=...\)"):
