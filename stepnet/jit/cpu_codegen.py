@@ -322,8 +322,11 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
     # nested net's are its level's, a sequence's one after another
     row_step = "row_step" if start_expr == "starts" and ctx.module.rows_by_steps else "1"
     for v in list(inits) + list(statics):
-        if isinstance(v, ir.Var) and ctx.values[v].kind not in ("const", "ragged"):
-            args.append(_batched_arg(ctx, ctx.values[v]))  # (a ragged static is a global)
+        vi = ctx.values[v] if isinstance(v, ir.Var) else None
+        if vi is not None and vi.kind == "rows":  # the rows of the enclosing step's static input
+            args += [f"{vi.segment.starts}[:nb]", f"{vi.segment.stops}[:nb]"]
+        elif vi is not None and vi.kind not in ("const", "ragged"):
+            args.append(_batched_arg(ctx, vi))  # (a ragged static is a global)
     body = eqn.attrs["body"]
     for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
                                        result_infos):
@@ -493,17 +496,24 @@ def _function_setup(fctx, eqn, params, top):
             fctx.values[sv] = oi
             continue
         if outer.lod_depth or sv.lod_depth:
-            if oi.kind != "ragged" or not top or outer.lod_depth != 1:
+            if top and oi.kind == "ragged" and outer.lod_depth == 1:  # rows of sequence order[b]
+                level, data = oi.levels[0], oi.data.ident
+                starts, stops = f"{level}[order[b]]", f"{level}[order[b] + 1]"
+            elif not top and oi.kind == "rows" and oi.ident in module.gargs and not ragged:
+                # the enclosing step's static input: sequence b is its row order[b]
+                level, data = oi.segment.level, oi.ident
+                starts, stops = module.fresh("ms_in"), module.fresh("me_in")
+                params += [starts, stops]
+                starts, stops = f"{starts}[order[b]]", f"{stops}[order[b]]"
+            else:
                 raise UnsupportedError(
-                    f"numba backend: ragged static input {outer.name} of a nested step-net "
-                    "(use backend='interpreter')")
-            level = oi.levels[0]
+                    f"numba backend: ragged static input {outer.name} of a nested step-net that "
+                    "is not the enclosing one's, or with a ragged memory (use backend='interpreter')")
             ms, me = module.fresh("ms"), module.fresh("me")
             setup += [f"{ms} = np.empty(num_seq, np.int64)", f"{me} = np.empty(num_seq, np.int64)"]
-            setup += _nest(["for b in range(num_seq):"], [f"{ms}[b] = {level}[order[b]]",
-                                                          f"{me}[b] = {level}[order[b] + 1]"])
+            setup += _nest(["for b in range(num_seq):"], [f"{ms}[b] = {starts}", f"{me}[b] = {stops}"])
             segment = _Segment(ms, me, level)
-            fctx.values[sv] = _Info("rows", oi.data.ident, sv, width=_width(sv), segment=segment)
+            fctx.values[sv] = _Info("rows", data, sv, width=_width(sv), segment=segment)
             fctx.fn.segments[sv] = segment
             continue
         p = module.fresh("s_in")
@@ -515,6 +525,10 @@ def _function_setup(fctx, eqn, params, top):
         fctx.values[sv] = _Info("local", ident, sv, width=_width(sv))
     for k, i in ragged.items():
         _ragged_memory(fctx, body.memories[k], inits[k], body.static_inputs[i])
+    if not top and fctx.fn.segments and any(o.lod_depth for o in body.outputs):
+        raise UnsupportedError(f"numba backend: nested step-net {eqn.attrs['name']} gives a ragged "
+                               "value over its static input to the enclosing step (use "
+                               "backend='interpreter')")
     return setup
 
 
