@@ -367,7 +367,7 @@ def _join_outputs(obj, kind, parts):
     (``h_n``, ``c_n``: ``[num_layers * num_directions, B, H]``, as a YAML
     model's ``layer.last``) join along their batch axis, 1."""
     if kind == "model":
-        return {name: _join([p[name] for p in parts], obj.batch_axis(name)) for name in parts[0]}
+        return {name: _join([p[name] for p in parts], obj._batch_axis(name)) for name in parts[0]}
     if kind != "layer":
         return _join(parts)
     return LoDTensor.concat([p[0] for p in parts]), _join([p[1] for p in parts], axis=1)

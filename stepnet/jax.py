@@ -278,7 +278,7 @@ class Function:
             slots.append(("h0", "array", jax.numpy.asarray(hx), None))
         states = [(name, a) for name, kind, a, _ in slots if kind == "array"]
         for (name, a), width in zip(states, self.net.state_widths()):  # (with the caller's B)
-            self.net.check_state_shape(a.shape, width, name, x.shape[0])
+            self.net._check_state_shape(a.shape, width, name, x.shape[0])
         return slots
 
     def _step_net_slots(self, inputs):

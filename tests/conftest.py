@@ -17,8 +17,14 @@ os.environ["STEPNET_TIERED"] = "0"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 import stepnet as sn  # noqa: E402
+
+# No time limit on a hypothesis example: a test here asserts results, never
+# speed, and a shared or slow machine takes any time (benchmarks/ measures it)
+settings.register_profile("stepnet", deadline=None)
+settings.load_profile("stepnet")
 
 TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12, np.dtype(np.float16): 1e-3}
 

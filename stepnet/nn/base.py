@@ -590,10 +590,10 @@ class _RecurrentLayer(_Layouts):
         if value is None:
             return None
         value = host_array(value)  # (one on the GPU is copied: a row per sequence)
-        self.check_state_shape(value.shape, width, what, batch)
+        self._check_state_shape(value.shape, width, what, batch)
         return np.ascontiguousarray(value, self.dtype)
 
-    def check_state_shape(self, shape, width, what, batch):
+    def _check_state_shape(self, shape, width, what, batch):
         """Refuse an initial state ``what`` of ``shape`` for ``batch``
         sequences and a state of ``width`` (a ShapeError naming both)."""
         expected = (self.num_layers * self.num_directions, batch, width)

@@ -161,7 +161,7 @@ class Model:
         return (f"<stepnet.yaml.Model {self.name!r}: inputs {list(self.inputs)}, "
                 f"nets {list(self.nets)}, outputs {self.outputs}>")
 
-    def batch_axis(self, name) -> int:
+    def _batch_axis(self, name) -> int:
         """The batch axis of output ``name``: 1 for a layer's final states
         (``layer.last``: ``[num_layers * num_directions, B, H]``), else 0."""
         source = self._output_sources[name]
