@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from . import ir
+from . import ir, sizes
 from .errors import LoDError, ShapeError, StepNetError
 from .lod import LoDTensor, host_array
 from .tracing import Parameter, compute_dtype
@@ -106,6 +106,8 @@ def bind_static(name, b, v, num_seq):
             f"static input {name}: has {rows} rows but the step inputs have {num_seq} sequences"
         )
     compute_dtype(v.dtype, f"static input {name}")
+    if v.dtype != b.var.dtype:
+        sizes.check_large(f"static input {name} in {b.var.dtype}", v.shape, b.var.dtype)
     return v.astype(b.var.dtype) if v.dtype != b.var.dtype else v
 
 
@@ -132,6 +134,7 @@ def bind_init(name, b, v, num_seq, rebound, sequence_input):
         )
     if v.dtype.kind not in "iubf":
         raise ShapeError(f"memory {name}: init dtype {v.dtype} is not numeric")
+    sizes.check_large(f"memory {name}'s initial value", (num_seq,) + shape, b.var.dtype)
     if full is None:
         full = np.empty((num_seq,) + shape, b.var.dtype)
         full[...] = v

@@ -33,6 +33,7 @@ import operator
 import numpy as np
 
 from stepnet.errors import LoDError
+from stepnet.sizes import check_large
 
 __all__ = [
     "LoDTensor",
@@ -622,8 +623,16 @@ class LoDTensor:
         LoDTensor
             A new tensor with the same LoD, whose data is a cast copy (a copy
             even when the dtype already is ``dtype``).
+
+        Raises
+        ------
+        SizeError
+            The copy would not fit (data broadcast over many rows is made
+            whole by it).
         """
-        return LoDTensor(self._rows("astype").astype(dtype), self._levels)
+        rows = self._rows("astype")
+        check_large("LoDTensor.astype: the cast copy", rows.shape, dtype)
+        return LoDTensor(rows.astype(dtype), self._levels)
 
     def to_padded(self, pad_value=0, steps=None):
         """Pad the sequences of the last level into ``[B, T, ...]``.

@@ -154,6 +154,25 @@ def test_a_call_whose_outputs_cannot_fit_is_refused_before_they_are_made(backend
     assert out.data.shape == (100, 128)
 
 
+def test_copies_a_call_makes_of_its_inputs_are_refused_before_they_are_made():
+    """A broadcast input cast to the net's dtype, and a memory's initial
+    value made whole, are copies as large as the LoD or the shape says."""
+    rows = 3_000_000_000
+    wide = sn.LoDTensor(np.broadcast_to(np.zeros((1, 3), np.float64), (rows, 3)), [[0, rows]])
+    with pytest.raises(sn.SizeError, match=r"^LoDTensor.astype: the cast copy \[3000000000, 3\] "
+                                           r"float32 needs 34 GiB"):
+        sn.nn.GRU(3, 4, seed=0)(wide, backend="interpreter")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        rnn.add_input(sn.LoDTensor(np.zeros((2, 1), np.float32), [[0, 1, 2]]), name="X")
+        h = rnn.add_memory(shape=[rows], name="h")
+        h.update(h.pre_state() * 2.0)
+        rnn.add_outputs(h)
+    with sn.config(max_memory="1GiB"), pytest.raises(
+            sn.SizeError, match=r"^memory h's initial value \[2, 3000000000\] float32 needs 22 GiB"):
+        rnn(backend="interpreter", output_all_steps=False)
+
+
 def test_a_training_call_whose_workspace_cannot_fit_is_refused_before_it_runs():
     """The values a training call keeps for its backward count with its
     outputs: 20000 steps of a GRU of 128 units give 10 MiB of outputs (it
