@@ -179,6 +179,11 @@ class CompiledStepNet:
         self._gradient_runs = {}  # ("forward", flags) / ("backward", flags, present) -> runs
         self._outputs = {}  # (output flags, with the workspace) -> _Outputs
 
+    def __reduce__(self):
+        # (pickled and copied as its step-net and backend: another process,
+        # or the copy, compiles its own runs)
+        return compiled, (self.rnn, self.backend)
+
     def _runner(self, all_steps):
         flags = self.kernel_flags(all_steps)
         if flags not in self._runs:

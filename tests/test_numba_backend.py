@@ -554,3 +554,20 @@ def test_stepnet_loops_are_vectorized_with_the_widest_vectors(rng):
     assert attribute in own.inspect_llvm(own.signatures[0])
     source = small_gru(rng, [[3, 2]]).compile("numba").source
     assert source.count("    wide_vectors()\n") == source.count("@njit")
+
+
+def test_a_compiled_step_net_pickles_and_copies_as_its_step_net(rng):
+    """``rnn.compile(backend)`` goes to another process (or a copy) as its
+    step-net and backend: the copy compiles its own runs, and its weights
+    are its own."""
+    import copy
+    import pickle
+
+    rnn = small_gru(rng, [[3, 1]])
+    f = rnn.compile("numba")
+    expected = f()
+    for other in (pickle.loads(pickle.dumps(f)), copy.deepcopy(f)):
+        assert other.backend == "numba" and other.rnn is not rnn
+        assert_close(other(), expected)
+        other.rnn.parameters()[0].value[...] = 0.0  # (the copy's own weights)
+    assert_close(f(), expected)
