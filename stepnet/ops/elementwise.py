@@ -550,8 +550,8 @@ def _where_rule(operands):
         raise ShapeError(f"where: the condition must be a boolean step value, got {shape_str(cond)}")
     if isinstance(a, Literal) and isinstance(b, Literal):
         raise ShapeError(f"where: both branches are numbers ({a.value!r}, {b.value!r}), which "
-                         "take their dtype from an array operand; make one a step value (such as "
-                         f"x * 0 + {a.value!r}) or, in Python, np.float32({a.value!r})")
+                         "take their dtype from an array operand; make one a parameter or step "
+                         f"value of the dtype wanted (in Python, np.float32({a.value!r}) will do)")
     return Aval(broadcast("where", operands), result_dtype([a, b]))
 
 

@@ -204,7 +204,7 @@ def sum(x, axis=-1, keepdims=False):
     Raises
     ------
     ShapeError
-        ``axis`` is out of range or the batch axis.
+        ``axis`` is not an integer, out of range or the batch axis.
     """
     return bind("sum", [x], axis=_int(axis, "axis", "sum"), keepdims=bool(keepdims))
 
@@ -285,7 +285,7 @@ def concat(values, axis=-1):
     ------
     ShapeError
         No operand, a scalar operand, shapes that differ off ``axis``, or
-        ``axis`` out of range or the batch axis.
+        ``axis`` not an integer, out of range or the batch axis.
     """
     return bind("concat", list(values), axis=_int(axis, "axis", "concat"))
 
@@ -354,7 +354,7 @@ def slice(x, start, stop, axis=-1):
     Raises
     ------
     ShapeError
-        ``axis`` is out of range or the batch axis.
+        ``axis`` is not an integer, out of range or the batch axis.
     """
     axis = _int(axis, "axis", "slice")
     start, stop = (None if v is None else _int(v, what, "slice")  # (None: as a Python slice's)
@@ -479,7 +479,8 @@ def broadcast_axis(x, axis, size, insert=True):
     Raises
     ------
     ShapeError
-        ``size`` is negative, or ``axis`` is out of range (or not of size 1).
+        ``size`` is negative, or ``axis`` is out of range (or not of size 1); one
+        of them is not an integer.
     """
     return bind("broadcast_axis", [x], axis=_int(axis, "axis", "broadcast_axis"),
                 size=_int(size, "size", "broadcast_axis"), insert=bool(insert))
@@ -548,7 +549,8 @@ def pad(x, before, after, axis=-1):
     Raises
     ------
     ShapeError
-        A negative width, or ``axis`` out of range or the batch axis.
+        A negative width, or ``axis`` out of range or the batch axis; one of
+        them not an integer.
     """
     return bind("pad", [x], axis=_int(axis, "axis", "pad"), before=_int(before, "before", "pad"),
                 after=_int(after, "after", "pad"))
