@@ -141,9 +141,9 @@ def _ours(path) -> bool:
 
 
 def _tolerant(method, miss):
-    """``method`` of Numba's cache (file), with any failure to read a file
-    under stepnet's cache directory (a corrupted or half-written index or
-    data file) taken as a cache miss: Numba then compiles and writes it anew."""
+    """``method`` of Numba's cache or cache file, with any failure to read a
+    file under stepnet's cache directory (a corrupted or half-written index
+    or data file) taken as a cache miss: Numba then compiles and writes it anew."""
 
     @functools.wraps(method)
     def read(self, *args):
