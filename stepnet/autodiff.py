@@ -542,7 +542,10 @@ def _split_after_loop(eqns, outputs, all_steps, memories):
     need |= {id(v) for v, flag in zip(outputs, all_steps) if not flag}
     loop = set()
     for e in reversed(eqns):
-        if e.op == "rnn" or any(id(o) in need for o in e.outputs):
+        # (an op reading a ragged value stays in the loop: its rows are the
+        # step's memory rows, and the work after it reads what it gives)
+        ragged = any(isinstance(v, Var) and v.lod_depth for v in e.inputs)
+        if e.op == "rnn" or ragged or any(id(o) in need for o in e.outputs):
             loop.add(id(e))
             need.update(id(v) for v in e.inputs if isinstance(v, Var))
     post = [e for e in eqns if id(e) not in loop]

@@ -639,6 +639,10 @@ class RNNOp:
         args = []
         for name, b in self.bindings.items():
             v = values[name]
+            if b.kind == "sequence" and v.dtype != b.var.dtype and v.on_device:
+                raise ShapeError(f"input {name}: {v.dtype} rows on the GPU, computed in "
+                                 f"{b.var.dtype}: give them in {b.var.dtype} on the device, or "
+                                 "on the host (where they are cast)")
             if b.kind == "sequence":
                 args.append(v.astype(b.var.dtype) if v.dtype != b.var.dtype else v)
             elif b.kind == "static":

@@ -162,6 +162,19 @@ def iter_eqns(block: Block):
             yield from iter_eqns(eqn.attrs["body"])
 
 
+def ragged_steps_read(block: Block) -> list:
+    """The step inputs of ``block`` and of the blocks nested in it that are
+    ragged in their step (an input of two LoD levels or more) and read by an
+    op other than a nested rnn: the interpreter's only."""
+    found = []
+    for body in [block] + [e.attrs["body"] for e in iter_eqns(block) if e.op == "rnn"]:
+        ragged = {id(v) for v in body.step_inputs if v.lod_depth}
+        for e in body.eqns:
+            seqs = rnn_parts(e)[0] if e.op == "rnn" else ()
+            found += [v for v in e.inputs[len(seqs):] if id(v) in ragged and v not in found]
+    return found
+
+
 def memory_dependent(block: Block) -> set:
     """The vars of ``block`` whose value depends on a memory's previous state.
 

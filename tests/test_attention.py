@@ -172,6 +172,50 @@ def _weights_net(rng, X, M, reverse=False):
     return rnn, W
 
 
+def test_gradients_of_a_decoder_with_projected_input_and_context(rng):
+    """``tanh(x @ W + attention(h, M) @ Wc)``: the context's product's weight
+    gradient runs after the time loop from the context itself, a dense value,
+    on every backend (the memory rows it is summed from stay in the loop)."""
+    X = _memory(rng, [2, 1, 3], 2).astype(np.float64)
+    M = _memory(rng, [1, 2, 2], 2).astype(np.float64)
+    W, Wc = (sn.Parameter(rng.standard_normal((2, 2)), name=n) for n in ("W", "Wc"))
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        mem = rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[2], name="h", dtype=np.float64)
+        h.update(sn.ops.tanh(x @ W + sn.ops.attention(h.pre_state(), mem) @ Wc))
+        rnn.add_outputs(h)
+    G = rng.standard_normal((6, 2))
+    expected = sn.gradients(rnn, wrt=[W, Wc, "X", "M"], grad_outputs=[G], backend="interpreter")
+    step = 1e-6  # (and the interpreter's against finite differences)
+    loss = lambda: float((rnn(backend="interpreter").data * G).sum())  # noqa: E731
+    Wc.value[0, 1] += step
+    up = loss()
+    Wc.value[0, 1] -= 2 * step
+    down = loss()
+    Wc.value[0, 1] += step
+    assert np.isclose((up - down) / (2 * step), expected[1][0, 1], rtol=1e-5)
+    for backend in default_backends(rnn):
+        got = sn.gradients(rnn, wrt=[W, Wc, "X", "M"], grad_outputs=[G], backend=backend)
+        assert_close(got, expected, what=backend)
+
+
+def test_a_step_value_with_lod_levels_of_its_own_read_by_an_op_is_refused_by_name(rng):
+    """A step input of two levels gives each step a sequence: nested nets read
+    it on the compiled backends; another op, on the interpreter only."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 2)).astype(np.float32), [[2, 1], [1, 2, 2]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        rnn.add_outputs(sn.ops.seq_sum(x))
+    assert rnn(backend="interpreter").data.shape == (3, 2)
+    for backend in default_backends(rnn):
+        with pytest.raises(sn.UnsupportedError, match=f"{backend} backend: step value .* has LoD "
+                                                       "levels of its own"):
+            rnn(backend=backend)
+
+
 def test_attention_weights_of_every_step_as_an_output(rng):
     """A ragged all-steps output: (sequence, step, that sequence's memory rows)."""
     M = _memory(rng, [3, 6, 0], 8)
@@ -209,6 +253,12 @@ def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
             got = rnn(backend=backend, output_all_steps=False, X=X.to_device(), M=M.to_device())[1]
             assert got.on_device
             assert_close(got.to_host(), expected[1], what=f"{backend}, on the device")
+    none = sn.LoDTensor.from_lengths(np.zeros((0, 4), np.float32), [[0, 0, 0]])  # (no step)
+    for backend in default_backends(rnn):
+        for flags in (True, False):
+            got, want = rnn(backend=backend, X=none, output_all_steps=flags)[1], \
+                rnn(backend="interpreter", X=none, output_all_steps=flags)[1]
+            assert got.lod == want.lod and got.data.shape == want.data.shape, (backend, flags)
     for backend in available_backends():
         got = sn.gradients(rnn, wrt=[W], grad_outputs=[G, None], output_all_steps=False,
                            backend=backend)
@@ -274,9 +324,9 @@ def test_special_values_behave_as_on_the_interpreter():
     """NaN and inf in the memory go through seq_sum, seq_max, seq_expand and
     seq_softmax on numba as on the interpreter (NaN wins a maximum)."""
     values = np.array([[np.nan, 1.0], [2.0, np.inf], [-np.inf, 3.0], [0.5, -1.0], [np.inf, -np.inf],
-                       [4.0, 5.0]], np.float32)
-    M = sn.LoDTensor.from_lengths(values, [[2, 1, 3]])
-    X = sn.LoDTensor.from_lengths(np.ones((3, 2), np.float32), [[1, 1, 1]])
+                       [4.0, 5.0], [0.0, -0.0], [-0.0, -0.0]], np.float32)
+    M = sn.LoDTensor.from_lengths(values, [[2, 1, 3, 2]])  # (0.0 and -0.0 tie in a maximum)
+    X = sn.LoDTensor.from_lengths(np.ones((4, 2), np.float32), [[1, 1, 1, 1]])
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x = rnn.add_input(X, name="X")
@@ -289,6 +339,8 @@ def test_special_values_behave_as_on_the_interpreter():
         for actual, want in zip(rnn(backend=backend), expected):
             np.testing.assert_allclose(_data(actual), _data(want), rtol=1e-6,  # NaN, inf: equal
                                        err_msg=backend)
+        maximum = _data(rnn(backend=backend)[1])
+        np.testing.assert_array_equal(np.signbit(maximum[3]), np.signbit(_data(expected[1])[3]))
 
 
 def test_the_example_of_docs_attention_md_runs():

@@ -430,6 +430,9 @@ def test_device_inputs_with_no_steps_and_refusals():
     strided = sn.LoDTensor(cuda.to_device(np.ones((3, 6), np.float32))[:, ::2], [[0, 1, 3]])
     with pytest.raises(sn.ShapeError, match="input x: its rows on the GPU are not C-contiguous"):
         rnn(backend="cuda", x=strided)
+    half = sn.LoDTensor.from_lengths(np.ones((3, 3), np.float16), [[1, 2]]).to_device()
+    with pytest.raises(sn.ShapeError, match="input x: float16 rows on the GPU, computed in float32"):
+        rnn(backend="cuda", x=half)
 
 
 @pytest.mark.parametrize("layer", [

@@ -68,6 +68,10 @@ for _option in LLVM_VECTORIZER_OPTIONS:
 
 def generate_source(program: ir.Program):
     """The generated module's source and a _Layout of its program() function."""
+    for v in ir.ragged_steps_read(program.eqn.attrs["body"])[:1]:
+        raise UnsupportedError(f"numba backend: step value {v.name} has LoD levels of its own "
+                               "(a step input of two levels or more), and an op reads it; only a "
+                               "nested step-net does here (use backend='interpreter')")
     sched = schedule.schedule(program)
     module, values = _Module(), {}
     module.plan = kernel_plan(program, sched)

@@ -680,8 +680,9 @@ def _no_steps(eqn, body, initial, seq_args, num_seq, ragged_args):
             results.append(LoDTensor(np.full(np.shape(like.data), initial(inits[mi]), out.dtype),
                                      like.levels))
             continue
-        if all_steps:
-            results.append(LoDTensor(np.zeros((0,) + shape, out.dtype), [seq_args[0].levels[0]]))
+        if all_steps:  # (a ragged one: no step's rows either)
+            results.append(LoDTensor(np.zeros((0,) + shape, out.dtype),
+                                     [seq_args[0].levels[0]] + [[0]] * out.lod_depth))
             continue
         mi = eqn.attrs["output_memory"][k]
         start = (np.broadcast_to(np.asarray(initial(inits[mi]), out.dtype), (num_seq,) + shape)

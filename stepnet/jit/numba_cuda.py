@@ -129,6 +129,10 @@ class _Kernels:
             if e.op != "rnn" and registry.get(e.op).kind == "quantized":
                 raise UnsupportedError(f"cuda backend: {e.op} (a quantized product) runs on the "
                                        "CPU backends only; run the float model on the GPU")
+        for v in ir.ragged_steps_read(body)[:1]:
+            raise UnsupportedError(f"cuda backend: step value {v.name} has LoD levels of its own "
+                                   "(a step input of two levels or more), and an op reads it; only "
+                                   "a nested step-net does here; it runs on the interpreter")
         for v in ir.rnn_parts(eqn)[1]:
             if v.lod_depth > 1:
                 raise UnsupportedError(f"cuda backend: static input {v.name} is a LoDTensor of "

@@ -84,7 +84,8 @@ def _seq_max_grad(em, e, g):
 
 @register("seq_max", _segment_rule("seq_max"), _segment_reduce(np.maximum, -np.inf), "segment", 1,
           grad=_seq_max_grad, onnx=None, takes_lod=True,
-          segment=("({acc} if {acc} >= {x} or {acc} != {acc} else {x})", -np.inf))  # NaN wins
+          segment=("({acc} if {acc} > {x} or {acc} != {acc} else {x})", -np.inf))  # NaN wins;
+# (a tie goes to the later row, as np.maximum gives its second operand: 0.0 then -0.0 is -0.0)
 def seq_max(x):
     """Each batch row's maximum over its own rows of the ragged value ``x``
     (``[B, ...]``; -inf for a row with none).
