@@ -18,7 +18,7 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, available_backends
 
 import nn_reference as ref
 import stepnet as sn
@@ -643,6 +643,16 @@ def test_augru_output_width_and_dtype(rng):
     Y, h_n, _ = run_reference_case(rng, "AUGRU", {}, 1, np.float32, [2, 3], with_state=False)
     assert Y.data.shape == (5, 6) and Y.data.dtype == np.float32
     assert h_n.shape == (1, 2, 6)
+
+
+@pytest.mark.parametrize("lengths", [[0, 0], []], ids=["no-steps", "no-sequences"])
+def test_augru_of_no_token(lengths):
+    layer = sn.nn.AUGRU(3, 4, seed=0)
+    X = sn.LoDTensor.from_lengths(np.zeros((0, 3), np.float32), [lengths])
+    scores = sn.LoDTensor.from_lengths(np.zeros((0, 1), np.float32), [lengths])
+    for backend in ["interpreter"] + available_backends():
+        Y, h_n = layer(X, scores, backend=backend)
+        assert Y.lod == X.lod and h_n.shape == (1, len(lengths), 4) and not h_n.any()
 
 
 def test_augru_with_zero_attention_is_the_gru(rng):

@@ -325,7 +325,7 @@ class AUGRU(GRU):
         if A.num_levels != 1 or not np.array_equal(A.levels[0], flat.levels[0]):
             raise ShapeError(f"AUGRU: attention has LoD {attention.lod}, the input has "
                              f"{X.lod if isinstance(X, LoDTensor) else flat.lod}; they must match")
-        data = A.data.reshape(len(A.data), -1)
+        data = A.data.reshape(len(A.data), int(np.prod(A.data.shape[1:], dtype=np.int64)))
         if data.shape[1] != 1:
             raise ShapeError(f"AUGRU: attention must hold one score per token, got feature "
                              f"shape {list(A.data.shape[1:])}")
