@@ -167,6 +167,24 @@ def test_a_plan_with_a_node_it_does_not_lower_runs_its_nodes(rng):
     _close(got, np.sqrt(e / e.sum(axis=1, keepdims=True)))
 
 
+def test_a_shape_fed_at_each_call_keeps_its_reshape_out_of_the_compiled_call(rng):
+    """A Reshape whose target shape is an input of any length (not part of a
+    run's key) is computed from each call's value: never compiled in."""
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Tanh", ["r"], ["y"])],
+        "reshape", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12]),
+                    helper.make_tensor_value_info("shape", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = InferenceSession(model)
+    x = rng.standard_normal((2, 12)).astype(np.float32)
+    for shape in [[4, 6]] * 12 + [[6, 4]] * 3:
+        (got,) = session.run(None, {"x": x, "shape": np.array(shape)})
+        _close(got, np.tanh(x.reshape(shape)))
+    assert not _graph_nodes(session)
+
+
 def test_deterministic_runs_are_never_compiled_into_one_call(rng, monkeypatch):
     from stepnet.jit import blas
 
@@ -193,8 +211,8 @@ def _model(nodes, inits, x_shape, **outputs):
 @pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
 def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
     """Pad, a 1-D Conv with padding and a stride, MatMul of a 3-D value,
-    ReduceSum and ReduceMean over inner axes, Concat, Flatten and a float Cast
-    in one call: as node by node."""
+    ReduceSum and ReduceMean over inner axes, Concat, Flatten, a float Cast
+    and Erf (math's) in one call: as node by node."""
     inits = [numpy_helper.from_array(np.array([0, 0, 2, 0, 0, 3], np.int64), "pads"),
              numpy_helper.from_array(np.array(np.nan, np.float32), "fill"),
              numpy_helper.from_array(rng.standard_normal((5, 4, 3)).astype(np.float32), "w"),
@@ -210,7 +228,8 @@ def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
              helper.make_node("Concat", ["s", "mm"], ["j"], axis=1),
              helper.make_node("Flatten", ["j"], ["f"], axis=1),
              helper.make_node("Cast", ["r"], ["y2"], to=TensorProto.DOUBLE),
-             helper.make_node("Relu", ["f"], ["y"])]
+             helper.make_node("Erf", ["f"], ["e"]),
+             helper.make_node("Relu", ["e"], ["y"])]
     model = _model(nodes, inits, ["B", 4, 7], y=TensorProto.FLOAT, y2=TensorProto.DOUBLE)
     x = rng.standard_normal((3, 4, 7)).astype(np.float32)
     session = InferenceSession(model)

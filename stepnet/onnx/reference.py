@@ -14,8 +14,9 @@ for an opset the nearest one that means the same is used:
   with ``training_mode`` 0 (the reference's 9 takes a training path);
 - ``GlobalLpPool``, ``MaxRoiPool`` and ``Multinomial`` have none, and its
   ``LRN`` and its ``LogSoftmax`` and ``Hardmax`` before 13 (which read the
-  input as 2-D at ``axis``) mean something else: they are written below in
-  NumPy.
+  input as 2-D at ``axis``) mean something else, and its ``LogSoftmax`` from
+  13 gives -inf for a row whose values span more than a float's exponent:
+  they are written below in NumPy.
 """
 
 from __future__ import annotations
@@ -229,9 +230,19 @@ def _on_2d(fn):
     return lambda x, axis=1: (rows_at(fn, x, axis),)
 
 
+def _log_softmax(x, axis=-1):
+    """LogSoftmax over ``axis``, shifted by the maximum: a row whose values
+    span more than a float's exponent keeps its finite values (the
+    reference takes the log of a softmax that underflows to 0)."""
+    x = np.asarray(x)
+    if x.size == 0:
+        return (x.copy(),)
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return (shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True)),)
+
+
 def _log_softmax_rows(x):
-    shifted = x - np.max(x, axis=1, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=1, keepdims=True))
+    return _log_softmax(x, axis=1)[0]
 
 
 def _hardmax_rows(x):
@@ -254,6 +265,6 @@ def _lrn(x, size, alpha=1e-4, beta=0.75, bias=1.0):
 
 
 _NUMPY = {"GlobalLpPool": _global_lp_pool, "MaxRoiPool": _max_roi_pool,
-          "Multinomial": _multinomial, "LRN": _lrn,
+          "Multinomial": _multinomial, "LRN": _lrn, "LogSoftmax": _log_softmax,
           **{("LogSoftmax", v): _on_2d(_log_softmax_rows) for v in range(1, 13)},
           **{("Hardmax", v): _on_2d(_hardmax_rows) for v in range(1, 13)}}
