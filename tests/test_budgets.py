@@ -28,7 +28,7 @@ CPU_ENGINE_NOW = 7404  # (+68: bf16 products by vdpbf16ps; +20: quantized input 
                        # +8: the prepared call checks its offsets and states before its kernel reads by them;
                        # +5: threads of one process loading one new kernel take turns;
                        # +3: no library product is called with a leading dimension of 0;
-                       # -30: a ragged last-step output computed for every step by CompiledStepNet;
+                       # -36: a ragged last-step output computed for every step by CompiledStepNet;
                        # +3: a cached .nbc whose LLVM bitcode is damaged is a cache miss;
                        # +14: a nested net reads its enclosing net's ragged static input;
                        # +4: a step value with LoD levels of its own read by an op refused by name;
