@@ -171,6 +171,15 @@ def test_copies_a_call_makes_of_its_inputs_are_refused_before_they_are_made():
     with sn.config(max_memory="1GiB"), pytest.raises(
             sn.SizeError, match=r"^memory h's initial value \[2, 3000000000\] float32 needs 22 GiB"):
         rnn(backend="interpreter", output_all_steps=False)
+    rnn = sn.create_rnn_op()  # (last steps only: the kernel's contiguous copy of the rows)
+    with rnn.stepnet():
+        x = rnn.add_input(_broadcast_lod(2), name="X")
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(h.pre_state() + x)
+        rnn.add_outputs(h)
+    if "numba" in sn.backends():
+        with pytest.raises(sn.SizeError, match=r"^an input's rows made contiguous \[3000000000, 3\]"):
+            rnn(X=_broadcast_lod(rows), backend="numba", output_all_steps=False)
 
 
 def test_a_training_call_whose_workspace_cannot_fit_is_refused_before_it_runs():

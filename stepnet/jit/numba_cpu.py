@@ -15,7 +15,7 @@ import sys
 import numba
 import numpy as np
 
-from .. import ir
+from .. import ir, sizes
 from ..config import config
 from ..errors import LoDError
 from ..lod import LoDTensor
@@ -323,7 +323,8 @@ def read_only(array):
         if not flags.writeable:
             return array
         view = array.view()
-    else:
+    else:  # (a broadcast row made whole: sized first)
+        sizes.check_large("an input's rows made contiguous", array.shape, array.dtype)
         view = np.ascontiguousarray(array)
     view.flags.writeable = False
     return view
