@@ -76,10 +76,10 @@ def why_not(program: ir.Program, sched=None):
               *(o for e in body.eqns for o in e.outputs)]
     if any(v.lod_depth > 1 for v in values):
         return "a value of its step has more than one LoD level"
+    if ir.ragged_step_read(body) is not None:
+        return "a step input of more than one LoD level is read by another op than a nested rnn"
     for e in body.eqns:
         inner = ir.rnn_parts(e)[0] if e.op == "rnn" else ()
-        if set(e.inputs[len(inner):]) & deep:
-            return "a step input of more than one LoD level is read by another op than a nested rnn"
         if inner and any(e.attrs["all_steps"]):
             return f"its nested rnn {e.attrs['name']} gives every step (a ragged value)"
         why = why_not(_nested_program(e), sched.nested[e]) if inner else None

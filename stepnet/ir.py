@@ -162,17 +162,18 @@ def iter_eqns(block: Block):
             yield from iter_eqns(eqn.attrs["body"])
 
 
-def ragged_steps_read(block: Block) -> list:
-    """The step inputs of ``block`` and of the blocks nested in it that are
-    ragged in their step (an input of two LoD levels or more) and read by an
-    op other than a nested rnn: the interpreter's only."""
-    found = []
+def ragged_step_read(block: Block):
+    """A step input of ``block`` or of a block nested in it that is ragged in
+    its step (an input of two LoD levels or more) and read by an op other
+    than a nested rnn (the interpreter's only), or None."""
     for body in [block] + [e.attrs["body"] for e in iter_eqns(block) if e.op == "rnn"]:
         ragged = {id(v) for v in body.step_inputs if v.lod_depth}
         for e in body.eqns:
             seqs = rnn_parts(e)[0] if e.op == "rnn" else ()
-            found += [v for v in e.inputs[len(seqs):] if id(v) in ragged and v not in found]
-    return found
+            for v in e.inputs[len(seqs):]:
+                if id(v) in ragged:
+                    return v
+    return None
 
 
 def memory_dependent(block: Block) -> set:

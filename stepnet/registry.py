@@ -191,6 +191,13 @@ def shape_str(v) -> str:
     return v.type_str()
 
 
+def number_code(value) -> str:
+    """``value`` as Python code of a float in a generated kernel (inf and NaN
+    through ``float``, which Numba compiles on the CPU and the GPU)."""
+    value = float(value)
+    return repr(value) if np.isfinite(value) else f"float('{value!r}')"
+
+
 def result_dtype(operands) -> np.dtype:
     """NumPy promotion with Python scalars weak (NEP 50)."""
     dtypes = [np.dtype(v.dtype) for v in operands if not isinstance(v, Literal)]

@@ -68,8 +68,9 @@ for _option in LLVM_VECTORIZER_OPTIONS:
 
 def generate_source(program: ir.Program):
     """The generated module's source and a _Layout of its program() function."""
-    for v in ir.ragged_steps_read(program.eqn.attrs["body"])[:1]:
-        raise UnsupportedError(f"numba backend: step value {v.name} has LoD levels of its own "
+    read = ir.ragged_step_read(program.eqn.attrs["body"])
+    if read is not None:
+        raise UnsupportedError(f"numba backend: step value {read.name} has LoD levels of its own "
                                "(a step input of two levels or more), and an op reads it; only a "
                                "nested step-net does here (use backend='interpreter')")
     sched = schedule.schedule(program)

@@ -113,9 +113,7 @@ class _Module:
             if dtype.kind == "b":
                 self.module_consts.append(f"{name} = {bool(value)!r}")
             else:
-                number = float(value)
-                code = repr(number) if np.isfinite(number) else f"float('{number!r}')"
-                self.module_consts.append(f"{name} = np.{dtype.name}({code})")
+                self.module_consts.append(f"{name} = np.{dtype.name}({registry.number_code(value)})")
             self.literals[key] = name
         return self.literals[key]
 

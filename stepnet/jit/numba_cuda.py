@@ -113,9 +113,7 @@ def _dtype_name(dtype) -> str:
 
 def _number(dtype, value) -> str:
     """``value`` as a number of ``dtype`` in kernel code (inf and NaN too)."""
-    value = float(value)
-    code = repr(value) if np.isfinite(value) else f"float('{value!r}')"
-    return f"{_dtype_name(dtype)}({code})"
+    return f"{_dtype_name(dtype)}({registry.number_code(value)})"
 
 
 class _Kernels:
@@ -129,8 +127,9 @@ class _Kernels:
             if e.op != "rnn" and registry.get(e.op).kind == "quantized":
                 raise UnsupportedError(f"cuda backend: {e.op} (a quantized product) runs on the "
                                        "CPU backends only; run the float model on the GPU")
-        for v in ir.ragged_steps_read(body)[:1]:
-            raise UnsupportedError(f"cuda backend: step value {v.name} has LoD levels of its own "
+        read = ir.ragged_step_read(body)
+        if read is not None:
+            raise UnsupportedError(f"cuda backend: step value {read.name} has LoD levels of its own "
                                    "(a step input of two levels or more), and an op reads it; only "
                                    "a nested step-net does here; it runs on the interpreter")
         for v in ir.rnn_parts(eqn)[1]:
