@@ -299,7 +299,8 @@ def clip_grad_norm(grads, max_norm, norm_type=2.0):
     ------
     StepNetError
         ``max_norm`` is negative, ``norm_type`` is not positive, or a
-        gradient is not a float ndarray.
+        gradient is not a writable float ndarray (checked before any is
+        scaled).
     """
     max_norm = _nonnegative(max_norm, "clip_grad_norm: max_norm")
     norm_type = float(norm_type)
@@ -312,6 +313,8 @@ def clip_grad_norm(grads, max_norm, norm_type=2.0):
         if not isinstance(g, np.ndarray) or g.dtype.kind != "f":
             raise StepNetError(f"clip_grad_norm: gradient {i} is not a float ndarray "
                                f"(got {type(g).__name__}); it is scaled in place")
+        if not g.flags.writeable:
+            raise StepNetError(f"clip_grad_norm: gradient {i} is read-only; it is scaled in place")
     if not grads:
         return 0.0
     flat = [np.abs(g.astype(np.float64, copy=False)).ravel() for g in grads]

@@ -399,6 +399,19 @@ def test_from_torch_reads_every_gate_and_to_torch_gives_it_back(name, dtype):
         assert torch.equal(got[key], expected[key]), key
 
 
+def test_from_torch_refuses_modules_without_one_dtype_of_data_and_warns_of_dropout():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(sn.StepNetError, match="parameter weight_ih_l0 is torch.float32 on meta"):
+        nn().GRU.from_torch(torch.nn.GRU(4, 3, device="meta"))
+    mixed = torch.nn.GRU(4, 3)
+    mixed.weight_hh_l0.data = mixed.weight_hh_l0.data.double()
+    with pytest.raises(sn.StepNetError, match="parameter weight_hh_l0 is torch.float64"):
+        nn().GRU.from_torch(mixed)
+    with pytest.warns(UserWarning, match="leaves out the module's dropout=0.5"):
+        layer = nn().GRU.from_torch(torch.nn.GRU(4, 3, num_layers=2, dropout=0.5))
+    assert layer.num_layers == 2
+
+
 def test_to_torch_of_a_constructed_layer_runs_like_stepnet(rng):
     pytest.importorskip("torch")
     layer = nn().GRU(4, 6, num_layers=3, direction="bidirectional_concat",

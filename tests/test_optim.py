@@ -177,6 +177,11 @@ def test_clip_grad_norm_edge_cases():
         clip_grad_norm([g], 1.0, norm_type=0)
     with pytest.raises(sn.StepNetError, match="gradient 0 is not a float ndarray"):
         clip_grad_norm([[1.0, 2.0]], 1.0)
+    w, r = np.full(3, 10.0), np.full(3, 10.0)
+    r.flags.writeable = False
+    with pytest.raises(sn.StepNetError, match="gradient 1 is read-only"):
+        clip_grad_norm([w, r], 1.0)
+    np.testing.assert_array_equal(w, 10.0)  # refused before any was scaled
 
 
 def test_step_validates_count_and_shapes_naming_the_parameter():

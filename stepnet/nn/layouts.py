@@ -5,6 +5,8 @@ its cell's record (gates and their orders, ``cells.CELLS``)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..errors import ShapeError, StepNetError, UnsupportedError, optional_import
@@ -274,9 +276,16 @@ class _Layouts:
         Raises
         ------
         StepNetError
-            ``module`` is of another class, or of another dtype.
+            ``module`` is of another class, of another dtype, of parameters
+            of two dtypes, or on the ``meta`` device (no data).
         UnsupportedError
             PyTorch is not installed.
+
+        Warns
+        -----
+        UserWarning
+            ``module.dropout`` is not 0: stepnet's layers have no dropout
+            (they compute what the module computes in eval mode).
         """
         torch = _torch_of(cls, "from_torch")
         dequantized = _dequantized_torch(torch, module, cls.kind.torch)
@@ -291,6 +300,15 @@ class _Layouts:
         if dtype is None:
             raise StepNetError(f"{cls.__name__}.from_torch: dtype {first.dtype} is not "
                                f"float32 or float64")
+        for name, p in module.named_parameters():
+            if p.dtype != first.dtype or p.device.type == "meta":
+                raise StepNetError(f"{cls.__name__}.from_torch: parameter {name} is {p.dtype} on "
+                                   f"{p.device.type}; every parameter must hold data of one dtype "
+                                   f"({first.dtype}, as weight_ih_l0)")
+        if module.dropout:
+            warnings.warn(f"stepnet: {cls.__name__}.from_torch leaves out the module's dropout="
+                          f"{module.dropout}: stepnet's layers run as PyTorch's do in eval mode",
+                          stacklevel=2)
         kwargs = {
             "num_layers": module.num_layers,
             "direction": "bidirectional_concat" if module.bidirectional else "forward",
