@@ -35,8 +35,23 @@ def _describe(p, i):
     return f"parameter {i} ({p.name!r})" if p.name else f"parameter {i}"
 
 
+def _number(value, what):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise StepNetError(f"{what} must be a number, got {value!r}") from None
+
+
+def _count(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StepNetError(f"{what} must be a whole number, got {value!r}")
+    if value < 0:
+        raise StepNetError(f"{what} must be >= 0, got {value}")
+    return int(value)
+
+
 def _nonnegative(value, what):
-    value = float(value)
+    value = _number(value, what)
     if not value >= 0.0:  # also refuses NaN
         raise StepNetError(f"{what} must be >= 0, got {value}")
     return value
@@ -186,7 +201,7 @@ class SGD(Optimizer):
     def __init__(self, params, lr, momentum=0.0, nesterov=False, weight_decay=0.0, dampening=0.0):
         super().__init__(params, lr)
         self.momentum = _nonnegative(momentum, "SGD: momentum")
-        self.dampening = float(dampening)
+        self.dampening = _number(dampening, "SGD: dampening")
         self.weight_decay = _nonnegative(weight_decay, "SGD: weight_decay")
         self.nesterov = bool(nesterov)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
@@ -242,7 +257,9 @@ class Adam(Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(params, lr)
-        betas = tuple(float(b) for b in betas)
+        if not isinstance(betas, (tuple, list)):
+            raise StepNetError(f"Adam: betas must be two numbers in [0, 1), got {betas!r}")
+        betas = tuple(_number(b, "Adam: betas") for b in betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise StepNetError(f"Adam: betas must be two numbers in [0, 1), got {betas}")
         self.betas = betas
@@ -303,7 +320,7 @@ def clip_grad_norm(grads, max_norm, norm_type=2.0):
         scaled).
     """
     max_norm = _nonnegative(max_norm, "clip_grad_norm: max_norm")
-    norm_type = float(norm_type)
+    norm_type = _number(norm_type, "clip_grad_norm: norm_type")
     if not norm_type > 0:
         raise StepNetError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
     if isinstance(grads, np.ndarray):
@@ -405,10 +422,8 @@ def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log
     >>> sn.optim.train(step_fn, opt, [None, None])
     [16.0, 4.0]
     """
-    if epochs < 0:
-        raise StepNetError(f"train: epochs must be >= 0, got {epochs}")
-    if log_every < 0:
-        raise StepNetError(f"train: log_every must be >= 0, got {log_every}")
+    epochs = _count(epochs, "train: epochs")
+    log_every = _count(log_every, "train: log_every")
     losses = []
     for epoch in range(epochs):
         for batch in _epoch_batches(batches, epoch, epochs):
@@ -417,7 +432,7 @@ def train(step_fn, optimizer, batches, epochs=1, log_every=0, callback=None, log
                 raise StepNetError("train: step_fn(batch) must return (loss, grads), got "
                                    f"{type(result).__name__}")
             loss, grads = result
-            loss = float(loss)
+            loss = _number(loss, "train: the loss step_fn(batch) returns")
             optimizer.step(grads)
             losses.append(loss)
             step = len(losses)

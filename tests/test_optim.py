@@ -222,6 +222,10 @@ def test_constructor_errors():
         Adam([p], betas=(0.9, 1.0))
     with pytest.raises(sn.StepNetError, match="eps must be >= 0"):
         Adam([p], eps=float("nan"))
+    with pytest.raises(sn.StepNetError, match="Adam: betas must be two numbers in .*got 0.9"):
+        Adam([p], betas=0.9)
+    with pytest.raises(sn.StepNetError, match="Adam: lr must be a number, got 'a'"):
+        Adam([p], lr="a")
     frozen = sn.Parameter(np.zeros(2, np.float32), name="frozen")
     frozen.value.flags.writeable = False
     with pytest.raises(sn.StepNetError, match=r"parameter 0 \('frozen'\)'s value is read-only"):
@@ -290,6 +294,10 @@ def test_train_errors():
         train(lambda b: 0.0, opt, [1])
     with pytest.raises(sn.StepNetError, match="got 2 gradients for 1 parameters"):
         train(lambda b: (0.0, [np.zeros(1), np.zeros(1)]), opt, [1])
+    with pytest.raises(sn.StepNetError, match="train: epochs must be a whole number, got 1.5"):
+        train(lambda b: (0.0, [np.zeros(1)]), opt, [1], epochs=1.5)
+    with pytest.raises(sn.StepNetError, match="the loss step_fn.batch. returns must be a number"):
+        train(lambda b: (np.zeros(2), [np.zeros(1)]), opt, [1])
     # a one-shot iterator is fine for a single epoch
     assert train(lambda b: (float(b), [np.zeros(1)]), opt, iter([1, 2])) == [1.0, 2.0]
 
