@@ -35,7 +35,7 @@ class Backend:
     name: str
     module: str
     compiles: bool  # runs code generated for the step-net (a first call may compile it)
-    tiers: bool  # a new kernel may answer on the interpreter while it compiles (``tiered()``)
+    tiers: bool  # a new kernel may answer on the first tier while it compiles (``tiered()``)
     releases_gil: bool  # two calls run at once on two threads (a layer's directions)
     host_code: bool  # machine code in this process, called directly by front ends (ONNX
     # streaming nodes and fused elementwise runs) and beside stepnet's host products
@@ -279,8 +279,9 @@ class CompiledStepNet:
 
     def ready(self) -> bool:
         """Whether every program compiled so far runs its compiled kernel (on
-        the Numba backend a new kernel answers on the interpreter while it
-        compiles; ``STEPNET_TIERED=0`` turns that off)."""
+        the Numba backend a new kernel answers on the first tier, the
+        executor or the interpreter, while it compiles; ``STEPNET_TIERED=0``
+        turns that off)."""
         return all(getattr(run, "ready", True) for run in self._all_runs())
 
     def wait(self, timeout=None) -> bool:
@@ -466,7 +467,7 @@ def _every_compiled():
 
 def kernels_ready() -> bool:
     """Whether every step-net compiled in this process runs its compiled
-    kernels (none is still answering on the interpreter tier)."""
+    kernels (none is still answering on the first tier)."""
     return all(entry.ready() for entry in _every_compiled())
 
 

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from . import ir, registry
-from .errors import StepNetError
+from .errors import LoDError, StepNetError
 from .lod import LoDTensor
 
 
@@ -49,7 +49,7 @@ def on_rows(eqn, args):
     offsets = np.asarray(ragged[0].levels[0])
     for a in ragged[1:]:
         if not np.array_equal(np.diff(a.levels[0]), np.diff(offsets)):
-            raise StepNetError(
+            raise LoDError(
                 f"{eqn.op} computing {eqn.outputs[0].name}: its ragged operands have different "
                 "LoD (static inputs of one step-net combined row by row must have the same lengths)"
             )

@@ -1,7 +1,7 @@
 """Kernels found, loaded and tiered (every backend, the ONNX fused loops): a
 kernel's key, its module loaded once per process from ``STEPNET_CACHE_DIR``,
-the mark that it is compiled, the compile worker, and the interpreter's tier
-while a new kernel compiles (:class:`TieredProgram`, ``sn.config.tiered``)."""
+the mark that it is compiled, the compile worker, and the first tier (the
+executor or the interpreter) while a new kernel compiles (:class:`TieredProgram`, ``sn.config.tiered``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def link_helpers(module) -> None:
     C entry for each dtype of its products (``blas.register_small_gemm``:
     compiled, or loaded from the disk cache, once per process). Before its
     program() is compiled or loaded, not when the module is loaded: a tiered
-    first call answers on the interpreter without waiting for that compile,
+    first call answers on the first tier without waiting for that compile,
     which the compile worker does (and caches) with the kernel's."""
     from . import blas  # (here: the CUDA backend loads its kernels without a CPU BLAS)
 
@@ -164,8 +164,8 @@ _PREPARED = set()  # (cache directory, dtype) whose weight gradients' product wa
 def prepare_weight_gradients(dtype) -> None:
     """Have the compile worker measure and compile the weight gradients'
     product for ``dtype`` (``transposed.prepare_transposed_products``), once per
-    cache directory: a backward's first calls, on the interpreter, sum its
-    weight gradients on NumPy; its first compiled call then finds the
+    cache directory: a backward's first calls, on the first tier, sum its
+    weight gradients without it; its first compiled call then finds the
     product in the disk cache, instead of compiling it (1-2 s) on the
     caller's thread."""
     from . import blas
@@ -183,7 +183,8 @@ def prepare_weight_gradients(dtype) -> None:
 
 
 def tiered() -> bool:
-    """Whether a new kernel answers on the interpreter while it compiles:
+    """Whether a new kernel answers on the first tier (``sn.config.first_tier``:
+    the executor or the interpreter) while it compiles:
     ``STEPNET_TIERED`` (``0`` waits for the compiled kernel; on by default).
     Never under ``STEPNET_DETERMINISTIC=1``, whose results must not depend on
     which tier ran."""

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from .. import sizes
-from ..config import config
 from ..backends import backend as backend_info, is_compiled
 from ..errors import Error, ShapeError, StepNetError
 from ..lod import LoDTensor
@@ -193,8 +192,9 @@ class Model:
             order: ``"compiling net 'encoder' (1/2)"`` before a call that
             compiles first (that net is not compiled yet in this process for
             this backend; the call then runs it; on a tiered Numba backend
-            ``"running on the executor while compiling ..."``, or the
-            interpreter's: ``sn.config.first_tier``), ``"running
+            ``"running on the first tier while compiling ..."``: the
+            executor, or the interpreter where the executor does not run the
+            net or ``sn.config.first_tier`` says so), ``"running
             net 'encoder' (1/2)"`` otherwise.
 
         Returns
@@ -222,7 +222,7 @@ class Model:
             backend_name = backend or default_backend()
             first_tier = "compiling"
             if answers_while_compiling(backend_name):  # a new kernel's first calls: the first tier
-                first_tier = f"running on the {config.first_tier} while compiling"
+                first_tier = "running on the first tier while compiling"  # (which: known after)
 
         def report(position, kind, name, compiled):
             if progress is not None:
