@@ -37,7 +37,7 @@ from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn.layers import LAYERS  # noqa: E402
-from .nn.step_cells import _refuse_cell  # noqa: E402
+from .nn.step_cells import _refuse_in_bridge  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
 __all__ = ["Function", "function"]
@@ -132,7 +132,7 @@ class Function:
     """
 
     def __init__(self, net, output_all_steps=True, *, backend=None):
-        _refuse_cell(net, "stepnet.jax.function")
+        _refuse_in_bridge(net, "stepnet.jax.function")
         if isinstance(net, dsl.RNNOp):
             if net.block is None:
                 raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")

@@ -122,7 +122,7 @@ def quantize_step_net(rnn, mode, required=True):
         if id(w) not in made:
             array = values[w]
             if mode == "int8":
-                wq, scale = q.int8_weights(array)
+                wq, scale = q.int8_weights(array, f"the weights {w.name} of step-net {rnn.name!r}")
                 arrays = [(f"{w.name}_int8", wq), (f"{w.name}_scale", scale)]
             else:
                 arrays = [(f"{w.name}_bf16", q.to_bf16(array))]
@@ -220,6 +220,9 @@ def _quantize_layer(layer, mode):
     state = copy.deepcopy({k: v for k, v in layer.__dict__.items() if k not in ("_nets", "_workspace")})
     out = object.__new__(type(layer))
     out.__setstate__(dict(state, _nets={}, _workspace=None, quantized=mode))
+    for index in range(out.num_layers):  # quantized now: bad weights are refused here
+        for d in range(out.num_directions):
+            out.step_net(index, d)
     return out
 
 

@@ -34,7 +34,7 @@ from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .nn.layers import LAYERS  # noqa: E402
-from .nn.step_cells import _refuse_cell  # noqa: E402
+from .nn.step_cells import _refuse_in_bridge  # noqa: E402
 from .torch_autograd import Bridge, LayerCall, StepNetCall, autograd_records  # noqa: E402
 from .torch_layouts import (  # noqa: E402
     NUMPY_DTYPES,
@@ -99,7 +99,7 @@ class Module(torch.nn.Module):
 
     def __new__(cls, net=None, *args, **kwargs):
         if cls is Module:
-            _refuse_cell(net, "stepnet.torch.Module")
+            _refuse_in_bridge(net, "stepnet.torch.Module")
             if isinstance(net, _LAYERS):
                 cls = LayerModule
             elif isinstance(net, dsl.RNNOp):
@@ -243,7 +243,7 @@ class LayerModule(Module):
     """
 
     def __init__(self, layer, *, batch_first=True, backend=None):
-        _refuse_cell(layer, "LayerModule")
+        _refuse_in_bridge(layer, "LayerModule")
         if not isinstance(layer, _LAYERS):
             raise StepNetError(f"LayerModule: expects a stepnet.nn layer, got {type(layer).__name__}")
         super().__init__(layer, batch_first=batch_first, backend=backend)

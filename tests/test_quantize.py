@@ -5,6 +5,8 @@ and step-nets on the Numba backend and the executor against the interpreter,
 and within int8's error of the float model; special values; bf16 rounding;
 what is refused, and where."""
 
+import importlib
+
 import numpy as np
 import pytest
 from conftest import assert_close
@@ -238,6 +240,26 @@ def test_a_quantized_model_keeps_the_weights_it_was_made_from():
             p.value *= 3
         np.testing.assert_array_equal(run(small), before)
     assert len(rnn.frame.state.consts) == consts
+    # a layer's weights are quantized by quantize itself, not at its first call
+    small = sn.quantize(gru, "int8")
+    for p in small.parameters():
+        p.value *= 3
+    np.testing.assert_array_equal(small(x, backend="interpreter")[0],
+                                  sn.quantize(gru, "int8")(x, backend="interpreter")[0])
+
+
+def test_quantize_names_weights_it_cannot_take_and_the_bridges_refuse_its_models():
+    gru = sn.nn.GRU(4, 3, num_layers=2, seed=0)
+    gru.parameters()[-1].value[0] = np.inf  # a bias: not quantized, allowed
+    gru.parameters()[16].value[0, 0] = np.nan  # l1_fwd_R_r
+    with pytest.raises(sn.ShapeError, match=r"the weights l1_fwd_\w+ of step-net 'gru_l1_fwd' hold NaN"):
+        sn.quantize(gru, "int8")
+    small = sn.quantize(sn.nn.GRU(4, 3, seed=0), "int8")
+    for bridge in ("torch", "jax"):
+        module = pytest.importorskip(bridge) and importlib.import_module(f"stepnet.{bridge}")
+        wrap = module.Module if bridge == "torch" else module.function
+        with pytest.raises(sn.UnsupportedError, match=r"GRU is quantized \(int8\): its weights are fixed"):
+            wrap(small)
 
 
 def test_cuda_refuses_quantized_products_before_running():

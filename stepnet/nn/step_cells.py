@@ -111,9 +111,16 @@ class _Cell:
         return module
 
 
-def _refuse_cell(net, where):
+def _refuse_in_bridge(net, where):
     """Raise a StepNetError if ``net`` is a cell: ``where`` (a wrapper that
-    runs a layer over sequences) cannot take one step of a recurrence."""
+    runs a layer over sequences) cannot take one step of a recurrence; an
+    UnsupportedError if it is quantized: its weights were fixed when it was
+    quantized, so the Parameters ``where`` would hand out could not reach
+    it, and it has no gradient."""
+    if getattr(net, "quantized", None):
+        raise UnsupportedError(
+            f"{where}: the {type(net).__name__} is quantized ({net.quantized}): its weights are "
+            "fixed and it has no gradient; call it directly, or wrap the float model")
     if isinstance(net, _Cell):
         layer = next(c for c in type(net).__mro__
                      if issubclass(c, _RecurrentLayer) and not issubclass(c, _Cell))

@@ -47,16 +47,16 @@ def quantize_rows(a):
     return np.clip(q, -QMAX, QMAX).astype(np.int8), scale
 
 
-def int8_weights(w):
+def int8_weights(w, what="the weights"):
     """``(q, scale)``: weights ``w`` [k, n] as int8 ``q`` [k, n] with a
     float32 scale per column (``w[:, j] ~ q[:, j] * scale[j]``), symmetric:
     a column's scale is its largest magnitude / 127 (0 for a column of
-    zeros). Weights must be finite."""
+    zeros). Weights must be finite; ``what`` names them in the error."""
     w = np.asarray(w, np.float32)
     if w.ndim != 2:
         raise ShapeError(f"int8 weights must be a matrix [k, n], got shape {list(w.shape)}")
     if not np.all(np.isfinite(w)):
-        raise ShapeError("int8 weights: the weights hold NaN or infinity; quantize finite weights")
+        raise ShapeError(f"int8 weights: {what} hold NaN or infinity; quantize finite weights")
     q, scale = quantize_rows(w.T)
     return np.ascontiguousarray(q.T), scale
 
