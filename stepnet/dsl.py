@@ -753,9 +753,15 @@ class RNNOp:
         ------
         BackendError
             The backend is unknown or not available.
+        StepNetError
+            The step-net is not defined yet, or is nested.
         """
         from .backends import get_backend
 
+        if self.block is None:
+            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        if not self._top:
+            raise StepNetError(f"{self.name} is a nested step-net; compile its enclosing one")
         runner = get_backend(backend)
         return runner.compile_rnn_op(self)
 

@@ -93,6 +93,9 @@ def bind_static(name, b, v, num_seq):
         v = v.to_host()  # (rows a step reads by sequence: one on the GPU is copied)
         rows = v.num_sequences
     else:
+        if isinstance(v, LoDTensor):
+            raise ShapeError(f"static input {name}: defined by an array of one row per sequence, "
+                             f"got a LoDTensor of {v.num_levels} level(s)")
         v = host_array(v)  # (one row per sequence: one on the GPU is copied)
         if v.ndim < 1:
             raise ShapeError(f"static input {name}: needs one row per sequence, got a scalar")

@@ -415,6 +415,9 @@ def test_rebinding_a_static_input_with_the_wrong_rows():
     with pytest.raises(ShapeError, match="static input S: has 2 rows but the step inputs have "
                                          "4 sequences"):
         rnn(S=np.zeros((2, 3)))
+    with pytest.raises(ShapeError, match=r"static input S: defined by an array of one row per "
+                                         r"sequence, got a LoDTensor of 1 level\(s\)"):
+        rnn(S=X)
 
 
 def test_unknown_rebinding_name():

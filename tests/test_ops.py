@@ -659,6 +659,11 @@ def test_float_ops_refuse_a_bool_step_value():
             step_net([X], lambda x, name=name: getattr(sn.ops, name)(x > 0))
 
 
+def test_neg_refuses_a_mask():
+    with pytest.raises(sn.ShapeError, match=r"neg: its operand is a mask \(bool\)"):
+        step_net([_lod(F32)], lambda x: -(x > 0))
+
+
 def test_where_needs_a_bool_condition_and_an_array_branch():
     X = _lod(F32)
     with pytest.raises(sn.ShapeError, match="where"):
@@ -788,6 +793,33 @@ def test_clip_and_split_refuse_bad_arguments():
     _raises_naming(lambda x: sn.ops.clip(x), [X], "clip")
     _raises_naming(lambda x: sn.ops.split(x, 4), [X], "split")
     _raises_naming(lambda x: sn.ops.split(x, [2, 2]), [X], "split")
+    for bound in ("a", np.zeros(2), [0.0, 1.0], True):
+        with pytest.raises(sn.ShapeError, match="clip: lo must be one number"):
+            sn.ops.clip(np.ones(3), bound, 1.0)
+    with pytest.raises(sn.ShapeError, match="concat: needs at least one operand"):
+        sn.ops.concat([])
+
+
+@pytest.mark.parametrize("op", ["mean", "split", "slice"])
+def test_axis_of_mean_split_and_slice_is_checked_as_sum_s(op):
+    call = {"mean": lambda x, axis: sn.ops.mean(x, axis=axis),
+            "split": lambda x, axis: sn.ops.split(x, 1, axis=axis),
+            "slice": lambda x, axis: sn.ops.slice(x, 0, 1, axis=axis)}[op]
+    for axis, message in [(5, f"{op}: axis 5 is out of range for a value of shape "),
+                          (1.5, f"{op}: axis must be an integer, got 1.5")]:
+        with pytest.raises(sn.ShapeError, match=message):
+            step_net([_lod(F32, 3)], lambda x, axis=axis: call(x, axis))
+        with pytest.raises(sn.ShapeError, match=message):
+            call(np.ones((2, 3)), axis)  # on an array, outside a block
+
+
+def test_mean_over_no_element_is_nan_as_numpy_s():
+    X = _lod(F32, 3)
+    rnn, _ = step_net([X], lambda x: sn.ops.mean(sn.ops.slice(x, 1, 1), axis=-1))
+    for backend in ("interpreter", "numba"):
+        assert np.isnan(rnn(backend=backend).data).all()
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(sn.ops.mean(np.zeros((2, 0)), axis=-1), np.full(2, np.nan))
 
 
 @pytest.mark.parametrize("sections, cuts", [(np.int64(3), [2, 4]), (np.int32(2), [3]),

@@ -21,13 +21,13 @@ from .primitives import (
     mul,
     seq_max,
     seq_sum,
-    shape_of,
     slice,
     sub,
     sum,
     tanh,
     where,
 )
+from .shape_ops import axis_size
 
 __all__ = ["affine", "attention", "elu", "hard_sigmoid", "leaky_relu", "mean", "scaled_tanh",
            "seq_softmax", "softsign", "split", "thresholded_relu"]
@@ -57,8 +57,9 @@ def mean(x, axis=-1, keepdims=False):
     ShapeError
         ``axis`` is out of range or the batch axis.
     """
-    n = shape_of(x)[axis]
-    return mul(sum(x, axis, keepdims), 1.0 / n)
+    n = axis_size("mean", x, axis)
+    # (over no element: NaN, as NumPy's mean)
+    return mul(sum(x, axis, keepdims), 1.0 / n if n else float("nan"))
 
 
 def split(x, sections, axis=-1):
@@ -97,7 +98,7 @@ def split(x, sections, axis=-1):
     >>> [part.shape for part in sn.ops.split(np.zeros((2, 6)), [2, 4])]
     [(2, 2), (2, 4)]
     """
-    size = shape_of(x)[axis]
+    size = axis_size("split", x, axis)
     if size is None:
         raise ShapeError(f"split: cannot split the batch axis (axis {axis}) of a step value")
     count = _integer(sections)

@@ -6,6 +6,7 @@ fuse a run of them into one loop.
 
 from __future__ import annotations
 
+import numbers
 
 import numpy as np
 from scipy import special
@@ -28,6 +29,7 @@ from .rules import (
     binary_rule,
     compare_rule,
     derivative,
+    neg_rule,
     unary_float_rule,
     unary_rule,
 )
@@ -222,7 +224,7 @@ def minimum(a, b):
     return bind("minimum", [a, b])
 
 
-@register("neg", unary_rule, np.negative, "elementwise", 1,
+@register("neg", neg_rule, np.negative, "elementwise", 1,
           grad=lambda em, e, g: [em.op("neg", g)], numba="(-{0})", onnx="Neg", onnx_import="Neg")
 def neg(x):
     """Elementwise ``-x``; also ``-x`` on step values.
@@ -657,8 +659,17 @@ def clip(x, lo=None, hi=None):
     Raises
     ------
     ShapeError
-        Neither bound is given, or ``lo > hi``.
+        Neither bound is given, a bound is not a number, or ``lo > hi``.
     """
-    return bind("clip", [x], lo=None if lo is None else float(lo),
-                hi=None if hi is None else float(hi))
+    return bind("clip", [x], lo=_bound(lo, "lo"), hi=_bound(hi, "hi"))
+
+
+def _bound(value, what):
+    """A bound of clip as a float (None: none)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.ndarray)) \
+            or np.ndim(value) != 0:
+        raise ShapeError(f"clip: {what} must be one number, got {value!r}")
+    return float(value)
 

@@ -70,6 +70,14 @@ def unary_rule(operands):
     return Aval(x.shape, np.dtype(x.dtype))
 
 
+def neg_rule(operands):
+    (x,) = operands
+    if np.dtype(x.dtype) == np.dtype(bool):  # (NumPy refuses it)
+        raise ShapeError("neg: its operand is a mask (bool), which is no number here: negate "
+                         "where(mask, 1.0, 0.0), or use where(mask, b, a) for the opposite choice")
+    return Aval(x.shape, np.dtype(x.dtype))
+
+
 
 def derivative(dydx):
     """The gradient rule of a unary op from its derivative ``dydx(em, x, y)``."""

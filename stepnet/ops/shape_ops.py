@@ -141,6 +141,17 @@ def _int(value, what, op) -> int:
     return int(value)
 
 
+def axis_size(op, x, axis):
+    """The size of ``x``'s axis ``axis`` (None: the batch axis, which the
+    op's rule refuses by name), the axis checked first: an integer in range."""
+    axis = _int(axis, "axis", op)
+    shape = shape_of(x)
+    if not -len(shape) <= axis < len(shape):
+        dims = ", ".join("B" if d is None else str(d) for d in shape)
+        raise ShapeError(f"{op}: axis {axis} is out of range for a value of shape [{dims}]")
+    return shape[axis]
+
+
 def _axis(e) -> int:
     return normalize_axis(e.op, e.inputs[0], e.attrs["axis"])
 
@@ -287,7 +298,10 @@ def concat(values, axis=-1):
         No operand, a scalar operand, shapes that differ off ``axis``, or
         ``axis`` not an integer, out of range or the batch axis.
     """
-    return bind("concat", list(values), axis=_int(axis, "axis", "concat"))
+    values = list(values)
+    if not values:  # (the rule says so in a block; NumPy's words outside one)
+        raise ShapeError("concat: needs at least one operand")
+    return bind("concat", values, axis=_int(axis, "axis", "concat"))
 
 
 def _slice_rule(operands, axis, start, stop):
@@ -359,7 +373,7 @@ def slice(x, start, stop, axis=-1):
     axis = _int(axis, "axis", "slice")
     start, stop = (None if v is None else _int(v, what, "slice")  # (None: as a Python slice's)
                    for v, what in ((start, "start"), (stop, "stop")))
-    size = shape_of(x)[axis]
+    size = axis_size("slice", x, axis)
     if size is None:  # the batch axis: the rule refuses it with a clear error
         return bind("slice", [x], axis=axis, start=start, stop=stop)
     start, stop, _ = builtins.slice(start, stop).indices(size)
