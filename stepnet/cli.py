@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("stepnet: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went (stepnet check m.yaml | head): no more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit)
+        return 141
     except Exception as exc:  # noqa: BLE001  (never a traceback, unless asked for)
         if getattr(args, "debug", False):
             raise
@@ -73,8 +76,9 @@ def _seed(text):
     return seed
 
 
-def _model_args(p):
-    """The arguments of every command that reads a network file."""
+def _model_args(p, quantize=True):
+    """The arguments of every command that reads a network file (``--quantize``
+    where a quantized model can go: not to ONNX)."""
     p.add_argument("model", metavar="MODEL.yaml", help="the network file")
     p.add_argument("--params", metavar="PARAMS.npz",
                    help="parameter values by name (override the file's initializers)")
@@ -82,9 +86,10 @@ def _model_args(p):
                    help="seed of the parameter initializers and of random data (default 0)")
     p.add_argument("--debug", action="store_true",
                    help="on an unexpected error, show Python's traceback (else one line)")
-    p.add_argument("--quantize", choices=("int8", "bf16"), default=None,
-                   help="run the network's products by weights in int8 or bf16 (docs/quantization.md; "
-                        "the file's quantize: key does the same)")
+    if quantize:
+        p.add_argument("--quantize", choices=("int8", "bf16"), default=None,
+                       help="run the network's products by weights in int8 or bf16 "
+                            "(docs/quantization.md; the file's quantize: key does the same)")
 
 
 def _data_args(p):
@@ -152,7 +157,7 @@ def _parser():
                             description="Write a YAML network (its layers, then its nets, nested nets "
                                         "included) as one ONNX model (opset 17) that onnxruntime "
                                         "runs; see docs/onnx-export.md.")
-    _model_args(export)
+    _model_args(export, quantize=False)  # (a quantized model has no ONNX form yet)
     export.add_argument("--output", "-o", required=True, metavar="MODEL.onnx",
                         help="the ONNX file to write")
     export.add_argument("--scan", action="store_true",
@@ -500,13 +505,14 @@ def _load(args):
     from .yaml import load_yaml
 
     model = load_yaml(args.model, params=args.params, seed=args.seed)
-    if args.quantize and args.quantize != model.quantized:
+    asked = getattr(args, "quantize", None)
+    if asked and asked != model.quantized:
         if model.quantized:
-            raise StepNetError(f"--quantize {args.quantize}: {args.model} says quantize: "
+            raise StepNetError(f"--quantize {asked}: {args.model} says quantize: "
                                f"{model.quantized}; give one of them")
         from .quantize import quantize
 
-        model = quantize(model, args.quantize)
+        model = quantize(model, asked)
     return model
 
 

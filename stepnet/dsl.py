@@ -36,7 +36,7 @@ from .dsl_memory import (
     memory_from_step_value,
     memory_shape,
 )
-from .errors import ShapeError, StepNetError
+from .errors import ShapeError, StepNetError, UnsupportedError
 from .ir import Literal, Var
 from .lod import LoDTensor
 from .tracing import (
@@ -692,9 +692,10 @@ class RNNOp:
         Raises
         ------
         StepNetError
-            The step-net is not defined yet; ``keep_scopes`` on another
-            backend; a nested step-net called outside its block or given
-            arrays.
+            The step-net is not defined yet; a nested step-net called
+            outside its block or given arrays.
+        UnsupportedError
+            ``keep_scopes`` on another backend than the interpreter.
         BackendError
             The backend is unknown or not available.
         LoDError, ShapeError
@@ -728,7 +729,7 @@ class RNNOp:
         from .backends import backend as backend_info, get_backend
 
         if keep_scopes and backend is not None and not backend_info(backend).keeps_scopes:
-            raise StepNetError("keep_scopes=True needs backend='interpreter'")
+            raise UnsupportedError(f"{backend} backend: keep_scopes=True needs backend='interpreter'")
         runner = get_backend("interpreter" if keep_scopes else backend)
         return runner.run_rnn_op(self, bindings, output_all_steps, keep_scopes=keep_scopes)
 

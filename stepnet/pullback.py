@@ -140,6 +140,22 @@ class Pullback:
     def workspace_bytes(self) -> int:
         return int(sum(w.data.nbytes for w in self.workspace))
 
+    def _check_ragged(self, program, cts, computed, capabilities):
+        """Refuse a cotangent for a ragged output computed in the step (over
+        a ragged static input) where its gradient does not run."""
+        eqn = program.eqn
+        for c, asked, every, res, mi in zip(cts, self.flags, computed, eqn.attrs["body"].outputs,
+                                            eqn.attrs["output_memory"]):
+            if c is not None and every and not asked:
+                raise UnsupportedError(
+                    f"gradient of {self.rnn.name}: the last step of the ragged output {res.name}")
+            if (c is not None and capabilities.compiles and res.lod_depth
+                    and mi not in eqn.attrs.get("ragged_memories", {})):
+                raise UnsupportedError(
+                    f"{self.backend} backend: the gradient of {self.rnn.name}'s ragged output "
+                    f"{res.name} (its rows over a ragged static input at every step) runs on "
+                    "backend='interpreter' only")
+
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn
         wrt = rnn.parameters() if wrt is None else wrt_list(wrt)
@@ -154,10 +170,7 @@ class Pullback:
         present = tuple(c is not None for c in cts)
         kernel = compiled(rnn, self.backend)
         computed = kernel.kernel_flags(self.flags)  # (the forward's: each step of a ragged output)
-        for c, asked, every, res in zip(cts, self.flags, computed, program.eqn.attrs["body"].outputs):
-            if c is not None and every and not asked:
-                raise UnsupportedError(
-                    f"gradient of {rnn.name}: the last step of the ragged output {res.name}")
+        self._check_ragged(program, cts, computed, capabilities)
         runs, layout = kernel.backward(computed, present)
         seqs, statics, _ = ir.rnn_parts(program.eqn)
         position = {id(v): i for i, v in enumerate(program.inputs)}

@@ -158,9 +158,9 @@ def test_gradients_against_torch_autograd(rng):
         assert_close(g, expected.numpy(), what=f"d{name}")
 
 
-def _weights_net(rng, X, M, reverse=False):
+def _weights_net(rng, X, M, reverse=False, dtype=np.float32):
     """A decoder over memory ``M`` giving its state and its attention weights."""
-    W = sn.Parameter(rng.standard_normal((4, 8)).astype(np.float32), name="W")
+    W = sn.Parameter(rng.standard_normal((4, 8)).astype(dtype), name="W")
     rnn = sn.create_rnn_op(reverse=reverse)
     with rnn.stepnet():
         x = rnn.add_input(X, name="X")
@@ -226,6 +226,34 @@ def test_attention_weights_of_every_step_as_an_output(rng):
     assert np.isclose(expected[1].data.sum(), 5.0)  # one softmax per step
     for backend in default_backends(rnn):
         assert_close(rnn(backend=backend), expected, what=backend)
+
+
+def test_the_gradient_of_every_step_s_attention_weights_on_the_interpreter_only(rng):
+    """docs/attention.md: against finite differences on the interpreter; the
+    compiled backends refuse it, naming the output, and run the other
+    outputs' gradients beside it."""
+    X64 = sn.LoDTensor(_memory(rng, [2, 3, 0], 4).data.astype(np.float64), [[0, 2, 5, 5]])
+    M64 = sn.LoDTensor(_memory(rng, [3, 6, 0], 8).data.astype(np.float64), [[0, 3, 9, 9]])
+    rnn, W = _weights_net(rng, X64, M64, dtype=np.float64)
+    G = rng.standard_normal(rnn(backend="interpreter")[1].data.shape)
+    (got,) = sn.gradients(rnn, wrt=[W], grad_outputs=[None, G], backend="interpreter")
+    numeric, eps = np.zeros(W.value.shape), 1e-6
+    for idx in np.ndindex(*W.value.shape):
+        keep = W.value[idx]
+        W.value[idx] = keep + eps
+        up = float((rnn(backend="interpreter")[1].data * G).sum())
+        W.value[idx] = keep - eps
+        numeric[idx] = (up - float((rnn(backend="interpreter")[1].data * G).sum())) / (2 * eps)
+        W.value[idx] = keep
+    np.testing.assert_allclose(got, numeric, rtol=1e-6, atol=1e-8)
+    H = rng.standard_normal(rnn(backend="interpreter")[0].data.shape)
+    (expected,) = sn.gradients(rnn, wrt=[W], grad_outputs=[H, None], backend="interpreter")
+    for backend in default_backends(rnn):
+        with pytest.raises(sn.UnsupportedError, match=f"{backend} backend: the gradient of rnn's "
+                                                      "ragged output t[0-9]+ .* backend='interpreter' only"):
+            sn.gradients(rnn, wrt=[W], grad_outputs=[None, G], backend=backend)
+        (beside,) = sn.gradients(rnn, wrt=[W], grad_outputs=[H, None], backend=backend)
+        np.testing.assert_allclose(beside, expected, rtol=1e-7, atol=1e-9, err_msg=backend)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

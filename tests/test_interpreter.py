@@ -549,7 +549,7 @@ def test_keep_scopes_nested_keeps_inner_scopes():
 
 def test_keep_scopes_needs_the_interpreter():
     rnn, _, _ = elman_case([1], np.float64, False, "zeros", seed=0)
-    with pytest.raises(sn.StepNetError, match="keep_scopes"):
+    with pytest.raises(sn.UnsupportedError, match="numba backend: keep_scopes"):
         rnn(keep_scopes=True, backend="numba")
 
 

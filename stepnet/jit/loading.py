@@ -183,11 +183,10 @@ def prepare_weight_gradients(dtype) -> None:
 
 
 def tiered() -> bool:
-    """Whether a new kernel answers on the first tier (``sn.config.first_tier``:
-    the executor or the interpreter) while it compiles:
-    ``STEPNET_TIERED`` (``0`` waits for the compiled kernel; on by default).
-    Never under ``STEPNET_DETERMINISTIC=1``, whose results must not depend on
-    which tier ran."""
+    """Whether a new kernel answers on the first tier (``first_tier``) while
+    it compiles: ``STEPNET_TIERED`` (``0`` waits for the compiled kernel; on
+    by default). Never under ``STEPNET_DETERMINISTIC=1``, whose results must
+    not depend on which tier ran."""
     from . import blas
 
     return config.tiered and not blas.DETERMINISTIC

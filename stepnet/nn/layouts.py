@@ -256,7 +256,8 @@ class _Layouts:
 
         The gates are reordered from PyTorch's order to ONNX's; a GRU comes
         with ``linear_before_reset=True`` (PyTorch's GRU), an LSTM with its
-        ``proj_size``.
+        ``proj_size``; ``dropout`` is left out with a ``UserWarning`` (the
+        layer computes what the module computes in eval mode).
 
         Parameters
         ----------
@@ -280,12 +281,6 @@ class _Layouts:
             of two dtypes, or on the ``meta`` device (no data).
         UnsupportedError
             PyTorch is not installed.
-
-        Warns
-        -----
-        UserWarning
-            ``module.dropout`` is not 0: stepnet's layers have no dropout
-            (they compute what the module computes in eval mode).
         """
         torch = _torch_of(cls, "from_torch")
         dequantized = _dequantized_torch(torch, module, cls.kind.torch)
@@ -295,20 +290,7 @@ class _Layouts:
         if type(module) is not expected:
             raise StepNetError(f"{cls.__name__}.from_torch expects a {expected.__name__}, "
                                f"got {type(module).__name__}")
-        first = module.weight_ih_l0.detach()
-        dtype = {torch.float32: np.float32, torch.float64: np.float64}.get(first.dtype)
-        if dtype is None:
-            raise StepNetError(f"{cls.__name__}.from_torch: dtype {first.dtype} is not "
-                               f"float32 or float64")
-        for name, p in module.named_parameters():
-            if p.dtype != first.dtype or p.device.type == "meta":
-                raise StepNetError(f"{cls.__name__}.from_torch: parameter {name} is {p.dtype} on "
-                                   f"{p.device.type}; every parameter must hold data of one dtype "
-                                   f"({first.dtype}, as weight_ih_l0)")
-        if module.dropout:
-            warnings.warn(f"stepnet: {cls.__name__}.from_torch leaves out the module's dropout="
-                          f"{module.dropout}: stepnet's layers run as PyTorch's do in eval mode",
-                          stacklevel=2)
+        dtype = _torch_dtype(torch, module, f"{cls.__name__}.from_torch")
         kwargs = {
             "num_layers": module.num_layers,
             "direction": "bidirectional_concat" if module.bidirectional else "forward",
@@ -437,6 +419,24 @@ def _quantized(layer):
     from ..quantize import quantize
 
     return quantize(layer, "int8")
+
+
+def _torch_dtype(torch, module, where):
+    """The NumPy dtype of a ``torch.nn`` recurrent ``module``'s parameters,
+    checked: one float dtype, data on a device (not ``meta``). Warns that its
+    dropout is left out."""
+    first = module.weight_ih_l0.detach()
+    dtype = {torch.float32: np.float32, torch.float64: np.float64}.get(first.dtype)
+    if dtype is None:
+        raise StepNetError(f"{where}: dtype {first.dtype} is not float32 or float64")
+    for name, p in module.named_parameters():
+        if p.dtype != first.dtype or p.device.type == "meta":
+            raise StepNetError(f"{where}: parameter {name} is {p.dtype} on {p.device.type}; every "
+                               f"parameter must hold data of one dtype ({first.dtype}, as weight_ih_l0)")
+    if module.dropout:
+        warnings.warn(f"stepnet: {where} leaves out the module's dropout={module.dropout}: "
+                      "stepnet's layers run as PyTorch's do in eval mode", stacklevel=3)
+    return dtype
 
 
 def _dequantized_torch(torch, module, name):

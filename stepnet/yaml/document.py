@@ -89,7 +89,10 @@ class Document:
             raise self.error(path, f"expected a mapping (key: value lines), got {_kind(value)}")
         for key in value:
             if not isinstance(key, str):
-                raise self.error(path, f"key {key!r} must be a string")
+                read = (" (YAML reads an unquoted yes, no, on, off, true or false as a "
+                        "boolean, and digits as a number: quote the name)"
+                        if isinstance(key, (bool, int, float)) else "")
+                raise self.error(path, f"key {key!r} must be a string{read}")
             if allowed is not None and key not in allowed:
                 raise self.error(
                     path + (key,),

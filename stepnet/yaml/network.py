@@ -193,8 +193,7 @@ class Model:
             compiles first (that net is not compiled yet in this process for
             this backend; the call then runs it; on a tiered Numba backend
             ``"running on the first tier while compiling ..."``: the
-            executor, or the interpreter where the executor does not run the
-            net or ``sn.config.first_tier`` says so), ``"running
+            executor, else the interpreter), ``"running
             net 'encoder' (1/2)"`` otherwise.
 
         Returns
