@@ -31,15 +31,14 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   other stages op by op on NumPy), the step inputs gathered by steps first
   and the outputs put in the caller's order at the end.
 
-It runs nested step-nets: a nested rnn that reads no value of its
-enclosing step runs first, over every sub-sequence of the call on an
-executor of its own, its results rows of the enclosing step as a step
-input's; one that does runs at each step, over the step's sub-sequences.
-A ragged static input, and the values made from it, are computed op by op
-at each step as on the interpreter. :func:`why_not` says why another (a
-ragged output or memory, ...) is left to the interpreter. Its results
-are the same arithmetic in another order (the products' sums): within the
-tolerance the contract gives a kernel, not bit for bit the interpreter's.
+It runs nested step-nets: one that reads no value of its enclosing step
+first, over every sub-sequence of the call on an executor of its own, its
+results rows of the enclosing step as a step input's; one that does at each
+step, over the step's sub-sequences. A ragged static input, and the values
+made from it, are computed op by op at each step as on the interpreter.
+:func:`why_not` says why another (a ragged output or memory, ...) is left to
+the interpreter. Its results are the same arithmetic in another order (the
+products' sums): within the tolerance a kernel has, not bit for bit.
 """
 
 from __future__ import annotations
@@ -80,8 +79,9 @@ def why_not(program: ir.Program, sched=None):
         return "a step input of more than one LoD level is read by another op than a nested rnn"
     for e in body.eqns:
         inner = ir.rnn_parts(e)[0] if e.op == "rnn" else ()
-        if inner and any(e.attrs["all_steps"]):
-            return f"its nested rnn {e.attrs['name']} gives every step (a ragged value)"
+        if inner and (any(e.attrs["all_steps"]) or any(v not in deep for v in inner)):
+            return (f"its nested rnn {e.attrs['name']} gives every step (a ragged value) or steps "
+                    "over a ragged static input")
         why = why_not(_nested_program(e), sched.nested[e]) if inner else None
         if why is not None:
             return f"its nested rnn {e.attrs['name']} is not run: {why}"

@@ -8,6 +8,7 @@ import pytest
 from conftest import assert_close, available_backends, default_backends
 
 import stepnet as sn
+from stepnet import executor
 
 
 def _data(value):
@@ -294,6 +295,42 @@ def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
         _, pullback = sn.vjp(rnn, output_all_steps=False, backend=backend)
         with pytest.raises(sn.UnsupportedError, match="the last step of the ragged output"):
             pullback([G, np.ones_like(expected[1].data)])
+
+
+def _over_memory(rng, X, M, reverse, use):
+    """A net whose nested net steps over its ragged static input ``M`` (one
+    step a memory row), started from the enclosing state, used as ``use``
+    says: its last step, its every step summed or attended to, or its every
+    step summed and given as an output too."""
+    U = sn.Parameter(rng.standard_normal((3, 3)) * 0.5, name="U")
+    rnn = sn.create_rnn_op(reverse=reverse[0])
+    with rnn.stepnet():
+        x, m = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
+        c = rnn.add_memory(shape=[3], name="c", dtype=np.float64)
+        inner = sn.create_rnn_op(reverse=reverse[1])
+        with inner.stepnet():
+            h = inner.add_memory(c.pre_state(), name="h")
+            h.update(sn.ops.tanh(inner.add_input(m, name="w") + h.pre_state() @ U))
+            inner.add_outputs(h)
+        r = {"last": lambda: inner(output_all_steps=False), "attention":
+             lambda: sn.ops.attention(c.pre_state(), inner())}.get(use, lambda: sn.ops.seq_sum(inner()))
+        c.update(sn.ops.tanh(r() + x + c.pre_state() @ U))
+        rnn.add_outputs(c, *[inner()] * (use == "output"))
+    return rnn
+
+
+@pytest.mark.parametrize("use", ["last", "summed", "attention", "output"])
+@pytest.mark.parametrize("reverse", [(False, False), (True, False), (False, True)])
+def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(reverse, use, rng):
+    """On Numba as on the interpreter, a sequence of no steps and an empty
+    memory included; the executor leaves it to the interpreter."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
+    rnn = _over_memory(rng, X, M, reverse, use)
+    assert executor.why_not(rnn.program(rnn.all_steps_flags(True))) is not None
+    for flags in (True, False):
+        expected = rnn(backend="interpreter", output_all_steps=flags)
+        assert_close(rnn(backend="numba", output_all_steps=flags), expected, what=f"{use} {flags}")
 
 
 def _documents(rng, X, M, K, reverse, keys_of_the_step=False, weights_out=False):

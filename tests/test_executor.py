@@ -362,7 +362,8 @@ def test_a_nested_net_that_reads_the_step_runs_at_each_step(rng):
 
 @pytest.mark.parametrize("summed,why", [
     (False, "an output or a memory of its step is ragged"),
-    (True, "its nested rnn rnn_1 gives every step (a ragged value)")])
+    (True, "its nested rnn rnn_1 gives every step (a ragged value) or steps over a ragged static "
+           "input")])
 def test_why_not_names_what_it_does_not_run(rng, summed, why):
     """A net that gives a ragged output (a nested rnn's every step), or
     whose nested rnn gives its every step to the step (summed there), is

@@ -240,6 +240,11 @@ def _hoist(ctx, sched, chunked=False):
     seqs = ir.rnn_parts(sched.eqn)[0]
     for step_var, outer in zip(body.step_inputs, seqs):
         oi = ctx.values[outer]
+        if oi.kind == "rows" and outer in ctx.fn.segments and not step_var.lod_depth:
+            # the enclosing step's ragged static input: its data rows are the space
+            ctx.values[step_var] = _Info("global", oi.ident, step_var, width=oi.width,
+                                         size=f"{oi.ident}.shape[0]")
+            continue
         if oi.kind != "ragged":
             raise UnsupportedError(f"step input {outer.name} is not a sequence")
         if step_var.lod_depth:
@@ -395,9 +400,19 @@ def _all_steps_arrays(ctx, eqn):
     body = eqn.attrs["body"]
     for out, res, all_steps in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"]):
         if all_steps and not res.lod_depth and out not in ctx.values:  # (made once)
-            level = _seq_levels(ctx, eqn)[0]
+            seq = ctx.values[ir.rnn_parts(eqn)[0][0]]
             ident = ctx.module.fresh("o")
             dt = f"np.{np.dtype(out.dtype).name}"
+            if seq.kind == "rows":  # over the enclosing step's ragged static input: a row per its row
+                rows = f"{seq.ident}.shape[0]"
+                ctx.module.prologue.append(f"{ident} = np.empty({_shape(rows, res.shape[1:])}, {dt})")
+                ctx.module.gargs.append(ident)
+                data = _Info("global", ident, res, width=_width(res), size=rows)  # (the net's writes)
+                ctx.values[out] = _Info("rows", ident, out, width=_width(res), segment=seq.segment,
+                                        data=data)
+                ctx.fn.segments[out] = seq.segment
+                continue
+            level = seq.levels[0]
             if ctx.mode == "program":  # the caller's buffer (a group's rows of it)
                 ctx.module.given_outputs.append(ident)
             else:
@@ -715,16 +730,18 @@ def _update_memories(fctx, sched):
 
 
 def _emit_nested(ctx, inner):
-    """A nested rnn called once per step on the active rows' sub-sequences."""
-    e = inner.eqn
-    level = ctx.values[ir.rnn_parts(e)[0][0]].levels[0]
+    """A nested rnn called once per step on the active rows' sub-sequences
+    (or their rows of the enclosing step's ragged static input)."""
+    info = ctx.values[ir.rnn_parts(inner.eqn)[0][0]]
     starts, lens = ctx.module.fresh("st"), ctx.module.fresh("ln")
     ctx.fn.allocs.append(f"{starts} = np.empty(num_seq, np.int64)")
     ctx.fn.allocs.append(f"{lens} = np.empty(num_seq, np.int64)")
-    ctx.lines += _nest(["for b in range(nb):"], [
-        f"{starts}[b] = {level}[entries[b]]",
-        f"{lens}[b] = {level}[entries[b] + 1] - {level}[entries[b]]",
-    ])
+    if info.kind == "rows":
+        first, stop = f"{info.segment.starts}[b]", f"{info.segment.stops}[b]"
+    else:
+        level = info.levels[0]
+        first, stop = f"{level}[entries[b]]", f"{level}[entries[b] + 1]"
+    ctx.lines += _nest(["for b in range(nb):"], [f"{starts}[b] = {first}", f"{lens}[b] = {stop} - {first}"])
     _hoist(ctx.at("hoist", ctx.module.prologue), inner)
     _rnn_call(ctx, inner, f"{starts}[:nb]", f"{lens}[:nb]", "nb")
 
