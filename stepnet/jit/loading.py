@@ -1,7 +1,7 @@
 """Kernels found, loaded and tiered (every backend, the ONNX fused loops): a
 kernel's key, its module loaded once per process from ``STEPNET_CACHE_DIR``,
-the mark that it is compiled, the compile worker, and the first tier (the
-executor or the interpreter) while a new kernel compiles (:class:`TieredProgram`, ``sn.config.tiered``)."""
+the mark that it is compiled, the compile worker, and the first tier while
+a new kernel compiles (:class:`TieredProgram`, ``sn.config.tiered``)."""
 
 from __future__ import annotations
 
