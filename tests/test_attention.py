@@ -297,7 +297,7 @@ def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
             pullback([G, np.ones_like(expected[1].data)])
 
 
-def _over_memory(rng, X, M, reverse, use):
+def _over_memory(rng, X, M, reverse, use, scale=None):
     """A net whose nested net steps over its ragged static input ``M`` (one
     step a memory row), started from the enclosing state, used as ``use``
     says: its last step, its every step summed or attended to, or its every
@@ -307,10 +307,12 @@ def _over_memory(rng, X, M, reverse, use):
     with rnn.stepnet():
         x, m = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
         c = rnn.add_memory(shape=[3], name="c", dtype=np.float64)
+        source = m if scale is None else m * scale
         inner = sn.create_rnn_op(reverse=reverse[1])
         with inner.stepnet():
             h = inner.add_memory(c.pre_state(), name="h")
-            h.update(sn.ops.tanh(inner.add_input(m, name="w") + h.pre_state() @ U))
+            w = inner.add_input(source, name="w")
+            h.update(sn.ops.tanh(w + h.pre_state() @ U))
             inner.add_outputs(h)
         r = {"last": lambda: inner(output_all_steps=False), "attention":
              lambda: sn.ops.attention(c.pre_state(), inner())}.get(use, lambda: sn.ops.seq_sum(inner()))
@@ -331,6 +333,12 @@ def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(reverse, use, r
     for flags in (True, False):
         expected = rnn(backend="interpreter", output_all_steps=flags)
         assert_close(rnn(backend="numba", output_all_steps=flags), expected, what=f"{use} {flags}")
+    if use == "last" and reverse == (False, False):  # over a ragged value computed in the step
+        computed = _over_memory(rng, X, M, reverse, use, scale=2.0)
+        with pytest.raises(sn.UnsupportedError, match="numba backend: a nested step-net steps over "
+                                                      "t[0-9]+, a ragged value computed in the "):
+            computed(backend="numba")
+        assert computed(backend="interpreter", output_all_steps=False).shape == expected.shape
 
 
 def _documents(rng, X, M, K, reverse, keys_of_the_step=False, weights_out=False):

@@ -240,8 +240,13 @@ def _hoist(ctx, sched, chunked=False):
     seqs = ir.rnn_parts(sched.eqn)[0]
     for step_var, outer in zip(body.step_inputs, seqs):
         oi = ctx.values[outer]
-        if oi.kind == "rows" and outer in ctx.fn.segments and not step_var.lod_depth:
-            # the enclosing step's ragged static input: its data rows are the space
+        if oi.kind == "rows" and not step_var.lod_depth:
+            # the enclosing step's ragged static input (the call's data, not
+            # a value computed in the step): its data rows are the space
+            if oi.data is not None or oi.ident not in ctx.module.gargs:
+                raise UnsupportedError(f"numba backend: a nested step-net steps over {outer.name}, a "
+                                       "ragged value computed in the enclosing step; it steps over "
+                                       "a ragged static input itself (use backend='interpreter')")
             ctx.values[step_var] = _Info("global", oi.ident, step_var, width=oi.width,
                                          size=f"{oi.ident}.shape[0]")
             continue
