@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import StepNetError, optional_import
+from .errors import ShapeError, StepNetError, optional_import
 from .lod import LoDTensor
 from .npz import load_npz, save_npz, shard_files, shard_output_path
 
@@ -193,10 +193,46 @@ def _num_sequences(feeds):
     raise StepNetError("stepnet.distributed: the feeds hold no LoDTensor to split by sequences")
 
 
-def _split(feeds, batch_axis, start, stop):
-    """The feeds of sequences ``[start, stop)``: LoDTensors by their top-level
-    sequences, per-sequence arrays along ``batch_axis(name, value)``, the
-    rest (``None``) whole."""
+def _partitions(partitions, what):
+    """``partitions`` checked: None or a whole number from 1."""
+    if partitions is not None and (isinstance(partitions, (bool, np.bool_)) or not isinstance(
+            partitions, (int, np.integer)) or partitions < 1):
+        raise StepNetError(f"{what}: partitions must be a whole number >= 1 (or None), "
+                           f"got {partitions!r}")
+    return partitions
+
+
+def _rows(X, start, stop, finest):
+    """The rows of a per-sequence array that top-level sequences ``[start,
+    stop)`` of ``X`` own: the same range, or, ``finest``, those of their
+    sequences of ``X``'s finest level (a layer's ``h0``: a row per sequence
+    it runs over)."""
+    for level in X.levels[:-1] if finest else ():
+        start, stop = int(level[start]), int(level[stop])
+    return start, stop
+
+
+def _check_sizes(feeds, batch_axis, X, name, finest):
+    """What one process checks of the batch's sizes, before it is split
+    (split, a value of more rows or sequences would lose them): every
+    LoDTensor of ``X``'s sequences, every per-sequence array of its rows."""
+    rows = _rows(X, 0, X.num_sequences, finest)[1]
+    for key, value in feeds.items():
+        if isinstance(value, LoDTensor):
+            if value.num_sequences != X.num_sequences:
+                raise ShapeError(f"stepnet.distributed.run: {key!r} has {value.num_sequences} "
+                                 f"sequences, {name!r} {X.num_sequences}")
+            continue
+        axis = None if value is None else batch_axis(key, value)
+        if axis is not None and (np.ndim(value) <= axis or np.shape(value)[axis] != rows):
+            raise ShapeError(f"stepnet.distributed.run: {key!r} of shape {list(np.shape(value))} "
+                             f"needs {rows} rows along axis {axis}, one per sequence of {name!r}")
+
+
+def _split(feeds, batch_axis, X, start, stop, finest):
+    """The feeds of sequences ``[start, stop)`` of ``X``: LoDTensors by their
+    top-level sequences, per-sequence arrays along ``batch_axis(name,
+    value)``, the rest (``None``) whole."""
     part = {}
     for name, value in feeds.items():
         if isinstance(value, LoDTensor):
@@ -207,7 +243,7 @@ def _split(feeds, batch_axis, start, stop):
             part[name] = value
         else:
             index = [slice(None)] * np.ndim(value)
-            index[axis] = slice(start, stop)
+            index[axis] = slice(*_rows(X, start, stop, finest))
             part[name] = np.ascontiguousarray(np.asarray(value)[tuple(index)])
     return part
 
@@ -250,6 +286,7 @@ def _describe(obj, feeds):
     from .yaml.model import Model
 
     if isinstance(obj, RNNOp):
+        obj.bind(**dict(feeds or {}))  # one process's checks, of the whole batch
         # names not given keep their bound values (split like the rest)
         feeds = {**{n: b.value for n, b in obj.bindings.items()}, **dict(feeds or {})}
         num_seq, _ = _num_sequences(feeds)
@@ -275,7 +312,8 @@ def _describe(obj, feeds):
         if set(feeds) - known:
             raise StepNetError(f"stepnet.distributed.run: feeds {sorted(set(feeds) - known)} are not "
                                f"inputs of the {type(obj).__name__} layer (it takes {sorted(known)})")
-        # h0, c0 are [L * D, B, H]: split along their batch axis
+        # h0, c0 are [L * D, B, H]: split along their batch axis (B: the
+        # sequences of X's finest level)
         return "layer", feeds, lambda name, value: 1 if name in ("h0", "c0") else None
     if isinstance(obj, Model):
         feeds = obj._check_feeds(dict(feeds or {}))
@@ -323,13 +361,21 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
     ------
     StepNetError
         ``obj`` is of another kind, the feeds hold no LoDTensor, a layer's
-        ``X`` is not a LoDTensor, or a feed name is not an input; raised
-        before any cluster starts.
+        ``X`` is not a LoDTensor, a feed name is not an input, or
+        ``partitions`` is not a whole number from 1; raised before any
+        cluster starts.
+    ShapeError
+        A value that one process refuses (a step-net's inputs are checked
+        as ``rnn.bind`` checks them), a LoDTensor of another number of
+        sequences, or a per-sequence array of another number of rows;
+        raised before any cluster starts.
     UnsupportedError
         Dask's ``distributed`` is not installed.
     """
     kind, feeds, batch_axis = _describe(obj, feeds)  # bad input fails before any cluster starts
+    partitions = _partitions(partitions, "stepnet.distributed.run")
     _, X = _num_sequences(feeds)
+    _check_sizes(feeds, batch_axis, X, next(k for k, v in feeds.items() if v is X), kind == "layer")
     own = client is None
     client = local_client() if own else client
     try:
@@ -338,6 +384,7 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
         bounds = partition_bounds(tokens_per_sequence(X), partitions)
         if not bounds:  # no sequence at all: nothing to distribute
             return _run_part(obj, kind, feeds, backend, output_all_steps)
+        parts = [_split(feeds, batch_axis, X, a, b, kind == "layer") for a, b in bounds]
         for attempt in range(2):
             shared = client.scatter(obj, broadcast=True, hash=False)
             # Each partition's data travels inside its task: the scheduler keeps
@@ -346,9 +393,8 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Sending large graph",
                                         category=UserWarning)
-                futures = [client.submit(_run_part, shared, kind, _split(feeds, batch_axis, a, b),
-                                         backend, output_all_steps, pure=False)
-                           for a, b in bounds]
+                futures = [client.submit(_run_part, shared, kind, part, backend, output_all_steps,
+                                         pure=False) for part in parts]
                 try:
                     return _join_outputs(obj, kind, client.gather(futures))
                 except CancelledError:
@@ -422,6 +468,7 @@ def data_parallel(model, shard_fn, client, partitions=None):
         have different numbers of rows; and if the shards' counts add up to
         zero.
     """
+    partitions = _partitions(partitions, "data_parallel")
     shared = client.scatter(model, broadcast=True, hash=False)
     workers = partitions or max(1, len(client.scheduler_info()["workers"]))
 

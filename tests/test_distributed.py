@@ -170,6 +170,34 @@ def test_bad_input_is_refused_before_anything_runs(client):
     X = sn.LoDTensor.from_lengths(np.zeros((3, 3), np.float32), [[1, 2]])
     with pytest.raises(sn.StepNetError, match=r"feeds \['c0'\] are not inputs of the GRU layer"):
         sd.run(gru, {"X": X, "c0": np.zeros((1, 2, 4), np.float32)}, client=client)
+    for partitions in (0, -1, 2.5, "2", True):
+        with pytest.raises(sn.StepNetError, match="partitions must be a whole number >= 1"):
+            sd.run(gru, {"X": X}, client=client, partitions=partitions)
+    # what one process refuses, refused before splitting (split, it ran on part of it)
+    with pytest.raises(sn.ShapeError, match=r"'h0' of shape \[1, 3, 4\] needs 2 rows along axis 1"):
+        sd.run(gru, {"X": X, "h0": np.zeros((1, 3, 4), np.float32)}, client=client)
+    rnn = _nested_net([[2, 1], [1, 2, 0]], 0)
+    X4 = sn.LoDTensor.from_lengths(np.zeros((6, 3), np.float32), [[1, 1, 1, 1], [1, 2, 0, 3]])
+    with pytest.raises(sn.ShapeError, match="has 2 rows but the step inputs have 4"):  # bound for 2
+        sd.run(rnn, {"X": X4}, client=client)
+    with pytest.raises(sn.StepNetError, match=r"unknown input name\(s\) \['Typo'\]"):
+        sd.run(rnn, {"Typo": X4}, client=client)
+    model = sn.load_yaml(ROOT / "examples" / "hierarchical.yaml")
+    feeds = model.random_feeds(seed=1, num_sequences=4, max_length=3)
+    name = next(k for k, v in feeds.items() if not isinstance(v, sn.LoDTensor))
+    feeds[name] = np.concatenate([feeds[name], feeds[name][:1]])
+    with pytest.raises(sn.ShapeError, match=f"'{name}' of shape .* needs 4 rows along axis 0"):
+        sd.run(model, feeds, client=client)
+
+
+def test_a_layer_over_nested_sequences_splits_h0_by_its_sequences(client, rng):
+    """A layer's h0 has a row per sequence of X's finest level."""
+    gru = sn.nn.GRU(3, 4, seed=0)
+    X = sn.LoDTensor(rng.standard_normal((14, 3)).astype(np.float32),
+                     [[0, 2, 3, 6], [0, 3, 5, 6, 10, 10, 14]])
+    h0 = rng.standard_normal((1, 6, 4)).astype(np.float32)
+    for partitions in (1, 2, 3):
+        assert_close(sd.run(gru, {"X": X, "h0": h0}, client=client, partitions=partitions), gru(X, h0))
 
 
 def test_bit_for_bit_in_deterministic_mode():
