@@ -826,6 +826,60 @@ def test_session_loads_paths_and_bytes(tmp_path, rng):
                      expected)
 
 
+def _node_model(op, feeds, inits=(), opset=17, outputs=1, **attrs):
+    """(a model of one float32 node ``op`` on ``feeds`` and constants ``inits``, ``feeds``)."""
+    names = [f"y{i}" for i in range(outputs)]
+    node = helper.make_node(op, [*feeds, *(n for n, _ in inits)], names, **attrs)
+    model = _model([node], [_info(n, v) for n, v in feeds.items()],
+                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+                   [onnx.numpy_helper.from_array(v, n) for n, v in inits], opset)
+    return model, feeds
+
+
+def test_edges_of_gemm_flatten_pad_and_clip_as_onnxruntime():
+    """Gemm's beta 0 reads no C (its NaN neither); Flatten of an empty
+    tensor; negative pads crop; Clip without bounds clips inf to the
+    dtype's largest."""
+    f32 = np.float32
+    ones, x = np.ones((2, 2), f32), np.arange(12, dtype=f32).reshape(3, 4)
+    cases = [
+        _node_model("Gemm", {"a": ones, "b": ones, "c": np.full((2, 2), np.nan, f32)}, beta=0.0),
+        _node_model("Flatten", {"x": np.zeros((0, 3, 2), f32)}, axis=1),
+        _node_model("Flatten", {"x": np.zeros((3, 0, 2), f32)}, axis=2),
+        _node_model("Pad", {"x": x}, [("p", np.array([-1, 0, 0, -1]))]),
+        _node_model("Pad", {"x": x}, [("p", np.array([-1, 2, 1, -2]))], mode="edge"),
+        _node_model("Clip", {"x": np.array([np.inf, -np.inf, 1.0], f32)}),
+    ]
+    for model, feeds in cases:
+        expected = _ort_run(model, feeds)
+        for backend in ("interpreter", "numba"):
+            got = InferenceSession(model, backend=backend).run(None, feeds)
+            what = f"{model.graph.node[0].op_type} on {backend}"
+            assert got[0].shape == expected[0].shape, what
+            np.testing.assert_array_equal(got[0], expected[0], err_msg=what)
+
+
+def test_invalid_axes_and_splits_are_refused_at_their_node():
+    f32 = np.float32
+    cases = [
+        (_node_model("Unsqueeze", {"x": np.ones((1, 3), f32)}, [("a", np.array([5]))]),
+         r"\(Unsqueeze\): axes \[5\] must be distinct, in \[-3, 3\)"),
+        (_node_model("Unsqueeze", {"x": np.ones((1, 3), f32)}, [("a", np.array([0, -4]))]),
+         "must be distinct"),
+        (_node_model("Flatten", {"x": np.ones((2, 3, 4), f32)}, axis=-4),
+         r"\(Flatten\): axis -4 is out of range for a value of rank 3"),
+        (_node_model("Split", {"x": np.arange(3, dtype=f32)}, opset=13, outputs=2, axis=0),
+         r"\(Split\): an axis of 3 does not split into 2 equal parts"),
+        (_node_model("Pad", {"x": np.arange(3, dtype=f32)}, [("p", np.array([3, 0]))], mode="reflect"),
+         r"\(Pad\): a reflect pad of \[\(3, 0\)\] is wider"),
+        (_node_model("Pad", {"x": np.arange(3, dtype=f32)}, [("p", np.array([-2, -2]))]),
+         r"\(Pad\): pads \[-2, -2\] crop more than"),
+    ]
+    for (model, feeds), message in cases:
+        with pytest.raises(sn.ShapeError, match=message):
+            InferenceSession(model, backend="interpreter").run(None, feeds)
+
+
 # ----------------------------------------------------------------------------
 # errors: before anything runs, naming the node, op and attribute
 

@@ -25,6 +25,7 @@ from ..errors import Error, ShapeError, StepNetError, UnsupportedError
 from ..nn.cells import ONNX_LAYERS
 from . import tensors
 from . import conv  # noqa: F401  (registers Conv and the pools in OPS)
+from . import pad  # noqa: F401  (registers Pad in OPS)
 from . import quantized  # noqa: F401  (registers the integer ops in OPS)
 from .fusion import fuse
 from .lowering import lower, pending as lowering_pending

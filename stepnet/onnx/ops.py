@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops as sn_ops, registry, sizes
+from .. import ops as sn_ops, registry
 from ..errors import ShapeError, UnsupportedError
 from ..tracing import Value
 from .reference import rows_at
@@ -320,6 +320,8 @@ def _clip(ctx, x, lo=None, hi=None, **kw):
     for bound in (lo, hi):
         if is_step(bound):
             raise ctx.unsupported("Clip's min and max must be constants inside a Scan body")
+    if np.dtype(x.dtype).kind == "f":  # a bound not given: the dtype's largest (inf is clipped too)
+        lo, hi = (np.finfo(x.dtype).min if lo is None else lo), (np.finfo(x.dtype).max if hi is None else hi)
     if is_step(x):
         return sn_ops.clip(x, None if lo is None else float(np.asarray(lo)),
                            None if hi is None else float(np.asarray(hi)))
@@ -366,7 +368,7 @@ def _gemm(ctx, a, b, c=None, alpha=1.0, beta=1.0, transA=0, transB=0):
     y = _matmul(ctx, a, b)
     if alpha != 1.0:
         y = sn_ops.mul(y, float(alpha)) if step else y * np.asarray(alpha, y.dtype)
-    if c is not None:
+    if c is not None and beta != 0.0:  # (beta 0: C is not read, its NaN neither; onnxruntime's)
         if beta != 1.0:
             c = sn_ops.mul(c, float(beta)) if is_step(c) else c * np.asarray(beta, np.asarray(c).dtype)
         y = sn_ops.add(y, c) if step else y + c
@@ -379,7 +381,7 @@ def _bind_gemm(ctx, known, alpha=1.0, beta=1.0, transA=0, transB=0):
         y = np.matmul(a.T if transA else a, b.T if transB else b)
         if alpha != 1.0:
             y = y * np.asarray(alpha, y.dtype)
-        if c is not None:
+        if c is not None and beta != 0.0:
             y = y + (c * np.asarray(beta, c.dtype) if beta != 1.0 else c)
         return y
 
@@ -415,6 +417,8 @@ def _split(ctx, x, split_in=None, axis=0, num_outputs=None, split=None):
     length = x.shape[ax]
     if sizes is None:
         n = num_outputs or ctx.num_outputs
+        if ctx.opset < 18 and length % n:  # (opset 18's num_outputs: a smaller last part)
+            raise ctx.bad_input(f"an axis of {length} does not split into {n} equal parts")
         chunk = -(-length // n)
         sizes = [min(chunk, length - i * chunk) for i in range(n)]
     if sum(sizes) != length:
@@ -514,8 +518,7 @@ def _bind_squeeze(ctx, known, axes=None):
 @op("Unsqueeze", ["axes"])
 def _unsqueeze(ctx, x, axes_in=None, axes=None):
     axes = _axes_input(ctx, axes_in, axes, "Unsqueeze")
-    r = rank(ctx, x) + len(axes)
-    for a in sorted(a % r for a in axes):
+    for a in _new_axes(ctx, axes, rank(ctx, x) + len(axes)):
         if not is_step(x):
             x = np.expand_dims(x, a)
         elif ctx.rows:
@@ -535,13 +538,20 @@ def _bind_unsqueeze(ctx, known, axes=None):
             return None
 
     def shape(x):
-        r = x.ndim + len(axes)
         out = list(x.shape)
-        for a in sorted(a % r for a in axes):
+        for a in _new_axes(ctx, axes, x.ndim + len(axes)):
             out.insert(a, 1)
         return out
 
     return _shape_cached(shape)
+
+
+def _new_axes(ctx, axes, r):
+    """Unsqueeze's ``axes`` of an output of rank ``r``, checked, in order."""
+    new = sorted(a % r for a in axes if -r <= a < r)
+    if len(new) < len(axes) or len(set(new)) < len(new):
+        raise ctx.bad_input(f"axes {list(axes)} must be distinct, in [-{r}, {r}) (the output's rank)")
+    return new
 
 
 @op("Transpose", ["perm"])
@@ -673,8 +683,10 @@ def _bind_reshape(ctx, known, allowzero=0):
 @op("Flatten", ["axis"], in_step=False)
 def _flatten(ctx, x, axis=1):
     x = np.asarray(x)
+    if not -x.ndim <= axis <= x.ndim:
+        raise ctx.bad_input(f"axis {axis} is out of range for a value of rank {x.ndim}")
     axis %= max(x.ndim, 1) if axis < 0 else x.ndim + 1
-    return x.reshape(int(np.prod(x.shape[:axis])), -1)
+    return x.reshape(int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis:])))
 
 
 @binds("Flatten")
@@ -707,74 +719,6 @@ def _softmax(ctx, x, axis=None):
 def _pow(ctx, x, y):
     x = np.asarray(x)
     return np.power(x, np.asarray(y)).astype(x.dtype)
-
-
-@op("Pad", ["mode"], in_step=False)
-def _pad(ctx, x, pads=None, value=None, axes=None, mode="constant"):
-    pad = _bind_pad(ctx, [x, pads, value, axes], mode=mode)
-    return NotImplemented if pad is None else pad(x, pads, value, axes)
-
-
-@binds("Pad")
-def _bind_pad(ctx, known, mode="constant"):
-    """Constant, reflect and edge padding (opset 11 on: pads are an input);
-    wrap and negative pads (crops) are the reference's."""
-    known = list(known) + [None] * (4 - len(known))
-    pads, axes = _known_ints(known[1]), _known_ints(known[3])
-    if (ctx.opset < 11 or UNKNOWN in (pads, axes) or pads is None
-            or mode not in ("constant", "reflect", "edge") or min(pads, default=0) < 0):
-        return None
-    n = len(pads) // 2
-    plans = {}  # reflect and edge: input shape -> _pad_parts
-
-    def widths_of(ndim):
-        widths = [(0, 0)] * ndim
-        for i, a in enumerate(range(ndim) if axes is None else axes):
-            widths[a % ndim] = (pads[i], pads[i + n])
-        return widths
-
-    def pad(x, *rest):
-        widths = widths_of(x.ndim)
-        shape = tuple(d + b + e for d, (b, e) in zip(x.shape, widths))
-        sizes.check_large(f"ONNX node {ctx.node!r} (Pad): its output", shape, x.dtype)
-        if mode != "constant":
-            parts = plans.get(x.shape)
-            if parts is None:
-                if len(plans) > 64:
-                    plans.clear()
-                parts = plans[x.shape] = _pad_parts(x.shape, widths, mode)
-            if parts is NotImplemented:  # wider than the axis: NumPy's rule
-                return np.pad(x, widths, mode="reflect")
-            for a, before, after in parts:
-                x = np.concatenate([x[before], x, x[after]], axis=a)
-            return x
-        fill = rest[1] if len(rest) > 1 and rest[1] is not None and np.size(rest[1]) else 0
-        out = np.full(shape, np.asarray(fill).reshape(-1)[0], x.dtype)
-        out[tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, widths))] = x
-        return out
-
-    return pad
-
-
-def _pad_parts(shape, widths, mode):
-    """Reflect or edge padding as ``[(axis, before, after)]``: per padded
-    axis, the indices of the rows joined before and after the input (one
-    ``np.concatenate`` each; np.pad is slow on small arrays). NotImplemented
-    where a reflection is wider than its axis."""
-    parts = []
-    for a, (b, e) in enumerate(widths):
-        if not b and not e:
-            continue
-        n = shape[a]
-        if mode == "reflect" and (b >= n or e >= n):
-            return NotImplemented
-        if mode == "reflect":
-            stop = n - 2 - e if n - 2 - e >= 0 else None  # -1 would mean the last
-            before, after = slice(b, 0, -1), slice(n - 2, stop, -1)
-        else:  # edge: the first and the last row repeated
-            before, after = [0] * b, [n - 1] * e
-        parts.append((a, (slice(None),) * a + (before,), (slice(None),) * a + (after,)))
-    return parts
 
 
 @op("Not", in_step=False)
