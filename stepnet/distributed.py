@@ -359,16 +359,11 @@ def run(obj, feeds=None, client=None, partitions=None, backend=None, output_all_
 
     Raises
     ------
-    StepNetError
-        ``obj`` is of another kind, the feeds hold no LoDTensor, a layer's
-        ``X`` is not a LoDTensor, a feed name is not an input, or
-        ``partitions`` is not a whole number from 1; raised before any
-        cluster starts.
-    ShapeError
-        A value that one process refuses (a step-net's inputs are checked
-        as ``rnn.bind`` checks them), a LoDTensor of another number of
-        sequences, or a per-sequence array of another number of rows;
-        raised before any cluster starts.
+    StepNetError, ShapeError
+        Before any cluster starts: ``obj`` is of another kind, a feed is not
+        an input, ``partitions`` not a whole number from 1, or a value one
+        process refuses (``rnn.bind``'s checks; a LoDTensor, or a
+        per-sequence array, of another number of sequences).
     UnsupportedError
         Dask's ``distributed`` is not installed.
     """

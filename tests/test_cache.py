@@ -150,3 +150,64 @@ def test_a_helper_compiled_with_another_helpers_code_is_stale_when_that_file_cha
         assert result.returncode == 0, result.stderr[-3000:]
         hits.append(int(result.stdout.split()[-1]))
     assert hits == [0, 1, 0]
+
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import builtins, errno, io, os, sys
+    import numpy as np, stepnet as sn
+    root = os.path.realpath(os.environ["STEPNET_CACHE_DIR"])
+    real_open, real_access = builtins.open, os.access
+
+    def inside(path):
+        return os.path.realpath(path).startswith(root)
+
+    def open_(path, mode="r", *args, **kwargs):  # the folder as on a read-only mount
+        if any(m in mode for m in "wax+") and inside(path):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, mode, *args, **kwargs)
+
+    X = sn.LoDTensor.from_lengths(np.arange(10, dtype=np.float32).reshape(5, 2) / 10, [[3, 2]])
+
+    def net(scale):
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            h = rnn.add_memory(shape=[2], name="h")
+            h.update(sn.ops.tanh(rnn.add_input(X, name="x") * scale + h.pre_state()))
+            rnn.add_outputs(h)
+        return rnn
+
+    if sys.argv[1] == "fill":
+        net(2.0)(backend="numba")
+        sys.exit()
+    builtins.open = io.open = open_
+    os.access = lambda path, mode, **kw: (not (mode & os.W_OK and inside(path))
+                                          and real_access(path, mode, **kw))
+    compiled = net(2.0).compile("numba")
+    compiled()
+    print("ready" if compiled.ready() else "tiered")
+    try:
+        net(3.0)()
+    except sn.UnsupportedError as exc:
+        print(exc)
+    """
+)
+
+
+def test_a_read_only_cache_filled_ahead_is_loaded_and_a_new_kernel_refused(tmp_path):
+    """A deployment's folder, filled ahead then read-only: the kernel compiled
+    there answers from the first call, nothing is written elsewhere (Numba's
+    per-user folder), and a kernel it lacks is refused by name."""
+    home = tmp_path / "home"
+    env = dict(os.environ, STEPNET_CACHE_DIR=str(cache_with_helpers(tmp_path / "cache")),
+               HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    env.pop("NUMBA_CACHE_DIR", None)
+    for step, tiered in (("fill", "0"), ("read", "1")):
+        run = subprocess.run([sys.executable, "-c", _READ_ONLY, step], capture_output=True,
+                             env=dict(env, STEPNET_TIERED=tiered), text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "ready", run.stdout
+    assert "holds no kernel for this step-net and cannot take one (Read-only" in lines[1]
+    assert not list(home.rglob("*.nbi")), "compiled again into Numba's per-user folder"

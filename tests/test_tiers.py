@@ -280,8 +280,9 @@ def test_two_processes_compile_the_same_net_at_once(tmp_path):
 
 
 def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
-    """Files that do not unpickle, and then compiled code that does but whose
-    LLVM bitcode is damaged, are misses: compiled anew, then loaded."""
+    """Files that do not unpickle, then compiled code that does but whose
+    LLVM bitcode is damaged, then data files with bytes overwritten, are
+    misses: compiled anew, then loaded."""
     cache = cache_with_helpers(tmp_path / "cache")
     first = _finish(_run_script(cache, 4, 6))
     # every file of the kernel's, and the helpers' of one module (the scalar
@@ -306,6 +307,13 @@ def test_corrupted_cache_files_are_ignored_and_rebuilt(tmp_path):
     assert damaged
     assert _finish(_run_script(cache, 4, 6)) == first
     assert _finish(_run_script(cache, 4, 6)) == first  # (written whole again)
+    # bytes overwritten anywhere in a data file that still unpickles (machine
+    # code run as it is would crash the process): its digest says so
+    for p in [*cache.rglob("stepnet_kernel_*.nbc"), *cache.rglob("numba_runtime.*.nbc")]:
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2:len(raw) // 2 + 8] = b"\xff" * 8
+        p.write_bytes(bytes(raw))
+    assert _finish(_run_script(cache, 4, 6)) == first
 
 
 def test_a_cache_directory_removed_while_a_process_runs(rng, monkeypatch, tmp_path):

@@ -24,13 +24,18 @@ Removing the directory, even while a process runs, costs a recompile and
 nothing else: Numba recreates a locator's directory before each save. A file
 in it that cannot be read (corrupted, half-written) is a cache miss: Numba's
 index and data readers are wrapped so that, for files under this directory
-only, a failure to unpickle means "compile again" rather than an error.
+only, a failure to unpickle means "compile again" rather than an error. A
+data file written here ends with a digest of its contents, checked before it
+is unpickled: damaged machine code that still unpickles is a miss too, not
+code run (Numba's own files elsewhere are left as Numba writes them).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import pickle
 from pathlib import Path
 
 import numba
@@ -44,6 +49,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent  # the stepnet package directo
 _CACHE_IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 _USER_WIDE_LOCATOR = (getattr(caching, "UserWideCacheLocator", None)
                       or caching._UserWideCacheLocator)
+_IN_TREE_LOCATOR = getattr(caching, "InTreeCacheLocator", None) or caching._InTreeCacheLocator
 
 
 def cache_dir() -> Path:
@@ -104,7 +110,28 @@ def _helpers_stamp():
                                    for p in _helper_sources())).hexdigest()
 
 
-class _PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+class _ReadOnlyTaken:
+    """A locator that takes a folder it cannot write to (a deployment's,
+    filled ahead by ``stepnet compile``): its files are loaded, and what is
+    compiled anew runs without being saved (``_unsaved``), where Numba would
+    look for another folder and compile everything again."""
+
+    def ensure_cache_path(self):
+        path = self.get_cache_path()
+        if not (os.path.isdir(path) and not os.access(path, os.W_OK)):
+            super().ensure_cache_path()
+
+
+class _KernelCacheLocator(_ReadOnlyTaken, _IN_TREE_LOCATOR):
+    """Numba's cache of a generated kernel: its ``__pycache__`` beside it."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        return super().from_function(py_func, py_file) if _ours(py_file) else None
+
+
+class _PackageCacheLocator(_ReadOnlyTaken, caching._SourceFileBackedLocatorMixin,
+                           caching._CacheLocator):
     """Numba's cache of functions defined in stepnet's own source files, kept
     under ``cache_dir()/numba/<build>/`` instead of the package's __pycache__."""
 
@@ -158,15 +185,71 @@ def _tolerant(method, miss):
     return read
 
 
+def _unsaved(save):
+    """Numba's ``save_overload``: under stepnet's cache, a file that cannot be
+    written (a read-only folder) leaves the code compiled for this process."""
+
+    @functools.wraps(save)
+    def save_overload(self, sig, data):
+        try:
+            save(self, sig, data)
+        except OSError:
+            if not _ours(self._cache_path):
+                raise
+
+    save_overload.stepnet_unsaved = True
+    return save_overload
+
+
 def _missing_data():
     raise OSError("unreadable cache data")  # IndexDataCacheFile.load: a miss
+
+
+_DIGEST = 32  # bytes of the digest that ends a data file (pickle ignores what follows its end)
+
+
+def _digest(data) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
+
+def _sealed(dump):
+    """Numba's ``_dump`` with a digest after the pickle, under stepnet's cache."""
+
+    @functools.wraps(dump)
+    def seal(self, obj):
+        data = dump(self, obj)
+        return data + _digest(data) if _ours(self._cache_path) else data
+
+    seal.stepnet_sealed = True
+    return seal
+
+
+def _checked(load):
+    """Numba's ``_load_data`` checking the digest first, under stepnet's cache."""
+
+    @functools.wraps(load)
+    def load_data(self, name):
+        if not _ours(self._cache_path):
+            return load(self, name)
+        with open(self._data_path(name), "rb") as f:
+            data = f.read()
+        if len(data) <= _DIGEST or _digest(data[:-_DIGEST]) != data[-_DIGEST:]:
+            raise OSError("damaged cache data")  # (a miss: _tolerant)
+        return pickle.loads(data[:-_DIGEST])
+
+    return load_data
 
 
 def _install():
     locators = _CACHE_IMPL._locator_classes
     if _PackageCacheLocator not in locators:
-        locators.insert(0, _PackageCacheLocator)
+        locators[:0] = [_PackageCacheLocator, _KernelCacheLocator]
+    if not getattr(caching.Cache.save_overload, "stepnet_unsaved", False):
+        caching.Cache.save_overload = _unsaved(caching.Cache.save_overload)
     files = caching.IndexDataCacheFile
+    if not getattr(files._dump, "stepnet_sealed", False):
+        files._dump = _sealed(files._dump)
+        files._load_data = _checked(files._load_data)
     if not getattr(files._load_index, "stepnet_tolerant", False):
         files._load_index = _tolerant(files._load_index, dict)
         files._load_data = _tolerant(files._load_data, _missing_data)

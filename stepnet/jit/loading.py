@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import executor, interpreter
 from ..config import config
+from ..errors import UnsupportedError
 from . import compile_worker as compile_worker_module
 from .cache import cache_dir, helpers_fingerprint
 
@@ -69,7 +70,13 @@ def load_source(source: str):
         path = directory / f"stepnet_kernel_{key}.py"
         if not path.exists() or path.read_bytes() != source.encode():  # new, or not ours
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(source)
+            try:
+                tmp.write_text(source)
+            except OSError as exc:  # (a read-only folder, filled ahead without this kernel)
+                raise UnsupportedError(
+                    f"STEPNET_CACHE_DIR {directory} holds no kernel for this step-net and cannot "
+                    f"take one ({exc.strerror}): compile it there ahead (stepnet compile, "
+                    "sn.compile_ahead), or give a folder stepnet can write") from None
             os.replace(tmp, path)
         _MODULES[key] = module = import_file(f"stepnet_kernel_{key}", path)
         return module
