@@ -158,6 +158,9 @@ class Pullback:
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn
+        if getattr(rnn, "quantized", None):  # (before its wrt: its Parameters are the float model's)
+            raise UnsupportedError(f"gradient of {rnn.name}: a quantized model ({rnn.quantized}) has no "
+                                   "gradient (it is for inference): train the float model, then quantize it")
         wrt = rnn.parameters() if wrt is None else wrt_list(wrt)
         targets = [_resolve(rnn, item, self.values) for item in wrt]
         program = rnn.program(self.flags)

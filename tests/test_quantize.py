@@ -206,6 +206,15 @@ def test_what_quantize_refuses():
         rnn.add_outputs(h)
     with pytest.raises(sn.StepNetError, match="no product"):
         sn.quantize(rnn, "int8")
+    W = sn.Parameter(np.ones((3, 3), np.float32), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():  # (now with a product)
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(sn.ops.tanh(rnn.add_input(sn.LoDTensor.from_lengths(np.ones((2, 3), np.float32),
+                                                                     [[2]]), name="x") @ W))
+        rnn.add_outputs(h)
+    with pytest.raises(sn.UnsupportedError, match=r"a quantized model \(int8\) has no gradient"):
+        sn.gradients(sn.quantize(rnn, "int8"), wrt=[W], grad_outputs=[np.ones((2, 3), np.float32)])
     rng = np.random.default_rng(0)
     wide = tanh_cell(lod(rng, [3, 2], 4, np.float64), weight(rng, 4, 5, dtype=np.float64))
     with pytest.raises(sn.StepNetError, match="products by constant matrices in float64; quantized"):
