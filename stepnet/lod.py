@@ -137,12 +137,10 @@ def _total(lengths, where):
 
 
 def _frozen(arr):
-    """``arr`` as a read-only int64 array that cannot be made writeable again:
-    a view of a read-only copy. (A LoDTensor's offsets are checked once, when
-    it is made, and compiled kernels index rows by them.)"""
-    arr = np.array(arr, dtype=np.int64)
-    arr.flags.writeable = False
-    return arr.view()
+    """``arr`` as a read-only int64 array that cannot be made writeable again,
+    nor its base: a copy over immutable bytes. (A LoDTensor's offsets are
+    checked once, when it is made, and compiled kernels index rows by them.)"""
+    return np.frombuffer(np.ascontiguousarray(arr, dtype=np.int64).tobytes(), dtype=np.int64)
 
 
 def device_array(value):
@@ -523,6 +521,8 @@ class LoDTensor:
             offsets_from_lengths(np.concatenate([np.diff(t.levels[k]) for t in tensors]))
             for k in range(first.num_levels)
         ]
+        check_large("LoDTensor.concat: the joined rows", (sum(t.shape[0] for t in tensors),)
+                    + first.shape[1:], first.dtype)  # (broadcast rows are copied whole)
         data = np.concatenate([t._rows("concat") for t in tensors], axis=0)
         return cls(data, levels)
 
@@ -677,8 +677,11 @@ class LoDTensor:
         longest = int(lens.max()) if batch else 0
         if steps is None:
             steps = longest
+        elif isinstance(steps, (bool, np.bool_)) or not isinstance(steps, (int, np.integer)):
+            raise LoDError(f"to_padded: steps must be an integer, got {steps!r}")
         elif steps < longest:
             raise LoDError(f"to_padded: steps={steps} is shorter than the longest sequence ({longest})")
+        check_large("LoDTensor.to_padded: the padded array", (batch, steps) + self.shape[1:], self.dtype)
         padded = np.full((batch, steps) + self.shape[1:], pad_value, dtype=self.dtype)
         rows = self.shape[0]
         seq = np.repeat(np.arange(batch), lens)
@@ -783,5 +786,8 @@ class LoDTensor:
         for offsets in self._levels:
             starts, stops = offsets[idx], offsets[idx + 1]
             levels.append(offsets_from_lengths(stops - starts))
+            if offsets is self._levels[-1]:  # (the rows copied: broadcast ones whole)
+                check_large("LoDTensor.select: the selected rows", (int(levels[-1][-1]),)
+                            + self.shape[1:], self.dtype)
             idx = _concat_ranges(starts, stops)
         return LoDTensor(self._rows("select")[idx], levels)

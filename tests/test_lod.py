@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import stepnet as sn
 from stepnet.errors import Error, LoDError
 from stepnet.lod import LoDTensor, lengths_from_offsets, offsets_from_lengths, row_range
 
@@ -166,6 +167,7 @@ def test_levels_read_only_and_lod_is_a_copy():
               LoDTensor.from_lengths(make_data(5), [[2, 3]])):
         with pytest.raises(ValueError):
             u.levels[0].flags.writeable = True
+        assert isinstance(u.levels[0].base, bytes)  # (nor its base: an owner could be)
     lod = t.lod
     lod[0][1] = 3
     assert t.lod == [[0, 2, 5]]
@@ -620,3 +622,17 @@ def test_indices_and_offsets_are_integers_not_bools_nor_wrapped():
         t.select([0, True])
     with pytest.raises(LoDError, match="offset 1: offsets must be integers \\(got True\\)"):
         LoDTensor(np.arange(5), [[0, True, 5]])
+
+
+def test_copies_of_broadcast_rows_are_sized_before_they_are_made():
+    """A LoD may declare many rows over a few broadcast ones: select, concat
+    and to_padded copy them whole, so they are sized first, as astype is."""
+    rows = np.broadcast_to(np.zeros(4, np.float32), (10**8, 4))  # 16 bytes, 1.5 GiB as a copy
+    t = LoDTensor(rows, [[0, 10**8]])
+    with sn.config(max_memory=64 * 2**20):
+        for copy_of in (lambda: t.select([0]), lambda: LoDTensor.concat([t]), t.to_padded,
+                        lambda: LoDTensor(np.zeros((1, 1), np.float32), [[0, 1]]).to_padded(steps=10**13)):
+            with pytest.raises(sn.SizeError, match=r"LoDTensor\.\w+: the .* needs .* more than"):
+                copy_of()
+    with pytest.raises(sn.LoDError, match="steps must be an integer, got '5'"):
+        t.to_padded(steps="5")

@@ -713,6 +713,18 @@ def test_augru_layer_errors(tmp_path, old, new, key, fragment):
     ("input: enc.all", "input: head.all", 14, "layers.top.input", "layers run before nets"),
     ("num_layers: 2", "num_layers: 2\n    bias: nope", 17, "layers.top.bias",
      "bias must be True or False, got 'nope'"),
+    ("linear_before_reset: true", 'linear_before_reset: "false"', 11, "layers.enc.linear_before_reset",
+     "linear_before_reset must be True or False, got 'false'"),
+    ("num_layers: 2", "num_layers: 2\n    proj_size: 4", 17, "layers.top.proj_size",
+     "proj_size must lie in [0, hidden_size), got 4"),
+    ("num_layers: 2", "num_layers: 2\n    proj_size: 1.5", 17, "layers.top.proj_size",
+     "proj_size must be a positive integer, got 1.5"),
+    ("num_layers: 2", "num_layers: 2\n    clip: abc", 17, "layers.top.clip",
+     "clip must be a number, got 'abc'"),
+    ("num_layers: 2", "num_layers: 2\n    activations: tanh", 17, "layers.top.activations",
+     "activations must be a list of names, got 'tanh'"),
+    ("input: enc.all", "input: x.last", 14, "layers.top.input",
+     "'x' is an input: give it by its name (x); .last follows a net or a layer"),
 ])
 def test_layer_errors(tmp_path, old, new, line, key, fragment):
     assert old in LAYERS

@@ -45,9 +45,7 @@ class _RecurrentLayer(_Layouts):
                  linear_before_reset=False, peephole=False, proj_size=0, input_forget=False,
                  bias=True):
         name = type(self).__name__
-        if not isinstance(bias, (bool, np.bool_)):
-            raise StepNetError(f"{name}: bias must be True or False, got {bias!r}")
-        self.bias = bool(bias)
+        self.bias = _flag(bias, f"{name}: bias")
         self.input_size = _positive(input_size, f"{name}: input_size")
         self.hidden_size = _positive(hidden_size, f"{name}: hidden_size")
         self.num_layers = _positive(num_layers, f"{name}: num_layers")
@@ -60,15 +58,15 @@ class _RecurrentLayer(_Layouts):
         self.dtype = compute_dtype(np.dtype(dtype), f"{name}: dtype")
         if self.dtype not in (np.float32, np.float64):
             raise StepNetError(f"{name}: dtype must be float32 or float64, not {self.dtype}")
-        self.clip = cells.float_or_none(clip)
+        self.clip = None if clip is None else _number(clip, f"{name}: clip")
         if self.clip is not None and not self.clip > 0:
             raise StepNetError(f"{name}: clip must be positive, got {clip}")
-        self.linear_before_reset = bool(linear_before_reset)
-        self.peephole = bool(peephole)
-        self.proj_size = int(proj_size or 0)
-        if self.proj_size < 0 or (self.proj_size and self.proj_size >= self.hidden_size):
+        self.linear_before_reset = _flag(linear_before_reset, f"{name}: linear_before_reset")
+        self.peephole = _flag(peephole, f"{name}: peephole")
+        self.proj_size = 0 if not proj_size else _positive(proj_size, f"{name}: proj_size")
+        if self.proj_size >= self.hidden_size:
             raise StepNetError(f"{name}: proj_size must lie in [0, hidden_size), got {proj_size}")
-        self.input_forget = bool(input_forget)
+        self.input_forget = _flag(input_forget, f"{name}: input_forget")
         self._set_activations(activations, activation_alpha, activation_beta)
         self._nets = {}  # (layer, direction) -> its step-net, built on first use
         self._workspace = None  # kept by a call with keep_workspace=True
@@ -98,6 +96,10 @@ class _RecurrentLayer(_Layouts):
         per_direction = len(self.kind.activations)
         if names is None:
             names = list(self._default_activations()) * self.num_directions
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise StepNetError(f"{where}: activations must be a list of names, got {names!r}")
+        alphas = None if alphas is None else _numbers(alphas, f"{where}: activation_alpha")
+        betas = None if betas is None else _numbers(betas, f"{where}: activation_beta")
         names = [cells.canonical_activation(n, where) for n in names]
         if len(names) == per_direction and self.num_directions == 2:
             # one direction's functions, with their alphas and betas, for both
@@ -696,6 +698,27 @@ def _index(i, n, what, why):
     if not 0 <= index < n:
         raise StepNetError(f"{what} {index} is out of range [0, {n}) ({why})")
     return index
+
+
+def _flag(value, what):
+    if not isinstance(value, (bool, np.bool_)):
+        raise StepNetError(f"{what} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _number(value, what):
+    value = value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise StepNetError(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
+def _numbers(values, what):
+    """``values`` (a list or tuple of real numbers) as floats."""
+    values = values.tolist() if isinstance(values, np.ndarray) and values.ndim == 1 else values
+    if not isinstance(values, (list, tuple)):
+        raise StepNetError(f"{what} must be a list of numbers, got {values!r}")
+    return [_number(v, what) for v in values]
 
 
 def _positive(value, what):

@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
-
 from .. import ops
 
 # ONNX's activation functions: name -> (callable(x, alpha, beta), default alpha,
@@ -213,7 +211,3 @@ def canonical_activation(name, where):
             f"{where}: unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}"
         )
     return ACTIVATION_NAMES[key]
-
-
-def float_or_none(v):
-    return None if v is None else float(np.asarray(v))

@@ -285,8 +285,7 @@ class _Builder(NetBuilder):
         try:
             layer = nn.layers.LAYERS[kind](placeholder.shape[1], seed=seed, **options)
         except (Error, TypeError, ValueError) as exc:
-            key = next((k for k in options if k in str(exc)), None)
-            raise self.error(path + ((key,) if key else ()), f"{kind} layer: {exc}") from None
+            raise self.error(path + _option_named(options, exc), f"{kind} layer: {exc}") from None
         self._override_weights(name, layer)
         entry = LayerEntry(name, layer, source, placeholder.num_levels, attention)
         self.model.layers[name] = layer
@@ -356,8 +355,7 @@ class _Builder(NetBuilder):
         try:
             cell = nn.layers.CELLS[kind](seed=seed, **options)
         except (Error, TypeError, ValueError) as exc:
-            key = next((k for k in options if k in str(exc)), None)
-            raise self.error(path + ((key,) if key else ()), f"{kind} cell: {exc}") from None
+            raise self.error(path + _option_named(options, exc), f"{kind} cell: {exc}") from None
         self._override_weights(name, cell)
         self.model.cells[name] = cell
 
@@ -370,7 +368,10 @@ class _Builder(NetBuilder):
         if match is None:
             raise self.error(path, f"expected an input name or net.all.output / net.last.output, got {ref!r}")
         head, mode, output = match.groups()
-        if head in self.model.inputs and mode is None:
+        if head in self.model.inputs and mode is not None:
+            raise self.error(path, f"{head!r} is an input: give it by its name ({head}); .{mode} "
+                             "follows a net or a layer")
+        if head in self.model.inputs:
             spec = self.model.inputs[head]
             source = Source(input=head)
             dtype, features, levels = spec.dtype, spec.shape, spec.lod_level
@@ -445,3 +446,11 @@ class _Builder(NetBuilder):
 
 
 __all__ = ["InputSpec", "Model", "load_yaml"]
+
+
+def _option_named(options, exc) -> tuple:
+    """``(key,)`` of the option an error's message names first (``proj_size
+    must lie in [0, hidden_size)`` is about proj_size), or ``()``."""
+    text = str(exc)
+    named = [(text.index(k), k) for k in options if k in text]
+    return (min(named)[1],) if named else ()
