@@ -136,6 +136,17 @@ def _total(lengths, where):
     return int(lengths.sum())
 
 
+def _rows_array(value, what):
+    """``value`` as an array (not a LoDTensor, nor rows of several shapes)."""
+    if isinstance(value, LoDTensor):
+        raise TypeError(f"{what} is already a LoDTensor; pass its .data (and its .lod) to build "
+                        "a new one")
+    try:
+        return np.asarray(value)
+    except ValueError as exc:
+        raise LoDError(f"{what} must be an array of rows of one shape: {exc}") from None
+
+
 def _frozen(arr):
     """``arr`` as a read-only int64 array that cannot be made writeable again,
     nor its base: a copy over immutable bytes. (A LoDTensor's offsets are
@@ -295,11 +306,8 @@ class LoDTensor:
     __slots__ = ("_data", "_levels")
 
     def __init__(self, data, lod=None):
-        if isinstance(data, LoDTensor):
-            raise TypeError("data is already a LoDTensor; pass its .data "
-                            "(and its .lod) to build a new one")
         device = device_array(data)
-        data = np.asarray(data) if device is None else device
+        data = _rows_array(data, "data") if device is None else device
         if data.ndim == 0:
             raise LoDError("data must have at least 1 dimension (got a 0-d array)")
 
@@ -390,10 +398,8 @@ class LoDTensor:
         >>> t.lod
         [[0, 2, 5], [0, 3, 5, 9, 10, 14]]
         """
-        if isinstance(data, LoDTensor):
-            raise TypeError("data is already a LoDTensor; pass its .data")
         device = device_array(data)  # (rows on the GPU stay there, as in __init__)
-        data = np.asarray(data) if device is None else device
+        data = _rows_array(data, "data") if device is None else device
         levels = []
         for k, level in enumerate(_as_levels(lengths, "lengths")):
             where = f"lengths level {k}"
@@ -451,7 +457,7 @@ class LoDTensor:
         >>> t.data.tolist(), t.lod
         ([1, 2, 3], [[0, 2, 3]])
         """
-        padded = np.asarray(padded)
+        padded = _rows_array(padded, "padded")
         if padded.ndim < 2:
             raise LoDError(f"padded must have shape [B, T, ...] (got shape {padded.shape})")
         lens = _int_array(lengths, "lengths", "index", "lengths")

@@ -636,3 +636,15 @@ def test_copies_of_broadcast_rows_are_sized_before_they_are_made():
                 copy_of()
     with pytest.raises(sn.LoDError, match="steps must be an integer, got '5'"):
         t.to_padded(steps="5")
+
+
+def test_rows_of_several_shapes_and_a_lod_tensor_given_as_rows_are_refused():
+    with pytest.raises(LoDError, match="data must be an array of rows of one shape"):
+        LoDTensor([[1, 2], [3]], [[0, 2]])
+    with pytest.raises(LoDError, match="padded must be an array of rows of one shape"):
+        LoDTensor.from_padded([[1, 2], [3]], [1, 1])
+    t = LoDTensor(np.zeros(2), [[0, 2]])
+    for make in (lambda: LoDTensor(t, [[0, 2]]), lambda: LoDTensor.from_lengths(t, [[2]]),
+                 lambda: LoDTensor.from_padded(t, [1])):
+        with pytest.raises(TypeError, match="is already a LoDTensor; pass its .data"):
+            make()
