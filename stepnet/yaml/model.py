@@ -445,12 +445,12 @@ class _Builder(NetBuilder):
             self.model.outputs.append(name)
 
 
-__all__ = ["InputSpec", "Model", "load_yaml"]
-
-
 def _option_named(options, exc) -> tuple:
     """``(key,)`` of the option an error's message names first (``proj_size
     must lie in [0, hidden_size)`` is about proj_size), or ``()``."""
     text = str(exc)
     named = [(text.index(k), k) for k in options if k in text]
     return (min(named)[1],) if named else ()
+
+
+__all__ = ["InputSpec", "Model", "load_yaml"]
