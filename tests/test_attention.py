@@ -297,6 +297,32 @@ def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
             pullback([G, np.ones_like(expected[1].data)])
 
 
+@pytest.mark.parametrize("from_the_state", [False, True])
+def test_the_segment_ops_over_a_nested_net_s_every_step_are_refused_by_name_on_numba(
+        from_the_state, rng):
+    """README's "not done": seq_sum(words()) runs on the interpreter; on Numba
+    an UnsupportedError says so, whether the nested net is run at each step
+    (it reads the enclosing state) or once before the loop (it does not)."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((3, 2)), [[2, 1], [1, 1, 1]])
+    U = sn.Parameter(rng.standard_normal((2, 2)), name="U")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[2], name="h", dtype=np.float64)
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            g = inner.add_memory(h.pre_state() if from_the_state else None, shape=[2], name="g",
+                                 dtype=np.float64)
+            g.update(sn.ops.tanh(inner.add_input(x, name="w") + g.pre_state() @ U))
+            inner.add_outputs(g)
+        h.update(sn.ops.tanh(sn.ops.seq_sum(inner()) + h.pre_state() @ U))
+        rnn.add_outputs(h)
+    assert rnn(backend="interpreter").shape == (3, 2)  # (a row per step)
+    with pytest.raises(sn.UnsupportedError, match="numba backend: seq_sum computing t[0-9]+ reads a "
+                                                  "ragged value that is not a static input's"):
+        rnn(backend="numba")
+
+
 def _over_memory(rng, X, M, reverse, use, scale=None):
     """A net whose nested net steps over its ragged static input ``M`` (one
     step a memory row), started from the enclosing state, used as ``use``

@@ -304,12 +304,12 @@ def _emit_op(ctx, e):
     an elementwise op from its scalar code, a shape op or a reduction from
     its record's ``gather`` or ``reduction`` form (stepnet/registry.py)."""
     out = e.outputs[0]
+    ragged = any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs)
+    segment = _note_segment(ctx, e) if ragged else None  # (a nested net's ragged output: refused)
     size = None
     if ctx.mode == "hoist":  # the rows of the space: those of a global operand
         size = next(ctx.values[v].size for v in e.inputs
                     if isinstance(v, ir.Var) and ctx.values[v].kind == "global")
-    ragged = any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs)
-    segment = _note_segment(ctx, e) if ragged else None
     rows = segment if out.lod_depth else None
     info = _new_array(ctx, out, size=size)
     ins = [_operand(ctx, v, registry.literal_dtype(e)) for v in e.inputs]
