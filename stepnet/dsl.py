@@ -528,8 +528,7 @@ class RNNOp:
             The step-net is not defined yet, or is nested (its program is
             part of the enclosing one).
         """
-        if self.block is None:
-            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        self._require_defined()
         if not self._top:
             raise StepNetError(f"{self.name} is a nested step-net; call it inside its enclosing block")
         key = self.all_steps_flags(all_steps)
@@ -716,8 +715,7 @@ class RNNOp:
         >>> rnn(output_all_steps=False, backend="interpreter").shape
         (2, 3)
         """
-        if self.block is None:
-            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        self._require_defined()
         if not self._top:
             return self._call_nested(output_all_steps, bindings)
         if keep_workspace:
@@ -732,6 +730,11 @@ class RNNOp:
             raise UnsupportedError(f"{backend} backend: keep_scopes=True needs backend='interpreter'")
         runner = get_backend("interpreter" if keep_scopes else backend)
         return runner.run_rnn_op(self, bindings, output_all_steps, keep_scopes=keep_scopes)
+
+    def _require_defined(self):
+        """Raise StepNetError where the step-net's block is not defined yet."""
+        if self.block is None:
+            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
 
     def compile(self, backend=None):
         """A callable ``f(**inputs, output_all_steps=True)`` for one backend.
@@ -759,8 +762,7 @@ class RNNOp:
         """
         from .backends import get_backend
 
-        if self.block is None:
-            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        self._require_defined()
         if not self._top:
             raise StepNetError(f"{self.name} is a nested step-net; compile its enclosing one")
         runner = get_backend(backend)

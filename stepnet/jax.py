@@ -134,8 +134,7 @@ class Function:
     def __init__(self, net, output_all_steps=True, *, backend=None):
         _refuse_in_bridge(net, "stepnet.jax.function")
         if isinstance(net, dsl.RNNOp):
-            if net.block is None:
-                raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+            net._require_defined()
             if not net._top:
                 raise StepNetError(f"{net.name} is a nested step-net; wrap its enclosing one")
             self.flags = net.all_steps_flags(output_all_steps)

@@ -358,8 +358,7 @@ def _check_grad_outputs(rnn, program, outputs, grad_outputs):
 
 def forward_with_workspace(rnn, output_all_steps=True, backend=None, **bindings):
     """Run ``rnn`` keeping its workspace: ``(outputs as rnn() returns, Pullback)``."""
-    if rnn.block is None:
-        raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+    rnn._require_defined()
     if not rnn._top:
         raise StepNetError(f"{rnn.name} is a nested step-net; differentiate its enclosing one")
     backend = backend or default_backend()

@@ -496,8 +496,7 @@ class StepNetModule(Module):
     def __init__(self, rnn, output_all_steps=True, *, batch_first=True, backend=None):
         if not isinstance(rnn, dsl.RNNOp):
             raise StepNetError(f"StepNetModule: expects a step-net, got {type(rnn).__name__}")
-        if rnn.block is None:
-            raise StepNetError("the step-net is not defined yet: use `with rnn.stepnet():`")
+        rnn._require_defined()
         if not rnn._top:
             raise StepNetError(f"{rnn.name} is a nested step-net; wrap its enclosing one")
         flags = rnn.all_steps_flags(output_all_steps)

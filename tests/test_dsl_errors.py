@@ -501,3 +501,11 @@ def test_a_missing_optional_dependency_names_what_needs_it_and_the_install():
     with pytest.raises(sn.UnsupportedError, match=r"stepnet.thing needs no_such_module_x: pip install x"):
         optional_import("no_such_module_x", "stepnet.thing", "pip install x")
     assert optional_import("numpy", "stepnet", "pip install numpy") is np
+
+
+def test_every_entry_refuses_an_undefined_step_net_alike():
+    rnn = sn.create_rnn_op()
+    entries = [rnn, lambda: rnn.program(True), lambda: rnn.compile("numba"), lambda: sn.vjp(rnn)]
+    for entry in entries:
+        with pytest.raises(StepNetError, match="the step-net is not defined yet: use `with rnn.stepnet"):
+            entry()
