@@ -29,7 +29,7 @@ def _bind_pad(ctx, known, mode="constant"):
     if (ctx.opset < 11 or UNKNOWN in (pads, axes) or pads is None
             or mode not in ("constant", "reflect", "edge")):
         return None
-    n = len(pads) // 2
+    n, crops = len(pads) // 2, min(pads, default=0) < 0
     plans = {}  # reflect and edge: input shape -> _pad_parts
 
     def widths_of(ndim):
@@ -43,9 +43,9 @@ def _bind_pad(ctx, known, mode="constant"):
         shape = tuple(d + b + e for d, (b, e) in zip(x.shape, widths))
         if min(shape, default=0) < 0:
             raise ctx.bad_input(f"pads {pads} crop more than the input's shape {list(x.shape)}")
-        # a negative pad crops: the input cut first, then padded
-        x = x[tuple(slice(-min(b, 0), d + min(e, 0)) for d, (b, e) in zip(x.shape, widths))]
-        widths = [(max(b, 0), max(e, 0)) for b, e in widths]
+        if crops:  # a negative pad crops: the input cut first, then padded
+            x = x[tuple(slice(-min(b, 0), d + min(e, 0)) for d, (b, e) in zip(x.shape, widths))]
+            widths = [(max(b, 0), max(e, 0)) for b, e in widths]
         sizes.check_large(f"ONNX node {ctx.node!r} (Pad): its output", shape, x.dtype)
         if mode != "constant":
             parts = plans.get(x.shape)
