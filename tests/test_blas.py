@@ -105,7 +105,7 @@ def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
     or 1) nor on the rows beside it: each sum is taken in order of k."""
 
     for m, k, n in [(13, 37, 100), (64, 256, 96), (6, 5, 32), (10, 128, 384), (32, 64, 96),
-                    (200, 16, 64)]:
+                    (200, 16, 64), (9, 40, 70), (11, 33, 64), (12, 8, 48), (17, 40, 130)]:
         a = rng.standard_normal((m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         whole = np.empty((m, n), dtype)
@@ -117,6 +117,19 @@ def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
         tail = np.empty((m - 2, n), dtype)
         own_loop.small_gemm(np.ascontiguousarray(a[2:]), b, tail)
         np.testing.assert_array_equal(whole[2:], tail)
+
+
+def test_the_own_loop_tiles_rows_with_its_blocks_and_blocks_of_four():
+    """The blocks of 5 (AVX2) or 6 (AVX-512) rows and of 4 cover a panel's
+    rows exactly wherever they can (every count from 12 by 5s and 4s, every
+    even one by 6s and 4s), else with at most 3 rows computed twice."""
+    for block in (4, 5, 6):
+        for rows in range(6, 200):
+            fours = own_loop._blocks_of_four(rows, block)
+            rest = max(0, rows - 4 * fours)
+            computed = 4 * fours + -(-rest // block) * block
+            exact = any((rows - block * count) % 4 == 0 for count in range(rows // block + 1))
+            assert computed == rows if exact else rows < computed <= rows + 3, (block, rows, fours)
 
 
 def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):

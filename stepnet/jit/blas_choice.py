@@ -556,7 +556,7 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many, measu
               "crowded": crowded}
     _SMALL_PRODUCTS.update(result, reason=_measured(off) + (
         f"; the cut with the helper not for {crowded} sizes, shared: other processes kept the "
-        "cores busy (remove the file to measure again)" if crowded else ""))
+        "cores busy (`stepnet info --measure` measures again)" if crowded else ""))
     _keep("small_products.json", result)
     return limits
 

@@ -84,9 +84,12 @@ _AVX512 = vector_registers()[0] == 64
 _COLS = 32 if _AVX512 else 16
 _UCOLS = np.uint64(_COLS)
 # the rows of a block of small_gemm's sums (from 6 rows on): 6 with AVX-512;
-# with AVX2, 4 (6 rows' 12 vectors of sums, their 6 values of a and the
-# weights' 2 vectors outgrow 16 registers: LLVM spills sums to the stack)
-_BLOCK_ROWS = 6 if _AVX512 else 4
+# with AVX2, 5 of float32 (10 vectors of sums: the multiply-adds' latency
+# times their two units (5 x 2 on Zen 2 and Haswell) needs 10 in flight, and
+# 4 rows' 8 ran at 0.8 of 5 rows' speed on a Zen 2; 6 rows' 12 sums with their
+# 6 values of a and 2 of the weights outgrow 16 registers: LLVM spills sums)
+# and 4 of float64 (4 vectors a row)
+_BLOCK_ROWS = 6 if _AVX512 else 5
 # small_gemm's buffer of sums: 6 blocks of _COLS (6 rows, or one row's 6 blocks)
 _ACCUMULATORS = 6 * _COLS
 # one row's sums in float32 at once where the weights are rows of b: 24
@@ -179,10 +182,10 @@ def _block_start(j0, ld, panel, n):
 def _four_rows(a, w, ld, start, out, acc, i, j0):
     """out[i:i + 4, j0:j0 + _COLS] = a[i:i + 4] @ the block of weights at
     ``start`` (``_block_start``), summed in ``acc`` (registers) in order of
-    k (inlined into its callers). The block of 6 rows in ``_columns_outer``
-    is the same loop written out for 6: one helper over ``rows`` rows (a
-    constant at each call, its loop innermost) ran slower than the two
-    written out."""
+    k (inlined into its callers). ``_block_rows`` is the same loop written
+    out for 5 or 6 rows: one helper over ``rows`` rows (a constant at each
+    call) ran 3-7 % slower than the two written out, with its loop over
+    the rows innermost far slower."""
     zero = out.dtype.type(0)
     for jj in range(4 * _COLS):
         acc[jj] = zero
@@ -200,58 +203,85 @@ def _four_rows(a, w, ld, start, out, acc, i, j0):
             out[i + r, j0 + jj] = acc[_COLS * r + jj]
 
 
+@njit(inline="always", error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
+def _block_rows(a, w, ld, start, out, acc, i, j0):
+    """out[i:i + _BLOCK_ROWS, j0:j0 + _COLS] as ``_four_rows``: 6 rows with
+    AVX-512, 5 with AVX2 (the sixth row's lines fold away)."""
+    six = _BLOCK_ROWS == 6
+    zero = out.dtype.type(0)
+    for jj in range(_BLOCK_ROWS * _COLS):
+        acc[jj] = zero
+    for kk in range(a.shape[1]):
+        x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
+        x3, x4 = a[i + 3, kk], a[i + 4, kk]
+        x5 = a[i + 5, kk] if six else zero
+        row = np.uint64(start + kk * ld)
+        for jj in range(_UCOLS):
+            wk = w[row + jj]
+            acc[jj] += x0 * wk
+            acc[_COLS + jj] += x1 * wk
+            acc[2 * _COLS + jj] += x2 * wk
+            acc[3 * _COLS + jj] += x3 * wk
+            acc[4 * _COLS + jj] += x4 * wk
+            if six:
+                acc[5 * _COLS + jj] += x5 * wk
+    for r in range(_BLOCK_ROWS):
+        for jj in range(_UCOLS):
+            out[i + r, j0 + jj] = acc[_COLS * r + jj]
+
+
+@njit(inline="always")
+def _blocks_of_four(rows, block):
+    """How many blocks of 4 rows go with blocks of ``block`` over ``rows``
+    rows: the fewest of those that compute the fewest rows (a last block
+    that would end past the rows ends at the last row instead, computing
+    again rows of the one before)."""
+    best, fours = 8 * rows, 0
+    for count in range(rows // 4 + 2):
+        rest = max(0, rows - 4 * count)
+        work = 4 * count + (rest + block - 1) // block * block
+        if work < best:
+            best, fours = work, count
+    return fours
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _columns_outer(a, w, ld, panel, out, lo, hi):
     """_own_columns for 6 rows or more: by panels of ``_PANEL_ROWS`` rows
     (kept in cache while the weights pass over them), each block of
     ``_COLS`` columns (the last one ending at ``hi``) in turn over the
-    panel's rows in blocks of 4 (``_BLOCK_ROWS``, AVX2), or of 6 and
-    of 4 where 6 would leave rows over (the 7 or 8 rows left, or 4 and
-    fewer): 32 rows are 5 blocks of 6 and 2 of 4, where blocks of 6 alone
-    would compute 36, rows thrown away (the mix runs faster than blocks of
-    6 alone, and as fast as they do on rows that they fill). A block past
-    the panel's last row ends at it instead: it writes the rows it shares
-    with the one before again, with the same values (at most one row
-    computed twice, where the panel's rows are odd)."""
+    panel's rows in blocks of ``_BLOCK_ROWS`` and of 4 (``_blocks_of_four``:
+    32 rows are 4 blocks of 6 and 2 of 4 with AVX-512, where blocks of 6
+    alone would compute 36, rows thrown away; the mix runs faster than
+    blocks of 6 alone, and as fast as they do on rows that they fill).
+    float64 with AVX2 goes by blocks of 4 (5 rows' 20 vectors of sums do not
+    fit 16 registers). A block past the panel's last row ends at it instead:
+    it writes the rows it shares with the one before again, with the same
+    values."""
     wide_vectors()
     m, k = a.shape
     n = out.shape[1]
-    zero = out.dtype.type(0)
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
+    block = _BLOCK_ROWS if _AVX512 or out.itemsize == 4 else 4
     for rows in range(0, m, _PANEL_ROWS):
         last = min(rows + _PANEL_ROWS, m)
         first = min(rows, last - 6)  # (a last panel of under 6 rows: in the one before)
+        fours = _blocks_of_four(last - first, block)
         end = lo + _COLS
         while end < hi + _COLS:
             j0 = np.uint64(min(end, hi) - _COLS)
             start = _block_start(min(end, hi) - _COLS, ld, panel, n)
-            i = first
+            i, left = first, fours
             while i < last:
-                left = last - i
-                if _BLOCK_ROWS == 4 or left <= 4 or left == 7 or left == 8:
+                if left > 0 or block == 4:
                     i = min(i, last - 4)
                     _four_rows(a, w, ld, start, out, acc, i, j0)
                     i += 4
+                    left -= 1
                     continue
-                i = min(i, last - 6)
-                for jj in range(_ACCUMULATORS):
-                    acc[jj] = zero
-                for kk in range(k):
-                    x0, x1, x2 = a[i, kk], a[i + 1, kk], a[i + 2, kk]
-                    x3, x4, x5 = a[i + 3, kk], a[i + 4, kk], a[i + 5, kk]
-                    row = np.uint64(start + kk * ld)
-                    for jj in range(_UCOLS):
-                        wk = w[row + jj]
-                        acc[jj] += x0 * wk
-                        acc[_COLS + jj] += x1 * wk
-                        acc[2 * _COLS + jj] += x2 * wk
-                        acc[3 * _COLS + jj] += x3 * wk
-                        acc[4 * _COLS + jj] += x4 * wk
-                        acc[5 * _COLS + jj] += x5 * wk
-                for r in range(6):
-                    for jj in range(_UCOLS):
-                        out[i + r, j0 + jj] = acc[_COLS * r + jj]
-                i += 6
+                i = min(i, last - _BLOCK_ROWS)
+                _block_rows(a, w, ld, start, out, acc, i, j0)
+                i += _BLOCK_ROWS
             end += _COLS
 
 

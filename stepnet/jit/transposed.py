@@ -54,7 +54,7 @@ _TN_ROWS = 256
 def _own_tn(a, b, out, sums, column_sums):
     """out = a.T @ b (``column_sums``: and sums = b.sum(0)) for C-contiguous
     2-D a [r, m >= 6], b [r, n >= 32] of one dtype by stepnet's own loop
-    (``_columns_outer``: its blocks of 6 and 4 rows, none of the paths for
+    (``_columns_outer``: its blocks of 4 rows and more, none of the paths for
     fewer rows, which nearly doubled its cold compile),
     ``_TN_ROWS`` rows at a time: the chunk of ``b`` as ``panels``, the
     chunk of ``a`` read transposed (a block's 6 values of a step are side
