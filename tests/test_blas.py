@@ -119,19 +119,6 @@ def test_small_gemm_rows_equal_each_row_alone_bit_for_bit(rng, dtype):
         np.testing.assert_array_equal(whole[2:], tail)
 
 
-def test_the_own_loop_tiles_rows_with_its_blocks_and_blocks_of_four():
-    """The blocks of 5 (AVX2) or 6 (AVX-512) rows and of 4 cover a panel's
-    rows exactly wherever they can (every count from 12 by 5s and 4s, every
-    even one by 6s and 4s), else with at most 3 rows computed twice."""
-    for block in (4, 5, 6):
-        for rows in range(6, 200):
-            fours = own_loop._blocks_of_four(rows, block)
-            rest = max(0, rows - 4 * fours)
-            computed = 4 * fours + -(-rest // block) * block
-            exact = any((rows - block * count) % 4 == 0 for count in range(rows // block + 1))
-            assert computed == rows if exact else rows < computed <= rows + 3, (block, rows, fours)
-
-
 def test_kernels_call_small_gemm_by_its_c_entry_on_any_layout(rng):
     """gemm_packed's own-loop path (small_gemm's C entry, registered by symbol)
     on C-contiguous operands, and on strided ones through contiguous copies."""

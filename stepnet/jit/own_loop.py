@@ -230,34 +230,21 @@ def _block_rows(a, w, ld, start, out, acc, i, j0):
             out[i + r, j0 + jj] = acc[_COLS * r + jj]
 
 
-@njit(inline="always")
-def _blocks_of_four(rows, block):
-    """How many blocks of 4 rows go with blocks of ``block`` over ``rows``
-    rows: the fewest of those that compute the fewest rows (a last block
-    that would end past the rows ends at the last row instead, computing
-    again rows of the one before)."""
-    best, fours = 8 * rows, 0
-    for count in range(rows // 4 + 2):
-        rest = max(0, rows - 4 * count)
-        work = 4 * count + (rest + block - 1) // block * block
-        if work < best:
-            best, fours = work, count
-    return fours
-
-
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_SMALL_GEMM_FASTMATH)
 def _columns_outer(a, w, ld, panel, out, lo, hi):
     """_own_columns for 6 rows or more: by panels of ``_PANEL_ROWS`` rows
     (kept in cache while the weights pass over them), each block of
     ``_COLS`` columns (the last one ending at ``hi``) in turn over the
-    panel's rows in blocks of ``_BLOCK_ROWS`` and of 4 (``_blocks_of_four``:
-    32 rows are 4 blocks of 6 and 2 of 4 with AVX-512, where blocks of 6
-    alone would compute 36, rows thrown away; the mix runs faster than
-    blocks of 6 alone, and as fast as they do on rows that they fill).
-    float64 with AVX2 goes by blocks of 4 (5 rows' 20 vectors of sums do not
-    fit 16 registers). A block past the panel's last row ends at it instead:
-    it writes the rows it shares with the one before again, with the same
-    values."""
+    panel's rows in blocks of ``_BLOCK_ROWS``; with AVX-512, blocks of 6
+    and of 4 where 6 would leave rows over (the 7 or 8 rows left, or 4 and
+    fewer): 32 rows are 4 blocks of 6 and 2 of 4, where blocks of 6 alone
+    would compute 36, rows thrown away (the mix runs faster than blocks of
+    6 alone, and as fast as they do on rows that they fill; AVX2's blocks
+    of 4 rows run at 0.8 of its blocks of 5: there rows computed twice cost
+    no more). float64 with AVX2 goes by blocks of 4 (5 rows' 20 vectors of
+    sums do not fit 16 registers). A block past the panel's last row ends at
+    it instead: it writes the rows it shares with the one before again,
+    with the same values."""
     wide_vectors()
     m, k = a.shape
     n = out.shape[1]
@@ -266,18 +253,17 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
     for rows in range(0, m, _PANEL_ROWS):
         last = min(rows + _PANEL_ROWS, m)
         first = min(rows, last - 6)  # (a last panel of under 6 rows: in the one before)
-        fours = _blocks_of_four(last - first, block)
         end = lo + _COLS
         while end < hi + _COLS:
             j0 = np.uint64(min(end, hi) - _COLS)
             start = _block_start(min(end, hi) - _COLS, ld, panel, n)
-            i, left = first, fours
+            i = first
             while i < last:
-                if left > 0 or block == 4:
+                left = last - i
+                if block == 4 or block == 6 and (left <= 4 or left == 7 or left == 8):
                     i = min(i, last - 4)
                     _four_rows(a, w, ld, start, out, acc, i, j0)
                     i += 4
-                    left -= 1
                     continue
                 i = min(i, last - _BLOCK_ROWS)
                 _block_rows(a, w, ld, start, out, acc, i, j0)
