@@ -84,11 +84,10 @@ _AVX512 = vector_registers()[0] == 64
 _COLS = 32 if _AVX512 else 16
 _UCOLS = np.uint64(_COLS)
 # the rows of a block of small_gemm's sums (from 6 rows on): 6 with AVX-512;
-# with AVX2, 5 of float32 (10 vectors of sums: the multiply-adds' latency
-# times their two units (5 x 2 on Zen 2 and Haswell) needs 10 in flight, and
-# 4 rows' 8 ran at 0.8 of 5 rows' speed on a Zen 2; 6 rows' 12 sums with their
-# 6 values of a and 2 of the weights outgrow 16 registers: LLVM spills sums)
-# and 4 of float64 (4 vectors a row)
+# with AVX2, 5 of float32: 10 vectors of sums cover the multiply-adds' latency
+# times their two units where 4 rows' 8 do not, and 6 rows' 12 sums with
+# their 6 values of a and 2 of the weights outgrow 16 registers (LLVM spills
+# sums); 4 of float64 (4 vectors a row)
 _BLOCK_ROWS = 6 if _AVX512 else 5
 # small_gemm's buffer of sums: 6 blocks of _COLS (6 rows, or one row's 6 blocks)
 _ACCUMULATORS = 6 * _COLS
@@ -184,8 +183,8 @@ def _four_rows(a, w, ld, start, out, acc, i, j0):
     ``start`` (``_block_start``), summed in ``acc`` (registers) in order of
     k (inlined into its callers). ``_block_rows`` is the same loop written
     out for 5 or 6 rows: one helper over ``rows`` rows (a constant at each
-    call) ran 3-7 % slower than the two written out, with its loop over
-    the rows innermost far slower."""
+    call) ran slower than the two written out, and far slower with its
+    loop over the rows innermost."""
     zero = out.dtype.type(0)
     for jj in range(4 * _COLS):
         acc[jj] = zero
