@@ -31,7 +31,8 @@ def describe() -> str:
                            for size, r, shares in zip(*table.tolist()))
         lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
     size, count = own_loop.vector_registers()
-    lines.append(f"  stepnet's own loop: blocks of {own_loop._BLOCK_ROWS} rows x {own_loop._COLS} columns, "
+    lines.append(f"  stepnet's own loop: blocks of {own_loop._BLOCK_ROWS} rows x {own_loop._COLS} columns"
+                 f"{'' if size == 64 else ' (4 rows in float64)'}, "
                  f"one row x {own_loop._WIDE_ACCUMULATORS} in float32, for {count} vector registers "
                  f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
     from .jit import int8_gemm

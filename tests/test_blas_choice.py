@@ -296,7 +296,7 @@ def test_stepnet_info_prints_the_choice(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout
     assert "compile worker: none running" in proc.stdout
-    assert re.search(r"stepnet's own loop: blocks of (6 rows x 32|4 rows x 16) columns", proc.stdout)
+    assert re.search(r"stepnet's own loop: blocks of (6 rows x 32|5 rows x 16) columns", proc.stdout)
     # --measure: the kept measurements taken again, and what changed said
     kept = {name: (cache / name).read_text() for name in cli.MEASUREMENTS if (cache / name).exists()}
     assert "small_products.json" in kept
