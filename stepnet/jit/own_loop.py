@@ -248,7 +248,7 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
     m, k = a.shape
     n = out.shape[1]
     acc = carray(stack_buffer(_ACCUMULATORS, out.dtype), _ACCUMULATORS)
-    block = _BLOCK_ROWS if _AVX512 or out.itemsize == 4 else 4
+    fours = not _AVX512 and out.itemsize == 8  # (float64 with AVX2: blocks of 4 only)
     for rows in range(0, m, _PANEL_ROWS):
         last = min(rows + _PANEL_ROWS, m)
         first = min(rows, last - 6)  # (a last panel of under 6 rows: in the one before)
@@ -259,7 +259,7 @@ def _columns_outer(a, w, ld, panel, out, lo, hi):
             i = first
             while i < last:
                 left = last - i
-                if block == 4 or block == 6 and (left <= 4 or left == 7 or left == 8):
+                if fours or _AVX512 and (left <= 4 or left == 7 or left == 8):
                     i = min(i, last - 4)
                     _four_rows(a, w, ld, start, out, acc, i, j0)
                     i += 4
