@@ -182,7 +182,8 @@ def _parser():
 
 
 # the measurements `stepnet info --measure` takes again (blas_choice keeps them)
-MEASUREMENTS = ("blas.json", "small_products.json", "transposed_products.json")
+MEASUREMENTS = ("blas.json", "small_products.json", "small_products_float64.json",
+                "transposed_products.json")
 
 
 def cmd_info(args) -> int:

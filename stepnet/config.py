@@ -133,8 +133,9 @@ FLAGS = (
     Flag("cache_dir", "STEPNET_CACHE_DIR", "`$XDG_CACHE_HOME/stepnet`, else `~/.cache/stepnet`",
          _directory, "use",
          "The directory of everything stepnet writes: the compiled kernels and their helpers, "
-         "`blas.json` (the BLAS measurements), `small_products.json` and "
-         "`transposed_products.json` (the product measurements). Also the compile worker's lock, "
+         "`blas.json` (the BLAS measurements), `small_products.json`, "
+         "`small_products_float64.json` and `transposed_products.json` (the product "
+         "measurements). Also the compile worker's lock, "
          "socket and status (`compile_worker.*`): one worker per directory; the compile worker "
          "of the tiered backend gets the same directory. Copies of the same stepnet (a checkout "
          "and its installed copy, two environments) share what they compiled there."),
@@ -165,8 +166,9 @@ FLAGS = (
     Flag("small_products", "STEPNET_SMALL_PRODUCTS", "measured", _rows, "engine",
          "A number of rows (an integer >= 0): products of up to that many rows run stepnet's own "
          "loop instead of the BLAS, for every size of weights; anything else raises "
-         "`UnsupportedError`. Unset or empty: the limits are measured once per machine and "
-         "library and kept in `STEPNET_CACHE_DIR/small_products.json`. Ignored under "
+         "`UnsupportedError`. Unset or empty: the limits are measured once per machine, "
+         "library and dtype (float32; float64 at a first float64 kernel) and kept in "
+         "`STEPNET_CACHE_DIR/small_products.json` (`small_products_float64.json`). Ignored under "
          "`STEPNET_DETERMINISTIC`."),
     Flag("malloc_tuning", "STEPNET_MALLOC_TUNING", "on (`1`)", _switch(True), "engine",
          "`0`: leave glibc's malloc settings alone. Otherwise the Numba engine raises glibc's "

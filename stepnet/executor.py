@@ -640,7 +640,7 @@ class _Steps:
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
               registers_of(self.registers, self.width, self.dtype),
-              np.empty(max(self.scratch, 1), self.dtype), board, _small_rows(), layout.perm)
+              np.empty(max(self.scratch, 1), self.dtype), board, _small_rows(self.dtype), layout.perm)
 
     def _run(self, code, table, width, registers, chunk=0):
         """Add a run: its bytecode reading the table's rows ``table`` (at
@@ -712,14 +712,14 @@ class _Steps:
         return True
 
 
-def _small_rows():
+def _small_rows(dtype):
     """The kernels' ``small_rows`` (``blas.pack``'s: up to how many rows a
-    product runs stepnet's own loop) where this machine's are measured or
-    kept, else a table giving every product to the library (never measured
-    here: the compile worker measures them after its first kernel)."""
+    product of ``dtype`` runs stepnet's own loop) where measured or kept,
+    else a table giving every product to the library (never measured here:
+    the compile worker measures them after its first kernel)."""
     from .jit import product_timing
 
-    table = product_timing.small_rows_table(measure=False)
+    table = product_timing.small_rows_table(measure=False, float64=dtype == np.float64)
     return _LIBRARY_ONLY if table is None else np.array(table)
 
 

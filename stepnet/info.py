@@ -19,17 +19,18 @@ def describe() -> str:
         rates = ", ".join(f"{2 * m * k * n / s / 1e9:.0f} GFLOP/s at {m}x{k} @ {k}x{n}"
                           for (m, k, n, _, _), s in zip(blas_choice._SHAPES, secs))
         lines.append(f"  {name}, one thread: {rates}")
-    table = product_timing.small_rows_table()  # measured here if it is not known yet
-    small = blas_choice._SMALL_PRODUCTS
+    table = product_timing.small_rows_table(float64=True)  # measured here if not known yet
     if blas.DETERMINISTIC:
         lines.append("small products: every product runs stepnet's own loop "
                      "(STEPNET_DETERMINISTIC)")
     else:
-        limits = ", ".join(f"{'any number of' if r == EVERY_PRODUCT else f'up to {r}'} rows for "
-                           f"{'any weights' if size == EVERY_PRODUCT else f'weights up to {size}'}"
-                           f"{'' if shares else ' (not shared with the helper)'}"
-                           for size, r, shares in zip(*table.tolist()))
-        lines.append(f"small products: stepnet's own loop for {limits} ({small.get('reason')})")
+        for part, dtype in ((0, "float32"), (3, "float64"))[:len(table) // 3]:
+            limits = ", ".join(f"{'any number of' if r == EVERY_PRODUCT else f'up to {r}'} rows for "
+                               f"{'any weights' if size == EVERY_PRODUCT else f'weights up to {size}'}"
+                               f"{'' if shares else ' (not shared with the helper)'}"
+                               for size, r, shares in zip(*table[part:part + 3].tolist()))
+            lines.append(f"small products, {dtype}: stepnet's own loop for {limits} "
+                         f"({blas_choice._SMALL_PRODUCTS.get(dtype, {}).get('reason')})")
     size, count = own_loop.vector_registers()
     lines.append(f"  stepnet's own loop: blocks of {own_loop._BLOCK_ROWS} rows x {own_loop._COLS} columns"
                  f"{'' if size == 64 else ' (4 rows in float64)'}, "
@@ -52,15 +53,24 @@ def describe() -> str:
                          f"({found['reason']}; [{rows}, {m}].T @ [{rows}, {n}], one thread: "
                          f"own loop {2 * rows * m * n / own / 1e9:.0f}, {c['name']} "
                          f"{2 * rows * m * n / lib / 1e9:.0f} GFLOP/s)")
+    for dtype, small in sorted(blas_choice._SMALL_PRODUCTS.items()):
+        figures = _figures(small, c["name"])
+        lines += [f"small products measured, {dtype}:"] * bool(figures) + figures
+    return "\n".join(lines)
+
+
+def _figures(small, library):
+    """The lines of ``small_product_rows``' figures ``small`` (one dtype's)."""
+    lines = []
     for k, n in blas_choice._STEP_WEIGHTS:
         row = [(m, own, lib) for m, kk, nn, own, lib in (*small.get("points", ()), *small.get("many", ()))
                if (kk, nn) == (k, n)]
         if row:  # (the last: over many rows as the kernels run a product outside the time loop)
             figures = ", ".join(f"{m}{' outside' if m == blas_choice._MANY_ROWS else ''}: {own * 1e6:.1f}/"
                                 f"{lib * 1e6:.1f}" for m, own, lib in row)
-            lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{c['name']}: {figures}")
+            lines.append(f"  rows x {k} @ {k}x{n}, us own loop/{library}: {figures}")
         for m, kk, nn, alone, cut in small.get("shared", ()):
             if (kk, nn) == (k, n):
                 lines.append(f"    {m} row, us own loop alone/shared with the helper: "
                              f"{alone * 1e6:.1f}/{cut * 1e6:.1f}")
-    return "\n".join(lines)
+    return lines

@@ -19,9 +19,9 @@ def test_the_own_loop_shares_only_the_sizes_the_table_says(rng):
     blas.register_small_gemm(np.float32)
     board = threads.BOARD.copy()  # (a stand-in: only its SHARES slot is read here)
     table = np.array([[100, 1000, 1 << 62], [1 << 62] * 3, [1, 0, 1]], np.int64)
-    assert [blas.shares_with_helper(table, size) for size in (50, 100, 101, 1000, 10**6)] == \
+    assert [blas.shares_with_helper(table, size, 4) for size in (50, 100, 101, 1000, 10**6)] == \
         [True, True, False, False, True]
-    assert blas.shares_with_helper(table[:2], 500)
+    assert blas.shares_with_helper(table[:2], 500, 4)
     for (k, n), shares in [((5, 10), True), ((10, 64), False), ((40, 64), True)]:
         prepared = blas.pack(rng.standard_normal((k, n)).astype(np.float32), 4, 1000, table, board)
         assert prepared[3][threads.SHARES] == threads.EVERY
@@ -44,8 +44,25 @@ def test_panels_start_on_a_cache_line(rng):
 def test_a_product_takes_the_rows_of_the_next_larger_weights_measured():
 
     table = np.array([[100, 1000, 4000], [8, 2, 1]], np.int64)
-    assert [blas.rows_for(table, size) for size in (1, 100, 101, 1000, 4000, 10**7)] == \
+    assert [blas.rows_for(table, size, 4) for size in (1, 100, 101, 1000, 4000, 10**7)] == \
         [8, 8, 2, 2, 1, 1]
+
+
+def test_float64_products_take_the_float64_limits_where_measured(rng):
+    """A table of six rows holds float64's limits below float32's: a float64
+    product takes those (its limit and whether it shares), a float32 one the
+    first three rows; a table of three rows gives float64 the float32 ones."""
+
+    table = np.array([[100, 1000], [8, 2], [1, 1], [100, 1000], [3, 0], [0, 1]], np.int64)
+    assert [blas.rows_for(table, size, 4) for size in (50, 500)] == [8, 2]
+    assert [blas.rows_for(table, size, 8) for size in (50, 500)] == [3, 0]
+    assert [blas.rows_for(table[:3], size, 8) for size in (50, 500)] == [8, 2]
+    assert [blas.shares_with_helper(table, 50, itemsize) for itemsize in (4, 8)] == [True, False]
+    board = threads.BOARD.copy()
+    for dtype, rows in ((np.float32, 8), (np.float64, 3)):
+        blas.register_small_gemm(dtype)
+        prepared = blas.pack(rng.standard_normal((2, 40)).astype(dtype), 16, 1000, table, board)
+        assert prepared[2] == (1 << 62 if blas.DETERMINISTIC else rows), dtype
 
 
 def test_products_of_under_32_columns_take_the_library(rng):
@@ -55,8 +72,8 @@ def test_products_of_under_32_columns_take_the_library(rng):
 
     blas.register_small_gemm(np.float32)
     every = np.array([[1 << 62], [1 << 62]], np.int64)
-    assert blas.own_rows(every, 256, 32) == 1 << 62
-    assert blas.own_rows(every, 256, 31) == (1 << 62 if blas.DETERMINISTIC else 0)
+    assert blas.own_rows(every, 256, 32, 4) == 1 << 62
+    assert blas.own_rows(every, 256, 31, 4) == (1 << 62 if blas.DETERMINISTIC else 0)
     b = rng.standard_normal((64, 10)).astype(np.float32)
     prepared = blas.pack(b, 16, 1000, every, threads.ALONE)
     assert prepared[2] == (1 << 62 if blas.DETERMINISTIC else 0)

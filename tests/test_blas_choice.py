@@ -215,7 +215,7 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
         return tuple(scale * s for s in time_both(m, k, n))
 
     assert blas_choice.small_product_rows(choice, time_again) == limits  # cached: one checked
-    assert checked == [blas_choice._CHECKED] and blas_choice._SMALL_PRODUCTS["reason"] == \
+    assert checked == [blas_choice._CHECKED] and blas_choice._SMALL_PRODUCTS["float32"]["reason"] == \
         "measured (cached)"
     # a kept product more than 2x off what it takes now: every one measured again
     checked.clear()
@@ -223,7 +223,7 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
                                                   time_shared)
     assert limits_again == limits
     assert len(checked) == 1 + len(blas_choice._STEP_WEIGHTS) * len(blas_choice._STEP_ROWS)
-    assert blas_choice._SMALL_PRODUCTS["reason"].startswith("measured again (the kept figures "
+    assert blas_choice._SMALL_PRODUCTS["float32"]["reason"].startswith("measured again (the kept figures "
                                                             "were 3.0x off")
     # not checked where asked not to (a process that has not linked the product's code)
     checked.clear()
@@ -254,6 +254,14 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     fourth = dict(choice, name="numpy", cpu="another CPU", libraries={})
     assert blas_choice.small_product_rows(fourth, lambda m, k, n: (1.0, 2.0)) == \
         tuple((size, 256, 1) for size in sizes)
+    # float64's products are measured and kept apart from float32's
+    assert {r for _, r, _ in blas_choice.small_product_rows(fourth, lambda m, k, n: (2.0, 1.0),
+                                                            dtype="float64")} == {0}
+    assert (tmp_path / "small_products_float64.json").exists()
+    assert blas_choice.small_product_rows(fourth, lambda m, k, n: (1.0, 2.0)) == \
+        tuple((size, 256, 1) for size in sizes)
+    assert blas_choice._SMALL_PRODUCTS["float32"]["reason"] == "measured (cached)"
+    assert blas_choice._SMALL_PRODUCTS["float64"]["reason"] == "measured"
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
     assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)  # (none timed)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")

@@ -56,7 +56,7 @@ def small_products(request, monkeypatch):
 
         table = np.array([[1 << 40], [4], [1]], np.int64)
         table.flags.writeable = False
-        monkeypatch.setattr(product_timing, "_SMALL_ROWS", [table])
+        monkeypatch.setattr(product_timing, "_SMALL_ROWS", {"float32": table, "float64": table})
 
 
 def test_a_layer_called_from_many_threads_gives_each_call_its_bits_alone(rng, small_products):

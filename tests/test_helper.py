@@ -54,7 +54,7 @@ def per_step_shared(monkeypatch):
     def set_sharing(flag):
         table[2] = int(flag)
         table.flags.writeable = False
-        monkeypatch.setattr(product_timing, "_SMALL_ROWS", [table])
+        monkeypatch.setattr(product_timing, "_SMALL_ROWS", {"float32": table, "float64": table})
 
     return set_sharing
 
@@ -306,7 +306,8 @@ def test_a_one_sequence_gru_shares_its_step_with_the_helper(rng, monkeypatch):
     the same result. (The own loop is told to take products of one row, as
     it is measured to on most machines: only its products are cut by
     columns.)"""
-    monkeypatch.setattr(product_timing, "_SMALL_ROWS", [np.array([[1 << 40], [1]], np.int64)])
+    one_row = np.array([[1 << 40], [1]], np.int64)
+    monkeypatch.setattr(product_timing, "_SMALL_ROWS", {"float32": one_row, "float64": one_row})
     H, T, features = 128, 40, 16
     X = sn.LoDTensor.from_lengths(rng.standard_normal((T, features)).astype(np.float32), [[T]])
     layer = sn.nn.GRU(features, H, seed=3)

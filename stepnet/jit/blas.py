@@ -23,9 +23,10 @@ Small products (a batch of one, the last few sequences of a batch) spend
 more time in a library's dispatch, packing or generic kernels than in
 arithmetic: there a step runs stepnet's own loop (:mod:`stepnet.jit.own_loop`)
 through a C entry compiled once (``register_small_gemm``). Up to how many
-rows, for weights of each size, is measured once per machine and library
-(:mod:`stepnet.jit.product_timing`; ``STEPNET_SMALL_PRODUCTS`` overrides): it differs
-widely between CPUs. A product outside the time loop takes the same limit
+rows, for weights of each size, is measured once per machine, library and
+dtype (:mod:`stepnet.jit.product_timing`; ``STEPNET_SMALL_PRODUCTS``
+overrides): it differs widely between CPUs, and between float32 and float64
+on one. A product outside the time loop takes the same limit
 (``gemm_hoisted``).
 
 ``BLAS_NAME`` says which one is in use; it is part of the generated source,
@@ -280,37 +281,46 @@ def _entry(small_rows, size):
 
 
 @njit(cache=True)
-def rows_for(small_rows, size):
-    """The rows up to which a product with weights of ``size`` elements runs
-    ``small_gemm``: ``small_rows`` [2 or 3, L] holds the weight sizes
-    measured (ascending) over their rows (and whether the own loop shares
-    them with the helper: ``shares_with_helper``); the entry of the next
-    larger size measured is taken, or of the largest."""
-    return small_rows[1, _entry(small_rows, size)]
+def _part(small_rows, itemsize):
+    """The first row of ``small_rows``' part for elements of ``itemsize``
+    bytes: float64's (rows 3 to 5) where it has them, else float32's."""
+    return 3 if itemsize == 8 and small_rows.shape[0] >= 6 else 0
 
 
 @njit(cache=True)
-def shares_with_helper(small_rows, size):
+def rows_for(small_rows, size, itemsize):
+    """The rows up to which a product with weights of ``size`` elements of
+    ``itemsize`` bytes runs ``small_gemm``: ``small_rows`` holds the weight
+    sizes measured (ascending) over their rows (and whether the own loop
+    shares them with the helper: ``shares_with_helper``), float64's below
+    float32's where measured (``_part``); the entry of the next larger size
+    measured is taken, or of the largest."""
+    return small_rows[_part(small_rows, itemsize) + 1, _entry(small_rows, size)]
+
+
+@njit(cache=True)
+def shares_with_helper(small_rows, size, itemsize):
     """Whether stepnet's own loop cuts a product by weights of ``size``
-    elements with the helper (where the kernel's board lets it): the third
-    row of ``small_rows``, measured per machine (a one-row product alone
-    against shared: handing half of it to another core and taking the result
-    back can cost more than it saves), or yes for a table without it."""
+    elements (of ``itemsize`` bytes: ``_part``) with the helper (where the
+    kernel's board lets it): the third row of ``small_rows``, measured per
+    machine (a one-row product alone against shared: handing half of it to
+    another core and taking the result back can cost more than it saves),
+    or yes for a table without it."""
     if small_rows.shape[0] < 3:
         return True
-    return small_rows[2, _entry(small_rows, size)] != 0
+    return small_rows[_part(small_rows, itemsize) + 2, _entry(small_rows, size)] != 0
 
 
 @njit(cache=True)
-def own_rows(small_rows, k, n):
-    """The rows up to which a product by weights ``[k, n]`` runs
-    ``small_gemm``: the measured limit for weights of that size
+def own_rows(small_rows, k, n, itemsize):
+    """The rows up to which a product by weights ``[k, n]`` of ``itemsize``-byte
+    elements runs ``small_gemm``: the measured limit for weights of that size
     (``rows_for``); none under 32 columns, where the own loop takes one sum
     at a time (many times the library's time at any number of rows), except
     under ``STEPNET_DETERMINISTIC``, where it takes every product."""
     if n < 32 and not DETERMINISTIC:
         return 0
-    return rows_for(small_rows, k * n)
+    return rows_for(small_rows, k * n, itemsize)
 
 
 # a call whose per-step products by some weights take this many rows in all
@@ -335,10 +345,10 @@ def pack(b, max_rows, call_rows, small_rows, board):
     one panel of every column: ``b`` on a cache line, whose rows
     ``_one_row_wide`` reads."""
     k, n = b.shape
-    rows = own_rows(small_rows, k, n)
+    rows = own_rows(small_rows, k, n, b.itemsize)
     library = _library_pack(b, max_rows if max_rows > rows else 0)
     # the own loop's board: ``board``, or one that shares nothing (ALONE's)
-    own_board = board if shares_with_helper(small_rows, k * n) else np.zeros_like(board)
+    own_board = board if shares_with_helper(small_rows, k * n, b.itemsize) else np.zeros_like(board)
     if rows == 1 and b.itemsize == 4 and n >= _WIDE_ACCUMULATORS and call_rows >= PANEL_MIN_ROWS:
         # one row a product (``_one_row_wide``): b as one panel of all its
         # columns, starting on a cache line
@@ -528,7 +538,7 @@ def _row_cut(m, k, n, board):
 @njit(cache=True)
 def _hoisted(a, b, out, small_rows, board, add):
     """gemm_hoisted (``add``: gemm_hoisted_acc)."""
-    if a.shape[0] <= own_rows(small_rows, b.shape[0], b.shape[1]):
+    if a.shape[0] <= own_rows(small_rows, b.shape[0], b.shape[1], b.itemsize):
         if add:  # (the own loop writes its product: added from a copy)
             part = np.empty_like(out[:a.shape[0]])
             _own_product(a, b, part, board)

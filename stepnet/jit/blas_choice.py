@@ -390,7 +390,7 @@ _OWN_LOOP = ("6x32 and 4x32 row blocks on 32-column weight panels, one row by 19
 # loop) runs the own loop where it won by a tenth over this many rows there
 _MANY_ROWS = 1024
 _EVERY_WINS = 0.9
-_SMALL_PRODUCTS = {}  # what small_product_rows found, for describe()
+_SMALL_PRODUCTS = {}  # dtype -> what small_product_rows found, for describe()
 # a limit, of rows or of weight elements, that no product reaches
 EVERY_PRODUCT = 1 << 62
 
@@ -463,18 +463,20 @@ def measured_on_free_cores(measure, tries=3):
     return None, False
 
 
-def small_product_rows(choice, time_both, time_shared=None, check=True, time_many=None, measure=True):
+def small_product_rows(choice, time_both, time_shared=None, check=True, time_many=None, measure=True,
+                       dtype="float32"):
     """Up to how many rows a product runs stepnet's own loop instead of the
     library's (a per-step product, or one outside the time loop over every
     step's rows), and whether the own loop shares it with the helper, by
     the size of its weights: ``((k * n, rows, shares), ...)`` by size (a
     product takes the entry of the next larger size measured, or the
     largest). ``STEPNET_SMALL_PRODUCTS=rows`` sets one limit for every size
-    (shared as the kernel's board allows); else measured once per machine
-    and library (``time_both(m, k, n)``: the seconds of each, one thread;
-    ``time_shared(m, k, n)``: the own loop's seconds alone and cut with the
+    (shared as the kernel's board allows); else measured once per machine,
+    library and ``dtype`` (``time_both(m, k, n)``: the seconds of each, one
+    thread; ``time_shared(m, k, n)``: the own loop's seconds alone and cut with the
     helper, or None where it is never cut) and kept in
-    ``STEPNET_CACHE_DIR/small_products.json``. For each size the limit is the
+    ``STEPNET_CACHE_DIR/small_products.json`` (float64's in
+    ``small_products_float64.json``). For each size the limit is the
     one with the least total time over the rows measured, each counted
     relative to the faster of the two (a one-row product weighs as much as a
     256-row one, and a near tie cannot move the limit far); where the own
@@ -491,10 +493,10 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
     requested = config.small_products
     if requested is not None:
         limits = ((EVERY_PRODUCT, requested, 1),)
-        _SMALL_PRODUCTS.update(limits=limits, reason="STEPNET_SMALL_PRODUCTS", points=[],
-                               shared=[])
+        _SMALL_PRODUCTS[dtype] = {"limits": limits, "reason": "STEPNET_SMALL_PRODUCTS",
+                                  "points": [], "shared": []}
         return limits
-    return _measured_small_rows(choice, time_both, time_shared, check, time_many, measure)
+    return _measured_small_rows(choice, time_both, time_shared, check, time_many, measure, dtype)
 
 
 # a size of weights is shared with the helper where its one-row product cut
@@ -504,10 +506,11 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
 SHARE_WINS = 0.9
 
 
-def _measured_small_rows(choice, time_both, time_shared, check, time_many, measure):
+def _measured_small_rows(choice, time_both, time_shared, check, time_many, measure, dtype):
     """``small_product_rows``' limits as measured, or as kept."""
-    key = _measured_key(_OWN_LOOP, choice)
-    saved, off = _kept("small_products.json", key), None
+    key, name = _measured_key(f"{_OWN_LOOP}; {dtype}", choice), "small_products.json"
+    name = name if dtype == "float32" else f"small_products_{dtype}.json"
+    saved, off = _kept(name, key), None
     try:
         if saved is not None:
             limits = tuple((int(size), int(rows), int(shares))
@@ -515,7 +518,7 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many, measu
             kept = [(own, lib) for m, k, n, own, lib in saved["points"] if (m, k, n) == _CHECKED]
             off = disagreement(kept[0], lambda: time_both(*_CHECKED)) if kept and check else None
             if off is None:
-                _SMALL_PRODUCTS.update(saved, limits=limits, reason="measured (cached)")
+                _SMALL_PRODUCTS[dtype] = dict(saved, limits=limits, reason="measured (cached)")
                 return limits
     except (ValueError, TypeError, KeyError):
         pass  # a file of another form: measured again
@@ -554,10 +557,10 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many, measu
     limits = tuple(limits)
     result = {"key": key, "limits": limits, "points": points, "shared": shared, "many": many,
               "crowded": crowded}
-    _SMALL_PRODUCTS.update(result, reason=_measured(off) + (
+    _SMALL_PRODUCTS[dtype] = dict(result, reason=_measured(off) + (
         f"; the cut with the helper not for {crowded} sizes, shared: other processes kept the "
         "cores busy (`stepnet info --measure` measures again)" if crowded else ""))
-    _keep("small_products.json", result)
+    _keep(name, result)
     return limits
 
 

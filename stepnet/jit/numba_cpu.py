@@ -76,6 +76,8 @@ class NumbaProgram:
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
                                for v in (*body.step_inputs, *(o for e in body.eqns for o in e.outputs))
                                if v.batched] + [1])
+        # (its products take the float64 limits of product_timing.small_rows_table too)
+        self.float64 = any(np.dtype(o.dtype) == np.float64 for e in ir.iter_eqns(body) for o in e.outputs)
         if config.debug:
             print(self.source, file=sys.stderr)
         self.key = kernel_key(self.source)
@@ -134,7 +136,8 @@ class NumbaProgram:
                        for ident, joined in self.concatenated.items()]
         const_args += [quantized.prepared(op, [[consts[v] for v in parts] for parts in operands])
                        for op, operands in self.prepared.values()]
-        const_args.append(product_timing.small_rows_table() if small_rows is None else small_rows)
+        const_args.append(product_timing.small_rows_table(float64=self.float64)
+                          if small_rows is None else small_rows)
         return const_args
 
     def _joined(self, ident, parts):
