@@ -40,3 +40,21 @@ def pairwise_params(factors, ids):
         marks = () if combo in keep else (pytest.mark.slow,)
         params.append(pytest.param(*values, id=name, marks=marks))
     return params
+
+
+def spread_params(values, ways, ids=str, way_ids=str):
+    """``pytest.param``s of every ``(value, way)`` (a case and the way it
+    runs: a driver, a direction), in product order; in the default run every
+    value the first way (the default one), and each other way once, with
+    the values taken in turn; the rest marked slow. For two factors whose
+    values do not interact in pairs beyond that (a layer and a time-loop
+    driver): each value and each way runs, the whole product under
+    ``-m slow``."""
+    keep = {(i, 0) for i in range(len(values))}
+    keep |= {((j - 1) % len(values), j) for j in range(1, len(ways))}
+    params = []
+    for i, value in enumerate(values):
+        for j, way in enumerate(ways):
+            marks = () if (i, j) in keep else (pytest.mark.slow,)
+            params.append(pytest.param(value, way, id=f"{ids(value)}-{way_ids(way)}", marks=marks))
+    return params

@@ -6,6 +6,7 @@ with gradients against finite differences and PyTorch."""
 import numpy as np
 import pytest
 from conftest import assert_close, available_backends, default_backends
+from pairwise import spread_params
 
 import stepnet as sn
 from stepnet import executor
@@ -347,9 +348,10 @@ def _over_memory(rng, X, M, reverse, use, scale=None):
     return rnn
 
 
-@pytest.mark.parametrize("use", ["last", "summed", "attention", "output"])
-@pytest.mark.parametrize("reverse", [(False, False), (True, False), (False, True)])
-def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(reverse, use, rng):
+@pytest.mark.parametrize("use,reverse", spread_params(
+    ["last", "summed", "attention", "output"], [(False, False), (True, False), (False, True)],
+    way_ids=lambda r: "-".join("reverse" if x else "forward" for x in r)))
+def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(use, reverse, rng):
     """On Numba as on the interpreter, a sequence of no steps and an empty
     memory included; the executor leaves it to the interpreter."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])

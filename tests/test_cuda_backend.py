@@ -18,6 +18,7 @@ from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nets import gru_net, nested_encoder, zero_width_net
+from pairwise import pairwise_params, spread_params
 from stepnet_strategies import build_random_stepnet
 
 import stepnet as sn
@@ -29,7 +30,10 @@ numba_cuda = pytest.importorskip("stepnet.jit.numba_cuda")
 from stepnet.jit import cuda_run  # noqa: E402
 
 
-@pytest.fixture(params=["block", "chunks of 3", "persistent", "global-weights", "per-stage"])
+LOOPS = ["block", "chunks of 3", "persistent", "global-weights", "per-stage"]
+
+
+@pytest.fixture(params=LOOPS)
 def loop(request, monkeypatch):
     """Run a test on every time-loop driver (``cuda_run.LoopPlan``): one
     block (the default at these sizes); one block with the step GEMMs'
@@ -72,8 +76,9 @@ def _gated_cell(X, reverse=False, dtype=np.float32, static=None):
     return rnn
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("flags", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("reverse,flags,loop", pairwise_params(
+    [[False, True], [(True, True), (False, True), (True, False)], LOOPS],
+    [str, lambda f: "-".join(map(str, f)), str]), indirect=["loop"])
 def test_gated_cell_with_variable_lengths(reverse, flags, loop):
     r = np.random.default_rng(1)
     X = sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), [[4, 0, 2, 3]])
@@ -151,7 +156,7 @@ def test_empty_batch_and_all_empty_sequences():
     agree(rnn, output_all_steps=False)
 
 
-@pytest.mark.parametrize("layer", ["gru", "lstm", "rnn"])
+@pytest.mark.parametrize("layer,loop", spread_params(["gru", "lstm", "rnn"], LOOPS), indirect=["loop"])
 def test_nn_layers(layer, loop):
     r = np.random.default_rng(4)
     X = sn.LoDTensor.from_lengths(r.standard_normal((7, 3)).astype(np.float32), [[3, 1, 3]])
@@ -321,7 +326,7 @@ def _three_levels(r):
     return sn.LoDTensor.from_lengths(r.standard_normal((9, 3)).astype(np.float32), lengths)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("reverse,loop", spread_params([False, True], LOOPS), indirect=["loop"])
 def test_nested_step_nets_three_levels(reverse, loop):
     """Nested nets reading only their step input run once over every
     sub-sequence before the enclosing loop, at every depth."""
@@ -385,7 +390,8 @@ def _rows(value):
     return value.data if isinstance(value, sn.LoDTensor) else value
 
 
-@pytest.mark.parametrize("flags", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("flags,loop", spread_params([(True, True), (False, False), (True, False)], LOOPS,
+                                                    lambda f: "-".join(map(str, f))), indirect=["loop"])
 def test_step_inputs_on_the_device_are_read_in_place_and_outputs_stay_there(flags, loop):
     """A LoDTensor whose rows are a device array: read where they lie (one
     copy a call: the weights' and the tables'), every output given back on
