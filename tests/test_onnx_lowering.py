@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import onnx_models  # noqa: E402
 from test_onnx_fusion import _spectrum_model  # noqa: E402  (x [B, 6, T] -> y, m)
+from pairwise import spread_params  # noqa: E402
 from stepnet.onnx import InferenceSession, graph as graph_module, lowering  # noqa: E402
 from stepnet.onnx.lowering import GraphNode  # noqa: E402
 
@@ -49,8 +50,7 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["vad", "stream_gru"])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name,batch", spread_params(["vad", "stream_gru"], [1, 3]))
 def test_a_streaming_model_runs_as_one_compiled_call(name, batch, monkeypatch):
     ex = onnx_models.BUILDERS[name]()
     chunks = [ex.feeds(batch=batch, seed=i) for i in range(6)]
