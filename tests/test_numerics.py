@@ -247,3 +247,26 @@ def test_cuda_float32_tanh_and_sigmoid_relative_error():
     n = 801 if _simulated() else 200_001
     x = np.concatenate([np.linspace(-100, 100, n, dtype=np.float32), SPECIALS.astype(np.float32)])
     check_activation_accuracy(net, "cuda", x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_segment_ops_over_special_values_match_the_interpreter(dtype):
+    """seq_sum and seq_max over rows of NaN, infinities and zeros of either
+    sign, and a row of none: the same values and the same signs of zeros on
+    every backend (a sum from +0.0, as ``np.sum``: rows of -0.0 alone give
+    +0.0; a maximum's tie of 0.0 and -0.0 goes to the later row)."""
+    rows = [[-0.0], [-0.0], [0.0], [-0.0], [np.nan], [1.0], [np.inf], [-np.inf], [np.inf],
+            [-0.0], [0.0], [-1.0], [1.0]]
+    M = sn.LoDTensor.from_lengths(np.array(rows, dtype), [[2, 2, 2, 0, 3, 2, 2]])
+    X = sn.LoDTensor.from_lengths(np.ones((7, 1), dtype), [[1] * 7])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        m = rnn.add_static_input(M, name="M")
+        rnn.add_outputs(sn.ops.seq_sum(m) * x, sn.ops.seq_max(m) * x)
+    expected = [out.data for out in rnn(backend="interpreter")]
+    assert np.signbit(expected[0][0, 0]) == 0 and np.signbit(expected[1][0, 0]) == 1
+    for backend in sn.backends():
+        for got, want in zip(rnn(backend=backend), expected):
+            np.testing.assert_array_equal(got.data, want)  # (NaN equals NaN)
+            assert (np.signbit(got.data) == np.signbit(want)).all(), backend

@@ -46,12 +46,17 @@ def _segments(x):
 
 
 def _segment_reduce(ufunc, empty):
+    """The reference of a segment op: ``ufunc`` over each batch row's rows,
+    folded into ``empty`` (a sum from +0.0, as ``np.sum`` and the kernels
+    fold it, where ``reduceat`` gives -0.0 for rows of -0.0 alone; a maximum
+    from -inf)."""
     def reference(x):
         data, starts, counts = _segments(x)
         out = np.full((len(counts),) + data.shape[1:], empty, data.dtype)
         full = counts > 0
         if full.any():  # non-empty segments are contiguous and in order
-            out[full] = ufunc.reduceat(data[:starts[-1] + counts[-1]], starts[full], axis=0)
+            out[full] = ufunc(out[full], ufunc.reduceat(data[:starts[-1] + counts[-1]], starts[full],
+                                                        axis=0))
         return out
     return reference
 
@@ -61,7 +66,8 @@ def _segment_reduce(ufunc, empty):
           segment=("{acc} + {x}", 0.0), takes_lod=True)
 def seq_sum(x):
     """Each batch row's sum over its own rows of the ragged value ``x``
-    (``[B, ...]``; zeros for a row with none).
+    (``[B, ...]``; zeros for a row with none), summed from +0.0 on every
+    backend as ``np.sum`` sums (rows of -0.0 alone sum to +0.0).
 
     Parameters
     ----------
