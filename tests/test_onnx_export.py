@@ -267,6 +267,28 @@ def test_every_op_exports(dtype, rng):
         assert_close(a, e)
 
 
+def test_boolean_values_and_outputs_export_to_what_onnxruntime_runs(rng):
+    """A boolean ``where`` in the step and boolean outputs of every step and
+    of the last (masked past a sequence's end): onnxruntime has no boolean
+    ``Where``, so they export as ``And``/``Or``/``Not``, to stepnet's values."""
+    X = lod(rng, [LENGTHS], 3)
+    W = weight(rng, 3, 4, name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[4], name="h")
+        hp = h.pre_state()
+        c = sn.ops.where(sn.ops.greater(x @ W, 0.0), sn.ops.less(hp, 0.2), sn.ops.greater(hp, -0.2))
+        h.update(sn.ops.where(c, sn.ops.tanh(x @ W + hp), hp * 0.5))
+        rnn.add_outputs(h, c, sn.ops.greater(h, 0.1))
+    for flags in ((True, True, False), (False, False, True)):
+        actual, expected, model = run_step_net(rnn, flags)
+        assert "Where" in all_node_types(model.graph)  # (the float one stays)
+        for a, e in zip(actual, expected):
+            assert a.dtype == e.dtype
+            assert_close(a, e)
+
+
 def test_every_registered_op_has_a_translation():
     """All but the segment ops over a ragged static input, which an ONNX Scan
     body cannot express (its state inputs are dense), and the quantized
@@ -494,6 +516,26 @@ def test_a_scan_whose_step_shapes_are_not_declared_runs_with_no_steps(step, rng,
     feeds = {"x": np.zeros((2, 0, 3), np.float32), "lengths": np.zeros(2, np.int64)}
     got = InferenceSession(str(path), backend="interpreter").run(None, feeds)
     assert got[0].shape == (2, 0, 4)
+
+
+def test_the_graph_inputs_keep_their_names_before_the_parameters(rng):
+    """A Parameter called like an input (``x``, the documented ``lengths``)
+    gets the suffix, not the input; an output may not take an input's name."""
+    X = lod(rng, [2, 3], 3)
+    for name in ("x", "lengths"):
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            x = rnn.add_input(X, name="x")
+            h = rnn.add_memory(shape=[4], name="h")
+            h.update(sn.ops.tanh(x @ weight(rng, 3, 4, name=name) + h.pre_state()))
+            rnn.add_outputs(h)
+        model = export(rnn)
+        inputs = [i.name for i in model.graph.input]
+        assert inputs == ["x", "lengths"]
+        (renamed,) = [i.name for i in model.graph.initializer if i.name.startswith(name)]
+        assert renamed.startswith(f"{name}_") and renamed not in inputs
+        with pytest.raises(sn.StepNetError, match=r"output name\(s\) \['lengths'\] are used twice"):
+            export(rnn, output_names=["lengths"])
 
 
 def test_output_names_that_are_not_strings_are_named(rng):

@@ -162,6 +162,7 @@ class _TopGraph:
         self.graph = Graph(self.builder, name)
         self.declared = {}
         self.lengths = None
+        self.lengths_name = None  # (reserved before the Parameters are named: top_lengths)
 
     def input(self, name, dtype, shape) -> str:
         if name not in self.declared:
@@ -173,7 +174,8 @@ class _TopGraph:
     def top_lengths(self) -> str:
         """The ``[B]`` lengths of the top level, shared by every sequence input."""
         if self.lengths is None:
-            self.lengths = self.input(self.builder.fresh("lengths"), np.int64, ["batch"])
+            self.lengths = self.input(self.lengths_name or self.builder.fresh("lengths"), np.int64,
+                                      ["batch"])
         return self.lengths
 
     def ragged_input(self, name, var, shared_top) -> Ragged:
@@ -227,6 +229,9 @@ def _step_net_model(rnn, output_all_steps, output_names):
         names = output_names
     inputs = [name for name, b in rnn.bindings.items() if b.kind != "init" or b.per_sequence]
     top = _TopGraph(rnn.name, taken=inputs)
+    # the documented ``lengths`` input keeps its name (a Parameter called so gets a suffix)
+    top.lengths_name = top.builder.fresh("lengths")
+    inputs.append(top.lengths_name)
     clash = sorted(set(names) & set(inputs)) or sorted(n for n in set(names) if names.count(n) > 1)
     if clash:
         raise StepNetError(f"export: output name(s) {clash} are used twice (the inputs are "

@@ -201,12 +201,20 @@ class Graph:
                 "Unsqueeze", [mask, self.ints(range(mask_rank, rank))], "mask")
         return self._expanded_masks[key]
 
+    def where(self, cond, a, b, dtype, base=None) -> str:
+        """``Where(cond, a, b)`` for values of ``dtype``; of booleans as
+        ``Or(And(cond, a), And(Not(cond), b))`` (onnxruntime has no boolean
+        ``Where``)."""
+        if np.dtype(dtype) != np.bool_:
+            return self.add("Where", [cond, a, b], base)
+        return self.add("Or", [self.add("And", [cond, a]),
+                               self.add("And", [self.add("Not", [cond]), b])], base)
+
     def masked(self, mask, mask_rank, value, rank, dtype, otherwise=None) -> str:
         """``Where(mask, value, otherwise)``; ``otherwise`` defaults to 0."""
         if otherwise is None:
             otherwise = self.const(0, dtype)
-        return self.add("Where", [self.expand_mask(mask, mask_rank, rank), value, otherwise],
-                        "masked")
+        return self.where(self.expand_mask(mask, mask_rank, rank), value, otherwise, dtype, "masked")
 
 
 # ----------------------------------------------------------------------------

@@ -560,7 +560,7 @@ def _where_rule(operands):
 def _where_onnx(g, e, operand):
     cond, a, b = e.inputs
     dtype = e.outputs[0].dtype
-    return g.add("Where", [operand(cond), operand(a, dtype), operand(b, dtype)])
+    return g.where(operand(cond), operand(a, dtype), operand(b, dtype), dtype)
 
 
 @register("where", _where_rule, np.where, "elementwise", 3,
