@@ -201,6 +201,59 @@ def test_a_plan_that_a_kernel_cannot_run_is_refused():
             RunPlan(2, 5, 20, groups, helper, False, "test").check()
 
 
+def test_run_each_from_a_pool_thread_never_waits_on_itself(monkeypatch):
+    """A run on the pool that runs items on the pool itself (a direction run
+    apart, cut into sequence groups), from several callers at once: an item
+    no pool thread has started runs on the thread that waits for it, so no
+    call waits for a pool thread that is itself waiting (here every run on
+    a pool of one thread)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(threads, "_POOL", None)
+
+    def nested(i):
+        return threads.run_each(lambda j: (i, j), range(2))
+
+    results = {}
+
+    def caller(c):
+        results[c] = threads.run_each(nested, range(2))
+
+    callers = [threading.Thread(target=caller, args=(c,), daemon=True) for c in range(4)]
+    for t in callers:
+        t.start()
+    deadline = time.monotonic() + 30
+    for t in callers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in callers), "a run_each waited forever"
+    assert all(results[c] == [[(i, j) for j in range(2)] for i in range(2)] for c in range(4))
+    assert threads._POOL._max_workers == 1
+
+
+@pytest.mark.slow
+def test_a_bidirectional_layer_on_four_threads_returns(rng, tmp_path):
+    """With 4 Numba threads (the default of a 4-core machine) each direction
+    of a bidirectional GRU runs apart on 2, cut into sequence groups on the
+    pool: forward and backward return, as the interpreter computes."""
+    from conftest import run_python
+
+    code = """
+import numpy as np, stepnet as sn
+rng = np.random.default_rng(0)
+gru = sn.nn.GRU(64, 16, direction="bidirectional_concat", seed=0)
+lengths = rng.integers(20, 40, 200).tolist()
+X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 64)).astype("float32"), [lengths])
+(Y, h), pullback = sn.vjp(gru, X)
+dX, = pullback([np.ones_like(Y.data), None], wrt=["X"])
+(Y0, h0), pullback0 = sn.vjp(gru, X, backend="interpreter")
+dX0, = pullback0([np.ones_like(Y.data), None], wrt=["X"])
+assert np.allclose(Y.data, Y0.data, atol=1e-5) and np.allclose(dX, dX0, atol=1e-4)
+print("returned")
+"""
+    assert "returned" in run_python(code, tmp_path, NUMBA_NUM_THREADS="4", STEPNET_TIERED="0")
+
+
 def test_a_forked_child_runs_work_on_threads_of_its_own():
     """The parent's pool of threads is not in a forked child: a layer's two
     directions given to it would wait forever."""

@@ -66,13 +66,18 @@ def run_each(fn, items):
     """``[fn(item) for item in items]``, the first on the calling thread and
     the others at the same time on the pool (``fn`` must release the GIL for
     its heavy part); a spinning helper is sent to sleep first (the pool's
-    threads take its core)."""
+    threads take its core). An item no pool thread has started runs on the
+    calling thread: a call from a pool thread (a direction run apart, cut in
+    groups) never waits for a pool thread that waits for it."""
     items = list(items)
     if len(items) <= 1:
         return [fn(item) for item in items]
     dismiss_helper()
     futures = [_pool(len(items) - 1).submit(fn, item) for item in items[1:]]
-    return [fn(items[0])] + [f.result() for f in futures]
+    results = [fn(items[0])]
+    for item, future in zip(items[1:], futures):
+        results.append(fn(item) if future.cancel() else future.result())
+    return results
 
 
 # a run of fewer data elements (rows by the widest value a step computes) than
