@@ -155,9 +155,12 @@ def _family_notes(family, threads):
 
             blas_note = f"{blas.BLAS_NAME} ({blas_choice.choose()['reason']})"
             notes["stepnet"] = f"{stepnet.__version__}, numba {numba.__version__}, BLAS {blas_note}"
-            small = [line for line in blas_info.describe().splitlines()
-                     if line.startswith("small products: ")]
-            notes[_SMALL_NOTE] = small[0][len("small products: "):] if small else "unknown"
+            # (the workloads are float32: that dtype's limits; "small products:" under
+            # STEPNET_DETERMINISTIC)
+            prefixes = ("small products, float32: ", "small products: ")
+            small = [line[len(p):] for line in blas_info.describe().splitlines()
+                     for p in prefixes if line.startswith(p)]
+            notes[_SMALL_NOTE] = small[0] if small else "unknown"
         elif family == "stepnet-int8":
             from stepnet.jit import int8_gemm
 

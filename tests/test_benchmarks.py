@@ -61,6 +61,7 @@ def test_quick_run_lists_its_workloads_and_stepnet_is_accurate(tmp_path, workloa
     chosen = ",".join(wl.split()[0] for wl in workloads)
     report = _quick_report(tmp_path, "--peers", "stepnet,numpy", "--no-compile",
                            "--workloads", chosen)
+    assert re.search(r"^stepnet's small products \(.*\): stepnet's own loop for ", report, re.M), report
     header = next(line for line in report.splitlines() if line.startswith("| workload"))
     assert "max\\|dh\\|" in header
     rows = _rows(report)

@@ -305,6 +305,11 @@ def test_stepnet_info_prints_the_choice(tmp_path):
     assert "BLAS: " in proc.stdout and "CPU: " in proc.stdout and "threads: " in proc.stdout
     assert "compile worker: none running" in proc.stdout
     assert re.search(r"stepnet's own loop: blocks of (6 rows x 32|5 rows x 16) columns", proc.stdout)
+    for dtype in ("float32", "float64"):  # (each dtype's limits, and the figures they come from)
+        assert re.search(rf"^small products, {dtype}: stepnet's own loop for .*\(measured", proc.stdout,
+                         re.M), proc.stdout
+        assert f"small products measured, {dtype}:" in proc.stdout
+    assert (cache / "small_products_float64.json").exists()
     # --measure: the kept measurements taken again, and what changed said
     kept = {name: (cache / name).read_text() for name in cli.MEASUREMENTS if (cache / name).exists()}
     assert "small_products.json" in kept
