@@ -508,8 +508,8 @@ SHARE_WINS = 0.9
 
 def _measured_small_rows(choice, time_both, time_shared, check, time_many, measure, dtype):
     """``small_product_rows``' limits as measured, or as kept."""
-    key, name = _measured_key(f"{_OWN_LOOP}; {dtype}", choice), "small_products.json"
-    name = name if dtype == "float32" else f"small_products_{dtype}.json"
+    key = _measured_key(f"{_OWN_LOOP}; {dtype}", choice)
+    name = "small_products.json" if dtype == "float32" else f"small_products_{dtype}.json"
     saved, off = _kept(name, key), None
     try:
         if saved is not None:

@@ -77,8 +77,6 @@ def status(root) -> dict | None:
 
 
 def compile_kernel(request) -> None:
-    import numba
-
     # (numba_cpu, imported, sets LLVM's vectorizer limits)
     from stepnet.jit import (blas, cache, loading, numba_cpu, product_timing,  # noqa: F401
                              threads, transposed)
@@ -95,13 +93,11 @@ def compile_kernel(request) -> None:
     module = loading.import_file(request["module"], path)
     loading.link_helpers(module)
     name = request.get("function", "program")
-    signature = pickle.loads(base64.b64decode(request["signature"]))
-    getattr(module, name).compile(signature)
+    getattr(module, name).compile(pickle.loads(base64.b64decode(request["signature"])))
     if name == "program":  # (a step-net's kernel: not a loop of the executor or of ONNX)
         threads.compile_helpers()  # (those Python calls too, not compiled with the kernel)
         # measured here, not in the first compiled call (float64's too for a float64 kernel)
-        product_timing.small_rows_table(float64=any(getattr(t, "dtype", None) == numba.float64
-                                                    for t in signature))
+        product_timing.small_rows_table(float64=request.get("float64", False))
     try:  # the mark loading.ready_marker names: a later process loads the kernel at once
         Path(path).with_suffix(".ready").touch()
     except OSError:
@@ -300,6 +296,7 @@ class Client:
 
         self.send({"key": kernel.key, "module": kernel.module.__name__,
                    "path": kernel.module.__file__, "function": function, "blas": blas.SIGNATURE,
+                   "float64": getattr(kernel, "float64", False),  # (NumbaProgram.float64)
                    "signature": base64.b64encode(pickle.dumps(signature)).decode()}, callback)
 
     def send(self, request, callback):
