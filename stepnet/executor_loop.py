@@ -96,8 +96,8 @@ def _loop_source(dtype):
     (the weights, ``e`` columns) into ``c``, as the kernels' per-step products
     (``blas.pack`` once a call, ``blas.gemm_packed`` on ``board`` and the
     measured ``small_rows``: the own loop or the chosen BLAS); with a
-    ``chunk``, a hoisted stage's (``blas.gemm_hoisted``, as the kernels'
-    chunks), every ``chunk``-th step over the rows of the steps to the next.
+    ``chunk``, a hoisted stage's, every ``chunk``-th step over the rows of
+    the steps to the next (packed for that many rows, as the kernels' chunks).
     ``table`` holds each operand's and result's address, row stride, whether a
     row holds ``width`` values (else one, broadcast), and the stride by which a
     step's first token moves its first row (-1: rows at the caller's,
@@ -122,8 +122,7 @@ def _loop_source(dtype):
              "                end = min(t + chunk, steps) - 1",
              "                rows = starts[end] + active[end] - lo",
              "            if prog[p, 0] == 1:",
-             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm,",
-             "                        small_rows, board)",
+             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm)",
              "                continue",
              "            width = prog[p, 3]",
              "            tile = max(1, registers.shape[1] // width)  # rows a register holds",
@@ -162,7 +161,7 @@ def _loop_source(dtype):
         lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
-                       imports=["from stepnet.jit.blas import gemm_hoisted, gemm_packed, pack",
+                       imports=["from stepnet.jit.blas import gemm_packed, pack",
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
 
@@ -172,7 +171,7 @@ def _product_source(dt):
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
-            "def product(p, table, rows, lo, scratch, prepared, perm, small_rows, board):",
+            "def product(p, table, rows, lo, scratch, prepared, perm):",
             "    left, k, n = p[1], p[4], p[5]",
             "    if rows == 0:",
             "        return",
@@ -185,10 +184,7 @@ def _product_source(dt):
             "            for j in range(k):",
             "                scratch[i * k + j] = src[j]",
             "        a = scratch[:rows * k].reshape((rows, k))",
-            "    if p[6] > 0:  # (a hoisted stage's chunk: as the kernels' chunks)",
-            "        gemm_hoisted(a, prepared[1], out, small_rows, board)",
-            "    else:",
-            "        gemm_packed(a, prepared, out)",
+            "    gemm_packed(a, prepared, out)",
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
