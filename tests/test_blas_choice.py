@@ -333,6 +333,7 @@ def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkey
     from stepnet.jit import blas_choice
 
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_choice, "measured_on_free_cores", lambda measure, tries=3: (measure(), True))
     for own_s, lib_s in ((1.0, 2.0), (2.0, 1.0)):
         calls = []
 
@@ -347,7 +348,8 @@ def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkey
             assert blas_choice.transposed_by_own_loop(blas._choice, time_both) == (own_s < lib_s)
             assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
                 (lib_s < own_s)
-        assert calls == [(*blas_choice._TN_SHAPE, "float32"), (*blas_choice._TN_SHAPE, "float64")]
+        # (measured, then each kept record checked where read again)
+        assert calls == [(*blas_choice._TN_SHAPE, dtype) for dtype in ("float32", "float64") * 2]
         kept = json.loads((tmp_path / "transposed_products.json").read_text())
         assert kept["seconds"] == {"float32": [own_s, lib_s], "float64": [lib_s, own_s]}
     # a file of the earlier form (one pair of seconds): measured again
@@ -357,3 +359,22 @@ def test_the_transposed_products_loop_is_measured_once_and_kept(tmp_path, monkey
     assert blas_choice.transposed_by_own_loop(blas._choice, time_both, "float64") == \
         (lib_s < own_s)
     assert calls == [(*blas_choice._TN_SHAPE, "float64")]
+
+
+def test_a_transposed_products_record_that_is_off_is_measured_again(tmp_path, monkeypatch):
+    """A kept record more than ``DISAGREES`` off the products timed now (it
+    was taken on a busy machine) is measured again, and the choice follows."""
+    from stepnet.jit import blas_choice
+
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_choice, "measured_on_free_cores", lambda measure, tries=3: (measure(), True))
+    now = [(1.0, 2.0)]  # (own, library) seconds the products take now
+    assert blas_choice.transposed_by_own_loop(blas._choice, lambda *shape: now[0])
+    now[0] = (0.3, 0.2)
+    assert not blas_choice.transposed_by_own_loop(blas._choice, lambda *shape: now[0])
+    assert blas_choice._TRANSPOSED["float32"]["reason"].startswith("measured again (the kept")
+    kept = json.loads((tmp_path / "transposed_products.json").read_text())
+    assert kept["seconds"]["float32"] == [0.3, 0.2]
+    now[0] = (0.4, 0.25)  # (within DISAGREES of the record: kept)
+    assert not blas_choice.transposed_by_own_loop(blas._choice, lambda *shape: now[0])
+    assert blas_choice._TRANSPOSED["float32"]["reason"] == "measured (cached)"

@@ -578,7 +578,9 @@ def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
     stepnet's own loop rather than the library's: the faster one on
     ``_TN_SHAPE``, one thread (``time_both(rows, m, n, dtype)``: the seconds
     of each), measured once per machine, library and dtype and kept in
-    ``STEPNET_CACHE_DIR/transposed_products.json`` (a record per dtype)."""
+    ``STEPNET_CACHE_DIR/transposed_products.json`` (a record per dtype); a
+    kept record is checked where first read (``disagreement``: one taken
+    while the machine was busy is measured again)."""
     key = _measured_key(_OWN_TN, choice)
     saved = _kept("transposed_products.json", key)
     measured = {}
@@ -588,11 +590,13 @@ def transposed_by_own_loop(choice, time_both, dtype="float32") -> bool:
                         for name, (own, lib) in saved["seconds"].items()}
     except (ValueError, TypeError, KeyError, AttributeError):
         measured = {}  # a file of another form: measured again
-    if dtype in measured:
+    off = disagreement(measured[dtype], lambda: time_both(*_TN_SHAPE, dtype)) \
+        if dtype in measured else None
+    if dtype in measured and off is None:
         reason = "measured (cached)"
     else:
         measured[dtype] = [float(s) for s in time_both(*_TN_SHAPE, dtype)]
-        reason = "measured"
+        reason = _measured(off)
         _keep("transposed_products.json", {"key": key, "shape": _TN_SHAPE, "seconds": measured})
     for name, seconds in measured.items():
         _TRANSPOSED[name] = {"seconds": tuple(seconds),
