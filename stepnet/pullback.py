@@ -153,8 +153,8 @@ class Pullback:
                     and mi not in eqn.attrs.get("ragged_memories", {})):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name}'s ragged output "
-                    f"{res.name} (its rows over a ragged static input at every step) runs on "
-                    "backend='interpreter' only")
+                    f"{res.name} (a sequence of rows at every step: a nested net's every step, "
+                    "or rows over a ragged static input) runs on backend='interpreter' only")
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn

@@ -649,6 +649,32 @@ def test_the_nested_net_of_the_unsupported_forms_is_supported():
     fd_check(rnn, rnn.parameters() + ["X", "h"], flags)
 
 
+@pytest.mark.slow  # (a nested kernel's compile; the refusal itself: test_attention's, in the default run)
+def test_a_nested_nets_every_step_as_an_output_is_refused_for_what_it_is():
+    """The gradient of an output that is a nested net's every step (a
+    sequence of rows at each step, no ragged static input) is refused on
+    the kernels by a message that says what the output is."""
+    rng = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 2)), [[2, 0, 3], [3, 1, 0, 2, 1]])
+    W = sn.Parameter(rng.standard_normal((2, 3)), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[3], name="h", dtype=np.float64)
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            hw = inner.add_memory(shape=[3], name="hw", dtype=np.float64)
+            hw.update(sn.ops.tanh(inner.add_input(x, name="w") @ W + hw.pre_state()))
+            inner.add_outputs(hw)
+        rnn.add_outputs(inner())
+        h.update(h.pre_state())
+    G = np.ones_like(rnn(backend="interpreter").data)
+    assert sn.gradients(rnn, [W], [G], backend="interpreter")[0].shape == (2, 3)
+    with pytest.raises(sn.UnsupportedError, match=r"ragged output t\S+ \(a sequence of rows at every "
+                                                  r"step: a nested net's every step"):
+        sn.gradients(rnn, [W], [G], backend="numba")
+
+
 @pytest.mark.parametrize("form", list(UNSUPPORTED))
 def test_documented_unsupported_gradients_raise(form):
     """docs/gradients.md, "Not supported": UnsupportedError when the
