@@ -290,6 +290,8 @@ def cmd_run(args) -> int:
     if args.output and not shards and (Path(args.output).is_dir() or args.output.endswith("/")):
         raise Error(f"--output {args.output!r} is a directory; one batch's outputs go to one "
                     f"file: give its name (such as {str(Path(args.output) / 'outputs.npz')!r})")
+    if args.output and not shards:
+        _writable_folder(Path(args.output).parent, args.output)
     model = _load(args)
     backend = args.backend or default_backend()
     if args.cluster:
@@ -463,6 +465,15 @@ def _compile_line(backend, first, median) -> str:
                 "the kernels were already compiled)")
     return (f"{_seconds(extra)} (first call {_seconds(first)} minus the median run; kernels "
             "cached on disk load faster than they compile)")
+
+
+def _writable_folder(folder, output):
+    """Refuse ``--output`` before the run where its folder cannot take it."""
+    folder = folder if str(folder) else Path(".")
+    if not folder.is_dir():
+        raise Error(f"--output {output!r}: no folder {str(folder)!r} to write it in")
+    if not os.access(folder, os.W_OK):
+        raise Error(f"--output {output!r}: the folder {str(folder)!r} is not writable")
 
 
 def cmd_export(args) -> int:

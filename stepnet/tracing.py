@@ -321,6 +321,10 @@ class Value:
         """Basic slicing of feature axes: ``x[:, 0:64]``."""
         if not isinstance(index, tuple):
             index = (index,)
+        if len(index) > len(self.shape):
+            dims = ", ".join("B" if d is None else str(d) for d in self.shape)
+            raise StepNetError(f"{len(index)} indices for a step value of {len(self.shape)} axes "
+                               f"([{dims}], the batch axis B first)")
         out = self
         for axis, item in enumerate(index):
             if not isinstance(item, slice) or item.step not in (None, 1):

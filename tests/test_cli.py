@@ -396,6 +396,15 @@ def test_output_that_is_a_directory_is_refused_before_the_run(tmp_path):
     assert not list(tmp_path.parent.glob(f"{tmp_path.name}.npz"))
 
 
+def test_output_in_a_missing_folder_is_refused_before_the_run(tmp_path):
+    target = tmp_path / "missing" / "out.npz"
+    proc = stepnet("run", EXAMPLES / "custom_cell.yaml", "--output", target)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"stepnet: error: --output {str(target)!r}: no folder "
+                                   f"{str(target.parent)!r} to write it in"), proc.stderr
+    assert "outputs" not in proc.stdout  # (refused before the model ran)
+
+
 def test_a_file_that_is_no_npz_is_named_as_such(tmp_path):
     """An .npy file, or bytes that are no zip archive, given where an .npz is
     read: said so (NumPy would offer to unpickle the latter)."""

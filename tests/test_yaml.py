@@ -415,6 +415,11 @@ ERRORS = [
     ("syntax", "x @ W +", "x @@ W +", 12, "nets.rnn.step[0]", "syntax error"),
     ("wrong arguments", "tanh(x @ W + h.pre @ U)", "tanh(x @ W + h.pre @ U, 2)", 12,
      "nets.rnn.step[0]", "tanh()"),
+    ("slice of more axes than the value has", "x @ W +", "x[:, 0:3, 0:1] @ W +", 12,
+     "nets.rnn.step[0]", "3 indices for a step value of 2 axes ([B, 3], the batch axis B first)"),
+    ("keyword as a name", "  U: {shape: [4, 4], init: orthogonal}",
+     "  U: {shape: [4, 4], init: orthogonal}\n  if: {shape: [4]}", 6, "parameters.if",
+     "'if' is a Python keyword, which an expression cannot name; choose another name"),
     ("reassigned name", "- h = tanh(x @ W + h.pre @ U)",
      "- a = x @ W\n      - a = a + 1\n      - h = tanh(a + h.pre @ U)", 13, "nets.rnn.step[1]",
      "already defined"),
@@ -432,6 +437,17 @@ def test_errors_name_file_line_and_key(tmp_path, case):
     assert message.startswith(f"{path}:{line}: {key}: "), message
     assert fragment in message, message
     assert (info.value.file, info.value.line, info.value.key) == (str(path), line, key)
+
+
+def test_a_function_of_numbers_alone_is_a_weakly_typed_number(tmp_path):
+    """``exp(1)`` in a float32 step is a number, as ``2.718...`` is: the
+    values it scales stay float32 (a float64 constant would make them
+    float64, and a memory updated so would be refused)."""
+    step = "h = tanh(x @ W + h.pre @ U) * tanh(1)\n      - e = h * exp(1) + sum(1)"
+    model = sn.load_yaml(write(tmp_path, MINIMAL.replace("h = tanh(x @ W + h.pre @ U)", step)
+                               .replace("outputs: [h]", "outputs: [e]")))
+    out = model(model.random_feeds(seed=0), backend="interpreter")["out"]
+    assert out.data.dtype == np.float32
 
 
 def test_minimal_model_loads(tmp_path):

@@ -9,6 +9,7 @@ so every error can say ``file:line: key: what is wrong``.
 from __future__ import annotations
 
 import difflib
+import keyword
 import re
 from pathlib import Path
 
@@ -129,6 +130,9 @@ class Document:
     def name(self, value, path):
         if not isinstance(value, str) or not value.isidentifier():
             raise self.error(path, f"{value!r} is not a valid name (letters, digits and _)")
+        if keyword.iskeyword(value):
+            raise self.error(path, f"{value!r} is a Python keyword, which an expression cannot "
+                                   "name; choose another name")
         return value
 
 

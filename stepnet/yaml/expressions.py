@@ -318,7 +318,11 @@ class Evaluator:
             if kw.arg is None:
                 self.fail(node, "**kwargs is not allowed")
             kwargs[kw.arg] = self._number(kw.value)
-        return call_function(name, args, kwargs, lambda msg: self.fail(node, msg))
+        result = call_function(name, args, kwargs, lambda msg: self.fail(node, msg))
+        if args and all(type(a) in (int, float) for a in args) and np.ndim(result) == 0 \
+                and isinstance(result, (np.number, np.ndarray)):
+            return result.item()  # (a function of numbers is a number: weakly typed, as they are)
+        return result
 
     def _cell(self, name):
         from ..nn.step_cells import _Cell
