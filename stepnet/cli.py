@@ -469,7 +469,6 @@ def _compile_line(backend, first, median) -> str:
 
 def _writable_folder(folder, output):
     """Refuse ``--output`` before the run where its folder cannot take it."""
-    folder = folder if str(folder) else Path(".")
     if not folder.is_dir():
         raise Error(f"--output {output!r}: no folder {str(folder)!r} to write it in")
     if not os.access(folder, os.W_OK):
