@@ -907,6 +907,22 @@ def test_unsupported_attribute_names_the_attribute():
         InferenceSession(model)
 
 
+def test_constant_inputs_of_one_type_parameter_and_two_types_are_refused():
+    """A GRU's W float32 and B float64 (both the schema's T): refused when the
+    session is made, naming the node and both inputs, as onnxruntime refuses it."""
+    H = 2
+    inits = [numpy_helper.from_array(np.zeros((1, 3 * H, 3), np.float32), "W"),
+             numpy_helper.from_array(np.zeros((1, 3 * H, H), np.float32), "R"),
+             numpy_helper.from_array(np.zeros((1, 6 * H), np.float64), "B")]
+    node = helper.make_node("GRU", ["X", "W", "R", "B"], ["Y"], name="g1", hidden_size=H)
+    graph = helper.make_graph([node], "g", [_float("X", [None, None, 3])], [_float("Y")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    with pytest.raises(sn.Error, match=r"'g1' \(GRU\): input 3 \(B\) 'B' is a tensor\(double\) "
+                                       r"and input 1 \(W\) 'W' a tensor\(float\); the operator "
+                                       r"takes both as one type \(T\)"):
+        InferenceSession(model, backend="interpreter")
+
+
 def test_unknown_domain_is_refused():
     node = helper.make_node("Foo", ["a"], ["b"], domain="com.example", name="f")
     graph = helper.make_graph([node], "g", [_float("a")], [_float("b")])

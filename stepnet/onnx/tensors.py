@@ -70,6 +70,7 @@ def check_constant_types(proto, schema, known, where):
 
     allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
     formals = list(schema.inputs)
+    bound = {}  # a type parameter -> the first constant input of it: (its type, index, formal, name)
     for i, name in enumerate(proto.input):
         value = known.get(name) if name else None
         if not isinstance(value, np.ndarray) or not formals:
@@ -84,3 +85,9 @@ def check_constant_types(proto, schema, known, where):
         if given not in takes:
             raise Error(f"{where}: input {i} ({formal.name}) {name!r} is a {given}, it takes "
                         f"{', '.join(sorted(takes))}")
+        first = bound.setdefault(formal.type_str, (given, i, formal.name, name)) \
+            if formal.type_str in allowed else None
+        if first is not None and first[0] != given:
+            raise Error(f"{where}: input {i} ({formal.name}) {name!r} is a {given} and input "
+                        f"{first[1]} ({first[2]}) {first[3]!r} a {first[0]}; the operator takes "
+                        f"both as one type ({formal.type_str})")
