@@ -177,7 +177,9 @@ class ProgramState:
             arr, name = value.value, value.name
         else:
             arr, name = np.asarray(value), None
-        dtype = compute_dtype(arr.dtype, f"constant {name or ''}".strip())
+        # (a mask array, as a comparison gives: a boolean constant, read as one)
+        dtype = arr.dtype if arr.dtype == np.bool_ and not isinstance(value, Parameter) else \
+            compute_dtype(arr.dtype, f"constant {name or ''}".strip())
         var = Var(self.fresh(name or "c"), dtype, tuple(arr.shape))
         self.consts[key] = (var, value)
         return var

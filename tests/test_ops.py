@@ -664,6 +664,17 @@ def test_neg_refuses_a_mask():
         step_net([_lod(F32)], lambda x: -(x > 0))
 
 
+def test_where_takes_a_constant_mask_on_every_backend():
+    """A NumPy boolean array as the condition ("boolean step value or array"):
+    a constant mask broadcast against the step's rows, as NumPy's where, on
+    every backend."""
+    X = _lod(F32, width=4)
+    mask = np.array([True, False, False, True])
+    rnn, _ = step_net([X], lambda x: sn.ops.where(mask, x, -2 * x))
+    expected = assert_backends_agree(rnn)
+    np.testing.assert_array_equal(expected.data, np.where(mask, X.data, -2 * X.data))
+
+
 def test_where_needs_a_bool_condition_and_an_array_branch():
     X = _lod(F32)
     with pytest.raises(sn.ShapeError, match="where"):
@@ -706,6 +717,11 @@ def test_matmul_refuses_moving_the_batch_axis_and_scalars():
     W = sn.Parameter(np.ones((2, 3), np.float32))
     _raises_naming(lambda x: W @ x, [X], "matmul", "f32[2,3]", "f32[B,3]")
     _raises_naming(lambda x: sn.ops.matmul(x, 2.0), [X], "matmul")
+    # stacked: the step value's [B] against the weights' [2] before the last two
+    X3 = sn.LoDTensor.from_lengths(np.ones((3, 2, 4), np.float32), [[1, 2]])
+    P = sn.Parameter(np.ones((2, 4, 3), np.float32))
+    message = _raises_naming(lambda x: x @ P, [X3], "matmul", "f32[B,2,4]", "f32[2,4,3]")
+    assert "the dimensions before the last two do not broadcast" in message, message
 
 
 BROADCASTING_OPS = sorted(set(ARITHMETIC) | set(COMPARISONS))

@@ -323,7 +323,8 @@ class _Kernels:
         code = registry.get(e.op).cuda
         if callable(code):
             return code(*args, **{k: _number(dt, v) for k, v in e.attrs.items() if v is not None})
-        return code.format(*args, one=f"{dt}(1.0)", zero=f"{dt}(0.0)")
+        return code.format(*args, one=f"{dt}(1.0)", zero=f"{dt}(0.0)", inf=f"{dt}(math.inf)",
+                           nan=f"{dt}(math.nan)", dt=dt)
 
     def _gemm(self, stage):
         """``a @ W`` (W a 2-D constant) on the per-stage path: a row-dot per

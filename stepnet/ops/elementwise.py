@@ -279,6 +279,12 @@ def abs(x):
 # sigmoid and softplus call exp only on -|x| (no overflow, and on the
 # simulator Python's math.exp raises where CUDA's gives inf): with
 # e = exp(-|x|), sigmoid is 1/(1+e) for x >= 0 and e/(1+e) below, one exp.
+# exp, log and sqrt give CUDA's inf and NaN themselves where Python's math
+# raises (an overflow, a value out of their domain), the same on a GPU
+# (709: above it a double's exp overflows).
+_EXP_CUDA = "(math.exp({0}) if not ({0} > {dt}(709.0)) else {inf})"
+_LOG_CUDA = "(math.log({0}) if {0} > {zero} else (-{inf} if {0} == {zero} else {nan}))"
+_SQRT_CUDA = "(math.sqrt({0}) if not ({0} < {zero}) else {nan})"
 
 _RELU_CUDA = "({0} if not ({0} <= {zero}) else {zero})"
 _EXP_NEG_ABS = "math.exp(-abs({0}))"
@@ -287,7 +293,7 @@ _SIGMOID_CUDA = (f"({{one}} / ({{one}} + {_EXP_NEG_ABS})"
 
 
 @register("exp", unary_float_rule("exp"), np.exp, "elementwise", 1,
-          grad=derivative(lambda em, x, y: y), numba="np.exp({0})", cuda="math.exp({0})",
+          grad=derivative(lambda em, x, y: y), numba="np.exp({0})", cuda=_EXP_CUDA,
           onnx="Exp", onnx_import="Exp")
 def exp(x):
     """Elementwise ``exp(x)``.
@@ -314,7 +320,7 @@ def exp(x):
 
 @register("log", unary_float_rule("log"), np.log, "elementwise", 1,
           grad=lambda em, e, g: [em.op("div", g, em.val(e.inputs[0]))],
-          numba="np.log({0})", cuda="math.log({0})", onnx="Log", onnx_import="Log")
+          numba="np.log({0})", cuda=_LOG_CUDA, onnx="Log", onnx_import="Log")
 def log(x):
     """Elementwise ``log(x)`` (natural logarithm).
 
@@ -340,7 +346,7 @@ def log(x):
 
 @register("sqrt", unary_float_rule("sqrt"), np.sqrt, "elementwise", 1,
           grad=derivative(lambda em, x, y: em.op("div", HALF, y)), numba="np.sqrt({0})",
-          cuda="math.sqrt({0})", onnx="Sqrt", onnx_import="Sqrt")
+          cuda=_SQRT_CUDA, onnx="Sqrt", onnx_import="Sqrt")
 def sqrt(x):
     """Elementwise ``sqrt(x)``.
 

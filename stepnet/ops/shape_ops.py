@@ -52,7 +52,14 @@ def _matmul_rule(operands):
         def __init__(self, s):
             self.shape = s
 
-    stack = broadcast("matmul", [_S(ma[:-2]), _S(mb[:-2])]) if len(ma) > 2 or len(mb) > 2 else ()
+        def type_str(self):  # (for broadcast's message, replaced below)
+            return str(list(self.shape))
+
+    try:
+        stack = broadcast("matmul", [_S(ma[:-2]), _S(mb[:-2])]) if len(ma) > 2 or len(mb) > 2 else ()
+    except ShapeError:
+        raise ShapeError(f"matmul: the dimensions before the last two do not broadcast (the step "
+                         f"value's batch axis among them): {shape_str(a)} @ {shape_str(b)}") from None
     out = stack + (ma[-2], mb[-1])
     if len(sa) == 1:
         out = out[:-2] + out[-1:]
