@@ -270,7 +270,8 @@ def test_every_op_exports(dtype, rng):
 def test_boolean_values_and_outputs_export_to_what_onnxruntime_runs(rng):
     """A boolean ``where`` in the step and boolean outputs of every step and
     of the last (masked past a sequence's end): onnxruntime has no boolean
-    ``Where``, so they export as ``And``/``Or``/``Not``, to stepnet's values."""
+    ``Where``, so they export as ``And``/``Or``/``Not``, to stepnet's values; a
+    constant mask (a NumPy boolean array) exports as a boolean initializer."""
     X = lod(rng, [LENGTHS], 3)
     W = weight(rng, 3, 4, name="W")
     rnn = sn.create_rnn_op()
@@ -279,11 +280,14 @@ def test_boolean_values_and_outputs_export_to_what_onnxruntime_runs(rng):
         h = rnn.add_memory(shape=[4], name="h")
         hp = h.pre_state()
         c = sn.ops.where(sn.ops.greater(x @ W, 0.0), sn.ops.less(hp, 0.2), sn.ops.greater(hp, -0.2))
-        h.update(sn.ops.where(c, sn.ops.tanh(x @ W + hp), hp * 0.5))
+        mask = np.array([True, False, True, True])  # (a constant mask too)
+        h.update(sn.ops.where(c, sn.ops.tanh(x @ W + hp), sn.ops.where(mask, hp * 0.5, hp)))
         rnn.add_outputs(h, c, sn.ops.greater(h, 0.1))
     for flags in ((True, True, False), (False, False, True)):
         actual, expected, model = run_step_net(rnn, flags)
         assert "Where" in all_node_types(model.graph)  # (the float one stays)
+        assert [4] in [list(i.dims) for i in model.graph.initializer
+                       if i.data_type == onnx.TensorProto.BOOL]
         for a, e in zip(actual, expected):
             assert a.dtype == e.dtype
             assert_close(a, e)
