@@ -447,10 +447,11 @@ class Function:
             if kind == "sequence":
                 small.append(np.zeros((1, 1) + tuple(a.shape[2:]), a.dtype))
                 small_lengths.append(np.ones(1, np.int64))
-            else:  # a batch of one: a layer's states are [layers, B, H]
+            else:  # a batch of one: a layer's states are [layers, B, H]; a number stays one
                 axis = 1 if self.flags is None else 0
                 shape = list(a.shape)
-                shape[axis] = 1
+                if len(shape) > axis:
+                    shape[axis] = 1
                 small.append(np.zeros(shape, a.dtype))
         flat = self._flat(self._run(spec, small, small_lengths, "interpreter"))
         structs = []

@@ -455,6 +455,7 @@ def _layer_options(layer, dtype):
         "activation_alpha": layer.activation_alpha,
         "activation_beta": layer.activation_beta,
         "clip": layer.clip,
+        "bias": layer.bias,
         "dtype": dtype,
     }
     options.update({key: getattr(layer, key) for key in layer.kind.options})

@@ -83,6 +83,19 @@ def test_a_step_net_under_jit_and_grad_equals_a_jax_scan():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_an_initial_memory_given_as_a_number_or_one_row():
+    """As in a direct call, every sequence's initial state (it failed inside
+    the bridge, finding the outputs' shapes)."""
+    rng = np.random.default_rng(0)
+    f = sj.function(_tanh_net(rng), output_all_steps=[True, False])
+    x, s = _padded(rng, 3), np.ones((len(LENGTHS), 1), np.float32)
+    rows = f(f.params, x=(x, LENGTHS), s=s, h=np.full((len(LENGTHS), 4), 0.5, np.float32))
+    for h in (0.5, np.full(4, 0.5, np.float32)):
+        got = jax.jit(lambda p, h=h: f(p, x=(x, LENGTHS), s=s, h=h))(f.params)
+        for a, b in zip(got, rows):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_a_layer_equals_the_layer_and_its_pullback():
     rng = np.random.default_rng(1)
     layer = sn.nn.GRU(3, 4, direction="bidirectional_concat", seed=2)

@@ -291,6 +291,17 @@ def test_to_float64_rebuilds_the_layer_and_keeps_the_torch_parameters(gru_pair):
         m(x)
 
 
+def test_to_float64_keeps_a_layer_without_biases():
+    """``.double()`` of a layer module made with ``bias=False`` builds it
+    again without biases (it was rebuilt with them: refused half-converted)."""
+    g = torch.nn.GRU(3, 4, bias=False, batch_first=True)
+    m = st.Module(sn.nn.GRU.from_torch(g))
+    m.double()
+    assert m.wrapped.dtype == np.float64 and not m.wrapped.bias
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    close(m(x)[0], copy.deepcopy(g).double()(x)[0], torch.float64)
+
+
 def test_unsupported_conversions_are_refused_before_anything_changes(gru_pair):
     _, m = gru_pair
     with pytest.raises(sn.UnsupportedError, match="float32 or float64, not torch.float16"):
