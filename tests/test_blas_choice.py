@@ -155,6 +155,7 @@ def test_one_library_or_none_is_taken_without_measuring(libraries, tmp_path):
 
 def test_a_requested_library_is_taken_or_warned_about(libraries, monkeypatch):
     libraries["found"] = {"mkl": blas_choice.Library("mkl", "/lib/mkl.so", None)}
+    monkeypatch.delitem(sn.config._started, "blas", raising=False)  # (as before the engine starts)
     monkeypatch.setenv("STEPNET_BLAS", "mkl")
     assert blas_choice._choose()["name"] == "mkl"
     monkeypatch.setenv("STEPNET_BLAS", "openblas")
@@ -186,6 +187,7 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
     # would otherwise make some of them crowded; that rule has its own test)
     monkeypatch.setattr(blas_choice, "_busy_seconds", lambda: None)
     monkeypatch.delenv("STEPNET_SMALL_PRODUCTS", raising=False)
+    monkeypatch.delitem(sn.config._started, "small_products", raising=False)
     choice = {"name": "mkl", "cpu": "a CPU", "libraries": {"mkl": "/lib/libmkl_rt.so"}}
     asked, asked_shared = [], []
 
@@ -262,8 +264,11 @@ def test_the_small_product_rows_are_the_cheapest_measured(tmp_path, monkeypatch)
         tuple((size, 256, 1) for size in sizes)
     assert blas_choice._SMALL_PRODUCTS["float32"]["reason"] == "measured (cached)"
     assert blas_choice._SMALL_PRODUCTS["float64"]["reason"] == "measured"
+    # (each value read as the engine starts)
+    monkeypatch.delitem(sn.config._started, "small_products", raising=False)
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "3")
     assert blas_choice.small_product_rows(choice, None) == ((1 << 62, 3, 1),)  # (none timed)
+    monkeypatch.delitem(sn.config._started, "small_products")
     monkeypatch.setenv("STEPNET_SMALL_PRODUCTS", "many")
     with pytest.raises(sn.UnsupportedError, match="STEPNET_SMALL_PRODUCTS='many'"):
         blas_choice.small_product_rows(choice, None)

@@ -138,6 +138,22 @@ def test_engine_settings_hold_once_the_engine_started(tmp_path):
     assert lines[2] == "True"
 
 
+def test_engine_settings_a_block_started_the_engine_with_hold_after_it(tmp_path):
+    """The small products' limit and the BLAS the engine started with inside
+    a block hold after the block: float64's limits are float32's (they were
+    measured, and the two tables could not be joined), ``choose`` names the
+    started library."""
+    out = _fresh(
+        "import stepnet as sn\n"
+        "with sn.config(small_products=7, blas='numpy'):\n"
+        "    from stepnet.jit import blas_choice, product_timing\n"
+        "    product_timing.small_rows_table()\n"
+        "table = product_timing.small_rows_table(float64=True)\n"
+        "print(table.shape, table[1].tolist(), table[4].tolist(), blas_choice.choose()['name'])\n",
+        STEPNET_CACHE_DIR=str(tmp_path / "cache"))
+    assert out.strip() == "(6, 1) [7] [7] numpy"
+
+
 def test_debug_prints_the_source_to_stderr(capsys):
     X = sn.LoDTensor.from_lengths(np.zeros((3, 2), np.float32), [[3]])
     with sn.config(debug=True, tiered=False):

@@ -266,7 +266,7 @@ def choose() -> dict:
 
 def _choose():
     """``choose``'s choice, made (or read from the cache) again."""
-    requested = config.blas or ""
+    requested = config.engine("blas") or ""  # (what the engine started with, once it has)
     cpu = _cpu_name()
     found = {}
     if requested in ("", "mkl"):
@@ -490,7 +490,7 @@ def small_product_rows(choice, time_both, time_shared=None, check=True, time_man
     ``measured_on_free_cores``; the file says so), it is shared. A kept
     table is checked where ``check`` (``disagreement``: ``_CHECKED`` again);
     none kept and not ``measure``: None."""
-    requested = config.small_products
+    requested = config.start_engine("small_products")  # (what the engine started with)
     if requested is not None:
         limits = ((EVERY_PRODUCT, requested, 1),)
         _SMALL_PRODUCTS[dtype] = {"limits": limits, "reason": "STEPNET_SMALL_PRODUCTS",
