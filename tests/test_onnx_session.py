@@ -419,6 +419,27 @@ def test_a_streaming_bidirectional_nodes_directions_run_apart(monkeypatch, run_a
     assert streamed[-2:] == [True, True], streamed
 
 
+def test_a_read_only_view_fed_as_weights_is_read_again_at_each_call(rng):
+    """A weight fed as a read-only view of the caller's array, which changes
+    in place between calls, is the caller's (its values read at each call),
+    not one of the session's constants (kept by identity: the first call's
+    weights ran again)."""
+    arrays = _gru_arrays(rng)
+    node = helper.make_node("GRU", ["X", "W", "R", "B"], ["Y", "Y_h"], hidden_size=6)
+    model = _model([node], [_info("X", arrays["X"]), _info("R", arrays["R"])],
+                   [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("Y", "Y_h")],
+                   [numpy_helper.from_array(arrays[k], k) for k in ("W", "B")])
+    session = InferenceSession(model, backend="interpreter")
+    R = arrays["R"].copy()
+    view = R.view()
+    view.flags.writeable = False
+    for call in range(3):
+        feeds = {"X": arrays["X"], "R": view}
+        assert_close(session.run(None, feeds), _ort_run(model, {**feeds, "R": R.copy()}),
+                     what=f"call {call}")
+        R *= 0.5  # (the caller's array, changed in place)
+
+
 @pytest.mark.parametrize("direction, layout", [("forward", 0), ("bidirectional", 1)])
 def test_recurrent_node_called_again_and_again(direction, layout, rng):
     """A streaming model's calls (same weights, states fed back) take the

@@ -31,7 +31,7 @@ from .fusion import fuse
 from .lowering import lower, pending as lowering_pending
 from .gradient import GradientNode
 from .ops import OPS, UNKNOWN, NodeContext, OnnxOp, is_step
-from .recurrent import RecurrentNode
+from .recurrent import RecurrentNode, session_constant
 from .reference import ReferenceOp
 from .scan import ScanNode
 from .schema import attributes, check_node, node_schema, type_params, value_info
@@ -332,7 +332,7 @@ class Graph:
                             for k, v in {**self.run_constants, **self.defaults}.items()}
         for value in [*self.initializers.values(), *self.constants.values(),
                       *self.constants32.values()]:
-            _read_only(value)  # shared by every run
+            session_constant(value)  # shared by every run
         self.widen = True  # a node may meet float16 (no_widening clears it)
         self.decided, self.rest, self.memo = [], self.plan, {}
         self.fused = {}  # key -> its plan with runs of elementwise nodes fused (_fuse)
@@ -386,7 +386,7 @@ class Graph:
         self._run(env, backend, step, rows, float16_as_float32, self.plan, key)
         if len(self.memo) >= 16:
             self.memo.clear()
-        known = {n: _read_only(env[n].copy() if isinstance(env[n], np.ndarray) else env[n])
+        known = {n: session_constant(env[n].copy() if isinstance(env[n], np.ndarray) else env[n])
                  for n in self.decided}
         plan, constants = self.rest, True
         if plain:
@@ -568,10 +568,6 @@ class _Copy:
         env[self.out] = env[self.inputs[0]]
 
 
-def _read_only(value):
-    if isinstance(value, np.ndarray):
-        value.flags.writeable = False
-    return value
 
 
 def has_decided(graph) -> bool:

@@ -10,6 +10,8 @@ Gradient operator's pullback.) The ``Scan`` node is :mod:`stepnet.onnx.scan`.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .. import nn
@@ -509,11 +511,23 @@ def _places(offsets):
             np.repeat(np.arange(lengths.shape[0]), lengths))
 
 
+_CONSTANTS = weakref.WeakValueDictionary()  # id -> each session's read-only constant
+
+
+def session_constant(a):
+    """``a``, one of a session's constants (an initializer, what constants
+    compute, a memoized value), made read-only and known as such to ``_fed``."""
+    if isinstance(a, np.ndarray):
+        a.flags.writeable = False
+        _CONSTANTS[id(a)] = a
+    return a
+
+
 def _fed(a) -> bool:
-    """Whether ``a`` may change in place between calls: a writeable array (a
-    feed of the caller's, or a value the graph computed), not one of the
-    session's constants (read-only)."""
-    return isinstance(a, np.ndarray) and a.flags.writeable
+    """Whether ``a`` may change in place between calls: any array (a feed of
+    the caller's, read-only or not, or a value the graph computed) but one of
+    the session's constants (``session_constant``)."""
+    return isinstance(a, np.ndarray) and _CONSTANTS.get(id(a)) is not a
 
 
 def _kept(a):
