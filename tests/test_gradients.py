@@ -392,6 +392,19 @@ def test_a_reduction_of_a_parameter_alone_compiles_and_agrees():
     fd_check(rnn, [P], (True,), backends=("interpreter", "numba"))
 
 
+def test_a_step_net_without_a_memory_has_a_compiled_gradient():
+    """Every gradient of ``tanh(x @ W)`` is per token: the backward's time
+    loop computes nothing (its kernel once ended ``return (,)``: a
+    SyntaxError at the first compiled backward)."""
+    rng = np.random.default_rng(0)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((3, 3)), [[2, 1]])
+    W = sn.Parameter(rng.standard_normal((3, 4)), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        rnn.add_outputs(sn.ops.tanh(rnn.add_input(X, name="X") @ W))
+    fd_check(rnn, [W, "X"], (True,), backends=("interpreter", "numba"))
+
+
 # ---------------------------------------------------------------------------
 # 2. step-net features
 
