@@ -30,6 +30,15 @@ def test_segment_ops_on_lod_tensors_match_numpy(rng):
     assert np.all(np.isneginf(top[1]))
     expanded = sn.ops.seq_expand(np.arange(3.0)[:, None], x)
     assert expanded.lod == x.lod and expanded.data[:, 0].tolist() == [0, 0, 2, 2, 2]
+    # seq_softmax and attention too (they raised a TypeError on LoDTensors)
+    soft = sn.ops.seq_softmax(x)
+    assert soft.lod == x.lod
+    for p, s in zip([parts[0], parts[2]], [soft.data[:2], soft.data[2:]]):
+        assert_close(s, np.exp(p - p.max(0)) / np.exp(p - p.max(0)).sum(0))
+    query = rng.standard_normal((3, 4)).astype(np.float32)
+    weights = [np.exp(p @ q - (p @ q).max()) / np.exp(p @ q - (p @ q).max()).sum() if len(p)
+               else np.zeros(0, np.float32) for p, q in zip(parts, query)]
+    assert_close(sn.ops.attention(query, x), np.stack([w @ p for w, p in zip(weights, parts)]))
 
 
 def test_segment_ops_refuse_dense_values():

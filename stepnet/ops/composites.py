@@ -10,6 +10,7 @@ import operator
 import numpy as np
 
 from ..errors import ShapeError, StepNetError
+from ..lod import LoDTensor
 from .primitives import (
     abs,
     add,
@@ -19,6 +20,7 @@ from .primitives import (
     greater,
     greater_equal,
     mul,
+    seq_expand,
     seq_max,
     seq_sum,
     slice,
@@ -296,16 +298,20 @@ def seq_softmax(x):
 
     Parameters
     ----------
-    x : step value
+    x : step value or LoDTensor
         A ragged step value of one level (e.g. scores over a memory given to
-        ``add_static_input`` as a LoDTensor).
+        ``add_static_input`` as a LoDTensor); outside a step-net, a
+        LoDTensor of one level, computed on NumPy.
 
     Returns
     -------
-    step value
+    step value or LoDTensor
         Ragged like ``x``: each batch row's rows sum to 1, feature by
         feature.
     """
+    if isinstance(x, LoDTensor):  # (outside a step-net: on NumPy, row by row)
+        e = LoDTensor(np.exp(x.data - seq_expand(seq_max(x), x).data), x.lod)
+        return LoDTensor(e.data / seq_expand(seq_sum(e), x).data, x.lod)
     e = exp(sub(x, seq_max(x)))
     return div(e, seq_sum(e))
 
@@ -322,16 +328,17 @@ def attention(query, memory, keys=None):
     ----------
     query : step value
         ``[B, D]``, one query per batch row.
-    memory : step value
+    memory : step value or LoDTensor
         Ragged, one level, ``[rows, F]``: each batch row's own memory rows
-        (e.g. a LoDTensor given to ``add_static_input``).
-    keys : step value, optional
+        (e.g. a LoDTensor given to ``add_static_input``); outside a
+        step-net, a LoDTensor (with an array ``query``), computed on NumPy.
+    keys : step value or LoDTensor, optional
         Ragged like ``memory``, ``[rows, D]``: what the query is compared
         with. None: ``memory`` itself (then ``F == D``).
 
     Returns
     -------
-    step value
+    step value or ndarray
         ``[B, F]``, the attention-weighted sum of each batch row's memory
         rows.
 
@@ -344,5 +351,9 @@ def attention(query, memory, keys=None):
         context = sn.ops.attention(h.pre_state(), mem)
     """
     keys = memory if keys is None else keys
+    if isinstance(memory, LoDTensor) and isinstance(keys, LoDTensor):  # (outside a step-net)
+        scores = LoDTensor((keys.data * seq_expand(query, keys).data).sum(-1, keepdims=True),
+                           keys.lod)
+        return seq_sum(LoDTensor(seq_softmax(scores).data * memory.data, memory.lod))
     weights = seq_softmax(sum(mul(keys, query), axis=-1, keepdims=True))
     return seq_sum(mul(weights, memory))
