@@ -646,8 +646,20 @@ def _unsupported_mixed_dtypes():
     return rnn, (True,)
 
 
+def _unsupported_ragged_rows_of_two_axes_by_a_constant():
+    M = sn.LoDTensor.from_lengths(np.ones((5, 2, 3)), [[3, 2]])
+    X = sn.LoDTensor.from_lengths(np.ones((3, 4)), [[2, 1]])
+    W = sn.Parameter(np.full((3, 4), 0.5), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        rnn.add_input(X, name="X")
+        rnn.add_outputs(sn.ops.seq_sum(rnn.add_static_input(M, name="M") @ W))
+    return rnn, (True,)
+
+
 UNSUPPORTED = {
     "one-dimensional matmul": _unsupported_one_dimensional_matmul,
+    "ragged rows of two feature axes by a constant": _unsupported_ragged_rows_of_two_axes_by_a_constant,
     "ragged value read twice": lambda: _nested_unsupported(calls=2),
     "nested net over a LoDTensor static input": lambda: _nested_unsupported(static_lod=True),
     "nested last step of a pre-state": lambda: _nested_unsupported(lambda hw: [hw.pre_state()]),
@@ -686,6 +698,16 @@ def test_a_nested_nets_every_step_as_an_output_is_refused_for_what_it_is():
     with pytest.raises(sn.UnsupportedError, match=r"ragged output t\S+ \(a sequence of rows at every "
                                                   r"step: a nested net's every step"):
         sn.gradients(rnn, [W], [G], backend="numba")
+
+
+def test_ragged_rows_of_two_axes_by_a_constant_are_refused_in_the_users_terms():
+    """Named by the value's type and what to do, not by the gradient's own
+    values (it said ``seq_expand_g2 is a step value``)."""
+    rnn, flags = _unsupported_ragged_rows_of_two_axes_by_a_constant()
+    cots = random_cotangents(np.random.default_rng(0), as_tuple(rnn(backend="interpreter")))
+    with pytest.raises(sn.UnsupportedError, match=r"a ragged value of more than one feature axis "
+                                                  r"\(f64lod1\[B,2,3\]\) by a constant"):
+        gradients(rnn, rnn.parameters(), cots, flags, {}, "interpreter")
 
 
 @pytest.mark.parametrize("form", list(UNSUPPORTED))

@@ -82,6 +82,11 @@ def _matmul_grad(em, e, g):
             "gradient of matmul with a one-dimensional operand is not supported; "
             "make the vector a [1, n] or [n, 1] matrix"
         )
+    if a.lod_depth and len(a.shape) > 2 and not b.batched:
+        raise UnsupportedError(
+            f"gradient of matmul: a ragged value of more than one feature axis "
+            f"({a.type_str()}) by a constant ({b.type_str()}); give the memory's rows one "
+            "feature axis (the rows [n, F] of a LoDTensor) for a gradient")
     av, bv = em.val(a), em.val(b)
     ga = em.op("matmul", g, em.op("transpose", bv))
     if a.batched and len(a.shape) == 2:
