@@ -568,8 +568,6 @@ class _Copy:
         env[self.out] = env[self.inputs[0]]
 
 
-
-
 def has_decided(graph) -> bool:
     """Whether a graph or a subgraph of it has nodes its key decides."""
     return bool(graph.decided) or any(has_decided(sub) for node in graph.nodes
