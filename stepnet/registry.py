@@ -216,26 +216,34 @@ def literal_dtype(eqn) -> np.dtype:
     return eqn.outputs[0].dtype
 
 
-def broadcast(opname, operands) -> tuple:
-    """Broadcast full shapes, keeping the batch axis (``None``) leading."""
-    shapes = [v.shape for v in operands if not isinstance(v, Literal)]
+def broadcast_shapes(shapes):
+    """Full shapes broadcast (the batch axis ``None`` a dimension of its own),
+    or None where they do not."""
     ndim = max(len(s) for s in shapes)
     out = []
     for axis in range(-ndim, 0):
         dims = {s[axis] for s in shapes if len(s) >= -axis} - {1}
         if len(dims) > 1:
-            raise ShapeError(
-                f"{opname}: shapes do not broadcast: "
-                + ", ".join(shape_str(v) for v in operands if not isinstance(v, Literal))
-            )
+            return None
         out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def broadcast(opname, operands) -> tuple:
+    """Broadcast full shapes, keeping the batch axis (``None``) leading."""
+    out = broadcast_shapes([v.shape for v in operands if not isinstance(v, Literal)])
+    if out is None:
+        raise ShapeError(
+            f"{opname}: shapes do not broadcast: "
+            + ", ".join(shape_str(v) for v in operands if not isinstance(v, Literal))
+        )
     if None in out[1:]:
         raise ShapeError(
             f"{opname}: a constant operand has more dimensions than the step value it meets, "
             "which would move the batch axis: "
             + ", ".join(shape_str(v) for v in operands if not isinstance(v, Literal))
         )
-    return tuple(out)
+    return out
 
 
 def normalize_axis(opname, v, axis) -> int:

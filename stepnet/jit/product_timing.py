@@ -15,7 +15,6 @@ from functools import partial
 import numpy as np
 from numba import njit
 
-from ..config import config
 from . import blas, threads
 from .blas import SHARE_OWN_WORK, _choice, _library_pack, _library_product, _own_product, register_small_gemm
 from .blas_choice import EVERY_PRODUCT, small_product_rows
@@ -140,7 +139,6 @@ def _table(dtype, measure):
     if dtype not in _SMALL_ROWS:
         with _SMALL_ROWS_LOCK:
             if dtype not in _SMALL_ROWS:
-                config.start_engine("small_products")
                 # a kept table is checked by timing a product: only where that
                 # code is linked here already (a kernel's of that dtype), never
                 # compiling it for the check

@@ -17,7 +17,7 @@ from ..tracing import bind
 from ..registry import (
     Aval,
     Case,
-    broadcast,
+    broadcast_shapes,
     check_float,
     normalize_axis,
     register,
@@ -48,18 +48,10 @@ def _matmul_rule(operands):
             f"matmul: contracted dimensions differ: {shape_str(a)} @ {shape_str(b)}"
         )
 
-    class _S:  # broadcast the stacked dims only
-        def __init__(self, s):
-            self.shape = s
-
-        def type_str(self):  # (for broadcast's message, replaced below)
-            return str(list(self.shape))
-
-    try:
-        stack = broadcast("matmul", [_S(ma[:-2]), _S(mb[:-2])]) if len(ma) > 2 or len(mb) > 2 else ()
-    except ShapeError:
+    stack = broadcast_shapes([ma[:-2], mb[:-2]])  # (the stacked dimensions only)
+    if stack is None:
         raise ShapeError(f"matmul: the dimensions before the last two do not broadcast (the step "
-                         f"value's batch axis among them): {shape_str(a)} @ {shape_str(b)}") from None
+                         f"value's batch axis among them): {shape_str(a)} @ {shape_str(b)}")
     out = stack + (ma[-2], mb[-1])
     if len(sa) == 1:
         out = out[:-2] + out[-1:]
