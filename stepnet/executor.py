@@ -16,13 +16,14 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   steps once (step 0 of every sequence, then step 1, ...), so that a step's
   rows are one slice of each value, never a gather;
 - a group's whole time loop as one call of one loop compiled once per
-  install and dtype (:class:`_Steps`, ``steps_loop``, kept in
-  ``STEPNET_CACHE_DIR``): each stage an instruction over one table of
-  addresses, an elementwise run as a bytecode of its ops (:class:`_Run`,
-  each op's code the kernels'), a GEMM as the kernels' per-step product of
+  install and dtype (``steps_loop``, kept in ``STEPNET_CACHE_DIR``; its
+  programs :mod:`stepnet.executor_program`'s): each stage an instruction
+  over one table of addresses, an elementwise run as a bytecode of its ops
+  (each op's code the kernels'), a GEMM as the kernels' per-step product of
   the step's rows (a merged one's weights joined once a call), a concat by
   columns as copies, the hoisted stages by chunks of steps just before the
-  steps that read them; the step inputs read, and the all-steps outputs
+  steps that read them, into buffers of one chunk's rows that every chunk
+  reuses; the step inputs read, and the all-steps outputs
   written, at the caller's rows; the memories read and written in place in
   their sorted rows;
 - where the loop does not run a step (``Executor.why_apart``), the time
@@ -47,14 +48,10 @@ import numpy as np
 
 from . import ir, schedule as _schedule
 from .errors import StepNetError
-from .executor_loop import LOOP_OPS, loop as _loop, registers_of
+from .executor_loop import loop as _loop
+from .executor_program import BY_CALLER, Run, Steps, column_blocks, joined_weights
 from .interpreter import apply
 from .lod import LoDTensor
-
-# the rows a hoisted stage computes at a time (by chunks of steps), as the
-# kernels' chunks: its results are read back from the cache
-_CHUNK_ROWS = 128
-
 
 def why_not(program: ir.Program, sched=None):
     """Why the executor does not run ``program`` (a sentence), or None where it does."""
@@ -144,6 +141,8 @@ class Executor:
         # value made from them: op by op, as the interpreter)
         self.ragged = {stage for stage in self.step if stage.kind != "rnn" and any(
             isinstance(v, ir.Var) and v.lod_depth for e in stage.eqns for v in e.inputs)}
+        self.products = [stage for stage in (*self.whole, *self.step)
+                         if stage.kind == "gemm" and stage not in self.ragged]
         # a run stores the values read outside it (the schedule's
         # materialized ones, and those of the hoisted runs run by steps here)
         readers = {}
@@ -152,7 +151,7 @@ class Executor:
                 for v in e.inputs:
                     readers.setdefault(v, set()).add(stage)
         kept = {*self.body.outputs, *(m.post for m in self.body.memories)}
-        self.runs = {stage: _Run.of(stage, {v for v in stage.outputs
+        self.runs = {stage: Run.of(stage, {v for v in stage.outputs
                                             if v in kept or readers.get(v, {stage}) - {stage}})
                      for stage in (*self.whole, *self.step) if stage.kind == "elementwise"}
         # the dtype of the step's values, where they have one (the loop's)
@@ -162,7 +161,7 @@ class Executor:
                   if v.batched}
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None
         # why no group runs its time loop as one call of the loop (or None)
-        self.why_apart = _Steps.why_not(self)
+        self.why_apart = Steps.why_not(self)
         self.how = None  # (how the last call's groups ran: "one call" or "step by step: why")
         # the widest value a step computes: the work per token, for groups
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
@@ -208,15 +207,24 @@ class Executor:
         for var, X in zip(self.body.step_inputs, seq_args):
             env[var] = (np.asarray(X.data) if X.num_levels == 1
                         else LoDTensor(X.data, list(X.levels[1:])))
-        for stage in self.first:
-            self._nested_stage(stage, None, workers)(env, None, None)
+        for stage in self.products:
+            joined_weights(stage, env)
         out = _Outputs(self.body.outputs, self.all_steps, offsets)
-        work = int(lengths.sum()) * self.work_width
+        work = int(lengths.sum()) * self.work_width + sum(
+            self.nested[stage].work_width * env[v].data.shape[0]
+            for stage in self.first for v in ir.rnn_parts(stage.eqns[0])[0][:1])
         count = max(1, min(workers, lengths.shape[0]))
         # (groups on threads where each runs its steps in one call: a time
         # loop in Python holds the GIL, and two of them take turns on it)
         if count > 1 and (work < threads.SPLIT_MIN_WORK or self.why_apart is not None):
             count = 1
+        if count == 1:
+            for stage in self.first:
+                self._nested_stage(stage, None, workers)(env, None, None)
+        else:  # (each group runs those of its own sequences, as the kernels' groups)
+            for stage in self.first:
+                env.update({o: np.empty((offsets[-1],) + tuple(o.shape[1:]), o.dtype)
+                            for o in stage.outputs})
         by_length = np.argsort(-lengths, kind="stable")
         groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
         # (one group shares its products with the helper where a kernel's
@@ -224,15 +232,25 @@ class Executor:
         board = threads.board_for_one_group() if count == 1 and self.why_apart is None and \
             plan.shares(self, int(lengths.sum()), 1, workers) else threads.ALONE
         with numpy_blas_threads(1 if count > 1 else workers):
-            threads.run_each(lambda group: self._group(env, offsets, group, out, board), groups)
+            threads.run_each(lambda group: self._group(env, offsets, group, out, board,
+                                                       count > 1 and self.first), groups)
         return out.results
 
-    def _group(self, shared, offsets, sequences, out, board):
+    def _group(self, shared, offsets, sequences, out, board, nested_here=False):
         """Run the sequences ``sequences`` (the caller's indices) with the
         call's values ``shared``, writing their rows of the outputs ``out``
-        (a run in one call sharing its products with the helper on ``board``)."""
+        (a run in one call sharing its products with the helper on ``board``;
+        with ``nested_here``, the hoisted nested rnns first over the
+        sub-sequences of these sequences, into their rows of ``shared``'s)."""
         env = dict(shared)
         layout = _Layout(offsets, sequences, self.reverse)
+        if nested_here:
+            tokens = np.sort(layout.perm)  # (the caller's rows of this group's tokens)
+            for stage in self.first:
+                seqs = ir.rnn_parts(stage.eqns[0])[0]
+                results = self.nested[stage]([shared[v].select(tokens) for v in seqs], shared)
+                for o, rows in zip(stage.outputs, results):
+                    shared[o][tokens] = rows
         data = {var: shared[var] for var in self.by_steps}
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
             value = s.value if isinstance(s, ir.Literal) else shared[s]
@@ -252,11 +270,11 @@ class Executor:
         places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)})
         # (one call: the step inputs read, and the all-steps outputs written,
         # at the caller's rows)
-        steps = _Steps.of(self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
+        steps = Steps.of(self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
                           [a if every else None for a, every in zip(out.arrays, self.all_steps)],
                           last, state)
-        self.how = "one call" if isinstance(steps, _Steps) else f"step by step: {steps}"
-        if isinstance(steps, _Steps):
+        self.how = "one call" if isinstance(steps, Steps) else f"step by step: {steps}"
+        if isinstance(steps, Steps):
             steps.run(layout, board)
             out.write(layout, [None] * len(last), last)
         else:
@@ -346,7 +364,10 @@ class _Outputs:
     def __init__(self, outputs, all_steps, offsets):
         num_seq, tokens = offsets.shape[0] - 1, int(offsets[-1] - offsets[0])
         self.offsets = offsets
-        self.arrays = [np.zeros(((tokens if every else num_seq),) + tuple(v.shape[1:]), v.dtype)
+        # (every token's rows an all-steps value's group writes; a sequence of
+        # no steps keeps zeros as its last-step values)
+        self.arrays = [np.empty((tokens,) + tuple(v.shape[1:]), v.dtype) if every else
+                       np.zeros((num_seq,) + tuple(v.shape[1:]), v.dtype)
                        for v, every in zip(outputs, all_steps)]
         self.all_steps = all_steps
 
@@ -390,11 +411,11 @@ def _stage(stage, env, max_rows, places, run=None):
     """``stage(env, rows)`` running one stage in a group (``env`` holding the
     call's constants), its results' buffers made once: a GEMM as one product
     (a merged one's weights joined), an elementwise run as its loop (``run``,
-    a :class:`_Run`, where there is one and it is compiled), any other op by
+    a :class:`Run`, where there is one and it is compiled), any other op by
     op on NumPy. ``places``: where the group keeps a step's values
-    (:meth:`_Run.start`), with this stage's buffers added."""
+    (:meth:`Run.start`), with this stage's buffers added."""
     if stage.kind == "gemm":
-        joined = _joined(stage, env)
+        joined = joined_weights(stage, env)
         return _product(stage, max_rows, places, np.result_type(joined, stage.left.dtype),
                         lambda a, out: np.matmul(a, joined, out=out))
     if stage.kind == "quantized":
@@ -420,7 +441,7 @@ def _product(stage, max_rows, places, dtype, product):
     column blocks of one buffer) as ``_stage`` gives it: ``product(a, out)``
     computes the step's rows of the left operand into ``out``."""
     buffer = np.empty((max_rows, sum(v.shape[-1] for v in stage.outputs)), dtype)
-    parts = _column_blocks(stage, buffer, False, places)
+    parts = column_blocks(stage, buffer, False, places)
     left = stage.left
 
     def run(env, rows, first):
@@ -428,373 +449,3 @@ def _product(stage, max_rows, places, dtype, product):
         for v, block in parts:
             env[v] = block[:rows]
     return run
-
-
-def _joined(stage, env):
-    """A (merged) GEMM stage's weights, joined by columns."""
-    weights = [env[e.inputs[1]] for e in stage.eqns]
-    return weights[0] if len(weights) == 1 else np.concatenate(weights, axis=1)
-
-
-def _column_blocks(stage, buffer, by_steps, places):
-    """A product stage's results as column blocks of ``buffer``, added to
-    ``places``: ``[(var, block)]``."""
-    cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
-    parts = [(v, buffer[:, lo:hi]) for v, lo, hi in zip(stage.outputs, cuts[:-1], cuts[1:])]
-    places.update({v: (block, by_steps) for v, block in parts})
-    return parts
-
-
-class _Run:
-    """An elementwise run of a step as one loop over its rows: a group's
-    ``start`` gives ``step(env, rows, lo) -> bool``, which computes the
-    run's stored values into ``env``; False (nothing computed) where an
-    operand is not laid out as the loop reads (the stage then runs op by op
-    on NumPy); no ``step`` while the loop is not compiled.
-
-    The bytecode (``code``, a row per instruction: opcode, register,
-    operands) loads each operand's row into a register (or its one value, a
-    broadcast), computes each op register to register, and stores the
-    values read after the run; a register holds a tile of the run's rows
-    (:func:`executor_loop.registers_of`), each op one loop over it."""
-
-    def __init__(self, stage, dtype, width, operands, code, stored, registers):
-        self.stage, self.dtype, self.width = stage, dtype, width
-        self.operands, self.code, self.stored = operands, code, stored
-        self.registers = registers  # (how many)
-
-    @classmethod
-    def of(cls, stage, stored):
-        """The run's loop, storing ``stored`` (the values read outside it),
-        or None where an op is not one the loop computes or the values are
-        not one float dtype of rows ``[B]`` or ``[B, W]``."""
-        shape = stage.eqns[0].outputs[0].shape
-        dtype = np.dtype(stage.eqns[0].outputs[0].dtype)
-        if dtype not in (np.float32, np.float64) or len(shape) not in (1, 2) or None in shape[1:]:
-            return None
-        width = shape[1] if len(shape) == 2 else 1
-        operands, code, register = [], [], {}
-        for e in stage.eqns:
-            if e.op not in LOOP_OPS or e.attrs or np.dtype(e.outputs[0].dtype) != dtype:
-                return None
-            sources = []
-            for v in e.inputs:
-                if v not in register:  # an operand from outside the run: loaded
-                    if isinstance(v, ir.Var) and np.dtype(v.dtype) != dtype:
-                        return None
-                    register[v] = len(register)
-                    code.append((0, register[v], len(operands), 0, 0))
-                    operands.append(v)
-                sources.append(register[v])
-            out = e.outputs[0]
-            register[out] = len(register)
-            code.append((2 + LOOP_OPS.index(e.op), register[out], *sources,
-                         *([0] * (3 - len(sources)))))
-        stored = [v for e in stage.eqns for v in e.outputs if v in stored]
-        code += [(1, register[v], len(operands) + k, 0, 0) for k, v in enumerate(stored)]
-        return cls(stage, dtype, width, operands, np.array(code, np.int64), stored, len(register))
-
-    def table(self, env, num_seq, places, by_steps=False):
-        """The run's rows of the loop's table (each operand's, then each
-        stored value's: ``[address, row stride in bytes, 1 where a row holds
-        width values else 0 (one, broadcast), the stride by which a step's
-        first token moves its first row]``), the operands NumPy makes anew
-        at each step (``batched``: their rows are set at each step), the
-        call's constants the table points into (kept alive by the caller)
-        and the stored values' buffers, made here and added to ``places``
-        (``{var: (array, by_steps)}``, where the group keeps a step's values:
-        its rows of ``array`` are the first, or with ``by_steps`` those from
-        the step's first token; the stored values' too where ``by_steps``:
-        a hoisted run's). None where a constant cannot be read so."""
-        table = np.zeros((len(self.operands) + len(self.stored), 4), np.int64)
-        kept, batched = [], []
-        for k, v in enumerate(self.operands):
-            row = _row(v, env, places, self.width, self.dtype, kept)
-            if row is None and not (isinstance(v, ir.Var) and v.batched):
-                return None
-            if row is None:
-                batched.append((k, v))
-            else:
-                table[k] = row
-        outs = [np.empty((num_seq,) + tuple(v.shape[1:]), self.dtype) for v in self.stored]
-        for k, (v, y) in enumerate(zip(self.stored, outs), len(self.operands)):
-            table[k] = _buffer_row(y, by_steps)
-            places[v] = (y, by_steps)
-        return table, batched, kept, outs
-
-    def start(self, env, num_seq, places):
-        """``step(env, rows, lo) -> bool`` for one group of a call whose
-        constants are in ``env`` (:meth:`table`), or None while the loop is
-        not compiled: the loop run for the one run at one step."""
-        loop = _loop(self.dtype)
-        made = self.table(env, num_seq, places) if loop is not None else None
-        if made is None:
-            return None
-        table, batched, kept, outs = made
-        width, itemsize = self.width, self.dtype.itemsize
-        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0]], np.int64)
-        active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        registers, scratch = registers_of(self.registers, width, self.dtype), np.empty(0, self.dtype)
-        code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
-        from .jit.threads import ALONE
-
-        def step(env, rows, lo):
-            for k, v in batched:
-                x = env[v]
-                at = _layout(x, rows, width, itemsize) if type(x) is np.ndarray \
-                    and x.dtype == self.dtype else None
-                if at is None:
-                    return False
-                table[k, 0] = x.__array_interface__["data"][0]
-                table[k, 1], table[k, 2] = at
-            active[0], starts[0] = rows, lo
-            entry(prog, code, table, active, starts, registers, scratch, ALONE, _LIBRARY_ONLY,
-                  _NO_PERM)
-            for v, y in zip(self.stored, outs):
-                env[v] = y[:rows]
-            return True
-        step.kept = kept  # (the constants whose addresses the table holds)
-        return step
-
-
-class _Steps:
-    """A group's whole time loop as one call of the compiled loop: each
-    stage of a step an instruction of a program over one table of addresses
-    (:meth:`_Run.table`'s rows): an elementwise run as its bytecode, a GEMM
-    as the kernels' per-step product, a concat by columns, the outputs'
-    rows and the memories' new values as copies (runs of a load and a
-    store). ``of`` gives it, or why the group runs step by step."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-        self.prog, self.code, self.table, self.kept = [], [], [], []
-        self.registers, self.width, self.scratch = 1, 1, 0
-
-    @staticmethod
-    def why_not(executor):
-        """Why no group of ``executor``'s calls runs as one call (a
-        sentence), or None: what the loop does not compute."""
-        if executor.ragged:
-            return "a value of its step is ragged"
-        if executor.dtype not in (np.float32, np.float64):
-            return "its step's values are not of one float dtype"
-        for stage in (*executor.whole, *executor.step):
-            if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
-                    or stage in executor.step and all(_concat_columns(e) for e in stage.eqns)):
-                ops = ", ".join(sorted({e.op for e in stage.eqns}))
-                return f"it has a {stage.kind} stage the loop does not run ({ops})"
-        return None
-
-    @classmethod
-    def of(cls, executor, env, layout, places, rows, last, state):
-        """The loop of one group (its ``layout``, ``places`` as
-        :meth:`_Run.table`'s; the call's all-steps outputs ``rows``, written
-        at the caller's rows, the group's last-step ones ``last``, the
-        memories' ``state``), or why it runs step by step (a sentence)."""
-        if executor.why_apart is not None:
-            return executor.why_apart
-        self, num_seq = cls(executor.dtype), layout.order.shape[0]
-        if _loop(self.dtype) is None:
-            return "the executor's loop is not compiled yet"
-        if layout.num_steps == 0:
-            return self  # (nothing to run)
-        # the hoisted stages by chunks of steps of about _CHUNK_ROWS rows, each
-        # just before the steps that read it (its results then read from the cache)
-        chunk = max(1, _CHUNK_ROWS // max(num_seq, 1))
-        for stage in executor.whole:
-            if not self._stage(stage, executor.runs.get(stage), env, layout.tokens, places,
-                               chunk, chunk * num_seq):
-                return f"a value its hoisted {stage.kind} stage reads is not laid out as the loop reads"
-        for stage in executor.step:
-            if not self._stage(stage, executor.runs.get(stage), env, num_seq, places):
-                return f"a value its {stage.kind} stage reads is not laid out as the loop reads"
-        memories = executor.body.memories
-        copies = [(v, kept, False) if every is None else (v, every, BY_CALLER)
-                  for v, every, kept in zip(executor.body.outputs, rows, last)]
-        posts = []
-        for mem, s in zip(memories, state):  # (shifted states: through a copy)
-            place = places.get(mem.post)
-            if place is not None and any(np.may_share_memory(place[0], x) for x in state):
-                aside = np.empty_like(s)
-                self.kept.append(aside)
-                copies.append((mem.post, aside, False))
-                posts.append((_buffer_row(aside, False), s))
-            else:
-                posts.append((mem.post, s))
-        copies += [(v, s, False) for v, s in posts]
-        for v, to, by_steps in copies:
-            source = v if isinstance(v, list) else _row(v, env, places, _width(to), self.dtype,
-                                                        self.kept)
-            if not self._copy(source, to, by_steps):
-                return f"{getattr(v, 'name', 'a value')} is not laid out as the loop reads"
-        return self
-
-    def run(self, layout, board):
-        """Run the group's every step (``layout``'s) in one call, its
-        products shared with the helper on ``board``."""
-        loop = _loop(self.dtype)
-        entry = loop.overloads[loop.signatures[0]].entry_point
-
-        entry(np.array(self.prog, np.int64).reshape(-1, 9),
-              np.array(self.code, np.int64).reshape(-1, 5),
-              np.array(self.table, np.int64).reshape(-1, 4),
-              np.ascontiguousarray(layout.active, np.int64), layout.starts,
-              registers_of(self.registers, self.width, self.dtype),
-              np.empty(max(self.scratch, 1), self.dtype), board, _small_rows(self.dtype), layout.perm)
-
-    def _run(self, code, table, width, registers, chunk=0):
-        """Add a run: its bytecode reading the table's rows ``table`` (at
-        every step, or with ``chunk`` over its steps' rows every ``chunk``
-        steps)."""
-        base, first = len(self.table), len(self.code)
-        self.table += [list(row) for row in table]
-        self.code += [(op, r, x + base if op < 2 else x, y, z) for op, r, x, y, z in code]
-        self.prog.append((0, first, len(self.code), width, 0, 0, chunk, 0, 0))
-        self.registers, self.width = max(self.registers, registers), max(self.width, width)
-
-    def _stage(self, stage, run, env, num_rows, places, chunk=0, chunk_rows=0):
-        """Add a stage's instructions, its results' buffers (``num_rows``
-        rows) to ``places``: a step's stage, or with ``chunk`` a hoisted one
-        (its results by steps: every token's rows), over at most
-        ``chunk_rows`` rows every ``chunk`` steps. False where a value it
-        reads is not laid out as the loop reads."""
-        itemsize, by_steps = self.dtype.itemsize, chunk > 0
-        if run is not None:
-            made = run.table(env, num_rows, places, by_steps)
-            if made is None or made[1]:
-                return False
-            self.kept += [*made[2], *made[3]]
-            self._run(run.code.tolist(), made[0], run.width, run.registers, chunk)
-            return True
-        if stage.kind == "gemm":
-            joined = np.ascontiguousarray(_joined(stage, env))
-            if joined.dtype != self.dtype:
-                return False
-            k, n = joined.shape
-            left = _row(stage.left, env, places, k, self.dtype, self.kept)
-            if left is None or not left[1] or not left[2]:
-                return False
-            if left[3] < 0 or left[1] != k * itemsize:  # (rows at the caller's, or apart:
-                self.scratch = max(self.scratch, (chunk_rows or num_rows) * k)  # copied first)
-            buffer = np.empty((num_rows, n), self.dtype)
-            _column_blocks(stage, buffer, by_steps, places)
-            self.kept += [joined, buffer]
-            base = len(self.table)
-            self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
-            self.prog.append((1, base, base + 1, base + 2, k, n, chunk, chunk_rows or num_rows,
-                              sum(row[0] == 1 for row in self.prog)))
-            return True
-        for e in stage.eqns:  # concats by columns (why_not)
-            out = e.outputs[0]
-            y = np.empty((num_rows, out.shape[1]), self.dtype)
-            self.kept.append(y)
-            at = 0
-            for v in e.inputs:
-                to = y[:, at:at + v.shape[1]]
-                if not self._copy(_row(v, env, places, _width(to), self.dtype, self.kept), to,
-                                  False):
-                    return False
-                at += v.shape[1]
-            places[out] = (y, False)
-        return True
-
-    def _copy(self, source, to, by_steps):
-        """Add a copy of a step's rows read by the table row ``source`` into
-        ``to`` (rows of a buffer, from the step's first token where
-        ``by_steps``); False where either is not laid out for the loop."""
-        if to.size == 0:  # (nothing to copy: a value of no columns)
-            return True
-        if source is None or to.dtype != self.dtype or to.ndim > 2 \
-                or to.ndim == 2 and to.strides[1] != to.itemsize:
-            return False
-        self._run([(0, 0, 0, 0, 0), (1, 0, 1, 0, 0)], [source, _buffer_row(to, by_steps)],
-                  _width(to), 1)
-        return True
-
-
-def _small_rows(dtype):
-    """The kernels' ``small_rows`` (``blas.pack``'s: up to how many rows a
-    product of ``dtype`` runs stepnet's own loop) where measured or kept,
-    else a table giving every product to the library (never measured here:
-    the compile worker measures them after its first kernel)."""
-    from .jit import product_timing
-
-    table = product_timing.small_rows_table(measure=False, float64=dtype == np.float64)
-    return _LIBRARY_ONLY if table is None else np.array(table)
-
-
-_LIBRARY_ONLY = np.array([[1 << 62], [0], [0]], np.int64)  # (small_rows: no own loop)
-_NO_PERM = np.zeros(0, np.int64)  # (the Python loop's runs read no row at the caller's)
-
-
-def _width(array):
-    return int(np.prod(array.shape[1:], dtype=np.int64))
-
-
-def _buffer_row(array, by_steps):
-    """The table row of a buffer's rows (of contiguous values)."""
-    stride = array.strides[0]
-    return [array.ctypes.data, stride, 1, _first_row_stride(stride, by_steps)]
-
-
-# where a group keeps a value (``places``' second item): its rows from its
-# first (False), from the step's first token (True), or at the caller's
-# rows of each token (BY_CALLER: the group's ``layout.perm``)
-BY_CALLER = "the caller's rows"
-
-
-def _first_row_stride(stride, by_steps):
-    """The table's last column: the stride by which the step's first token
-    moves a value's first row, or -1 for rows at the caller's."""
-    return -1 if by_steps is BY_CALLER else stride if by_steps else 0
-
-
-def _concat_columns(e):
-    """Whether ``e`` is a concat of 2-D batched values by columns."""
-    return (e.op == "concat" and len(e.outputs[0].shape) == 2 and e.attrs.get("axis") in (1, -1)
-            and all(isinstance(v, ir.Var) and v.batched and len(v.shape) == 2 for v in e.inputs))
-
-
-def _row(v, env, places, width, dtype, kept):
-    """The loop's table row reading ``v`` in rows of ``width`` values (see
-    :meth:`_Run.table`): where the group keeps it (``places``) or, a value
-    of the call, once (kept alive in ``kept``); None where the loop cannot
-    read it so."""
-    itemsize = dtype.itemsize
-    if isinstance(v, ir.Var) and v.batched:
-        x, by_steps = places.get(v, (None, False))
-        if type(x) is np.ndarray and x.dtype == dtype and x.size == 0:
-            return [x.ctypes.data, 0, 1, 0]  # (a value of no columns: nothing read)
-        at = (_layout(x, x.shape[0], width, itemsize)
-              if type(x) is np.ndarray and x.dtype == dtype and x.ndim else None)
-        return None if at is None else [x.ctypes.data, at[0], at[1],
-                                        _first_row_stride(at[0], by_steps)]
-    x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], dtype)
-    at = _layout(x, 1, width, itemsize)
-    if at is None:
-        return None
-    kept.append(x)
-    return [x.ctypes.data, 0, at[1], 0]
-
-
-def _layout(x, rows, width, itemsize):
-    """``(row stride in bytes, 1 where a row holds ``width`` values else 0)``
-    of an operand ``x`` of a run over ``rows`` rows of ``width``, or None
-    where the loop cannot read it so."""
-    shape, strides = x.shape, x.strides
-    if x.ndim == 0:
-        return 0, 0
-    unit = shape[-1] == width and (width == 1 or strides[-1] == itemsize)
-    # (rows of its own first: a value of one row is read as rows, which a
-    # product's left operand needs, not as a broadcast)
-    if x.ndim == 2 and shape[0] == rows and unit:
-        return strides[0], 1
-    if x.ndim == 2 and shape == (rows, 1):
-        return strides[0], 0
-    if shape in ((1,), (1, 1)):
-        return 0, 0
-    if (x.ndim == 1 or shape[0] == 1) and unit:
-        return 0, 1
-    if x.ndim == 1 and width == 1 and shape[0] == rows:
-        return strides[0], 0
-    return None

@@ -21,6 +21,10 @@ LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp
 # values a register of the loop holds: a run computes each op over a tile of
 # this many values (whole rows) at a time, not a row at a time
 REGISTER_VALUES = 1024
+# the table's last column where a value's rows are not by its strides: at
+# the caller's row of each token (the executor's layout.perm), or in a
+# buffer of one chunk's rows, from the chunk's first token (a hoisted stage's)
+BY_CALLER, BY_CHUNK = -1, -2
 
 
 def registers_of(count, width, dtype):
@@ -89,7 +93,7 @@ def _loop_source(dtype):
     scratch, board, small_rows, perm)``: at each step ``t`` (``active[t]`` rows
     from the token ``starts[t]``) the instructions of ``prog``, each a row
     ``(kind, a, b, c, d, e, chunk, rows, q)``: kind 0 a run of the bytecode
-    ``code[a:b]`` (:class:`_Run`) over rows of ``c`` values, a tile of rows at a
+    ``code[a:b]`` (:class:`executor_program.Run`) over rows of ``c`` values, a tile of rows at a
     time (as many as a register, ``registers.shape[1]`` values, holds: each op
     one loop over the tile); kind 1 the ``q``-th product, of at most ``rows``
     rows of the table's row ``a`` (the left operand, ``d`` columns) by ``b``
@@ -108,11 +112,11 @@ def _loop_source(dtype):
              "    wide_vectors()",
              "    steps = active.shape[0]",
              "    tokens = starts[steps - 1] + active[steps - 1] if steps > 0 else 0",
-             "    # each product's weights prepared once a call, as the kernels' (pack)",
              f"    prepared = [pack(carray(pointer_to(table[prog[p, 2], 0], {dt}), "
              "(prog[p, 4], prog[p, 5])),",
              "                     prog[p, 7], tokens, small_rows, board)",
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
+             "    ring = 0  # (the first token of the last chunk)",
              "    for t in range(steps):",
              "        for p in range(prog.shape[0]):",
              "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
@@ -120,9 +124,9 @@ def _loop_source(dtype):
              "                if t % chunk != 0:",
              "                    continue",
              "                end = min(t + chunk, steps) - 1",
-             "                rows = starts[end] + active[end] - lo",
+             "                rows, ring = starts[end] + active[end] - lo, lo",
              "            if prog[p, 0] == 1:",
-             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm)",
+             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring)",
              "                continue",
              "            width = prog[p, 3]",
              "            tile = max(1, registers.shape[1] // width)  # rows a register holds",
@@ -134,7 +138,7 @@ def _loop_source(dtype):
              "                    if op == 0:  # an operand's rows",
              "                        x = code[c, 2]",
              "                        for i in range(n):",
-             "                            at = address(table, x, lo, i0 + i, perm)",
+             "                            at = address(table, x, lo, i0 + i, perm, ring)",
              "                            if table[x, 2] == 1:",
              f"                                src = carray(pointer_to(at, {dt}), width)",
              "                                for j in range(width):",
@@ -146,7 +150,7 @@ def _loop_source(dtype):
              "                    elif op == 1:  # a value's rows stored",
              "                        x = code[c, 2]",
              "                        for i in range(n):",
-             "                            at = address(table, x, lo, i0 + i, perm)",
+             "                            at = address(table, x, lo, i0 + i, perm, ring)",
              f"                            dst = carray(pointer_to(at, {dt}), width)",
              "                            for j in range(width):",
              "                                dst[j] = r[i * width + j]"]
@@ -162,6 +166,7 @@ def _loop_source(dtype):
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
                        imports=["from stepnet.jit.blas import gemm_packed, pack",
+                                f"BY_CALLER, BY_CHUNK = {BY_CALLER}, {BY_CHUNK}",
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
 
@@ -171,16 +176,16 @@ def _product_source(dt):
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
-            "def product(p, table, rows, lo, scratch, prepared, perm):",
+            "def product(p, table, rows, lo, scratch, prepared, perm, ring):",
             "    left, k, n = p[1], p[4], p[5]",
             "    if rows == 0:",
             "        return",
-            f"    out = carray(pointer_to(table[p[3], 0] + lo * table[p[3], 3], {dt}), (rows, n))",
-            "    if table[left, 3] >= 0 and table[left, 1] == k * scratch.itemsize:",
-            f"        a = carray(pointer_to(table[left, 0] + lo * table[left, 3], {dt}), (rows, k))",
+            f"    out = carray(pointer_to(address(table, p[3], lo, 0, perm, ring), {dt}), (rows, n))",
+            "    if table[left, 3] != BY_CALLER and table[left, 1] == k * scratch.itemsize:",
+            f"        a = carray(pointer_to(address(table, left, lo, 0, perm, ring), {dt}), (rows, k))",
             "    else:  # (rows apart, or at the caller's: copied together first)",
             "        for i in range(rows):",
-            f"            src = carray(pointer_to(address(table, left, lo, i, perm), {dt}), k)",
+            f"            src = carray(pointer_to(address(table, left, lo, i, perm, ring), {dt}), k)",
             "            for j in range(k):",
             "                scratch[i * k + j] = src[j]",
             "        a = scratch[:rows * k].reshape((rows, k))",
@@ -196,9 +201,12 @@ def _product_source(dt):
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
-            "def address(table, x, lo, i, perm):",
-            "    # (row i of a step whose first token is lo: by the table's strides, or",
-            "    # at the caller's row of the token, perm[lo + i], where its last column is -1)",
-            "    if table[x, 3] < 0:",
+            "def address(table, x, lo, i, perm, ring):",
+            "    # (row i of a step whose first token is lo: by the table's strides; at",
+            "    # the caller's row of the token, perm[lo + i], where its last column is",
+            "    # BY_CALLER; in the rows of the chunk from token ring, where BY_CHUNK)",
+            "    if table[x, 3] == BY_CALLER:",
             "        return table[x, 0] + perm[lo + i] * table[x, 1]",
+            "    if table[x, 3] == BY_CHUNK:",
+            "        return table[x, 0] + (lo - ring + i) * table[x, 1]",
             "    return table[x, 0] + lo * table[x, 3] + i * table[x, 1]"]

@@ -13,7 +13,7 @@ from stepnet_strategies import random_stepnets
 from nets import zero_width_net
 
 import stepnet as sn
-from stepnet import executor, executor_loop, interpreter
+from stepnet import executor, executor_loop, executor_program, interpreter
 from stepnet.jit import loading
 
 def _both(rnn, all_steps=True, **feeds):
@@ -114,6 +114,21 @@ def test_a_gated_cell_over_uneven_and_empty_sequences(rng, reverse, monkeypatch)
     _agree(rnn, all_steps=True, x=X)
     _agree(rnn, all_steps=False, x=X)
     assert not {"sigmoid", "tanh", "mul", "sub"} & set(on_numpy), on_numpy
+
+
+@pytest.mark.parametrize("chunk_rows", [4, 16])
+def test_hoisted_stages_by_chunks_of_steps(rng, chunk_rows, monkeypatch):
+    """The hoisted stages computed a chunk of steps at a time into buffers
+    of one chunk's rows, reused by every chunk: one step a chunk, and two
+    (rows leaving the chunks as sequences end), forward and reverse."""
+    monkeypatch.setattr(executor_program, "CHUNK_ROWS", chunk_rows)
+    lengths = [9, 3, 0, 7, 9, 1, 5, 8]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 5)).astype(np.float32),
+                                  [lengths])
+    for reverse in (False, True):
+        rnn = _gated(X, 6, rng, reverse=reverse)
+        assert executor.compile_program(rnn.program(rnn.all_steps_flags(True))).whole
+        _agree(rnn, all_steps=True, x=X)
 
 
 def test_the_groups_take_big_runs(rng, monkeypatch):

@@ -1,0 +1,400 @@
+"""The schedule executor's programs (:mod:`stepnet.executor`): an
+elementwise run of a step as a bytecode of its ops (:class:`Run`), and a
+group's whole time loop as instructions of the compiled loop
+(:class:`Steps`, ``executor_loop.steps_loop``) over one table of addresses:
+each operand's and result's address, row stride, whether a row holds the
+run's width of values (else one, broadcast), and how a step moves its
+first row."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import executor_loop, ir
+from .executor_loop import LOOP_OPS, loop as _loop, registers_of
+
+# the rows a hoisted stage computes at a time (by chunks of steps), as the
+# kernels' chunks: its results are read back from the cache
+CHUNK_ROWS = 128
+
+
+def joined_weights(stage, env):
+    """A (merged) GEMM stage's weights joined by columns, contiguous: once a
+    call, kept in the call's ``env`` under the stage (each group's reads it)."""
+    joined = env.get(stage)
+    if joined is None:
+        weights = [env[e.inputs[1]] for e in stage.eqns]
+        joined = env[stage] = np.ascontiguousarray(
+            weights[0] if len(weights) == 1 else np.concatenate(weights, axis=1))
+    return joined
+
+
+def column_blocks(stage, buffer, by_steps, places):
+    """A product stage's results as column blocks of ``buffer``, added to
+    ``places``: ``[(var, block)]``."""
+    cuts = np.cumsum([0] + [v.shape[-1] for v in stage.outputs])
+    parts = [(v, buffer[:, lo:hi]) for v, lo, hi in zip(stage.outputs, cuts[:-1], cuts[1:])]
+    places.update({v: (block, by_steps) for v, block in parts})
+    return parts
+
+
+class Run:
+    """An elementwise run of a step as one loop over its rows: a group's
+    ``start`` gives ``step(env, rows, lo) -> bool``, which computes the
+    run's stored values into ``env``; False (nothing computed) where an
+    operand is not laid out as the loop reads (the stage then runs op by op
+    on NumPy); no ``step`` while the loop is not compiled.
+
+    The bytecode (``code``, a row per instruction: opcode, register,
+    operands) loads each operand's row into a register (or its one value, a
+    broadcast), computes each op register to register, and stores the
+    values read after the run; a register holds a tile of the run's rows
+    (:func:`executor_loop.registers_of`), each op one loop over it."""
+
+    def __init__(self, stage, dtype, width, operands, code, stored, registers):
+        self.stage, self.dtype, self.width = stage, dtype, width
+        self.operands, self.code, self.stored = operands, code, stored
+        self.registers = registers  # (how many)
+
+    @classmethod
+    def of(cls, stage, stored):
+        """The run's loop, storing ``stored`` (the values read outside it),
+        or None where an op is not one the loop computes or the values are
+        not one float dtype of rows ``[B]`` or ``[B, W]``."""
+        shape = stage.eqns[0].outputs[0].shape
+        dtype = np.dtype(stage.eqns[0].outputs[0].dtype)
+        if dtype not in (np.float32, np.float64) or len(shape) not in (1, 2) or None in shape[1:]:
+            return None
+        width = shape[1] if len(shape) == 2 else 1
+        operands, code, register = [], [], {}
+        for e in stage.eqns:
+            if e.op not in LOOP_OPS or e.attrs or np.dtype(e.outputs[0].dtype) != dtype:
+                return None
+            sources = []
+            for v in e.inputs:
+                if v not in register:  # an operand from outside the run: loaded
+                    if isinstance(v, ir.Var) and np.dtype(v.dtype) != dtype:
+                        return None
+                    register[v] = len(register)
+                    code.append((0, register[v], len(operands), 0, 0))
+                    operands.append(v)
+                sources.append(register[v])
+            out = e.outputs[0]
+            register[out] = len(register)
+            code.append((2 + LOOP_OPS.index(e.op), register[out], *sources,
+                         *([0] * (3 - len(sources)))))
+        stored = [v for e in stage.eqns for v in e.outputs if v in stored]
+        code += [(1, register[v], len(operands) + k, 0, 0) for k, v in enumerate(stored)]
+        return cls(stage, dtype, width, operands, np.array(code, np.int64), stored, len(register))
+
+    def table(self, env, num_seq, places, by_steps=False):
+        """The run's rows of the loop's table (each operand's, then each
+        stored value's: ``[address, row stride in bytes, 1 where a row holds
+        width values else 0 (one, broadcast), the stride by which a step's
+        first token moves its first row]``), the operands NumPy makes anew
+        at each step (``batched``: their rows are set at each step), the
+        call's constants the table points into (kept alive by the caller)
+        and the stored values' buffers, made here and added to ``places``
+        (``{var: (array, by_steps)}``, where the group keeps a step's values:
+        its rows of ``array`` are the first, or with ``by_steps`` those from
+        the step's first token; the stored values' too where ``by_steps``:
+        a hoisted run's). None where a constant cannot be read so."""
+        table = np.zeros((len(self.operands) + len(self.stored), 4), np.int64)
+        kept, batched = [], []
+        for k, v in enumerate(self.operands):
+            row = _row(v, env, places, self.width, self.dtype, kept)
+            if row is None and not (isinstance(v, ir.Var) and v.batched):
+                return None
+            if row is None:
+                batched.append((k, v))
+            else:
+                table[k] = row
+        outs = [np.empty((num_seq,) + tuple(v.shape[1:]), self.dtype) for v in self.stored]
+        for k, (v, y) in enumerate(zip(self.stored, outs), len(self.operands)):
+            table[k] = _buffer_row(y, by_steps)
+            places[v] = (y, by_steps)
+        return table, batched, kept, outs
+
+    def start(self, env, num_seq, places):
+        """``step(env, rows, lo) -> bool`` for one group of a call whose
+        constants are in ``env`` (:meth:`table`), or None while the loop is
+        not compiled: the loop run for the one run at one step."""
+        loop = _loop(self.dtype)
+        made = self.table(env, num_seq, places) if loop is not None else None
+        if made is None:
+            return None
+        table, batched, kept, outs = made
+        width, itemsize = self.width, self.dtype.itemsize
+        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0]], np.int64)
+        active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        registers, scratch = registers_of(self.registers, width, self.dtype), np.empty(0, self.dtype)
+        code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
+        from .jit.threads import ALONE
+
+        def step(env, rows, lo):
+            for k, v in batched:
+                x = env[v]
+                at = _layout(x, rows, width, itemsize) if type(x) is np.ndarray \
+                    and x.dtype == self.dtype else None
+                if at is None:
+                    return False
+                table[k, 0] = x.__array_interface__["data"][0]
+                table[k, 1], table[k, 2] = at
+            active[0], starts[0] = rows, lo
+            entry(prog, code, table, active, starts, registers, scratch, ALONE, _LIBRARY_ONLY,
+                  _NO_PERM)
+            for v, y in zip(self.stored, outs):
+                env[v] = y[:rows]
+            return True
+        step.kept = kept  # (the constants whose addresses the table holds)
+        return step
+
+
+class Steps:
+    """A group's whole time loop as one call of the compiled loop: each
+    stage of a step an instruction of a program over one table of addresses
+    (:meth:`Run.table`'s rows): an elementwise run as its bytecode, a GEMM
+    as the kernels' per-step product, a concat by columns, the outputs'
+    rows and the memories' new values as copies (runs of a load and a
+    store). ``of`` gives it, or why the group runs step by step."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.prog, self.code, self.table, self.kept = [], [], [], []
+        self.registers, self.width, self.scratch = 1, 1, 0
+
+    @staticmethod
+    def why_not(executor):
+        """Why no group of ``executor``'s calls runs as one call (a
+        sentence), or None: what the loop does not compute."""
+        if executor.ragged:
+            return "a value of its step is ragged"
+        if executor.dtype not in (np.float32, np.float64):
+            return "its step's values are not of one float dtype"
+        for stage in (*executor.whole, *executor.step):
+            if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
+                    or stage in executor.step and all(concat_columns(e) for e in stage.eqns)):
+                ops = ", ".join(sorted({e.op for e in stage.eqns}))
+                return f"it has a {stage.kind} stage the loop does not run ({ops})"
+        return None
+
+    @classmethod
+    def of(cls, executor, env, layout, places, rows, last, state):
+        """The loop of one group (its ``layout``, ``places`` as
+        :meth:`Run.table`'s; the call's all-steps outputs ``rows``, written
+        at the caller's rows, the group's last-step ones ``last``, the
+        memories' ``state``), or why it runs step by step (a sentence)."""
+        if executor.why_apart is not None:
+            return executor.why_apart
+        self, num_seq = cls(executor.dtype), layout.order.shape[0]
+        if _loop(self.dtype) is None:
+            return "the executor's loop is not compiled yet"
+        if layout.num_steps == 0:
+            return self  # (nothing to run)
+        # the hoisted stages by chunks of steps of about CHUNK_ROWS rows, each
+        # just before the steps that read it, into buffers of one chunk's rows
+        # (read back from the cache, and no call's every token's written out)
+        chunk = max(1, CHUNK_ROWS // max(num_seq, 1))
+        for stage in executor.whole:
+            if not self._stage(stage, executor.runs.get(stage), env, chunk * num_seq, places,
+                               chunk):
+                return f"a value its hoisted {stage.kind} stage reads is not laid out as the loop reads"
+        for stage in executor.step:
+            if not self._stage(stage, executor.runs.get(stage), env, num_seq, places):
+                return f"a value its {stage.kind} stage reads is not laid out as the loop reads"
+        memories = executor.body.memories
+        copies = [(v, kept, False) if every is None else (v, every, BY_CALLER)
+                  for v, every, kept in zip(executor.body.outputs, rows, last)]
+        posts = []
+        for mem, s in zip(memories, state):  # (shifted states: through a copy)
+            place = places.get(mem.post)
+            if place is not None and any(np.may_share_memory(place[0], x) for x in state):
+                aside = np.empty_like(s)
+                self.kept.append(aside)
+                copies.append((mem.post, aside, False))
+                posts.append((_buffer_row(aside, False), s))
+            else:
+                posts.append((mem.post, s))
+        copies += [(v, s, False) for v, s in posts]
+        for v, to, by_steps in copies:
+            source = v if isinstance(v, list) else _row(v, env, places, _width(to), self.dtype,
+                                                        self.kept)
+            if not self._copy(source, to, by_steps):
+                return f"{getattr(v, 'name', 'a value')} is not laid out as the loop reads"
+        return self
+
+    def run(self, layout, board):
+        """Run the group's every step (``layout``'s) in one call, its
+        products shared with the helper on ``board``."""
+        loop = _loop(self.dtype)
+        entry = loop.overloads[loop.signatures[0]].entry_point
+
+        entry(np.array(self.prog, np.int64).reshape(-1, 9),
+              np.array(self.code, np.int64).reshape(-1, 5),
+              np.array(self.table, np.int64).reshape(-1, 4),
+              np.ascontiguousarray(layout.active, np.int64), layout.starts,
+              registers_of(self.registers, self.width, self.dtype),
+              np.empty(max(self.scratch, 1), self.dtype), board, _small_rows(self.dtype), layout.perm)
+
+    def _run(self, code, table, width, registers, chunk=0):
+        """Add a run: its bytecode reading the table's rows ``table`` (at
+        every step, or with ``chunk`` over its steps' rows every ``chunk``
+        steps)."""
+        base, first = len(self.table), len(self.code)
+        self.table += [list(row) for row in table]
+        self.code += [(op, r, x + base if op < 2 else x, y, z) for op, r, x, y, z in code]
+        self.prog.append((0, first, len(self.code), width, 0, 0, chunk, 0, 0))
+        self.registers, self.width = max(self.registers, registers), max(self.width, width)
+
+    def _stage(self, stage, run, env, num_rows, places, chunk=0):
+        """Add a stage's instructions, its results' buffers (``num_rows``
+        rows) to ``places``: a step's stage, or with ``chunk`` a hoisted one
+        over at most ``num_rows`` rows every ``chunk`` steps (its results
+        ``BY_CHUNK``). False where a value it reads is not laid out as the
+        loop reads."""
+        itemsize, by_steps = self.dtype.itemsize, BY_CHUNK if chunk > 0 else False
+        if run is not None:
+            made = run.table(env, num_rows, places, by_steps)
+            if made is None or made[1]:
+                return False
+            self.kept += [*made[2], *made[3]]
+            self._run(run.code.tolist(), made[0], run.width, run.registers, chunk)
+            return True
+        if stage.kind == "gemm":
+            joined = joined_weights(stage, env)
+            if joined.dtype != self.dtype:
+                return False
+            k, n = joined.shape
+            left = _row(stage.left, env, places, k, self.dtype, self.kept)
+            if left is None or not left[1] or not left[2]:
+                return False
+            if left[3] == executor_loop.BY_CALLER or left[1] != k * itemsize:  # (rows at the
+                self.scratch = max(self.scratch, num_rows * k)  # caller's, or apart: copied first)
+            buffer = np.empty((num_rows, n), self.dtype)
+            column_blocks(stage, buffer, by_steps, places)
+            self.kept += [joined, buffer]
+            base = len(self.table)
+            self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
+            self.prog.append((1, base, base + 1, base + 2, k, n, chunk, num_rows,
+                              sum(row[0] == 1 for row in self.prog)))
+            return True
+        for e in stage.eqns:  # concats by columns (why_not)
+            out = e.outputs[0]
+            y = np.empty((num_rows, out.shape[1]), self.dtype)
+            self.kept.append(y)
+            at = 0
+            for v in e.inputs:
+                to = y[:, at:at + v.shape[1]]
+                if not self._copy(_row(v, env, places, _width(to), self.dtype, self.kept), to,
+                                  False):
+                    return False
+                at += v.shape[1]
+            places[out] = (y, False)
+        return True
+
+    def _copy(self, source, to, by_steps):
+        """Add a copy of a step's rows read by the table row ``source`` into
+        ``to`` (rows of a buffer, from the step's first token where
+        ``by_steps``); False where either is not laid out for the loop."""
+        if to.size == 0:  # (nothing to copy: a value of no columns)
+            return True
+        if source is None or to.dtype != self.dtype or to.ndim > 2 \
+                or to.ndim == 2 and to.strides[1] != to.itemsize:
+            return False
+        self._run([(0, 0, 0, 0, 0), (1, 0, 1, 0, 0)], [source, _buffer_row(to, by_steps)],
+                  _width(to), 1)
+        return True
+
+
+def _small_rows(dtype):
+    """The kernels' ``small_rows`` (``blas.pack``'s: up to how many rows a
+    product of ``dtype`` runs stepnet's own loop) where measured or kept,
+    else a table giving every product to the library (never measured here:
+    the compile worker measures them after its first kernel)."""
+    from .jit import product_timing
+
+    table = product_timing.small_rows_table(measure=False, float64=dtype == np.float64)
+    return _LIBRARY_ONLY if table is None else np.array(table)
+
+
+_LIBRARY_ONLY = np.array([[1 << 62], [0], [0]], np.int64)  # (small_rows: no own loop)
+_NO_PERM = np.zeros(0, np.int64)  # (the Python loop's runs read no row at the caller's)
+
+
+def _width(array):
+    return int(np.prod(array.shape[1:], dtype=np.int64))
+
+
+def _buffer_row(array, by_steps):
+    """The table row of a buffer's rows (of contiguous values)."""
+    stride = array.strides[0]
+    return [array.ctypes.data, stride, 1, _first_row_stride(stride, by_steps)]
+
+
+# where a group keeps a value (``places``' second item): its rows from its
+# first (False), from the step's first token (True), at the caller's rows
+# of each token (BY_CALLER: the group's ``layout.perm``), or in a buffer of
+# one chunk's rows from the chunk's first token (BY_CHUNK: a hoisted stage's
+# results in the loop)
+BY_CALLER = "the caller's rows"
+BY_CHUNK = "the chunk's rows"
+
+
+def _first_row_stride(stride, by_steps):
+    """The table's last column: the stride by which the step's first token
+    moves a value's first row, or the loop's mark of rows placed otherwise
+    (``executor_loop.BY_CALLER``, ``BY_CHUNK``)."""
+    if by_steps is BY_CALLER or by_steps is BY_CHUNK:
+        return executor_loop.BY_CALLER if by_steps is BY_CALLER else executor_loop.BY_CHUNK
+    return stride if by_steps else 0
+
+
+def concat_columns(e):
+    """Whether ``e`` is a concat of 2-D batched values by columns."""
+    return (e.op == "concat" and len(e.outputs[0].shape) == 2 and e.attrs.get("axis") in (1, -1)
+            and all(isinstance(v, ir.Var) and v.batched and len(v.shape) == 2 for v in e.inputs))
+
+
+def _row(v, env, places, width, dtype, kept):
+    """The loop's table row reading ``v`` in rows of ``width`` values (see
+    :meth:`Run.table`): where the group keeps it (``places``) or, a value
+    of the call, once (kept alive in ``kept``); None where the loop cannot
+    read it so."""
+    itemsize = dtype.itemsize
+    if isinstance(v, ir.Var) and v.batched:
+        x, by_steps = places.get(v, (None, False))
+        if type(x) is np.ndarray and x.dtype == dtype and x.size == 0:
+            return [x.ctypes.data, 0, 1, 0]  # (a value of no columns: nothing read)
+        at = (_layout(x, x.shape[0], width, itemsize)
+              if type(x) is np.ndarray and x.dtype == dtype and x.ndim else None)
+        return None if at is None else [x.ctypes.data, at[0], at[1],
+                                        _first_row_stride(at[0], by_steps)]
+    x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], dtype)
+    at = _layout(x, 1, width, itemsize)
+    if at is None:
+        return None
+    kept.append(x)
+    return [x.ctypes.data, 0, at[1], 0]
+
+
+def _layout(x, rows, width, itemsize):
+    """``(row stride in bytes, 1 where a row holds ``width`` values else 0)``
+    of an operand ``x`` of a run over ``rows`` rows of ``width``, or None
+    where the loop cannot read it so."""
+    shape, strides = x.shape, x.strides
+    if x.ndim == 0:
+        return 0, 0
+    unit = shape[-1] == width and (width == 1 or strides[-1] == itemsize)
+    # (rows of its own first: a value of one row is read as rows, which a
+    # product's left operand needs, not as a broadcast)
+    if x.ndim == 2 and shape[0] == rows and unit:
+        return strides[0], 1
+    if x.ndim == 2 and shape == (rows, 1):
+        return strides[0], 0
+    if shape in ((1,), (1, 1)):
+        return 0, 0
+    if (x.ndim == 1 or shape[0] == 1) and unit:
+        return 0, 1
+    if x.ndim == 1 and width == 1 and shape[0] == rows:
+        return strides[0], 0
+    return None
