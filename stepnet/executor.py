@@ -187,6 +187,40 @@ class Executor:
         from .interpreter import numpy_blas_threads
         from .jit import plan, threads
 
+        env, offsets, out = self._start(args, consts)
+        lengths = np.diff(offsets)
+        work = int(lengths.sum()) * self.work_width + sum(
+            self.nested[stage].work_width * env[v].data.shape[0]
+            for stage in self.first for v in ir.rnn_parts(stage.eqns[0])[0][:1])
+        count = max(1, min(workers, lengths.shape[0]))
+        # (groups on threads where each runs its steps in one call: a time
+        # loop in Python holds the GIL, and two of them take turns on it)
+        if count > 1 and (work < threads.SPLIT_MIN_WORK or self.why_apart is not None):
+            count = 1
+        nested = {}  # (in groups: the hoisted nested rnns' calls, each group running its part)
+        if count == 1:
+            self._first_over_all(env, workers)
+        for stage in self.first if count > 1 else ():
+            inner = self.nested[stage]
+            call = inner._start([env[v] for v in ir.rnn_parts(stage.eqns[0])[0]], env)
+            inner._first_over_all(call[0], 1)
+            nested[inner] = call
+            env.update(zip(stage.outputs, call[2].arrays))  # (rows each group writes)
+        by_length = np.argsort(-lengths, kind="stable")
+        groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
+        # (one group shares its products with the helper where a kernel's
+        # would: plan.shares, its sequences never cut)
+        board = threads.board_for_one_group() if count == 1 and self.why_apart is None and \
+            plan.shares(self, int(lengths.sum()), 1, workers) else threads.ALONE
+        with numpy_blas_threads(1 if count > 1 else workers):
+            threads.run_each(lambda group: self._group(env, offsets, group, out, board, nested),
+                             groups)
+        return out.results
+
+    def _start(self, args, consts):
+        """A call's values (``env``: its constants, the step inputs' rows of
+        each token, the products' joined weights), its sequences' offsets and
+        its outputs (:class:`_Outputs`), before any group runs."""
         outer = dict(zip(self.program.inputs, args))
         outer.update({v: consts[v] for v in self.program.consts})
         seq_args = [outer[v] for v in self.seqs]
@@ -209,48 +243,28 @@ class Executor:
                         else LoDTensor(X.data, list(X.levels[1:])))
         for stage in self.products:
             joined_weights(stage, env)
-        out = _Outputs(self.body.outputs, self.all_steps, offsets)
-        work = int(lengths.sum()) * self.work_width + sum(
-            self.nested[stage].work_width * env[v].data.shape[0]
-            for stage in self.first for v in ir.rnn_parts(stage.eqns[0])[0][:1])
-        count = max(1, min(workers, lengths.shape[0]))
-        # (groups on threads where each runs its steps in one call: a time
-        # loop in Python holds the GIL, and two of them take turns on it)
-        if count > 1 and (work < threads.SPLIT_MIN_WORK or self.why_apart is not None):
-            count = 1
-        if count == 1:
-            for stage in self.first:
-                self._nested_stage(stage, None, workers)(env, None, None)
-        else:  # (each group runs those of its own sequences, as the kernels' groups)
-            for stage in self.first:
-                env.update({o: np.empty((offsets[-1],) + tuple(o.shape[1:]), o.dtype)
-                            for o in stage.outputs})
-        by_length = np.argsort(-lengths, kind="stable")
-        groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
-        # (one group shares its products with the helper where a kernel's
-        # would: plan.shares, its sequences never cut)
-        board = threads.board_for_one_group() if count == 1 and self.why_apart is None and \
-            plan.shares(self, int(lengths.sum()), 1, workers) else threads.ALONE
-        with numpy_blas_threads(1 if count > 1 else workers):
-            threads.run_each(lambda group: self._group(env, offsets, group, out, board,
-                                                       count > 1 and self.first), groups)
-        return out.results
+        return env, offsets, _Outputs(self.body.outputs, self.all_steps, offsets)
 
-    def _group(self, shared, offsets, sequences, out, board, nested_here=False):
+    def _first_over_all(self, env, workers):
+        """The hoisted nested rnns over every sub-sequence of the call."""
+        for stage in self.first:
+            self._nested_stage(stage, None, workers)(env, None, None)
+
+    def _group(self, shared, offsets, sequences, out, board, nested=None):
         """Run the sequences ``sequences`` (the caller's indices) with the
         call's values ``shared``, writing their rows of the outputs ``out``
-        (a run in one call sharing its products with the helper on ``board``;
-        with ``nested_here``, the hoisted nested rnns first over the
-        sub-sequences of these sequences, into their rows of ``shared``'s)."""
+        (a run in one call sharing its products with the helper on
+        ``board``), the groups of the hoisted nested rnns' calls ``nested``
+        (``{executor: its _start}``) first over these sequences'
+        sub-sequences, as the kernels' groups run them."""
+        from .jit import threads
+
         env = dict(shared)
         layout = _Layout(offsets, sequences, self.reverse)
-        if nested_here:
+        if nested:
             tokens = np.sort(layout.perm)  # (the caller's rows of this group's tokens)
-            for stage in self.first:
-                seqs = ir.rnn_parts(stage.eqns[0])[0]
-                results = self.nested[stage]([shared[v].select(tokens) for v in seqs], shared)
-                for o, rows in zip(stage.outputs, results):
-                    shared[o][tokens] = rows
+            for inner, (inner_env, inner_offsets, inner_out) in nested.items():
+                inner._group(inner_env, inner_offsets, tokens, inner_out, threads.ALONE)
         data = {var: shared[var] for var in self.by_steps}
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)
             value = s.value if isinstance(s, ir.Literal) else shared[s]

@@ -357,7 +357,8 @@ def test_nested_nets_run_their_inner_nets_first(rng, dtype, reverse, monkeypatch
     _agree(_nested(X, rng, dtype, init=np.full(5, 0.25, dtype)), x=X)
 
 
-def test_three_levels_run_each_inner_net_first(rng):
+def test_three_levels_run_each_inner_net_first(rng, monkeypatch):
+    monkeypatch.setattr("stepnet.jit.threads.SPLIT_MIN_WORK", 1)  # (in groups too)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32),
                                   [[2, 1], [2, 1, 3], [4, 3, 0, 5, 2, 6]])
     _agree(_nested(X, rng, deep=True), x=X)
