@@ -104,8 +104,11 @@ def _loop_source(dtype):
     the steps to the next (packed for that many rows, as the kernels' chunks).
     ``table`` holds each operand's and result's address, row stride, whether a
     row holds ``width`` values (else one, broadcast), and the stride by which a
-    step's first token moves its first row (-1: rows at the caller's,
-    ``perm[token]``); ``scratch`` holds a left operand whose rows are apart."""
+    step's first token moves its first row (``BY_CALLER``: rows at the
+    caller's, ``perm[token]``; ``BY_CHUNK``: rows of a buffer of the chunk's
+    rows); ``scratch`` holds a left operand whose rows are apart. A run loads
+    an operand whose rows neither move nor differ (a bias) at a step's
+    first tile only."""
     dt = f"np.{np.dtype(dtype).name}"
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
              "               small_rows, perm):",
@@ -137,23 +140,11 @@ def _loop_source(dtype):
              "                    r = register(registers, code[c, 1])",
              "                    if op == 0:  # an operand's rows",
              "                        x = code[c, 2]",
-             "                        for i in range(n):",
-             "                            at = address(table, x, lo, i0 + i, perm, ring)",
-             "                            if table[x, 2] == 1:",
-             f"                                src = carray(pointer_to(at, {dt}), width)",
-             "                                for j in range(width):",
-             "                                    r[i * width + j] = src[j]",
-             "                            else:",
-             f"                                value = carray(pointer_to(at, {dt}), 1)[0]",
-             "                                for j in range(width):",
-             "                                    r[i * width + j] = value",
+             "                        if i0 == 0 or table[x, 1] != 0 or table[x, 3] != 0:",
+             "                            load(r, table, x, lo, i0, n, width, perm, ring)",
+             "                        # (else the same rows as the first tile's: still there)",
              "                    elif op == 1:  # a value's rows stored",
-             "                        x = code[c, 2]",
-             "                        for i in range(n):",
-             "                            at = address(table, x, lo, i0 + i, perm, ring)",
-             f"                            dst = carray(pointer_to(at, {dt}), width)",
-             "                            for j in range(width):",
-             "                                dst[j] = r[i * width + j]"]
+             "                        store(r, table, code[c, 2], lo, i0, n, width, perm, ring)"]
     from .jit.cpu_emit import loop_module, op_code
 
     for k, name in enumerate(LOOP_OPS):
@@ -184,12 +175,65 @@ def _product_source(dt):
             "    if table[left, 3] != BY_CALLER and table[left, 1] == k * scratch.itemsize:",
             f"        a = carray(pointer_to(address(table, left, lo, 0, perm, ring), {dt}), (rows, k))",
             "    else:  # (rows apart, or at the caller's: copied together first)",
-            "        for i in range(rows):",
-            f"            src = carray(pointer_to(address(table, left, lo, i, perm, ring), {dt}), k)",
-            "            for j in range(k):",
-            "                scratch[i * k + j] = src[j]",
+            "        load(scratch, table, left, lo, 0, rows, k, perm, ring)",
             "        a = scratch[:rows * k].reshape((rows, k))",
             "    gemm_packed(a, prepared, out)",
+            *_rows_source(dt)]
+
+
+def _rows_source(dt):
+    """The lines of the loop's helpers moving rows: ``load`` (into a
+    register), ``store`` (from one), ``register``, ``address``."""
+    return ["",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def load(r, table, x, lo, i0, n, width, perm, ring):",
+            "    # (rows i0 + i of the step's into the register, or one value each,",
+            "    # broadcast; the caller's rows apart: a branch in the rows' loop",
+            "    # costs more than a row's copy)",
+            "    stride, full = table[x, 1], table[x, 2]",
+            "    if table[x, 3] == BY_CALLER:",
+            "        for i in range(n):",
+            "            copy_in(r, i, table[x, 0] + perm[lo + i0 + i] * stride, width, full)",
+            "    else:",
+            "        first = address(table, x, lo, i0, perm, ring)",
+            "        for i in range(n):",
+            "            copy_in(r, i, first + i * stride, width, full)",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def copy_in(r, i, at, width, full):",
+            "    # (the register's row a view of its own: indexed by j alone, the copy",
+            "    # is vectorized)",
+            f"    row = carray(pointer_to(r.ctypes.data + i * width * r.itemsize, {dt}), width)",
+            "    if full == 1:",
+            f"        src = carray(pointer_to(at, {dt}), width)",
+            "        for j in range(width):",
+            "            row[j] = src[j]",
+            "    else:",
+            f"        value = carray(pointer_to(at, {dt}), 1)[0]",
+            "        for j in range(width):",
+            "            row[j] = value",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def store(r, table, x, lo, i0, n, width, perm, ring):",
+            "    stride = table[x, 1]",
+            "    if table[x, 3] == BY_CALLER:",
+            "        for i in range(n):",
+            "            copy_out(r, i, table[x, 0] + perm[lo + i0 + i] * stride, width)",
+            "    else:",
+            "        first = address(table, x, lo, i0, perm, ring)",
+            "        for i in range(n):",
+            "            copy_out(r, i, first + i * stride, width)",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def copy_out(r, i, at, width):",
+            f"    row = carray(pointer_to(r.ctypes.data + i * width * r.itemsize, {dt}), width)",
+            f"    dst = carray(pointer_to(at, {dt}), width)",
+            "    for j in range(width):",
+            "        dst[j] = row[j]",
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
