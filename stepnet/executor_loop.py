@@ -156,7 +156,7 @@ def _loop_source(dtype):
         lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
-                       imports=["from stepnet.jit.blas import gemm_packed, pack",
+                       imports=["from stepnet.jit.blas import gemm_own, gemm_packed, pack",
                                 f"BY_CALLER, BY_CHUNK = {BY_CALLER}, {BY_CHUNK}",
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
@@ -177,7 +177,10 @@ def _product_source(dt):
             "    else:  # (rows apart, or at the caller's: copied together first)",
             "        load(scratch, table, left, lo, 0, rows, k, perm, ring)",
             "        a = scratch[:rows * k].reshape((rows, k))",
-            "    gemm_packed(a, prepared, out)",
+            "    # (the own loop called directly where it takes the rows, as the kernels'",
+            "    # per-step products: through gemm_packed, a one-row product's call costs more)",
+            "    if not gemm_own(a, prepared[4], prepared[2], prepared[5], out):",
+            "        gemm_packed(a, prepared, out)",
             *_rows_source(dt)]
 
 
