@@ -187,7 +187,7 @@ class Executor:
         from .interpreter import numpy_blas_threads
         from .jit import plan, threads
 
-        env, offsets, out = self._start(args, consts)
+        env, offsets, rows, out = self._start(args, consts)
         lengths = np.diff(offsets)
         work = int(lengths.sum()) * self.work_width + sum(
             self.nested[stage].work_width * env[v].data.shape[0]
@@ -205,9 +205,13 @@ class Executor:
             call = inner._start([env[v] for v in ir.rnn_parts(stage.eqns[0])[0]], env)
             inner._first_over_all(call[0], 1)
             nested[inner] = call
-            env.update(zip(stage.outputs, call[2].arrays))  # (rows each group writes)
-        by_length = np.argsort(-lengths, kind="stable")
-        groups = [np.sort(by_length[g::count]) for g in range(count)]  # (dealt: balanced)
+            env.update(zip(stage.outputs, call[3].arrays))  # (rows each group writes)
+        # (the sequences dealt by their data rows, most first, in a snake
+        # 0, 1, 1, 0, ...: groups of about as many rows, a nested net's too)
+        turn = np.arange(lengths.shape[0]) % (2 * count)
+        group = np.minimum(turn, 2 * count - 1 - turn)
+        by_rows = np.argsort(-rows, kind="stable")
+        groups = [np.sort(by_rows[group == g]) for g in range(count)]
         # (one group shares its products with the helper where a kernel's
         # would: plan.shares, its sequences never cut)
         board = threads.board_for_one_group() if count == 1 and self.why_apart is None and \
@@ -219,8 +223,9 @@ class Executor:
 
     def _start(self, args, consts):
         """A call's values (``env``: its constants, the step inputs' rows of
-        each token, the products' joined weights), its sequences' offsets and
-        its outputs (:class:`_Outputs`), before any group runs."""
+        each token, the products' joined weights), its sequences' offsets,
+        their rows of data (of a nested net's innermost sequences) and its
+        outputs (:class:`_Outputs`), before any group runs."""
         outer = dict(zip(self.program.inputs, args))
         outer.update({v: consts[v] for v in self.program.consts})
         seq_args = [outer[v] for v in self.seqs]
@@ -243,7 +248,10 @@ class Executor:
                         else LoDTensor(X.data, list(X.levels[1:])))
         for stage in self.products:
             joined_weights(stage, env)
-        return env, offsets, _Outputs(self.body.outputs, self.all_steps, offsets)
+        rows = offsets
+        for level in seq_args[0].levels[1:]:
+            rows = np.asarray(level, np.int64)[rows]
+        return env, offsets, np.diff(rows), _Outputs(self.body.outputs, self.all_steps, offsets)
 
     def _first_over_all(self, env, workers):
         """The hoisted nested rnns over every sub-sequence of the call."""
@@ -263,7 +271,7 @@ class Executor:
         layout = _Layout(offsets, sequences, self.reverse)
         if nested:
             tokens = np.sort(layout.perm)  # (the caller's rows of this group's tokens)
-            for inner, (inner_env, inner_offsets, inner_out) in nested.items():
+            for inner, (inner_env, inner_offsets, _, inner_out) in nested.items():
                 inner._group(inner_env, inner_offsets, tokens, inner_out, threads.ALONE)
         data = {var: shared[var] for var in self.by_steps}
         for var, s in zip(self.body.static_inputs, self.statics):  # (per sequence: sorted)

@@ -357,6 +357,27 @@ def test_nested_nets_run_their_inner_nets_first(rng, dtype, reverse, monkeypatch
     _agree(_nested(X, rng, dtype, init=np.full(5, 0.25, dtype)), x=X)
 
 
+def test_groups_take_about_as_many_rows_of_a_nested_net(rng, monkeypatch):
+    """Sequences are dealt to the groups by their innermost rows (a nested
+    net's words, not its paragraphs): chapters 1 and 3, of 40 words each,
+    go to different groups (by their paragraphs, 5, 4, 3, 2, they went to
+    one, 80 words against 8)."""
+    from stepnet.jit import threads
+
+    groups = []
+    run_each = threads.run_each
+    monkeypatch.setattr(threads, "run_each", lambda fn, items: groups.append(
+        [list(g) for g in items]) or run_each(fn, items))
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 1)
+    words = [1] * 5 + [10] * 4 + [1] * 3 + [20] * 2
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(words), 3)).astype(np.float32),
+                                  [[5, 4, 3, 2], words])
+    rnn = _nested(X, rng, np.float32, False)
+    _agree(rnn, x=X)
+    (first, second), = [g for g in groups if len(g) == 2]
+    assert (1 in first) != (3 in first) and (1 in second) != (3 in second), (first, second)
+
+
 def test_three_levels_run_each_inner_net_first(rng, monkeypatch):
     monkeypatch.setattr("stepnet.jit.threads.SPLIT_MIN_WORK", 1)  # (in groups too)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32),
