@@ -120,6 +120,7 @@ def _loop_source(dtype):
              "                     prog[p, 7], tokens, small_rows, board)",
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
              "    ring = 0  # (the first token of the last chunk)",
+             "    where = np.empty(registers.shape[0], np.int64)  # (where each register's rows are)",
              "    for t in range(steps):",
              "        for p in range(prog.shape[0]):",
              "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
@@ -136,23 +137,27 @@ def _loop_source(dtype):
              "            for i0 in range(0, rows, tile):",
              "                n = min(tile, rows - i0)",
              "                for c in range(prog[p, 1], prog[p, 2]):",
-             "                    op = code[c, 0]",
-             "                    r = register(registers, code[c, 1])",
+             "                    op, k = code[c, 0], code[c, 1]",
+             "                    r = register(registers, k)",
              "                    if op == 0:  # an operand's rows",
              "                        x = code[c, 2]",
              "                        if i0 == 0 or table[x, 1] != 0 or table[x, 3] != 0:",
-             "                            load(r, table, x, lo, i0, n, width, perm, ring)",
+             "                            where[k] = load(r, table, x, lo, i0, n, width, perm, ring)",
              "                        # (else the same rows as the first tile's: still there)",
-             "                    elif op == 1:  # a value's rows stored",
-             "                        store(r, table, code[c, 2], lo, i0, n, width, perm, ring)"]
+             "                        continue",
+             "                    if op == 1:  # a value's rows stored",
+             "                        store(view(where, k, r), table, code[c, 2], lo, i0, n, width, perm,",
+             "                              ring)",
+             "                        continue",
+             "                    where[k] = r.ctypes.data  # (a value an op computes: its own)"]
     from .jit.cpu_emit import loop_module, op_code
 
     for k, name in enumerate(LOOP_OPS):
         inputs = registry.get(name).num_inputs
-        lines += [f"                    elif op == {2 + k}:  # {name}",
-                  "                        a = register(registers, code[c, 2])"]
+        lines += [f"                    {'elif' if k else 'if'} op == {2 + k}:  # {name}",
+                  "                        a = view(where, code[c, 2], r)"]
         if inputs > 1:
-            lines.append("                        b = register(registers, code[c, 3])")
+            lines.append("                        b = view(where, code[c, 3], r)")
         lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
@@ -163,7 +168,8 @@ def _loop_source(dtype):
 
 def _product_source(dt):
     """The lines of ``product``: a step's rows of a left operand (copied
-    together first where they are apart) by weights prepared by ``pack``."""
+    together first where they are apart) by weights prepared by ``pack``;
+    then the registers' ``register`` and ``view``, and the rows' helpers."""
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
@@ -175,33 +181,51 @@ def _product_source(dt):
             "    if table[left, 3] != BY_CALLER and table[left, 1] == k * scratch.itemsize:",
             f"        a = carray(pointer_to(address(table, left, lo, 0, perm, ring), {dt}), (rows, k))",
             "    else:  # (rows apart, or at the caller's: copied together first)",
-            "        load(scratch, table, left, lo, 0, rows, k, perm, ring)",
-            "        a = scratch[:rows * k].reshape((rows, k))",
+            f"        a = carray(pointer_to(load(scratch, table, left, lo, 0, rows, k, perm, ring), {dt}),",
+            "                   (rows, k))  # (one row: where it is)",
             "    # (the own loop called directly where it takes the rows, as the kernels'",
             "    # per-step products: through gemm_packed, a one-row product's call costs more)",
             "    if not gemm_own(a, prepared[4], prepared[2], prepared[5], out):",
             "        gemm_packed(a, prepared, out)",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def view(where, i, like):",
+            "    # (the rows of register i, where they are: its own, or an operand's)",
+            "    return carray(pointer_to(where[i], like.dtype), like.shape[0])",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def register(registers, i):",
+            "    # (a view with no reference count: taking one per op is an atomic",
+            "    # increment and decrement each, a share of a one-row op's time)",
+            "    return carray(pointer_to(registers.ctypes.data + i * registers.strides[0],",
+            "                             registers.dtype), registers.shape[1])",
             *_rows_source(dt)]
 
 
 def _rows_source(dt):
     """The lines of the loop's helpers moving rows: ``load`` (into a
-    register), ``store`` (from one), ``register``, ``address``."""
+    register), ``store`` (from one), ``address``."""
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
             "def load(r, table, x, lo, i0, n, width, perm, ring):",
-            "    # (rows i0 + i of the step's into the register, or one value each,",
-            "    # broadcast; the caller's rows apart: a branch in the rows' loop",
+            "    # (where rows i0 + i of the step's are read from: where they are, if",
+            "    # one after another, else copied into the register r, or one value",
+            "    # each, broadcast; the caller's rows apart: a branch in the rows' loop",
             "    # costs more than a row's copy)",
             "    stride, full = table[x, 1], table[x, 2]",
             "    if table[x, 3] == BY_CALLER:",
             "        for i in range(n):",
             "            copy_in(r, i, table[x, 0] + perm[lo + i0 + i] * stride, width, full)",
-            "    else:",
-            "        first = address(table, x, lo, i0, perm, ring)",
-            "        for i in range(n):",
-            "            copy_in(r, i, first + i * stride, width, full)",
+            "        return np.int64(r.ctypes.data)",
+            "    first = address(table, x, lo, i0, perm, ring)",
+            "    if full == 1 and (n == 1 or stride == width * r.itemsize):",
+            "        return first",
+            "    for i in range(n):",
+            "        copy_in(r, i, first + i * stride, width, full)",
+            "    return np.int64(r.ctypes.data)",
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
@@ -237,14 +261,6 @@ def _rows_source(dt):
             f"    dst = carray(pointer_to(at, {dt}), width)",
             "    for j in range(width):",
             "        dst[j] = row[j]",
-            "",
-            "",
-            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
-            "def register(registers, i):",
-            "    # (a view with no reference count: taking one per op is an atomic",
-            "    # increment and decrement each, a share of a one-row op's time)",
-            "    return carray(pointer_to(registers.ctypes.data + i * registers.strides[0],",
-            "                             registers.dtype), registers.shape[1])",
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",

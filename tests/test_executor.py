@@ -275,9 +275,10 @@ def test_swapped_states_concats_and_products_of_products_in_one_call(rng, dtype)
     """The time loop in one call where memories swap their states (each
     new value another's state: copied aside first), a step concatenates
     values by columns, and a product's left operand is a column block of a
-    merged product (its rows apart: copied together first)."""
-    lengths = [3, 6, 0, 1, 6]
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((16, 4)).astype(dtype), [lengths])
+    merged product (its rows apart: copied together first, but for the
+    last steps' one row, read where it is)."""
+    lengths = [3, 6, 0, 1, 8]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((18, 4)).astype(dtype), [lengths])
 
     def w(*shape):
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(dtype)
