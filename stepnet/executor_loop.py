@@ -93,9 +93,9 @@ def _loop_source(dtype):
     scratch, board, small_rows, perm)``: at each step ``t`` (``active[t]`` rows
     from the token ``starts[t]``) the instructions of ``prog``, each a row
     ``(kind, a, b, c, d, e, chunk, rows, q)``: kind 0 a run of the bytecode
-    ``code[a:b]`` (:class:`executor_program.Run`) over rows of ``c`` values, a tile of rows at a
-    time (as many as a register, ``registers.shape[1]`` values, holds: each op
-    one loop over the tile); kind 1 the ``q``-th product, of at most ``rows``
+    ``code[a:b]`` (:class:`executor_program.Run`) over rows of ``c`` values,
+    a tile of rows at a time (as many as a register, ``registers.shape[1]``
+    values, holds: each op one loop over the tile); kind 1 the ``q``-th product, of at most ``rows``
     rows of the table's row ``a`` (the left operand, ``d`` columns) by ``b``
     (the weights, ``e`` columns) into ``c``, as the kernels' per-step products
     (``blas.pack`` once a call, ``blas.gemm_packed`` on ``board`` and the
@@ -106,9 +106,11 @@ def _loop_source(dtype):
     row holds ``width`` values (else one, broadcast), and the stride by which a
     step's first token moves its first row (``BY_CALLER``: rows at the
     caller's, ``perm[token]``; ``BY_CHUNK``: rows of a buffer of the chunk's
-    rows); ``scratch`` holds a left operand whose rows are apart. A run loads
-    an operand whose rows neither move nor differ (a bias) at a step's
-    first tile only."""
+    rows); ``scratch`` holds a left operand whose rows are apart. A run
+    reads an operand where it is when the tile's rows follow one another (or
+    are one row: ``where`` holds each register's address, its own or an
+    operand's), and loads one whose rows neither move nor differ (a bias) at
+    a step's first tile only."""
     dt = f"np.{np.dtype(dtype).name}"
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
              "               small_rows, perm):",

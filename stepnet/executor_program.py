@@ -46,8 +46,9 @@ class Run:
     on NumPy); no ``step`` while the loop is not compiled.
 
     The bytecode (``code``, a row per instruction: opcode, register,
-    operands) loads each operand's row into a register (or its one value, a
-    broadcast), computes each op register to register, and stores the
+    operands) loads each operand's rows into a register (or its one value,
+    a broadcast; rows one after another, or one row, are read where they
+    are instead), computes each op register to register, and stores the
     values read after the run; a register holds a tile of the run's rows
     (:func:`executor_loop.registers_of`), each op one loop over it."""
 
