@@ -344,8 +344,9 @@ def _nested(X, rng, dtype=np.float32, reverse=False, init=None, deep=False):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_nested_nets_run_their_inner_nets_first(rng, dtype, reverse, monkeypatch):
     """A nested rnn that reads no value of its enclosing step (W6's) runs
-    once over every sub-sequence of the call, its results rows of the outer
-    step: uneven, empty paragraphs and chapters, a constant start, groups."""
+    first over every sub-sequence (in groups, each group over its own
+    sequences'), its results rows of the outer step: uneven, empty
+    paragraphs and chapters, a constant start, groups."""
     monkeypatch.setattr("stepnet.jit.threads.SPLIT_MIN_WORK", 1)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((23, 3)).astype(dtype),
                                   [[2, 0, 3, 1, 1], [2, 3, 0, 4, 5, 1, 8]])
