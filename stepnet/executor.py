@@ -33,9 +33,11 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   and the outputs put in the caller's order at the end.
 
 It runs nested step-nets: one that reads no value of its enclosing step
-first, over every sub-sequence of the call on an executor of its own, its
-results rows of the enclosing step as a step input's; one that does at each
-step, over the step's sub-sequences. A ragged static input, and the values
+first, on an executor of its own over every sub-sequence of the call (in
+groups, each group over its own sequences' sub-sequences), its results rows
+of the enclosing step as a step input's; one that does at each step, over
+the step's sub-sequences. The groups are dealt the sequences by their rows
+of data (a nested net's innermost rows). A ragged static input, and the values
 made from it, are computed op by op at each step as on the interpreter.
 :func:`why_not` says why another (a ragged output or memory, ...) is left to
 the interpreter. Its results are the same arithmetic in another order (the
