@@ -239,6 +239,10 @@ class Executor:
                                    "have different LoD; every step input of one step-net must "
                                    "have the same lengths")
         env = dict(outer)
+        # (a static input of no batch dimension is a constant of the call: the
+        # constant stages and the products may read it)
+        env.update({var: s.value if isinstance(s, ir.Literal) else env[s]
+                    for var, s in zip(self.body.static_inputs, self.statics) if not var.batched})
         for stage in self.sched.const:
             for e in stage.eqns:
                 _eval(e, env)

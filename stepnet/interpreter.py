@@ -103,7 +103,10 @@ def run_rnn(eqn, args, consts, scopes=None):
     starts = seq_args[0].levels[0][:-1][order]
     num_steps = int(sorted_lengths[0]) if num_seq else 0
 
-    statics = [_take_rows(s, order) for s in static_args]
+    # (a static input of no batch dimension, a constant of the enclosing
+    # step read by a nested net, is the same for every sequence: no rows taken)
+    statics = [_take_rows(s, order) if var.batched else s
+               for var, s in zip(body.static_inputs, static_args)]
     ragged, inits, state = _initial_memories(eqn, static_args, init_args, num_seq, order)
     outputs = _Outputs(eqn, inits, lengths)
     for step in range(num_steps):
@@ -180,7 +183,7 @@ def _step_inputs(body, seq_args, statics, entries, active):
         else:
             env[id(var)] = LoDTensor(X.data, list(X.levels[1:])).select(entries)
     for var, s in zip(body.static_inputs, statics):
-        env[id(var)] = _take_rows(s, np.arange(active))
+        env[id(var)] = _take_rows(s, np.arange(active)) if var.batched else s
     return env
 
 

@@ -7,7 +7,7 @@ op."""
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from stepnet_strategies import random_stepnets
 from nets import zero_width_net
@@ -378,6 +378,39 @@ def test_groups_take_about_as_many_rows_of_a_nested_net(rng, monkeypatch):
     _agree(rnn, x=X)
     (first, second), = [g for g in groups if len(g) == 2]
     assert (1 in first) != (3 in first) and (1 in second) != (3 in second), (first, second)
+
+
+@pytest.mark.parametrize("reads_step", [False, True])
+def test_a_nested_net_reads_a_constant_its_enclosing_step_computes(rng, reads_step):
+    """Weights the enclosing step computes from a Parameter (a constant of
+    the call, a static input of the nested net with no batch dimension) are
+    the same for every sequence: not a row per sequence (the interpreter
+    took rows of them, the executor and the Numba kernel found no value)."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 3)).astype(np.float32),
+                                  [[2, 1, 0, 2], [2, 0, 3, 1, 3]])
+    W = rng.standard_normal((3, 4)).astype(np.float32)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        c = rnn.add_memory(shape=[4], name="c")
+        weights = sn.ops.tanh(sn.Parameter(W, name="W"))  # (computed once a call)
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            word = inner.add_input(x, name="word")
+            h = inner.add_memory(shape=[4], name="h", init=c.pre_state() if reads_step else None)
+            h.update(sn.ops.tanh(sn.ops.matmul(word, weights) + h.pre_state()))
+            inner.add_outputs(h)
+        c.update(inner(output_all_steps=False) + c.pre_state())
+        rnn.add_outputs(c)
+    # (the CUDA backend refuses a nested net reading its enclosing step's values)
+    expected = assert_backends_agree(rnn, backends=["numba"])
+    # (each paragraph's state from the same weights: the first one's, by hand)
+    first = np.zeros(4, np.float32)
+    for t in range(2):
+        first = np.tanh(X.data[t] @ np.tanh(W) + first)
+    if not reads_step:
+        np.testing.assert_allclose(expected.data[0], first, rtol=1e-5, atol=1e-6)
+    _agree(rnn, x=X)
 
 
 def test_three_levels_run_each_inner_net_first(rng, monkeypatch):

@@ -259,6 +259,11 @@ def _hoist(ctx, sched, chunked=False):
             d = oi.data
             ctx.values[step_var] = _Info("global", d.ident, step_var, offset=d.offset,
                                          width=d.width, size=d.size)
+    # (a static input that is a constant of the enclosing step, such as
+    # weights it computes: read where it is, by the hoisted products too)
+    for sv, outer in zip(body.static_inputs, ir.rnn_parts(sched.eqn)[1]):
+        if isinstance(outer, ir.Var) and outer in ctx.values and ctx.values[outer].kind == "const":
+            ctx.values[sv] = ctx.values[outer]
     # a body's equations may be another's too (autodiff's recompute): each
     # value is computed once
     for stage in sched.const:
