@@ -263,6 +263,12 @@ class _BackwardStep:
         seqs, statics, _ = ir.rnn_parts(eqn)
         self.eqn, self.body, self.top = eqn, body, top
         self.name = eqn.attrs["name"]
+        constant = next((v for v in body.static_inputs if not v.batched), None)
+        if constant is not None:
+            raise UnsupportedError(
+                f"gradient of {self.name}: the nested step-net reads {constant.name}, a constant "
+                "its enclosing step computes (such as tanh(W) of a Parameter W); compute it in the "
+                "nested step-net itself, where it has its gradient")
         self.em = _BlockEmitter()
         self.kept_vars = kept_values(body)
         self.step_inputs = list(body.step_inputs) + list(self.kept_vars)

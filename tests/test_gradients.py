@@ -657,8 +657,26 @@ def _unsupported_ragged_rows_of_two_axes_by_a_constant():
     return rnn, (True,)
 
 
+def _unsupported_constant_of_the_enclosing_step():
+    # weights the outer step computes from a Parameter, read by the nested net
+    X = sn.LoDTensor.from_lengths(np.ones((4, 3)), [[2, 1], [1, 2, 1]])
+    W = sn.Parameter(np.full((3, 2), 0.5), name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        weights = sn.ops.tanh(W)
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            h = inner.add_memory(shape=[2], name="h", init=np.zeros(2))
+            h.update(sn.ops.tanh(inner.add_input(x, name="word") @ weights + h.pre_state()))
+            inner.add_outputs(h)
+        rnn.add_outputs(inner(output_all_steps=False))
+    return rnn, (True,)
+
+
 UNSUPPORTED = {
     "one-dimensional matmul": _unsupported_one_dimensional_matmul,
+    "a constant of the enclosing step in a nested net": _unsupported_constant_of_the_enclosing_step,
     "ragged rows of two feature axes by a constant": _unsupported_ragged_rows_of_two_axes_by_a_constant,
     "ragged value read twice": lambda: _nested_unsupported(calls=2),
     "nested net over a LoDTensor static input": lambda: _nested_unsupported(static_lod=True),
