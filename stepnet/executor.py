@@ -191,9 +191,10 @@ class Executor:
 
         env, offsets, rows, out = self._start(args, consts)
         lengths = np.diff(offsets)
+        # (a nested net's work: its rows of data, the innermost, by its width)
         work = int(lengths.sum()) * self.work_width + sum(
-            self.nested[stage].work_width * env[v].data.shape[0]
-            for stage in self.first for v in ir.rnn_parts(stage.eqns[0])[0][:1])
+            self.nested[stage].work_width * env[ir.rnn_parts(stage.eqns[0])[0][0]].data.shape[0]
+            for stage in self.first)
         count = max(1, min(workers, lengths.shape[0]))
         # (groups on threads where each runs its steps in one call: a time
         # loop in Python holds the GIL, and two of them take turns on it)
