@@ -22,9 +22,10 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   (each op's code the kernels'), a GEMM as the kernels' per-step product of
   the step's rows (a merged one's weights joined once a call), a concat by
   columns as copies, the hoisted stages by chunks of steps just before the
-  steps that read them, into buffers of one chunk's rows that every chunk
-  reuses; the step inputs read, and the all-steps outputs
-  written, at the caller's rows; the memories read and written in place in
+  steps that read them, into buffers of two chunks' rows that the chunks
+  take in turns (a lone group's first hoisted product computed a chunk
+  ahead on the helper, as the kernels'); the step inputs read, and the
+  all-steps outputs written, at the caller's rows; the memories read and written in place in
   their sorted rows;
 - where the loop does not run a step (``Executor.why_apart``), the time
   loop in Python: the hoisted stages once over every token, then each

@@ -23,7 +23,8 @@ LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp
 REGISTER_VALUES = 1024
 # the table's last column where a value's rows are not by its strides: at
 # the caller's row of each token (the executor's layout.perm), or in a
-# buffer of one chunk's rows, from the chunk's first token (a hoisted stage's)
+# buffer of two chunks' rows, from the chunk's first token in the half of the
+# chunk's parity (a hoisted stage's)
 BY_CALLER, BY_CHUNK = -1, -2
 
 
@@ -92,16 +93,22 @@ def _loop_source(dtype):
     """The module of ``steps_loop(prog, code, table, active, starts, registers,
     scratch, board, small_rows, perm)``: at each step ``t`` (``active[t]`` rows
     from the token ``starts[t]``) the instructions of ``prog``, each a row
-    ``(kind, a, b, c, d, e, chunk, rows, q)``: kind 0 a run of the bytecode
-    ``code[a:b]`` (:class:`executor_program.Run`) over rows of ``c`` values,
-    a tile of rows at a time (as many as a register, ``registers.shape[1]``
-    values, holds: each op one loop over the tile); kind 1 the ``q``-th product, of at most ``rows``
-    rows of the table's row ``a`` (the left operand, ``d`` columns) by ``b``
-    (the weights, ``e`` columns) into ``c``, as the kernels' per-step products
-    (``blas.pack`` once a call, ``blas.gemm_packed`` on ``board`` and the
-    measured ``small_rows``: the own loop or the chosen BLAS); with a
-    ``chunk``, a hoisted stage's, every ``chunk``-th step over the rows of
-    the steps to the next (packed for that many rows, as the kernels' chunks).
+    ``(kind, a, b, c, d, e, chunk, rows, q, ahead)``: kind 0 a run of the
+    bytecode ``code[a:b]`` (:class:`executor_program.Run`) over rows of ``c``
+    values, a tile of rows at a time (as many as a register,
+    ``registers.shape[1]`` values, holds: each op one loop over the tile);
+    kind 1 the ``q``-th product, of at most ``rows`` rows of the table's row
+    ``a`` (the left operand, ``d`` columns) by ``b`` (the weights, ``e``
+    columns) into ``c``, as the kernels' per-step products (``blas.pack``
+    once a call, ``blas.gemm_packed`` on ``board`` and the measured
+    ``small_rows``: the own loop or the chosen BLAS); with a ``chunk``, a
+    hoisted stage's, every ``chunk``-th step over the rows of the steps to
+    the next (packed for that many rows, as the kernels' chunks), into the
+    half of its buffers of ``rows`` rows each that the chunk's parity
+    picks; with ``ahead``, the next chunk's product then posted to the
+    helper, which computes it into the other half while this thread runs
+    the chunk's steps (``ahead.gemm_steps_ahead``'s way: a lone group's
+    input products take no time of its time loop).
     ``table`` holds each operand's and result's address, row stride, whether a
     row holds ``width`` values (else one, broadcast), and the stride by which a
     step's first token moves its first row (``BY_CALLER``: rows at the
@@ -121,18 +128,44 @@ def _loop_source(dtype):
              "(prog[p, 4], prog[p, 5])),",
              "                     prog[p, 7], tokens, small_rows, board)",
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
-             "    ring = 0  # (the first token of the last chunk)",
+             "    ring = 0  # (the first token of the last chunk, less its half's rows)",
              "    where = np.empty(registers.shape[0], np.int64)  # (where each register's rows are)",
+             "    # (a chunk's product computed a chunk ahead on the helper: its job's",
+             "    # state, and whether it is posted at all: not where a per-step",
+             "    # product shares with the helper, as the kernels' ahead_posts)",
+             "    ahead = np.zeros(AHEAD_WORDS, np.int64)",
+             "    posts = board[SHARES] & AHEAD != 0",
+             "    for p in range(prog.shape[0]):",
+             "        if prog[p, 0] == 1 and prog[p, 6] == 0 and \\",
+             "                prepared[prog[p, 8]][5][SHARES] & COLUMNS != 0:",
+             "            posts = False",
              "    for t in range(steps):",
              "        for p in range(prog.shape[0]):",
              "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
-             "            if chunk > 0:  # (a hoisted stage: every chunk steps, their rows)",
-             "                if t % chunk != 0:",
+             "            if chunk > 0:  # (a hoisted stage: every chunk steps, their rows,",
+             "                if t % chunk != 0:  # in the buffers' half of the chunk)",
              "                    continue",
              "                end = min(t + chunk, steps) - 1",
-             "                rows, ring = starts[end] + active[end] - lo, lo",
+             "                rows, ring = starts[end] + active[end] - lo, lo - t // chunk % 2 * prog[p, 7]",
+             "            if prog[p, 0] == 1 and prog[p, 9] == 1:",
+             "                if ahead[0] == 0 or finish_job(board, (ahead[1], ahead[2])) == RAISED:",
+             "                    product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm,",
+             "                            ring, False)  # (not posted, or raised: here)",
+             "                ahead[0] = 0",
+             "                if posts and t + chunk < steps:  # (the next chunk's, on the helper)",
+             "                    t1 = t + chunk",
+             "                    end = min(t1 + chunk, steps) - 1",
+             "                    lo1 = starts[t1]",
+             "                    rows1 = starts[end] + active[end] - lo1",
+             "                    ring1 = lo1 - t1 // chunk % 2 * prog[p, 7]",
+             "                    a, out = operands(prog[p], table, rows1, lo1, scratch, perm, ring1, True)",
+             "                    job = job_apart_in(ahead[3:], gemm_packed, (a, prepared[prog[p, 8]], out))",
+             "                    ahead[1], ahead[2] = job[0], job[1]",
+             "                    ahead[0] = post_job(board, job)",
+             "                continue",
              "            if prog[p, 0] == 1:",
-             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring)",
+             "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring,",
+             "                        True)",
              "                continue",
              "            width = prog[p, 3]",
              "            tile = max(1, registers.shape[1] // width)  # rows a register holds",
@@ -163,7 +196,11 @@ def _loop_source(dtype):
         lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
     return loop_module(lines + _product_source(dt),
-                       imports=["from stepnet.jit.blas import gemm_own, gemm_packed, pack",
+                       imports=["from stepnet.jit.ahead import AHEAD_WORDS",
+                                "from stepnet.jit.apart import job_apart_in",
+                                "from stepnet.jit.blas import gemm_own, gemm_packed, pack",
+                                "from stepnet.jit.threads import (AHEAD, COLUMNS, RAISED, SHARES, "
+                                "finish_job,", "    post_job)",
                                 f"BY_CALLER, BY_CHUNK = {BY_CALLER}, {BY_CHUNK}",
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
@@ -175,20 +212,32 @@ def _product_source(dt):
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
-            "def product(p, table, rows, lo, scratch, prepared, perm, ring):",
-            "    left, k, n = p[1], p[4], p[5]",
+            "def product(p, table, rows, lo, scratch, prepared, perm, ring, own):",
             "    if rows == 0:",
             "        return",
+            "    a, out = operands(p, table, rows, lo, scratch, perm, ring, False)",
+            "    # (the own loop called directly where it takes the rows, as the kernels'",
+            "    # per-step products: through gemm_packed, a one-row product's call costs",
+            "    # more; a chunk's product computed ahead, always through gemm_packed:",
+            "    # the helper's bits)",
+            "    if not (own and gemm_own(a, prepared[4], prepared[2], prepared[5], out)):",
+            "        gemm_packed(a, prepared, out)",
+            "",
+            "",
+            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
+            "def operands(p, table, rows, lo, scratch, perm, ring, ahead):",
+            "    # (a product's left rows and its result's: the left ones where they are,",
+            "    # else copied together into scratch first, its last p[7] * k values for",
+            "    # a chunk's product computed ahead)",
+            "    left, k, n = p[1], p[4], p[5]",
             f"    out = carray(pointer_to(address(table, p[3], lo, 0, perm, ring), {dt}), (rows, n))",
             "    if table[left, 3] != BY_CALLER and table[left, 1] == k * scratch.itemsize:",
             f"        a = carray(pointer_to(address(table, left, lo, 0, perm, ring), {dt}), (rows, k))",
-            "    else:  # (rows apart, or at the caller's: copied together first)",
-            f"        a = carray(pointer_to(load(scratch, table, left, lo, 0, rows, k, perm, ring), {dt}),",
-            "                   (rows, k))  # (one row: where it is)",
-            "    # (the own loop called directly where it takes the rows, as the kernels'",
-            "    # per-step products: through gemm_packed, a one-row product's call costs more)",
-            "    if not gemm_own(a, prepared[4], prepared[2], prepared[5], out):",
-            "        gemm_packed(a, prepared, out)",
+            "        return a, out",
+            "    rows_of = scratch[scratch.shape[0] - p[7] * k:] if ahead else scratch",
+            f"    a = carray(pointer_to(load(rows_of, table, left, lo, 0, rows, k, perm, ring), {dt}),",
+            "               (rows, k))  # (one row: where it is)",
+            "    return a, out",
             "",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",

@@ -126,7 +126,7 @@ class Run:
             return None
         table, batched, kept, outs = made
         width, itemsize = self.width, self.dtype.itemsize
-        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0]], np.int64)
+        prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         registers, scratch = registers_of(self.registers, width, self.dtype), np.empty(0, self.dtype)
         code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
@@ -163,6 +163,7 @@ class Steps:
         self.dtype = dtype
         self.prog, self.code, self.table, self.kept = [], [], [], []
         self.registers, self.width, self.scratch = 1, 1, 0
+        self.ahead = 0  # (the scratch rows' values of a chunk's product computed ahead)
 
     @staticmethod
     def why_not(executor):
@@ -193,8 +194,9 @@ class Steps:
         if layout.num_steps == 0:
             return self  # (nothing to run)
         # the hoisted stages by chunks of steps of about CHUNK_ROWS rows, each
-        # just before the steps that read it, into buffers of one chunk's rows
-        # (read back from the cache, and no call's every token's written out)
+        # just before the steps that read it, into buffers of two chunks' rows
+        # (read back from the cache, and no call's every token's written out;
+        # one half the helper's where it computes the next chunk's product)
         chunk = max(1, CHUNK_ROWS // max(num_seq, 1))
         for stage in executor.whole:
             if not self._stage(stage, executor.runs.get(stage), env, chunk * num_seq, places,
@@ -230,36 +232,40 @@ class Steps:
         loop = _loop(self.dtype)
         entry = loop.overloads[loop.signatures[0]].entry_point
 
-        entry(np.array(self.prog, np.int64).reshape(-1, 9),
+        entry(np.array(self.prog, np.int64).reshape(-1, 10),
               np.array(self.code, np.int64).reshape(-1, 5),
               np.array(self.table, np.int64).reshape(-1, 4),
               np.ascontiguousarray(layout.active, np.int64), layout.starts,
               registers_of(self.registers, self.width, self.dtype),
-              np.empty(max(self.scratch, 1), self.dtype), board, _small_rows(self.dtype), layout.perm)
+              np.empty(max(self.scratch + self.ahead, 1), self.dtype), board, _small_rows(self.dtype),
+              layout.perm)
 
-    def _run(self, code, table, width, registers, chunk=0):
+    def _run(self, code, table, width, registers, chunk=0, rows=0):
         """Add a run: its bytecode reading the table's rows ``table`` (at
         every step, or with ``chunk`` over its steps' rows every ``chunk``
-        steps)."""
+        steps, its buffers' halves of ``rows`` rows)."""
         base, first = len(self.table), len(self.code)
         self.table += [list(row) for row in table]
         self.code += [(op, r, x + base if op < 2 else x, y, z) for op, r, x, y, z in code]
-        self.prog.append((0, first, len(self.code), width, 0, 0, chunk, 0, 0))
+        self.prog.append((0, first, len(self.code), width, 0, 0, chunk, rows, 0, 0))
         self.registers, self.width = max(self.registers, registers), max(self.width, width)
 
     def _stage(self, stage, run, env, num_rows, places, chunk=0):
         """Add a stage's instructions, its results' buffers (``num_rows``
         rows) to ``places``: a step's stage, or with ``chunk`` a hoisted one
         over at most ``num_rows`` rows every ``chunk`` steps (its results
-        ``BY_CHUNK``). False where a value it reads is not laid out as the
-        loop reads."""
+        ``BY_CHUNK``, in buffers of two halves: the chunk's, and the next
+        one's, which the helper may be computing). False where a value it
+        reads is not laid out as the loop reads."""
         itemsize, by_steps = self.dtype.itemsize, BY_CHUNK if chunk > 0 else False
+        halves = 2 if chunk > 0 else 1
         if run is not None:
-            made = run.table(env, num_rows, places, by_steps)
+            made = run.table(env, halves * num_rows, places, by_steps)
             if made is None or made[1]:
                 return False
             self.kept += [*made[2], *made[3]]
-            self._run(run.code.tolist(), made[0], run.width, run.registers, chunk)
+            self._run(run.code.tolist(), made[0], run.width, run.registers, chunk,
+                      num_rows if chunk > 0 else 0)
             return True
         if stage.kind == "gemm":
             joined = joined_weights(stage, env)
@@ -269,15 +275,21 @@ class Steps:
             left = _row(stage.left, env, places, k, self.dtype, self.kept)
             if left is None or not left[1] or not left[2]:
                 return False
-            if left[3] == executor_loop.BY_CALLER or left[1] != k * itemsize:  # (rows at the
-                self.scratch = max(self.scratch, num_rows * k)  # caller's, or apart: copied first)
-            buffer = np.empty((num_rows, n), self.dtype)
+            apart = left[3] == executor_loop.BY_CALLER or left[1] != k * itemsize
+            if apart:  # (rows at the caller's, or apart: copied together first)
+                self.scratch = max(self.scratch, num_rows * k)
+            # (the first hoisted product whose rows are there before the chunk's
+            # runs: computed a chunk ahead, where the helper is free)
+            ahead = chunk > 0 and left[3] != executor_loop.BY_CHUNK and \
+                not any(row[9] for row in self.prog)
+            self.ahead = num_rows * k if ahead and apart else self.ahead
+            buffer = np.empty((halves * num_rows, n), self.dtype)
             column_blocks(stage, buffer, by_steps, places)
             self.kept += [joined, buffer]
             base = len(self.table)
             self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
             self.prog.append((1, base, base + 1, base + 2, k, n, chunk, num_rows,
-                              sum(row[0] == 1 for row in self.prog)))
+                              sum(row[0] == 1 for row in self.prog), int(ahead)))
             return True
         for e in stage.eqns:  # concats by columns (why_not)
             out = e.outputs[0]
@@ -335,8 +347,8 @@ def _buffer_row(array, by_steps):
 # where a group keeps a value (``places``' second item): its rows from its
 # first (False), from the step's first token (True), at the caller's rows
 # of each token (BY_CALLER: the group's ``layout.perm``), or in a buffer of
-# one chunk's rows from the chunk's first token (BY_CHUNK: a hoisted stage's
-# results in the loop)
+# two chunks' rows from the chunk's first token, in the half of the chunk's
+# parity (BY_CHUNK: a hoisted stage's results in the loop)
 BY_CALLER = "the caller's rows"
 BY_CHUNK = "the chunk's rows"
 

@@ -131,6 +131,53 @@ def test_hoisted_stages_by_chunks_of_steps(rng, chunk_rows, monkeypatch):
         _agree(rnn, all_steps=True, x=X)
 
 
+
+
+@pytest.mark.parametrize("lengths", [[40], [9, 3, 0, 7, 9, 1, 5, 8]], ids=["one", "uneven"])
+def test_a_lone_groups_hoisted_product_computed_a_chunk_ahead_on_the_helper(rng, lengths,
+                                                                            monkeypatch):
+    """A lone group's hoisted product, each chunk's posted to the helper a
+    chunk ahead into the other half of its buffers (its left rows, the
+    caller's, copied together first): the helper runs the jobs (or they are
+    taken back), and the results are the interpreter's, forward and reverse."""
+    from stepnet.jit import plan, threads
+
+    if not threads.SPINS or threads.count() < 2:
+        pytest.skip("no helper thread: one thread only")
+    monkeypatch.setattr(executor_program, "CHUNK_ROWS", 8)
+    monkeypatch.setattr(plan, "shares", lambda *a, **k: True)
+    # (its per-step products not cut with the helper, which would keep the
+    # chunks ahead off it: the kernels' ahead_posts)
+    shares = threads.BOARD[threads.SHARES]
+    threads.BOARD[threads.SHARES] = threads.EVERY & ~threads.COLUMNS
+    try:
+        _chunks_ahead(rng, lengths)
+    finally:
+        threads.BOARD[threads.SHARES] = shares
+
+
+def _chunks_ahead(rng, lengths):
+    from stepnet.jit import threads
+
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 5)).astype(np.float32),
+                                  [lengths])
+    for reverse in (False, True):
+        rnn = _gated(X, 6, rng, reverse=reverse)
+        program = rnn.program(rnn.all_steps_flags(True))
+        run = executor.compile_program(program)
+        args, consts = rnn.bind(x=X), rnn.const_values()
+        expected = interpreter.compile_program(program)(args, consts)
+        # (a job is posted where the helper is awake: it may go to sleep
+        # before a call's loop starts, a first call's most of all)
+        for _ in range(10):
+            jobs = threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK]
+            assert_close(run(args, consts, workers=2), expected)
+            if threads.BOARD[threads.JOBS] + threads.BOARD[threads.TAKEN_BACK] > jobs:
+                break
+        else:
+            raise AssertionError("no chunk's product was posted to the helper in 10 calls")
+
+
 def test_the_groups_take_big_runs(rng, monkeypatch):
     """Over enough work (threads.SPLIT_MIN_WORK) and with two workers, the
     sequences run in two groups on two threads; the results agree."""
