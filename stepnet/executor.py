@@ -166,6 +166,8 @@ class Executor:
         # why no group runs its time loop as one call of the loop (or None)
         self.why_apart = Steps.why_not(self)
         self.how = None  # (how the last call's groups ran: "one call" or "step by step: why")
+        self.kept_steps = {}  # (a group's loop by its number of sequences: Steps.of)
+        self.kept_layouts = {}  # (the groups' layouts of the last calls, by their lengths)
         # the widest value a step computes: the work per token, for groups
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
                                for v in (*self.body.step_inputs, *(o for e in self.body.eqns
@@ -276,7 +278,7 @@ class Executor:
         from .jit import threads
 
         env = dict(shared)
-        layout = _Layout(offsets, sequences, self.reverse)
+        layout = self._layout(offsets, sequences)
         if nested:
             tokens = np.sort(layout.perm)  # (the caller's rows of this group's tokens)
             for inner, (inner_env, inner_offsets, _, inner_out) in nested.items():
@@ -306,6 +308,7 @@ class Executor:
         self.how = "one call" if isinstance(steps, Steps) else f"step by step: {steps}"
         if isinstance(steps, Steps):
             steps.run(layout, board)
+            steps.keep(self)
             out.write(layout, [None] * len(last), last)
         else:
             rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
@@ -320,6 +323,17 @@ class Executor:
             places.update({v: (values, True) for v, values in full.items()})
             self._by_steps(env, layout, places, full, statics, state, rows, last)
             out.write(layout, rows, last)
+
+    def _layout(self, offsets, sequences):
+        """The :class:`_Layout` of a group, as an earlier call's where its
+        sequences and lengths were the same (a few kept: read only)."""
+        key = (offsets.tobytes(), sequences.tobytes())
+        layout = self.kept_layouts.get(key)
+        if layout is None:
+            if len(self.kept_layouts) >= 8:
+                self.kept_layouts.clear()
+            layout = self.kept_layouts[key] = _Layout(offsets, sequences, self.reverse)
+        return layout
 
     def _by_steps(self, env, layout, places, full, statics, state, rows, last):
         """The time loop in Python, each stage a call at each step."""

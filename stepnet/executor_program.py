@@ -164,6 +164,7 @@ class Steps:
         self.prog, self.code, self.table, self.kept = [], [], [], []
         self.registers, self.width, self.scratch = 1, 1, 0
         self.ahead = 0  # (the scratch rows' values of a chunk's product computed ahead)
+        self.arrays = self.points = None  # (the loop's arguments; where it points: of)
 
     @staticmethod
     def why_not(executor):
@@ -185,14 +186,85 @@ class Steps:
         """The loop of one group (its ``layout``, ``places`` as
         :meth:`Run.table`'s; the call's all-steps outputs ``rows``, written
         at the caller's rows, the group's last-step ones ``last``, the
-        memories' ``state``), or why it runs step by step (a sentence)."""
+        memories' ``state``), or why it runs step by step (a sentence).
+
+        A group of as many sequences as an earlier one's, whose arrays are
+        laid out as that one's were, runs that group's loop again (kept by
+        ``executor.kept_steps`` between calls: :meth:`keep`), its table
+        pointed at this call's arrays (:meth:`_again`): a call's Python
+        work is then a few lookups, not the loop's build."""
         if executor.why_apart is not None:
             return executor.why_apart
-        self, num_seq = cls(executor.dtype), layout.order.shape[0]
+        num_seq = layout.order.shape[0]
+        again = executor.kept_steps.pop(num_seq, None)  # (one call's at a time)
+        if again is not None and again._again(env, places, rows, last, state):
+            return again
+        self = cls(executor.dtype)
         if _loop(self.dtype) is None:
             return "the executor's loop is not compiled yet"
         if layout.num_steps == 0:
             return self  # (nothing to run)
+        arrays = _arrays(env, places, rows, last, state)  # (before the build adds its own)
+        why = self._build(executor, env, num_seq, places, rows, last, state)
+        if why is None:
+            self.arrays = [np.array(self.prog, np.int64).reshape(-1, 10),
+                           np.array(self.code, np.int64).reshape(-1, 5),
+                           np.array(self.table, np.int64).reshape(-1, 4),
+                           registers_of(self.registers, self.width, self.dtype),
+                           np.empty(max(self.scratch + self.ahead, 1), self.dtype)]
+            self.points = self._points(arrays)
+            self.num_seq = num_seq
+        return why or self
+
+    def keep(self, executor):
+        """Keep this loop for the executor's next group of as many sequences
+        (where its table's every address is a call's array or its own)."""
+        if self.points is not None:
+            executor.kept_steps[self.num_seq] = self
+
+    def _again(self, env, places, rows, last, state):
+        """Point the table at a new call's arrays (``of``'s), the rows that
+        pointed into an array at the same offsets into the new one: False
+        (nothing changed) where one is missing or laid out otherwise."""
+        arrays = []
+        for key, layout, _, _ in self.points:
+            x = _array(key, env, places, rows, last, state)
+            if type(x) is not np.ndarray or (x.shape, x.strides, x.dtype) != layout:
+                return False
+            arrays.append(x)
+        table = self.arrays[2]
+        for x, (_, _, where, offsets) in zip(arrays, self.points):
+            table[where, 0] = x.ctypes.data + offsets
+        return True
+
+    def _points(self, arrays):
+        """Where the table points into the call's ``arrays`` (by key: the
+        ``_arrays``): ``[(key, (shape, strides, dtype), table rows, their
+        offsets from the array's address)]``; None where a row points into
+        neither them nor an array of the loop's own (``kept``: a value of
+        the call copied, which a later call would not see)."""
+        spans = [(key, x) + _span(x) for key, x in arrays.items()
+                 if type(x) is np.ndarray and x.size]
+        own = [_span(x) for x in self.kept if type(x) is np.ndarray and x.size]
+        table, found = self.arrays[2], {}
+        for r, address in enumerate(table[:, 0].tolist()):
+            for key, x, lo, hi in spans:
+                if lo <= address < hi:
+                    found.setdefault(key, (x, []))[1].append(r)
+                    break
+            else:
+                if not any(lo <= address < hi for lo, hi in own):
+                    return None
+        points = []
+        for key, (x, where) in found.items():
+            where = np.array(where, np.int64)
+            points.append((key, (x.shape, x.strides, x.dtype), where,
+                           table[where, 0] - x.ctypes.data))
+        return points
+
+    def _build(self, executor, env, num_seq, places, rows, last, state):
+        """The instructions and table of ``of``'s loop: None, or why the
+        group runs step by step."""
         # the hoisted stages by chunks of steps of about CHUNK_ROWS rows, each
         # just before the steps that read it, into buffers of two chunks' rows
         # (read back from the cache, and no call's every token's written out;
@@ -224,21 +296,18 @@ class Steps:
                                                         self.kept)
             if not self._copy(source, to, by_steps):
                 return f"{getattr(v, 'name', 'a value')} is not laid out as the loop reads"
-        return self
+        return None
 
     def run(self, layout, board):
         """Run the group's every step (``layout``'s) in one call, its
         products shared with the helper on ``board``."""
+        if self.arrays is None:  # (no step)
+            return
         loop = _loop(self.dtype)
         entry = loop.overloads[loop.signatures[0]].entry_point
-
-        entry(np.array(self.prog, np.int64).reshape(-1, 10),
-              np.array(self.code, np.int64).reshape(-1, 5),
-              np.array(self.table, np.int64).reshape(-1, 4),
-              np.ascontiguousarray(layout.active, np.int64), layout.starts,
-              registers_of(self.registers, self.width, self.dtype),
-              np.empty(max(self.scratch + self.ahead, 1), self.dtype), board, _small_rows(self.dtype),
-              layout.perm)
+        prog, code, table, registers, scratch = self.arrays
+        entry(prog, code, table, np.ascontiguousarray(layout.active, np.int64), layout.starts,
+              registers, scratch, board, _small_rows(self.dtype), layout.perm)
 
     def _run(self, code, table, width, registers, chunk=0, rows=0):
         """Add a run: its bytecode reading the table's rows ``table`` (at
@@ -319,6 +388,35 @@ class Steps:
         return True
 
 
+def _arrays(env, places, rows, last, state):
+    """The arrays of a group's call the loop's table may point into, by key
+    (:func:`_array`'s)."""
+    found = {("place", v): x for v, (x, _) in places.items()}
+    found.update((("env", k), x) for k, x in env.items())
+    found.update((("rows", i), x) for i, x in enumerate(rows))
+    found.update((("last", i), x) for i, x in enumerate(last))
+    found.update((("state", i), x) for i, x in enumerate(state))
+    return found
+
+
+def _array(key, env, places, rows, last, state):
+    """The array of ``key`` (``_arrays``') in a group's call, or None."""
+    kind, k = key
+    if kind == "place":
+        return places.get(k, (None,))[0]
+    if kind == "env":
+        return env.get(k)
+    return {"rows": rows, "last": last, "state": state}[kind][k]
+
+
+def _span(x):
+    """The addresses ``[lo, hi)`` of an array's values."""
+    lo = hi = x.ctypes.data
+    for n, stride in zip(x.shape, x.strides):
+        lo, hi = lo + min(0, (n - 1) * stride), hi + max(0, (n - 1) * stride)
+    return lo, hi + x.itemsize
+
+
 def _small_rows(dtype):
     """The kernels' ``small_rows`` (``blas.pack``'s: up to how many rows a
     product of ``dtype`` runs stepnet's own loop) where measured or kept,
@@ -382,11 +480,14 @@ def _row(v, env, places, width, dtype, kept):
               if type(x) is np.ndarray and x.dtype == dtype and x.ndim else None)
         return None if at is None else [x.ctypes.data, at[0], at[1],
                                         _first_row_stride(at[0], by_steps)]
-    x = np.ascontiguousarray(v.value if isinstance(v, ir.Literal) else env[v], dtype)
+    value = v.value if isinstance(v, ir.Literal) else env[v]
+    x = np.ascontiguousarray(value, dtype)
     at = _layout(x, 1, width, itemsize)
     if at is None:
         return None
-    kept.append(x)
+    # (a value of the call copied: kept in a list, not as an array of the
+    # loop's own, which Steps would point a later call at)
+    kept.append(x if x is value or isinstance(v, ir.Literal) else [x])
     return [x.ctypes.data, 0, at[1], 0]
 
 

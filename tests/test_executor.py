@@ -178,6 +178,51 @@ def _chunks_ahead(rng, lengths):
             raise AssertionError("no chunk's product was posted to the helper in 10 calls")
 
 
+def test_a_groups_loop_runs_again_pointed_at_a_later_calls_arrays(rng):
+    """A later call of as many sequences runs the loop an earlier one built
+    (Steps.of), its table pointed at the new call's inputs, constants,
+    outputs and states; a call of other lengths builds its own; a constant
+    the loop would read as a copy (rows apart) is never kept."""
+    H, lengths = 6, [5, 3, 8]
+
+    def inputs(lengths):
+        data = rng.standard_normal((sum(lengths), 4)).astype(np.float32)
+        return sn.LoDTensor.from_lengths(data, [lengths])
+
+    X = inputs(lengths)
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[H], name="h", init=np.zeros(H, np.float32))
+        bias = rng.standard_normal(H).astype(np.float32)
+        h.update(sn.ops.tanh(sn.ops.matmul(x, rng.standard_normal((4, H)).astype(np.float32))
+                             + sn.ops.matmul(h.pre_state(), np.eye(H, dtype=np.float32) * 0.5)
+                             + bias) * 0.9)
+        rnn.add_outputs(h)
+    program = rnn.program(rnn.all_steps_flags(True))
+    run, expect = executor.compile_program(program), interpreter.compile_program(program)
+
+    def new_consts(apart=False):
+        consts = {v: rng.standard_normal(a.shape).astype(a.dtype) for v, a in
+                  rnn.const_values().items()}
+        if apart:  # (the bias's values every other one of an array)
+            consts = {v: np.repeat(a, 2)[::2] if a.ndim == 1 else a for v, a in consts.items()}
+        return consts
+
+    found = []
+    for feed, consts in [(X, new_consts()), (inputs(lengths), new_consts()),
+                         (inputs([9, 1, 2]), new_consts()), (inputs([9, 1, 2]), new_consts(True)),
+                         (inputs([9, 1, 2]), new_consts(True))]:
+        args = rnn.bind(x=feed)
+        assert_close(run(args, consts, workers=1), expect(args, consts))
+        assert run.how == "one call"
+        found.append(run.kept_steps.get(3))
+    first, again, other, apart, _ = found
+    assert first is not None and again is first  # (built once, pointed at the second call's)
+    assert other is not None and other is not first  # (other lengths: other tokens' rows)
+    assert apart is None and found[4] is None  # (a copy of a constant: built at each call)
+
+
 def test_the_groups_take_big_runs(rng, monkeypatch):
     """Over enough work (threads.SPLIT_MIN_WORK) and with two workers, the
     sequences run in two groups on two threads; the results agree."""
