@@ -78,6 +78,16 @@ def loop(dtype):
 
 
 _PENDING = object()
+_ENTRIES = {}  # dtype -> the loop's entry point (a call with no dispatch: entry_point)
+
+
+def entry_point(dtype):
+    """The entry point of :func:`loop`'s loop for ``dtype`` (called with
+    no dispatch on its arguments' types), or None while it is not there."""
+    found = _ENTRIES.get(dtype)
+    if found is None and loop(dtype) is not None:
+        found = _ENTRIES[dtype] = _LOOPS[dtype].overloads[_signature(dtype)].entry_point
+    return found
 
 
 def _signature(dtype):

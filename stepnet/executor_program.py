@@ -129,7 +129,7 @@ class Run:
         prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         registers, scratch = registers_of(self.registers, width, self.dtype), np.empty(0, self.dtype)
-        code, entry = self.code, loop.overloads[loop.signatures[0]].entry_point
+        code, entry = self.code, executor_loop.entry_point(self.dtype)
         from .jit.threads import ALONE
 
         def step(env, rows, lo):
@@ -291,21 +291,62 @@ class Steps:
             else:
                 posts.append((mem.post, s))
         copies += [(v, s, False) for v, s in posts]
+        first = len(self.prog)
         for v, to, by_steps in copies:
             source = v if isinstance(v, list) else _row(v, env, places, _width(to), self.dtype,
                                                         self.kept)
             if not self._copy(source, to, by_steps):
                 return f"{getattr(v, 'name', 'a value')} is not laid out as the loop reads"
+        self._stores_for_copies(first, state)
         return None
+
+    def _stores_for_copies(self, first, state):
+        """The copies (the instructions from ``first``) of rows that the
+        step's last run stores made stores of that run instead (its
+        register stored where the copy would put it), and a store of the
+        run then read by nothing dropped: no rows written to a buffer and
+        read back. Not into a memory's state where a copy reads a state
+        (a shifted state's aside, an output of a memory's pre): the run
+        would have written it first."""
+        run = first - 1
+        if run < 0 or self.prog[run][0] != 0 or self.prog[run][6] != 0:
+            return
+        a, b, width = self.prog[run][1:4]
+        stores = {tuple(self.table[x]): r for op, r, x, _, _ in self.code[a:b] if op == 1}
+        spans = [_span(s) for s in state if s.size]
+        copies = [(p, self.code[p[1]][2], self.code[p[1] + 1][2]) for p in self.prog[first:]]
+
+        def in_state(row):
+            return any(lo <= self.table[row][0] < hi for lo, hi in spans)
+        states_read = any(in_state(source) for _, source, _ in copies)
+        kept, added = [], []
+        for p, source, to in copies:
+            register = stores.get(tuple(self.table[source]))
+            if register is None or p[3] != width or states_read and in_state(to):
+                kept.append(p)
+            else:
+                added.append((1, register, to, 0, 0))
+        # (the rows the instructions before the run and the copies left read: a
+        # store of the run nothing reads is dropped)
+        read = {tuple(self.table[x]) for p in self.prog[:run] if p[0] == 0
+                for op, _, x, _, _ in self.code[p[1]:p[2]] if op == 0}
+        read |= {tuple(self.table[p[1]]) for p in self.prog[:run] if p[0] == 1}
+        read |= {tuple(self.table[source]) for p, source, _ in copies if p in kept}
+        code = [c for c in self.code[a:b] if c[0] != 1 or tuple(self.table[c[2]]) in read] + added
+        self.code[a:] = code
+        self.prog[run:] = [(0, a, a + len(code), *self.prog[run][3:])]
+        for p, source, to in copies:  # (the copies left, after the run)
+            if p in kept:
+                self.code += [(0, 0, source, 0, 0), (1, 0, to, 0, 0)]
+                self.prog.append((0, len(self.code) - 2, len(self.code), *p[3:]))
 
     def run(self, layout, board):
         """Run the group's every step (``layout``'s) in one call, its
         products shared with the helper on ``board``."""
         if self.arrays is None:  # (no step)
             return
-        loop = _loop(self.dtype)
-        entry = loop.overloads[loop.signatures[0]].entry_point
         prog, code, table, registers, scratch = self.arrays
+        entry = executor_loop.entry_point(self.dtype)
         entry(prog, code, table, np.ascontiguousarray(layout.active, np.int64), layout.starts,
               registers, scratch, board, _small_rows(self.dtype), layout.perm)
 

@@ -394,6 +394,35 @@ def test_swapped_states_concats_and_products_of_products_in_one_call(rng, dtype)
     _agree(rnn, all_steps=False, x=X)
 
 
+@pytest.mark.parametrize("pre_state_out", [False, True])
+def test_the_last_runs_values_stored_where_the_step_keeps_them(rng, pre_state_out):
+    """The step's last run stores its values into the outputs' rows and the
+    memories' states itself (no buffer written and copied); not into the
+    states where an output is a memory's pre-state, which the run would
+    have overwritten before it was copied."""
+    lengths = [4, 7, 0, 2]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((13, 3)).astype(np.float32), [lengths])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[5], name="h")
+        g = rnn.add_memory(shape=[5], name="g", init=np.full(5, 0.25, np.float32))
+        new = sn.ops.tanh(sn.ops.matmul(x, rng.standard_normal((3, 5)).astype(np.float32))
+                          + sn.ops.matmul(h.pre_state(), np.eye(5, dtype=np.float32) * 0.5))
+        h.update(new)
+        g.update(g.pre_state() * 0.5 + new)
+        rnn.add_outputs(h, g.pre_state() if pre_state_out else g)
+    for all_steps in (True, False):
+        _agree(rnn, all_steps=all_steps, x=X)
+        run = executor.compile_program(rnn.program(rnn.all_steps_flags(all_steps)))
+        run(rnn.bind(x=X), rnn.const_values(), workers=1)
+        steps = run.kept_steps[len(lengths)]
+        copies = [p for p in steps.prog if p[0] == 0 and p[2] - p[1] == 2]
+        # (the pre-state's output copied from the state, then the states
+        # copied from the run's values: the output of h stored by the run)
+        assert len(copies) == (3 if pre_state_out else 0), steps.prog
+
+
 def _nested(X, rng, dtype=np.float32, reverse=False, init=None, deep=False):
     """A two-level net (W6's kind): an inner gated cell over each paragraph's
     words (started from zeros, or from ``init``: a constant, or "outer": the
