@@ -166,7 +166,7 @@ class Executor:
         # why no group runs its time loop as one call of the loop (or None)
         self.why_apart = Steps.why_not(self)
         self.how = None  # (how the last call's groups ran: "one call" or "step by step: why")
-        self.kept_steps = {}  # (a group's loop by its number of sequences: Steps.of)
+        self.kept_steps = {}  # (groups' loops by their number of sequences: Steps.of)
         self.kept_layouts = {}  # (the groups' layouts of the last calls, by their lengths)
         # the widest value a step computes: the work per token, for groups
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))

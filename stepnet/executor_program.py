@@ -18,6 +18,11 @@ from .executor_loop import LOOP_OPS, loop as _loop, registers_of
 CHUNK_ROWS = 128
 
 
+# the loops kept for groups of one number of sequences (a call's groups are
+# about as many sequences each: one each, Steps.keep)
+KEPT_STEPS = 4
+
+
 def joined_weights(stage, env):
     """A (merged) GEMM stage's weights joined by columns, contiguous: once a
     call, kept in the call's ``env`` under the stage (each group's reads it)."""
@@ -196,7 +201,10 @@ class Steps:
         if executor.why_apart is not None:
             return executor.why_apart
         num_seq = layout.order.shape[0]
-        again = executor.kept_steps.pop(num_seq, None)  # (one call's at a time)
+        try:  # (one group's at a time: groups of as many sequences at once take one each)
+            again = executor.kept_steps.get(num_seq, []).pop()
+        except IndexError:
+            again = None
         if again is not None and again._again(env, places, rows, last, state):
             return again
         self = cls(executor.dtype)
@@ -220,7 +228,9 @@ class Steps:
         """Keep this loop for the executor's next group of as many sequences
         (where its table's every address is a call's array or its own)."""
         if self.points is not None:
-            executor.kept_steps[self.num_seq] = self
+            kept = executor.kept_steps.setdefault(self.num_seq, [])
+            if len(kept) < KEPT_STEPS:
+                kept.append(self)
 
     def _again(self, env, places, rows, last, state):
         """Point the table at a new call's arrays (``of``'s), the rows that

@@ -216,11 +216,44 @@ def test_a_groups_loop_runs_again_pointed_at_a_later_calls_arrays(rng):
         args = rnn.bind(x=feed)
         assert_close(run(args, consts, workers=1), expect(args, consts))
         assert run.how == "one call"
-        found.append(run.kept_steps.get(3))
+        found.append((run.kept_steps.get(3) or [None])[-1])
     first, again, other, apart, _ = found
     assert first is not None and again is first  # (built once, pointed at the second call's)
     assert other is not None and other is not first  # (other lengths: other tokens' rows)
     assert apart is None and found[4] is None  # (a copy of a constant: built at each call)
+
+
+def test_groups_of_as_many_sequences_each_run_a_loop_kept_for_them(rng, monkeypatch):
+    """Two groups of two sequences at once: each takes a loop kept by the
+    last call (neither builds one), and the results agree."""
+    from stepnet.jit import threads
+
+    monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 0)
+    # (the groups one after the other, each keeping its loop only after both
+    # ran: as two groups running at once, whatever the threads' timing)
+    keep, run_each = executor_program.Steps.keep, threads.run_each
+
+    def at_once(fn, items):
+        later = []
+        monkeypatch.setattr(executor_program.Steps, "keep",
+                            lambda steps, ex: later.append((steps, ex)))
+        try:
+            return run_each(fn, items)
+        finally:
+            monkeypatch.setattr(executor_program.Steps, "keep", keep)
+            for steps, ex in later:
+                keep(steps, ex)
+    monkeypatch.setattr(threads, "run_each", at_once)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((20, 3)).astype(np.float32), [[6, 4, 5, 5]])
+    rnn = _gated(X, 5, rng)
+    program = rnn.program(rnn.all_steps_flags(True))
+    run, expect = executor.compile_program(program), interpreter.compile_program(program)
+    args, consts = rnn.bind(x=X), rnn.const_values()
+    kept = []
+    for _ in range(3):
+        assert_close(run(args, consts, workers=2), expect(args, consts))
+        kept.append({id(steps) for steps in run.kept_steps[2]})
+    assert len(kept[0]) == 2 and kept[0] == kept[1] == kept[2]
 
 
 def test_the_groups_take_big_runs(rng, monkeypatch):
@@ -416,7 +449,7 @@ def test_the_last_runs_values_stored_where_the_step_keeps_them(rng, pre_state_ou
         _agree(rnn, all_steps=all_steps, x=X)
         run = executor.compile_program(rnn.program(rnn.all_steps_flags(all_steps)))
         run(rnn.bind(x=X), rnn.const_values(), workers=1)
-        steps = run.kept_steps[len(lengths)]
+        steps = run.kept_steps[len(lengths)][-1]
         copies = [p for p in steps.prog if p[0] == 0 and p[2] - p[1] == 2]
         # (the pre-state's output copied from the state, then the states
         # copied from the run's values: the output of h stored by the run)
