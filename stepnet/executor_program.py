@@ -236,23 +236,23 @@ class Steps:
         """Point the table at a new call's arrays (``of``'s), the rows that
         pointed into an array at the same offsets into the new one: False
         (nothing changed) where one is missing or laid out otherwise."""
-        arrays = []
-        for key, layout, _, _ in self.points:
+        keys, where, which, offsets = self.points
+        addresses = []
+        for key, layout in keys:
             x = _array(key, env, places, rows, last, state)
             if type(x) is not np.ndarray or (x.shape, x.strides, x.dtype) != layout:
                 return False
-            arrays.append(x)
-        table = self.arrays[2]
-        for x, (_, _, where, offsets) in zip(arrays, self.points):
-            table[where, 0] = x.ctypes.data + offsets
+            addresses.append(x.ctypes.data)
+        self.arrays[2][where, 0] = np.array(addresses, np.int64)[which] + offsets
         return True
 
     def _points(self, arrays):
         """Where the table points into the call's ``arrays`` (by key: the
-        ``_arrays``): ``[(key, (shape, strides, dtype), table rows, their
-        offsets from the array's address)]``; None where a row points into
-        neither them nor an array of the loop's own (``kept``: a value of
-        the call copied, which a later call would not see)."""
+        ``_arrays``): ``([(key, (shape, strides, dtype))], the table's rows
+        pointing into one, which one, their offsets from its address)``;
+        None where a row points into neither them nor an array of the loop's
+        own (``kept``: a value of the call copied, which a later call would
+        not see)."""
         spans = [(key, x) + _span(x) for key, x in arrays.items()
                  if type(x) is np.ndarray and x.size]
         own = [_span(x) for x in self.kept if type(x) is np.ndarray and x.size]
@@ -265,12 +265,15 @@ class Steps:
             else:
                 if not any(lo <= address < hi for lo, hi in own):
                     return None
-        points = []
-        for key, (x, where) in found.items():
-            where = np.array(where, np.int64)
-            points.append((key, (x.shape, x.strides, x.dtype), where,
-                           table[where, 0] - x.ctypes.data))
-        return points
+        keys, where, which = [], [], []
+        for key, (x, rows) in found.items():
+            which += [len(keys)] * len(rows)
+            where += rows
+            keys.append((key, (x.shape, x.strides, x.dtype), x.ctypes.data))
+        where, which = np.array(where, np.int64), np.array(which, np.int64)
+        bases = np.array([base for _, _, base in keys], np.int64)
+        return ([key[:2] for key in keys], where, which,
+                table[where, 0] - (bases[which] if len(keys) else 0))
 
     def _build(self, executor, env, num_seq, places, rows, last, state):
         """The instructions and table of ``of``'s loop: None, or why the
