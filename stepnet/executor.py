@@ -25,8 +25,10 @@ caller's rows, each GEMM on its own. The executor runs the schedule
   steps that read them, into buffers of two chunks' rows that the chunks
   take in turns (a lone group's first hoisted product computed a chunk
   ahead on the helper, as the kernels'); the step inputs read, and the
-  all-steps outputs written, at the caller's rows; the memories read and written in place in
-  their sorted rows;
+  all-steps outputs written, at the caller's rows; the memories read and
+  written in place in their sorted rows; the loop's program built once and
+  run again by later groups of as many sequences, pointed at their arrays
+  (``Steps.of``);
 - where the loop does not run a step (``Executor.why_apart``), the time
   loop in Python: the hoisted stages once over every token, then each
   stage a call at each step (a GEMM one NumPy product, a run its bytecode,

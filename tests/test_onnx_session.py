@@ -1215,3 +1215,21 @@ def test_a_session_is_made_with_onnxruntimes_arguments():
                     InferenceSession(model, sess_options=ort.SessionOptions(), provider_options=[{}])):
         assert session.backend is None
         np.testing.assert_array_equal(session.run(None, {"x": x})[0], x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_mean_over_no_values_is_nan_and_a_sum_zero(dtype):
+    """docs/onnx.md, Decisions: ReduceMean over an axis of length 0 gives
+    NumPy's mean of nothing (the spec leaves it undefined), ReduceSum 0."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], keepdims=0, axes=[1]),
+             helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "empty", [helper.make_tensor_value_info("x", elem, [3, 0])],
+        [helper.make_tensor_value_info(v, elem, [3]) for v in ("m", "s")],
+        initializer=[numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    mean, total = InferenceSession(model.SerializeToString()).run(None, {"x": np.zeros((3, 0), dtype)})
+    assert mean.dtype == total.dtype == dtype
+    assert np.isnan(mean).all() and mean.shape == (3,)
+    assert np.array_equal(total, np.zeros(3, dtype))
