@@ -140,15 +140,7 @@ def _loop_source(dtype):
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
              "    ring = 0  # (the first token of the last chunk, less its half's rows)",
              "    where = np.empty(registers.shape[0], np.int64)  # (where each register's rows are)",
-             "    # (a chunk's product computed a chunk ahead on the helper: its job's",
-             "    # state, and whether it is posted at all: not where a per-step",
-             "    # product shares with the helper, as the kernels' ahead_posts)",
-             "    ahead = np.zeros(AHEAD_WORDS, np.int64)",
-             "    posts = board[SHARES] & AHEAD != 0",
-             "    for p in range(prog.shape[0]):",
-             "        if prog[p, 0] == 1 and prog[p, 6] == 0 and \\",
-             "                prepared[prog[p, 8]][5][SHARES] & COLUMNS != 0:",
-             "            posts = False",
+             *_ahead_source()[0],
              "    for t in range(steps):",
              "        for p in range(prog.shape[0]):",
              "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
@@ -157,27 +149,65 @@ def _loop_source(dtype):
              "                    continue",
              "                end = min(t + chunk, steps) - 1",
              "                rows, ring = starts[end] + active[end] - lo, lo - t // chunk % 2 * prog[p, 7]",
-             "            if prog[p, 0] == 1 and prog[p, 9] == 1:",
-             "                if ahead[0] == 0 or finish_job(board, (ahead[1], ahead[2])) == RAISED:",
-             "                    product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm,",
-             "                            ring, False)  # (not posted, or raised: here)",
-             "                ahead[0] = 0",
-             "                if posts and t + chunk < steps:  # (the next chunk's, on the helper)",
-             "                    t1 = t + chunk",
-             "                    end = min(t1 + chunk, steps) - 1",
-             "                    lo1 = starts[t1]",
-             "                    rows1 = starts[end] + active[end] - lo1",
-             "                    ring1 = lo1 - t1 // chunk % 2 * prog[p, 7]",
-             "                    a, out = operands(prog[p], table, rows1, lo1, scratch, perm, ring1, True)",
-             "                    job = job_apart_in(ahead[3:], gemm_packed, (a, prepared[prog[p, 8]], out))",
-             "                    ahead[1], ahead[2] = job[0], job[1]",
-             "                    ahead[0] = post_job(board, job)",
-             "                continue",
+             *_ahead_source()[1],
              "            if prog[p, 0] == 1:",
              "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring,",
              "                        True)",
              "                continue",
-             "            width = prog[p, 3]",
+             *_run_source(dtype)]
+    from .jit.cpu_emit import loop_module
+
+    return loop_module(lines + _product_source(dt),
+                       imports=["from stepnet.jit.ahead import AHEAD_WORDS",
+                                "from stepnet.jit.apart import job_apart_in",
+                                "from stepnet.jit.blas import gemm_own, gemm_packed, pack",
+                                "from stepnet.jit.threads import (AHEAD, COLUMNS, RAISED, SHARES, "
+                                "finish_job,", "    post_job)",
+                                f"BY_CALLER, BY_CHUNK = {BY_CALLER}, {BY_CHUNK}",
+                                f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
+
+
+def _ahead_source():
+    """The lines of ``steps_loop`` computing a chunk's product a chunk ahead
+    on the helper: before its time loop (the job's state, and whether it is
+    posted at all: not where a per-step product shares with the helper, as
+    the kernels' ``ahead_posts``), and its instruction at a chunk's first
+    step (the chunk's product finished, or computed here where it was not
+    posted or raised; then the next chunk's posted)."""
+    before = ["    ahead = np.zeros(AHEAD_WORDS, np.int64)",
+              "    posts = board[SHARES] & AHEAD != 0",
+              "    for p in range(prog.shape[0]):",
+              "        if prog[p, 0] == 1 and prog[p, 6] == 0 and \\",
+              "                prepared[prog[p, 8]][5][SHARES] & COLUMNS != 0:",
+              "            posts = False"]
+    at_chunk = [
+        "            if prog[p, 0] == 1 and prog[p, 9] == 1:",
+        "                if ahead[0] == 0 or finish_job(board, (ahead[1], ahead[2])) == RAISED:",
+        "                    product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm,",
+        "                            ring, False)  # (not posted, or raised: here)",
+        "                ahead[0] = 0",
+        "                if posts and t + chunk < steps:  # (the next chunk's, on the helper)",
+        "                    t1 = t + chunk",
+        "                    end = min(t1 + chunk, steps) - 1",
+        "                    lo1 = starts[t1]",
+        "                    rows1 = starts[end] + active[end] - lo1",
+        "                    ring1 = lo1 - t1 // chunk % 2 * prog[p, 7]",
+        "                    a, out = operands(prog[p], table, rows1, lo1, scratch, perm, ring1, True)",
+        "                    job = job_apart_in(ahead[3:], gemm_packed, (a, prepared[prog[p, 8]], out))",
+        "                    ahead[1], ahead[2] = job[0], job[1]",
+        "                    ahead[0] = post_job(board, job)",
+        "                continue"]
+    return before, at_chunk
+
+
+def _run_source(dtype):
+    """The lines of ``steps_loop`` running a run's bytecode, a tile of rows
+    at a time: each operand's rows loaded (or read where they are), each op
+    of ``LOOP_OPS`` one loop over the tile (its code the kernels'), each
+    value read after the run stored."""
+    from .jit.cpu_emit import op_code
+
+    lines = ["            width = prog[p, 3]",
              "            tile = max(1, registers.shape[1] // width)  # rows a register holds",
              "            for i0 in range(0, rows, tile):",
              "                n = min(tile, rows - i0)",
@@ -195,8 +225,6 @@ def _loop_source(dtype):
              "                              ring)",
              "                        continue",
              "                    where[k] = r.ctypes.data  # (a value an op computes: its own)"]
-    from .jit.cpu_emit import loop_module, op_code
-
     for k, name in enumerate(LOOP_OPS):
         inputs = registry.get(name).num_inputs
         lines += [f"                    {'elif' if k else 'if'} op == {2 + k}:  # {name}",
@@ -205,14 +233,7 @@ def _loop_source(dtype):
             lines.append("                        b = view(where, code[c, 3], r)")
         lines += ["                        for j in range(n * width):",
                   f"                            r[j] = {op_code(name, ['a[j]', 'b[j]'][:inputs], dtype)}"]
-    return loop_module(lines + _product_source(dt),
-                       imports=["from stepnet.jit.ahead import AHEAD_WORDS",
-                                "from stepnet.jit.apart import job_apart_in",
-                                "from stepnet.jit.blas import gemm_own, gemm_packed, pack",
-                                "from stepnet.jit.threads import (AHEAD, COLUMNS, RAISED, SHARES, "
-                                "finish_job,", "    post_job)",
-                                f"BY_CALLER, BY_CHUNK = {BY_CALLER}, {BY_CHUNK}",
-                                f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
+    return lines
 
 
 def _product_source(dt):
