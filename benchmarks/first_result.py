@@ -191,8 +191,8 @@ def prepare_child() -> dict:
 
 
 def timeline(specs, seconds, threads, prepared=False) -> None:
-    where = ("a STEPNET_CACHE_DIR where another cell was compiled before (stepnet's helpers and "
-             "measurements in it)" if prepared else "empty STEPNET_CACHE_DIR")
+    where = ("a STEPNET_CACHE_DIR where another cell was compiled before (stepnet's helpers, "
+             "measurements and the executor's loops in it)" if prepared else "empty STEPNET_CACHE_DIR")
     print(f"Timelines in a fresh process, {where}, stepnet tiered "
           f"({cpu_name()}, {os.cpu_count()} CPUs, {threads} threads); seconds from the build\n")
     print("| peer:workload | first result, s | a call while compiling, ms | on the kernels from, s "
