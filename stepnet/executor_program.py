@@ -252,19 +252,20 @@ class Steps:
         pointing into one, which one, their offsets from its address)``;
         None where a row points into neither them nor an array of the loop's
         own (``kept``: a value of the call copied, which a later call would
-        not see)."""
+        not see), or into two of the call's arrays (values of one buffer: a
+        later call's may lie apart)."""
         spans = [(key, x) + _span(x) for key, x in arrays.items()
                  if type(x) is np.ndarray and x.size]
         own = [_span(x) for x in self.kept if type(x) is np.ndarray and x.size]
         table, found = self.arrays[2], {}
         for r, address in enumerate(table[:, 0].tolist()):
-            for key, x, lo, hi in spans:
-                if lo <= address < hi:
-                    found.setdefault(key, (x, []))[1].append(r)
-                    break
-            else:
-                if not any(lo <= address < hi for lo, hi in own):
-                    return None
+            hits = [(key, x) for key, x, lo, hi in spans if lo <= address < hi]
+            if any(x is not hits[0][1] for _, x in hits):
+                return None
+            if hits:
+                found.setdefault(hits[0][0], (hits[0][1], []))[1].append(r)
+            elif not any(lo <= address < hi for lo, hi in own):
+                return None
         keys, where, which = [], [], []
         for key, (x, rows) in found.items():
             which += [len(keys)] * len(rows)

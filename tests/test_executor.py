@@ -223,6 +223,34 @@ def test_a_groups_loop_runs_again_pointed_at_a_later_calls_arrays(rng):
     assert apart is None and found[4] is None  # (a copy of a constant: built at each call)
 
 
+def test_a_loop_reading_values_of_one_buffer_is_not_kept(rng):
+    """A constant whose values lie inside a step input's (views of one
+    buffer): the loop that read them is not kept (a later call's input is
+    an array of its own), and a later call gives the interpreter's results."""
+    H, lengths = 4, [6, 4]
+    buffer = rng.standard_normal(40).astype(np.float32)
+    X = sn.LoDTensor.from_lengths(buffer.reshape(10, 4), [lengths])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[H], name="h")
+        bias = buffer[3:3 + H]  # (inside the input's rows)
+        h.update(sn.ops.tanh(sn.ops.matmul(x, np.eye(4, H, dtype=np.float32)) + h.pre_state()
+                             * 0.5 + bias))
+        rnn.add_outputs(h)
+    program = rnn.program(rnn.all_steps_flags(True))
+    run, expect = executor.compile_program(program), interpreter.compile_program(program)
+    consts = rnn.const_values()
+    assert any(np.shares_memory(a, buffer) for a in consts.values())
+    for feed in (X, sn.LoDTensor.from_lengths(rng.standard_normal((10, 4)).astype(np.float32),
+                                              [lengths])):
+        args = rnn.bind(x=feed)
+        assert_close(run(args, consts, workers=1), expect(args, consts))
+        assert run.how == "one call"
+        if feed is X:
+            assert not run.kept_steps.get(2)
+
+
 def test_groups_of_as_many_sequences_each_run_a_loop_kept_for_them(rng, monkeypatch):
     """Two groups of two sequences at once: each takes a loop kept by the
     last call (neither builds one), and the results agree."""
