@@ -19,8 +19,10 @@ CHUNK_ROWS = 128
 
 
 # the loops kept for groups of one number of sequences (a call's groups are
-# about as many sequences each: one each, Steps.keep)
-KEPT_STEPS = 4
+# about as many sequences each: one each, Steps.keep), and the numbers of
+# sequences kept at once (a new one beyond them forgets the others: calls of
+# ever new batch sizes keep no more than this many loops' buffers)
+KEPT_STEPS, KEPT_SIZES = 4, 8
 
 
 def joined_weights(stage, env):
@@ -228,6 +230,8 @@ class Steps:
         """Keep this loop for the executor's next group of as many sequences
         (where its table's every address is a call's array or its own)."""
         if self.points is not None:
+            if self.num_seq not in executor.kept_steps and len(executor.kept_steps) >= KEPT_SIZES:
+                executor.kept_steps.clear()
             kept = executor.kept_steps.setdefault(self.num_seq, [])
             if len(kept) < KEPT_STEPS:
                 kept.append(self)

@@ -221,6 +221,12 @@ def test_a_groups_loop_runs_again_pointed_at_a_later_calls_arrays(rng):
     assert first is not None and again is first  # (built once, pointed at the second call's)
     assert other is not None and other is not first  # (other lengths: other tokens' rows)
     assert apart is None and found[4] is None  # (a copy of a constant: built at each call)
+    # calls of ever new numbers of sequences keep the loops of a few of them
+    consts = new_consts()
+    for count in range(1, 2 * executor_program.KEPT_SIZES + 2):
+        args = rnn.bind(x=inputs([3] * count))
+        assert_close(run(args, consts, workers=1), expect(args, consts))
+        assert count in run.kept_steps and len(run.kept_steps) <= executor_program.KEPT_SIZES
 
 
 def test_a_loop_reading_values_of_one_buffer_is_not_kept(rng):
