@@ -254,31 +254,31 @@ class Steps:
         """Where the table points into the call's ``arrays`` (by key: the
         ``_arrays``): ``([(key, (shape, strides, dtype))], the table's rows
         pointing into one, which one, their offsets from its address)``;
-        None where a row points into neither them nor an array of the loop's
-        own (``kept``: a value of the call copied, which a later call would
-        not see), or into two of the call's arrays (values of one buffer: a
-        later call's may lie apart)."""
-        spans = [(key, x) + _span(x) for key, x in arrays.items()
-                 if type(x) is np.ndarray and x.size]
-        own = [_span(x) for x in self.kept if type(x) is np.ndarray and x.size]
-        table, found = self.arrays[2], {}
-        for r, address in enumerate(table[:, 0].tolist()):
-            hits = [(key, x) for key, x, lo, hi in spans if lo <= address < hi]
-            if any(x is not hits[0][1] for _, x in hits):
-                return None
-            if hits:
-                found.setdefault(hits[0][0], (hits[0][1], []))[1].append(r)
-            elif not any(lo <= address < hi for lo, hi in own):
-                return None
-        keys, where, which = [], [], []
-        for key, (x, rows) in found.items():
-            which += [len(keys)] * len(rows)
-            where += rows
-            keys.append((key, (x.shape, x.strides, x.dtype), x.ctypes.data))
-        where, which = np.array(where, np.int64), np.array(which, np.int64)
-        bases = np.array([base for _, _, base in keys], np.int64)
-        return ([key[:2] for key in keys], where, which,
-                table[where, 0] - (bases[which] if len(keys) else 0))
+        None where the table reads a value of the call copied (``_row`` keeps
+        such a copy in a list: a later call's values would not be read), or
+        a value two of the call's arrays share (views of one buffer: a later
+        call's may lie apart). Every other address is the loop's own (its
+        buffers, a literal's values)."""
+        if any(type(x) is list for x in self.kept):
+            return None
+        calls = {}  # (each array once, under its first key)
+        for key, x in arrays.items():
+            if type(x) is np.ndarray and x.size:
+                calls.setdefault(id(x), (key, x))
+        calls = list(calls.values())
+        bases = np.array([x.ctypes.data for _, x in calls], np.int64)
+        spans = np.array([_span(x, base) for (_, x), base in zip(calls, bases.tolist())],
+                         np.int64).reshape(-1, 2)
+        addresses = self.arrays[2][:, 0]
+        inside = (spans[:, 0] <= addresses[:, None]) & (addresses[:, None] < spans[:, 1])
+        count = inside.sum(axis=1)
+        if np.any(count > 1):
+            return None
+        where = np.flatnonzero(count)
+        used, which = np.unique(inside[where].argmax(axis=1), return_inverse=True)
+        keys = [(calls[i][0], (calls[i][1].shape, calls[i][1].strides, calls[i][1].dtype))
+                for i in used.tolist()]
+        return keys, where, which.astype(np.int64), addresses[where] - bases[used][which]
 
     def _build(self, executor, env, num_seq, places, rows, last, state):
         """The instructions and table of ``of``'s loop: None, or why the
@@ -331,7 +331,7 @@ class Steps:
             return
         a, b, width = self.prog[run][1:4]
         stores = {tuple(self.table[x]): r for op, r, x, _, _ in self.code[a:b] if op == 1}
-        spans = [_span(s) for s in state if s.size]
+        spans = [_span(s, s.ctypes.data) for s in state if s.size]
         copies = [(p, self.code[p[1]][2], self.code[p[1] + 1][2]) for p in self.prog[first:]]
 
         def in_state(row):
@@ -468,9 +468,9 @@ def _array(key, env, places, rows, last, state):
     return {"rows": rows, "last": last, "state": state}[kind][k]
 
 
-def _span(x):
-    """The addresses ``[lo, hi)`` of an array's values."""
-    lo = hi = x.ctypes.data
+def _span(x, address):
+    """The addresses ``[lo, hi)`` of the values of an array at ``address``."""
+    lo = hi = address
     for n, stride in zip(x.shape, x.strides):
         lo, hi = lo + min(0, (n - 1) * stride), hi + max(0, (n - 1) * stride)
     return lo, hi + x.itemsize

@@ -332,6 +332,27 @@ def test_the_layers_forward_and_backward_programs(rng, cell, monkeypatch):
     assert forward_runs >= 1 and len(ran) > forward_runs, "the backward did not run on the executor"
 
 
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_a_layers_later_calls_run_the_loop_its_first_built(rng, cell, monkeypatch):
+    """A layer on the first tier, called again with new inputs of the same
+    lengths: its later calls run the loop the first call built (its gates'
+    weights, views of one array, read through their joined copy)."""
+    _first_tier_only(monkeypatch)
+    builds = []
+    build = executor_program.Steps._build
+    monkeypatch.setattr(executor_program.Steps, "_build",
+                        lambda self, *a: builds.append(1) or build(self, *a))
+    layer, lengths = getattr(sn.nn, cell)(5, 7), [4, 2, 6]
+    found = []
+    with sn.config(tiered=True):
+        for _ in range(3):
+            X = sn.LoDTensor.from_lengths(
+                rng.standard_normal((sum(lengths), 5)).astype(np.float32), [lengths])
+            assert_close(layer(X, backend="numba")[0], layer(X, backend="interpreter")[0])
+            found.append(len(builds))
+    assert found[0] >= 1 and found[2] == found[0], found
+
+
 def _first_tier_only(monkeypatch):
     """Tiered calls whose kernels never load (a compile worker that never
     answers): the list of the programs the executor then runs."""
