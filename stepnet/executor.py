@@ -54,7 +54,7 @@ import numpy as np
 from . import ir, schedule as _schedule
 from .errors import StepNetError
 from .executor_loop import loop as _loop
-from .executor_program import BY_CALLER, Run, Steps, column_blocks, joined_weights
+from .executor_program import BY_CALLER, KEPT_SIZES, Run, Steps, column_blocks, joined_weights
 from .interpreter import apply
 from .lod import LoDTensor
 
@@ -169,7 +169,7 @@ class Executor:
         self.why_apart = Steps.why_not(self)
         self.how = None  # (how the last call's groups ran: "one call" or "step by step: why")
         self.kept_steps = {}  # (groups' loops by their number of sequences: Steps.of)
-        self.kept_layouts = {}  # (the groups' layouts of the last calls, by their lengths)
+        self.kept_layouts = {}  # (groups' layouts by their offsets: _layout)
         # the widest value a step computes: the work per token, for groups
         self.work_width = max([int(np.prod(v.shape[1:], dtype=np.int64))
                                for v in (*self.body.step_inputs, *(o for e in self.body.eqns
@@ -332,7 +332,7 @@ class Executor:
         key = (offsets.tobytes(), sequences.tobytes())
         layout = self.kept_layouts.get(key)
         if layout is None:
-            if len(self.kept_layouts) >= 8:
+            if len(self.kept_layouts) >= KEPT_SIZES:
                 self.kept_layouts.clear()
             layout = self.kept_layouts[key] = _Layout(offsets, sequences, self.reverse)
         return layout

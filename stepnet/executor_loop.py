@@ -129,6 +129,7 @@ def _loop_source(dtype):
     operand's), and loads one whose rows neither move nor differ (a bias) at
     a step's first tile only."""
     dt = f"np.{np.dtype(dtype).name}"
+    before, at_chunk = _ahead_source()
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
              "               small_rows, perm):",
              "    wide_vectors()",
@@ -140,7 +141,7 @@ def _loop_source(dtype):
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
              "    ring = 0  # (the first token of the last chunk, less its half's rows)",
              "    where = np.empty(registers.shape[0], np.int64)  # (where each register's rows are)",
-             *_ahead_source()[0],
+             *before,
              "    for t in range(steps):",
              "        for p in range(prog.shape[0]):",
              "            chunk, rows, lo = prog[p, 6], active[t], starts[t]",
@@ -149,7 +150,7 @@ def _loop_source(dtype):
              "                    continue",
              "                end = min(t + chunk, steps) - 1",
              "                rows, ring = starts[end] + active[end] - lo, lo - t // chunk % 2 * prog[p, 7]",
-             *_ahead_source()[1],
+             *at_chunk,
              "            if prog[p, 0] == 1:",
              "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring,",
              "                        True)",

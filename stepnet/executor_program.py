@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import executor_loop, ir
-from .executor_loop import LOOP_OPS, loop as _loop, registers_of
+from .executor_loop import LOOP_OPS, registers_of
 
 # the rows a hoisted stage computes at a time (by chunks of steps), as the
 # kernels' chunks: its results are read back from the cache
@@ -127,8 +127,8 @@ class Run:
         """``step(env, rows, lo) -> bool`` for one group of a call whose
         constants are in ``env`` (:meth:`table`), or None while the loop is
         not compiled: the loop run for the one run at one step."""
-        loop = _loop(self.dtype)
-        made = self.table(env, num_seq, places) if loop is not None else None
+        entry = executor_loop.entry_point(self.dtype)
+        made = self.table(env, num_seq, places) if entry is not None else None
         if made is None:
             return None
         table, batched, kept, outs = made
@@ -136,7 +136,7 @@ class Run:
         prog = np.array([[0, 0, len(self.code), width, 0, 0, 0, 0, 0, 0]], np.int64)
         active, starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         registers, scratch = registers_of(self.registers, width, self.dtype), np.empty(0, self.dtype)
-        code, entry = self.code, executor_loop.entry_point(self.dtype)
+        code = self.code
         from .jit.threads import ALONE
 
         def step(env, rows, lo):
@@ -210,7 +210,7 @@ class Steps:
         if again is not None and again._again(env, places, rows, last, state):
             return again
         self = cls(executor.dtype)
-        if _loop(self.dtype) is None:
+        if executor_loop.entry_point(self.dtype) is None:
             return "the executor's loop is not compiled yet"
         if layout.num_steps == 0:
             return self  # (nothing to run)
@@ -337,11 +337,11 @@ class Steps:
         def in_state(row):
             return any(lo <= self.table[row][0] < hi for lo, hi in spans)
         states_read = any(in_state(source) for _, source, _ in copies)
-        kept, added = [], []
+        left, added = [], []
         for p, source, to in copies:
             register = stores.get(tuple(self.table[source]))
             if register is None or p[3] != width or states_read and in_state(to):
-                kept.append(p)
+                left.append((p, source, to))
             else:
                 added.append((1, register, to, 0, 0))
         # (the rows the instructions before the run and the copies left read: a
@@ -349,14 +349,13 @@ class Steps:
         read = {tuple(self.table[x]) for p in self.prog[:run] if p[0] == 0
                 for op, _, x, _, _ in self.code[p[1]:p[2]] if op == 0}
         read |= {tuple(self.table[p[1]]) for p in self.prog[:run] if p[0] == 1}
-        read |= {tuple(self.table[source]) for p, source, _ in copies if p in kept}
+        read |= {tuple(self.table[source]) for _, source, _ in left}
         code = [c for c in self.code[a:b] if c[0] != 1 or tuple(self.table[c[2]]) in read] + added
         self.code[a:] = code
         self.prog[run:] = [(0, a, a + len(code), *self.prog[run][3:])]
-        for p, source, to in copies:  # (the copies left, after the run)
-            if p in kept:
-                self.code += [(0, 0, source, 0, 0), (1, 0, to, 0, 0)]
-                self.prog.append((0, len(self.code) - 2, len(self.code), *p[3:]))
+        for p, source, to in left:  # (the copies left, after the run)
+            self.code += [(0, 0, source, 0, 0), (1, 0, to, 0, 0)]
+            self.prog.append((0, len(self.code) - 2, len(self.code), *p[3:]))
 
     def run(self, layout, board):
         """Run the group's every step (``layout``'s) in one call, its
