@@ -211,3 +211,37 @@ def test_a_read_only_cache_filled_ahead_is_loaded_and_a_new_kernel_refused(tmp_p
     assert lines[0] == "ready", run.stdout
     assert "holds no kernel for this step-net and cannot take one (Read-only" in lines[1]
     assert not list(home.rglob("*.nbi")), "compiled again into Numba's per-user folder"
+
+
+def test_two_saves_into_one_index_at_once_keep_both(tmp_path, monkeypatch):
+    """Numba reads a function's index, adds a signature and writes the index
+    whole: two processes saving at once (the compile worker and its caller,
+    one signature each) would keep one. Under stepnet's cache a save holds
+    its folder's lock (here two threads, each opening the lock file as a
+    process does; each read of the index slowed so that the saves overlap)."""
+    import threading
+    import time
+
+    from numba.core import caching
+
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(tmp_path))
+    files = caching.IndexDataCacheFile
+    load_index = files._load_index
+
+    def slow_load_index(self):
+        overloads = load_index(self)
+        time.sleep(0.2)
+        return overloads
+
+    monkeypatch.setattr(files, "_load_index", slow_load_index)
+    (tmp_path / "jit").mkdir()
+    index = files(str(tmp_path / "jit"), "helper-1", "stamp")
+    saves = [threading.Thread(target=index.save, args=(key, f"code of {key}"))
+             for key in ("float32", "float64")]
+    for save in saves:
+        save.start()
+    for save in saves:
+        save.join()
+    again = files(str(tmp_path / "jit"), "helper-1", "stamp")
+    assert sorted(again._load_index()) == ["float32", "float64"]
+    assert [again.load(key) for key in ("float32", "float64")] == ["code of float32", "code of float64"]

@@ -8,6 +8,7 @@ Layout (default root: ``$XDG_CACHE_HOME/stepnet``, else ``~/.cache/stepnet``)::
         numba/<build>/jit/            Numba's compiled code of stepnet's own helpers
                                       (numba_runtime, blas, threads), one folder per
                                       build, stale when any of their files changes
+        */save.lock                   held while Numba adds to an index in that folder
         compile_worker.lock, .sock, .json
                                       the compile worker serving this directory
                                       (stepnet.jit.compile_worker)
@@ -41,6 +42,11 @@ from pathlib import Path
 import numba
 from numba import config as numba_config
 from numba.core import caching
+
+try:
+    import fcntl
+except ImportError:  # (no POSIX locks: saves as Numba's own)
+    fcntl = None
 
 from ..config import config
 
@@ -201,6 +207,24 @@ def _unsaved(save):
     return save_overload
 
 
+def _locked(save):
+    """Numba's ``IndexDataCacheFile.save`` holding its folder's lock under
+    stepnet's cache: it reads an index, adds to it and writes it whole, so two
+    processes saving one function's signatures at once (the compile worker and
+    its caller) would keep one."""
+
+    @functools.wraps(save)
+    def locked_save(self, key, data):
+        if fcntl is None or not _ours(self._cache_path):
+            return save(self, key, data)
+        with open(os.path.join(self._cache_path, "save.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+            return save(self, key, data)
+
+    locked_save.stepnet_locked = True
+    return locked_save
+
+
 def _missing_data():
     raise OSError("unreadable cache data")  # IndexDataCacheFile.load: a miss
 
@@ -247,6 +271,8 @@ def _install():
     if not getattr(caching.Cache.save_overload, "stepnet_unsaved", False):
         caching.Cache.save_overload = _unsaved(caching.Cache.save_overload)
     files = caching.IndexDataCacheFile
+    if not getattr(files.save, "stepnet_locked", False):
+        files.save = _locked(files.save)
     if not getattr(files._dump, "stepnet_sealed", False):
         files._dump = _sealed(files._dump)
         files._load_data = _checked(files._load_data)

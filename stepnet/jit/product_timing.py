@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from . import blas, threads
+from .atomics import as_read_only
 from .blas import SHARE_OWN_WORK, _choice, _library_pack, _library_product, _own_product, register_small_gemm
 from .blas_choice import EVERY_PRODUCT, small_product_rows
 from .own_loop import DETERMINISTIC, panels
@@ -45,7 +46,8 @@ def _repeat_products(a, prepared, out, way, reps, board, recur):
         elif way == LIBRARY:
             _library_product(a, prepared, out)
         else:
-            blas.gemm_hoisted(a, prepared[1], out, limits, board)
+            # (typed as a kernel gives them: gemm_hoisted compiled once for both)
+            blas.gemm_hoisted(as_read_only(a), prepared[1], out, as_read_only(limits), board)
         if recur:
             for i in range(m):
                 for j0 in range(0, n, k):
