@@ -162,6 +162,25 @@ def run_apart_calls(monkeypatch):
     return calls
 
 
+def compile_helpers(dtype, executor=False):
+    """Compile into this process's cache the helpers that a small net's run
+    and gradients of ``dtype`` link (``executor``: and the executor's loop)."""
+    dtype = np.dtype(dtype)
+    rnn = sn.create_rnn_op()
+    X = sn.LoDTensor.from_lengths(np.ones((3, 2), dtype), [[2, 1]])
+    with rnn.stepnet():
+        x = rnn.add_input(X)
+        h = rnn.add_memory(shape=[2])
+        W = sn.Parameter(np.eye(2, dtype=dtype), name="W")
+        h.update(sn.ops.tanh(x @ W + h.pre_state()))
+        rnn.add_outputs(h)
+    sn.gradients(rnn, wrt=[W], grad_outputs=[np.ones((3, 2), dtype)], backend="numba")
+    if executor:
+        from stepnet import executor_loop
+
+        executor_loop.loop(dtype)
+
+
 def cache_with_helpers(path):
     """A new ``STEPNET_CACHE_DIR`` at ``path`` with no kernel in it but the
     compiled helpers and the BLAS measurements of this process's cache
@@ -172,16 +191,8 @@ def cache_with_helpers(path):
     A test of an empty cache uses an empty directory."""
     from stepnet.jit import cache
 
-    for dtype in (np.float32, np.float64):
-        rnn = sn.create_rnn_op()
-        X = sn.LoDTensor.from_lengths(np.ones((3, 2), dtype), [[2, 1]])
-        with rnn.stepnet():
-            x = rnn.add_input(X)
-            h = rnn.add_memory(shape=[2])
-            W = sn.Parameter(np.eye(2, dtype=dtype), name="W")
-            h.update(sn.ops.tanh(x @ W + h.pre_state()))
-            rnn.add_outputs(h)
-        sn.gradients(rnn, wrt=[W], grad_outputs=[np.ones((3, 2), dtype)], backend="numba")
+    for dtype in ("float32", "float64"):
+        compile_helpers(dtype)
     source = cache.cache_dir()
     path.mkdir(parents=True)
     for found in source.glob("*.json"):
@@ -197,9 +208,25 @@ def _kernels_in_cache():
     return {p.name for p in cache.cache_dir().glob("stepnet_kernel_*.py")}
 
 
+def _compile_helpers_at_once():
+    """``compile_helpers`` of each float dtype in a process of its own, both
+    at once: before xdist's workers start, each of which would otherwise
+    compile all of them itself (about a minute with a cold cache)."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            "import conftest; conftest.compile_helpers(sys.argv[1], executor=True)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, dtype], stderr=subprocess.PIPE, text=True)
+             for dtype in ("float32", "float64")]
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode:  # (the tests compile them then, and say what fails)
+            print(f"stepnet: compiling the helpers ahead failed:\n{err[-2000:]}", file=sys.stderr)
+
+
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # (the main process, under xdist too)
         session.config._stepnet_kernels = _kernels_in_cache()
+        if (session.config.getoption("numprocesses", None) or 0) > 1:
+            _compile_helpers_at_once()
 
 
 def pytest_terminal_summary(terminalreporter, config):
