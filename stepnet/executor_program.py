@@ -36,6 +36,24 @@ def joined_weights(stage, env):
     return joined
 
 
+def int8_product(stage, dtype):
+    """Whether the loop runs ``stage`` (a quantized product stage of a
+    ``dtype`` step) as an int8 product: ``matmul_int8``'s, of float32 rows."""
+    return stage.eqns[0].op == "matmul_int8" and dtype == np.float32
+
+
+def int8_weights(stage, env):
+    """An int8 product stage's weights, packed (``quantized.prepared``): once
+    a call, kept in the call's ``env`` under ``(stage, 0)`` and its scales
+    under ``(stage, 1)`` (arrays of the call, where a kept loop's table is
+    pointed again)."""
+    from .jit import quantized
+
+    if (stage, 0) not in env:
+        operands = [[env[e.inputs[i]] for e in stage.eqns] for i in (1, 2)]
+        env[stage, 0], env[stage, 1] = quantized.prepared("matmul_int8", operands)
+
+
 def column_blocks(stage, buffer, by_steps, places):
     """A product stage's results as column blocks of ``buffer``, added to
     ``places``: ``[(var, block)]``."""
@@ -183,6 +201,7 @@ class Steps:
             return "its step's values are not of one float dtype"
         for stage in (*executor.whole, *executor.step):
             if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
+                    or stage.kind == "quantized" and int8_product(stage, executor.dtype)
                     or stage in executor.step and all(concat_columns(e) for e in stage.eqns)):
                 ops = ", ".join(sorted({e.op for e in stage.eqns}))
                 return f"it has a {stage.kind} stage the loop does not run ({ops})"
@@ -394,11 +413,11 @@ class Steps:
             self._run(run.code.tolist(), made[0], run.width, run.registers, chunk,
                       num_rows if chunk > 0 else 0)
             return True
-        if stage.kind == "gemm":
-            joined = joined_weights(stage, env)
-            if joined.dtype != self.dtype:
+        if stage.kind in ("gemm", "quantized"):  # (quantized: int8's, why_not)
+            weights = self._weights(stage, env)
+            if weights is None:
                 return False
-            k, n = joined.shape
+            k, n, rows_of_weights, arrays = weights
             left = _row(stage.left, env, places, k, self.dtype, self.kept)
             if left is None or not left[1] or not left[2]:
                 return False
@@ -407,16 +426,16 @@ class Steps:
                 self.scratch = max(self.scratch, num_rows * k)
             # (the first hoisted product whose rows are there before the chunk's
             # runs: computed a chunk ahead, where the helper is free)
-            ahead = chunk > 0 and left[3] != executor_loop.BY_CHUNK and \
-                not any(row[9] for row in self.prog)
+            ahead = chunk > 0 and left[3] != executor_loop.BY_CHUNK and stage.kind == "gemm" \
+                and not any(row[9] for row in self.prog)
             self.ahead = num_rows * k if ahead and apart else self.ahead
             buffer = np.empty((halves * num_rows, n), self.dtype)
             column_blocks(stage, buffer, by_steps, places)
-            self.kept += [joined, buffer]
-            base = len(self.table)
-            self.table += [left, [joined.ctypes.data, 0, 1, 0], _buffer_row(buffer, by_steps)]
-            self.prog.append((1, base, base + 1, base + 2, k, n, chunk, num_rows,
-                              sum(row[0] == 1 for row in self.prog), int(ahead)))
+            self.kept += [*arrays, buffer]
+            base, kind = len(self.table), 1 if stage.kind == "gemm" else 2
+            self.table += [left, *rows_of_weights, _buffer_row(buffer, by_steps)]
+            self.prog.append((kind, base, base + 1, base + 1 + len(rows_of_weights), k, n, chunk,
+                              num_rows, sum(row[0] == kind for row in self.prog), int(ahead)))
             return True
         for e in stage.eqns:  # concats by columns (why_not)
             out = e.outputs[0]
@@ -431,6 +450,21 @@ class Steps:
                 at += v.shape[1]
             places[out] = (y, False)
         return True
+
+    def _weights(self, stage, env):
+        """A product stage's weights: ``(k, n, their table rows, the arrays
+        they point into)``, or None where the loop cannot read them (a
+        GEMM's of another dtype). A GEMM's joined weights, one row; an int8
+        product's packed weights (``int8_weights``), a row of their address
+        and shape, then a row of its scales' address."""
+        if stage.kind == "gemm":
+            joined = joined_weights(stage, env)
+            if joined.dtype != self.dtype:
+                return None
+            return (*joined.shape, [[joined.ctypes.data, 0, 1, 0]], [joined])
+        packed, scale = env[stage, 0], env[stage, 1]
+        return (stage.left.shape[-1], scale.size,
+                [[packed.ctypes.data, *packed.shape], [scale.ctypes.data, 0, 1, 0]], [packed, scale])
 
     def _copy(self, source, to, by_steps):
         """Add a copy of a step's rows read by the table row ``source`` into
