@@ -383,10 +383,13 @@ def executor_probe_main(args):
     for dtype in (np.float32, np.float64):
         executor_loop.loop(np.dtype(dtype))  # (STEPNET_TIERED=0: compiled here, or loaded)
     out = {"loops_s": time.perf_counter() - t0, "items": {}}
+    import quantized_peers  # noqa: F401 - registers the int8 items (W1-int8)
+
     seen = set()  # (the step-nets of the workloads before)
     for key in args.workloads.split(","):
-        wl = workloads.make(key, args.quick)
-        fn = peers.PEERS["stepnet"][key][0][1](wl)
+        base, family = (key[:-5], "stepnet-int8") if key.endswith("-int8") else (key, "stepnet")
+        wl = workloads.make(base, args.quick)
+        fn = peers.PEERS[family][base][0][1](wl)
         kernel = _median_call(fn, args.rounds or 7)  # (its first call compiles)
         runs, ran, why = 0, 0, set()
         for compiled in [c for c in backends._every_compiled()
@@ -451,6 +454,7 @@ def executor_section(args, keys, tmp, log):
     keys = [k for k in keys if k in EXECUTOR_KEYS]
     if not keys:
         return [], []
+    keys += ["W1-int8"] if "W1" in keys else []  # (W1's GRU quantized: sn.quantize)
     cache = args.stepnet_cache if args.stepnet_cache not in ("fresh", "default") else None
     extra = {"STEPNET_TIERED": "0"}
     if cache or args.stepnet_cache == "fresh":
