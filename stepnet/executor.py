@@ -55,7 +55,7 @@ from . import ir, schedule as _schedule
 from .errors import StepNetError
 from .executor_loop import loop as _loop
 from .executor_program import (
-    BY_CALLER, KEPT_SIZES, Run, Steps, column_blocks, int8_weights, joined_weights)
+    BY_CALLER, KEPT_SIZES, Run, Steps, column_blocks, joined_weights, quantized_weights)
 from .interpreter import apply
 from .lod import LoDTensor
 
@@ -147,8 +147,8 @@ class Executor:
         # value made from them: op by op, as the interpreter)
         self.ragged = {stage for stage in self.step if stage.kind != "rnn" and any(
             isinstance(v, ir.Var) and v.lod_depth for e in stage.eqns for v in e.inputs)}
-        self.products = [stage for stage in (*self.whole, *self.step) if stage not in self.ragged and (
-            stage.kind == "gemm" or stage.kind == "quantized" and stage.eqns[0].op == "matmul_int8")]
+        self.products = [stage for stage in (*self.whole, *self.step)
+                         if stage.kind in ("gemm", "quantized") and stage not in self.ragged]
         # a run stores the values read outside it (the schedule's
         # materialized ones, and those of the hoisted runs run by steps here)
         readers = {}
@@ -260,7 +260,7 @@ class Executor:
             env[var] = (np.asarray(X.data) if X.num_levels == 1
                         else LoDTensor(X.data, list(X.levels[1:])))
         for stage in self.products:
-            (joined_weights if stage.kind == "gemm" else int8_weights)(stage, env)
+            (joined_weights if stage.kind == "gemm" else quantized_weights)(stage, env)
         rows = offsets
         for level in seq_args[0].levels[1:]:
             rows = np.asarray(level, np.int64)[rows]

@@ -120,8 +120,8 @@ def _loop_source(dtype):
     the chunk's steps (``ahead.gemm_steps_ahead``'s way: a lone group's
     input products take no time of its time loop); in float32 loops, kind 2
     the ``q``-th int8 product (``matmul_int8``: ``quantized.int8_rows``, the
-    kernels' routine) likewise, its weights prepared by the caller
-    (``_int8_weights_source``).
+    kernels' routine) likewise, kind 3 the ``q``-th bf16 one (``bf16_rows``),
+    their weights prepared by the caller (``_quantized_weights_source``).
     ``table`` holds each operand's and result's address, row stride, whether a
     row holds ``width`` values (else one, broadcast), and the stride by which a
     step's first token moves its first row (``BY_CALLER``: rows at the
@@ -132,7 +132,7 @@ def _loop_source(dtype):
     operand's), and loads one whose rows neither move nor differ (a bias) at
     a step's first tile only."""
     dt = f"np.{np.dtype(dtype).name}"
-    int8 = np.dtype(dtype) == np.float32  # (matmul_int8's products: float32 rows)
+    quantized = np.dtype(dtype) == np.float32  # (matmul_int8's, matmul_bf16's: float32 rows)
     before, at_chunk = _ahead_source()
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
              "               small_rows, perm):",
@@ -143,7 +143,7 @@ def _loop_source(dtype):
              "(prog[p, 4], prog[p, 5])),",
              "                     prog[p, 7], tokens, small_rows, board)",
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
-             *(_int8_weights_source() if int8 else []),
+             *(_quantized_weights_source() if quantized else []),
              "    ring = 0  # (the first token of the last chunk, less its half's rows)",
              "    where = np.empty(registers.shape[0], np.int64)  # (where each register's rows are)",
              *before,
@@ -160,16 +160,20 @@ def _loop_source(dtype):
              "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring,",
              "                        True)",
              "                continue",
-             *(["            if prog[p, 0] == 2:",
+             *(["            if prog[p, 0] >= 2:  # (an int8 or a bf16 product)",
                 "                if rows > 0:",
                 "                    a, out = operands(prog[p], table, rows, lo, scratch, perm, ring, False)",
-                "                    int8_rows(a, int8_weights[prog[p, 8]], out)",
-                "                continue"] if int8 else []),
+                "                    if prog[p, 0] == 2:",
+                "                        int8_rows(a, int8_weights[prog[p, 8]], out)",
+                "                    else:",
+                "                        bf16_rows(a, bf16_weights[prog[p, 8]], out)",
+                "                continue"] if quantized else []),
              *_run_source(dtype)]
     from .jit.cpu_emit import loop_module
 
     return loop_module(lines + _product_source(dt),
-                       imports=[*(["from stepnet.jit.quantized import int8_rows"] if int8 else []),
+                       imports=[*(["from stepnet.jit.quantized import bf16_rows, int8_rows"]
+                                  if quantized else []),
                                 "from stepnet.jit.ahead import AHEAD_WORDS",
                                 "from stepnet.jit.apart import job_apart_in",
                                 "from stepnet.jit.blas import gemm_own, gemm_packed, pack",
@@ -179,18 +183,24 @@ def _loop_source(dtype):
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
 
-def _int8_weights_source():
-    """The lines of ``steps_loop`` viewing each int8 product's weights as
-    ``quantized.int8_rows`` reads them: the weights' table row holds the
-    packed weights' address and shape, the next row the scales' address."""
-    from .jit.int8_gemm import _PACKED
+def _quantized_weights_source():
+    """The lines of ``steps_loop`` viewing each quantized product's weights
+    as its routine (``quantized.int8_rows``, ``bf16_rows``) reads them: the
+    weights' table row holds their address and shape (an int8 product's
+    packed weights, then a row of its scales' address; a bf16 product's
+    packed pairs where the CPU multiplies bfloat16, else its weights
+    widened to float32, [k, n])."""
+    from .jit.int8_gemm import _PACKED, BF16
 
-    packed = f"np.{np.dtype(_PACKED).name}"
-    return ["    int8_weights = [(carray(pointer_to(table[prog[p, 2], 0], "
-            f"{packed}), (table[prog[p, 2], 1],",
-            "                            table[prog[p, 2], 2], table[prog[p, 2], 3])),",
+    def view(dtype, dims):
+        shape = ", ".join(f"table[prog[p, 2], {d}]" for d in range(1, dims + 1))
+        return f"carray(pointer_to(table[prog[p, 2], 0], np.{np.dtype(dtype).name}), ({shape}))"
+
+    return [f"    int8_weights = [({view(_PACKED, 3)},",
             "                     carray(pointer_to(table[prog[p, 2] + 1, 0], np.float32), prog[p, 5]))",
-            "                    for p in range(prog.shape[0]) if prog[p, 0] == 2]"]
+            "                    for p in range(prog.shape[0]) if prog[p, 0] == 2]",
+            f"    bf16_weights = [{view(np.uint16, 3) if BF16 else view(np.float32, 2)}",
+            "                    for p in range(prog.shape[0]) if prog[p, 0] == 3]"]
 
 
 def _ahead_source():

@@ -36,22 +36,21 @@ def joined_weights(stage, env):
     return joined
 
 
-def int8_product(stage, dtype):
-    """Whether the loop runs ``stage`` (a quantized product stage of a
-    ``dtype`` step) as an int8 product: ``matmul_int8``'s, of float32 rows."""
-    return stage.eqns[0].op == "matmul_int8" and dtype == np.float32
-
-
-def int8_weights(stage, env):
-    """An int8 product stage's weights, packed (``quantized.prepared``): once
-    a call, kept in the call's ``env`` under ``(stage, 0)`` and its scales
-    under ``(stage, 1)`` (arrays of the call, where a kept loop's table is
-    pointed again)."""
+def quantized_weights(stage, env):
+    """A quantized product stage's weights as its routine reads them
+    (``quantized.prepared``): once a call, kept in the call's ``env`` under
+    ``(stage, 0)`` (``matmul_int8``'s packed weights, ``matmul_bf16``'s) and
+    ``(stage, 1)`` (int8's scales): arrays of the call, where a kept loop's
+    table is pointed again."""
     from .jit import quantized
 
     if (stage, 0) not in env:
-        operands = [[env[e.inputs[i]] for e in stage.eqns] for i in (1, 2)]
-        env[stage, 0], env[stage, 1] = quantized.prepared("matmul_int8", operands)
+        op = stage.eqns[0].op
+        operands = [[env[e.inputs[i]] for e in stage.eqns]
+                    for i in range(1, len(stage.eqns[0].inputs))]
+        prepared = quantized.prepared(op, operands)
+        env.update(((stage, i), x) for i, x in
+                   enumerate(prepared if op == "matmul_int8" else (prepared,)))
 
 
 def column_blocks(stage, buffer, by_steps, places):
@@ -201,7 +200,7 @@ class Steps:
             return "its step's values are not of one float dtype"
         for stage in (*executor.whole, *executor.step):
             if not (stage.kind == "gemm" or executor.runs.get(stage) is not None
-                    or stage.kind == "quantized" and int8_product(stage, executor.dtype)
+                    or stage.kind == "quantized" and executor.dtype == np.float32
                     or stage in executor.step and all(concat_columns(e) for e in stage.eqns)):
                 ops = ", ".join(sorted({e.op for e in stage.eqns}))
                 return f"it has a {stage.kind} stage the loop does not run ({ops})"
@@ -413,7 +412,7 @@ class Steps:
             self._run(run.code.tolist(), made[0], run.width, run.registers, chunk,
                       num_rows if chunk > 0 else 0)
             return True
-        if stage.kind in ("gemm", "quantized"):  # (quantized: int8's, why_not)
+        if stage.kind in ("gemm", "quantized"):
             weights = self._weights(stage, env)
             if weights is None:
                 return False
@@ -432,7 +431,8 @@ class Steps:
             buffer = np.empty((halves * num_rows, n), self.dtype)
             column_blocks(stage, buffer, by_steps, places)
             self.kept += [*arrays, buffer]
-            base, kind = len(self.table), 1 if stage.kind == "gemm" else 2
+            kind = 1 if stage.kind == "gemm" else 2 if stage.eqns[0].op == "matmul_int8" else 3
+            base = len(self.table)
             self.table += [left, *rows_of_weights, _buffer_row(buffer, by_steps)]
             self.prog.append((kind, base, base + 1, base + 1 + len(rows_of_weights), k, n, chunk,
                               num_rows, sum(row[0] == kind for row in self.prog), int(ahead)))
@@ -454,17 +454,18 @@ class Steps:
     def _weights(self, stage, env):
         """A product stage's weights: ``(k, n, their table rows, the arrays
         they point into)``, or None where the loop cannot read them (a
-        GEMM's of another dtype). A GEMM's joined weights, one row; an int8
-        product's packed weights (``int8_weights``), a row of their address
-        and shape, then a row of its scales' address."""
+        GEMM's of another dtype). A GEMM's joined weights, one row; a
+        quantized product's prepared weights (``quantized_weights``), a row
+        of their address and shape, then an int8 product's scales' address."""
         if stage.kind == "gemm":
             joined = joined_weights(stage, env)
             if joined.dtype != self.dtype:
                 return None
             return (*joined.shape, [[joined.ctypes.data, 0, 1, 0]], [joined])
-        packed, scale = env[stage, 0], env[stage, 1]
-        return (stage.left.shape[-1], scale.size,
-                [[packed.ctypes.data, *packed.shape], [scale.ctypes.data, 0, 1, 0]], [packed, scale])
+        prepared = [env[stage, 0]] + ([env[stage, 1]] if (stage, 1) in env else [])
+        rows = [[prepared[0].ctypes.data, *prepared[0].shape, *[0] * (3 - prepared[0].ndim)]]
+        rows += [[x.ctypes.data, 0, 1, 0] for x in prepared[1:]]
+        return (stage.left.shape[-1], sum(v.shape[-1] for v in stage.outputs), rows, prepared)
 
     def _copy(self, source, to, by_steps):
         """Add a copy of a step's rows read by the table row ``source`` into

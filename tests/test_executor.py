@@ -694,12 +694,13 @@ def test_an_attention_cell_over_ragged_static_memories(rng, reverse):
     _agree(rnn, all_steps=False, x=X)
 
 
-def test_int8_products_run_in_one_call(rng):
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_quantized_products_run_in_one_call(rng, mode):
     """A quantized step-net (``sn.quantize``: its hoisted input product and
-    its two per-step products of the state, merged, all ``matmul_int8``)
-    runs its time loop in one call, to the interpreter's results, a row
-    holding NaN as there; a later call with other int8 weights runs the
-    same loop, pointed at them."""
+    its two per-step products of the state, merged, all ``matmul_int8`` or
+    ``matmul_bf16``) runs its time loop in one call, to the interpreter's
+    results, a row holding NaN as there; a later call with other weights
+    runs the same loop, pointed at them."""
     lengths = [5, 0, 7, 3]
     data = rng.standard_normal((sum(lengths), 6)).astype(np.float32)
     data[9, 2] = np.nan
@@ -713,25 +714,31 @@ def test_int8_products_run_in_one_call(rng):
         gate = sn.ops.sigmoid(h.pre_state() @ V)
         h.update(gate * sn.ops.tanh(x @ W + h.pre_state() @ U) + (1 - gate) * h.pre_state())
         rnn.add_outputs(h)
-    small = sn.quantize(rnn, "int8")
+    small = sn.quantize(rnn, mode)
     program = small.program(small.all_steps_flags(True))
     run = executor.compile_program(program)
     assert executor_program.Steps.why_not(run) is None
     args, consts = small.bind(), small.const_values()
-    weights = [k for k, v in consts.items() if np.asarray(v).dtype == np.int8]
+    weights = [k for k, v in consts.items() if np.asarray(v).dtype in (np.int8, np.uint16)]
     assert len(weights) == 3
     builds = []
     build = executor_program.Steps._build
     executor_program.Steps._build = lambda self, *a: builds.append(1) or build(self, *a)
     try:
-        for flip in (False, True):  # (the second call: every int8 weight negated)
-            given = {k: (-v if flip and k in weights else v) for k, v in consts.items()}
+        for flip in (False, True):  # (the second call: every weight negated)
+            given = {k: (_negated(v) if flip and k in weights else v) for k, v in consts.items()}
             want = interpreter.compile_program(program)(args, given)[0].data
             got = run(args, given, workers=1)[0].data
             assert run.how == "one call"
             np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
             assert np.isnan(want).any() and not np.isnan(want).all()
-            assert_close(got[~np.isnan(want)], want[~np.isnan(want)], what=f"int8, flipped {flip}")
+            assert_close(got[~np.isnan(want)], want[~np.isnan(want)], what=f"{mode}, flipped {flip}")
     finally:
         executor_program.Steps._build = build
     assert len(builds) == 1, builds
+
+
+def _negated(w):
+    """int8 weights negated, or bfloat16 ones (their bits: the sign bit flipped)."""
+    w = np.asarray(w)
+    return -w if w.dtype == np.int8 else w ^ np.uint16(0x8000)
