@@ -121,7 +121,7 @@ def _loop_source(dtype):
     input products take no time of its time loop); in float32 loops, kind 2
     the ``q``-th int8 product (``matmul_int8``: ``quantized.int8_rows``, the
     kernels' routine) likewise, kind 3 the ``q``-th bf16 one (``bf16_rows``),
-    their weights prepared by the caller (``_quantized_weights_source``).
+    their weights prepared by the caller (``_quantized_source``).
     ``table`` holds each operand's and result's address, row stride, whether a
     row holds ``width`` values (else one, broadcast), and the stride by which a
     step's first token moves its first row (``BY_CALLER``: rows at the
@@ -133,6 +133,7 @@ def _loop_source(dtype):
     a step's first tile only."""
     dt = f"np.{np.dtype(dtype).name}"
     quantized = np.dtype(dtype) == np.float32  # (matmul_int8's, matmul_bf16's: float32 rows)
+    weights, at_step = _quantized_source() if quantized else ([], [])
     before, at_chunk = _ahead_source()
     lines = ["def steps_loop(prog, code, table, active, starts, registers, scratch, board,",
              "               small_rows, perm):",
@@ -143,7 +144,7 @@ def _loop_source(dtype):
              "(prog[p, 4], prog[p, 5])),",
              "                     prog[p, 7], tokens, small_rows, board)",
              "                for p in range(prog.shape[0]) if prog[p, 0] == 1]",
-             *(_quantized_weights_source() if quantized else []),
+             *weights,
              "    ring = 0  # (the first token of the last chunk, less its half's rows)",
              "    where = np.empty(registers.shape[0], np.int64)  # (where each register's rows are)",
              *before,
@@ -160,14 +161,7 @@ def _loop_source(dtype):
              "                product(prog[p], table, rows, lo, scratch, prepared[prog[p, 8]], perm, ring,",
              "                        True)",
              "                continue",
-             *(["            if prog[p, 0] >= 2:  # (an int8 or a bf16 product)",
-                "                if rows > 0:",
-                "                    a, out = operands(prog[p], table, rows, lo, scratch, perm, ring, False)",
-                "                    if prog[p, 0] == 2:",
-                "                        int8_rows(a, int8_weights[prog[p, 8]], out)",
-                "                    else:",
-                "                        bf16_rows(a, bf16_weights[prog[p, 8]], out)",
-                "                continue"] if quantized else []),
+             *at_step,
              *_run_source(dtype)]
     from .jit.cpu_emit import loop_module
 
@@ -183,13 +177,13 @@ def _loop_source(dtype):
                                 f"SMALL_GEMM_DTYPES = ({np.dtype(dtype).name!r},)"])
 
 
-def _quantized_weights_source():
+def _quantized_source():
     """The lines of ``steps_loop`` viewing each quantized product's weights
-    as its routine (``quantized.int8_rows``, ``bf16_rows``) reads them: the
-    weights' table row holds their address and shape (an int8 product's
-    packed weights, then a row of its scales' address; a bf16 product's
-    packed pairs where the CPU multiplies bfloat16, else its weights
-    widened to float32, [k, n])."""
+    as its routine (``quantized.int8_rows``, ``bf16_rows``) reads them, and
+    its instruction at a step. The weights' table row holds their address
+    and shape (an int8 product's packed weights, then a row of its scales'
+    address; a bf16 product's packed pairs where the CPU multiplies
+    bfloat16, else its weights widened to float32, [k, n])."""
     from .jit.int8_gemm import _PACKED, BF16
 
     def view(dtype, dims):
@@ -200,7 +194,15 @@ def _quantized_weights_source():
             "                     carray(pointer_to(table[prog[p, 2] + 1, 0], np.float32), prog[p, 5]))",
             "                    for p in range(prog.shape[0]) if prog[p, 0] == 2]",
             f"    bf16_weights = [{view(np.uint16, 3) if BF16 else view(np.float32, 2)}",
-            "                    for p in range(prog.shape[0]) if prog[p, 0] == 3]"]
+            "                    for p in range(prog.shape[0]) if prog[p, 0] == 3]"], [
+        "            if prog[p, 0] >= 2:  # (an int8 or a bf16 product)",
+        "                if rows > 0:",
+        "                    a, out = operands(prog[p], table, rows, lo, scratch, perm, ring, False)",
+        "                    if prog[p, 0] == 2:",
+        "                        int8_rows(a, int8_weights[prog[p, 8]], out)",
+        "                    else:",
+        "                        bf16_rows(a, bf16_weights[prog[p, 8]], out)",
+        "                continue"]
 
 
 def _ahead_source():
