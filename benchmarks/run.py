@@ -371,6 +371,7 @@ def executor_probe_main(args):
     _setup_paths()
     import numpy as np
     import peers
+    import quantized_peers  # noqa: F401 - registers the int8 items (W1-int8)
     import workloads
 
     import importlib
@@ -383,8 +384,6 @@ def executor_probe_main(args):
     for dtype in (np.float32, np.float64):
         executor_loop.loop(np.dtype(dtype))  # (STEPNET_TIERED=0: compiled here, or loaded)
     out = {"loops_s": time.perf_counter() - t0, "items": {}}
-    import quantized_peers  # noqa: F401 - registers the int8 items (W1-int8)
-
     seen = set()  # (the step-nets of the workloads before)
     for key in args.workloads.split(","):
         base, family = (key[:-5], "stepnet-int8") if key.endswith("-int8") else (key, "stepnet")

@@ -695,7 +695,7 @@ def test_an_attention_cell_over_ragged_static_memories(rng, reverse):
 
 
 @pytest.mark.parametrize("mode", ["int8", "bf16"])
-def test_quantized_products_run_in_one_call(rng, mode):
+def test_quantized_products_run_in_one_call(rng, mode, monkeypatch):
     """A quantized step-net (``sn.quantize``: its hoisted input product and
     its two per-step products of the state, merged, all ``matmul_int8`` or
     ``matmul_bf16``) runs its time loop in one call, to the interpreter's
@@ -723,18 +723,16 @@ def test_quantized_products_run_in_one_call(rng, mode):
     assert len(weights) == 3
     builds = []
     build = executor_program.Steps._build
-    executor_program.Steps._build = lambda self, *a: builds.append(1) or build(self, *a)
-    try:
-        for flip in (False, True):  # (the second call: every weight negated)
-            given = {k: (_negated(v) if flip and k in weights else v) for k, v in consts.items()}
-            want = interpreter.compile_program(program)(args, given)[0].data
-            got = run(args, given, workers=1)[0].data
-            assert run.how == "one call"
-            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-            assert np.isnan(want).any() and not np.isnan(want).all()
-            assert_close(got[~np.isnan(want)], want[~np.isnan(want)], what=f"{mode}, flipped {flip}")
-    finally:
-        executor_program.Steps._build = build
+    monkeypatch.setattr(executor_program.Steps, "_build",
+                        lambda self, *a: builds.append(1) or build(self, *a))
+    for flip in (False, True):  # (the second call: every weight negated)
+        given = {k: (_negated(v) if flip and k in weights else v) for k, v in consts.items()}
+        want = interpreter.compile_program(program)(args, given)[0].data
+        got = run(args, given, workers=1)[0].data
+        assert run.how == "one call"
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert np.isnan(want).any() and not np.isnan(want).all()
+        assert_close(got[~np.isnan(want)], want[~np.isnan(want)], what=f"{mode}, flipped {flip}")
     assert len(builds) == 1, builds
 
 
