@@ -611,6 +611,38 @@ def _chunk_ahead(left, sstart, slen, step, gathered, out, gathered_ahead, out_ah
                                   prepared, out, gathered_ahead, out_ahead, state, posts)
 
 
+@njit
+def _chunk_ahead_of(left, sstart, slen, step, nb, gathered, out, gathered_ahead, out_ahead, state,
+                    prepared):
+    """``_chunk_ahead`` over ``nb`` sequences, posting the next chunk."""
+    return ahead.gemm_steps_ahead(left, 0, sstart, slen, 1, step, 4, nb, False, gathered,
+                                  prepared, out, gathered_ahead, out_ahead, state, True)
+
+
+def test_a_chunk_posted_ahead_has_the_rows_of_the_callers_chunk(rng):
+    """The next chunk's product posted ahead is over the sequences still
+    running at that chunk (the caller's own product of it would be: a
+    library's rows differ by the rows beside them), not over those of the
+    chunk before: two sequences of 12 and 4 steps, chunks of 4; the chunk of
+    steps 4-7 is one sequence's 4 rows, the rows after them not written."""
+    blas.register_small_gemm(np.float32)
+    left = rng.standard_normal((16, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    sstart, slen = np.array([0, 12]), np.array([12, 4])
+    board = np.zeros_like(threads.BOARD)
+    slots(board)["shares"] = threads.EVERY
+    slots(board)["state"] = threads.IDLE
+    prepared = blas.pack(w, 16, 16, product_timing.small_rows_table(), board)
+    buffers = [np.zeros((8, 8), np.float32), np.zeros((8, 64), np.float32)]
+    ahead_buffers = [np.zeros((8, 8), np.float32), np.full((8, 64), np.nan, np.float32)]
+    state = np.zeros(ahead.AHEAD_WORDS, np.int64)
+    assert not _chunk_ahead_of(left, sstart, slen, 0, 2, *buffers, *ahead_buffers, state, prepared)
+    assert state[0] != 0  # (posted; no helper serves this board: taken back below)
+    assert _chunk_ahead_of(left, sstart, slen, 4, 1, *buffers, *ahead_buffers, state, prepared)
+    np.testing.assert_allclose(ahead_buffers[1][:4], left[4:8] @ w, rtol=1e-5, atol=1e-5)
+    assert np.isnan(ahead_buffers[1][4:]).all()
+
+
 def test_the_chunk_ahead_is_posted_only_where_it_may_be(rng):
     """``gemm_steps_ahead`` on a board that shares and whose helper is free
     (none serves it here: a posted job is taken back) posts the next chunk

@@ -52,11 +52,15 @@ def _gemm_steps_ahead(left, col, sstart, slen, row_step, step, chunk, nb, revers
                                            reverse, gathered, prepared, out))
     state[0] = 0
     if posts and step + chunk < slen[0] and board[threads.SHARES] & threads.AHEAD != 0:
-        # into the buffers that are the caller's ahead ones after its swap
+        # into the buffers that are the caller's ahead ones after its swap, over the
+        # sequences running then (the caller's rows: a library's differ by those beside)
         next_gathered = gathered if swap else gathered_ahead
         next_out = out if swap else out_ahead
+        then = nb
+        while then > 0 and slen[then - 1] <= step + chunk:
+            then -= 1
         job = apart.job_apart_in(state[3:], blas.gemm_steps,
-                                 (left, col, sstart, slen, row_step, step + chunk, chunk, nb,
+                                 (left, col, sstart, slen, row_step, step + chunk, chunk, then,
                                   reverse, next_gathered, prepared, next_out))
         state[1], state[2] = job[0], job[1]
         state[0] = threads.post_job(board, job)
