@@ -176,6 +176,7 @@ def compile_helpers(dtype, executor=False):
         rnn.add_outputs(h)
     sn.gradients(rnn, wrt=[W], grad_outputs=[np.ones((3, 2), dtype)], backend="numba")
     if executor:
+        print("measured", flush=True)  # (the products' timings taken: _compile_helpers_at_once)
         from stepnet import executor_loop
 
         executor_loop.loop(dtype)
@@ -209,13 +210,19 @@ def _kernels_in_cache():
 
 
 def _compile_helpers_at_once():
-    """``compile_helpers`` of each float dtype in a process of its own, both
-    at once: before xdist's workers start, each of which would otherwise
-    compile all of them itself (about a minute with a cold cache)."""
+    """``compile_helpers`` of each float dtype in a process of its own,
+    before xdist's workers start, each of which would otherwise compile all
+    of them itself (about a minute with a cold cache). float64's starts once
+    float32's has measured the products (a table measured beside another
+    compile is taken as "crowded", and shares products it would not on a
+    quiet machine), the two then at once."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             "import conftest; conftest.compile_helpers(sys.argv[1], executor=True)")
-    procs = [subprocess.Popen([sys.executable, "-c", code, dtype], stderr=subprocess.PIPE, text=True)
-             for dtype in ("float32", "float64")]
+    procs = []
+    for dtype in ("float32", "float64"):
+        procs.append(subprocess.Popen([sys.executable, "-c", code, dtype], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        procs[-1].stdout.readline()  # ("measured", or nothing where it failed)
     for proc in procs:
         _, err = proc.communicate()
         if proc.returncode:  # (the tests compile them then, and say what fails)
