@@ -471,8 +471,8 @@ def _stage(stage, env, max_rows, places, run=None):
 
         op = stage.eqns[0].op
         rows = quantized.ROUTINES[op][1]
-        prepared = quantized.prepared(op, [[env[e.inputs[i]] for e in stage.eqns]
-                                           for i in range(1, len(stage.eqns[0].inputs))])
+        quantized_weights(stage, env)  # (once a call, as the loop reads them)
+        prepared = (env[stage, 0], env[stage, 1]) if op == "matmul_int8" else env[stage, 0]
         return _product(stage, max_rows, places, np.float32,
                         lambda a, out: rows(np.ascontiguousarray(a), prepared, out))
     loop = run.start(env, max_rows, places) if run is not None else None
