@@ -511,3 +511,61 @@ print("bit for bit")
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bit for bit" in out.stdout
+
+
+
+_ONE_OPENBLAS_THREAD = """
+import ctypes
+import numpy as np
+from stepnet.jit import blas
+assert blas.BLAS_NAME == "openblas", blas.BLAS_NAME
+if not blas._COUNT_SETTER:
+    print("no thread count setter")
+    raise SystemExit
+count = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(blas._openblas.set_threads_local)
+def now():
+    before = count(1)
+    count(before)
+    return before
+rng = np.random.default_rng(0)
+users = blas._OPENBLAS_USERS
+a = rng.standard_normal((1100, 384)).astype(np.float32)
+b = rng.standard_normal((384, 64)).astype(np.float32)
+count(2)
+out = np.empty((1100, 64), np.float32)
+blas._row_major_gemm(blas._A, 1100, 64, 384, a, 384, b, out, 0.0)
+assert now() == 2 and users[0] == 0, (now(), users)
+count(1)
+one_thread = np.empty_like(out)
+blas._row_major_gemm(blas._A, 1100, 64, 384, a, 384, b, one_thread, 0.0)
+assert np.array_equal(out, one_thread)  # (on two threads: other bits here)
+count(2)
+blas._openblas_calls(users, 1)  # a first call starts, then a second
+blas._openblas_calls(users, 1)
+assert now() == 1 and users[0] == 2, (now(), users)
+blas._openblas_calls(users, -1)  # the first ends: the second still runs on one
+assert now() == 1 and users[0] == 1, (now(), users)
+blas._openblas_calls(users, -1)
+assert now() == 2 and users[0] == 0, (now(), users)
+print("one thread while any runs")
+"""
+
+
+def test_openblas_runs_on_one_thread_while_any_of_stepnets_products_runs():
+    """OpenBLAS's thread count is the process's (its "local" setter's too),
+    and its products on two threads give other bits than on one: the count
+    is one from the first of stepnet's library calls running at once to the
+    last, and the count before comes back after the last (a call giving it
+    back while another ran let that one's product run on two threads: calls
+    at once then differed in bits from the call alone)."""
+    from stepnet.jit import blas_choice
+
+    if blas_choice.find_openblas() is None:
+        pytest.skip("no OpenBLAS through scipy")
+    env = dict(os.environ, STEPNET_BLAS="openblas")
+    out = subprocess.run([sys.executable, "-c", _ONE_OPENBLAS_THREAD], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if "no thread count setter" in out.stdout:
+        pytest.skip("this OpenBLAS has no thread count setter: stepnet cannot set its count")
+    assert "one thread while any runs" in out.stdout

@@ -23,7 +23,9 @@ _CUDA = ("numba_cuda.py", "cuda_run.py")  # the CUDA backend's modules, outside 
 # over budget today: their line counts may only go down
 MODULES_OVER = {}
 FUNCTIONS_OVER = {}
-CPU_ENGINE_NOW = 7613  # (+28: a save into the cache holds its folder's lock; +4: a chunk posted
+CPU_ENGINE_NOW = 7667  # (+54: OpenBLAS's count, the process's, held at one while any call of
+                       # stepnet's runs, not set and given back by each (calls at once differed in bits);
+                       # +28: a save into the cache holds its folder's lock; +4: a chunk posted
                        # ahead is over the sequences running at it;
                        # +68: bf16 products by vdpbf16ps; +20: quantized input products by chunks;
                        # +3: int8 sums start from zero in registers, not from a cleared buffer; issue 62;

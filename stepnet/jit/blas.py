@@ -8,8 +8,8 @@ and cached; ``STEPNET_BLAS`` overrides; see :mod:`stepnet.jit.blas_choice`):
   weights are packed once per call (``cblas_?gemm_pack``) where a step can
   have more rows than stepnet's own loop takes (below), and every such step
   runs ``cblas_?gemm_compute`` on the packed copy, as oneDNN's RNN does.
-- ``openblas``: scipy's ``cython_blas`` ``sgemm``/``dgemm``, with OpenBLAS's
-  thread-local thread count set to one around each call.
+- ``openblas``: scipy's ``cython_blas`` ``sgemm``/``dgemm``, OpenBLAS's
+  thread count held at one while any of them runs (``_openblas_calls``).
 - ``numpy``: ``np.dot`` (when neither is reachable).
 
 Parallelism is not in the BLAS (docs/internals.md, *The helper thread*):
@@ -47,7 +47,8 @@ from numba.extending import intrinsic, overload
 
 from ..config import config
 from . import threads
-from .atomics import cycles, job_of, wide_vectors
+from .atomics import compare_exchange, cycles, job_of, load_acquire, pause, pointer_to, \
+    store_release, wide_vectors
 from . import cache  # (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .own_loop import DETERMINISTIC, _WIDE_ACCUMULATORS, _own_columns, \
     _panel_count, aligned_empty, panels, small_gemm
@@ -99,6 +100,26 @@ def _extern(symbol, argspec, returns_size=False, returns_int=False):
         return sig, codegen
 
     return call
+
+
+def _symbol_address(symbol):
+    """An njit-callable ``f()``: the address (an integer) of the data that
+    ``llvm_binding.add_symbol`` gave the name ``symbol``, resolved at link
+    time as ``_extern``'s functions are (kernels cached on disk find this
+    process's)."""
+
+    @intrinsic
+    def address(typingctx):
+        def codegen(context, builder, signature, llargs):
+            i64 = llvm_ir.IntType(64)
+            found = builder.module.globals.get(symbol)
+            if found is None:  # (a declaration: no initializer)
+                found = llvm_ir.GlobalVariable(builder.module, i64, symbol)
+            return builder.ptrtoint(found, i64)
+
+        return types.int64(), codegen
+
+    return address
 
 
 config.start_engine("blas")
@@ -173,8 +194,8 @@ elif BLAS_NAME == "openblas":
     llvm_binding.add_symbol("stepnet_cython_dgemm", _openblas.dgemm)
     _sgemm = _extern("stepnet_cython_sgemm", "CCIIIFpIpIFpI")
     _dgemm = _extern("stepnet_cython_dgemm", "CCIIIDpIpIDpI")
-    _THREAD_LOCAL = _openblas.set_threads_local is not None
-    if _THREAD_LOCAL:
+    _COUNT_SETTER = _openblas.set_threads_local is not None
+    if _COUNT_SETTER:
         llvm_binding.add_symbol("stepnet_openblas_threads_local", _openblas.set_threads_local)
         _set_threads_local = _extern("stepnet_openblas_threads_local", "i", returns_int=True)
     else:
@@ -182,20 +203,51 @@ elif BLAS_NAME == "openblas":
         def _set_threads_local(args):
             return 0
 
+    # OpenBLAS's thread count is the process's, whatever its setter's name
+    # says (pthreads builds, scipy's among them), and a product on two of
+    # its threads gives other bits than on one: it is one while any library
+    # call of stepnet's runs, set by the first to start and given back by
+    # the last to end. Each call setting it and giving it back let one
+    # thread's product start after another had given back two.
+    # [0]: the calls running (-1 while one sets or gives back), [1]: the count before
+    _OPENBLAS_USERS = np.zeros(2, np.int64)
+    llvm_binding.add_symbol("stepnet_openblas_users", _OPENBLAS_USERS.ctypes.data)
+    _openblas_users = _symbol_address("stepnet_openblas_users")
+
+    @njit(inline="always")
+    def _openblas_calls(users, step):
+        """One more (``step`` 1) or one fewer (-1) of stepnet's library calls
+        running: the first sets OpenBLAS's count to one, the last gives back the count before."""
+        edge = 0 if step > 0 else 1
+        while True:
+            running = load_acquire(users, 0)
+            if running > edge and compare_exchange(users, 0, running, running + step):
+                return
+            if running == edge and compare_exchange(users, 0, edge, -1):
+                if step > 0:
+                    users[1] = _set_threads_local((1,))
+                else:
+                    _set_threads_local((users[1],))
+                store_release(users, 0, edge + step)
+                return
+            pause()
+
     _A, _A_T = _N, _T  # Fortran BLAS's codes for a and a.T
 
     @njit(cache=True, nogil=True)
     def _row_major_gemm(trans_a, m, n, k, a, lda, b, out, beta):
-        """Row-major out [m, n] = op(a) @ b + beta * out on the calling thread:
-        the column-major C^T = B^T op(A)^T."""
-        previous = _set_threads_local((1,))
+        """Row-major out [m, n] = op(a) @ b + beta * out on the calling thread
+        (OpenBLAS on one thread: ``_openblas_calls``): the column-major
+        C^T = B^T op(A)^T."""
+        users = carray(pointer_to(_openblas_users(), np.int64), 2)
+        _openblas_calls(users, 1)
         args = (_N, trans_a, n, m, k, 1.0, b.ctypes.data, max(n, 1), a.ctypes.data, max(lda, 1),
                 beta, out.ctypes.data, max(n, 1))
         if a.itemsize == 4:
             _sgemm(args)
         else:
             _dgemm(args)
-        _set_threads_local((previous,))
+        _openblas_calls(users, -1)
 
     @njit(cache=True)
     def _library_pack(b, max_rows):

@@ -9,7 +9,8 @@ The candidates:
 - ``openblas``: scipy's BLAS through its public Cython API
   (``scipy.linalg.cython_blas``: ``sgemm``/``dgemm`` function pointers). Each
   call runs on the calling thread: OpenBLAS's ``openblas_set_num_threads_local``
-  is looked up in the OpenBLAS library the process has loaded.
+  (the process's count, not the thread's, in pthreads builds) is looked up in
+  the OpenBLAS library the process has loaded.
 - ``numpy``: ``np.dot``, when neither is reachable (stepnet warns).
 
 ``STEPNET_BLAS`` names one. Unset, stepnet measures the ones it can reach
@@ -96,7 +97,7 @@ def find_mkl():
 @functools.cache
 def find_openblas():
     """scipy's ``cython_blas`` GEMMs (addresses) and the loaded OpenBLAS's
-    thread-local thread count setter (an address, or None), or None."""
+    thread count setter (an address, or None), or None."""
     try:
         from numba.extending import get_cython_function_address
 
@@ -164,8 +165,9 @@ def _openblas_sgemm(lib):
     return gemm
 
 
-class _one_openblas_thread:
-    """OpenBLAS on one thread (its thread-local count) within the block."""
+class _single_openblas:
+    """OpenBLAS on one thread within the block (the BLAS is measured before
+    any kernel of stepnet's runs: none sets the count meanwhile)."""
 
     def __init__(self, lib):
         setter = getattr(lib, "set_threads_local", None)
@@ -186,7 +188,7 @@ def _time_mkl(lib, m, k, n, reps):
 
 def _time_openblas(lib, m, k, n, reps):
     gemm, (a, b, c) = _openblas_sgemm(lib), _operands(m, k, n)
-    with _one_openblas_thread(lib):
+    with _single_openblas(lib):
         return _best(lambda: gemm(a, b, c), reps)
 
 
