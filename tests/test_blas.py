@@ -547,6 +547,13 @@ blas._openblas_calls(users, -1)  # the first ends: the second still runs on one
 assert now() == 1 and users[0] == 1, (now(), users)
 blas._openblas_calls(users, -1)
 assert now() == 2 and users[0] == 0, (now(), users)
+import os
+users[0] = -1  # a call setting the count when the process forks: the child has none
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if users[0] == 0 else 1)
+users[0] = 0
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 print("one thread while any runs")
 """
 
@@ -557,7 +564,8 @@ def test_openblas_runs_on_one_thread_while_any_of_stepnets_products_runs():
     is one from the first of stepnet's library calls running at once to the
     last, and the count before comes back after the last (a call giving it
     back while another ran let that one's product run on two threads: calls
-    at once then differed in bits from the call alone)."""
+    at once then differed in bits from the call alone); a forked child
+    starts with none running."""
     from stepnet.jit import blas_choice
 
     if blas_choice.find_openblas() is None:

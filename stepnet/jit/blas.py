@@ -36,6 +36,7 @@ run-time argument of the kernels.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import llvmlite.binding as llvm_binding
@@ -212,6 +213,8 @@ elif BLAS_NAME == "openblas":
     # [0]: the calls running (-1 while one sets or gives back), [1]: the count before
     _OPENBLAS_USERS = np.zeros(2, np.int64)
     llvm_binding.add_symbol("stepnet_openblas_users", _OPENBLAS_USERS.ctypes.data)
+    # (a forked child has none of the parent's calls, nor one setting the count)
+    os.register_at_fork(after_in_child=lambda: _OPENBLAS_USERS.fill(0))
     _openblas_users = _symbol_address("stepnet_openblas_users")
 
     @njit(inline="always")
