@@ -469,10 +469,8 @@ def _stage(stage, env, max_rows, places, run=None):
     if stage.kind == "quantized":
         from .jit import quantized
 
-        op = stage.eqns[0].op
-        rows = quantized.ROUTINES[op][1]
-        quantized_weights(stage, env)  # (once a call, as the loop reads them)
-        prepared = (env[stage, 0], env[stage, 1]) if op == "matmul_int8" else env[stage, 0]
+        rows = quantized.ROUTINES[stage.eqns[0].op][1]
+        prepared = quantized_weights(stage, env)  # (once a call, as the loop reads them)
         return _product(stage, max_rows, places, np.float32,
                         lambda a, out: rows(np.ascontiguousarray(a), prepared, out))
     loop = run.start(env, max_rows, places) if run is not None else None

@@ -38,19 +38,19 @@ def joined_weights(stage, env):
 
 def quantized_weights(stage, env):
     """A quantized product stage's weights as its routine reads them
-    (``quantized.prepared``): once a call, kept in the call's ``env`` under
-    ``(stage, 0)`` (``matmul_int8``'s packed weights, ``matmul_bf16``'s) and
-    ``(stage, 1)`` (int8's scales): arrays of the call, where a kept loop's
-    table is pointed again."""
+    (``quantized.prepared``), made once a call and kept in the call's
+    ``env`` under ``(stage, 0)`` (``matmul_int8``'s packed weights,
+    ``matmul_bf16``'s) and ``(stage, 1)`` (int8's scales): arrays of the
+    call, where a kept loop's table is pointed again."""
     from .jit import quantized
 
+    int8 = stage.eqns[0].op == "matmul_int8"
     if (stage, 0) not in env:
-        op = stage.eqns[0].op
         operands = [[env[e.inputs[i]] for e in stage.eqns]
                     for i in range(1, len(stage.eqns[0].inputs))]
-        prepared = quantized.prepared(op, operands)
-        env.update(((stage, i), x) for i, x in
-                   enumerate(prepared if op == "matmul_int8" else (prepared,)))
+        prepared = quantized.prepared(stage.eqns[0].op, operands)
+        env.update(((stage, i), x) for i, x in enumerate(prepared if int8 else (prepared,)))
+    return (env[stage, 0], env[stage, 1]) if int8 else env[stage, 0]
 
 
 def column_blocks(stage, buffer, by_steps, places):
