@@ -26,7 +26,7 @@ def _rows(rng, m, k):
 
 
 @pytest.mark.parametrize("m,k,n", [(0, 5, 3), (1, 1, 1), (3, 7, 5), (9, 33, 17), (64, 128, 96),
-                                   (13, 256, 200)])
+                                   (13, 256, 200), (130, 70, 130)])
 def test_int8_kernel_is_the_reference_bit_for_bit(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     a = _rows(rng, m, k)
@@ -40,6 +40,35 @@ def test_int8_kernel_is_the_reference_bit_for_bit(m, k, n):
     ref_q, ref_s = q.quantize_rows(a)
     np.testing.assert_array_equal(qa, ref_q)
     np.testing.assert_array_equal(s, ref_s)
+
+
+@pytest.mark.skipif(not int8_gemm._AMX, reason="AMX's tiles: a CPU with AMX-INT8, Linux granting them")
+def test_amx_tiles_give_the_reference_bits():
+    """Where the process may use AMX, products of 8 rows and more run on its
+    tiles (a block of 32 rows, the rows past m's computed and dropped, k
+    padded to whole tiles), fewer on the vector loop: both bit for bit
+    (int8) or as the reference rounds (bf16)."""
+    from numba import types
+
+    assert int8_gemm.int8_path().startswith("amx tdpbusd")
+    rng = np.random.default_rng(5)
+    for m, k, n in ((7, 64, 64), (8, 64, 64), (31, 1, 3), (97, 200, 129), (200, 256, 1024)):
+        a = _rows(rng, m, k)
+        w, scale = q.int8_weights(rng.standard_normal((k, n)).astype(np.float32))
+        out = np.full((m, n), np.nan, np.float32)
+        routines.int8_rows(a, routines.int8_prepare(w, scale), out)
+        np.testing.assert_array_equal(out, q.int8_product(a, w, scale))
+        if int8_gemm._AMX_BF16:  # (float32 sums in the tiles' order: to their rounding)
+            bits = q.to_bf16(w * scale)
+            routines.bf16_rows(a, routines.bf16_prepare(bits), out)
+            ref = q.bf16_product(a, bits)
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    signature = (types.Array(types.int8, 2, "C"), types.Array(types.float32, 1, "C"),
+                 types.Array(types.int8, 3, "C"), types.Array(types.float32, 1, "C"),
+                 types.Array(types.float32, 2, "A"))
+    int8_gemm.int8_product.compile(signature)
+    asm = int8_gemm.int8_product.inspect_asm(signature)
+    assert "tdpbusd" in asm and "vpdpbusd" in asm and "ldtilecfg" in asm
 
 
 def test_int8_rows_with_special_values():
@@ -380,7 +409,8 @@ if runs:  # this machine can run the path's code: bit for bit against the refere
         bits = q.to_bf16(w * scale)
         routines.bf16_rows(a, routines.bf16_prepare(bits), out)
         np.testing.assert_allclose(out, q.bf16_product(a, bits), rtol=1e-5, atol=1e-5)
-print(g.int8_path(), sorted(set(re.findall(r"\\b(vpmaddwd|vpdpbusd|vdpbf16ps)\\b", asm))),
+print(g.int8_path(), sorted(set(re.findall(r"\\b(vpmaddwd|vpdpbusd|vdpbf16ps|tdpbusd|tdpbf16ps)\\b",
+                                           asm))),
       "zmm" in asm, "ran" if runs else "compiled")
 """
 
@@ -410,7 +440,7 @@ def test_int8_paths_of_other_cpus(cpu, path, instructions, zmm, tmp_path):
                            text=True, timeout=600)
     assert found.returncode == 0, found.stderr[-2000:]
     line = found.stdout.strip().splitlines()[-1]
-    assert line.startswith(path) and instructions in line, line
+    assert path in line and instructions in line, line  # (AMX's path first where it runs)
     assert line.endswith((f"{zmm} ran", f"{zmm} compiled")), line
 
 

@@ -18,8 +18,8 @@ Numba cache locator in front of Numba's own ones for source files inside the
 stepnet package (files elsewhere keep Numba's usual locators). A ``build``
 names what Numba's cache cannot see but the compiled helpers depend on
 (bounds checking, the thread count, the BLAS chosen or measured,
-deterministic mode, Numba's version), so runs with different settings never
-load each other's code.
+deterministic mode, Numba's version, whether the process may use AMX), so
+runs with different settings never load each other's code.
 
 Removing the directory, even while a process runs, costs a recompile and
 nothing else: Numba recreates a locator's directory before each save. A file
@@ -89,6 +89,10 @@ def build_key() -> str:
         f"chosen={''.join(_CHOSEN_BLAS)}",
         f"deterministic={config.engine('deterministic')}",
     ]
+    from .own_loop import compiled_features  # (it imports this module)
+
+    # (the tiles' code apart from the code of a process on the same CPU that Linux refused them)
+    settings += sorted(f for f in compiled_features() if f.startswith("amx"))
     return hashlib.sha256(";".join(settings).encode()).hexdigest()[:16]
 
 

@@ -28,9 +28,17 @@ sized to the vector registers (with AVX2's 16: 2 rows x 5 vectors of sums,
 cache while every row of a panel of ``_PANEL_ROWS`` rows passes over it,
 their sums added up in memory from one chunk to the next.
 
+With AMX (``amx-int8``, in a process Linux lets use the tiles:
+``own_loop.compiled_features``), a product of ``_TILE_LEAST`` rows or more
+runs on the tiles instead (``_tile_sums``): blocks of 32 rows x 32 columns,
+four tiles of sums over steps of 16 groups, reading the same packed panels
+(a group's row of a panel is a tile's row: 16 columns x 4 bytes) and the
+same ``q + 128`` activations, k padded to whole tiles (``_ROUND``); bf16
+products likewise (``tdpbf16ps``, with ``amx-bf16``).
+
 The path is chosen when the module is compiled, from the CPU Numba compiles
-for (the host, or ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``): VNNI
-(AVX-512 or AVX-VNNI), AVX-512BW, AVX2, else plain loops over pairs
+for (the host, or ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``): AMX (above),
+VNNI (AVX-512 or AVX-VNNI), AVX-512BW, AVX2, else plain loops over pairs
 (``_pair_loops``); ``int8_path`` names it.
 """
 
@@ -64,6 +72,17 @@ def _choose_path(features) -> tuple:
 
 _PATH, _LANES, _GROUP, _INTRINSIC = _choose_path(compiled_features())
 _VNNI = _GROUP == 4
+# AMX: blocks of _TILE_ROWS rows x 32 columns in four tiles of 16 x 16 sums,
+# each step over 16 groups of k (a tile of activations: 16 rows x 64
+# bytes); the groups of a row of activations and of a panel of weights
+# padded to _ROUND (zeros: they add nothing)
+_AMX = _VNNI and _LANES == 16 and "amx-int8" in compiled_features()
+_ROUND = 16 if _AMX else 1
+_TILE_ROWS = 32
+# the fewest rows a product gives AMX: a tile's step takes as long for one
+# row as for 16, and configuring the tiles costs about a microsecond, so
+# the vector loop is faster below 8 rows on the AMX CPUs stepnet ran on
+_TILE_LEAST = 8
 # the packed weights' elements: a group's weights of a column as 4 bytes or 2 int16
 _PACKED = np.int8 if _VNNI else np.int16
 # a block of sums: _ROWS rows x _VECS vectors (of _LANES int32 columns).
@@ -87,12 +106,14 @@ _PANEL_ROWS = 96
 # bf16 products by ``vdpbf16ps`` (pairs of bfloat16 multiplied exactly, added
 # to float32 sums): on AVX-512 CPUs with AVX512_BF16
 BF16 = "avx512bf16" in compiled_features() and _LANES == 16
+# ... or by AMX's ``tdpbf16ps`` (its tiles laid out as int8's)
+_AMX_BF16 = _AMX and "amx-bf16" in compiled_features()
 
 
 def int8_path() -> str:
     """The path compiled for the products (``"avx2 vpmaddwd"``,
     ``"avx512-vnni vpdpbusd"``, ``"portable loop"``, ...)."""
-    return _PATH
+    return f"amx tdpbusd ({_TILE_LEAST} rows and more), else {_PATH}" if _AMX else _PATH
 
 
 # LLVM's attribute for the widest vectors it must keep whole in a function
@@ -197,6 +218,109 @@ def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0, fresh)
     return None
 
 
+def _tile_call(builder, name, *args):
+    """A call of AMX's intrinsic ``name`` (its tiles named by i8 constants)."""
+    args = [ir.Constant(ir.IntType(8), a) if isinstance(a, int) else a for a in args]
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [a.type for a in args]), name)
+    builder.call(function, args)
+
+
+@intrinsic
+def _tiles(typingctx, on):
+    """AMX's tiles configured (``on``: tiles 0 to 7 of 16 rows x 64 bytes)
+    or released. A thread's configuration is its own."""
+    def codegen(context, builder, signature, args):
+        i8 = ir.IntType(8)
+        on, off = builder.append_basic_block("tiles.on"), builder.append_basic_block("tiles.off")
+        done = builder.append_basic_block("tiles.done")
+        builder.cbranch(builder.trunc(args[0], ir.IntType(1)), on, off)
+        builder.position_at_end(on)
+        config = [1] + [0] * 15 + [64, 0] * 8 + [0] * 16 + [16] * 8 + [0] * 8  # (palette 1)
+        slot = cgutils.alloca_once(builder, ir.ArrayType(i8, 64))
+        builder.store(ir.Constant(ir.ArrayType(i8, 64), [ir.Constant(i8, b) for b in config]), slot)
+        _tile_call(builder, "llvm.x86.ldtilecfg", builder.bitcast(slot, i8.as_pointer()))
+        builder.branch(done)
+        builder.position_at_end(off)
+        _tile_call(builder, "llvm.x86.tilerelease")
+        builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return types.void(on), codegen
+
+
+def _address(context, builder, array_type, array, offset):
+    """The address of element ``offset`` of a 1-D array, as an i8 pointer."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), ir.IntType(8).as_pointer())
+
+
+@intrinsic
+def _tile_block(typingctx, w, w0, a, a0, stride, steps, acc, acc0):
+    """acc[acc0 + 64 r + c] = the sums of ``_TILE_ROWS`` rows r of
+    ``16 * steps`` groups of activations ``a`` (int32, flat: row r's from
+    ``a0 + r * stride``) by 32 columns c of a panel of packed weights ``w``
+    (flat, from ``w0``, 4 bytes a column a group): int32 sums of int8 groups
+    (``tdpbusd``), or float32 sums of bfloat16 pairs (``tdpbf16ps``); tiles
+    0-3 the sums, 4-5 the activations, 6-7 the weights (``_tiles``
+    configures them)."""
+    if not all(isinstance(x, types.Array) for x in (w, a, acc)) or a.dtype != types.int32 or (
+            {types.int32: types.int8, types.float32: types.uint16}.get(acc.dtype) != w.dtype):
+        return None
+    name = {types.int32: "llvm.x86.tdpbusd", types.float32: "llvm.x86.tdpbf16ps"}[acc.dtype]
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        w, w0, a, a0, stride, steps, acc, acc0 = args
+        w0, a0, stride, steps, acc0 = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                       for i in (1, 3, 4, 5, 7))
+        row_bytes = builder.mul(stride, ir.Constant(i64, 4))
+        w_row = ir.Constant(i64, 4 * _WIDTH)  # (a group's 4 bytes for each column)
+        for tile in range(4):
+            _tile_call(builder, "llvm.x86.tilezero", tile)
+        start = builder.block
+        loop, done = builder.append_basic_block("tiles.loop"), builder.append_basic_block("tiles.done")
+        builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        t = builder.phi(i64)
+        t.add_incoming(ir.Constant(i64, 0), start)
+        x = _address(context, builder, signature.args[2], a, builder.add(a0, builder.mul(
+            t, ir.Constant(i64, 16))))
+        y = _address(context, builder, signature.args[0], w, builder.add(w0, builder.mul(
+            t, ir.Constant(i64, 16 * 4 * _WIDTH * 8 // signature.args[0].dtype.bitwidth))))
+        _tile_call(builder, "llvm.x86.tileloadd64", 4, x, row_bytes)
+        _tile_call(builder, "llvm.x86.tileloadd64", 5, builder.gep(x, [builder.mul(
+            row_bytes, ir.Constant(i64, 16))]), row_bytes)
+        _tile_call(builder, "llvm.x86.tileloadd64", 6, y, w_row)
+        _tile_call(builder, "llvm.x86.tileloadd64", 7, builder.gep(y, [ir.Constant(i64, 64)]), w_row)
+        for tile, rows, columns in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)):
+            _tile_call(builder, name, tile, rows, columns)
+        following = builder.add(t, ir.Constant(i64, 1))
+        t.add_incoming(following, loop)
+        builder.cbranch(builder.icmp_signed("<", following, steps), loop, done)
+        builder.position_at_end(done)
+        out = _address(context, builder, signature.args[6], acc, acc0)
+        out_row = ir.Constant(i64, 4 * _WIDTH)
+        for tile, offset in ((0, 0), (1, 64), (2, 64 * _WIDTH), (3, 64 * _WIDTH + 64)):
+            _tile_call(builder, "llvm.x86.tilestored64", tile,
+                       builder.gep(out, [ir.Constant(i64, offset)]), out_row)
+        return context.get_dummy_value()
+
+    return types.void(w, w0, a, a0, stride, steps, acc, acc0), codegen
+
+
+@njit(inline="always")
+def _tile_sums(w, w0, a, groups, rows, acc):
+    """acc[:rows * _WIDTH] = the sums of ``rows`` rows of ``groups`` groups
+    ``a`` (``a`` and ``acc`` hold whole blocks of ``_TILE_ROWS`` rows) by a
+    panel of weights (``w`` from ``w0``), by AMX's tiles."""
+    for i in range(0, rows, _TILE_ROWS):
+        for half in range(2):
+            _tile_block(w, w0 + half * 128 // w.itemsize, a, i * groups, groups, groups // 16,
+                        acc, i * _WIDTH + half * 32)
+
+
 @njit(inline="always")
 def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0, fresh):
     """``_group_rows`` over pairs as plain loops (any CPU)."""
@@ -224,7 +348,7 @@ def pack_int8(wq):
     panel p holds the int32 corrections of its columns: ``128 * sum(wq[:,
     _WIDTH p + c])`` with VNNI, else zeros."""
     k, n = wq.shape
-    groups = (k + _GROUP - 1) // _GROUP
+    groups = _padded(k, _GROUP)
     count = (n + _WIDTH - 1) // _WIDTH
     out = aligned_empty(count * (groups + 1) * _GROUP_WIDTH, np.empty(0, _PACKED)).reshape(
         (count, groups + 1, _GROUP_WIDTH))
@@ -234,6 +358,13 @@ def pack_int8(wq):
         for c in range(min(_WIDTH, n - p * _WIDTH)):
             correction[c] = np.int32(128) * np.sum(wq[:, p * _WIDTH + c].astype(np.int32))
     return out
+
+
+@njit(inline="always")
+def _padded(k, group):
+    """The groups of ``group`` rows of k a row of activations or a panel of
+    weights holds: whole tiles' with AMX (``_ROUND``)."""
+    return ((k + group - 1) // group + _ROUND - 1) // _ROUND * _ROUND
 
 
 @njit(inline="always")
@@ -260,16 +391,17 @@ def _corrections(packed, p, groups):
 def _groups(q, first, last, a, groups):
     """``a[(i - first) * groups + t]`` = q[i]'s group t as one int32 (the
     first of k in the low bits), for rows first:last: with VNNI four bytes
-    ``q + 128`` (q's rows hold ``4 * groups`` bytes), else two int16 (zeros
-    past k)."""
+    ``q + 128`` (q's rows hold whole words), else two int16 (zeros past k);
+    zeros in the groups past k's (AMX's padding)."""
     k = q.shape[1]
     for i in range(first, last):
         base = (i - first) * groups
         line = q[i]
         if _VNNI:  # (q + 128: each byte's top bit flipped; bytes past k meet zero weights)
-            words = carray(pointer_to(q.ctypes.data + i * q.strides[0], np.int32), groups)
-            for t in range(groups):
+            words = carray(pointer_to(q.ctypes.data + i * q.strides[0], np.int32), (k + 3) // 4)
+            for t in range((k + 3) // 4):
                 a[base + t] = words[t] ^ np.int32(-0x7F7F7F80)
+            a[base + (k + 3) // 4:base + groups] = 0
         else:  # (a loop LLVM vectorizes)
             for t in range(k // 2):
                 low = np.int32(line[2 * t]) & np.int32(0xFFFF)
@@ -305,21 +437,31 @@ def int8_product(q, scale, packed, wscale, out):
     turn over the panel's rows (``_panel_sums``), the sums kept in ``acc``."""
     wide_vectors()
     m, k = q.shape
-    groups = (k + _GROUP - 1) // _GROUP
+    groups = _padded(k, _GROUP)
     assert m == 0 or (wscale.shape[0] == 1 or out.strides[1] == 4) and (
-        not _VNNI or q.strides[1] == 1 and q.strides[0] >= 4 * groups)
+        not _VNNI or q.strides[1] == 1 and q.strides[0] >= 4 * ((k + 3) // 4))
     rows = packed.shape[1]  # (groups, and the corrections' row)
     w = packed.reshape(packed.size)
-    a = np.empty(min(m, _PANEL_ROWS) * groups, np.int32)
-    acc = np.empty(min(m, _PANEL_ROWS) * _WIDTH, np.int32)
+    most = min(m, _PANEL_ROWS)
+    tiles = _AMX and m >= _TILE_LEAST
+    if tiles:  # (whole blocks of rows: the rows past m's computed, never stored)
+        most = (most + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS
+        _tiles(True)
+    a = np.empty(most * groups, np.int32)
+    acc = np.empty(most * _WIDTH, np.int32)
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         _groups(q, first, last, a, groups)
         for p in range(packed.shape[0]):
-            _panel_sums(_rows_block, w, p * rows * _GROUP_WIDTH, _GROUP_WIDTH, a, groups,
-                        last - first, acc)
+            if tiles:
+                _tile_sums(w, p * rows * _GROUP_WIDTH, a, groups, last - first, acc)
+            else:
+                _panel_sums(_rows_block, w, p * rows * _GROUP_WIDTH, _GROUP_WIDTH, a, groups,
+                            last - first, acc)
             _store(acc, first, last, p * _WIDTH, scale, wscale, _corrections(packed, p, groups),
                    out)
+    if tiles:
+        _tiles(False)
 
 
 @njit(inline="always")
@@ -385,7 +527,7 @@ def pack_bf16(bits):
     """bf16 weights (uint16 bits [k, n]) as ``bf16_product`` reads them:
     [P, ceil(k / 2), 2 * _WIDTH], pairs of k (``_lay_out``)."""
     k, n = bits.shape
-    count, pairs = (n + _WIDTH - 1) // _WIDTH, (k + 1) // 2
+    count, pairs = (n + _WIDTH - 1) // _WIDTH, _padded(k, 2)
     out = aligned_empty(count * pairs * 2 * _WIDTH, np.empty(0, np.uint16)).reshape(
         (count, pairs, 2 * _WIDTH))
     _lay_out(bits, 2, out)
@@ -415,19 +557,29 @@ def bf16_product(a, packed, out):
     n, pairs = out.shape[1], packed.shape[1]
     assert m == 0 or (k == 1 or a.strides[1] == 4) and (n == 1 or out.strides[1] == 4)
     w = packed.reshape(packed.size)
-    x = np.empty(min(m, _PANEL_ROWS) * pairs, np.int32)
-    acc = np.empty(min(m, _PANEL_ROWS) * _WIDTH, np.float32)
+    most = min(m, _PANEL_ROWS)
+    tiles = _AMX_BF16 and m >= _TILE_LEAST
+    if tiles:
+        most = (most + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS
+        _tiles(True)
+    x = np.zeros(most * pairs, np.int32)  # (zeros: the pairs past k's)
+    acc = np.empty(most * _WIDTH, np.float32)
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         for i in range(first, last):  # (two rounded values to an int32, the first low)
             row = _row(a, i, np.uint32)
-            for t in range(pairs):
+            for t in range((k + 1) // 2):
                 high = bf16_bits(row[2 * t + 1]) if 2 * t + 1 < k else np.uint32(0)
                 x[(i - first) * pairs + t] = np.int32((bf16_bits(row[2 * t]) >> 16) | high)
         for p in range(packed.shape[0]):
-            _panel_sums(_group_rows, w, p * pairs * 2 * _WIDTH, 2 * _WIDTH, x, pairs, last - first,
-                        acc)
+            if tiles:
+                _tile_sums(w, p * pairs * 2 * _WIDTH, x, pairs, last - first, acc)
+            else:
+                _panel_sums(_group_rows, w, p * pairs * 2 * _WIDTH, 2 * _WIDTH, x, pairs,
+                            last - first, acc)
             for i in range(first, last):
                 line = _row(out, i, np.float32)
                 for c in range(min(_WIDTH, n - p * _WIDTH)):
                     line[p * _WIDTH + c] = acc[(i - first) * _WIDTH + c]
+    if tiles:
+        _tiles(False)

@@ -5,6 +5,8 @@ compiled code is cached before the library is chosen, for every choice.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import platform
 
 import llvmlite.binding as llvm_binding
@@ -33,6 +35,9 @@ _CPUS = {
                          "lunarlake", "pantherlake", "gracemont", "sierraforest", "grandridge",
                          "clearwaterforest"}),
 }
+# AMX's tiles (``amx-int8``: int8 products; ``amx-bf16``: bfloat16 ones)
+_CPUS["amx-int8"] = _CPUS["amx-bf16"] = frozenset({
+    "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"})
 _CPUS["avx2"] = _CPUS["avx512f"] | _CPUS["avxvnni"] | frozenset({
     "haswell", "broadwell", "skylake", "core-avx2", "bdver4", "znver1", "znver2", "znver3",
     "x86-64-v3"})
@@ -45,14 +50,21 @@ def compiled_features() -> frozenset:
     AVX with ``NUMBA_ENABLE_AVX=0``); else the defaults of the CPU that
     ``NUMBA_CPU_NAME`` names (the host's where it names none) changed by
     the features listed (``NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=``:
-    code as for a Haswell); none off x86-64."""
+    code as for a Haswell); none off x86-64. AMX's only where this
+    process may use its tiles (``_tiles_permitted``)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return frozenset()
+    return frozenset(_features() - (set() if _tiles_permitted() else {"amx-int8", "amx-bf16"}))
+
+
+def _features() -> set:
+    """``compiled_features`` as LLVM gives them, AMX's whether or not the
+    process may use its tiles."""
     host = llvm_binding.get_host_cpu_features()
     found = {f for f in _CPUS if host.get(f, False)}
     listed = numba_config.CPU_FEATURES
     if listed is None:
-        return frozenset(found if numba_config.ENABLE_AVX else ())
+        return found if numba_config.ENABLE_AVX else set()
     name = numba_config.CPU_NAME
     if name and name != "host":
         found = {f for f, cpus in _CPUS.items() if name in cpus}
@@ -60,7 +72,22 @@ def compiled_features() -> frozenset:
         item = item.strip()
         if item[1:] in _CPUS:
             (found.add if item[0] == "+" else found.discard)(item[1:])
-    return frozenset(found)
+    return found
+
+
+@functools.cache
+def _tiles_permitted() -> bool:
+    """Whether this process may run AMX's tile instructions: Linux grants
+    them to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``); without that, or on a CPU without AMX, the first
+    one raises SIGILL. Asked once, for every thread; a forked child keeps it."""
+    if platform.system() != "Linux" or not {"amx-int8", "amx-bf16"} & _features():
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_ulong(18)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def vector_registers() -> tuple:
