@@ -80,8 +80,8 @@ _AMX = _VNNI and _LANES == 16 and "amx-int8" in compiled_features()
 _ROUND = 16 if _AMX else 1
 _TILE_ROWS = 32
 # the fewest rows a product gives AMX: a tile's step takes as long for one
-# row as for 16, and configuring the tiles costs about a microsecond, so
-# the vector loop is faster below 8 rows on the AMX CPUs stepnet ran on
+# row as for 16, and configuring the tiles costs about a microsecond: the
+# vector loop is the faster below about 8 rows
 _TILE_LEAST = 8
 # the packed weights' elements: a group's weights of a column as 4 bytes or 2 int16
 _PACKED = np.int8 if _VNNI else np.int16
