@@ -8,6 +8,7 @@ product is the gate loops, the gathers and the time loop.
     python benchmarks/parts.py W2            # the workload's first stepnet row
     python benchmarks/parts.py W6 --seconds 1
     python benchmarks/parts.py W3 --quick     # tiny sizes: a smoke test
+    python benchmarks/parts.py W2 --int8      # the workload quantized to int8
 
 A kernel without a part computes other numbers (its values are not
 checked), in the same amount of arithmetic elsewhere: the differences are
@@ -43,6 +44,7 @@ PARTS = {
     "per-step products": ("gemm_own", "gemm_packed"),
     "input products by chunks": ("gemm_steps", "gemm_steps_ahead"),
     "products over every step": ("gemm_hoisted", "gemm_hoisted_acc"),
+    "quantized products (sn.quantize)": ("int8_rows", "bf16_rows"),
 }
 
 
@@ -60,7 +62,7 @@ def _without(source, calls):
     return source
 
 
-def _one_group(key, label, quick=False):
+def _one_group(key, label, quick=False, family="stepnet"):
     """The generated module and the arguments of one group's program() call
     of the workload's ``label`` item (its last call)."""
     captured = {}
@@ -72,7 +74,7 @@ def _one_group(key, label, quick=False):
 
     numba_cpu.NumbaProgram._run = capture
     try:
-        entry = dict(peers.PEERS["stepnet"][key])
+        entry = dict(peers.PEERS[family][key])
         label = label or next(iter(entry))
         entry[label](workloads.make(key, quick))()
     finally:
@@ -86,12 +88,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workload", help="W1 ... W9")
     ap.add_argument("--label", help="a stepnet item of the workload (default: its first)")
+    ap.add_argument("--int8", action="store_true", help="the workload quantized (run.py's stepnet-int8)")
     ap.add_argument("--seconds", type=float, default=0.6, help="timing per variant and round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="the workload's tiny sizes (a smoke test)")
     args = ap.parse_args(argv)
     key = args.workload.upper()
-    label, (module, const_args, call_args, buffers) = _one_group(key, args.label, args.quick)
+    if args.int8:
+        import quantized_peers  # noqa: F401  (registers the stepnet-int8 items)
+    label, (module, const_args, call_args, buffers) = _one_group(
+        key, args.label, args.quick, "stepnet-int8" if args.int8 else "stepnet")
     source = Path(module.__file__).read_text()
     variants = {"whole kernel": source}
     for name, calls in PARTS.items():
