@@ -71,6 +71,30 @@ def test_amx_tiles_give_the_reference_bits():
     assert "tdpbusd" in asm and "vpdpbusd" in asm and "ldtilecfg" in asm
 
 
+_REFUSED = """
+from stepnet.jit import own_loop
+if {refused}:
+    own_loop._tiles_permitted = lambda: False  # (as where Linux refuses the tiles)
+from stepnet.jit import cache, int8_gemm
+print(int8_gemm.int8_path(), cache.build_key())
+"""
+
+
+def test_a_process_refused_amx_runs_vnni_and_keeps_its_code_apart():
+    """Where Linux does not lend the tiles (an older kernel, a sandbox), the
+    int8 products take the vector path and the compiled helpers another
+    cache folder than a process that may use the tiles on the same CPU."""
+    import subprocess
+    import sys
+
+    found = [subprocess.run([sys.executable, "-c", _REFUSED.format(refused=refused)],
+                            capture_output=True, text=True, timeout=300) for refused in (True, False)]
+    assert all(f.returncode == 0 for f in found), found[0].stderr[-2000:] + found[1].stderr[-2000:]
+    (path, key), (own_path, own_key) = (f.stdout.strip().rsplit(" ", 1) for f in found)
+    assert not path.startswith("amx"), path
+    assert (key != own_key) == own_path.startswith("amx") == int8_gemm._AMX, (path, own_path)
+
+
 def test_int8_rows_with_special_values():
     a = np.array([[1, 2, 3, 4], [0, 0, 0, 0], [1, np.nan, 2, 3], [np.inf, 1, 2, 3],
                   [-1e-30, 1e-30, 0, 5e-31], [1e-40, 0, -1e-40, 5e-41]], np.float32)
