@@ -299,17 +299,21 @@ def test_cuda_profile_times_every_driver_of_every_workload():
 
 
 @pytest.mark.slow
-def test_the_parts_of_a_kernel_are_timed_by_subtraction():
+@pytest.mark.parametrize("options,parts", [
+    # (at these sizes the input products run over every step at once, not by chunks)
+    ([], {"without per-step products", "without products over every step"}),
+    (["--int8"], {"without quantized products (sn.quantize)"})])
+def test_the_parts_of_a_kernel_are_timed_by_subtraction(options, parts):
     """benchmarks/parts.py times one group's kernel whole and without each
-    kind of product it has, and gives each part's time."""
+    kind of product it has (``--int8``: of the workload quantized), and
+    gives each part's time."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "parts.py"), "W2", "--quick", "--seconds", "0.05",
-         "--rounds", "2"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=900)
+         "--rounds", "2", *options], check=False, cwd=ROOT, capture_output=True, text=True,
+        timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     times = dict(re.findall(r"^  (\S.*?)\s+([0-9.]+) \(", proc.stdout, flags=re.M))
-    # (at these sizes the input products run over every step at once, not by chunks)
-    assert set(times) == {"whole kernel", "without per-step products",
-                          "without products over every step", "without any product"}, proc.stdout
+    assert set(times) == {"whole kernel", "without any product"} | parts, proc.stdout
     assert all(float(t) > 0 for t in times.values()), proc.stdout
     assert proc.stdout.count("the part:") == len(times) - 1, proc.stdout
 
