@@ -38,10 +38,8 @@ def describe() -> str:
                  f"of {size} bytes ({'AVX-512' if size == 64 else 'AVX2'})")
     from .jit import int8_gemm
 
-    lines.append(f"quantized products (sn.quantize): int8 by {int8_gemm.int8_path()}; bf16 "
-                 + ("by amx tdpbf16ps (8 rows and more), else avx512-bf16 vdpbf16ps"
-                    if int8_gemm._AMX_BF16 else "by avx512-bf16 vdpbf16ps" if int8_gemm.BF16 else
-                    "as float32 products of bf16-rounded values (no bf16 instructions used)"))
+    lines.append(f"quantized products (sn.quantize): int8 by {int8_gemm.int8_path()}; bf16 by "
+                 f"{int8_gemm.bf16_path()}")
     transposed._tn_by_own_loop("float32")  # measured here if it is not known yet
     if blas.DETERMINISTIC:
         lines.append("weight gradients (a.T @ b): stepnet's own loop (STEPNET_DETERMINISTIC)")

@@ -70,13 +70,14 @@ def _choose_path(features) -> tuple:
     return "portable loop", 8, 2, None
 
 
-_PATH, _LANES, _GROUP, _INTRINSIC = _choose_path(compiled_features())
+_FEATURES = compiled_features()
+_PATH, _LANES, _GROUP, _INTRINSIC = _choose_path(_FEATURES)
 _VNNI = _GROUP == 4
 # AMX: blocks of _TILE_ROWS rows x 32 columns in four tiles of 16 x 16 sums,
 # each step over 16 groups of k (a tile of activations: 16 rows x 64
 # bytes); the groups of a row of activations and of a panel of weights
 # padded to _ROUND (zeros: they add nothing)
-_AMX = _VNNI and _LANES == 16 and "amx-int8" in compiled_features()
+_AMX = _VNNI and _LANES == 16 and "amx-int8" in _FEATURES
 _ROUND = 16 if _AMX else 1
 _TILE_ROWS = 32
 # the fewest rows a product gives AMX: a tile's step takes as long for one
@@ -105,15 +106,23 @@ _PANEL_ROWS = 96
 
 # bf16 products by ``vdpbf16ps`` (pairs of bfloat16 multiplied exactly, added
 # to float32 sums): on AVX-512 CPUs with AVX512_BF16
-BF16 = "avx512bf16" in compiled_features() and _LANES == 16
+BF16 = "avx512bf16" in _FEATURES and _LANES == 16
 # ... or by AMX's ``tdpbf16ps`` (its tiles laid out as int8's)
-_AMX_BF16 = _AMX and "amx-bf16" in compiled_features()
+_AMX_BF16 = _AMX and "amx-bf16" in _FEATURES
 
 
 def int8_path() -> str:
     """The path compiled for the products (``"avx2 vpmaddwd"``,
     ``"avx512-vnni vpdpbusd"``, ``"portable loop"``, ...)."""
     return f"amx tdpbusd ({_TILE_LEAST} rows and more), else {_PATH}" if _AMX else _PATH
+
+
+def bf16_path() -> str:
+    """The path compiled for bf16 products, or what runs them without one."""
+    vector = "avx512-bf16 vdpbf16ps" if BF16 else None
+    if _AMX_BF16:
+        return f"amx tdpbf16ps ({_TILE_LEAST} rows and more), else {vector}"
+    return vector or "float32 products of bf16-rounded values (no bf16 instructions used)"
 
 
 # LLVM's attribute for the widest vectors it must keep whole in a function
@@ -443,7 +452,7 @@ def int8_product(q, scale, packed, wscale, out):
     rows = packed.shape[1]  # (groups, and the corrections' row)
     w = packed.reshape(packed.size)
     most = min(m, _PANEL_ROWS)
-    tiles = _AMX and m >= _TILE_LEAST
+    tiles = _AMX and m >= _TILE_LEAST  # (a constant False where the CPU has no AMX: pruned)
     if tiles:  # (whole blocks of rows: the rows past m's computed, never stored)
         most = (most + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS
         _tiles(True)
