@@ -44,7 +44,7 @@ PARTS = {
     "per-step products": ("gemm_own", "gemm_packed"),
     "input products by chunks": ("gemm_steps", "gemm_steps_ahead"),
     "products over every step": ("gemm_hoisted", "gemm_hoisted_acc"),
-    "quantized products (sn.quantize)": ("int8_rows", "bf16_rows"),
+    "quantized products (sn.quantize)": ("int8_rows", "int8_row_sums", "bf16_rows"),
 }
 
 

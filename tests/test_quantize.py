@@ -40,6 +40,23 @@ def test_int8_kernel_is_the_reference_bit_for_bit(m, k, n):
     ref_q, ref_s = q.quantize_rows(a)
     np.testing.assert_array_equal(qa, ref_q)
     np.testing.assert_array_equal(s, ref_s)
+    _assert_row_sums(a, w, scale)
+
+
+def _assert_row_sums(a, w, scale):
+    """``int8_row_sums`` leaves the exact int32 sums (zeros in its columns
+    past n) and the rows' scales, which dequantize to ``int8_rows``'s bits."""
+    m, n = a.shape[0], w.shape[1]
+    prepared = routines.int8_prepare(w, scale)
+    sums, s = int8_gemm.sums_buffer(m, n), np.full(m, np.nan, np.float32)
+    sums[:] = -1
+    routines.int8_row_sums(a, prepared, sums, s)
+    ref_q, ref_s = q.quantize_rows(a)
+    np.testing.assert_array_equal(s, ref_s)
+    np.testing.assert_array_equal(sums[:, :n], ref_q.astype(np.int32) @ w.astype(np.int32))
+    assert (sums[:, n:len(prepared[0]) * int8_gemm._WIDTH] == 0).all()
+    np.testing.assert_array_equal(sums[:, :n].astype(np.float32) * (s[:, None] * prepared[1]),
+                                  q.int8_product(a, w, scale))
 
 
 @pytest.mark.skipif(not int8_gemm._AMX, reason="AMX's tiles: a CPU with AMX-INT8, Linux granting them")
@@ -58,6 +75,7 @@ def test_amx_tiles_give_the_reference_bits():
         out = np.full((m, n), np.nan, np.float32)
         routines.int8_rows(a, routines.int8_prepare(w, scale), out)
         np.testing.assert_array_equal(out, q.int8_product(a, w, scale))
+        _assert_row_sums(a, w, scale)  # (whole blocks of rows into the sums, a last one apart)
         if int8_gemm._AMX_BF16:  # (float32 sums in the tiles' order: to their rounding)
             bits = q.to_bf16(w * scale)
             routines.bf16_rows(a, routines.bf16_prepare(bits), out)
@@ -217,6 +235,41 @@ def test_quantized_custom_step_net_on_every_cpu_tier(mode):
     # the weights are a snapshot: the float Parameters' later values do not reach it
     W.value = W.value * 0
     assert_close(small(backend="interpreter"), expected, what="after W changed")
+
+
+def test_int8_products_only_runs_read_are_dequantized_as_they_are_read():
+    """An int8 product that only the step's elementwise runs read leaves its
+    int32 sums and its rows' scales, which the runs dequantize as they read
+    them (``KernelPlan.dequantized``), before the loop (x @ W) or in the
+    step (h @ U); one whose result the step also gives out (tanh(h) @ V)
+    is dequantized by its own routine. All agree with the interpreter."""
+    from stepnet import schedule
+    from stepnet.jit import cpu_codegen
+    from stepnet.jit.kernel_plan import kernel_plan
+
+    rng = np.random.default_rng(8)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((9, 6)).astype(np.float32), [[4, 0, 5]])
+    W, U, V = (sn.Parameter(rng.standard_normal(shape).astype(np.float32) * 0.4, name=name)
+               for name, shape in (("W", (6, 8)), ("U", (8, 8)), ("V", (8, 5))))
+    rnn = sn.create_rnn_op(name="cell")
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        h = rnn.add_memory(shape=[8], name="h")
+        h.update(sn.ops.tanh(x @ W + h.pre_state() @ U))
+        rnn.add_outputs(h, sn.ops.tanh(h.pre_state()) @ V)
+    small = sn.quantize(rnn, "int8")
+    program = small.program(True)
+    sched = schedule.schedule(program)
+    plan = kernel_plan(program, sched)
+    read_by_runs = {v.shape[-1] for s in plan.dequantized[sched] for v in s.outputs}
+    assert read_by_runs == {8}, read_by_runs  # (x @ W and h @ U: 8 columns; not V's 5)
+    assert len(plan.dequantized[sched]) == 2
+    assert "int8 sums dequantized by the runs reading them" in str(plan)
+    source, _ = cpu_codegen.generate_source(program)
+    assert source.count("int8_row_sums(") == 2 and source.count("int8_rows(") == 1, source
+    expected = small(backend="interpreter")
+    for got, want in zip(small(backend="numba"), expected):
+        assert_close(got, want, what="int8 sums read dequantized")
 
 
 def test_nan_and_inf_inputs_agree_across_backends():
@@ -431,6 +484,9 @@ if runs:  # this machine can run the path's code: bit for bit against the refere
         out = np.full((m, n), np.nan, np.float32)
         routines.int8_rows(a, routines.int8_prepare(w, scale), out)
         np.testing.assert_array_equal(out, q.int8_product(a, w, scale))
+        sums, s = g.sums_buffer(m, n), np.empty(m, np.float32)
+        routines.int8_row_sums(a, routines.int8_prepare(w, scale), sums, s)
+        np.testing.assert_array_equal(sums[:, :n].astype(np.float32) * (s[:, None] * scale), out)
         bits = q.to_bf16(w * scale)
         routines.bf16_rows(a, routines.bf16_prepare(bits), out)
         np.testing.assert_allclose(out, q.bf16_product(a, bits), rtol=1e-5, atol=1e-5)

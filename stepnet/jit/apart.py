@@ -37,6 +37,7 @@ from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
 from . import blas, numba_runtime, quantized, threads
+from .int8_gemm import sums_buffer  # noqa: F401  (the arrays of a kernel's int8 sums)
 from .atomics import call_signature, is_int64_array, job_record
 
 _ENTRIES = {}  # symbol -> the compiled function whose address LLVM has, for this process
@@ -189,7 +190,7 @@ def called_apart(dispatcher):
 HELPERS = ("gather_steps", "gemm_hoisted", "gemm_hoisted_acc", "gemm_packed", "gemm_steps", "pack",
            "group_cut", "rows_by_steps", "run_jobs", "sort_by_length", "starts_and_lengths")
 # those of the quantized products, which only a kernel computing one imports
-QUANTIZED_HELPERS = ("int8_rows", "bf16_rows")
+QUANTIZED_HELPERS = ("int8_rows", "int8_row_sums", "bf16_rows")
 gemm_hoisted = called_apart(blas.gemm_hoisted)
 gemm_hoisted_acc = called_apart(blas.gemm_hoisted_acc)
 gemm_packed = called_apart(blas.gemm_packed)
@@ -202,4 +203,5 @@ sort_by_length = called_apart(numba_runtime.sort_by_length)
 starts_and_lengths = called_apart(numba_runtime.starts_and_lengths)
 rows_by_steps = called_apart(numba_runtime.rows_by_steps)
 int8_rows = called_apart(quantized.int8_rows)
+int8_row_sums = called_apart(quantized.int8_row_sums)
 bf16_rows = called_apart(quantized.bf16_rows)

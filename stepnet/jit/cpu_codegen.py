@@ -117,7 +117,7 @@ def generate_source(program: ir.Program):
         "from stepnet.jit.atomics import as_read_only, wide_vectors",
         "from stepnet.jit.blas import gemm_own",
         "from stepnet.jit.threads import COLUMNS, RAISED, SHARES",
-        *([f"from stepnet.jit.apart import {', '.join(apart.QUANTIZED_HELPERS)}"]
+        *([f"from stepnet.jit.apart import {', '.join(apart.QUANTIZED_HELPERS)}, sums_buffer"]
           if any(s.kind == "quantized" for _, s in _every_stage(sched)) else []),
         *runtime_imports(),
         "",
@@ -277,7 +277,7 @@ def _hoist(ctx, sched, chunked=False):
             if stage in split:
                 _render_split_gemm(ctx.at("hoist"), stage, split[stage])
             elif stage in chunk_stages and ctx.values[stage.left].kind == "global":
-                _defer_product(ctx, stage, body)
+                _defer_product(ctx, sched, stage)
             else:
                 _render_stage(ctx.at("hoist"), sched, stage)
     for stage in sched.step:

@@ -51,11 +51,13 @@ class _Info:
     active sequence), "scalar" (a register inside a fused loop), "ragged" (a
     nested sequence: ``levels`` map entries down to ``data``, a global),
     "rows" (a value over a ragged static input's rows, row ``j``; its
-    ``segment`` says which rows are batch row b's).
+    ``segment`` says which rows are batch row b's). ``sums``: an int8
+    product's int32 sums behind ``ident``, read dequantized (``_ref``), with
+    the code of its rows' scales and of its columns' scales.
     """
 
     def __init__(self, kind, ident=None, var=None, offset=0, width=None, size=None,
-                 levels=(), data=None, segment=None):
+                 levels=(), data=None, segment=None, sums=None):
         self.kind = kind
         self.ident = ident
         self.var = var
@@ -65,6 +67,7 @@ class _Info:
         self.levels = tuple(levels)
         self.data = data
         self.segment = segment  # a value over a ragged static input's rows: its _Segment
+        self.sums = sums  # (rows' scales, columns' scales): KernelPlan.dequantized
 
     @property
     def whole(self) -> bool:
@@ -286,7 +289,11 @@ def _ref(info, idx, mode, loop_shape, row="b"):
         parts.append(i)
     if not parts:  # a 0-d array (a value computed once from constants): read and written at ()
         return f"{info.ident}[()]" if info.kind == "const" else info.ident
-    return f"{info.ident}[{', '.join(parts)}]"
+    code = f"{info.ident}[{', '.join(parts)}]"
+    if info.sums is not None:  # (int8_product's formula)
+        scale, column_scale = info.sums
+        code = f"(np.float32({code}) * ({scale}[{parts[0]}] * {column_scale}[{parts[-1]}]))"
+    return code
 
 
 def _operand(ctx, v, dtype):

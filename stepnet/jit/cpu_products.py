@@ -28,7 +28,9 @@ class _Chunk:
     steps: ``left`` rows (its info) times packed weights ``packed`` [k, n]
     into ``ring`` (``b * chunk + cs``: sequence b's row at step cs of the
     chunk), from the left rows gathered into ``gathered``; a quantized one
-    by its ``routine`` (``packed``: its prepared weights)."""
+    by its ``routine`` (``packed``: its prepared weights), an int8 one whose
+    readers dequantize it (``KernelPlan.dequantized``) into int32 sums, its
+    rows' scales into ``scale``."""
 
     left: _Info
     packed: str
@@ -38,18 +40,21 @@ class _Chunk:
     ring: str
     gathered: str
     routine: str | None = None
+    scale: str | None = None
 
 
-def _defer_product(ctx, stage, body):
-    """Record the product ``stage`` for the rnn function of ``body``, which
+def _defer_product(ctx, sched, stage):
+    """Record the product ``stage`` for the rnn function of ``sched``, which
     computes it per chunk of steps (``KernelPlan.chunked``); its weights are
     packed once here, in the prologue (a quantized one's by the caller)."""
     module = ctx.module
     dtype = np.dtype(stage.eqns[0].outputs[0].dtype).name
     k, n = stage.left.shape[-1], sum(v.shape[-1] for v in stage.outputs)
-    routine = None
+    routine = scale = None
     if stage.kind == "quantized":
         routine, packed = _quantized_weights(ctx, stage)
+        if stage in module.plan.dequantized[sched]:
+            routine, dtype, scale = "int8_row_sums", "int32", module.fresh("rs")
     else:
         _count_product(module, dtype, k, n)
         packed = module.fresh("wc")
@@ -57,22 +62,27 @@ def _defer_product(ctx, stage, body):
                                f"max(max_rows, {_CHUNK_ROWS}), call_rows, small_rows, board)")
         module.gargs.append(packed)
     chunk = _Chunk(ctx.values[stage.left], packed, k, n, dtype, module.fresh("ring"),
-                   module.fresh("gathered"), routine)
-    module.chunks.setdefault(body, []).append(chunk)
-    _column_blocks(ctx, stage, _Info("chunk", chunk.ring, width=n))
+                   module.fresh("gathered"), routine, scale)
+    module.chunks.setdefault(sched.body, []).append(chunk)
+    sums = None if scale is None else _read_dequantized(scale, packed)
+    _column_blocks(ctx, stage, _Info("chunk", chunk.ring, width=None if sums else n, sums=sums))
 
 
 def _chunk_setup(chunks, ahead):
     """The rnn function's chunk length and buffers for ``chunks`` (``ahead``:
     the first one's product is computed a chunk ahead, ``_chunk_products``)."""
     def buffers(c, ring, gathered):
-        return [f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})",
+        ring = (f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})" if c.scale is None
+                else f"{ring} = sums_buffer(num_seq * chunk, {c.n})")
+        return [ring,
                 # (rows past a sequence's end keep what they held: zeros at first)
-                f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{c.dtype})"]
+                f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{np.dtype(c.left.var.dtype).name})"]
 
     lines = [f"chunk = max(1, min(num_steps, {_CHUNK_ROWS} // max(num_seq, 1)))"]
     for c in chunks:
         lines += buffers(c, c.ring, c.gathered)
+        if c.scale is not None:
+            lines.append(f"{c.scale} = np.empty(num_seq * chunk, np.float32)")
     if ahead:
         ring, gathered, state = _ahead(chunks[0])
         lines += buffers(chunks[0], ring, gathered)
@@ -111,8 +121,10 @@ def _chunk_products(chunks, reverse, ahead):
                   f"{reverse}, {c.gathered}")
         arguments = f"{gather}, {c.packed}, {c.ring}"
         if c.routine is not None:  # (a quantized product)
+            scale = "" if c.scale is None else f", {c.scale}[:nb * chunk]"
             lines += [f"    gather_steps({gather})",
-                      f"    {c.routine}({c.gathered}[:nb * chunk], {c.packed}, {c.ring}[:nb * chunk])"]
+                      f"    {c.routine}({c.gathered}[:nb * chunk], {c.packed}, {c.ring}[:nb * chunk]"
+                      f"{scale})"]
             continue
         if not (ahead and i == 0):
             lines.append(f"    gemm_steps({arguments})")
@@ -171,11 +183,36 @@ def _product_into(ctx, stage, dtype, call):
 
 def _render_quantized(ctx, sched, stage):
     """A quantized product (``matmul_int8``, ``matmul_bf16``): its routine
-    over the step's rows, or over every token before the time loop."""
+    over the step's rows, or over every token before the time loop; an int8
+    one whose readers dequantize it (``KernelPlan.dequantized``) into int32
+    sums and its rows' scales (``int8_row_sums``)."""
     rows, prepared = _quantized_weights(ctx, stage)
     step = "[:nb]" if ctx.mode == "step" else ""
-    _product_into(ctx, stage, np.float32,
-                  lambda left, info: f"{rows}({left}, {prepared}, {info.ident}{step})")
+    if stage not in ctx.module.plan.dequantized[sched]:
+        _product_into(ctx, stage, np.float32,
+                      lambda left, info: f"{rows}({left}, {prepared}, {info.ident}{step})")
+        return
+    module, size = ctx.module, ctx.values[stage.left].size
+    sums, scale = module.fresh("s"), module.fresh("rs")
+    rows = size if ctx.mode == "hoist" else "num_seq"
+    lines = [f"{sums} = sums_buffer({rows}, {sum(v.shape[-1] for v in stage.outputs)})",
+             f"{scale} = np.empty({rows}, np.float32)"]
+    if ctx.mode == "hoist":
+        ctx.lines += lines
+        module.gargs += [sums, scale]
+    else:
+        ctx.fn.allocs += lines
+    left = _contiguous(ctx, ctx.values[stage.left])
+    ctx.lines.append(f"int8_row_sums({left}, {prepared}, {sums}{step}, {scale}{step})")
+    _column_blocks(ctx, stage, _Info("global" if ctx.mode == "hoist" else "local", sums, size=size,
+                                     sums=_read_dequantized(scale, prepared)))
+
+
+def _read_dequantized(scale, prepared):
+    """An ``_Info``'s ``sums``: int32 sums read dequantized, by the code of
+    their rows' ``scale`` and of ``prepared`` int8 weights' columns' scales
+    (``int8_prepare``)."""
+    return scale, f"{prepared}[1]"
 
 
 def _quantized_weights(ctx, stage):
@@ -209,7 +246,7 @@ def _column_blocks(ctx, stage, info):
     offset = 0
     for res in stage.outputs:
         ctx.values[res] = _Info(info.kind, info.ident, res, offset=offset, width=info.width,
-                                size=info.size)
+                                size=info.size, sums=info.sums)
         offset += res.shape[-1]
 
 

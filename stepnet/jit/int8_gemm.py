@@ -2,21 +2,22 @@
 
 ``quantize_rows`` quantizes each row of float32 activations symmetrically to
 int8 with its own scale (``amax / 127``, rounded half to even, as NumPy's
-``rint``); ``int8_product`` multiplies such rows by int8 weights ``wq``
+``rint``); ``int8_sums`` multiplies such rows by int8 weights ``wq``
 [k, n] quantized per column (``wscale``), summing exactly in int32, and
-writes ``float32(acc) * (scale[i] * wscale[j])``: the same bits as NumPy
+``int8_product`` writes ``float32(acc) * (scale[i] * wscale[j])`` (or a
+kernel's run computes that as it reads the sums): the same bits as NumPy
 computing that formula, whatever the path or the blocks (integer sums do not
 depend on their order).
 
 The product sums groups of k in one instruction (docs/quantization.md):
 with VNNI four bytes (``vpdpbusd``: unsigned by signed, so each activation
-goes in as ``q + 128`` and each column's sums lose its *correction*
-``128 * sum(wq[:, j])``; int32 sums wrap alike on both sides), else two
+goes in as ``q + 128`` and each column's sums start from minus its
+*correction* ``128 * sum(wq[:, j])``; int32 sums wrap alike), else two
 int16 (``pmaddwd``; ``vpmaddubsw``'s byte sums saturate).
 ``pack_int8`` lays the weights out as groups of ``_GROUP`` rows of k:
 ``[P, ceil(k / _GROUP) + 1, _GROUP * _WIDTH]``, panel p holding columns
 ``_WIDTH * p`` on, each group's weights of a column side by side (zeros past
-k and n), then a row of corrections (int32; zeros without VNNI): one vector load
+k and n), then a row of the sums' starts (int32): one vector load
 gives a group of ``_LANES`` columns; a panel is contiguous and 64-byte
 aligned. A row's group of activations, one int32 (``_groups``), is broadcast
 to every lane. A block of ``_ROWS`` rows x ``_WIDTH`` columns of int32 sums
@@ -26,12 +27,13 @@ sized to the vector registers (with AVX2's 16: 2 rows x 5 vectors of sums,
 5 of weights and one broadcast). Each chunk of a panel of weights
 (``_CHUNK`` groups x ``_WIDTH`` columns, 20 KiB) stays in the first-level
 cache while every row of a panel of ``_PANEL_ROWS`` rows passes over it,
-their sums added up in memory from one chunk to the next.
+their sums added up in memory (the caller's array) from one chunk to the
+next.
 
 With AMX (``amx-int8``, in a process Linux lets use the tiles:
 ``own_loop.compiled_features``), a product of ``_TILE_LEAST`` rows or more
 runs on the tiles instead (``_tile_sums``): blocks of 32 rows x 32 columns,
-four tiles of sums over steps of 16 groups, reading the same packed panels
+four tiles of sums (loaded with the starts) over steps of 16 groups, reading the same packed panels
 (a group's row of a panel is a tile's row: 16 columns x 4 bytes) and the
 same ``q + 128`` activations, k padded to whole tiles (``_ROUND``); bf16
 products likewise (``tdpbf16ps``, with ``amx-bf16``).
@@ -130,24 +132,25 @@ _LEGAL_WIDTH = '"min-legal-vector-width"="512"'
 
 
 def _rows_codegen(name, group, sum_type):
-    """The code of ``_group_rows``: int32 sums of the path's groups, or
-    float32 sums (``sum_type``) of bfloat16 pairs; ``name`` the intrinsic. A
-    switch on the rows (1 to ``_ROWS``, else nothing), each case the loop
-    over the groups with its block of sums as SSA values (registers), loaded
-    from ``acc`` before it and stored back after."""
+    """``_group_rows``'s code: int32 sums of the path's groups, or float32
+    (``sum_type``) of bfloat16 pairs; ``name`` the intrinsic. A switch on the
+    rows (1 to ``_ROWS``), each case the loop over the groups with its sums
+    in registers, from ``acc`` (or the starts) before it, to ``acc`` after."""
     def codegen(context, builder, signature, args):
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vec32, vec16 = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
         vsum = ir.VectorType(sum_type, _LANES)
         fused = "pmadd" not in name  # (vpdpbusd, vdpbf16ps: the products added to the sums)
-        rows, w0, a0, stride, groups, acc0, fresh = (context.cast(
-            builder, args[i], signature.args[i], types.int64) for i in (0, 2, 4, 5, 6, 8, 9))
+        rows, w0, a0, stride, groups, acc0, acc_stride, begin, fresh = (context.cast(
+            builder, args[i], signature.args[i], types.int64) for i in (0, 2, 4, 5, 6, 8, 9, 10, 11))
         fresh = builder.trunc(fresh, ir.IntType(1))
         w = context.make_array(signature.args[1])(context, builder, args[1]).data
-        a = context.make_array(signature.args[3])(context, builder, args[3]).data
-        a = builder.bitcast(a, i32.as_pointer())
-        acc = context.make_array(signature.args[7])(context, builder, args[7]).data
-        acc = builder.gep(acc, [acc0])
+        starts = builder.bitcast(builder.gep(w, [begin]), vsum.as_pointer())
+        a = builder.bitcast(context.make_array(signature.args[3])(context, builder, args[3]).data,
+                            i32.as_pointer())
+        acc = builder.gep(context.make_array(signature.args[7])(context, builder, args[7]).data, [acc0])
+        offsets = [builder.add(builder.mul(acc_stride, ir.Constant(i64, r)), ir.Constant(
+            i64, v * _LANES)) for r in range(_ROWS) for v in range(_VECS)]
         intrinsic = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
             vsum, [vsum, vec32, vec32] if fused else [vec16, vec16]), name)
         if _LANES == 16:  # (else LLVM splits the 512-bit vectors where it prefers 256-bit ones)
@@ -161,10 +164,11 @@ def _rows_codegen(name, group, sum_type):
             loop = builder.append_basic_block(f"q8.loop{count}")
             tail = builder.append_basic_block(f"q8.store{count}")
             builder.position_at_end(start)
-            first = [builder.load(builder.bitcast(builder.gep(acc, [ir.Constant(i64, index * _LANES)]),
+            first = [builder.load(builder.bitcast(builder.gep(acc, [offsets[index]]),
                                                   vsum.as_pointer()), align=4)
                      for index in range(count * _VECS)]
-            first = [builder.select(fresh, ir.Constant(vsum, None), x) for x in first]
+            first = [builder.select(fresh, builder.load(builder.gep(starts, [ir.Constant(
+                i64, index % _VECS)]), align=4), x) for index, x in enumerate(first)]
             builder.cbranch(builder.icmp_signed(">", groups, ir.Constant(i64, 0)), loop, tail)
             builder.position_at_end(loop)
             t = builder.phi(i64)
@@ -200,7 +204,7 @@ def _rows_codegen(name, group, sum_type):
                 value.add_incoming(first[index], start)
                 value.add_incoming(new[index], loop)
             for index, value in enumerate(values):
-                target = builder.gep(acc, [ir.Constant(i64, index * _LANES)])
+                target = builder.gep(acc, [offsets[index]])
                 builder.store(value, builder.bitcast(target, vsum.as_pointer()), align=4)
             builder.branch(done)
         builder.position_at_end(done)
@@ -210,16 +214,17 @@ def _rows_codegen(name, group, sum_type):
 
 
 @intrinsic
-def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0, fresh):
+def _group_rows(typingctx, rows, w, w0, a, a0, stride, groups, acc, acc0, acc_stride, begin, fresh):
     """acc[acc0:acc0 + rows * _WIDTH] += the sums of ``rows`` rows (1 to
     ``_ROWS``) of ``groups`` groups of activations ``a`` (int32, flat: row
     r's from ``a0 + r * stride``) by as many rows of groups of a panel of
     packed weights ``w`` (flat) from ``w0``: row r's sums of the panel's
-    column c at ``acc[acc0 + r * _WIDTH + c]`` (from 0 where ``fresh``); int32
+    column c at ``acc[acc0 + r * acc_stride + c]`` (where ``fresh``, from the
+    panel's starts: its row of _WIDTH sums at ``w[begin]``); int32
     sums of the path's groups, or float32 sums of bfloat16 pairs (``vdpbf16ps``)."""
     if not all(isinstance(x, types.Array) for x in (w, a, acc)) or a.dtype != types.int32:
         return None
-    signature = types.void(rows, w, w0, a, a0, stride, groups, acc, acc0, fresh)
+    signature = types.void(rows, w, w0, a, a0, stride, groups, acc, acc0, acc_stride, begin, fresh)
     if w.dtype == types.uint16 and acc.dtype == types.float32:
         return signature, _rows_codegen("llvm.x86.avx512bf16.dpbf16ps.512", 2, ir.FloatType())
     if w.dtype == (types.int8 if _VNNI else types.int16) and acc.dtype == types.int32:
@@ -266,11 +271,12 @@ def _address(context, builder, array_type, array, offset):
 
 
 @intrinsic
-def _tile_block(typingctx, w, w0, a, a0, stride, steps, acc, acc0):
-    """acc[acc0 + 64 r + c] = the sums of ``_TILE_ROWS`` rows r of
+def _tile_block(typingctx, w, w0, a, a0, stride, steps, acc, acc0, acc_stride, begin):
+    """acc[acc0 + acc_stride r + c] = the sums of ``_TILE_ROWS`` rows r of
     ``16 * steps`` groups of activations ``a`` (int32, flat: row r's from
     ``a0 + r * stride``) by 32 columns c of a panel of packed weights ``w``
-    (flat, from ``w0``, 4 bytes a column a group): int32 sums of int8 groups
+    (flat, from ``w0``, 4 bytes a column a group), from the columns' starts
+    (at ``w[begin]``, a row read 16 times: stride 0): int32 sums of int8 groups
     (``tdpbusd``), or float32 sums of bfloat16 pairs (``tdpbf16ps``); tiles
     0-3 the sums, 4-5 the activations, 6-7 the weights (``_tiles``
     configures them)."""
@@ -281,13 +287,15 @@ def _tile_block(typingctx, w, w0, a, a0, stride, steps, acc, acc0):
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
-        w, w0, a, a0, stride, steps, acc, acc0 = args
-        w0, a0, stride, steps, acc0 = (context.cast(builder, args[i], signature.args[i], types.int64)
-                                       for i in (1, 3, 4, 5, 7))
+        w, a, acc = args[0], args[2], args[6]
+        w0, a0, stride, steps, acc0, acc_stride, begin = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 3, 4, 5, 7, 8, 9))
         row_bytes = builder.mul(stride, ir.Constant(i64, 4))
         w_row = ir.Constant(i64, 4 * _WIDTH)  # (a group's 4 bytes for each column)
+        starts = _address(context, builder, signature.args[0], w, begin)
         for tile in range(4):
-            _tile_call(builder, "llvm.x86.tilezero", tile)
+            _tile_call(builder, "llvm.x86.tileloadd64", tile,
+                       builder.gep(starts, [ir.Constant(i64, 64 * (tile % 2))]), ir.Constant(i64, 0))
         start = builder.block
         loop, done = builder.append_basic_block("tiles.loop"), builder.append_basic_block("tiles.done")
         builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(i64, 0)), loop, done)
@@ -310,38 +318,43 @@ def _tile_block(typingctx, w, w0, a, a0, stride, steps, acc, acc0):
         builder.cbranch(builder.icmp_signed("<", following, steps), loop, done)
         builder.position_at_end(done)
         out = _address(context, builder, signature.args[6], acc, acc0)
-        out_row = ir.Constant(i64, 4 * _WIDTH)
-        for tile, offset in ((0, 0), (1, 64), (2, 64 * _WIDTH), (3, 64 * _WIDTH + 64)):
-            _tile_call(builder, "llvm.x86.tilestored64", tile,
-                       builder.gep(out, [ir.Constant(i64, offset)]), out_row)
+        out_row = builder.mul(acc_stride, ir.Constant(i64, 4))
+        for tile in range(4):  # (tiles 2 and 3: rows 16 on; 1 and 3: columns 16 on)
+            at = builder.add(builder.mul(out_row, ir.Constant(i64, 16 * (tile // 2))),
+                             ir.Constant(i64, 64 * (tile % 2)))
+            _tile_call(builder, "llvm.x86.tilestored64", tile, builder.gep(out, [at]), out_row)
         return context.get_dummy_value()
 
-    return types.void(w, w0, a, a0, stride, steps, acc, acc0), codegen
+    return types.void(w, w0, a, a0, stride, steps, acc, acc0, acc_stride, begin), codegen
 
 
 @njit(inline="always")
-def _tile_sums(w, w0, a, groups, rows, acc):
-    """acc[:rows * _WIDTH] = the sums of ``rows`` rows of ``groups`` groups
-    ``a`` (``a`` and ``acc`` hold whole blocks of ``_TILE_ROWS`` rows) by a
-    panel of weights (``w`` from ``w0``), by AMX's tiles."""
+def _tile_sums(w, w0, a, groups, rows, acc, acc0, acc_stride):
+    """acc[acc0 + r * acc_stride + c] = the sums of ``rows`` rows r of
+    ``groups`` groups ``a`` (``a`` and ``acc`` hold whole blocks of
+    ``_TILE_ROWS`` rows) by a panel's columns c of weights (``w`` from
+    ``w0``), from its starts, by AMX's tiles."""
+    line = 4 * _WIDTH // w.itemsize  # (a row of the panel)
     for i in range(0, rows, _TILE_ROWS):
         for half in range(2):
-            _tile_block(w, w0 + half * 128 // w.itemsize, a, i * groups, groups, groups // 16,
-                        acc, i * _WIDTH + half * 32)
+            right = half * 128 // w.itemsize
+            _tile_block(w, w0 + right, a, i * groups, groups, groups // 16, acc,
+                        acc0 + i * acc_stride + half * 32, acc_stride, w0 + groups * line + right)
 
 
 @njit(inline="always")
-def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0, fresh):
+def _pair_loops(rows, w, w0, a, a0, stride, pairs, acc, acc0, acc_stride, begin, fresh):
     """``_group_rows`` over pairs as plain loops (any CPU)."""
-    if fresh:
-        acc[acc0:acc0 + rows * _WIDTH] = 0
+    starts = carray(pointer_to(w.ctypes.data + begin * w.itemsize, np.int32), _WIDTH)
+    for r in range(rows if fresh else 0):
+        acc[acc0 + r * acc_stride:acc0 + r * acc_stride + _WIDTH] = starts
     for t in range(pairs):
         row = w0 + t * _GROUP_WIDTH
         for r in range(rows):
             x = np.int64(a[a0 + r * stride + t])
             x0 = np.int32(((x & 0xFFFF) ^ 0x8000) - 0x8000)
             x1 = np.int32(x >> 16)
-            at = acc0 + r * _WIDTH
+            at = acc0 + r * acc_stride
             for c in range(_WIDTH):
                 acc[at + c] += x0 * np.int32(w[row + 2 * c]) + x1 * np.int32(w[row + 2 * c + 1])
 
@@ -354,8 +367,8 @@ def pack_int8(wq):
     """int8 weights ``wq`` [k, n] (C-contiguous) as ``int8_product``
     reads them: [P, G + 1, _GROUP * _WIDTH] of ``_PACKED``, P = ceil(n /
     _WIDTH) panels, G = ceil(k / _GROUP) groups (``_lay_out``); row G of
-    panel p holds the int32 corrections of its columns: ``128 * sum(wq[:,
-    _WIDTH p + c])`` with VNNI, else zeros."""
+    panel p holds the int32 starts of its columns' sums: ``-128 * sum(wq[:,
+    _WIDTH p + c])`` with VNNI (the correction), else zeros."""
     k, n = wq.shape
     groups = _padded(k, _GROUP)
     count = (n + _WIDTH - 1) // _WIDTH
@@ -363,9 +376,9 @@ def pack_int8(wq):
         (count, groups + 1, _GROUP_WIDTH))
     _lay_out(wq, _GROUP, out)
     for p in range(count if _VNNI else 0):
-        correction = _corrections(out, p, groups)
+        starts = _starts(out, p, groups)
         for c in range(min(_WIDTH, n - p * _WIDTH)):
-            correction[c] = np.int32(128) * np.sum(wq[:, p * _WIDTH + c].astype(np.int32))
+            starts[c] = np.int32(-128) * np.sum(wq[:, p * _WIDTH + c].astype(np.int32))
     return out
 
 
@@ -390,8 +403,8 @@ def _lay_out(w, group, out):
 
 
 @njit(inline="always")
-def _corrections(packed, p, groups):
-    """Panel p's corrections (row ``groups``, as int32)."""
+def _starts(packed, p, groups):
+    """Panel p's starts of its sums (row ``groups``, as int32)."""
     at = packed.ctypes.data + (p * packed.shape[1] + groups) * _GROUP_WIDTH * packed.itemsize
     return carray(pointer_to(at, np.int32), _WIDTH)
 
@@ -419,70 +432,97 @@ def _groups(q, first, last, a, groups):
                 a[base + groups - 1] = np.int32(line[k - 1]) & np.int32(0xFFFF)
 
 
-@njit(inline="always")
-def _store(acc, first, last, j0, scale, wscale, correction, out):
-    """out[first:last, j0:j0 + _WIDTH] (within out) = the panel's sums
-    ``acc`` less their ``correction``, dequantized: ``float32(sum) *
-    (scale[i] * wscale[j])``, the product of the scales first (the int32
-    differences wrap as the sums did)."""
-    width = min(_WIDTH, out.shape[1] - j0)
-    for i in range(first, last):
-        s = scale[i]
-        line = _row(out, i, np.float32)
-        sums = acc[(i - first) * _WIDTH:(i - first + 1) * _WIDTH]
-        if width == _WIDTH:  # (a constant count: LLVM vectorizes it without checks)
-            for c in range(_WIDTH):
-                line[j0 + c] = np.float32(np.int32(sums[c] - correction[c])) * (s * wscale[j0 + c])
-        else:
-            for c in range(width):
-                line[j0 + c] = np.float32(np.int32(sums[c] - correction[c])) * (s * wscale[j0 + c])
-
-
 @njit(cache=True, nogil=True)
 def int8_product(q, scale, packed, wscale, out):
     """out[:m] = q @ wq dequantized: float32(sums) * (scale[i] * wscale[j]),
-    the int32 sums exact, ``packed`` = ``pack_int8(wq)``: by panels of
+    the product of the scales first, the int32 sums exact (``int8_sums``,
+    ``packed`` = ``pack_int8(wq)``), by panels of ``_PANEL_ROWS`` rows."""
+    m, n = q.shape[0], out.shape[1]
+    assert m == 0 or n == 1 or out.strides[1] == 4
+    sums = sums_buffer(min(m, _PANEL_ROWS), n)
+    for first in range(0, m, _PANEL_ROWS):
+        last = min(first + _PANEL_ROWS, m)
+        int8_sums(q[first:last], packed, sums[:last - first])
+        for i in range(first, last):
+            line, row, s = _row(out, i, np.float32), sums[i - first], scale[i]
+            for j in range(n):
+                line[j] = np.float32(row[j]) * (s * wscale[j])
+
+
+@njit(cache=True, nogil=True)
+def int8_sums(q, packed, sums):
+    """sums[i, j] = q[i] @ wq[:, j] (int32, exact), ``packed`` =
+    ``pack_int8(wq)``, not dequantized: a caller computes ``float32(sums)
+    * (scale[i] * wscale[j])`` where it reads them (``int8_product``, a
+    kernel's elementwise run). ``sums``: int32 (``sums_buffer``), rows
+    contiguous and holding whole panels (zeros past n). By panels of
     ``_PANEL_ROWS`` rows (their groups made once), each panel of weights in
-    turn over the panel's rows (``_panel_sums``), the sums kept in ``acc``."""
+    turn over them (``_panel_sums``), the sums stored from the registers
+    into their rows; on AMX's tiles, whole blocks of rows (a last part
+    block computed into ``spare``, its rows copied: no row past m is
+    written)."""
     wide_vectors()
     m, k = q.shape
     groups = _padded(k, _GROUP)
-    assert m == 0 or (wscale.shape[0] == 1 or out.strides[1] == 4) and (
+    stride = sums.strides[0] // 4
+    assert m == 0 or sums.shape[1] >= packed.shape[0] * _WIDTH and (
+        m == 1 or stride >= sums.shape[1]) and (
         not _VNNI or q.strides[1] == 1 and q.strides[0] >= 4 * ((k + 3) // 4))
-    rows = packed.shape[1]  # (groups, and the corrections' row)
+    rows = packed.shape[1]
     w = packed.reshape(packed.size)
+    flat = carray(pointer_to(sums.ctypes.data, np.int32), max(m - 1, 0) * stride + sums.shape[1])
     most = min(m, _PANEL_ROWS)
-    tiles = _AMX and m >= _TILE_LEAST  # (a constant False where the CPU has no AMX: pruned)
-    if tiles:  # (whole blocks of rows: the rows past m's computed, never stored)
+    tiles = _AMX and m >= _TILE_LEAST
+    if tiles:
         most = (most + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS
         _tiles(True)
     a = np.empty(most * groups, np.int32)
-    acc = np.empty(most * _WIDTH, np.int32)
+    spare = np.empty(_TILE_ROWS * _WIDTH if tiles else 0, np.int32)
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         _groups(q, first, last, a, groups)
+        whole = (last - first) // _TILE_ROWS * _TILE_ROWS
         for p in range(packed.shape[0]):
-            if tiles:
-                _tile_sums(w, p * rows * _GROUP_WIDTH, a, groups, last - first, acc)
-            else:
-                _panel_sums(_rows_block, w, p * rows * _GROUP_WIDTH, _GROUP_WIDTH, a, groups,
-                            last - first, acc)
-            _store(acc, first, last, p * _WIDTH, scale, wscale, _corrections(packed, p, groups),
-                   out)
+            w0, at = p * rows * _GROUP_WIDTH, first * stride + p * _WIDTH
+            if not tiles:
+                _panel_sums(_rows_block, w, w0, _GROUP_WIDTH, a, groups, last - first, flat, at,
+                            stride)
+                continue
+            _tile_sums(w, w0, a, groups, whole, flat, at, stride)
+            if whole < last - first:
+                _tile_sums(w, w0, a[whole * groups:], groups, 1, spare, 0, _WIDTH)
+                for r in range(last - first - whole):
+                    row = at + (whole + r) * stride
+                    flat[row:row + _WIDTH] = spare[r * _WIDTH:(r + 1) * _WIDTH]
     if tiles:
         _tiles(False)
 
 
+@njit(nogil=True)
+def sums_buffer(rows, n):
+    """An array for ``int8_sums``'s sums of ``rows`` rows by n columns of
+    weights: int32 [rows, whole panels of columns and a cache line more],
+    its rows on 64-byte boundaries (a block's row of sums is one cache
+    line, not two), each row a line past 4 KiB from the one before (rows
+    4 KiB apart fall into one set of the first-level cache, where the
+    stores of a block of rows evict each other)."""
+    width = (n + _WIDTH - 1) // _WIDTH * _WIDTH + 16
+    return aligned_empty(rows * width, np.empty(0, np.int32)).reshape((rows, width))
+
+
 @njit(inline="always")
-def _panel_sums(block_sums, w, w0, width, a, groups, rows, acc):
-    """acc[:rows * _WIDTH] = the sums of ``rows`` rows of ``groups`` groups
-    ``a`` by a panel of weights (``w`` from ``w0``, ``width`` elements a row)
-    by ``block_sums``, ``_CHUNK`` groups at a time (the chunk stays in the first-level
-    cache while the rows pass, the first's sums from 0), ``_ROWS`` rows at a time."""
+def _panel_sums(block_sums, w, w0, width, a, groups, rows, acc, acc0, acc_stride):
+    """acc[acc0 + r * acc_stride + c] = the sums of ``rows`` rows r of
+    ``groups`` groups ``a`` by a panel's columns c of weights (``w`` from
+    ``w0``, ``width`` elements a row, its starts' row after the groups) by
+    ``block_sums``, ``_CHUNK`` groups at a time (the chunk stays in the
+    first-level cache while the rows pass, the first's sums from the
+    starts), ``_ROWS`` rows at a time."""
     for t0 in range(0, max(groups, 1), _CHUNK):  # (no groups: one pass, of zeros)
         for i in range(0, rows, _ROWS):
             block_sums(min(_ROWS, rows - i), w, w0 + t0 * width, a, i * groups + t0, groups,
-                       min(_CHUNK, groups - t0), acc, i * _WIDTH, t0 == 0)
+                       min(_CHUNK, groups - t0), acc, acc0 + i * acc_stride, acc_stride,
+                       w0 + groups * width, t0 == 0)
 
 
 @njit(inline="always")
@@ -534,11 +574,12 @@ def quantize_rows(a, q, scale):
 @njit(cache=True, nogil=True)
 def pack_bf16(bits):
     """bf16 weights (uint16 bits [k, n]) as ``bf16_product`` reads them:
-    [P, ceil(k / 2), 2 * _WIDTH], pairs of k (``_lay_out``)."""
+    [P, ceil(k / 2) + 1, 2 * _WIDTH], pairs of k (``_lay_out``), then a
+    row of the sums' starts (float32 zeros)."""
     k, n = bits.shape
     count, pairs = (n + _WIDTH - 1) // _WIDTH, _padded(k, 2)
-    out = aligned_empty(count * pairs * 2 * _WIDTH, np.empty(0, np.uint16)).reshape(
-        (count, pairs, 2 * _WIDTH))
+    out = aligned_empty(count * (pairs + 1) * 2 * _WIDTH, np.empty(0, np.uint16)).reshape(
+        (count, pairs + 1, 2 * _WIDTH))
     _lay_out(bits, 2, out)
     return out
 
@@ -563,7 +604,7 @@ def bf16_product(a, packed, out):
     ``int8_product``."""
     wide_vectors()
     m, k = a.shape
-    n, pairs = out.shape[1], packed.shape[1]
+    n, pairs = out.shape[1], packed.shape[1] - 1  # (the pairs, then the starts' row)
     assert m == 0 or (k == 1 or a.strides[1] == 4) and (n == 1 or out.strides[1] == 4)
     w = packed.reshape(packed.size)
     most = min(m, _PANEL_ROWS)
@@ -581,11 +622,11 @@ def bf16_product(a, packed, out):
                 high = bf16_bits(row[2 * t + 1]) if 2 * t + 1 < k else np.uint32(0)
                 x[(i - first) * pairs + t] = np.int32((bf16_bits(row[2 * t]) >> 16) | high)
         for p in range(packed.shape[0]):
+            w0 = p * packed.shape[1] * 2 * _WIDTH
             if tiles:
-                _tile_sums(w, p * pairs * 2 * _WIDTH, x, pairs, last - first, acc)
+                _tile_sums(w, w0, x, pairs, last - first, acc, 0, _WIDTH)
             else:
-                _panel_sums(_group_rows, w, p * pairs * 2 * _WIDTH, 2 * _WIDTH, x, pairs,
-                            last - first, acc)
+                _panel_sums(_group_rows, w, w0, 2 * _WIDTH, x, pairs, last - first, acc, 0, _WIDTH)
             for i in range(first, last):
                 line = _row(out, i, np.float32)
                 for c in range(min(_WIDTH, n - p * _WIDTH)):

@@ -21,6 +21,7 @@ class KernelPlan(NamedTuple):
     epilogues: dict  # sched -> {elementwise run: the reductions it folds its values into}
     unbuffered: dict  # sched -> all-steps outputs its fused runs store to the outputs alone
     cut: dict  # net program() runs over all its sequences -> whether it cuts them with the helper
+    dequantized: dict  # sched -> int8 products only its step's runs read: dequantized as they read
     into_outputs: frozenset  # the top net's all-steps outputs computed before its loop into their buffers
 
     @property
@@ -38,6 +39,8 @@ class KernelPlan(NamedTuple):
             assert all(c in step for c in self.concats[sched]), sched
             assert all(r in step and set(rs) <= step for r, rs in self.epilogues[sched].items()), sched
             assert self.unbuffered[sched] <= set(sched.body.outputs), sched
+            assert all(s.kind == "quantized" and s in hoisted | step
+                       for s in self.dequantized[sched]), sched
         assert set(self.cut) <= set(self.split), self.cut
         top = next(iter(self.split))
         assert all(any(v in s.outputs for s in top.hoisted) for v in self.into_outputs), self.into_outputs
@@ -55,7 +58,8 @@ class KernelPlan(NamedTuple):
                     ("products by chunks of steps", self.chunked.get(sched, ())),
                     ("products of a concat as sums", self.split[sched]),
                     ("concats written in place", self.concats[sched]),
-                    ("runs folding reductions", self.epilogues[sched])):
+                    ("runs folding reductions", self.epilogues[sched]),
+                    ("int8 sums dequantized by the runs reading them", self.dequantized[sched])):
                 if stages:
                     lines.append(f"  {what}: " + "; ".join(names(s.outputs) for s in stages))
             for what, values in (
@@ -74,7 +78,7 @@ class KernelPlan(NamedTuple):
 
 def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     """The plan of ``program``'s kernel, ``sched`` its schedule."""
-    chunked, split, in_place, concats, epilogues, unbuffered = {}, {}, {}, {}, {}, {}
+    chunked, split, in_place, concats, epilogues, unbuffered, dequantized = {}, {}, {}, {}, {}, {}, {}
     consts, read, weights, cut = set(program.consts), set(), [0], {}
 
     def plan_net(net, once):  # once: the net runs once over all of its sequences
@@ -87,6 +91,7 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
         concats[net] = tuple(_concats_in_place(net))
         epilogues[net] = _reduction_epilogues(net)
         unbuffered[net] = _unbuffered(net)
+        dequantized[net] = _dequantized(net)
         weights.extend(s.left.shape[-1] * sum(v.shape[-1] for v in s.outputs)
                        for s in net.step if s.kind == "gemm")
         if once:
@@ -100,7 +105,7 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     if max(weights) < _GROUP_MIN_WEIGHTS:
         cut = dict.fromkeys(cut, False)
     return KernelPlan(tuple(v for v in program.consts if v in read), chunked, split, in_place,
-                      concats, epilogues, unbuffered, cut,
+                      concats, epilogues, unbuffered, cut, dequantized,
                       _into_outputs(sched, chunked[sched], split[sched])).check()
 
 
@@ -182,6 +187,25 @@ def _chunked_products(sched):
     return frozenset(stage for stage in sched.hoisted
                      if stage.kind in ("gemm", "quantized")
                      and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
+                     and not read_elsewhere.intersection(stage.outputs))
+
+
+def _dequantized(sched):
+    """A net's int8 products (``matmul_int8``, in its step or before it)
+    whose results only its step's elementwise runs read: the product leaves
+    its int32 sums and each row's scale (``quantized.int8_row_sums``), and
+    the runs dequantize each sum as they read it, with no pass of the
+    product's own over its results (a load, a multiply and a store per
+    element, for each product: as much as the products' sums take in a
+    step of W2's LSTM on AMX)."""
+    body = sched.body
+    read_elsewhere = set(body.outputs) | {m.post for m in body.memories}
+    for section, stage in sched.stages():
+        if section != "step" or stage.kind != "elementwise":
+            for e in stage.eqns:
+                read_elsewhere.update(_every_operand(e))
+    return frozenset(stage for stage in (*sched.hoisted, *sched.step)
+                     if stage.kind == "quantized" and stage.eqns[0].op == "matmul_int8"
                      and not read_elsewhere.intersection(stage.outputs))
 
 

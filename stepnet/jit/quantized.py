@@ -21,7 +21,9 @@ from numba import njit
 
 from . import cache  # noqa: F401  (Numba's cache of these helpers goes under STEPNET_CACHE_DIR)
 from .blas import gemm
-from .int8_gemm import BF16, bf16_bits, bf16_product, int8_product, pack_bf16, pack_int8, quantize_rows
+from .int8_gemm import (
+    BF16, bf16_bits, bf16_product, int8_product, int8_sums, pack_bf16, pack_int8, quantize_rows,
+)
 
 
 # the weights prepared last, by op and the arrays' identities (the arrays kept:
@@ -53,7 +55,7 @@ def prepared(op, operands):
 @njit(cache=True, nogil=True)
 def int8_prepare(w, scale):
     """int8 weights ``w`` [k, n] with their scales [n], as ``int8_rows``
-    reads them."""
+    and ``int8_row_sums`` read them."""
     return pack_int8(np.ascontiguousarray(w)), np.ascontiguousarray(scale)
 
 
@@ -65,6 +67,19 @@ def int8_rows(a, prepared, out):
     q, scale = np.empty((m, (k + 3) // 4 * 4), np.int8)[:, :k], np.empty(m, np.float32)  # (whole words)
     quantize_rows(a, q, scale)
     int8_product(q, scale, prepared[0], prepared[1], out)
+
+
+@njit(cache=True, nogil=True)
+def int8_row_sums(a, prepared, sums, scale):
+    """``matmul_int8`` of a[:m] left for its readers to dequantize: a's
+    rows quantized (their scales into scale[:m]), their int32 sums by the
+    weights ``int8_prepare`` made into sums[:m] (``int8_gemm.int8_sums``);
+    element [i, j] of the product is then ``float32(sums[i, j]) *
+    (scale[i] * prepared[1][j])``, int8_rows's bits."""
+    m, k = a.shape
+    q = np.empty((m, (k + 3) // 4 * 4), np.int8)[:, :k]
+    quantize_rows(a, q, scale)
+    int8_sums(q, prepared[0], sums)
 
 
 @njit(cache=True, nogil=True)
