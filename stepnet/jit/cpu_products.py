@@ -72,11 +72,12 @@ def _chunk_setup(chunks, ahead):
     """The rnn function's chunk length and buffers for ``chunks`` (``ahead``:
     the first one's product is computed a chunk ahead, ``_chunk_products``)."""
     def buffers(c, ring, gathered):
-        ring = (f"{ring} = np.empty((num_seq * chunk, {c.n}), np.{c.dtype})" if c.scale is None
-                else f"{ring} = sums_buffer(num_seq * chunk, {c.n})")
-        return [ring,
+        made = (f"np.empty((num_seq * chunk, {c.n}), np.{c.dtype})" if c.scale is None
+                else f"sums_buffer(num_seq * chunk, {c.n})")
+        left = np.dtype(c.left.var.dtype).name
+        return [f"{ring} = {made}",
                 # (rows past a sequence's end keep what they held: zeros at first)
-                f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{np.dtype(c.left.var.dtype).name})"]
+                f"{gathered} = np.zeros((num_seq * chunk, {c.k}), np.{left})"]
 
     lines = [f"chunk = max(1, min(num_steps, {_CHUNK_ROWS} // max(num_seq, 1)))"]
     for c in chunks:

@@ -472,7 +472,7 @@ def int8_sums(q, packed, sums):
     w = packed.reshape(packed.size)
     flat = carray(pointer_to(sums.ctypes.data, np.int32), max(m - 1, 0) * stride + sums.shape[1])
     most = min(m, _PANEL_ROWS)
-    tiles = _AMX and m >= _TILE_LEAST
+    tiles = _AMX and m >= _TILE_LEAST  # (a constant False where the CPU has no AMX: pruned)
     if tiles:
         most = (most + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS
         _tiles(True)
@@ -518,7 +518,7 @@ def _panel_sums(block_sums, w, w0, width, a, groups, rows, acc, acc0, acc_stride
     ``block_sums``, ``_CHUNK`` groups at a time (the chunk stays in the
     first-level cache while the rows pass, the first's sums from the
     starts), ``_ROWS`` rows at a time."""
-    for t0 in range(0, max(groups, 1), _CHUNK):  # (no groups: one pass, of zeros)
+    for t0 in range(0, max(groups, 1), _CHUNK):  # (no groups: one pass, the starts alone)
         for i in range(0, rows, _ROWS):
             block_sums(min(_ROWS, rows - i), w, w0 + t0 * width, a, i * groups + t0, groups,
                        min(_CHUNK, groups - t0), acc, acc0 + i * acc_stride, acc_stride,
