@@ -10,7 +10,7 @@ import importlib
 import numpy as np
 import pytest
 from conftest import assert_close
-from nets import lod, tanh_cell, weight
+from nets import lod, nested_encoder, tanh_cell, weight
 
 import stepnet as sn
 from stepnet import executor, interpreter
@@ -270,6 +270,14 @@ def test_int8_products_only_runs_read_are_dequantized_as_they_are_read():
     expected = small(backend="interpreter")
     for got, want in zip(small(backend="numba"), expected):
         assert_close(got, want, what="int8 sums read dequantized")
+    # a nested net's products too, one of them by the enclosing net's state
+    encoder = sn.quantize(nested_encoder(rng, features=6, hidden=8, inner_reads_outer=True).rnn,
+                          "int8")
+    program = encoder.program(True)
+    nested_plan = kernel_plan(program, schedule.schedule(program))
+    assert len(nested_plan.dequantized) == 3 and all(nested_plan.dequantized.values())
+    for got, want in zip(encoder(backend="numba"), encoder(backend="interpreter")):
+        assert_close(got, want, what="a nested net's int8 sums read dequantized")
 
 
 def test_nan_and_inf_inputs_agree_across_backends():
