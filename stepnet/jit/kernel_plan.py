@@ -196,8 +196,7 @@ def _dequantized(sched):
     its int32 sums and each row's scale (``quantized.int8_row_sums``), and
     the runs dequantize each sum as they read it, with no pass of the
     product's own over its results (a load, a multiply and a store per
-    element, for each product: as much as the products' sums take in a
-    step of W2's LSTM on AMX)."""
+    element: on AMX, about as long as the sums themselves)."""
     body = sched.body
     read_elsewhere = set(body.outputs) | {m.post for m in body.memories}
     for section, stage in sched.stages():
