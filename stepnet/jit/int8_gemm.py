@@ -456,11 +456,8 @@ def int8_sums(q, packed, sums):
     * (scale[i] * wscale[j])`` where it reads them (``int8_product``, a
     kernel's elementwise run). ``sums``: int32 (``sums_buffer``), rows
     contiguous and holding whole panels (zeros past n). By panels of
-    ``_PANEL_ROWS`` rows (their groups made once), each panel of weights in
-    turn over them (``_panel_sums``), the sums stored from the registers
-    into their rows; on AMX's tiles, whole blocks of rows (a last part
-    block computed into ``spare``, its rows copied: no row past m is
-    written)."""
+    ``_PANEL_ROWS`` rows, their groups made once (``_groups``), then every
+    panel of weights over them (``_panels``)."""
     wide_vectors()
     m, k = q.shape
     groups = _padded(k, _GROUP)
@@ -468,8 +465,6 @@ def int8_sums(q, packed, sums):
     assert m == 0 or sums.shape[1] >= packed.shape[0] * _WIDTH and (
         m == 1 or stride >= sums.shape[1]) and (
         not _VNNI or q.strides[1] == 1 and q.strides[0] >= 4 * ((k + 3) // 4))
-    rows = packed.shape[1]
-    w = packed.reshape(packed.size)
     flat = carray(pointer_to(sums.ctypes.data, np.int32), max(m - 1, 0) * stride + sums.shape[1])
     most = min(m, _PANEL_ROWS)
     tiles = _AMX and m >= _TILE_LEAST  # (a constant False where the CPU has no AMX: pruned)
@@ -481,21 +476,30 @@ def int8_sums(q, packed, sums):
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         _groups(q, first, last, a, groups)
-        whole = (last - first) // _TILE_ROWS * _TILE_ROWS
-        for p in range(packed.shape[0]):
-            w0, at = p * rows * _GROUP_WIDTH, first * stride + p * _WIDTH
-            if not tiles:
-                _panel_sums(_rows_block, w, w0, _GROUP_WIDTH, a, groups, last - first, flat, at,
-                            stride)
-                continue
-            _tile_sums(w, w0, a, groups, whole, flat, at, stride)
-            if whole < last - first:
-                _tile_sums(w, w0, a[whole * groups:], groups, 1, spare, 0, _WIDTH)
-                for r in range(last - first - whole):
-                    row = at + (whole + r) * stride
-                    flat[row:row + _WIDTH] = spare[r * _WIDTH:(r + 1) * _WIDTH]
+        _panels(_rows_block, packed, a, groups, last - first, tiles, flat, first * stride, stride,
+                spare)
     if tiles:
         _tiles(False)
+
+
+@njit(inline="always")
+def _panels(block_sums, packed, a, groups, rows, tiles, acc, acc0, stride, spare):
+    """acc[acc0 + r * stride + j] = the sums of ``rows`` rows r of groups
+    ``a`` by every panel of ``packed`` (column j), from its starts: by
+    ``block_sums`` (``_panel_sums``), or on AMX's tiles (``tiles``) by whole
+    blocks of rows, a last part one into ``spare``, its rows then copied."""
+    w, width, whole = packed.reshape(packed.size), packed.shape[2], rows // _TILE_ROWS * _TILE_ROWS
+    for p in range(packed.shape[0]):
+        w0, at = p * packed.shape[1] * width, acc0 + p * _WIDTH
+        if not tiles:
+            _panel_sums(block_sums, w, w0, width, a, groups, rows, acc, at, stride)
+            continue
+        _tile_sums(w, w0, a, groups, whole, acc, at, stride)
+        if whole < rows:
+            _tile_sums(w, w0, a[whole * groups:], groups, 1, spare, 0, _WIDTH)
+            for r in range(rows - whole):
+                row = at + (whole + r) * stride
+                acc[row:row + _WIDTH] = spare[r * _WIDTH:(r + 1) * _WIDTH]
 
 
 @njit(nogil=True)
@@ -600,20 +604,20 @@ def bf16_product(a, packed, out):
     """out[:m] = a's elements rounded to bfloat16 (``bf16_bits``) @ the
     weights ``packed`` = ``pack_bf16(w)``, each pair of k multiplied exactly
     and added to float32 sums (``vdpbf16ps``: bfloat16 subnormals count as
-    zeros), by panels of rows, panels of weights and chunks of k as
-    ``int8_product``."""
+    zeros), by panels of rows and ``_panels`` as ``int8_sums``, the float32
+    sums in the rows of a ``sums_buffer``."""
     wide_vectors()
     m, k = a.shape
     n, pairs = out.shape[1], packed.shape[1] - 1  # (the pairs, then the starts' row)
     assert m == 0 or (k == 1 or a.strides[1] == 4) and (n == 1 or out.strides[1] == 4)
-    w = packed.reshape(packed.size)
     most = min(m, _PANEL_ROWS)
     tiles = _AMX_BF16 and m >= _TILE_LEAST
     if tiles:
         most = (most + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS
         _tiles(True)
     x = np.zeros(most * pairs, np.int32)  # (zeros: the pairs past k's)
-    acc = np.empty(most * _WIDTH, np.float32)
+    acc = sums_buffer(most, n).view(np.float32)
+    spare = np.empty(_TILE_ROWS * _WIDTH if tiles else 0, np.float32)
     for first in range(0, m, _PANEL_ROWS):
         last = min(first + _PANEL_ROWS, m)
         for i in range(first, last):  # (two rounded values to an int32, the first low)
@@ -621,15 +625,11 @@ def bf16_product(a, packed, out):
             for t in range((k + 1) // 2):
                 high = bf16_bits(row[2 * t + 1]) if 2 * t + 1 < k else np.uint32(0)
                 x[(i - first) * pairs + t] = np.int32((bf16_bits(row[2 * t]) >> 16) | high)
-        for p in range(packed.shape[0]):
-            w0 = p * packed.shape[1] * 2 * _WIDTH
-            if tiles:
-                _tile_sums(w, w0, x, pairs, last - first, acc, 0, _WIDTH)
-            else:
-                _panel_sums(_group_rows, w, w0, 2 * _WIDTH, x, pairs, last - first, acc, 0, _WIDTH)
-            for i in range(first, last):
-                line = _row(out, i, np.float32)
-                for c in range(min(_WIDTH, n - p * _WIDTH)):
-                    line[p * _WIDTH + c] = acc[(i - first) * _WIDTH + c]
+        _panels(_group_rows, packed, x, pairs, last - first, tiles, acc.reshape(acc.size), 0,
+                acc.shape[1], spare)
+        for i in range(first, last):
+            line, sums = _row(out, i, np.float32), acc[i - first]
+            for j in range(n):
+                line[j] = sums[j]
     if tiles:
         _tiles(False)
