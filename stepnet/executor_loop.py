@@ -18,9 +18,14 @@ from . import registry
 # 2 + index (0 loads an operand's row, 1 stores one)
 LOOP_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "neg", "abs", "exp", "log", "sqrt",
             "tanh", "sigmoid", "softplus", "erf", "relu")
-# values a register of the loop holds: a run computes each op over a tile of
-# this many values (whole rows) at a time, not a row at a time
+# values a register of the loop holds at most: a run computes each op over a
+# tile of whole rows at a time, not a row at a time
 REGISTER_VALUES = 1024
+# the bytes of a run's registers together, which bounds a tile's rows: half
+# of a first-level data cache of 32 KiB (the smallest of the x86-64 CPUs),
+# the rest for the operands' rows (registers of 1,024 values each outgrew
+# it on W1's gates, whose ops then ran from the second-level cache)
+REGISTER_BYTES = 16 << 10
 # the table's last column where a value's rows are not by its strides: at
 # the caller's row of each token (the executor's layout.perm), or in a
 # buffer of two chunks' rows, from the chunk's first token in the half of the
@@ -30,8 +35,11 @@ BY_CALLER, BY_CHUNK = -1, -2
 
 def registers_of(count, width, dtype):
     """The loop's ``count`` registers for runs of rows of at most ``width``
-    values: each holds whole rows, ``REGISTER_VALUES`` values or one row."""
-    return np.empty((count, max(width, REGISTER_VALUES)), dtype)
+    values: each holds whole rows, as many as ``REGISTER_BYTES`` holds over
+    the ``count`` registers (``REGISTER_VALUES`` values at most), one at least."""
+    values, width = min(REGISTER_VALUES, REGISTER_BYTES // (count * np.dtype(dtype).itemsize)), \
+        max(width, 1)  # (rows of no values: a register of one)
+    return np.empty((count, max(1, values // width) * width), dtype)
 
 
 _LOOPS = {}  # dtype -> the loop, once it is compiled here
