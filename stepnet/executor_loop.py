@@ -37,8 +37,8 @@ def registers_of(count, width, dtype):
     """The loop's ``count`` registers for runs of rows of at most ``width``
     values: each holds whole rows, as many as ``REGISTER_BYTES`` holds over
     the ``count`` registers (``REGISTER_VALUES`` values at most), one at least."""
-    values, width = min(REGISTER_VALUES, REGISTER_BYTES // (count * np.dtype(dtype).itemsize)), \
-        max(width, 1)  # (rows of no values: a register of one)
+    width = max(width, 1)  # (rows of no values: registers of one value)
+    values = min(REGISTER_VALUES, REGISTER_BYTES // (count * np.dtype(dtype).itemsize))
     return np.empty((count, max(1, values // width) * width), dtype)
 
 
