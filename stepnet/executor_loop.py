@@ -147,7 +147,7 @@ def _loop_source(dtype):
              "               small_rows, perm):",
              "    wide_vectors()",
              "    prog, table, perm = unowned(prog), unowned(table), unowned(perm)",
-             "    scratch = unowned(scratch)",
+             "    scratch, registers = unowned(scratch), unowned(registers)",
              "    steps = active.shape[0]",
              "    tokens = starts[steps - 1] + active[steps - 1] if steps > 0 else 0",
              f"    prepared = [pack(carray(pointer_to(table[prog[p, 2], 0], {dt}), "
@@ -261,7 +261,7 @@ def _run_source(dtype):
              "                n = min(tile, rows - i0)",
              "                for c in range(prog[p, 1], prog[p, 2]):",
              "                    op, k = code[c, 0], code[c, 1]",
-             "                    r = register(registers, k)",
+             "                    r = registers[k]",
              "                    if op == 0:  # an operand's rows",
              "                        x = code[c, 2]",
              "                        if i0 == 0 or table[x, 1] != 0 or table[x, 3] != 0:",
@@ -287,7 +287,7 @@ def _run_source(dtype):
 def _product_source(dt):
     """The lines of ``product``: a step's rows of a left operand (copied
     together first where they are apart) by weights prepared by ``pack``;
-    then the registers' ``register`` and ``view``, and the rows' helpers."""
+    then ``view`` (a register's rows where they are), ``unowned`` and the rows' helpers."""
     return ["",
             "",
             "@njit(cache=True, error_model='numpy', nogil=True)",
@@ -328,18 +328,10 @@ def _product_source(dt):
             "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
             "def unowned(x):",
             "    # (x as a view with no reference count, for the arrays the inlined",
-            "    # helpers take, or take a row of: each array passed to one is counted",
-            "    # in and out, an atomic increment and decrement at each load or store",
-            "    # of a run; x outlives the loop)",
+            "    # helpers take, or the loop takes a row of: each array passed to one,",
+            "    # or each row taken, is counted in and out, an atomic increment and",
+            "    # decrement at each op, load or store of a run; x outlives the loop)",
             "    return carray(pointer_to(x.ctypes.data, x.dtype), x.shape)",
-            "",
-            "",
-            "@njit(cache=True, error_model='numpy', nogil=True, inline='always')",
-            "def register(registers, i):",
-            "    # (a view with no reference count: taking one per op is an atomic",
-            "    # increment and decrement each, a share of a one-row op's time)",
-            "    return carray(pointer_to(registers.ctypes.data + i * registers.strides[0],",
-            "                             registers.dtype), registers.shape[1])",
             *_rows_source(dt)]
 
 
