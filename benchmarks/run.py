@@ -331,7 +331,8 @@ def ceiling_main(args):
     except (TypeError, KeyError, AttributeError):  # older numpy: no mode="dicts"
         numpy_blas = "its BLAS"
     seconds = machine.single_thread_seconds(M, K, N)
-    seconds[f"numpy matmul ({numpy_blas})"] = numpy_best
+    if not _emulated():  # (NumPy's BLAS keeps this CPU's instructions: not the emulated one's)
+        seconds[f"numpy matmul ({numpy_blas})"] = numpy_best
     rates = {name: flops / s / 1e9 for name, s in seconds.items()}
     _write_json(Path(args.outdir) / "ceiling.json",
                 {"rates": rates, "fma_peak": machine.fma_peak_gflops()})
@@ -623,6 +624,24 @@ def _fmt_s(s):
     return f"{s:.3f}" if s < 1 else f"{s:.2f}"
 
 
+def _emulated():
+    """The CPU stepnet's kernels are compiled for where it is not this one
+    (``NUMBA_CPU_NAME``), else ''."""
+    name = os.environ.get("NUMBA_CPU_NAME", "")
+    return "" if name == "host" else name
+
+
+# the peers that run another CPU's instructions where asked to (PyTorch by
+# ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA); onnxruntime, JAX and NumPy's
+# OpenBLAS keep this CPU's widest, so an emulated run weighs stepnet against these
+EMULATING_FAMILIES = ("torch", "torch-int8")
+
+
+def _compared(family):
+    """Whether stepnet is weighed against ``family``'s rows in this run."""
+    return not _emulated() or family in EMULATING_FAMILIES
+
+
 def _cpu_model():
     """The CPU as ``lscpu`` names it, with its family and whether it has
     AVX-512 (``avx512f``): what a figure depends on."""
@@ -642,6 +661,9 @@ def _cpu_model():
         return platform.processor() or "unknown CPU"
     details = ([f"family {family}"] if family else []) + (
         [f"avx512f {'yes' if 'avx512f' in flags else 'no'}"] if flags is not None else [])
+    if _emulated():
+        # another CPU's instructions (docs/benchmarks.md): a section of its own
+        details.append(f"emulating {_emulated()}")
     return f"{name} ({', '.join(details)})" if details else name
 
 
@@ -821,7 +843,8 @@ def _run_all(args, keys, fams, tmp, log):
     print("[bench] GEMM ceiling ...", file=sys.stderr, flush=True)
     ceiling = None
     env = child_env(1)
-    env.pop("OPENBLAS_CORETYPE", None)  # the machine's ceiling: OpenBLAS's own kernels
+    if not _emulated():
+        env.pop("OPENBLAS_CORETYPE", None)  # the machine's ceiling: OpenBLAS's own kernels
     ok, _, msg = run_child(["--worker", "ceiling", "--outdir", str(tmp)], env, args.timeout, log)
     if ok and (tmp / "ceiling.json").exists():
         ceiling = json.loads((tmp / "ceiling.json").read_text())
@@ -1022,7 +1045,7 @@ def quantized_section(keys, recs):
         if ours is None or fp32 is None:
             continue
         peers = [r for r in timed if r["workload"] == k and r["family"] in INT8_FAMILIES
-                 and r["family"] != "stepnet-int8"]
+                 and r["family"] != "stepnet-int8" and _compared(r["family"])]
         best = min(peers, key=lambda r: r["median_s"]) if peers else None
         of_fp32 = ours["median_s"] / fp32["median_s"]
         of_peer = ours["median_s"] / best["median_s"] if best else None
@@ -1039,8 +1062,10 @@ def quantized_section(keys, recs):
         return []
     return ["", "### int8 (sn.quantize) against float32 and the int8 peers", "",
             "Medians of the same run; each family in its own process. The int8 peers: PyTorch's "
-            "dynamic quantization (torch.ao.quantization.quantize_dynamic), onnxruntime's "
-            "DynamicQuantizeLSTM (onnxruntime.quantization.quantize_dynamic). Targets: stepnet int8 "
+            "dynamic quantization (torch.ao.quantization.quantize_dynamic)"
+            + (", the one that emulates this run's CPU" if _emulated() else
+               ", onnxruntime's DynamicQuantizeLSTM (onnxruntime.quantization.quantize_dynamic)")
+            + ". Targets: stepnet int8 "
             "/ stepnet float32, and / the fastest int8 peer; max|dh| of stepnet int8's final state "
             "from the float64 reference.", "",
             "| workload | stepnet float32 ms | stepnet int8 ms | int8 / float32 | fastest int8 peer "
@@ -1064,8 +1089,10 @@ def targets_section(keys, wls, recs, stepnet_gflops, ceiling):
     for k in keys:
         ours = next((r for r in timed if r["workload"] == k and r["family"] == "stepnet"), None)
         target, family = TARGETS.get(k, (None, None))
+        if _emulated():
+            family = None  # (the named family may not emulate: the emulating ones)
         peers = [r for r in timed if r["workload"] == k and r["family"] != "stepnet"
-                 and (family is None or r["family"] == family)]
+                 and (family is None or r["family"] == family) and _compared(r["family"])]
         if ours is None or not peers:
             continue
         fastest = min(peers, key=lambda r: r["median_s"])
@@ -1088,7 +1115,9 @@ def targets_section(keys, wls, recs, stepnet_gflops, ceiling):
         return []
     return ["", "### stepnet against the fastest peer", "",
             "Medians; stepnet's row is its first for the workload (a layer where there is one); "
-            "the peers are the CPU ones (W6: PyTorch's, W9: JAX's). *target needs*: the "
+            + ("the peers are PyTorch's, which run the emulated CPU's instructions as "
+               "stepnet does (onnxruntime, JAX and NumPy run this CPU's). " if _emulated() else
+               "the peers are the CPU ones (W6: PyTorch's, W9: JAX's). ") + "*target needs*: the "
             "workload's GFLOP/s at the target's time, and its share of the cores' FMA peak "
             "(above 0.9 no GEMM reaches it, with the gates and the memory traffic beside) "
             "and of the GEMM ceiling (near 0.9 and above, the products would have to run "

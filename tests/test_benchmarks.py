@@ -359,6 +359,34 @@ def test_a_report_becomes_its_machines_section_of_the_benchmarks_page(tmp_path, 
     assert other.read_text() == report + "\n"
 
 
+def test_an_emulated_run_is_its_own_section_and_weighs_stepnet_against_pytorch(monkeypatch):
+    """Under ``NUMBA_CPU_NAME`` (another CPU's instructions) the section's
+    heading names the emulated CPU, and the targets and the int8 table weigh
+    stepnet against PyTorch's rows, the peer that emulates it too; without
+    it, against the fastest CPU peer."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import run
+    import workloads as wl
+
+    def rec(family, seconds, label=None):
+        return {"workload": "W1", "family": family, "label": label or family, "status": "ok",
+                "median_s": seconds}
+
+    recs = [rec("stepnet", 0.020), rec("torch", 0.032, "torch nn.GRU"),
+            rec("onnxruntime", 0.024, "onnxruntime GRU node"), rec("stepnet-int8", 0.017),
+            rec("torch-int8", 0.018, "torch int8"), rec("onnxruntime-int8", 0.007, "ort int8")]
+    wls = {"W1": wl.make("W1", quick=True)}
+    for name, fastest, int8_peer in (("haswell", "torch nn.GRU 32.", "torch int8 18."),
+                                     ("host", "onnxruntime GRU node 24.", "ort int8 7.")):
+        monkeypatch.setenv("NUMBA_CPU_NAME", name)
+        assert ("emulating haswell" in run._cpu_model()) == (name == "haswell")
+        targets = _rows("\n".join(run.targets_section(["W1"], wls, recs, {}, None)))
+        assert targets[0][2].startswith(fastest), targets
+        assert targets[0][5] == ("yes" if name == "haswell" else "no")  # 0.62 / 0.83 of 0.65
+        int8 = _rows("\n".join(run.quantized_section(["W1"], recs)))
+        assert int8[0][4].startswith(int8_peer), int8
+
+
 def test_every_mechanism_of_the_mechanisms_benchmark_can_be_turned_off():
     """benchmarks/mechanisms.py turns each mechanism off by a name in the
     engine: every name it uses must exist, and each switch must change it
