@@ -566,11 +566,11 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many, measu
     return limits
 
 
-# the weight gradients' product measured: a.T @ b over the rows of a chunk
-# of steps of a batch (1024 rows) by a GRU of 256 units' gate gradients
-_TN_SHAPE = (1024, 256, 768)
-# the form of stepnet's own loop for a.T @ b measured
-_OWN_TN = "own loop on 256-row chunks: b's panels, a read transposed"
+# the weight gradients' product measured (and the form of the own loop's):
+# a.T @ b over a call's tokens, not a chunk's (a library's rate can fall as
+# they grow), 64 sequences of 64 steps, by a GRU of 256 units' gate gradients
+_TN_SHAPE = (4096, 256, 768)
+_OWN_TN = f"own loop on 256-row chunks: b's panels, a read transposed; {_TN_SHAPE}"
 _TRANSPOSED = {}  # dtype -> what transposed_by_own_loop found, for describe()
 
 
