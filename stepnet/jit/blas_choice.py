@@ -568,8 +568,8 @@ def _measured_small_rows(choice, time_both, time_shared, check, time_many, measu
 
 # the weight gradients' product measured (and the form of the own loop's):
 # a.T @ b over a call's tokens, not a chunk's (a library's rate can fall as
-# they grow), 64 sequences of 64 steps, by a GRU of 256 units' gate gradients
-_TN_SHAPE = (4096, 256, 768)
+# they grow), 64 sequences of 64 steps, by a GRU of 128 units' gate gradients
+_TN_SHAPE = (4096, 128, 384)
 _OWN_TN = f"own loop on 256-row chunks: b's panels, a read transposed; {_TN_SHAPE}"
 _TRANSPOSED = {}  # dtype -> what transposed_by_own_loop found, for describe()
 
