@@ -657,8 +657,7 @@ def _cpu_model():
                 flags = value.split()
     except OSError:
         pass
-    if name is None:
-        return platform.processor() or "unknown CPU"
+    name = name or platform.processor() or "unknown CPU"
     details = ([f"family {family}"] if family else []) + (
         [f"avx512f {'yes' if 'avx512f' in flags else 'no'}"] if flags is not None else [])
     if _emulated():
