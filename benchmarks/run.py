@@ -773,9 +773,11 @@ def _run_all(args, keys, fams, tmp, log):
     t_run = time.perf_counter()
     failures, results, worker_secs = [], [], {}
     runs = [(fam, None) for fam in fams]
-    if "stepnet" in fams and os.environ.get("OPENBLAS_CORETYPE") and not args.no_openblas_auto:
+    if ("stepnet" in fams and os.environ.get("OPENBLAS_CORETYPE") and not args.no_openblas_auto
+            and not _emulated()):
         # stepnet's GEMMs are OpenBLAS's: run it again with OpenBLAS choosing
-        # its kernels for this CPU (the other peers do not use OpenBLAS)
+        # its kernels for this CPU (the other peers do not use OpenBLAS; in an
+        # emulated run OPENBLAS_CORETYPE is the emulated CPU's, and stays)
         runs.insert(fams.index("stepnet") + 1, ("stepnet", "auto"))
     workers = []  # (family, variant, its Worker or None where it failed, why)
     for fam, variant in runs:
