@@ -306,36 +306,43 @@ def _time_round(items, r, tp):
 
 def ceiling_main(args):
     """The machine's GEMM ceiling, in a child limited to one thread: the
-    single-thread rate of the per-step product ``CEILING_SHAPE`` by numpy's
-    matmul, stepnet's own loop and each BLAS library stepnet reaches (the
+    single-thread rate of the per-step product ``CEILING_SHAPE`` by
+    stepnet's own loop, each BLAS library stepnet reaches and numpy's matmul
+    (not in an emulated run: NumPy's BLAS keeps this CPU's instructions; the
     best of 5 rounds each), and one core's FMA peak (machine.py)."""
     _setup_paths()
     import machine
-    import numpy as np
 
     M, K, N = CEILING_SHAPE
-    flops = 2.0 * M * K * N
+    seconds = machine.single_thread_seconds(M, K, N)
+    if not _emulated():
+        seconds.update(_numpy_seconds(M, K, N))
+    rates = {name: 2.0 * M * K * N / s / 1e9 for name, s in seconds.items()}
+    _write_json(Path(args.outdir) / "ceiling.json",
+                {"rates": rates, "fma_peak": machine.fma_peak_gflops()})
+
+
+def _numpy_seconds(M, K, N):
+    """``{"numpy matmul (its BLAS)": seconds}`` of one ``[M, K] @ [K, N]``
+    float32 product by numpy's matmul, the best of 5 rounds of 50."""
+    import numpy as np
+
     rng = np.random.default_rng(0)
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal((K, N)).astype(np.float32)
     c = np.empty((M, N), np.float32)
-    numpy_best = float("inf")
+    best = float("inf")
     for _ in range(5):
         np.matmul(a, b, out=c)
         t = time.perf_counter()
         for _ in range(50):
             np.matmul(a, b, out=c)
-        numpy_best = min(numpy_best, (time.perf_counter() - t) / 50)
+        best = min(best, (time.perf_counter() - t) / 50)
     try:
-        numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
+        name = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
     except (TypeError, KeyError, AttributeError):  # older numpy: no mode="dicts"
-        numpy_blas = "its BLAS"
-    seconds = machine.single_thread_seconds(M, K, N)
-    if not _emulated():  # (NumPy's BLAS keeps this CPU's instructions: not the emulated one's)
-        seconds[f"numpy matmul ({numpy_blas})"] = numpy_best
-    rates = {name: flops / s / 1e9 for name, s in seconds.items()}
-    _write_json(Path(args.outdir) / "ceiling.json",
-                {"rates": rates, "fma_peak": machine.fma_peak_gflops()})
+        name = "its BLAS"
+    return {f"numpy matmul ({name})": best}
 
 
 def probe_main(args):
