@@ -137,16 +137,16 @@ def test_a_shared_product_is_the_same_whoever_computes_its_parts(rng, m, k, n, o
 
 
 def test_a_library_product_is_cut_by_rows_by_its_shape_only():
-    """``blas._row_cut``: a library's product big enough is cut in half on a
+    """``blas.row_cut``: a library's product big enough is cut in half on a
     board that shares, whatever the helper's state and whatever the
     library; never on ALONE, nor under 16 rows."""
     board = np.zeros_like(threads.BOARD)
     slots(board)["shares"] = threads.EVERY
     for state in (threads.ABSENT, threads.IDLE, threads.RUNNING):
         slots(board)["state"] = state
-        assert blas._row_cut(200, 64, 256, board) == 100
-    assert blas._row_cut(15, 1024, 1024, board) == 0
-    assert blas._row_cut(200, 64, 256, threads.ALONE) == 0
+        assert blas.row_cut(200, 200 * 64 * 256, board) == 100
+    assert blas.row_cut(15, 15 * 1024 * 1024, board) == 0
+    assert blas.row_cut(200, 200 * 64 * 256, threads.ALONE) == 0
 
 
 def test_a_hoisted_product_is_shared_by_rows(rng):
@@ -212,7 +212,7 @@ def _now():
 def _handovers(board, c, start, end, lost_every=0, step=1000):
     """Count handovers of class ``c`` every ``step`` cycles from ``start`` to
     ``end`` (each ``lost_every``-th lost, or every one where -1), where the
-    class is not paused at that cycle (as ``blas._shared``); the cycle
+    class is not paused at that cycle (as ``blas.share_rows``); the cycle
     after."""
     i, now = 0, start
     while now < end:
@@ -705,6 +705,54 @@ def test_a_convolution_by_taps_shared_by_rows_equals_numpy(rng, dtype, dilation)
     alone = np.full((rows, M), np.nan, dtype)
     blas.taps_product(a, w, alone, dilation, threads.ALONE)
     np.testing.assert_allclose(alone, expected, rtol=1e-4, atol=1e-4)
+
+
+def _conv_reference(x, W, bias, stride, dilation, pad, out_len):
+    """An ONNX Conv of one group (``W`` [M, C, K]) over ``x`` [N, C, L] padded
+    with ``pad`` zeros on the left, in float64: [N, M, out_len]."""
+    N, C, L = x.shape
+    M, _, K = W.shape
+    padded = np.zeros((N, C, pad + L + K * dilation + out_len * stride))
+    padded[:, :, pad:pad + L] = x
+    y = np.empty((N, M, out_len))
+    for o in range(out_len):
+        taps = padded[:, :, o * stride + dilation * np.arange(K)]  # [N, C, K]
+        y[:, :, o] = np.einsum("nck,mck->nm", taps, W) + bias
+    return y
+
+
+@pytest.mark.parametrize("stride, dilation", [(1, 1), (1, 2), (32, 1)])
+def test_a_convolution_cut_by_samples_is_the_same_whoever_computes_its_parts(rng, stride,
+                                                                             dilation):
+    """``lowered.conv1d`` of 5 samples, big enough to be cut: the first two
+    here, the other three on the helper (its job counter moves); with the
+    helper asleep this thread computes both parts, to the same bits; both
+    equal the Conv computed in float64, as does the convolution on ALONE
+    (not cut: its product whole)."""
+    from stepnet.onnx import lowered
+
+    N, C, L, M, K, pad = 5, (1 if stride > 1 else 33), 544, 66, (64 if stride > 1 else 3), 16
+    out_len = (pad + L - (K - 1) * dilation - 1) // stride + 1
+    x = rng.standard_normal((N, C, L)).astype(np.float32)
+    W = rng.standard_normal((M, C, K)).astype(np.float32)
+    bias = rng.standard_normal(M).astype(np.float32)
+    w = np.ascontiguousarray(W.transpose(2, 1, 0) if stride == 1
+                             else W.reshape(M, C * K).T[None])  # (by taps, or as columns)
+    assert blas.row_cut(N, N * out_len * C * K * M, threads.BOARD, 2) == 2
+    expected = _conv_reference(x, W, bias, stride, dilation, pad, out_len)
+    got = []
+
+    def run():
+        got.append(lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, threads.BOARD))
+
+    assert _until_the_helper_helps(run)
+    np.testing.assert_allclose(got[-1], expected, rtol=1e-4, atol=1e-3)
+    threads.dismiss_helper()  # both parts computed here: the same bits
+    time.sleep(0.01)
+    np.testing.assert_array_equal(
+        lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, threads.BOARD), got[-1])
+    alone = lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, threads.ALONE)
+    np.testing.assert_allclose(alone, expected, rtol=1e-4, atol=1e-3)
 
 
 @needs_helper

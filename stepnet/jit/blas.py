@@ -478,7 +478,7 @@ _WAIT_BALANCED = 100
 
 
 @njit(inline="always")
-def _shared(board, work, own, other, own_part, whole):
+def share_rows(board, work, own, other, own_part, whole):
     """A library's product (``work`` multiply-adds) cut by rows at ``own_part``:
     ``own`` here, ``other`` on the helper where it is free, else here too."""
     c = threads.work_class(work)
@@ -490,7 +490,7 @@ def _shared(board, work, own, other, own_part, whole):
 
 @njit(inline="always")
 def _shared_columns(board, work, own, other, whole_job, own_part, whole):
-    """The own loop's product cut by columns: as ``_shared``, but whole here."""
+    """The own loop's product cut by columns: as ``share_rows``, but whole here."""
     c = threads.work_class(work)
     start = cycles()
     if threads.sharing_paused(board, c, start):
@@ -582,12 +582,12 @@ def _own_product_for(a, b, out, board):
 
 
 @njit(cache=True)
-def _row_cut(m, k, n, board):
-    """Where a library product ``[m, k] @ [k, n]`` is cut by rows on ``board``
-    (0: not cut)."""
-    if board[threads.SHARES] & threads.ROWS == 0 or m < 16 or m * k * n < _SHARE_LIBRARY_WORK:
+def row_cut(rows, work, board, least=16):
+    """Where ``rows`` rows computed apart (a product's, a convolution's samples;
+    ``work`` multiply-adds) are cut in two on ``board`` (0: not; nor under ``least``)."""
+    if board[threads.SHARES] & threads.ROWS == 0 or rows < least or work < _SHARE_LIBRARY_WORK:
         return 0
-    return m // 2
+    return rows // 2
 
 
 @njit(cache=True)
@@ -604,12 +604,12 @@ def _hoisted(a, b, out, small_rows, board, add):
     m, k = a.shape
     n = b.shape[1]
     beta = 1.0 if add else 0.0
-    cut = _row_cut(m, k, n, board)
+    cut = row_cut(m, m * k * n, board)
     if cut == 0:
         _library_gemm(a, b, out, beta)
     else:  # (the library raises nothing)
-        _shared(board, m * k * n, job_of(_library_gemm, (a[:cut], b, out[:cut], beta)),
-                job_of(_library_gemm, (a[cut:], b, out[cut:], beta)), cut, m)
+        share_rows(board, m * k * n, job_of(_library_gemm, (a[:cut], b, out[:cut], beta)),
+                   job_of(_library_gemm, (a[cut:], b, out[cut:], beta)), cut, m)
 
 
 @njit(cache=True)
@@ -646,16 +646,16 @@ def taps_product(a, w, out, dilation, board):
     C-contiguous floats of one dtype; K = 1: ``out = a @ w[0]``): a
     convolution by taps over rows laid out channels-last. Outside a kernel
     (an ONNX Conv, say), on the chosen BLAS; its rows cut in two where big
-    enough (``_row_cut``), the second part on the helper where it is free on
+    enough (``row_cut``), the second part on the helper where it is free on
     ``board``."""
     rows = out.shape[0]
-    cut = _row_cut(rows, a.shape[1] * w.shape[0], out.shape[1], board)
+    cut = row_cut(rows, rows * a.shape[1] * w.shape[0] * out.shape[1], board)
     if cut == 0:
         _taps_rows(a, w, out, dilation, 0, rows)
     else:
-        _shared(board, rows * a.shape[1] * w.shape[0] * out.shape[1],
-                job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
-                job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut, rows)
+        share_rows(board, rows * a.shape[1] * w.shape[0] * out.shape[1],
+                   job_of(_taps_rows, (a, w, out, dilation, 0, cut)),
+                   job_of(_taps_rows, (a, w, out, dilation, cut, rows)), cut, rows)
 
 
 def board_for_product(multiply_adds):
@@ -734,12 +734,12 @@ def gemm_packed(a, prepared, out):
     else:
         m = a.shape[0]
         k, n = prepared[1].shape
-        cut = _row_cut(m, k, n, board) if k * n >= SHARE_OWN_WORK else 0
+        cut = row_cut(m, m * k * n, board) if k * n >= SHARE_OWN_WORK else 0
         if cut == 0:
             _library_product(a, prepared, out)
         else:  # (the library's product raises nothing)
-            _shared(board, m * k * n, job_of(_library_product, (a[:cut], prepared, out[:cut])),
-                    job_of(_library_product, (a[cut:], prepared, out[cut:])), cut, m)
+            share_rows(board, m * k * n, job_of(_library_product, (a[:cut], prepared, out[:cut])),
+                       job_of(_library_product, (a[cut:], prepared, out[cut:])), cut, m)
 
 
 @njit(cache=True)

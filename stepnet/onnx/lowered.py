@@ -10,7 +10,9 @@ import sys
 import numpy as np
 from numba import njit
 
-from ..jit.blas import taps_product
+from ..jit.atomics import job_of
+from ..jit.blas import row_cut, share_rows, taps_product
+from ..jit.threads import RAISED
 
 
 def generated(key):
@@ -29,15 +31,44 @@ def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
     """A 1-D Conv of one group and ``K`` taps: ``x`` [N, C, L] (any strides),
     ``w`` the weight [M, C, K] by taps at stride 1, [K, C, M], else as
     columns, [1, C * K, M] (C-contiguous), ``bias`` [M]; [N, M, out_len], a
-    view of rows laid out channels-last (``[N, out_len, M]`` in memory). The
-    input is copied channels-last, padded with zeros; with stride 1, one
-    product per tap over every sample's rows at that tap's offset, else
-    every window's values a row, then one product (``taps_product``; each as
-    a Conv node's)."""
+    view of rows laid out channels-last (``[N, out_len, M]`` in memory).
+    Its samples cut in two where the work is big enough (``blas.row_cut``),
+    the second part on the helper where it is free on ``board`` (each part's
+    product whole: the same bits either way); where they are not, its
+    product's rows are (``taps_product``)."""
     N, C, L = x.shape
     M = w.shape[2]
     span = (out_len - 1) * stride + (K - 1) * dilation + 1
     Lp = max(span, pad + L)
+    per_sample = Lp if stride == 1 else out_len
+    out = np.empty((N * per_sample, M), x.dtype)
+    cut = row_cut(N, N * per_sample * w.shape[0] * w.shape[1] * M, board, 2)
+    if cut == 0:
+        _conv_samples(x, w, bias, K, stride, dilation, pad, out_len, Lp, out, board)
+    else:
+        alone = np.zeros_like(board)  # (a part's product is not cut again)
+        split = cut * per_sample
+        own = job_of(_conv_samples, (x[:cut], w, bias, K, stride, dilation, pad, out_len, Lp,
+                                     out[:split], alone))
+        other = job_of(_conv_samples, (x[cut:], w, bias, K, stride, dilation, pad, out_len, Lp,
+                                       out[split:], alone))
+        if share_rows(board, N * per_sample * w.shape[0] * w.shape[1] * M, own, other, cut,
+                      N) == RAISED:
+            _conv_samples(x, w, bias, K, stride, dilation, pad, out_len, Lp, out, alone)
+    y = out.reshape((N, per_sample, M))[:, :out_len, :]
+    return y.transpose((0, 2, 1))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _conv_samples(x, w, bias, K, stride, dilation, pad, out_len, Lp, out, board):
+    """``conv1d``'s rows of the samples ``x`` into ``out`` [N * per_sample,
+    M]: the input copied channels-last, padded with zeros to ``Lp``; with
+    stride 1, one product per tap over every sample's rows at that tap's
+    offset (sample n's output o: row n * Lp + o; the rows past a sample's
+    outputs are not written), else every window's values a row, then one
+    product (``taps_product``; each as a Conv node's)."""
+    N, C, L = x.shape
+    M = w.shape[2]
     padded = np.empty((N, Lp, C), x.dtype)
     padded[:, :pad, :] = 0
     padded[:, pad + L:, :] = 0
@@ -52,10 +83,8 @@ def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
                 for i in range(L):
                     padded[n, pad + i, c] = x[n, c, i]
     if stride == 1:
-        rows = N * Lp - (K - 1) * dilation  # (sample n's output o: row n * Lp + o)
-        out = np.empty((N * Lp, M), x.dtype)
+        rows = N * Lp - (K - 1) * dilation
         taps_product(padded.reshape((N * Lp, C)), w, out[:rows], dilation, board)
-        per_sample = Lp
     else:
         rows = N * out_len
         windows = np.empty((rows, K * C), x.dtype)
@@ -66,14 +95,10 @@ def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
                 for c in range(C):  # (by channel, then tap: a Conv node's order)
                     for k in range(K):
                         windows[row, c * K + k] = flat[at + k * dilation * C + c]
-        out = np.empty((rows, M), x.dtype)
-        taps_product(windows, w, out, 1, board)
-        per_sample = out_len
+        taps_product(windows, w, out[:rows], 1, board)
     for r in range(rows):
         for m in range(M):
             out[r, m] += bias[m]
-    y = out.reshape((N, per_sample, M))[:, :out_len, :]
-    return y.transpose((0, 2, 1))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
