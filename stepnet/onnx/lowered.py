@@ -42,7 +42,8 @@ def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
     Lp = max(span, pad + L)
     per_sample = Lp if stride == 1 else out_len
     out = np.empty((N * per_sample, M), x.dtype)
-    cut = row_cut(N, N * per_sample * w.shape[0] * w.shape[1] * M, board, 2)
+    work = N * per_sample * w.shape[0] * w.shape[1] * M  # (multiply-adds: C * K by M a row)
+    cut = row_cut(N, work, board, 2)
     if cut == 0:
         _conv_samples(x, w, bias, K, stride, dilation, pad, out_len, Lp, out, board)
     else:
@@ -52,8 +53,7 @@ def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
                                      out[:split], alone))
         other = job_of(_conv_samples, (x[cut:], w, bias, K, stride, dilation, pad, out_len, Lp,
                                        out[split:], alone))
-        if share_rows(board, N * per_sample * w.shape[0] * w.shape[1] * M, own, other, cut,
-                      N) == RAISED:
+        if share_rows(board, work, own, other, cut, N) == RAISED:
             _conv_samples(x, w, bias, K, stride, dilation, pad, out_len, Lp, out, alone)
     y = out.reshape((N, per_sample, M))[:, :out_len, :]
     return y.transpose((0, 2, 1))
