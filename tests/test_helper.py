@@ -721,21 +721,22 @@ def _conv_reference(x, W, bias, stride, dilation, pad, out_len):
     return y
 
 
-@pytest.mark.parametrize("stride, dilation", [(1, 1), (1, 2), (32, 1)])
+@pytest.mark.parametrize("stride, dilation, dtype", [(1, 1, np.float32), (1, 2, np.float64),
+                                                     (32, 1, np.float32)])
 def test_a_convolution_cut_by_samples_is_the_same_whoever_computes_its_parts(rng, stride,
-                                                                             dilation):
+                                                                             dilation, dtype):
     """``lowered.conv1d`` of 5 samples, big enough to be cut: the first two
     here, the other three on the helper (its job counter moves); with the
     helper asleep this thread computes both parts, to the same bits; both
     equal the Conv computed in float64, as does the convolution on ALONE
-    (not cut: its product whole)."""
+    (not cut: its product whole); float32 and float64."""
     from stepnet.onnx import lowered
 
     N, C, L, M, K, pad = 5, (1 if stride > 1 else 33), 544, 66, (64 if stride > 1 else 3), 16
     out_len = (pad + L - (K - 1) * dilation - 1) // stride + 1
-    x = rng.standard_normal((N, C, L)).astype(np.float32)
-    W = rng.standard_normal((M, C, K)).astype(np.float32)
-    bias = rng.standard_normal(M).astype(np.float32)
+    x = rng.standard_normal((N, C, L)).astype(dtype)
+    W = rng.standard_normal((M, C, K)).astype(dtype)
+    bias = rng.standard_normal(M).astype(dtype)
     w = np.ascontiguousarray(W.transpose(2, 1, 0) if stride == 1
                              else W.reshape(M, C * K).T[None])  # (by taps, or as columns)
     assert blas.row_cut(N, N * out_len * C * K * M, threads.BOARD, 2) == 2
