@@ -743,16 +743,20 @@ def test_a_convolution_cut_by_samples_is_the_same_whoever_computes_its_parts(rng
     expected = _conv_reference(x, W, bias, stride, dilation, pad, out_len)
     got = []
 
+    def conv(board):  # (the output: a view of the rows conv1d lays out channels-last)
+        rows = lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, board)
+        assert rows.flags.c_contiguous and rows.shape[::2] == (N, M)
+        return rows[:, :out_len, :].transpose(0, 2, 1)
+
     def run():
-        got.append(lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, threads.BOARD))
+        got.append(conv(threads.BOARD))
 
     assert _until_the_helper_helps(run)
     np.testing.assert_allclose(got[-1], expected, rtol=1e-4, atol=1e-3)
     threads.dismiss_helper()  # both parts computed here: the same bits
     time.sleep(0.01)
-    np.testing.assert_array_equal(
-        lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, threads.BOARD), got[-1])
-    alone = lowered.conv1d(x, w, bias, K, stride, dilation, pad, out_len, threads.ALONE)
+    np.testing.assert_array_equal(conv(threads.BOARD), got[-1])
+    alone = conv(threads.ALONE)
     np.testing.assert_allclose(alone, expected, rtol=1e-4, atol=1e-3)
 
 

@@ -30,8 +30,10 @@ def generated(key):
 def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
     """A 1-D Conv of one group and ``K`` taps: ``x`` [N, C, L] (any strides),
     ``w`` the weight [M, C, K] by taps at stride 1, [K, C, M], else as
-    columns, [1, C * K, M] (C-contiguous), ``bias`` [M]; [N, M, out_len], a
-    view of rows laid out channels-last (``[N, out_len, M]`` in memory).
+    columns, [1, C * K, M] (C-contiguous), ``bias`` [M]; its rows laid out
+    channels-last, [N, per_sample, M] (C-contiguous; the output is
+    ``[:, :out_len, :].transpose((0, 2, 1))`` of it: ``per_sample`` is
+    ``out_len`` but at stride 1, where it is the padded input's length).
     Its samples cut in two where the work is big enough (``blas.row_cut``),
     the second part on the helper where it is free on ``board`` (each part's
     product whole: the same bits either way); where they are not, its
@@ -55,8 +57,7 @@ def conv1d(x, w, bias, K, stride, dilation, pad, out_len, board):
                                        out[split:], alone))
         if share_rows(board, work, own, other, cut, N) == RAISED:
             _conv_samples(x, w, bias, K, stride, dilation, pad, out_len, Lp, out, alone)
-    y = out.reshape((N, per_sample, M))[:, :out_len, :]
-    return y.transpose((0, 2, 1))
+    return out.reshape((N, per_sample, M))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

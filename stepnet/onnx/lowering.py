@@ -18,8 +18,9 @@ constant):
   and one product; channels-last, as a Conv node's), MatMul by a 2-D
   matrix (the products' rows shared with the helper where big enough),
   ReduceMean and ReduceSum (their loops: :mod:`stepnet.onnx.lowered`);
-  elementwise loops follow their inputs' memory order, the values given
-  back stay C-contiguous;
+  elementwise loops follow their inputs' memory order (and read and write
+  a Conv's rows, a run's outputs and their slices in the C-contiguous arrays
+  holding them: ``_Writer.memory``), the values given back stay C-contiguous;
 - GRU, LSTM and RNN nodes of one direction, no ``sequence_lens``, weights
   that are constants: the step-net's kernel, called as its prepared call
   calls it (:mod:`stepnet.jit.prepared`), X's rows read by steps.
@@ -66,6 +67,12 @@ class _Writer:
         # value name -> the order of its axes in memory, outermost first, where
         # it is made here and not C-contiguous (elementwise loops follow it)
         self.order = {}
+        # value name -> (an array variable known C-contiguous, the value's
+        # offset on each axis): the value is the array's elements at those
+        # offsets, its axes in the array in ``order``'s order; an elementwise
+        # loop reads and writes it there (LLVM vectorizes loops over arrays
+        # known contiguous, not over views of any layout)
+        self.memory = {}
         # ("env", name), ("array", an array or a tuple), ("board", (kernel, rows,
         # sequences)): a recurrent kernel's, ("product board", multiply-adds)
         self.args = []
@@ -89,10 +96,23 @@ class _Writer:
         """An argument holding ``value``, an array made once for the key."""
         return self.arg("array", value)
 
-    def same_order(self, name, source):
-        """Value ``name`` laid out as ``source`` is (a view of it)."""
+    def same_order(self, name, source, offsets=None):
+        """Value ``name`` laid out as ``source`` is (a view of it, at
+        ``offsets`` from its first element on each axis)."""
         if source in self.order:
             self.order[name] = self.order[source]
+        if source in self.memory:
+            array, at = self.memory[source]
+            self.memory[name] = (array, tuple(a + b for a, b in zip(at, offsets or [0] * len(at))))
+
+    def element(self, name, index):
+        """Value ``name``'s element at ``index`` (a loop variable per axis)
+        where it lies in an array known C-contiguous (``memory``), else None."""
+        if name not in self.memory:
+            return None
+        array, at = self.memory[name]
+        order = self.order.get(name, range(len(index)))
+        return f"{array}[{', '.join(index[a] + (f' + {at[a]}' if at[a] else '') for a in order)}]"
 
     def made(self, name=None):
         """A new variable for value ``name``, made by the current node
@@ -197,7 +217,8 @@ def _elementwise(w, nodes, read_after):
             if name not in scalars:
                 x, src = w.env[name], w.ref(name)
                 at = [index[len(shape) - x.ndim + a] if n != 1 else "0" for a, n in enumerate(x.shape)]
-                scalars[name] = f"{src}[{', '.join(at)}]" if at else f"{src}[()]"
+                scalars[name] = (x.shape == shape and w.element(name, index)
+                                 or (f"{src}[{', '.join(at)}]" if at else f"{src}[()]"))
             args.append(scalars[name])
         t = f"t{w.temps}"
         w.temps += 1
@@ -209,11 +230,11 @@ def _elementwise(w, nodes, read_after):
             y = w.made(name)
             if order == tuple(range(len(shape))) or name in w.keep:  # (what the call gives back:
                 w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")  # C-contiguous)
-            else:
-                w.order[name] = order
-                w.body.append(f"    {y} = np.empty({tuple(shape[a] for a in order)}, "
-                              f"np.{dt.name}).transpose({tuple(int(a) for a in np.argsort(order))})")
-            loop.append(f"{y}[{', '.join(index)}] = {scalars[name]}")
+            else:  # (laid out in the loops' order: the loop writes the array, others read the view)
+                w.order[name], w.memory[name] = order, (f"{y}m", (0,) * len(shape))
+                w.body.append(f"    {y}m = np.empty({tuple(shape[a] for a in order)}, np.{dt.name})")
+                w.body.append(f"    {y} = {y}m.transpose({tuple(int(a) for a in np.argsort(order))})")
+            loop.append(f"{w.element(name, index) or y + '[' + ', '.join(index) + ']'} = {scalars[name]}")
     for depth, axis in enumerate(order):
         w.body.append(f"{'    ' * (depth + 1)}for {index[axis]} in range({shape[axis]}):")
     w.body += [f"{'    ' * (len(shape) + 1)}{line}" for line in loop]
@@ -244,7 +265,11 @@ def _slice(w, node):
         return False
     src = w.ref(node.inputs[0])
     w.body.append(f"    {w.made(node.outputs[0])} = {src}[{', '.join(text)}]")
-    w.same_order(node.outputs[0], node.inputs[0])
+    if all(i.step == 1 for i in index if i != slice(None)):
+        w.same_order(node.outputs[0], node.inputs[0], [i.start or 0 for i in index])
+    else:
+        w.same_order(node.outputs[0], node.inputs[0])
+        w.memory.pop(node.outputs[0], None)
     return True
 
 
@@ -373,8 +398,10 @@ def _conv(w, node):
     board = w.product_board(x.shape[0] * out_len * C * K * M)
     y = w.made(node.outputs[0])
     w.order[node.outputs[0]] = (0, 2, 1)  # (a view of rows channels-last: conv1d)
-    w.body.append(f"    {y} = conv1d({src}, {weights}, {b}, {K}, {stride}, {dilation}, {int(pads[0])}, "
-                  f"{out_len}, {board})")
+    w.memory[node.outputs[0]] = (f"{y}m", (0, 0, 0))
+    w.body.append(f"    {y}m = conv1d({src}, {weights}, {b}, {K}, {stride}, {dilation}, "
+                  f"{int(pads[0])}, {out_len}, {board})")
+    w.body.append(f"    {y} = {y}m[:, :{out_len}, :].transpose((0, 2, 1))")
     return True
 
 
