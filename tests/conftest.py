@@ -1,9 +1,11 @@
 """Shared test helpers: every backend is judged against the interpreter."""
 
+import inspect
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 # Without a GPU the CUDA backend runs on Numba's CUDA simulator (it must be
 # chosen before numba is imported); tests/test_cuda_backend.py tests it.
@@ -182,24 +184,37 @@ def compile_helpers(dtype, executor=False):
         executor_loop.loop(dtype)
 
 
-def cache_with_helpers(path):
+def cache_with_helpers(path, executor=False):
     """A new ``STEPNET_CACHE_DIR`` at ``path`` with no kernel in it but the
     compiled helpers and the BLAS measurements of this process's cache
     directory (those that a small net's run and gradients link, in both
     float dtypes, compiled there first): for tests of how kernels are
     compiled, cached and loaded, which need every kernel new but not
     stepnet's own helpers (about 20 s of compiles in a process of its own).
-    A test of an empty cache uses an empty directory."""
+    ``executor``: and the executor's loops, marked ready (for tiered runs,
+    whose compile worker would otherwise compile them first, about 12 s
+    each). A test of an empty cache uses an empty directory."""
     from stepnet.jit import cache
 
+    loops = []
     for dtype in ("float32", "float64"):
         compile_helpers(dtype)
+        if executor:
+            from stepnet import executor_loop
+
+            loops.append(Path(inspect.getfile(executor_loop.loop(np.dtype(dtype)).py_func)))
     source = cache.cache_dir()
     path.mkdir(parents=True)
     for found in source.glob("*.json"):
         shutil.copy2(found, path / found.name)
     if (source / "numba").is_dir():  # (files are written by atomic renames: each copy is whole)
         shutil.copytree(source / "numba", path / "numba", ignore=shutil.ignore_patterns("*.tmp*"))
+    for loop in loops:  # (copy2: Numba's index holds its source file's time and size)
+        (path / "__pycache__").mkdir(exist_ok=True)
+        for found in [loop, *(source / "__pycache__").glob(f"{loop.stem}.*")]:
+            if ".tmp" not in found.name:
+                shutil.copy2(found, path / found.relative_to(source))
+        (path / f"{loop.stem}.ready").touch()
     return path
 
 

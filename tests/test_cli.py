@@ -112,7 +112,8 @@ def test_compile_builds_the_kernels_a_later_run_loads(tmp_path):
     """``stepnet compile`` compiles a network's kernels into the cache; a later
     process, tiered, on other data of the same kinds, runs them from its
     first call (none on the interpreter)."""
-    env = {"STEPNET_CACHE_DIR": str(cache_with_helpers(tmp_path / "cache")), "STEPNET_TIERED": "1"}
+    env = {"STEPNET_CACHE_DIR": str(cache_with_helpers(tmp_path / "cache", executor=True)),
+           "STEPNET_TIERED": "1"}
     example = EXAMPLES / "custom_cell.yaml"
     out = ok(stepnet("compile", example, env=env))
     found = re.search(r"^compiled (\d+) new kernels? of .*custom_cell.yaml into (.*) in ", out, re.M)

@@ -43,7 +43,7 @@ def _net(rng, features, hidden, lengths=((3, 1, 4),)):
 def tiered(monkeypatch, tmp_path):
     """Tiers on, and a cache directory with no kernel (the compiled helpers
     only: ``cache_with_helpers``): every kernel is new."""
-    cache = cache_with_helpers(tmp_path / "cache")
+    cache = cache_with_helpers(tmp_path / "cache", executor=True)
     monkeypatch.setenv("STEPNET_TIERED", "1")
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(cache))
     return cache
@@ -174,7 +174,7 @@ def test_a_kernel_compiled_before_is_not_tiered_in_a_new_process(rng, tiered):
     assert out.stdout.split()[-1] == "NumbaProgram"
 
 
-def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
+def test_a_first_call_on_the_interpreter_compiles_nothing_here(tmp_path, monkeypatch):
     """The answer of a new kernel's first call does not wait for the helpers
     it links (small_gemm's C entry), which on an empty cache take longer to
     compile than the kernel: the compile worker compiles them with the
@@ -184,7 +184,8 @@ def test_a_first_call_on_the_interpreter_compiles_nothing_here(tiered):
     while the backward runs on the interpreter), nor the helper thread's
     calls (compiled at their first use). The worker's answers are
     held until then, so that the calls answer on the interpreter however
-    fast it compiles."""
+    fast it compiles. (No executor's loop in the cache: it would link them.)"""
+    monkeypatch.setenv("STEPNET_CACHE_DIR", str(cache_with_helpers(tmp_path / "cache")))
     script = textwrap.dedent(f"""
         import numpy as np, sys, threading
         sys.path.insert(0, {str(ROOT / 'tests')!r})
@@ -332,8 +333,9 @@ def test_the_command_says_which_tier_answered(tmp_path):
     """``stepnet run`` on a new kernel answers on the executor (the first
     tier); ``stepnet bench`` waits for the kernels before it times them and
     says when they were ready."""
-    env = dict(os.environ, STEPNET_CACHE_DIR=str(cache_with_helpers(tmp_path / "cache")),
-               STEPNET_TIERED="1")
+    env = dict(os.environ, STEPNET_TIERED="1",
+               STEPNET_CACHE_DIR=str(cache_with_helpers(tmp_path / "cache", executor=True)))
+    loops = set((tmp_path / "cache").glob("stepnet_kernel_*.ready"))  # (the executor's, ready)
     example = str(ROOT / "examples" / "custom_cell.yaml")
     run = subprocess.run([sys.executable, "-m", "stepnet.cli", "run", example], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
@@ -342,10 +344,10 @@ def test_the_command_says_which_tier_answered(tmp_path):
     assert "answered on the executor while new kernels compile in the background" in run.stdout
     # the command did not wait for its worker, which finishes the kernel and marks it
     deadline = time.monotonic() + 120
-    while not any((tmp_path / "cache").glob("stepnet_kernel_*.ready")):
+    while not set((tmp_path / "cache").glob("stepnet_kernel_*.ready")) - loops:
         assert time.monotonic() < deadline, "the worker left no compiled kernel behind"
         time.sleep(0.2)
-    env["STEPNET_CACHE_DIR"] = str(cache_with_helpers(tmp_path / "other"))
+    env["STEPNET_CACHE_DIR"] = str(cache_with_helpers(tmp_path / "other", executor=True))
     bench = subprocess.run([sys.executable, "-m", "stepnet.cli", "bench", example, "--repeat", "2"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert bench.returncode == 0, bench.stderr
