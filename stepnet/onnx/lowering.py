@@ -232,8 +232,9 @@ def _elementwise(w, nodes, read_after):
                 w.body.append(f"    {y} = np.empty({shape}, np.{dt.name})")  # C-contiguous)
             else:  # (laid out in the loops' order: the loop writes the array, others read the view)
                 w.order[name], w.memory[name] = order, (f"{y}m", (0,) * len(shape))
-                w.body.append(f"    {y}m = np.empty({tuple(shape[a] for a in order)}, np.{dt.name})")
-                w.body.append(f"    {y} = {y}m.transpose({tuple(int(a) for a in np.argsort(order))})")
+                laid = tuple(shape[a] for a in order)
+                w.body.append(f"    {y}m = np.empty({laid}, np.{dt.name})")
+                w.body.append(f"    {y} = {_permuted(f'{y}m', np.argsort(order), laid)}")
             loop.append(f"{w.element(name, index) or y + '[' + ', '.join(index) + ']'} = {scalars[name]}")
     for depth, axis in enumerate(order):
         w.body.append(f"{'    ' * (depth + 1)}for {index[axis]} in range({shape[axis]}):")
@@ -243,6 +244,32 @@ def _elementwise(w, nodes, read_after):
 def _known(w, name):
     """The value of ``name`` where the key fixes it, else None."""
     return w.env.get(name) if name and name in w.fixed else None
+
+
+# Numba's transpose by axes and its copy of an array into a slice each build
+# error messages (f-strings of shapes) the first time a process compiles
+# them, seconds each: a graph permutes axes by strides and copies by loops,
+# and its first compile in a new compile worker costs its own code only
+
+
+def _permuted(src, perm, shape):
+    """The text of ``src`` (of ``shape``) with its axes in the order
+    ``perm``: a view, as ``np.transpose(src, perm)`` is."""
+    if list(perm) == list(range(len(shape))):
+        return src
+    strides = ", ".join(f"{src}.strides[{a}]" for a in perm)
+    return (f"np.lib.stride_tricks.as_strided({src}, {tuple(int(shape[a]) for a in perm)}, "
+            f"({strides},))")
+
+
+def _copy(shape, dst, dst_at, src, src_at=list, depth=1):
+    """Lines copying, for each index of ``shape``, an element of ``src`` into
+    ``dst``: ``dst_at(counters)`` and ``src_at(counters)`` are their indices,
+    a text per axis, given the loops' counters (a text per axis of ``shape``)."""
+    counters = [f"c{k}" for k in range(len(shape))]
+    lines = [f"{'    ' * (depth + k)}for {c} in range({n}):" for k, (c, n) in enumerate(zip(counters, shape))]
+    to, at = ", ".join(dst_at(counters)) or "()", ", ".join(src_at(counters)) or "()"
+    return lines + [f"{'    ' * (depth + len(shape))}{dst}[{to}] = {src}[{at}]"]
 
 
 def _slice(w, node):
@@ -288,7 +315,7 @@ def _transpose(w, node):
     if x.transpose(perm).shape != w.env[node.outputs[0]].shape:
         return False
     src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = np.transpose({src}, {perm})")
+    w.body.append(f"    {w.made(node.outputs[0])} = {_permuted(src, perm, x.shape)}")
     order = tuple(perm.index(a) for a in w.order.get(node.inputs[0], range(x.ndim)))
     if order != tuple(range(x.ndim)):
         w.order[node.outputs[0]] = order
@@ -306,8 +333,8 @@ def _concat(w, node):
     at = 0
     for name, part in zip(names, parts):
         size = w.env[name].shape[axis]
-        index = ", ".join([":"] * axis + [f"{at}:{at + size}"])
-        w.body.append(f"    {y}[{index}] = {part}")
+        w.body += _copy(w.env[name].shape, y, lambda c, at=at: [
+            f"{at} + {v}" if k == axis and at else v for k, v in enumerate(c)], part)
         at += size
     return at == out.shape[axis]
 
@@ -356,18 +383,17 @@ def _pad(w, node):
         "np.inf" if fill > 0 else "-np.inf"
     w.body.append(f"    {y} = np.full({out.shape}, {fill}, {dt})" if mode == "constant"
                   else f"    {y} = np.empty({out.shape}, {dt})")
-    inner = ", ".join(f"{b}:{b + n}" for b, n in zip(begin, x.shape))
-    w.body.append(f"    {y}[{inner}] = {src}")
-
-    def at(axis, index):
-        return ", ".join([":"] * axis + [index])
-
+    w.body += _copy(x.shape, y, lambda c: [f"{b} + {v}" if b else v for b, v in zip(begin, c)], src)
     for a, (n, b, e) in enumerate(zip(x.shape, begin, end)):
         if mode == "constant" or b + e == 0:
             continue
+        # axis a's pads from the values on it so far (the earlier axes' pads too)
+        rest = out.shape[:a] + out.shape[a + 1:]
         first, last = (f"{b} + 1 + i", f"{b + n} - 2 - i") if mode == "reflect" else (f"{b}", f"{b + n - 1}")
-        w.body += [f"    for i in range({b}):", f"        {y}[{at(a, f'{b} - 1 - i')}] = {y}[{at(a, first)}]",
-                   f"    for i in range({e}):", f"        {y}[{at(a, f'{b + n} + i')}] = {y}[{at(a, last)}]"]
+        for count, to, at in ((b, f"{b} - 1 - i", first), (e, f"{b + n} + i", last)):
+            w.body += [f"    for i in range({count}):",
+                       *_copy(rest, y, lambda c, a=a, to=to: [*c[:a], to, *c[a:]],
+                              y, lambda c, a=a, at=at: [*c[:a], at, *c[a:]], depth=2)]
     return True
 
 
@@ -401,7 +427,7 @@ def _conv(w, node):
     w.memory[node.outputs[0]] = (f"{y}m", (0, 0, 0))
     w.body.append(f"    {y}m = conv1d({src}, {weights}, {b}, {K}, {stride}, {dilation}, "
                   f"{int(pads[0])}, {out_len}, {board})")
-    w.body.append(f"    {y} = {y}m[:, :{out_len}, :].transpose((0, 2, 1))")
+    w.body.append(f"    {y} = {_permuted(f'{y}m[:, :{out_len}, :]', (0, 2, 1), (x.shape[0], out_len, M))}")
     return True
 
 
@@ -436,7 +462,7 @@ def _reduce(w, node):
     if inner == 0:
         return False
     src = w.ref(node.inputs[0])
-    moved = src if kept + axes == list(range(x.ndim)) else f"np.transpose({src}, {tuple(kept + axes)})"
+    moved = _permuted(src, kept + axes, x.shape)
     w.body.append(f"    {w.made(node.outputs[0])} = reduce_rows(np.ascontiguousarray({moved}).reshape("
                   f"({x.size // inner}, {inner})), {node.op == 'ReduceMean'}).reshape({out.shape})")
     return True
