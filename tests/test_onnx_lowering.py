@@ -212,8 +212,8 @@ def _model(nodes, inits, x_shape, **outputs):
 @pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
 def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
     """Pad (on two axes), a 1-D Conv with padding and a stride, MatMul of a 3-D value,
-    ReduceSum and ReduceMean over inner axes, Concat, Flatten, a float Cast
-    and Erf (math's) in one call: as node by node."""
+    ReduceSum and ReduceMean over inner axes, Concat, Flatten, a float Cast,
+    Erf (math's) and a Transpose of the input in one call: as node by node."""
     inits = [numpy_helper.from_array(np.array([1, 0, 2, 0, 0, 3], np.int64), "pads"),
              numpy_helper.from_array(np.array(np.nan, np.float32), "fill"),
              numpy_helper.from_array(rng.standard_normal((5, 4, 3)).astype(np.float32), "w"),
@@ -230,8 +230,13 @@ def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
              helper.make_node("Flatten", ["j"], ["f"], axis=1),
              helper.make_node("Cast", ["r"], ["y2"], to=TensorProto.DOUBLE),
              helper.make_node("Erf", ["f"], ["e"]),
-             helper.make_node("Relu", ["e"], ["y"])]
-    model = _model(nodes, inits, ["B", 4, 7], y=TensorProto.FLOAT, y2=TensorProto.DOUBLE)
+             helper.make_node("Relu", ["e"], ["y"]),
+             # an input's axes permuted, joined on its first axis, reduced over its middle one
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[2, 0, 1]),
+             helper.make_node("Concat", ["xt", "xt"], ["xc"], axis=0),
+             helper.make_node("ReduceMean", ["xc"], ["y3"], axes=[1], keepdims=0)]
+    model = _model(nodes, inits, ["B", 4, 7], y=TensorProto.FLOAT, y2=TensorProto.DOUBLE,
+                   y3=TensorProto.FLOAT)
     x = rng.standard_normal((3, 4, 7)).astype(np.float32)
     session = InferenceSession(model)
     for _ in range(3):
