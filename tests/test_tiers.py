@@ -486,6 +486,7 @@ def test_a_kernel_two_processes_ask_for_is_compiled_once(monkeypatch, tmp_path):
     _until(lambda: len(server.current[2]) == 2 and "orphan" in server.queue)
     c.sock.shutdown(socket.SHUT_RDWR)  # its process ended: its request waits behind b's
     _until(lambda: server.queue["orphan"][1] == [])
+    b.send({"key": "loop", "function": "steps_loop"})  # (the executor's: after the kernels)
     b.send({"key": "other"})
     _until(lambda: "other" in server.queue)
     _end_when_idle(monkeypatch, server)
@@ -493,8 +494,9 @@ def test_a_kernel_two_processes_ask_for_is_compiled_once(monkeypatch, tmp_path):
     assert next(a_lines) == {"key": "k", "ok": True}
     assert next(b_lines) == {"key": "k", "ok": True}
     assert next(b_lines) == {"key": "other", "ok": True}
-    _until(lambda: len(compiled) == 3)
-    assert compiled == ["k", "other", "orphan"]
+    assert next(b_lines) == {"key": "loop", "ok": True}
+    _until(lambda: len(compiled) == 4)
+    assert compiled == ["k", "other", "loop", "orphan"]
     thread.join(30)  # and it ends once idle
     assert not thread.is_alive() and server.closing
 

@@ -44,6 +44,10 @@ IDLE_SECONDS = 5.0
 NICENESS = 10
 # seconds a process waits for a worker it started to listen
 START_SECONDS = 60.0
+# what the worker compiles after the kernels that running processes wait for:
+# the executor's loop (once per install and dtype, about 12 s) serves calls
+# only while kernels compile, and a first cell's kernel waited behind it
+LATER = ("steps_loop",)
 
 PACKAGE_FOLDER = str(Path(__file__).resolve().parents[2])  # (holding the stepnet package)
 _LOCK_NAME = "compile_worker.lock"
@@ -133,9 +137,11 @@ class _Server:
                         self.closing = True
                         return
                     self.cond.wait(left)
-                # what running processes wait for first, then what ended ones asked
-                key = next((k for k, (_, waiting) in self.queue.items() if waiting),
-                           next(iter(self.queue)))
+                # what running processes wait for first (kernels before LATER),
+                # then what ended ones asked
+                waited = [k for k, (_, waiting) in self.queue.items() if waiting]
+                key = next((k for k in waited if self.queue[k][0].get("function") not in LATER),
+                           waited[0] if waited else next(iter(self.queue)))
                 request, waiting = self.queue.pop(key)
                 self.current = (key, request, waiting)
                 self._write_status()

@@ -125,13 +125,14 @@ class TieredProgram:
     def __call__(self, args, consts):
         if not self._done:
             if self._signature is None:
-                if self._executor is not None and config.first_tier == "executor":
-                    self._executor.prepare()  # (its loops first: compiled once per install)
                 self._signature = self.numba_program.signature(args, consts)
                 try:
                     compile_worker().submit(self.numba_program, self._signature, self._answered)
                 except OSError as exc:  # no worker: compile here
                     self._answered(f"the compile worker did not start: {exc}")
+                if self._executor is not None and config.first_tier == "executor":
+                    # (its loops, once per install: asked of the worker after the kernel)
+                    self._executor.prepare()
             if not self._compiled.is_set():  # (off the worker's core)
                 if self._executor is not None and config.first_tier == "executor":
                     self.answered_by = "executor"
