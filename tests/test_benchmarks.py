@@ -3,6 +3,7 @@ lists its workloads, stepnet's final states match the float64 reference, and
 its W8 and W9 gradients match the float64 gradients, which match PyTorch's
 autograd."""
 
+import os
 import re
 import subprocess
 import sys
@@ -128,6 +129,10 @@ def test_quick_run_lists_its_workloads_and_stepnet_is_accurate(tmp_path, workloa
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import workloads
 
+    assert "### stepnet compile time" not in report
+    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":  # (an emulated run weighs stepnet
+        assert "### stepnet against the fastest peer" not in report  # against PyTorch only)
+        return
     targets = _rows("\n".join(_section(report, "stepnet against the fastest peer")))
     timed = {r[0].split()[0] for r in rows if r[1].startswith("numpy") and "n/a" not in r[1]}
     assert {r[0] for r in targets} == timed - {"W6", "W9"}, report  # (W6, W9: of torch, jax)
@@ -142,7 +147,6 @@ def test_quick_run_lists_its_workloads_and_stepnet_is_accurate(tmp_path, workloa
         assert abs(float(r[7]) - asked) < 0.02 * asked + 0.1, r
         assert abs(float(r[8]) - float(r[7]) / (2 * peak)) < 0.01, r
         assert abs(float(r[9]) - float(r[7]) / ceiling) < 0.01, r
-    assert "### stepnet compile time" not in report
 
 
 @pytest.mark.slow

@@ -560,18 +560,23 @@ def test_a_time_major_node_reads_x_and_writes_y_by_steps(op, direction, lengths,
     monkeypatch.setattr(graph_module, "lower", lambda *args: None)  # (the node's own call)
     model, feeds = _full_sequences_node(op, direction, 0, lengths=lengths)
     ours, oracle, node = _numba_and_interpreter(model)
-    rows = []
+    rows, read = [], []
     for call in range(5):
         if call == 2:  # (the kernels are prepared: they answered the first calls)
             for run in node.compiled.values():
                 run.kernel.by_steps = (lambda by_steps: lambda data, *args, **kw: rows.append(data)
                                        or by_steps(data, *args, **kw))(run.kernel.by_steps)
-        f = feeds(call)
+        f, before = feeds(call), len(rows)
         assert_close(ours.run(None, f), oracle.run(None, f), what=f"{op} {direction} call {call}")
-        if call >= 2:
-            assert rows and np.shares_memory(rows[-1], f["X"]), f"call {call}: X was copied"
-    assert node._by_steps is True
-    assert len(rows) == 3 * len(node.compiled)
+        if call >= 2:  # (whether the kernels read X's own rows)
+            read.append(len(rows) > before and np.shares_memory(rows[-1], f["X"]))
+    # by steps at every call where its first call gave the sequences' order's bits; on a
+    # BLAS whose rows' results depend on where they lie (OpenBLAS's Haswell kernels) that
+    # call's results are put aside, and the sequences' order (X copied) runs from then on
+    if node._by_steps:
+        assert read == [True] * 3 and len(rows) == 3 * len(node.compiled), read
+    else:
+        assert node._by_steps is False and read in ([True, False, False], [False] * 3), read
 
 
 def test_a_time_major_node_whose_rows_by_steps_disagree_takes_the_sequences_order(monkeypatch):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import base64
 import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -44,9 +45,8 @@ IDLE_SECONDS = 5.0
 NICENESS = 10
 # seconds a process waits for a worker it started to listen
 START_SECONDS = 60.0
-# what the worker compiles after the kernels that running processes wait for:
-# the executor's loop (once per install and dtype, about 12 s) serves calls
-# only while kernels compile, and a first cell's kernel waited behind it
+# compiled after the kernels processes wait for: the executor's loop (once per
+# install and dtype, about 12 s) serves only while kernels compile
 LATER = ("steps_loop",)
 
 PACKAGE_FOLDER = str(Path(__file__).resolve().parents[2])  # (holding the stepnet package)
@@ -137,11 +137,9 @@ class _Server:
                         self.closing = True
                         return
                     self.cond.wait(left)
-                # what running processes wait for first (kernels before LATER),
-                # then what ended ones asked
-                waited = [k for k, (_, waiting) in self.queue.items() if waiting]
-                key = next((k for k in waited if self.queue[k][0].get("function") not in LATER),
-                           waited[0] if waited else next(iter(self.queue)))
+                # what running processes wait for first, then what ended ones asked (LATER last)
+                waited = [k for k, (_, waiting) in self.queue.items() if waiting] or list(self.queue)
+                key = next((k for k in waited if self.queue[k][0].get("function") not in LATER), waited[0])
                 request, waiting = self.queue.pop(key)
                 self.current = (key, request, waiting)
                 self._write_status()
@@ -232,15 +230,11 @@ def main() -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # another worker serves this directory
         return 0
-    try:
+    with contextlib.suppress(OSError):
         os.nice(NICENESS)
-    except OSError:
-        pass
     path = socket_path(root)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # (a socket left by a worker that was killed)
-    except FileNotFoundError:
-        pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -248,14 +242,10 @@ def main() -> int:
     try:
         server.serve()
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             (root / _STATUS_NAME).unlink()
-        except OSError:
-            pass
         listener.close()
     # (daemon threads may be blocked reading: end without waiting for them)
     sys.stdout.flush()

@@ -131,8 +131,7 @@ class TieredProgram:
                 except OSError as exc:  # no worker: compile here
                     self._answered(f"the compile worker did not start: {exc}")
                 if self._executor is not None and config.first_tier == "executor":
-                    # (its loops, once per install: asked of the worker after the kernel)
-                    self._executor.prepare()
+                    self._executor.prepare()  # (its loops, once per install: after the kernel)
             if not self._compiled.is_set():  # (off the worker's core)
                 if self._executor is not None and config.first_tier == "executor":
                     self.answered_by = "executor"
