@@ -42,7 +42,7 @@ def _net(rng, features, hidden, lengths=((3, 1, 4),)):
 @pytest.fixture
 def tiered(monkeypatch, tmp_path):
     """Tiers on, and a cache directory with no kernel (the compiled helpers
-    only: ``cache_with_helpers``): every kernel is new."""
+    and the executor's loops only: ``cache_with_helpers``): every kernel is new."""
     cache = cache_with_helpers(tmp_path / "cache", executor=True)
     monkeypatch.setenv("STEPNET_TIERED", "1")
     monkeypatch.setenv("STEPNET_CACHE_DIR", str(cache))
