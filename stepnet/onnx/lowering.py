@@ -236,8 +236,7 @@ def _elementwise(w, nodes, read_after):
                 w.body.append(f"    {y}m = np.empty({laid}, np.{dt.name})")
                 w.body.append(f"    {y} = {_permuted(f'{y}m', np.argsort(order), laid)}")
             loop.append(f"{w.element(name, index) or y + '[' + ', '.join(index) + ']'} = {scalars[name]}")
-    for depth, axis in enumerate(order):
-        w.body.append(f"{'    ' * (depth + 1)}for {index[axis]} in range({shape[axis]}):")
+    w.body += _nest([(index[axis], shape[axis]) for axis in order])
     w.body += [f"{'    ' * (len(shape) + 1)}{line}" for line in loop]
 
 
@@ -262,14 +261,19 @@ def _permuted(src, perm, shape):
             f"({strides},))")
 
 
+def _nest(loops, depth=1):
+    """The ``for`` lines of a loop nest, ``loops`` its ``(variable, count)``
+    outermost first, the first at indentation ``depth``."""
+    return [f"{'    ' * (depth + k)}for {v} in range({n}):" for k, (v, n) in enumerate(loops)]
+
+
 def _copy(shape, dst, dst_at, src, src_at=list, depth=1):
     """Lines copying, for each index of ``shape``, an element of ``src`` into
     ``dst``: ``dst_at(counters)`` and ``src_at(counters)`` are their indices,
     a text per axis, given the loops' counters (a text per axis of ``shape``)."""
     counters = [f"c{k}" for k in range(len(shape))]
-    lines = [f"{'    ' * (depth + k)}for {c} in range({n}):" for k, (c, n) in enumerate(zip(counters, shape))]
     to, at = ", ".join(dst_at(counters)) or "()", ", ".join(src_at(counters)) or "()"
-    return lines + [f"{'    ' * (depth + len(shape))}{dst}[{to}] = {src}[{at}]"]
+    return _nest(zip(counters, shape), depth) + [f"{'    ' * (depth + len(shape))}{dst}[{to}] = {src}[{at}]"]
 
 
 def _slice(w, node):
