@@ -269,7 +269,7 @@ def test_what_a_call_does_is_counted(driver, monkeypatch):
 
 def test_a_step_of_more_work_than_a_block_has_threads(loop):
     """A step GEMM of more outputs than the block has threads (2 rows x 144
-    columns against 128 threads on the simulator), of an inner dimension
+    columns against 32 threads on the simulator), of an inner dimension
     (48) past one chunk of written-out products: each thread takes several
     outputs in turn."""
     agree(_gru([3, 2], 4, 48))

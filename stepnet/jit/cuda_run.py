@@ -30,7 +30,11 @@ except ImportError:  # pragma: no cover - numba always ships cuda
 # below this bound and slower well above it: docs/cuda.md, *The persistent
 # kernel's bound*)
 PERSISTENT_MAX_ELEMENTS = 1 << 17
-THREADS = 128  # threads per block of a stage kernel, and of a persistent kernel over few elements
+# threads per block of a stage kernel, and of a persistent kernel over few
+# elements; one warp on Numba's CUDA simulator, whose threads are Python
+# threads that every cuda.syncthreads() waits for (the kernels loop over
+# whatever a block's threads do not cover, so the code run is the same)
+THREADS = 32 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else 128
 # threads per block of a persistent kernel over more elements than one block of
 # THREADS per multiprocessor takes: 256 threads of at most 255 registers each
 # fit one block on a multiprocessor (64K registers), as the cooperative launch
