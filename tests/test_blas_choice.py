@@ -68,6 +68,31 @@ def test_the_choice_is_measured_once_and_kept(libraries, tmp_path):
         assert blas_choice._choose()["reason"] == "measured"
 
 
+@pytest.mark.parametrize("change", ["MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "OPENBLAS_CORETYPE",
+                                    "compiled", "offered"])
+def test_a_choice_kept_under_other_instructions_is_measured_again(libraries, monkeypatch, change):
+    """A choice measured where the libraries ran other kernels (their
+    variables), or where stepnet's loops were compiled for other
+    instructions (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES``), or on a
+    machine of the same name offering others, is not read: measured again."""
+    libraries["found"] = {name: blas_choice.Library(name, f"/lib/{name}.so", None)
+                          for name in ("mkl", "openblas")}
+    libraries["seconds"] = {"mkl": [1.0, 1.0], "openblas": [2.0, 2.0]}
+    assert blas_choice._choose()["reason"] == "measured"
+    assert blas_choice._choose()["reason"] == "measured (cached)"
+    if change == "compiled":
+        from stepnet.jit import own_loop
+
+        monkeypatch.setattr(own_loop, "compiled_features", lambda: frozenset({"avx2"}))
+    elif change == "offered":
+        monkeypatch.setattr(blas_choice.llvm_binding, "get_host_cpu_features",
+                            lambda: {"avx2": True, "avx512f": False})
+    else:
+        monkeypatch.setenv(change, "AVX2" if change.startswith("MKL") else "Haswell")
+    assert blas_choice._choose()["reason"] == "measured"
+    assert blas_choice._choose()["reason"] == "measured (cached)"
+
+
 def test_a_kept_measurement_the_products_contradict_is_taken_again(libraries, tmp_path,
                                                                      monkeypatch):
     """A kept choice whose per-step product now takes more than 2x more or

@@ -451,14 +451,9 @@ def register_small_gemm(dtype) -> None:
         _own_entries[name] = entry
 
 
-# -- products shared with the helper thread (threads.wake_helper) ----------------
-#
-# A kernel gets a board: threads.BOARD where its run may share products (one
-# group of sequences, more than one thread), else threads.ALONE. On BOARD a
-# product big enough is cut in two where its shape says: stepnet's own loop by
-# columns (alike in any range: small_gemm_columns), a library's by rows. The
-# helper takes the second part (a job: atomics.job_of) where it is free; else
-# the kernel computes both parts, the same calls: the same bits, from any library.
+# -- products shared with the helper thread (docs/internals.md, *The helper
+# thread*): cut where the product's shape says, the own loop by columns, a
+# library's by rows; where the helper is not free, both parts here: the same bits.
 
 # a product whose one row takes this many multiply-adds (weights of this many
 # elements; and at least 64 columns) is cut by columns in stepnet's own loop
@@ -470,10 +465,8 @@ SHARE_OWN_WORK = 1 << 14
 # in a step, with weights as big as above), by rows
 _SHARE_LIBRARY_WORK = 1 << 17
 # cycles of waiting for the helper under which it gets a block of 32 more
-# columns of stepnet's own loop (over a block's time on this thread, one
-# fewer): each side's part takes about as long, whatever the helper's core
-# does (the work of other programs, or of other virtual machines, on its
-# core can slow it down at times)
+# columns of the own loop (over a block's time here, one fewer): each side's
+# part takes about as long, whatever else slows the helper's core
 _WAIT_BALANCED = 100
 
 

@@ -16,8 +16,8 @@ The candidates:
 ``STEPNET_BLAS`` names one. Unset, stepnet measures the ones it can reach
 once per machine, single-threaded, on a per-step product (64 rows) and a
 hoisted one (every token), picks the faster and keeps the choice and the
-figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU, the
-libraries and ``OPENBLAS_CORETYPE``. ``stepnet info`` prints them.
+figures in ``STEPNET_CACHE_DIR/blas.json``, keyed by the CPU, the libraries
+and what changes their code (``_library_settings``). ``stepnet info`` prints them.
 
 Up to how many rows a per-step product runs stepnet's own loop instead of
 the chosen library, and whether the own loop shares a product with the
@@ -44,6 +44,7 @@ import threading
 import time
 import warnings
 
+import llvmlite.binding as llvm_binding
 import numpy as np
 
 from ..config import config
@@ -371,9 +372,15 @@ def _measured_key(form, choice) -> str:
 
 
 def _library_settings() -> str:
-    """The settings that change which kernels a library runs (measurements
-    taken under others are not used)."""
-    return f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '')}"
+    """What changes the code a measured product runs, beside the CPU's name: the
+    libraries' variables, the CPU's vector instructions (machines of one name can
+    differ) and those Numba compiles stepnet's loops for (``NUMBA_CPU_FEATURES``)."""
+    from .own_loop import _CPUS, compiled_features
+
+    host = llvm_binding.get_host_cpu_features()
+    return ";".join([f"{v}={os.environ.get(v, '')}" for v in ("OPENBLAS_CORETYPE", "MKL_CBWR",
+                     "MKL_ENABLE_INSTRUCTIONS")] + sorted(f for f in _CPUS if host.get(f, False))
+                    + ["compiled"] + sorted(compiled_features()))
 
 
 # the per-step products that set the small-product limits: recurrent weights
