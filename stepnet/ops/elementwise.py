@@ -396,8 +396,8 @@ def tanh(x):
 
 
 def _expit(x):
-    """scipy's ``expit``, scipy.special imported at the first call (it takes
-    a fifth of ``import stepnet``'s time)."""
+    """scipy's ``expit``, scipy.special imported at the first call (importing
+    it made up much of ``import stepnet``'s time)."""
     from scipy import special
 
     return special.expit(x)
