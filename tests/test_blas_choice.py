@@ -81,15 +81,12 @@ def test_a_choice_kept_under_other_instructions_is_measured_again(libraries, mon
     assert blas_choice._choose()["reason"] == "measured"
     assert blas_choice._choose()["reason"] == "measured (cached)"
     # (each changed from what this run has: it may emulate a CPU already)
-    if change == "compiled":
+    if change in ("compiled", "offered"):
         from stepnet.jit import own_loop
 
-        compiled = own_loop.compiled_features() ^ {"avx512f"}
-        monkeypatch.setattr(own_loop, "compiled_features", lambda: compiled)
-    elif change == "offered":
-        host = dict(blas_choice.llvm_binding.get_host_cpu_features())
-        host["avx512f"] = not host.get("avx512f", False)
-        monkeypatch.setattr(blas_choice.llvm_binding, "get_host_cpu_features", lambda: host)
+        name = "compiled_features" if change == "compiled" else "host_features"
+        features = getattr(own_loop, name)() ^ {"avx512f"}
+        monkeypatch.setattr(own_loop, name, lambda: features)
     else:
         monkeypatch.setenv(change, os.environ.get(change, "") + "1")
     assert blas_choice._choose()["reason"] == "measured"

@@ -44,7 +44,6 @@ import threading
 import time
 import warnings
 
-import llvmlite.binding as llvm_binding
 import numpy as np
 
 from ..config import config
@@ -372,14 +371,12 @@ def _measured_key(form, choice) -> str:
 
 
 def _library_settings() -> str:
-    """What changes the code a measured product runs, beside the CPU's name: the
-    libraries' variables, the CPU's vector instructions (machines of one name can
-    differ) and those Numba compiles stepnet's loops for (``NUMBA_CPU_FEATURES``)."""
-    from .own_loop import _CPUS, compiled_features
+    """What changes a measured product's code beside the CPU's name: the libraries' variables,
+    the CPU's vector instructions (machines of one name differ) and those Numba compiles for."""
+    from .own_loop import compiled_features, host_features
 
-    host = llvm_binding.get_host_cpu_features()
     return ";".join([f"{v}={os.environ.get(v, '')}" for v in ("OPENBLAS_CORETYPE", "MKL_CBWR",
-                     "MKL_ENABLE_INSTRUCTIONS")] + sorted(f for f in _CPUS if host.get(f, False))
+                     "MKL_ENABLE_INSTRUCTIONS")] + sorted(host_features())
                     + ["compiled"] + sorted(compiled_features()))
 
 

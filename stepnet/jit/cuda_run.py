@@ -23,6 +23,11 @@ try:  # numba.cuda imports without a GPU; is_available() says whether one (or th
 except ImportError:  # pragma: no cover - numba always ships cuda
     cuda = None
 
+
+def _simulator() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
 # num_seq * widest step value up to which the whole loop is one persistent
 # kernel; above it a stage has enough work for the GPU's threads that a
 # launch per stage and step costs less than looping on one block per
@@ -34,7 +39,7 @@ PERSISTENT_MAX_ELEMENTS = 1 << 17
 # elements; one warp on Numba's CUDA simulator, whose threads are Python
 # threads that every cuda.syncthreads() waits for (the kernels loop over
 # whatever a block's threads do not cover, so the code run is the same)
-THREADS = 32 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else 128
+THREADS = 32 if _simulator() else 128
 # threads per block of a persistent kernel over more elements than one block of
 # THREADS per multiprocessor takes: 256 threads of at most 255 registers each
 # fit one block on a multiprocessor (64K registers), as the cooperative launch
@@ -92,10 +97,6 @@ class CallCounts:
     grid_syncs_per_step: int = 0
     block_syncs_per_step: int = 0
     global_weight_bytes_per_step: int = 0
-
-
-def _simulator() -> bool:
-    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 def _persistent_grid(count):

@@ -57,11 +57,14 @@ def compiled_features() -> frozenset:
     return frozenset(_features() - (set() if _tiles_permitted() else {"amx-int8", "amx-bf16"}))
 
 
+def host_features() -> set:
+    """Which of ``_CPUS``'s features the CPU offers, as LLVM sees it."""
+    return {f for f, on in llvm_binding.get_host_cpu_features().items() if on and f in _CPUS}
+
+
 def _features() -> set:
-    """``compiled_features`` as LLVM gives them, AMX's whether or not the
-    process may use its tiles."""
-    host = llvm_binding.get_host_cpu_features()
-    found = {f for f in _CPUS if host.get(f, False)}
+    """``compiled_features``, AMX's whether or not this process may use its tiles."""
+    found = host_features()
     listed = numba_config.CPU_FEATURES
     if listed is None:
         return found if numba_config.ENABLE_AVX else set()

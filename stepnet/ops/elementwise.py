@@ -395,22 +395,19 @@ def tanh(x):
     return bind("tanh", [x])
 
 
-def _expit(x):
-    """scipy's ``expit``, scipy.special imported at the first call (importing
-    it made up much of ``import stepnet``'s time)."""
-    from scipy import special
+def _special(name):
+    """scipy.special's ``name``, the module imported at the first call
+    (importing it made up much of ``import stepnet``'s time)."""
+    def call(x):
+        from scipy import special
 
-    return special.expit(x)
+        return getattr(special, name)(x)
 
-
-def _erf(x):
-    """scipy's ``erf``, imported as ``_expit``'s."""
-    from scipy import special
-
-    return special.erf(x)
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
-@register("sigmoid", unary_float_rule("sigmoid"), _expit, "elementwise", 1,
+@register("sigmoid", unary_float_rule("sigmoid"), _special("expit"), "elementwise", 1,
           grad=derivative(lambda em, x, y: em.op("mul", y, em.op("sub", ONE, y))),
           numba="sigmoid{bits}({0})", cuda=_SIGMOID_CUDA, onnx="Sigmoid", onnx_import="Sigmoid")
 def sigmoid(x):
@@ -474,7 +471,7 @@ def softplus(x):
     return bind("softplus", [x])
 
 
-@register("erf", unary_float_rule("erf"), _erf, "elementwise", 1,
+@register("erf", unary_float_rule("erf"), _special("erf"), "elementwise", 1,
           grad=derivative(lambda em, x, y: em.op("mul", TWO_OVER_SQRT_PI,
                                                  em.op("exp", em.op("neg", em.op("mul", x, x))))),
           numba="math.erf({0})", cuda="math.erf({0})", onnx="Erf", onnx_import="Erf")
