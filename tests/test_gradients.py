@@ -856,6 +856,33 @@ def test_nested_stepnet_numba_all(outer_reverse, inner_reverse):
     backends_agree(rnn, wrt_of(rnn), flags, feeds)
 
 
+@needs_numba
+def test_a_nested_nets_input_product_its_sibling_reads_is_kept_whole():
+    """A forward inner product wide enough to be computed by chunks of steps
+    (``kernel_plan._chunked_products``) whose values the backward's inner net,
+    a sibling in the gradient program, reads: it stays an array of every
+    token, not a chunk's ring buffer of the forward's function."""
+    rng = np.random.default_rng(4)
+    width = 256
+    X = sn.LoDTensor.from_lengths(rng.uniform(-1, 1, (9, 2)).astype(F32), [[2, 1], [3, 4, 2]])
+    Wi = sn.Parameter(rng.uniform(-0.5, 0.5, (2, width)).astype(F32), name="Wi")
+    Ui = sn.Parameter(rng.uniform(-0.1, 0.1, (width, width)).astype(F32), name="Ui")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[width], name="h")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            w = inner.add_input(x, name="words")
+            hw = inner.add_memory(shape=[width], name="hw")  # (reads nothing of the step)
+            # (the product rule: the backward reads w @ Wi itself)
+            hw.update(sn.ops.tanh((w @ Wi) * (hw.pre_state() @ Ui) + w @ Wi))
+            inner.add_outputs(hw)
+        h.update(sn.ops.tanh(inner(output_all_steps=False) + h.pre_state()))
+        rnn.add_outputs(h)
+    backends_agree(rnn, rnn.parameters() + ["X"], (False,))
+
+
 def wrt_of(rnn):
     return rnn.parameters() + list(rnn.bindings)
 

@@ -80,12 +80,14 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     """The plan of ``program``'s kernel, ``sched`` its schedule."""
     chunked, split, in_place, concats, epilogues, unbuffered, dequantized = {}, {}, {}, {}, {}, {}, {}
     consts, read, weights, cut = set(program.consts), set(), [0], {}
+    reads = _reads(sched)
 
     def plan_net(net, once):  # once: the net runs once over all of its sequences
         if net in split:
             return
         if once:
-            chunked[net] = _chunked_products(net)
+            chunked[net] = _chunked_products(net, set().union(
+                *(r for other, r in reads.items() if other.body is not net.body)))
         split[net] = _split_products(net)
         in_place[net] = tuple(_updated_in_place(net))
         concats[net] = tuple(_concats_in_place(net))
@@ -107,6 +109,17 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
     return KernelPlan(tuple(v for v in program.consts if v in read), chunked, split, in_place,
                       concats, epilogues, unbuffered, cut, dequantized,
                       _into_outputs(sched, chunked[sched], split[sched])).check()
+
+
+def _reads(sched):
+    """``{net: the Vars its stages read}`` of ``sched``'s net and every net
+    nested in it."""
+    found = {sched: {v for _, stage in sched.stages() for e in stage.eqns for v in e.inputs
+                     if isinstance(v, ir.Var)}}
+    for _, stage in sched.stages():
+        if stage.kind == "rnn":
+            found.update(_reads(sched.nested[stage.eqns[0]]))
+    return found
 
 
 def _into_outputs(sched, chunked, split):
@@ -165,10 +178,12 @@ def _consts_read(sched, consts):
 _CHUNK_MIN_COLUMNS = 256
 
 
-def _chunked_products(sched):
+def _chunked_products(sched, outside):
     """A net's hoisted products (``x @ W`` over every token) of
     ``_CHUNK_MIN_COLUMNS`` columns or more that only its step's elementwise
-    runs read, where its step values are dense. The rnn function computes
+    runs read, where its step values are dense: no net of another body
+    reads them (``outside``; a gradient program's nets share the forward's
+    hoisted values, each computed once: cpu_codegen._hoist). The rnn function computes
     them per chunk of steps for its own sequences (about ``_CHUNK_ROWS``
     rows at a time), just before the steps that read them: the results are
     read back from the cache, where every token's results, computed before
@@ -179,7 +194,7 @@ def _chunked_products(sched):
     if (sched.eqn.attrs.get("ragged_memories") or any(v.lod_depth for v in body.step_inputs)
             or any(v.lod_depth for v in body.static_inputs)):
         return frozenset()
-    read_elsewhere = set(body.outputs) | {m.post for m in body.memories}
+    read_elsewhere = set(body.outputs) | {m.post for m in body.memories} | outside
     for section, stage in sched.stages():
         if section != "step" or stage.kind != "elementwise":
             for e in stage.eqns:
