@@ -41,10 +41,13 @@ groups, each group over its own sequences' sub-sequences), its results rows
 of the enclosing step as a step input's; one that does at each step, over
 the step's sub-sequences. The groups are dealt the sequences by their rows
 of data (a nested net's innermost rows). A ragged static input, and the values
-made from it, are computed op by op at each step as on the interpreter.
-:func:`why_not` says why another (a ragged output or memory, ...) is left to
-the interpreter. Its results are the same arithmetic in another order (the
-products' sums): within the tolerance a kernel has, not bit for bit.
+made from it, are computed op by op at each step as on the interpreter; a
+ragged output (a nested net's every step) and a memory of a ragged static
+input's rows (a gradient's accumulator) are recorded and kept as the
+interpreter does (:class:`_RaggedOutputs`), the time loop in Python.
+:func:`why_not` says why another is left to the interpreter. Its results are
+the same arithmetic in another order (the products' sums): within the
+tolerance a kernel has, not bit for bit.
 """
 
 from __future__ import annotations
@@ -56,24 +59,23 @@ from .errors import StepNetError
 from .executor_loop import loop as _loop
 from .executor_program import (
     BY_CALLER, KEPT_SIZES, Run, Steps, column_blocks, joined_weights, quantized_weights)
-from .interpreter import apply
+from .interpreter import _RaggedState, apply
 from .lod import LoDTensor
 
 def why_not(program: ir.Program, sched=None):
     """Why the executor does not run ``program`` (a sentence), or None where it does."""
     eqn = program.eqn
     body = eqn.attrs["body"]
-    if eqn.attrs.get("ragged_memories"):
-        return "it has a ragged memory"
     sched = sched or _schedule.schedule(program)
     seqs, statics, inits = ir.rnn_parts(eqn)
-    # a step input of more LoD levels is the sequences of nested rnns (every
-    # other value that is ragged is refused), read by nothing else
+    # a step input of more LoD levels is the sequences of nested rnns, read
+    # by nothing else; every other ragged value has one level (op by op)
     deep = {v for v, s in zip(body.step_inputs, seqs) if s.lod_depth > 1}
-    kept = [*body.outputs, *(m.pre for m in body.memories), *(m.post for m in body.memories),
+    ragged_memories = eqn.attrs.get("ragged_memories", {})
+    kept = [*(m.pre for k, m in enumerate(body.memories) if k not in ragged_memories),
             *(v for v in inits if isinstance(v, ir.Var))]
     if any(v.lod_depth for v in kept):
-        return "an output or a memory of its step is ragged"
+        return "a memory of its step is ragged and not of a ragged static input's rows"
     values = [*(v for v in body.step_inputs if v not in deep), *body.static_inputs,
               *(o for e in body.eqns for o in e.outputs)]
     if any(v.lod_depth > 1 for v in values):
@@ -81,11 +83,7 @@ def why_not(program: ir.Program, sched=None):
     if ir.ragged_step_read(body) is not None:
         return "a step input of more than one LoD level is read by another op than a nested rnn"
     for e in body.eqns:
-        inner = ir.rnn_parts(e)[0] if e.op == "rnn" else ()
-        if inner and (any(e.attrs["all_steps"]) or any(v not in deep for v in inner)):
-            return (f"its nested rnn {e.attrs['name']} gives every step (a ragged value) or steps "
-                    "over a ragged static input")
-        why = why_not(_nested_program(e), sched.nested[e]) if inner else None
+        why = why_not(_nested_program(e), sched.nested[e]) if e.op == "rnn" else None
         if why is not None:
             return f"its nested rnn {e.attrs['name']} is not run: {why}"
     return None
@@ -127,17 +125,21 @@ class Executor:
         # step as its step inputs'; the others at each step, over its sub-sequences
         self.nested = {stage: Executor(_nested_program(stage.eqns[0]), sched.nested[stage.eqns[0]])
                        for stage in (*sched.hoisted, *sched.step) if stage.kind == "rnn"}
-        self.first = [stage for stage in sched.hoisted if stage.kind == "rnn"]
+        # (its every step a ragged value of the step: each token's rows of it)
+        self.first = [stage for stage in sched.hoisted if stage.kind == "rnn"
+                      and not self.nested[stage].ragged_io
+                      and set(ir.rnn_parts(stage.eqns[0])[0]) <= set(self.body.step_inputs)]
         self.by_steps = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth == 1]
         self.by_steps += [o for stage in self.first for o in stage.outputs]
         # the hoisted stages that are not row by row (a shape op, a general
         # matmul), and those reading them, run at each step on its rows instead
-        self.whole, self.step, by_steps = [], [], set(self.by_steps)
+        self.whole, self.step, by_steps = [], [], {v for v in self.by_steps if not v.lod_depth}
         for stage in sched.hoisted:
-            if stage in self.nested:
+            if stage in self.first:
                 continue
             reads = {v for e in stage.eqns for v in e.inputs if isinstance(v, ir.Var) and v.batched}
-            if stage.kind in ("gemm", "quantized", "elementwise") and reads <= by_steps:
+            if stage.kind in ("gemm", "quantized", "elementwise") and reads <= by_steps \
+                    and stage not in self.nested:
                 self.whole.append(stage)
                 by_steps.update(stage.outputs)
             else:
@@ -166,8 +168,14 @@ class Executor:
                                               *(o for e in self.body.eqns for o in e.outputs))
                   if v.batched}
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None
+        # the memories of a ragged static input's rows ({memory: static
+        # input}) and the ragged outputs: kept and given out as the interpreter does
+        self.ragged_memories = eqn.attrs.get("ragged_memories", {})
+        self.ragged_io = bool(self.ragged_memories) or any(v.lod_depth for v in self.body.outputs)
         # why no group runs its time loop as one call of the loop (or None)
-        self.why_apart = Steps.why_not(self)
+        self.why_apart = ("an output or a memory of its step is ragged" if self.ragged_io
+                          else "a value of its step is ragged"
+                          if any(v.lod_depth for v in self.by_steps) else Steps.why_not(self))
         self.how = None  # (how the last call's groups ran: "one call" or "step by step: why")
         self.kept_steps = {}  # (groups' loops by their number of sequences: Steps.of)
         self.kept_layouts = {}  # (groups' layouts by their offsets: _layout)
@@ -264,7 +272,9 @@ class Executor:
         rows = offsets
         for level in seq_args[0].levels[1:]:
             rows = np.asarray(level, np.int64)[rows]
-        return env, offsets, np.diff(rows), _Outputs(self.body.outputs, self.all_steps, offsets)
+        out = (_RaggedOutputs(self, outer, offsets) if self.ragged_io else
+               _Outputs(self.body.outputs, self.all_steps, offsets))
+        return env, offsets, np.diff(rows), out
 
     def _first_over_all(self, env, workers):
         """The hoisted nested rnns over every sub-sequence of the call."""
@@ -291,40 +301,44 @@ class Executor:
             value = s.value if isinstance(s, ir.Literal) else shared[s]
             env[var] = (value.select(layout.order) if isinstance(value, LoDTensor)
                         else np.asarray(value)[layout.order] if var.batched else value)
-        state = []
-        for mem, init in zip(self.body.memories, self.inits):
+        state = []  # (a ragged memory's: None, its state the call's, out.states)
+        for k, (mem, init) in enumerate(zip(self.body.memories, self.inits)):
             value = init.value if isinstance(init, ir.Literal) else shared[init]
             rows = np.broadcast_to(np.asarray(value, mem.pre.dtype),
                                    (offsets.shape[0] - 1,) + tuple(mem.pre.shape[1:]))
-            state.append(np.array(rows[layout.order]))
-        last = [None if every else np.array(state[m]) if m >= 0 else
+            state.append(None if k in self.ragged_memories else np.array(rows[layout.order]))
+        last = [None if every or m in self.ragged_memories or v.lod_depth else
+                np.array(state[m]) if m >= 0 else
                 np.zeros((layout.order.shape[0],) + tuple(v.shape[1:]), v.dtype)
                 for v, every, m in zip(self.body.outputs, self.all_steps, self.output_memory)]
         statics = {v: env[v] for v in self.body.static_inputs if v.batched}
         places = {v: (values, False) for v, values in statics.items()}
-        places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)})
+        places.update({m.pre: (s, False) for m, s in zip(self.body.memories, state)
+                       if s is not None})
         # (one call: the step inputs read, and the all-steps outputs written,
         # at the caller's rows)
-        steps = Steps.of(self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
-                          [a if every else None for a, every in zip(out.arrays, self.all_steps)],
-                          last, state)
+        steps = self.why_apart if self.ragged_io else Steps.of(
+            self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
+            [a if every else None for a, every in zip(out.arrays, self.all_steps)], last, state)
         self.how = "one call" if isinstance(steps, Steps) else f"step by step: {steps}"
         if isinstance(steps, Steps):
             steps.run(layout, board)
             steps.keep(self)
             out.write(layout, [None] * len(last), last)
         else:
-            rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype) if every else None
+            rows = [np.empty((layout.tokens,) + tuple(v.shape[1:]), v.dtype)
+                    if every and not v.lod_depth else None
                     for v, every in zip(self.body.outputs, self.all_steps)]
             for var, x in data.items():
-                env[var] = x[layout.perm]
-                places[var] = (env[var], True)
+                env[var] = x.select(layout.perm) if var.lod_depth else x[layout.perm]
+                if not var.lod_depth:
+                    places[var] = (env[var], True)
             for stage in self.whole:  # once over every token, by steps
                 _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
             full = {v: env[v] for v in (*self.by_steps,
                                         *(o for s in self.whole for o in s.outputs))}
-            places.update({v: (values, True) for v, values in full.items()})
-            self._by_steps(env, layout, places, full, statics, state, rows, last)
+            places.update({v: (values, True) for v, values in full.items() if not v.lod_depth})
+            self._by_steps(env, layout, places, full, statics, state, rows, last, out)
             out.write(layout, rows, last)
 
     def _layout(self, offsets, sequences):
@@ -338,8 +352,9 @@ class Executor:
             layout = self.kept_layouts[key] = _Layout(offsets, sequences, self.reverse)
         return layout
 
-    def _by_steps(self, env, layout, places, full, statics, state, rows, last):
-        """The time loop in Python, each stage a call at each step."""
+    def _by_steps(self, env, layout, places, full, statics, state, rows, last, out):
+        """The time loop in Python, each stage a call at each step (ragged
+        outputs recorded, and ragged memories kept, by ``out``: :class:`_RaggedOutputs`)."""
         stages = [self._nested_stage(stage, layout) if stage.kind == "rnn" else
                   _by_ops(stage) if stage in self.ragged else
                   _stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
@@ -348,23 +363,29 @@ class Executor:
         for t in range(layout.num_steps):
             a, lo = int(layout.active[t]), int(layout.starts[t])
             for v, values in full.items():
-                env[v] = values[lo:lo + a]
+                env[v] = _sequences(values, lo, a) if v.lod_depth else values[lo:lo + a]
             for v, values in statics.items():
                 env[v] = _first(values, a)
-            for mem, s in zip(self.body.memories, state):
-                env[mem.pre] = s[:a]
+            for k, (mem, s) in enumerate(zip(self.body.memories, state)):
+                env[mem.pre] = s[:a] if s is not None else out.states[k].read(layout.order[:a])
             for stage in stages:
                 stage(env, a, lo)
             for v, every, kept in zip(self.body.outputs, rows, last):
                 if every is not None:
                     every[lo:lo + a] = env[v]
-                else:
+                elif kept is not None:  # (not a ragged output, nor a ragged memory's state)
                     kept[:a] = env[v]
+            if self.ragged_io:
+                out.record(env, layout, lo, a)
             # (a copy where a memory's new value is a memory's state: shifted states)
-            new = [np.array(p) if any(np.may_share_memory(p, s) for s in state) else p
-                   for p in (env[v] for v in posts)]
-            for s, post in zip(state, new):
-                s[:a] = post
+            new = [np.array(p) if s is not None and any(
+                       np.may_share_memory(p, other) for other in state if other is not None)
+                   else p for p, s in zip((env[v] for v in posts), state)]
+            for k, (s, post) in enumerate(zip(state, new)):
+                if s is None:
+                    out.states[k].write(layout.order[:a], post)
+                else:
+                    s[:a] = post
 
     def _nested_stage(self, stage, layout, workers=1):
         """``run(env, rows, lo)`` of a nested rnn's stage: over the sub-sequences
@@ -373,9 +394,11 @@ class Executor:
         inner, seqs = self.nested[stage], ir.rnn_parts(stage.eqns[0])[0]
 
         def run(env, rows, lo):
-            args = [env[v] for v in seqs]
-            if layout is not None:
-                args = [X.select(layout.perm[lo:lo + rows]) for X in args]
+            # (a step input's sub-sequences, the step's rows' of the call's;
+            # a ragged static input, a value of the step: the step's rows already)
+            args = [X.select(layout.perm[lo:lo + rows])
+                    if layout is not None and v in self.body.step_inputs else X
+                    for v, X in zip(seqs, (env[v] for v in seqs))]
             env.update(zip(stage.outputs, inner(args, env, workers)))
         return run
 
@@ -434,6 +457,70 @@ class _Outputs:
                 for array, every in zip(self.arrays, self.all_steps)]
 
 
+class _RaggedOutputs(_Outputs):
+    """A call's outputs where one of them is ragged (a nested net's every
+    step) or a memory has a ragged static input's rows (a gradient's
+    accumulator), the groups running step by step: the dense ones as
+    :class:`_Outputs`, each step's ragged values recorded (one gather of
+    their rows at the end), those memories' states kept in the caller's
+    order (the interpreter's ``_RaggedState``)."""
+
+    def __init__(self, executor, outer, offsets):
+        def value(v):
+            return v.value if isinstance(v, ir.Literal) else outer[v]
+
+        body = executor.body
+        super().__init__(body.outputs, [every and not v.lod_depth for v, every in
+                                        zip(body.outputs, executor.all_steps)], offsets)
+        self.executor = executor
+        self.states = {k: _RaggedState(value(executor.statics[i]), value(executor.inits[k]),
+                                       body.memories[k].pre.dtype)
+                       for k, i in executor.ragged_memories.items()}
+        self.steps = {i: [] for i, v in enumerate(body.outputs) if v.lod_depth}
+
+    def record(self, env, layout, lo, rows):
+        """Record a step's ragged outputs: its ``rows`` sequences', from token ``lo``."""
+        for i, kept in self.steps.items():
+            kept.append((layout.perm[lo:lo + rows], env[self.executor.body.outputs[i]]))
+
+    @property
+    def results(self):
+        found, ex = super().results, self.executor
+        for i, v in enumerate(ex.body.outputs):
+            if not ex.all_steps[i] and ex.output_memory[i] in self.states:
+                found[i] = self.states[ex.output_memory[i]].value()
+            elif i in self.steps:
+                found[i] = self._ragged(self.steps[i], v, ex.all_steps[i])
+        return found
+
+    def _ragged(self, steps, var, every):
+        """A ragged output from its steps' values: every token's (its rows
+        under the call's LoD), or each sequence's last step's."""
+        lengths = np.diff(self.offsets)
+        piece = np.zeros(int(lengths.sum()), np.int64)  # (each token's rows)
+        for entries, value in steps:
+            piece[entries] = np.diff(value.levels[0])
+        starts = np.concatenate([[0], np.cumsum(piece)])
+        data = np.empty((int(starts[-1]),) + tuple(var.shape[1:]), var.dtype)
+        for entries, value in steps:
+            offsets = np.asarray(value.levels[0])
+            data[_rows(starts[entries], piece[entries])] = value.data[
+                _rows(offsets[:-1], piece[entries])]
+        if every:
+            return LoDTensor(data, [np.concatenate([[0], np.cumsum(lengths)]), starts])
+        # (each sequence's last step: its last token, or its first where reversed)
+        last = (self.offsets[:-1] if self.executor.reverse else self.offsets[1:] - 1)[lengths > 0]
+        sizes = np.zeros(lengths.shape[0], np.int64)
+        sizes[lengths > 0] = piece[last]
+        return LoDTensor(data[_rows(starts[last], piece[last])],
+                         [np.concatenate([[0], np.cumsum(sizes)])])
+
+
+def _rows(starts, lengths):
+    """The rows of pieces ``lengths`` long from ``starts``, one after another."""
+    return np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+
+
 def _eval(e, env):
     env[e.outputs[0]] = apply(e, [v.value if isinstance(v, ir.Literal) else env[v] for v in e.inputs])
 
@@ -446,13 +533,17 @@ def _by_ops(stage):
     return run
 
 
+def _sequences(value, first, count):
+    """Sequences ``first`` to ``first + count`` of a ragged value: a view of their rows."""
+    offsets = np.asarray(value.levels[0])
+    return LoDTensor(value.data[offsets[first]:offsets[first + count]],
+                     [offsets[first:first + count + 1] - offsets[first]])
+
+
 def _first(value, count):
     """The first ``count`` sequences' rows of a per-sequence value (a ragged
     one's: a view of its rows)."""
-    if not isinstance(value, LoDTensor):
-        return value[:count]
-    offsets = np.asarray(value.levels[0])
-    return LoDTensor(value.data[:offsets[count]], [offsets[:count + 1]])
+    return _sequences(value, 0, count) if isinstance(value, LoDTensor) else value[:count]
 
 
 def _stage(stage, env, max_rows, places, run=None):

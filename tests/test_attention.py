@@ -9,7 +9,7 @@ from conftest import assert_close, available_backends, default_backends
 from pairwise import spread_params
 
 import stepnet as sn
-from stepnet import executor
+from stepnet import executor, interpreter
 
 
 def _data(value):
@@ -361,12 +361,13 @@ def _over_memory(rng, X, M, reverse, use, scale=None):
     ["last", "summed", "attention", "output"], [(False, False), (True, False), (False, True)],
     way_ids=lambda r: "-".join("reverse" if x else "forward" for x in r)))
 def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(use, reverse, rng):
-    """On Numba as on the interpreter, a sequence of no steps and an empty
-    memory included; the executor leaves it to the interpreter."""
+    """On Numba and on the executor (step by step, the nested net over each
+    step's rows of the memory) as on the interpreter, a sequence of no steps
+    and an empty memory included."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])
     M = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
     rnn = _over_memory(rng, X, M, reverse, use)
-    assert executor.why_not(rnn.program(rnn.all_steps_flags(True))) is not None
+    _executor_agrees(rnn)
     for flags in (True, False):
         expected = rnn(backend="interpreter", output_all_steps=flags)
         assert_close(rnn(backend="numba", output_all_steps=flags), expected, what=f"{use} {flags}")
@@ -376,6 +377,17 @@ def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(use, reverse, r
                                                       "t[0-9]+, a ragged value computed in the "):
             computed(backend="numba")
         assert computed(backend="interpreter", output_all_steps=False).shape == expected.shape
+        _executor_agrees(computed)
+
+
+def _executor_agrees(rnn):
+    """The executor's outputs (all steps, and each sequence's last) against the interpreter's."""
+    for flags in (True, False):
+        program = rnn.program(rnn.all_steps_flags(flags))
+        args, consts = rnn.bind(), rnn.const_values()
+        found = executor.compile_program(program)(args, consts)
+        assert_close(found, interpreter.compile_program(program)(args, consts),
+                     what=f"executor, output_all_steps={flags}")
 
 
 def _documents(rng, X, M, K, reverse, keys_of_the_step=False, weights_out=False):

@@ -378,9 +378,9 @@ def _first_tier_only(monkeypatch):
 
 def test_a_nested_nets_gradients(rng, monkeypatch):
     """A nested net's forward and backward answered on the first tier, to
-    the interpreter's results: the forward (its workspace too) on the
-    executor, the backward (whose steps hold the nested net's ragged
-    workspace) on the interpreter."""
+    the interpreter's results, both on the executor: the forward (its
+    workspace too) and the backward, whose outer step gives the gradient of
+    its paragraph's words (a ragged output) from its nested net's every step."""
     ran = _first_tier_only(monkeypatch)
     X = sn.LoDTensor.from_lengths(rng.standard_normal((23, 3)).astype(np.float64),
                                   [[2, 0, 3, 1, 1], [2, 3, 0, 4, 5, 1, 8]])
@@ -394,7 +394,9 @@ def test_a_nested_nets_gradients(rng, monkeypatch):
     (c_ref, p_ref), pullback_ref = sn.vjp(rnn, x=X, backend="interpreter")
     assert_close([c, p], [c_ref, p_ref], what="outputs")
     assert_close(found, pullback_ref([dc, dp], wrt=["x"]), what="dx")
-    assert forward_runs == len(ran) == 2, ran  # (the forward and its nested net; no backward)
+    assert forward_runs == 2, ran  # (the forward and its nested net)
+    assert len(ran) > forward_runs and any(
+        p.eqn.attrs["name"].endswith("_grad") for p in ran[forward_runs:]), ran
 
 
 def test_nan_and_inf_as_on_the_interpreter(rng):
@@ -641,26 +643,49 @@ def test_a_nested_net_that_reads_the_step_runs_at_each_step(rng):
     _agree(rnn, all_steps=False, x=X)
 
 
-@pytest.mark.parametrize("summed,why", [
-    (False, "an output or a memory of its step is ragged"),
-    (True, "its nested rnn rnn_1 gives every step (a ragged value) or steps over a ragged static "
-           "input")])
-def test_why_not_names_what_it_does_not_run(rng, summed, why):
-    """A net that gives a ragged output (a nested rnn's every step), or
-    whose nested rnn gives its every step to the step (summed there), is
-    left to the interpreter, with the reason."""
+@pytest.mark.parametrize("summed", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse):
+    """A nested rnn's every step, a ragged value of the enclosing step,
+    given out (a ragged output: all steps, or each sequence's last) or
+    summed there, runs on the executor step by step: the nested net at each
+    step, over the step's paragraphs, the ragged values op by op."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((14, 3)).astype(np.float32),
+                                  [[2, 1, 0, 3], [2, 3, 1, 0, 4, 4]])
+    W = sn.Parameter((rng.standard_normal((3, 3)) / 2).astype(np.float32), name="W")
+    rnn = sn.create_rnn_op(output_num=2, reverse=reverse)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        c = rnn.add_memory(shape=[3], name="c")
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            h = inner.add_memory(shape=[3], name="h", init=c.pre_state())
+            h.update(sn.ops.tanh(inner.add_input(x, name="w") @ W + h.pre_state()))
+            inner.add_outputs(h)
+        every = inner(output_all_steps=True)
+        c.update(inner(output_all_steps=False))
+        rnn.add_outputs(c, sn.ops.seq_sum(every) if summed else every)
+    for all_steps in (True, False):
+        run = executor.compile_program(rnn.program(rnn.all_steps_flags(all_steps)))
+        assert run.why_apart == ("a value of its step is ragged" if summed
+                                 else "an output or a memory of its step is ragged")
+        one = _agree(rnn, all_steps)
+        if not summed:  # (the words' LoD under the chapters', or each chapter's last paragraph)
+            last = [2, 1, 0, 0] if reverse else [3, 1, 0, 4]
+            assert one[1].lod == (X.lod if all_steps else [list(np.cumsum([0] + last))])
+
+
+def test_why_not_names_what_it_does_not_run(rng):
+    """A net whose step reads a step input of two LoD levels by another op
+    than a nested rnn is left to the interpreter, with the reason."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32),
                                   [[2, 1], [2, 3, 1]])
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
-        x = rnn.add_input(X, name="x")
-        inner = sn.create_rnn_op()
-        with inner.stepnet():
-            inner.add_outputs(inner.add_input(x, name="w") * 2.0)
-        every = inner(output_all_steps=True)
-        rnn.add_outputs(sn.ops.seq_sum(every) if summed else every)
+        rnn.add_outputs(sn.ops.seq_sum(rnn.add_input(X, name="x")))
     program = rnn.program(rnn.all_steps_flags(True))
-    assert executor.why_not(program) == why
+    assert executor.why_not(program) == ("a step input of more than one LoD level is read by "
+                                         "another op than a nested rnn")
     assert executor.compile_program(program) is None
 
 
@@ -692,6 +717,36 @@ def test_an_attention_cell_over_ragged_static_memories(rng, reverse):
     assert run.why_apart == "a value of its step is ragged"
     _agree(rnn, x=X)
     _agree(rnn, all_steps=False, x=X)
+
+
+def test_an_attention_cells_gradients_accumulate_over_its_memory_rows(rng, monkeypatch):
+    """The gradient of an attention decoder's memory (a ragged static
+    input: each sequence's own rows, one without any) is a ragged memory of
+    the backward, accumulated at each step over the rows of the sequences
+    still running: answered on the first tier by the executor, to the
+    interpreter's gradients."""
+    ran = _first_tier_only(monkeypatch)
+    lengths, memory_lengths = [3, 1, 4, 2], [2, 0, 5, 3]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 3)), [lengths])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((sum(memory_lengths), 4)), [memory_lengths])
+    Wq = sn.Parameter(rng.standard_normal((4, 4)) / 2, name="Wq")
+    Wx = sn.Parameter(rng.standard_normal((3, 4)) / 2, name="Wx")
+    rnn = sn.create_rnn_op(reverse=True)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        mem = rnn.add_static_input(M, name="mem")
+        h = rnn.add_memory(shape=[4], name="h")
+        context = sn.ops.attention(h.pre_state() @ Wq, mem)
+        h.update(sn.ops.tanh(x @ Wx + context + h.pre_state()))
+        rnn.add_outputs(h)
+    dh = rng.standard_normal((sum(lengths), 4))
+    with sn.config(tiered=True):
+        _, pullback = sn.vjp(rnn, x=X, mem=M, backend="numba")
+        found = pullback([dh], wrt=["mem", "x", Wq, Wx])
+    grads = [p for p in ran if p.eqn.attrs.get("ragged_memories")]
+    assert grads, [p.eqn.attrs["name"] for p in ran]
+    _, reference = sn.vjp(rnn, x=X, mem=M, backend="interpreter")
+    assert_close(found, reference([dh], wrt=["mem", "x", Wq, Wx]), what="gradients")
 
 
 @pytest.mark.parametrize("mode", ["int8", "bf16"])

@@ -59,7 +59,13 @@ def compiled_features() -> frozenset:
 
 def host_features() -> set:
     """Which of ``_CPUS``'s features the CPU offers, as LLVM sees it."""
-    return {f for f, on in llvm_binding.get_host_cpu_features().items() if on and f in _CPUS}
+    return {f for f in _llvm_host_features() if f in _CPUS}
+
+
+@functools.cache
+def _llvm_host_features() -> frozenset:
+    # (asked once: the measurements' key reads them at each call of a product's limits)
+    return frozenset(f for f, on in llvm_binding.get_host_cpu_features().items() if on)
 
 
 def _features() -> set:
