@@ -82,6 +82,8 @@ def why_not(program: ir.Program, sched=None):
         return "a value of its step has more than one LoD level"
     if ir.ragged_step_read(body) is not None:
         return "a step input of more than one LoD level is read by another op than a nested rnn"
+    if deep & set(body.outputs):
+        return "a step input of more than one LoD level is an output of its step"
     for e in body.eqns:
         why = why_not(_nested_program(e), sched.nested[e]) if e.op == "rnn" else None
         if why is not None:

@@ -677,7 +677,7 @@ def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse):
 
 def test_why_not_names_what_it_does_not_run(rng):
     """A net whose step reads a step input of two LoD levels by another op
-    than a nested rnn is left to the interpreter, with the reason."""
+    than a nested rnn, or gives it out, is left to the interpreter, with the reason."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32),
                                   [[2, 1], [2, 3, 1]])
     rnn = sn.create_rnn_op()
@@ -687,6 +687,11 @@ def test_why_not_names_what_it_does_not_run(rng):
     assert executor.why_not(program) == ("a step input of more than one LoD level is read by "
                                          "another op than a nested rnn")
     assert executor.compile_program(program) is None
+    given = sn.create_rnn_op()
+    with given.stepnet():
+        given.add_outputs(given.add_input(X, name="x"))
+    assert executor.why_not(given.program((True,))) == ("a step input of more than one LoD "
+                                                        "level is an output of its step")
 
 
 @pytest.mark.parametrize("reverse", [False, True])
