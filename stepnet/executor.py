@@ -127,7 +127,8 @@ class Executor:
         # step as its step inputs'; the others at each step, over its sub-sequences
         self.nested = {stage: Executor(_nested_program(stage.eqns[0]), sched.nested[stage.eqns[0]])
                        for stage in (*sched.hoisted, *sched.step) if stage.kind == "rnn"}
-        # (its every step a ragged value of the step: each token's rows of it)
+        # (first: those over the step inputs' sub-sequences alone; one's every
+        # step, a ragged value of the enclosing step, is then each token's rows of it)
         self.first = [stage for stage in sched.hoisted if stage.kind == "rnn"
                       and not self.nested[stage].ragged_io
                       and set(ir.rnn_parts(stage.eqns[0])[0]) <= set(self.body.step_inputs)]

@@ -724,6 +724,33 @@ def test_an_attention_cell_over_ragged_static_memories(rng, reverse):
     _agree(rnn, all_steps=False, x=X)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_attention_weights_given_out_as_a_ragged_output(rng, reverse):
+    """Each step's attention weights over its sequence's memory rows, given
+    out (every step: a two-level LoDTensor; or each sequence's last), a
+    sequence of no steps and one of no memory rows among them: step by step,
+    as on the interpreter."""
+    lengths, memory_lengths = [3, 1, 4, 2, 0], [2, 0, 5, 3, 1]
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((sum(lengths), 3)).astype(np.float32),
+                                  [lengths])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((sum(memory_lengths), 4)).astype(np.float32),
+                                  [memory_lengths])
+    W = sn.Parameter(rng.standard_normal((3, 4)).astype(np.float32), name="W")
+    rnn = sn.create_rnn_op(reverse=reverse, output_num=2)
+    with rnn.stepnet():
+        x, mem = rnn.add_input(X, name="x"), rnn.add_static_input(M, name="mem")
+        h = rnn.add_memory(shape=[4], name="h")
+        a = sn.ops.seq_softmax(sn.ops.sum(mem * h.pre_state(), axis=-1, keepdims=True))
+        h.update(sn.ops.tanh(x @ W + sn.ops.seq_sum(a * mem)))
+        rnn.add_outputs(h, a)
+    for all_steps in ((True, True), (False, False), (True, False)):
+        assert executor.compile_program(rnn.program(all_steps)).why_apart == \
+            "an output or a memory of its step is ragged"
+        weights = _agree(rnn, all_steps)[1]
+        assert weights.lod[-1][-1] == (sum(np.multiply(lengths, memory_lengths)) if all_steps[1]
+                                       else sum(memory_lengths[:4]))
+
+
 def test_an_attention_cells_gradients_accumulate_over_its_memory_rows(rng, monkeypatch):
     """The gradient of an attention decoder's memory (a ragged static
     input: each sequence's own rows, one without any) is a ragged memory of
