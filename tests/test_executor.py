@@ -645,11 +645,14 @@ def test_a_nested_net_that_reads_the_step_runs_at_each_step(rng):
 
 @pytest.mark.parametrize("summed", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse):
+@pytest.mark.parametrize("from_outer", [False, True])
+def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse, from_outer):
     """A nested rnn's every step, a ragged value of the enclosing step,
     given out (a ragged output: all steps, or each sequence's last) or
-    summed there, runs on the executor step by step: the nested net at each
-    step, over the step's paragraphs, the ragged values op by op."""
+    summed there, runs on the executor step by step, the ragged values op
+    by op: the nested net first over every paragraph (started from zeros),
+    each step then reading its rows of it, or at each step over the step's
+    paragraphs (started from the outer memory)."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((14, 3)).astype(np.float32),
                                   [[2, 1, 0, 3], [2, 3, 1, 0, 4, 4]])
     W = sn.Parameter((rng.standard_normal((3, 3)) / 2).astype(np.float32), name="W")
@@ -659,7 +662,7 @@ def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse):
         c = rnn.add_memory(shape=[3], name="c")
         inner = sn.create_rnn_op()
         with inner.stepnet():
-            h = inner.add_memory(shape=[3], name="h", init=c.pre_state())
+            h = inner.add_memory(shape=[3], name="h", init=c.pre_state() if from_outer else None)
             h.update(sn.ops.tanh(inner.add_input(x, name="w") @ W + h.pre_state()))
             inner.add_outputs(h)
         every = inner(output_all_steps=True)
@@ -669,6 +672,7 @@ def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse):
         run = executor.compile_program(rnn.program(rnn.all_steps_flags(all_steps)))
         assert run.why_apart == ("a value of its step is ragged" if summed
                                  else "an output or a memory of its step is ragged")
+        assert bool(run.first) != from_outer  # (the nested net first, or at each step)
         one = _agree(rnn, all_steps)
         if not summed:  # (the words' LoD under the chapters', or each chapter's last paragraph)
             last = [2, 1, 0, 0] if reverse else [3, 1, 0, 4]
