@@ -504,7 +504,9 @@ class _RaggedOutputs(_Outputs):
         for entries, value in steps:
             piece[entries] = np.diff(value.levels[0])
         starts = np.concatenate([[0], np.cumsum(piece)])
-        data = np.empty((int(starts[-1]),) + tuple(var.shape[1:]), var.dtype)
+        like = np.asarray(steps[0][1].data) if steps else np.empty((0,) + tuple(var.shape[1:]),
+                                                                     var.dtype)
+        data = np.empty((int(starts[-1]),) + like.shape[1:], like.dtype)  # (the values' own)
         for entries, value in steps:
             offsets = np.asarray(value.levels[0])
             data[_rows(starts[entries], piece[entries])] = value.data[
