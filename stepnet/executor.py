@@ -320,9 +320,9 @@ class Executor:
                        if s is not None})
         # (one call: the step inputs read, and the all-steps outputs written,
         # at the caller's rows)
-        steps = self.why_apart if self.ragged_io else Steps.of(
-            self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
-            [a if every else None for a, every in zip(out.arrays, self.all_steps)], last, state)
+        steps = Steps.of(self, env, layout, {**places, **{v: (x, BY_CALLER) for v, x in data.items()}},
+                          [a if every else None for a, every in zip(out.arrays, self.all_steps)],
+                          last, state)
         self.how = "one call" if isinstance(steps, Steps) else f"step by step: {steps}"
         if isinstance(steps, Steps):
             steps.run(layout, board)

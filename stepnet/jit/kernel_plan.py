@@ -195,10 +195,10 @@ def _chunked_products(sched, outside):
             or any(v.lod_depth for v in body.static_inputs)):
         return frozenset()
     read_elsewhere = set(body.outputs) | {m.post for m in body.memories} | outside
-    for section, stage in sched.stages():
+    for section, stage in sched.stages():  # (a nested net's reads are in outside)
         if section != "step" or stage.kind != "elementwise":
             for e in stage.eqns:
-                read_elsewhere.update(_every_operand(e))
+                read_elsewhere.update(v for v in e.inputs if isinstance(v, ir.Var))
     return frozenset(stage for stage in sched.hoisted
                      if stage.kind in ("gemm", "quantized")
                      and sum(v.shape[-1] for v in stage.outputs) >= _CHUNK_MIN_COLUMNS
