@@ -141,20 +141,25 @@ class Pullback:
         return int(sum(w.data.nbytes for w in self.workspace))
 
     def _check_ragged(self, program, cts, computed, capabilities):
-        """Refuse a cotangent for a ragged output computed in the step (over
-        a ragged static input) where its gradient does not run."""
+        """Refuse a cotangent for a ragged output computed in the step by ops
+        (rows over a ragged static input) where its gradient does not run:
+        the backward reads it by ops, which only the interpreter does. A
+        nested net's every step is read by the backward's nested net, as
+        the forward reads its step input."""
         eqn = program.eqn
-        for c, asked, every, res, mi in zip(cts, self.flags, computed, eqn.attrs["body"].outputs,
+        body = eqn.attrs["body"]
+        nested = {id(o) for e in body.eqns if e.op == "rnn" for o in e.outputs}
+        for c, asked, every, res, mi in zip(cts, self.flags, computed, body.outputs,
                                             eqn.attrs["output_memory"]):
             if c is not None and every and not asked:
                 raise UnsupportedError(
                     f"gradient of {self.rnn.name}: the last step of the ragged output {res.name}")
-            if (c is not None and capabilities.compiles and res.lod_depth
+            if (c is not None and capabilities.compiles and res.lod_depth and id(res) not in nested
                     and mi not in eqn.attrs.get("ragged_memories", {})):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name}'s ragged output "
-                    f"{res.name} (a sequence of rows at every step: a nested net's every step, "
-                    "or rows over a ragged static input) runs on backend='interpreter' only")
+                    f"{res.name} (rows over a ragged static input at every step) runs on "
+                    "backend='interpreter' only")
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn

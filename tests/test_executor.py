@@ -679,6 +679,37 @@ def test_a_nested_nets_every_step_runs_at_each_step(rng, summed, reverse, from_o
             assert one[1].lod == (X.lod if all_steps else [list(np.cumsum([0] + last))])
 
 
+@pytest.mark.parametrize("from_outer", [False, True])
+def test_a_taggers_gradients_through_its_nested_nets_every_step(rng, from_outer, monkeypatch):
+    """A hierarchical tagger (every word's state given out, a ragged output
+    of the enclosing net) trains on the first tier: the backward reads the
+    words' cotangent as its nested backward net's step input."""
+    ran = _first_tier_only(monkeypatch)
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((14, 3)), [[2, 1, 0, 3], [2, 3, 1, 0, 4, 4]])
+    W = sn.Parameter(rng.standard_normal((3, 3)) / 2, name="W")
+    rnn = sn.create_rnn_op(output_num=2)
+    with rnn.stepnet():
+        x = rnn.add_input(X, name="x")
+        c = rnn.add_memory(shape=[3], name="c", dtype=np.float64)
+        inner = sn.create_rnn_op(output_num=2, reverse=True)
+        with inner.stepnet():
+            h = inner.add_memory(shape=[3], name="h", dtype=np.float64,
+                                 init=c.pre_state() if from_outer else None)
+            h.update(sn.ops.tanh(inner.add_input(x, name="w") @ W + h.pre_state()))
+            inner.add_outputs(h, h)
+        last, every = inner(output_all_steps=[False, True])
+        c.update(sn.ops.tanh(last + c.pre_state() @ W))
+        rnn.add_outputs(every, c)
+    dw, dc = rng.standard_normal((14, 3)), rng.standard_normal((4, 3))
+    with sn.config(tiered=True):
+        found, pullback = sn.vjp(rnn, x=X, output_all_steps=[True, False], backend="numba")
+        grads = pullback([sn.LoDTensor(dw, X.lod), dc], wrt=[W, "x"])
+    expected, pullback = sn.vjp(rnn, x=X, output_all_steps=[True, False], backend="interpreter")
+    assert_close(found, expected, what="outputs")
+    assert_close(grads, pullback([sn.LoDTensor(dw, X.lod), dc], wrt=[W, "x"]), what="gradients")
+    assert any(p.eqn.attrs["name"].endswith("_grad") for p in ran), ran
+
+
 def test_why_not_names_what_it_does_not_run(rng):
     """A net whose step reads a step input of two LoD levels by another op
     than a nested rnn, or gives it out, is left to the interpreter, with the reason."""

@@ -692,42 +692,6 @@ def test_the_nested_net_of_the_unsupported_forms_is_supported():
     fd_check(rnn, rnn.parameters() + ["X", "h"], flags)
 
 
-@pytest.mark.slow  # (a nested kernel's compile; the refusal itself: test_attention's, in the default run)
-def test_a_nested_nets_every_step_as_an_output_is_refused_for_what_it_is():
-    """The gradient of an output that is a nested net's every step (a
-    sequence of rows at each step, no ragged static input) is refused on
-    the kernels by a message that says what the output is."""
-    rng = np.random.default_rng(0)
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 2)), [[2, 0, 3], [3, 1, 0, 2, 1]])
-    W = sn.Parameter(rng.standard_normal((2, 3)), name="W")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="X")
-        h = rnn.add_memory(shape=[3], name="h", dtype=np.float64)
-        inner = sn.create_rnn_op()
-        with inner.stepnet():
-            hw = inner.add_memory(shape=[3], name="hw", dtype=np.float64)
-            hw.update(sn.ops.tanh(inner.add_input(x, name="w") @ W + hw.pre_state()))
-            inner.add_outputs(hw)
-        rnn.add_outputs(inner())
-        h.update(h.pre_state())
-    G = np.ones_like(rnn(backend="interpreter").data)
-    assert sn.gradients(rnn, [W], [G], backend="interpreter")[0].shape == (2, 3)
-    with pytest.raises(sn.UnsupportedError, match=r"ragged output t\S+ \(a sequence of rows at every "
-                                                  r"step: a nested net's every step"):
-        sn.gradients(rnn, [W], [G], backend="numba")
-
-
-def test_ragged_rows_of_two_axes_by_a_constant_are_refused_in_the_users_terms():
-    """Named by the value's type and what to do, not by the gradient's own
-    values (it said ``seq_expand_g2 is a step value``)."""
-    rnn, flags = _unsupported_ragged_rows_of_two_axes_by_a_constant()
-    cots = random_cotangents(np.random.default_rng(0), as_tuple(rnn(backend="interpreter")))
-    with pytest.raises(sn.UnsupportedError, match=r"a ragged value of more than one feature axis "
-                                                  r"\(f64lod1\[B,2,3\]\) by a constant"):
-        gradients(rnn, rnn.parameters(), cots, flags, {}, "interpreter")
-
-
 @pytest.mark.parametrize("form", list(UNSUPPORTED))
 def test_documented_unsupported_gradients_raise(form):
     """docs/gradients.md, "Not supported": UnsupportedError when the
@@ -841,9 +805,20 @@ def test_nested_stepnet_numba():
     fd_check(rnn, wrt, flags, feeds, backends=("interpreter", "numba"))
 
 
-# (a ragged output's gradient runs on the interpreter alone: checked by finite
-# differences above, and refused by name on the kernels:
-# test_a_nested_nets_every_step_as_an_output_is_refused_for_what_it_is)
+@needs_numba
+@pytest.mark.parametrize("outer_reverse,inner_reverse", NESTED_CASES[:1] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in NESTED_CASES[1:]])
+def test_a_nested_nets_every_step_given_out_has_its_gradient_on_numba(outer_reverse, inner_reverse):
+    """A ragged output that is a nested net's every step (a word tagger
+    over paragraphs): its cotangent is the backward nested net's step input."""
+    rnn, flags, feeds = build_nested_net(outer_reverse, inner_reverse, ragged_output=True, seed=4)
+    wrt = rnn.parameters() + ["X", "S", "h"]
+    fd_check(rnn, wrt, flags, feeds, backends=("interpreter", "numba"), require_dependence=False)
+    rnn, flags, feeds = build_nested_net(outer_reverse, inner_reverse, ragged_output=True, seed=5,
+                                         dtype=np.float32)
+    backends_agree(rnn, wrt_of(rnn), flags, feeds)
+
+
 @pytest.mark.slow
 @needs_numba
 @pytest.mark.parametrize("outer_reverse,inner_reverse", NESTED_CASES)
