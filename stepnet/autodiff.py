@@ -281,9 +281,6 @@ class _BackwardStep:
         self.ct = _Cotangents(self.em)
         self.contribs = {}  # id(constant) -> (constant, its Rows/Outer terms)
         self.injected = []  # (output index, forward output, its last-step cotangent)
-        # ragged values of nested step-nets (their cotangents are not summed)
-        self.nested_ragged = {id(v) for v in body.step_inputs if v.lod_depth}
-        self.nested_ragged |= {id(o) for e in body.eqns if e.op == "rnn" for o in e.outputs}
 
     def add(self, var, g):
         """Add the cotangent term ``g`` of the forward value ``var``."""
@@ -298,11 +295,6 @@ class _BackwardStep:
             raise UnsupportedError(
                 f"gradient of {self.name}: {var.name} is {np.dtype(var.dtype)} but meets "
                 f"{np.dtype(g.dtype)} values; gradients need one float dtype per step-net"
-            )
-        if var.lod_depth and id(var) in self.ct and id(var) in self.nested_ragged:
-            raise UnsupportedError(
-                f"gradient of {self.name}: the ragged value {var.name} is read twice; "
-                "gradients of a ragged value used by several ops are not supported"
             )
         self.ct.append(var, g)
 

@@ -279,12 +279,13 @@ def _place(body, const, hoisted) -> dict:
             hoisted.update(e.outputs)
         else:
             placed[e] = "step"
-    # an elementwise op is hoisted only for a hoisted op that is not one
+    # an elementwise op is hoisted only for a hoisted op that is not one (a
+    # hoisted nested rnn too, which read it when it was placed)
+    keep = {e for e in body.eqns if placed.get(e) == "hoisted"}
     readers = {}
-    for e in candidates:
+    for e in candidates + list(keep):
         for v in e.inputs:
             readers.setdefault(v, []).append(e)
-    keep = set()
     for e in reversed(candidates):
         if not is_elementwise(e) or any(r in keep for r in readers.get(e.outputs[0], ())):
             keep.add(e)

@@ -7,6 +7,8 @@
 * :func:`small_gru`: a one-gate GRU-like cell on random data of given lengths.
 * :func:`nested_encoder`: the README's two-level encoder (chapters of
   paragraphs of words), with the variations the tests use.
+* :func:`word_attention`: a hierarchical attention network's paragraph
+  encoder, the segment ops over a nested net's every step.
 * :func:`zero_width_net`: products with no terms or no columns.
 """
 
@@ -137,6 +139,48 @@ def nested_encoder(rng, lengths=CHAPTERS, features=3, hidden=4, dtype=np.float32
         h.update(sn.ops.tanh(named["last"] @ V + hp @ R))
         rnn.add_outputs(*(named[name] for name in outputs))
     return SimpleNamespace(rnn=rnn, X=X, x=x, lengths=lengths, G=G, H0=H0, **arrays)
+
+
+def word_attention(rng, lengths=CHAPTERS, features=3, hidden=4, dtype=np.float32, *,
+                   from_outer=False, reverse=(False, False)):
+    """A hierarchical attention network's encoder (chapters of paragraphs of
+    words): the nested net "words" over each paragraph's words, the
+    paragraph vector an attention over their states::
+
+        u = tanh(words @ A [+ seq_expand(h_prev @ Q, words)])
+        a = seq_softmax(u @ v)
+        h = tanh(seq_sum(words * a) @ V + h_prev @ R)
+
+    With ``from_outer`` the nested net starts from ``h_prev`` and the
+    attention's query reads it: both run at each step; without, the nested
+    net reads only its words and runs once over every paragraph before the
+    outer loop, the attention with it. Outputs ``h`` and ``a`` (the weights:
+    X's two-level LoD). Returns ``(rnn, X)``."""
+    X = lod(rng, lengths, features, dtype)
+    A, Q, V, R = (weight(rng, *s, dtype=dtype, name=n) for n, s in
+                  [("A", (hidden, hidden)), ("Q", (hidden, hidden)), ("V", (hidden, hidden)),
+                   ("R", (hidden, hidden))])
+    W, U, v = weight(rng, features, hidden, dtype=dtype), weight(rng, hidden, hidden, dtype=dtype), \
+        weight(rng, hidden, 1, dtype=dtype)
+    rnn = sn.create_rnn_op(output_num=2, reverse=reverse[0])
+    with rnn.stepnet():
+        paragraph = rnn.add_input(X, name="X")
+        h = rnn.add_memory(shape=[hidden], name="h", dtype=dtype)
+        hp = h.pre_state()
+        inner = sn.create_rnn_op(reverse=reverse[1], name="words")
+        with inner.stepnet():
+            hw = inner.add_memory(init=hp if from_outer else None, shape=[hidden], name="hw",
+                                  dtype=dtype)
+            hw.update(sn.ops.tanh(inner.add_input(paragraph, name="word") @ W + hw.pre_state() @ U))
+            inner.add_outputs(hw)
+        words = inner()
+        u = words @ A
+        if from_outer:
+            u = u + sn.ops.seq_expand(hp @ Q, words)
+        a = sn.ops.seq_softmax(sn.ops.tanh(u) @ v)
+        h.update(sn.ops.tanh(sn.ops.seq_sum(words * a) @ V + hp @ R))
+        rnn.add_outputs(h, a)
+    return rnn, X
 
 
 def small_gru(rng, lengths, features=8, hidden=16):

@@ -6,6 +6,7 @@ with gradients against finite differences and PyTorch."""
 import numpy as np
 import pytest
 from conftest import assert_close, available_backends, default_backends
+from nets import word_attention
 from pairwise import spread_params
 
 import stepnet as sn
@@ -307,30 +308,23 @@ def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
             pullback([G, np.ones_like(expected[1].data)])
 
 
-@pytest.mark.parametrize("from_the_state", [False, True])
-def test_the_segment_ops_over_a_nested_net_s_every_step_are_refused_by_name_on_numba(
-        from_the_state, rng):
-    """README's "not done": seq_sum(words()) runs on the interpreter; on Numba
-    an UnsupportedError says so, whether the nested net is run at each step
-    (it reads the enclosing state) or once before the loop (it does not)."""
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((3, 2)), [[2, 1], [1, 1, 1]])
-    U = sn.Parameter(rng.standard_normal((2, 2)), name="U")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        x = rnn.add_input(X, name="X")
-        h = rnn.add_memory(shape=[2], name="h", dtype=np.float64)
-        inner = sn.create_rnn_op()
-        with inner.stepnet():
-            g = inner.add_memory(h.pre_state() if from_the_state else None, shape=[2], name="g",
-                                 dtype=np.float64)
-            g.update(sn.ops.tanh(inner.add_input(x, name="w") + g.pre_state() @ U))
-            inner.add_outputs(g)
-        h.update(sn.ops.tanh(sn.ops.seq_sum(inner()) + h.pre_state() @ U))
-        rnn.add_outputs(h)
-    assert rnn(backend="interpreter").shape == (3, 2)  # (a row per step)
-    with pytest.raises(sn.UnsupportedError, match="numba backend: seq_sum computing t[0-9]+ reads a "
-                                                  "ragged value that is not a static input's"):
-        rnn(backend="numba")
+@pytest.mark.parametrize("reverse", [(False, False), (True, True)])
+@pytest.mark.parametrize("from_outer", [False, True])
+def test_attention_over_a_nested_nets_every_step(from_outer, reverse, rng):
+    """A hierarchical attention network's word attention: the segment ops
+    over a nested net's every step (each paragraph's words; empty ones
+    too), the nested net and the attention run once before the loop or at
+    each step; the weights given out, for every step or each chapter's
+    last. The CUDA backend refuses such a nested net by name."""
+    rnn, _ = word_attention(rng, dtype=np.float64, from_outer=from_outer, reverse=reverse)
+    for all_steps in (True, False):
+        expected = rnn(backend="interpreter", output_all_steps=all_steps)
+        assert len(expected[1].lod) == (2 if all_steps else 1)  # (chapters, paragraphs, words)
+        for backend in available_backends():
+            assert_close(rnn(backend=backend, output_all_steps=all_steps), expected, what=backend)
+    if "cuda" in sn.backends():
+        with pytest.raises(sn.UnsupportedError, match="cuda backend: nested step-net words .*; it runs on"):
+            rnn(backend="cuda")
 
 
 def _over_memory(rng, X, M, reverse, use, scale=None):

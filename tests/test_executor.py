@@ -10,11 +10,11 @@ import pytest
 from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from stepnet_strategies import random_stepnets
-from nets import zero_width_net
+from nets import word_attention, zero_width_net
 
 import stepnet as sn
 from stepnet import executor, executor_loop, executor_program, interpreter
-from stepnet.jit import loading
+from stepnet.jit import loading, numba_cpu
 
 def _both(rnn, all_steps=True, **feeds):
     """The executor's outputs (one worker, then two; then one worker with
@@ -355,7 +355,8 @@ def test_a_layers_later_calls_run_the_loop_its_first_built(rng, cell, monkeypatc
 
 def _first_tier_only(monkeypatch):
     """Tiered calls whose kernels never load (a compile worker that never
-    answers): the list of the programs the executor then runs."""
+    answers, and none taken from the disk cache, where another test put
+    it): the list of the programs the executor then runs."""
     ran = []
     call = executor.Executor.__call__
 
@@ -372,6 +373,7 @@ def _first_tier_only(monkeypatch):
 
     monkeypatch.setattr(executor.Executor, "__call__", counted)
     monkeypatch.setattr(loading, "compile_worker", lambda: Silent())
+    monkeypatch.setattr(numba_cpu.NumbaProgram, "compiled_before", lambda self: False)
     monkeypatch.setenv("STEPNET_TIERED", "1")
     return ran
 
@@ -707,6 +709,24 @@ def test_a_taggers_gradients_through_its_nested_nets_every_step(rng, from_outer,
     expected, pullback = sn.vjp(rnn, x=X, output_all_steps=[True, False], backend="interpreter")
     assert_close(found, expected, what="outputs")
     assert_close(grads, pullback([sn.LoDTensor(dw, X.lod), dc], wrt=[W, "x"]), what="gradients")
+    assert any(p.eqn.attrs["name"].endswith("_grad") for p in ran), ran
+
+
+@pytest.mark.parametrize("from_outer", [False, True])
+def test_a_hierarchical_attention_network_on_the_first_tier(rng, from_outer, monkeypatch):
+    """The word attention over a nested net's every step (run first, or at
+    each step): the forward, and a training step's backward, whose words'
+    cotangent sums three ops' terms."""
+    rnn, X = word_attention(rng, dtype=np.float64, from_outer=from_outer)
+    _agree(rnn)
+    ran = _first_tier_only(monkeypatch)
+    dh = rng.standard_normal((X.lod[0][-1], 4))
+    with sn.config(tiered=True):
+        found, pullback = sn.vjp(rnn, X=X, output_all_steps=[True, True], backend="numba")
+        grads = pullback([dh, None], wrt=rnn.parameters() + ["X"])
+    expected, pullback = sn.vjp(rnn, X=X, output_all_steps=[True, True], backend="interpreter")
+    assert_close(found, expected, what="outputs")
+    assert_close(grads, pullback([dh, None], wrt=rnn.parameters() + ["X"]), what="gradients")
     assert any(p.eqn.attrs["name"].endswith("_grad") for p in ran), ran
 
 

@@ -45,7 +45,7 @@ from gradient_checks import (
 )
 from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from hypothesis import strategies as st
-from nets import named_tanh_net
+from nets import named_tanh_net, word_attention
 
 import stepnet as sn
 import stepnet_strategies
@@ -678,7 +678,6 @@ UNSUPPORTED = {
     "one-dimensional matmul": _unsupported_one_dimensional_matmul,
     "a constant of the enclosing step in a nested net": _unsupported_constant_of_the_enclosing_step,
     "ragged rows of two feature axes by a constant": _unsupported_ragged_rows_of_two_axes_by_a_constant,
-    "ragged value read twice": lambda: _nested_unsupported(calls=2),
     "nested net over a LoDTensor static input": lambda: _nested_unsupported(static_lod=True),
     "nested last step of a pre-state": lambda: _nested_unsupported(lambda hw: [hw.pre_state()]),
     "nested memory as two last steps": lambda: _nested_unsupported(lambda hw: [hw, hw]),
@@ -690,6 +689,36 @@ def test_the_nested_net_of_the_unsupported_forms_is_supported():
     """The base the nested forms above change has a gradient."""
     rnn, flags = _nested_unsupported()
     fd_check(rnn, rnn.parameters() + ["X", "h"], flags)
+
+
+@needs_numba
+@pytest.mark.parametrize("from_outer", [False, True])
+def test_a_hierarchical_attention_networks_gradients(from_outer):
+    """The word attention over a nested net's every step: its words read
+    by three ops (the attention's score, its query, the weighted sum), their
+    cotangents summed into the nested backward net's step input. The
+    weights' own cotangent (a ragged output computed by ops) on the
+    interpreter; the chapter states' on every backend."""
+    rnn, _ = word_attention(np.random.default_rng(3), dtype=np.float64, from_outer=from_outer)
+    wrt = rnn.parameters() + ["X"]
+    h, a = rnn(backend="interpreter")
+    rng = np.random.default_rng(4)
+    G, A = rng.uniform(-1, 1, h.data.shape), rng.uniform(-1, 1, a.data.shape)
+    for cotangents, backends in [([G, np.zeros_like(A)], ("interpreter", "numba")),
+                                 ([G, A], ("interpreter",))]:
+        expected = fd_gradients(rnn, wrt, cotangents, (True, True), {})
+        for backend in backends:
+            given = [cotangents[0], cotangents[1] if backend == "interpreter" else None]
+            got = gradients(rnn, wrt, given, (True, True), {}, backend)
+            assert_fd_close(got, expected, wrt, what=backend)
+
+
+@needs_numba
+def test_a_ragged_value_read_by_two_nested_nets():
+    """Two nested nets over one step input (a bidirectional word encoder's
+    two directions): its cotangent is the sum of theirs."""
+    rnn, flags = _nested_unsupported(calls=2)
+    fd_check(rnn, rnn.parameters() + ["X", "h"], flags, backends=("interpreter", "numba"))
 
 
 @pytest.mark.parametrize("form", list(UNSUPPORTED))

@@ -49,10 +49,10 @@ from . import apart, blas
 from .kernel_plan import KernelPlan, kernel_plan
 from .cpu_emit import (
     _Ctx, _Function, _Info, _Module, _Segment, _emit_copy, _emit_fused, _emit_op, _loop_nest, _nest,
-    _new_array, _ref, _row_assign, _shape, _width, runtime_imports)
+    _new_array, _ref, _row_assign, _segments, _shape, _width, runtime_imports)
 from .cpu_products import (
     _ahead_posts, _chunk_products, _chunk_setup, _defer_product, _render_gemm, _render_quantized,
-    _render_split_gemm)
+    _render_split_gemm, _rows_by_weights)
 
 LLVM_VECTORIZER_OPTIONS = ("-runtime-memory-check-threshold=512",
                            "-vectorize-memory-check-threshold=512")
@@ -290,7 +290,8 @@ def _render_stage(ctx, sched, stage):
 
 
 def _render_single(ctx, sched, stage):
-    _emit_op(ctx, stage.eqns[0])
+    if not _rows_by_weights(ctx, stage.eqns[0]):
+        _emit_op(ctx, stage.eqns[0])
 
 
 def _render_elementwise(ctx, sched, stage):
@@ -308,7 +309,7 @@ def _render_rnn(ctx, sched, stage):
         return
     # independent: once over every entry of its space, before any time loop
     _hoist(ctx, inner, chunked=True)
-    level = ctx.values[ir.rnn_parts(e)[0][0]].levels[0]
+    level = _seq_levels(ctx, e)[0]
     st, ln = ctx.module.fresh("st"), ctx.module.fresh("ln")
     ctx.lines.append(f"{st}, {ln} = starts_and_lengths({level})")
     _rnn_call(ctx, inner, st, ln, f"{ln}.shape[0]")
@@ -357,6 +358,12 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
             od, pl, top = ctx.module.segment_outputs[out]
             ctx.module.extra_returns.append(pl)
             outs.append(("segment_all", od, (top,)))
+        elif all_steps and res.lod_depth and ri.kind == "rows":  # (of nested nets' every steps)
+            level = ri.segment.level
+            oi = _Info("ragged", None, out, levels=(_seq_levels(ctx, eqn)[0], level),
+                       data=_Info("global", ri.ident, res, width=ri.width, size=f"{level}[-1]"))
+            ctx.values[out] = oi
+            outs.append(("ragged_all", ri.ident, oi.levels))
         elif all_steps and res.lod_depth:
             oi = _Info("ragged", None, out, levels=(_seq_levels(ctx, eqn)[0],) + ri.levels,
                        data=ri.data)
@@ -413,16 +420,17 @@ def _all_steps_arrays(ctx, eqn):
             seq = ctx.values[ir.rnn_parts(eqn)[0][0]]
             ident = ctx.module.fresh("o")
             dt = f"np.{np.dtype(out.dtype).name}"
-            if seq.kind == "rows":  # over the enclosing step's ragged static input: a row per its row
+            if seq.kind == "rows" and not seq.segment.by_entry:
+                # over the enclosing step's ragged static input: a row per its row
                 rows = f"{seq.ident}.shape[0]"
                 ctx.module.prologue.append(f"{ident} = np.empty({_shape(rows, res.shape[1:])}, {dt})")
                 ctx.module.gargs.append(ident)
                 data = _Info("global", ident, res, width=_width(res), size=rows)  # (the net's writes)
                 ctx.values[out] = _Info("rows", ident, out, width=_width(res), segment=seq.segment,
                                         data=data)
-                ctx.fn.segments[out] = seq.segment
+                _segments(ctx)[out] = seq.segment
                 continue
-            level = seq.levels[0]
+            level = _seq_levels(ctx, eqn)[0]
             if ctx.mode == "program":  # the caller's buffer (a group's rows of it)
                 ctx.module.given_outputs.append(ident)
             else:
@@ -431,7 +439,8 @@ def _all_steps_arrays(ctx, eqn):
                 )
             ctx.module.gargs.append(ident)
             data = _Info("global", ident, res, width=_width(res), size=f"{level}[-1]")
-            ctx.values[out] = _Info("ragged", None, out, levels=(level,), data=data)
+            ctx.values[out] = _Info("ragged", None, out, levels=(level,), data=data,
+                                    segment=_Segment(None, None, level, by_entry=True))
 
 
 def _last_arg(ctx, out, res, count_expr, args, hoisted_lasts):
@@ -455,7 +464,12 @@ def _last_arg(ctx, out, res, count_expr, args, hoisted_lasts):
 
 
 def _seq_levels(ctx, eqn):
-    return ctx.values[ir.rnn_parts(eqn)[0][0]].levels
+    """The LoD levels of ``eqn``'s sequences: a nested value's, or the level
+    of rows computed from a nested net's every step (a sub-sequence each)."""
+    info = ctx.values[ir.rnn_parts(eqn)[0][0]]
+    if info.kind == "rows" and info.segment.by_entry:
+        return (info.segment.level,)
+    return info.levels
 
 
 def _batched_arg(ctx, vi):
@@ -529,7 +543,8 @@ def _function_setup(fctx, eqn, params, top):
             if top and oi.kind == "ragged" and outer.lod_depth == 1:  # rows of sequence order[b]
                 level, data = oi.levels[0], oi.data.ident
                 starts, stops = f"{level}[order[b]]", f"{level}[order[b] + 1]"
-            elif not top and oi.kind == "rows" and oi.ident in module.gargs and not ragged:
+            elif (not top and oi.kind == "rows" and oi.ident in module.gargs and not ragged
+                  and not oi.segment.by_entry):
                 # the enclosing step's static input: sequence b is its row order[b]
                 level, data = oi.segment.level, oi.ident
                 starts, stops = module.fresh("ms_in"), module.fresh("me_in")
@@ -668,6 +683,8 @@ def _write_outputs(fctx, eqn, last_params):
         ri = fctx.values[res]
         if p == _MEMORY_BUFFER:
             continue  # the buffer holds it
+        if p is None and res in fctx.fn.segments and fctx.fn.segments[res].by_entry:
+            continue  # its array holds every entry's rows (_new_array)
         if p is None and res in fctx.fn.segments:
             lines += _segment_output(fctx, eqn, res, out)
         elif p is None:
@@ -747,7 +764,7 @@ def _emit_nested(ctx, inner):
     ctx.fn.allocs.append(f"{starts} = np.empty(num_seq, np.int64)")
     ctx.fn.allocs.append(f"{lens} = np.empty(num_seq, np.int64)")
     if info.kind == "rows":
-        first, stop = f"{info.segment.starts}[b]", f"{info.segment.stops}[b]"
+        first, stop = info.segment.bounds("entries[b]")
     else:
         level = info.levels[0]
         first, stop = f"{level}[entries[b]]", f"{level}[entries[b] + 1]"

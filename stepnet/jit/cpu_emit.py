@@ -98,6 +98,7 @@ class _Module:
         self.extra_returns = []  # the second levels of segment outputs (pl)
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
+        self.segments = {}  # a hoisted ragged Var -> its _Segment (a nested net's every step's)
         self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)
         self.segment_outputs = {}  # all-steps outputs over a static's rows: (data, pl, level)
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
@@ -166,6 +167,12 @@ def _new_array(ctx, var, size=None):
         ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
         module.gargs.append(ident)
         info = _Info("const", ident, var)
+    elif var.lod_depth and (ctx.mode == "hoist" or _segments(ctx)[var].by_entry):
+        # rows of a nested net's every step, each entry's written once a call: an array of the call
+        segment = _segments(ctx)[var]
+        module.prologue.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
+        module.gargs.append(ident)
+        info = _Info("rows", ident, var, width=_width(var), segment=segment)
     elif ctx.mode == "hoist" and var in module.output_rows:
         ident = module.output_rows.pop(var)  # (an argument already)
         info = _Info("global", ident, var, width=_width(var), size=size)
@@ -174,7 +181,7 @@ def _new_array(ctx, var, size=None):
         module.gargs.append(ident)
         info = _Info("global", ident, var, width=_width(var), size=size)
     elif var.lod_depth:  # a row per row of the ragged static input it comes from
-        segment = _segment(ctx, var)
+        segment = _segments(ctx)[var]
         ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
         info = _Info("rows", ident, var, width=_width(var), segment=segment)
     else:
@@ -187,37 +194,53 @@ def _new_array(ctx, var, size=None):
 
 @dataclass(frozen=True)
 class _Segment:
-    """Where a batch row's rows of a ragged static input lie: ``starts[b]``
-    to ``stops[b]`` (arrays filled before the time loop) in the data whose
-    offsets are ``level``."""
+    """Where a batch row's rows of a ragged value lie, in the data whose
+    offsets are ``level``: of a ragged static input, ``starts[b]`` to
+    ``stops[b]`` (arrays filled before the time loop); of a nested net's
+    every step (``by_entry``), its entry's sub-sequence, ``level[e]`` to
+    ``level[e + 1]`` (entry ``r`` where hoisted)."""
 
-    starts: str
-    stops: str
+    starts: str | None
+    stops: str | None
     level: str
+    by_entry: bool = False
 
     @property
     def rows(self) -> str:
         return f"{self.level}[-1]"
 
+    def bounds(self, entry):
+        """Code for batch row b's first row and the row past its last (its
+        entry's code: ``entry``)."""
+        if self.by_entry:
+            return f"{self.level}[{entry}]", f"{self.level}[{entry} + 1]"
+        return f"{self.starts}[b]", f"{self.stops}[b]"
 
-def _segment(ctx, var):
-    """The _Segment of the ragged static input that ``var`` comes from."""
-    return ctx.fn.segments[var]
+
+def _segments(ctx):
+    """Ragged Var -> the _Segment of the ragged value it comes from: a
+    step's, or the hoisted values'."""
+    return ctx.fn.segments if ctx.mode == "step" else ctx.module.segments
 
 
 def _note_segment(ctx, e):
     """Record the segment of ``e``'s ragged result: its ragged operands' (one
-    static input's; several must have the same LoD, checked before a run)."""
-    segments = [ctx.values[v].segment for v in e.inputs
-                if isinstance(v, ir.Var) and v.lod_depth and ctx.values[v].kind in ("rows", "scalar")]
+    static input's, or nested nets' every steps; several must have the same
+    LoD, checked before a run)."""
+    infos = [_operand(ctx, v, None) for v in e.inputs if isinstance(v, ir.Var) and v.lod_depth]
+    segments = [info.segment for info in infos if info.kind in ("rows", "scalar")]
     if not segments:
         raise UnsupportedError(f"numba backend: {e.op} computing {e.outputs[0].name} reads a "
                                "ragged value that is not a static input's (use the interpreter)")
     for other in segments[1:]:
+        if other.by_entry != segments[0].by_entry:
+            raise UnsupportedError(f"numba backend: {e.op} computing {e.outputs[0].name} reads rows "
+                                   "of a nested net's every step and of a ragged static input "
+                                   "(use the interpreter)")
         if other != segments[0]:
             ctx.module.same_lod.add((segments[0].level, other.level))
     if e.outputs[0].lod_depth:
-        ctx.fn.segments[e.outputs[0]] = segments[0]
+        _segments(ctx)[e.outputs[0]] = segments[0]
     return segments[0]
 
 
@@ -257,8 +280,8 @@ def _loop_nest(shape, mode, size=None, bounds=None, segment=None):
         loops.append(f"for {var} in range({bound}):")
         if n is None and mode == "step":
             loops.append("e = entries[b]")
-            if segment is not None:
-                loops.append(f"for j in range({segment.starts}[b], {segment.stops}[b]):")
+        if n is None and segment is not None:  # (hoisted: entry r's rows)
+            loops.append("for j in range({}, {}):".format(*segment.bounds("e" if mode == "step" else "r")))
         idx.append(var)
     return loops, idx
 
@@ -299,7 +322,10 @@ def _ref(info, idx, mode, loop_shape, row="b"):
 def _operand(ctx, v, dtype):
     if isinstance(v, ir.Literal):
         return _Info("literal", ctx.module.literal(v.value, dtype))
-    return ctx.values[v]
+    info = ctx.values[v]
+    if info.kind == "ragged" and info.segment is not None:  # a nested net's every step, read by ops
+        return _Info("rows", info.data.ident, v, width=info.data.width, segment=info.segment)
+    return info
 
 
 # ----------------------------------------------------------------------------
@@ -312,9 +338,11 @@ def _emit_op(ctx, e):
     its record's ``gather`` or ``reduction`` form (stepnet/registry.py)."""
     out = e.outputs[0]
     ragged = any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs)
-    segment = _note_segment(ctx, e) if ragged else None  # (a nested net's ragged output: refused)
+    segment = _note_segment(ctx, e) if ragged else None
     size = None
-    if ctx.mode == "hoist":  # the rows of the space: those of a global operand
+    if ctx.mode == "hoist" and segment is not None:  # a nested net's every step: over its entries
+        size = f"({segment.level}.shape[0] - 1)"
+    elif ctx.mode == "hoist":  # the rows of the space: those of a global operand
         size = next(ctx.values[v].size for v in e.inputs
                     if isinstance(v, ir.Var) and ctx.values[v].kind == "global")
     rows = segment if out.lod_depth else None
@@ -325,8 +353,8 @@ def _emit_op(ctx, e):
     dst = _ref(info, idx, ctx.mode, out.shape)
     if record.segment is not None:  # over each batch row's rows of its ragged operand
         combine, initial = record.segment
-        start, _ = _loop_nest(out.shape, ctx.mode)
-        over_rows, _ = _loop_nest(out.shape, ctx.mode, segment=segment)
+        start, _ = _loop_nest(out.shape, ctx.mode, size)
+        over_rows, _ = _loop_nest(out.shape, ctx.mode, size, segment=segment)
         src = _ref(ins[0], idx, ctx.mode, out.shape)
         ctx.lines += _nest(start, [f"{dst} = {ctx.module.literal(initial, out.dtype)}"])
         ctx.lines += _nest(over_rows, [f"{dst} = {combine.format(acc=dst, x=src)}"])
@@ -345,9 +373,16 @@ def _emit_op(ctx, e):
     elif record.reduction is not None:
         extent, sources = record.reduction(idx, [v.shape for v in e.inputs], **e.attrs)
         term = " * ".join(_read_at(ctx, ins, e, k, index) for k, index in enumerate(sources))
-        ctx.lines += _nest(loops, [f"acc = {ctx.module.literal(0.0, out.dtype)}",
-                                   f"for k in range({extent}):", f"    acc += {term}",
-                                   f"{dst} = acc"])
+        zero = ctx.module.literal(0.0, out.dtype)
+        if e.op == "matmul" and len(out.shape) > 1 and out.shape[-1] is not None:
+            # rows by a matrix (not a GEMM: ragged rows): over a column row by
+            # row of the matrix, which LLVM vectorizes, summed in the same order
+            inner = loops[-1]
+            ctx.lines += _nest(loops[:-1], [inner, f"    {dst} = {zero}", f"for k in range({extent}):",
+                                            f"    {inner}", f"        {dst} += {term}"])
+        else:
+            ctx.lines += _nest(loops, [f"acc = {zero}", f"for k in range({extent}):",
+                                       f"    acc += {term}", f"{dst} = acc"])
     else:
         raise UnsupportedError(f"numba backend: no code generation for op {e.op!r}")
 

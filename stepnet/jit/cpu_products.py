@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import ir
 from . import quantized
-from .cpu_emit import _Info, _contiguous, _new_array
+from .cpu_emit import _Info, _contiguous, _new_array, _operand, _segments
 
 # rows of a product run by chunks of steps (``KernelPlan.chunked``): a
 # chunk is this many rows of the group's sequences' steps (or one step of
@@ -155,6 +155,25 @@ def _render_split_gemm(ctx, stage, concat):
         call = "gemm_hoisted" if i == 0 else "gemm_hoisted_acc"
         ctx.lines.append(_hoisted_product(call, left, f"{weights}[{row}:{row + k}]", info.ident))
         row += k
+
+
+def _rows_by_weights(ctx, e):
+    """A hoisted matmul of rows of a nested net's every step (all its level's
+    rows, one after another) by weights as one BLAS call over them; False
+    for any other op."""
+    if ctx.mode != "hoist" or e.op != "matmul":
+        return False
+    left, weights, out = _operand(ctx, e.inputs[0], None), ctx.values.get(e.inputs[1]), e.outputs[0]
+    if not (left.kind == "rows" and left.whole and weights is not None and weights.kind == "const"
+            and len(e.inputs[0].shape) == len(e.inputs[1].shape) == 2):
+        return False
+    _segments(ctx)[out] = left.segment
+    info = _new_array(ctx, out)
+    rows = f"{left.segment.level}[0]:{left.segment.level}[-1]"
+    _count_product(ctx.module, out.dtype, *e.inputs[1].shape)
+    ctx.lines.append(_hoisted_product("gemm_hoisted", f"{left.ident}[{rows}]", weights.ident,
+                                      f"{info.ident}[{rows}]"))
+    return True
 
 
 def _render_gemm(ctx, sched, stage):
