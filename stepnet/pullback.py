@@ -142,7 +142,7 @@ class Pullback:
 
     def _check_ragged(self, program, cts, computed, capabilities):
         """Refuse a cotangent for a ragged output computed in the step by ops
-        (rows over a ragged static input) where its gradient does not run:
+        (attention weights) where its gradient does not run:
         the backward reads it by ops, which only the interpreter does. A
         nested net's every step is read by the backward's nested net, as
         the forward reads its step input."""
@@ -158,8 +158,8 @@ class Pullback:
                     and mi not in eqn.attrs.get("ragged_memories", {})):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name}'s ragged output "
-                    f"{res.name} (rows over a ragged static input at every step) runs on "
-                    "backend='interpreter' only")
+                    f"{res.name} (rows computed by ops at every step, over a ragged static input "
+                    "or a nested net's every step) runs on backend='interpreter' only")
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn

@@ -322,6 +322,11 @@ def test_attention_over_a_nested_nets_every_step(from_outer, reverse, rng):
         assert len(expected[1].lod) == (2 if all_steps else 1)  # (chapters, paragraphs, words)
         for backend in available_backends():
             assert_close(rnn(backend=backend, output_all_steps=all_steps), expected, what=backend)
+    weights = np.ones_like(rnn(backend="interpreter")[1].data)
+    for backend in available_backends():  # (a cotangent of the weights: the interpreter's)
+        with pytest.raises(sn.UnsupportedError, match=r"ragged output t\S+ \(rows computed by ops at "
+                                                      "every step, over .* nested net's every step"):
+            sn.gradients(rnn, wrt=rnn.parameters(), grad_outputs=[None, weights], backend=backend)
     if "cuda" in sn.backends():
         with pytest.raises(sn.UnsupportedError, match="cuda backend: nested step-net words .*; it runs on"):
             rnn(backend="cuda")
