@@ -308,7 +308,7 @@ def test_attention_weights_of_the_last_step_as_an_output(reverse, rng):
             pullback([G, np.ones_like(expected[1].data)])
 
 
-@pytest.mark.parametrize("reverse", [(False, False), (True, True)])
+@pytest.mark.parametrize("reverse", [(False, False), pytest.param((True, True), marks=pytest.mark.slow)])
 @pytest.mark.parametrize("from_outer", [False, True])
 def test_attention_over_a_nested_nets_every_step(from_outer, reverse, rng):
     """A hierarchical attention network's word attention: the segment ops

@@ -60,6 +60,8 @@ def test_no_command_prints_usage():
                            "ndarray   float32 [4, 8]", "sentence_states": "LoDTensor float32"}),
     ("custom_cell.yaml", {"states": "LoDTensor float32 [{rows}, 32]",
                           "final": "ndarray   float32 [4, 32]"}),
+    ("hierarchical_attention.yaml", {"document_state": "ndarray   float32 [4, 8]",
+                                     "word_weights": "LoDTensor float32"}),
 ])
 def test_run_each_example_out_of_the_box(example, outputs):
     out = ok(stepnet("run", EXAMPLES / example, "--backend", "interpreter", "--quiet"))

@@ -692,7 +692,7 @@ def test_the_nested_net_of_the_unsupported_forms_is_supported():
 
 
 @needs_numba
-@pytest.mark.parametrize("from_outer", [False, True])
+@pytest.mark.parametrize("from_outer", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_hierarchical_attention_networks_gradients(from_outer):
     """The word attention over a nested net's every step: its words read
     by three ops (the attention's score, its query, the weighted sum), their

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import stepnet as sn
+from conftest import assert_close, available_backends
 from stepnet.yaml.expressions import FUNCTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +116,34 @@ def test_hierarchical_equals_dsl():
     assert_identical(out["sentence_states"], all_steps[1], "sentence_states")
     assert_identical(out["paragraph_summary"], all_steps[2], "paragraph_summary")
     assert out["sentence_states"].lod == feeds["chapters"].lod
+
+
+def test_hierarchical_attention_on_every_cpu_backend():
+    """The word attention over a nested net's every step: the numba kernel
+    as the interpreter, each sentence's word weights summing to one, and
+    the gradients of the document states on both."""
+    model = sn.load_yaml(EXAMPLES / "hierarchical_attention.yaml")
+    feeds = model.random_feeds(seed=6, num_sequences=4, max_length=5)
+    expected = model(feeds, backend="interpreter")
+    weights = expected["word_weights"]
+    assert weights.lod == feeds["documents"].lod
+    words = weights.lod[1]
+    sums = [weights.data[a:b, 0].sum() for a, b in zip(words[:-1], words[1:]) if b > a]
+    assert len(sums) > 3
+    np.testing.assert_allclose(sums, 1.0, rtol=1e-5)
+    for backend in available_backends():
+        found = model(feeds, backend=backend)
+        for name, value in expected.items():
+            assert_close(found[name], value, what=f"{name}, {backend}")
+    top = model.nets["top"]
+    grads = {}
+    for backend in ["interpreter"] + available_backends():
+        last = top(output_all_steps=[False, True], backend=backend, sentence=feeds["documents"])[0]
+        grads[backend] = sn.gradients(top, wrt=top.parameters(), grad_outputs=[np.ones_like(last), None],
+                                      output_all_steps=[False, True], backend=backend,
+                                      sentence=feeds["documents"])
+    for backend in available_backends():
+        assert_close(grads[backend], grads["interpreter"], what=f"gradients, {backend}")
 
 
 def test_custom_cell_equals_dsl():
