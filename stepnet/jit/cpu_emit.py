@@ -375,8 +375,8 @@ def _emit_op(ctx, e):
         term = " * ".join(_read_at(ctx, ins, e, k, index) for k, index in enumerate(sources))
         zero = ctx.module.literal(0.0, out.dtype)
         if e.op == "matmul" and len(out.shape) > 1 and out.shape[-1] is not None:
-            # rows by a matrix (not a GEMM: ragged rows): over a column row by
-            # row of the matrix, which LLVM vectorizes, summed in the same order
+            # ragged rows by a matrix: added a row of the matrix at a time, which
+            # LLVM vectorizes, in the same order as a dot product
             inner = loops[-1]
             ctx.lines += _nest(loops[:-1], [inner, f"    {dst} = {zero}", f"for k in range({extent}):",
                                             f"    {inner}", f"        {dst} += {term}"])
