@@ -141,25 +141,28 @@ class Pullback:
         return int(sum(w.data.nbytes for w in self.workspace))
 
     def _check_ragged(self, program, cts, computed, capabilities):
-        """Refuse a cotangent for a ragged output computed in the step by ops
-        (attention weights) where its gradient does not run:
-        the backward reads it by ops, which only the interpreter does. A
-        nested net's every step is read by the backward's nested net, as
-        the forward reads its step input."""
+        """Refuse a cotangent for a ragged output computed in the step from a
+        ragged static input's rows (attention weights over a memory) where
+        its gradient does not run: the kernels read the rows of such a
+        cotangent by steps, not as the memory's. Rows of a nested net's every
+        step are read by entry, as the forward reads them."""
         eqn = program.eqn
-        body = eqn.attrs["body"]
-        nested = {id(o) for e in body.eqns if e.op == "rnn" for o in e.outputs}
+        body, ragged_memories = eqn.attrs["body"], eqn.attrs.get("ragged_memories", {})
+        over = {id(v) for v in body.static_inputs if v.lod_depth}
+        for e in body.eqns:  # (what is computed from a ragged static input's rows)
+            if any(id(v) in over for v in e.inputs):
+                over.update(id(o) for o in e.outputs)
         for c, asked, every, res, mi in zip(cts, self.flags, computed, body.outputs,
                                             eqn.attrs["output_memory"]):
             if c is not None and every and not asked:
                 raise UnsupportedError(
                     f"gradient of {self.rnn.name}: the last step of the ragged output {res.name}")
-            if (c is not None and capabilities.compiles and res.lod_depth and id(res) not in nested
-                    and mi not in eqn.attrs.get("ragged_memories", {})):
+            if (c is not None and capabilities.compiles and res.lod_depth and id(res) in over
+                    and mi not in ragged_memories):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name}'s ragged output "
-                    f"{res.name} (rows computed by ops at every step, over a ragged static input "
-                    "or a nested net's every step) runs on backend='interpreter' only")
+                    f"{res.name} (rows computed at every step from a ragged static input's) runs "
+                    "on backend='interpreter' only")
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn

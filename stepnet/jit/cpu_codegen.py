@@ -68,11 +68,6 @@ for _option in LLVM_VECTORIZER_OPTIONS:
 
 def generate_source(program: ir.Program):
     """The generated module's source and a _Layout of its program() function."""
-    read = ir.ragged_step_read(program.eqn.attrs["body"])
-    if read is not None:
-        raise UnsupportedError(f"numba backend: step value {read.name} has LoD levels of its own "
-                               "(a step input of two levels or more), and an op reads it; only a "
-                               "nested step-net does here (use backend='interpreter')")
     sched = schedule.schedule(program)
     module, values = _Module(), {}
     module.plan = kernel_plan(program, sched)
@@ -252,9 +247,10 @@ def _hoist(ctx, sched, chunked=False):
             continue
         if oi.kind != "ragged":
             raise UnsupportedError(f"step input {outer.name} is not a sequence")
-        if step_var.lod_depth:
+        if step_var.lod_depth:  # (of one level: rows by entry, as a nested net's every step)
+            segment = _Segment(None, None, oi.levels[1], by_entry=True) if len(oi.levels) == 2 else None
             ctx.values[step_var] = _Info("ragged", None, step_var, levels=oi.levels[1:],
-                                         data=oi.data)
+                                         data=oi.data, segment=segment)
         else:
             d = oi.data
             ctx.values[step_var] = _Info("global", d.ident, step_var, offset=d.offset,
