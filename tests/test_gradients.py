@@ -834,10 +834,8 @@ def test_nested_stepnet_numba():
 def test_a_nested_nets_every_step_given_out_has_its_gradient_on_numba(outer_reverse, inner_reverse):
     """A ragged output that is a nested net's every step (a word tagger
     over paragraphs): its cotangent is the backward nested net's step input."""
-    for seed, dtype in [(4, np.float64), (5, np.float32)]:  # (float64: and directional differences)
-        rnn, flags, feeds = build_nested_net(outer_reverse, inner_reverse, ragged_output=True,
-                                             seed=seed, dtype=dtype)
-        backends_agree(rnn, rnn.parameters() + ["X", "S", "h"], flags, feeds)
+    rnn, flags, feeds = build_nested_net(outer_reverse, inner_reverse, ragged_output=True, seed=4)
+    backends_agree(rnn, rnn.parameters() + ["X", "S", "h"], flags, feeds)  # (and directional differences)
 
 
 @pytest.mark.slow
