@@ -31,7 +31,7 @@ from . import registry
 from .values import Literal, Var
 
 __all__ = ["Block", "Eqn", "Literal", "Memory", "Program", "Var", "check", "format_program",
-           "iter_eqns", "memory_dependent", "rnn_parts"]
+           "dependent", "iter_eqns", "memory_dependent", "rnn_parts"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,19 +177,24 @@ def ragged_step_read(block: Block):
     return None
 
 
+def dependent(block: Block, roots) -> set:
+    """The vars ``block`` computes whose value depends on one of ``roots``."""
+    reached = {id(v) for v in roots}
+    result = set()
+    for eqn in block.eqns:
+        if any(isinstance(v, Var) and id(v) in reached for v in eqn.inputs):
+            for out in eqn.outputs:
+                reached.add(id(out))
+                result.add(out)
+    return result
+
+
 def memory_dependent(block: Block) -> set:
     """The vars of ``block`` whose value depends on a memory's previous state.
 
     Everything else can be computed for all time steps at once (hoisted).
     """
-    dependent = {id(m.pre) for m in block.memories}
-    result = set()
-    for eqn in block.eqns:
-        if any(isinstance(v, Var) and id(v) in dependent for v in eqn.inputs):
-            for out in eqn.outputs:
-                dependent.add(id(out))
-                result.add(out)
-    return result
+    return dependent(block, [m.pre for m in block.memories])
 
 
 def check(program: Program) -> None:

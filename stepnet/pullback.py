@@ -148,10 +148,8 @@ class Pullback:
         step are read by entry, as the forward reads them."""
         eqn = program.eqn
         body, ragged_memories = eqn.attrs["body"], eqn.attrs.get("ragged_memories", {})
-        over = {id(v) for v in body.static_inputs if v.lod_depth}
-        for e in body.eqns:  # (what is computed from a ragged static input's rows)
-            if any(id(v) in over for v in e.inputs):
-                over.update(id(o) for o in e.outputs)
+        rows = [v for v in body.static_inputs if v.lod_depth]
+        over = {id(v) for v in (*rows, *ir.dependent(body, rows))}
         for c, asked, every, res, mi in zip(cts, self.flags, computed, body.outputs,
                                             eqn.attrs["output_memory"]):
             if c is not None and every and not asked:
