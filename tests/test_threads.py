@@ -96,6 +96,25 @@ def test_a_flat_net_whose_kernel_cuts_its_sequences_runs_as_one_group_on_two_thr
     assert nested.source.count("cut = group_cut(board") == 2 and nested.cuts_sequences
 
 
+def test_a_quantized_net_cuts_its_sequences_as_its_float_one_does(rng, split_everything):
+    """An int8 net's kernel weighs its quantized products as the float net's
+    kernel weighs its products: it gives part of its sequences to the helper
+    (on two threads a run is one group, cut in the kernel, not groups on
+    Python's threads), and equals the quantized interpreter."""
+    lengths = [[12, 3, 7, 0, 9, 5, 11, 2]]
+    rnn = small_gru(rng, lengths, hidden=64)
+    small = sn.quantize(rnn, "int8")
+    program, float_program = program_of(small), program_of(rnn)
+    assert "int8_row_sums(" in program.source
+    assert program.cuts_sequences and program.largest_weights == float_program.largest_weights
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() == 2:
+        rows = sum(lengths[0])
+        assert program.splits(rows, 8, len(lengths[0])) == float_program.splits(rows, 8, len(lengths[0]))
+        assert len(program.plan(small.bind()).groups) == len(float_program.plan(rnn.bind()).groups)
+    assert_close(small(backend="numba"), small(backend="interpreter"))
+
+
 def test_gradients_of_a_split_run(rng, split_everything):
     rnn = small_gru(rng, [[6, 2, 0, 5, 3]])
     W, U = rnn.parameters()

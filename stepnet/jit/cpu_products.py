@@ -147,14 +147,11 @@ def _render_split_gemm(ctx, stage, concat):
     weights = ctx.values[eqn.inputs[1]].ident
     parts = concat.eqns[0].inputs
     info = _new_array(ctx, out, size=ctx.values[parts[0]].size)
-    row = 0
     for i, part in enumerate(parts):
-        left = _contiguous(ctx, ctx.values[part])
-        k = part.shape[-1]
+        left, row, k = _contiguous(ctx, ctx.values[part]), sum(p.shape[-1] for p in parts[:i]), part.shape[-1]
         _count_product(ctx.module, out.dtype, k, out.shape[-1])
-        call = "gemm_hoisted" if i == 0 else "gemm_hoisted_acc"
+        call = "gemm_hoisted_acc" if i else "gemm_hoisted"
         ctx.lines.append(_hoisted_product(call, left, f"{weights}[{row}:{row + k}]", info.ident))
-        row += k
 
 
 def _rows_by_weights(ctx, e):
@@ -242,6 +239,7 @@ def _quantized_weights(ctx, stage):
     ``quantized.prepared``)."""
     module = ctx.module
     op = stage.eqns[0].op
+    _count_product(module, None, stage.left.shape[-1], sum(v.shape[-1] for v in stage.outputs))
     operands = [[ctx.values[e.inputs[i]].ident for e in stage.eqns]
                 for i in range(1, len(stage.eqns[0].inputs))]
     key = f"{op}{operands}"
@@ -314,7 +312,8 @@ def _gemm_call(ctx, left, weights, info, k, n, dtype):
 
 
 def _count_product(module, dtype, k, n):
-    """Note a product by weights [k, n] of ``dtype`` (small_gemm's entries to
-    link, the largest weights)."""
-    module.small_gemm_dtypes.add(np.dtype(dtype).name)
+    """Note a product by weights [k, n] (the largest: ``plan.shares``) of
+    ``dtype`` (small_gemm's entries to link; None: a quantized product)."""
+    if dtype is not None:
+        module.small_gemm_dtypes.add(np.dtype(dtype).name)
     module.largest_weights = max(module.largest_weights, k * n)

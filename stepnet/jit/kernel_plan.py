@@ -95,7 +95,7 @@ def kernel_plan(program: ir.Program, sched) -> KernelPlan:
         unbuffered[net] = _unbuffered(net)
         dequantized[net] = _dequantized(net)
         weights.extend(s.left.shape[-1] * sum(v.shape[-1] for v in s.outputs)
-                       for s in net.step if s.kind == "gemm")
+                       for s in net.step if s.kind in ("gemm", "quantized"))
         if once:
             cut[net] = _sequences_apart(net)
         read.update(_consts_read(net, consts))
