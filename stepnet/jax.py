@@ -35,7 +35,7 @@ jax = optional_import("jax", "stepnet.jax", "pip install jax")
 
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
-from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
+from .lod import LoDTensor  # noqa: E402
 from .nn.layers import LAYERS  # noqa: E402
 from .nn.step_cells import _refuse_in_bridge  # noqa: E402
 from .pullback import vjp  # noqa: E402
@@ -102,11 +102,14 @@ class Function:
       ``(h0, c0)``). It returns ``(y, h_n)`` (LSTM: ``(y, (h_n, c_n))``), ``y``
       ``[B, T, ...]`` with zeros past each length.
     - A step-net is called ``f(params, **inputs)`` by its input names: a LoD
-      input (one level) as ``(padded [B, T, ...], lengths)`` or a padded array
-      (every sequence ``T`` steps), static inputs and initial memories as
-      arrays. It returns its outputs (one, or a tuple in ``add_outputs``
-      order): an all-steps output padded like the first LoD input, a
-      last-step output ``[B, ...]``.
+      input of one level as ``(padded [B, T, ...], lengths)`` or a padded
+      array (every sequence ``T`` steps), one of ``d`` levels as ``(padded
+      [B, T1, ..., Td, ...], (lengths_1, ..., lengths_d))`` (``[B]``,
+      ``[B, T1]``, ...: each level's lengths, padded alike), static inputs
+      and initial memories as arrays. It returns its outputs (one, or a
+      tuple in ``add_outputs`` order): an all-steps output padded like the
+      first LoD input by its own levels (a nested net's every step ``[B, T1,
+      T2, ...]``), a last-step output ``[B, ...]``.
 
     Gradients flow to ``params`` and to every float input; lengths are
     integers and get none.
@@ -197,8 +200,8 @@ class Function:
             A parameter or input whose shape or dtype does not fit, or
             lengths outside ``[0, T]``.
         UnsupportedError
-            A step-net's LoD input of more than one level, or a ragged
-            static input.
+            A ragged static input, or an all-steps output whose LoD is not
+            the first LoD input's (nor its first levels).
         """
         values = self._param_values(params)
         if self.flags is None:
@@ -210,7 +213,8 @@ class Function:
             slots = self._step_net_slots(inputs)
         spec = tuple((name, kind) for name, kind, _, _ in slots)
         arrays = tuple(jax.numpy.asarray(a) for _, _, a, _ in slots)
-        lengths = tuple(lens for _, kind, _, lens in slots if kind == "sequence")
+        lengths = tuple(lens if isinstance(lens, tuple) else (lens,)
+                        for _, kind, _, lens in slots if kind == "sequence")
         key = (spec, tuple((a.shape, str(a.dtype)) for a in values + arrays))
         if key not in self._calls:
             self._calls[key] = self._differentiable(spec, values, arrays)
@@ -300,17 +304,19 @@ class Function:
                                      "float inputs (their gradients flow back)")
                 slots.append((name, "array", a, None))
                 continue
-            if b.var.lod_depth != 1:
-                raise UnsupportedError(f"input {name}: stepnet.jax takes LoD inputs of one "
-                                       f"level as (padded, lengths); {name} has "
-                                       f"{b.var.lod_depth}")
+            depth = b.var.lod_depth
             padded, lengths = value if isinstance(value, (tuple, list)) else (value, None)
             padded = jax.numpy.asarray(padded)
-            if padded.ndim < 2:
+            if padded.ndim < depth + 1:
+                steps = ", ".join(f"T{i + 1}" for i in range(depth))
                 raise ShapeError(f"input {name}: the padded array has shape "
-                                 f"{list(padded.shape)}, expected [B, T, ...]")
-            slots.append((name, "sequence", padded, _lengths(lengths, padded.shape[:2],
-                                                              f"input {name}: lengths")))
+                                 f"{list(padded.shape)}, expected [B, {steps}, ...] ({depth} "
+                                 f"level{'s' if depth > 1 else ''} of LoD)")
+            if depth == 1:
+                lengths = _lengths(lengths, padded.shape[:2], f"input {name}: lengths")
+            else:
+                lengths = _level_lengths(lengths, padded.shape[:depth + 1], f"input {name}: lengths")
+            slots.append((name, "sequence", padded, lengths))
         return slots
 
     # -- the call ---------------------------------------------------------------------
@@ -318,7 +324,7 @@ class Function:
     def _differentiable(self, spec, values, arrays):
         """``apply(values, arrays, lengths)`` for calls of this ``spec`` and
         these shapes and dtypes: a ``jax.custom_vjp`` over two host callbacks."""
-        outs = self._output_structs(spec, arrays)
+        outs, depths = self._output_structs(spec, arrays)
         param_structs = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values)
         array_structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
 
@@ -337,7 +343,7 @@ class Function:
 
         def backward(values, arrays, lengths, kept, cts):
             with self._bound(values):
-                grads = self._gradients(spec, arrays, lengths, cts, self._take(int(kept)))
+                grads = self._gradients(spec, arrays, lengths, depths, cts, self._take(int(kept)))
             return tuple(np.asarray(g, s.dtype).reshape(s.shape)
                          for g, s in zip(grads, param_structs + array_structs))
 
@@ -356,7 +362,7 @@ class Function:
             grads = jax.pure_callback(backward, param_structs + array_structs, values, arrays,
                                       lengths, kept, tuple(cts), vmap_method="sequential")
             n = len(values)
-            return grads[:n], grads[n:], tuple(None for _ in lengths)
+            return grads[:n], grads[n:], tuple(tuple(None for _ in lens) for lens in lengths)
 
         apply.defvjp(apply_fwd, apply_bwd)
         return apply
@@ -386,7 +392,7 @@ class Function:
                 steps = a.shape[:2]
                 if name == "attention":  # one score per token: rows [1]
                     a = a.reshape(steps + (1,))
-                given[name] = LoDTensor.from_padded(a, np.asarray(next(lens)))
+                given[name] = _to_lod(a, next(lens))
             else:
                 given[name] = a
         if self.flags is not None:
@@ -422,31 +428,34 @@ class Function:
         return list(zip(outs, self.all_steps))
 
     def _outputs(self, outs, spec, arrays, lengths):
-        """All-steps outputs padded like the first LoD input."""
-        first = next(i for i, (_, kind) in enumerate(spec) if kind == "sequence")
-        steps = int(np.shape(arrays[first])[1])
-        offsets = offsets_from_lengths(np.asarray(lengths[0]))
+        """All-steps outputs padded like the first LoD input: one of ``L``
+        levels (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
+        first = np.asarray(arrays[next(i for i, (_, kind) in enumerate(spec) if kind == "sequence")])
+        levels = _to_lod(first, lengths[0]).levels
         got = []
         for out, every in self._flat(outs):
             if every:
-                if out.num_levels != 1 or not np.array_equal(out.levels[0], offsets):
+                depth = out.num_levels
+                if depth > len(levels) or not all(
+                        np.array_equal(a, b) for a, b in zip(out.levels, levels[:depth])):
                     raise UnsupportedError("stepnet.jax: an all-steps output whose LoD is not "
-                                           "the first LoD input's (a nested output)")
-                out = out.to_padded(steps=steps)[0]
+                                           "the first LoD input's (or its first levels)")
+                out = _to_padded(out.data, lengths[0][:depth], first.shape[:depth + 1])
             got.append(np.asarray(out))
         return got
 
     def _output_structs(self, spec, arrays):
-        """The outputs' shapes and dtypes for a call of these shapes, found by
+        """The outputs' shapes and dtypes for a call of these shapes, and the
+        levels of each (0: not an all-steps output), found by
         running the net on the interpreter over the first sequence's first
         step (its features do not depend on the batch or the lengths)."""
-        B, T = (int(n) for n in next(a for (_, k), a in zip(spec, arrays) if k == "sequence")
-                .shape[:2])
+        B = int(next(a for (_, k), a in zip(spec, arrays) if k == "sequence").shape[0])
         small, small_lengths = [], []
-        for (_, kind), a in zip(spec, arrays):
-            if kind == "sequence":
-                small.append(np.zeros((1, 1) + tuple(a.shape[2:]), a.dtype))
-                small_lengths.append(np.ones(1, np.int64))
+        for (name, kind), a in zip(spec, arrays):
+            if kind == "sequence":  # (a layer's inputs: one level)
+                depth = 1 if self.flags is None else self.net.bindings[name].var.lod_depth
+                small.append(np.zeros((1,) * (depth + 1) + tuple(a.shape[depth + 1:]), a.dtype))
+                small_lengths.append(tuple(np.ones((1,) * (i + 1), np.int64) for i in range(depth)))
             else:  # a batch of one: a layer's states are [layers, B, H]; a number stays one
                 axis = 1 if self.flags is None else 0
                 shape = list(a.shape)
@@ -454,17 +463,19 @@ class Function:
                     shape[axis] = 1
                 small.append(np.zeros(shape, a.dtype))
         flat = self._flat(self._run(spec, small, small_lengths, "interpreter"))
-        structs = []
+        steps = next(a for (_, k), a in zip(spec, arrays) if k == "sequence").shape[1:]
+        structs, depths = [], []
         for out, every in flat:
+            depths.append(out.num_levels if every else 0)
             data = np.asarray(out.data if every else out)
-            if every:
-                shape = (B, T) + data.shape[1:]
+            if every:  # (its levels: the first LoD input's first ones)
+                shape = (B,) + tuple(int(n) for n in steps[:out.num_levels]) + data.shape[1:]
             elif self.flags is None:  # a layer's final states [layers, B, H]
                 shape = data.shape[:1] + (B,) + data.shape[2:]
             else:
                 shape = (B,) + data.shape[1:]
             structs.append(jax.ShapeDtypeStruct(shape, _jax_dtype(data.dtype)))
-        return tuple(structs)
+        return tuple(structs), tuple(depths)
 
     def _keep(self, pullback):
         """A token for ``pullback``, kept until its backward takes it (the
@@ -480,17 +491,18 @@ class Function:
         with self._kept_lock:
             return self._kept.pop(token, None)
 
-    def _gradients(self, spec, arrays, lengths, cts, pullback=None):
+    def _gradients(self, spec, arrays, lengths, depths, cts, pullback=None):
         """The gradients of every parameter, then of every input (zeros for
-        the padding of a padded one), given the outputs' cotangents; from
-        the forward's ``pullback``, or (None: not kept) the forward run again."""
+        the padding of a padded one), given the outputs' cotangents (an
+        all-steps one of ``depths`` levels, padded like the first LoD
+        input); from the forward's ``pullback``, or (None: not kept) the
+        forward run again."""
         if pullback is None:
             pullback = self._run(spec, arrays, lengths, self.backend, keep=True)[1]
-        offsets = offsets_from_lengths(np.asarray(lengths[0]))
         rows = []
-        for every, ct in zip(self.all_steps, cts):
+        for depth, ct in zip(depths, cts):
             ct = np.asarray(ct)
-            rows.append(LoDTensor.from_padded(ct, np.diff(offsets)).data if every else ct)
+            rows.append(ct[_mask(lengths[0][:depth], ct.shape)] if depth else ct)
         wrt = [name for name, _ in spec] + list(self._parameters)
         found = pullback(rows, wrt=wrt)
         inputs, params = found[:len(spec)], found[len(spec):]
@@ -498,9 +510,8 @@ class Function:
         grads = []
         for (_, kind), a, g in zip(spec, arrays, inputs):
             if kind == "sequence":
-                steps = int(np.shape(a)[1])
-                g = LoDTensor(np.asarray(g), [offsets_from_lengths(np.asarray(next(lens)))])
-                g = g.to_padded(steps=steps)[0]
+                levels = next(lens)
+                g = _to_padded(np.asarray(g), levels, np.shape(a)[:len(levels) + 1])
             grads.append(np.asarray(g).reshape(np.shape(a)))
         return list(params) + grads
 
@@ -518,22 +529,69 @@ def _unique_names(parameters):
     return names
 
 
-def _lengths(lengths, shape, what):
-    """``lengths`` as int32 ``[B]`` (None: every sequence ``T`` steps); a
-    concrete value is checked here, a traced one when the call runs."""
-    B, T = (int(n) for n in shape)
+def _mask(levels, shape):
+    """Where a padded array of ``shape`` ``[B, T1, ..., Td, ...]`` holds rows,
+    for the lengths of its ``d`` levels (``levels``: ``[B]``, ``[B, T1]``,
+    ... ``[B, T1, ..., T(d-1)]``): a bool array ``[B, T1, ..., Td]``."""
+    mask = np.ones(shape[:1], bool)
+    for i, lens in enumerate(levels):
+        steps = np.arange(shape[i + 1]).reshape((1,) * (i + 1) + (-1,))
+        mask = mask[..., None] & (steps < np.asarray(lens)[..., None])
+    return mask
+
+
+def _to_lod(padded, levels):
+    """A padded array's rows as a LoDTensor of ``len(levels)`` levels (``_mask``)."""
+    padded = np.asarray(padded)
+    lengths = [np.asarray(levels[0])] + [np.asarray(lens)[_mask(levels[:i], lens.shape)]
+                                        for i, lens in enumerate(levels) if i]
+    return LoDTensor.from_lengths(padded[_mask(levels, padded.shape)], lengths)
+
+
+def _to_padded(rows, levels, steps):
+    """``rows`` (of a LoD whose levels' lengths are ``levels``) padded with
+    zeros to ``steps`` (``[B, T1, ..., Td]``), the inverse of ``_to_lod``."""
+    out = np.zeros(tuple(steps) + rows.shape[1:], rows.dtype)
+    out[_mask(levels, out.shape)] = rows
+    return out
+
+
+def _level_lengths(lengths, shape, what):
+    """The lengths of each of the ``d`` levels of a padded input of ``shape``
+    ``[B, T1, ..., Td]`` as int32 arrays ``[B]``, ``[B, T1]``, ...: ``lengths``
+    a sequence of ``d`` of them (None: every sequence full), each checked as
+    ``_lengths`` checks one level's."""
+    depth = len(shape) - 1
     if lengths is None:
-        return jax.numpy.full((B,), T, jax.numpy.int32)
+        return tuple(jax.numpy.full(shape[:i + 1], shape[i + 1], jax.numpy.int32)
+                     for i in range(depth))
+    if not isinstance(lengths, (tuple, list)) or len(lengths) != depth:
+        raise ShapeError(f"{what}: expects {depth} arrays (the lengths of each level: "
+                         f"{', '.join(str(list(shape[:i + 1])) for i in range(depth))}), got "
+                         f"{type(lengths).__name__}"
+                         + (f" of {len(lengths)}" if isinstance(lengths, (tuple, list)) else ""))
+    return tuple(_lengths(lens, shape[:i + 2], f"{what}[{i}]") for i, lens in enumerate(lengths))
+
+
+def _lengths(lengths, shape, what):
+    """``lengths`` as int32 of ``shape[:-1]`` (``[B]``: each sequence's
+    steps; a deeper level's ``[B, T1, ...]``), each in ``[0, shape[-1]]``
+    (None: all ``shape[-1]``); a concrete value is checked here, a traced
+    one when the call runs."""
+    *lead, T = (int(n) for n in shape)
+    if lengths is None:
+        return jax.numpy.full(tuple(lead), T, jax.numpy.int32)
     lens = jax.numpy.asarray(lengths)
-    if lens.shape != (B,) or not jax.numpy.issubdtype(lens.dtype, jax.numpy.integer):
-        raise ShapeError(f"{what}: expects {B} integers, got {lens.dtype} of shape "
+    if lens.shape != tuple(lead) or not jax.numpy.issubdtype(lens.dtype, jax.numpy.integer):
+        expected = f"{lead[0]} integers" if len(lead) == 1 else f"integers of shape {lead}"
+        raise ShapeError(f"{what}: expects {expected}, got {lens.dtype} of shape "
                          f"{list(lens.shape)}")
     if not isinstance(lens, jax.core.Tracer):
-        bad = np.flatnonzero((np.asarray(lens) < 0) | (np.asarray(lens) > T))
+        bad = np.argwhere((np.asarray(lens) < 0) | (np.asarray(lens) > T))
         if bad.size:
-            i = int(bad[0])
-            raise ShapeError(f"{what}[{i}] = {int(lens[i])} is outside [0, {T}] (the padded "
-                             f"array has {T} steps)")
+            i = tuple(int(j) for j in bad[0])
+            raise ShapeError(f"{what}[{', '.join(map(str, i))}] = {int(np.asarray(lens)[i])} is "
+                             f"outside [0, {T}] (the padded array has {T} steps)")
     return lens
 
 

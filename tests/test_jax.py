@@ -8,7 +8,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import stepnet as sn  # noqa: E402
-from nets import nested_encoder  # noqa: E402
+from nets import CHAPTERS, nested_encoder  # noqa: E402
 import stepnet.jax as sj  # noqa: E402
 from stepnet.errors import ShapeError, StepNetError, UnsupportedError  # noqa: E402
 
@@ -211,10 +211,73 @@ def test_errors_name_what_is_wrong():
     rnn = _tanh_net(rng)
     with pytest.raises(StepNetError, match="by name"):
         sj.function(rnn)(sj.function(rnn).params, x)
-    chapters = nested_encoder(rng)
-    with pytest.raises(UnsupportedError, match="one level"):
-        f = sj.function(chapters.rnn)
-        f(f.params, X=np.ones((1, 2, 3), np.float32))
+    chapters = sj.function(nested_encoder(rng).rnn)
+    x2 = np.ones((1, 2, 4, 3), np.float32)
+    with pytest.raises(ShapeError, match=r"expected \[B, T1, T2, \.\.\.\] \(2 levels of LoD\)"):
+        chapters(chapters.params, X=np.ones((1, 2), np.float32))
+    with pytest.raises(ShapeError, match=r"input X: lengths: expects 2 arrays .*\[1\], \[1, 2\]"):
+        chapters(chapters.params, X=(x2, np.array([2])))
+    with pytest.raises(ShapeError, match=r"input X: lengths\[1\]\[0, 1\] = 5 is outside \[0, 4\]"):
+        chapters(chapters.params, X=(x2, (np.array([2]), np.array([[1, 5]]))))
+
+
+def _chapters_padded(x):
+    """nets.CHAPTERS's rows ``x`` padded [chapters, paragraphs, words, ...],
+    with each level's lengths ([B] paragraphs, [B, P] words)."""
+    counts = np.array(CHAPTERS[0])
+    words = iter(CHAPTERS[1])
+    lengths = np.zeros((len(counts), counts.max()), np.int64)
+    padded = np.zeros((len(counts), counts.max(), max(CHAPTERS[1])) + x.shape[1:], x.dtype)
+    row = 0
+    for b, count in enumerate(counts):
+        for p in range(count):
+            n = lengths[b, p] = next(words)
+            padded[b, p, :n] = x[row:row + n]
+            row += n
+    return padded, (counts, lengths)
+
+
+def test_a_nested_step_net_takes_its_two_level_input_padded_by_levels():
+    """Chapters of paragraphs of words: X (two levels of LoD) given padded
+    [B, P, W, features] with the lengths of each level; the outputs come
+    padded by their own levels (the paragraphs' states [B, P, H], the words'
+    [B, P, W, H], zeros past each length), as a direct call's, and
+    jax.grad under jit gives stepnet's pullback, zeros for the padding."""
+    rng = np.random.default_rng(4)
+    net = nested_encoder(rng, outputs=("h", "words", "last"))
+    f = sj.function(net.rnn)
+    padded, lengths = _chapters_padded(net.x)
+    got = jax.jit(lambda p, x: f(p, X=(x, lengths)))(f.params, padded)
+    direct = net.rnn(backend="numba")
+    words = np.zeros(padded.shape[:3], bool)  # (where the rows are: each level's lengths)
+    for b, p, w in np.ndindex(*words.shape):
+        words[b, p, w] = p < lengths[0][b] and w < lengths[1][b, p]
+    paragraphs = np.arange(words.shape[1]) < lengths[0][:, None]
+    for out, want, mask in zip(got, direct, (paragraphs, words, paragraphs)):
+        out = np.asarray(out)
+        assert out.shape == mask.shape + (4,)
+        np.testing.assert_allclose(out[mask], want.data, rtol=1e-6, atol=1e-6)
+        assert np.all(out[~mask] == 0)
+
+    cts = [rng.standard_normal(np.shape(o)).astype(np.float32) for o in got]
+
+    def loss(p, x):
+        return sum((o * c).sum() for o, c in zip(f(p, X=(x, lengths)), cts))
+
+    g, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(f.params, padded)
+    _, pullback = sn.vjp(net.rnn, backend="numba")
+    want = pullback([c[m] for c, m in zip(cts, (paragraphs, words, paragraphs))],
+                    wrt=["X"] + net.rnn.parameters())
+    np.testing.assert_allclose(np.asarray(gx)[words], want[0], rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(gx)[~words] == 0)
+    for name, w in zip(f.names, want[1:]):
+        np.testing.assert_allclose(g[name], w, rtol=1e-5, atol=1e-6)
+    # vmap over a stack of such inputs, their lengths traced alike
+    batched = jax.vmap(lambda x, n, w: f(f.params, X=(x, (n, w)))[1])(
+        np.stack([padded, padded * 2]), np.stack([lengths[0]] * 2), np.stack([lengths[1]] * 2))
+    for k in range(2):
+        np.testing.assert_allclose(batched[k], f(f.params, X=(padded * (k + 1), lengths))[1],
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_a_ragged_static_input_is_refused_by_name():
