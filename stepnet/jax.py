@@ -105,8 +105,9 @@ class Function:
       input of one level as ``(padded [B, T, ...], lengths)`` or a padded
       array (every sequence ``T`` steps), one of ``d`` levels as ``(padded
       [B, T1, ..., Td, ...], (lengths_1, ..., lengths_d))`` (``[B]``,
-      ``[B, T1]``, ...: each level's lengths, padded alike), static inputs
-      and initial memories as arrays. It returns its outputs (one, or a
+      ``[B, T1]``, ...: each level's lengths, padded alike); a ragged static
+      input (a decoder's memory: rows per sequence) likewise, other static
+      inputs and initial memories as arrays. It returns its outputs (one, or a
       tuple in ``add_outputs`` order): an all-steps output padded like the
       first LoD input by its own levels (a nested net's every step ``[B, T1,
       T2, ...]``), a last-step output ``[B, ...]``.
@@ -200,8 +201,8 @@ class Function:
             A parameter or input whose shape or dtype does not fit, or
             lengths outside ``[0, T]``.
         UnsupportedError
-            A ragged static input, or an all-steps output whose LoD is not
-            the first LoD input's (nor its first levels).
+            An all-steps output whose LoD is not the first LoD input's (nor
+            its first levels).
         """
         values = self._param_values(params)
         if self.flags is None:
@@ -214,7 +215,7 @@ class Function:
         spec = tuple((name, kind) for name, kind, _, _ in slots)
         arrays = tuple(jax.numpy.asarray(a) for _, _, a, _ in slots)
         lengths = tuple(lens if isinstance(lens, tuple) else (lens,)
-                        for _, kind, _, lens in slots if kind == "sequence")
+                        for _, kind, _, lens in slots if kind in _LOD_KINDS)
         key = (spec, tuple((a.shape, str(a.dtype)) for a in values + arrays))
         if key not in self._calls:
             self._calls[key] = self._differentiable(spec, values, arrays)
@@ -293,18 +294,21 @@ class Function:
         slots = []
         for name, value in inputs.items():
             b = rnn.bindings[name]
-            if b.kind != "sequence":
-                if b.var.lod_depth or isinstance(value, (LoDTensor, tuple, list)):
-                    raise UnsupportedError(f"input {name}: a ragged static input (one sequence of "
-                                           "rows each) is not done in stepnet.jax; give an array "
-                                           "of one row per sequence, or call stepnet directly")
+            if b.kind != "sequence" and not b.var.lod_depth:
+                if isinstance(value, (LoDTensor, tuple, list)):
+                    raise ShapeError(f"input {name}: a static input of one row per sequence "
+                                     "(the net was defined with an array), given "
+                                     f"{type(value).__name__}")
                 a = jax.numpy.asarray(value)
                 if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
                     raise ShapeError(f"input {name}: has dtype {a.dtype}; stepnet.jax takes "
                                      "float inputs (their gradients flow back)")
                 slots.append((name, "array", a, None))
                 continue
-            depth = b.var.lod_depth
+            depth = b.var.lod_depth  # (a ragged static input's too: a decoder's memory)
+            if isinstance(value, LoDTensor):
+                raise ShapeError(f"input {name}: stepnet.jax takes a LoD input as (padded, "
+                                 "lengths), not a LoDTensor")
             padded, lengths = value if isinstance(value, (tuple, list)) else (value, None)
             padded = jax.numpy.asarray(padded)
             if padded.ndim < depth + 1:
@@ -316,7 +320,7 @@ class Function:
                 lengths = _lengths(lengths, padded.shape[:2], f"input {name}: lengths")
             else:
                 lengths = _level_lengths(lengths, padded.shape[:depth + 1], f"input {name}: lengths")
-            slots.append((name, "sequence", padded, lengths))
+            slots.append((name, "sequence" if b.kind == "sequence" else "ragged", padded, lengths))
         return slots
 
     # -- the call ---------------------------------------------------------------------
@@ -388,7 +392,7 @@ class Function:
         given = {}
         for (name, kind), a in zip(spec, arrays):
             a = np.asarray(a)
-            if kind == "sequence":
+            if kind in _LOD_KINDS:
                 steps = a.shape[:2]
                 if name == "attention":  # one score per token: rows [1]
                     a = a.reshape(steps + (1,))
@@ -430,8 +434,9 @@ class Function:
     def _outputs(self, outs, spec, arrays, lengths):
         """All-steps outputs padded like the first LoD input: one of ``L``
         levels (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
-        first = np.asarray(arrays[next(i for i, (_, kind) in enumerate(spec) if kind == "sequence")])
-        levels = _to_lod(first, lengths[0]).levels
+        first, first_lengths = _first_sequence(spec, lengths)
+        first = np.asarray(arrays[first])
+        levels = _to_lod(first, first_lengths).levels
         got = []
         for out, every in self._flat(outs):
             if every:
@@ -440,7 +445,7 @@ class Function:
                         np.array_equal(a, b) for a, b in zip(out.levels, levels[:depth])):
                     raise UnsupportedError("stepnet.jax: an all-steps output whose LoD is not "
                                            "the first LoD input's (or its first levels)")
-                out = _to_padded(out.data, lengths[0][:depth], first.shape[:depth + 1])
+                out = _to_padded(out.data, first_lengths[:depth], first.shape[:depth + 1])
             got.append(np.asarray(out))
         return got
 
@@ -452,7 +457,7 @@ class Function:
         B = int(next(a for (_, k), a in zip(spec, arrays) if k == "sequence").shape[0])
         small, small_lengths = [], []
         for (name, kind), a in zip(spec, arrays):
-            if kind == "sequence":  # (a layer's inputs: one level)
+            if kind in _LOD_KINDS:  # (a layer's inputs: one level)
                 depth = 1 if self.flags is None else self.net.bindings[name].var.lod_depth
                 small.append(np.zeros((1,) * (depth + 1) + tuple(a.shape[depth + 1:]), a.dtype))
                 small_lengths.append(tuple(np.ones((1,) * (i + 1), np.int64) for i in range(depth)))
@@ -499,21 +504,34 @@ class Function:
         forward run again."""
         if pullback is None:
             pullback = self._run(spec, arrays, lengths, self.backend, keep=True)[1]
+        first_lengths = _first_sequence(spec, lengths)[1]
         rows = []
         for depth, ct in zip(depths, cts):
             ct = np.asarray(ct)
-            rows.append(ct[_mask(lengths[0][:depth], ct.shape)] if depth else ct)
+            rows.append(ct[_mask(first_lengths[:depth], ct.shape)] if depth else ct)
         wrt = [name for name, _ in spec] + list(self._parameters)
         found = pullback(rows, wrt=wrt)
         inputs, params = found[:len(spec)], found[len(spec):]
         lens = iter(lengths)
         grads = []
         for (_, kind), a, g in zip(spec, arrays, inputs):
-            if kind == "sequence":
+            if kind in _LOD_KINDS:
                 levels = next(lens)
                 g = _to_padded(np.asarray(g), levels, np.shape(a)[:len(levels) + 1])
             grads.append(np.asarray(g).reshape(np.shape(a)))
         return list(params) + grads
+
+
+# the slots given as (padded, lengths): step inputs, and ragged static inputs
+# (rows per sequence: a decoder's memory)
+_LOD_KINDS = ("sequence", "ragged")
+
+
+def _first_sequence(spec, lengths):
+    """The index in ``spec`` of the first step input, and its levels' lengths
+    (of ``lengths``: every LoD slot's, in order)."""
+    first = next(i for i, (_, kind) in enumerate(spec) if kind == "sequence")
+    return first, lengths[sum(kind in _LOD_KINDS for _, kind in spec[:first])]
 
 
 def _unique_names(parameters):

@@ -10,7 +10,7 @@ jnp = jax.numpy
 import stepnet as sn  # noqa: E402
 from nets import CHAPTERS, nested_encoder  # noqa: E402
 import stepnet.jax as sj  # noqa: E402
-from stepnet.errors import ShapeError, StepNetError, UnsupportedError  # noqa: E402
+from stepnet.errors import ShapeError, StepNetError  # noqa: E402
 
 LENGTHS = np.array([5, 2, 0, 4])
 
@@ -280,21 +280,49 @@ def test_a_nested_step_net_takes_its_two_level_input_padded_by_levels():
                                    rtol=1e-6, atol=1e-6)
 
 
-def test_a_ragged_static_input_is_refused_by_name():
+def test_a_ragged_static_input_is_a_decoders_memory_padded_with_its_lengths():
+    """An attention decoder's memory (a ragged static input: rows per
+    sequence) given as (padded [B, M, ...], lengths), like a step input:
+    the outputs equal a direct call's, and jax.grad under jit gives the
+    memory its rows' gradients (zeros for the padding) as stepnet's
+    pullback does; a LoDTensor or a static input of one row given as a pair
+    is refused by name."""
     rng = np.random.default_rng(3)
-    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(np.float32), [[3, 2]])
-    M = sn.LoDTensor.from_lengths(rng.standard_normal((4, 3)).astype(np.float32), [[1, 3]])
+    x = rng.standard_normal((2, 3, 3)).astype(np.float32)
+    m = rng.standard_normal((2, 4, 3)).astype(np.float32)
+    x_lengths, m_lengths = np.array([3, 2]), np.array([1, 4])
+    X, M = sn.LoDTensor.from_padded(x, x_lengths), sn.LoDTensor.from_padded(m, m_lengths)
+    A = sn.Parameter((rng.standard_normal((3, 3)) * 0.5).astype(np.float32), name="A")
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
-        x, mem = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
+        xt, mem = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
         h = rnn.add_memory(shape=[3], name="h")
-        h.update(sn.ops.tanh(x + sn.ops.attention(h.pre_state(), mem)))
+        h.update(sn.ops.tanh(xt @ A + sn.ops.attention(h.pre_state(), mem)))
         rnn.add_outputs(h)
     f = sj.function(rnn)
-    for given in (M, (np.ones((2, 3, 3), np.float32), np.array([1, 3]))):
-        with pytest.raises(UnsupportedError, match="input M: a ragged static input"):
-            f(f.params, X=(np.ones((2, 3, 3), np.float32), np.array([3, 2])), M=given)
+    y = jax.jit(lambda p, x, m: f(p, X=(x, x_lengths), M=(m, m_lengths)))(f.params, x, m)
+    np.testing.assert_allclose(y, rnn(backend="numba").to_padded(steps=3)[0], rtol=1e-6, atol=1e-7)
+    R = rng.standard_normal(np.shape(y)).astype(np.float32)
 
+    def loss(p, x, m):
+        return (f(p, X=(x, x_lengths), M=(m, m_lengths)) * R).sum()
+
+    g, gx, gm = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(f.params, x, m)
+    _, pullback = sn.vjp(rnn, backend="numba")
+    want = pullback([sn.LoDTensor.from_padded(R, x_lengths).data], wrt=["M", "X", A])
+    np.testing.assert_allclose(gm, sn.LoDTensor(want[0], M.levels).to_padded(steps=4)[0],
+                               rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(gm)[0, 1:] == 0)  # no gradient to the padding
+    np.testing.assert_allclose(gx, sn.LoDTensor(want[1], X.levels).to_padded(steps=3)[0],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g["A"], want[2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ShapeError, match="input M: stepnet.jax takes a LoD input as "
+                                         r"\(padded, lengths\), not a LoDTensor"):
+        f(f.params, X=(x, x_lengths), M=M)
+    s = sj.function(_tanh_net(rng), output_all_steps=[True, False])
+    with pytest.raises(ShapeError, match="input s: a static input of one row per sequence"):
+        s(s.params, x=(_padded(rng, 3), LENGTHS), s=(np.ones((4, 1), np.float32), LENGTHS),
+          h=np.zeros((4, 4), np.float32))
 
 def test_an_unknown_backend_is_refused_when_the_function_is_made():
     with pytest.raises(sn.BackendError, match="unknown backend 'bogus'"):
