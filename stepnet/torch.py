@@ -10,8 +10,9 @@ it returns::
     y, h_n = m(torch.randn(4, 10, 8))                        # as g(x) gives
 
 ``Module(rnn)`` takes a step-net's inputs by name as torch tensors: a LoD input
-as a ``PackedSequence``, as ``(padded, lengths)`` or as ``(rows, lod)``, initial
-memories and static inputs as tensors; all-steps outputs come back in the
+(a step input, or a ragged static input: a decoder's memory) as a
+``PackedSequence``, as ``(padded, lengths)`` or as ``(rows, lod)``, initial
+memories and other static inputs as tensors; all-steps outputs come back in the
 layout their input came in, last-step outputs as ``[num_seq, ...]``.
 
 The module's parameters are ``torch.nn.Parameter``s sharing memory with the
@@ -529,10 +530,11 @@ class StepNetModule(Module):
             The step-net's inputs by name; those not given keep the values
             bound when it was defined. A LoD input is a ``PackedSequence``,
             ``(padded, lengths)`` (lengths None: every sequence ``T`` steps)
-            or ``(rows, lod)`` (the only form for several levels); an initial
-            memory or static input is a tensor, or a number or ndarray taken
-            as a constant (no gradient). CPU tensors of the dtype the
-            step-net computes in.
+            or ``(rows, lod)`` (the only form for several levels), and so is
+            a ragged static input (a decoder's memory: rows per sequence);
+            an initial memory or other static input is a tensor, or a number
+            or ndarray taken as a constant (no gradient). CPU tensors of the
+            dtype the step-net computes in.
 
         Returns
         -------
@@ -559,16 +561,14 @@ class StepNetModule(Module):
             raise StepNetError(f"unknown input name(s) {sorted(unknown)}; {rnn.name} takes "
                                f"{sorted(rnn.bindings)}")
         self._sync()
-        bindings, tensors, names, layouts = {}, [], [], {}
-        layout = None
+        bindings, tensors, names, layouts, ragged = {}, [], [], {}, {}
         for name, value in inputs.items():
             b = rnn.bindings[name]
             dtype = TORCH_DTYPES[np.dtype(b.var.dtype)]
             what = f"input {name}"
-            if b.kind == "sequence":
+            if b.kind == "sequence" or b.var.lod_depth:  # (a ragged static input: a decoder's memory)
                 t, lay = self._sequence_input(value, b, what, dtype)
-                layouts[name] = lay
-                layout = layout or lay
+                (layouts if b.kind == "sequence" else ragged)[name] = lay
                 bindings[name] = (t, lay)
             else:
                 if isinstance(value, (int, float, np.ndarray)):
@@ -578,7 +578,7 @@ class StepNetModule(Module):
                 bindings[name] = t
             tensors.append(t)
             names.append(name)
-        call = StepNetCall(self, bindings, names, layouts)
+        call = StepNetCall(self, bindings, names, {**layouts, **ragged})  # (the step inputs' first)
         params = [self._parameters[n] for n, _, _ in self._links]
         if autograd_records(tensors + params):
             outs = Bridge.apply(call, *tensors, *params)

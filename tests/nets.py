@@ -202,6 +202,22 @@ def small_gru(rng, lengths, features=8, hidden=16):
     return rnn
 
 
+def memory_decoder(rng, dtype=np.float32):
+    """``h = tanh(x @ A + attention(h_prev, M))``: a step input ``X`` of
+    lengths [3, 2] and a ragged static input ``M`` (a decoder's memory) of
+    lengths [1, 4], 3 features each. Returns ``(rnn, X, M, A)``."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(dtype), [[3, 2]])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)).astype(dtype), [[1, 4]])
+    A = sn.Parameter((rng.standard_normal((3, 3)) * 0.5).astype(dtype), name="A")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, mem = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[3], name="h")
+        h.update(sn.ops.tanh(x @ A + sn.ops.attention(h.pre_state(), mem)))
+        rnn.add_outputs(h)
+    return rnn, X, M, A
+
+
 def zero_width_net(rng, lengths):
     """A step-net whose products have no terms (an input of width 0 by
     ``[0, 4]`` weights, before the loop and per step) or no columns (by

@@ -8,7 +8,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import stepnet as sn  # noqa: E402
-from nets import CHAPTERS, nested_encoder  # noqa: E402
+from nets import CHAPTERS, memory_decoder, nested_encoder  # noqa: E402
 import stepnet.jax as sj  # noqa: E402
 from stepnet.errors import ShapeError, StepNetError  # noqa: E402
 
@@ -288,17 +288,8 @@ def test_a_ragged_static_input_is_a_decoders_memory_padded_with_its_lengths():
     pullback does; a LoDTensor or a static input of one row given as a pair
     is refused by name."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 3, 3)).astype(np.float32)
-    m = rng.standard_normal((2, 4, 3)).astype(np.float32)
-    x_lengths, m_lengths = np.array([3, 2]), np.array([1, 4])
-    X, M = sn.LoDTensor.from_padded(x, x_lengths), sn.LoDTensor.from_padded(m, m_lengths)
-    A = sn.Parameter((rng.standard_normal((3, 3)) * 0.5).astype(np.float32), name="A")
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        xt, mem = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
-        h = rnn.add_memory(shape=[3], name="h")
-        h.update(sn.ops.tanh(xt @ A + sn.ops.attention(h.pre_state(), mem)))
-        rnn.add_outputs(h)
+    rnn, X, M, A = memory_decoder(rng)
+    (x, x_lengths), (m, m_lengths) = X.to_padded(), M.to_padded()
     f = sj.function(rnn)
     y = jax.jit(lambda p, x, m: f(p, X=(x, x_lengths), M=(m, m_lengths)))(f.params, x, m)
     np.testing.assert_allclose(y, rnn(backend="numba").to_padded(steps=3)[0], rtol=1e-6, atol=1e-7)

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import stepnet as sn  # noqa: E402
 import stepnet.torch as st  # noqa: E402
+from nets import memory_decoder  # noqa: E402
 from pairwise import pairwise_params  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence  # noqa: E402
 
@@ -526,6 +527,26 @@ def test_step_net_gradcheck_float64_with_a_static_input(cell64):
     close(last, lr, torch.float64)
     assert torch.autograd.gradcheck(lambda x, h0, ctx, *ps: m(x=(x, lengths), h=h0, ctx=ctx),
                                     (x, h0, ctx, *m.parameters()))
+
+
+def test_a_decoders_ragged_memory_is_a_lod_input_with_its_gradients():
+    """An attention decoder's memory (a ragged static input: rows per
+    sequence) given as (padded, lengths) or (rows, lod), in any order among
+    the inputs: the outputs are the direct call's (in the step input's
+    layout), and gradcheck passes through the memory's rows."""
+    rnn, X, M, _ = memory_decoder(np.random.default_rng(2), np.float64)
+    m = st.Module(rnn)
+    x = torch.tensor(X.to_padded()[0], requires_grad=True)
+    memory = torch.tensor(M.data, requires_grad=True)
+    want = rnn(backend="numba").to_padded()[0]
+    y = m(M=(memory, M.lod), X=(x, [3, 2]))  # (the memory first: y in X's layout)
+    np.testing.assert_allclose(y.detach().numpy(), want, rtol=1e-12)
+    padded = torch.tensor(M.to_padded()[0], requires_grad=True)
+    np.testing.assert_allclose(m(X=(x, [3, 2]), M=(padded, [1, 4])).detach().numpy(), want,
+                               rtol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, mem, *ps: m(M=(mem, M.lod), X=(x, [3, 2])),
+                                    (x, memory, *m.parameters()))
+    assert torch.autograd.gradcheck(lambda mem: m(X=(x, [3, 2]), M=(mem, [1, 4])), (padded,))
 
 
 def test_nested_step_net_rows_and_lod_gradcheck():
