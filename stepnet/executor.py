@@ -68,8 +68,9 @@ def why_not(program: ir.Program, sched=None):
     body = eqn.attrs["body"]
     sched = sched or _schedule.schedule(program)
     seqs, statics, inits = ir.rnn_parts(eqn)
-    # a step input of more LoD levels is the sequences of nested rnns, read
-    # by nothing else; every other ragged value has one level (op by op)
+    # a step input of more LoD levels is the sequences of nested rnns, and
+    # each step's sub-sequences read op by op as every other ragged value of
+    # one level (the DSL refuses an op reading a value of two levels or more)
     deep = {v for v, s in zip(body.step_inputs, seqs) if s.lod_depth > 1}
     ragged_memories = eqn.attrs.get("ragged_memories", {})
     kept = [*(m.pre for k, m in enumerate(body.memories) if k not in ragged_memories),
@@ -80,8 +81,6 @@ def why_not(program: ir.Program, sched=None):
               *(o for e in body.eqns for o in e.outputs)]
     if any(v.lod_depth > 1 for v in values):
         return "a value of its step has more than one LoD level"
-    if ir.ragged_step_read(body) is not None:
-        return "a step input of more than one LoD level is read by another op than a nested rnn"
     if deep & set(body.outputs):
         return "a step input of more than one LoD level is an output of its step"
     for e in body.eqns:
@@ -133,6 +132,8 @@ class Executor:
                       and not self.nested[stage].ragged_io
                       and set(ir.rnn_parts(stage.eqns[0])[0]) <= set(self.body.step_inputs)]
         self.by_steps = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth == 1]
+        # (the step inputs of more levels: each token's sub-sequences, by steps in a group)
+        self.deep = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth > 1]
         self.by_steps += [o for stage in self.first for o in stage.outputs]
         # the hoisted stages that are not row by row (a shape op, a general
         # matmul), and those reading them, run at each step on its rows instead
@@ -282,7 +283,7 @@ class Executor:
     def _first_over_all(self, env, workers):
         """The hoisted nested rnns over every sub-sequence of the call."""
         for stage in self.first:
-            self._nested_stage(stage, None, workers)(env, None, None)
+            self._nested_stage(stage, workers)(env, None, None)
 
     def _group(self, shared, offsets, sequences, out, board, nested=None):
         """Run the sequences ``sequences`` (the caller's indices) with the
@@ -340,6 +341,7 @@ class Executor:
                 _stage(stage, env, layout.tokens, {})(env, layout.tokens, 0)
             full = {v: env[v] for v in (*self.by_steps,
                                         *(o for s in self.whole for o in s.outputs))}
+            full.update({v: env[v].select(layout.perm) for v in self.deep})
             places.update({v: (values, True) for v, values in full.items() if not v.lod_depth})
             self._by_steps(env, layout, places, full, statics, state, rows, last, out)
             out.write(layout, rows, last)
@@ -358,7 +360,7 @@ class Executor:
     def _by_steps(self, env, layout, places, full, statics, state, rows, last, out):
         """The time loop in Python, each stage a call at each step (ragged
         outputs recorded, and ragged memories kept, by ``out``: :class:`_RaggedOutputs`)."""
-        stages = [self._nested_stage(stage, layout) if stage.kind == "rnn" else
+        stages = [self._nested_stage(stage) if stage.kind == "rnn" else
                   _by_ops(stage) if stage in self.ragged else
                   _stage(stage, env, layout.order.shape[0], places, self.runs.get(stage))
                   for stage in self.step]
@@ -390,19 +392,15 @@ class Executor:
                 else:
                     s[:a] = post
 
-    def _nested_stage(self, stage, layout, workers=1):
-        """``run(env, rows, lo)`` of a nested rnn's stage: over the sub-sequences
-        of the step's rows (``layout``'s, from token ``lo``), or with no
-        ``layout`` over every sub-sequence of the call."""
+    def _nested_stage(self, stage, workers=1):
+        """``run(env, rows, lo)`` of a nested rnn's stage over the sub-sequences
+        ``env`` holds: at a step, the step's rows' (a step input's, made by
+        ``_by_steps``; a ragged static input's, a value of the step); before
+        the time loop, every sub-sequence of the call."""
         inner, seqs = self.nested[stage], ir.rnn_parts(stage.eqns[0])[0]
 
         def run(env, rows, lo):
-            # (a step input's sub-sequences, the step's rows' of the call's;
-            # a ragged static input, a value of the step: the step's rows already)
-            args = [X.select(layout.perm[lo:lo + rows])
-                    if layout is not None and v in self.body.step_inputs else X
-                    for v, X in zip(seqs, (env[v] for v in seqs))]
-            env.update(zip(stage.outputs, inner(args, env, workers)))
+            env.update(zip(stage.outputs, inner([env[v] for v in seqs], env, workers)))
         return run
 
 

@@ -165,8 +165,7 @@ def iter_eqns(block: Block):
 def ragged_step_read(block: Block):
     """A step input of ``block`` or of a block nested in it that is ragged in
     its step (an input of two LoD levels or more) and read by an op other
-    than a nested rnn (the interpreter's and the Numba kernels' only: the
-    executor and CUDA refuse it), or None."""
+    than a nested rnn (the CUDA backend refuses it), or None."""
     for body in [block] + [e.attrs["body"] for e in iter_eqns(block) if e.op == "rnn"]:
         ragged = {id(v) for v in body.step_inputs if v.lod_depth}
         for e in body.eqns:

@@ -716,32 +716,60 @@ def test_a_taggers_gradients_through_its_nested_nets_every_step(rng, from_outer,
 def test_a_hierarchical_attention_network_on_the_first_tier(rng, from_outer, monkeypatch):
     """The word attention over a nested net's every step (run first, or at
     each step): the forward, and a training step's backward, whose words'
-    cotangent sums three ops' terms."""
+    cotangent sums three ops' terms; with a cotangent for the weights too
+    (read by entry in the backward: a step input of two levels), each
+    backward on the executor."""
     rnn, X = word_attention(rng, dtype=np.float64, from_outer=from_outer)
     _agree(rnn)
     ran = _first_tier_only(monkeypatch)
     dh = rng.standard_normal((X.lod[0][-1], 4))
-    with sn.config(tiered=True):
-        found, pullback = sn.vjp(rnn, X=X, output_all_steps=[True, True], backend="numba")
-        grads = pullback([dh, None], wrt=rnn.parameters() + ["X"])
-    expected, pullback = sn.vjp(rnn, X=X, output_all_steps=[True, True], backend="interpreter")
-    assert_close(found, expected, what="outputs")
-    assert_close(grads, pullback([dh, None], wrt=rnn.parameters() + ["X"]), what="gradients")
-    assert any(p.eqn.attrs["name"].endswith("_grad") for p in ran), ran
+    da = rng.standard_normal((X.lod[1][-1], 1))
+    expected, reference = sn.vjp(rnn, X=X, output_all_steps=[True, True], backend="interpreter")
+    for cts in ([dh, None], [dh, da]):
+        ran.clear()
+        with sn.config(tiered=True):
+            found, pullback = sn.vjp(rnn, X=X, output_all_steps=[True, True], backend="numba")
+            grads = pullback(cts, wrt=rnn.parameters() + ["X"])
+        assert_close(found, expected, what="outputs")
+        assert_close(grads, reference(cts, wrt=rnn.parameters() + ["X"]), what="gradients")
+        assert any(p.eqn.attrs["name"].endswith("_grad") for p in ran), ran
 
 
-def test_why_not_names_what_it_does_not_run(rng):
-    """A net whose step reads a step input of two LoD levels by another op
-    than a nested rnn, or gives it out, is left to the interpreter, with the reason."""
+def test_a_step_input_of_two_levels_read_by_ops_and_why_not_one_given_out(rng, monkeypatch):
+    """A step input of two LoD levels read by an op (each step a sequence of
+    rows: a bag of words per paragraph) runs op by op at each step, as the
+    interpreter runs it, beside a nested net over it (hoisted, or reading
+    the step), and so do its gradients on the first tier; one given out is
+    left to the interpreter, with the reason."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)).astype(np.float32),
-                                  [[2, 1], [2, 3, 1]])
-    rnn = sn.create_rnn_op()
-    with rnn.stepnet():
-        rnn.add_outputs(sn.ops.seq_sum(rnn.add_input(X, name="x")))
-    program = rnn.program(rnn.all_steps_flags(True))
-    assert executor.why_not(program) == ("a step input of more than one LoD level is read by "
-                                         "another op than a nested rnn")
-    assert executor.compile_program(program) is None
+                                  [[2, 0, 1], [2, 3, 1]])
+    W = sn.Parameter(rng.standard_normal((3, 3)).astype(np.float32), name="W")
+    for reads_step in (False, True):
+        rnn = sn.create_rnn_op()
+        with rnn.stepnet():
+            x = rnn.add_input(X, name="x")
+            h = rnn.add_memory(shape=[3], name="h")
+            inner = sn.create_rnn_op(name="words")
+            with inner.stepnet():
+                g = inner.add_memory(init=h.pre_state() if reads_step else None, shape=[3], name="g")
+                g.update(sn.ops.tanh(inner.add_input(x, name="w") @ W + g.pre_state()))
+                inner.add_outputs(g)
+            h.update(sn.ops.tanh(sn.ops.seq_sum(x @ W) + inner(output_all_steps=False)))
+            rnn.add_outputs(h)
+        program = rnn.program(rnn.all_steps_flags(True))
+        assert executor.why_not(program) is None
+        run = executor.compile_program(program)
+        for workers in (1, 2):
+            assert_close(run(rnn.bind(), rnn.const_values(), workers=workers)[0],
+                         rnn(backend="interpreter"), what=f"{reads_step}, {workers}")
+    ran = _first_tier_only(monkeypatch)
+    G = rng.standard_normal((3, 3)).astype(np.float32)
+    with sn.config(tiered=True):
+        got = sn.gradients(rnn, wrt=[W, "x"], grad_outputs=[G], backend="numba")
+    names = {p.eqn.attrs["name"] for p in ran}
+    assert {rnn.name, f"{rnn.name}_grad"} <= names, names  # (the forward and the backward)
+    assert_close(list(got), list(sn.gradients(rnn, wrt=[W, "x"], grad_outputs=[G],
+                                              backend="interpreter")), what="gradients")
     given = sn.create_rnn_op()
     with given.stepnet():
         given.add_outputs(given.add_input(X, name="x"))
