@@ -132,8 +132,7 @@ class Executor:
                       and not self.nested[stage].ragged_io
                       and set(ir.rnn_parts(stage.eqns[0])[0]) <= set(self.body.step_inputs)]
         self.by_steps = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth == 1]
-        # (the step inputs of more levels: each token's sub-sequences, by steps in a group)
-        self.deep = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth > 1]
+        self.deep = [v for v, s in zip(self.body.step_inputs, self.seqs) if s.lod_depth > 1]  # (2+ levels)
         self.by_steps += [o for stage in self.first for o in stage.outputs]
         # the hoisted stages that are not row by row (a shape op, a general
         # matmul), and those reading them, run at each step on its rows instead

@@ -578,7 +578,7 @@ class StepNetModule(Module):
                 bindings[name] = t
             tensors.append(t)
             names.append(name)
-        call = StepNetCall(self, bindings, names, {**layouts, **ragged})  # (the step inputs' first)
+        call = StepNetCall(self, bindings, names, {**layouts, **ragged}, next(iter(layouts.values()), None))
         params = [self._parameters[n] for n, _, _ in self._links]
         if autograd_records(tensors + params):
             outs = Bridge.apply(call, *tensors, *params)

@@ -124,16 +124,15 @@ class StepNetCall:
     """One call of a step-net: its inputs as stepnet values, the run, its
     pullback."""
 
-    def __init__(self, module, bindings, names, layouts):
+    def __init__(self, module, bindings, names, layouts, first):
         self.module = module
         self.bindings = bindings
         self.names = names  # the inputs given as tensors, in the order passed to autograd
-        self.layouts = layouts
+        self.layouts = layouts  # (of each LoD input given: step inputs, ragged static inputs)
         self.pullback = None
-        first = next(iter(layouts.values()), None)
         self.out_layouts = []
         self.out_lods = []
-        self._first = first
+        self._first = first  # (the first step input's given: the all-steps outputs')
 
     def _values(self):
         values = {}

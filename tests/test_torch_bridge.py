@@ -533,7 +533,8 @@ def test_a_decoders_ragged_memory_is_a_lod_input_with_its_gradients():
     """An attention decoder's memory (a ragged static input: rows per
     sequence) given as (padded, lengths) or (rows, lod), in any order among
     the inputs: the outputs are the direct call's (in the step input's
-    layout), and gradcheck passes through the memory's rows."""
+    layout; as (rows, lod) where none is given), and gradcheck passes
+    through the memory's rows."""
     rnn, X, M, _ = memory_decoder(np.random.default_rng(2), np.float64)
     m = st.Module(rnn)
     x = torch.tensor(X.to_padded()[0], requires_grad=True)
@@ -547,6 +548,8 @@ def test_a_decoders_ragged_memory_is_a_lod_input_with_its_gradients():
     assert torch.autograd.gradcheck(lambda x, mem, *ps: m(M=(mem, M.lod), X=(x, [3, 2])),
                                     (x, memory, *m.parameters()))
     assert torch.autograd.gradcheck(lambda mem: m(X=(x, [3, 2]), M=(mem, [1, 4])), (padded,))
+    rows, lod = m(M=(memory, M.lod))  # (no step input given: the output as (rows, lod))
+    assert lod == X.lod and np.allclose(rows.detach().numpy(), rnn(backend="numba").data)
 
 
 def test_nested_step_net_rows_and_lod_gradcheck():
