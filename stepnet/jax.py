@@ -559,8 +559,12 @@ def _mask(levels, shape):
 
 
 def _to_lod(padded, levels):
-    """A padded array's rows as a LoDTensor of ``len(levels)`` levels (``_mask``)."""
+    """A padded array's rows as a LoDTensor of ``len(levels)`` levels
+    (``_mask``), each level's lengths checked first (traced ones reach here
+    unchecked) as ``_lengths`` checks them."""
     padded = np.asarray(padded)
+    for i, lens in enumerate(levels):
+        _in_range(np.asarray(lens), padded.shape[i + 1], "lengths" if len(levels) == 1 else f"lengths[{i}]")
     lengths = [np.asarray(levels[0])] + [np.asarray(lens)[_mask(levels[:i], lens.shape)]
                                         for i, lens in enumerate(levels) if i]
     return LoDTensor.from_lengths(padded[_mask(levels, padded.shape)], lengths)
@@ -605,12 +609,17 @@ def _lengths(lengths, shape, what):
         raise ShapeError(f"{what}: expects {expected}, got {lens.dtype} of shape "
                          f"{list(lens.shape)}")
     if not isinstance(lens, jax.core.Tracer):
-        bad = np.argwhere((np.asarray(lens) < 0) | (np.asarray(lens) > T))
-        if bad.size:
-            i = tuple(int(j) for j in bad[0])
-            raise ShapeError(f"{what}[{', '.join(map(str, i))}] = {int(np.asarray(lens)[i])} is "
-                             f"outside [0, {T}] (the padded array has {T} steps)")
+        _in_range(np.asarray(lens), T, what)
     return lens
+
+
+def _in_range(lens, T, what):
+    """``ShapeError`` naming the first of ``lens`` (NumPy) outside ``[0, T]``."""
+    bad = np.argwhere((lens < 0) | (lens > T))
+    if bad.size:
+        i = tuple(int(j) for j in bad[0])
+        raise ShapeError(f"{what}[{', '.join(map(str, i))}] = {int(lens[i])} is outside [0, {T}] "
+                         f"(the padded array has {T} steps)")
 
 
 def _jax_dtype(dtype):

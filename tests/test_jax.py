@@ -186,6 +186,8 @@ def test_vmap_and_the_nets_parameters_are_left_as_they_were():
     # lengths traced under jit: checked when the call runs, on the host
     traced = jax.jit(lambda x, lengths: f(params, x, lengths)[0])(xs[0], LENGTHS)
     np.testing.assert_array_equal(traced, f(params, xs[0], LENGTHS)[0])
+    with pytest.raises(Exception, match=r"lengths\[0\] = 6 is outside \[0, 5\]"):
+        jax.jit(lambda x, lengths: f(params, x, lengths)[0])(xs[0], np.array([6, 1, 1, 1]))
     assert not np.array_equal(f(params, xs[0], LENGTHS)[0], f(f.params, xs[0], LENGTHS)[0])
 
 
@@ -272,6 +274,10 @@ def test_a_nested_step_net_takes_its_two_level_input_padded_by_levels():
     assert np.all(np.asarray(gx)[~words] == 0)
     for name, w in zip(f.names, want[1:]):
         np.testing.assert_allclose(g[name], w, rtol=1e-5, atol=1e-6)
+    bad = lengths[1].copy()
+    bad[0, 1] = 9
+    with pytest.raises(Exception, match=r"lengths\[1\]\[0, 1\] = 9 is outside \[0, 4\]"):
+        jax.jit(lambda x, n, w: f(f.params, X=(x, (n, w))))(padded, lengths[0], bad)
     # vmap over a stack of such inputs, their lengths traced alike
     batched = jax.vmap(lambda x, n, w: f(f.params, X=(x, (n, w)))[1])(
         np.stack([padded, padded * 2]), np.stack([lengths[0]] * 2), np.stack([lengths[1]] * 2))
