@@ -35,7 +35,7 @@ jax = optional_import("jax", "stepnet.jax", "pip install jax")
 
 from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
-from .lod import LoDTensor  # noqa: E402
+from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn.layers import LAYERS  # noqa: E402
 from .nn.step_cells import _refuse_in_bridge  # noqa: E402
 from .pullback import vjp  # noqa: E402
@@ -436,7 +436,7 @@ class Function:
         levels (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
         first, first_lengths = _first_sequence(spec, lengths)
         first = np.asarray(arrays[first])
-        levels = _to_lod(first, first_lengths).levels
+        levels = [offsets_from_lengths(lens) for lens in _lod_lengths(first_lengths)]
         got = []
         for out, every in self._flat(outs):
             if every:
@@ -565,9 +565,14 @@ def _to_lod(padded, levels):
     padded = np.asarray(padded)
     for i, lens in enumerate(levels):
         _in_range(np.asarray(lens), padded.shape[i + 1], "lengths" if len(levels) == 1 else f"lengths[{i}]")
-    lengths = [np.asarray(levels[0])] + [np.asarray(lens)[_mask(levels[:i], lens.shape)]
-                                        for i, lens in enumerate(levels) if i]
-    return LoDTensor.from_lengths(padded[_mask(levels, padded.shape)], lengths)
+    return LoDTensor.from_lengths(padded[_mask(levels, padded.shape)], _lod_lengths(levels))
+
+
+def _lod_lengths(levels):
+    """The LoD's lengths of each level of a padded input (``_mask``): a
+    level's entries under its parent's rows, in order."""
+    return [np.asarray(levels[0])] + [np.asarray(lens)[_mask(levels[:i], np.shape(lens))]
+                                      for i, lens in enumerate(levels) if i]
 
 
 def _to_padded(rows, levels, steps):
