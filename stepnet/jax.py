@@ -214,8 +214,7 @@ class Function:
             slots = self._step_net_slots(inputs)
         spec = tuple((name, kind) for name, kind, _, _ in slots)
         arrays = tuple(jax.numpy.asarray(a) for _, _, a, _ in slots)
-        lengths = tuple(lens if isinstance(lens, tuple) else (lens,)
-                        for _, kind, _, lens in slots if kind in _LOD_KINDS)
+        lengths = tuple(lens for _, kind, _, lens in slots if kind in _LOD_KINDS)
         key = (spec, tuple((a.shape, str(a.dtype)) for a in values + arrays))
         if key not in self._calls:
             self._calls[key] = self._differentiable(spec, values, arrays)
@@ -245,8 +244,8 @@ class Function:
         return tuple(values)
 
     def _layer_slots(self, x, *args, lengths=None, hx=None):
-        """(name, kind, array, lengths) of a layer's call; the names are the
-        pullback's (``X``, ``attention``, ``h0``, ``c0``)."""
+        """(name, kind, array, lengths: a tuple of its levels') of a layer's
+        call; the names are the pullback's (``X``, ``attention``, ``h0``, ``c0``)."""
         augru = self.net.kind.attention
         if augru:
             if not args:
@@ -264,7 +263,7 @@ class Function:
         if x.ndim != 3:
             raise ShapeError(f"x: has shape {list(x.shape)}, expected padded batch-first "
                              "[B, T, input_size]")
-        lens = _lengths(lengths, x.shape[:2], "lengths")
+        lens = (_lengths(lengths, x.shape[:2], "lengths"),)  # (one level's)
         slots = [("X", "sequence", x, lens)]
         if augru:
             a = jax.numpy.asarray(attention)
@@ -317,7 +316,7 @@ class Function:
                                  f"{list(padded.shape)}, expected [B, {steps}, ...] ({depth} "
                                  f"level{'s' if depth > 1 else ''} of LoD)")
             if depth == 1:
-                lengths = _lengths(lengths, padded.shape[:2], f"input {name}: lengths")
+                lengths = (_lengths(lengths, padded.shape[:2], f"input {name}: lengths"),)
             else:
                 lengths = _level_lengths(lengths, padded.shape[:depth + 1], f"input {name}: lengths")
             slots.append((name, "sequence" if b.kind == "sequence" else "ragged", padded, lengths))
@@ -434,8 +433,8 @@ class Function:
     def _outputs(self, outs, spec, arrays, lengths):
         """All-steps outputs padded like the first LoD input: one of ``L``
         levels (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
-        first, first_lengths = _first_sequence(spec, lengths)
-        first = np.asarray(arrays[first])
+        index, first_lengths = _first_sequence(spec, lengths)
+        first = np.asarray(arrays[index])
         levels = [offsets_from_lengths(lens) for lens in _lod_lengths(first_lengths)]
         got = []
         for out, every in self._flat(outs):
@@ -454,7 +453,8 @@ class Function:
         levels of each (0: not an all-steps output), found by
         running the net on the interpreter over the first sequence's first
         step (its features do not depend on the batch or the lengths)."""
-        B = int(next(a for (_, k), a in zip(spec, arrays) if k == "sequence").shape[0])
+        first = next(a for (_, k), a in zip(spec, arrays) if k == "sequence")
+        B, steps = int(first.shape[0]), first.shape[1:]
         small, small_lengths = [], []
         for (name, kind), a in zip(spec, arrays):
             if kind in _LOD_KINDS:  # (a layer's inputs: one level)
@@ -468,7 +468,6 @@ class Function:
                     shape[axis] = 1
                 small.append(np.zeros(shape, a.dtype))
         flat = self._flat(self._run(spec, small, small_lengths, "interpreter"))
-        steps = next(a for (_, k), a in zip(spec, arrays) if k == "sequence").shape[1:]
         structs, depths = [], []
         for out, every in flat:
             depths.append(out.num_levels if every else 0)
