@@ -143,9 +143,9 @@ class Pullback:
     def _check_ragged(self, program, cts, computed, capabilities):
         """Refuse a cotangent for a ragged output computed in the step from a
         ragged static input's rows (attention weights over a memory) where
-        its gradient does not run: the kernels read the rows of such a
-        cotangent by steps, not as the memory's. Rows of a nested net's every
-        step are read by entry, as the forward reads them."""
+        its gradient does not run: the backward reads it as a step input of
+        two levels, which the CUDA kernels do not read by ops (on the host,
+        each step's rows at the memory's rows)."""
         eqn = program.eqn
         body, ragged_memories = eqn.attrs["body"], eqn.attrs.get("ragged_memories", {})
         rows = [v for v in body.static_inputs if v.lod_depth]
@@ -155,12 +155,12 @@ class Pullback:
             if c is not None and every and not asked:
                 raise UnsupportedError(
                     f"gradient of {self.rnn.name}: the last step of the ragged output {res.name}")
-            if (c is not None and capabilities.compiles and res.lod_depth and id(res) in over
-                    and mi not in ragged_memories):
+            if (c is not None and capabilities.compiles and not capabilities.host_code
+                    and res.lod_depth and id(res) in over and mi not in ragged_memories):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name}'s ragged output "
                     f"{res.name} (rows computed at every step from a ragged static input's) runs "
-                    "on backend='interpreter' only")
+                    "on backend='interpreter' or 'numba'")
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn

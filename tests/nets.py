@@ -9,6 +9,9 @@
   paragraphs of words), with the variations the tests use.
 * :func:`word_attention`: a hierarchical attention network's paragraph
   encoder, the segment ops over a nested net's every step.
+* :func:`attention_prior`: a decoder's attention over its memory with a
+  prior given at each step (a step input of two levels combined row by row
+  with the memory), giving its attention weights.
 * :func:`zero_width_net`: products with no terms or no columns.
 """
 
@@ -216,6 +219,26 @@ def memory_decoder(rng, dtype=np.float32):
         h.update(sn.ops.tanh(x @ A + sn.ops.attention(h.pre_state(), mem)))
         rnn.add_outputs(h)
     return rnn, X, M, A
+
+
+def attention_prior(rng, lengths, steps, width=8):
+    """A decoder over a memory ``M`` of sequence ``lengths`` whose scores add
+    a prior given at each step (``prior``: a step input of two levels, each
+    step as many rows as its sequence's memory), over inputs ``X`` of
+    ``steps`` steps; float64. Gives its state and its attention weights.
+    Returns ``(rnn, W)``."""
+    M, X = lod(rng, lengths, width, np.float64), lod(rng, steps, 4, np.float64)
+    P = lod(rng, [steps, [n for n, t in zip(lengths, steps) for _ in range(t)]], 1, np.float64)
+    W = weight(rng, 4, width, dtype=np.float64, name="W")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, p = rnn.add_input(X, name="X"), rnn.add_input(P, name="prior")
+        mem = rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[width], name="h", dtype=np.float64)
+        w = sn.ops.seq_softmax(sn.ops.sum(mem * h.pre_state(), axis=-1, keepdims=True) + p)
+        h.update(sn.ops.tanh(sn.ops.seq_sum(w * mem) + x @ W))
+        rnn.add_outputs(h, w)
+    return rnn, W
 
 
 def zero_width_net(rng, lengths):

@@ -6,11 +6,12 @@ with gradients against finite differences and PyTorch."""
 import numpy as np
 import pytest
 from conftest import assert_close, available_backends, default_backends
-from nets import word_attention
+from nets import attention_prior, word_attention
 from pairwise import spread_params
 
 import stepnet as sn
 from stepnet import executor, interpreter
+from stepnet.jit import threads
 
 
 def _data(value):
@@ -250,13 +251,15 @@ def test_attention_weights_of_every_step_as_an_output(rng):
         assert_close(rnn(backend=backend), expected, what=backend)
 
 
-def test_the_gradient_of_every_step_s_attention_weights_on_the_interpreter_only(rng):
-    """docs/attention.md: against finite differences on the interpreter; the
-    compiled backends refuse it, naming the output, and run the other
-    outputs' gradients beside it."""
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_gradient_of_every_step_s_attention_weights(reverse, rng):
+    """docs/attention.md: against finite differences on the interpreter; on
+    the Numba kernels (their backward reads the weights' cotangent at each
+    step as the memory's rows), alone and beside the state's; the CUDA
+    backend refuses it, naming the output, and runs the state's alone."""
     X64 = sn.LoDTensor(_memory(rng, [2, 3, 0], 4).data.astype(np.float64), [[0, 2, 5, 5]])
     M64 = sn.LoDTensor(_memory(rng, [3, 6, 0], 8).data.astype(np.float64), [[0, 3, 9, 9]])
-    rnn, W = _weights_net(rng, X64, M64, dtype=np.float64)
+    rnn, W = _weights_net(rng, X64, M64, reverse=reverse, dtype=np.float64)
     G = rng.standard_normal(rnn(backend="interpreter")[1].data.shape)
     (got,) = sn.gradients(rnn, wrt=[W], grad_outputs=[None, G], backend="interpreter")
     numeric, eps = np.zeros(W.value.shape), 1e-6
@@ -269,13 +272,46 @@ def test_the_gradient_of_every_step_s_attention_weights_on_the_interpreter_only(
         W.value[idx] = keep
     np.testing.assert_allclose(got, numeric, rtol=1e-6, atol=1e-8)
     H = rng.standard_normal(rnn(backend="interpreter")[0].data.shape)
-    (expected,) = sn.gradients(rnn, wrt=[W], grad_outputs=[H, None], backend="interpreter")
-    for backend in default_backends(rnn):
-        with pytest.raises(sn.UnsupportedError, match=f"{backend} backend: the gradient of rnn's "
-                                                      "ragged output t[0-9]+ .* backend='interpreter' only"):
-            sn.gradients(rnn, wrt=[W], grad_outputs=[None, G], backend=backend)
-        (beside,) = sn.gradients(rnn, wrt=[W], grad_outputs=[H, None], backend=backend)
-        np.testing.assert_allclose(beside, expected, rtol=1e-7, atol=1e-9, err_msg=backend)
+    wrt = [W, "X", "M"]
+    for cts in ([None, G], [H, G], [H, None]):
+        expected = sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend="interpreter")
+        for backend in available_backends():
+            found = sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend=backend)
+            assert_close(found, expected, what=f"{backend}, {[c is not None for c in cts]}")
+    if "cuda" in default_backends(rnn):
+        with pytest.raises(sn.UnsupportedError, match="cuda backend: the gradient of rnn's ragged "
+                                                      "output t[0-9]+ .* backend='interpreter' or 'numba'"):
+            sn.gradients(rnn, wrt=[W], grad_outputs=[None, G], backend="cuda")
+        assert_close(sn.gradients(rnn, wrt=[W], grad_outputs=[H, None], backend="cuda"),
+                     sn.gradients(rnn, wrt=[W], grad_outputs=[H, None], backend="interpreter"))
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_a_prior_over_the_memory_given_at_each_step(groups, rng, monkeypatch):
+    """A step input of two levels combined row by row with the memory: on
+    the Numba kernels as on the interpreter (in sequence groups on threads
+    too), with its gradients; a step of it with as many rows as its
+    sequence's memory, or a LoDError on every backend."""
+    if not groups:
+        lengths, steps = [3, 6, 0, 2], [2, 3, 1, 0]
+    else:
+        monkeypatch.setattr(threads, "SPLIT_MIN_WORK", 1)
+        lengths, steps = rng.integers(0, 40, 96).tolist(), rng.integers(0, 30, 96).tolist()
+    rnn, W = attention_prior(rng, lengths, steps)
+    expected = rnn(backend="interpreter")
+    cts = [rng.standard_normal(expected[0].data.shape), rng.standard_normal(expected[1].data.shape)]
+    grads = sn.gradients(rnn, wrt=[W, "prior", "M"], grad_outputs=cts, backend="interpreter")
+    for backend in available_backends():
+        assert_close(rnn(backend=backend), expected, what=backend)
+        assert_close(sn.gradients(rnn, wrt=[W, "prior", "M"], grad_outputs=cts, backend=backend),
+                     grads, what=f"{backend} gradients")
+    P = rnn.bindings["prior"].value
+    wrong = np.array(P.lod[1])
+    wrong[1:] += 1  # (one row more at a step of the first sequence)
+    bad = sn.LoDTensor(np.zeros((P.data.shape[0] + 1, 1)), [P.lod[0], wrong])
+    for backend in ["interpreter", *available_backends()]:
+        with pytest.raises(sn.LoDError, match="prior|different LoD"):
+            rnn(backend=backend, prior=bad)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

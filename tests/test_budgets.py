@@ -23,44 +23,8 @@ _CUDA = ("numba_cuda.py", "cuda_run.py")  # the CUDA backend's modules, outside 
 # over budget today: their line counts may only go down
 MODULES_OVER = {}
 FUNCTIONS_OVER = {}
-CPU_ENGINE_NOW = 8072  # (+126: int8 sums the gate loops dequantize as they read them, issue 62;
-                       # +9: bf16's path named beside int8's, from the same features (stepnet
-                       # info spelled it out);
-                       # +183: int8 and bf16 products on AMX's tiles, Linux asked for them;
-                       # +57: OpenBLAS's count, the process's, held at one while any call of
-                       # stepnet's runs, not set and given back by each (calls at once differed in
-                       # bits), none running in a forked child;
-                       # +28: a save into the cache holds its folder's lock; +4: a chunk posted
-                       # ahead is over the sequences running at it;
-                       # +68: bf16 products by vdpbf16ps; +20: quantized input products by chunks;
-                       # +3: int8 sums start from zero in registers, not from a cleared buffer; issue 62;
-                       # +8: the prepared call checks its offsets and states before its kernel reads by them;
-                       # +5: threads of one process loading one new kernel take turns;
-                       # +3: no library product is called with a leading dimension of 0;
-                       # -36: a ragged last-step output computed for every step by CompiledStepNet;
-                       # +3: a cached .nbc whose LLVM bitcode is damaged is a cache miss;
-                       # +14: a nested net reads its enclosing net's ragged static input;
-                       # +4: a step value with LoD levels of its own read by an op refused by name;
-                       # +1: an input's rows made contiguous are sized first; -1: one literal helper;
-                       # +12: a forked child makes its own thread pool and compile-worker client;
-                       # +14: a kept blas.json of another form is measured again, not an error;
-                       # +17: a nested net steps over its enclosing net's ragged static input;
-                       # +41: a digest ends each compiled-code file; +54: a read-only cache folder
-                       # is read from, and a kernel it lacks refused by name; +15: the own loop's
-                       # AVX2 blocks of 5 rows, 1.2x its product rate on a Zen 2; +38: float64
-                       # products' own-loop limits measured apart from float32's; +5: an item no
-                       # pool thread has started runs on the waiting thread, not a deadlock;
-                       # +4: the weight gradients' kept choice checked where first read;
-                       # +3: a nested net's static input that is a constant of the enclosing
-                       # step is read where it is, by its hoisted products too; +15: a hoisted
-                       # product another net reads, as a gradient program's nets read the
-                       # forward's, is not computed by chunks in its own net's function; +6: the
-                       # CPU's features asked of LLVM once, not at each executor call;
-                       # +67: the segment ops over a nested net's every step (a hierarchical
-                       # attention network's word attention), hoisted with the nested net, its
-                       # product by weights one BLAS call; a product of ragged rows by a matrix
-                       # over the matrix's rows, which LLVM vectorizes; the segment ops over a
-                       # two-level step input as well, its refusal gone)
+CPU_ENGINE_NOW = 8116  # the CPU engine today, over CPU_ENGINE_LINES: it may not grow unseen
+# (a change that adds to it raises this figure, its commit message saying why)
 
 # a figure of a measurement: a time with decimals, a rate, a speed-up
 _MEASUREMENT = re.compile(r"\d+\.\d+ ?(ms|us|µs)\b|\d+(\.\d+)? ?(GFLOP/s|GB/s|Gflops)"

@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from stepnet_strategies import random_stepnets
-from nets import word_attention, zero_width_net
+from nets import attention_prior, word_attention, zero_width_net
 
 import stepnet as sn
 from stepnet import executor, executor_loop, executor_program, interpreter
@@ -355,8 +355,9 @@ def test_a_layers_later_calls_run_the_loop_its_first_built(rng, cell, monkeypatc
 
 def _first_tier_only(monkeypatch):
     """Tiered calls whose kernels never load (a compile worker that never
-    answers, and none taken from the disk cache, where another test put
-    it): the list of the programs the executor then runs."""
+    answers, none taken from the disk cache, where another test put it, and
+    none ready where a test before compiled it in this process): the list of
+    the programs the executor then runs."""
     ran = []
     call = executor.Executor.__call__
 
@@ -374,6 +375,7 @@ def _first_tier_only(monkeypatch):
     monkeypatch.setattr(executor.Executor, "__call__", counted)
     monkeypatch.setattr(loading, "compile_worker", lambda: Silent())
     monkeypatch.setattr(numba_cpu.NumbaProgram, "compiled_before", lambda self: False)
+    monkeypatch.setattr(numba_cpu.NumbaProgram, "ready", property(lambda self: False))
     monkeypatch.setenv("STEPNET_TIERED", "1")
     return ran
 
@@ -733,6 +735,23 @@ def test_a_hierarchical_attention_network_on_the_first_tier(rng, from_outer, mon
         assert_close(found, expected, what="outputs")
         assert_close(grads, reference(cts, wrt=rnn.parameters() + ["X"]), what="gradients")
         assert any(p.eqn.attrs["name"].endswith("_grad") for p in ran), ran
+
+
+def test_attention_weights_and_a_prior_over_the_memory_on_the_first_tier(rng, monkeypatch):
+    """A prior given at each step, combined row by row with the memory (a
+    step input of two levels), and the attention weights' gradient (their
+    cotangent read as one in the backward), each program on the executor."""
+    rnn, W = attention_prior(rng, [3, 6, 0, 2, 4], [2, 3, 1, 0, 2])
+    _agree(rnn)
+    ran = _first_tier_only(monkeypatch)
+    expected, reference = sn.vjp(rnn, backend="interpreter")
+    cts = [rng.standard_normal(expected[0].data.shape), rng.standard_normal(expected[1].data.shape)]
+    with sn.config(tiered=True):
+        found, pullback = sn.vjp(rnn, backend="numba")
+        grads = pullback(cts, wrt=[W, "prior", "M"])
+    assert_close(found, expected, what="outputs")
+    assert_close(grads, reference(cts, wrt=[W, "prior", "M"]), what="gradients")
+    assert {rnn.name, f"{rnn.name}_grad"} <= {p.eqn.attrs["name"] for p in ran}, ran
 
 
 def test_a_step_input_of_two_levels_read_by_ops_and_why_not_one_given_out(rng, monkeypatch):

@@ -194,6 +194,8 @@ def _program_inputs(module, program, values, consts):
             )
         data = module.fresh("x")
         levels = [module.fresh("L") for _ in range(v.lod_depth)]
+        if v.lod_depth == 2:
+            module.entry_levels.add(levels[1])
         params += [data] + levels
         module.gargs += levels + [data]
         dinfo = _Info("global", data, v, size=f"{data}.shape[0]", width=_width(v))
@@ -484,11 +486,11 @@ def _rnn_function(ctx, sched):
     body lines, the infos of the body's outputs)``. Its per-step values live
     in a scope of its own (the same body may be called twice)."""
     eqn = sched.eqn
-    fn = _Function(materialized=frozenset(sched.materialized))
+    top = ctx.mode == "program"
+    fn = _Function(materialized=frozenset(sched.materialized), top=top)
     fctx = _Ctx(ctx.module, collections.ChainMap({}, ctx.values), "step", [], fn)
     fname = ctx.module.fresh("rnn_")
     params = ["seq_start", "seq_len"]
-    top = ctx.mode == "program"
     setup = _function_setup(fctx, eqn, params, top=top)
     chunks = ctx.module.chunks.get(sched.body, ())
     # (a nested net's call in the step may raise: its allocations)

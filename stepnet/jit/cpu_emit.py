@@ -53,11 +53,12 @@ class _Info:
     "rows" (a value over a ragged static input's rows, row ``j``; its
     ``segment`` says which rows are batch row b's). ``sums``: an int8
     product's int32 sums behind ``ident``, read dequantized (``_ref``), with
-    the code of its rows' scales and of its columns' scales.
+    the code of its rows' scales and of its columns' scales. ``row``: the
+    code of a "rows" value's row where it is not ``j`` (``_rebased``).
     """
 
     def __init__(self, kind, ident=None, var=None, offset=0, width=None, size=None,
-                 levels=(), data=None, segment=None, sums=None):
+                 levels=(), data=None, segment=None, sums=None, row=None):
         self.kind = kind
         self.ident = ident
         self.var = var
@@ -68,6 +69,7 @@ class _Info:
         self.data = data
         self.segment = segment  # a value over a ragged static input's rows: its _Segment
         self.sums = sums  # (rows' scales, columns' scales): KernelPlan.dequantized
+        self.row = row
 
     @property
     def whole(self) -> bool:
@@ -99,7 +101,8 @@ class _Module:
         self.given_outputs = []  # output buffers program() takes from its caller
         self.hoisted_bodies = set()  # bodies whose hoisted work is emitted
         self.segments = {}  # a hoisted ragged Var -> its _Segment (a nested net's every step's)
-        self.same_lod = set()  # pairs of ragged static inputs' levels (by their rows)
+        self.same_lod = set()  # pairs of levels combined row by row (NumbaProgram._check_same_lod)
+        self.entry_levels = set()  # the second levels of the two-level inputs
         self.segment_outputs = {}  # all-steps outputs over a static's rows: (data, pl, level)
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
         self.chunks = {}  # body -> the _Chunk of each product its rnn function runs by chunks
@@ -136,6 +139,8 @@ class _Function:
     in_place: set = field(default_factory=set)  # new values of memories written over the old
     placed: dict = field(default_factory=dict)  # Var -> its column block of a step concat's buffer
     unbuffered: set = field(default_factory=set)  # all-steps outputs stored to the outputs alone
+    rebased: dict = field(default_factory=dict)  # Var -> its rows read at a static input's (_rebased)
+    top: bool = False  # the top-level net's function
 
 
 @dataclass
@@ -244,6 +249,29 @@ def _note_segment(ctx, e):
     return segments[0]
 
 
+def _rebased(ctx, group):
+    """Where a run of ops reads rows of a ragged static input and of a
+    two-level step input (a cotangent of attention weights over a memory,
+    one memory's rows at each step), read the step input's rows at the
+    static input's: row ``j`` of batch row b is its entry's row
+    ``level[e] + j - starts[b]``; each entry has as many rows as its
+    sequence's static input (``same_lod``, checked before a run)."""
+    if ctx.mode != "step" or not ctx.fn.top:
+        return
+    infos = {v: _operand(ctx, v, None) for e in group for v in e.inputs
+             if isinstance(v, ir.Var) and v.lod_depth and v in ctx.values}
+    static = next((i.segment for i in infos.values()
+                   if i.kind == "rows" and not i.segment.by_entry), None)
+    if static is None:
+        return
+    for v, info in infos.items():
+        if info.kind == "rows" and info.segment.by_entry and info.segment.level in ctx.module.entry_levels:
+            first, _ = info.segment.bounds("e")
+            ctx.fn.rebased[v] = _Info("rows", info.ident, v, width=info.width, segment=static,
+                                      row=f"{first} + j - {static.starts}[b]")
+            ctx.module.same_lod.add((static.level, info.segment.level))
+
+
 def _contiguous(ctx, info):
     """An expression for a C-contiguous [rows, K] array holding a 2-D var."""
     if ctx.mode == "hoist" and info.kind == "global" and info.whole:
@@ -302,7 +330,7 @@ def _ref(info, idx, mode, loop_shape, row="b"):
             elif info.kind == "chunk":
                 i = "b * chunk + cs"
             elif info.kind == "rows":
-                i = "j"
+                i = info.row or "j"
             else:
                 i = row
         elif n == 1 and loop_shape[lead + d] != 1:
@@ -322,6 +350,8 @@ def _ref(info, idx, mode, loop_shape, row="b"):
 def _operand(ctx, v, dtype):
     if isinstance(v, ir.Literal):
         return _Info("literal", ctx.module.literal(v.value, dtype))
+    if ctx.fn is not None and v in ctx.fn.rebased:
+        return ctx.fn.rebased[v]
     info = ctx.values[v]
     if info.kind == "ragged" and info.segment is not None:  # a nested net's every step, read by ops
         return _Info("rows", info.data.ident, v, width=info.data.width, segment=info.segment)
@@ -418,6 +448,7 @@ def _emit_fused(ctx, group, epilogues=()):
     _, idx = _loop_nest(shape, "step")
     inner, scalars, segment = [], [], None
     read, written = [], []  # the per-token arrays (rows "e") it reads and writes
+    _rebased(ctx, group)
     for e in group:  # a ragged run loops over its rows (schedule: one LoD depth per run)
         if any(isinstance(v, ir.Var) and v.lod_depth for v in e.inputs):
             segment = _note_segment(ctx, e)

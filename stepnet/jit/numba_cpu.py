@@ -173,12 +173,7 @@ class NumbaProgram:
         """The outputs for ``args`` (one value per top-level input), with
         ``const_args = prepare(consts)``. Each sequence group writes its rows
         of the outputs program() takes from its caller in place."""
-        for a, b in self.same_lod:
-            if not np.array_equal(np.diff(self._level(a, args)), np.diff(self._level(b, args))):
-                names = [v.name for kind, v, _, levels in self.top_inputs
-                         if kind == "sequence" and (a in levels or b in levels)]
-                raise LoDError(f"static inputs {' and '.join(names)} are combined row by row "
-                               "but have different lengths")
+        self._check_same_lod(args)
         self._link()
         run_plan = self.plan(args)
         groups = run_plan.groups
@@ -273,6 +268,23 @@ class NumbaProgram:
         if kind == "segment_all":  # its second level comes from the kernel
             return LoDTensor._trusted(arr, [self._level(spec[2][0], args), extra.pop(0)])
         return arr  # (a last-step output)
+
+    def _check_same_lod(self, args):
+        """Values combined row by row have as many rows: ragged static inputs
+        sequence by sequence, two-level step inputs entry by entry, and each
+        step of a two-level step input as its sequence of a static input."""
+        names = {level: v.name for kind, v, _, levels in self.top_inputs if kind == "sequence"
+                 for level in levels}
+        steps = {levels[1]: value.levels[0] for (kind, _, _, levels), value
+                 in zip(self.top_inputs, args) if kind == "sequence" and len(levels) == 2}
+        for a, b in self.same_lod:
+            rows, other = np.diff(self._level(a, args)), np.diff(self._level(b, args))
+            if b in steps and a not in steps:  # (a static input's rows at each step of b)
+                rows = np.repeat(rows, np.diff(steps[b]))
+            if not np.array_equal(rows, other):
+                raise LoDError(f"{names[a]} and {names[b]} are combined row by row but have "
+                               "different lengths (a step of a two-level step input has as "
+                               "many rows as its sequence of a static input)")
 
     def _level(self, name, args):
         for (kind, _, _, levels), value in zip(self.top_inputs, args):
