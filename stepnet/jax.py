@@ -37,6 +37,7 @@ from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn.layers import LAYERS  # noqa: E402
+from .padded import lod_lengths, mask, to_padded  # noqa: E402
 from .nn.step_cells import _refuse_in_bridge  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
@@ -435,7 +436,7 @@ class Function:
         levels (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
         index, first_lengths = _first_sequence(spec, lengths)
         first = np.asarray(arrays[index])
-        levels = [offsets_from_lengths(lens) for lens in _lod_lengths(first_lengths)]
+        levels = [offsets_from_lengths(lens) for lens in lod_lengths(first_lengths)]
         got = []
         for out, every in self._flat(outs):
             if every:
@@ -444,7 +445,7 @@ class Function:
                         np.array_equal(a, b) for a, b in zip(out.levels, levels[:depth])):
                     raise UnsupportedError("stepnet.jax: an all-steps output whose LoD is not "
                                            "the first LoD input's (or its first levels)")
-                out = _to_padded(out.data, first_lengths[:depth], first.shape[:depth + 1])
+                out = to_padded(out.data, first_lengths[:depth], first.shape[:depth + 1])
             got.append(np.asarray(out))
         return got
 
@@ -507,7 +508,7 @@ class Function:
         rows = []
         for depth, ct in zip(depths, cts):
             ct = np.asarray(ct)
-            rows.append(ct[_mask(first_lengths[:depth], ct.shape)] if depth else ct)
+            rows.append(ct[mask(first_lengths[:depth], ct.shape)] if depth else ct)
         wrt = [name for name, _ in spec] + list(self._parameters)
         found = pullback(rows, wrt=wrt)
         inputs, params = found[:len(spec)], found[len(spec):]
@@ -516,7 +517,7 @@ class Function:
         for (_, kind), a, g in zip(spec, arrays, inputs):
             if kind in _LOD_KINDS:
                 levels = next(lens)
-                g = _to_padded(np.asarray(g), levels, np.shape(a)[:len(levels) + 1])
+                g = to_padded(np.asarray(g), levels, np.shape(a)[:len(levels) + 1])
             grads.append(np.asarray(g).reshape(np.shape(a)))
         return list(params) + grads
 
@@ -546,40 +547,14 @@ def _unique_names(parameters):
     return names
 
 
-def _mask(levels, shape):
-    """Where a padded array of ``shape`` ``[B, T1, ..., Td, ...]`` holds rows,
-    for the lengths of its ``d`` levels (``levels``: ``[B]``, ``[B, T1]``,
-    ... ``[B, T1, ..., T(d-1)]``): a bool array ``[B, T1, ..., Td]``."""
-    mask = np.ones(shape[:1], bool)
-    for i, lens in enumerate(levels):
-        steps = np.arange(shape[i + 1]).reshape((1,) * (i + 1) + (-1,))
-        mask = mask[..., None] & (steps < np.asarray(lens)[..., None])
-    return mask
-
-
 def _to_lod(padded, levels):
     """A padded array's rows as a LoDTensor of ``len(levels)`` levels
-    (``_mask``), each level's lengths checked first (traced ones reach here
+    (``padded.mask``), each level's lengths checked first (traced ones reach here
     unchecked) as ``_lengths`` checks them."""
     padded = np.asarray(padded)
     for i, lens in enumerate(levels):
         _in_range(np.asarray(lens), padded.shape[i + 1], "lengths" if len(levels) == 1 else f"lengths[{i}]")
-    return LoDTensor.from_lengths(padded[_mask(levels, padded.shape)], _lod_lengths(levels))
-
-
-def _lod_lengths(levels):
-    """The LoD's lengths of each level of a padded input (``_mask``): a
-    level's entries under its parent's rows, in order."""
-    return [np.asarray(levels[0])] + [np.asarray(lens)[_mask(levels[:i], np.shape(lens))]
-                                      for i, lens in enumerate(levels) if i]
-
-
-def _to_padded(rows, levels, steps):
-    """``rows`` (of a LoD whose levels' lengths are ``levels``) padded with
-    zeros to ``steps`` (``[B, T1, ..., Td]``), the inverse of ``_to_lod``."""
-    out = np.zeros(tuple(steps) + rows.shape[1:], rows.dtype)
-    out[_mask(levels, out.shape)] = rows
-    return out
+    return LoDTensor.from_lengths(padded[mask(levels, padded.shape)], lod_lengths(levels))
 
 
 def _level_lengths(lengths, shape, what):

@@ -375,7 +375,7 @@ class LayerModule(Module):
             data = data.unsqueeze(0)
         elif not self.batch_first:
             data = data.transpose(0, 1)
-        return data, padded_layout(data.shape, None, f"{name}: input"), unbatched
+        return data, padded_layout(data.shape, (None,), f"{name}: input"), unbatched
 
     def _check_hx(self, hx, B, unbatched, dtype):
         layer = self.wrapped
@@ -530,8 +530,10 @@ class StepNetModule(Module):
             The step-net's inputs by name; those not given keep the values
             bound when it was defined. A LoD input is a ``PackedSequence``,
             ``(padded, lengths)`` (lengths None: every sequence ``T`` steps)
-            or ``(rows, lod)`` (the only form for several levels), and so is
-            a ragged static input (a decoder's memory: rows per sequence);
+            or ``(rows, lod)``; one of ``d`` levels ``(padded, (lengths_1,
+            ..., lengths_d))`` padded by each (``[B, T1, ..., Td, ...]``) or
+            ``(rows, lod)``; a ragged static input as a one-level LoD input
+            (a decoder's memory: rows per sequence);
             an initial memory or other static input is a tensor, or a number
             or ndarray taken as a constant (no gradient). CPU tensors of the
             dtype the step-net computes in.
@@ -541,8 +543,9 @@ class StepNetModule(Module):
         torch.Tensor, PackedSequence, tuple
             One per output, a tuple of them for two or more. An all-steps
             output is in the layout of the first LoD input given (a
-            PackedSequence, or a padded tensor with zeros past each length)
-            where its LoD is that input's, else ``(rows, lod)``; a last-step
+            PackedSequence, or a padded tensor with zeros past each length,
+            padded by the output's own levels) where its LoD is that input's
+            or its first levels, else ``(rows, lod)``; a last-step
             output is ``[num_seq, ...]`` in the caller's sequence order.
 
         Raises
@@ -608,7 +611,10 @@ class StepNetModule(Module):
         elif isinstance(value, (tuple, list)) and len(value) == 2:
             t, second = value
             t = check_tensor(t, what, dtype)
-            if is_lod_levels(second):
+            if depth > 1 and t.dim() == 1 + depth + len(features):  # padded by every level
+                t, lay = self._padded(t, second, depth, what)
+                shape = tuple(t.shape[depth + 1:])
+            elif is_lod_levels(second):
                 lay = rows_layout(t, second, what)
                 if len(lay.levels) != depth:
                     raise ShapeError(f"{what}: lod has {len(lay.levels)} level(s); {what} was "
@@ -616,14 +622,15 @@ class StepNetModule(Module):
                 shape = tuple(t.shape[1:])
             else:
                 if depth != 1:
-                    raise ShapeError(f"{what}: (padded, lengths) has one LoD level; {what} was "
-                                     f"defined with {depth} (pass (rows, lod))")
+                    raise ShapeError(f"{what}: was defined with {depth} LoD levels: pass (padded "
+                                     f"[B, T1, ..., T{depth}, ...], lengths of each level) or "
+                                     "(rows, lod)")
                 if t.dim() < 2:
                     raise ShapeError(f"{what}: the padded tensor has shape {list(t.shape)}, "
                                      f"expected {'[B, T' if self.batch_first else '[T, B'}, ...]")
                 if not self.batch_first:
                     t = t.transpose(0, 1)
-                lay = padded_layout(t.shape, second, what)
+                lay = padded_layout(t.shape, (second,), what)
                 shape = tuple(t.shape[2:])
         else:
             raise ShapeError(f"{what}: a LoD input is given as a PackedSequence, (padded, lengths) "
@@ -632,3 +639,18 @@ class StepNetModule(Module):
             raise ShapeError(f"{what}: has feature shape {list(shape)}; it was defined with "
                              f"{list(features)}")
         return t, lay
+
+    def _padded(self, t, lengths, depth, what):
+        """A LoD input of ``depth`` levels padded by each, ``[B, T1, ...,
+        Td, ...]`` (``[T1, B, ...]`` where not batch_first), with
+        ``lengths`` a sequence of one array per level (None: every entry
+        full): the tensor batch-first and its layout."""
+        if lengths is None:
+            lengths = (None,) * depth
+        if not isinstance(lengths, (tuple, list)) or len(lengths) != depth:
+            raise ShapeError(f"{what}: a tensor padded by its {depth} LoD levels takes {depth} "
+                             f"lengths ([B], [B, T1], ...), got {type(lengths).__name__}"
+                             + (f" of {len(lengths)}" if isinstance(lengths, (tuple, list)) else ""))
+        if not self.batch_first:
+            t = t.transpose(0, 1)
+        return t, padded_layout(t.shape, tuple(lengths), what)

@@ -162,9 +162,8 @@ class StepNetCall:
                 self.out_layouts.append(None)
                 tensors.append(as_tensor(out))
                 continue
-            lay = self._first
-            if lay is not None and lay.kind != "rows" and out.num_levels == 1 and \
-                    np.array_equal(out.levels[0], lay.levels[0]):
+            lay = None if self._first is None else self._first.of_levels(out.levels)
+            if lay is not None:
                 self.out_layouts.append(lay)
                 tensors.append(as_tensor(lay.scatter(out.data)))
             else:

@@ -1,6 +1,6 @@
-"""stepnet.torch's tensors: where each row of a one-level LoD lies in the
-caller's tensor (padded, packed or as the LoD's own rows), and torch tensors
-checked and seen as numpy arrays (and back) without a copy.
+"""stepnet.torch's tensors: where each row of a LoD lies in the caller's
+tensor (padded, packed or as the LoD's own rows), and torch tensors checked
+and seen as numpy arrays (and back) without a copy.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .errors import LoDError, ShapeError, UnsupportedError
 from .lod import LoDTensor, offsets_from_lengths
+from .padded import lod_lengths, mask
 
 TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
                 np.dtype(np.float64): torch.float64}
@@ -22,33 +23,36 @@ NUMPY_DTYPES = {t: n for n, t in TORCH_DTYPES.items()}
 
 
 class Layout:
-    """How the rows of a one-level LoD (caller's sequence order, each
-    sequence's steps in order) lie in the caller's tensor.
+    """How the rows of a LoD (caller's sequence order, each sequence's steps
+    in order) lie in the caller's tensor.
 
-    ``kind`` is ``"padded"`` (``[B, T, ...]`` batch-first), ``"packed"``
-    (a ``PackedSequence``'s data) or ``"rows"`` (the LoD's own rows).
-    ``index`` gives, for each LoD row, its row in the caller's tensor
-    flattened to ``[rows, ...]`` (``None``: the same row).
+    ``kind`` is ``"padded"`` (``[B, T1, ..., Td, ...]`` batch-first, one
+    axis per level), ``"packed"`` (a ``PackedSequence``'s data, one level)
+    or ``"rows"`` (the LoD's own rows). ``index`` gives, for each LoD row,
+    its row in the caller's tensor flattened to ``[rows, ...]`` (``None``:
+    the same row).
     """
 
-    def __init__(self, kind, levels, index=None, padded_shape=None, packed=None):
+    def __init__(self, kind, levels, index=None, padded_shape=None, packed=None, lengths=None):
         self.kind = kind
         self.levels = levels  # the LoD's offset levels
         self.index = index
-        self.padded_shape = padded_shape  # (B, T) for "padded"
+        self.padded_shape = padded_shape  # (B, T1, ..., Td) for "padded"
         self.packed = packed  # the PackedSequence that came in, for "packed"
+        self.lengths = lengths  # for "padded": each level's lengths, padded ([B], [B, T1], ...)
 
     @property
     def caller_rows(self):
         if self.kind == "padded":
-            return self.padded_shape[0] * self.padded_shape[1]
+            return int(np.prod(self.padded_shape))
         if self.kind == "packed":
             return int(self.packed.data.shape[0])
         return int(self.levels[-1][-1])
 
     def gather(self, array):
         """The caller's tensor (as an array) to LoD rows."""
-        flat = array.reshape((self.caller_rows,) + array.shape[2 if self.kind == "padded" else 1:])
+        axes = len(self.padded_shape) if self.kind == "padded" else 1
+        flat = array.reshape((self.caller_rows,) + array.shape[axes:])
         if self.index is None:
             return np.ascontiguousarray(flat)
         return flat[self.index]
@@ -66,6 +70,19 @@ class Layout:
             return out.reshape(tuple(self.padded_shape) + features)
         return out
 
+    def of_levels(self, levels):
+        """This layout for a LoD of ``levels`` (offsets): itself where they
+        are its own, that of its first levels where they are those of a
+        padded one (a nested net's input, and its enclosing net's all-steps
+        output); None where the LoD is another."""
+        if self.kind == "rows" or len(levels) > len(self.levels) or not all(
+                np.array_equal(a, b) for a, b in zip(levels, self.levels)):
+            return None
+        if len(levels) == len(self.levels):
+            return self
+        d = len(levels)
+        return padded_layout(self.padded_shape[:d + 1], self.lengths[:d], "an output")
+
     def wrap(self, data):
         """An output tensor in the caller's form (a PackedSequence for packed)."""
         if self.kind == "packed":
@@ -77,24 +94,21 @@ class Layout:
 
 
 def padded_layout(shape, lengths, what):
-    """A ``[B, T, ...]`` tensor; ``lengths`` None: every sequence T steps."""
-    B, T = int(shape[0]), int(shape[1])
-    if lengths is None:
-        lens = np.full(B, T, np.int64)
-    else:
-        lens = lengths_array(lengths, what)
-        if lens.shape != (B,):
-            raise ShapeError(f"{what}: lengths has {lens.size} entries for {B} sequences "
-                             f"(the padded tensor is {list(shape)})")
-        bad = np.flatnonzero((lens < 0) | (lens > T))
-        if bad.size:
-            i = int(bad[0])
-            raise ShapeError(f"{what}: lengths[{i}] = {int(lens[i])} is outside [0, {T}] "
-                             f"(the padded tensor has {T} steps)")
-    index = None
-    if not np.all(lens == T):
-        index = np.flatnonzero((np.arange(T) < lens[:, None]).ravel())
-    return Layout("padded", (offsets_from_lengths(lens),), index, (B, T))
+    """A ``[B, T1, ..., Td, ...]`` tensor of a LoD of ``d = len(lengths)``
+    levels: ``lengths`` the lengths of each (``[B]``, ``[B, T1]``, ...; see
+    ``stepnet.padded``), None each for every entry full (a one-level
+    ``[B, T, ...]``: ``(None,)``)."""
+    lens = []
+    for i, given in enumerate(lengths):
+        at = shape[:i + 1]
+        name = "lengths" if len(lengths) == 1 else f"lengths[{i}]"
+        lens.append(np.full(at, shape[i + 1], np.int64) if given is None
+                    else lengths_array(given, f"{what}: {name}", at, shape[i + 1]))
+    found = mask(lens, shape)
+    index = None if found.all() else np.flatnonzero(found.ravel())
+    levels = tuple(offsets_from_lengths(n) for n in lod_lengths(lens))
+    return Layout("padded", levels, index, tuple(int(n) for n in shape[:len(lens) + 1]),
+                  lengths=lens)
 
 
 def packed_layout(packed, what):
@@ -127,13 +141,23 @@ def rows_layout(rows, lod, what):
     return Layout("rows", levels)
 
 
-def lengths_array(lengths, what):
+def lengths_array(lengths, what, shape, steps):
+    """``lengths`` as int64 of ``shape`` (``[B]``, or a deeper level's
+    ``[B, T1, ...]``), each in ``[0, steps]``."""
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.detach().cpu().numpy()
     lens = np.asarray(lengths)
-    if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
-        raise ShapeError(f"{what}: lengths must be a 1-D sequence of integers, got "
-                         f"{lens.dtype} of shape {list(lens.shape)}")
+    if lens.ndim != len(shape) or (lens.size and lens.dtype.kind not in "iu"):
+        raise ShapeError(f"{what} must be {len(shape)}-D integers, got {lens.dtype} of shape "
+                         f"{list(lens.shape)}")
+    if lens.shape != tuple(shape):
+        raise ShapeError(f"{what} has shape {list(lens.shape)} for a padded tensor of "
+                         f"{list(shape)} (its entries)")
+    bad = np.argwhere((lens < 0) | (lens > steps))
+    if bad.size:
+        i = tuple(int(k) for k in bad[0])
+        raise ShapeError(f"{what}[{', '.join(map(str, i))}] = {int(lens[i])} is outside "
+                         f"[0, {steps}] (the padded tensor has {steps} there)")
     return lens.astype(np.int64)
 
 

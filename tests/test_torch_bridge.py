@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import stepnet as sn  # noqa: E402
 import stepnet.torch as st  # noqa: E402
-from nets import memory_decoder  # noqa: E402
+from nets import memory_decoder, nested_encoder  # noqa: E402
 from pairwise import pairwise_params  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence  # noqa: E402
 
@@ -581,6 +581,61 @@ def test_nested_step_net_rows_and_lod_gradcheck():
     assert torch.autograd.gradcheck(lambda r, *ps: m(x=(r, lod))[0], (rows, *m.parameters()))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_nested_step_net_takes_a_tensor_padded_by_every_level(batch_first):
+    """Chapters of paragraphs of words as ``[B, T1, T2, F]`` with the lengths
+    of each level (``[B]``, ``[B, T1]``): outputs padded by their own levels
+    (the chapters' ``[B, T1, H]``, the words' ``[B, T1, T2, H]``) with zeros
+    past each length, and gradients, as given as (rows, lod); gradcheck."""
+    rng = np.random.default_rng(4)
+    net = nested_encoder(rng, dtype=np.float64, outputs=("h", "words", "last"))
+    X = net.X
+    paragraphs = np.diff(X.levels[0])
+    T1, T2 = int(paragraphs.max()), int(np.diff(X.levels[1]).max())
+    words = np.zeros((len(paragraphs), T1), np.int64)  # (zeros past a chapter's paragraphs)
+    for b, (first, n) in enumerate(zip(X.levels[0][:-1], paragraphs)):
+        words[b, :n] = np.diff(X.levels[1])[first:first + n]
+    mask = (np.arange(T1) < paragraphs[:, None])[..., None] & (np.arange(T2) < words[..., None])
+    padded = np.zeros(mask.shape + (3,))
+    padded[mask] = net.x
+    m = st.Module(net.rnn, output_all_steps=(True, True, False), batch_first=batch_first)
+    rows = torch.tensor(net.x, requires_grad=True)
+    expected = m(X=(rows, X.lod))
+    x = torch.tensor(padded if batch_first else padded.transpose(1, 0, 2, 3), requires_grad=True)
+    lengths = (torch.tensor(paragraphs), words)
+    h, every, last = m(X=(x, lengths))
+    axes = (lambda a: a) if batch_first else (lambda a: a.transpose(0, 1))
+    chapters = np.arange(T1) < paragraphs[:, None]
+    assert tuple(axes(h).shape) == (len(paragraphs), T1, 4)
+    np.testing.assert_allclose(axes(h).detach().numpy()[chapters], expected[0][0].detach().numpy())
+    assert not axes(h).detach().numpy()[~chapters].any()
+    assert tuple(axes(every).shape) == mask.shape + (4,)
+    np.testing.assert_allclose(axes(every).detach().numpy()[mask], expected[1][0].detach().numpy())
+    assert not axes(every).detach().numpy()[~mask].any()
+    np.testing.assert_allclose(last.detach().numpy(), expected[2].detach().numpy())
+    upstream = [torch.randn(t.shape, dtype=torch.float64) for t in (h, every, last)]
+    grads = torch.autograd.grad([h, every, last], [x, *m.parameters()], upstream)
+    reference = torch.autograd.grad(
+        [expected[0][0], expected[1][0], expected[2]], [rows, *m.parameters()],
+        [axes(upstream[0])[torch.tensor(chapters)], axes(upstream[1])[torch.tensor(mask)], upstream[2]])
+    np.testing.assert_allclose(axes(grads[0]).numpy()[mask], reference[0].numpy(), atol=1e-12)
+    assert not axes(grads[0]).numpy()[~mask].any()
+    for got, want in zip(grads[1:], reference[1:]):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10, atol=1e-12)
+    if batch_first:
+        assert torch.autograd.gradcheck(lambda a, *ps: m(X=(a, lengths))[1], (x, *m.parameters()))
+        full = m(X=(x, None))[2]  # (every entry full: T1 paragraphs of T2 words each)
+        assert tuple(full.shape) == (len(paragraphs), 4)
+        with pytest.raises(sn.ShapeError, match=r"takes 2 lengths \(\[B\], \[B, T1\], ...\), got tuple of 1"):
+            m(X=(x, (paragraphs,)))
+        bad = words.copy()
+        bad[0, 1] = 9
+        with pytest.raises(sn.ShapeError, match=r"lengths\[1\]\[0, 1\] = 9 is outside \[0, 4\]"):
+            m(X=(x, (paragraphs, bad)))
+        with pytest.raises(sn.ShapeError, match=r"lengths\[1\] must be 2-D integers, got int64"):
+            m(X=(x, (paragraphs, paragraphs)))
+
+
 def test_step_net_refuses_bad_input_and_dtype_changes(cell32):
     m = cell32
     x = torch.randn(2, 3, I)
@@ -597,7 +652,7 @@ def test_step_net_refuses_bad_input_and_dtype_changes(cell32):
     with pytest.raises(sn.UnsupportedError, match="define it again with torch.float64"):
         m.double()
     assert all(p.dtype == torch.float32 for p in m.parameters())
-    with pytest.raises(sn.ShapeError, match="one LoD level"):
+    with pytest.raises(sn.ShapeError, match="defined with 2 LoD levels"):
         nested = st.Module(two_level_rnn())
         nested(x=(torch.zeros(2, 3, 2, dtype=torch.float64), [3, 3]))
 
