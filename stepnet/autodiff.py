@@ -370,12 +370,6 @@ class _BackwardStep:
         em, ct = self.em, self.ct
         for e in reversed(self.body.eqns):
             if e.op == "rnn":
-                ragged_statics = {id(v) for v in self.body.static_inputs if v.lod_depth}
-                if any(id(v) in ragged_statics for v in ir.rnn_parts(e)[0]):
-                    raise UnsupportedError(
-                        f"gradient of {self.name}: the nested step-net {e.attrs['name']} steps "
-                        "over a LoDTensor static input; read it with the segment ops instead "
-                        "(docs/attention.md)")
                 _pull_nested(e, inner_pres[id(e)], ct, self.add, em)
                 continue
             out = e.outputs[0]
@@ -422,10 +416,6 @@ class _BackwardStep:
                 result.statics.append(None)
                 continue
             if sv.lod_depth:  # an accumulator over the static input's own rows
-                if not self.top:
-                    raise UnsupportedError(
-                        f"gradient of {self.name}: the ragged static input {sv.name} of a nested "
-                        "step-net")
                 self.ragged_memories[len(self.memories)] = self.static_inputs.index(sv)
             acc = _new_var(f"d_{sv.name}", sv.dtype, sv.shape, sv.lod_depth)
             self.memories.append(Memory(f"d_{sv.name}", acc, em.op("add", acc, g)))

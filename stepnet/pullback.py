@@ -162,6 +162,24 @@ class Pullback:
                     f"{res.name} (rows computed at every step from a ragged static input's) runs "
                     "on backend='interpreter' or 'numba'")
 
+    def _check_nested_ragged(self, body, capabilities):
+        """Refuse, on the backends that compile, a gradient through a nested
+        step-net that reads a ragged static input of its enclosing net (a
+        memory per document read by each sentence's words) or steps over
+        one: its backward keeps an accumulator over that memory's rows per
+        nested sequence, which the interpreter alone runs."""
+        ragged = {id(v) for v in body.static_inputs if v.lod_depth}
+        for e in body.eqns:
+            if e.op != "rnn":
+                continue
+            seqs, statics, _ = ir.rnn_parts(e)
+            if capabilities.compiles and any(id(v) in ragged for v in (*seqs, *statics)):
+                raise UnsupportedError(
+                    f"{self.backend} backend: the gradient of {self.rnn.name} through its nested "
+                    f"step-net {e.attrs['name']}, which reads a ragged static input of the net "
+                    "enclosing it, runs on backend='interpreter'")
+            self._check_nested_ragged(e.attrs["body"], capabilities)
+
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):
         rnn = self.rnn
         if getattr(rnn, "quantized", None):  # (before its wrt: its Parameters are the float model's)
@@ -180,6 +198,7 @@ class Pullback:
         kernel = compiled(rnn, self.backend)
         computed = kernel.kernel_flags(self.flags)  # (the forward's: each step of a ragged output)
         self._check_ragged(program, cts, computed, capabilities)
+        self._check_nested_ragged(program.eqn.attrs["body"], capabilities)
         runs, layout = kernel.backward(computed, present)
         seqs, statics, _ = ir.rnn_parts(program.eqn)
         position = {id(v): i for i, v in enumerate(program.inputs)}

@@ -95,8 +95,8 @@ class _Input:
         b = rnn.bindings[w]
         self.name = w
         self.saved = feeds.get(w, None)
-        if b.kind == "sequence":
-            X = feeds.get(w, b.value)
+        X = feeds.get(w, b.value)
+        if b.kind == "sequence" or isinstance(X, sn.LoDTensor):  # (a ragged static input too)
             self.array, self.levels = np.array(X.data, order="C"), X.levels
         else:  # a static input or an initial memory, in the shape it was given
             value = np.asarray(bound_value(rnn, w, feeds))

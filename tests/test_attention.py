@@ -6,6 +6,7 @@ with gradients against finite differences and PyTorch."""
 import numpy as np
 import pytest
 from conftest import assert_close, available_backends, default_backends
+from gradient_checks import as_tuple, assert_fd_close, fd_gradients, random_cotangents
 from nets import attention_prior, word_attention
 from pairwise import spread_params
 
@@ -432,14 +433,15 @@ def _executor_agrees(rnn):
 
 def _documents(rng, X, M, K, reverse, keys_of_the_step=False, weights_out=False):
     """Documents -> sentences -> words, a memory per document (values M,
-    keys K): each word attends to its document's memory in a nested net."""
-    W = sn.Parameter(rng.standard_normal((4, 4)).astype(np.float32) * 0.5, name="W")
+    keys K): each word attends to its document's memory in a nested net
+    (in X's dtype)."""
+    W = sn.Parameter(rng.standard_normal((4, 4)).astype(X.dtype) * 0.5, name="W")
     top = sn.create_rnn_op(name="documents", reverse=reverse)
     with top.stepnet():
         sentence = top.add_input(X, name="X")
         values = top.add_static_input(M, name="M")
         keys = top.add_static_input(K, name="K")
-        s = top.add_memory(shape=[4], name="s")
+        s = top.add_memory(shape=[4], name="s", dtype=X.dtype)
         if keys_of_the_step:  # (a ragged value computed at each step of the enclosing net)
             keys = keys * s.pre_state()
         words = sn.create_rnn_op(name="words", reverse=reverse)
@@ -470,8 +472,6 @@ def test_a_nested_net_attends_to_the_memory_of_the_enclosing_net(reverse, rng):
         assert_close(top(backend=backend), expected, what=backend)
         assert_close(top(backend=backend, output_all_steps=False)[0],
                      top(backend="interpreter", output_all_steps=False)[0], what=backend)
-    with pytest.raises(sn.UnsupportedError, match="the ragged static input .* of a nested step-net"):
-        sn.gradients(top, wrt=[W], grad_outputs=[np.ones((5, 4), np.float32), None])
     top, _ = _documents(rng, X, M, K, reverse, keys_of_the_step=True)
     for backend in available_backends():  # (its rows live in the enclosing net's step)
         with pytest.raises(sn.UnsupportedError, match="ragged static input .* of a nested step-net"):
@@ -480,6 +480,41 @@ def test_a_nested_net_attends_to_the_memory_of_the_enclosing_net(reverse, rng):
     for backend in available_backends():  # (the words' weights of every step)
         with pytest.raises(sn.UnsupportedError, match="gives a ragged value over its static input"):
             top(backend=backend)
+
+
+def _fd_check(rnn, wrt):
+    """The interpreter's gradients of ``rnn`` (float64) for random
+    cotangents of its all-steps outputs against finite differences: those
+    cotangents."""
+    flags = rnn.all_steps_flags(True)
+    cts = random_cotangents(np.random.default_rng(11), as_tuple(rnn(backend="interpreter")))
+    found = sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend="interpreter")
+    assert_fd_close(found, fd_gradients(rnn, wrt, cts, flags, {}), wrt)
+    return cts
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradients_through_a_nested_nets_memory_of_the_enclosing_net(reverse, rng):
+    """A nested net reading its enclosing net's ragged static inputs (each
+    word attends to its document's memory), or stepping over one (one step a
+    memory row): gradients of the weights, the memories and the inputs
+    against finite differences on the interpreter; the compiled backends
+    refuse them by name."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)), [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
+    M, K = (sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)), [[3, 0, 1, 2]]) for _ in "MK")
+    top, W = _documents(rng, X, M, K, reverse)
+    cts = _fd_check(top, [W, "M", "K", "X"])
+    Y = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])
+    N = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
+    over = _over_memory(rng, Y, N, (reverse, not reverse), "output")
+    (U,) = over.parameters()
+    _fd_check(over, [U, "M", "X"])
+    for rnn, name, grad_outputs in ((top, "documents", cts), (over, over.name, None)):
+        for backend in available_backends():
+            with pytest.raises(sn.UnsupportedError, match=f"{backend} backend: the gradient of {name} "
+                               "through its nested step-net .* runs on backend='interpreter'"):
+                sn.gradients(rnn, wrt=rnn.parameters(), backend=backend,
+                             grad_outputs=grad_outputs or [np.ones(o.data.shape) for o in rnn()])
 
 
 def test_special_values_behave_as_on_the_interpreter():
