@@ -10,7 +10,7 @@ from stepnet.onnx import InferenceSession
 from stepnet.onnx.export import export, to_nested_padded
 
 from conftest import assert_close
-from nets import lod, tanh_cell, weight
+from nets import lod, tanh_cell, weight, word_attention
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -294,11 +294,71 @@ def test_boolean_values_and_outputs_export_to_what_onnxruntime_runs(rng):
 
 
 def test_every_registered_op_has_a_translation():
-    """All but the segment ops over a ragged static input, which an ONNX Scan
-    body cannot express (its state inputs are dense), and the quantized
-    products (not exported yet: docs/quantization.md)."""
-    missing = [name for name, op in sn.ops.registry.all_ops().items() if op.onnx is None]
-    assert sorted(missing) == ["matmul_bf16", "matmul_int8", "seq_expand", "seq_max", "seq_sum"]
+    """All but the quantized products (not exported yet:
+    docs/quantization.md); the segment ops read a ragged value's rows
+    (export_graph.SEGMENT_OPS)."""
+    missing = [name for name, op in sn.ops.registry.all_ops().items()
+               if op.onnx is None and name not in export_graph.SEGMENT_OPS]
+    assert sorted(missing) == ["matmul_bf16", "matmul_int8"]
+
+
+def _attention_decoder(rng, memory_lengths, lengths, dtype, reverse):
+    """A decoder attending to a ragged memory at each step (additive scores,
+    ``seq_softmax``, ``seq_sum``; ``seq_max`` and dot-product ``attention``
+    beside them), giving its state, its attention weights and both others."""
+    M, X = lod(rng, memory_lengths, 8, dtype), lod(rng, lengths, 4, dtype)
+    Wq, v = weight(rng, 16, 8, dtype=dtype), weight(rng, 8, 1, dtype=dtype)
+    W, U = weight(rng, 12, 16, dtype=dtype), weight(rng, 16, 16, dtype=dtype)
+    rnn = sn.create_rnn_op(reverse=reverse)
+    with rnn.stepnet():
+        x, mem = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[16], name="h", dtype=dtype)
+        q = h.pre_state() @ Wq
+        w = sn.ops.seq_softmax(sn.ops.tanh(mem + q) @ v)
+        context = sn.ops.seq_sum(w * mem)
+        h.update(sn.ops.tanh(sn.ops.concat([x, context], axis=1) @ W + h.pre_state() @ U))
+        rnn.add_outputs(h, w, sn.ops.seq_max(mem * q), sn.ops.attention(q, mem))
+    return rnn, X, M
+
+
+@pytest.mark.parametrize("memory_lengths,lengths,dtype,reverse", [
+    ([3, 6, 0, 2], [2, 3, 4, 0], np.float32, False),
+    ([3, 6, 0, 2], [2, 3, 4, 0], np.float64, True),
+    ([0, 0], [2, 1], np.float32, False)], ids=["float32", "float64-reverse", "no-memory"])
+def test_attention_over_a_ragged_memory_exports(memory_lengths, lengths, dtype, reverse, rng):
+    """docs/attention.md's decoder: the memory a padded input with its
+    lengths, the segment ops over its rows; onnxruntime's outputs (every
+    step's state and attention weights, ``[B, T, M, 1]``, each sequence's
+    last seq_max, every step's dot-product attention) are stepnet's, a
+    sequence with no memory rows and a batch with none included."""
+    rnn, X, M = _attention_decoder(rng, memory_lengths, lengths, dtype, reverse)
+    flags = (True, True, False, True)
+    model = export(rnn, output_all_steps=flags)
+    assert [i.name for i in model.graph.input] == ["X", "lengths", "M", "M_lengths_0"]
+    (x, (n,)), (m, (k,)) = to_nested_padded(X), to_nested_padded(M)
+    actual = run_onnx(model, {"X": x, "lengths": n, "M": m, "M_lengths_0": k})
+    expected = rnn(output_all_steps=flags, backend="interpreter")
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for out, e in zip(model.graph.output, expected):  # (-inf where no memory row: equal)
+        a = actual[out.name]
+        np.testing.assert_allclose(a, padded(e, a.shape), rtol=tol, atol=tol, err_msg=out.name)
+    assert actual["output1_all"].shape[2] == max(max(memory_lengths), 1)  # (M, at least one)
+
+
+@pytest.mark.parametrize("from_outer", [False, True])
+def test_a_hierarchical_attention_network_exports(from_outer, rng):
+    """The segment ops over a nested net's every step (a sentence's words
+    attended to): onnxruntime's outputs are stepnet's, and so are those of
+    the model imported back into stepnet's own session."""
+    rnn, X = word_attention(rng, dtype=np.float64, from_outer=from_outer)
+    model = export(rnn)
+    x, (n, words) = to_nested_padded(X)
+    feeds = {"X": x, "lengths": n, "X_lengths_1": words}
+    actual = run_onnx(model, feeds)
+    for out, e in zip(model.graph.output, rnn(backend="interpreter")):
+        assert_close(actual[out.name], padded(e, actual[out.name].shape), what=out.name)
+    back = run_stepnet_session(model, feeds)
+    assert_close(list(back.values()), list(actual.values()), what="stepnet's session")
 
 
 def run_stepnet_session(model, feeds):
@@ -504,8 +564,9 @@ def test_a_layer_exported_as_nodes_runs_with_no_steps(direction, tmp_path):
 
 @pytest.mark.parametrize("step", ["pad", "broadcast_axis"])
 def test_a_scan_whose_step_shapes_are_not_declared_runs_with_no_steps(step, rng, tmp_path):
-    """Every sequence empty: the Scan's all-steps output is ``[B, 0, H]``
-    though its body (Pad, Expand) declares no shape for it."""
+    """Every sequence empty: the Scan's all-steps output is ``[B, 1, H]``
+    of zeros (one step at least: onnxruntime's Scan fails on none) though
+    its body (Pad, Expand) declares no shape for it; onnxruntime runs it."""
     W = weight(rng, 3, 4)
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
@@ -519,7 +580,9 @@ def test_a_scan_whose_step_shapes_are_not_declared_runs_with_no_steps(step, rng,
     export(rnn, str(path))
     feeds = {"x": np.zeros((2, 0, 3), np.float32), "lengths": np.zeros(2, np.int64)}
     got = InferenceSession(str(path), backend="interpreter").run(None, feeds)
-    assert got[0].shape == (2, 0, 4)
+    assert got[0].shape == (2, 1, 4) and not got[0].any()
+    theirs = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(theirs.run(None, feeds)[0], got[0])
 
 
 def test_the_graph_inputs_keep_their_names_before_the_parameters(rng):

@@ -65,6 +65,23 @@ class Ragged:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """A ragged value of one level read by ops in ONNX form (an attention
+    memory, a value computed from one, a nested net's every step): ``data``
+    ``[R, *features]`` its rows, every batch row's one after another;
+    ``segment`` ``[R]`` the batch row of each; ``place`` ``[R, 2]`` each
+    row's (batch row, position) in ``source``, the Ragged it was read from
+    (its padding: ``[B, M, ...]``). Row-wise ops run on ``data`` as on a
+    step value's ``[B, ...]``; a step value meeting it is gathered by
+    ``segment``; a segment op scatters it back to ``[B, M, ...]``."""
+
+    data: str
+    segment: str
+    place: str
+    source: Ragged
+
+
+@dataclass(frozen=True)
 class StepNet:
     """What the ONNX translation needs of one ``rnn`` equation."""
 
@@ -201,6 +218,18 @@ class Graph:
                 "Unsqueeze", [mask, self.ints(range(mask_rank, rank))], "mask")
         return self._expanded_masks[key]
 
+    def nonempty(self, value, axes, rank) -> str:
+        """``value`` (of ``rank`` axes) padded with zeros to one entry on
+        each of ``axes`` that has none: onnxruntime's Scan fails on a step's
+        input or output with no elements (every sub-sequence empty)."""
+        if not axes:
+            return value
+        short = self.add("Sub", [self.ints([1] * rank), self.add("Shape", [value])], "short")
+        axes = self.ints([1 if a in axes else 0 for a in range(rank)])
+        need = self.add("Mul", [self.add("Max", [short, self.ints([0] * rank)]), axes], "need")
+        pads = self.add("Concat", [self.ints([0] * rank), need], "pads", axis=0)
+        return self.add("Pad", [value, pads], "nonempty")
+
     def where(self, cond, a, b, dtype, base=None) -> str:
         """``Where(cond, a, b)`` for values of ``dtype``; of booleans as
         ``Or(And(cond, a), And(Not(cond), b))`` (onnxruntime has no boolean
@@ -235,8 +264,80 @@ def check_supported(block, where) -> None:
     for eqn in block.eqns:
         if eqn.op == "rnn":
             check_supported(eqn.attrs["body"], f"{where} > {eqn.attrs['name']}")
-        elif registry.get(eqn.op).onnx is None:
+        elif registry.get(eqn.op).onnx is None and eqn.op not in SEGMENT_OPS:
             raise UnsupportedError(f"{where}: op {eqn.op!r} has no ONNX export")
+
+
+def rows_of(g, value: Ragged) -> Rows:
+    """A one-level ragged value's rows (``Rows``), read from its padding."""
+    place = g.add("Transpose", [g.add("NonZero", [g.ragged_mask(value)])], "place")
+    segment = g.add("Squeeze", [g.add("Slice", [place, g.ints([0]), g.ints([1]), g.ints([1])]),
+                                g.ints([1])], "segment")
+    return Rows(g.add("GatherND", [value.padded, place], "rows"), segment, place, value)
+
+
+def _scattered(g, rows: Rows, fill, dtype) -> str:
+    """``rows``' data in its source's padding ``[B, M, *features]``, ``fill``
+    where no row is."""
+    shape = g.add("Concat", [g.add("Shape", [rows.source.padded], start=0, end=2),
+                             g.add("Shape", [rows.data], start=1)], "padded_shape", axis=0)
+    base = g.add("Expand", [g.const(fill, dtype), shape], "padding")
+    return g.add("ScatterND", [base, rows.place, rows.data], "padded")
+
+
+def as_ragged(g, value, dtype):
+    """A ragged value as a Ragged (``Rows`` back in their padding, zeros
+    past each length), for a nested net or an output."""
+    if not isinstance(value, Rows):
+        return value
+    return Ragged(_scattered(g, value, 0, dtype), value.source.lengths)
+
+
+# the segment ops (no ``OpDef.onnx``): read over a ragged value's Rows (``_emit_over_rows``)
+SEGMENT_OPS = ("seq_sum", "seq_max", "seq_expand")
+
+
+def _emit_over_rows(g, env, eqn, rows):
+    """Op ``eqn`` reading a ragged value (``rows``, the first; several have
+    the same LoD, as every backend checks): ``seq_sum`` and ``seq_max``
+    reduce its padding (zeros or -inf where no row is) back to ``[B, ...]``,
+    ``seq_expand`` gathers a step value to the rows, any other op runs on
+    the rows with each step value it reads gathered to them."""
+    out = eqn.outputs[0]
+    if eqn.op == "seq_sum":
+        env[id(out)] = g.add("ReduceSum", [_scattered(g, rows, 0, out.dtype), g.ints([1])],
+                             "seq_sum", keepdims=0)
+        return
+    if eqn.op == "seq_max":
+        env[id(out)] = g.add("ReduceMax", [_scattered(g, rows, -np.inf, out.dtype)], "seq_max",
+                             axes=[1], keepdims=0)
+        return
+    local = dict(env)
+    for v in eqn.inputs:
+        if isinstance(v, Var) and v.lod_depth:
+            local[id(v)] = _rows(g, env, v).data
+        elif isinstance(v, Var) and v.batched:
+            local[id(v)] = g.add("Gather", [env[id(v)], rows.segment], "per_row", axis=0)
+    if eqn.op == "seq_expand":
+        data = local[id(eqn.inputs[0])]
+    else:
+        _emit_op(g, local, eqn)
+        data = local[id(out)]
+    env[id(out)] = Rows(data, rows.segment, rows.place, rows.source)
+
+
+def _rows(g, env, v) -> Rows:
+    """The Rows of ragged ``v`` (read from its padding once: kept in ``env``
+    beside it, under ``("rows", id(v))``)."""
+    value = env[id(v)]
+    if isinstance(value, Rows):
+        return value
+    if value.depth != 1:
+        raise UnsupportedError(f"onnx.export: {v.name}, a value of {value.depth} LoD levels, is "
+                               "read by an op (only a nested net reads it in an export)")
+    if ("rows", id(v)) not in env:
+        env[("rows", id(v))] = rows_of(g, value)
+    return env[("rows", id(v))]
 
 
 def emit_eqn(g, env, eqn):
@@ -244,6 +345,15 @@ def emit_eqn(g, env, eqn):
     if eqn.op == "rnn":
         _emit_nested_rnn(g, env, eqn)
         return
+    ragged = [v for v in eqn.inputs if isinstance(v, Var) and v.lod_depth]
+    if ragged:
+        _emit_over_rows(g, env, eqn, _rows(g, env, ragged[0]))
+    else:
+        _emit_op(g, env, eqn)
+
+
+def _emit_op(g, env, eqn):
+    """One op as its registry entry says (``OpDef.onnx``)."""
     form = registry.get(eqn.op).onnx
 
     def operand(v, dtype=None):
@@ -259,8 +369,8 @@ def emit_eqn(g, env, eqn):
 def _emit_nested_rnn(g, env, eqn):
     seq_vars, static_vars, init_operands = rnn_parts(eqn)
     body = eqn.attrs["body"]
-    seqs = [env[id(v)] for v in seq_vars]
-    statics = [env[id(v)] for v in static_vars]
+    seqs = [as_ragged(g, env[id(v)], v.dtype) for v in seq_vars]
+    statics = [as_ragged(g, env[id(v)], v.dtype) for v in static_vars]
     inits = []
     for mem, operand in zip(body.memories, init_operands):
         row_shape = mem.pre.shape[1:]
@@ -293,11 +403,19 @@ def emit_rnn(g, env, net: StepNet, seqs, statics, inits, modes):
     """
     body = net.body
     lengths = seqs[0].lengths[0]
+    # (one step at least, and each deeper level's axis of one entry at least)
+    seqs = [Ragged(g.nonempty(v.padded, range(1, v.depth + 1), len(var.shape) + v.depth),
+                   v.lengths[:1] + tuple(g.nonempty(n, range(1, k + 2), k + 2)
+                                         for k, n in enumerate(v.lengths[1:])))
+            for v, var in zip(seqs, body.step_inputs)]
     mask = g.sequence_mask(seqs[0].padded, lengths, 1)  # [B, T]
     scan = Graph(g.model, f"{g.name}/{net.name}")
     inner = dict(env)
+    read = {id(v) for e in body.eqns if e.op != "rnn" for v in e.inputs}
     for var, value in zip(body.static_inputs, statics):
         inner[id(var)] = value
+        if var.lod_depth == 1 and id(var) in read:  # (its rows read once, before the Scan)
+            inner[("rows", id(var))] = rows_of(g, value)
     state_inits, state_vars, trackers = _scan_states(g, scan, inner, net, inits, modes, lengths)
 
     # scan inputs: the mask, then each sequence's next element and lengths
@@ -384,16 +502,18 @@ def _scan_body_outputs(scan, inner, body, modes, step_mask, trackers):
     scan_outputs = []  # (output index, level or None for the values)
     scan_output_names = []
     for i, (out, wanted) in enumerate(zip(body.outputs, modes)):
-        value = inner[id(out)]
+        value = as_ragged(scan, inner[id(out)], out.dtype)
         if out.lod_depth:
             exists = scan.add("And", [scan.expand_mask(step_mask, 1, value.depth + 1),
                                       scan.ragged_mask(value)], "mask")
-            scan_output_names.append(scan.masked(exists, value.depth + 1, value.padded,
-                                                 rank(out) + out.lod_depth, out.dtype))
+            values = scan.masked(exists, value.depth + 1, value.padded, rank(out) + out.lod_depth,
+                                 out.dtype)
+            scan_output_names.append(scan.nonempty(values, range(1, value.depth + 1),
+                                                   rank(out) + out.lod_depth))
             scan_outputs.append((i, None))
             for level, level_lengths in enumerate(value.lengths):
-                scan_output_names.append(scan.masked(step_mask, 1, level_lengths, level + 1,
-                                                     np.int64))
+                lengths = scan.masked(step_mask, 1, level_lengths, level + 1, np.int64)
+                scan_output_names.append(scan.nonempty(lengths, range(1, level + 1), level + 1))
                 scan_outputs.append((i, level))
         elif "all" in wanted:
             scan_output_names.append(scan.masked(step_mask, 1, value, rank(out), out.dtype))
