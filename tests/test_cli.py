@@ -531,7 +531,8 @@ def read_outputs(path):
     return out
 
 
-@pytest.mark.parametrize("example", ["char_gru.yaml", "custom_cell.yaml", "hierarchical.yaml"])
+@pytest.mark.parametrize("example", ["char_gru.yaml", "custom_cell.yaml", "hierarchical.yaml",
+                                     "hierarchical_attention.yaml"])
 def test_export_each_example_runs_in_onnxruntime_as_stepnet_runs(example, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     model = sn.load_yaml(EXAMPLES / example)
@@ -549,6 +550,32 @@ def test_export_each_example_runs_in_onnxruntime_as_stepnet_runs(example, tmp_pa
         want = expected[name]
         want = np.pad(want, [(0, a - w) for a, w in zip(actual.shape, want.shape)])
         assert_close(actual, want, what=name)
+
+
+def test_export_an_attention_decoder_whose_sources_and_targets_differ_in_length():
+    """examples/attention_decoder.yaml: the encoder's input and the
+    decoder's step input have LoDs of their own (``lengths`` and
+    ``decoder_lengths``), the encoder's output the decoder's ragged memory;
+    onnxruntime's logits are stepnet's."""
+    ort = pytest.importorskip("onnxruntime")
+    from stepnet.onnx.export import export, to_nested_padded
+
+    model = sn.load_yaml(EXAMPLES / "attention_decoder.yaml")
+    onnx_model = export(model)
+    assert [i.name for i in onnx_model.graph.input] == ["source", "lengths", "decoder",
+                                                        "decoder_lengths"]
+    rng = np.random.default_rng(5)
+    feeds = {}
+    for name, lengths, width in (("source", [5, 2, 0, 3], 10), ("decoder", [3, 4, 2, 1], 11)):
+        rows = np.eye(width, dtype=np.float32)[rng.integers(0, width, sum(lengths))]
+        feeds[name] = sn.LoDTensor.from_lengths(rows, [lengths])
+    (source, (n,)), (decoder, (m,)) = (to_nested_padded(feeds[k]) for k in ("source", "decoder"))
+    session = ort.InferenceSession(onnx_model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"source": source, "lengths": n, "decoder": decoder,
+                                   "decoder_lengths": m})
+    want = to_nested_padded(model(feeds, backend="interpreter")["logits"])[0]
+    assert_close(logits, want, what="logits")
 
 
 LAYER_YAML = """

@@ -161,8 +161,9 @@ class _TopGraph:
         self.builder = ModelBuilder(taken)
         self.graph = Graph(self.builder, name)
         self.declared = {}
-        self.lengths = None
+        self.lengths = {}  # a group of inputs sharing their LoD (None: the first) -> its lengths
         self.lengths_name = None  # (reserved before the Parameters are named: top_lengths)
+        self.groups = {}  # of a YAML network: each LoD input -> its group (_lod_groups)
 
     def input(self, name, dtype, shape) -> str:
         if name not in self.declared:
@@ -171,23 +172,34 @@ class _TopGraph:
             self.declared[name] = name
         return name
 
-    def top_lengths(self) -> str:
-        """The ``[B]`` lengths of the top level, shared by every sequence input."""
-        if self.lengths is None:
-            self.lengths = self.input(self.lengths_name or self.builder.fresh("lengths"), np.int64,
-                                      ["batch"])
-        return self.lengths
+    def top_lengths(self, group=None) -> str:
+        """The ``[B]`` lengths of the top level, shared by every sequence input
+        of a step-net; of a YAML network, by each ``group`` of its inputs
+        (``lengths`` the first's, ``<input>_lengths`` another's)."""
+        if group not in self.lengths:
+            name = (self.lengths_name or self.builder.fresh("lengths") if group is None
+                    else self.builder.fresh(f"{group}_lengths"))
+            self.lengths[group] = self.input(name, np.int64, ["batch"])
+        return self.lengths[group]
+
+    @staticmethod
+    def steps(group) -> str:
+        """The name of the top-level time axis of a ``group`` of inputs."""
+        return "steps" if group is None else f"{group}_steps"
 
     def ragged_input(self, name, var, shared_top) -> Ragged:
         """Input ``name`` of a ``lod_depth``-level value: padded, plus lengths
-        per level (the top level's shared when ``shared_top``)."""
-        steps = [f"{name}_steps_{j}" if not shared_top else ("steps" if j == 0 else f"steps_{j}")
+        per level (the top level's shared, by its group's inputs, when
+        ``shared_top``)."""
+        group = self.groups.get(name)
+        steps = [f"{name}_steps_{j}" if not shared_top else
+                 (self.steps(group) if j == 0 else f"{self.steps(group)}_{j}")
                  for j in range(var.lod_depth)]
         padded = self.input(name, var.dtype, ["batch"] + steps + list(var.shape[1:]))
         lengths = []
         for level in range(var.lod_depth):
             if level == 0 and shared_top:
-                lengths.append(self.top_lengths())
+                lengths.append(self.top_lengths(group))
             else:
                 lengths.append(self.input(self.builder.fresh(f"{name}_lengths_{level}"), np.int64,
                                           ["batch"] + steps[:level]))
@@ -293,7 +305,7 @@ def _emit_step_net(top, rnn, input_names, outputs, produced=None):
         else:  # one value for every sequence (zeros for a shape-only memory)
             value = np.asarray(binding.value, var.dtype)
             const = top.builder.initializer(top.builder.fresh(f"{var.name}_init"), value)
-            inits.append(g.batch_of(const, var.shape[1:], top.top_lengths()))
+            inits.append(g.batch_of(const, var.shape[1:], seqs[0].lengths[0]))
     modes = [tuple(mode for (index, mode) in outputs if index == i) for i in range(len(body.outputs))]
     net = StepNet(rnn.name, body, rnn.reverse, eqn.attrs["output_memory"])
     results = emit_rnn(g, env, net, seqs, statics, inits, modes)
@@ -353,21 +365,24 @@ def _emit_layer(top, layer, X, lengths, attention, initial, as_scan, outputs):
 
 
 def _layer_input(top, model, entry, produced):
-    """The padded ``[B, T, I]`` input of YAML layer ``entry``: a model input
-    of one LoD level, or an earlier layer's Y."""
+    """The padded ``[B, T, I]`` input of YAML layer ``entry``, and its
+    lengths where it is an earlier layer's Y (None for a model input of one
+    LoD level: its group's, ``_TopGraph.top_lengths``)."""
     source = entry.source
     if source.input is None:
-        return produced[source.net, source.mode, source.index].padded
+        value = produced[source.net, source.mode, source.index]
+        return value.padded, value.lengths[0]
     spec = model.inputs[source.input]
     if spec.lod_level != 1:
         raise UnsupportedError(
             f"{model.path}: layer {entry.name} reads {spec.name!r} with lod_level "
             f"{spec.lod_level}; export takes a layer over a one-level input")
-    X = top.input(spec.name, spec.dtype, ["batch", "steps", entry.layer.input_size])
+    group = top.groups.get(spec.name)
+    X = top.input(spec.name, spec.dtype, ["batch", top.steps(group), entry.layer.input_size])
     if np.dtype(spec.dtype) != np.dtype(entry.layer.dtype):  # (the layer casts it, as when it runs)
         X = top.graph.add("Cast", [X], f"{spec.name}_{np.dtype(entry.layer.dtype).name}",
                           to=tensor_type(entry.layer.dtype))
-    return X
+    return X, None
 
 
 def _layer_nodes(top, layer, nodes, X, lengths, initial):
@@ -463,11 +478,46 @@ def _layer_scans(top, layer, X, lengths, attention, initial):
 _LAYER_VALUES = {("all", 0): "Y", ("last", 0): "h_n", ("last", 1): "c_n"}
 
 
+def _lod_groups(model) -> dict:
+    """Each LoD input of YAML network ``model`` -> its group, the first of
+    the inputs whose top-level LoD is one (the step inputs of one net, what
+    its layers and earlier nets read included), or None for the first
+    group's. A net's ragged static input (an encoder's output over the
+    sources, read by a decoder over the targets) keeps its own."""
+    layers = {entry.name: entry for entry in model._layers}
+    nets = {net.name: net for net in model._nets}
+    order = [name for name, spec in model.inputs.items() if spec.lod_level]
+    parent = {name: name for name in order}
+
+    def find(name):
+        while parent[name] != name:
+            name = parent[name]
+        return name
+
+    def steps(net):
+        return [net.sources[b] for b, binding in net.rnn.bindings.items()
+                if binding.kind == "sequence" and b in net.sources]
+
+    def root(source):
+        if source.input is not None:
+            return find(source.input)
+        if source.net in layers:
+            return root(layers[source.net].source)
+        return root(steps(nets[source.net])[0])
+
+    for net in model._nets:
+        roots = sorted({root(s) for s in steps(net)}, key=order.index)
+        for other in roots[1:]:
+            parent[other] = roots[0]
+    return {name: None if find(name) == find(order[0]) else find(name) for name in order}
+
+
 def _yaml_model(model, as_scan):
     """A YAML network: its layers, then its nets, in run order, each reading
     the model's inputs or what an earlier one gives (``Ragged`` values over
-    the inputs' shared top-level lengths)."""
+    the top-level lengths of their group of inputs: ``_lod_groups``)."""
     top = _TopGraph(model.name, taken=list(model.inputs) + list(model.outputs))
+    top.groups = _lod_groups(model)
     produced = {}  # (layer or net, "all" | "last", index) -> its value in the graph
     wanted = {}  # the same key -> the graph outputs that name it
     for name, src in model._output_sources.items():  # (never a model input: load_yaml)
@@ -476,11 +526,12 @@ def _yaml_model(model, as_scan):
               for src in net.sources.values() if src.input is None}
     for entry in model._layers:
         layer = entry.layer
-        X = _layer_input(top, model, entry, produced)
+        X, lengths = _layer_input(top, model, entry, produced)
         attention = None
         if entry.attention is not None:  # an AUGRU's scores: padded as X is
             scores = model.inputs[entry.attention.input]
-            attention = top.input(scores.name, layer.dtype, ["batch", "steps"] + list(scores.shape))
+            attention = top.input(scores.name, layer.dtype, ["batch", top.steps(top.groups.get(
+                entry.source.input))] + list(scores.shape))
             if scores.shape:  # rows of [1]
                 attention = top.graph.add("Squeeze", [attention, top.graph.ints([2])],
                                           "attention")
@@ -488,9 +539,9 @@ def _yaml_model(model, as_scan):
         for (producer, mode, index), names in wanted.items():
             if producer == entry.name:
                 outputs.setdefault(_LAYER_VALUES[mode, index], []).extend(names)
-        Y, states = _emit_layer(top, layer, X, top.top_lengths(), attention, None, as_scan,
-                                outputs)
-        produced[entry.name, "all", 0] = Ragged(Y, (top.top_lengths(),))
+        lengths = lengths or top.top_lengths(top.groups.get(entry.source.input))
+        Y, states = _emit_layer(top, layer, X, lengths, attention, None, as_scan, outputs)
+        produced[entry.name, "all", 0] = Ragged(Y, (lengths,))
         for index, state in enumerate(states):
             produced[entry.name, "last", index] = state
     for net in model._nets:
