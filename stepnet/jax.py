@@ -203,7 +203,8 @@ class Function:
             lengths outside ``[0, T]``.
         UnsupportedError
             An all-steps output whose LoD is not the first LoD input's (nor
-            its first levels).
+            its first levels, nor its steps over a ragged static input's
+            rows).
         """
         values = self._param_values(params)
         if self.flags is None:
@@ -432,22 +433,41 @@ class Function:
         return list(zip(outs, self.all_steps))
 
     def _outputs(self, outs, spec, arrays, lengths):
-        """All-steps outputs padded like the first LoD input: one of ``L``
-        levels (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
-        index, first_lengths = _first_sequence(spec, lengths)
-        first = np.asarray(arrays[index])
-        levels = [offsets_from_lengths(lens) for lens in lod_lengths(first_lengths)]
+        """All-steps outputs padded as ``_padding`` says: one of ``L`` levels
+        (a nested net's every step: 2) as ``[B, T1, ..., TL, ...]``."""
         got = []
         for out, every in self._flat(outs):
             if every:
-                depth = out.num_levels
-                if depth > len(levels) or not all(
-                        np.array_equal(a, b) for a, b in zip(out.levels, levels[:depth])):
+                levels, steps = self._padding(spec, arrays, lengths, out.num_levels)
+                if not all(np.array_equal(a, offsets_from_lengths(b))
+                           for a, b in zip(out.levels, lod_lengths(levels))):
                     raise UnsupportedError("stepnet.jax: an all-steps output whose LoD is not "
-                                           "the first LoD input's (or its first levels)")
-                out = to_padded(out.data, first_lengths[:depth], first.shape[:depth + 1])
+                                           "the first LoD input's (or its first levels), nor "
+                                           "its steps over a ragged static input's rows")
+                out = to_padded(out.data, levels, steps)
             got.append(np.asarray(out))
         return got
+
+    def _padding(self, spec, arrays, lengths, depth):
+        """How an all-steps output of ``depth`` levels is padded: the lengths
+        of each level (None where ``lengths`` is) and the padded sizes ``(B,
+        T1, ...)``. The first LoD input's first levels; or, one level deeper
+        than a one-level first input, its steps, then at each step its
+        sequence's rows of the ragged static input (attention weights over a
+        memory: ``[B, T, M]``, ``M`` the memory's padded length)."""
+        first = next(i for i, (_, kind) in enumerate(spec) if kind == "sequence")
+        slots = [i for i, (_, kind) in enumerate(spec) if kind in _LOD_KINDS]
+        levels = None if lengths is None else lengths[slots.index(first)]
+        first_depth = 1 if self.flags is None else self.net.bindings[spec[first][0]].var.lod_depth
+        steps = tuple(int(n) for n in np.shape(arrays[first])[:depth + 1])
+        memory = [i for i in slots if spec[i][1] == "ragged"]
+        if depth <= first_depth or depth != 2 or not memory:
+            return (None if levels is None else levels[:depth]), steps
+        steps = steps[:2] + (int(np.shape(arrays[memory[0]])[1]),)
+        if levels is None:
+            return None, steps
+        counts = np.asarray(lengths[slots.index(memory[0])][0])
+        return (levels[0], np.where(mask(levels, steps[:2]), counts[:, None], 0)), steps
 
     def _output_structs(self, spec, arrays):
         """The outputs' shapes and dtypes for a call of these shapes, and the
@@ -455,7 +475,7 @@ class Function:
         running the net on the interpreter over the first sequence's first
         step (its features do not depend on the batch or the lengths)."""
         first = next(a for (_, k), a in zip(spec, arrays) if k == "sequence")
-        B, steps = int(first.shape[0]), first.shape[1:]
+        B = int(first.shape[0])
         small, small_lengths = [], []
         for (name, kind), a in zip(spec, arrays):
             if kind in _LOD_KINDS:  # (a layer's inputs: one level)
@@ -473,8 +493,8 @@ class Function:
         for out, every in flat:
             depths.append(out.num_levels if every else 0)
             data = np.asarray(out.data if every else out)
-            if every:  # (its levels: the first LoD input's first ones)
-                shape = (B,) + tuple(int(n) for n in steps[:out.num_levels]) + data.shape[1:]
+            if every:  # (its levels: the first LoD input's first ones, or _padding's)
+                shape = self._padding(spec, arrays, None, out.num_levels)[1] + data.shape[1:]
             elif self.flags is None:  # a layer's final states [layers, B, H]
                 shape = data.shape[:1] + (B,) + data.shape[2:]
             else:
@@ -504,11 +524,11 @@ class Function:
         forward run again."""
         if pullback is None:
             pullback = self._run(spec, arrays, lengths, self.backend, keep=True)[1]
-        first_lengths = _first_sequence(spec, lengths)[1]
         rows = []
         for depth, ct in zip(depths, cts):
             ct = np.asarray(ct)
-            rows.append(ct[mask(first_lengths[:depth], ct.shape)] if depth else ct)
+            rows.append(ct[mask(self._padding(spec, arrays, lengths, depth)[0], ct.shape)]
+                        if depth else ct)
         wrt = [name for name, _ in spec] + list(self._parameters)
         found = pullback(rows, wrt=wrt)
         inputs, params = found[:len(spec)], found[len(spec):]
@@ -525,13 +545,6 @@ class Function:
 # the slots given as (padded, lengths): step inputs, and ragged static inputs
 # (rows per sequence: a decoder's memory)
 _LOD_KINDS = ("sequence", "ragged")
-
-
-def _first_sequence(spec, lengths):
-    """The index in ``spec`` of the first step input, and its levels' lengths
-    (of ``lengths``: every LoD slot's, in order)."""
-    first = next(i for i, (_, kind) in enumerate(spec) if kind == "sequence")
-    return first, lengths[sum(kind in _LOD_KINDS for _, kind in spec[:first])]
 
 
 def _unique_names(parameters):

@@ -221,20 +221,20 @@ def memory_decoder(rng, dtype=np.float32):
     return rnn, X, M, A
 
 
-def attention_prior(rng, lengths, steps, width=8):
+def attention_prior(rng, lengths, steps, width=8, dtype=np.float64):
     """A decoder over a memory ``M`` of sequence ``lengths`` whose scores add
     a prior given at each step (``prior``: a step input of two levels, each
     step as many rows as its sequence's memory), over inputs ``X`` of
-    ``steps`` steps; float64. Gives its state and its attention weights.
+    ``steps`` steps. Gives its state and its attention weights.
     Returns ``(rnn, W)``."""
-    M, X = lod(rng, lengths, width, np.float64), lod(rng, steps, 4, np.float64)
-    P = lod(rng, [steps, [n for n, t in zip(lengths, steps) for _ in range(t)]], 1, np.float64)
-    W = weight(rng, 4, width, dtype=np.float64, name="W")
+    M, X = lod(rng, lengths, width, dtype), lod(rng, steps, 4, dtype)
+    P = lod(rng, [steps, [n for n, t in zip(lengths, steps) for _ in range(t)]], 1, dtype)
+    W = weight(rng, 4, width, dtype=dtype, name="W")
     rnn = sn.create_rnn_op()
     with rnn.stepnet():
         x, p = rnn.add_input(X, name="X"), rnn.add_input(P, name="prior")
         mem = rnn.add_static_input(M, name="M")
-        h = rnn.add_memory(shape=[width], name="h", dtype=np.float64)
+        h = rnn.add_memory(shape=[width], name="h", dtype=dtype)
         w = sn.ops.seq_softmax(sn.ops.sum(mem * h.pre_state(), axis=-1, keepdims=True) + p)
         h.update(sn.ops.tanh(sn.ops.seq_sum(w * mem) + x @ W))
         rnn.add_outputs(h, w)

@@ -321,6 +321,49 @@ def test_a_ragged_static_input_is_a_decoders_memory_padded_with_its_lengths():
         s(s.params, x=(_padded(rng, 3), LENGTHS), s=(np.ones((4, 1), np.float32), LENGTHS),
           h=np.zeros((4, 4), np.float32))
 
+def test_attention_weights_over_the_memory_are_padded_by_step_and_memory_row():
+    """A decoder giving its attention weights at every step (rows of its
+    sequence's memory at each step) and reading a prior given at each step:
+    the weights come padded ``[B, T, M, 1]`` (zeros past each step count and
+    memory length), and jax.grad of a loss of both outputs (a guided
+    attention loss) equals stepnet's pullback, the prior's and the memory's
+    gradients padded alike."""
+    from nets import attention_prior
+    from stepnet.onnx.export import to_nested_padded
+    from stepnet.padded import mask
+
+    rng = np.random.default_rng(6)
+    rnn, W = attention_prior(rng, [3, 6, 0, 2], [2, 3, 1, 0], dtype=np.float32)
+    X, P, M = (rnn.bindings[k].value for k in ("X", "prior", "M"))
+    (x, x_lengths), (m, m_lengths) = X.to_padded(), M.to_padded()
+    p, (p_steps, p_rows) = to_nested_padded(P)
+    f = sj.function(rnn)
+
+    def run(params, x, p, m):
+        return f(params, X=(x, x_lengths), prior=(p, (p_steps, p_rows)), M=(m, m_lengths))
+
+    h, w = jax.jit(run)(f.params, x, p, m)
+    want_h, want_w = rnn(backend="numba")
+    assert w.shape == (4, 3, 6, 1)
+    np.testing.assert_allclose(w, to_nested_padded(want_w)[0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(h, want_h.to_padded()[0], rtol=1e-6, atol=1e-7)
+    R, Q = (rng.standard_normal(a.shape).astype(np.float32) for a in (h, w))
+
+    def loss(params, x, p, m):
+        h, w = run(params, x, p, m)
+        return (h * R).sum() + (w * Q).sum()
+
+    g, gx, gp, gm = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(f.params, x, p, m)
+    _, pullback = sn.vjp(rnn, backend="numba")
+    cts = [sn.LoDTensor.from_padded(R, x_lengths).data,
+           np.asarray(Q)[mask((p_steps, p_rows), Q.shape[:3])]]
+    want = pullback(cts, wrt=[W, "X", "prior", "M"])
+    np.testing.assert_allclose(g["W"], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx, sn.LoDTensor(want[1], X.levels).to_padded()[0], atol=1e-6)
+    np.testing.assert_allclose(gp, to_nested_padded(sn.LoDTensor(want[2], P.levels))[0], atol=1e-6)
+    np.testing.assert_allclose(gm, sn.LoDTensor(want[3], M.levels).to_padded()[0], atol=1e-6)
+
+
 def test_an_unknown_backend_is_refused_when_the_function_is_made():
     with pytest.raises(sn.BackendError, match="unknown backend 'bogus'"):
         sj.function(sn.nn.GRU(3, 4, seed=0), backend="bogus")
