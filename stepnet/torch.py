@@ -581,7 +581,8 @@ class StepNetModule(Module):
                 bindings[name] = t
             tensors.append(t)
             names.append(name)
-        call = StepNetCall(self, bindings, names, {**layouts, **ragged}, next(iter(layouts.values()), None))
+        call = StepNetCall(self, bindings, names, {**layouts, **ragged}, next(iter(layouts.values()), None),
+                           tuple(ragged.values()))
         params = [self._parameters[n] for n, _, _ in self._links]
         if autograd_records(tensors + params):
             outs = Bridge.apply(call, *tensors, *params)

@@ -124,7 +124,7 @@ class StepNetCall:
     """One call of a step-net: its inputs as stepnet values, the run, its
     pullback."""
 
-    def __init__(self, module, bindings, names, layouts, first):
+    def __init__(self, module, bindings, names, layouts, first, memories=()):
         self.module = module
         self.bindings = bindings
         self.names = names  # the inputs given as tensors, in the order passed to autograd
@@ -133,6 +133,7 @@ class StepNetCall:
         self.out_layouts = []
         self.out_lods = []
         self._first = first  # (the first step input's given: the all-steps outputs')
+        self._memories = memories  # (the ragged static inputs' given: outputs over their rows)
 
     def _values(self):
         values = {}
@@ -162,7 +163,7 @@ class StepNetCall:
                 self.out_layouts.append(None)
                 tensors.append(as_tensor(out))
                 continue
-            lay = None if self._first is None else self._first.of_levels(out.levels)
+            lay = self._layout_of(out)
             if lay is not None:
                 self.out_layouts.append(lay)
                 tensors.append(as_tensor(lay.scatter(out.data)))
@@ -171,6 +172,16 @@ class StepNetCall:
                 self.out_lods.append(out.lod)
                 tensors.append(as_tensor(out.data))
         return tuple(tensors)
+
+    def _layout_of(self, out):
+        """The layout an all-steps output ``out`` is given in: the first step
+        input's (or that of its first levels), or its steps over a ragged
+        static input's rows; None for ``(rows, lod)``."""
+        if self._first is None:
+            return None
+        found = [self._first.of_levels(out.levels)]
+        found += [self._first.over_rows(memory, out.levels) for memory in self._memories]
+        return next((lay for lay in found if lay is not None), None)
 
     def backward(self, grads, needs):
         module = self.module

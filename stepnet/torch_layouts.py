@@ -83,6 +83,23 @@ class Layout:
         d = len(levels)
         return padded_layout(self.padded_shape[:d + 1], self.lengths[:d], "an output")
 
+    def over_rows(self, memory, levels):
+        """For a LoD of ``levels`` that is this padded one-level layout's
+        steps, each with its sequence's rows of the ragged static input laid
+        out as ``memory`` (attention weights over a memory): the layout
+        ``[B, T, M]``, ``M`` the memory's padded length (its longest where it
+        is not padded); else None."""
+        if self.kind != "padded" or len(self.levels) != 1 or len(levels) != 2 or \
+                not np.array_equal(levels[0], self.levels[0]):
+            return None
+        rows = np.diff(memory.levels[0])
+        if not np.array_equal(np.diff(levels[1]), np.repeat(rows, np.diff(self.levels[0]))):
+            return None
+        width = memory.padded_shape[1] if memory.kind == "padded" else int(rows.max(initial=0))
+        per_step = np.where(mask(self.lengths, self.padded_shape), rows[:, None], 0)
+        return padded_layout(self.padded_shape + (width,), (self.lengths[0], per_step),
+                             "an output")
+
     def wrap(self, data):
         """An output tensor in the caller's form (a PackedSequence for packed)."""
         if self.kind == "packed":

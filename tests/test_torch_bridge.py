@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import stepnet as sn  # noqa: E402
 import stepnet.torch as st  # noqa: E402
-from nets import memory_decoder, nested_encoder  # noqa: E402
+from nets import attention_prior, memory_decoder, nested_encoder  # noqa: E402
 from pairwise import pairwise_params  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence  # noqa: E402
 
@@ -634,6 +634,32 @@ def test_a_nested_step_net_takes_a_tensor_padded_by_every_level(batch_first):
             m(X=(x, (paragraphs, bad)))
         with pytest.raises(sn.ShapeError, match=r"lengths\[1\] must be 2-D integers, got int64"):
             m(X=(x, (paragraphs, paragraphs)))
+
+
+def test_attention_weights_over_the_memory_come_padded_by_step_and_memory_row():
+    """A decoder's attention weights at every step, with a prior given at
+    each step (as (rows, lod)): ``[B, T, M, 1]`` with zeros past each step
+    count and memory length, where the step input is padded; gradcheck
+    through them (a guided attention loss) to the inputs, the memory, the
+    prior and the weights."""
+    from stepnet.onnx.export import to_nested_padded
+
+    rnn, _ = attention_prior(np.random.default_rng(8), [3, 6, 0, 2], [2, 3, 1, 0])
+    X, P, M = (rnn.bindings[k].value for k in ("X", "prior", "M"))
+    m = st.Module(rnn)
+    x, mem = (torch.tensor(T.to_padded()[0], requires_grad=True) for T in (X, M))
+    rows = torch.tensor(P.data, requires_grad=True)
+
+    def run(x, rows, mem, *params):
+        return m(X=(x, np.diff(X.lod[0])), prior=(rows, P.lod), M=(mem, np.diff(M.lod[0])))
+
+    h, w = run(x, rows, mem)
+    assert tuple(w.shape) == (4, 3, 6, 1)
+    np.testing.assert_allclose(w.detach().numpy(), to_nested_padded(rnn()[1])[0], atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *a: run(*a)[1], (x, rows, mem, *m.parameters()))
+    as_rows = {k: (torch.tensor(T.data), T.lod) for k, T in (("X", X), ("prior", P), ("M", M))}
+    (tail,) = st.Module(rnn)(**as_rows)[1:]
+    assert tail[1] == P.lod  # (the step input as (rows, lod): the weights as (rows, lod) too)
 
 
 def test_step_net_refuses_bad_input_and_dtype_changes(cell32):
