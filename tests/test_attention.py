@@ -493,6 +493,42 @@ def _fd_check(rnn, wrt):
     return cts
 
 
+@pytest.mark.parametrize("form,reverse", [("products", False), ("where", True), ("slices", False)])
+def test_ops_combining_a_prior_with_the_memory_rows(form, reverse, rng):
+    """A step input of two levels (three features a row) read by products,
+    comparisons and slices beside the memory's rows, and summed apart from
+    it: the Numba kernels' outputs and gradients (of the weights, the prior,
+    the memory and the inputs) are the interpreter's."""
+    lengths, steps = [3, 6, 0, 2, 5], [2, 3, 1, 0, 4]
+    rows = [n for n, t in zip(lengths, steps) for _ in range(t)]
+    M, X = (sn.LoDTensor.from_lengths(rng.standard_normal((sum(n), w)), [n])
+            for n, w in ((lengths, 8), (steps, 4)))
+    P = sn.LoDTensor.from_lengths(rng.standard_normal((sum(rows), 3)), [steps, rows])
+    V, U, W = (sn.Parameter(rng.standard_normal(s) * 0.3, name=n)
+               for n, s in (("V", (8, 3)), ("U", (3, 8)), ("W", (4, 8))))
+    rnn = sn.create_rnn_op(reverse=reverse)
+    with rnn.stepnet():
+        x, p = rnn.add_input(X, name="X"), rnn.add_input(P, name="P")
+        mem = rnn.add_static_input(M, name="M")
+        h = rnn.add_memory(shape=[8], name="h", dtype=np.float64)
+        if form == "products":
+            r = sn.ops.seq_sum(sn.ops.tanh(mem @ V + p) @ U)
+        elif form == "where":
+            r = sn.ops.seq_max(sn.ops.where(sn.ops.greater(p @ U, 0.0), mem, 0.0) * h.pre_state())
+        else:
+            r = sn.ops.seq_sum(p @ U) + sn.ops.seq_sum(mem * sn.ops.exp(p[:, 1:2]))
+        h.update(sn.ops.tanh(r + x @ W + h.pre_state() * 0.5))
+        rnn.add_outputs(h)
+    expected = rnn(backend="interpreter")
+    G = rng.standard_normal(expected.data.shape)
+    wrt = rnn.parameters() + ["P", "M", "X"]
+    grads = sn.gradients(rnn, wrt=wrt, grad_outputs=[G], backend="interpreter")
+    for backend in available_backends():
+        assert_close(rnn(backend=backend), expected, what=backend)
+        assert_close(sn.gradients(rnn, wrt=wrt, grad_outputs=[G], backend=backend), grads,
+                     what=f"{backend} gradients")
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_gradients_through_a_nested_nets_memory_of_the_enclosing_net(reverse, rng):
     """A nested net reading its enclosing net's ragged static inputs (each
