@@ -163,21 +163,26 @@ class Pullback:
                     "on backend='interpreter' or 'numba'")
 
     def _check_nested_ragged(self, body, capabilities):
-        """Refuse, on the backends that compile, a gradient through a nested
-        step-net that reads a ragged static input of its enclosing net (a
-        memory per document read by each sentence's words) or steps over
-        one: its backward keeps an accumulator over that memory's rows per
-        nested sequence, which the interpreter alone runs."""
+        """Refuse a gradient through a nested step-net that steps over a
+        ragged static input of its enclosing net (one step a memory row) on
+        the backends that compile, or reads one (a memory per document read
+        by each sentence's words) on those that compile for a device: the
+        backward keeps an accumulator over that memory's rows per nested
+        sequence, which the interpreter runs, and the host's kernels where
+        the nested net reads the memory."""
         ragged = {id(v) for v in body.static_inputs if v.lod_depth}
         for e in body.eqns:
             if e.op != "rnn":
                 continue
             seqs, statics, _ = ir.rnn_parts(e)
-            if capabilities.compiles and any(id(v) in ragged for v in (*seqs, *statics)):
+            steps = any(id(v) in ragged for v in seqs)
+            reads = any(id(v) in ragged for v in statics)
+            if capabilities.compiles and (steps or reads and not capabilities.host_code):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name} through its nested "
-                    f"step-net {e.attrs['name']}, which reads a ragged static input of the net "
-                    "enclosing it, runs on backend='interpreter'")
+                    f"step-net {e.attrs['name']}, which {'steps over' if steps else 'reads'} a "
+                    "ragged static input of the net enclosing it, runs on backend='interpreter'"
+                    + ("" if steps else " or 'numba'"))
             self._check_nested_ragged(e.attrs["body"], capabilities)
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):

@@ -754,6 +754,27 @@ def test_attention_weights_and_a_prior_over_the_memory_on_the_first_tier(rng, mo
     assert {rnn.name, f"{rnn.name}_grad"} <= {p.eqn.attrs["name"] for p in ran}, ran
 
 
+def test_a_nested_nets_gradient_through_its_documents_memory_on_the_first_tier(rng, monkeypatch):
+    """Each word attending to its document's memory (a nested net reading
+    its enclosing net's ragged static input): the backward, whose nested
+    net keeps an accumulator over the memory's rows per sentence, as the
+    interpreter's, on the first tier."""
+    from test_attention import _documents
+
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)), [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
+    M, K = (sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)), [[3, 0, 1, 2]]) for _ in "MK")
+    top, W = _documents(rng, X, M, K, reverse=False)
+    ran = _first_tier_only(monkeypatch)
+    expected, reference = sn.vjp(top, backend="interpreter")
+    cts = [rng.standard_normal(o.data.shape) for o in expected]
+    with sn.config(tiered=True):
+        found, pullback = sn.vjp(top, backend="numba")
+        grads = pullback(cts, wrt=[W, "M", "K", "X"])
+    assert_close(found, expected, what="outputs")
+    assert_close(grads, reference(cts, wrt=[W, "M", "K", "X"]), what="gradients")
+    assert {top.name, f"{top.name}_grad"} <= {p.eqn.attrs["name"] for p in ran}, ran
+
+
 def test_a_step_input_of_two_levels_read_by_ops_and_why_not_one_given_out(rng, monkeypatch):
     """A step input of two LoD levels read by an op (each step a sequence of
     rows: a bag of words per paragraph) runs op by op at each step, as the

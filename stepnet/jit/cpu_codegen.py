@@ -352,6 +352,11 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
         if out in ctx.module.memory_outputs:
             buffer, level = ctx.module.memory_outputs[out]
             outs.append(("segment_memory", buffer, (level,)))
+            if ctx.mode == "step":  # (a nested net's: a value over its enclosing step's static rows)
+                k = eqn.attrs["output_memory"][eqn.outputs.index(out)]
+                segment = ctx.values[statics[eqn.attrs["ragged_memories"][k]]].segment
+                ctx.values[out] = _Info("rows", buffer, out, width=_width(res), segment=segment)
+                _segments(ctx)[out] = segment
         elif out in ctx.module.segment_outputs:
             od, pl, top = ctx.module.segment_outputs[out]
             ctx.module.extra_returns.append(pl)
@@ -541,7 +546,7 @@ def _function_setup(fctx, eqn, params, top):
             if top and oi.kind == "ragged" and outer.lod_depth == 1:  # rows of sequence order[b]
                 level, data = oi.levels[0], oi.data.ident
                 starts, stops = f"{level}[order[b]]", f"{level}[order[b] + 1]"
-            elif (not top and oi.kind == "rows" and oi.ident in module.gargs and not ragged
+            elif (not top and oi.kind == "rows" and oi.ident in module.gargs
                   and not oi.segment.by_entry):
                 # the enclosing step's static input: sequence b is its row order[b]
                 level, data = oi.segment.level, oi.ident
@@ -567,18 +572,21 @@ def _function_setup(fctx, eqn, params, top):
         setup += _row_assign(ident, "b", p, "order[b]", sv.shape[1:])
         fctx.values[sv] = _Info("local", ident, sv, width=_width(sv))
     for k, i in ragged.items():
-        _ragged_memory(fctx, body.memories[k], inits[k], body.static_inputs[i])
-    if not top and fctx.fn.segments and any(o.lod_depth for o in body.outputs):
+        setup += _ragged_memory(fctx, body.memories[k], inits[k], body.static_inputs[i], top)
+    if not top and fctx.fn.segments and any(
+            o.lod_depth and mi not in ragged for o, mi in zip(body.outputs, eqn.attrs["output_memory"])):
         raise UnsupportedError(f"numba backend: nested step-net {eqn.attrs['name']} gives a ragged "
                                "value over its static input to the enclosing step (use "
                                "backend='interpreter')")
     return setup
 
 
-def _ragged_memory(fctx, mem, init, static):
+def _ragged_memory(fctx, mem, init, static, top):
     """A memory over a ragged static input's rows (a gradient accumulator): a
     buffer laid out as that input's data, made before the call (it is the
-    memory's last-step output), read and written at the active rows' rows."""
+    memory's last-step output), read and written at the active rows' rows.
+    A nested net's (its enclosing net's memory read by each sub-sequence)
+    starts again at each call: the lines setting its sequences' rows."""
     module, segment = fctx.module, fctx.fn.segments[static]
     if not isinstance(init, ir.Literal):
         raise UnsupportedError(f"numba backend: ragged memory {mem.name} starts from a value")
@@ -590,6 +598,9 @@ def _ragged_memory(fctx, mem, init, static):
     module.gargs.append(ident)
     fctx.values[mem.pre] = _Info("rows", ident, mem.pre, width=_width(mem.pre), segment=segment)
     fctx.fn.segments[mem.pre] = segment
+    if top:
+        return []
+    return _nest(["for b in range(num_seq):"], [f"{ident}[{segment.starts}[b]:{segment.stops}[b]] = {value}"])
 
 
 def _init_source(fctx, init, pre, params):
