@@ -252,7 +252,7 @@ def test_attention_weights_of_every_step_as_an_output(rng):
         assert_close(rnn(backend=backend), expected, what=backend)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("reverse", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_gradient_of_every_step_s_attention_weights(reverse, rng):
     """docs/attention.md: against finite differences on the interpreter; on
     the Numba kernels (their backward reads the weights' cotangent at each
@@ -529,7 +529,7 @@ def test_ops_combining_a_prior_with_the_memory_rows(form, reverse, rng):
                      what=f"{backend} gradients")
 
 
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("reverse", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gradients_through_a_nested_nets_memory_of_the_enclosing_net(reverse, rng):
     """A nested net reading its enclosing net's ragged static inputs (each
     word attends to its document's memory), or stepping over one (one step a
