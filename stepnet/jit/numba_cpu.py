@@ -279,12 +279,14 @@ class NumbaProgram:
                  in zip(self.top_inputs, args) if kind == "sequence" and len(levels) == 2}
         for a, b in self.same_lod:
             rows, other = np.diff(self._level(a, args)), np.diff(self._level(b, args))
-            if b in steps and a not in steps:  # (a static input's rows at each step of b)
+            by_step = b in steps and a not in steps  # (a static input's rows at each step of b)
+            if by_step:
                 rows = np.repeat(rows, np.diff(steps[b]))
             if not np.array_equal(rows, other):
                 raise LoDError(f"{names[a]} and {names[b]} are combined row by row but have "
-                               "different lengths (a step of a two-level step input has as "
-                               "many rows as its sequence of a static input)")
+                               "different lengths" + (" (each step of a two-level step input has "
+                                                      "as many rows as its sequence of a static "
+                                                      "input)" if by_step else ""))
 
     def _level(self, name, args):
         for (kind, _, _, levels), value in zip(self.top_inputs, args):
