@@ -12,6 +12,8 @@
 * :func:`attention_prior`: a decoder's attention over its memory with a
   prior given at each step (a step input of two levels combined row by row
   with the memory), giving its attention weights.
+* :func:`document_attention`: a nested net attending to its enclosing
+  net's memory (a memory per document read by each sentence's words).
 * :func:`zero_width_net`: products with no terms or no columns.
 """
 
@@ -239,6 +241,35 @@ def attention_prior(rng, lengths, steps, width=8, dtype=np.float64):
         h.update(sn.ops.tanh(sn.ops.seq_sum(w * mem) + x @ W))
         rnn.add_outputs(h, w)
     return rnn, W
+
+
+def document_attention(rng, X, M, K, reverse, keys_of_the_step=False, weights_out=False):
+    """Documents -> sentences -> words, a memory per document (values ``M``,
+    keys ``K``: ragged static inputs): each word attends to its document's
+    memory in a nested net "words" (in X's dtype). ``keys_of_the_step``: the
+    keys computed in the enclosing step; ``weights_out``: the words' weights
+    of every step given out. Returns ``(rnn, W)``."""
+    W = sn.Parameter(rng.standard_normal((4, 4)).astype(X.dtype) * 0.5, name="W")
+    top = sn.create_rnn_op(name="documents", reverse=reverse)
+    with top.stepnet():
+        sentence = top.add_input(X, name="X")
+        values = top.add_static_input(M, name="M")
+        keys = top.add_static_input(K, name="K")
+        s = top.add_memory(shape=[4], name="s", dtype=X.dtype)
+        if keys_of_the_step:  # (a ragged value computed at each step of the enclosing net)
+            keys = keys * s.pre_state()
+        words = sn.create_rnn_op(name="words", reverse=reverse)
+        with words.stepnet():
+            w = words.add_input(sentence)
+            m, k = words.add_static_input(values), words.add_static_input(keys)
+            h = words.add_memory(init=s.pre_state(), name="h")
+            a = sn.ops.seq_softmax(sn.ops.sum(k * h.pre_state(), axis=-1, keepdims=True))
+            h.update(sn.ops.tanh(w @ W + sn.ops.seq_sum(a * m)))
+            words.add_outputs(h, *[a] * weights_out)
+        s.update(words(output_all_steps=False)[0] if weights_out else words(output_all_steps=False))
+        top.add_outputs(s, words()[1] if weights_out else sn.ops.seq_softmax(
+            sn.ops.sum(values * s.pre_state(), axis=-1, keepdims=True)))
+    return top, W
 
 
 def zero_width_net(rng, lengths):

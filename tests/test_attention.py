@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import assert_close, available_backends, default_backends
 from gradient_checks import as_tuple, assert_fd_close, fd_gradients, random_cotangents
-from nets import attention_prior, word_attention
+from nets import attention_prior, document_attention, word_attention
 from pairwise import spread_params
 
 import stepnet as sn
@@ -431,33 +431,6 @@ def _executor_agrees(rnn):
                      what=f"executor, output_all_steps={flags}")
 
 
-def _documents(rng, X, M, K, reverse, keys_of_the_step=False, weights_out=False):
-    """Documents -> sentences -> words, a memory per document (values M,
-    keys K): each word attends to its document's memory in a nested net
-    (in X's dtype)."""
-    W = sn.Parameter(rng.standard_normal((4, 4)).astype(X.dtype) * 0.5, name="W")
-    top = sn.create_rnn_op(name="documents", reverse=reverse)
-    with top.stepnet():
-        sentence = top.add_input(X, name="X")
-        values = top.add_static_input(M, name="M")
-        keys = top.add_static_input(K, name="K")
-        s = top.add_memory(shape=[4], name="s", dtype=X.dtype)
-        if keys_of_the_step:  # (a ragged value computed at each step of the enclosing net)
-            keys = keys * s.pre_state()
-        words = sn.create_rnn_op(name="words", reverse=reverse)
-        with words.stepnet():
-            w = words.add_input(sentence)
-            m, k = words.add_static_input(values), words.add_static_input(keys)
-            h = words.add_memory(init=s.pre_state(), name="h")
-            a = sn.ops.seq_softmax(sn.ops.sum(k * h.pre_state(), axis=-1, keepdims=True))
-            h.update(sn.ops.tanh(w @ W + sn.ops.seq_sum(a * m)))
-            words.add_outputs(h, *[a] * weights_out)
-        s.update(words(output_all_steps=False)[0] if weights_out else words(output_all_steps=False))
-        top.add_outputs(s, words()[1] if weights_out else sn.ops.seq_softmax(
-            sn.ops.sum(values * s.pre_state(), axis=-1, keepdims=True)))
-    return top, W
-
-
 @pytest.mark.parametrize("reverse", [False, True])
 def test_a_nested_net_attends_to_the_memory_of_the_enclosing_net(reverse, rng):
     """A nested net's static input that is its enclosing net's (one memory
@@ -466,17 +439,17 @@ def test_a_nested_net_attends_to_the_memory_of_the_enclosing_net(reverse, rng):
     X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)).astype(np.float32),
                                   [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
     M, K = _memory(rng, [3, 0, 1, 2], 4), _memory(rng, [3, 0, 1, 2], 4)
-    top, W = _documents(rng, X, M, K, reverse)
+    top, W = document_attention(rng, X, M, K, reverse)
     expected = top(backend="interpreter")
     for backend in available_backends():
         assert_close(top(backend=backend), expected, what=backend)
         assert_close(top(backend=backend, output_all_steps=False)[0],
                      top(backend="interpreter", output_all_steps=False)[0], what=backend)
-    top, _ = _documents(rng, X, M, K, reverse, keys_of_the_step=True)
+    top, _ = document_attention(rng, X, M, K, reverse, keys_of_the_step=True)
     for backend in available_backends():  # (its rows live in the enclosing net's step)
         with pytest.raises(sn.UnsupportedError, match="ragged static input .* of a nested step-net"):
             top(backend=backend)
-    top, _ = _documents(rng, X, M, K, reverse, weights_out=True)
+    top, _ = document_attention(rng, X, M, K, reverse, weights_out=True)
     for backend in available_backends():  # (the words' weights of every step)
         with pytest.raises(sn.UnsupportedError, match="gives a ragged value over its static input"):
             top(backend=backend)
@@ -539,7 +512,7 @@ def test_gradients_through_a_nested_nets_memory_of_the_enclosing_net(reverse, rn
     sentence), the second refused there by name."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)), [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
     M, K = (sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)), [[3, 0, 1, 2]]) for _ in "MK")
-    top, W = _documents(rng, X, M, K, reverse)
+    top, W = document_attention(rng, X, M, K, reverse)
     wrt = [W, "M", "K", "X"]
     cts = _fd_check(top, wrt)
     expected = sn.gradients(top, wrt=wrt, grad_outputs=cts, backend="interpreter")

@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_backends_agree, assert_close
 from hypothesis import HealthCheck, given, settings
 from stepnet_strategies import random_stepnets
-from nets import attention_prior, word_attention, zero_width_net
+from nets import attention_prior, document_attention, word_attention, zero_width_net
 
 import stepnet as sn
 from stepnet import executor, executor_loop, executor_program, interpreter
@@ -759,11 +759,9 @@ def test_a_nested_nets_gradient_through_its_documents_memory_on_the_first_tier(r
     its enclosing net's ragged static input): the backward, whose nested
     net keeps an accumulator over the memory's rows per sentence, as the
     interpreter's, on the first tier."""
-    from test_attention import _documents
-
     X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)), [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
     M, K = (sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)), [[3, 0, 1, 2]]) for _ in "MK")
-    top, W = _documents(rng, X, M, K, reverse=False)
+    top, W = document_attention(rng, X, M, K, reverse=False)
     ran = _first_tier_only(monkeypatch)
     expected, reference = sn.vjp(top, backend="interpreter")
     cts = [rng.standard_normal(o.data.shape) for o in expected]
