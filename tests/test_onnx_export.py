@@ -10,7 +10,7 @@ from stepnet.onnx import InferenceSession
 from stepnet.onnx.export import export, to_nested_padded
 
 from conftest import assert_close
-from nets import lod, tanh_cell, weight, word_attention
+from nets import document_attention, lod, tanh_cell, weight, word_attention
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -343,6 +343,22 @@ def test_attention_over_a_ragged_memory_exports(memory_lengths, lengths, dtype, 
         a = actual[out.name]
         np.testing.assert_allclose(a, padded(e, a.shape), rtol=tol, atol=tol, err_msg=out.name)
     assert actual["output1_all"].shape[2] == max(max(memory_lengths), 1)  # (M, at least one)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_nested_net_attending_to_its_documents_memory_exports(reverse, rng):
+    """Each word attending to its document's memory (a nested net reading
+    its enclosing net's ragged static inputs, the weights of the outer step
+    over the memory given out): onnxruntime's outputs are stepnet's."""
+    X = lod(rng, [[2, 1, 0, 2], [1, 3, 0, 2, 1]], 4)
+    M, K = lod(rng, [3, 0, 1, 2], 4), lod(rng, [3, 0, 1, 2], 4)
+    rnn, _ = document_attention(rng, X, M, K, reverse)
+    model = export(rnn)
+    (x, (n, words)), (m, (mn,)), (k, (kn,)) = (to_nested_padded(T) for T in (X, M, K))
+    actual = run_onnx(model, {"X": x, "lengths": n, "X_lengths_1": words, "M": m,
+                              "M_lengths_0": mn, "K": k, "K_lengths_0": kn})
+    for out, e in zip(model.graph.output, rnn(backend="interpreter")):
+        assert_close(actual[out.name], padded(e, actual[out.name].shape), what=out.name)
 
 
 @pytest.mark.parametrize("from_outer", [False, True])
