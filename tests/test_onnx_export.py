@@ -10,7 +10,7 @@ from stepnet.onnx import InferenceSession
 from stepnet.onnx.export import export, to_nested_padded
 
 from conftest import assert_close
-from nets import document_attention, lod, tanh_cell, weight, word_attention
+from nets import attention_prior, document_attention, lod, tanh_cell, weight, word_attention
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -343,6 +343,21 @@ def test_attention_over_a_ragged_memory_exports(memory_lengths, lengths, dtype, 
         a = actual[out.name]
         np.testing.assert_allclose(a, padded(e, a.shape), rtol=tol, atol=tol, err_msg=out.name)
     assert actual["output1_all"].shape[2] == max(max(memory_lengths), 1)  # (M, at least one)
+
+
+def test_a_prior_over_the_memory_given_at_each_step_exports(rng):
+    """A step input of two levels combined row by row with the memory: at a
+    step it has the active sequences' rows alone, the memory every
+    sequence's; the memory's are read at the step's. onnxruntime's outputs
+    (the state, the weights ``[B, T, M, 1]``) are stepnet's."""
+    rnn, _ = attention_prior(rng, [3, 6, 0, 2], [2, 3, 1, 0], dtype=np.float32)
+    X, P, M = (rnn.bindings[k].value for k in ("X", "prior", "M"))
+    model = export(rnn)
+    (x, (n,)), (p, (_, rows)), (m, (mn,)) = (to_nested_padded(T) for T in (X, P, M))
+    actual = run_onnx(model, {"X": x, "lengths": n, "prior": p, "prior_lengths_1": rows, "M": m,
+                              "M_lengths_0": mn})
+    for out, e in zip(model.graph.output, rnn(backend="interpreter")):
+        assert_close(actual[out.name], padded(e, actual[out.name].shape), what=out.name)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

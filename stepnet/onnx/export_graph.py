@@ -79,6 +79,7 @@ class Rows:
     segment: str
     place: str
     source: Ragged
+    per_step: bool = True  # its rows are the active rows' alone (not a static input's, all)
 
 
 @dataclass(frozen=True)
@@ -268,12 +269,12 @@ def check_supported(block, where) -> None:
             raise UnsupportedError(f"{where}: op {eqn.op!r} has no ONNX export")
 
 
-def rows_of(g, value: Ragged) -> Rows:
+def rows_of(g, value: Ragged, per_step=True) -> Rows:
     """A one-level ragged value's rows (``Rows``), read from its padding."""
     place = g.add("Transpose", [g.add("NonZero", [g.ragged_mask(value)])], "place")
     segment = g.add("Squeeze", [g.add("Slice", [place, g.ints([0]), g.ints([1]), g.ints([1])]),
                                 g.ints([1])], "segment")
-    return Rows(g.add("GatherND", [value.padded, place], "rows"), segment, place, value)
+    return Rows(g.add("GatherND", [value.padded, place], "rows"), segment, place, value, per_step)
 
 
 def _scattered(g, rows: Rows, fill, dtype) -> str:
@@ -297,13 +298,17 @@ def as_ragged(g, value, dtype):
 SEGMENT_OPS = ("seq_sum", "seq_max", "seq_expand")
 
 
-def _emit_over_rows(g, env, eqn, rows):
-    """Op ``eqn`` reading a ragged value (``rows``, the first; several have
-    the same LoD, as every backend checks): ``seq_sum`` and ``seq_max``
-    reduce its padding (zeros or -inf where no row is) back to ``[B, ...]``,
-    ``seq_expand`` gathers a step value to the rows, any other op runs on
-    the rows with each step value it reads gathered to them."""
+def _emit_over_rows(g, env, eqn):
+    """Op ``eqn`` reading ragged values (of the same LoD, as every backend
+    checks), at the rows of a step's value where one is read (a step's
+    rows are its active rows' alone: a static input's are read there too),
+    else of the first: ``seq_sum`` and ``seq_max`` reduce its padding (zeros
+    or -inf where no row is) back to ``[B, ...]``, ``seq_expand`` gathers a
+    step value to the rows, any other op runs on the rows with each step
+    value it reads gathered to them."""
     out = eqn.outputs[0]
+    ragged = {id(v): _rows(g, env, v) for v in eqn.inputs if isinstance(v, Var) and v.lod_depth}
+    rows = next((r for r in ragged.values() if r.per_step), next(iter(ragged.values())))
     if eqn.op == "seq_sum":
         env[id(out)] = g.add("ReduceSum", [_scattered(g, rows, 0, out.dtype), g.ints([1])],
                              "seq_sum", keepdims=0)
@@ -315,7 +320,9 @@ def _emit_over_rows(g, env, eqn, rows):
     local = dict(env)
     for v in eqn.inputs:
         if isinstance(v, Var) and v.lod_depth:
-            local[id(v)] = _rows(g, env, v).data
+            r = ragged[id(v)]
+            local[id(v)] = r.data if r.place == rows.place else g.add(
+                "GatherND", [_scattered(g, r, 0, v.dtype), rows.place], "at_rows")
         elif isinstance(v, Var) and v.batched:
             local[id(v)] = g.add("Gather", [env[id(v)], rows.segment], "per_row", axis=0)
     if eqn.op == "seq_expand":
@@ -323,7 +330,8 @@ def _emit_over_rows(g, env, eqn, rows):
     else:
         _emit_op(g, local, eqn)
         data = local[id(out)]
-    env[id(out)] = Rows(data, rows.segment, rows.place, rows.source)
+    env[id(out)] = Rows(data, rows.segment, rows.place, rows.source,
+                        any(r.per_step for r in ragged.values()))
 
 
 def _rows(g, env, v) -> Rows:
@@ -345,9 +353,8 @@ def emit_eqn(g, env, eqn):
     if eqn.op == "rnn":
         _emit_nested_rnn(g, env, eqn)
         return
-    ragged = [v for v in eqn.inputs if isinstance(v, Var) and v.lod_depth]
-    if ragged:
-        _emit_over_rows(g, env, eqn, _rows(g, env, ragged[0]))
+    if any(isinstance(v, Var) and v.lod_depth for v in eqn.inputs):
+        _emit_over_rows(g, env, eqn)
     else:
         _emit_op(g, env, eqn)
 
@@ -415,7 +422,7 @@ def emit_rnn(g, env, net: StepNet, seqs, statics, inits, modes):
     for var, value in zip(body.static_inputs, statics):
         inner[id(var)] = value
         if var.lod_depth == 1 and id(var) in read:  # (its rows read once, before the Scan)
-            inner[("rows", id(var))] = rows_of(g, value)
+            inner[("rows", id(var))] = rows_of(g, value, per_step=False)
     state_inits, state_vars, trackers = _scan_states(g, scan, inner, net, inits, modes, lengths)
 
     # scan inputs: the mask, then each sequence's next element and lengths
