@@ -37,7 +37,7 @@ from . import dsl  # noqa: E402
 from .backends import get_backend  # noqa: E402
 from .lod import LoDTensor, offsets_from_lengths  # noqa: E402
 from .nn.layers import LAYERS  # noqa: E402
-from .padded import lod_lengths, mask, to_padded  # noqa: E402
+from .padded import lod_lengths, mask, rows_at_steps, to_padded  # noqa: E402
 from .nn.step_cells import _refuse_in_bridge  # noqa: E402
 from .pullback import vjp  # noqa: E402
 
@@ -466,8 +466,8 @@ class Function:
         steps = steps[:2] + (int(np.shape(arrays[memory[0]])[1]),)
         if levels is None:
             return None, steps
-        counts = np.asarray(lengths[slots.index(memory[0])][0])
-        return (levels[0], np.where(mask(levels, steps[:2]), counts[:, None], 0)), steps
+        counts = lengths[slots.index(memory[0])][0]
+        return (levels[0], rows_at_steps(levels[0], steps[:2], counts)), steps
 
     def _output_structs(self, spec, arrays):
         """The outputs' shapes and dtypes for a call of these shapes, and the

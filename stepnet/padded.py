@@ -27,6 +27,14 @@ def lod_lengths(levels):
                                       for i, lens in enumerate(levels) if i]
 
 
+def rows_at_steps(step_lengths, steps, rows):
+    """Each step's count of rows where every step of a sequence has that
+    sequence's ``rows`` (a ragged static input's, such as attention weights
+    over a memory): ``[B, T]`` of a padded ``steps`` ``(B, T)``, 0 past each
+    sequence's ``step_lengths``."""
+    return np.where(mask((step_lengths,), steps), np.asarray(rows)[:, None], 0)
+
+
 def to_padded(rows, levels, steps):
     """``rows`` (of a LoD whose levels' lengths are ``levels``) padded with
     zeros to ``steps`` (``[B, T1, ..., Td]``)."""

@@ -581,8 +581,7 @@ class StepNetModule(Module):
                 bindings[name] = t
             tensors.append(t)
             names.append(name)
-        call = StepNetCall(self, bindings, names, {**layouts, **ragged}, next(iter(layouts.values()), None),
-                           tuple(ragged.values()))
+        call = StepNetCall(self, bindings, names, layouts, ragged)
         params = [self._parameters[n] for n, _, _ in self._links]
         if autograd_records(tensors + params):
             outs = Bridge.apply(call, *tensors, *params)

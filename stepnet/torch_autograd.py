@@ -124,16 +124,16 @@ class StepNetCall:
     """One call of a step-net: its inputs as stepnet values, the run, its
     pullback."""
 
-    def __init__(self, module, bindings, names, layouts, first, memories=()):
+    def __init__(self, module, bindings, names, steps, memories):
         self.module = module
         self.bindings = bindings
         self.names = names  # the inputs given as tensors, in the order passed to autograd
-        self.layouts = layouts  # (of each LoD input given: step inputs, ragged static inputs)
+        self.layouts = {**steps, **memories}  # of each LoD input given (by name)
         self.pullback = None
         self.out_layouts = []
         self.out_lods = []
-        self._first = first  # (the first step input's given: the all-steps outputs')
-        self._memories = memories  # (the ragged static inputs' given: outputs over their rows)
+        self._first = next(iter(steps.values()), None)  # (the all-steps outputs' layout)
+        self._memories = tuple(memories.values())  # (outputs over a memory's rows)
 
     def _values(self):
         values = {}
@@ -179,9 +179,10 @@ class StepNetCall:
         static input's rows; None for ``(rows, lod)``."""
         if self._first is None:
             return None
-        found = [self._first.of_levels(out.levels)]
-        found += [self._first.over_rows(memory, out.levels) for memory in self._memories]
-        return next((lay for lay in found if lay is not None), None)
+        lay = self._first.of_levels(out.levels)
+        for memory in self._memories:
+            lay = lay or self._first.over_rows(memory, out.levels)
+        return lay
 
     def backward(self, grads, needs):
         module = self.module

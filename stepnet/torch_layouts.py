@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .errors import LoDError, ShapeError, UnsupportedError
 from .lod import LoDTensor, offsets_from_lengths
-from .padded import lod_lengths, mask
+from .padded import lod_lengths, mask, rows_at_steps
 
 TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
                 np.dtype(np.float64): torch.float64}
@@ -96,7 +96,7 @@ class Layout:
         if not np.array_equal(np.diff(levels[1]), np.repeat(rows, np.diff(self.levels[0]))):
             return None
         width = memory.padded_shape[1] if memory.kind == "padded" else int(rows.max(initial=0))
-        per_step = np.where(mask(self.lengths, self.padded_shape), rows[:, None], 0)
+        per_step = rows_at_steps(self.lengths[0], self.padded_shape, rows)
         return padded_layout(self.padded_shape + (width,), (self.lengths[0], per_step),
                              "an output")
 

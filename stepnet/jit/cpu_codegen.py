@@ -347,13 +347,12 @@ def _rnn_call(ctx, sched, start_expr, len_expr, count_expr):
         elif vi is not None and vi.kind not in ("const", "ragged"):
             args.append(_batched_arg(ctx, vi))  # (a ragged static is a global)
     body = eqn.attrs["body"]
-    for out, res, all_steps, ri in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
-                                       result_infos):
+    for out, res, all_steps, ri, k in zip(eqn.outputs, body.outputs, eqn.attrs["all_steps"],
+                                          result_infos, eqn.attrs["output_memory"]):
         if out in ctx.module.memory_outputs:
             buffer, level = ctx.module.memory_outputs[out]
             outs.append(("segment_memory", buffer, (level,)))
             if ctx.mode == "step":  # (a nested net's: a value over its enclosing step's static rows)
-                k = eqn.attrs["output_memory"][eqn.outputs.index(out)]
                 segment = ctx.values[statics[eqn.attrs["ragged_memories"][k]]].segment
                 ctx.values[out] = _Info("rows", buffer, out, width=_width(res), segment=segment)
                 _segments(ctx)[out] = segment
