@@ -163,13 +163,12 @@ class Pullback:
                     "on backend='interpreter' or 'numba'")
 
     def _check_nested_ragged(self, body, capabilities):
-        """Refuse a gradient through a nested step-net that steps over a
-        ragged static input of its enclosing net (one step a memory row) on
-        the backends that compile, or reads one (a memory per document read
-        by each sentence's words) on those that compile for a device: the
-        backward keeps an accumulator over that memory's rows per nested
-        sequence, which the interpreter runs, and the host's kernels where
-        the nested net reads the memory."""
+        """Refuse a gradient through a nested step-net that steps over or
+        reads a ragged static input of its enclosing net (one step a memory
+        row; a memory per document read by each sentence's words) on the
+        backends that compile for a device: the backward keeps an
+        accumulator over that memory's rows per nested sequence, which the
+        interpreter and the host's kernels run."""
         ragged = {id(v) for v in body.static_inputs if v.lod_depth}
         for e in body.eqns:
             if e.op != "rnn":
@@ -177,12 +176,12 @@ class Pullback:
             seqs, statics, _ = ir.rnn_parts(e)
             steps = any(id(v) in ragged for v in seqs)
             reads = any(id(v) in ragged for v in statics)
-            if capabilities.compiles and (steps or reads and not capabilities.host_code):
+            if capabilities.compiles and not capabilities.host_code and (steps or reads):
                 raise UnsupportedError(
                     f"{self.backend} backend: the gradient of {self.rnn.name} through its nested "
                     f"step-net {e.attrs['name']}, which {'steps over' if steps else 'reads'} a "
-                    "ragged static input of the net enclosing it, runs on backend='interpreter'"
-                    + ("" if steps else " or 'numba'"))
+                    "ragged static input of the net enclosing it, runs on backend='interpreter' "
+                    "or 'numba'")
             self._check_nested_ragged(e.attrs["body"], capabilities)
 
     def __call__(self, grad_outputs, wrt=None, accumulate=False, out=None):

@@ -414,11 +414,56 @@ def test_a_nested_net_steps_over_the_memory_of_the_enclosing_net(use, reverse, r
         assert_close(rnn(backend="numba", output_all_steps=flags), expected, what=f"{use} {flags}")
     if use == "last" and reverse == (False, False):  # over a ragged value computed in the step
         computed = _over_memory(rng, X, M, reverse, use, scale=2.0)
-        with pytest.raises(sn.UnsupportedError, match="numba backend: a nested step-net steps over "
-                                                      "t[0-9]+, a ragged value computed in the "):
-            computed(backend="numba")
-        assert computed(backend="interpreter", output_all_steps=False).shape == expected.shape
         _executor_agrees(computed)
+        for flags in (True, False):
+            assert_close(computed(backend="numba", output_all_steps=flags),
+                         computed(backend="interpreter", output_all_steps=flags), what="computed")
+
+
+def _over_memory_and_prior(rng, rows):
+    """A net whose nested net steps over its ragged static input ``M`` and,
+    beside it, over ``P``, a step input of two levels: at each step as many
+    rows as the sequence's memory (``rows``: each step's)."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
+    P = sn.LoDTensor.from_lengths(rng.standard_normal((sum(rows), 3)), [[2, 0, 3, 1], rows])
+    U = sn.Parameter(rng.standard_normal((3, 3)) * 0.5, name="U")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, m, p = (rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M"),
+                   rnn.add_input(P, name="P"))
+        c = rnn.add_memory(shape=[3], name="c", dtype=np.float64)
+        read = sn.ops.seq_sum(p * m)  # (the prior read at the memory's rows before the nested net)
+        inner = sn.create_rnn_op()
+        with inner.stepnet():
+            h = inner.add_memory(c.pre_state(), name="h")
+            w, q = inner.add_input(m, name="w"), inner.add_input(p, name="q")
+            h.update(sn.ops.tanh(w * q + h.pre_state() @ U))
+            inner.add_outputs(h)
+        c.update(sn.ops.tanh(sn.ops.seq_sum(inner()) + read + x + c.pre_state() @ U))
+        rnn.add_outputs(c)
+    return rnn, U
+
+
+def test_a_nested_net_steps_over_the_memory_and_a_prior_per_step(rng):
+    """The nested net reads the prior's rows of each step at the memory's
+    rows (its data lies elsewhere): outputs and gradients (of the weights,
+    the memory, the prior and the input) on Numba as on the interpreter; a
+    step of the prior with more or fewer rows than the sequence's memory is
+    a LoDError naming both, before anything runs."""
+    rnn, U = _over_memory_and_prior(rng, [3, 3, 0, 0, 0, 1])
+    expected = rnn(backend="interpreter")
+    wrt = [U, "M", "P", "X"]
+    cts = _fd_check(rnn, wrt)
+    grads = sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend="interpreter")
+    for backend in available_backends():
+        assert_close(rnn(backend=backend), expected, what=backend)
+        assert_close(sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend=backend), grads,
+                     what=f"{backend} gradients")
+    wrong, _ = _over_memory_and_prior(rng, [3, 2, 0, 0, 0, 1])
+    for backend in available_backends():
+        with pytest.raises(sn.LoDError, match="M and P .* different lengths"):
+            wrong(backend=backend)
 
 
 def _executor_agrees(rnn):
@@ -506,10 +551,12 @@ def test_ops_combining_a_prior_with_the_memory_rows(form, reverse, rng):
 def test_gradients_through_a_nested_nets_memory_of_the_enclosing_net(reverse, rng):
     """A nested net reading its enclosing net's ragged static inputs (each
     word attends to its document's memory), or stepping over one (one step a
-    memory row): gradients of the weights, the memories and the inputs
-    against finite differences on the interpreter; the first on the Numba
-    kernels too (an accumulator over the document's memory rows per
-    sentence), the second refused there by name."""
+    memory row; its every step also an output, whose cotangent is a
+    two-level step input of the backward): gradients of the weights, the
+    memories and the inputs against finite differences on the interpreter,
+    and on the Numba kernels as there (an accumulator over the document's
+    memory rows per sentence; the nested net's forward run again in the
+    backward's step, and its backward stepping over what that computes)."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)), [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
     M, K = (sn.LoDTensor.from_lengths(rng.standard_normal((6, 4)), [[3, 0, 1, 2]]) for _ in "MK")
     top, W = document_attention(rng, X, M, K, reverse)
@@ -523,12 +570,11 @@ def test_gradients_through_a_nested_nets_memory_of_the_enclosing_net(reverse, rn
     N = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
     over = _over_memory(rng, Y, N, (reverse, not reverse), "output")
     (U,) = over.parameters()
-    _fd_check(over, [U, "M", "X"])
+    cts = _fd_check(over, [U, "M", "X"])
+    expected = sn.gradients(over, wrt=[U, "M", "X"], grad_outputs=cts, backend="interpreter")
     for backend in available_backends():
-        with pytest.raises(sn.UnsupportedError, match=f"{backend} backend: the gradient of {over.name} "
-                           "through its nested step-net .* steps over .* backend='interpreter'$"):
-            sn.gradients(over, wrt=[U], backend=backend,
-                         grad_outputs=[np.ones(o.data.shape) for o in over()])
+        assert_close(sn.gradients(over, wrt=[U, "M", "X"], grad_outputs=cts, backend=backend),
+                     expected, what=f"{backend}, stepping over the memory")
 
 
 def test_special_values_behave_as_on_the_interpreter():

@@ -48,8 +48,9 @@ from ..errors import UnsupportedError
 from . import apart, blas
 from .kernel_plan import KernelPlan, kernel_plan
 from .cpu_emit import (
-    _Ctx, _Function, _Info, _Module, _Segment, _emit_copy, _emit_fused, _emit_op, _loop_nest, _nest,
-    _new_array, _ref, _row_assign, _segments, _shape, _width, runtime_imports)
+    _Ctx, _Function, _Info, _Module, _Segment, _at_static_rows, _emit_copy, _emit_fused, _emit_op,
+    _loop_nest, _nest, _new_array, _ref, _row_assign, _segments, _shape, _stepped_over, _width,
+    runtime_imports)
 from .cpu_products import (
     _ahead_posts, _chunk_products, _chunk_setup, _defer_product, _render_gemm, _render_quantized,
     _render_split_gemm, _rows_by_weights)
@@ -71,6 +72,7 @@ def generate_source(program: ir.Program):
     sched = schedule.schedule(program)
     module, values = _Module(), {}
     module.plan = kernel_plan(program, sched)
+    module.stepped_over = _stepped_over(sched)
     consts = list(module.plan.consts)
     params, top_inputs = _program_inputs(module, program, values, consts)
     _outputs_over_rows(module, program, values)
@@ -238,12 +240,11 @@ def _hoist(ctx, sched, chunked=False):
     for step_var, outer in zip(body.step_inputs, seqs):
         oi = ctx.values[outer]
         if oi.kind == "rows" and not step_var.lod_depth:
-            # the enclosing step's ragged static input (the call's data, not
-            # a value computed in the step): its data rows are the space
-            if oi.data is not None or oi.ident not in ctx.module.gargs:
-                raise UnsupportedError(f"numba backend: a nested step-net steps over {outer.name}, a "
-                                       "ragged value computed in the enclosing step; it steps over "
-                                       "a ragged static input itself (use backend='interpreter')")
+            # the rows of the enclosing step's ragged static input, or of a value
+            # the step computes over them (an array of the call: ``_new_array``)
+            if oi.ident not in ctx.module.gargs:
+                raise UnsupportedError(f"numba backend: a nested step-net steps over {outer.name}, "
+                                       "which the kernels keep in no array of the call")
             ctx.values[step_var] = _Info("global", oi.ident, step_var, width=oi.width,
                                          size=f"{oi.ident}.shape[0]")
             continue
@@ -767,7 +768,12 @@ def _update_memories(fctx, sched):
 def _emit_nested(ctx, inner):
     """A nested rnn called once per step on the active rows' sub-sequences
     (or their rows of the enclosing step's ragged static input)."""
-    info = ctx.values[ir.rnn_parts(inner.eqn)[0][0]]
+    seqs = ir.rnn_parts(inner.eqn)[0]
+    static = next((ctx.values[v].segment for v in seqs
+                   if ctx.values[v].kind == "rows" and not ctx.values[v].segment.by_entry), None)
+    for v in seqs if static is not None else ():
+        _at_static_rows(ctx, v, static)
+    info = ctx.values[seqs[0]]
     starts, lens = ctx.module.fresh("st"), ctx.module.fresh("ln")
     ctx.fn.allocs.append(f"{starts} = np.empty(num_seq, np.int64)")
     ctx.fn.allocs.append(f"{lens} = np.empty(num_seq, np.int64)")

@@ -107,6 +107,7 @@ class _Module:
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
         self.chunks = {}  # body -> the _Chunk of each product its rnn function runs by chunks
         self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
+        self.stepped_over = set()  # step values that nested nets step over (cpu_codegen)
 
     def fresh(self, base):
         self.counter += 1
@@ -187,7 +188,12 @@ def _new_array(ctx, var, size=None):
         info = _Info("global", ident, var, width=_width(var), size=size)
     elif var.lod_depth:  # a row per row of the ragged static input it comes from
         segment = _segments(ctx)[var]
-        ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
+        alloc = f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})"
+        if var in module.stepped_over:  # (an array of the call, which a nested net's function
+            module.prologue.append(alloc)  # takes by name: each group writes its own rows)
+            module.gargs.append(ident)
+        else:
+            ctx.fn.allocs.append(alloc)
         info = _Info("rows", ident, var, width=_width(var), segment=segment)
     else:
         ctx.fn.allocs.append(f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})")
@@ -270,6 +276,39 @@ def _rebased(ctx, group):
             ctx.fn.rebased[v] = _Info("rows", info.ident, v, width=info.width, segment=static,
                                       row=f"{first} + j - {static.starts}[b]")
             ctx.module.same_lod.add((static.level, info.segment.level))
+
+
+def _stepped_over(sched):
+    """The values of a step that its nested nets step over."""
+    found = set()
+    for e, inner in sched.nested.items():
+        found.update(v for v in ir.rnn_parts(e)[0] if isinstance(v, ir.Var))
+        found |= _stepped_over(inner)
+    return found
+
+
+def _at_static_rows(ctx, v, static):
+    """A two-level step input ``v`` that a nested net steps over beside
+    rows of the enclosing step's ragged static input (``static``: a prior
+    per step over the memory) copied at those rows, in an array of the call
+    (each group writes its own rows): the nested net reads every input at
+    one row space. Each entry has as many rows as its sequence's static
+    input (``same_lod``, checked before a run)."""
+    info = ctx.values[v]  # (not as rebased for a group's reads: ``_operand``)
+    if info.kind == "ragged" and info.segment is not None:
+        info = _Info("rows", info.data.ident, v, width=info.data.width, segment=info.segment)
+    if info.kind != "rows" or not info.segment.by_entry:
+        return
+    ident = ctx.module.fresh("v")
+    dt = f"np.{np.dtype(v.dtype).name}"
+    ctx.module.prologue.append(f"{ident} = np.empty({_shape(static.rows, v.shape[1:])}, {dt})")
+    ctx.module.gargs.append(ident)
+    first, _ = info.segment.bounds("e")
+    source = _Info("rows", info.ident, v, width=info.width, segment=static,
+                   row=f"{first} + j - {static.starts}[b]")
+    ctx.values[v] = _Info("rows", ident, v, width=_width(v), segment=static)
+    _emit_copy(ctx, source, ctx.values[v])
+    ctx.module.same_lod.add((static.level, info.segment.level))
 
 
 def _contiguous(ctx, info):
