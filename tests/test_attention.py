@@ -466,6 +466,43 @@ def test_a_nested_net_steps_over_the_memory_and_a_prior_per_step(rng):
             wrong(backend=backend)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_step_reads_the_memory_and_a_two_level_input_apart(nested, rng):
+    """A step summing a function of its memory's rows and, apart, of a step
+    input of two levels (words per step, as many as they are): each over its
+    own rows (one fused loop over both read them at one space and refused
+    the call, their lengths differing), outputs and gradients on Numba as on
+    the interpreter; ``nested``: the memory's rows through a nested net
+    stepping over them."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])
+    W = sn.LoDTensor.from_lengths(rng.standard_normal((9, 3)), [[2, 0, 3, 1], [2, 1, 0, 3, 1, 2]])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
+    U = sn.Parameter(rng.standard_normal((3, 3)) * 0.5, name="U")
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, m, w = rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M"), rnn.add_input(W, name="W")
+        c = rnn.add_memory(shape=[3], name="c", dtype=np.float64)
+        rows = m
+        if nested:
+            inner = sn.create_rnn_op()
+            with inner.stepnet():
+                h = inner.add_memory(c.pre_state(), name="h")
+                h.update(sn.ops.tanh(inner.add_input(m, name="r") + h.pre_state() @ U))
+                inner.add_outputs(h)
+            rows = inner()
+        c.update(sn.ops.tanh(sn.ops.seq_sum(sn.ops.exp(rows * c.pre_state()))
+                             + sn.ops.seq_sum(w * c.pre_state()) + x))
+        rnn.add_outputs(c)
+    expected = rnn(backend="interpreter")
+    wrt = ["M", "W", "X"] + [U] * nested
+    cts = [np.ones(expected.data.shape)]
+    grads = sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend="interpreter")
+    for backend in available_backends():
+        assert_close(rnn(backend=backend), expected, what=backend)
+        assert_close(sn.gradients(rnn, wrt=wrt, grad_outputs=cts, backend=backend), grads,
+                     what=f"{backend} gradients")
+
+
 def _executor_agrees(rnn):
     """The executor's outputs (all steps, and each sequence's last) against the interpreter's."""
     for flags in (True, False):

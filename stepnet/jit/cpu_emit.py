@@ -478,11 +478,42 @@ def op_code(op, args, dtype, attrs=None):
     return registry.get(op).numba_code(args, dtype, attrs or {})
 
 
+def _unlinked(group):
+    """The ops of a ragged run in sets that share no ragged value (each in
+    the run's order); a dense run whole."""
+    if not group[0].outputs[0].lod_depth:
+        return [group]
+    first = {}  # a ragged value -> the first op reading or making it
+    parent = list(range(len(group)))
+
+    def root(i):
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, e in enumerate(group):
+        for v in (*e.inputs, *e.outputs):
+            if isinstance(v, ir.Var) and v.lod_depth:
+                parent[root(i)] = root(first.setdefault(v, i))
+    runs = {}
+    for i, e in enumerate(group):
+        runs.setdefault(root(i), []).append(e)
+    return list(runs.values())
+
+
 def _emit_fused(ctx, group, epilogues=()):
     """A run of elementwise ops as one loop; its intermediates stay scalars,
     the materialized ones are stored, all-steps outputs written in place.
     ``epilogues``: reductions of its values (``KernelPlan.epilogues``),
-    accumulated in the same loop."""
+    accumulated in the same loop. A ragged run whose ops share no ragged
+    value (rows of a memory and of another ragged value, side by side) is a
+    loop over each one's rows."""
+    runs = _unlinked(group)
+    if len(runs) > 1:
+        for run in runs:
+            made = {e.outputs[0] for e in run}
+            _emit_fused(ctx, run, [e for e in epilogues if e.inputs[0] in made])
+        return
     shape = group[0].outputs[0].shape
     _, idx = _loop_nest(shape, "step")
     inner, scalars, segment = [], [], None
