@@ -503,6 +503,31 @@ def test_a_step_reads_the_memory_and_a_two_level_input_apart(nested, rng):
                      what=f"{backend} gradients")
 
 
+def test_attention_to_two_memories_of_different_lengths(rng):
+    """A decoder attending to two memories whose sequences have different
+    lengths: its backward's ops over each memory's rows, side by side in a
+    step, loop each over their own (one loop over one memory's rows read
+    the other's wrongly and wrote past its end); outputs and gradients on
+    Numba as on the interpreter."""
+    X = sn.LoDTensor.from_lengths(rng.standard_normal((6, 3)), [[2, 0, 3, 1]])
+    M = sn.LoDTensor.from_lengths(rng.standard_normal((8, 3)), [[3, 4, 0, 1]])
+    K = sn.LoDTensor.from_lengths(rng.standard_normal((5, 3)), [[1, 1, 2, 1]])
+    rnn = sn.create_rnn_op()
+    with rnn.stepnet():
+        x, m, k = (rnn.add_input(X, name="X"), rnn.add_static_input(M, name="M"),
+                   rnn.add_static_input(K, name="K"))
+        c = rnn.add_memory(shape=[3], name="c", dtype=np.float64)
+        c.update(sn.ops.tanh(sn.ops.attention(c.pre_state(), m) + sn.ops.attention(c.pre_state(), k) + x))
+        rnn.add_outputs(c)
+    expected = rnn(backend="interpreter")
+    cts = [rng.standard_normal(expected.data.shape)]
+    grads = sn.gradients(rnn, wrt=["M", "K", "X"], grad_outputs=cts, backend="interpreter")
+    for backend in available_backends():
+        assert_close(rnn(backend=backend), expected, what=backend)
+        assert_close(sn.gradients(rnn, wrt=["M", "K", "X"], grad_outputs=cts, backend=backend), grads,
+                     what=f"{backend} gradients")
+
+
 def _executor_agrees(rnn):
     """The executor's outputs (all steps, and each sequence's last) against the interpreter's."""
     for flags in (True, False):
