@@ -244,7 +244,7 @@ def _hoist(ctx, sched, chunked=False):
             # the step computes over them (an array of the call: ``_new_array``)
             if oi.ident not in ctx.module.gargs:
                 raise UnsupportedError(f"numba backend: a nested step-net steps over {outer.name}, "
-                                       "which the kernels keep in no array of the call")
+                                       "which the kernels hold in no array (use the interpreter)")
             ctx.values[step_var] = _Info("global", oi.ident, step_var, width=oi.width,
                                          size=f"{oi.ident}.shape[0]")
             continue
