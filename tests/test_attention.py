@@ -542,7 +542,9 @@ def _executor_agrees(rnn):
 def test_a_nested_net_attends_to_the_memory_of_the_enclosing_net(reverse, rng):
     """A nested net's static input that is its enclosing net's (one memory
     per document, read by each sentence's words) on every backend, with a
-    document of no sentences, a sentence of no words and an empty memory."""
+    document of no sentences, a sentence of no words and an empty memory;
+    keys the enclosing step computes over the memory's rows (the document's
+    state times its keys), outputs and gradients."""
     X = sn.LoDTensor.from_lengths(rng.standard_normal((7, 4)).astype(np.float32),
                                   [[2, 1, 0, 2], [1, 3, 0, 2, 1]])
     M, K = _memory(rng, [3, 0, 1, 2], 4), _memory(rng, [3, 0, 1, 2], 4)
@@ -552,10 +554,14 @@ def test_a_nested_net_attends_to_the_memory_of_the_enclosing_net(reverse, rng):
         assert_close(top(backend=backend), expected, what=backend)
         assert_close(top(backend=backend, output_all_steps=False)[0],
                      top(backend="interpreter", output_all_steps=False)[0], what=backend)
-    top, _ = document_attention(rng, X, M, K, reverse, keys_of_the_step=True)
-    for backend in available_backends():  # (its rows live in the enclosing net's step)
-        with pytest.raises(sn.UnsupportedError, match="ragged static input .* of a nested step-net"):
-            top(backend=backend)
+    top, W = document_attention(rng, X, M, K, reverse, keys_of_the_step=True)
+    expected = top(backend="interpreter")  # (the keys computed in the enclosing step)
+    cts = [rng.standard_normal(o.data.shape).astype(np.float32) for o in expected]
+    grads = sn.gradients(top, wrt=[W, "M", "K", "X"], grad_outputs=cts, backend="interpreter")
+    for backend in available_backends():
+        assert_close(top(backend=backend), expected, what=f"{backend}, keys of the step")
+        assert_close(sn.gradients(top, wrt=[W, "M", "K", "X"], grad_outputs=cts, backend=backend),
+                     grads, what=f"{backend} gradients, keys of the step")
     top, _ = document_attention(rng, X, M, K, reverse, weights_out=True)
     for backend in available_backends():  # (the words' weights of every step)
         with pytest.raises(sn.UnsupportedError, match="gives a ragged value over its static input"):

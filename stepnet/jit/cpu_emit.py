@@ -279,10 +279,12 @@ def _rebased(ctx, group):
 
 
 def _stepped_over(sched):
-    """The values of a step that its nested nets step over."""
+    """The values of a step that its nested nets step over, or read as
+    ragged static inputs."""
     found = set()
     for e, inner in sched.nested.items():
-        found.update(v for v in ir.rnn_parts(e)[0] if isinstance(v, ir.Var))
+        seqs, statics, _ = ir.rnn_parts(e)
+        found.update(v for v in (*seqs, *statics) if isinstance(v, ir.Var) and v.lod_depth)
         found |= _stepped_over(inner)
     return found
 
