@@ -49,7 +49,7 @@ from . import apart, blas
 from .kernel_plan import KernelPlan, kernel_plan
 from .cpu_emit import (
     _Ctx, _Function, _Info, _Module, _Segment, _at_static_rows, _emit_copy, _emit_fused, _emit_op,
-    _loop_nest, _nest, _new_array, _ref, _row_assign, _segments, _shape, _stepped_over, _width,
+    _loop_nest, _nest, _nested_reads, _new_array, _ref, _row_assign, _segments, _shape, _width,
     runtime_imports)
 from .cpu_products import (
     _ahead_posts, _chunk_products, _chunk_setup, _defer_product, _render_gemm, _render_quantized,
@@ -72,7 +72,7 @@ def generate_source(program: ir.Program):
     sched = schedule.schedule(program)
     module, values = _Module(), {}
     module.plan = kernel_plan(program, sched)
-    module.stepped_over = _stepped_over(sched)
+    module.nested_reads = _nested_reads(sched)
     consts = list(module.plan.consts)
     params, top_inputs = _program_inputs(module, program, values, consts)
     _outputs_over_rows(module, program, values)

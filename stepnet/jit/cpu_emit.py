@@ -107,7 +107,7 @@ class _Module:
         self.memory_outputs = {}  # last steps of ragged memories: (buffer, level)
         self.chunks = {}  # body -> the _Chunk of each product its rnn function runs by chunks
         self.output_rows = {}  # step values computed into an all-steps output (_outputs_over_rows)
-        self.stepped_over = set()  # step values that nested nets step over (cpu_codegen)
+        self.nested_reads = set()  # ragged step values nested nets step over or read (cpu_codegen)
 
     def fresh(self, base):
         self.counter += 1
@@ -189,7 +189,7 @@ def _new_array(ctx, var, size=None):
     elif var.lod_depth:  # a row per row of the ragged static input it comes from
         segment = _segments(ctx)[var]
         alloc = f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})"
-        if var in module.stepped_over:  # (an array of the call, which a nested net's function
+        if var in module.nested_reads:  # (an array of the call, which a nested net's function
             module.prologue.append(alloc)  # takes by name: each group writes its own rows)
             module.gargs.append(ident)
         else:
@@ -278,14 +278,14 @@ def _rebased(ctx, group):
             ctx.module.same_lod.add((static.level, info.segment.level))
 
 
-def _stepped_over(sched):
+def _nested_reads(sched):
     """The values of a step that its nested nets step over, or read as
     ragged static inputs."""
     found = set()
     for e, inner in sched.nested.items():
         seqs, statics, _ = ir.rnn_parts(e)
         found.update(v for v in (*seqs, *statics) if isinstance(v, ir.Var) and v.lod_depth)
-        found |= _stepped_over(inner)
+        found |= _nested_reads(inner)
     return found
 
 
