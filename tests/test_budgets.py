@@ -23,7 +23,7 @@ _CUDA = ("numba_cuda.py", "cuda_run.py")  # the CUDA backend's modules, outside 
 # over budget today: their line counts may only go down
 MODULES_OVER = {}
 FUNCTIONS_OVER = {}
-CPU_ENGINE_NOW = 8206  # the CPU engine today, over CPU_ENGINE_LINES: it may not grow unseen
+CPU_ENGINE_NOW = 8198  # the CPU engine today, over CPU_ENGINE_LINES: it may not grow unseen
 # (a change that adds to it raises this figure, its commit message saying why)
 
 # a figure of a measurement: a time with decimals, a rate, a speed-up

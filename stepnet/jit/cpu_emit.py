@@ -173,8 +173,11 @@ def _new_array(ctx, var, size=None):
         ctx.lines.append(f"{ident} = np.empty({tuple(var.shape)!r}, {dt})")
         module.gargs.append(ident)
         info = _Info("const", ident, var)
-    elif var.lod_depth and (ctx.mode == "hoist" or _segments(ctx)[var].by_entry):
-        # rows of a nested net's every step, each entry's written once a call: an array of the call
+    elif var.lod_depth and (ctx.mode == "hoist" or _segments(ctx)[var].by_entry
+                            or var in module.nested_reads):
+        # an array of the call: rows of a nested net's every step (each entry's
+        # written once a call), or rows a nested net's function steps over or
+        # reads by name (each group writing its own)
         segment = _segments(ctx)[var]
         module.prologue.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
         module.gargs.append(ident)
@@ -188,12 +191,7 @@ def _new_array(ctx, var, size=None):
         info = _Info("global", ident, var, width=_width(var), size=size)
     elif var.lod_depth:  # a row per row of the ragged static input it comes from
         segment = _segments(ctx)[var]
-        alloc = f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})"
-        if var in module.nested_reads:  # (an array of the call, which a nested net's function
-            module.prologue.append(alloc)  # takes by name: each group writes its own rows)
-            module.gargs.append(ident)
-        else:
-            ctx.fn.allocs.append(alloc)
+        ctx.fn.allocs.append(f"{ident} = np.empty({_shape(segment.rows, var.shape[1:])}, {dt})")
         info = _Info("rows", ident, var, width=_width(var), segment=segment)
     else:
         ctx.fn.allocs.append(f"{ident} = np.empty({_shape('num_seq', var.shape[1:])}, {dt})")
@@ -296,20 +294,14 @@ def _at_static_rows(ctx, v, static):
     (each group writes its own rows): the nested net reads every input at
     one row space. Each entry has as many rows as its sequence's static
     input (``same_lod``, checked before a run)."""
-    info = ctx.values[v]  # (not as rebased for a group's reads: ``_operand``)
-    if info.kind == "ragged" and info.segment is not None:
-        info = _Info("rows", info.data.ident, v, width=info.data.width, segment=info.segment)
+    info = _operand(ctx, v, None, rebased=False)  # (its own rows, not a group's rebased read)
     if info.kind != "rows" or not info.segment.by_entry:
         return
-    ident = ctx.module.fresh("v")
-    dt = f"np.{np.dtype(v.dtype).name}"
-    ctx.module.prologue.append(f"{ident} = np.empty({_shape(static.rows, v.shape[1:])}, {dt})")
-    ctx.module.gargs.append(ident)
     first, _ = info.segment.bounds("e")
     source = _Info("rows", info.ident, v, width=info.width, segment=static,
                    row=f"{first} + j - {static.starts}[b]")
-    ctx.values[v] = _Info("rows", ident, v, width=_width(v), segment=static)
-    _emit_copy(ctx, source, ctx.values[v])
+    _segments(ctx)[v] = static  # (from here on, its rows are the static input's)
+    _emit_copy(ctx, source, _new_array(ctx, v))
     ctx.module.same_lod.add((static.level, info.segment.level))
 
 
@@ -388,10 +380,10 @@ def _ref(info, idx, mode, loop_shape, row="b"):
     return code
 
 
-def _operand(ctx, v, dtype):
+def _operand(ctx, v, dtype, rebased=True):
     if isinstance(v, ir.Literal):
         return _Info("literal", ctx.module.literal(v.value, dtype))
-    if ctx.fn is not None and v in ctx.fn.rebased:
+    if rebased and ctx.fn is not None and v in ctx.fn.rebased:
         return ctx.fn.rebased[v]
     info = ctx.values[v]
     if info.kind == "ragged" and info.segment is not None:  # a nested net's every step, read by ops
