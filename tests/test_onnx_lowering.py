@@ -322,3 +322,112 @@ def test_convolutions_big_enough_to_share_and_the_loops_after_them(rng, stride, 
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w[np.isfinite(w)]).max())
+
+
+def _branchy_model():
+    """Shaped like Silero VAD's export: an ``If`` on the sample rate whose
+    branches hold values of their own that the shapes decide (an ``If`` on
+    the state's batch size), the state's halves taken by ``Gather`` and a
+    magnitude squared by ``Pow``."""
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+
+    def const(name, value):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name))
+
+    def branch(tag, scale):
+        def sub(nodes, outputs):
+            return helper.make_graph(nodes, f"{tag}_{outputs[0]}", [], [
+                helper.make_tensor_value_info(n, f32, None) for n in outputs])
+        # the state's halves where its batch is the input's, else zeros (always the first here)
+        halves = sub([const(f"{tag}_i0", np.array(0, np.int64)),
+                      const(f"{tag}_i1", np.array(1, np.int64)),
+                      helper.make_node("Gather", ["state", f"{tag}_i0"], [f"{tag}_h"], axis=0),
+                      helper.make_node("Gather", ["state", f"{tag}_i1"], [f"{tag}_c"], axis=0)],
+                     [f"{tag}_h", f"{tag}_c"])
+        zeros = sub([helper.make_node("Sub", ["state", "state"], [f"{tag}_z"]),
+                     helper.make_node("ReduceSum", [f"{tag}_z", f"{tag}_ax0"], [f"{tag}_zh"],
+                                      keepdims=0),
+                     helper.make_node("Identity", [f"{tag}_zh"], [f"{tag}_zc"])],
+                    [f"{tag}_zh", f"{tag}_zc"])
+        nodes = [const(f"{tag}_two", np.array(2.0, np.float32)),
+                 const(f"{tag}_three", np.array(3.0, np.float32)),
+                 const(f"{tag}_scale", np.array(scale, np.float32)),
+                 const(f"{tag}_ax0", np.array([0], np.int64)),
+                 const(f"{tag}_ax1", np.array([1], np.int64)),
+                 const(f"{tag}_cols", np.array([7, 0, -1], np.int64)),
+                 helper.make_node("Gather", ["x", f"{tag}_cols"], [f"{tag}_picked"], axis=1),
+                 helper.make_node("Pow", ["x", f"{tag}_two"], [f"{tag}_sq"]),
+                 helper.make_node("Pow", ["x", f"{tag}_three"], [f"{tag}_cube"]),
+                 helper.make_node("Add", [f"{tag}_sq", f"{tag}_cube"], [f"{tag}_sum"]),
+                 helper.make_node("Mul", [f"{tag}_sum", f"{tag}_scale"], [f"{tag}_m"]),
+                 helper.make_node("Shape", ["state"], [f"{tag}_shape"]),
+                 helper.make_node("Gather", [f"{tag}_shape", f"{tag}_ax1"], [f"{tag}_b"], axis=0),
+                 helper.make_node("Shape", ["x"], [f"{tag}_xshape"]),
+                 helper.make_node("Gather", [f"{tag}_xshape", f"{tag}_ax0"], [f"{tag}_xb"], axis=0),
+                 helper.make_node("Equal", [f"{tag}_b", f"{tag}_xb"], [f"{tag}_same1"]),
+                 helper.make_node("Squeeze", [f"{tag}_same1", f"{tag}_ax0"], [f"{tag}_same"]),
+                 helper.make_node("If", [f"{tag}_same"], [f"{tag}_h2", f"{tag}_c2"],
+                                  then_branch=halves, else_branch=zeros),
+                 helper.make_node("MatMul", [f"{tag}_m", "w"], [f"{tag}_p"]),
+                 helper.make_node("Add", [f"{tag}_p", f"{tag}_h2"], [f"{tag}_h3"]),
+                 helper.make_node("Tanh", [f"{tag}_h3"], [f"{tag}_h4"]),
+                 helper.make_node("Unsqueeze", [f"{tag}_h4", f"{tag}_ax0"], [f"{tag}_hu"]),
+                 helper.make_node("Unsqueeze", [f"{tag}_c2", f"{tag}_ax0"], [f"{tag}_cu"]),
+                 helper.make_node("Concat", [f"{tag}_hu", f"{tag}_cu"], [f"{tag}_state"], axis=0)]
+        return helper.make_graph(nodes, tag, [], [
+            helper.make_tensor_value_info(f"{tag}_h4", f32, None),
+            helper.make_tensor_value_info(f"{tag}_state", f32, None),
+            helper.make_tensor_value_info(f"{tag}_picked", f32, None)])
+
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["rate"], value=numpy_helper.from_array(
+            np.array(16000, np.int64), "rate")),
+         helper.make_node("Equal", ["sr", "rate"], ["is16k"]),
+         helper.make_node("If", ["is16k"], ["y", "stateN", "picked"], then_branch=branch("hi", 0.5),
+                          else_branch=branch("lo", -0.25))],
+        "branchy",
+        [helper.make_tensor_value_info("x", f32, ["B", 8]),
+         helper.make_tensor_value_info("state", f32, [2, "B", 4]),
+         helper.make_tensor_value_info("sr", i64, [])],
+        [helper.make_tensor_value_info("y", f32, None),
+         helper.make_tensor_value_info("stateN", f32, None),
+         helper.make_tensor_value_info("picked", f32, None)],
+        initializer=[numpy_helper.from_array(
+            np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # (NumPy's: inf - inf)
+@pytest.mark.parametrize("sr", [16000, 8000])
+def test_an_if_on_the_sample_rate_with_decided_values_in_its_branches_is_one_call(
+        sr, rng, monkeypatch):
+    """An ``If`` whose branch has values of its own that the key decides
+    (its own ``If`` on the state's shape) is replaced by the branch's plan
+    for the key, so the whole call (``Gather`` of the state, ``Pow`` by a
+    constant in a run of elementwise nodes) compiles into one; as node by
+    node and as onnxruntime, NaN and inf included."""
+    model = _branchy_model()
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    x[0, 1], x[1, 2], x[2, 3] = np.nan, np.inf, -np.inf
+    feeds = {"x": x, "state": rng.standard_normal((2, 3, 4)).astype(np.float32),
+             "sr": np.array(sr, np.int64)}
+    session = InferenceSession(model)
+    for _ in range(3):
+        session.run(None, feeds)
+    (node,) = _graph_nodes(session)
+    assert session.graph.fused[next(iter(session.graph.fused))] == [node]
+    node.state = "ready"
+    calls, entry = [], node.entry
+    node.entry = lambda *args: calls.append(1) or entry(*args)
+    got = session.run(None, feeds)
+    assert calls == [1]
+    want = _node_by_node(model, monkeypatch).run(None, feeds)
+    ort = pytest.importorskip("onnxruntime")
+    theirs = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, feeds)
+    for g, w, t in zip(got, want, theirs):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        _close(g, w)
+        np.testing.assert_allclose(g, t, rtol=1e-5, atol=1e-6)

@@ -390,7 +390,7 @@ class Graph:
                  for n in self.decided}
         plan, constants = self.rest, True
         if plain:
-            plan = self._key_plan(known)
+            plan = self._key_plan(known, key)
             # the memoized values and constants that the plan and the outputs read
             read = {n for node in plan for n in (*node.inputs, *node.captures) if n}
             read.update(self.output_names)
@@ -414,15 +414,16 @@ class Graph:
         whole = lower(plan, fused, env, self.output_names, fixed)
         self.fused[key] = fused if whole is None else [whole]
 
-    def _key_plan(self, known):
+    def _key_plan(self, known, key):
         """The nodes a run with the memoized values ``known`` computes: each
         ``If`` whose condition is among them replaced by its branch for
         these values (the branch's nodes, then its outputs copied to the
-        If's; the branch's constants added to ``known``), and only the
-        nodes that the graph's outputs need."""
+        If's; the branch's constants added to ``known``; a branch with
+        values of its own that ``key`` decides gives its plan for ``key``
+        and those values), and only the nodes that the graph's outputs need."""
         taken = set(self.input_names) | set(self.initializers) | set(self.constants) | set(
             self.captures) | {n for node in self.nodes for n in node.outputs}
-        plan = self._inline(self.rest, known, taken)
+        plan = self._inline(self.rest, known, taken, key)
         needed, kept = set(self.output_names), []
         for node in reversed(plan):
             if any(n in needed for n in node.outputs if n):
@@ -431,18 +432,26 @@ class Graph:
                 needed.update(node.captures)
         return kept[::-1]
 
-    def _inline(self, nodes, known, taken):
+    def _inline(self, nodes, known, taken, key):
         plan = []
         for node in nodes:
-            branch = None
+            branch = memo = None
             if node.kind == "if" and node.inputs[0] in known:
                 cond = known[node.inputs[0]]
                 if isinstance(cond, np.ndarray) and cond.size == 1:
                     branch = node.then_branch if cond.item() else node.else_branch
             if branch is not None:
+                # a branch with values of its own that the key decides: its
+                # plan for the key, made when the If ran it (Graph.run)
+                memo = branch.memo.get(key) if branch.decided else None
+                if memo is not None and memo[2]:
+                    memo = None  # (not a plain run's plan: it needs its constants)
                 defined = ({n for inner in branch.nodes for n in inner.outputs if n}
                            | set(branch.initializers) | set(branch.constants))
-                if (branch.decided or branch.widen or defined & taken
+                if memo is not None:  # (its values but the constants it captures)
+                    defined |= (set(memo[0]) - set(branch.captures)
+                                | {n for inner in memo[1] for n in inner.outputs if n})
+                if ((branch.decided and memo is None) or branch.widen or defined & taken
                         or any(inner.kind == "gradient" for inner in branch.nodes)):
                     branch = None  # run by the If node itself
                 else:
@@ -450,9 +459,13 @@ class Graph:
             if branch is None:
                 plan.append(node)
                 continue
-            for name, value in branch.run_constants.items():
-                known.setdefault(name, value)
-            plan += self._inline(branch.plan, known, taken)
+            if memo is not None:
+                known.update(memo[0])
+                plan += memo[1]
+            else:
+                for name, value in branch.run_constants.items():
+                    known.setdefault(name, value)
+                plan += self._inline(branch.plan, known, taken, key)
             plan += [_Copy(node, source, name)
                      for source, name in zip(branch.output_names, node.outputs) if name]
         return plan

@@ -174,10 +174,10 @@ def _lower(plan, nodes, env, keep, fixed):
     i = 0
     while i < len(plan):
         node = plan[i]
-        kind = _fusable(node, env)
+        kind = _run_kind(w, node)
         if kind is not None:  # a run of elementwise nodes: one fused loop
             j = i + 1
-            while j < len(plan) and _fusable(plan[j], env) == kind:
+            while j < len(plan) and _run_kind(w, plan[j]) == kind:
                 j += 1
             _elementwise(w, plan[i:j], read_after[j])
             i = j
@@ -194,6 +194,29 @@ def _lower(plan, nodes, env, keep, fixed):
     made = {name for node in plan for name in node.outputs if name}
     outputs = [name for name in keep if name in made]
     return GraphNode(nodes, w, outputs) if outputs else None
+
+
+def _run_kind(w, node):
+    """The dtype and shape of ``node``'s output where it joins a run of
+    elementwise nodes (``fusion._fusable``; here also a Pow by a constant
+    of the key: ``_power``), else None."""
+    if node.op == "Pow" and node.kind == "op" and _power(w, node) is not None:
+        out = w.env[node.outputs[0]]
+        return out.dtype, out.shape
+    return _fusable(node, w.env)
+
+
+def _power(w, node):
+    """A Pow's exponent where it is one float the key fixes and the base
+    is an array of the output's float dtype and shape, else None."""
+    if len(node.args) != 2 or node.attrs:
+        return None
+    x, y, out = w.env.get(node.args[0]), _known(w, node.args[1]), w.env.get(node.outputs[0])
+    if (type(x) is not np.ndarray or type(out) is not np.ndarray or out.dtype not in _FLOATS
+            or x.dtype != out.dtype or x.shape != out.shape or out.ndim == 0
+            or np.size(y) != 1 or np.asarray(y).dtype.kind != "f" or not np.all(np.isfinite(y))):
+        return None
+    return float(np.asarray(y).reshape(-1)[0])
 
 
 def _elementwise(w, nodes, read_after):
@@ -213,7 +236,7 @@ def _elementwise(w, nodes, read_after):
     scalars, loop = {}, []
     for node in nodes:
         args = []
-        for name in node.args:
+        for name in node.args[:1] if node.op == "Pow" else node.args:
             if name not in scalars:
                 x, src = w.env[name], w.ref(name)
                 at = [index[len(shape) - x.ndim + a] if n != 1 else "0" for a, n in enumerate(x.shape)]
@@ -222,7 +245,12 @@ def _elementwise(w, nodes, read_after):
             args.append(scalars[name])
         t = f"t{w.temps}"
         w.temps += 1
-        loop.append(f"{t} = {op_code(_PRIMITIVES[node.op].name, args, dt)}")
+        if node.op == "Pow":  # (x * x as NumPy's power by 2, else power in the dtype)
+            e = _power(w, node)
+            code = f"({args[0]} * {args[0]})" if e == 2 else f"({args[0]} ** np.{dt.name}({e!r}))"
+        else:
+            code = op_code(_PRIMITIVES[node.op].name, args, dt)
+        loop.append(f"{t} = {code}")
         scalars[node.outputs[0]] = t
     for node in nodes:
         name = node.outputs[0]
@@ -301,6 +329,34 @@ def _slice(w, node):
     else:
         w.same_order(node.outputs[0], node.inputs[0])
         w.memory.pop(node.outputs[0], None)
+    return True
+
+
+def _gather(w, node):
+    """A Gather by indices the key fixes: one index, a view without its
+    axis (an exporter's ``x[0]``); several, their rows copied."""
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    indices = _known(w, node.inputs[1])
+    axis = node.attrs.get("axis", 0)
+    axis = axis + x.ndim if axis < 0 else axis
+    if indices is None or np.asarray(indices).ndim > 1 or not 0 <= axis < x.ndim:
+        return False
+    picked = np.asarray(indices).astype(np.int64)
+    picked = np.where(picked < 0, picked + x.shape[axis], picked)
+    if (picked.size and (picked.min() < 0 or picked.max() >= x.shape[axis])
+            or not np.array_equal(np.take(x, picked, axis=axis), out, equal_nan=True)):
+        return False
+    src, y = w.ref(node.inputs[0]), w.made(node.outputs[0])
+    if picked.ndim == 0:
+        w.body.append(f"    {y} = {src}[{', '.join([':'] * axis + [str(int(picked))])}]")
+        order = [a - (a > axis) for a in w.order.get(node.inputs[0], range(x.ndim)) if a != axis]
+        if order != sorted(order):
+            w.order[node.outputs[0]] = tuple(order)
+        return True
+    at = w.array(np.ascontiguousarray(picked))
+    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
+    w.body += _copy(out.shape, y, list, src,
+                    lambda c: [f"{at}[{v}]" if k == axis else v for k, v in enumerate(c)])
     return True
 
 
@@ -518,8 +574,8 @@ def _recurrent(w, node):
 
 _LOWER = {"Slice": _slice, "Transpose": _transpose, "Concat": _concat, "Identity": _alias,
           "If": _alias, "Cast": _cast, "Pad": _pad, "Conv": _conv, "MatMul": _matmul,
-          "ReduceMean": _reduce, "ReduceSum": _reduce, "GRU": _recurrent, "LSTM": _recurrent,
-          "RNN": _recurrent, **dict.fromkeys(_RESHAPES, _reshape)}
+          "ReduceMean": _reduce, "ReduceSum": _reduce, "Gather": _gather, "GRU": _recurrent,
+          "LSTM": _recurrent, "RNN": _recurrent, **dict.fromkeys(_RESHAPES, _reshape)}
 
 
 def _agree(ours, theirs):
