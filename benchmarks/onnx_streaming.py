@@ -14,6 +14,9 @@ fed back from each call to the next, as a voice-activity detector runs
   ``Cast``/``Equal``/``Not``/``Size`` around them;
 - ``stream_gru``: an STFT conv, a GRU carrying ``[1, B, 48]`` and a Linear:
   no control flow;
+- ``silero``: Silero VAD's own ``silero_vad.onnx`` (opset 16, state ``[2, B, 128]``,
+  chunks of 64 + 512 samples, the only length it takes), where the ``silero-vad``
+  package (a test and bench extra) is installed; its row is left out otherwise;
 - ``identity``: one ``Identity`` node, the cost of a call itself.
 
 Each is run with one stream (batch 1, the state carried over 8 chunks that
@@ -53,9 +56,9 @@ from machine import cpu_name
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODELS = ("vad", "stream_gru", "identity")
-STATE = {"vad": "state", "stream_gru": "h"}  # the state input of each model
-STATE_OUT = {"vad": 1, "stream_gru": 1}  # ... and the output that feeds it
+MODELS = ("vad", "stream_gru", "silero", "identity")
+STATE = {"vad": "state", "stream_gru": "h", "silero": "state"}  # the state input of each model
+STATE_OUT = {"vad": 1, "stream_gru": 1, "silero": 1}  # ... and the output that feeds it
 BATCHES = (1, 64)
 CHUNKS = 8  # distinct chunks per stream, repeated
 TARGETS = {1: "< 1", 64: "<= 0.7"}  # stepnet / onnxruntime: one stream faster, many far faster
@@ -84,6 +87,19 @@ def export_models(directory: Path):
                      **{k: np.stack([c[k] for c in chunks]) for k in chunks[0]})
         longer = ex.feeds(batch=3, samples=1024, seed=99)  # for the compile count
         np.savez(directory / f"{name}_long.npz", **{k: v[None] for k, v in longer.items()})
+    silero = _silero_model()
+    if silero is not None:
+        shutil.copyfile(silero, directory / "silero.onnx")
+        r = np.random.default_rng(0)
+
+        def chunk(batch, samples):
+            return {"input": (0.3 * r.standard_normal((batch, 64 + samples))).astype(np.float32),
+                    "state": np.zeros((2, batch, 128), np.float32), "sr": np.array(16000, np.int64)}
+
+        for batch in BATCHES:
+            chunks = [chunk(batch, 512) for _ in range(CHUNKS)]
+            np.savez(directory / f"silero_{batch}.npz",
+                     **{k: np.stack([c[k] for c in chunks]) for k in chunks[0]})
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 512])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 512])])
@@ -93,6 +109,18 @@ def export_models(directory: Path):
     for batch in BATCHES:
         x = np.random.default_rng(0).standard_normal((CHUNKS, batch, 512)).astype(np.float32)
         np.savez(directory / f"identity_{batch}.npz", x=x)
+
+
+def _silero_model():
+    """``silero_vad.onnx`` of the installed ``silero-vad`` package, found
+    without importing it (it imports torchaudio), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "silero_vad.onnx"
+    return path if path.exists() else None
 
 
 def run_worker(family, directory, args):
@@ -192,6 +220,8 @@ def worker(family, directory, calls, rounds, threads):
         module.compile_program = counting
     results = {"items": [], "compiles_after_first_call": {}, "kernels_after_first_batch": {}}
     for name in MODELS:
+        if not (directory / f"{name}.onnx").exists():
+            continue
         start = time.perf_counter()
         session = _session(family, str(directory / f"{name}.onnx"), threads)
         made = time.perf_counter() - start
@@ -262,7 +292,8 @@ def report(ours, theirs, args):
         if batch == BATCHES[0]:
             lines.append(f"stepnet {name}: session made in {r['session_s']:.2f} s, first call "
                          f"{r['first_call_s']:.2f} s (compiles); programs compiled after it "
-                         f"(batch 1, 64, 1024 samples), over {args.repeats} processes: "
+                         f"(batch 1, 64, 1024 samples where it takes them), over {args.repeats} "
+                         "processes: "
                          f"{compiles.get(('compiles_after_first_call', name), 0)}; functions "
                          "compiled after the calls of batch 1 (programs, fused loops): "
                          f"{compiles.get(('kernels_after_first_batch', name), 0)}")

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 import onnx_models  # noqa: E402
 from test_onnx_fusion import _spectrum_model  # noqa: E402  (x [B, 6, T] -> y, m)
 from pairwise import spread_params  # noqa: E402
-from stepnet.onnx import InferenceSession, graph as graph_module, lowering  # noqa: E402
+from stepnet.onnx import InferenceSession, graph as graph_module, lowering_nodes  # noqa: E402
 from stepnet.onnx.lowering import GraphNode  # noqa: E402
 
 
@@ -133,7 +133,7 @@ def test_a_compiled_call_that_disagrees_with_the_nodes_is_not_used(rng, monkeypa
         w.body.append(f"    {w.made(node.outputs[0])} = {w.ref(node.inputs[0])}")
         return True
 
-    monkeypatch.setitem(lowering._LOWER, "Transpose", wrong_transpose)
+    monkeypatch.setitem(lowering_nodes.LOWER, "Transpose", wrong_transpose)
     session = InferenceSession(_spectrum_model())
     x = rng.standard_normal((2, 6, 6)).astype(np.float32)
     session.run(None, {"x": x})
@@ -197,6 +197,17 @@ def test_deterministic_runs_are_never_compiled_into_one_call(rng, monkeypatch):
     assert not _graph_nodes(session)
 
 
+def _one_call_and_nodes(model, feeds, monkeypatch):
+    """The outputs of ``model``'s one compiled call on ``feeds`` (made to
+    answer, after the calls that lower it), and those of its nodes."""
+    session = InferenceSession(model)
+    for _ in range(3):
+        session.run(None, feeds)
+    (node,) = _graph_nodes(session)
+    node.state = "ready"
+    return session.run(None, feeds), _node_by_node(model, monkeypatch).run(None, feeds)
+
+
 def _model(nodes, inits, x_shape, **outputs):
     """A model of ``nodes`` from a float32 input ``x`` of ``x_shape`` to
     ``outputs`` (name: element type)."""
@@ -238,13 +249,7 @@ def test_pads_reductions_products_and_joins_in_one_call(rng, mode, monkeypatch):
     model = _model(nodes, inits, ["B", 4, 7], y=TensorProto.FLOAT, y2=TensorProto.DOUBLE,
                    y3=TensorProto.FLOAT)
     x = rng.standard_normal((3, 4, 7)).astype(np.float32)
-    session = InferenceSession(model)
-    for _ in range(3):
-        session.run(None, {"x": x})
-    (node,) = _graph_nodes(session)
-    node.state = "ready"
-    got = session.run(None, {"x": x})
-    want = _node_by_node(model, monkeypatch).run(None, {"x": x})
+    got, want = _one_call_and_nodes(model, {"x": x}, monkeypatch)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
@@ -431,3 +436,45 @@ def test_an_if_on_the_sample_rate_with_decided_values_in_its_branches_is_one_cal
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
         _close(g, w)
         np.testing.assert_allclose(g, t, rtol=1e-5, atol=1e-6)
+
+
+def test_gemms_and_splits_in_one_call(rng, monkeypatch):
+    """Gemm by a constant and by a computed value, transposed operands,
+    alpha and beta, C of every broadcast (one not read where beta is 0, its
+    NaN neither), and Split by sizes given and the input's: in one call, as
+    node by node and as onnxruntime."""
+    f32 = TensorProto.FLOAT
+
+    def init(name, value):
+        return numpy_helper.from_array(np.asarray(value), name)
+
+    inits = [init("w", rng.standard_normal((4, 5)).astype(np.float32)),
+             init("wt", rng.standard_normal((5, 4)).astype(np.float32)),
+             init("c1", rng.standard_normal(5).astype(np.float32)),
+             init("c2", rng.standard_normal((3, 1)).astype(np.float32)),
+             init("c3", np.array(np.nan, np.float32)),
+             init("sizes", np.array([2, 3], np.int64))]
+    nodes = [helper.make_node("Gemm", ["x", "w", "c1"], ["g1"]),
+             helper.make_node("Gemm", ["x", "wt", "c2"], ["g2"], transB=1, alpha=0.5, beta=2.0),
+             helper.make_node("Transpose", ["x"], ["xt"]),
+             helper.make_node("Gemm", ["xt", "w", "c3"], ["g3"], transA=1, beta=0.0, alpha=-1.5),
+             helper.make_node("Gemm", ["x", "x"], ["g4"], transB=1),
+             helper.make_node("Split", ["g1", "sizes"], ["s1", "s2"], axis=1),
+             helper.make_node("Split", ["g2"], ["t1", "t2", "t3"], axis=0),
+             helper.make_node("Tanh", ["s2"], ["y1"]),
+             helper.make_node("Add", ["g3", "g2"], ["y2"]),
+             helper.make_node("Concat", ["t1", "t3", "t2"], ["y3"], axis=0),
+             helper.make_node("Sigmoid", ["s1"], ["y4"])]
+    model = _model(nodes, inits, [3, 4], y1=f32, y2=f32, y3=f32, y4=f32, g4=f32)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    x[1, 2] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's: inf - inf)
+        got, want = _one_call_and_nodes(model, {"x": x}, monkeypatch)
+    ort = pytest.importorskip("onnxruntime")
+    theirs = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for g, w, t in zip(got, want, theirs):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        _close(g, w)
+        np.testing.assert_allclose(g, t, rtol=1e-5, atol=1e-5)

@@ -265,6 +265,63 @@ def test_vad_streams_with_its_state(models):
     assert compiles[0] == 0
 
 
+def _silero_models():
+    """The ONNX files of the ``silero-vad`` package (a test extra), found
+    without importing it (its package imports torchaudio)."""
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    return sorted(f for f in os.listdir(data) if f.endswith(".onnx")) if os.path.isdir(data) else []
+
+
+@pytest.mark.slow  # (a model's compiles from a cold cache: 15-80 s; test_onnx_lowering.py's
+@pytest.mark.parametrize("name", _silero_models() or ["silero_vad.onnx"])  # small model has its form)
+def test_silero_vad_models_stream_as_onnxruntime(name):
+    """Silero VAD's own models, as its package ships them: chunks of 64 + 512
+    samples (256 at 8 kHz), the state carried from call to call, at one
+    stream and at three, against onnxruntime; the streaming models' chunks
+    of one stream answered by one compiled call (an ``If`` on the sample
+    rate, the branches' own checks of the state's shape, ``Gather`` of the
+    state and ``Pow`` in it)."""
+    from stepnet.onnx.lowering import GraphNode
+
+    if name not in _silero_models():
+        pytest.skip("the silero-vad package is not installed")
+    spec = importlib.util.find_spec("silero_vad")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", name)
+    theirs = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    session = InferenceSession(path)
+    inputs = {i.name: i for i in theirs.get_inputs()}
+    rng = np.random.default_rng(3)
+    if "input" in inputs and "state" not in inputs:  # (a sequence of chunks, one stream)
+        for frames in (1, 7, 7, 7):
+            feeds = {"input": (0.3 * rng.standard_normal((frames, 576))).astype(np.float32),
+                     "h": np.zeros((1, 1, 128), np.float32), "c": np.zeros((1, 1, 128), np.float32)}
+            _check_against(session.run(None, feeds), theirs.run(None, feeds), f"{name} {frames}")
+        return
+    dtype = np.float16 if "float16" in inputs["input"].type else np.float32
+    fixed = inputs["state"].shape[1] if isinstance(inputs["state"].shape[1], int) else None
+    rates = [16000] if "16k" in name or "sr" not in inputs else [16000, 8000]
+    for sr in rates:
+        for batch in [fixed] if fixed else [1, 3]:
+            ours = state = np.zeros((2, batch, 128), dtype)
+            samples = 512 + 64 if sr == 16000 else 256 + 32
+            for i in range(5):
+                feeds = {"input": (0.3 * rng.standard_normal((batch, samples))).astype(dtype)}
+                if "sr" in inputs:
+                    feeds["sr"] = np.array(sr, np.int64)
+                p, ours = session.run(None, dict(feeds, state=ours))
+                q, state = theirs.run(None, dict(feeds, state=state))
+                _check_against([p, ours], [q, state], f"{name} {sr} {batch} chunk {i}")
+            if dtype == np.float32 and batch == 1 and sr == 16000:
+                # the third call of a key compiles and checks its one call (the nodes answer)
+                lowered = [node for plan in session.graph.fused.values() for node in plan
+                           if isinstance(node, GraphNode)]
+                assert len(lowered) == 1 and lowered[0].state in ("timing", "ready", "slower"), \
+                    [getattr(n, "state", n.op) for plan in session.graph.fused.values() for n in plan]
+
+
 FLOAT16 = ["crnn", "speech", "vad", "gru_lm", "seq2seq_encoder"]
 
 

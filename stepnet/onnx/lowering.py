@@ -7,17 +7,20 @@ plan as the body of one Numba function, ``graph``, from the values a run of
 it made (their shapes and dtypes are the key's, so every shape in it is a
 constant):
 
-- each run of elementwise nodes (those :mod:`stepnet.onnx.fusion` fuses):
-  one loop nest, each op's code as in a step;
-- Slice (its starts, ends, axes and steps constants for the key), Squeeze,
-  Unsqueeze, Reshape, Flatten (by the shape the run gave), Transpose,
-  Concat, Identity, an ``If`` whose branch the key decides, and a Cast
-  between float types: views, reshapes and copies;
+- each run of elementwise nodes (those :mod:`stepnet.onnx.fusion` fuses,
+  and Pow by a constant of the key): one loop nest, each op's code as in a
+  step;
+- Slice (its starts, ends, axes and steps constants for the key), Split
+  and Gather (by sizes and indices the key fixes), Squeeze, Unsqueeze,
+  Reshape, Flatten (by the shape the run gave), Transpose, Concat,
+  Identity, an ``If`` whose branch the key decides, and a Cast between
+  float types: views, reshapes and copies;
 - Pad (constant, reflect or edge, its pads constants), a 1-D Conv of one
   group (at stride 1 one product per tap, else its windows copied into rows
   and one product; channels-last, as a Conv node's), MatMul by a 2-D
-  matrix (the products' rows shared with the helper where big enough),
-  ReduceMean and ReduceSum (their loops: :mod:`stepnet.onnx.lowered`);
+  matrix and Gemm (the products' rows shared with the helper where big
+  enough), ReduceMean and ReduceSum (their loops: :mod:`stepnet.onnx.lowered`);
+  each node's lines written by :mod:`stepnet.onnx.lowering_nodes`;
   elementwise loops follow their inputs' memory order (and read and write
   a Conv's rows, a run's outputs and their slices in the C-contiguous arrays
   holding them: ``_Writer.memory``), the values given back stay C-contiguous;
@@ -45,12 +48,10 @@ import numpy as np
 from numba import typeof, types
 
 from .fusion import _PRIMITIVES, _fusable, compiled_by_worker
+from .lowering_nodes import FLOATS, LAYERS, LOWER, known, nest, permuted
 
-_RESHAPES = {"Squeeze", "Unsqueeze", "Reshape", "Flatten"}
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _LOCK = threading.Lock()
 _TIMINGS = 8  # the calls of the nodes and of the graph timed in turn after the first
-_LAYERS = ("GRU", "LSTM", "RNN")
 
 
 class _Refused(Exception):
@@ -143,7 +144,7 @@ def pending(plan):
     """Whether a GRU, LSTM or RNN node of ``plan`` has no streaming call
     yet because a direction's kernel has not answered (it compiles): the
     plan is then lowered at a later run, once that call is prepared."""
-    return any(node.kind == "recurrent" and node.op in _LAYERS
+    return any(node.kind == "recurrent" and node.op in LAYERS
                and getattr(node.impl, "_streaming", None) is None
                and not all(run.tried for run in node.impl.compiled.values())
                for node in plan)
@@ -184,10 +185,10 @@ def _lower(plan, nodes, env, keep, fixed):
             continue
         for name in node.outputs:
             value = env.get(name)
-            if name and (type(value) is not np.ndarray or value.dtype not in _FLOATS
+            if name and (type(value) is not np.ndarray or value.dtype not in FLOATS
                          or value.ndim == 0):
                 return None
-        if not _LOWER.get(node.op if node.kind in ("op", "copy", "recurrent") else None,
+        if not LOWER.get(node.op if node.kind in ("op", "copy", "recurrent") else None,
                           lambda *a: False)(w, node):
             return None
         i += 1
@@ -211,8 +212,8 @@ def _power(w, node):
     is an array of the output's float dtype and shape, else None."""
     if len(node.args) != 2 or node.attrs:
         return None
-    x, y, out = w.env.get(node.args[0]), _known(w, node.args[1]), w.env.get(node.outputs[0])
-    if (type(x) is not np.ndarray or type(out) is not np.ndarray or out.dtype not in _FLOATS
+    x, y, out = w.env.get(node.args[0]), known(w, node.args[1]), w.env.get(node.outputs[0])
+    if (type(x) is not np.ndarray or type(out) is not np.ndarray or out.dtype not in FLOATS
             or x.dtype != out.dtype or x.shape != out.shape or out.ndim == 0
             or np.size(y) != 1 or np.asarray(y).dtype.kind != "f" or not np.all(np.isfinite(y))):
         return None
@@ -262,320 +263,10 @@ def _elementwise(w, nodes, read_after):
                 w.order[name], w.memory[name] = order, (f"{y}m", (0,) * len(shape))
                 laid = tuple(shape[a] for a in order)
                 w.body.append(f"    {y}m = np.empty({laid}, np.{dt.name})")
-                w.body.append(f"    {y} = {_permuted(f'{y}m', np.argsort(order), laid)}")
+                w.body.append(f"    {y} = {permuted(f'{y}m', np.argsort(order), laid)}")
             loop.append(f"{w.element(name, index) or y + '[' + ', '.join(index) + ']'} = {scalars[name]}")
-    w.body += _nest([(index[axis], shape[axis]) for axis in order])
+    w.body += nest([(index[axis], shape[axis]) for axis in order])
     w.body += [f"{'    ' * (len(shape) + 1)}{line}" for line in loop]
-
-
-def _known(w, name):
-    """The value of ``name`` where the key fixes it, else None."""
-    return w.env.get(name) if name and name in w.fixed else None
-
-
-# Numba's transpose by axes and its copy of an array into a slice each build
-# error messages (f-strings of shapes) the first time a process compiles
-# them, seconds each: a graph permutes axes by strides and copies by loops,
-# and its first compile in a new compile worker costs its own code only
-
-
-def _permuted(src, perm, shape):
-    """The text of ``src`` (of ``shape``) with its axes in the order
-    ``perm``: a view, as ``np.transpose(src, perm)`` is."""
-    if list(perm) == list(range(len(shape))):
-        return src
-    strides = ", ".join(f"{src}.strides[{a}]" for a in perm)
-    return (f"np.lib.stride_tricks.as_strided({src}, {tuple(int(shape[a]) for a in perm)}, "
-            f"({strides},))")
-
-
-def _nest(loops, depth=1):
-    """The ``for`` lines of a loop nest, ``loops`` its ``(variable, count)``
-    outermost first, the first at indentation ``depth``."""
-    return [f"{'    ' * (depth + k)}for {v} in range({n}):" for k, (v, n) in enumerate(loops)]
-
-
-def _copy(shape, dst, dst_at, src, src_at=list, depth=1):
-    """Lines copying, for each index of ``shape``, an element of ``src`` into
-    ``dst``: ``dst_at(counters)`` and ``src_at(counters)`` are their indices,
-    a text per axis, given the loops' counters (a text per axis of ``shape``)."""
-    counters = [f"c{k}" for k in range(len(shape))]
-    to, at = ", ".join(dst_at(counters)) or "()", ", ".join(src_at(counters)) or "()"
-    return _nest(zip(counters, shape), depth) + [f"{'    ' * (depth + len(shape))}{dst}[{to}] = {src}[{at}]"]
-
-
-def _slice(w, node):
-    x = w.env[node.inputs[0]]
-    parts = [_known(w, n) for n in node.inputs[1:5]] + [None] * (5 - len(node.inputs))
-    if node.attrs or parts[0] is None or parts[1] is None or any(
-            n and p is None for n, p in zip(node.inputs[3:5], parts[2:4])):
-        return False
-    starts, ends = np.asarray(parts[0]).tolist(), np.asarray(parts[1]).tolist()
-    axes = list(range(len(starts))) if parts[2] is None else np.asarray(parts[2]).tolist()
-    steps = [1] * len(starts) if parts[3] is None else np.asarray(parts[3]).tolist()
-    index, text = [slice(None)] * x.ndim, [":"] * x.ndim
-    for s, e, a, st in zip(starts, ends, axes, steps):
-        a = a + x.ndim if a < 0 else a
-        lo, hi, step = slice(s, e, st).indices(x.shape[a])
-        hi = hi if hi >= 0 else None  # (a negative step to the first element)
-        index[a] = slice(lo, hi, step)
-        text[a] = f"{lo}:{'' if hi is None else hi}:{step}"
-    if not np.array_equal(x[tuple(index)], w.env[node.outputs[0]], equal_nan=True):
-        return False
-    src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = {src}[{', '.join(text)}]")
-    if all(i.step == 1 for i in index if i != slice(None)):
-        w.same_order(node.outputs[0], node.inputs[0], [i.start or 0 for i in index])
-    else:
-        w.same_order(node.outputs[0], node.inputs[0])
-        w.memory.pop(node.outputs[0], None)
-    return True
-
-
-def _gather(w, node):
-    """A Gather by indices the key fixes: one index, a view without its
-    axis (an exporter's ``x[0]``); several, their rows copied."""
-    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
-    indices = _known(w, node.inputs[1])
-    axis = node.attrs.get("axis", 0)
-    axis = axis + x.ndim if axis < 0 else axis
-    if indices is None or np.asarray(indices).ndim > 1 or not 0 <= axis < x.ndim:
-        return False
-    picked = np.asarray(indices).astype(np.int64)
-    picked = np.where(picked < 0, picked + x.shape[axis], picked)
-    if (picked.size and (picked.min() < 0 or picked.max() >= x.shape[axis])
-            or not np.array_equal(np.take(x, picked, axis=axis), out, equal_nan=True)):
-        return False
-    src, y = w.ref(node.inputs[0]), w.made(node.outputs[0])
-    if picked.ndim == 0:
-        w.body.append(f"    {y} = {src}[{', '.join([':'] * axis + [str(int(picked))])}]")
-        order = [a - (a > axis) for a in w.order.get(node.inputs[0], range(x.ndim)) if a != axis]
-        if order != sorted(order):
-            w.order[node.outputs[0]] = tuple(order)
-        return True
-    at = w.array(np.ascontiguousarray(picked))
-    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
-    w.body += _copy(out.shape, y, list, src,
-                    lambda c: [f"{at}[{v}]" if k == axis else v for k, v in enumerate(c)])
-    return True
-
-
-def _reshape(w, node):
-    if any(n and n not in w.fixed for n in node.inputs[1:]):
-        return False  # (a shape or axes fed with other values at each call of the key)
-    shape = w.env[node.outputs[0]].shape
-    src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = np.ascontiguousarray({src}).reshape({shape})")
-    return True
-
-
-def _transpose(w, node):
-    x = w.env[node.inputs[0]]
-    perm = tuple(node.attrs.get("perm", range(x.ndim - 1, -1, -1)))
-    if x.transpose(perm).shape != w.env[node.outputs[0]].shape:
-        return False
-    src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = {_permuted(src, perm, x.shape)}")
-    order = tuple(perm.index(a) for a in w.order.get(node.inputs[0], range(x.ndim)))
-    if order != tuple(range(x.ndim)):
-        w.order[node.outputs[0]] = order
-    return True
-
-
-def _concat(w, node):
-    out = w.env[node.outputs[0]]
-    axis = node.attrs.get("axis", 0)
-    axis = axis + out.ndim if axis < 0 else axis
-    names = [n for n in node.inputs if n]
-    parts = [w.ref(n) for n in names]
-    y = w.made(node.outputs[0])
-    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
-    at = 0
-    for name, part in zip(names, parts):
-        size = w.env[name].shape[axis]
-        w.body += _copy(w.env[name].shape, y, lambda c, at=at: [
-            f"{at} + {v}" if k == axis and at else v for k, v in enumerate(c)], part)
-        at += size
-    return at == out.shape[axis]
-
-
-def _alias(w, node):
-    if node.inputs[0] in w.order and node.outputs[0] in w.keep:  # (given back: C-contiguous)
-        src = w.ref(node.inputs[0])
-        w.body.append(f"    {w.made(node.outputs[0])} = np.ascontiguousarray({src})")
-        return True
-    w.var[node.outputs[0]] = w.ref(node.inputs[0])
-    w.same_order(node.outputs[0], node.inputs[0])
-    return True
-
-
-def _cast(w, node):
-    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
-    if x.dtype not in _FLOATS:
-        return False
-    if x.dtype == out.dtype:
-        return _alias(w, node)
-    src = w.ref(node.inputs[0])
-    w.body.append(f"    {w.made(node.outputs[0])} = {src}.astype(np.{out.dtype.name})")
-    return True
-
-
-def _pad(w, node):
-    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
-    mode = node.attrs.get("mode", "constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
-    pads = _known(w, node.inputs[1]) if len(node.inputs) > 1 else None
-    value = _known(w, node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else 0
-    if (pads is None or value is None or len(node.inputs) > 3 and node.inputs[3]
-            or mode not in ("constant", "reflect", "edge")):
-        return False
-    pads = np.asarray(pads).tolist()
-    nd = x.ndim
-    begin, end = pads[:nd], pads[nd:]
-    if (len(pads) != 2 * nd or min(pads) < 0
-            or tuple(n + b + e for n, b, e in zip(x.shape, begin, end)) != out.shape
-            or mode == "reflect" and any(b >= n or e >= n for n, b, e in zip(x.shape, begin, end))
-            or mode == "edge" and x.size == 0):
-        return False
-    src, y, dt = w.ref(node.inputs[0]), w.made(node.outputs[0]), f"np.{out.dtype.name}"
-    fill = float(np.asarray(value).reshape(-1)[0]) if np.size(value) else 0.0
-    fill = repr(fill) if np.isfinite(fill) else "np.nan" if np.isnan(fill) else \
-        "np.inf" if fill > 0 else "-np.inf"
-    w.body.append(f"    {y} = np.full({out.shape}, {fill}, {dt})" if mode == "constant"
-                  else f"    {y} = np.empty({out.shape}, {dt})")
-    w.body += _copy(x.shape, y, lambda c: [f"{b} + {v}" if b else v for b, v in zip(begin, c)], src)
-    for a, (n, b, e) in enumerate(zip(x.shape, begin, end)):
-        if mode == "constant" or b + e == 0:
-            continue
-        # axis a's pads from the values on it so far (the earlier axes' pads too)
-        rest = out.shape[:a] + out.shape[a + 1:]
-        first, last = (f"{b} + 1 + i", f"{b + n} - 2 - i") if mode == "reflect" else (f"{b}", f"{b + n - 1}")
-        for count, to, at in ((b, f"{b} - 1 - i", first), (e, f"{b + n} + i", last)):
-            w.body += [f"    for i in range({count}):",
-                       *_copy(rest, y, lambda c, a=a, to=to: [*c[:a], to, *c[a:]],
-                              y, lambda c, a=a, at=at: [*c[:a], at, *c[a:]], depth=2)]
-    return True
-
-
-def _conv(w, node):
-    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
-    weight = _known(w, node.inputs[1])
-    bias = _known(w, node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
-    a = node.attrs
-    auto_pad = a.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if (weight is None or x.ndim != 3 or weight.ndim != 3 or a.get("group", 1) != 1
-            or auto_pad not in ("NOTSET", "VALID") or weight.dtype != x.dtype
-            or list(a.get("kernel_shape") or weight.shape[2:]) != list(weight.shape[2:])
-            or len(node.inputs) > 2 and node.inputs[2] and bias is None):
-        return False
-    M, C, K = weight.shape
-    stride = int((a.get("strides") or [1])[0])
-    dilation = int((a.get("dilations") or [1])[0])
-    pads = [0, 0] if auto_pad == "VALID" else list(a.get("pads") or [0, 0])
-    out_len = (x.shape[2] + pads[0] + pads[1] - (K - 1) * dilation - 1) // stride + 1
-    if C != x.shape[1] or out.shape != (x.shape[0], M, out_len) or min(pads) < 0 or stride < 1 \
-            or dilation < 1:
-        return False
-    laid = weight.transpose(2, 1, 0) if stride == 1 else weight.reshape(M, C * K).T[None]
-    weights = w.array(np.ascontiguousarray(laid))  # (conv1d's: by taps at stride 1, else columns)
-    b = w.array(np.zeros(M, x.dtype) if bias is None else np.ascontiguousarray(bias, x.dtype))
-    src = w.ref(node.inputs[0])
-    board = w.product_board(x.shape[0] * out_len * C * K * M)
-    y = w.made(node.outputs[0])
-    w.order[node.outputs[0]] = (0, 2, 1)  # (a view of rows channels-last: conv1d)
-    w.memory[node.outputs[0]] = (f"{y}m", (0, 0, 0))
-    w.body.append(f"    {y}m = conv1d({src}, {weights}, {b}, {K}, {stride}, {dilation}, "
-                  f"{int(pads[0])}, {out_len}, {board})")
-    w.body.append(f"    {y} = {_permuted(f'{y}m[:, :{out_len}, :]', (0, 2, 1), (x.shape[0], out_len, M))}")
-    return True
-
-
-def _matmul(w, node):
-    x, b, out = (w.env[n] for n in (*node.inputs[:2], node.outputs[0]))
-    if b.ndim != 2 or x.ndim < 2 or x.dtype != b.dtype:
-        return False
-    rows = int(np.prod(x.shape[:-1]))
-    src, right, y = w.ref(node.inputs[0]), w.ref(node.inputs[1]), w.made(node.outputs[0])
-    board = w.product_board(rows * b.size)
-    w.body += [f"    {y} = product(np.ascontiguousarray({src}).reshape(({rows}, {x.shape[-1]})), "
-               f"np.ascontiguousarray({right}).reshape((1,) + {b.shape}), {board})",
-               f"    {y} = {y}.reshape({out.shape})"]
-    return True
-
-
-def _reduce(w, node):
-    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
-    axes = node.attrs.get("axes")
-    if axes is None and len(node.inputs) > 1 and node.inputs[1]:
-        axes = _known(w, node.inputs[1])
-        if axes is None:
-            return False
-        axes = np.asarray(axes).tolist()
-    if axes is None or len(axes) == 0:
-        if node.attrs.get("noop_with_empty_axes"):
-            return False
-        axes = list(range(x.ndim))
-    axes = sorted({a + x.ndim if a < 0 else a for a in axes})
-    kept = [a for a in range(x.ndim) if a not in axes]
-    inner = int(np.prod([x.shape[a] for a in axes]))
-    if inner == 0:
-        return False
-    src = w.ref(node.inputs[0])
-    moved = _permuted(src, kept + axes, x.shape)
-    w.body.append(f"    {w.made(node.outputs[0])} = reduce_rows(np.ascontiguousarray({moved}).reshape("
-                  f"({x.size // inner}, {inner})), {node.op == 'ReduceMean'}).reshape({out.shape})")
-    return True
-
-
-def _recurrent(w, node):
-    impl, ins = node.impl, node.inputs
-    streaming = getattr(impl, "_streaming", None)
-    if (streaming is None or impl.layout or impl.quantized
-            or len(streaming[1]) != 1 or node.op not in _LAYERS
-            or len(ins) > 4 and ins[4] or len(ins) > 7 and ins[7]
-            or any(n and n not in w.fixed for n in ins[1:4]) or impl.weights is None
-            or any(n and w.env[n] is not kept for n, kept in zip(ins[1:4], impl.weights[:3]))):
-        return False
-    kernel, sizes = streaming[1][0], streaming[2]
-    X = w.env[ins[0]]
-    if X.ndim != 3 or X.dtype != kernel.dtype:
-        return False
-    T, B, I = X.shape
-    if kernel.features != I or kernel._splits(np.empty((T * B, 0)), np.empty(B + 1)):
-        return False
-    H = impl.layer.hidden_size
-    module = w.global_(lambda g: f"{g} = generated({kernel.program.module.__name__[15:]!r})")
-    dt = f"np.{kernel.dtype.name}"
-    consts = w.array(tuple(kernel.const_args))
-    offsets = w.array(np.arange(0, (B + 1) * T, T, dtype=np.int64))
-    board = w.arg("board", (kernel, T * B, B))
-    data = f"as_read_only(np.ascontiguousarray({w.ref(ins[0])}).reshape(({T * B}, {I})))"
-    states = []
-    for s, size in enumerate(sizes):
-        name = ins[5 + s] if len(ins) > 5 + s else ""
-        if name and (w.env[name].shape != (1, B, size) or w.env[name].dtype != kernel.dtype):
-            return False
-        states.append(f"as_read_only(np.ascontiguousarray({w.ref(name)}).reshape(({B}, {size})))"
-                      if name else f"as_read_only(np.zeros(({B}, {size}), {dt}))")
-    # a buffer for every final state the kernel writes, named by the node or not
-    y, last = w.made(), [w.made() for _ in sizes]
-    w.body.append(f"    {y} = np.empty(({T * B}, {H}), {dt})")
-    w.body += [f"    {v} = np.empty(({B}, {size}), {dt})" for v, size in zip(last, sizes)]
-    w.body.append(f"    {module}.program(*{consts}, {board}, np.int64({B}), {data}, "
-                  f"as_read_only({offsets}), {', '.join(states + [y] + last)})")
-    if node.outputs[0]:
-        w.body.append(f"    {w.made(node.outputs[0])} = {y}.reshape(({T}, 1, {B}, {H}))")
-    for name, v, size in zip(node.outputs[1:], last, sizes):
-        if name:
-            w.body.append(f"    {w.made(name)} = {v}.reshape((1, {B}, {size}))")
-    return True
-
-
-_LOWER = {"Slice": _slice, "Transpose": _transpose, "Concat": _concat, "Identity": _alias,
-          "If": _alias, "Cast": _cast, "Pad": _pad, "Conv": _conv, "MatMul": _matmul,
-          "ReduceMean": _reduce, "ReduceSum": _reduce, "Gather": _gather, "GRU": _recurrent,
-          "LSTM": _recurrent, "RNN": _recurrent, **dict.fromkeys(_RESHAPES, _reshape)}
 
 
 def _agree(ours, theirs):
@@ -613,7 +304,7 @@ class GraphNode:
         body = [f"def graph({params}):", "    ok = True", *writer.body,
                 f"    return (ok, {', '.join(writer.var[n] for n in outputs)},)"]
         floats = sorted({a.dtype.name for a in sample if isinstance(a, np.ndarray)
-                         and a.dtype in _FLOATS})
+                         and a.dtype in FLOATS})
         source = "\n".join([
             "# generated by stepnet: do not edit", "import math", "import numpy as np",
             "from numba import njit",
