@@ -208,6 +208,23 @@ def _one_call_and_nodes(model, feeds, monkeypatch):
     return session.run(None, feeds), _node_by_node(model, monkeypatch).run(None, feeds)
 
 
+def _one_call_as_nodes_and_onnxruntime(model, feeds, monkeypatch):
+    """``model``'s one compiled call on ``feeds`` gives what its nodes give
+    (NaN where they give NaN) and what onnxruntime gives where neither is
+    NaN (its MaxPool drops a NaN from a window, NumPy's maximum keeps it)."""
+    ort = pytest.importorskip("onnxruntime")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's: inf - inf, NaN compared)
+        got, want = _one_call_and_nodes(model, feeds, monkeypatch)
+    theirs = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, feeds)
+    for g, w, t in zip(got, want, theirs):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        _close(g, w)
+        numbers = ~np.isnan(t) & ~np.isnan(g)
+        np.testing.assert_allclose(g[numbers], t[numbers], rtol=1e-5, atol=1e-5)
+
+
 def _model(nodes, inits, x_shape, **outputs):
     """A model of ``nodes`` from a float32 input ``x`` of ``x_shape`` to
     ``outputs`` (name: element type)."""
@@ -468,13 +485,41 @@ def test_gemms_and_splits_in_one_call(rng, monkeypatch):
     model = _model(nodes, inits, [3, 4], y1=f32, y2=f32, y3=f32, y4=f32, g4=f32)
     x = rng.standard_normal((3, 4)).astype(np.float32)
     x[1, 2] = np.inf
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's: inf - inf)
-        got, want = _one_call_and_nodes(model, {"x": x}, monkeypatch)
-    ort = pytest.importorskip("onnxruntime")
-    theirs = ort.InferenceSession(model.SerializeToString(),
-                                  providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    for g, w, t in zip(got, want, theirs):
-        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-        _close(g, w)
-        np.testing.assert_allclose(g, t, rtol=1e-5, atol=1e-5)
+    _one_call_as_nodes_and_onnxruntime(model, {"x": x}, monkeypatch)
+
+
+def test_small_convolutions_and_max_pools_in_one_call(rng, monkeypatch):
+    """What a streaming model's front end convolves by direct loops: 2-D
+    Convs (3x3 padded, strided and dilated, SAME), depthwise and grouped
+    ones (1-D and 2-D), MaxPool over 1-D and 2-D windows (padded, strided,
+    dilated; NaN taken as np.maximum takes it): in one call, as node by
+    node and as onnxruntime."""
+    f32 = TensorProto.FLOAT
+
+    def init(name, shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+    inits = [init("k33", (4, 2, 3, 3)), init("b4", (4,)), init("dw", (4, 1, 1, 3)),
+             init("g2", (6, 2, 2, 2)), init("k1", (6, 2, 3)), init("b6", (6,)),
+             numpy_helper.from_array(np.array([1, 4, 1, 10], np.int64), "shape1d")]
+    nodes = [helper.make_node("Conv", ["x", "k33", "b4"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c1", "dw"], ["c2"], group=4, strides=[1, 2],
+                              auto_pad="SAME_UPPER"),
+             helper.make_node("Conv", ["c1", "g2", "b6"], ["c3"], group=2, dilations=[2, 1],
+                              pads=[2, 1, 0, 1]),
+             helper.make_node("MaxPool", ["c3"], ["p1"], kernel_shape=[2, 3], strides=[1, 2],
+                              pads=[1, 1, 0, 1]),
+             helper.make_node("MaxPool", ["c2"], ["p2"], kernel_shape=[1, 2], dilations=[1, 2]),
+             helper.make_node("Reshape", ["x", "shape1d"], ["r"]),
+             helper.make_node("Squeeze", ["r", "ax2"], ["x1"]),
+             helper.make_node("Conv", ["x1", "k1", "b6"], ["c4"], group=2, strides=[2],
+                              pads=[2, 1]),
+             helper.make_node("MaxPool", ["c4"], ["p3"], kernel_shape=[3], pads=[1, 1]),
+             helper.make_node("Relu", ["p1"], ["y1"]), helper.make_node("Tanh", ["p2"], ["y2"]),
+             helper.make_node("Sigmoid", ["p3"], ["y3"])]
+    inits.append(numpy_helper.from_array(np.array([2], np.int64), "ax2"))
+    model = _model(nodes, inits, [1, 2, 2, 10], y1=f32, y2=f32, y3=f32)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "B"
+    x = rng.standard_normal((1, 2, 2, 10)).astype(np.float32)
+    x[0, 1, 0, 4] = np.nan
+    _one_call_as_nodes_and_onnxruntime(model, {"x": x}, monkeypatch)

@@ -123,3 +123,59 @@ def reduce_rows(x, mean):
             total += x[i, j]
         out[i] = total / x.shape[1] if mean else total
     return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def conv2d(x, w, bias, group, strides, pads, dilations, out_hw):
+    """A 2-D Conv of ``group`` groups by direct loops: ``x`` [N, C, H, W]
+    (any strides), ``w`` [M, C / group, KH, KW], ``bias`` [M]; the output
+    [N, M, OH, OW] C-contiguous. For what one call of a streaming model
+    convolves (a 3x3 over a few channels, a depthwise Conv), which im2col
+    and a product would spend more on than the loops; a padded position
+    reads zero, as the padded copy a Conv node multiplies does."""
+    N, C, H, W = x.shape
+    M, Cg, KH, KW = w.shape
+    per = M // group
+    zero = x.dtype.type(0)
+    out = np.empty((N, M, out_hw[0], out_hw[1]), x.dtype)
+    for n in range(N):
+        for m in range(M):
+            c0 = (m // per) * Cg
+            for oh in range(out_hw[0]):
+                for ow in range(out_hw[1]):
+                    total = zero
+                    for c in range(Cg):
+                        for kh in range(KH):
+                            ih = oh * strides[0] - pads[0] + kh * dilations[0]
+                            for kw in range(KW):
+                                iw = ow * strides[1] - pads[1] + kw * dilations[1]
+                                inside = 0 <= ih < H and 0 <= iw < W
+                                value = x[n, c0 + c, ih, iw] if inside else zero
+                                total += value * w[m, c, kh, kw]
+                    out[n, m, oh, ow] = total + bias[m]
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def max_pool2d(x, kernel, strides, pads, dilations, out_hw):
+    """MaxPool over 2-D windows of ``x`` [N, C, H, W] (any strides): each
+    window's largest value, NaN where it holds one (as ``np.maximum``);
+    padded positions are left out (they are -inf)."""
+    N, C, H, W = x.shape
+    out = np.empty((N, C, out_hw[0], out_hw[1]), x.dtype)
+    for n in range(N):
+        for c in range(C):
+            for oh in range(out_hw[0]):
+                for ow in range(out_hw[1]):
+                    best = -np.inf
+                    for kh in range(kernel[0]):
+                        ih = oh * strides[0] - pads[0] + kh * dilations[0]
+                        if 0 <= ih < H:
+                            for kw in range(kernel[1]):
+                                iw = ow * strides[1] - pads[1] + kw * dilations[1]
+                                if 0 <= iw < W:
+                                    value = x[n, c, ih, iw]
+                                    if value > best or value != value:
+                                        best = value
+                    out[n, c, oh, ow] = best
+    return out

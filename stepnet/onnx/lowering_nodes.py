@@ -235,6 +235,78 @@ def _conv(w, node):
     return True
 
 
+def _as_2d(w, name, x):
+    """Value ``name`` (``x``: [N, C, L] or [N, C, H, W]) as the text of a
+    4-D array: a 1-D one seen as of height 1 (a view)."""
+    src = w.ref(name)
+    if x.ndim == 4:
+        return src
+    return (f"np.lib.stride_tricks.as_strided({src}, ({x.shape[0]}, {x.shape[1]}, 1, {x.shape[2]}), "
+            f"({src}.strides[0], {src}.strides[1], 0, {src}.strides[2]))")
+
+
+def _windows(x, node, kernel):
+    """``(strides, begin pads, dilations, output sizes)`` of a Conv's or a
+    pool's windows over ``x``'s 1 or 2 spatial axes, each as two (a 1-D
+    one of height 1), or None where its attributes are not ones the loops
+    take (pads past a window, a ceil mode)."""
+    from .conv import _spatial
+
+    a = node.attrs
+    auto_pad = a.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if a.get("ceil_mode", 0) or a.get("storage_order", 0) or len(node.outputs) > 1:
+        return None
+    begin, end, outs, strides, dilations = _spatial(x, kernel, a.get("strides"), a.get("dilations"),
+                                                    a.get("pads"), auto_pad)
+    if min(outs) < 1 or min(begin + end) < 0 or min(strides + dilations) < 1:
+        return None
+    if x.ndim == 3:
+        return (1, *strides), (0, *begin), (1, *dilations), (1, *outs)
+    return tuple(strides), tuple(begin), tuple(dilations), tuple(outs)
+
+
+def _conv_loops(w, node):
+    """A Conv of one or two spatial axes ``_conv`` does not take (grouped,
+    2-D) by direct loops (``lowered.conv2d``)."""
+    x, weight, out = (w.env[n] for n in (*node.inputs[:2], node.outputs[0]))
+    bias = w.env[node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2] else None
+    group = node.attrs.get("group", 1)
+    if (x.ndim not in (3, 4) or weight.ndim != x.ndim or weight.dtype != x.dtype
+            or bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)
+            or group < 1 or x.shape[1] != weight.shape[1] * group or weight.shape[0] % group
+            or list(node.attrs.get("kernel_shape") or weight.shape[2:]) != list(weight.shape[2:])):
+        return False
+    windows = _windows(x, node, list(weight.shape[2:]))
+    if windows is None or out.shape != (x.shape[0], weight.shape[0], *windows[3][4 - x.ndim:]):
+        return False
+    b = w.ref(node.inputs[2]) if bias is not None else w.array(np.zeros(weight.shape[0], x.dtype))
+    return _windowed(w, node, x, f"conv2d({_as_2d(w, node.inputs[0], x)}, "
+                     f"{_as_2d(w, node.inputs[1], weight)}, {b}, {group}, {', '.join(map(str, windows))})")
+
+
+def _max_pool(w, node):
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    kernel = list(node.attrs.get("kernel_shape", []))
+    if x.ndim not in (3, 4) or x.dtype not in FLOATS or len(kernel) != x.ndim - 2:
+        return False
+    windows = _windows(x, node, kernel)
+    if windows is None or out.shape != (*x.shape[:2], *windows[3][4 - x.ndim:]):
+        return False
+    return _windowed(w, node, x, f"max_pool2d({_as_2d(w, node.inputs[0], x)}, "
+                     f"{tuple(([1] + kernel)[-2:])}, {', '.join(map(str, windows))})")
+
+
+def _windowed(w, node, x, call):
+    """The node's output from ``call``, the text of a call of a loop over
+    2-D windows (``x`` seen in 2-D: ``_as_2d``), in the output's own rank."""
+    y = w.made(node.outputs[0])
+    w.body.append(f"    {y} = {call}")
+    if x.ndim == 3:
+        w.body.append(f"    {y} = {y}.reshape({w.env[node.outputs[0]].shape})")
+    return True
+
+
 def _matmul(w, node):
     x, b, out = (w.env[n] for n in (*node.inputs[:2], node.outputs[0]))
     if b.ndim != 2 or x.ndim < 2 or x.dtype != b.dtype:
@@ -374,7 +446,8 @@ def _recurrent(w, node):
 
 
 LOWER = {"Slice": _slice, "Transpose": _transpose, "Concat": _concat, "Identity": _alias,
-          "If": _alias, "Cast": _cast, "Pad": _pad, "Conv": _conv, "MatMul": _matmul,
+          "If": _alias, "Cast": _cast, "Pad": _pad, "MaxPool": _max_pool,
+          "Conv": lambda w, node: _conv(w, node) or _conv_loops(w, node), "MatMul": _matmul,
           "ReduceMean": _reduce, "ReduceSum": _reduce, "Gather": _gather, "Gemm": _gemm,
           "Split": _split, "GRU": _recurrent, "LSTM": _recurrent, "RNN": _recurrent,
           **dict.fromkeys(RESHAPES, _reshape)}
