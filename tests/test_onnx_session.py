@@ -1212,6 +1212,35 @@ def test_ops_the_reference_gets_wrong_or_refuses_match_onnxruntime(op, opset, at
     _compare(_one_node(op, x, opset, inits.get(op, ()), **attrs), {"x": x})
 
 
+@pytest.mark.parametrize("attrs, x_shape, w_shape", [
+    ({"group": 2, "pads": [0, 2, 0, 2], "strides": [1, 2]}, (2, 8, 3, 6), (8, 3, 1, 5)),
+    ({"strides": [2, 3], "output_padding": [1, 0]}, (1, 4, 3, 4), (4, 2, 3, 3)),
+    ({"group": 4, "dilations": [2, 1], "pads": [1, 0, 2, 1]}, (2, 8, 4, 5), (8, 1, 3, 3)),
+    ({"strides": [2, 2], "output_shape": [9, 10]}, (1, 4, 4, 5), (4, 3, 3, 3)),
+    ({"group": 2, "strides": [2, 1], "auto_pad": "SAME_LOWER"}, (2, 4, 4, 5), (4, 2, 3, 2)),
+    ({"strides": [3], "pads": [1, 2]}, (2, 3, 7), (3, 5, 3))])
+def test_conv_transpose_of_any_group_matches_onnxruntime(attrs, x_shape, w_shape, rng):
+    """ConvTranspose by stepnet's NumPy: grouped (the reference raises),
+    strided, dilated, padded, with output_padding, output_shape or SAME."""
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    inits = [("w", rng.standard_normal(w_shape).astype(np.float32)),
+             ("b", rng.standard_normal(w_shape[1] * attrs.get("group", 1)).astype(np.float32))]
+    _compare(_one_node("ConvTranspose", x, 17, inits, **attrs), {"x": x})
+
+
+@pytest.mark.parametrize("indices, reduction, opset", [
+    ([[1], [3]], None, 11), ([[1, 2], [3, -1], [0, 0]], None, 13), ([[[1], [2]], [[1], [0]]], "add", 16),
+    ([[1], [1], [2]], "mul", 16), ([[1, 4], [1, 4], [2, 0]], "max", 18), ([[1], [1], [2]], "min", 18)])
+def test_scatter_nd_matches_onnxruntime(indices, reduction, opset, rng):
+    """ScatterND by stepnet's NumPy (the reference loops over the indices in
+    Python): rows and elements, negative indices, every reduction."""
+    x = rng.standard_normal((4, 5, 3)).astype(np.float32)
+    indices = np.array(indices, np.int64)
+    updates = rng.standard_normal(indices.shape[:-1] + x.shape[indices.shape[-1]:]).astype(np.float32)
+    attrs = {} if reduction is None else {"reduction": reduction}
+    _compare(_one_node("ScatterND", x, opset, [("i", indices), ("u", updates)], **attrs), {"x": x})
+
+
 def test_a_session_is_made_with_onnxruntimes_arguments():
     ort = pytest.importorskip("onnxruntime")
     x = np.ones((2, 3), np.float32)

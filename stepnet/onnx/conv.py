@@ -199,6 +199,66 @@ def _product(a, w, rows, dilation):
 _ON_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+@op("ConvTranspose", ["auto_pad", "dilations", "group", "kernel_shape", "output_padding",
+                      "output_shape", "pads", "strides"], in_step=False)
+def _conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1,
+                    kernel_shape=None, output_padding=None, output_shape=None, pads=None,
+                    strides=None):
+    """Each kernel tap's product of ``x``'s channels by its weights (one per
+    group) added to the output at ``i * stride + tap * dilation - pad``,
+    positions the output does not hold left out. The reference's own runs
+    one group only (a grouped one, as an enhancement model's decoder has,
+    raises there)."""
+    x, w = np.asarray(x), np.asarray(w)
+    nd = x.ndim - 2
+    if (nd < 1 or w.ndim != x.ndim or x.dtype.kind != "f" or w.dtype != x.dtype
+            or x.shape[1] != w.shape[0] or w.shape[0] % group
+            or kernel_shape is not None and list(kernel_shape) != list(w.shape[2:])):
+        return NotImplemented
+    kernel, sizes = list(w.shape[2:]), list(x.shape[2:])
+    strides = list(strides or [1] * nd)
+    dilations = list(dilations or [1] * nd)
+    extra = list(output_padding or [0] * nd)
+    auto_pad = _decode(auto_pad)
+    full = [s * (n - 1) + e + (k - 1) * d + 1
+            for n, s, e, k, d in zip(sizes, strides, extra, kernel, dilations)]
+    if output_shape is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        output_shape = [n * s for n, s in zip(sizes, strides)]
+    if output_shape is not None:
+        outs = list(output_shape)[-nd:]
+        total = [f - o for f, o in zip(full, outs)]
+        begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+    else:
+        pads = list(pads or [0] * (2 * nd))
+        begin = pads[:nd]
+        outs = [f - b - e for f, b, e in zip(full, begin, pads[nd:])]
+    if min(outs) < 1:
+        return NotImplemented
+    N, C = x.shape[:2]
+    Cg, Mg = C // group, w.shape[1]
+    y = np.zeros((N, group, Mg, *outs), x.dtype)
+    xg = x.reshape(N, group, Cg, *sizes)
+    wg = w.reshape(group, Cg, Mg, *kernel)
+    for tap in np.ndindex(*kernel):
+        at_in, at_out = [slice(None)] * 3, [slice(None)] * 3
+        for k, o, n, s, d, p in zip(tap, outs, sizes, strides, dilations, begin):
+            first = max(0, -(-(p - k * d) // s))  # (the first input whose position is >= 0)
+            last = min(n - 1, (o - 1 + p - k * d) // s)
+            if last < first:
+                break
+            start = first * s + k * d - p
+            at_in.append(slice(first, last + 1))
+            at_out.append(slice(start, start + (last - first) * s + 1, s))
+        else:
+            taps = wg[(slice(None), slice(None), slice(None), *tap)]         # [G, Cg, Mg]
+            part = np.einsum("ngc...,gcm->ngm...", xg[tuple(at_in)], taps)
+            y[tuple(at_out)] += part
+    y = y.reshape(N, group * Mg, *outs)
+    if b is not None:
+        y += np.asarray(b, x.dtype).reshape((-1,) + (1,) * nd)
+    return y
+
+
 def _pool_args(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
     x = np.asarray(x)
     if ceil_mode or x.ndim < 3 or x.dtype.kind != "f" or ctx.num_outputs != 1:

@@ -704,6 +704,31 @@ def _bind_gather(ctx, known, axis=0):
     return lambda x, indices: np.take(x, indices, axis=axis)
 
 
+_SCATTER = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+@op("ScatterND", ["reduction"], in_step=False)
+def _scatter_nd(ctx, data, indices, updates, reduction="none"):
+    """``data`` with ``updates`` written (or combined by ``reduction``) at
+    ``indices``, all at once (the reference loops over the indices in
+    Python: an enhancement model's caches, updated at each call)."""
+    data, indices, updates = np.asarray(data), np.asarray(indices), np.asarray(updates)
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    k = indices.shape[-1] if indices.ndim else 0
+    if (indices.dtype.kind not in "iu" or not 1 <= k <= data.ndim
+            or updates.shape != indices.shape[:-1] + data.shape[k:]
+            or reduction != "none" and reduction not in _SCATTER):
+        return NotImplemented
+    out = data.copy()
+    at = tuple(indices.reshape(-1, k).T)
+    rows = updates.reshape((-1,) + data.shape[k:]).astype(data.dtype, copy=False)
+    if reduction == "none":
+        out[at] = rows
+    else:
+        _SCATTER[reduction].at(out, at, rows)
+    return out
+
+
 @op("Softmax", ["axis"], in_step=False)
 def _softmax(ctx, x, axis=None):
     x = np.asarray(x)
