@@ -523,3 +523,72 @@ def test_small_convolutions_and_max_pools_in_one_call(rng, monkeypatch):
     x = rng.standard_normal((1, 2, 2, 10)).astype(np.float32)
     x[0, 1, 0, 4] = np.nan
     _one_call_as_nodes_and_onnxruntime(model, {"x": x}, monkeypatch)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_a_bidirectional_node_with_fed_states_is_compiled(op, rng, monkeypatch):
+    """Each direction's kernel called in the one call, its states read from
+    the fed ones and its Y and final states put at its place."""
+    gates, f32 = {"GRU": 3, "LSTM": 4}[op], TensorProto.FLOAT
+    inits = [numpy_helper.from_array(rng.standard_normal((2, gates * 4, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((2, gates * 4, 4)).astype(np.float32), "R")]
+    states = ["h0"] + ["c0"] * (op == "LSTM")
+    outputs = ["Y", "Y_h"] + ["Y_c"] * (op == "LSTM")
+    nodes = [helper.make_node(op, ["x", "W", "R", "", "", *states], outputs, hidden_size=4,
+                              direction="bidirectional")]
+    graph = helper.make_graph(
+        nodes, "bidirectional", [helper.make_tensor_value_info("x", f32, [3, "B", 3])] + [
+            helper.make_tensor_value_info(n, f32, [2, "B", 4]) for n in states],
+        [helper.make_tensor_value_info(n, f32, None) for n in outputs], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": rng.standard_normal((3, 2, 3)).astype(np.float32)}
+    feeds.update({n: rng.standard_normal((2, 2, 4)).astype(np.float32) for n in states})
+    _one_call_as_nodes_and_onnxruntime(model, feeds, monkeypatch)
+
+
+def test_an_enhancement_models_ops_in_one_call(rng, monkeypatch):
+    """What a streaming enhancement model (GTCRN) is made of besides its
+    GRUs: PRelu and BatchNormalization in an elementwise run, ConvTranspose
+    (grouped, strided, 1-D and 2-D), ScatterND into a cache, Expand, and
+    Gather by indices of two axes: in one call, as node by node and as
+    onnxruntime."""
+    f32 = TensorProto.FLOAT
+
+    def init(name, value):
+        return numpy_helper.from_array(np.asarray(value), name)
+
+    inits = [init("slope", rng.standard_normal((4, 1, 1)).astype(np.float32)),
+             *(init(n, rng.uniform(0.5, 2, 4).astype(np.float32)) for n in ("s", "b", "m", "v")),
+             init("wt", rng.standard_normal((4, 2, 1, 3)).astype(np.float32)),
+             init("bt", rng.standard_normal(4).astype(np.float32)),
+             init("w1", rng.standard_normal((2, 3, 2)).astype(np.float32)),
+             init("rows", np.array([[0], [2]], np.int64)),
+             init("to", np.array([1, 4, 2, 6], np.int64)),
+             init("starts", np.array([0], np.int64)), init("ends", np.array([1], np.int64)),
+             init("axis3", np.array([3], np.int64)),
+             init("pick", np.array([[5, 0], [1, 1]], np.int64))]
+    nodes = [helper.make_node("PRelu", ["x", "slope"], ["a"]),
+             helper.make_node("BatchNormalization", ["a", "s", "b", "m", "v"], ["bn"], epsilon=1e-3),
+             helper.make_node("Tanh", ["bn"], ["y1"]),
+             helper.make_node("ConvTranspose", ["bn", "wt", "bt"], ["y2"], group=2, strides=[1, 2],
+                              pads=[0, 1, 0, 1]),
+             helper.make_node("Squeeze", ["x", "starts"], ["x3"]),
+             helper.make_node("ConvTranspose", ["x3", "w1"], ["y3"], strides=[3], output_padding=[1]),
+             helper.make_node("Slice", ["x", "starts", "ends", "axis3"], ["col"]),
+             helper.make_node("Expand", ["col", "to"], ["y4"]),
+             helper.make_node("Gather", ["x", "pick"], ["y5"], axis=3),
+             helper.make_node("Mul", ["u", "u"], ["u2"]),
+             helper.make_node("ScatterND", ["cache", "rows", "u2"], ["y6"])]
+    graph = helper.make_graph(
+        nodes, "enhancement", [helper.make_tensor_value_info("x", f32, [1, 4, 2, 6]),
+                               helper.make_tensor_value_info("cache", f32, [3, 5]),
+                               helper.make_tensor_value_info("u", f32, [2, 5])],
+        [helper.make_tensor_value_info(f"y{k}", f32, None) for k in range(1, 7)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = rng.standard_normal((1, 4, 2, 6)).astype(np.float32)
+    x[0, 1, 0, 2], x[0, 2, 1, 3] = np.nan, -np.inf
+    feeds = {"x": x, "cache": rng.standard_normal((3, 5)).astype(np.float32),
+             "u": rng.standard_normal((2, 5)).astype(np.float32)}
+    _one_call_as_nodes_and_onnxruntime(model, feeds, monkeypatch)

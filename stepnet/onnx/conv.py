@@ -199,6 +199,31 @@ def _product(a, w, rows, dilation):
 _ON_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def transposed_windows(sizes, kernel, strides, dilations, output_padding, output_shape, pads,
+                       auto_pad):
+    """``(begin pads, output sizes, strides, dilations)`` of a ConvTranspose
+    over spatial sizes ``sizes``: input position ``i`` and tap ``k`` add to
+    output position ``i * stride + k * dilation - begin``."""
+    nd = len(sizes)
+    strides = list(strides or [1] * nd)
+    dilations = list(dilations or [1] * nd)
+    extra = list(output_padding or [0] * nd)
+    auto_pad = _decode(auto_pad)
+    full = [s * (n - 1) + e + (k - 1) * d + 1
+            for n, s, e, k, d in zip(sizes, strides, extra, kernel, dilations)]
+    if output_shape is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        output_shape = [n * s for n, s in zip(sizes, strides)]
+    if output_shape is not None:
+        outs = list(output_shape)[-nd:]
+        total = [f - o for f, o in zip(full, outs)]
+        begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+    else:
+        pads = list(pads or [0] * (2 * nd))
+        begin = pads[:nd]
+        outs = [f - b - e for f, b, e in zip(full, begin, pads[nd:])]
+    return begin, outs, strides, dilations
+
+
 @op("ConvTranspose", ["auto_pad", "dilations", "group", "kernel_shape", "output_padding",
                       "output_shape", "pads", "strides"], in_step=False)
 def _conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1,
@@ -216,22 +241,9 @@ def _conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=
             or kernel_shape is not None and list(kernel_shape) != list(w.shape[2:])):
         return NotImplemented
     kernel, sizes = list(w.shape[2:]), list(x.shape[2:])
-    strides = list(strides or [1] * nd)
-    dilations = list(dilations or [1] * nd)
-    extra = list(output_padding or [0] * nd)
-    auto_pad = _decode(auto_pad)
-    full = [s * (n - 1) + e + (k - 1) * d + 1
-            for n, s, e, k, d in zip(sizes, strides, extra, kernel, dilations)]
-    if output_shape is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        output_shape = [n * s for n, s in zip(sizes, strides)]
-    if output_shape is not None:
-        outs = list(output_shape)[-nd:]
-        total = [f - o for f, o in zip(full, outs)]
-        begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
-    else:
-        pads = list(pads or [0] * (2 * nd))
-        begin = pads[:nd]
-        outs = [f - b - e for f, b, e in zip(full, begin, pads[nd:])]
+    begin, outs, strides, dilations = transposed_windows(sizes, kernel, strides, dilations,
+                                                         output_padding, output_shape, pads,
+                                                         auto_pad)
     if min(outs) < 1:
         return NotImplemented
     N, C = x.shape[:2]

@@ -179,3 +179,32 @@ def max_pool2d(x, kernel, strides, pads, dilations, out_hw):
                                         best = value
                     out[n, c, oh, ow] = best
     return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def conv_transpose2d(x, w, bias, group, strides, pads, dilations, out_hw):
+    """A 2-D ConvTranspose of ``group`` groups by direct loops: ``x`` [N, C,
+    H, W] (any strides), ``w`` [C, M / group, KH, KW], ``bias`` [M]; input
+    position ``i`` and tap ``k`` add to output ``i * stride + k * dilation -
+    pad`` where the output [N, M, OH, OW] (C-contiguous) holds it."""
+    N, C, H, W = x.shape
+    Cg, Mg, KH, KW = C // group, w.shape[1], w.shape[2], w.shape[3]
+    out = np.zeros((N, Mg * group, out_hw[0], out_hw[1]), x.dtype)
+    for n in range(N):
+        for g in range(group):
+            for c in range(g * Cg, (g + 1) * Cg):
+                for ih in range(H):
+                    for kh in range(KH):
+                        oh = ih * strides[0] + kh * dilations[0] - pads[0]
+                        if 0 <= oh < out_hw[0]:
+                            for iw in range(W):
+                                value = x[n, c, ih, iw]
+                                for kw in range(KW):
+                                    ow = iw * strides[1] + kw * dilations[1] - pads[1]
+                                    if 0 <= ow < out_hw[1]:
+                                        for m in range(Mg):
+                                            out[n, g * Mg + m, oh, ow] += value * w[c, m, kh, kw]
+    for n in range(N):
+        for m in range(Mg * group):
+            out[n, m] += bias[m]
+    return out

@@ -25,9 +25,12 @@ constant):
   elementwise loops follow their inputs' memory order (and read and write
   a Conv's rows, a run's outputs and their slices in the C-contiguous arrays
   holding them: ``_Writer.memory``), the values given back stay C-contiguous;
-- GRU, LSTM and RNN nodes of one direction, no ``sequence_lens``, weights
-  that are constants: the step-net's kernel, called as its prepared call
-  calls it (:mod:`stepnet.jit.prepared`), X's rows read by steps.
+- GRU, LSTM and RNN nodes of one direction or two, no ``sequence_lens``,
+  weights that are constants: each direction's step-net kernel, called as
+  its prepared call calls it (:mod:`stepnet.jit.prepared`), X's rows read
+  by steps;
+- Expand, ScatterND, ConvTranspose, and in runs PRelu and
+  BatchNormalization (:func:`_extra`): a streaming enhancement model's ops.
 
 A plan with any other node, a value of no dimensions or of another dtype
 than float32 or float64, is not lowered: its nodes run as before. The
@@ -64,7 +67,7 @@ class _Writer:
     call by name, or arrays made here), its module's lines and its body's."""
 
     def __init__(self, env, fixed, keep):
-        self.env, self.fixed, self.keep = env, fixed, keep
+        self.env, self.fixed, self.keep = dict(env), set(fixed), keep  # (constant() adds)
         self.var = {}  # value name -> its variable in graph
         # value name -> the order of its axes in memory, outermost first, where
         # it is made here and not C-contiguous (elementwise loops follow it)
@@ -97,6 +100,14 @@ class _Writer:
     def array(self, value):
         """An argument holding ``value``, an array made once for the key."""
         return self.arg("array", value)
+
+    def constant(self, name, value):
+        """``name``, a value of the key's own made here (an array once for
+        the key), read as the plan's values are: ``name``."""
+        if name not in self.var:
+            self.env[name], self.var[name] = value, self.array(value)
+            self.fixed.add(name)
+        return name
 
     def same_order(self, name, source, offsets=None):
         """Value ``name`` laid out as ``source`` is (a view of it, at
@@ -200,25 +211,49 @@ def _lower(plan, nodes, env, keep, fixed):
 
 def _run_kind(w, node):
     """The dtype and shape of ``node``'s output where it joins a run of
-    elementwise nodes (``fusion._fusable``; here also a Pow by a constant
-    of the key: ``_power``), else None."""
-    if node.op == "Pow" and node.kind == "op" and _power(w, node) is not None:
+    elementwise nodes (``fusion._fusable``, or one of ``_extra``'s), else None."""
+    if _extra(w, node) is not None:
         out = w.env[node.outputs[0]]
         return out.dtype, out.shape
     return _fusable(node, w.env)
 
 
-def _power(w, node):
-    """A Pow's exponent where it is one float the key fixes and the base
-    is an array of the output's float dtype and shape, else None."""
-    if len(node.args) != 2 or node.attrs:
+def _extra(w, node):
+    """For the ops a run takes beyond fusion's: ``(the names its loop reads,
+    its code given their scalars)`` where ``node`` is one it takes, else
+    None. Pow by one float the key fixes (by 2 as NumPy's square, ``x *
+    x``), PRelu, and BatchNormalization in inference by constants (as the
+    reference computes it, its square root of ``var + epsilon`` once)."""
+    out = w.env.get(node.outputs[0]) if len(node.outputs) == 1 else None
+    x = w.env.get(node.args[0]) if node.kind == "op" and node.args else None
+    if (type(out) is not np.ndarray or out.dtype not in FLOATS or out.ndim == 0
+            or type(x) is not np.ndarray or x.dtype != out.dtype or x.shape != out.shape):
         return None
-    x, y, out = w.env.get(node.args[0]), known(w, node.args[1]), w.env.get(node.outputs[0])
-    if (type(x) is not np.ndarray or type(out) is not np.ndarray or out.dtype not in FLOATS
-            or x.dtype != out.dtype or x.shape != out.shape or out.ndim == 0
-            or np.size(y) != 1 or np.asarray(y).dtype.kind != "f" or not np.all(np.isfinite(y))):
-        return None
-    return float(np.asarray(y).reshape(-1)[0])
+    dt = out.dtype.name
+    if node.op == "Pow" and len(node.args) == 2 and not node.attrs:
+        e = known(w, node.args[1])
+        if np.size(e) != 1 or np.asarray(e).dtype.kind != "f" or not np.all(np.isfinite(e)):
+            return None
+        e = float(np.asarray(e).reshape(-1)[0])
+        return node.args[:1], lambda a: f"({a[0]} * {a[0]})" if e == 2 else f"({a[0]} ** np.{dt}({e!r}))"
+    if node.op == "PRelu" and len(node.args) == 2:
+        slope = w.env.get(node.args[1])
+        if (type(slope) is not np.ndarray or slope.dtype != x.dtype or slope.ndim > x.ndim
+                or any(n not in (1, m) for n, m in zip(slope.shape[::-1], x.shape[::-1]))):
+            return None
+        return node.args, lambda a: f"({a[0]} if {a[0]} >= 0 else {a[1]} * {a[0]})"
+    if (node.op == "BatchNormalization" and len(node.args) == 5 and x.ndim >= 2
+            and not node.attrs.get("training_mode", 0)):
+        params = [known(w, n) for n in node.args[1:]]
+        if any(type(v) is not np.ndarray or v.shape != x.shape[1:2] or v.dtype != x.dtype
+               for v in params):
+            return None
+        scale, bias, mean, var = (v.reshape((-1,) + (1,) * (x.ndim - 2)) for v in params)
+        root = np.sqrt(var + node.attrs.get("epsilon", 1e-5))
+        names = [w.constant(f"{node.outputs[0]}#{k}", v)
+                 for k, v in enumerate((scale, mean, root, bias))]
+        return [node.args[0], *names], lambda a: f"({a[1]} * ({a[0]} - {a[2]}) / {a[3]} + {a[4]})"
+    return None
 
 
 def _elementwise(w, nodes, read_after):
@@ -237,8 +272,8 @@ def _elementwise(w, nodes, read_after):
                   if n in w.order and w.env[n].shape == shape), tuple(range(len(shape))))
     scalars, loop = {}, []
     for node in nodes:
-        args = []
-        for name in node.args[:1] if node.op == "Pow" else node.args:
+        args, extra = [], _extra(w, node)
+        for name in node.args if extra is None else extra[0]:
             if name not in scalars:
                 x, src = w.env[name], w.ref(name)
                 at = [index[len(shape) - x.ndim + a] if n != 1 else "0" for a, n in enumerate(x.shape)]
@@ -247,11 +282,7 @@ def _elementwise(w, nodes, read_after):
             args.append(scalars[name])
         t = f"t{w.temps}"
         w.temps += 1
-        if node.op == "Pow":  # (x * x as NumPy's power by 2, else power in the dtype)
-            e = _power(w, node)
-            code = f"({args[0]} * {args[0]})" if e == 2 else f"({args[0]} ** np.{dt.name}({e!r}))"
-        else:
-            code = op_code(_PRIMITIVES[node.op].name, args, dt)
+        code = op_code(_PRIMITIVES[node.op].name, args, dt) if extra is None else extra[1](args)
         loop.append(f"{t} = {code}")
         scalars[node.outputs[0]] = t
     for node in nodes:
@@ -310,8 +341,8 @@ class GraphNode:
             "# generated by stepnet: do not edit", "import math", "import numpy as np",
             "from numba import njit",
             "from stepnet.jit.atomics import as_read_only", *runtime_imports(),
-            "from stepnet.onnx.lowered import conv1d, conv2d, generated, max_pool2d, product, "
-            "reduce_rows",
+            "from stepnet.onnx.lowered import conv1d, conv2d, conv_transpose2d, generated, "
+            "max_pool2d, product, reduce_rows",
             f"SMALL_GEMM_DTYPES = {tuple(floats)!r}  # (the kernels' product loops, linked)",
             *writer.head, "", "", "@njit(cache=True, error_model='numpy', nogil=True)", *body, ""])
         self.source = source

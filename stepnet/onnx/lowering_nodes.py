@@ -78,12 +78,12 @@ def _slice(w, node):
 
 def _gather(w, node):
     """A Gather by indices the key fixes: one index, a view without its
-    axis (an exporter's ``x[0]``); several, their rows copied."""
+    axis (an exporter's ``x[0]``); several (of any rank), their rows copied."""
     x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
     indices = known(w, node.inputs[1])
     axis = node.attrs.get("axis", 0)
     axis = axis + x.ndim if axis < 0 else axis
-    if indices is None or np.asarray(indices).ndim > 1 or not 0 <= axis < x.ndim:
+    if indices is None or not 0 <= axis < x.ndim:
         return False
     picked = np.asarray(indices).astype(np.int64)
     picked = np.where(picked < 0, picked + x.shape[axis], picked)
@@ -97,10 +97,23 @@ def _gather(w, node):
         if order != sorted(order):
             w.order[node.outputs[0]] = tuple(order)
         return True
-    at = w.array(np.ascontiguousarray(picked))
+    at, q = w.array(np.ascontiguousarray(picked)), picked.ndim
     w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
     w.body += _copy(out.shape, y, list, src,
-                    lambda c: [f"{at}[{v}]" if k == axis else v for k, v in enumerate(c)])
+                    lambda c: [*c[:axis], f"{at}[{', '.join(c[axis:axis + q])}]", *c[axis + q:]])
+    return True
+
+
+def _expand(w, node):
+    """Expand to a shape the key fixes: the input copied, broadcast."""
+    x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    if node.inputs[1] not in w.fixed or x.ndim > out.ndim:
+        return False
+    lead = out.ndim - x.ndim
+    src, y = w.ref(node.inputs[0]), w.made(node.outputs[0])
+    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
+    w.body += _copy(out.shape, y, list, src, lambda c: [
+        "0" if n == 1 else v for v, n in zip(c[lead:], x.shape)])
     return True
 
 
@@ -297,13 +310,68 @@ def _max_pool(w, node):
                      f"{tuple(([1] + kernel)[-2:])}, {', '.join(map(str, windows))})")
 
 
+def _conv_transpose(w, node):
+    """A ConvTranspose of one or two spatial axes by direct loops
+    (``lowered.conv_transpose2d``), its windows as stepnet's NumPy's."""
+    from .conv import transposed_windows
+
+    x, weight, out = (w.env[n] for n in (*node.inputs[:2], node.outputs[0]))
+    bias = w.env[node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2] else None
+    a, group = node.attrs, node.attrs.get("group", 1)
+    if (x.ndim not in (3, 4) or weight.ndim != x.ndim or weight.dtype != x.dtype
+            or group < 1 or x.shape[1] != weight.shape[0] or weight.shape[0] % group
+            or bias is not None and (bias.shape != (weight.shape[1] * group,) or bias.dtype != x.dtype)
+            or list(a.get("kernel_shape") or weight.shape[2:]) != list(weight.shape[2:])):
+        return False
+    begin, outs, strides, dilations = transposed_windows(
+        list(x.shape[2:]), list(weight.shape[2:]), a.get("strides"), a.get("dilations"),
+        a.get("output_padding"), a.get("output_shape"), a.get("pads"), a.get("auto_pad", "NOTSET"))
+    if out.shape != (x.shape[0], weight.shape[1] * group, *outs) or min(strides + dilations) < 1:
+        return False
+    # (a 1-D one of height 1: its stride, pad, dilation and output on that axis 1, 0, 1, 1)
+    windows = [tuple([lead] * (x.ndim == 3) + list(v))
+               for lead, v in zip((1, 0, 1, 1), (strides, begin, dilations, outs))]
+    b = w.ref(node.inputs[2]) if bias is not None else w.array(np.zeros(out.shape[1], x.dtype))
+    return _windowed(w, node, x, f"conv_transpose2d({_as_2d(w, node.inputs[0], x)}, "
+                     f"{_as_2d(w, node.inputs[1], weight)}, {b}, {group}, "
+                     f"{', '.join(map(str, windows))})")
+
+
+def _scatter_nd(w, node):
+    """ScatterND (no reduction) at indices the key fixes: the data copied,
+    then each index's updates written in order (a later one wins)."""
+    data, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
+    indices, updates = known(w, node.inputs[1]), w.env[node.inputs[2]]
+    reduction = node.attrs.get("reduction", "none")
+    if (indices is None or reduction not in ("none", b"none") or indices.ndim < 1
+            or type(updates) is not np.ndarray or updates.dtype != data.dtype):
+        return False
+    k = indices.shape[-1]
+    rows = indices.reshape(-1, k).astype(np.int64)
+    rows = np.where(rows < 0, rows + np.array(data.shape[:k]), rows)
+    if (not 1 <= k <= data.ndim or updates.shape != indices.shape[:-1] + data.shape[k:]
+            or rows.size and (rows.min() < 0 or (rows >= np.array(data.shape[:k])).any())):
+        return False
+    src, upd, y = w.ref(node.inputs[0]), w.ref(node.inputs[2]), w.made(node.outputs[0])
+    at = w.array(np.ascontiguousarray(rows))
+    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
+    w.body += _copy(out.shape, y, list, src)
+    flat = f"np.ascontiguousarray({upd}).reshape({(len(rows),) + data.shape[k:]})"
+    w.body.append(f"    {y}u = {flat}")
+    w.body.append(f"    for r in range({len(rows)}):")
+    w.body += _copy(data.shape[k:], y, lambda c: [f"{at}[r, {j}]" for j in range(k)] + c,
+                    f"{y}u", lambda c: ["r"] + c, depth=2)
+    return True
+
+
 def _windowed(w, node, x, call):
     """The node's output from ``call``, the text of a call of a loop over
     2-D windows (``x`` seen in 2-D: ``_as_2d``), in the output's own rank."""
-    y = w.made(node.outputs[0])
-    w.body.append(f"    {y} = {call}")
     if x.ndim == 3:
-        w.body.append(f"    {y} = {y}.reshape({w.env[node.outputs[0]].shape})")
+        flat = w.made()
+        w.body.append(f"    {flat} = {call}")
+        call = f"{flat}.reshape({w.env[node.outputs[0]].shape})"
+    w.body.append(f"    {w.made(node.outputs[0])} = {call}")
     return True
 
 
@@ -402,51 +470,66 @@ def _reduce(w, node):
 
 
 def _recurrent(w, node):
+    """A GRU, LSTM or RNN node of one direction or two: each direction's
+    kernel called as its prepared call calls it, X's rows read by steps."""
     impl, ins = node.impl, node.inputs
     streaming = getattr(impl, "_streaming", None)
-    if (streaming is None or impl.layout or impl.quantized
-            or len(streaming[1]) != 1 or node.op not in LAYERS
+    if (streaming is None or impl.layout or impl.quantized or node.op not in LAYERS
             or len(ins) > 4 and ins[4] or len(ins) > 7 and ins[7]
             or any(n and n not in w.fixed for n in ins[1:4]) or impl.weights is None
             or any(n and w.env[n] is not kept for n, kept in zip(ins[1:4], impl.weights[:3]))):
         return False
-    kernel, sizes = streaming[1][0], streaming[2]
-    X = w.env[ins[0]]
-    if X.ndim != 3 or X.dtype != kernel.dtype:
+    kernels, sizes = streaming[1], streaming[2]
+    X, D = w.env[ins[0]], len(streaming[1])
+    if X.ndim != 3 or any(X.dtype != kernel.dtype for kernel in kernels):
         return False
     T, B, I = X.shape
-    if kernel.features != I or kernel._splits(np.empty((T * B, 0)), np.empty(B + 1)):
+    if any(kernel.features != I or kernel._splits(np.empty((T * B, 0)), np.empty(B + 1))
+           for kernel in kernels):
         return False
-    H = impl.layer.hidden_size
-    module = w.global_(lambda g: f"{g} = generated({kernel.program.module.__name__[15:]!r})")
-    dt = f"np.{kernel.dtype.name}"
-    consts = w.array(tuple(kernel.const_args))
+    H, dt = impl.layer.hidden_size, f"np.{X.dtype.name}"
     offsets = w.array(np.arange(0, (B + 1) * T, T, dtype=np.int64))
-    board = w.arg("board", (kernel, T * B, B))
     data = f"as_read_only(np.ascontiguousarray({w.ref(ins[0])}).reshape(({T * B}, {I})))"
-    states = []
-    for s, size in enumerate(sizes):
-        name = ins[5 + s] if len(ins) > 5 + s else ""
-        if name and (w.env[name].shape != (1, B, size) or w.env[name].dtype != kernel.dtype):
-            return False
-        states.append(f"as_read_only(np.ascontiguousarray({w.ref(name)}).reshape(({B}, {size})))"
-                      if name else f"as_read_only(np.zeros(({B}, {size}), {dt}))")
-    # a buffer for every final state the kernel writes, named by the node or not
-    y, last = w.made(), [w.made() for _ in sizes]
-    w.body.append(f"    {y} = np.empty(({T * B}, {H}), {dt})")
-    w.body += [f"    {v} = np.empty(({B}, {size}), {dt})" for v, size in zip(last, sizes)]
-    w.body.append(f"    {module}.program(*{consts}, {board}, np.int64({B}), {data}, "
-                  f"as_read_only({offsets}), {', '.join(states + [y] + last)})")
-    if node.outputs[0]:
-        w.body.append(f"    {w.made(node.outputs[0])} = {y}.reshape(({T}, 1, {B}, {H}))")
-    for name, v, size in zip(node.outputs[1:], last, sizes):
-        if name:
-            w.body.append(f"    {w.made(name)} = {v}.reshape((1, {B}, {size}))")
+    names = [ins[5 + s] if len(ins) > 5 + s else "" for s in range(len(sizes))]
+    if any(n and (w.env[n].shape != (D, B, size) or w.env[n].dtype != X.dtype)
+           for n, size in zip(names, sizes)):
+        return False
+    ys, lasts = [], []
+    for d, kernel in enumerate(kernels):
+        module = w.global_(lambda g, k=kernel: f"{g} = generated({k.program.module.__name__[15:]!r})")
+        states = [f"as_read_only(np.ascontiguousarray({w.ref(n)}[{d}]))" if n
+                  else f"as_read_only(np.zeros(({B}, {size}), {dt}))" for n, size in zip(names, sizes)]
+        # a buffer for every final state the kernel writes, named by the node or not
+        y, last = w.made(), [w.made() for _ in sizes]
+        w.body.append(f"    {y} = np.empty(({T * B}, {H}), {dt})")
+        w.body += [f"    {v} = np.empty(({B}, {size}), {dt})" for v, size in zip(last, sizes)]
+        w.body.append(f"    {module}.program(*{w.array(tuple(kernel.const_args))}, "
+                      f"{w.arg('board', (kernel, T * B, B))}, np.int64({B}), {data}, "
+                      f"as_read_only({offsets}), {', '.join(states + [y] + last)})")
+        if D > 1:  # (Y's rows by steps, seen as [T, B, H] to be copied into its direction)
+            w.body.append(f"    {y}s = {y}.reshape(({T}, {B}, {H}))")
+        ys.append(f"{y}s" if D > 1 else y)
+        lasts.append(last)
+    outputs = [(node.outputs[0], ys, 1, (T, D, B, H))] + [
+        (name, [last[s] for last in lasts], 0, (D, B, size))
+        for s, (name, size) in enumerate(zip(node.outputs[1:], sizes))]
+    for name, parts, axis, shape in outputs:  # (each direction's on Y's second axis, a state's first)
+        if not name:
+            continue
+        y = w.made(name)
+        if D == 1:
+            w.body.append(f"    {y} = {parts[0]}.reshape({shape})")
+            continue
+        w.body.append(f"    {y} = np.empty({shape}, {dt})")
+        for d, part in enumerate(parts):
+            w.body += _copy(shape[:axis] + shape[axis + 1:], y,
+                            lambda c, d=d, axis=axis: [*c[:axis], str(d), *c[axis:]], part)
     return True
 
 
 LOWER = {"Slice": _slice, "Transpose": _transpose, "Concat": _concat, "Identity": _alias,
           "If": _alias, "Cast": _cast, "Pad": _pad, "MaxPool": _max_pool,
+          "ConvTranspose": _conv_transpose, "ScatterND": _scatter_nd, "Expand": _expand,
           "Conv": lambda w, node: _conv(w, node) or _conv_loops(w, node), "MatMul": _matmul,
           "ReduceMean": _reduce, "ReduceSum": _reduce, "Gather": _gather, "Gemm": _gemm,
           "Split": _split, "GRU": _recurrent, "LSTM": _recurrent, "RNN": _recurrent,

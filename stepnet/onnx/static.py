@@ -30,17 +30,17 @@ SMALL = 4
 
 SHAPE_FROM_SHAPES = {
     "Abs", "Acos", "Acosh", "Add", "And", "Asin", "Asinh", "Atan", "Atanh", "AveragePool",
-    "BatchNormalization", "BitShift", "BitwiseAnd", "BitwiseNot", "BitwiseOr", "BitwiseXor",
-    "Cast", "CastLike", "Ceil", "Celu", "Clip", "Concat", "Conv", "Cos", "Cosh", "CumSum",
+    "BatchNormalization", "BitShift", "BitwiseAnd", "BitwiseNot", "BitwiseOr", "BitwiseXor", "Cast",
+    "CastLike", "Ceil", "Celu", "Clip", "Concat", "Conv", "ConvTranspose", "Cos", "Cosh", "CumSum",
     "DepthToSpace", "Div", "Dropout", "Einsum", "Elu", "Equal", "Erf", "Exp", "Flatten", "Floor",
     "GRU", "Gather", "GatherElements", "Gelu", "Gemm", "GlobalAveragePool", "GlobalLpPool",
-    "GlobalMaxPool", "Greater", "GreaterOrEqual", "HardSigmoid", "HardSwish", "Hardmax",
-    "Identity", "InstanceNormalization", "IsInf", "IsNaN", "LRN", "LSTM", "LayerNormalization",
-    "LeakyRelu", "Less", "LessOrEqual", "Log", "LogSoftmax", "LpNormalization", "LpPool",
-    "MatMul", "Max", "MaxPool", "Mean", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "Or", "PRelu",
-    "Pow", "RNN", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin",
-    "Sinh", "Softmax", "Softplus", "Softsign", "SpaceToDepth", "Sqrt", "Sub", "Sum", "Tan",
-    "Tanh", "ThresholdedRelu", "Transpose", "Trilu", "Where", "Xor",
+    "GlobalMaxPool", "Greater", "GreaterOrEqual", "HardSigmoid", "HardSwish", "Hardmax", "Identity",
+    "InstanceNormalization", "IsInf", "IsNaN", "LRN", "LSTM", "LayerNormalization", "LeakyRelu",
+    "Less", "LessOrEqual", "Log", "LogSoftmax", "LpNormalization", "LpPool", "MatMul", "Max",
+    "MaxPool", "Mean", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "Or", "PRelu", "Pow", "RNN",
+    "Reciprocal", "Relu", "Round", "ScatterElements", "ScatterND", "Selu", "Shrink", "Sigmoid",
+    "Sign", "Sin", "Sinh", "Softmax", "Softplus", "Softsign", "SpaceToDepth", "Sqrt", "Sub", "Sum",
+    "Tan", "Tanh", "ThresholdedRelu", "Transpose", "Trilu", "Where", "Xor",
 }
 # (not ConstantOfShape nor Range: their output's shape is the value of their
 # first input too, which is decided only where it is a VALUE)
