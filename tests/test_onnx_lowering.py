@@ -525,7 +525,7 @@ def test_small_convolutions_and_max_pools_in_one_call(rng, monkeypatch):
     _one_call_as_nodes_and_onnxruntime(model, {"x": x}, monkeypatch)
 
 
-@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+@pytest.mark.parametrize("op", ["GRU", pytest.param("LSTM", marks=pytest.mark.slow)])
 def test_a_bidirectional_node_with_fed_states_is_compiled(op, rng, monkeypatch):
     """Each direction's kernel called in the one call, its states read from
     the fed ones and its Y and final states put at its place."""
