@@ -130,29 +130,33 @@ def conv2d(x, w, bias, group, strides, pads, dilations, out_hw):
     """A 2-D Conv of ``group`` groups by direct loops: ``x`` [N, C, H, W]
     (any strides), ``w`` [M, C / group, KH, KW], ``bias`` [M]; the output
     [N, M, OH, OW] C-contiguous. For what one call of a streaming model
-    convolves (a 3x3 over a few channels, a depthwise Conv), which im2col
-    and a product would spend more on than the loops; a padded position
-    reads zero, as the padded copy a Conv node multiplies does."""
+    convolves (a 3x3 over a few channels, a depthwise or pointwise Conv),
+    which im2col and a product would spend more on than the loops. Each
+    output adds its terms in the order channel, row, column of the kernel
+    (its innermost loop runs along an output row); a padded position reads
+    zero, as the padded copy a Conv node multiplies does."""
     N, C, H, W = x.shape
     M, Cg, KH, KW = w.shape
     per = M // group
     zero = x.dtype.type(0)
-    out = np.empty((N, M, out_hw[0], out_hw[1]), x.dtype)
+    out = np.zeros((N, M, out_hw[0], out_hw[1]), x.dtype)
     for n in range(N):
         for m in range(M):
             c0 = (m // per) * Cg
+            for c in range(Cg):
+                for kh in range(KH):
+                    for kw in range(KW):
+                        weight = w[m, c, kh, kw]
+                        for oh in range(out_hw[0]):
+                            ih = oh * strides[0] - pads[0] + kh * dilations[0]
+                            row = 0 <= ih < H
+                            for ow in range(out_hw[1]):
+                                iw = ow * strides[1] - pads[1] + kw * dilations[1]
+                                value = x[n, c0 + c, ih, iw] if row and 0 <= iw < W else zero
+                                out[n, m, oh, ow] += value * weight
             for oh in range(out_hw[0]):
                 for ow in range(out_hw[1]):
-                    total = zero
-                    for c in range(Cg):
-                        for kh in range(KH):
-                            ih = oh * strides[0] - pads[0] + kh * dilations[0]
-                            for kw in range(KW):
-                                iw = ow * strides[1] - pads[1] + kw * dilations[1]
-                                inside = 0 <= ih < H and 0 <= iw < W
-                                value = x[n, c0 + c, ih, iw] if inside else zero
-                                total += value * w[m, c, kh, kw]
-                    out[n, m, oh, ow] = total + bias[m]
+                    out[n, m, oh, ow] += bias[m]
     return out
 
 
