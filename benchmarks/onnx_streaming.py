@@ -16,7 +16,7 @@ fed back from each call to the next, as a voice-activity detector runs
   no control flow;
 - ``silero``: Silero VAD's own ``silero_vad.onnx`` (opset 16, state ``[2, B, 128]``,
   chunks of 64 + 512 samples, the only length it takes), where the ``silero-vad``
-  package (a test and bench extra) is installed; its row is left out otherwise;
+  package (the ``silero`` extra) is installed; its row is left out otherwise;
 - ``identity``: one ``Identity`` node, the cost of a call itself.
 
 Each is run with one stream (batch 1, the state carried over 8 chunks that

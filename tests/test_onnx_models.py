@@ -266,7 +266,7 @@ def test_vad_streams_with_its_state(models):
 
 
 def _silero_models():
-    """The ONNX files of the ``silero-vad`` package (a test extra), found
+    """The ONNX files of the ``silero-vad`` package (the ``silero`` extra), found
     without importing it (its package imports torchaudio)."""
     spec = importlib.util.find_spec("silero_vad")
     if spec is None or not spec.submodule_search_locations:
