@@ -275,8 +275,10 @@ def _silero_models():
     return sorted(f for f in os.listdir(data) if f.endswith(".onnx")) if os.path.isdir(data) else []
 
 
-@pytest.mark.slow  # (a model's compiles from a cold cache: 15-80 s; test_onnx_lowering.py's
-@pytest.mark.parametrize("name", _silero_models() or ["silero_vad.onnx"])  # small model has its form)
+# (slow: a model's compiles from a cold cache take 15-80 s; the default run has
+# its form in test_onnx_lowering.py's small model with an If on the sample rate)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _silero_models() or ["silero_vad.onnx"])
 def test_silero_vad_models_stream_as_onnxruntime(name):
     """Silero VAD's own models, as its package ships them: chunks of 64 + 512
     samples (256 at 8 kHz), the state carried from call to call, at one
