@@ -48,6 +48,13 @@ def _copy(shape, dst, dst_at, src, src_at=list, depth=1):
     return nest(zip(counters, shape), depth) + [f"{'    ' * (depth + len(shape))}{dst}[{to}] = {src}[{at}]"]
 
 
+def _empty(w, name):
+    """A variable for value ``name``, a new C-contiguous array of its shape."""
+    value, y = w.env[name], w.made(name)
+    w.body.append(f"    {y} = np.empty({value.shape}, np.{value.dtype.name})")
+    return y
+
+
 def _slice(w, node):
     x = w.env[node.inputs[0]]
     parts = [known(w, n) for n in node.inputs[1:5]] + [None] * (5 - len(node.inputs))
@@ -90,16 +97,16 @@ def _gather(w, node):
     if (picked.size and (picked.min() < 0 or picked.max() >= x.shape[axis])
             or not np.array_equal(np.take(x, picked, axis=axis), out, equal_nan=True)):
         return False
-    src, y = w.ref(node.inputs[0]), w.made(node.outputs[0])
+    src = w.ref(node.inputs[0])
     if picked.ndim == 0:
-        w.body.append(f"    {y} = {src}[{', '.join([':'] * axis + [str(int(picked))])}]")
+        at = ", ".join([":"] * axis + [str(int(picked))])
+        w.body.append(f"    {w.made(node.outputs[0])} = {src}[{at}]")
         order = [a - (a > axis) for a in w.order.get(node.inputs[0], range(x.ndim)) if a != axis]
         if order != sorted(order):
             w.order[node.outputs[0]] = tuple(order)
         return True
     at, q = w.array(np.ascontiguousarray(picked)), picked.ndim
-    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
-    w.body += _copy(out.shape, y, list, src,
+    w.body += _copy(out.shape, _empty(w, node.outputs[0]), list, src,
                     lambda c: [*c[:axis], f"{at}[{', '.join(c[axis:axis + q])}]", *c[axis + q:]])
     return True
 
@@ -110,9 +117,8 @@ def _expand(w, node):
     if node.inputs[1] not in w.fixed or x.ndim > out.ndim:
         return False
     lead = out.ndim - x.ndim
-    src, y = w.ref(node.inputs[0]), w.made(node.outputs[0])
-    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
-    w.body += _copy(out.shape, y, list, src, lambda c: [
+    src = w.ref(node.inputs[0])
+    w.body += _copy(out.shape, _empty(w, node.outputs[0]), list, src, lambda c: [
         "0" if n == 1 else v for v, n in zip(c[lead:], x.shape)])
     return True
 
@@ -145,8 +151,7 @@ def _concat(w, node):
     axis = axis + out.ndim if axis < 0 else axis
     names = [n for n in node.inputs if n]
     parts = [w.ref(n) for n in names]
-    y = w.made(node.outputs[0])
-    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
+    y = _empty(w, node.outputs[0])
     at = 0
     for name, part in zip(names, parts):
         size = w.env[name].shape[axis]
@@ -218,21 +223,17 @@ def _conv(w, node):
     x, out = w.env[node.inputs[0]], w.env[node.outputs[0]]
     weight = known(w, node.inputs[1])
     bias = known(w, node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
-    a = node.attrs
-    auto_pad = a.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if (weight is None or x.ndim != 3 or weight.ndim != 3 or a.get("group", 1) != 1
-            or auto_pad not in ("NOTSET", "VALID") or weight.dtype != x.dtype
-            or list(a.get("kernel_shape") or weight.shape[2:]) != list(weight.shape[2:])
+    if (weight is None or x.ndim != 3 or weight.ndim != 3 or node.attrs.get("group", 1) != 1
+            or weight.dtype != x.dtype
+            or list(node.attrs.get("kernel_shape") or weight.shape[2:]) != list(weight.shape[2:])
             or len(node.inputs) > 2 and node.inputs[2] and bias is None):
         return False
     M, C, K = weight.shape
-    stride = int((a.get("strides") or [1])[0])
-    dilation = int((a.get("dilations") or [1])[0])
-    pads = [0, 0] if auto_pad == "VALID" else list(a.get("pads") or [0, 0])
-    out_len = (x.shape[2] + pads[0] + pads[1] - (K - 1) * dilation - 1) // stride + 1
-    if C != x.shape[1] or out.shape != (x.shape[0], M, out_len) or min(pads) < 0 or stride < 1 \
-            or dilation < 1:
+    windows = _windows(x, node, [K])
+    if windows is None:
+        return False
+    (_, stride), (_, pad), (_, dilation), (_, out_len) = windows
+    if C != x.shape[1] or out.shape != (x.shape[0], M, out_len):
         return False
     laid = weight.transpose(2, 1, 0) if stride == 1 else weight.reshape(M, C * K).T[None]
     weights = w.array(np.ascontiguousarray(laid))  # (conv1d's: by taps at stride 1, else columns)
@@ -243,7 +244,7 @@ def _conv(w, node):
     w.order[node.outputs[0]] = (0, 2, 1)  # (a view of rows channels-last: conv1d)
     w.memory[node.outputs[0]] = (f"{y}m", (0, 0, 0))
     w.body.append(f"    {y}m = conv1d({src}, {weights}, {b}, {K}, {stride}, {dilation}, "
-                  f"{int(pads[0])}, {out_len}, {board})")
+                  f"{pad}, {out_len}, {board})")
     w.body.append(f"    {y} = {permuted(f'{y}m[:, :{out_len}, :]', (0, 2, 1), (x.shape[0], out_len, M))}")
     return True
 
@@ -274,9 +275,15 @@ def _windows(x, node, kernel):
                                                     a.get("pads"), auto_pad)
     if min(outs) < 1 or min(begin + end) < 0 or min(strides + dilations) < 1:
         return None
-    if x.ndim == 3:
-        return (1, *strides), (0, *begin), (1, *dilations), (1, *outs)
-    return tuple(strides), tuple(begin), tuple(dilations), tuple(outs)
+    return _in_2d(strides, begin, dilations, outs)
+
+
+def _in_2d(strides, begin, dilations, outs):
+    """The windows' ``(strides, begin pads, dilations, output sizes)``, each
+    of two axes: a 1-D one's of height 1 (stride 1, pad 0, dilation 1, one row)."""
+    if len(outs) == 2:
+        return tuple(strides), tuple(begin), tuple(dilations), tuple(outs)
+    return (1, *strides), (0, *begin), (1, *dilations), (1, *outs)
 
 
 def _conv_loops(w, node):
@@ -293,9 +300,16 @@ def _conv_loops(w, node):
     windows = _windows(x, node, list(weight.shape[2:]))
     if windows is None or out.shape != (x.shape[0], weight.shape[0], *windows[3][4 - x.ndim:]):
         return False
-    b = w.ref(node.inputs[2]) if bias is not None else w.array(np.zeros(weight.shape[0], x.dtype))
+    b = _bias(w, node, weight.shape[0], x.dtype)
     return _windowed(w, node, x, f"conv2d({_as_2d(w, node.inputs[0], x)}, "
                      f"{_as_2d(w, node.inputs[1], weight)}, {b}, {group}, {', '.join(map(str, windows))})")
+
+
+def _bias(w, node, size, dtype):
+    """A Conv's or ConvTranspose's bias (its third input), or zeros."""
+    if len(node.inputs) > 2 and node.inputs[2]:
+        return w.ref(node.inputs[2])
+    return w.array(np.zeros(size, dtype))
 
 
 def _max_pool(w, node):
@@ -328,10 +342,8 @@ def _conv_transpose(w, node):
         a.get("output_padding"), a.get("output_shape"), a.get("pads"), a.get("auto_pad", "NOTSET"))
     if out.shape != (x.shape[0], weight.shape[1] * group, *outs) or min(strides + dilations) < 1:
         return False
-    # (a 1-D one of height 1: its stride, pad, dilation and output on that axis 1, 0, 1, 1)
-    windows = [tuple([lead] * (x.ndim == 3) + list(v))
-               for lead, v in zip((1, 0, 1, 1), (strides, begin, dilations, outs))]
-    b = w.ref(node.inputs[2]) if bias is not None else w.array(np.zeros(out.shape[1], x.dtype))
+    windows = _in_2d(strides, begin, dilations, outs)
+    b = _bias(w, node, out.shape[1], x.dtype)
     return _windowed(w, node, x, f"conv_transpose2d({_as_2d(w, node.inputs[0], x)}, "
                      f"{_as_2d(w, node.inputs[1], weight)}, {b}, {group}, "
                      f"{', '.join(map(str, windows))})")
@@ -352,9 +364,8 @@ def _scatter_nd(w, node):
     if (not 1 <= k <= data.ndim or updates.shape != indices.shape[:-1] + data.shape[k:]
             or rows.size and (rows.min() < 0 or (rows >= np.array(data.shape[:k])).any())):
         return False
-    src, upd, y = w.ref(node.inputs[0]), w.ref(node.inputs[2]), w.made(node.outputs[0])
-    at = w.array(np.ascontiguousarray(rows))
-    w.body.append(f"    {y} = np.empty({out.shape}, np.{out.dtype.name})")
+    src, upd = w.ref(node.inputs[0]), w.ref(node.inputs[2])
+    at, y = w.array(np.ascontiguousarray(rows)), _empty(w, node.outputs[0])
     w.body += _copy(out.shape, y, list, src)
     flat = f"np.ascontiguousarray({upd}).reshape({(len(rows),) + data.shape[k:]})"
     w.body.append(f"    {y}u = {flat}")
@@ -489,7 +500,8 @@ def _recurrent(w, node):
         return False
     H, dt = impl.layer.hidden_size, f"np.{X.dtype.name}"
     offsets = w.array(np.arange(0, (B + 1) * T, T, dtype=np.int64))
-    data = f"as_read_only(np.ascontiguousarray({w.ref(ins[0])}).reshape(({T * B}, {I})))"
+    data = w.made()  # (X's rows, read by every direction)
+    w.body.append(f"    {data} = as_read_only(np.ascontiguousarray({w.ref(ins[0])}).reshape(({T * B}, {I})))")
     names = [ins[5 + s] if len(ins) > 5 + s else "" for s in range(len(sizes))]
     if any(n and (w.env[n].shape != (D, B, size) or w.env[n].dtype != X.dtype)
            for n, size in zip(names, sizes)):
